@@ -1,0 +1,122 @@
+"""Run configuration: schemas (``schema``), loading/saving, and cross-group validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Union
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from hetseq_hpc.config.schema import (
+    CLUSTER_SCHEMAS,
+    TASK_SCHEMAS,
+    BertTaskConfig,
+    LocalClusterConfig,
+    OptimConfig,
+    PartitionConfig,
+    RunConfig,
+    SlurmClusterConfig,
+    TrainerConfig,
+    register_configs,
+)
+from hetseq_hpc.config.validate import planned_world_size, validate_run_config
+from hetseq_hpc.errors import ConfigError
+
+#: Directory of the YAML config groups (``conf/``; the package holds a link to it).
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+__all__ = [
+    "CONF_DIR",
+    "BertTaskConfig",
+    "LocalClusterConfig",
+    "OptimConfig",
+    "PartitionConfig",
+    "RunConfig",
+    "SlurmClusterConfig",
+    "TrainerConfig",
+    "load_run_config",
+    "planned_world_size",
+    "register_configs",
+    "save_run_config",
+    "to_run_config",
+    "validate_run_config",
+]
+
+
+def _typed(cfg: Any) -> DictConfig:
+    """Merge a plain or composed config onto the schemas its ``task.name``/``cluster.name`` pick."""
+    raw = OmegaConf.create(cfg) if not isinstance(cfg, DictConfig) else cfg
+    task_name = OmegaConf.select(raw, "task.name", default=None)
+    cluster_name = OmegaConf.select(raw, "cluster.name", default=None)
+    if task_name not in TASK_SCHEMAS:
+        raise ConfigError(
+            f"task={task_name!r} is unknown: choose one of {sorted(TASK_SCHEMAS)} (e.g. task=bert)"
+        )
+    if cluster_name not in CLUSTER_SCHEMAS:
+        raise ConfigError(
+            f"cluster.name={cluster_name!r} is unknown: use local or slurm "
+            "(e.g. cluster=local, cluster=mixed)"
+        )
+    base = OmegaConf.structured(RunConfig)
+    base.task = OmegaConf.structured(TASK_SCHEMAS[task_name])
+    base.cluster = OmegaConf.structured(CLUSTER_SCHEMAS[cluster_name])
+    return OmegaConf.merge(base, raw)
+
+
+def to_run_config(cfg: Union[DictConfig, dict]) -> RunConfig:
+    """Turn a composed Hydra config (or a plain dict of the same shape) into a validated RunConfig.
+
+    Every schema's ``__post_init__`` runs, then :func:`validate_run_config` checks values that
+    span groups. Nothing is started.
+
+    Raises:
+        ConfigError: a value is missing, of the wrong type, or out of range (one line, with fix).
+    """
+    try:
+        typed = _typed(cfg)
+        run = OmegaConf.to_object(typed)
+    except ConfigError:
+        raise
+    except OmegaConfBaseException as exc:
+        # OmegaConf wraps errors raised in __post_init__; surface ours unchanged.
+        cause = exc.__cause__ or exc.__context__
+        while cause is not None and not isinstance(cause, ConfigError):
+            cause = cause.__cause__ or cause.__context__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"invalid configuration: {first_line}") from None
+    if not isinstance(run, RunConfig):  # pragma: no cover - OmegaConf returns the schema type
+        raise ConfigError(f"configuration did not build a RunConfig (got {type(run).__name__})")
+    validate_run_config(run)
+    return run
+
+
+def save_run_config(run: RunConfig, path: Union[str, Path]) -> Path:
+    """Write ``run`` as resolved YAML (what workers and sbatch templates read back)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(OmegaConf.to_yaml(OmegaConf.structured(run)))
+    tmp.replace(path)
+    return path
+
+
+def load_run_config(path: Union[str, Path]) -> RunConfig:
+    """Read a YAML written by :func:`save_run_config` (or by hand) and validate it.
+
+    Raises:
+        ConfigError: the file is missing, not YAML, or holds invalid values.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(
+            f"config file {str(path)!r} does not exist: pass the hetseq_config.yaml of a run "
+            "directory (written by python -m hetseq_hpc)"
+        )
+    try:
+        raw = OmegaConf.load(path)
+    except Exception as exc:  # yaml.YAMLError and friends
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML ({exc}): fix or rewrite it")
+    return to_run_config(raw)

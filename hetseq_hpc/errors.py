@@ -1,0 +1,29 @@
+"""Typed errors. Every message is one line that names the offending value and ends with the fix."""
+
+
+class HetseqError(Exception):
+    """Base class of every error hetseq_hpc raises on purpose (bad input, a dead rank, ...)."""
+
+
+class ConfigError(HetseqError, ValueError):
+    """A configuration value is invalid. Raised before any process or job is started."""
+
+
+class WorldError(HetseqError, RuntimeError):
+    """The environment does not describe a consistent place in a job (rank, world size, master)."""
+
+
+class AllocationError(HetseqError, RuntimeError):
+    """No valid batch allocation exists, or ranks disagree on the allocation."""
+
+
+class CheckpointError(HetseqError, RuntimeError):
+    """A checkpoint cannot be read or does not fit the run."""
+
+
+class LaunchError(HetseqError, RuntimeError):
+    """Starting, or keeping alive, the worker processes or the SLURM job failed."""
+
+
+class DataError(HetseqError, RuntimeError):
+    """Training data cannot be found or read."""

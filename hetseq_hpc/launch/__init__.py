@@ -1,0 +1,1 @@
+"""Launchers: start the workers of a run (``local``: processes here; ``slurm``: one het job)."""

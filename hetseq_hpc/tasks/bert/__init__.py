@@ -1,0 +1,1 @@
+"""BERT masked-language modelling on packed text."""

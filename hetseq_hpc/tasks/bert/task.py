@@ -1,0 +1,82 @@
+"""The BERT masked-language-modelling task."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence
+
+import numpy as np
+import torch
+
+from hetseq_hpc.config.schema import BertTaskConfig
+from hetseq_hpc.errors import DataError
+from hetseq_hpc.tasks.bert.corpus import load_corpus
+from hetseq_hpc.tasks.bert.data import (
+    IGNORE_INDEX,
+    PackedText,
+    build_packed_text,
+    cache_key,
+    cache_root,
+    load_packed_text,
+    make_mlm_batch,
+)
+from hetseq_hpc.tasks.bert.model import BertMaskedLM
+
+
+class BertTask:
+    """Masked-language modelling; loss units are masked tokens.
+
+    Args:
+        cfg: the ``task`` config group.
+        seed: ``trainer.seed`` (masking seed).
+    """
+
+    name = "bert"
+
+    def __init__(self, cfg: BertTaskConfig, seed: int):
+        self.cfg = cfg
+        self.seed = seed
+        self.corpus = load_corpus(cfg.data.files)
+        self.directory = cache_root(cfg.data.cache_dir) / cache_key(
+            self.corpus, cfg.data.vocab_size, cfg.model.max_seq_len
+        )
+        self._data: Optional[PackedText] = None
+
+    def prepare(self) -> None:
+        build_packed_text(self.corpus, self.cfg.data.vocab_size, self.cfg.model.max_seq_len,
+                          self.directory)
+
+    def load(self) -> None:
+        self._data = load_packed_text(self.directory, self.cfg.data.val_fraction)
+
+    @property
+    def data(self) -> PackedText:
+        if self._data is None:
+            raise DataError("BERT data used before load(): call prepare() then load()")
+        return self._data
+
+    @property
+    def num_train(self) -> int:
+        return int(self.data.train_index.size)
+
+    @property
+    def num_val(self) -> int:
+        return int(self.data.val_index.size)
+
+    @property
+    def tokens_per_sample(self) -> int:
+        return self.data.seq_len
+
+    def build_model(self) -> BertMaskedLM:
+        return BertMaskedLM(self.cfg.model, self.data.vocab_size)
+
+    def make_batch(self, positions: Sequence[int], epoch: int, split: str) -> Dict[str, torch.Tensor]:
+        index = self.data.train_index if split == "train" else self.data.val_index
+        rows = index[np.asarray(positions, dtype=np.int64)]
+        return make_mlm_batch(self.data, rows, self.cfg.data.mask_prob, self.seed, epoch, split)
+
+    def count(self, batch: Dict[str, torch.Tensor]) -> int:
+        return int((batch["labels"] != IGNORE_INDEX).sum())
+
+    def flops_per_sample(self, model: BertMaskedLM) -> float:
+        seq = self.data.seq_len
+        return model.flops_per_sample(seq, self.cfg.data.mask_prob * (seq - 2))
