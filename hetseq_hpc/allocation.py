@@ -136,15 +136,21 @@ def proportional_counts(weights: Sequence[float], total: int, minimum: int = 1) 
     for i, w in enumerate(weights):
         if not (w > 0 and math.isfinite(w)):
             raise AllocationError(f"rank {i} has throughput {w}: every rank must measure > 0")
-    free = total - minimum * n
     wsum = float(sum(weights))
-    exact = [free * w / wsum for w in weights]
-    counts = [int(math.floor(x)) for x in exact]
-    left = free - sum(counts)
-    order = sorted(range(n), key=lambda i: (-(exact[i] - counts[i]), i))
-    for i in order[:left]:
+    quota = [total * w / wsum for w in weights]
+    counts = [max(minimum, int(math.floor(q))) for q in quota]
+    left = total - sum(counts)
+    # hand out what is left by largest remainder (ties to the lower rank) ...
+    order = sorted(range(n), key=lambda i: (-(quota[i] - counts[i]), i))
+    for i in order[: max(left, 0)]:
         counts[i] += 1
-    return [c + minimum for c in counts]
+    # ... or, if the minimum took too much, take back from ranks furthest above their quota
+    while left < 0:
+        above = [i for i in range(n) if counts[i] > minimum]
+        i = min(above, key=lambda j: (quota[j] - counts[j], -j))
+        counts[i] -= 1
+        left += 1
+    return counts
 
 
 def shares_for(samples: Sequence[int], max_micro: Sequence[int]) -> Tuple[RankShare, ...]:

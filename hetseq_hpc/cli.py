@@ -10,11 +10,14 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import hydra
+from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
 from hetseq_hpc.config import CONF_DIR, RunConfig, register_configs, to_run_config
 from hetseq_hpc.errors import ConfigError, HetseqError
@@ -67,7 +70,28 @@ def _hydra_main(cfg: DictConfig) -> Any:
         sys.exit(1)
 
 
+def precheck_overrides(argv: List[str]) -> None:
+    """Compose the config once before Hydra does, so that a bad override (unknown key, wrong
+    type, missing group option) is one ``hetseq-hpc: error:`` line with exit code 2 instead of
+    Hydra's multi-line report. Skipped for multirun and Hydra's own flags, which Hydra handles.
+    """
+    if any(arg.startswith("-") for arg in argv):
+        return
+    overrides = [a for a in argv if not a.lstrip("+~").startswith("hydra.")]
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            compose(config_name="config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as exc:
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        key = getattr(exc, "full_key", None)
+        if key and key not in message:
+            message = f"{key}: {message}"
+        print(f"hetseq-hpc: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def main() -> None:
     """Console entry point (``hetseq-hpc``)."""
     register_configs()
+    precheck_overrides(sys.argv[1:])
     _hydra_main()

@@ -86,7 +86,9 @@ def to_run_config(cfg: Union[DictConfig, dict]) -> RunConfig:
         if isinstance(cause, ConfigError):
             raise cause from None
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"invalid configuration: {first_line}") from None
+        key = getattr(exc, "full_key", None)
+        where = f"{key}: " if key else ""
+        raise ConfigError(f"invalid configuration: {where}{first_line}") from None
     if not isinstance(run, RunConfig):  # pragma: no cover - OmegaConf returns the schema type
         raise ConfigError(f"configuration did not build a RunConfig (got {type(run).__name__})")
     validate_run_config(run)
@@ -118,5 +120,8 @@ def load_run_config(path: Union[str, Path]) -> RunConfig:
     try:
         raw = OmegaConf.load(path)
     except Exception as exc:  # yaml.YAMLError and friends
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML ({exc}): fix or rewrite it")
+        detail = " ".join(str(exc).split())
+        raise ConfigError(
+            f"config file {str(path)!r} is not valid YAML ({detail}): fix or rewrite it"
+        ) from None
     return to_run_config(raw)

@@ -181,8 +181,14 @@ class WorldInfo:
         port = _port_var(env)
         if port is None:
             raise WorldError(f"MASTER_PORT is not set but RANK is: {hint}")
+        if rank >= world:
+            raise WorldError(f"RANK={rank} is not below WORLD_SIZE={world}: {hint}")
         local_rank = _int_var(env, "LOCAL_RANK", hint=hint) if env.get("LOCAL_RANK") else 0
-        het_group = env.get("HETSEQ_HET_GROUP")
+        het_hint = "HETSEQ_HET_GROUP/HETSEQ_HET_SIZE describe the het component; fix or unset them"
+        het_group = (_int_var(env, "HETSEQ_HET_GROUP", hint=het_hint)
+                     if env.get("HETSEQ_HET_GROUP") else None)
+        het_size = (_int_var(env, "HETSEQ_HET_SIZE", minimum=1, hint=het_hint)
+                    if env.get("HETSEQ_HET_SIZE") else 1)
         return cls(
             rank=rank,
             local_rank=local_rank,
@@ -192,8 +198,8 @@ class WorldInfo:
             source="torch",
             node_name=env.get("SLURMD_NODENAME") or socket.gethostname(),
             job_id=env.get("SLURM_JOB_ID"),
-            het_group=int(het_group) if het_group else None,
-            het_size=int(env.get("HETSEQ_HET_SIZE", "1")),
+            het_group=het_group,
+            het_size=het_size,
             partition=env.get("HETSEQ_PARTITION") or None,
         )
 
@@ -203,6 +209,10 @@ class WorldInfo:
         hint = "run the worker inside an srun step of the job"
         rank = _int_var(env, v["global_rank"], hint=hint)
         world = _int_var(env, v["world_size"], minimum=1, hint=hint)
+        if rank >= world:
+            raise WorldError(
+                f"{v['global_rank']}={rank} is not below {v['world_size']}={world}: {hint}"
+            )
         local_rank = _int_var(env, v["local_rank"], hint=hint) if env.get(v["local_rank"]) else 0
         job_id = env.get(v["job_id"])
         cpus = env.get(v["cpus_per_task"])
@@ -271,7 +281,7 @@ class WorldInfo:
                 break
             start += count
         master_list = env.get(hv["nodelist"].format(k=0), "")
-        if not master_list:
+        if not master_list and not env.get("MASTER_ADDR"):
             raise WorldError(
                 "SLURM_JOB_NODELIST_HET_GROUP_0 is not set in a het job: the rendezvous master "
                 "cannot be found; set MASTER_ADDR to the first node of component 0"
