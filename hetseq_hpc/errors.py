@@ -27,3 +27,18 @@ class LaunchError(HetseqError, RuntimeError):
 
 class DataError(HetseqError, RuntimeError):
     """Training data cannot be found or read."""
+
+
+class Preempted(HetseqError):
+    """Training stopped at a step boundary after a scheduler signal; a checkpoint was written.
+
+    Attributes:
+        step: the last completed (and checkpointed) optimizer step.
+        code: :data:`hetseq_hpc.preemption.TERMINATE` or :data:`~hetseq_hpc.preemption.REQUEUE`.
+    """
+
+    def __init__(self, step: int, code: int, reason: str):
+        super().__init__(f"stopped after step {step} on {reason}; checkpoint written, resume with "
+                         "trainer.resume=auto")
+        self.step = step
+        self.code = code

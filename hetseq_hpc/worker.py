@@ -32,8 +32,9 @@ from hetseq_hpc.config import RunConfig, load_run_config
 from hetseq_hpc.distributed import rendezvous
 from hetseq_hpc.env.hardware import DeviceProbe, probe
 from hetseq_hpc.env.world import WorldInfo
-from hetseq_hpc.errors import AllocationError, HetseqError
+from hetseq_hpc.errors import AllocationError, HetseqError, Preempted
 from hetseq_hpc.logs import setup_rank_logging
+from hetseq_hpc.preemption import REQUEUE, StopRequest, requeue_job
 from hetseq_hpc.tasks import build_task
 from hetseq_hpc.train.loop import RankMeta, Trainer
 
@@ -157,11 +158,14 @@ def write_allocation_json(run_dir: Path, allocation: Allocation, reports: List[D
 
 
 def _gres_of(run: RunConfig, world: WorldInfo) -> Optional[str]:
+    """GRES type of this rank's partition: het component k is the k-th configured partition."""
     parts = getattr(run.cluster, "partitions", None)
-    if not parts or world.het_group is None:
+    if not parts:
         return None
-    key = list(parts)[world.het_group] if world.het_group < len(parts) else None
-    return parts[key].gpu_type if key else None
+    keys = list(parts)
+    if world.het_group is None:
+        return parts[keys[0]].gpu_type if len(keys) == 1 else None
+    return parts[keys[world.het_group]].gpu_type if world.het_group < len(keys) else None
 
 
 def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
@@ -178,9 +182,17 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
     dev = probe(device.index if device.type == "cuda" else None)
     log.info("rank %d/%d on %s (node %s): %s", world.rank, world.world_size, dev.label,
              world.node_name, dev.note or "probed")
+    if device.type == "cpu" and (os.environ.get("SLURM_JOB_GPUS") or os.environ.get("CUDA_VISIBLE_DEVICES")):
+        log.warning("GPUs were allocated (CUDA_VISIBLE_DEVICES=%s) but torch has no CUDA here: "
+                    "training on CPU with gloo", os.environ.get("CUDA_VISIBLE_DEVICES"))
+    stop_request = StopRequest().install()
     precision, autocast = precision_context(run, device, dev)
     task = build_task(run.task, run.trainer.seed)
     with rendezvous(world, device, run.cluster.collective_timeout_s) as rdv:
+        inject = os.environ.get("HETSEQ_INJECT_FAILURE", "")
+        if inject.isdigit() and int(inject) == world.rank:
+            raise RuntimeError(f"injected failure on rank {world.rank} (HETSEQ_INJECT_FAILURE="
+                               f"{inject}): unset it to train")
         if world.is_master:
             task.prepare()
         rdv.barrier()
@@ -214,7 +226,8 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
 
         metas = [RankMeta(**r["meta"]) for r in reports]
         trainer = Trainer(run, run_dir_path, rdv, task, model, device, allocation, metas,
-                          autocast=autocast, on_allocation=on_allocation)
+                          autocast=autocast, on_allocation=on_allocation,
+                          stop_request=stop_request)
         summary = trainer.fit()
         summary["world_size"] = world.world_size
         if world.is_master:
@@ -223,13 +236,33 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
     return summary
 
 
+def handle_preempted(exc: Preempted, run: RunConfig) -> None:
+    """After a stop at a step boundary: on USR2, rank 0 requeues the job (through the leader id)
+    unless it already restarted ``cluster.max_num_timeout`` times."""
+    rank = int(os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0")) or 0)
+    log.warning("rank %d: %s", rank, exc)
+    if exc.code == REQUEUE and rank == 0:
+        requeue_job(max_requeues=getattr(run.cluster, "max_num_timeout", 3))
+
+
+def run_in_job(run: RunConfig, run_dir: str) -> Dict[str, Any]:
+    """:func:`run_worker` inside a SLURM job started by submitit. A preempted rank exits with
+    ``SystemExit`` so that submitit writes no result for it: the requeued job will."""
+    try:
+        return run_worker(run, run_dir)
+    except Preempted as exc:
+        handle_preempted(exc, run)
+        raise SystemExit(3) from None
+
+
 def _error_file(run_dir: Path, rank: int) -> Path:
     return run_dir / "logs" / f"rank{rank}.error.json"
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m hetseq_hpc.worker --config FILE [--run-dir DIR]``; exit 0 on success, 1 on a
-    failure (its one-line reason goes to the rank's log, stderr and ``logs/rank<N>.error.json``)."""
+    """``python -m hetseq_hpc.worker --config FILE [--run-dir DIR]``; exit 0 on success, 3 when
+    stopped by the scheduler after a checkpoint, 1 on a failure (its one-line reason goes to the
+    rank's log, stderr and ``logs/rank<N>.error.json``)."""
     parser = argparse.ArgumentParser(prog="python -m hetseq_hpc.worker",
                                      description="Run one hetseq_hpc rank.")
     parser.add_argument("--config", required=True, help=f"the run's {CONFIG_NAME}")
@@ -237,10 +270,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir or Path(args.config).parent).resolve()
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) or 0)
+    run = None
     try:
         run = load_run_config(args.config)
         run_worker(run, str(run_dir))
         return 0
+    except Preempted as exc:
+        if run is not None:
+            handle_preempted(exc, run)
+        return 3
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, then re-signalled
         if isinstance(exc, KeyboardInterrupt):
             return 130

@@ -19,7 +19,8 @@ checked on a real Slurm 22.05:
 * the master is the FIRST node of ``SLURM_JOB_NODELIST_HET_GROUP_0``, not of
   ``SLURM_JOB_NODELIST`` (the merged list is sorted by name, ranks follow component order);
 * ``SLURM_JOB_PARTITION`` is unreliable in a multi-component step: the partition comes from
-  ``SLURM_JOB_PARTITION_HET_GROUP_<k>``.
+  ``SLURM_JOB_PARTITION_HET_GROUP_<k>``; likewise ``SLURM_CPUS_PER_TASK`` is absent and
+  ``SLURM_CPUS_PER_TASK_HET_GROUP_<k>`` holds the rank's cores.
 
 The port, unless ``MASTER_PORT`` is set, is derived from the job id so that every rank agrees
 without talking (the idea of Lightning's ``SLURMEnvironment``).
@@ -54,6 +55,7 @@ SLURM_HET_VARIABLES: Dict[str, str] = {
     "ntasks": "SLURM_NTASKS_HET_GROUP_{k}",
     "nodelist": "SLURM_JOB_NODELIST_HET_GROUP_{k}",
     "partition": "SLURM_JOB_PARTITION_HET_GROUP_{k}",
+    "cpus_per_task": "SLURM_CPUS_PER_TASK_HET_GROUP_{k}",
 }
 
 #: first port of the range derived from the SLURM job id (15000 + id % 20000).
@@ -222,6 +224,7 @@ class WorldInfo:
         if het_size_raw:
             het_size = _int_var(env, v["het_size"], minimum=1, hint=hint)
             het_group, master_list, partition = cls._het_component(env, rank, world, het_size)
+            cpus = env.get(SLURM_HET_VARIABLES["cpus_per_task"].format(k=het_group)) or cpus
         else:
             master_list = env.get(v["step_nodelist"]) or env.get(v["nodelist"]) or ""
             partition = env.get(v["partition"])

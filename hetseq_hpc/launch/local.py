@@ -122,15 +122,17 @@ def launch_local(run: RunConfig, run_dir: Path, poll_s: float = POLL_S) -> Dict:
             codes = [p.poll() for p in procs]
             bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if bad:
-                # the earliest error file names the rank that failed first
-                def first(r: int) -> float:
+                # a rank killed by a signal is the cause, its peers' "connection closed" errors
+                # the effect; otherwise the earliest error file names the first failure
+                def first(r: int) -> tuple:
                     err = run_dir / "logs" / f"rank{r}.error.json"
                     try:
-                        return json.loads(err.read_text())["time"]
+                        when = json.loads(err.read_text())["time"]
                     except (OSError, ValueError, KeyError):
-                        return float("inf")
+                        when = float("inf")
+                    return (0 if codes[r] < 0 else 1, when, r)
 
-                failed = min(bad, key=lambda r: (first(r), r))
+                failed = min(bad, key=first)
                 break
             if all(c == 0 for c in codes):
                 break

@@ -38,7 +38,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hetseq_hpc.allocation import Allocation
 from hetseq_hpc.config.schema import RunConfig
 from hetseq_hpc.distributed import Rendezvous
-from hetseq_hpc.errors import CheckpointError
+from hetseq_hpc.errors import CheckpointError, Preempted
+from hetseq_hpc.preemption import REASONS
 from hetseq_hpc.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from hetseq_hpc.train.ddp_hooks import HookState, sum_allreduce_hook
 from hetseq_hpc.train.metrics import MetricsWriter, Progress
@@ -47,7 +48,8 @@ from hetseq_hpc.train.sampler import GlobalBatchSampler
 log = logging.getLogger(__name__)
 
 # Fields of the per-step all-gather, one float64 vector per rank.
-_STAT_FIELDS = ("loss_sum", "count", "samples", "compute_time_s", "step_time_s", "data_time_s")
+_STAT_FIELDS = ("loss_sum", "count", "samples", "compute_time_s", "step_time_s", "data_time_s",
+                "stop")
 
 
 @dataclass
@@ -144,6 +146,7 @@ class Trainer:
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         rebalancer: Any = None,
         on_allocation: Optional[Callable[[Allocation], None]] = None,
+        stop_request: Any = None,
     ):
         self.run = run
         self.cfg = run.trainer
@@ -159,6 +162,7 @@ class Trainer:
         self.autocast = autocast
         self.rebalancer = rebalancer
         self.on_allocation = on_allocation
+        self.stop_request = stop_request
         self.sampler = GlobalBatchSampler(task.num_train, self.cfg.global_batch_size, self.cfg.seed)
         self.optimizer, self.scheduler = build_optimizer(model, run)
         self.start_step = 0
@@ -264,7 +268,9 @@ class Trainer:
         compute_s = self._compute_seconds(t0, start_event)
         step_s = time.perf_counter() - t0
         stats = torch.tensor(
-            [loss_sum.item(), count, share.samples, compute_s, step_s, data_s], dtype=torch.float64
+            [loss_sum.item(), count, share.samples, compute_s, step_s, data_s,
+             self.stop_request.code if self.stop_request is not None else 0],
+            dtype=torch.float64,
         )
         gathered = [torch.zeros_like(stats) for _ in range(self.world.world_size)]
         dist.all_gather(gathered, stats, group=self.rdv.cpu_group)
@@ -290,6 +296,7 @@ class Trainer:
         return StepRecord(
             step=step, epoch=epoch, loss=float(table[:, 0].sum()) / global_count, lr=lr,
             grad_norm=grad_norm, per_rank=per_rank, wall_s=wall,
+            extra={"stop": int(table[:, 6].max())} if float(table[:, 6].max()) > 0 else {},
         )
 
     # ------------------------------------------------------------------ validation
@@ -357,6 +364,7 @@ class Trainer:
                         "optim.warmup_steps"
                     )
                 self.history.append(rec)
+                stop = int(rec.extra.pop("stop", 0))
                 row = self._row(rec) if self.rank == 0 else {}
                 if self.rebalancer is not None and cfg.rebalance_every and step % cfg.rebalance_every == 0:
                     new = self.rebalancer.observe(step, self.allocation, rec.per_rank)
@@ -376,8 +384,11 @@ class Trainer:
                 progress.update(step, rec.loss, cfg.global_batch_size / max(rec.wall_s, 1e-9),
                                 extra=(f"val_loss {self.last_val['val_loss']:.4f}"
                                        if "val_loss" in rec.extra else None))
-                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or is_last:
+                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or is_last or stop:
                     self._checkpoint(step)
+                if stop and not is_last:
+                    # every rank saw the same request in the step's all-gather: all stop here
+                    raise Preempted(step, stop, REASONS.get(stop, "a stop request"))
         finally:
             progress.close()
             if writer is not None:

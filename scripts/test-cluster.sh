@@ -1,0 +1,659 @@
+#!/usr/bin/env bash
+# test-cluster.sh -- a real, single-host Slurm test cluster for hetseq_hpc's tests and CI.
+#
+#   scripts/test-cluster.sh start    # install (if needed) + start; last stdout line: export SLURM_CONF=...
+#   scripts/test-cluster.sh status   # daemons + sinfo; exit 0 if up, 1 if not
+#   scripts/test-cluster.sh stop     # cancel jobs, stop only the daemons we started, undo /etc/hosts
+#
+# Layout: one slurmctld and four emulated slurmd (`slurmd -N n1` ... `n4`, Debian's slurmd is
+# built with multiple-slurmd support) on this host:
+#     partition a100 = n[1-2], each with 2 fake GPUs gpu:a100
+#     partition v100 = n[3-4], each with 2 fake GPUs gpu:v100
+# Everything (configs, state, spool, logs, pid files, fake GPU devices) lives under
+# ${HETSEQ_TESTCLUSTER_DIR:-/tmp/hetseq-testcluster}. Nothing outside it is touched except:
+#   - the packages slurm-wlm + munge (installed with apt-get if slurmctld is missing),
+#   - munged (started only if no munged answers; stopped on `stop` only if we started it),
+#   - /etc/hosts: lines for n1..n4, added on start and removed (exactly those) on stop.
+#
+# Exit codes: 0 ok; 1 failure (cluster did not come up, bad usage, ...);
+#             3 the cluster cannot run here (not root, no apt-get, install failed, no mknod):
+#               a one-line reason is printed on stderr so tests can skip with it.
+#
+# Environment knobs:
+#   HETSEQ_TESTCLUSTER_DIR              state directory        (default /tmp/hetseq-testcluster)
+#   HETSEQ_TESTCLUSTER_TIMEOUT          seconds to wait for the cluster to come up (default 60)
+#   HETSEQ_TESTCLUSTER_CTLD_PORT        slurmctld port          (default 16817)
+#   HETSEQ_TESTCLUSTER_SLURMD_PORT_BASE slurmd of nK listens on BASE+K (default 17000)
+#   HETSEQ_TESTCLUSTER_EDIT_HOSTS       1 (default): add n1..n4 to /etc/hosts; 0: don't
+#
+# Progress messages go to stderr; stdout of `start` is only the `export SLURM_CONF=...` line,
+# so both `eval "$(scripts/test-cluster.sh start)"` and `... start | tail -n1` work.
+set -euo pipefail
+
+PROG=${0##*/}
+DIR=${HETSEQ_TESTCLUSTER_DIR:-/tmp/hetseq-testcluster}
+TIMEOUT=${HETSEQ_TESTCLUSTER_TIMEOUT:-60}
+CTLD_PORT=${HETSEQ_TESTCLUSTER_CTLD_PORT:-16817}
+SLURMD_PORT_BASE=${HETSEQ_TESTCLUSTER_SLURMD_PORT_BASE:-17000}
+EDIT_HOSTS=${HETSEQ_TESTCLUSTER_EDIT_HOSTS:-1}
+
+EXIT_UNAVAILABLE=3
+NODES=(n1 n2 n3 n4)
+CONF_DIR=$DIR/etc
+CONF=$CONF_DIR/slurm.conf
+RUN=$DIR/run          # pid files written by the Slurm daemons themselves
+OURS=$DIR/run/ours    # what *we* started / changed: <daemon>.pid, hosts flags
+HOSTS_MARK="# hetseq-testcluster $DIR"   # tag on every /etc/hosts line we add
+
+# Daemons and client commands live in /usr/sbin and /usr/bin.
+export PATH=$PATH:/usr/local/sbin:/usr/sbin:/sbin
+# Every daemon we start and every client command below reads this config.
+export SLURM_CONF=$CONF
+
+# --------------------------------------------------------------------------- helpers
+
+log() { printf '%s: %s\n' "$PROG" "$*" >&2; }
+die() { local code=$1; shift; log "$*"; exit "$code"; }
+
+usage() {
+    cat <<EOF
+Usage: $PROG start|stop|status|--help
+
+A single-host Slurm test cluster: slurmctld + 4 emulated slurmd (n1..n4), partitions
+a100 = n[1-2] (gres gpu:a100:2 per node) and v100 = n[3-4] (gres gpu:v100:2 per node).
+
+  start    install slurm-wlm + munge if needed (root, apt-get), start munged (if not
+           running), slurmctld and the 4 slurmd, wait until every node is idle. A fresh
+           cluster each time (job ids restart at 1). On a running cluster: just reports it.
+           Last stdout line:  export SLURM_CONF=$CONF
+           (also written to $DIR/env.sh). Use:
+               eval "\$($0 start | tail -n1)"
+  stop     cancel all jobs, stop the daemons this script started (by recorded PID),
+           remove the /etc/hosts lines it added. Logs stay in $DIR/log.
+  status   show the daemons and sinfo; exit 0 if the cluster is up, 1 if not.
+
+State directory: \$HETSEQ_TESTCLUSTER_DIR (now: $DIR).
+Exit codes: 0 ok, 1 error, 3 cannot run here (not root / cannot install); reason on stderr.
+EOF
+}
+
+now() { printf '%s' "${EPOCHREALTIME/,/.}"; }
+elapsed() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
+
+# wait_until SECONDS CMD...: poll CMD every 0.1 s; succeed as soon as it does, fail on timeout.
+wait_until() {
+    local deadline=$(( SECONDS + $1 )); shift
+    until "$@"; do
+        (( SECONDS < deadline )) || return 1
+        sleep 0.1
+    done
+}
+
+# pid_alive PID: the process exists and is not a zombie. Daemons we TERM stay zombies until
+# PID 1 reaps them (seen: ~2 s); they are dead for our purposes.
+pid_alive() {
+    local stat rest state
+    [[ $1 =~ ^[0-9]+$ ]] || return 1
+    stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+    rest=${stat##*) }          # the comm field may contain spaces; the state follows ") "
+    state=${rest%% *}
+    [[ $state != Z && $state != X ]]
+}
+
+# pid_is PID COMM: PID is alive and its command name is COMM (guards against PID reuse).
+pid_is() {
+    pid_alive "$1" && [[ "$(cat "/proc/$1/comm" 2>/dev/null)" == "$2" ]]
+}
+
+# pid_has_our_conf PID: the process runs with our SLURM_CONF in its environment. Our daemons
+# were started with it, and slurmstepd inherits it from slurmd; this tells our Slurm
+# processes apart from any other cluster's on the same host.
+pid_has_our_conf() {
+    tr '\0' '\n' 2>/dev/null < "/proc/$1/environ" | grep -qxF "SLURM_CONF=$CONF"
+}
+
+# Our record of the daemons we started: $OURS/<name>.pid (name = munged, slurmctld, slurmd-nK).
+record_pid() { printf '%s\n' "$2" > "$OURS/$1.pid"; }
+recorded_pid() { cat "$OURS/$1.pid" 2>/dev/null || true; }
+daemon_comm() { case $1 in slurmd-*) echo slurmd ;; *) echo "$1" ;; esac; }
+slurm_daemons() { local n; echo slurmctld; for n in "${NODES[@]}"; do echo "slurmd-$n"; done; }
+
+# ours_alive NAME: the daemon we recorded under NAME is still running.
+ours_alive() {
+    local pid; pid=$(recorded_pid "$1")
+    [[ -n $pid ]] && pid_is "$pid" "$(daemon_comm "$1")"
+}
+
+node_index() { echo "${1#n}"; }
+# Each emulated node gets its own loopback address (all of 127.0.0.0/8 is loopback on Linux):
+# n1 -> 127.0.0.11, ..., n4 -> 127.0.0.14.
+node_addr() { echo "127.0.0.$(( 10 + $(node_index "$1") ))"; }
+node_port() { echo "$(( SLURMD_PORT_BASE + $(node_index "$1") ))"; }
+
+check_settings() {
+    [[ $DIR == /* ]] || die 1 "HETSEQ_TESTCLUSTER_DIR must be an absolute path (got '$DIR')"
+    [[ $DIR != / && $DIR != *[[:space:]]* ]] || die 1 "HETSEQ_TESTCLUSTER_DIR must not be / or contain spaces (got '$DIR')"
+    [[ $TIMEOUT =~ ^[0-9]+$ ]] || die 1 "HETSEQ_TESTCLUSTER_TIMEOUT must be a number of seconds"
+}
+
+# ----------------------------------------------------------------- installation
+
+REQUIRED_CMDS=(slurmctld slurmd sinfo squeue scontrol scancel sbatch srun munged munge unmunge)
+
+missing_cmds() {
+    local c out=()
+    for c in "${REQUIRED_CMDS[@]}"; do command -v "$c" >/dev/null 2>&1 || out+=("$c"); done
+    echo "${out[*]}"
+}
+
+# Is some apt-get/dpkg running right now (e.g. the machine's provisioning install)?
+apt_busy() {
+    local d comm
+    for d in /proc/[0-9]*; do
+        comm=$(cat "$d/comm" 2>/dev/null) || continue
+        case $comm in apt-get|apt|dpkg|unattended-upgr) return 0 ;; esac
+    done
+    return 1
+}
+
+apt_log_done() { [[ ! -f /tmp/apt.log ]] || grep -q APTDONE /tmp/apt.log; }
+
+# If an install is already under way (the machine's provisioning runs apt-get with its output
+# in /tmp/apt.log and ends that log with APTDONE), wait for it rather than racing it for the
+# dpkg lock. Stop waiting when Slurm is there, when the log says done and no apt/dpkg runs,
+# when no apt/dpkg has run for 15 s (an aborted provisioning), or after 10 min.
+wait_for_running_apt() {
+    local deadline=$(( SECONDS + 600 )) idle_since=$SECONDS
+    apt_busy || ! apt_log_done || return 0
+    log "an apt-get/dpkg run is in progress (see /tmp/apt.log); waiting for it"
+    while (( SECONDS < deadline )); do
+        [[ -z "$(missing_cmds)" ]] && return 0
+        if apt_busy; then idle_since=$SECONDS
+        elif apt_log_done || (( SECONDS - idle_since >= 15 )); then return 0
+        fi
+        sleep 1
+    done
+    log "still waiting for apt after 600s: trying to install anyway"
+}
+
+ensure_installed() {
+    [[ -z "$(missing_cmds)" ]] && return 0
+    wait_for_running_apt
+    [[ -z "$(missing_cmds)" ]] && return 0
+
+    (( EUID == 0 )) || die "$EXIT_UNAVAILABLE" "Slurm is not installed (missing: $(missing_cmds)) and installing it needs root"
+    command -v apt-get >/dev/null 2>&1 || die "$EXIT_UNAVAILABLE" "Slurm is not installed (missing: $(missing_cmds)) and there is no apt-get to install it"
+
+    mkdir -p "$DIR/log"
+    local aptlog=$DIR/log/apt-install.log t0; t0=$(now)
+    log "installing slurm-wlm and munge with apt-get (log: $aptlog)"
+    # DPkg::Lock::Timeout: if another apt run holds the lock anyway, wait for it instead of failing.
+    if ! { DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 update &&
+           DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y \
+               --no-install-recommends slurm-wlm munge; } >"$aptlog" 2>&1; then
+        die "$EXIT_UNAVAILABLE" "apt-get install slurm-wlm munge failed: $(tail -n1 "$aptlog")"
+    fi
+    [[ -z "$(missing_cmds)" ]] || die "$EXIT_UNAVAILABLE" "after apt-get install still missing: $(missing_cmds)"
+    log "installed in $(elapsed "$t0")s"
+}
+
+# ------------------------------------------------------------------- configuration
+
+write_slurm_conf() {
+    local n a100=() v100=()
+    cat > "$CONF" <<EOF
+# Generated by scripts/test-cluster.sh -- single-host Slurm test cluster for hetseq_hpc.
+# Do not edit: rewritten on every start.
+ClusterName=hetseqtest
+# The controller runs on this host; clients and slurmds reach it at localhost:$CTLD_PORT.
+SlurmctldHost=localhost
+SlurmctldPort=$CTLD_PORT
+# Everything runs as root (the script is run as root; no slurm user setup needed).
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# Job-step credential lifetime (default 120 s, minimum 5). It also sets how long a REQUEUED job
+# waits before it may start again (EligibleTime = requeue time + cred_expire + 1): with the
+# default a requeued job sits PENDING (Reason=BeginTime) for ~2 min. 10 s keeps requeue tests
+# fast and still leaves ample time for a step launch on this host.
+AuthInfo=cred_expire=10
+MailProg=/bin/true
+
+# All state under $DIR. StateSaveLocation is wiped by every 'start', so each start is a
+# fresh cluster and job ids restart at 1 (FirstJobId default).
+StateSaveLocation=$DIR/state
+SlurmdSpoolDir=$DIR/spool/%n
+SlurmctldPidFile=$RUN/slurmctld.pid
+SlurmdPidFile=$RUN/slurmd-%n.pid
+SlurmctldLogFile=$DIR/log/slurmctld.log
+SlurmdLogFile=$DIR/log/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+
+# No systemd, no cgroup plugins: track processes by parent pid, no task binding.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+# Consumable resources incl. GRES (needed for --gres / --gpus-per-node).
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+# Heterogeneous jobs are started ONLY by the backfill scheduler. Its default interval
+# (bf_interval=30) delays a het job by ~20-30 s; 1 s makes het jobs start at once.
+SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=1
+# No accounting (no slurmdbd): sacct reports "accounting storage is disabled".
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+MpiDefault=none
+# A node that was DOWN comes back as soon as its slurmd registers with a valid config.
+ReturnToService=2
+# Use the CPUs/RealMemory declared below instead of this host's real hardware, so four
+# 4-CPU nodes can be emulated on a 2-core machine ("Node configuration differs from
+# hardware" in the logs is expected).
+SlurmdParameters=config_overrides
+GresTypes=gpu
+# A node whose slurmd does not answer for SlurmdTimeout s is marked DOWN; slurmctld checks
+# them every SlurmdTimeout/3 s. 15 s (default 300) is ample for local daemons and makes the
+# checks frequent, which matters for het jobs: the backfill scheduler (the only one that
+# starts het jobs) skips its cycle unless some job/node/partition changed, and a job merely
+# reaching its EligibleTime (a requeued job) is no change; node pings/registrations are.
+# Measured: a requeued het job restarts 11-19 s after 'scontrol requeue' (22-38 s with
+# SlurmdTimeout=60); any job update after EligibleTime starts it within ~1 s.
+SlurmdTimeout=15
+InactiveLimit=0
+# Finished jobs stay visible to squeue/scontrol for 5 min (an squeue-based job watcher
+# relies on seeing COMPLETED/FAILED/CANCELLED states without sacct).
+MinJobAge=300
+# Seconds between SIGTERM and SIGKILL when a job is cancelled or times out.
+KillWait=5
+# Do not kill the rest of a step when its first task exits.
+Waittime=0
+
+# Four emulated nodes: each has its own slurmd (slurmd -N nK) on its own port, and its own
+# loopback address so that addresses tell nodes apart. NodeHostname=localhost: all run here.
+EOF
+    for n in "${NODES[@]}"; do
+        local gpu=a100
+        (( $(node_index "$n") > 2 )) && gpu=v100
+        if [[ $gpu == a100 ]]; then a100+=("$n"); else v100+=("$n"); fi
+        printf 'NodeName=%s NodeHostname=localhost NodeAddr=%s Port=%s CPUs=4 RealMemory=4000 Gres=gpu:%s:2 State=UNKNOWN\n' \
+            "$n" "$(node_addr "$n")" "$(node_port "$n")" "$gpu" >> "$CONF"
+    done
+    local IFS=,
+    cat >> "$CONF" <<EOF
+# Two GPU kinds, two nodes each. Het-job components were never seen sharing a node (a job
+# whose components need more nodes than a partition has stays PENDING): size test jobs so
+# each component gets its own nodes.
+PartitionName=a100 Nodes=${a100[*]} Default=YES MaxTime=INFINITE State=UP
+PartitionName=v100 Nodes=${v100[*]} MaxTime=INFINITE State=UP
+EOF
+}
+
+# gres.conf must sit next to slurm.conf (Slurm looks for it in SLURM_CONF's directory).
+write_gres_conf() {
+    cat > "$CONF_DIR/gres.conf" <<EOF
+# Generated by scripts/test-cluster.sh. Fake GPUs: gres/gpu drops GPUs without File= (the node
+# then drains) and rejects regular files, so File= points at char devices made with
+# 'mknod FILE c 1 3' (same device as /dev/null). Tasks still get CUDA_VISIBLE_DEVICES,
+# SLURM_JOB_GPUS and SLURM_GPUS_ON_NODE. Every node uses the same two device files.
+AutoDetect=off
+NodeName=n[1-2] Name=gpu Type=a100 File=$DIR/dev/nvidia[0-1]
+NodeName=n[3-4] Name=gpu Type=v100 File=$DIR/dev/nvidia[0-1]
+EOF
+}
+
+make_fake_gpus() {
+    local i f
+    mkdir -p "$DIR/dev"
+    for i in 0 1; do
+        f=$DIR/dev/nvidia$i
+        [[ -c $f ]] && continue
+        rm -f "$f"
+        mknod "$f" c 1 3 2>/dev/null ||
+            die "$EXIT_UNAVAILABLE" "cannot create fake GPU device with 'mknod $f c 1 3' (no CAP_MKNOD?)"
+    done
+}
+
+# Fresh cluster: wipe everything the previous run left, except the fake devices.
+prepare_dirs() {
+    local d
+    for d in etc state spool log run; do rm -rf "${DIR:?}/$d"; done
+    mkdir -p "$CONF_DIR" "$DIR/state" "$DIR/log" "$RUN" "$OURS"
+    for d in "${NODES[@]}"; do mkdir -p "$DIR/spool/$d"; done
+}
+
+write_env_sh() {
+    printf 'export SLURM_CONF=%q\n' "$CONF" > "$DIR/env.sh"
+}
+
+# --------------------------------------------------------------------- /etc/hosts
+#
+# Choice: BOTH a per-node loopback NodeAddr (127.0.0.11..14, in slurm.conf: that is how
+# slurmctld/srun reach each slurmd, and it works without any name resolution) AND /etc/hosts
+# entries "127.0.0.1K nK". The latter are needed because programs inside a job see node names,
+# not addresses: a PyTorch rendezvous uses MASTER_ADDR = first node of the het group 0 nodelist,
+# e.g. "n1", and must resolve it (`hostname` inside a job is this host's name for every node;
+# SLURMD_NODENAME is nK). We add exactly our tagged lines on start and remove exactly them on
+# stop. The file is rewritten in place (`printf > /etc/hosts`, never mv): it may be a bind mount.
+# A name that /etc/hosts already defines (not by us) is left alone.
+
+# Print /etc/hosts content exactly, including whether it ends with a newline.
+read_hosts() { local c; c=$(cat /etc/hosts; printf x); printf '%s' "${c%x}"; }
+
+hosts_defines() {   # hosts_defines NAME: a non-comment line of /etc/hosts maps NAME
+    awk -v n="$1" '{ sub(/#.*/, ""); for (i = 2; i <= NF; i++) if ($i == n) f = 1 } END { exit !f }' /etc/hosts
+}
+
+hosts_remove() {
+    [[ -f /etc/hosts ]] || return 0
+    local cur new
+    cur=$(read_hosts; printf x); cur=${cur%x}
+    # drop lines ending with our tag (fixed-string suffix match, no regex)
+    new=$(printf '%s' "$cur" | awk -v m="$HOSTS_MARK" '
+        { l = length($0); k = length(m) }
+        l >= k && substr($0, l - k + 1) == m { next }
+        { print }'; printf x)
+    new=${new%x}
+    # awk ends every line with a newline: keep a last line without one as it was; and if start
+    # appended a newline to a file that lacked one, take that back too.
+    if [[ -n $cur && ${cur: -1} != $'\n' ]] || [[ -f $OURS/hosts-added-newline ]]; then
+        new=${new%$'\n'}
+    fi
+    if [[ $new != "$cur" ]]; then
+        printf '%s' "$new" > /etc/hosts || { log "warning: could not rewrite /etc/hosts"; return 0; }
+        log "removed our n1..n4 lines from /etc/hosts"
+    fi
+    rm -f "$OURS/hosts-added-newline"
+}
+
+hosts_add() {
+    [[ $EDIT_HOSTS == 1 ]] || { log "HETSEQ_TESTCLUSTER_EDIT_HOSTS=0: not adding n1..n4 to /etc/hosts"; return 0; }
+    hosts_remove   # leftovers of an earlier run that was not stopped
+    local n lines="" cur
+    for n in "${NODES[@]}"; do
+        if hosts_defines "$n"; then
+            log "warning: /etc/hosts already defines $n; leaving that entry alone"
+            continue
+        fi
+        lines+="$(node_addr "$n") $n $HOSTS_MARK"$'\n'
+    done
+    [[ -n $lines ]] || return 0
+    cur=$(read_hosts; printf x); cur=${cur%x}
+    if [[ -n $cur && ${cur: -1} != $'\n' ]]; then
+        cur+=$'\n'
+        touch "$OURS/hosts-added-newline"
+    fi
+    if ! printf '%s%s' "$cur" "$lines" > /etc/hosts 2>/dev/null; then
+        rm -f "$OURS/hosts-added-newline"
+        log "warning: /etc/hosts is not writable: n1..n4 will not resolve inside jobs"
+        return 0
+    fi
+}
+
+# -------------------------------------------------------------------------- munge
+
+munge_works() { munge -n 2>/dev/null | unmunge >/dev/null 2>&1; }
+
+start_munge() {
+    if munge_works; then
+        log "munged already running (not started by us; 'stop' leaves it alone)"
+        return 0
+    fi
+    [[ -s /etc/munge/munge.key ]] || die 1 "/etc/munge/munge.key is missing (Debian's munge package creates it)"
+    install -d -o munge -g munge /run/munge
+    runuser -u munge -- /usr/sbin/munged ||
+        die 1 "munged failed to start (see /var/log/munge/munged.log)"
+    local pid=""
+    wait_until 10 test -s /run/munge/munged.pid || true
+    pid=$(cat /run/munge/munged.pid 2>/dev/null || true)
+    if pid_is "$pid" munged; then
+        record_pid munged "$pid"
+        log "started munged (pid $pid)"
+    fi
+    wait_until 10 munge_works || die 1 "munged started but 'munge -n | unmunge' fails"
+}
+
+# ----------------------------------------------------------------------- daemons
+
+# port_in_use PORT: something accepts connections on 127.0.0.1:PORT.
+port_in_use() { timeout 1 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; }
+
+check_ports() {
+    local p n
+    for p in "$CTLD_PORT" $(for n in "${NODES[@]}"; do node_port "$n"; done); do
+        port_in_use "$p" && die 1 "port $p is already in use (another Slurm cluster on this host?);" \
+            "set HETSEQ_TESTCLUSTER_CTLD_PORT / HETSEQ_TESTCLUSTER_SLURMD_PORT_BASE"
+    done
+    return 0
+}
+
+# Slurm daemons daemonize themselves and write their pid file (SlurmctldPidFile, SlurmdPidFile).
+# adopt NAME PIDFILE: wait for that pid file and record the PID as one of ours.
+adopt() {
+    local name=$1 pidfile=$2 pid
+    if ! wait_until 10 test -s "$pidfile"; then log "$name wrote no pid file $pidfile"; return 1; fi
+    pid=$(cat "$pidfile")
+    pid_is "$pid" "$(daemon_comm "$name")" || { log "$name (pid $pid) died right after starting"; return 1; }
+    record_pid "$name" "$pid"
+}
+
+ctld_ping() { scontrol ping 2>/dev/null | grep -q 'is UP'; }
+all_idle() { [[ "$(sinfo -h -N -o %T 2>/dev/null | sort -u)" == idle ]]; }
+
+dump_logs() {
+    local f
+    log "---- sinfo -R ----"; sinfo -R >&2 2>&1 || true
+    for f in "$DIR"/log/slurmctld.log "$DIR"/log/slurmd-*.log; do
+        [[ -f $f ]] || continue
+        log "---- tail $f ----"; tail -n 20 "$f" >&2
+    done
+}
+
+# all_ours_up: every Slurm daemon we recorded is alive and the controller answers.
+all_ours_up() {
+    local d
+    for d in $(slurm_daemons); do ours_alive "$d" || return 1; done
+    ctld_ping
+}
+
+any_ours_alive() {
+    local d
+    for d in $(slurm_daemons) munged; do ours_alive "$d" && return 0; done
+    return 1
+}
+
+# ---------------------------------------------------------------------- commands
+
+# A failed start: show why, then stop whatever did start (logs stay for inspection).
+start_failed() {
+    dump_logs
+    cmd_stop >/dev/null 2>&1 || true
+    log "start failed; logs kept in $DIR/log"
+    exit 1
+}
+
+cmd_start() {
+    check_settings
+    local t0; t0=$(now)
+    if all_ours_up; then
+        log "cluster already up (state dir $DIR)"
+        write_env_sh
+        printf 'export SLURM_CONF=%q\n' "$CONF"
+        return 0
+    fi
+    (( EUID == 0 )) || die "$EXIT_UNAVAILABLE" "the test cluster needs root (daemons run as SlurmUser=root, mknod, /etc/hosts)"
+    ensure_installed
+    if any_ours_alive; then
+        log "cluster in $DIR is partially running: stopping it first"
+        cmd_stop
+    fi
+    check_ports
+
+    prepare_dirs
+    make_fake_gpus
+    write_slurm_conf
+    write_gres_conf
+    write_env_sh
+    start_munge
+
+    # -i: ignore errors reading state files (there are none: StateSaveLocation was wiped; the
+    # "Could not open ... state file" errors in slurmctld.log are expected).
+    if ! slurmctld -i || ! adopt slurmctld "$RUN/slurmctld.pid" ||
+       ! wait_until "$TIMEOUT" ctld_ping; then
+        log "slurmctld did not come up within ${TIMEOUT}s"
+        start_failed
+    fi
+    # One slurmd per emulated node; `-N nK` makes it act as node nK (its port, spool, log).
+    local n
+    for n in "${NODES[@]}"; do slurmd -N "$n" || start_failed; done
+    for n in "${NODES[@]}"; do adopt "slurmd-$n" "$RUN/slurmd-$n.pid" || start_failed; done
+    if ! wait_until "$TIMEOUT" all_idle; then
+        log "nodes not all idle within ${TIMEOUT}s: $(sinfo -h -N -o '%N=%T' | tr '\n' ' ')"
+        start_failed
+    fi
+    # Last: nothing to undo in /etc/hosts if an earlier step failed.
+    hosts_add
+    log "cluster up in $(elapsed "$t0")s: $(sinfo -h -o '%P(%D nodes, %G)' | tr '\n' ' ')"
+    log "logs: $DIR/log   env: . $DIR/env.sh"
+    printf 'export SLURM_CONF=%q\n' "$CONF"
+}
+
+no_active_jobs() { [[ -z "$(squeue -h -t PD,CF,R,S,CG -o %i 2>/dev/null)" ]]; }
+
+# Cancel every job and wait (bounded) until none is running or completing: stopping slurmd does
+# NOT stop running job steps (slurmstepd outlives it).
+cancel_all_jobs() {
+    ctld_ping || return 0
+    local ids
+    ids=$(squeue -h -o %i 2>/dev/null | sed 's/+.*//' | sort -u | tr '\n' ' ')
+    [[ -n ${ids// } ]] || return 0
+    log "cancelling jobs: $ids"
+    # shellcheck disable=SC2086  # word splitting of the id list is intended
+    scancel $ids 2>/dev/null || true
+    wait_until 20 no_active_jobs ||
+        log "warning: jobs still not finished after 20s: $(squeue -h -o '%i %T' | tr '\n' ' ')"
+}
+
+# stop_pids GRACE PID...: SIGTERM the PIDs, wait up to GRACE s, SIGKILL what is left.
+STOPPING=()
+stopping_alive() { local p; for p in "${STOPPING[@]}"; do pid_alive "$p" && return 0; done; return 1; }
+stopping_dead() { ! stopping_alive; }
+stop_pids() {
+    local grace=$1 pid left=""; shift
+    (( $# )) || return 0
+    STOPPING=("$@")
+    kill -TERM "$@" 2>/dev/null || true
+    wait_until "$grace" stopping_dead && return 0
+    for pid in "$@"; do
+        if pid_alive "$pid"; then
+            log "pid $pid still alive ${grace}s after SIGTERM: SIGKILL"
+            kill -KILL "$pid" 2>/dev/null || true
+        fi
+    done
+    wait_until 5 stopping_dead && return 0
+    for pid in "$@"; do pid_alive "$pid" && left+=" $pid"; done
+    log "warning: still alive after SIGKILL:$left"
+}
+
+# Leftovers of this cluster's jobs, normally none: after a clean scancel every job is gone
+# before the daemons stop. If slurmctld died with jobs running, their slurmstepd processes
+# (which outlive slurmd) and the job's processes remain. Both are recognised as ours by
+# SLURM_CONF=<our config> in their environment (inherited from our slurmd); job processes
+# also have SLURM_JOB_ID. Our own process and its ancestors (a caller that sourced env.sh,
+# maybe inside a job) are never selected.
+our_ancestors() {
+    local p=$$
+    while [[ -n $p && $p != 0 ]]; do
+        echo "$p"
+        p=$(awk '{ sub(/.*\) /, ""); print $2 }' "/proc/$p/stat" 2>/dev/null || true)
+    done
+}
+our_leftovers() {   # our_leftovers stepd|job
+    local d pid comm skip
+    skip=" $(our_ancestors | tr '\n' ' ') "
+    for d in /proc/[0-9]*; do
+        pid=${d#/proc/}
+        [[ $skip == *" $pid "* ]] && continue
+        comm=$(cat "$d/comm" 2>/dev/null) || continue
+        { pid_alive "$pid" && pid_has_our_conf "$pid"; } || continue
+        if [[ $1 == stepd ]]; then
+            [[ $comm == slurmstepd ]] && echo "$pid"
+        elif [[ $comm != slurmstepd ]] && tr '\0' '\n' 2>/dev/null < "$d/environ" | grep -q '^SLURM_JOB_ID='; then
+            echo "$pid"
+        fi
+    done
+    return 0
+}
+
+cmd_stop() {
+    check_settings
+    local t0 d pid pids=() leftovers; t0=$(now)
+    if ! any_ours_alive; then
+        log "no daemon of ours is running (state dir $DIR)"
+    else
+        cancel_all_jobs
+        for d in $(slurm_daemons); do
+            ours_alive "$d" && pids+=("$(recorded_pid "$d")")
+        done
+        (( ${#pids[@]} )) && log "stopping Slurm daemons (pids ${pids[*]})"
+        stop_pids 10 "${pids[@]}"
+        mapfile -t leftovers < <(our_leftovers job)
+        if (( ${#leftovers[@]} )); then
+            log "stopping leftover job processes of this cluster: ${leftovers[*]}"
+            stop_pids 5 "${leftovers[@]}"
+        fi
+        mapfile -t leftovers < <(our_leftovers stepd)
+        if (( ${#leftovers[@]} )); then
+            # slurmstepd ignores SIGTERM: give it a moment to exit on its own, then SIGKILL.
+            log "stopping leftover slurmstepd of this cluster: ${leftovers[*]}"
+            stop_pids 1 "${leftovers[@]}"
+        fi
+        if ours_alive munged; then
+            pid=$(recorded_pid munged)
+            log "stopping munged (pid $pid, started by us)"
+            stop_pids 10 "$pid"
+        fi
+    fi
+    rm -f "$OURS"/*.pid 2>/dev/null || true
+    hosts_remove
+    log "stopped in $(elapsed "$t0")s; logs kept in $DIR/log"
+}
+
+cmd_status() {
+    check_settings
+    local d pid state up=0
+    printf 'state dir: %s\nSLURM_CONF=%s\n' "$DIR" "$CONF"
+    for d in munged $(slurm_daemons); do
+        pid=$(recorded_pid "$d")
+        if [[ -z $pid ]]; then
+            if [[ $d == munged ]]; then
+                if munge_works; then state="running (not started by us)"; else state="not running"; fi
+            else
+                state="not running"
+            fi
+        elif ours_alive "$d"; then state="running (pid $pid)"
+        else state="dead (was pid $pid)"
+        fi
+        printf '%-12s %s\n' "$d" "$state"
+    done
+    if [[ -f $CONF ]] && all_ours_up; then
+        up=1
+        printf 'scontrol ping: %s\n' "$(scontrol ping 2>&1 | head -n1)"
+        sinfo
+    fi
+    if (( up )); then echo "cluster: UP"; return 0; fi
+    echo "cluster: DOWN"; return 1
+}
+
+main() {
+    case ${1:-} in
+        start) cmd_start ;;
+        stop) cmd_stop ;;
+        status) cmd_status ;;
+        -h|--help|help) usage ;;
+        *) usage >&2; exit 1 ;;
+    esac
+}
+
+main "$@"

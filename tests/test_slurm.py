@@ -1,0 +1,293 @@
+"""cluster=testcluster: ONE heterogeneous SLURM job over two partitions, against a real Slurm.
+
+The cluster is the project's own (scripts/test-cluster.sh: slurmctld + 4 emulated slurmd,
+partitions a100 = n[1-2] and v100 = n[3-4] with fake GPU GRES); scripts/run-tests.sh starts
+and stops it. Tests skip only when it could not be started, with the reason the script gave.
+The nodes have no CUDA (the GPUs are fake device files), so ranks run on CPU with gloo: the
+GPU side is the only thing faked here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, SMALL_MODEL, cli_env, losses, read_rows
+
+from hetseq_hpc.config import CONF_DIR, register_configs, to_run_config
+from hetseq_hpc.launch.sbatch import render_sbatch
+from hetseq_hpc.launch.slurm import HetSlurmInfoWatcher, fold_states, job_from_run_dir, wait_for_job
+
+GOLDEN = Path(__file__).parent / "golden" / "testcluster.sbatch"
+EXACT = ["task.model.dropout=0.0", "trainer.val_every=0", "trainer.seed=3"]
+
+
+def _cluster_available() -> str:
+    """'' if the test cluster is up, else why not."""
+    if os.environ.get("HETSEQ_TESTCLUSTER_UNAVAILABLE"):
+        return os.environ["HETSEQ_TESTCLUSTER_UNAVAILABLE"]
+    if not os.environ.get("SLURM_CONF") or shutil.which("sbatch") is None:
+        return "no Slurm test cluster: run the tests with scripts/run-tests.sh, which starts one"
+    if subprocess.run(["scontrol", "ping"], capture_output=True).returncode != 0:
+        return "the Slurm test cluster does not answer (scontrol ping failed)"
+    return ""
+
+
+needs_slurm = pytest.mark.skipif(bool(_cluster_available()), reason=_cluster_available() or "up")
+
+
+def _compose_testcluster(*overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return to_run_config(compose(config_name="config",
+                                     overrides=["cluster=testcluster", *overrides]))
+
+
+def _cli(run_dir: Path, token_cache: Path, *overrides: str, timeout: float = 600, multirun=False):
+    cmd = [sys.executable, "-m", "hetseq_hpc", *(["-m"] if multirun else []), "cluster=testcluster",
+           *SMALL_MODEL, *overrides]
+    cmd.append(f"hydra.sweep.dir={run_dir}" if multirun else f"hydra.run.dir={run_dir}")
+    return subprocess.run(cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _ok(proc) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\n" \
+                                 f"STDERR:\n{proc.stderr[-3000:]}"
+
+
+def _squeue_state(job_id: str) -> str:
+    out = subprocess.run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%i|%T"],
+                         capture_output=True, text=True).stdout
+    return fold_states([line.split("|")[1] for line in out.splitlines() if "|" in line])
+
+
+def _wait_rows(run_dir: Path, n: int, timeout_s: float = 300) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"{metrics} did not reach {n} rows in {timeout_s} s")
+
+
+# ------------------------------------------------------------------ no Slurm needed
+def test_sbatch_text_matches_golden_file():
+    """The rendered het-job script is pinned (regenerate: HETSEQ_REGEN_GOLDEN=1)."""
+    run = _compose_testcluster()
+    text = render_sbatch(run.cluster, "/RUN/submitit", "/PYTHON")
+    if os.environ.get("HETSEQ_REGEN_GOLDEN"):
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text()
+    assert text.count("#SBATCH hetjob") == 1
+    assert "--het-group=0-1" in text and "--gres=gpu:v100:1" in text
+
+
+def test_dry_run_writes_the_script_and_submits_nothing(tmp_path, token_cache):
+    proc = _cli(tmp_path, token_cache, "cluster.dry_run=true")
+    _ok(proc)
+    script = (tmp_path / "job.sbatch").read_text()
+    assert script == render_sbatch(_compose_testcluster().cluster, str(tmp_path / "submitit"),
+                                   sys.executable)
+    assert not (tmp_path / "job.json").exists()
+    assert (tmp_path / "hetseq_config.yaml").is_file()
+
+
+@pytest.mark.parametrize("bad", ["a100;rm -rf ~", "a100$(id)", "a100 b"])
+def test_unsafe_partition_name_is_rejected(tmp_path, token_cache, bad):
+    proc = _cli(tmp_path, token_cache, f"cluster.partitions.a100.partition='{bad}'",
+                "cluster.dry_run=true")
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("hetseq-hpc: error: cluster.partitions.a100.partition=")
+    assert not (tmp_path / "job.sbatch").exists() and not (tmp_path / "job.json").exists()
+
+
+@pytest.mark.parametrize("bad", ["a100\nq", "a100\n#SBATCH --qos=high", "`id`", "a'b"])
+def test_sbatch_values_with_newlines_or_quotes_are_rejected(bad):
+    from hetseq_hpc.config.schema import PartitionConfig
+    from hetseq_hpc.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not allowed in an sbatch script"):
+        PartitionConfig(partition=bad).validate("a100")
+    with pytest.raises(ConfigError):
+        PartitionConfig(partition="a100", extra_sbatch={"exclude": bad}).validate("a100")
+
+
+def test_watcher_folds_het_components():
+    watcher = HetSlurmInfoWatcher()
+    info = watcher.read_info("12+0|RUNNING\n12+1|PENDING\n13+0|COMPLETED\n13+1|CANCELLED\n"
+                             "14+0|COMPLETED\n14+1|COMPLETED\n15|FAILED\n")
+    assert {k: v["State"] for k, v in info.items()} == {
+        "12": "PENDING", "13": "CANCELLED", "14": "COMPLETED", "15": "FAILED"}
+
+
+def test_missing_slurm_says_what_and_suggests_local(tmp_path, token_cache):
+    env = cli_env(token_cache)
+    env["PATH"] = str(Path(sys.executable).parent)  # python only: no sbatch, srun, sinfo
+    proc = subprocess.run([sys.executable, "-m", "hetseq_hpc", "cluster=testcluster",
+                           f"hydra.run.dir={tmp_path}"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 1
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "sbatch" in line and "cluster=local" in line, line
+    assert not (tmp_path / "job.json").exists()
+
+
+# ------------------------------------------------------------------ against the real cluster
+@pytest.mark.slurm
+@pytest.mark.slow
+@needs_slurm
+def test_het_job_across_partitions(tmp_path, token_cache):
+    """3 ranks over a100 (1 node) + v100 (2 nodes): finishes, loss falls, every rank's
+    partition/GRES recorded, and the master is rank 0's node by NAME."""
+    proc = _cli(tmp_path, token_cache, "cluster.wait=true", "trainer.max_steps=16",
+                "optim.warmup_steps=2", "optim.lr=3e-3", "trainer.val_every=8")
+    _ok(proc)
+    assert re.search(r"submitted het job \d+: 3 ranks over a100, v100", proc.stdout)
+    alloc = json.loads((tmp_path / "allocation.json").read_text())
+    ranks = alloc["ranks"]
+    assert [r["partition"] for r in ranks] == ["a100", "v100", "v100"]
+    assert [r["gres"] for r in ranks] == ["a100", "v100", "v100"]
+    assert [r["het_group"] for r in ranks] == [0, 1, 1]
+    assert [r["node"] for r in ranks] == ["n1", "n3", "n4"]
+    assert {r["world"]["master_addr"] for r in ranks} == {ranks[0]["node"]} == {"n1"}
+    assert all(r["world"]["source"] == "slurm" and r["world"]["world_size"] == 3 for r in ranks)
+    rows = read_rows(tmp_path)
+    assert [r["partition"] for r in rows[-1]["ranks"]] == ["a100", "v100", "v100"]
+    assert sum(r["loss"] for r in rows[-3:]) / 3 < rows[0]["loss"] - 0.2
+    job_id = json.loads((tmp_path / "job.json").read_text())["job_id"]
+    results = sorted(p.name for p in (tmp_path / "submitit").glob(f"{job_id}_*_result.pkl"))
+    assert results == [f"{job_id}_{r}_result.pkl" for r in range(3)], "every rank returns"
+    assert "gloo" in (tmp_path / "logs" / "rank0.log").read_text()
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@needs_slurm
+def test_handwritten_template_runs(tmp_path, token_cache):
+    """slurm/hetjob.sbatch, submitted by hand with sbatch, runs the same worker to the end."""
+    run_dir = tmp_path / "run"
+    _ok(_cli(run_dir, token_cache, "cluster.dry_run=true", "trainer.max_steps=6"))
+    env = cli_env(token_cache)
+    env.update(RUN_DIR=str(run_dir), PYTHON=sys.executable)
+    out = subprocess.run(["sbatch", "--parsable", str(REPO / "slurm" / "hetjob.sbatch")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    job_id = out.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 300
+    while _squeue_state(job_id) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+        assert time.monotonic() < deadline, "hand-written job did not finish"
+        time.sleep(1)
+    assert _squeue_state(job_id) == "COMPLETED", (tmp_path / f"hetseq-{job_id}.out").read_text()
+    assert [r["step"] for r in read_rows(run_dir)] == list(range(1, 7))
+    ranks = json.loads((run_dir / "allocation.json").read_text())["ranks"]
+    assert [r["partition"] for r in ranks] == ["a100", "v100", "v100"]
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@needs_slurm
+def test_sweep_submits_one_job_per_point(tmp_path, token_cache):
+    proc = _cli(tmp_path, token_cache, "optim.lr=1e-3,3e-3", "trainer.max_steps=4", multirun=True)
+    _ok(proc)
+    ids = re.findall(r"submitted het job (\d+)", proc.stdout)
+    assert len(ids) == 2 and len(set(ids)) == 2, proc.stdout
+    for point, lr in ((0, 1e-3), (1, 3e-3)):
+        job, ranks = job_from_run_dir(tmp_path / str(point))
+        summary = wait_for_job(job, tmp_path / str(point), ranks, timeout_s=300)
+        assert summary["final_step"] == 4
+        cfg = (tmp_path / str(point) / "hetseq_config.yaml").read_text()
+        assert f"lr: {lr}" in cfg
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@needs_slurm
+def test_requeue_checkpoints_and_resumes_exactly(tmp_path, token_cache):
+    """USR2 (what Slurm sends signal_delay_s before the time limit) mid-run: the ranks
+    checkpoint after the same step, rank 0 requeues the het job through its leader id, the job
+    re-probes, re-agrees an allocation and resumes. The losses of the whole interrupted run equal
+    an uninterrupted 1-rank local run step for step (exact global-batch semantics)."""
+    run_dir = tmp_path / "het"
+    steps = 30
+    _ok(_cli(run_dir, token_cache, *EXACT, f"trainer.max_steps={steps}"))
+    job_id = json.loads((run_dir / "job.json").read_text())["job_id"]
+    _wait_rows(run_dir, 6)
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    deadline = time.monotonic() + 300
+    while True:
+        state = _squeue_state(job_id)
+        if state == "COMPLETED" and len(read_rows(run_dir)) == steps:
+            break
+        assert state not in ("FAILED", "CANCELLED", "TIMEOUT"), state
+        assert time.monotonic() < deadline, f"requeued job stuck in {state}"
+        if state == "PENDING":  # the test cluster's backfill only wakes on a change: poke it
+            subprocess.run(["scontrol", "update", f"jobid={job_id}", "comment=poke"],
+                           capture_output=True)
+        time.sleep(1)
+    log0 = (run_dir / "logs" / "rank0.log").read_text()
+    assert "caught SIGUSR2" in log0 and f"requeued job {job_id}" in log0
+    resumed_at = int(re.search(r"resumed from .*step_(\d+)\.pt", log0).group(1))
+    assert 6 <= resumed_at < steps
+    het = losses(run_dir)
+    assert sorted(het) == list(range(1, steps + 1))
+    ref_dir = tmp_path / "ref"
+    ref = subprocess.run([sys.executable, "-m", "hetseq_hpc", *SMALL_MODEL, *EXACT,
+                          "cluster.ranks=1", f"trainer.max_steps={steps}",
+                          f"hydra.run.dir={ref_dir}"], cwd=REPO, env=cli_env(token_cache),
+                         capture_output=True, text=True, timeout=600)
+    _ok(ref)
+    want = losses(ref_dir)
+    for step in range(1, steps + 1):
+        assert abs(het[step] - want[step]) <= 1e-5 * abs(want[step]), (step, het[step], want[step])
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@needs_slurm
+def test_cancelled_job_is_an_error_within_seconds(tmp_path, token_cache):
+    cmd = [sys.executable, "-m", "hetseq_hpc", "cluster=testcluster", *SMALL_MODEL,
+           "cluster.wait=true", "trainer.max_steps=100000", "trainer.val_every=0",
+           f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(token_cache), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_rows(tmp_path, 2)
+        job_id = json.loads((tmp_path / "job.json").read_text())["job_id"]
+        subprocess.run(["scancel", job_id], check=True)
+        t0 = time.monotonic()
+        _, stderr = proc.communicate(timeout=120)  # a hang fails here
+        waited = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1
+    line = stderr.strip().splitlines()[-1]
+    assert f"job {job_id} ended CANCELLED" in line, line
+    assert waited < 120
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@needs_slurm
+def test_failing_rank_is_named_with_its_reason(tmp_path, token_cache):
+    env = cli_env(token_cache)
+    env["HETSEQ_INJECT_FAILURE"] = "2"
+    cmd = [sys.executable, "-m", "hetseq_hpc", "cluster=testcluster", *SMALL_MODEL,
+           "cluster.wait=true", "trainer.max_steps=5", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "rank 2 failed" in line and "injected failure on rank 2" in line, line
