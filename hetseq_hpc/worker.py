@@ -30,6 +30,7 @@ from hetseq_hpc.allocation import Allocation, allocate
 from hetseq_hpc.calibrate import calibrate
 from hetseq_hpc.config import RunConfig, load_run_config
 from hetseq_hpc.distributed import rendezvous
+from hetseq_hpc.env.emulation import emulate_speed, record as record_emulation
 from hetseq_hpc.env.hardware import DeviceProbe, probe
 from hetseq_hpc.env.world import WorldInfo
 from hetseq_hpc.errors import AllocationError, HetseqError, Preempted
@@ -37,6 +38,7 @@ from hetseq_hpc.logs import setup_rank_logging
 from hetseq_hpc.preemption import REQUEUE, StopRequest, requeue_job
 from hetseq_hpc.tasks import build_task
 from hetseq_hpc.train.loop import RankMeta, Trainer
+from hetseq_hpc.train.rebalance import Rebalancer
 
 log = logging.getLogger("hetseq_hpc.worker")
 
@@ -85,11 +87,36 @@ def precision_context(run: RunConfig, device: torch.device, dev: DeviceProbe):
     return "fp32", contextlib.nullcontext
 
 
-def memory_budget_bytes(run: RunConfig, dev: DeviceProbe, env: Optional[Dict[str, str]] = None) -> float:
-    """Memory this rank may plan its micro-batch with: ``memory_budget_gb`` if configured,
-    else free GPU memory, else this rank's share of available RAM."""
+def _partition_of(run: RunConfig, world: WorldInfo):
+    """This rank's PartitionConfig (het component k = k-th partition), or None."""
+    parts = getattr(run.cluster, "partitions", None)
+    if not parts:
+        return None
+    keys = list(parts)
+    if world.het_group is None:
+        return parts[keys[0]] if len(keys) == 1 else None
+    return parts[keys[world.het_group]] if world.het_group < len(keys) else None
+
+
+def emulated_speed(run: RunConfig, world: WorldInfo, env: Optional[Dict[str, str]] = None) -> float:
+    """Speed factor to emulate: ``HETSEQ_EMULATE_SPEED`` (set by the local launcher from
+    ``cluster.speeds``), else the partition's ``emulate_speed``, else 1."""
+    env = os.environ if env is None else env
+    if env.get("HETSEQ_EMULATE_SPEED"):
+        return float(env["HETSEQ_EMULATE_SPEED"])
+    part = _partition_of(run, world)
+    return float(part.emulate_speed) if part is not None else 1.0
+
+
+def memory_budget_bytes(run: RunConfig, dev: DeviceProbe, env: Optional[Dict[str, str]] = None,
+                        world: Optional[WorldInfo] = None) -> float:
+    """Memory this rank may plan its micro-batch with: ``memory_budget_gb`` if configured
+    (cluster-wide, or per partition), else free GPU memory, else this rank's share of RAM."""
     env = os.environ if env is None else env
     configured = getattr(run.cluster, "memory_budget_gb", None)
+    part = _partition_of(run, world) if world is not None else None
+    if part is not None and part.memory_budget_gb:
+        configured = part.memory_budget_gb
     if env.get("HETSEQ_MEMORY_BUDGET_GB"):
         configured = float(env["HETSEQ_MEMORY_BUDGET_GB"])
     if configured:
@@ -159,13 +186,8 @@ def write_allocation_json(run_dir: Path, allocation: Allocation, reports: List[D
 
 def _gres_of(run: RunConfig, world: WorldInfo) -> Optional[str]:
     """GRES type of this rank's partition: het component k is the k-th configured partition."""
-    parts = getattr(run.cluster, "partitions", None)
-    if not parts:
-        return None
-    keys = list(parts)
-    if world.het_group is None:
-        return parts[keys[0]].gpu_type if len(keys) == 1 else None
-    return parts[keys[world.het_group]].gpu_type if world.het_group < len(keys) else None
+    part = _partition_of(run, world)
+    return part.gpu_type if part is not None else None
 
 
 def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
@@ -186,6 +208,9 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
         log.warning("GPUs were allocated (CUDA_VISIBLE_DEVICES=%s) but torch has no CUDA here: "
                     "training on CPU with gloo", os.environ.get("CUDA_VISIBLE_DEVICES"))
     stop_request = StopRequest().install()
+    emulation = emulate_speed(emulated_speed(run, world, env), threads)
+    if emulation.method != "none":
+        record_emulation(emulation, run_dir_path, world.rank)
     precision, autocast = precision_context(run, device, dev)
     task = build_task(run.task, run.trainer.seed)
     with rendezvous(world, device, run.cluster.collective_timeout_s) as rdv:
@@ -197,7 +222,8 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
             task.prepare()
         rdv.barrier()
         task.load()
-        meta = RankMeta(rank=world.rank, device=dev.label, node=world.node_name,
+        label = dev.label if emulation.method == "none" else f"{dev.label} @{emulation.speed:g}"
+        meta = RankMeta(rank=world.rank, device=label, node=world.node_name,
                         het_group=world.het_group, partition=world.partition,
                         gres=_gres_of(run, world))
         torch.manual_seed(run.trainer.seed)
@@ -206,12 +232,13 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
             1, min(16, run.trainer.global_batch_size // world.world_size))
         cal = calibrate(
             model, lambda n: task.make_batch(list(range(min(n, task.num_train))), 0, "train"),
-            device, cal_micro, run.trainer.calibration_steps, memory_budget_bytes(run, dev, env),
+            device, cal_micro, run.trainer.calibration_steps, memory_budget_bytes(run, dev, env, world),
             run.trainer.max_micro_batch, autocast,
         )
         reports = rdv.all_gather_objects({
             "world": world.to_dict(), "probe": dev.to_dict(), "calibration": cal.to_dict(),
             "meta": meta.__dict__, "precision": precision, "threads": threads,
+            "emulation": emulation.to_dict(),
         })
         allocation = agree_on_allocation(run, reports, rdv)
         if world.is_master:
@@ -225,10 +252,21 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
                 write_allocation_json(run_dir_path, new, reports)
 
         metas = [RankMeta(**r["meta"]) for r in reports]
+        rebalancer = None
+        if run.trainer.rebalance_every:
+            rebalancer = Rebalancer(caps=[s.max_micro_batch for s in allocation.shares],
+                                    threshold=run.trainer.rebalance_threshold)
         trainer = Trainer(run, run_dir_path, rdv, task, model, device, allocation, metas,
                           autocast=autocast, on_allocation=on_allocation,
-                          stop_request=stop_request)
+                          stop_request=stop_request, rebalancer=rebalancer)
         summary = trainer.fit()
+        if world.is_master and run.trainer.plot:
+            try:
+                from hetseq_hpc.report import plot_run
+
+                summary["plot"] = str(plot_run(run_dir_path))
+            except Exception as exc:  # a picture must never fail a finished run
+                log.warning("could not draw the per-rank plot: %s", exc)
         summary["world_size"] = world.world_size
         if world.is_master:
             _write_json(run_dir_path / "summary.json", summary)

@@ -64,6 +64,7 @@ def _worker(rank: int, port: int, recipe: str, out: str) -> None:
                 p.grad.div_(count)
         if rank == 0:
             torch.save([p.grad.clone() for p in model.parameters()], out)
+        dist.barrier()  # nobody tears gloo down while its peer still talks to it
     finally:
         dist.destroy_process_group()
 

@@ -167,3 +167,25 @@ def test_dead_rank_stops_the_job_with_a_clear_error(tmp_path, token_cache):
     last = stderr.strip().splitlines()[-1]
     assert "rank 1 failed" in last and "SIGKILL" in last, last
     assert not _worker_pids(tmp_path), "a worker outlived the launcher"
+
+
+def test_rebalancing_keeps_exact_semantics_and_switches_all_ranks_together(
+        tmp_path, run_cli, reference_run):
+    """Start badly split ([28, 4] on equal ranks) with re-balancing every 2 steps: the
+    allocation changes mid-run, every rank switches at the same step, and the losses still
+    equal the 1-rank run at every step."""
+    proc = run_cli(tmp_path, *EXACT, "cluster.ranks=2", "trainer.allocation=[28,4]",
+                   "trainer.rebalance_every=2", "trainer.max_steps=20")
+    _ok(proc)
+    rows = read_rows(tmp_path)
+    moves = [r for r in rows if "reallocation" in r]
+    assert moves, "no re-allocation happened"
+    first = moves[0]["reallocation"]
+    assert first["from"] == [28, 4] and sum(first["to"]) == 32
+    for row in rows:  # every rank ran the row's allocation: nobody switched early or late
+        assert [r["samples"] for r in row["ranks"]] == row["allocation"]
+        if row["step"] < first["at_step"]:
+            assert row["allocation"] == [28, 4]
+        elif row["step"] == first["at_step"]:
+            assert row["allocation"] == first["to"]
+    _assert_same_losses(losses(reference_run), losses(tmp_path), range(1, 21))

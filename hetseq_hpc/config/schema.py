@@ -196,6 +196,9 @@ class PartitionConfig:
     constraint: Optional[str] = None
     # emulated speed factor (0, 1] for test clusters without a real mix (cgroup CPU quota)
     emulate_speed: float = 1.0
+    # memory budget per rank in GiB for the micro-batch cap (emulates a small-memory GPU);
+    # null = the device's free memory
+    memory_budget_gb: Optional[float] = None
     # more sbatch options for this component, e.g. {exclude: "n7"}
     extra_sbatch: Dict[str, str] = field(default_factory=dict)
 
@@ -233,6 +236,11 @@ class PartitionConfig:
             0.0 < self.emulate_speed <= 1.0,
             f"{where}.emulate_speed={self.emulate_speed} is invalid: it must be in (0, 1]",
         )
+        if self.memory_budget_gb is not None:
+            _require(
+                self.memory_budget_gb > 0,
+                f"{where}.memory_budget_gb={self.memory_budget_gb} is invalid: it must be > 0",
+            )
         for opt, value in self.extra_sbatch.items():
             check_sbatch_value(f"{where}.extra_sbatch key", opt)
             check_sbatch_value(f"{where}.extra_sbatch.{opt}", value)

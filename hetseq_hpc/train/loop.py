@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hetseq_hpc.allocation import Allocation
 from hetseq_hpc.config.schema import RunConfig
 from hetseq_hpc.distributed import Rendezvous
-from hetseq_hpc.errors import CheckpointError, Preempted
+from hetseq_hpc.errors import AllocationError, CheckpointError, Preempted
 from hetseq_hpc.preemption import REASONS
 from hetseq_hpc.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from hetseq_hpc.train.ddp_hooks import HookState, sum_allreduce_hook
@@ -366,9 +366,20 @@ class Trainer:
                 self.history.append(rec)
                 stop = int(rec.extra.pop("stop", 0))
                 row = self._row(rec) if self.rank == 0 else {}
+                if self.rebalancer is not None:
+                    self.rebalancer.record(rec.per_rank)
                 if self.rebalancer is not None and cfg.rebalance_every and step % cfg.rebalance_every == 0:
-                    new = self.rebalancer.observe(step, self.allocation, rec.per_rank)
+                    new = self.rebalancer.observe(step, self.allocation)
                     if new is not None:
+                        digests = self.rdv.all_gather_objects(new.digest())
+                        if len(set(digests)) != 1:
+                            raise AllocationError(
+                                f"ranks re-balanced differently at step {step} (digests "
+                                f"{sorted(set(digests))}): install the same hetseq_hpc everywhere"
+                            )
+                        log.info("step %d: straggle %.2f -> re-balancing %s -> %s from step %d",
+                                 step, self.rebalancer.decisions[-1]["straggle"],
+                                 self.allocation.samples, new.samples, step + 1)
                         rec.extra["reallocation"] = {"from": self.allocation.samples,
                                                      "to": new.samples, "at_step": step + 1}
                         self.allocation = new

@@ -1,0 +1,199 @@
+"""Emulate a slower device class on a CPU: run this rank under a CPU quota.
+
+A rank with speed ``s`` in (0, 1) gets ``s x threads`` CPUs' worth of time through the kernel's
+CFS bandwidth control (``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``,
+https://docs.kernel.org/scheduler/sched-bwc.html): a really slower processor, not a sleep.
+Where the cgroup v1 cpu controller cannot be written, cgroup v2's ``cpu.max`` is tried, and
+last a duty cycle (a helper process alternately stops and continues the rank with
+SIGSTOP/SIGCONT, what ``cpulimit`` does) -- also real CPU throttling, but coarser. The method
+that ran is logged and written to ``logs/rank<N>.emulation.json``, so a benchmark or a person
+can see which one it was (and change the quota mid-run by writing the cgroup file).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
+CGROUP_V2_ROOT = Path("/sys/fs/cgroup")
+#: CFS period in microseconds: 10 ms (the kernel default is 100 ms), so a throttled rank runs
+#: in short slices and a step of ~0.1-0.3 s sees a steady speed, not a few long stalls
+PERIOD_US = 10_000
+#: cgroup directory prefix, so stale groups of dead ranks can be found and removed
+PREFIX = "hetseq-"
+#: duty-cycle period in seconds for the fallback
+DUTY_PERIOD_S = 0.02
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """How this rank's speed is emulated.
+
+    Attributes:
+        speed: the requested speed factor in (0, 1] (1 = full speed, nothing done).
+        method: ``none``, ``cgroup-v1``, ``cgroup-v2`` or ``duty-cycle``.
+        cpus: CPUs' worth of time allowed per period (``speed x threads``).
+        control: the file that sets the quota (cgroups), else None.
+        note: why a fallback was used, if one was.
+    """
+
+    speed: float
+    method: str
+    cpus: float
+    control: Optional[str] = None
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        """Plain dict for JSON."""
+        return asdict(self)
+
+
+def _sweep_stale(root: Path) -> None:
+    """Remove empty cgroups left by ranks that were killed (rmdir fails on non-empty ones)."""
+    try:
+        for entry in root.iterdir():
+            if entry.is_dir() and entry.name.startswith(PREFIX):
+                pid = entry.name[len(PREFIX):]
+                if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                    try:
+                        entry.rmdir()
+                    except OSError:
+                        pass
+    except OSError:
+        pass
+
+
+def _cgroup_v1(speed_cpus: float) -> Emulation:
+    if not (CGROUP_V1_CPU / "cpu.cfs_quota_us").exists():
+        raise OSError("no cgroup v1 cpu controller at /sys/fs/cgroup/cpu")
+    _sweep_stale(CGROUP_V1_CPU)
+    group = CGROUP_V1_CPU / f"{PREFIX}{os.getpid()}"
+    group.mkdir(exist_ok=True)
+    (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+    (group / "cpu.cfs_quota_us").write_text(str(max(1000, int(speed_cpus * PERIOD_US))))
+    parent_procs = CGROUP_V1_CPU / "cgroup.procs"
+    (group / "cgroup.procs").write_text(str(os.getpid()))
+
+    def leave() -> None:
+        try:
+            parent_procs.write_text(str(os.getpid()))
+            group.rmdir()
+        except OSError:
+            pass
+
+    atexit.register(leave)
+    return Emulation(speed=0.0, method="cgroup-v1", cpus=speed_cpus,
+                     control=str(group / "cpu.cfs_quota_us"))
+
+
+def _own_v2_group() -> Optional[Path]:
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            if line.startswith("0::"):
+                return CGROUP_V2_ROOT / line[3:].lstrip("/")
+    except OSError:
+        pass
+    return None
+
+
+def _cgroup_v2(speed_cpus: float) -> Emulation:
+    own = _own_v2_group()
+    if own is None or not (own / "cgroup.controllers").exists():
+        raise OSError("no cgroup v2 hierarchy")
+    parent = own.parent if own != CGROUP_V2_ROOT else own
+    if "cpu" not in (parent / "cgroup.subtree_control").read_text().split():
+        raise OSError("cgroup v2 cpu controller not enabled for child groups")
+    _sweep_stale(parent)
+    group = parent / f"{PREFIX}{os.getpid()}"
+    group.mkdir(exist_ok=True)
+    (group / "cpu.max").write_text(f"{max(1000, int(speed_cpus * PERIOD_US))} {PERIOD_US}")
+    (group / "cgroup.procs").write_text(str(os.getpid()))
+
+    def leave() -> None:
+        try:
+            (own / "cgroup.procs").write_text(str(os.getpid()))
+            group.rmdir()
+        except OSError:
+            pass
+
+    atexit.register(leave)
+    return Emulation(speed=0.0, method="cgroup-v2", cpus=speed_cpus, control=str(group / "cpu.max"))
+
+
+_DUTY_SCRIPT = """
+import os, signal, sys, time
+pid, run_s, stop_s = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+while True:
+    try:
+        os.kill(pid, signal.SIGCONT); time.sleep(run_s)
+        os.kill(pid, signal.SIGSTOP); time.sleep(stop_s)
+    except ProcessLookupError:
+        break
+"""
+
+
+def _duty_cycle(speed: float, note: str) -> Emulation:
+    run_s = DUTY_PERIOD_S * speed
+    helper = subprocess.Popen([sys.executable, "-c", _DUTY_SCRIPT, str(os.getpid()), str(run_s),
+                               str(DUTY_PERIOD_S - run_s)], start_new_session=True)
+
+    def stop() -> None:
+        helper.kill()
+        os.kill(os.getpid(), signal.SIGCONT)
+
+    atexit.register(stop)
+    return Emulation(speed=speed, method="duty-cycle", cpus=speed, note=note)
+
+
+def emulate_speed(speed: float, threads: int) -> Emulation:
+    """Throttle this process to ``speed`` of its ``threads`` CPUs.
+
+    Args:
+        speed: factor in (0, 1]; 1 does nothing.
+        threads: CPU threads this rank computes with.
+
+    Returns:
+        What was done (also logged); the throttle lasts until the process exits.
+    """
+    if speed >= 1.0:
+        return Emulation(speed=1.0, method="none", cpus=float(threads))
+    cpus = speed * max(threads, 1)
+    reasons = []
+    for attempt in (_cgroup_v1, _cgroup_v2):
+        try:
+            emu = attempt(cpus)
+            emu = Emulation(speed=speed, method=emu.method, cpus=cpus, control=emu.control)
+            log.info("emulating speed %.2f: %s quota of %.2f CPU(s) (%s)", speed, emu.method, cpus,
+                     emu.control)
+            return emu
+        except OSError as exc:
+            reasons.append(f"{attempt.__name__.lstrip('_')}: {exc}")
+    note = "cgroups not writable (" + "; ".join(reasons) + ")"
+    log.warning("emulating speed %.2f with a SIGSTOP/SIGCONT duty cycle: %s", speed, note)
+    return _duty_cycle(speed, note)
+
+
+def set_quota(control: str, cpus: float) -> None:
+    """Change a running rank's quota (``control`` from :class:`Emulation`) to ``cpus`` CPUs."""
+    path = Path(control)
+    quota = max(1000, int(cpus * PERIOD_US))
+    path.write_text(f"{quota} {PERIOD_US}" if path.name == "cpu.max" else str(quota))
+
+
+def record(emu: Emulation, run_dir: Path, rank: int) -> Path:
+    """Write ``logs/rank<N>.emulation.json``."""
+    path = Path(run_dir) / "logs" / f"rank{rank}.emulation.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(emu.to_dict(), indent=1))
+    return path

@@ -1,0 +1,85 @@
+"""Emulated device classes really slow a rank: measured as CPU share, not elapsed time.
+
+A child process throttles itself with :func:`emulate_speed` and spins; its CPU time divided by
+its wall time is its CPU share. The CFS quota caps that share however busy the machine is, so
+the upper bound is a property of the kernel, not of this machine's speed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hetseq_hpc.env.emulation import CGROUP_V1_CPU, emulate_speed
+
+CHILD = """
+import json, sys, time
+from pathlib import Path
+from hetseq_hpc.env import emulation
+speed, mode = float(sys.argv[1]), sys.argv[2]
+if mode == "duty":
+    emu = emulation._duty_cycle(speed, "forced by the test")
+else:
+    emu = emulation.emulate_speed(speed, 1)
+time.sleep(0.05)
+c0, w0 = time.process_time(), time.perf_counter()
+x = 0
+while time.perf_counter() - w0 < 1.5:
+    x += 1
+share = (time.process_time() - c0) / (time.perf_counter() - w0)
+throttled = None
+if emu.control and emu.control.endswith("cfs_quota_us"):
+    stat = Path(emu.control).with_name("cpu.stat").read_text().split()
+    throttled = int(stat[stat.index("nr_throttled") + 1])
+print(json.dumps({"share": share, "method": emu.method, "throttled": throttled}))
+"""
+
+
+def _share(speed: float, mode: str = "auto") -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, str(speed), mode], capture_output=True,
+                         text=True, timeout=60, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _cgroup_writable() -> str:
+    try:
+        probe = CGROUP_V1_CPU / "hetseq-writable-probe"
+        probe.mkdir(exist_ok=True)
+        probe.rmdir()
+        return ""
+    except OSError as exc:
+        return f"cgroup v1 cpu controller not writable here ({exc}); the duty-cycle test covers it"
+
+
+@pytest.mark.skipif(bool(_cgroup_writable()), reason=_cgroup_writable() or "writable")
+def test_cgroup_quota_caps_the_cpu_share():
+    slow = _share(0.3)
+    assert slow["method"] == "cgroup-v1"
+    assert slow["share"] <= 0.4, slow  # quota 0.3 CPU: the kernel enforces the ceiling
+    assert slow["throttled"] and slow["throttled"] > 0, "the CFS throttled the rank"
+    full = _share(1.0)
+    assert full["method"] == "none"
+    assert slow["share"] <= 0.6 * full["share"], (slow, full)
+
+
+def test_duty_cycle_fallback_slows_too():
+    slow = _share(0.3, "duty")
+    assert slow["method"] == "duty-cycle"
+    assert slow["share"] <= 0.5, slow
+
+
+def test_full_speed_does_nothing():
+    emu = emulate_speed(1.0, 4)
+    assert emu.method == "none" and emu.control is None and emu.cpus == 4.0
+
+
+def test_no_stale_cgroups_are_left_behind():
+    _share(0.5)
+    if CGROUP_V1_CPU.is_dir():
+        left = [p.name for p in CGROUP_V1_CPU.iterdir() if p.name.startswith("hetseq-")
+                and p.name[7:].isdigit() and not Path(f"/proc/{p.name[7:]}").exists()]
+        assert not left, left
