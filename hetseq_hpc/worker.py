@@ -171,7 +171,7 @@ def write_allocation_json(run_dir: Path, allocation: Allocation, reports: List[D
         "digest": allocation.digest(),
         "ranks": [
             {**r["meta"], "world": r["world"], "probe": r["probe"], "calibration": r["calibration"],
-             "precision": r["precision"],
+             "precision": r["precision"], "emulation": r.get("emulation"),
              "share": allocation.to_dict()["shares"][i]}
             for i, r in enumerate(reports)
         ],

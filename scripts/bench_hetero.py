@@ -16,10 +16,20 @@ cpu.cfs_quota_us) and counts the steps re-balancing needs to get back above 0.9 
 
 It prints a table and, last, one JSON line with efficiency_equal = thr(b)/sum thr(a),
 efficiency_balanced = thr(c)/sum thr(a), speedup = thr(c)/thr(b) and overhead_vs_ddp =
-step time of hetseq_hpc / step time of plain DDP - 1. Throughput = global batch / median step
-time over the steps after warm-up. Targets: efficiency_balanced >= 0.95, overhead_vs_ddp <= 0.02.
+step time of hetseq_hpc / step time of plain DDP - 1. Targets: efficiency_balanced >= 0.95,
+overhead_vs_ddp <= 0.02.
 
-    python scripts/bench_hetero.py [--steps 60] [--slow 0.35] [--out DIR]
+How it measures: a step's time is the wall-clock time between consecutive steps' ends
+(hetseq_hpc: the ``time`` field of metrics.jsonl rows, so logging and metrics writing count;
+plain DDP: its loop), and throughput = global batch / median step time after warm-up. Runs on
+a shared 2-core VM drift by +-5-10 % from one run to the next, so (d) alternates plain DDP and
+hetseq_hpc ``--repeats`` times and compares the medians of the runs' medians. The global batch
+(default 128) and the micro-batch cap (default 32; plain DDP accumulates the same way) are the
+same in every scenario; with a small global batch, the fixed per-step costs every data-parallel
+rank pays (all-reduce, optimizer step) dominate this small model's step, and one huge
+micro-batch runs slower per sample on a CPU than several of 32.
+
+    python scripts/bench_hetero.py [--global-batch 128] [--steps 30] [--slow 0.35] [--out DIR]
 """
 
 from __future__ import annotations
@@ -27,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -36,14 +45,17 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-GLOBAL_BATCH = 32
+GLOBAL_BATCH = 128  # set from --global-batch in main()
+MICRO_BATCH = 32  # the same micro-batch cap everywhere (set from --micro-batch)
 COMMON = ["trainer.val_every=0", "trainer.checkpoint_every=0", "trainer.keep_checkpoints=1",
-          "cluster.threads_per_rank=1", f"trainer.global_batch_size={GLOBAL_BATCH}"]
+          "cluster.threads_per_rank=1"]
 
 
 def run_cli(run_dir: Path, *overrides: str, on_row=None) -> list:
     """Run ``python -m hetseq_hpc`` to the end; ``on_row(rows)`` is called as metrics arrive."""
-    cmd = [sys.executable, "-m", "hetseq_hpc", *COMMON, *overrides, f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, "-m", "hetseq_hpc", *COMMON, f"trainer.global_batch_size={GLOBAL_BATCH}",
+           f"trainer.max_micro_batch={MICRO_BATCH}",
+           *overrides, f"hydra.run.dir={run_dir}"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     metrics = run_dir / "metrics.jsonl"
@@ -61,63 +73,48 @@ def run_cli(run_dir: Path, *overrides: str, on_row=None) -> list:
     return [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
 
 
+def step_times(rows: list, warmup: int) -> list:
+    """Wall-clock seconds between consecutive step ends, for steps after ``warmup``."""
+    return [b["time"] - a["time"] for a, b in zip(rows, rows[1:]) if b["step"] > warmup]
+
+
 def throughput(rows: list, warmup: int) -> float:
     """Global batch / median step time (s) over steps after ``warmup``."""
-    times = [r["step_time_s"] for r in rows if r["step"] > warmup]
-    return GLOBAL_BATCH / statistics.median(times)
+    return GLOBAL_BATCH / statistics.median(step_times(rows, warmup))
 
 
-def plain_ddp_step_time(steps: int, warmup: int, cache: str) -> float:
-    """Median step time of textbook DDP (mean loss, DDP's averaging all-reduce, AdamW, clipping)
-    on the same model, data and equal split, 2 unthrottled ranks x 1 thread."""
+def plain_ddp_step_time(steps: int, warmup: int) -> float:  # noqa: D103 - see below
+    """Median step time (s) of textbook DDP (scripts/plain_ddp.py) on the same model, data and
+    equal split, 2 unthrottled ranks x 1 thread."""
     out = Path(tempfile.mkdtemp()) / "plain.json"
-    code = f"""
-import json, os, statistics, time, torch, torch.distributed as dist, torch.multiprocessing as mp
-from torch.nn.parallel import DistributedDataParallel as DDP
-from hetseq_hpc.config.schema import BertTaskConfig
-from hetseq_hpc.tasks import build_task
-from hetseq_hpc.env.world import free_port
-from hetseq_hpc.train.sampler import GlobalBatchSampler
+    subprocess.run([sys.executable, str(REPO / "scripts" / "plain_ddp.py"), "--steps", str(steps),
+                    "--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(MICRO_BATCH),
+                    "--out", str(out)], cwd=REPO, check=True)
+    return statistics.median(json.loads(out.read_text())[warmup:])
 
-def worker(rank, port):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2)
-    cfg = BertTaskConfig(); cfg.data.cache_dir = {cache!r}
-    task = build_task(cfg, 0); task.load()
-    torch.manual_seed(0)
-    model = DDP(task.build_model())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sampler = GlobalBatchSampler(task.num_train, {GLOBAL_BATCH}, 0)
-    times = []
-    for step in range({steps}):
-        t0 = time.perf_counter()
-        epoch, (pos,) = sampler.rank_micro_batches(step, rank * {GLOBAL_BATCH // 2}, [{GLOBAL_BATCH // 2}])
-        batch = task.make_batch(pos, epoch, "train")
-        loss = model(**batch) / task.count(batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step(); opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-    if rank == 0:
-        json.dump(times, open({str(out)!r}, "w"))
-    dist.destroy_process_group()
 
-if __name__ == "__main__":
-    mp.spawn(worker, args=(free_port(),), nprocs=2)
-"""
-    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
-    times = json.loads(out.read_text())
-    return statistics.median(times[warmup:])
+def _cpu_model() -> str:
+    from hetseq_hpc.env.hardware import _cpu_model as model
+
+    return model()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=60, help="steps per measured run")
-    parser.add_argument("--warmup", type=int, default=10, help="steps left out of the medians")
+    parser.add_argument("--global-batch", type=int, default=128, help="global batch, every scenario")
+    parser.add_argument("--micro-batch", type=int, default=32,
+                        help="micro-batch cap, every scenario (larger ones run slower per sample "
+                             "on CPU)")
+    parser.add_argument("--steps", type=int, default=30, help="steps per measured run")
+    parser.add_argument("--alone-steps", type=int, default=12, help="steps per standalone run")
+    parser.add_argument("--warmup", type=int, default=4, help="steps left out of the medians")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating runs for (d)")
     parser.add_argument("--slow", type=float, default=0.35, help="speed of the slow rank")
     parser.add_argument("--changed", type=float, default=0.7, help="slow rank's speed after the change")
     parser.add_argument("--out", type=Path, default=None, help="keep run directories here")
     args = parser.parse_args()
+    global GLOBAL_BATCH, MICRO_BATCH
+    GLOBAL_BATCH, MICRO_BATCH = args.global_batch, args.micro_batch
     root = args.out or Path(tempfile.mkdtemp(prefix="bench-hetero-"))
     root.mkdir(parents=True, exist_ok=True)
     steps = [f"trainer.max_steps={args.steps}"]
@@ -127,8 +124,8 @@ def main() -> None:
     alone = {}
     for speed in (1.0, args.slow, args.changed):
         rows = run_cli(root / f"alone-{speed}", "cluster.ranks=1", f"cluster.speeds=[{speed}]",
-                       *steps)
-        alone[speed] = throughput(rows, args.warmup)
+                       f"trainer.max_steps={args.alone_steps}")
+        alone[speed] = throughput(rows, min(args.warmup, args.alone_steps // 3))
     ideal = alone[1.0] + alone[args.slow]
     speeds = f"cluster.speeds=[1.0,{args.slow}]"
     half = GLOBAL_BATCH // 2
@@ -138,20 +135,34 @@ def main() -> None:
     auto_rows = run_cli(root / "auto", "cluster.ranks=2", speeds, "trainer.rebalance_every=10",
                         "trainer.plot=true", *steps)
     thr_equal, thr_auto = throughput(equal_rows, args.warmup), throughput(auto_rows, args.warmup)
-    # (d) plain DDP vs hetseq_hpc, both unthrottled, equal split
-    cache = None
+    # the planner's prediction for (c), from the standalone throughputs as its probe
+    probe = root / "standalone-probe.json"
+    probe.write_text(json.dumps({"ranks": [
+        {"rank": r, "device": f"cpu @{s}", "calibration": {"samples_per_s": alone[s],
+                                                           "max_micro_batch": MICRO_BATCH}}
+        for r, s in enumerate((1.0, args.slow))]}))
+    plan_out = subprocess.run(
+        [sys.executable, "-m", "hetseq_hpc.plan", "cluster.ranks=2", speeds,
+         f"trainer.global_batch_size={GLOBAL_BATCH}", f"trainer.max_micro_batch={MICRO_BATCH}",
+         f"plan.probe={probe}"], cwd=REPO, capture_output=True, text=True)
+    predicted = None
+    if plan_out.returncode == 0:
+        predicted = json.loads(plan_out.stdout.strip().splitlines()[-1])["predicted_samples_per_s"]
+    else:
+        print(f"planner failed: {plan_out.stderr.strip()[-500:]}", file=sys.stderr)
+
+    # (d) plain DDP vs hetseq_hpc, both unthrottled, equal split, alternating runs
     alloc = json.loads((root / "auto" / "allocation.json").read_text())
-    hetseq_rows = run_cli(root / "unthrottled", "cluster.ranks=2",
-                          f"trainer.allocation=[{half},{half}]", *steps)
-    for cand in (Path(os.environ.get("HETSEQ_CACHE", "")), Path.home() / ".cache" / "hetseq_hpc"):
-        if str(cand) and cand.is_dir():
-            cache = str(cand)
-            break
-    hetseq_step = statistics.median(r["step_time_s"] for r in hetseq_rows if r["step"] > args.warmup)
-    ddp_step = plain_ddp_step_time(args.steps, args.warmup, cache)
+    hetseq_runs, ddp_runs = [], []
+    for i in range(args.repeats):
+        ddp_runs.append(plain_ddp_step_time(args.steps, args.warmup))
+        rows = run_cli(root / f"unthrottled-{i}", "cluster.ranks=2",
+                       f"trainer.allocation=[{half},{half}]", *steps)
+        hetseq_runs.append(statistics.median(step_times(rows, args.warmup)))
+    hetseq_step, ddp_step = statistics.median(hetseq_runs), statistics.median(ddp_runs)
 
     # scenario 2: the slow rank's quota changes mid-run
-    change_at = args.steps // 3
+    change_at = args.steps // 2
     changed = {}
 
     def maybe_change(rows):
@@ -169,9 +180,9 @@ def main() -> None:
     new_ideal = alone[1.0] + alone[args.changed]
     recovered = None
     after = [r for r in change_rows if r["step"] > changed.get("step", 10**9)]
-    for i in range(len(after) - 2):
-        window = after[i:i + 3]
-        eff = GLOBAL_BATCH / statistics.median(r["step_time_s"] for r in window) / new_ideal
+    for i in range(1, len(after) - 2):
+        window = after[i - 1:i + 3]
+        eff = GLOBAL_BATCH / statistics.median(step_times(window, 0)) / new_ideal
         if eff >= 0.9:
             recovered = window[0]["step"] - changed["step"]
             break
@@ -183,13 +194,15 @@ def main() -> None:
         "speedup": thr_auto / thr_equal,
         "overhead_vs_ddp": hetseq_step / ddp_step - 1,
         "steps_to_recover": recovered,
-        "machine": f"{platform.node()} {os.cpu_count()} CPU {platform.processor() or platform.machine()}",
+        "planner_error": (predicted / thr_auto - 1) if predicted else None,
+        "global_batch": GLOBAL_BATCH,
+        "machine": f"{os.cpu_count()} CPU {_cpu_model()}",
         "emulation": alloc["ranks"][1].get("emulation", {}).get("method"),
     }
     line = "-" * 72
     print(line)
     print(f"hetseq_hpc heterogeneous benchmark: BERT default model, global batch {GLOBAL_BATCH}, "
-          f"{args.steps} steps/run, medians after {args.warmup}")
+          f"{args.steps} steps/run, medians after {args.warmup}; {result['machine']}")
     print(line)
     print(f"(a) standalone   speed 1.00: {alone[1.0]:7.1f} samples/s")
     print(f"                 speed {args.slow:.2f}: {alone[args.slow]:7.1f} samples/s   "
@@ -199,8 +212,13 @@ def main() -> None:
     print(f"(c) hetseq_hpc   {alloc['allocation']['shares'][0]['samples']}/"
           f"{alloc['allocation']['shares'][1]['samples']} (calibrated): {thr_auto:7.1f} samples/s   "
           f"efficiency {result['efficiency_balanced']:.3f}   speedup {result['speedup']:.2f}x")
+    if predicted:
+        print(f"    planner predicted {predicted:7.1f} samples/s for (c): "
+              f"{result['planner_error']:+.1%} off the measurement")
     print(f"(d) unthrottled  plain DDP {ddp_step * 1000:6.1f} ms/step, hetseq_hpc "
-          f"{hetseq_step * 1000:6.1f} ms/step: overhead {result['overhead_vs_ddp']:+.3f}")
+          f"{hetseq_step * 1000:6.1f} ms/step: overhead {result['overhead_vs_ddp']:+.3f} "
+          f"(runs: DDP {[round(t * 1000, 1) for t in ddp_runs]}, "
+          f"hetseq_hpc {[round(t * 1000, 1) for t in hetseq_runs]} ms)")
     print(f"scenario 2: slow rank {args.slow} -> {args.changed} at step {changed.get('step')} "
           f"({changed.get('method')}); re-allocations {[(r['at_step'], r['to']) for r in reallocs]}; "
           f"back above 0.9 after {recovered} steps")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from typing import Dict, List
+from typing import List
 
 from hetseq_hpc.config.schema import PartitionConfig, SlurmClusterConfig, check_sbatch_value
 from hetseq_hpc.errors import ConfigError
@@ -117,5 +117,4 @@ def sbatch_safe(where: str, value: str) -> str:
     return value
 
 
-__all__ = ["PREEMPT_SIGNAL", "component_options", "render_sbatch", "sbatch_safe", "srun_command",
-           "Dict"]
+__all__ = ["PREEMPT_SIGNAL", "component_options", "render_sbatch", "sbatch_safe", "srun_command"]

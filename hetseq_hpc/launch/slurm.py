@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -29,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-import submitit
 from submitit.core import utils as submitit_utils
 from submitit.slurm.slurm import SlurmExecutor, SlurmInfoWatcher, SlurmJob
 
@@ -388,5 +386,4 @@ def job_from_run_dir(run_dir: Path) -> Tuple[HetSlurmJob, int]:
 
 __all__ = ["HetSlurmExecutor", "HetSlurmInfoWatcher", "HetSlurmJob", "HetseqJobFunction",
            "check_partitions", "fold_states", "launch_slurm", "partition_inventory",
-           "require_slurm", "submitit", "task_outcomes", "wait_for_job", "job_from_run_dir",
-           "os"]
+           "require_slurm", "task_outcomes", "wait_for_job", "job_from_run_dir"]

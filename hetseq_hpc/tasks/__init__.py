@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from hetseq_hpc.errors import ConfigError
 
 
@@ -20,4 +18,4 @@ def build_task(task_cfg, seed: int):
     raise ConfigError(f"task={task_cfg.name!r} is unknown: use task=bert")
 
 
-__all__ = ["build_task", "Path"]
+__all__ = ["build_task"]

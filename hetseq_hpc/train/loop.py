@@ -335,7 +335,7 @@ class Trainer:
         compute = [r["compute_time_s"] for r in ranks]
         mean = sum(compute) / len(compute)
         row = {
-            "step": rec.step, "epoch": rec.epoch, "loss": rec.loss, "lr": rec.lr,
+            "step": rec.step, "time": time.time(), "epoch": rec.epoch, "loss": rec.loss, "lr": rec.lr,
             "grad_norm": rec.grad_norm, "samples_per_s": samples_per_s,
             "tokens_per_s": samples_per_s * self.task.tokens_per_sample,
             "step_time_s": rec.wall_s,

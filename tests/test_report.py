@@ -1,0 +1,58 @@
+"""hetseq_hpc.report: the per-rank PNG from metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hetseq_hpc.errors import HetseqError
+from hetseq_hpc.report import plot_run
+
+from conftest import REPO
+
+
+def _write_metrics(run_dir, steps=12, realloc_at=6):
+    alloc = [20, 8, 4]
+    rows = []
+    for step in range(1, steps + 1):
+        row = {"step": step, "loss": 8.0 - 0.1 * step, "samples_per_s": 300.0,
+               "step_time_s": 0.1, "allocation": list(alloc), "ranks": []}
+        for rank, (device, part, speed) in enumerate(
+                [("cuda:0 A100", "a100", 400.0), ("cuda:0 V100", "v100", 150.0),
+                 ("cuda:0 T4", "t4", 60.0)]):
+            b = alloc[rank]
+            row["ranks"].append({"rank": rank, "device": device, "partition": part,
+                                 "micro_batch": b, "accum_steps": 1, "samples": b,
+                                 "step_time_s": b / speed + 0.01, "compute_time_s": b / speed})
+        if step == realloc_at:
+            row["reallocation"] = {"from": list(alloc), "to": [19, 9, 4], "at_step": step + 1}
+            alloc = [19, 9, 4]
+        rows.append(row)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_plot_run_writes_a_png(tmp_path):
+    _write_metrics(tmp_path)
+    path = plot_run(tmp_path)
+    assert path == tmp_path / "ranks.png"
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 10_000
+    other = plot_run(tmp_path, tmp_path / "sub" / "x.png")
+    assert other.is_file() and other.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_missing_metrics_is_one_line_error(tmp_path):
+    with pytest.raises(HetseqError, match="metrics.jsonl does not exist"):
+        plot_run(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "hetseq_hpc.report", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert proc.stderr.startswith("hetseq-report: error:")
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(HetseqError, match="no step rows"):
+        plot_run(tmp_path)
