@@ -217,15 +217,7 @@ def test_load_invalid_yaml(tmp_path, text):
         load_run_config(path)
     assert str(path) in str(info.value)
     assert "not valid YAML" in str(info.value)
-
-
-@pytest.mark.parametrize("text", INVALID_YAML)
-def test_load_invalid_yaml_message_is_one_line(tmp_path, text):
-    path = tmp_path / "bad.yaml"
-    path.write_text(text)
-    with pytest.raises(ConfigError) as info:
-        load_run_config(path)
-    assert "\n" not in str(info.value)
+    assert "\n" not in str(info.value), "one line"
 
 
 @pytest.mark.parametrize(

@@ -21,49 +21,38 @@ JOB_ID = "12"  # squeue shows 12+0, 12+1; every task sees the leader id
 JOB_PORT = 15000 + 12 % 20000  # 15012
 
 
-def het_env(rank: int, node: str, nodeid: int, job_partition: str) -> dict:
-    """Task environment of the measured het job: component 0 = a100 n1 x 1 task,
-    component 1 = v100 n[3-4] x 1 task per node; step ``srun --het-group=0,1``."""
-    return {
+def _task_env(rank: int, node: str, nodeid: int, groups: list, job_partition: str) -> dict:
+    """A 3-task het-job task environment; ``groups`` = [(nodelist, ntasks, partition), ...]
+    in component order (the merged SLURM_JOB_NODELIST is always n[1,3-4])."""
+    env = {
         "SLURM_PROCID": str(rank),
         "SLURM_NTASKS": "3",
         "SLURM_LOCALID": "0",
         "SLURM_NODEID": str(nodeid),
         "SLURM_JOB_ID": JOB_ID,
-        "SLURM_HET_SIZE": "2",
+        "SLURM_HET_SIZE": str(len(groups)),
         "SLURM_JOB_NODELIST": "n[1,3-4]",
-        "SLURM_JOB_NODELIST_HET_GROUP_0": "n1",
-        "SLURM_JOB_NODELIST_HET_GROUP_1": "n[3-4]",
-        "SLURM_NTASKS_HET_GROUP_0": "1",
-        "SLURM_NTASKS_HET_GROUP_1": "2",
         # unreliable in a multi-group step: measured both v100 and a100 on rank 0
         "SLURM_JOB_PARTITION": job_partition,
-        "SLURM_JOB_PARTITION_HET_GROUP_0": "a100",
-        "SLURM_JOB_PARTITION_HET_GROUP_1": "v100",
         "SLURMD_NODENAME": node,
     }
+    for k, (nodelist, ntasks, partition) in enumerate(groups):
+        env[f"SLURM_JOB_NODELIST_HET_GROUP_{k}"] = nodelist
+        env[f"SLURM_NTASKS_HET_GROUP_{k}"] = str(ntasks)
+        env[f"SLURM_JOB_PARTITION_HET_GROUP_{k}"] = partition
+    return env
+
+
+def het_env(rank: int, node: str, nodeid: int, job_partition: str) -> dict:
+    """Task environment of the measured het job: component 0 = a100 n1 x 1 task,
+    component 1 = v100 n[3-4] x 1 task per node; step ``srun --het-group=0,1``."""
+    return _task_env(rank, node, nodeid, [("n1", 1, "a100"), ("n[3-4]", 2, "v100")], job_partition)
 
 
 def inverse_het_env(rank: int, node: str, nodeid: int) -> dict:
     """The inverse job: component 0 = v100 n[3-4] x 1 task per node, component 1 = a100 n1.
     The merged list is sorted by name (n[1,3-4]) but rank 0 runs on n3."""
-    return {
-        "SLURM_PROCID": str(rank),
-        "SLURM_NTASKS": "3",
-        "SLURM_LOCALID": "0",
-        "SLURM_NODEID": str(nodeid),
-        "SLURM_JOB_ID": JOB_ID,
-        "SLURM_HET_SIZE": "2",
-        "SLURM_JOB_NODELIST": "n[1,3-4]",
-        "SLURM_JOB_NODELIST_HET_GROUP_0": "n[3-4]",
-        "SLURM_JOB_NODELIST_HET_GROUP_1": "n1",
-        "SLURM_NTASKS_HET_GROUP_0": "2",
-        "SLURM_NTASKS_HET_GROUP_1": "1",
-        "SLURM_JOB_PARTITION": "a100",
-        "SLURM_JOB_PARTITION_HET_GROUP_0": "v100",
-        "SLURM_JOB_PARTITION_HET_GROUP_1": "a100",
-        "SLURMD_NODENAME": node,
-    }
+    return _task_env(rank, node, nodeid, [("n[3-4]", 2, "v100"), ("n1", 1, "a100")], "a100")
 
 
 def plain_slurm_env(rank: int, local: int, node: str, nodeid: int) -> dict:
