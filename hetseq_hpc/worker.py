@@ -197,6 +197,7 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
         HetseqError: a bad environment, an impossible allocation, a corrupt checkpoint ...
     """
     run_dir_path = Path(run_dir).resolve()
+    env = os.environ if env is None else env
     world = WorldInfo.from_env(env)
     setup_rank_logging(world.rank, run_dir_path)
     threads = set_threads(run, world, env)
@@ -204,9 +205,9 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
     dev = probe(device.index if device.type == "cuda" else None)
     log.info("rank %d/%d on %s (node %s): %s", world.rank, world.world_size, dev.label,
              world.node_name, dev.note or "probed")
-    if device.type == "cpu" and (os.environ.get("SLURM_JOB_GPUS") or os.environ.get("CUDA_VISIBLE_DEVICES")):
+    if device.type == "cpu" and (env.get("SLURM_JOB_GPUS") or env.get("CUDA_VISIBLE_DEVICES")):
         log.warning("GPUs were allocated (CUDA_VISIBLE_DEVICES=%s) but torch has no CUDA here: "
-                    "training on CPU with gloo", os.environ.get("CUDA_VISIBLE_DEVICES"))
+                    "training on CPU with gloo", env.get("CUDA_VISIBLE_DEVICES"))
     stop_request = StopRequest().install()
     emulation = emulate_speed(emulated_speed(run, world, env), threads)
     if emulation.method != "none":
@@ -214,7 +215,7 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
     precision, autocast = precision_context(run, device, dev)
     task = build_task(run.task, run.trainer.seed)
     with rendezvous(world, device, run.cluster.collective_timeout_s) as rdv:
-        inject = os.environ.get("HETSEQ_INJECT_FAILURE", "")
+        inject = env.get("HETSEQ_INJECT_FAILURE", "")
         if inject.isdigit() and int(inject) == world.rank:
             raise RuntimeError(f"injected failure on rank {world.rank} (HETSEQ_INJECT_FAILURE="
                                f"{inject}): unset it to train")

@@ -81,6 +81,7 @@ class HetSlurmInfoWatcher(SlurmInfoWatcher):
         return {job: {"State": fold_states(states), "JobID": job} for job, states in per_job.items()}
 
     def update(self) -> None:
+        """Refresh every registered job's state (squeue, then sacct for jobs squeue forgot)."""
         command = self._make_command()
         if command is None:
             return

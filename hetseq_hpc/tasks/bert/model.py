@@ -52,6 +52,7 @@ class BertMaskedLM(nn.Module):
         self.mlm = BertForMaskedLM(bert_config(model, vocab_size))
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """``(B, T)`` ids and labels -> 0-dim sum of masked-token cross-entropy."""
         hidden = self.mlm.bert(input_ids=input_ids).last_hidden_state  # (B, T, H)
         selected = labels != IGNORE_INDEX  # (B, T)
         logits = self.mlm.cls(hidden[selected])  # (M, V), M = masked tokens

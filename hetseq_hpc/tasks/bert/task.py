@@ -42,41 +42,51 @@ class BertTask:
         self._data: Optional[PackedText] = None
 
     def prepare(self) -> None:
+        """Train/load the tokenizer and write the packed token cache (rank 0, before the others)."""
         build_packed_text(self.corpus, self.cfg.data.vocab_size, self.cfg.model.max_seq_len,
                           self.directory)
 
     def load(self) -> None:
+        """Memory-map the packed tokens and split train/validation (every rank)."""
         self._data = load_packed_text(self.directory, self.cfg.data.val_fraction)
 
     @property
     def data(self) -> PackedText:
+        """The loaded data; raises DataError before :meth:`load`."""
         if self._data is None:
             raise DataError("BERT data used before load(): call prepare() then load()")
         return self._data
 
     @property
     def num_train(self) -> int:
+        """Training sequences."""
         return int(self.data.train_index.size)
 
     @property
     def num_val(self) -> int:
+        """Validation sequences."""
         return int(self.data.val_index.size)
 
     @property
     def tokens_per_sample(self) -> int:
+        """Tokens per packed sequence, T."""
         return self.data.seq_len
 
     def build_model(self) -> BertMaskedLM:
+        """A freshly initialised model (seed the RNG first)."""
         return BertMaskedLM(self.cfg.model, self.data.vocab_size)
 
     def make_batch(self, positions: Sequence[int], epoch: int, split: str) -> Dict[str, torch.Tensor]:
+        """Masked batch of split positions: ``input_ids``/``labels`` of shape ``(len(positions), T)``."""
         index = self.data.train_index if split == "train" else self.data.val_index
         rows = index[np.asarray(positions, dtype=np.int64)]
         return make_mlm_batch(self.data, rows, self.cfg.data.mask_prob, self.seed, epoch, split)
 
     def count(self, batch: Dict[str, torch.Tensor]) -> int:
+        """Masked tokens in ``batch`` (the loss normaliser's units)."""
         return int((batch["labels"] != IGNORE_INDEX).sum())
 
     def flops_per_sample(self, model: BertMaskedLM) -> float:
+        """Training FLOPs per sample at the configured masking rate (for MFU)."""
         seq = self.data.seq_len
         return model.flops_per_sample(seq, self.cfg.data.mask_prob * (seq - 2))
