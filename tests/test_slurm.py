@@ -291,3 +291,24 @@ def test_failing_rank_is_named_with_its_reason(tmp_path, token_cache):
     assert proc.returncode == 1
     line = proc.stderr.strip().splitlines()[-1]
     assert "rank 2 failed" in line and "injected failure on rank 2" in line, line
+
+
+@pytest.mark.slurm
+@needs_slurm
+@pytest.mark.parametrize("override, named", [
+    ("cluster.partitions.a100.partition=h100", "cluster.partitions.a100.partition='h100' does not exist"),
+    ("cluster.partitions.a100.gpu_type=t4", "cluster.partitions.a100.gpu_type='t4'"),
+    ("cluster.partitions.v100.nodes=3", "cluster.partitions.v100.nodes=3"),
+])
+def test_presubmission_checks_submit_nothing(tmp_path, token_cache, override, named):
+    """sinfo says the partition is missing, lacks the GRES type or the nodes: one line, exit 2,
+    and no job reaches the queue."""
+    before = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True,
+                            text=True).stdout.split()
+    proc = _cli(tmp_path, token_cache, override)
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("hetseq-hpc: error:") and named in line, line
+    after = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True,
+                           text=True).stdout.split()
+    assert after == before and not (tmp_path / "job.json").exists()
