@@ -68,6 +68,10 @@ def _hydra_main(cfg: DictConfig) -> Any:
     except HetseqError as exc:
         print(f"hetseq-hpc: error: {exc}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:
+        print(f"hetseq-hpc: interrupted; the ranks checkpointed after their last step: continue "
+              f"with hydra.run.dir={run_dir} trainer.resume=auto", file=sys.stderr)
+        sys.exit(130)
 
 
 def precheck_overrides(argv: List[str]) -> None:

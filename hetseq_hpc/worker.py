@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -309,6 +310,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir or Path(args.config).parent).resolve()
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) or 0)
+    if os.environ.get("HETSEQ_IGNORE_SIGINT"):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     run = None
     try:
         run = load_run_config(args.config)

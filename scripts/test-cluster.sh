@@ -156,20 +156,16 @@ apt_busy() {
     return 1
 }
 
-apt_log_done() { [[ ! -f /tmp/apt.log ]] || grep -q APTDONE /tmp/apt.log; }
-
-# If an install is already under way (the machine's provisioning runs apt-get with its output
-# in /tmp/apt.log and ends that log with APTDONE), wait for it rather than racing it for the
-# dpkg lock. Stop waiting when Slurm is there, when the log says done and no apt/dpkg runs,
-# when no apt/dpkg has run for 15 s (an aborted provisioning), or after 10 min.
+# If another apt-get/dpkg run is under way (a machine's provisioning, say), wait for it rather
+# than race it for the dpkg lock: until Slurm is there, no apt/dpkg has run for 15 s, or 10 min.
 wait_for_running_apt() {
     local deadline=$(( SECONDS + 600 )) idle_since=$SECONDS
-    apt_busy || ! apt_log_done || return 0
-    log "an apt-get/dpkg run is in progress (see /tmp/apt.log); waiting for it"
+    apt_busy || return 0
+    log "an apt-get/dpkg run is in progress; waiting for it"
     while (( SECONDS < deadline )); do
         [[ -z "$(missing_cmds)" ]] && return 0
         if apt_busy; then idle_since=$SECONDS
-        elif apt_log_done || (( SECONDS - idle_since >= 15 )); then return 0
+        elif (( SECONDS - idle_since >= 15 )); then return 0
         fi
         sleep 1
     done

@@ -189,3 +189,39 @@ def test_rebalancing_keeps_exact_semantics_and_switches_all_ranks_together(
         elif row["step"] == first["at_step"]:
             assert row["allocation"] == first["to"]
     _assert_same_losses(losses(reference_run), losses(tmp_path), range(1, 21))
+
+
+def test_ctrl_c_checkpoints_and_resumes(tmp_path, token_cache):
+    """Ctrl-C (SIGINT to the whole foreground process group, as a terminal sends it): the
+    workers ignore it, the launcher stops them with SIGTERM, they checkpoint after their current
+    step, and the run continues from there with trainer.resume=auto."""
+    cmd = [sys.executable, "-m", "hetseq_hpc", *SMALL_MODEL, "cluster.ranks=2",
+           "trainer.max_steps=100000", "optim.schedule_steps=100000", "trainer.val_every=0",
+           "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(token_cache), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        metrics = tmp_path / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "trainer.resume=auto" in stderr.strip().splitlines()[-1]
+    ckpts = sorted((tmp_path / "checkpoints").glob("step_*.pt"))
+    assert ckpts, "no checkpoint written on Ctrl-C"
+    stopped_at = int(ckpts[-1].stem.split("_")[1])
+    assert stopped_at >= 3 and max(losses(tmp_path)) == stopped_at
+    resumed = subprocess.run(
+        [sys.executable, "-m", "hetseq_hpc", *SMALL_MODEL, "cluster.ranks=2",
+         f"trainer.max_steps={stopped_at + 2}", "optim.schedule_steps=100000",
+         "trainer.val_every=0", "trainer.resume=auto", f"hydra.run.dir={tmp_path}"],
+        cwd=REPO, env=cli_env(token_cache), capture_output=True, text=True, timeout=600)
+    _ok(resumed)
+    assert sorted(losses(tmp_path)) == list(range(1, stopped_at + 3))

@@ -64,6 +64,9 @@ def rank_environments(run: RunConfig, config_path: Path) -> List[Dict[str, str]]
             "OMP_NUM_THREADS": str(threads),
             "HETSEQ_THREADS": str(threads),
             "PYTHONUNBUFFERED": "1",
+            # Ctrl-C reaches the launcher, which stops the ranks with SIGTERM: they checkpoint
+            # after the current step instead of dying inside a collective
+            "HETSEQ_IGNORE_SIGINT": "1",
         })
         if cluster.speeds:
             env["HETSEQ_EMULATE_SPEED"] = str(cluster.speeds[rank])
