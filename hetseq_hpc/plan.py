@@ -25,7 +25,10 @@ the run schema):
                           (default 100 = InfiniBand EDR; 20 = loopback on cluster=local).
     plan.latency_us=10    per-message latency of one ring step, microseconds.
     plan.mfu=0.35         model FLOPs utilisation assumed against the datasheet peak, (0, 1].
-    plan.overlap=0.0      share of the all-reduce hidden behind the backward pass, [0, 1].
+    plan.overlap=ddp      how much all-reduce hides behind the backward pass: ``ddp`` (default)
+                          models DDP's 25 MiB buckets overlapping the last micro-batch's
+                          backward (Li et al., VLDB 2020); a number in [0, 1] fixes the hidden
+                          share (0 = nothing overlaps, a lower bound, also printed).
     plan.peak=runtime     ``runtime``: the precision the runtime picks (trainer.precision=auto
                           -> bf16 tensor cores on compute capability >= 8.0, fp32 elsewhere);
                           ``tensor``: every GPU at its tensor-core peak (fp16 on V100/T4; what a
@@ -41,7 +44,8 @@ Cost model (all pure functions below; units in the names):
 - split = :func:`hetseq_hpc.allocation.allocate` (what every rank computes at run time);
   comparison = :func:`hetseq_hpc.allocation.equal_split`;
 - compute_i [s] = samples_i / throughput_i (accumulation overheads ignored);
-  step [s] = max_i compute_i + all-reduce x (1 - overlap);
+  step [s] = max_i compute_i + exposed all-reduce (DDP's bucketed overlap by default, see
+  :func:`ddp_exposed_allreduce_s`, or all-reduce x (1 - plan.overlap));
 - ring all-reduce [s] = 2 (N-1)/N x gradient bytes / bandwidth + 2 (N-1) x latency
   (Thakur, Rabenseifner & Gropp, IJHPCA 2005; Patarasuk & Yuan, JPDC 2009); gradients are
   fp32 (parameters and all-reduced gradients stay fp32 under autocast);
@@ -77,7 +81,11 @@ DEFAULT_MFU = 0.35
 DEFAULT_LINK_GBPS = 100.0  # InfiniBand EDR, 4x 25 Gbit/s
 DEFAULT_LOCAL_LINK_GBPS = 20.0  # gloo over loopback TCP on one machine, a rough figure
 DEFAULT_LATENCY_US = 10.0
-DEFAULT_OVERLAP = 0.0
+DEFAULT_OVERLAP = "ddp"
+#: DDP's default bucket size (``bucket_cap_mb=25``)
+DDP_BUCKET_BYTES = 25 * 2**20
+#: share of a step's matmul FLOPs in the backward pass (2 of the 3 passes)
+BACKWARD_SHARE = 2.0 / 3.0
 
 
 # --------------------------------------------------------------------------- GPU datasheet table
@@ -232,8 +240,9 @@ class Prediction:
     balanced: SplitTime
     equal: SplitTime
     allreduce_s: float  # full ring all-reduce time
-    exposed_allreduce_s: float  # allreduce_s x (1 - overlap)
+    exposed_allreduce_s: float  # what the balanced step waits for after compute
     ideal_samples_per_s: float
+    no_overlap_samples_per_s: float = 0.0  # balanced split if nothing overlapped (a lower bound)
 
     @property
     def world_size(self) -> int:
@@ -267,8 +276,36 @@ class Prediction:
             "step_time_s": round(self.balanced.step_s, 6),
             "equal_split_step_time_s": round(self.equal.step_s, 6),
             "allreduce_s": round(self.allreduce_s, 6),
+            "efficiency_no_overlap": round(self.no_overlap_samples_per_s / self.ideal_samples_per_s, 4),
             "allocation_source": self.balanced.allocation.source,
         }
+
+
+def ddp_exposed_allreduce_s(allocation: Allocation, throughputs: Sequence[float],
+                            allreduce_s: float, gradient_bytes: float) -> float:
+    """All-reduce time left after the last rank's compute, with DDP's bucketed overlap, seconds.
+
+    DDP all-reduces gradients in buckets (``bucket_cap_mb=25``) as the backward pass fills them,
+    in reverse layer order, overlapping communication with the rest of the backward (Li et al.,
+    "PyTorch Distributed", VLDB 2020, sections 3.2.3-3.2.4). Under gradient accumulation only the
+    LAST micro-batch's backward overlaps (``no_sync`` before it). With K buckets: rank i's bucket
+    k is ready at ``end_i - (1 - (k+1)/K) x backward_i`` (``backward_i`` = 2/3 of its last
+    micro-batch's time); a bucket's ring all-reduce (``allreduce_s / K``, bandwidth-bound) starts
+    when every rank has it AND the previous bucket is done. Returns the time from the last rank's
+    end of compute to the last bucket's end (one bucket = no overlap).
+    """
+    if allreduce_s <= 0:
+        return 0.0
+    k_buckets = max(1, math.ceil(gradient_bytes / DDP_BUCKET_BYTES))
+    ends = [b / t for b, t in zip(allocation.samples, throughputs)]
+    backward = [BACKWARD_SHARE * share.micro_sizes[-1] / t
+                for share, t in zip(allocation.shares, throughputs)]
+    per_bucket = allreduce_s / k_buckets
+    finish = float("-inf")
+    for k in range(k_buckets):
+        ready = max(end - (1.0 - (k + 1) / k_buckets) * bw for end, bw in zip(ends, backward))
+        finish = max(ready, finish) + per_bucket
+    return max(0.0, finish - max(ends))
 
 
 def _timed(allocation: Allocation, throughputs: Sequence[float], exposed_s: float) -> SplitTime:
@@ -279,7 +316,7 @@ def _timed(allocation: Allocation, throughputs: Sequence[float], exposed_s: floa
 
 def predict(throughputs: Sequence[float], global_batch_size: int, caps: Sequence[int],
             gradient_bytes: float, link_gbps: float, latency_s: float = DEFAULT_LATENCY_US * 1e-6,
-            overlap: float = DEFAULT_OVERLAP, forced: Optional[Sequence[int]] = None) -> Prediction:
+            overlap: Any = DEFAULT_OVERLAP, forced: Optional[Sequence[int]] = None) -> Prediction:
     """Predict the balanced split (the runtime's :func:`allocate`), an equal split and the ideal.
 
     Args:
@@ -289,24 +326,31 @@ def predict(throughputs: Sequence[float], global_batch_size: int, caps: Sequence
         gradient_bytes: bytes all-reduced per step.
         link_gbps: bandwidth per rank, Gbit/s.
         latency_s: latency per ring step, seconds.
-        overlap: share of the all-reduce hidden behind compute, [0, 1].
+        overlap: ``"ddp"`` (DDP's bucketed overlap, :func:`ddp_exposed_allreduce_s`) or a fixed
+            share of the all-reduce hidden behind compute, [0, 1] (0 = a lower bound).
         forced: ``trainer.allocation`` if set (the runtime then uses it).
 
     Raises:
         AllocationError: the batch is smaller than the world, a throughput is not positive ...
     """
     allreduce = ring_allreduce_s(gradient_bytes, len(throughputs), link_gbps, latency_s)
-    exposed = allreduce * (1.0 - overlap)
     balanced = allocate(throughputs, global_batch_size, caps, forced=forced)
     equal = equal_split(len(throughputs), global_batch_size, caps)
+
+    def exposed(split: Allocation) -> float:
+        if overlap == "ddp":
+            return ddp_exposed_allreduce_s(split, throughputs, allreduce, gradient_bytes)
+        return allreduce * (1.0 - float(overlap))
+
     return Prediction(
         throughputs=tuple(float(t) for t in throughputs),
         global_batch_size=int(global_batch_size),
-        balanced=_timed(balanced, throughputs, exposed),
-        equal=_timed(equal, throughputs, exposed),
+        balanced=_timed(balanced, throughputs, exposed(balanced)),
+        equal=_timed(equal, throughputs, exposed(equal)),
         allreduce_s=allreduce,
-        exposed_allreduce_s=exposed,
+        exposed_allreduce_s=exposed(balanced),
         ideal_samples_per_s=float(sum(throughputs)),
+        no_overlap_samples_per_s=_timed(balanced, throughputs, allreduce).samples_per_s,
     )
 
 
@@ -537,7 +581,7 @@ class PlanOptions:
     link_gbps: Optional[float] = None  # None = 100 (SLURM) or 20 (local)
     latency_us: float = DEFAULT_LATENCY_US
     mfu: float = DEFAULT_MFU
-    overlap: float = DEFAULT_OVERLAP
+    overlap: Any = DEFAULT_OVERLAP  # "ddp" or a fraction in [0, 1]
     peak: str = "runtime"
 
 
@@ -580,8 +624,9 @@ def split_argv(argv: Sequence[str]) -> Tuple[List[str], PlanOptions]:
             opts.mfu = _number(key, value, lambda x: 0 < x <= 1, "a fraction in (0, 1], e.g. "
                                "plan.mfu=0.35")
         elif key == "overlap":
-            opts.overlap = _number(key, value, lambda x: 0 <= x <= 1, "a fraction in [0, 1], "
-                                   "e.g. plan.overlap=0.5")
+            opts.overlap = "ddp" if value == "ddp" else _number(
+                key, value, lambda x: 0 <= x <= 1, "ddp or a fraction in [0, 1], e.g. "
+                "plan.overlap=0 for no overlap at all")
         elif key == "peak":
             if value not in ("runtime", "tensor"):
                 raise ConfigError(f"plan.peak={value!r} is unknown: use runtime or tensor")
@@ -812,20 +857,22 @@ def render(plan: Plan) -> str:
         "",
         f"all-reduce: ring over {pred.world_size} ranks, {model.gradient_bytes / 1e6:.1f} MB fp32 "
         f"gradients, {plan.link_gbps:g} Gbit/s (plan.link_gbps), {opts.latency_us:g} us latency "
-        f"(plan.latency_us) = {_ms(pred.allreduce_s)} ms; overlap {opts.overlap:g} "
-        f"(plan.overlap) -> {_ms(pred.exposed_allreduce_s)} ms exposed",
+        f"(plan.latency_us) = {_ms(pred.allreduce_s)} ms; overlap "
+        f"{opts.overlap if opts.overlap == 'ddp' else format(opts.overlap, 'g')} (plan.overlap) "
+        f"-> {_ms(pred.exposed_allreduce_s)} ms exposed",
         "",
         f"{'':<24} {'step ms':>9} {'compute ms':>10} {'all-reduce ms':>13} {'samples/s':>12}",
         f"{'balanced (' + bal.allocation.source + ')':<24} {_ms(bal.step_s):>9} "
         f"{_ms(max(bal.compute_s)):>10} {_ms(pred.exposed_allreduce_s):>13} "
         f"{bal.samples_per_s:>12,.1f}",
         f"{'equal split':<24} {_ms(eq.step_s):>9} {_ms(max(eq.compute_s)):>10} "
-        f"{_ms(pred.exposed_allreduce_s):>13} {eq.samples_per_s:>12,.1f}",
+        f"{_ms(eq.step_s - max(eq.compute_s)):>13} {eq.samples_per_s:>12,.1f}",
         f"{'ideal (sum standalone)':<24} {_ms(ideal_compute):>9} {_ms(ideal_compute):>10} "
         f"{'0':>13} {pred.ideal_samples_per_s:>12,.1f}",
         "",
         f"efficiency {pred.efficiency:.3f} of ideal | speedup {pred.speedup_vs_equal:.2f}x over "
-        f"equal split | all-reduce {pred.allreduce_share:.1%} of the step",
+        f"equal split | all-reduce {pred.allreduce_share:.1%} of the step | without any overlap: "
+        f"efficiency {pred.no_overlap_samples_per_s / pred.ideal_samples_per_s:.3f}",
     ]
     return "\n".join(lines)
 

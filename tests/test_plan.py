@@ -110,7 +110,7 @@ def test_cli_mixed_prints_table_and_json():
         assert key in head
 
 
-def test_campus64_bert_base_beats_equal_split(capsys):
+def test_campus64_bert_base_meets_the_targets(capsys):
     # in-process (the subprocess path is covered above); the model is built on the CPU
     code = plan.main(["cluster=campus64", "task=bert", "trainer.global_batch_size=65536",
                       *BERT_BASE])
@@ -119,10 +119,27 @@ def test_campus64_bert_base_beats_equal_split(capsys):
     head = json.loads(out.strip().splitlines()[-1])
     assert head["world_size"] == 256
     assert head["speedup_vs_equal"] >= 1.5
-    # The brief's second target, efficiency >= 0.9 of the ideal, is NOT met by this model with
-    # its defaults (MFU 0.35, 100 Gbit/s, no overlap): it predicts ~0.895 (0.836 with
-    # plan.peak=tensor). Not asserted; only that the figure is sane and in that region.
-    assert 0.8 < head["efficiency"] <= 1.0
+    # with DDP's bucketed overlap (the default model) only the last bucket is exposed
+    assert head["efficiency"] >= 0.9
+    # the printed lower bound (nothing overlaps) stays below it: ~0.895 at 100 Gbit/s
+    assert 0.8 < head["efficiency_no_overlap"] < head["efficiency"]
+
+
+def test_ddp_overlap_by_hand():
+    """Two equal ranks, 10 samples each at 100 samples/s: compute ends at 0.1 s, the last
+    micro-batch's backward lasts 2/3 x 0.1 s = 66.7 ms."""
+    from hetseq_hpc.allocation import allocate
+
+    split = allocate([100.0, 100.0], 20, [64, 64])
+    # one bucket (1 MB of gradients): ready only at the end -> the whole 10 ms is exposed
+    assert plan.ddp_exposed_allreduce_s(split, [100.0, 100.0], 0.010, 1e6) == pytest.approx(0.010)
+    # 4 buckets of 25 MiB, 10 ms each, ready every 16.7 ms: each finishes before the next is
+    # ready, so only the last bucket's 10 ms remains after compute
+    grads = 4 * plan.DDP_BUCKET_BYTES
+    assert plan.ddp_exposed_allreduce_s(split, [100.0, 100.0], 0.040, grads) == pytest.approx(0.010)
+    # 4 buckets of 40 ms each: communication-bound; bucket 0 starts at 0.1 - 0.05 = 0.05 s and
+    # the four run back to back until 0.05 + 0.16 = 0.21 s -> 0.11 s after compute
+    assert plan.ddp_exposed_allreduce_s(split, [100.0, 100.0], 0.160, grads) == pytest.approx(0.110)
 
 
 def test_unknown_gpu_type_is_one_line_and_exit_2():
