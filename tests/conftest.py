@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Dict, List
 
@@ -61,3 +62,15 @@ def read_rows(run_dir: Path) -> List[dict]:
 def losses(run_dir: Path) -> Dict[int, float]:
     """step -> training loss of a run."""
     return {row["step"]: row["loss"] for row in read_rows(run_dir)}
+
+
+def wait_rows(run_dir: Path, n: int, proc: subprocess.Popen = None, timeout_s: float = 300) -> None:
+    """Wait until ``run_dir/metrics.jsonl`` has ``n`` rows (or ``proc`` ended, or the timeout:
+    a guard against hangs, not a speed check)."""
+    metrics = Path(run_dir) / "metrics.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and (proc is None or proc.poll() is None):
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{metrics} did not reach {n} rows")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SMALL_MODEL, cli_env, losses, read_rows
+from conftest import REPO, SMALL_MODEL, cli_env, losses, read_rows, wait_rows
 
 from hetseq_hpc.config import CONF_DIR, register_configs, to_run_config
 from hetseq_hpc.launch.sbatch import render_sbatch
@@ -70,16 +70,6 @@ def _squeue_state(job_id: str) -> str:
     out = subprocess.run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%i|%T"],
                          capture_output=True, text=True).stdout
     return fold_states([line.split("|")[1] for line in out.splitlines() if "|" in line])
-
-
-def _wait_rows(run_dir: Path, n: int, timeout_s: float = 300) -> None:
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"{metrics} did not reach {n} rows in {timeout_s} s")
 
 
 # ------------------------------------------------------------------ no Slurm needed
@@ -224,7 +214,7 @@ def test_requeue_checkpoints_and_resumes_exactly(tmp_path, token_cache):
     steps = 30
     _ok(_cli(run_dir, token_cache, *EXACT, f"trainer.max_steps={steps}"))
     job_id = json.loads((run_dir / "job.json").read_text())["job_id"]
-    _wait_rows(run_dir, 6)
+    wait_rows(run_dir, 6)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
     deadline = time.monotonic() + 300
     while True:
@@ -264,7 +254,7 @@ def test_cancelled_job_is_an_error_within_seconds(tmp_path, token_cache):
     proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(token_cache), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        _wait_rows(tmp_path, 2)
+        wait_rows(tmp_path, 2)
         job_id = json.loads((tmp_path / "job.json").read_text())["job_id"]
         subprocess.run(["scancel", job_id], check=True)
         t0 = time.monotonic()

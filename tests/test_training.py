@@ -15,12 +15,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SMALL_MODEL, cli_env, losses, read_rows
+from conftest import REPO, SMALL_MODEL, cli_env, losses, read_rows, wait_rows
 
 pytestmark = pytest.mark.slow
 
@@ -150,12 +149,7 @@ def test_dead_rank_stops_the_job_with_a_clear_error(tmp_path, token_cache):
     proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(token_cache), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        metrics = tmp_path / "metrics.jsonl"
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-                break
-            time.sleep(0.2)
+        wait_rows(tmp_path, 2, proc)
         pids = _worker_pids(tmp_path)
         assert set(pids) == {0, 1}, f"workers not found: {pids}"
         os.kill(pids[1], signal.SIGKILL)
@@ -201,12 +195,7 @@ def test_ctrl_c_checkpoints_and_resumes(tmp_path, token_cache):
     proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(token_cache), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        metrics = tmp_path / "metrics.jsonl"
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-                break
-            time.sleep(0.2)
+        wait_rows(tmp_path, 3, proc)
         os.killpg(proc.pid, signal.SIGINT)
         _, stderr = proc.communicate(timeout=120)
     finally:
