@@ -55,7 +55,8 @@ class Calibration:
         return asdict(self)
 
 
-def _saved_bytes(fn: Callable[[], torch.Tensor]) -> tuple:
+def saved_tensor_bytes(fn: Callable[[], torch.Tensor]) -> tuple:
+    """``(fn(), bytes)``: run ``fn`` and count the bytes autograd saves for backward."""
     total = 0
 
     def pack(t: torch.Tensor):
@@ -66,6 +67,17 @@ def _saved_bytes(fn: Callable[[], torch.Tensor]) -> tuple:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = fn()
     return loss, total
+
+
+def memory_cap(memory_budget_bytes: float, param_bytes: float, activation_bytes_per_sample: float,
+               limit: Optional[int] = None) -> int:
+    """Micro-batch cap of a device (the one formula the runtime and the planner share):
+    :func:`~hetseq_hpc.allocation.micro_batch_cap` with budget ``memory x MEMORY_HEADROOM`` and
+    static ``STATIC_PARAM_COPIES x param_bytes`` (weights, gradients, two AdamW moments, one DDP
+    bucket copy). Bytes in, samples out; 0 if not one sample fits."""
+    return micro_batch_cap(float(memory_budget_bytes) * MEMORY_HEADROOM,
+                           float(param_bytes) * STATIC_PARAM_COPIES,
+                           activation_bytes_per_sample, limit)
 
 
 def _sync(device: torch.device) -> None:
@@ -99,7 +111,7 @@ def calibrate(
     def run(n: int) -> tuple:
         batch = {k: v.to(device, non_blocking=True) for k, v in make_batch(n).items()}
         with autocast():
-            loss, saved = _saved_bytes(lambda: model(**batch))
+            loss, saved = saved_tensor_bytes(lambda: model(**batch))
         loss.backward()
         return saved
 
@@ -127,7 +139,7 @@ def calibrate(
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     static = float(param_bytes * STATIC_PARAM_COPIES)
     budget = float(memory_budget_bytes) * MEMORY_HEADROOM
-    cap = micro_batch_cap(budget, static, per_sample, max_micro_batch)
+    cap = memory_cap(memory_budget_bytes, param_bytes, per_sample, max_micro_batch)
     result = Calibration(
         samples_per_s=micro_batch * steps / elapsed,
         micro_batch=micro_batch,

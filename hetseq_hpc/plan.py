@@ -38,8 +38,8 @@ Cost model (all pure functions below; units in the names):
 
 - throughput_i [samples/s] = measured (probe), or datasheet peak FLOP/s x MFU / training
   FLOPs per sample (:meth:`BertMaskedLM.flops_per_sample`, 3 x forward matmul FLOPs);
-- memory cap_i = :func:`hetseq_hpc.allocation.micro_batch_cap` (memory x 0.9, static =
-  5 x parameter bytes, activation bytes per sample measured once on this CPU in fp32 with the
+- memory cap_i = :func:`hetseq_hpc.calibrate.memory_cap`, the runtime's formula (memory x 0.9,
+  static = 5 x parameter bytes, activation bytes per sample measured once on this CPU in fp32 with the
   saved-tensors hook of :mod:`hetseq_hpc.calibrate`, x its safety margin);
 - split = :func:`hetseq_hpc.allocation.allocate` (what every rank computes at run time);
   comparison = :func:`hetseq_hpc.allocation.equal_split`;
@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -68,12 +67,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hetseq_hpc.allocation import Allocation, allocate, equal_split, micro_batch_cap
+from hetseq_hpc.env.hardware import read_meminfo, usable_cores
 from hetseq_hpc.errors import AllocationError, ConfigError
 
-#: share of a device's memory the micro-batch cap may plan with (as hetseq_hpc.calibrate)
-MEMORY_HEADROOM = 0.9
-#: weights + gradients + two AdamW moments + one DDP bucket copy, in parameter sizes
-STATIC_PARAM_COPIES = 5
 #: bytes per parameter / gradient element (fp32 master weights and all-reduced gradients)
 PARAM_BYTES = 4
 #: defaults of the planner options
@@ -201,12 +197,12 @@ def datasheet_throughput(peak_tflops: float, mfu: float, flops_per_sample: float
 
 def memory_cap(memory_bytes: float, param_count: int, activation_bytes_per_sample: float,
                limit: Optional[int] = None) -> int:
-    """Micro-batch cap of a device with ``memory_bytes``: :func:`micro_batch_cap` with budget
-    ``memory x 0.9`` and static ``5 x 4 bytes x parameters`` (weights, gradients, two AdamW
-    moments, one DDP bucket copy), as :func:`hetseq_hpc.calibrate.calibrate` computes it."""
-    static = STATIC_PARAM_COPIES * PARAM_BYTES * param_count
-    return micro_batch_cap(memory_bytes * MEMORY_HEADROOM, static, activation_bytes_per_sample,
-                           limit)
+    """Micro-batch cap of a device with ``memory_bytes`` and ``param_count`` fp32 parameters:
+    the runtime's own formula, :func:`hetseq_hpc.calibrate.memory_cap`."""
+    from hetseq_hpc.calibrate import memory_cap as runtime_memory_cap
+
+    return runtime_memory_cap(memory_bytes, PARAM_BYTES * param_count,
+                              activation_bytes_per_sample, limit)
 
 
 def ring_allreduce_s(gradient_bytes: float, world_size: int, link_gbps: float,
@@ -532,7 +528,7 @@ def measure_model(task_cfg, need_activations: bool, cpu_calibration: Optional[di
     """
     import torch
 
-    from hetseq_hpc.calibrate import ACTIVATION_SAFETY, _saved_bytes
+    from hetseq_hpc.calibrate import ACTIVATION_SAFETY, saved_tensor_bytes
     from hetseq_hpc.tasks.bert.model import BertMaskedLM
 
     model_cfg, data_cfg = task_cfg.model, task_cfg.data
@@ -565,7 +561,7 @@ def measure_model(task_cfg, need_activations: bool, cpu_calibration: Optional[di
         saved = []
         for n in (1, 2):
             batch = make(n)
-            loss, nbytes = _saved_bytes(lambda: model(**batch))
+            loss, nbytes = saved_tensor_bytes(lambda: model(**batch))
             del loss
             saved.append(nbytes)
         info.activation_bytes_per_sample = max(saved[1] - saved[0], 0) * ACTIVATION_SAFETY
@@ -673,24 +669,6 @@ def partitions_of(run) -> List[PartitionSpec]:
             for key, part in cluster.partitions.items()]
 
 
-def _available_ram_bytes() -> float:
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - macOS
-        return os.cpu_count() or 1
-
-
 def _load_probe(path: str) -> Dict[str, Any]:
     file = Path(path)
     if file.is_dir():
@@ -741,9 +719,9 @@ def make_plan(run, opts: PlanOptions) -> Plan:
         source = f"measured calibration from {opts.probe}"
     elif local:
         world = parts[0].ranks
-        threads = run.cluster.threads_per_rank or max(1, _usable_cores() // world)
+        threads = run.cluster.threads_per_rank or max(1, usable_cores() // world)
         budget = (run.cluster.memory_budget_gb * 2**30 if run.cluster.memory_budget_gb
-                  else _available_ram_bytes() / world)
+                  else read_meminfo()[1] / world)
         micro = run.trainer.calibration_micro_batch or max(
             1, min(16, run.trainer.global_batch_size // world))
         model = measure_model(run.task, need_activations=True, cpu_calibration={

@@ -295,8 +295,9 @@ def run_in_job(run: RunConfig, run_dir: str) -> Dict[str, Any]:
         raise SystemExit(3) from None
 
 
-def _error_file(run_dir: Path, rank: int) -> Path:
-    return run_dir / "logs" / f"rank{rank}.error.json"
+def error_file(run_dir: Path, rank: int) -> Path:
+    """``<run dir>/logs/rank<N>.error.json``: a failed rank's one-line reason (launchers read it)."""
+    return Path(run_dir) / "logs" / f"rank{rank}.error.json"
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -331,7 +332,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         logging.getLogger("hetseq_hpc.worker").error("rank %d: %s: %s", rank,
                                                       type(exc).__name__, one_line)
         try:
-            path = _error_file(run_dir, rank)
+            path = error_file(run_dir, rank)
             path.parent.mkdir(parents=True, exist_ok=True)
             _write_json(path, {"rank": rank, "type": type(exc).__name__, "message": one_line,
                                "time": time.time()})

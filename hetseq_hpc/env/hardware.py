@@ -75,7 +75,16 @@ class DeviceProbe:
         return cls(**data)
 
 
-def _read_meminfo() -> Tuple[int, int]:
+def usable_cores() -> int:
+    """Logical CPUs this process may run on (its affinity mask)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS
+        return os.cpu_count() or 1
+
+
+def read_meminfo() -> Tuple[int, int]:
+    """``(total, available)`` RAM in bytes from ``/proc/meminfo`` (0, 0 where it is missing)."""
     total = avail = 0
     try:
         with open("/proc/meminfo") as fh:
@@ -105,11 +114,8 @@ def probe_cpu(note: str = "") -> DeviceProbe:
     """Describe the CPU this process may use (affinity, torch threads, RAM)."""
     import torch
 
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - macOS
-        cores = os.cpu_count() or 1
-    total, avail = _read_meminfo()
+    cores = usable_cores()
+    total, avail = read_meminfo()
     return DeviceProbe(
         kind="cpu",
         name=_cpu_model(),
@@ -157,7 +163,7 @@ def probe_gpu(device_index: int) -> DeviceProbe:
         memory_total_bytes=int(props.total_memory),
         compute_capability=(int(props.major), int(props.minor)),
         sm_count=int(props.multi_processor_count),
-        cpu_cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1,
+        cpu_cores=usable_cores(),
         cpu_threads=torch.get_num_threads(),
     )
     free, _total = torch.cuda.mem_get_info(device_index)

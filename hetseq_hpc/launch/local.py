@@ -22,9 +22,10 @@ from typing import Dict, List, Optional
 
 from hetseq_hpc.config import RunConfig, planned_world_size, save_run_config
 from hetseq_hpc.config.validate import visible_gpu_count
+from hetseq_hpc.env.hardware import usable_cores
 from hetseq_hpc.env.world import free_port
 from hetseq_hpc.errors import LaunchError
-from hetseq_hpc.worker import CONFIG_NAME
+from hetseq_hpc.worker import CONFIG_NAME, error_file
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +33,6 @@ log = logging.getLogger(__name__)
 POLL_S = 0.2
 #: seconds a stopped worker gets between SIGTERM and SIGKILL
 TERM_GRACE_S = 10.0
-
-
-def usable_cores() -> int:
-    """CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - macOS
-        return os.cpu_count() or 1
 
 
 def rank_environments(run: RunConfig, config_path: Path) -> List[Dict[str, str]]:
@@ -88,7 +81,7 @@ def _stop(procs: List[subprocess.Popen]) -> None:
 
 
 def _failure_reason(run_dir: Path, rank: int, code: int) -> str:
-    err = run_dir / "logs" / f"rank{rank}.error.json"
+    err = error_file(run_dir, rank)
     if err.is_file():
         try:
             data = json.loads(err.read_text())
@@ -128,9 +121,8 @@ def launch_local(run: RunConfig, run_dir: Path, poll_s: float = POLL_S) -> Dict:
                 # a rank killed by a signal is the cause, its peers' "connection closed" errors
                 # the effect; otherwise the earliest error file names the first failure
                 def first(r: int) -> tuple:
-                    err = run_dir / "logs" / f"rank{r}.error.json"
                     try:
-                        when = json.loads(err.read_text())["time"]
+                        when = json.loads(error_file(run_dir, r).read_text())["time"]
                     except (OSError, ValueError, KeyError):
                         when = float("inf")
                     return (0 if codes[r] < 0 else 1, when, r)

@@ -20,7 +20,7 @@ import re
 import shlex
 from typing import List
 
-from hetseq_hpc.config.schema import PartitionConfig, SlurmClusterConfig, check_sbatch_value
+from hetseq_hpc.config.schema import PartitionConfig, SlurmClusterConfig
 from hetseq_hpc.errors import ConfigError
 
 #: signal Slurm sends ``signal_delay_s`` before the time limit (submitit's default, USR2:
@@ -111,10 +111,4 @@ def render_sbatch(cluster: SlurmClusterConfig, folder: str, python: str) -> str:
     return "\n".join(lines)
 
 
-def sbatch_safe(where: str, value: str) -> str:
-    """Validate and return ``value`` for an ``#SBATCH`` line (see ``check_sbatch_value``)."""
-    check_sbatch_value(where, value)
-    return value
-
-
-__all__ = ["PREEMPT_SIGNAL", "component_options", "render_sbatch", "sbatch_safe", "srun_command"]
+__all__ = ["PREEMPT_SIGNAL", "component_options", "render_sbatch", "srun_command"]
