@@ -101,7 +101,7 @@ class Allocation:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Allocation":
+    def from_dict(cls, data: dict) -> Allocation:
         """Inverse of :meth:`to_dict`."""
         return cls(
             global_batch_size=int(data["global_batch_size"]),
@@ -138,7 +138,7 @@ def proportional_counts(weights: Sequence[float], total: int, minimum: int = 1) 
             raise AllocationError(f"rank {i} has throughput {w}: every rank must measure > 0")
     wsum = float(sum(weights))
     quota = [total * w / wsum for w in weights]
-    counts = [max(minimum, int(math.floor(q))) for q in quota]
+    counts = [max(minimum, math.floor(q)) for q in quota]
     left = total - sum(counts)
     # hand out what is left by largest remainder (ties to the lower rank) ...
     order = sorted(range(n), key=lambda i: (-(quota[i] - counts[i]), i))

@@ -8,18 +8,24 @@ line on stderr: exit code 2 for configuration errors, 1 for failures while runni
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import hydra
-from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from omegaconf import DictConfig
-from omegaconf.errors import OmegaConfBaseException
 
-from hetseq_hpc.config import CONF_DIR, RunConfig, register_configs, to_run_config
+from hetseq_hpc.config import (
+    CONF_DIR,
+    RunConfig,
+    compose_run_config,
+    register_configs,
+    to_run_config,
+)
+from hetseq_hpc.config.compose import apply_empty_dict_overrides
 from hetseq_hpc.errors import ConfigError, HetseqError
 
 log = logging.getLogger("hetseq_hpc")
@@ -27,7 +33,7 @@ log = logging.getLogger("hetseq_hpc")
 
 def dispatch(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
     """Start ``run`` with the launcher its cluster names; returns the launcher's result."""
-    if run.cluster.name == "local":
+    if run.cluster.is_local:
         from hetseq_hpc.launch.local import launch_local
 
         summary = launch_local(run, run_dir)
@@ -58,8 +64,10 @@ def _report(summary: Dict[str, Any], run_dir: Path) -> None:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> Any:
-    run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
     try:
+        apply_empty_dict_overrides(cfg, list(hydra_cfg.overrides.task))
         run = to_run_config(cfg)
         return dispatch(run, run_dir)
     except ConfigError as exc:
@@ -74,22 +82,54 @@ def _hydra_main(cfg: DictConfig) -> Any:
         sys.exit(130)
 
 
+def run_dir_problem(path: str) -> Optional[str]:
+    """Why the run directory ``path`` cannot be created or written, or None if it can: its
+    nearest existing ancestor must be a writable directory."""
+    target = Path(os.path.expanduser(path)).absolute()
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
+
+
+def _run_dir_override(argv: List[str]) -> str:
+    """The value of the last ``hydra.run.dir=`` override (Hydra's grammar, quotes removed), else
+    the working directory (the default run directory lies below it)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    wanted = [a for a in argv if a.lstrip("+").startswith("hydra.run.dir=")]
+    if not wanted:
+        return "."
+    parsed = OverridesParser.create().parse_overrides(wanted[-1:])
+    return str(parsed[0].value())
+
+
 def precheck_overrides(argv: List[str]) -> None:
-    """Compose the config once before Hydra does, so that a bad override (unknown key, wrong
-    type, missing group option) is one ``hetseq-hpc: error:`` line with exit code 2 instead of
-    Hydra's multi-line report. Skipped for multirun and Hydra's own flags, which Hydra handles.
+    """Compose and validate the config once before Hydra does, so that a bad override (unknown
+    key, wrong type, out-of-range value, missing group option) or an unwritable
+    ``hydra.run.dir`` is one ``hetseq-hpc: error:`` line with exit code 2 instead of Hydra's
+    multi-line report, and nothing is created. Skipped for multirun and Hydra's own flags, which
+    Hydra handles.
     """
     if any(arg.startswith("-") for arg in argv):
         return
     overrides = [a for a in argv if not a.lstrip("+~").startswith("hydra.")]
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            compose(config_name="config", overrides=overrides)
-    except (HydraException, OmegaConfBaseException) as exc:
+        compose_run_config(overrides)
+        run_dir = _run_dir_override(argv)
+        problem = run_dir_problem(run_dir)
+        if problem:
+            raise ConfigError(f"hydra.run.dir={run_dir} cannot be created ({problem}): choose a "
+                              "writable directory, e.g. hydra.run.dir=runs/my-run")
+    except ConfigError as exc:
+        print(f"hetseq-hpc: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except HydraException as exc:  # Hydra's parser on a malformed hydra.run.dir override
         message = " ".join(str(exc).split()) or type(exc).__name__
-        key = getattr(exc, "full_key", None)
-        if key and key not in message:
-            message = f"{key}: {message}"
         print(f"hetseq-hpc: error: {message}", file=sys.stderr)
         sys.exit(2)
 

@@ -9,17 +9,43 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, fields
 from datetime import timedelta
 from typing import Any, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from hetseq_hpc.env.world import WorldInfo
-from hetseq_hpc.errors import LaunchError
+from hetseq_hpc.env.world import WorldInfo, free_port
+from hetseq_hpc.errors import AllocationError, LaunchError
+from hetseq_hpc.launch.loopback_store import loopback_store
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one rank tells the others after the backward passes of an optimizer step.
+
+    Attributes:
+        loss_sum: SUM of the rank's unit losses over its micro-batches (not a mean).
+        count: loss units (masked tokens for BERT) the rank processed; the global normaliser
+            is the sum over ranks.
+        samples: samples the rank processed.
+        compute_time_s: forward+backward seconds up to the gradient all-reduce.
+        step_time_s: seconds from the step's start to the exchange.
+        data_time_s: seconds spent building the rank's batches.
+        stop_code: the strongest stop request the rank received
+            (:data:`hetseq_hpc.preemption.NONE` = 0 when none).
+    """
+
+    loss_sum: float
+    count: int
+    samples: int
+    compute_time_s: float
+    step_time_s: float
+    data_time_s: float
+    stop_code: int = 0
 
 
 @dataclass
@@ -27,8 +53,34 @@ class Rendezvous:
     """An initialised default process group plus a gloo group for CPU-side objects."""
 
     world: WorldInfo
-    backend: str
     cpu_group: Any
+
+    def exchange_step_stats(self, stats: StepStats) -> List[StepStats]:
+        """Every rank's :class:`StepStats` of this step, in rank order.
+
+        ONE all-gather of a float64 vector per rank over the gloo group (counts stay exact
+        as float64 up to 2**53).
+        """
+        mine = torch.tensor(astuple(stats), dtype=torch.float64)
+        gathered = [torch.zeros_like(mine) for _ in range(self.world.world_size)]
+        dist.all_gather(gathered, mine, group=self.cpu_group)
+        kinds = [f.type for f in fields(StepStats)]
+        return [StepStats(*(int(v) if kind == "int" else float(v) for v, kind in zip(row.tolist(), kinds)))
+                for row in gathered]
+
+    def check_agreement(self, digest: str, what: str) -> None:
+        """Check that every rank computed the same ``digest`` of ``what`` (one all-gather).
+
+        Raises:
+            AllocationError: the digests differ; the message names each rank's digest.
+        """
+        digests = self.all_gather_objects(digest)
+        if len(set(digests)) != 1:
+            per_rank = ", ".join(f"rank {r}: {d}" for r, d in enumerate(digests))
+            raise AllocationError(
+                f"ranks disagree on the {what} (digest {per_rank}): mixed hetseq_hpc versions? "
+                "install the same hetseq_hpc and torch on every node"
+            )
 
     def all_gather_objects(self, obj: Any) -> List[Any]:
         """Every rank's ``obj`` (picklable), ordered by rank."""
@@ -36,10 +88,10 @@ class Rendezvous:
         dist.all_gather_object(out, obj, group=self.cpu_group)
         return out
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """``obj`` as given on rank ``src``."""
+    def broadcast_object(self, obj: Any) -> Any:
+        """``obj`` as given on rank 0 (picklable; the other ranks' ``obj`` is ignored)."""
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.cpu_group)
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
 
     def all_reduce_sum_cpu(self, values: torch.Tensor) -> torch.Tensor:
@@ -83,9 +135,11 @@ def join(world: WorldInfo, device: torch.device, timeout_s: int) -> Rendezvous:
     if device.type == "cuda":
         kwargs["device_id"] = device
     try:
+        # a loopback master (cluster=local) gets a store bound to 127.0.0.1 only
+        store = loopback_store(world, timeout_s)
+        kwargs.update({"store": store} if store is not None else {"init_method": init_method})
         dist.init_process_group(
             backend=backend,
-            init_method=init_method,
             rank=world.rank,
             world_size=world.world_size,
             timeout=timedelta(seconds=timeout_s),
@@ -98,7 +152,7 @@ def join(world: WorldInfo, device: torch.device, timeout_s: int) -> Rendezvous:
             f"{str(exc).splitlines()[0] if str(exc) else ''}): check that rank 0 runs on "
             f"{world.master_addr} and port {world.master_port} is free and reachable"
         ) from exc
-    return Rendezvous(world=world, backend=backend, cpu_group=cpu_group)
+    return Rendezvous(world=world, cpu_group=cpu_group)
 
 
 def leave() -> None:
@@ -117,3 +171,24 @@ def rendezvous(world: WorldInfo, device: torch.device, timeout_s: int) -> Iterat
         yield rdv
     finally:
         leave()
+
+
+@contextlib.contextmanager
+def single_process_rendezvous(device: Optional[torch.device] = None,
+                              timeout_s: int = 60) -> Iterator[Rendezvous]:
+    """A real world-size-1 process group on a free loopback port, for running a
+    :class:`~hetseq_hpc.train.loop.Trainer` step in-process (tests, notebooks).
+
+    DDP needs an initialised process group, so this is not a fake: every collective runs
+    through gloo with one member.
+
+    Raises:
+        LaunchError: a process group already exists in this process, or none could be made.
+    """
+    if dist.is_initialized():
+        raise LaunchError("a torch.distributed process group already exists in this process: "
+                          "leave it (hetseq_hpc.distributed.leave) before a single-process one")
+    world = WorldInfo(rank=0, local_rank=0, world_size=1, master_addr="127.0.0.1",
+                      master_port=free_port())
+    with rendezvous(world, device or torch.device("cpu"), timeout_s) as rdv:
+        yield rdv

@@ -51,7 +51,7 @@ class StopRequest:
         log.warning("caught SIGTERM: will checkpoint after this step and stop")
         self.code = max(self.code, TERMINATE)
 
-    def install(self) -> "StopRequest":
+    def install(self) -> StopRequest:
         """Install the handlers (main thread only); returns self."""
         signal.signal(signal.SIGUSR2, self._on_usr2)
         signal.signal(signal.SIGTERM, self._on_term)
@@ -80,7 +80,12 @@ def requeue_job(env: Optional[Mapping[str, str]] = None, max_requeues: int = 3) 
                              timeout=60)
     except (OSError, subprocess.SubprocessError) as exc:
         raise LaunchError(f"scontrol requeue {job_id} could not run ({exc}): requeue by hand") from None
-    if out.returncode != 0:
+    if out.returncode < 0:
+        # the requeue itself signals every process of the job, scontrol included (seen on Slurm
+        # 22.05: killed by SIGTERM, no output): the request went through
+        log.warning("scontrol requeue %s was stopped by signal %d along with the job: the "
+                    "requeue was accepted", job_id, -out.returncode)
+    elif out.returncode != 0:
         raise LaunchError(f"scontrol requeue {job_id} failed: {out.stderr.strip()}")
     log.warning("requeued job %s (restart %d of at most %d)", job_id, restarts + 1, max_requeues)
     return True

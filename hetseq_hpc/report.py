@@ -9,36 +9,24 @@ step it takes effect (``reallocation.at_step``).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Union
 
 from hetseq_hpc.errors import HetseqError
+from hetseq_hpc.train.metrics import METRICS_NAME, read_metrics
 
 
-def read_metrics(run_dir: Union[str, Path]) -> List[dict]:
+def step_rows(run_dir: Union[str, Path]) -> List[dict]:
     """Rows of ``<run_dir>/metrics.jsonl`` that carry per-rank figures.
 
     Raises:
         HetseqError: the file is missing, unreadable or has no per-rank rows (one line).
     """
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise HetseqError(f"{path} does not exist: pass the run directory of a hetseq_hpc run "
-                          "(it writes metrics.jsonl)")
-    rows = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            raise HetseqError(f"{path} line {number} is not JSON: the run may have been cut off "
-                              "mid-write; delete that line") from None
-    rows = [r for r in rows if r.get("ranks")]
+    rows = [r for r in read_metrics(run_dir) if r.get("ranks")]
     if not rows:
-        raise HetseqError(f"{path} has no step rows: train at least one step first")
+        raise HetseqError(f"{Path(run_dir) / METRICS_NAME} has no step rows: train at least one "
+                          "step first")
     return rows
 
 
@@ -60,7 +48,7 @@ def plot_run(run_dir: Union[str, Path], out_path: Optional[Union[str, Path]] = N
     Raises:
         HetseqError: ``metrics.jsonl`` is missing or empty.
     """
-    rows = read_metrics(run_dir)
+    rows = step_rows(run_dir)
     import matplotlib
 
     matplotlib.use("Agg")

@@ -15,41 +15,43 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import signal
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
 
 from hetseq_hpc.allocation import Allocation, allocate
+from hetseq_hpc.atomic import atomic_write_json
 from hetseq_hpc.calibrate import calibrate
 from hetseq_hpc.config import RunConfig, load_run_config
 from hetseq_hpc.distributed import rendezvous
-from hetseq_hpc.env.emulation import emulate_speed, record as record_emulation
+from hetseq_hpc.env.emulation import emulate_speed
+from hetseq_hpc.env.emulation import record as record_emulation
 from hetseq_hpc.env.hardware import DeviceProbe, probe
 from hetseq_hpc.env.world import WorldInfo
-from hetseq_hpc.errors import AllocationError, HetseqError, Preempted
+from hetseq_hpc.errors import AllocationError, Preempted
+from hetseq_hpc.launch.rank_guard import report_failure, watch_launcher
 from hetseq_hpc.logs import setup_rank_logging
+from hetseq_hpc.placement import (
+    RankPlacement,
+    calibration_micro_batch,
+    memory_budget_bytes,
+    placement_for,
+)
 from hetseq_hpc.preemption import REQUEUE, StopRequest, requeue_job
 from hetseq_hpc.tasks import build_task
 from hetseq_hpc.train.loop import RankMeta, Trainer
 from hetseq_hpc.train.rebalance import Rebalancer
+from hetseq_hpc.train.run_lock import claim_run_dir
 
 log = logging.getLogger("hetseq_hpc.worker")
 
 CONFIG_NAME = "hetseq_config.yaml"
-
-
-def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    tmp.replace(path)
 
 
 def pick_device(world: WorldInfo) -> torch.device:
@@ -61,24 +63,28 @@ def pick_device(world: WorldInfo) -> torch.device:
     return torch.device("cpu")
 
 
-def set_threads(run: RunConfig, world: WorldInfo, env: Optional[Dict[str, str]] = None) -> int:
-    """CPU threads for this rank: ``cluster.threads_per_rank``, else ``HETSEQ_THREADS`` (set by the
-    local launcher), else the scheduler's ``SLURM_CPUS_PER_TASK``, else torch's default."""
+def rank_placement(run: RunConfig, world: WorldInfo,
+                   env: Optional[Dict[str, str]] = None) -> RankPlacement:
+    """This rank's placement (:func:`hetseq_hpc.placement.placement_for`) from the config and
+    its place in the job: het component, ``SLURM_CPUS_PER_TASK``, ``LOCAL_WORLD_SIZE``."""
     env = os.environ if env is None else env
-    threads = getattr(run.cluster, "threads_per_rank", None)
-    if not threads and env.get("HETSEQ_THREADS", "").isdigit():
-        threads = int(env["HETSEQ_THREADS"])
-    if not threads and world.cpus_per_task:
-        threads = world.cpus_per_task
-    if threads:
-        torch.set_num_threads(int(threads))
+    local = str(env.get("LOCAL_WORLD_SIZE", ""))
+    return placement_for(run, world.rank, het_group=world.het_group,
+                         local_world_size=int(local) if local.isdigit() and int(local) > 0 else None,
+                         cpus_per_task=world.cpus_per_task)
+
+
+def set_threads(placement: RankPlacement) -> int:
+    """Give torch the placement's CPU threads; returns the number torch uses."""
+    torch.set_num_threads(int(placement.threads))
     return torch.get_num_threads()
 
 
-def precision_context(run: RunConfig, device: torch.device, dev: DeviceProbe):
-    """``(name, context factory)`` for ``trainer.precision``: bf16 autocast where the device
-    supports it (compute capability >= 8.0) under ``auto``; fp32 otherwise."""
-    wanted = run.trainer.precision
+def precision_context(placement: RankPlacement, device: torch.device, dev: DeviceProbe):
+    """``(name, context factory)`` for the placement's precision (``trainer.precision``): bf16
+    autocast where the device supports it (compute capability >= 8.0) under ``auto``; fp32
+    otherwise."""
+    wanted = placement.precision
     bf16_ok = device.type == "cuda" and (dev.compute_capability or (0, 0)) >= (8, 0)
     if wanted == "bf16" and device.type == "cuda" and not bf16_ok:
         log.warning("trainer.precision=bf16 but %s has compute capability %s < 8.0: using fp32",
@@ -86,46 +92,6 @@ def precision_context(run: RunConfig, device: torch.device, dev: DeviceProbe):
     if wanted in ("auto", "bf16") and bf16_ok:
         return "bf16", lambda: torch.autocast("cuda", dtype=torch.bfloat16)
     return "fp32", contextlib.nullcontext
-
-
-def _partition_of(run: RunConfig, world: WorldInfo):
-    """This rank's PartitionConfig (het component k = k-th partition), or None."""
-    parts = getattr(run.cluster, "partitions", None)
-    if not parts:
-        return None
-    keys = list(parts)
-    if world.het_group is None:
-        return parts[keys[0]] if len(keys) == 1 else None
-    return parts[keys[world.het_group]] if world.het_group < len(keys) else None
-
-
-def emulated_speed(run: RunConfig, world: WorldInfo, env: Optional[Dict[str, str]] = None) -> float:
-    """Speed factor to emulate: ``HETSEQ_EMULATE_SPEED`` (set by the local launcher from
-    ``cluster.speeds``), else the partition's ``emulate_speed``, else 1."""
-    env = os.environ if env is None else env
-    if env.get("HETSEQ_EMULATE_SPEED"):
-        return float(env["HETSEQ_EMULATE_SPEED"])
-    part = _partition_of(run, world)
-    return float(part.emulate_speed) if part is not None else 1.0
-
-
-def memory_budget_bytes(run: RunConfig, dev: DeviceProbe, env: Optional[Dict[str, str]] = None,
-                        world: Optional[WorldInfo] = None) -> float:
-    """Memory this rank may plan its micro-batch with: ``memory_budget_gb`` if configured
-    (cluster-wide, or per partition), else free GPU memory, else this rank's share of RAM."""
-    env = os.environ if env is None else env
-    configured = getattr(run.cluster, "memory_budget_gb", None)
-    part = _partition_of(run, world) if world is not None else None
-    if part is not None and part.memory_budget_gb:
-        configured = part.memory_budget_gb
-    if env.get("HETSEQ_MEMORY_BUDGET_GB"):
-        configured = float(env["HETSEQ_MEMORY_BUDGET_GB"])
-    if configured:
-        return float(configured) * 2**30
-    if dev.kind == "cuda":
-        return float(dev.memory_free_bytes)
-    local = int(env.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return float(dev.memory_free_bytes) / max(local, 1)
 
 
 def agree_on_allocation(run: RunConfig, reports: List[Dict[str, Any]], rdv) -> Allocation:
@@ -145,21 +111,20 @@ def agree_on_allocation(run: RunConfig, reports: List[Dict[str, Any]], rdv) -> A
     for i, cap in enumerate(caps):
         if cap < 1:
             cal = reports[i]["calibration"]
+            key = (reports[i].get("placement") or {}).get("partition_key")
+            knob = (f"cluster.partitions.{key}.memory_budget_gb" if key
+                    else "cluster.memory_budget_gb")
             raise AllocationError(
                 f"rank {i} ({reports[i]['probe']['name']}) cannot fit one sample: needs "
                 f"{(cal['static_bytes'] + cal['activation_bytes_per_sample']) / 2**30:.2f} GiB, has "
-                f"{cal['memory_budget_bytes'] / 2**30:.2f} GiB; shrink task.model or leave that "
-                "device out"
+                f"{cal['memory_budget_bytes'] / 2**30:.2f} GiB (memory budget {knob}, unset = the "
+                f"device's free memory); raise {knob} if the device has more memory, shrink "
+                "task.model, or leave that device out"
             )
     throughputs = [float(r["calibration"]["samples_per_s"]) for r in reports]
     allocation = allocate(throughputs, run.trainer.global_batch_size, caps,
                           forced=run.trainer.allocation)
-    digests = rdv.all_gather_objects(allocation.digest())
-    if len(set(digests)) != 1:
-        raise AllocationError(
-            f"ranks computed different allocations (digests {sorted(set(digests))}): mixed "
-            "hetseq_hpc versions? install the same version on every node"
-        )
+    rdv.check_agreement(allocation.digest(), "allocation")
     return allocation
 
 
@@ -181,14 +146,8 @@ def write_allocation_json(run_dir: Path, allocation: Allocation, reports: List[D
     if extra:
         data.update(extra)
     path = Path(run_dir) / "allocation.json"
-    _write_json(path, data)
+    atomic_write_json(path, data)
     return path
-
-
-def _gres_of(run: RunConfig, world: WorldInfo) -> Optional[str]:
-    """GRES type of this rank's partition: het component k is the k-th configured partition."""
-    part = _partition_of(run, world)
-    return part.gpu_type if part is not None else None
 
 
 def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
@@ -201,7 +160,8 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
     env = os.environ if env is None else env
     world = WorldInfo.from_env(env)
     setup_rank_logging(world.rank, run_dir_path)
-    threads = set_threads(run, world, env)
+    placement = rank_placement(run, world, env)
+    threads = set_threads(placement)
     device = pick_device(world)
     dev = probe(device.index if device.type == "cuda" else None)
     log.info("rank %d/%d on %s (node %s): %s", world.rank, world.world_size, dev.label,
@@ -210,12 +170,13 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
         log.warning("GPUs were allocated (CUDA_VISIBLE_DEVICES=%s) but torch has no CUDA here: "
                     "training on CPU with gloo", env.get("CUDA_VISIBLE_DEVICES"))
     stop_request = StopRequest().install()
-    emulation = emulate_speed(emulated_speed(run, world, env), threads)
+    emulation = emulate_speed(placement.emulate_speed, threads)
     if emulation.method != "none":
         record_emulation(emulation, run_dir_path, world.rank)
-    precision, autocast = precision_context(run, device, dev)
+    precision, autocast = precision_context(placement, device, dev)
     task = build_task(run.task, run.trainer.seed)
-    with rendezvous(world, device, run.cluster.collective_timeout_s) as rdv:
+    with claim_run_dir(run_dir_path, world.is_master, env), \
+            rendezvous(world, device, run.cluster.collective_timeout_s) as rdv:
         inject = env.get("HETSEQ_INJECT_FAILURE", "")
         if inject.isdigit() and int(inject) == world.rank:
             raise RuntimeError(f"injected failure on rank {world.rank} (HETSEQ_INJECT_FAILURE="
@@ -227,20 +188,20 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
         label = dev.label if emulation.method == "none" else f"{dev.label} @{emulation.speed:g}"
         meta = RankMeta(rank=world.rank, device=label, node=world.node_name,
                         het_group=world.het_group, partition=world.partition,
-                        gres=_gres_of(run, world))
+                        gres=placement.gres)
         torch.manual_seed(run.trainer.seed)
         model = task.build_model().to(device)
-        cal_micro = run.trainer.calibration_micro_batch or max(
-            1, min(16, run.trainer.global_batch_size // world.world_size))
+        budget = memory_budget_bytes(placement, dev.kind, dev.memory_free_bytes,
+                                     placement.ranks_on_node)
         cal = calibrate(
             model, lambda n: task.make_batch(list(range(min(n, task.num_train))), 0, "train"),
-            device, cal_micro, run.trainer.calibration_steps, memory_budget_bytes(run, dev, env, world),
-            run.trainer.max_micro_batch, autocast,
+            device, calibration_micro_batch(run.trainer, world.world_size),
+            run.trainer.calibration_steps, budget, run.trainer.max_micro_batch, autocast,
         )
         reports = rdv.all_gather_objects({
             "world": world.to_dict(), "probe": dev.to_dict(), "calibration": cal.to_dict(),
             "meta": meta.__dict__, "precision": precision, "threads": threads,
-            "emulation": emulation.to_dict(),
+            "emulation": emulation.to_dict(), "placement": placement.to_dict(),
         })
         allocation = agree_on_allocation(run, reports, rdv)
         if world.is_master:
@@ -271,7 +232,7 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
                 log.warning("could not draw the per-rank plot: %s", exc)
         summary["world_size"] = world.world_size
         if world.is_master:
-            _write_json(run_dir_path / "summary.json", summary)
+            atomic_write_json(run_dir_path / "summary.json", summary)
         rdv.barrier()
     return summary
 
@@ -282,7 +243,7 @@ def handle_preempted(exc: Preempted, run: RunConfig) -> None:
     rank = int(os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0")) or 0)
     log.warning("rank %d: %s", rank, exc)
     if exc.code == REQUEUE and rank == 0:
-        requeue_job(max_requeues=getattr(run.cluster, "max_num_timeout", 3))
+        requeue_job(max_requeues=run.cluster.max_requeues)
 
 
 def run_in_job(run: RunConfig, run_dir: str) -> Dict[str, Any]:
@@ -303,7 +264,9 @@ def error_file(run_dir: Path, rank: int) -> Path:
 def main(argv: Optional[List[str]] = None) -> int:
     """``python -m hetseq_hpc.worker --config FILE [--run-dir DIR]``; exit 0 on success, 3 when
     stopped by the scheduler after a checkpoint, 1 on a failure (its one-line reason goes to the
-    rank's log, stderr and ``logs/rank<N>.error.json``)."""
+    rank's log, stderr and ``logs/rank<N>.error.json``, marked when it is only a peer's
+    disconnection: :func:`hetseq_hpc.launch.rank_guard.report_failure`). Started by the local
+    launcher, the rank also ends itself if that launcher dies (``watch_launcher``)."""
     parser = argparse.ArgumentParser(prog="python -m hetseq_hpc.worker",
                                      description="Run one hetseq_hpc rank.")
     parser.add_argument("--config", required=True, help=f"the run's {CONFIG_NAME}")
@@ -313,6 +276,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) or 0)
     if os.environ.get("HETSEQ_IGNORE_SIGINT"):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    watch_launcher()
     run = None
     try:
         run = load_run_config(args.config)
@@ -322,22 +286,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         if run is not None:
             handle_preempted(exc, run)
         return 3
-    except BaseException as exc:  # noqa: BLE001 - every failure is reported, then re-signalled
+    except BaseException as exc:  # every failure is reported, then re-signalled
         if isinstance(exc, KeyboardInterrupt):
             return 130
-        one_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if not isinstance(exc, HetseqError):
-            logging.getLogger("hetseq_hpc.worker").error("rank %d failed:\n%s", rank,
-                                                          traceback.format_exc())
-        logging.getLogger("hetseq_hpc.worker").error("rank %d: %s: %s", rank,
-                                                      type(exc).__name__, one_line)
-        try:
-            path = error_file(run_dir, rank)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            _write_json(path, {"rank": rank, "type": type(exc).__name__, "message": one_line,
-                               "time": time.time()})
-        except OSError:
-            pass
+        one_line = report_failure(exc, rank, error_file(run_dir, rank))
         if not logging.getLogger().handlers:
             print(f"rank {rank}: {type(exc).__name__}: {one_line}", file=sys.stderr)
         return 1

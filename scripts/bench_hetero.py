@@ -35,6 +35,7 @@ micro-batch runs slower per sample on a CPU than several of 32.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -43,6 +44,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from hetseq_hpc.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 GLOBAL_BATCH = 128  # set from --global-batch in main()
@@ -62,7 +65,7 @@ def run_cli(run_dir: Path, *overrides: str, on_row=None) -> list:
     seen = 0
     while proc.poll() is None:
         if on_row is not None and metrics.exists():
-            rows = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
+            rows = read_metrics(metrics)
             if len(rows) > seen:
                 seen = len(rows)
                 on_row(rows)
@@ -70,12 +73,12 @@ def run_cli(run_dir: Path, *overrides: str, on_row=None) -> list:
     out = proc.stdout.read()
     if proc.returncode != 0:
         sys.exit(f"benchmark run failed ({' '.join(overrides)}):\n{out[-3000:]}")
-    return [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
+    return read_metrics(metrics)
 
 
 def step_times(rows: list, warmup: int) -> list:
     """Wall-clock seconds between consecutive step ends, for steps after ``warmup``."""
-    return [b["time"] - a["time"] for a, b in zip(rows, rows[1:]) if b["step"] > warmup]
+    return [b["time"] - a["time"] for a, b in itertools.pairwise(rows) if b["step"] > warmup]
 
 
 def throughput(rows: list, warmup: int) -> float:
@@ -83,7 +86,7 @@ def throughput(rows: list, warmup: int) -> float:
     return GLOBAL_BATCH / statistics.median(step_times(rows, warmup))
 
 
-def plain_ddp_step_time(steps: int, warmup: int) -> float:  # noqa: D103 - see below
+def plain_ddp_step_time(steps: int, warmup: int) -> float:
     """Median step time (s) of textbook DDP (scripts/plain_ddp.py) on the same model, data and
     equal split, 2 unthrottled ranks x 1 thread."""
     out = Path(tempfile.mkdtemp()) / "plain.json"
@@ -168,9 +171,10 @@ def main() -> None:
     def maybe_change(rows):
         if not changed and len(rows) >= change_at:
             emu = json.loads((root / "change" / "logs" / "rank1.emulation.json").read_text())
-            from hetseq_hpc.env.emulation import set_quota
+            from hetseq_hpc.env.emulation import emulated_cpus, set_quota
 
-            set_quota(emu["control"], args.changed)
+            threads = max(1, round(emu["cpus"] / emu["speed"]))  # the rank's thread count
+            set_quota(emu["control"], emulated_cpus(args.changed, threads))
             changed["step"] = rows[-1]["step"]
             changed["method"] = emu["method"]
 

@@ -280,9 +280,10 @@ EOF
     cat >> "$CONF" <<EOF
 # Two GPU kinds, two nodes each. Het-job components were never seen sharing a node (a job
 # whose components need more nodes than a partition has stays PENDING): size test jobs so
-# each component gets its own nodes.
+# each component gets its own nodes. v100 has a time limit (1 day) so that the pre-submission
+# check of cluster.timeout_min against MaxTime runs against a real sinfo.
 PartitionName=a100 Nodes=${a100[*]} Default=YES MaxTime=INFINITE State=UP
-PartitionName=v100 Nodes=${v100[*]} MaxTime=INFINITE State=UP
+PartitionName=v100 Nodes=${v100[*]} MaxTime=1-00:00:00 State=UP
 EOF
 }
 

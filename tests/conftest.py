@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
+
+from hetseq_hpc.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,9 +55,8 @@ def run_cli(token_cache):
 
 
 def read_rows(run_dir: Path) -> List[dict]:
-    """Rows of a run's metrics.jsonl."""
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """Rows of a run's metrics.jsonl (:func:`hetseq_hpc.train.metrics.read_metrics`)."""
+    return read_metrics(run_dir)
 
 
 def losses(run_dir: Path) -> Dict[int, float]:
@@ -64,7 +64,7 @@ def losses(run_dir: Path) -> Dict[int, float]:
     return {row["step"]: row["loss"] for row in read_rows(run_dir)}
 
 
-def wait_rows(run_dir: Path, n: int, proc: subprocess.Popen = None, timeout_s: float = 300) -> None:
+def wait_rows(run_dir: Path, n: int, proc: Optional[subprocess.Popen] = None, timeout_s: float = 300) -> None:
     """Wait until ``run_dir/metrics.jsonl`` has ``n`` rows (or ``proc`` ended, or the timeout:
     a guard against hangs, not a speed check)."""
     metrics = Path(run_dir) / "metrics.jsonl"

@@ -245,7 +245,7 @@ def test_batch_smaller_than_world_names_the_fix():
     message = str(info.value)
     assert "trainer.global_batch_size" in message
     assert "fewer ranks" in message
-    with pytest.raises(AllocationError, match="trainer.global_batch_size"):
+    with pytest.raises(AllocationError, match=r"trainer\.global_batch_size"):
         equal_split(4, 3, [8] * 4)
 
 
@@ -367,3 +367,32 @@ def test_micro_batch_cap_feeds_allocate():
 def test_exact_proportional_split_is_found(weights, total, exact):
     # every quota total * w / sum(w) is an integer >= 1: the proportional split is exact
     assert proportional_counts(weights, total) == exact
+
+
+def _report(cap: int, placement: dict) -> dict:
+    """One rank's report as the worker gathers it (a CPU rank that fits ``cap`` samples)."""
+    return {"probe": {"kind": "cpu", "name": "cpu"}, "placement": placement,
+            "calibration": {"max_micro_batch": cap, "samples_per_s": 10.0,
+                            "static_bytes": 2 * GiB, "activation_bytes_per_sample": 0.5 * GiB,
+                            "memory_budget_bytes": 1 * GiB}}
+
+
+@pytest.mark.parametrize(
+    "placement, knob",
+    [
+        pytest.param({"partition_key": None}, "cluster.memory_budget_gb", id="local"),
+        pytest.param({"partition_key": "t4"}, "cluster.partitions.t4.memory_budget_gb",
+                     id="partition"),
+    ],
+)
+def test_cannot_fit_one_sample_names_the_memory_budget_knob(placement, knob):
+    from hetseq_hpc.config import compose_run_config
+    from hetseq_hpc.worker import agree_on_allocation
+
+    run = compose_run_config(["cluster.ranks=2"])
+    with pytest.raises(AllocationError) as info:
+        agree_on_allocation(run, [_report(4, {"partition_key": None}), _report(0, placement)],
+                            rdv=None)
+    message = str(info.value)
+    assert message.startswith("rank 1 (cpu) cannot fit one sample: needs 2.50 GiB, has 1.00 GiB")
+    assert f"raise {knob}" in message and "\n" not in message

@@ -6,14 +6,14 @@ import subprocess
 import sys
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.errors import HydraException
 
 import hetseq_hpc.config
 from hetseq_hpc.config import (
     BertTaskConfig,
+    ClusterConfig,
     LocalClusterConfig,
     RunConfig,
+    compose_run,
     load_run_config,
     save_run_config,
     to_run_config,
@@ -24,9 +24,7 @@ from hetseq_hpc.errors import ConfigError
 @pytest.fixture
 def compose_cfg():
     """``compose_cfg(*overrides)`` -> composed DictConfig of conf/config.yaml."""
-    hetseq_hpc.config.register_configs()
-    with initialize_config_dir(config_dir=str(hetseq_hpc.config.CONF_DIR), version_base="1.3"):
-        yield lambda *overrides: compose(config_name="config", overrides=list(overrides))
+    return lambda *overrides: compose_run(list(overrides))
 
 
 @pytest.fixture
@@ -42,6 +40,8 @@ def test_defaults(run_config):
     assert isinstance(run, RunConfig)
     assert isinstance(run.task, BertTaskConfig)
     assert isinstance(run.cluster, LocalClusterConfig)
+    assert isinstance(run.cluster, ClusterConfig) and run.cluster.is_local
+    assert run.trainer.allow_resume_mismatch is False
     assert run.task.name == "bert"
     assert run.cluster.name == "local"
     assert run.trainer.global_batch_size == 32
@@ -147,9 +147,10 @@ def test_config_errors(run_config, overrides, names):
 
 
 def test_unknown_task_is_a_hydra_error(compose_cfg):
-    with pytest.raises(HydraException) as info:
+    with pytest.raises(ConfigError) as info:
         compose_cfg("task=nope")
-    assert "task" in str(info.value)
+    assert "task=nope" in str(info.value) and "bert" in str(info.value)
+    assert "\n" not in str(info.value)
 
 
 def test_unknown_task_name_in_plain_dict():
@@ -263,7 +264,7 @@ def _assert_nothing_started(tmp_path):
 def test_cli_config_error_exits_2_and_starts_nothing(tmp_path, override, names):
     proc = _run_cli(tmp_path, override)
     assert proc.returncode == 2, proc.stderr
-    errors = [l for l in proc.stderr.splitlines() if l.startswith("hetseq-hpc: error:")]
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("hetseq-hpc: error:")]
     assert len(errors) == 1, proc.stderr
     for name in names:
         assert name in errors[0]
@@ -276,3 +277,268 @@ def test_cli_type_error_exits_2(tmp_path):
     _assert_nothing_started(tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("hetseq-hpc: error:")
+
+
+# --------------------------------------------------------------------------- typed cluster config
+def test_cluster_field_is_typed_with_the_base_schema(run_config):
+    import typing
+
+    assert typing.get_type_hints(RunConfig)["cluster"] is ClusterConfig
+    local = run_config("cluster.ranks=3").cluster
+    slurm = run_config("cluster=mixed").cluster
+    assert local.is_local and not slurm.is_local
+    assert local.planned_world_size() == 3
+    assert slurm.planned_world_size() == slurm.world_size == 4 + 8 + 4
+    assert slurm.memory_budget_gb is None and slurm.collective_timeout_s == 600
+    assert [slurm.partition_of_rank(r) for r in (0, 3, 4, 11, 12, 15, 16)] == \
+        ["a100", "a100", "v100", "v100", "t4", "t4", None]
+
+
+# --------------------------------------------------------------------------- issue 8: sbatch values
+@pytest.mark.parametrize("value", ["a100\n", "a100\nsrun evil", "a100 ", "", "a$(id)", "a;b"])
+def test_sbatch_values_are_anchored_at_the_true_end(value):
+    from hetseq_hpc.config.common import check_sbatch_value
+
+    with pytest.raises(ConfigError) as info:
+        check_sbatch_value("cluster.job_name", value)
+    assert "\n" not in str(info.value).replace(repr(value), "")
+
+
+def test_trailing_newline_in_job_name_is_rejected(run_config):
+    with pytest.raises(ConfigError, match=r"cluster\.job_name"):
+        to_run_config({"task": {"name": "bert"},
+                       "cluster": {"name": "slurm", "job_name": "hetseq\n",
+                                   "partitions": {"a100": {"partition": "a100"}}}})
+
+
+EVIL_CLUSTER = """\
+defaults:
+  - slurm_schema
+  - _self_
+
+name: slurm
+partitions:
+  "a100\\necho pwned > /tmp/hetseq-pwned":
+    partition: a100
+    gpu_type: a100
+"""
+
+
+def test_partition_key_with_a_newline_is_rejected_through_hydra(tmp_path):
+    import shutil
+
+    conf = tmp_path / "conf"
+    shutil.copytree(hetseq_hpc.config.CONF_DIR, conf)
+    (conf / "cluster" / "evil.yaml").write_text(EVIL_CLUSTER)
+    cfg = compose_run(["cluster=evil"], config_dir=conf)
+    assert "a100\necho pwned > /tmp/hetseq-pwned" in cfg.cluster.partitions  # the YAML really has it
+    with pytest.raises(ConfigError) as info:
+        to_run_config(cfg)
+    message = str(info.value)
+    assert message.startswith("cluster.partitions key=") and "not allowed in an sbatch" in message
+
+
+def test_partition_key_with_a_newline_is_rejected_from_a_saved_config(tmp_path):
+    path = tmp_path / "hetseq_config.yaml"
+    path.write_text('task: {name: bert}\ncluster:\n  name: slurm\n  partitions:\n'
+                    '    "a100\\necho pwned":\n      partition: a100\n')
+    with pytest.raises(ConfigError, match=r"cluster\.partitions key"):
+        load_run_config(path)
+
+
+# --------------------------------------------------------------------------- issue 8: ignored overrides
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        pytest.param(["+trainer.max_step=5"], "did you mean trainer.max_steps?", id="plus-typo"),
+        pytest.param(["trainer.max_step=5"], "did you mean trainer.max_steps?", id="typo"),
+        pytest.param(["+trainr.max_steps=5"], "did you mean trainer?", id="plus-group-typo"),
+        pytest.param(["+optim.learning_rate=1"], "the keys of optim are name, lr", id="no-match"),
+        pytest.param(["+cluster.rank=3"], "did you mean cluster.ranks?", id="plus-cluster"),
+        pytest.param(["cluster=mixed", "+cluster.partitions.a100.gpu_typ=x"],
+                     "did you mean cluster.partitions.a100.gpu_type?", id="plus-partition"),
+        pytest.param(["+task.model.hidden=64"], "did you mean task.model.hidden_size?",
+                     id="plus-nested"),
+    ],
+)
+def test_unknown_keys_are_errors_with_a_suggestion(run_config, overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        run_config(*overrides)
+    assert expected in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_empty_partitions_override_is_an_error(run_config, compose_cfg):
+    with pytest.raises(ConfigError, match=r"cluster\.partitions is empty"):
+        run_config("cluster=mixed", "cluster.partitions={}")
+    assert dict(compose_cfg("cluster=mixed", "cluster.env={}").cluster.env) == {}
+    # a non-empty dict override still merges into the old one (Hydra's documented behaviour)
+    cfg = compose_cfg("cluster=mixed", "cluster.partitions={a100: {nodes: 3}}")
+    assert list(cfg.cluster.partitions) == ["a100", "v100", "t4"]
+    assert cfg.cluster.partitions.a100.nodes == 3
+
+
+# --------------------------------------------------------------------------- issue 8: ranges
+@pytest.mark.parametrize(
+    "overrides, names",
+    [
+        pytest.param(["trainer.seed=-1"], ["trainer.seed=-1", "0..4294967295"], id="seed-negative"),
+        pytest.param(["trainer.seed=4294967296"], ["trainer.seed=4294967296"], id="seed-2^32"),
+        pytest.param(["trainer.seed=18446744073709551616"], ["trainer.seed="], id="seed-2^64"),
+        pytest.param(["trainer.calibration_micro_batch=-4"], ["trainer.calibration_micro_batch=-4"],
+                     id="calibration-micro-batch-negative"),
+        pytest.param(["trainer.calibration_micro_batch=0"], ["trainer.calibration_micro_batch=0"],
+                     id="calibration-micro-batch-0"),
+        pytest.param(["optim.lr=inf"], ["optim.lr=inf", "finite"], id="lr-inf"),
+        pytest.param(["optim.lr=nan"], ["optim.lr=nan", "finite"], id="lr-nan"),
+        pytest.param(["optim.weight_decay=inf"], ["optim.weight_decay"], id="weight-decay-inf"),
+        pytest.param(["optim.eps=nan"], ["optim.eps"], id="eps-nan"),
+        pytest.param(["trainer.grad_clip=inf"], ["trainer.grad_clip"], id="grad-clip-inf"),
+        pytest.param(["trainer.rebalance_threshold=nan"], ["trainer.rebalance_threshold"],
+                     id="rebalance-threshold-nan"),
+        pytest.param(["cluster.speeds=[1.0,nan]"], ["cluster.speeds"], id="speeds-nan"),
+        pytest.param(["cluster.memory_budget_gb=inf"], ["cluster.memory_budget_gb"],
+                     id="memory-budget-inf"),
+        pytest.param(["cluster=mixed", "cluster.partitions.a100.memory_budget_gb=inf"],
+                     ["cluster.partitions.a100.memory_budget_gb"], id="partition-budget-inf"),
+        pytest.param(["cluster=mixed", "cluster.partitions.v100.emulate_speed=nan"],
+                     ["cluster.partitions.v100.emulate_speed"], id="partition-speed-nan"),
+        pytest.param(["cluster=mixed", "cluster.max_num_timeout=-1"],
+                     ["cluster.max_num_timeout=-1"], id="max-num-timeout-negative"),
+        pytest.param(["cluster=mixed", "cluster.timeout_min=525601"],
+                     ["cluster.timeout_min=525601", "525600"], id="timeout-min-absurd"),
+    ],
+)
+def test_range_errors(run_config, overrides, names):
+    with pytest.raises(ConfigError) as info:
+        run_config(*(["cluster.ranks=2"] if overrides[0] != "cluster=mixed" else []), *overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    for name in names:
+        assert name in message, f"{name!r} not in {message!r}"
+
+
+def test_range_edges_are_accepted(run_config):
+    run = run_config("cluster.ranks=2", "trainer.seed=4294967295",
+                     "trainer.calibration_micro_batch=1")
+    assert run.trainer.seed == 2**32 - 1 and run.trainer.calibration_micro_batch == 1
+    assert run_config("cluster=mixed", "cluster.max_num_timeout=0",
+                      "cluster.timeout_min=525600").cluster.timeout_min == 525600
+
+
+# --------------------------------------------------------------------------- issue 8: data files
+def test_data_file_with_glob_characters_in_its_name(run_config, tmp_path):
+    real = tmp_path / "data[1].txt"
+    real.write_text("real text in a file whose name holds glob characters\n")
+    run = run_config("cluster.ranks=2", f"task.data.files=['{real}']")
+    assert run.task.data.files == [str(real)]
+    from hetseq_hpc.config.validate import expand_data_files
+
+    assert expand_data_files([str(real)]) == [str(real)]
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        pytest.param(b"", ["is empty"], id="empty"),
+        pytest.param(b"  \n\n\t\n", ["is empty"], id="only-whitespace"),
+        pytest.param(b"PK\x03\x04\x00\x00binary", ["binary"], id="binary-nul"),
+        pytest.param("caf\u00e9 latin-1\n".encode("latin-1"), ["not UTF-8"], id="latin-1"),
+    ],
+)
+def test_bad_data_files_are_one_line_errors(run_config, tmp_path, content, words):
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        run_config("cluster.ranks=2", f"task.data.files=[{path}]")
+    message = str(info.value)
+    assert str(path) in message and "\n" not in message and "UTF-8 text" in message
+    for word in words:
+        assert word in message
+
+
+def test_multibyte_character_cut_by_the_probe_is_fine(tmp_path):
+    from hetseq_hpc.config.validate import check_text_file
+
+    path = tmp_path / "t.txt"
+    path.write_text("h\u00e9llo w\u00f6rld\n", encoding="utf-8")
+    for probe in range(1, 16):  # every cut, including inside a two-byte character
+        check_text_file(str(path), probe_bytes=probe)
+
+
+# --------------------------------------------------------------------------- issue 8: CLI one-liners
+CLI_TYPE_ERRORS = [
+    pytest.param("trainer.max_steps=abc", ["trainer.max_steps='abc'", "an integer",
+                                           "trainer.max_steps=1000"], id="max-steps-abc"),
+    pytest.param("cluster.ranks=1.5", ["cluster.ranks=1.5", "an integer"], id="ranks-float"),
+    pytest.param("trainer.allocation=5", ["trainer.allocation=5", "a list of integers"],
+                 id="allocation-scalar"),
+    pytest.param("trainer.seed=x", ["trainer.seed='x'", "an integer"], id="seed-str"),
+    pytest.param("optim.lr=fast", ["optim.lr='fast'", "a number", "optim.lr=0.001"],
+                 id="lr-str"),
+    pytest.param("trainer.plot=maybe", ["trainer.plot='maybe'", "true or false"], id="plot-str"),
+    pytest.param("task.model.dropout=[1]", ["task.model.dropout=[1]", "a number"],
+                 id="dropout-list"),
+    pytest.param("cluster.speeds=fast", ["cluster.speeds='fast'", "a list of numbers"],
+                 id="speeds-str"),
+    pytest.param("trainer.allocation=[a,b]", ["trainer.allocation[0]='a'", "an integer"],
+                 id="allocation-entry"),
+    pytest.param("trainer.resume=[1,2]", ["trainer.resume=[1, 2]", "a string"], id="resume-list"),
+]
+
+
+@pytest.mark.parametrize("override, words", CLI_TYPE_ERRORS)
+def test_cli_type_errors_are_one_line_with_key_value_type_and_fix(tmp_path, override, words):
+    proc = _run_cli(tmp_path, override)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("hetseq-hpc: error:"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    line = proc.stderr.strip()
+    assert "write e.g." in line, line
+    for word in words:
+        assert word in line, f"{word!r} not in {line!r}"
+    _assert_nothing_started(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        pytest.param(["+trainer.max_step=5"], ["did you mean trainer.max_steps?"], id="plus-typo"),
+        pytest.param(["cluster=mixed", "cluster.partitions={}"], ["cluster.partitions is empty"],
+                     id="empty-partitions"),
+        pytest.param(["trainer.seed=-1"], ["trainer.seed=-1"], id="seed-negative"),
+        pytest.param(["optim.lr=inf"], ["optim.lr=inf"], id="lr-inf"),
+    ],
+)
+def test_cli_silently_ignored_or_late_errors_exit_2_before_hydra(tmp_path, overrides, words):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "hetseq_hpc", *overrides,
+                           f"hydra.run.dir={run_dir}"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("hetseq-hpc: error:") and proc.stderr.count("\n") == 1
+    for word in words:
+        assert word in proc.stderr
+    assert not run_dir.exists(), "the pre-check runs before Hydra creates the run directory"
+
+
+def test_cli_unwritable_run_dir_is_one_line(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "hetseq_hpc", f"hydra.run.dir={blocker}/x"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("hetseq-hpc: error: hydra.run.dir="), proc.stderr
+    assert f"{blocker} is a file" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1
+
+
+def test_cli_binary_data_file_exits_2_and_starts_nothing(tmp_path):
+    data = tmp_path / "corpus.bin"
+    data.write_bytes(bytes(range(256)) * 4)
+    proc = _run_cli(tmp_path, f"task.data.files=[{data}]")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("hetseq-hpc: error: task.data.files") and str(data) in proc.stderr
+    _assert_nothing_started(tmp_path)

@@ -8,10 +8,9 @@ import sys
 
 import pytest
 
+from conftest import REPO, SMALL_MODEL
 from hetseq_hpc import plan
 from hetseq_hpc.errors import ConfigError
-
-from conftest import REPO
 
 BERT_BASE = ["task.model.hidden_size=768", "task.model.num_layers=12", "task.model.num_heads=12",
              "task.model.intermediate_size=3072"]
@@ -76,18 +75,20 @@ def test_cost_model_pieces_by_hand():
     assert plan.runtime_precision(v100, "auto") == "fp32"  # bf16 needs capability >= 8.0
     assert plan.runtime_precision(v100, "auto", peak="tensor") == "fp16"
     assert plan.runtime_precision(plan.lookup_gpu("h100", "x"), "auto") == "bf16"
-    with pytest.raises(ConfigError, match="k80.*a100"):
+    with pytest.raises(ConfigError, match=r"k80.*a100"):
         plan.lookup_gpu("k80", "cluster.partitions.old.gpu_type")
 
 
 def test_planner_options_are_stripped_and_checked():
-    overrides, opts = plan.split_argv(["cluster=mixed", "plan.mfu=0.5", "plan.link_gbps=200",
-                                       "hydra.run.dir=x", "plan.overlap=0.25"])
-    assert overrides == ["cluster=mixed"]
+    argv = ["cluster=mixed", "plan.mfu=0.5", "plan.link_gbps=200", "hydra.run.dir=x",
+            "plan.overlap=0.25"]
+    assert plan.plan_overrides(argv) == ["cluster=mixed", "plan.mfu=0.5", "plan.link_gbps=200",
+                                         "plan.overlap=0.25"]
+    opts = plan.compose_plan_run(argv).plan
     assert (opts.mfu, opts.link_gbps, opts.overlap) == (0.5, 200.0, 0.25)
     for bad in ("plan.mfu=0", "plan.mfu=abc", "plan.overlap=1.5", "plan.nope=1", "plan.probe="):
         with pytest.raises(ConfigError):
-            plan.split_argv([bad])
+            plan.compose_plan_run([bad])
 
 
 def _plan_cli(*args, timeout=120):
@@ -150,3 +151,109 @@ def test_unknown_gpu_type_is_one_line_and_exit_2():
     assert len(lines) == 1, proc.stderr
     assert "k80" in lines[0] and "a100" in lines[0] and lines[0].startswith("hetseq-plan: error:")
     assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("option, key", [
+    ("plan.link_gbps=0", "plan.link_gbps"),
+    ("plan.overlap=half", "plan.overlap"),
+    ("plan.probe={tmp}/no-such-run/allocation.json", "plan.probe"),
+])
+def test_bad_plan_option_is_one_line_and_exit_2(tmp_path, option, key):
+    proc = _plan_cli("cluster=mixed", "task=bert", option.format(tmp=tmp_path), timeout=60)
+    assert proc.returncode == 2, proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"hetseq-plan: error: {key}"), lines[0]
+    assert proc.stdout == ""
+
+
+def test_plan_group_composes_for_every_command(tmp_path):
+    """The ``plan`` group is part of the run config: ``python -m hetseq_hpc`` composes and
+    validates ``plan.*`` too, records it in hetseq_config.yaml, and a saved config from before
+    the group existed still loads (with the defaults)."""
+    from omegaconf import OmegaConf
+
+    from hetseq_hpc.config import load_run_config, save_run_config
+    from hetseq_hpc.config.compose import compose_run_config
+
+    run = compose_run_config(["task=bert"])
+    assert run.plan == plan.PlanConfig()
+    run = compose_run_config(["task=bert", "plan.overlap=0", "plan.peak=tensor"])
+    assert (run.plan.overlap, run.plan.peak) == (0.0, "tensor")
+    saved = save_run_config(run, tmp_path / "hetseq_config.yaml")
+    assert load_run_config(saved).plan == run.plan
+    old = OmegaConf.load(saved)
+    del old["plan"]
+    OmegaConf.save(old, tmp_path / "old.yaml")
+    assert load_run_config(tmp_path / "old.yaml").plan == plan.PlanConfig()
+    with pytest.raises(ConfigError, match=r"plan\.mfu"):
+        compose_run_config(["task=bert", "plan.mfu=2"])
+
+
+def test_small_batch_warning_names_a_batch_that_clears_the_bar():
+    from hetseq_hpc.plan.planner import MIN_SAMPLES_PER_RANK, batch_warning
+
+    def at(batch):  # two ranks at 100 samples/s, 1 MB of gradients over 1 Gbit/s links
+        return plan.predict([100.0, 100.0], batch, [64, 64], 1e6, 1.0, overlap=0.0)
+
+    assert batch_warning(at(64), at) is None
+    line = batch_warning(at(4), at)  # 2 samples per rank, all-reduce 8 ms vs compute 20 ms
+    assert "global batch 4 is small for 2 ranks" in line
+    assert f"trainer.global_batch_size={2 * MIN_SAMPLES_PER_RANK}" in line
+    assert "\n" not in line
+    assert "plan fewer ranks" in batch_warning(at(4))  # no way to re-predict: no batch named
+
+
+def test_planner_uses_the_task_flops_formula():
+    """One FLOPs formula: the planner's figure is BertTask.flops_per_sample, which needs only
+    the config (no data loaded, model on the meta device)."""
+    import torch
+
+    from hetseq_hpc.config.compose import compose_run_config
+    from hetseq_hpc.tasks import build_task
+    from hetseq_hpc.tasks.bert.model import BertMaskedLM
+
+    run = compose_run_config(["task=bert", *BERT_BASE])
+    with torch.device("meta"):
+        model = BertMaskedLM(run.task.model, run.task.data.vocab_size)
+    expected = build_task(run.task, seed=0).flops_per_sample(model)
+    assert plan.measure_model(run.task, need_activations=False).flops_per_sample == expected
+    assert expected == pytest.approx(67.822e9, rel=1e-4)  # the figure README prints
+
+
+def test_local_plan_from_a_probe_file(tmp_path, capsys):
+    """cluster=local with plan.probe (as scripts/bench_hetero.py runs it): rank i takes probe
+    rank i; 60 and 30 samples/s split a batch of 30 as 20 + 10."""
+    probe = tmp_path / "probe.json"
+    probe.write_text(json.dumps({"ranks": [
+        {"rank": r, "device": f"cpu @{s}",
+         "calibration": {"samples_per_s": t, "max_micro_batch": 16}}
+        for r, (s, t) in enumerate(((1.0, 60.0), (0.5, 30.0)))]}))
+    code = plan.main(["cluster.ranks=2", "cluster.speeds=[1.0,0.5]",
+                      "trainer.global_batch_size=30", "trainer.max_micro_batch=16",
+                      f"plan.probe={probe}"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "cpu @0.5 (probe)" in out
+    head = json.loads(out.strip().splitlines()[-1])
+    assert head["world_size"] == 2 and head["ideal_samples_per_s"] == 90.0
+    assert "is small for 2 ranks" not in err  # 15 samples per rank
+
+
+def test_local_plan_calibrates_this_cpu_as_a_rank_would():
+    """cluster=local without a probe: the small model is timed on this CPU with the runtime's
+    placement (threads, calibration micro-batch, memory budget), x cluster.speeds."""
+    from hetseq_hpc.placement import calibration_micro_batch, plan_placements
+
+    run = plan.compose_plan_run(["cluster.ranks=2", "cluster.speeds=[1.0,0.5]",
+                                 "trainer.global_batch_size=24", "trainer.calibration_steps=1",
+                                 *SMALL_MODEL])
+    result = plan.make_plan(run)
+    threads = plan_placements(run)[0].threads
+    assert [r.device for r in result.ranks] == [f"cpu {threads} thr", f"cpu {threads} thr @0.5"]
+    fast, slow = (r.samples_per_s for r in result.ranks)
+    assert fast > 0 and slow == pytest.approx(fast / 2)
+    assert result.source.endswith(f"at {threads} thread(s), micro-batch "
+                                  f"{calibration_micro_batch(run.trainer, 2)}, x cluster.speeds")
+    assert result.prediction.balanced.allocation.samples == [16, 8]
+    assert f"cpu {threads} thr @0.5" in plan.render(result)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 from hetseq_hpc.allocation import allocate
+from hetseq_hpc.distributed import StepStats
 from hetseq_hpc.train.rebalance import Rebalancer
 
 B = 32
@@ -26,7 +27,8 @@ def simulate(per_sample_s, steps, noise=0.05, start=(16, 16), change=None, seed=
         if change and step == change[0]:
             truth = list(change[1])
         history.append(alloc.samples)
-        table = [{"samples": b, "compute_time_s": b * t * (1 + rng.uniform(-noise, noise))}
+        table = [StepStats(loss_sum=0.0, count=b, samples=b, step_time_s=0.0, data_time_s=0.0,
+                           compute_time_s=b * t * (1 + rng.uniform(-noise, noise)))
                  for b, t in zip(alloc.samples, truth)]
         reb.record(table)
         if step % EVERY == 0:
@@ -47,7 +49,7 @@ def test_converges_to_the_throughput_split():
 
 
 def test_does_not_oscillate_under_noise():
-    history, reb = simulate([0.01, 0.01 / 0.35], 400, noise=0.05)
+    history, _ = simulate([0.01, 0.01 / 0.35], 400, noise=0.05)
     late = [s for s in _switches(history) if s > 50]
     assert late == [], f"moves after convergence: {late}"
     assert len(_switches(history)) <= 2

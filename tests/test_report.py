@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
+from conftest import REPO
 from hetseq_hpc.errors import HetseqError
 from hetseq_hpc.report import plot_run
-
-from conftest import REPO
+from hetseq_hpc.train.metrics import read_metrics
 
 
 def _write_metrics(run_dir, steps=12, realloc_at=6):
@@ -46,7 +46,7 @@ def test_plot_run_writes_a_png(tmp_path):
 
 
 def test_missing_metrics_is_one_line_error(tmp_path):
-    with pytest.raises(HetseqError, match="metrics.jsonl does not exist"):
+    with pytest.raises(HetseqError, match=r"metrics\.jsonl does not exist"):
         plot_run(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "hetseq_hpc.report", str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
@@ -56,3 +56,16 @@ def test_missing_metrics_is_one_line_error(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
     with pytest.raises(HetseqError, match="no step rows"):
         plot_run(tmp_path)
+
+
+def test_one_metrics_reader_for_report_and_tests(tmp_path):
+    """hetseq_hpc.train.metrics.read_metrics: a last row still being written is skipped, a
+    damaged row before it is a one-line error naming the line."""
+    good = [json.dumps({"step": 1, "loss": 2.0}), json.dumps({"step": 2, "loss": 1.0})]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(good) + '\n{"step": 3, "lo')
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    assert read_metrics(tmp_path / "metrics.jsonl") == read_metrics(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text(good[0] + '\n{"step": 2\n' + good[1] + "\n")
+    with pytest.raises(HetseqError, match=r"metrics\.jsonl line 2 is not JSON") as err:
+        read_metrics(tmp_path)
+    assert "\n" not in str(err.value)

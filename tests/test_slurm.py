@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, SMALL_MODEL, cli_env, losses, read_rows, wait_rows
-
 from hetseq_hpc.config import CONF_DIR, register_configs, to_run_config
 from hetseq_hpc.launch.sbatch import render_sbatch
 from hetseq_hpc.launch.slurm import HetSlurmInfoWatcher, fold_states, job_from_run_dir, wait_for_job
@@ -70,6 +69,19 @@ def _squeue_state(job_id: str) -> str:
     out = subprocess.run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%i|%T"],
                          capture_output=True, text=True).stdout
     return fold_states([line.split("|")[1] for line in out.splitlines() if "|" in line])
+
+
+def _sbatch_and_wait(args, cwd: Path, env: dict, timeout_s: float) -> str:
+    """``sbatch --parsable ARGS``, then wait until the job ended (a guard against hangs)."""
+    out = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    job_id = out.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + timeout_s
+    while _squeue_state(job_id) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+        assert time.monotonic() < deadline, f"job {job_id} ({args[-1]}) did not finish"
+        time.sleep(1)
+    return job_id
 
 
 # ------------------------------------------------------------------ no Slurm needed
@@ -172,14 +184,7 @@ def test_handwritten_template_runs(tmp_path, token_cache):
     _ok(_cli(run_dir, token_cache, "cluster.dry_run=true", "trainer.max_steps=6"))
     env = cli_env(token_cache)
     env.update(RUN_DIR=str(run_dir), PYTHON=sys.executable)
-    out = subprocess.run(["sbatch", "--parsable", str(REPO / "slurm" / "hetjob.sbatch")],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    job_id = out.stdout.strip().split(";")[0]
-    deadline = time.monotonic() + 300
-    while _squeue_state(job_id) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
-        assert time.monotonic() < deadline, "hand-written job did not finish"
-        time.sleep(1)
+    job_id = _sbatch_and_wait([str(REPO / "slurm" / "hetjob.sbatch")], tmp_path, env, 300)
     assert _squeue_state(job_id) == "COMPLETED", (tmp_path / f"hetseq-{job_id}.out").read_text()
     assert [r["step"] for r in read_rows(run_dir)] == list(range(1, 7))
     ranks = json.loads((run_dir / "allocation.json").read_text())["ranks"]
@@ -289,6 +294,7 @@ def test_failing_rank_is_named_with_its_reason(tmp_path, token_cache):
     ("cluster.partitions.a100.partition=h100", "cluster.partitions.a100.partition='h100' does not exist"),
     ("cluster.partitions.a100.gpu_type=t4", "cluster.partitions.a100.gpu_type='t4'"),
     ("cluster.partitions.v100.nodes=3", "cluster.partitions.v100.nodes=3"),
+    ("cluster.partitions.a100.cpus_per_rank=8", "cluster.partitions.a100.cpus_per_rank=8 needs 8 CPUs"),
 ])
 def test_presubmission_checks_submit_nothing(tmp_path, token_cache, override, named):
     """sinfo says the partition is missing, lacks the GRES type or the nodes: one line, exit 2,
@@ -299,6 +305,64 @@ def test_presubmission_checks_submit_nothing(tmp_path, token_cache, override, na
     assert proc.returncode == 2, proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("hetseq-hpc: error:") and named in line, line
+    after = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True,
+                           text=True).stdout.split()
+    assert after == before and not (tmp_path / "job.json").exists()
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@needs_slurm
+def test_run_dir_with_spaces_and_quotes_completes(tmp_path, token_cache):
+    """A run directory (hence submitit folder) with a space and both quote characters: the
+    #SBATCH --output/--error paths and the srun line are quoted, and the job runs to the end."""
+    run_dir = tmp_path / "my run's \"dir\""
+    quoted = str(run_dir).replace("\\", "\\\\").replace("'", "\\'")  # Hydra's grammar
+    cmd = [sys.executable, "-m", "hetseq_hpc", "cluster=testcluster", *SMALL_MODEL,
+           "cluster.wait=true", "trainer.max_steps=3", "trainer.val_every=0",
+           f"hydra.run.dir='{quoted}'"]
+    proc = subprocess.run(cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True,
+                          text=True, timeout=600)
+    _ok(proc)
+    assert [r["step"] for r in read_rows(run_dir)] == [1, 2, 3]
+    job_id = json.loads((run_dir / "job.json").read_text())["job_id"]
+    assert (run_dir / "submitit" / f"{job_id}_batch.out").exists()
+
+
+@pytest.mark.slurm
+@needs_slurm
+def test_worker_in_batch_script_without_srun_refuses_at_once(tmp_path, token_cache):
+    """Started by the batch script itself (no srun): SLURM_JOB_ID is set, SLURM_STEP_ID is not,
+    SLURM_NTASKS=3 -- the worker refuses in one line instead of waiting forever as rank 0."""
+    run_dir = tmp_path / "run"
+    _ok(_cli(run_dir, token_cache, "cluster.dry_run=true", "trainer.max_steps=2"))
+    out_file = tmp_path / "batch.out"
+    wrap = (f"{sys.executable} -m hetseq_hpc.worker --config {run_dir / 'hetseq_config.yaml'} "
+            f"--run-dir {run_dir}")
+    job_id = _sbatch_and_wait(["--partition=v100", "--nodes=1", "--ntasks-per-node=1",
+                               "--ntasks=1", f"--output={out_file}", "--wrap", wrap],
+                              tmp_path, cli_env(token_cache), 120)
+    assert _squeue_state(job_id) == "FAILED"
+    text = out_file.read_text()
+    assert "SLURM_STEP_ID" in text and "launch it with srun" in text, text[-2000:]
+
+
+@pytest.mark.slurm
+@needs_slurm
+def test_timeout_above_partition_max_time_submits_nothing(tmp_path, token_cache):
+    """v100's MaxTime is 1 day (scripts/test-cluster.sh): 2000 minutes are refused before
+    anything is submitted, by what the real sinfo reports."""
+    limit = subprocess.run(["sinfo", "-h", "-p", "v100", "-o", "%l"], capture_output=True,
+                           text=True).stdout.split()
+    if not limit or limit[0] in ("infinite", "UNLIMITED"):
+        pytest.skip("this test cluster's v100 has no MaxTime: it was started by an older "
+                    "scripts/test-cluster.sh; restart it")
+    before = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True,
+                            text=True).stdout.split()
+    proc = _cli(tmp_path, token_cache, "cluster.timeout_min=2000")
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "cluster.timeout_min=2000 exceeds partition 'v100'" in line, line
     after = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True,
                            text=True).stdout.split()
     assert after == before and not (tmp_path / "job.json").exists()

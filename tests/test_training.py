@@ -73,7 +73,8 @@ def test_main_job_end_to_end(tmp_path, run_cli):
     assert len({r["probe"]["kind"] for r in alloc["ranks"]}) == 1
     assert all(r["calibration"]["samples_per_s"] > 0 for r in alloc["ranks"])
     ckpts = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert ckpts == ["step_00000006.pt", "step_00000012.pt"]
+    assert ckpts == ["step_00000006.pt", "step_00000006.pt.sha256", "step_00000012.pt",
+                     "step_00000012.pt.sha256"]  # each with its SHA-256 sidecar, no temp file
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["final_step"] == 12 and summary["validation"]["val_loss"] > 0
     assert (tmp_path / "logs" / "rank1.log").is_file()

@@ -30,6 +30,7 @@ def _task_env(rank: int, node: str, nodeid: int, groups: list, job_partition: st
         "SLURM_LOCALID": "0",
         "SLURM_NODEID": str(nodeid),
         "SLURM_JOB_ID": JOB_ID,
+        "SLURM_STEP_ID": "0",  # every srun step has one; the batch script has none
         "SLURM_HET_SIZE": str(len(groups)),
         "SLURM_JOB_NODELIST": "n[1,3-4]",
         # unreliable in a multi-group step: measured both v100 and a100 on rank 0
@@ -63,6 +64,7 @@ def plain_slurm_env(rank: int, local: int, node: str, nodeid: int) -> dict:
         "SLURM_LOCALID": str(local),
         "SLURM_NODEID": str(nodeid),
         "SLURM_JOB_ID": "4242",
+        "SLURM_STEP_ID": "0",
         "SLURM_JOB_NODELIST": "gpu[07-08]",
         "SLURM_STEP_NODELIST": "gpu[07-08]",
         "SLURM_JOB_PARTITION": "gpu",
@@ -425,3 +427,82 @@ def test_expand_hostlist_malformed(expr):
         expand_hostlist(expr)
     assert repr(expr) in str(info.value)
     assert "\n" not in str(info.value)
+
+
+# --------------------------------------------------------------------------- issue 8: hostlists
+@pytest.mark.parametrize(
+    "expr, hosts",
+    [
+        pytest.param("alpha beta", ["alpha", "beta"], id="space-separated"),
+        pytest.param("alpha\tbeta\ngamma", ["alpha", "beta", "gamma"], id="any-whitespace"),
+        pytest.param("n[1-2], gpu3", ["n1", "n2", "gpu3"], id="comma-and-space"),
+        pytest.param(" n1 ", ["n1"], id="surrounding-space"),
+    ],
+)
+def test_hostlist_whitespace_separates_hosts(expr, hosts):
+    assert expand_hostlist(expr) == hosts
+
+
+@pytest.mark.parametrize("expr", ["n[\u00b2-3]", "n[\u0661-\u0663]", "n[1-\uff13]", "n[\u00b9]"],
+                         ids=["superscript", "arabic-indic", "fullwidth", "superscript-single"])
+def test_hostlist_accepts_only_ascii_digits(expr):
+    with pytest.raises(WorldError, match="ASCII digits"):
+        expand_hostlist(expr, "SLURM_STEP_NODELIST")
+
+
+@pytest.mark.parametrize("expr", ["n[0-99999999999]", "a[0-300]b[0-300]", "n[0-65536]",
+                                  "n[0-40000],m[0-40000]"])
+def test_hostlist_past_slurm_limit_is_an_error_before_expanding(expr):
+    with pytest.raises(WorldError, match="more than 65536 hosts"):
+        expand_hostlist(expr, "SLURM_JOB_NODELIST")
+
+
+def test_hostlist_at_slurm_limit_expands():
+    assert len(expand_hostlist("n[0-65535]")) == 65536
+
+
+@pytest.mark.parametrize("var", ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"])
+def test_plain_job_hostlist_error_names_its_variable(var):
+    env = plain_slurm_env(0, 0, "gpu07", 0)
+    env.pop("SLURM_STEP_NODELIST")
+    env[var] = "gpu[07-"
+    with pytest.raises(WorldError) as info:
+        WorldInfo.from_env(env)
+    assert str(info.value).startswith(f"{var}='gpu[07-'"), str(info.value)
+
+
+def test_het_job_hostlist_error_names_component_variable():
+    env = {**het_env(0, "n1", 0, "a100"), "SLURM_JOB_NODELIST_HET_GROUP_0": "n[x]"}
+    with pytest.raises(WorldError, match=r"^SLURM_JOB_NODELIST_HET_GROUP_0='n\[x\]'"):
+        WorldInfo.from_env(env)
+
+
+def test_space_separated_nodelist_gives_first_host_as_master():
+    env = {**plain_slurm_env(0, 0, "alpha", 0), "SLURM_STEP_NODELIST": "alpha beta"}
+    assert WorldInfo.from_env(env).master_addr == "alpha"
+
+
+# --------------------------------------------------------------------------- issue 8: no srun
+@pytest.mark.parametrize("step", [None, "", "4294967294", "batch"],
+                         ids=["unset", "empty", "batch-step-number", "batch-word"])
+def test_worker_in_batch_script_without_srun_is_refused(step):
+    """The batch script's environment (measured: SLURM_JOB_ID and SLURM_PROCID=0 set, no
+    SLURM_STEP_ID): rank 0 of SLURM_NTASKS would wait forever; refuse with one line."""
+    env = _without(plain_slurm_env(0, 0, "gpu07", 0), "SLURM_STEP_ID")
+    if step is not None:
+        env["SLURM_STEP_ID"] = step
+    with pytest.raises(WorldError) as info:
+        WorldInfo.from_env(env)
+    message = str(info.value)
+    assert "srun" in message and "SLURM_STEP_ID" in message and "\n" not in message
+
+
+def test_het_job_batch_script_without_srun_is_refused():
+    env = _without(het_env(0, "n1", 0, "a100"), "SLURM_STEP_ID")
+    with pytest.raises(WorldError, match="srun"):
+        WorldInfo.from_env(env)
+
+
+def test_srun_step_with_legacy_stepid_variable_is_accepted():
+    env = {**_without(plain_slurm_env(1, 1, "gpu07", 0), "SLURM_STEP_ID"), "SLURM_STEPID": "0"}
+    assert WorldInfo.from_env(env).rank == 1

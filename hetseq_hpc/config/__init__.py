@@ -1,4 +1,13 @@
-"""Run configuration: schemas (``schema``), loading/saving, and cross-group validation."""
+"""Run configuration: schemas, composition, loading/saving, and validation.
+
+- :mod:`~hetseq_hpc.config.task`, :mod:`~hetseq_hpc.config.cluster`,
+  :mod:`~hetseq_hpc.config.trainer`: the groups' schema dataclasses (each checks its fields);
+  :mod:`~hetseq_hpc.config.schema`: :class:`RunConfig` and the Hydra ConfigStore registration;
+- :mod:`~hetseq_hpc.config.compose`: :func:`compose_run` / :func:`compose_run_config`, the one way
+  to compose ``conf/`` with overrides (CLI pre-check, planner, tests);
+- :mod:`~hetseq_hpc.config.keys`: unknown keys ("did you mean") and one-line type errors;
+- :mod:`~hetseq_hpc.config.validate`: checks that span groups (world size, data files).
+"""
 
 from __future__ import annotations
 
@@ -8,10 +17,14 @@ from typing import Any, Union
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from hetseq_hpc.atomic import atomic_write_text
+from hetseq_hpc.config.compose import compose_run, compose_run_config
+from hetseq_hpc.config.keys import check_known_keys, describe_omegaconf_error
 from hetseq_hpc.config.schema import (
     CLUSTER_SCHEMAS,
     TASK_SCHEMAS,
     BertTaskConfig,
+    ClusterConfig,
     LocalClusterConfig,
     OptimConfig,
     PartitionConfig,
@@ -29,12 +42,15 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 __all__ = [
     "CONF_DIR",
     "BertTaskConfig",
+    "ClusterConfig",
     "LocalClusterConfig",
     "OptimConfig",
     "PartitionConfig",
     "RunConfig",
     "SlurmClusterConfig",
     "TrainerConfig",
+    "compose_run",
+    "compose_run_config",
     "load_run_config",
     "planned_world_size",
     "register_configs",
@@ -58,6 +74,9 @@ def _typed(cfg: Any) -> DictConfig:
             f"cluster.name={cluster_name!r} is unknown: use local or slurm "
             "(e.g. cluster=local, cluster=mixed)"
         )
+    container = OmegaConf.to_container(raw, resolve=False, throw_on_missing=False)
+    if isinstance(container, dict):
+        check_known_keys(container, RunConfig, TASK_SCHEMAS, CLUSTER_SCHEMAS)
     base = OmegaConf.structured(RunConfig)
     base.task = OmegaConf.structured(TASK_SCHEMAS[task_name])
     base.cluster = OmegaConf.structured(CLUSTER_SCHEMAS[cluster_name])
@@ -85,10 +104,7 @@ def to_run_config(cfg: Union[DictConfig, dict]) -> RunConfig:
             cause = cause.__cause__ or cause.__context__
         if isinstance(cause, ConfigError):
             raise cause from None
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        key = getattr(exc, "full_key", None)
-        where = f"{key}: " if key else ""
-        raise ConfigError(f"invalid configuration: {where}{first_line}") from None
+        raise ConfigError(describe_omegaconf_error(exc)) from None
     if not isinstance(run, RunConfig):  # pragma: no cover - OmegaConf returns the schema type
         raise ConfigError(f"configuration did not build a RunConfig (got {type(run).__name__})")
     validate_run_config(run)
@@ -97,12 +113,7 @@ def to_run_config(cfg: Union[DictConfig, dict]) -> RunConfig:
 
 def save_run_config(run: RunConfig, path: Union[str, Path]) -> Path:
     """Write ``run`` as resolved YAML (what workers and sbatch templates read back)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(OmegaConf.to_yaml(OmegaConf.structured(run)))
-    tmp.replace(path)
-    return path
+    return atomic_write_text(path, OmegaConf.to_yaml(OmegaConf.structured(run)))
 
 
 def load_run_config(path: Union[str, Path]) -> RunConfig:

@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
+from hetseq_hpc.atomic import atomic_write_text
+
 log = logging.getLogger(__name__)
 
 CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
@@ -59,6 +61,19 @@ class Emulation:
         return asdict(self)
 
 
+def emulated_cpus(speed: float, threads: int) -> float:
+    """CPUs' worth of time a rank at ``speed`` (0, 1] with ``threads`` threads may use per
+    period: ``speed x threads`` (at least one thread counted). The quota formula the runtime,
+    the planner and the benchmark share."""
+    return float(speed) * max(int(threads), 1)
+
+
+def cfs_quota_us(cpus: float) -> int:
+    """CFS quota in microseconds per :data:`PERIOD_US` for ``cpus`` CPUs' worth of time (the
+    kernel refuses quotas below 1 ms, https://docs.kernel.org/scheduler/sched-bwc.html)."""
+    return max(1000, int(cpus * PERIOD_US))
+
+
 def _sweep_stale(root: Path) -> None:
     """Remove empty cgroups left by ranks that were killed (rmdir fails on non-empty ones)."""
     try:
@@ -81,7 +96,7 @@ def _cgroup_v1(speed_cpus: float) -> Emulation:
     group = CGROUP_V1_CPU / f"{PREFIX}{os.getpid()}"
     group.mkdir(exist_ok=True)
     (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-    (group / "cpu.cfs_quota_us").write_text(str(max(1000, int(speed_cpus * PERIOD_US))))
+    (group / "cpu.cfs_quota_us").write_text(str(cfs_quota_us(speed_cpus)))
     parent_procs = CGROUP_V1_CPU / "cgroup.procs"
     (group / "cgroup.procs").write_text(str(os.getpid()))
 
@@ -117,7 +132,7 @@ def _cgroup_v2(speed_cpus: float) -> Emulation:
     _sweep_stale(parent)
     group = parent / f"{PREFIX}{os.getpid()}"
     group.mkdir(exist_ok=True)
-    (group / "cpu.max").write_text(f"{max(1000, int(speed_cpus * PERIOD_US))} {PERIOD_US}")
+    (group / "cpu.max").write_text(f"{cfs_quota_us(speed_cpus)} {PERIOD_US}")
     (group / "cgroup.procs").write_text(str(os.getpid()))
 
     def leave() -> None:
@@ -168,7 +183,7 @@ def emulate_speed(speed: float, threads: int) -> Emulation:
     """
     if speed >= 1.0:
         return Emulation(speed=1.0, method="none", cpus=float(threads))
-    cpus = speed * max(threads, 1)
+    cpus = emulated_cpus(speed, threads)
     reasons = []
     for attempt in (_cgroup_v1, _cgroup_v2):
         try:
@@ -187,13 +202,11 @@ def emulate_speed(speed: float, threads: int) -> Emulation:
 def set_quota(control: str, cpus: float) -> None:
     """Change a running rank's quota (``control`` from :class:`Emulation`) to ``cpus`` CPUs."""
     path = Path(control)
-    quota = max(1000, int(cpus * PERIOD_US))
+    quota = cfs_quota_us(cpus)
     path.write_text(f"{quota} {PERIOD_US}" if path.name == "cpu.max" else str(quota))
 
 
 def record(emu: Emulation, run_dir: Path, rank: int) -> Path:
     """Write ``logs/rank<N>.emulation.json``."""
-    path = Path(run_dir) / "logs" / f"rank{rank}.emulation.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(emu.to_dict(), indent=1))
-    return path
+    return atomic_write_text(Path(run_dir) / "logs" / f"rank{rank}.emulation.json",
+                             json.dumps(emu.to_dict(), indent=1))

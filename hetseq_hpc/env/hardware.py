@@ -67,7 +67,7 @@ class DeviceProbe:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict) -> "DeviceProbe":
+    def from_dict(cls, data: dict) -> DeviceProbe:
         """Inverse of :meth:`to_dict`."""
         data = dict(data)
         if data.get("compute_capability") is not None:

@@ -75,6 +75,24 @@ def _int_var(env: Mapping[str, str], name: str, *, minimum: int = 0, hint: str =
     return value
 
 
+#: ``SLURM_STEP_ID`` values of steps that are not an srun step (batch script, extern step)
+_NOT_SRUN_STEPS = {"4294967294", "4294967293", "batch", "extern"}
+
+
+def _require_step(env: Mapping[str, str]) -> None:
+    """Refuse to run in a job's batch script itself: there ``SLURM_STEP_ID`` is unset (measured
+    on Slurm 22.05; every srun step has it), ``SLURM_PROCID`` is 0 and ``SLURM_NTASKS`` counts
+    ranks that only an srun step would start, so rank 0 would wait for them forever."""
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
+    if env.get("SLURM_JOB_ID") and (not step or step in _NOT_SRUN_STEPS):
+        raise WorldError(
+            f"SLURM_JOB_ID={env.get('SLURM_JOB_ID')} is set but SLURM_STEP_ID={step!r}: this "
+            "worker runs in the batch script itself and would wait forever for ranks that never "
+            "start; launch it with srun (srun python -m hetseq_hpc.worker ..., see "
+            "slurm/hetjob.sbatch)"
+        )
+
+
 def _port_var(env: Mapping[str, str]) -> Optional[int]:
     if not env.get("MASTER_PORT"):
         return None
@@ -150,7 +168,7 @@ class WorldInfo:
         return asdict(self)
 
     @classmethod
-    def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "WorldInfo":
+    def from_env(cls, env: Optional[Mapping[str, str]] = None) -> WorldInfo:
         """Build the world description from ``env`` (default ``os.environ``).
 
         Raises:
@@ -174,7 +192,7 @@ class WorldInfo:
         )
 
     @classmethod
-    def _from_torch(cls, env: Mapping[str, str]) -> "WorldInfo":
+    def _from_torch(cls, env: Mapping[str, str]) -> WorldInfo:
         hint = "set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT together (as torchrun does)"
         world = _int_var(env, "WORLD_SIZE", minimum=1, hint=hint)
         rank = _int_var(env, "RANK", minimum=0, hint=hint)
@@ -206,9 +224,10 @@ class WorldInfo:
         )
 
     @classmethod
-    def _from_slurm(cls, env: Mapping[str, str]) -> "WorldInfo":
+    def _from_slurm(cls, env: Mapping[str, str]) -> WorldInfo:
         v = SLURM_VARIABLES
         hint = "run the worker inside an srun step of the job"
+        _require_step(env)
         rank = _int_var(env, v["global_rank"], hint=hint)
         world = _int_var(env, v["world_size"], minimum=1, hint=hint)
         if rank >= world:
@@ -224,9 +243,11 @@ class WorldInfo:
         if het_size_raw:
             het_size = _int_var(env, v["het_size"], minimum=1, hint=hint)
             het_group, master_list, partition = cls._het_component(env, rank, world, het_size)
+            list_var = SLURM_HET_VARIABLES["nodelist"].format(k=0)
             cpus = env.get(SLURM_HET_VARIABLES["cpus_per_task"].format(k=het_group)) or cpus
         else:
-            master_list = env.get(v["step_nodelist"]) or env.get(v["nodelist"]) or ""
+            list_var = v["step_nodelist"] if env.get(v["step_nodelist"]) else v["nodelist"]
+            master_list = env.get(list_var) or ""
             partition = env.get(v["partition"])
         port = _port_var(env)
         if port is None:
@@ -238,10 +259,10 @@ class WorldInfo:
             port = SLURM_PORT_BASE + int(job_id) % 20000
         master = env.get("MASTER_ADDR")
         if not master:
-            hosts = expand_hostlist(master_list)
+            hosts = expand_hostlist(master_list, list_var)
             if not hosts:
                 raise WorldError(
-                    f"no node list in the SLURM environment ({v['nodelist']} is empty): "
+                    f"no node list in the SLURM environment ({list_var} is empty): "
                     f"{hint}, or set MASTER_ADDR"
                 )
             master = hosts[0]

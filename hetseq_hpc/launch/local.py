@@ -3,28 +3,43 @@
 Each rank is ``python -m hetseq_hpc.worker --config <run dir>/hetseq_config.yaml`` with the
 torch variables set (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1``,
 ``MASTER_PORT``), exactly what torchrun would set, so the worker needs no special case. CPU
-threads are split evenly between ranks. If a rank dies, the others are stopped at once
-(they would otherwise wait in a collective) and the first failure is reported with its rank,
-reason and log file.
+threads are split evenly between ranks. If a rank dies, the others get :data:`FAILURE_GRACE_S`
+to exit (and write their own errors), then are stopped (they would otherwise wait in a
+collective), and the rank whose own error came first is reported
+with its reason and log file (:mod:`hetseq_hpc.launch.failures`).
+
+The ranks die with their launcher: they run in their own process group (a terminal's Ctrl-C
+reaches only the launcher), and the launcher sends every rank SIGTERM, once, when it stops for
+any reason (an error, Ctrl-C, SIGTERM or SIGHUP): the ranks checkpoint after their current step
+(SIGKILL after :data:`TERM_GRACE_S`). Each rank also gets a parent-death signal
+(Linux ``prctl(PR_SET_PDEATHSIG, SIGTERM)``), so a SIGKILLed launcher still stops them, with a
+watchdog in the worker as the last resort (:func:`hetseq_hpc.launch.rank_guard.watch_launcher`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
 import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 from hetseq_hpc.config import RunConfig, planned_world_size, save_run_config
 from hetseq_hpc.config.validate import visible_gpu_count
-from hetseq_hpc.env.hardware import usable_cores
 from hetseq_hpc.env.world import free_port
 from hetseq_hpc.errors import LaunchError
+from hetseq_hpc.launch.failures import first_failure, read_error_file, signal_reason
+from hetseq_hpc.launch.rank_guard import LAUNCHER_PID_ENV
+from hetseq_hpc.placement import placement_for
+from hetseq_hpc.train.run_lock import lock_run_dir
 from hetseq_hpc.worker import CONFIG_NAME, error_file
 
 log = logging.getLogger(__name__)
@@ -33,14 +48,24 @@ log = logging.getLogger(__name__)
 POLL_S = 0.2
 #: seconds a stopped worker gets between SIGTERM and SIGKILL
 TERM_GRACE_S = 10.0
+#: seconds the other ranks get to exit (and write their own error) after a rank failed
+FAILURE_GRACE_S = 3.0
+#: reason given for a rank found stopped while its peers failed waiting for it
+STOPPED_REASON = ("it was stopped (SIGSTOP or Ctrl-Z) and did not answer; its peers timed out "
+                  "waiting for it")
+#: ``prctl`` option that sends a signal to a process when its parent dies (linux/prctl.h)
+PR_SET_PDEATHSIG = 1
 
 
 def rank_environments(run: RunConfig, config_path: Path) -> List[Dict[str, str]]:
-    """The environment of every rank (the parent's environment plus the torch variables)."""
+    """The environment of every rank: the parent's environment plus the torch variables
+    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``) and ``OMP_NUM_THREADS`` from the rank's placement. Nothing else: each
+    worker resolves its own placement (threads, emulated speed, memory budget) from the config
+    with :func:`hetseq_hpc.placement.placement_for`."""
     cluster = run.cluster
     world = planned_world_size(run)
     port = cluster.master_port or free_port()
-    threads = cluster.threads_per_rank or max(1, usable_cores() // world)
     gpus = visible_gpu_count()
     if gpus and world > gpus:
         log.warning("%d ranks on %d GPUs: ranks share GPUs", world, gpus)
@@ -54,87 +79,172 @@ def rank_environments(run: RunConfig, config_path: Path) -> List[Dict[str, str]]
             "LOCAL_WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": str(threads),
-            "HETSEQ_THREADS": str(threads),
+            "OMP_NUM_THREADS": str(placement_for(run, rank, local_world_size=world).threads),
             "PYTHONUNBUFFERED": "1",
             # Ctrl-C reaches the launcher, which stops the ranks with SIGTERM: they checkpoint
             # after the current step instead of dying inside a collective
             "HETSEQ_IGNORE_SIGINT": "1",
         })
-        if cluster.speeds:
-            env["HETSEQ_EMULATE_SPEED"] = str(cluster.speeds[rank])
         envs.append(env)
     return envs
 
 
 def _stop(procs: List[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+    """SIGTERM every running rank (its whole process group), SIGKILL what is left after
+    :data:`TERM_GRACE_S`."""
+    _signal_all(procs, signal.SIGTERM)
     deadline = time.monotonic() + TERM_GRACE_S
     for proc in procs:
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            proc.kill()
+            _signal_all([proc], signal.SIGKILL)
             proc.wait()
 
 
-def _failure_reason(run_dir: Path, rank: int, code: int) -> str:
-    err = error_file(run_dir, rank)
-    if err.is_file():
-        try:
-            data = json.loads(err.read_text())
-            return f"{data['type']}: {data['message']}"
-        except (OSError, ValueError, KeyError):
-            pass
-    if code < 0:
-        return f"killed by signal {signal.Signals(-code).name}"
+def _signal_all(procs: List[subprocess.Popen], signum: int) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                proc.send_signal(signum)
+                if signum == signal.SIGTERM:  # a stopped rank (Ctrl-Z, SIGSTOP) must run to see it
+                    proc.send_signal(signal.SIGCONT)
+
+
+def _is_stopped(pid: int) -> bool:
+    """True if process ``pid`` is stopped (state ``T``: SIGSTOP, Ctrl-Z; /proc/<pid>/stat)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _die_with_parent(parent_pid: int) -> Optional[Callable[[], None]]:
+    """A ``preexec_fn`` that makes the child receive SIGTERM when this process dies (Linux
+    ``prctl(PR_SET_PDEATHSIG)``), or None where prctl does not exist."""
+    path = ctypes.util.find_library("c")
+    try:
+        prctl = ctypes.CDLL(path, use_errno=True).prctl if path else None
+    except (OSError, AttributeError):
+        prctl = None
+    if prctl is None:
+        return None
+
+    def setup() -> None:  # runs in the child between fork and exec
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent_pid:  # the launcher died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return setup
+
+
+class LauncherStopped(KeyboardInterrupt):
+    """The launcher received SIGTERM or SIGHUP; handled like Ctrl-C (the ranks checkpoint)."""
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """Turn SIGTERM/SIGHUP to the launcher into :class:`LauncherStopped` for the ``with``
+    block (main thread only), so the ranks are stopped and checkpoint as on Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise LauncherStopped(f"launcher received {signal.Signals(signum).name}")
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, previous in old.items():
+            signal.signal(signum, previous)
+
+
+def _start(cmd: List[str], envs: List[Dict[str, str]], pass_fds: tuple) -> List[subprocess.Popen]:
+    """Start one worker per environment, all in ONE new process group (Ctrl-C in a terminal
+    reaches only the launcher, which stops them in order), each with a parent-death signal."""
+    preexec = _die_with_parent(os.getpid())
+    procs: List[subprocess.Popen] = []
+    for env in envs:
+        group = procs[0].pid if procs and procs[0].poll() is None else 0
+        procs.append(subprocess.Popen(cmd, env=env, process_group=group, preexec_fn=preexec,
+                                      pass_fds=pass_fds))
+    return procs
+
+
+def _failure_reason(run_dir: Path, rank: int, code: Optional[int]) -> str:
+    err = read_error_file(error_file(run_dir, rank))
+    if err is not None:
+        return f"{err.get('type', 'Error')}: {err['message']}"
+    if code is not None and code < 0:
+        return signal_reason(code, run_dir, rank)
     return f"exit code {code}"
+
+
+def _watch(procs: List[subprocess.Popen], poll_s: float) -> Dict[int, int]:
+    """Wait until every rank exited, or a rank failed and the others had
+    :data:`FAILURE_GRACE_S` to exit on their own; returns rank -> exit code of the ranks that
+    exited by themselves (before anyone stopped them)."""
+    codes: Dict[int, int] = {}
+    failed_at: Optional[float] = None
+    while len(codes) < len(procs):
+        for rank, proc in enumerate(procs):
+            code = proc.poll()
+            if code is not None and rank not in codes:
+                codes[rank] = code
+        if failed_at is None and any(c != 0 for c in codes.values()):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
+            break
+        if len(codes) < len(procs):
+            time.sleep(poll_s)
+    return codes
 
 
 def launch_local(run: RunConfig, run_dir: Path, poll_s: float = POLL_S) -> Dict:
     """Run the job on this machine and return rank 0's summary.
 
+    The run directory is locked for the whole run (:func:`~hetseq_hpc.train.run_lock.lock_run_dir`;
+    the ranks inherit the lock). SIGTERM/SIGHUP to the launcher stop the ranks after their
+    current step (they checkpoint) and raise :class:`LauncherStopped`, a ``KeyboardInterrupt``.
+
     Raises:
-        LaunchError: a rank failed; the others were stopped; the message names the rank, the
-            reason and its log file.
+        LaunchError: the run directory is in use by another run, or a rank failed; the others
+            were stopped; the message names the rank whose own error came first, the reason and
+            its log file.
     """
     run_dir = Path(run_dir).resolve()
+    with lock_run_dir(run_dir) as lock, _stop_on_signals():
+        return _launch(run, run_dir, poll_s, lock.child_env(), (lock.fd,))
+
+
+def _launch(run: RunConfig, run_dir: Path, poll_s: float, lock_env: Dict[str, str],
+            pass_fds: tuple) -> Dict:
     config_path = save_run_config(run, run_dir / CONFIG_NAME)
     for stale in (run_dir / "logs").glob("rank*.error.json"):
         stale.unlink()
     envs = rank_environments(run, config_path)
+    for env in envs:
+        env.update(lock_env)
+        env[LAUNCHER_PID_ENV] = str(os.getpid())
+        if Path("/sys/class/net/lo").exists():  # gloo's pair sockets on loopback only, too
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     log.info("starting %d rank(s) on this machine (%s threads each); run directory %s",
-             len(envs), envs[0]["HETSEQ_THREADS"], run_dir)
+             len(envs), envs[0].get("OMP_NUM_THREADS", "?"), run_dir)
     cmd = [sys.executable, "-m", "hetseq_hpc.worker", "--config", str(config_path),
            "--run-dir", str(run_dir)]
     procs: List[subprocess.Popen] = []
     try:
-        for env in envs:
-            procs.append(subprocess.Popen(cmd, env=env))
-        failed: Optional[int] = None
-        while True:
-            codes = [p.poll() for p in procs]
-            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                # a rank killed by a signal is the cause, its peers' "connection closed" errors
-                # the effect; otherwise the earliest error file names the first failure
-                def first(r: int) -> tuple:
-                    try:
-                        when = json.loads(error_file(run_dir, r).read_text())["time"]
-                    except (OSError, ValueError, KeyError):
-                        when = float("inf")
-                    return (0 if codes[r] < 0 else 1, when, r)
-
-                failed = min(bad, key=first)
-                break
-            if all(c == 0 for c in codes):
-                break
-            time.sleep(poll_s)
-        if failed is not None:
+        procs = _start(cmd, envs, pass_fds)
+        codes = _watch(procs, poll_s)
+        if any(c != 0 for c in codes.values()):
+            errors = {r: read_error_file(error_file(run_dir, r)) for r in range(len(procs))}
+            stopped = [r for r, p in enumerate(procs) if r not in codes and _is_stopped(p.pid)]
             _stop(procs)
-            reason = _failure_reason(run_dir, failed, procs[failed].returncode)
+            failed = first_failure(codes, errors, stopped)
+            reason = (STOPPED_REASON if failed in stopped and errors.get(failed) is None
+                      else _failure_reason(run_dir, failed, codes.get(failed)))
             raise LaunchError(
                 f"rank {failed} failed ({reason}); the other ranks were stopped; see "
                 f"{run_dir / 'logs' / f'rank{failed}.log'}"

@@ -26,31 +26,61 @@ from hetseq_hpc.errors import ConfigError
 #: signal Slurm sends ``signal_delay_s`` before the time limit (submitit's default, USR2:
 #: NCCL may catch USR1)
 PREEMPT_SIGNAL = "USR2"
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+#: characters that would end a line of the script (or hide text from a reader): never written
+_CONTROL = re.compile(r"[\x00-\x1f\x7f\u2028\u2029\x85]")
+
+
+def _clean(where: str, value: object) -> str:
+    """``value`` as text without control characters (a newline would start a new shell line).
+
+    Raises:
+        ConfigError: ``value`` holds a newline or another control character.
+    """
+    text = str(value)
+    if _CONTROL.search(text):
+        raise ConfigError(f"{where}={text!r} holds a newline or control character, which is not "
+                          "allowed in an sbatch script: remove it")
+    return text
+
+
+def _opt(name: str, value: object, where: str) -> str:
+    """``--name=value`` with the value shell-quoted (sbatch reads ``#SBATCH`` lines with shell
+    quoting rules: a path with spaces or quotes survives, measured on Slurm 22.05)."""
+    return f"--{name}={shlex.quote(_clean(where, value))}"
 
 
 def _mem(mem_gb: float) -> str:
     return f"{int(mem_gb)}G" if float(mem_gb).is_integer() else f"{int(mem_gb * 1024)}M"
 
 
-def component_options(part: PartitionConfig, timeout_min: int) -> List[str]:
-    """``#SBATCH`` options of one het component (one partition)."""
+def component_options(part: PartitionConfig, timeout_min: int, where: str = "partition") -> List[str]:
+    """``#SBATCH`` options of one het component (one partition); every value shell-quoted.
+
+    Raises:
+        ConfigError: a value holds a newline or control character (``where`` names it).
+    """
     opts = [
-        f"--partition={part.partition}",
-        f"--nodes={part.nodes}",
-        f"--ntasks-per-node={part.ranks_per_node_effective}",
-        f"--cpus-per-task={part.cpus_per_rank}",
-        f"--mem={_mem(part.mem_gb)}",
-        f"--time={timeout_min}",
+        _opt("partition", part.partition, f"{where}.partition"),
+        _opt("nodes", int(part.nodes), f"{where}.nodes"),
+        _opt("ntasks-per-node", int(part.ranks_per_node_effective), f"{where}.ranks_per_node"),
+        _opt("cpus-per-task", int(part.cpus_per_rank), f"{where}.cpus_per_rank"),
+        _opt("mem", _mem(part.mem_gb), f"{where}.mem_gb"),
+        _opt("time", int(timeout_min), "cluster.timeout_min"),
     ]
     if part.gpu_type:
-        opts.append(f"--gres=gpu:{part.gpu_type}:{part.gpus_per_node}")
+        gres = f"gpu:{_clean(f'{where}.gpu_type', part.gpu_type)}:{int(part.gpus_per_node)}"
+        opts.append(_opt("gres", gres, f"{where}.gpu_type"))
     for name in ("account", "qos", "constraint"):
         value = getattr(part, name)
         if value:
-            opts.append(f"--{name}={value}")
+            opts.append(_opt(name, value, f"{where}.{name}"))
     for key, value in part.extra_sbatch.items():
-        opts.append(f"--{key.replace('_', '-')}={value}")
+        flag = _clean(f"{where}.extra_sbatch key", key).replace("_", "-")
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9-]*", flag):
+            raise ConfigError(f"{where}.extra_sbatch key {key!r} is not an sbatch option name: "
+                              "use letters, digits and '-' (e.g. exclude)")
+        opts.append(_opt(flag, value, f"{where}.extra_sbatch.{key}"))
     return opts
 
 
@@ -75,37 +105,41 @@ def render_sbatch(cluster: SlurmClusterConfig, folder: str, python: str) -> str:
         python: the Python interpreter the tasks run (absolute path).
 
     Raises:
-        ConfigError: an environment variable name or value in ``cluster.env`` is unsafe.
+        ConfigError: an environment variable name in ``cluster.env`` is unsafe, or a value
+            written into the script holds a newline or control character (defence in depth:
+            config validation rejects them first; every value is also shell-quoted).
     """
-    for opt_value in (folder, python):
-        if "\n" in opt_value:
-            raise ConfigError(f"path {opt_value!r} holds a newline: use a path without one")
+    _clean("cluster.folder", folder)
+    _clean("python", python)
     k = len(cluster.partitions)
     world = cluster.world_size
     lines = [
         "#!/bin/bash",
         f"# hetseq_hpc: {k} het component(s), {world} rank(s); written by hetseq_hpc.launch.sbatch",
-        f"#SBATCH --job-name={cluster.job_name}",
-        f"#SBATCH --signal={PREEMPT_SIGNAL}@{cluster.signal_delay_s}",
+        f"#SBATCH {_opt('job-name', cluster.job_name, 'cluster.job_name')}",
+        f"#SBATCH --signal={PREEMPT_SIGNAL}@{int(cluster.signal_delay_s)}",
         "#SBATCH --requeue",
         "#SBATCH --open-mode=append",
-        f"#SBATCH --output={folder}/%j_batch.out",
-        f"#SBATCH --error={folder}/%j_batch.err",
+        f"#SBATCH {_opt('output', f'{folder}/%j_batch.out', 'cluster.folder')}",
+        f"#SBATCH {_opt('error', f'{folder}/%j_batch.err', 'cluster.folder')}",
     ]
     for index, (key, part) in enumerate(cluster.partitions.items()):
+        where = f"cluster.partitions.{_clean('cluster.partitions key', key)}"
         if index:
             lines.append("#SBATCH hetjob")
-        lines.append(f"# het component {index}: {key} = partition {part.partition}, "
-                     f"{part.gpu_type or 'CPU'}, {part.nodes} node(s) x "
-                     f"{part.ranks_per_node_effective} rank(s)")
-        lines.extend(f"#SBATCH {opt}" for opt in component_options(part, cluster.timeout_min))
-    lines += ["", "# setup"]
-    lines += list(cluster.setup)
-    lines.append("export SUBMITIT_EXECUTOR=slurm")
+        opts = component_options(part, cluster.timeout_min, where)
+        lines.append(f"# het component {index}: {key} = partition {_clean(where, part.partition)}, "
+                     f"{_clean(where, part.gpu_type or 'CPU')}, {int(part.nodes)} node(s) x "
+                     f"{int(part.ranks_per_node_effective)} rank(s)")
+        lines.extend(f"#SBATCH {opt}" for opt in opts)
+    # cluster.env first, so that cluster.setup sees it
+    lines += ["", "# environment (cluster.env)", "export SUBMITIT_EXECUTOR=slurm"]
     for name, value in cluster.env.items():
         if not _ENV_NAME.match(str(name)):
             raise ConfigError(f"cluster.env key {name!r} is not a variable name: use [A-Za-z_][A-Za-z0-9_]*")
         lines.append(f"export {name}={shlex.quote(str(value))}")
+    lines += ["", "# setup (cluster.setup)"]
+    lines += list(cluster.setup)
     lines += ["", "# one step over all het components, one task per rank",
               srun_command(cluster, folder, python), ""]
     return "\n".join(lines)

@@ -1,27 +1,45 @@
-"""Atomic checkpoints in ``<run dir>/checkpoints``.
+"""Checkpoints in ``<run dir>/checkpoints``: atomic, checksummed, loaded without running code.
 
-A checkpoint is written to a temporary file in the same directory, flushed and fsynced, then
-renamed over its final name (``os.replace`` is atomic on POSIX), so a crash or a preemption
-never leaves a half-written ``step_XXXXXXXX.pt``. Only complete files match the name pattern.
+* ``step_XXXXXXXX.pt`` is written through :func:`hetseq_hpc.atomic.atomic_write` (temp file,
+  fsync, rename), so a crash never leaves a half-written checkpoint under its final name;
+  ``.<name>.<pid>.tmp`` files of killed writers are swept at the start of the next run.
+* Its SHA-256 goes to the sidecar ``step_XXXXXXXX.pt.sha256`` (``sha256sum`` format, so
+  ``sha256sum -c`` checks it by hand) and is verified before the file is unpickled: flipped
+  bits are named, never trained on.
+* It is read with ``torch.load(weights_only=True)``: only tensors and plain containers load,
+  so a crafted file cannot run code (https://pytorch.org/docs/stable/generated/torch.load.html).
+  Everything hetseq_hpc stores is plain data (:mod:`hetseq_hpc.train.state`).
+* A full disk (``OSError`` ENOSPC, or the ``RuntimeError`` torch's serializer raises instead)
+  removes the temp file, keeps the earlier checkpoints and raises one line naming the device.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import logging
 import os
+import pickle
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from hetseq_hpc.atomic import atomic_write, atomic_write_text, remove_stale_temps
 from hetseq_hpc.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(r"^step_(\d{8})\.pt$")
-#: bump when the checkpoint layout changes
-FORMAT_VERSION = 1
+_NAME = re.compile(r"^step_(\d{8})\.pt\Z")
+#: bump when the checkpoint layout changes (2: checksummed, plain-data rng states, config)
+FORMAT_VERSION = 2
+#: entries every checkpoint must hold
+REQUIRED = ("model", "optimizer", "scheduler", "step")
+_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_FIX = ("resume from another checkpoint (trainer.resume=auto skips bad ones), or set "
+        "trainer.resume=never to start over")
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -34,6 +52,12 @@ def checkpoint_path(run_dir: Path, step: int) -> Path:
     return checkpoint_dir(run_dir) / f"step_{step:08d}.pt"
 
 
+def checksum_path(path: Path) -> Path:
+    """The SHA-256 sidecar of checkpoint ``path``: ``<path>.sha256``."""
+    path = Path(path)
+    return path.with_name(path.name + ".sha256")
+
+
 def list_checkpoints(run_dir: Path) -> List[Path]:
     """Complete checkpoints of a run, oldest first."""
     directory = checkpoint_dir(run_dir)
@@ -43,49 +67,136 @@ def list_checkpoints(run_dir: Path) -> List[Path]:
     return [p for _, p in sorted(found)]
 
 
+class _HashingWriter:
+    """A write-only file object that hashes what passes through and keeps the first OSError
+    (torch's serializer turns it into a RuntimeError without errno)."""
+
+    def __init__(self, fh: BinaryIO):
+        self.fh = fh
+        self.sha = hashlib.sha256()
+        self.error: Optional[OSError] = None
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        try:
+            return self.fh.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def _mount_point(path: Path) -> Path:
+    path = Path(os.path.abspath(path))
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _write_error(final: Path, exc: BaseException, seen: Optional[OSError]) -> CheckpointError:
+    """One-line CheckpointError for a failed write; names the device when the disk is full."""
+    chain, cause = [seen] if seen else [], exc
+    while cause is not None:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    codes = {getattr(e, "errno", None) for e in chain}
+    if codes & set(_SPACE_ERRNOS):
+        return CheckpointError(
+            f"no space left on {_mount_point(final.parent)} (writing checkpoint {str(final)!r}): "
+            "free space or move hydra.run.dir; the previous checkpoint is kept"
+        )
+    reason = next((e.strerror for e in chain if getattr(e, "strerror", None)), None)
+    return CheckpointError(
+        f"could not write checkpoint {str(final)!r} ({reason or type(exc).__name__}): free disk "
+        "space or fix permissions; earlier checkpoints are intact"
+    )
+
+
 def save_checkpoint(state: Dict[str, Any], run_dir: Path, step: int, keep: int) -> Path:
-    """Write ``state`` atomically as the checkpoint of ``step``; keep the newest ``keep`` files.
+    """Write ``state`` as the checkpoint of ``step`` (plus its SHA-256 sidecar); keep the newest
+    ``keep`` checkpoints.
 
     Raises:
-        CheckpointError: the file cannot be written (disk full, permissions); any temporary
+        CheckpointError: the file cannot be written (disk full, permissions); the temporary
             file is removed and earlier checkpoints are untouched.
     """
     final = checkpoint_path(run_dir, step)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
     payload = dict(state, format_version=FORMAT_VERSION, step=step)
+    box: Dict[str, _HashingWriter] = {}
+
+    def write(fh: BinaryIO) -> None:
+        box["w"] = _HashingWriter(fh)
+        torch.save(payload, box["w"])
+
+    written = False
     try:
-        with open(tmp, "wb") as fh:
-            torch.save(payload, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise CheckpointError(
-            f"could not write checkpoint {str(final)!r} ({exc.strerror}): free disk space or fix "
-            "permissions; earlier checkpoints are intact"
-        ) from exc
-    try:  # make the rename itself durable
-        dir_fd = os.open(final.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError:
-        pass
+        atomic_write(final, write, durable=True)
+        written = True
+        digest = box["w"].sha.hexdigest()
+        atomic_write_text(checksum_path(final), f"{digest}  {final.name}\n", durable=True)
+    except (OSError, RuntimeError) as exc:
+        if written:  # its checksum could not be written: not a usable checkpoint
+            final.unlink(missing_ok=True)
+        writer = box.get("w")
+        raise _write_error(final, exc, writer.error if writer else None) from None
     for old in list_checkpoints(run_dir)[:-keep]:
         old.unlink(missing_ok=True)
+        checksum_path(old).unlink(missing_ok=True)
     log.info("checkpoint: %s", final)
     return final
 
 
-def load_checkpoint(path: Path) -> Dict[str, Any]:
-    """Read a checkpoint onto the CPU.
+def _sha256_of(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def verify_checksum(path: Path) -> None:
+    """Check ``path`` against its ``.sha256`` sidecar.
 
     Raises:
-        CheckpointError: the file is missing, truncated or not a hetseq_hpc checkpoint; the
-            message names the file and how to go on.
+        CheckpointError: the sidecar is missing or unreadable, or the content differs.
+    """
+    sidecar = checksum_path(path)
+    try:
+        want = sidecar.read_text(encoding="ascii").split()[0].lower()
+    except (OSError, UnicodeDecodeError, IndexError):
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is corrupt or incomplete: its checksum file "
+            f"{sidecar.name} is missing or unreadable (cut off while saving, or not written by "
+            f"this hetseq_hpc): {_FIX}"
+        ) from None
+    got = _sha256_of(path)
+    if got != want:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is corrupt: its SHA-256 {got[:16]}... differs from "
+            f"{want[:16]}... in {sidecar.name}: {_FIX}"
+        )
+
+
+def require_entries(state: Any, source: str) -> None:
+    """Raise a one-line :class:`CheckpointError` if ``state`` lacks an entry of :data:`REQUIRED`."""
+    missing = [k for k in REQUIRED if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {source!r} has no {', '.join(missing)} entry: it is not a complete "
+            "hetseq_hpc checkpoint; point trainer.resume at one this version wrote, or set "
+            "trainer.resume=never"
+        )
+
+
+def load_checkpoint(path: Path) -> Dict[str, Any]:
+    """Verify and read a checkpoint onto the CPU, running no code from the file.
+
+    Raises:
+        CheckpointError: the file is missing, fails its checksum, is refused by safe loading
+            (it holds Python objects: treated as untrusted), is truncated, or is not a complete
+            hetseq_hpc checkpoint; the one-line message names the file and how to go on.
     """
     path = Path(path)
     if not path.is_file():
@@ -93,27 +204,118 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
             f"checkpoint {str(path)!r} does not exist: check trainer.resume, or set "
             "trainer.resume=auto to use the latest checkpoint of the run directory"
         )
+    verify_checksum(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"WeightsUnpickler error: ([^.]*(?:\.[A-Za-z_]\w*)*)", str(exc))
+        detail = found.group(1) if found else "unsupported content"
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is refused as untrusted: safe loading (weights_only) found "
+            f"Python objects in it ({detail}): resume only from checkpoints hetseq_hpc wrote, "
+            "or set trainer.resume=never"
+        ) from None
     except Exception as exc:
         raise CheckpointError(
-            f"checkpoint {str(path)!r} is corrupt or unreadable ({type(exc).__name__}): delete it "
-            "to resume from the previous checkpoint, or set trainer.resume=never to start over"
+            f"checkpoint {str(path)!r} is corrupt or unreadable ({type(exc).__name__}): {_FIX}"
         ) from None
     if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
             f"checkpoint {str(path)!r} is not a hetseq_hpc checkpoint of format {FORMAT_VERSION}: "
             "point trainer.resume at one written by this version, or set trainer.resume=never"
         )
+    require_entries(state, str(path))
     return state
 
 
-def resolve_resume(resume: str, run_dir: Path) -> Optional[Path]:
-    """The checkpoint to resume from: ``auto`` = the newest in the run dir (None if none),
-    ``never`` = None, anything else = that path."""
+@dataclass
+class ResumeChoice:
+    """The checkpoint a run resumes from, decided on rank 0.
+
+    Attributes:
+        path: the checkpoint, or None to start from step 0.
+        state: its loaded content (rank 0 only; None when ``path`` is None).
+        skipped: ``(bad file, one-line reason)`` of newer checkpoints that did not verify.
+    """
+
+    path: Optional[Path] = None
+    state: Optional[Dict[str, Any]] = None
+    skipped: List[Tuple[Path, str]] = field(default_factory=list)
+
+
+def choose_checkpoint(resume: str, run_dir: Path) -> ResumeChoice:
+    """Resolve ``trainer.resume``: ``never`` = start over; ``auto`` = the newest checkpoint of
+    the run directory that verifies (bad newer ones are skipped and left in place); anything
+    else = that path, which must verify.
+
+    Raises:
+        CheckpointError: an explicit path is bad, or under ``auto`` no checkpoint verifies
+            (the newest one's reason is given).
+    """
     if resume == "never":
-        return None
-    if resume == "auto":
-        found = list_checkpoints(run_dir)
-        return found[-1] if found else None
-    return Path(os.path.expanduser(resume))
+        return ResumeChoice()
+    if resume != "auto":
+        path = Path(os.path.expanduser(resume))
+        return ResumeChoice(path, load_checkpoint(path))
+    skipped: List[Tuple[Path, str]] = []
+    for path in reversed(list_checkpoints(run_dir)):
+        try:
+            return ResumeChoice(path, load_checkpoint(path), skipped)
+        except CheckpointError as exc:
+            skipped.append((path, str(exc)))
+    if skipped:
+        raise CheckpointError(skipped[0][1])
+    return ResumeChoice()
+
+
+def agree_on_checkpoint(rdv: Any, resume: str, run_dir: Path
+                        ) -> Tuple[Optional[str], Optional[Dict[str, Any]], List[str]]:
+    """Every rank's view of ``trainer.resume``, decided once.
+
+    Rank 0 (under the run lock) removes temp files of killed checkpoint writes and runs
+    :func:`choose_checkpoint`; one broadcast over ``rdv`` gives every rank the path or the
+    error, and the other ranks load (and verify) that same file. A fallback past bad newer
+    checkpoints is logged on rank 0 in one line naming them.
+
+    Returns:
+        ``(path or None, loaded state or None, bad newer checkpoints skipped)``.
+
+    Raises:
+        CheckpointError: on every rank, with rank 0's one-line reason.
+    """
+    choice, error = ResumeChoice(), None
+    if rdv.world.rank == 0:
+        swept = remove_stale_temps([checkpoint_dir(run_dir)])
+        if swept:
+            log.info("removed temporary files of interrupted checkpoint writes: %s", swept)
+        try:
+            choice = choose_checkpoint(resume, run_dir)
+        except CheckpointError as exc:
+            error = str(exc)
+        if choice.skipped:
+            _, why = choice.skipped[0]
+            log.warning("resume: %s; resuming from %s instead (the bad file stays in place)",
+                        why.rsplit(": ", 1)[0], choice.path)  # every reason ends ": <fix>"
+    path, skipped, error = rdv.broadcast_object(
+        (choice.path and str(choice.path), [str(p) for p, _ in choice.skipped], error))
+    if error:
+        raise CheckpointError(error)
+    if path is None:
+        return None, None, []
+    return path, choice.state if rdv.world.rank == 0 else load_checkpoint(Path(path)), skipped
+
+
+def save_on_rank0(rdv: Any, state_fn: Callable[[], Dict[str, Any]], run_dir: Path, step: int,
+                  keep: int) -> None:
+    """Rank 0 saves ``state_fn()`` as the checkpoint of ``step``; every rank waits for it (one
+    broadcast) and raises the same one-line :class:`CheckpointError` if it failed, so no rank
+    hangs in a later collective and the console shows one reason."""
+    error = None
+    if rdv.world.rank == 0:
+        try:
+            save_checkpoint(state_fn(), run_dir, step, keep)
+        except CheckpointError as exc:
+            error = str(exc)
+    error = rdv.broadcast_object(error)
+    if error:
+        raise CheckpointError(error)

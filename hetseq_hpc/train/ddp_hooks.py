@@ -14,7 +14,7 @@ it; the time of the last call is the end of local compute, before any wait for s
 
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,19 @@ class HookState:
         """Forget the previous step's timestamps."""
         self.last_ready_s = 0.0
         self.events.clear()
+
+
+def no_forward_buffer_sync() -> Dict[str, bool]:
+    """DDP arguments that stop buffer broadcasts in forward: ranks run different numbers of
+    forward passes per step, so a collective there would pair up wrongly and hang.
+    (``forward_sync_buffers`` replaced ``broadcast_buffers`` in recent torch releases.)"""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def sum_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

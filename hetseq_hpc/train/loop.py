@@ -7,7 +7,8 @@ One optimizer step on rank ``i`` (``b_i`` samples in ``accum_i`` micro-batches):
    all but the last micro-batch run under ``no_sync``, so each rank all-reduces once per step
    whatever its accumulation count;
 3. DDP sums the gradients across ranks (:mod:`hetseq_hpc.train.ddp_hooks`);
-4. ranks exchange loss sums, unit counts and timings (one small all-gather);
+4. ranks exchange loss sums, unit counts, timings and stop requests as named
+   :class:`~hetseq_hpc.distributed.StepStats` (one small all-gather);
 5. gradients are divided by the GLOBAL unit count ``sum_i n_i``: the result is exactly the
    gradient of the mean loss over the whole global batch (see
    ../shared/heterogeneous-training-notes.md in the project history; HetSeq's
@@ -23,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,25 +31,22 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hetseq_hpc.allocation import Allocation
 from hetseq_hpc.config.schema import RunConfig
-from hetseq_hpc.distributed import Rendezvous
-from hetseq_hpc.errors import AllocationError, CheckpointError, Preempted
+from hetseq_hpc.distributed import Rendezvous, StepStats
+from hetseq_hpc.errors import CheckpointError, Preempted
 from hetseq_hpc.preemption import REASONS
-from hetseq_hpc.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from hetseq_hpc.train.ddp_hooks import HookState, sum_allreduce_hook
-from hetseq_hpc.train.metrics import MetricsWriter, Progress
+from hetseq_hpc.train.checkpoint import agree_on_checkpoint, require_entries, save_on_rank0
+from hetseq_hpc.train.ddp_hooks import HookState, no_forward_buffer_sync, sum_allreduce_hook
+from hetseq_hpc.train.metrics import METRICS_NAME, MetricsWriter, Progress, run_summary, step_row
+from hetseq_hpc.train.optim import build_optimizer, step_seed
 from hetseq_hpc.train.sampler import GlobalBatchSampler
+from hetseq_hpc.train.state import capture_rng, check_fingerprint, restore_rng, run_fingerprint
 
 log = logging.getLogger(__name__)
-
-# Fields of the per-step all-gather, one float64 vector per rank.
-_STAT_FIELDS = ("loss_sum", "count", "samples", "compute_time_s", "step_time_s", "data_time_s",
-                "stop")
 
 
 @dataclass
@@ -66,71 +63,44 @@ class RankMeta:
 
 @dataclass
 class StepRecord:
-    """What one optimizer step produced, as all ranks agree on it."""
+    """What one optimizer step produced, as all ranks agree on it (``per_rank`` in rank order;
+    ``stop_code`` is the strongest stop request any rank saw)."""
 
     step: int
     epoch: int
     loss: float
     lr: float
     grad_norm: float
-    per_rank: List[Dict[str, float]]
+    per_rank: List[StepStats]
     wall_s: float
+    stop_code: int = 0
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
-def _no_forward_buffer_sync() -> Dict[str, bool]:
-    """DDP arguments that stop buffer broadcasts in forward: ranks run different numbers of
-    forward passes per step, so a collective there would pair up wrongly and hang.
-    (``forward_sync_buffers`` replaced ``broadcast_buffers`` in recent torch releases.)"""
-    import inspect
-
-    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
-        return {"forward_sync_buffers": False}
-    return {"broadcast_buffers": False}
-
-
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """Seed of the dropout RNG for ``(seed, step, rank)``."""
-    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
-
-
-def build_optimizer(model: nn.Module, run: RunConfig):
-    """AdamW without weight decay on biases and LayerNorm weights, plus transformers'
-    warm-up/decay scheduler."""
-    from transformers import get_scheduler
-
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        (no_decay if param.ndim < 2 or "LayerNorm" in name else decay).append(param)
-    optim = run.optim
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": optim.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
-    )
-    kind = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}[optim.schedule]
-    scheduler = get_scheduler(
-        kind, optimizer, num_warmup_steps=optim.warmup_steps,
-        num_training_steps=optim.schedule_steps or run.trainer.max_steps,
-    )
-    return optimizer, scheduler
-
-
 class Trainer:
-    """Runs optimizer steps ``start+1 .. trainer.max_steps`` on one rank.
+    """Runs optimizer steps ``step+1 .. trainer.max_steps`` on one rank.
 
     Args:
         run: the validated run configuration.
         run_dir: the run directory (checkpoints, metrics.jsonl).
-        rdv: the joined rendezvous.
+        rdv: the joined rendezvous (:func:`hetseq_hpc.distributed.single_process_rendezvous`
+            makes a one-rank one for tests).
         task: the task (data, batches, unit counts).
         model: the bare model, already on ``device`` and identically initialised on all ranks.
         device: this rank's device.
         allocation: the agreed allocation.
         metas: :class:`RankMeta` of every rank, in rank order.
         autocast: factory of the mixed-precision context.
-        rebalancer: optional online re-balancer (``observe(step, allocation, per_rank) ->
-            Optional[Allocation]``), consulted every ``trainer.rebalance_every`` steps.
+        rebalancer: optional online re-balancer (``record(per_rank)``, ``observe(step,
+            allocation) -> Optional[Allocation]``), consulted every ``trainer.rebalance_every``
+            steps.
+        on_allocation: called with every new allocation a re-balance switches to.
+        stop_request: a :class:`~hetseq_hpc.preemption.StopRequest` (its ``code`` is shared with
+            every rank each step).
+
+    Raises:
+        CheckpointError: the checkpoint ``trainer.resume`` names is bad, or none of the run
+            directory's verifies, or it does not fit this run.
     """
 
     def __init__(
@@ -165,73 +135,75 @@ class Trainer:
         self.stop_request = stop_request
         self.sampler = GlobalBatchSampler(task.num_train, self.cfg.global_batch_size, self.cfg.seed)
         self.optimizer, self.scheduler = build_optimizer(model, run)
-        self.start_step = 0
+        self.step = 0  # last completed optimizer step; global batch ``step`` comes next
         self.history: List[StepRecord] = []
         self.last_val: Optional[Dict[str, float]] = None
+        self.resume_note: Dict[str, Any] = {}
         self._resume()
         self.hook_state = HookState()
         self.ddp = DDP(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
             gradient_as_bucket_view=True,
-            **_no_forward_buffer_sync(),
+            **no_forward_buffer_sync(),
         )
         self.ddp.register_comm_hook(self.hook_state, sum_allreduce_hook)
 
-    # ------------------------------------------------------------------ resume
-    def _resume(self) -> None:
-        path = resolve_resume(self.cfg.resume, self.run_dir)
-        if path is None:
-            return
-        state = load_checkpoint(path)
-        if int(state.get("global_batch_size", -1)) != self.cfg.global_batch_size:
-            raise CheckpointError(
-                f"checkpoint {str(path)!r} was trained with global batch "
-                f"{state.get('global_batch_size')}, but trainer.global_batch_size="
-                f"{self.cfg.global_batch_size}: use the same global batch, or a new run directory"
-            )
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> Dict[str, Any]:
+        """Everything a resumed run needs, as plain data (``torch.load(weights_only=True)``
+        reads it): model, optimizer and scheduler states, ``step`` (the sampler's position),
+        the allocation and rank facts (informative: a resume may use another world), the
+        run's :func:`~hetseq_hpc.train.state.run_fingerprint` and this process's RNG states."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+            "epoch": self.sampler.epoch_of(max(self.step - 1, 0)),
+            "samples_seen": self.step * self.cfg.global_batch_size,
+            "world_size": self.world.world_size,
+            "allocation": self.allocation.to_dict(),
+            "ranks": [dict(m.__dict__) for m in self.metas],
+            "config": run_fingerprint(self.run),
+            # dropout is re-seeded from (seed, step, rank) every step; these are kept for
+            # anything else that draws random numbers
+            "rng": capture_rng(),
+        }
+
+    def load_state_dict(self, state: Dict[str, Any], source: str = "state") -> None:
+        """Continue after ``state["step"]`` from a :meth:`state_dict` (of any world size).
+
+        Raises:
+            CheckpointError: an entry is missing, the run's fingerprint differs (unless
+                ``trainer.allow_resume_mismatch``), or the model has another shape; one line
+                naming ``source``.
+        """
+        require_entries(state, source)
+        check_fingerprint(state.get("config"), run_fingerprint(self.run), source,
+                          self.cfg.allow_resume_mismatch)
         try:
             self.model.load_state_dict(state["model"])
         except RuntimeError as exc:
             raise CheckpointError(
-                f"checkpoint {str(path)!r} holds a different model ({str(exc).splitlines()[0]}): "
+                f"checkpoint {source!r} holds a different model ({str(exc).splitlines()[0]}): "
                 "use the task.model settings it was trained with, or a new run directory"
             ) from None
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.start_step = int(state["step"])
+        self.step = int(state["step"])
         if self.rank == 0 and "rng" in state:
-            torch.set_rng_state(state["rng"]["torch"])
-            np.random.set_state(state["rng"]["numpy"])
-            random.setstate(state["rng"]["python"])
-        old = state.get("allocation")
-        log.info(
-            "resumed from %s at step %d (was %s ranks, allocation %s; now %d ranks, %s)",
-            path, self.start_step, state.get("world_size"),
-            old and [s["samples"] for s in old["shares"]], self.world.world_size,
-            self.allocation.samples,
-        )
+            restore_rng(state["rng"])
 
-    def _checkpoint(self, step: int) -> None:
-        if self.rank == 0:
-            state = {
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "epoch": self.sampler.epoch_of(step - 1),
-                "samples_seen": step * self.cfg.global_batch_size,
-                "global_batch_size": self.cfg.global_batch_size,
-                "seed": self.cfg.seed,
-                "world_size": self.world.world_size,
-                "allocation": self.allocation.to_dict(),
-                "ranks": [m.__dict__ for m in self.metas],
-                # dropout is re-seeded from (seed, step, rank) each step; these are kept for
-                # anything else that draws random numbers
-                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                        "python": random.getstate()},
-            }
-            save_checkpoint(state, self.run_dir, step, self.cfg.keep_checkpoints)
-        self.rdv.barrier()
+    def _resume(self) -> None:
+        path, state, skipped = agree_on_checkpoint(self.rdv, self.cfg.resume, self.run_dir)
+        if path is None:
+            return
+        self.load_state_dict(state, path)
+        if skipped:  # recorded in the first metrics.jsonl row
+            self.resume_note = {"resume_fallback": {"bad": skipped, "used": path}}
+        log.info("resumed from %s at step %d (allocation now %s on %d ranks)", path, self.step,
+                 self.allocation.samples, self.world.world_size)
 
     # ------------------------------------------------------------------ one step
     def _compute_seconds(self, t0: float, start_event) -> float:
@@ -265,17 +237,13 @@ class Trainer:
                 loss = self.ddp(**batch)
             loss.backward()
             loss_sum += loss.detach().double()
-        compute_s = self._compute_seconds(t0, start_event)
-        step_s = time.perf_counter() - t0
-        stats = torch.tensor(
-            [loss_sum.item(), count, share.samples, compute_s, step_s, data_s,
-             self.stop_request.code if self.stop_request is not None else 0],
-            dtype=torch.float64,
-        )
-        gathered = [torch.zeros_like(stats) for _ in range(self.world.world_size)]
-        dist.all_gather(gathered, stats, group=self.rdv.cpu_group)
-        table = torch.stack(gathered)  # (world, fields)
-        global_count = float(table[:, 1].sum())
+        table = self.rdv.exchange_step_stats(StepStats(
+            loss_sum=loss_sum.item(), count=count, samples=share.samples,
+            compute_time_s=self._compute_seconds(t0, start_event),
+            step_time_s=time.perf_counter() - t0, data_time_s=data_s,
+            stop_code=self.stop_request.code if self.stop_request is not None else 0,
+        ))
+        global_count = sum(s.count for s in table)
         inv = 1.0 / global_count
         for param in self.model.parameters():
             if param.grad is not None:
@@ -291,12 +259,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        wall = time.perf_counter() - t0
-        per_rank = [dict(zip(_STAT_FIELDS, row.tolist())) for row in table]
+        self.step = step
         return StepRecord(
-            step=step, epoch=epoch, loss=float(table[:, 0].sum()) / global_count, lr=lr,
-            grad_norm=grad_norm, per_rank=per_rank, wall_s=wall,
-            extra={"stop": int(table[:, 6].max())} if float(table[:, 6].max()) > 0 else {},
+            step=step, epoch=epoch, loss=sum(s.loss_sum for s in table) / global_count, lr=lr,
+            grad_norm=grad_norm, per_rank=table, wall_s=time.perf_counter() - t0,
+            stop_code=max(s.stop_code for s in table),
         )
 
     # ------------------------------------------------------------------ validation
@@ -319,113 +286,81 @@ class Trainer:
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
 
     # ------------------------------------------------------------------ the loop
-    def _row(self, rec: StepRecord) -> Dict[str, Any]:
-        samples_per_s = self.cfg.global_batch_size / max(rec.wall_s, 1e-9)
-        ranks = []
-        for meta, stats, share in zip(self.metas, rec.per_rank, self.allocation.shares):
-            ranks.append({
-                "rank": meta.rank, "device": meta.device, "node": meta.node,
-                "het_group": meta.het_group, "partition": meta.partition, "gres": meta.gres,
-                "micro_batch": share.micro_batch, "accum_steps": share.accum_steps,
-                "samples": int(stats["samples"]),
-                "step_time_s": round(stats["step_time_s"], 6),
-                "compute_time_s": round(stats["compute_time_s"], 6),
-                "data_time_s": round(stats["data_time_s"], 6),
-            })
-        compute = [r["compute_time_s"] for r in ranks]
-        mean = sum(compute) / len(compute)
-        row = {
-            "step": rec.step, "time": time.time(), "epoch": rec.epoch, "loss": rec.loss, "lr": rec.lr,
-            "grad_norm": rec.grad_norm, "samples_per_s": samples_per_s,
-            "tokens_per_s": samples_per_s * self.task.tokens_per_sample,
-            "step_time_s": rec.wall_s,
-            "straggle": (max(compute) - min(compute)) / mean if mean > 0 else 0.0,
-            "allocation": self.allocation.samples,
-            "ranks": ranks,
-        }
-        return row
+    def _maybe_rebalance(self, rec: StepRecord) -> None:
+        """Feed the re-balancer; every ``trainer.rebalance_every`` steps all ranks check they
+        decided alike and switch together to its new allocation from the next step."""
+        every = self.cfg.rebalance_every
+        if self.rebalancer is None:
+            return
+        self.rebalancer.record(rec.per_rank)
+        if not every or rec.step % every:
+            return
+        new = self.rebalancer.observe(rec.step, self.allocation)
+        self.rdv.check_agreement(new.digest() if new else "unchanged",
+                                 f"re-balancing decision at step {rec.step}")
+        if new is None:
+            return
+        log.info("step %d: straggle %.2f -> re-balancing %s -> %s from step %d", rec.step,
+                 self.rebalancer.decisions[-1]["straggle"], self.allocation.samples, new.samples,
+                 rec.step + 1)
+        rec.extra["reallocation"] = {"from": self.allocation.samples, "to": new.samples,
+                                     "at_step": rec.step + 1}
+        self.allocation = new
+        if self.on_allocation is not None:
+            self.on_allocation(new)
 
     def fit(self) -> Dict[str, Any]:
-        """Train to ``trainer.max_steps``; returns a summary (final loss, validation, throughput)."""
-        cfg = self.cfg
-        writer = MetricsWriter(self.run_dir / "metrics.jsonl", self.start_step) if self.rank == 0 else None
-        progress = Progress(cfg.max_steps, self.start_step, enabled=self.rank == 0)
-        if self.start_step >= cfg.max_steps:
+        """Train to ``trainer.max_steps``; returns a summary (final loss, validation, throughput).
+
+        Raises:
+            Preempted: a stop request arrived; every rank stopped after the same step, which
+                was checkpointed.
+            FloatingPointError: the loss is not finite.
+        """
+        cfg, start = self.cfg, self.step
+        writer = MetricsWriter(self.run_dir / METRICS_NAME, start) if self.rank == 0 else None
+        progress = Progress(cfg.max_steps, start, enabled=self.rank == 0)
+        if start >= cfg.max_steps:
             log.info("checkpoint is at step %d >= trainer.max_steps=%d: nothing to train",
-                     self.start_step, cfg.max_steps)
-        last: Optional[StepRecord] = None
+                     start, cfg.max_steps)
+        pending = dict(self.resume_note)  # goes into the first row written
         try:
-            for step in range(self.start_step + 1, cfg.max_steps + 1):
+            for step in range(start + 1, cfg.max_steps + 1):
                 rec = self.train_step(step)
-                last = rec
                 if not math.isfinite(rec.loss):
                     raise FloatingPointError(
                         f"loss is {rec.loss} at step {step}: lower optim.lr or raise "
                         "optim.warmup_steps"
                     )
                 self.history.append(rec)
-                stop = int(rec.extra.pop("stop", 0))
-                row = self._row(rec) if self.rank == 0 else {}
-                if self.rebalancer is not None:
-                    self.rebalancer.record(rec.per_rank)
-                if self.rebalancer is not None and cfg.rebalance_every and step % cfg.rebalance_every == 0:
-                    new = self.rebalancer.observe(step, self.allocation)
-                    if new is not None:
-                        digests = self.rdv.all_gather_objects(new.digest())
-                        if len(set(digests)) != 1:
-                            raise AllocationError(
-                                f"ranks re-balanced differently at step {step} (digests "
-                                f"{sorted(set(digests))}): install the same hetseq_hpc everywhere"
-                            )
-                        log.info("step %d: straggle %.2f -> re-balancing %s -> %s from step %d",
-                                 step, self.rebalancer.decisions[-1]["straggle"],
-                                 self.allocation.samples, new.samples, step + 1)
-                        rec.extra["reallocation"] = {"from": self.allocation.samples,
-                                                     "to": new.samples, "at_step": step + 1}
-                        self.allocation = new
-                        if self.on_allocation is not None:
-                            self.on_allocation(new)
+                rec.extra.update(pending)
+                pending = {}
+                row = step_row(rec, self.metas, self.allocation.shares, cfg.global_batch_size,
+                               self.task.tokens_per_sample, self.allocation.samples)
+                self._maybe_rebalance(rec)
                 is_last = step == cfg.max_steps
                 if (cfg.val_every and step % cfg.val_every == 0) or is_last:
                     self.last_val = self.evaluate()
                     rec.extra.update(self.last_val)
                 if writer is not None and (step % cfg.log_every == 0 or is_last or rec.extra):
-                    row.update(rec.extra)
-                    writer.write(row)
+                    writer.write({**row, **rec.extra})
                 progress.update(step, rec.loss, cfg.global_batch_size / max(rec.wall_s, 1e-9),
                                 extra=(f"val_loss {self.last_val['val_loss']:.4f}"
                                        if "val_loss" in rec.extra else None))
-                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or is_last or stop:
-                    self._checkpoint(step)
-                if stop and not is_last:
-                    # every rank saw the same request in the step's all-gather: all stop here
-                    raise Preempted(step, stop, REASONS.get(stop, "a stop request"))
+                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or is_last \
+                        or rec.stop_code:
+                    save_on_rank0(self.rdv, self.state_dict, self.run_dir, step,
+                                  cfg.keep_checkpoints)
+                if rec.stop_code and not is_last:
+                    # every rank saw the same request in the step's exchange: all stop here
+                    raise Preempted(step, rec.stop_code, REASONS.get(rec.stop_code, "a stop request"))
         finally:
             progress.close()
             if writer is not None:
                 writer.close()
-        return self.summary(last)
+        return self.summary()
 
-    def summary(self, last: Optional[StepRecord]) -> Dict[str, Any]:
-        """Final figures, including each rank's measured throughput (samples per compute second)."""
-        per_rank = []
-        for r in range(self.world.world_size):
-            samples = sum(rec.per_rank[r]["samples"] for rec in self.history)
-            compute = sum(rec.per_rank[r]["compute_time_s"] for rec in self.history)
-            per_rank.append({
-                "rank": r, "device": self.metas[r].device, "partition": self.metas[r].partition,
-                "samples": int(samples),
-                "samples_per_compute_s": samples / compute if compute > 0 else None,
-            })
-        wall = sum(rec.wall_s for rec in self.history)
-        steps = len(self.history)
-        return {
-            "steps_run": steps,
-            "final_step": last.step if last else self.start_step,
-            "final_loss": last.loss if last else None,
-            "first_loss": self.history[0].loss if self.history else None,
-            "validation": self.last_val,
-            "samples_per_s": steps * self.cfg.global_batch_size / wall if wall > 0 else None,
-            "allocation": self.allocation.samples,
-            "ranks": per_rank,
-        }
+    def summary(self) -> Dict[str, Any]:
+        """Final figures (see :func:`~hetseq_hpc.train.metrics.run_summary`)."""
+        return run_summary(self.history, self.metas, self.cfg.global_batch_size, self.step,
+                           self.last_val, self.allocation.samples)

@@ -6,10 +6,16 @@ import json
 import logging
 import math
 import sys
+import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+
+from hetseq_hpc.atomic import atomic_write_text
+from hetseq_hpc.errors import HetseqError
 
 log = logging.getLogger(__name__)
+
+METRICS_NAME = "metrics.jsonl"
 
 
 def _clean(value: Any) -> Any:
@@ -32,20 +38,12 @@ class MetricsWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
             self._truncate_after(resume_step)
-        self._fh = open(self.path, "a", encoding="utf-8")
+        self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - open until close()
 
     def _truncate_after(self, step: int) -> None:
-        keep: List[str] = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by a crash
-            if int(row.get("step", 0)) <= step:
-                keep.append(line)
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
-        tmp.replace(self.path)
+        keep = [line for _, line, row in _parse(self.path, strict=False)
+                if row is not None and int(row.get("step", 0)) <= step]  # drops cut-off lines
+        atomic_write_text(self.path, "".join(line + "\n" for line in keep))
 
     def write(self, row: Dict[str, Any]) -> None:
         """Append one row."""
@@ -57,13 +55,87 @@ class MetricsWriter:
         self._fh.close()
 
 
-def read_metrics(path: Path) -> List[Dict[str, Any]]:
-    """All rows of a ``metrics.jsonl``."""
-    rows = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            rows.append(json.loads(line))
-    return rows
+def _parse(path: Path, strict: bool) -> Iterator[Tuple[int, str, Optional[Dict[str, Any]]]]:
+    """``(line number, line, row or None)`` of every non-empty line; with ``strict`` a line
+    that is not JSON raises, unless it is the last one (a row still being written)."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            yield number, line, json.loads(line)
+        except ValueError:
+            if strict and number < len(lines):
+                raise HetseqError(f"{path} line {number} is not JSON: the run may have been cut "
+                                  "off mid-write; delete that line") from None
+            yield number, line, None
+
+
+def read_metrics(run_dir: Union[str, Path]) -> List[Dict[str, Any]]:
+    """All rows of a run's ``metrics.jsonl`` (``run_dir`` may also be the file itself); a last
+    line still being written is skipped.
+
+    Raises:
+        HetseqError: the file is missing, or a line before the last is not JSON (one line).
+    """
+    path = Path(run_dir)
+    if path.is_dir() or not path.name.endswith(".jsonl"):
+        path = path / METRICS_NAME
+    if not path.is_file():
+        raise HetseqError(f"{path} does not exist: pass the run directory of a hetseq_hpc run "
+                          f"(it writes {METRICS_NAME})")
+    return [row for _, _, row in _parse(path, strict=True) if row is not None]
+
+
+def step_row(rec: Any, metas: List[Any], shares: List[Any], global_batch_size: int,
+             tokens_per_sample: int, allocation: List[int]) -> Dict[str, Any]:
+    """The ``metrics.jsonl`` row of step record ``rec`` (:class:`~hetseq_hpc.train.loop.StepRecord`):
+    global figures plus one entry per rank (its :class:`~hetseq_hpc.train.loop.RankMeta`,
+    :class:`~hetseq_hpc.allocation.RankShare` and :class:`~hetseq_hpc.distributed.StepStats`)."""
+    samples_per_s = global_batch_size / max(rec.wall_s, 1e-9)
+    ranks = [{
+        "rank": meta.rank, "device": meta.device, "node": meta.node, "het_group": meta.het_group,
+        "partition": meta.partition, "gres": meta.gres, "micro_batch": share.micro_batch,
+        "accum_steps": share.accum_steps, "samples": int(stats.samples),
+        "step_time_s": round(stats.step_time_s, 6),
+        "compute_time_s": round(stats.compute_time_s, 6),
+        "data_time_s": round(stats.data_time_s, 6),
+    } for meta, stats, share in zip(metas, rec.per_rank, shares)]
+    compute = [r["compute_time_s"] for r in ranks]
+    mean = sum(compute) / len(compute)
+    return {
+        "step": rec.step, "time": time.time(), "epoch": rec.epoch, "loss": rec.loss, "lr": rec.lr,
+        "grad_norm": rec.grad_norm, "samples_per_s": samples_per_s,
+        "tokens_per_s": samples_per_s * tokens_per_sample, "step_time_s": rec.wall_s,
+        "straggle": (max(compute) - min(compute)) / mean if mean > 0 else 0.0,
+        "allocation": allocation, "ranks": ranks,
+    }
+
+
+def run_summary(history: List[Any], metas: List[Any], global_batch_size: int, step: int,
+                validation: Optional[Dict[str, float]], allocation: List[int]) -> Dict[str, Any]:
+    """A run's final figures from its step records (``history``, this run's steps only): first
+    and final loss, ``validation``, throughput, and each rank's measured samples per compute
+    second (what a re-balance or the next allocation would use)."""
+    per_rank = []
+    for r, meta in enumerate(metas):
+        samples = sum(rec.per_rank[r].samples for rec in history)
+        compute = sum(rec.per_rank[r].compute_time_s for rec in history)
+        per_rank.append({
+            "rank": r, "device": meta.device, "partition": meta.partition, "samples": int(samples),
+            "samples_per_compute_s": samples / compute if compute > 0 else None,
+        })
+    wall = sum(rec.wall_s for rec in history)
+    return {
+        "steps_run": len(history),
+        "final_step": history[-1].step if history else step,
+        "final_loss": history[-1].loss if history else None,
+        "first_loss": history[0].loss if history else None,
+        "validation": validation,
+        "samples_per_s": len(history) * global_batch_size / wall if wall > 0 else None,
+        "allocation": allocation,
+        "ranks": per_rank,
+    }
 
 
 class Progress:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from hetseq_hpc.allocation import Allocation, allocate
+from hetseq_hpc.distributed import StepStats
 
 
 @dataclass
@@ -41,18 +42,18 @@ class Rebalancer:
     threshold: float = 0.1
     smoothing: float = 0.5
     patience: int = 2
-    _window: List[List[Dict[str, float]]] = field(default_factory=list)
+    _window: List[List[StepStats]] = field(default_factory=list)
     _per_sample_s: Optional[List[float]] = None
     _skip_next: bool = False
     _above: int = 0
     decisions: List[Dict[str, object]] = field(default_factory=list)
 
-    def record(self, per_rank: List[Dict[str, float]]) -> None:
-        """Add one step's table (``samples`` and ``compute_time_s`` per rank)."""
+    def record(self, per_rank: List[StepStats]) -> None:
+        """Add one step's table (its ``samples`` and ``compute_time_s`` are used)."""
         self._window.append(per_rank)
 
     def observe(self, step: int, allocation: Allocation,
-                per_rank: Optional[List[Dict[str, float]]] = None) -> Optional[Allocation]:
+                per_rank: Optional[List[StepStats]] = None) -> Optional[Allocation]:
         """Decide after ``step``; returns the allocation for step ``step + 1`` if it changes.
 
         ``per_rank`` (this step's table) is recorded first when given.
@@ -63,9 +64,9 @@ class Rebalancer:
         if not window:
             return None
         n = len(window[0])
-        mean_time = [sum(row[r]["compute_time_s"] for row in window) / len(window) for r in range(n)]
+        mean_time = [sum(row[r].compute_time_s for row in window) / len(window) for r in range(n)]
         per_sample = [
-            sum(row[r]["compute_time_s"] for row in window) / max(sum(row[r]["samples"] for row in window), 1e-9)
+            sum(row[r].compute_time_s for row in window) / max(sum(row[r].samples for row in window), 1e-9)
             for r in range(n)
         ]
         if self._per_sample_s is None:

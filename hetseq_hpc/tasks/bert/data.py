@@ -178,7 +178,7 @@ def load_packed_text(directory: Path, val_fraction: float) -> PackedText:
             f"token cache {str(directory)!r} holds {n} rows (meta says {meta.get('rows')}): need "
             ">= 2 consistent rows; add text, or delete the directory to rebuild it"
         )
-    n_val = min(n - 1, max(1, int(round(n * val_fraction))))
+    n_val = min(n - 1, max(1, round(n * val_fraction)))
     order = np.random.default_rng(0).permutation(n)
     return PackedText(
         tokens=tokens,

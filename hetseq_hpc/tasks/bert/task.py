@@ -87,6 +87,10 @@ class BertTask:
         return int((batch["labels"] != IGNORE_INDEX).sum())
 
     def flops_per_sample(self, model: BertMaskedLM) -> float:
-        """Training FLOPs per sample at the configured masking rate (for MFU)."""
-        seq = self.data.seq_len
+        """Training FLOPs per sample at the configured masking rate (for MFU and the planner).
+
+        Needs only the config (packed rows are exactly ``task.model.max_seq_len`` tokens), not
+        the loaded data, so the planner calls it on a ``meta``-device model.
+        """
+        seq = self.cfg.model.max_seq_len
         return model.flops_per_sample(seq, self.cfg.data.mask_prob * (seq - 2))

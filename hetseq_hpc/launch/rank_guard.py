@@ -1,0 +1,94 @@
+"""The rank's side of failure reporting and of dying with its launcher.
+
+* :func:`report_failure`: a failed rank writes ``logs/rank<N>.error.json`` (type, one-line
+  message, time, and whether it only saw a peer disconnect) for the launcher to pick the cause
+  (:mod:`hetseq_hpc.launch.failures`). A genuine error's traceback goes to the console and the
+  rank's log; a peer disconnection's traceback goes to the log only, with one warning line on
+  the console.
+* :func:`watch_launcher`: the last resort when the local launcher is SIGKILLed. The rank also
+  gets a parent-death SIGTERM (``prctl``), which makes it checkpoint after its current step; if
+  it is still alive :data:`ORPHAN_GRACE_S` after its launcher died (stuck in a collective or a
+  rendezvous), the watchdog ends the process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Optional
+
+from hetseq_hpc.atomic import atomic_write_json
+from hetseq_hpc.errors import HetseqError
+from hetseq_hpc.launch.failures import is_peer_error
+
+log = logging.getLogger("hetseq_hpc.worker")
+
+#: environment variable holding the local launcher's pid (set by the launcher for each rank)
+LAUNCHER_PID_ENV = "HETSEQ_LAUNCHER_PID"
+#: seconds an orphaned rank may live on to finish its step and checkpoint
+ORPHAN_GRACE_S = 20.0
+#: seconds between the watchdog's checks of the parent pid
+WATCH_EVERY_S = 0.5
+
+
+def _log_to_files_only(level: int, message: str) -> None:
+    """Emit ``message`` to the root logger's file handlers only (not the console)."""
+    record = log.makeRecord(log.name, level, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and level >= handler.level:
+            handler.handle(record)
+
+
+def report_failure(exc: BaseException, rank: int, path: Path) -> str:
+    """Log a rank's failure and write its error file ``path``; returns the one-line reason.
+
+    Never raises: a failing report must not hide the failure.
+    """
+    text = str(exc).strip()
+    one_line = text.splitlines()[0] if text else type(exc).__name__
+    peer = is_peer_error(f"{type(exc).__name__}: {text}")
+    if peer:
+        _log_to_files_only(logging.ERROR, f"rank {rank} failed:\n{traceback.format_exc()}")
+        log.warning("rank %d stopped: a peer disconnected (%s: %s); traceback in this rank's log",
+                    rank, type(exc).__name__, one_line)
+    else:
+        if not isinstance(exc, HetseqError):
+            log.error("rank %d failed:\n%s", rank, traceback.format_exc())
+        log.error("rank %d: %s: %s", rank, type(exc).__name__, one_line)
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, {"rank": rank, "type": type(exc).__name__, "message": one_line,
+                                 "time": time.time(), "peer": peer})
+    except OSError:
+        pass
+    return one_line
+
+
+def watch_launcher(env=None, grace_s: float = ORPHAN_GRACE_S) -> Optional[threading.Thread]:
+    """Start a daemon thread that ends this process ``grace_s`` after its launcher (the pid in
+    ``$HETSEQ_LAUNCHER_PID``) is gone; None when not started by the local launcher."""
+    env = os.environ if env is None else env
+    value = env.get(LAUNCHER_PID_ENV, "")
+    if not value.isdigit():
+        return None
+    launcher = int(value)
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(WATCH_EVERY_S)
+        log.warning("the launcher (pid %d) is gone: stopping within %.0f s", launcher, grace_s)
+        time.sleep(grace_s)
+        log.error("still running %.0f s after the launcher died: exiting", grace_s)
+        logging.shutdown()
+        os._exit(143)
+
+    thread = threading.Thread(target=watch, name="hetseq-launcher-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+__all__ = ["LAUNCHER_PID_ENV", "ORPHAN_GRACE_S", "report_failure", "watch_launcher"]

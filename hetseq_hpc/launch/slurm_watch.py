@@ -1,0 +1,183 @@
+"""Waiting for a (het) SLURM job: its state, its ranks' results, the rank to blame.
+
+submitit's state watcher reads ``sacct`` rows ``17+0``, ``17+1``: the leader id of a het job
+stays UNKNOWN and a cancelled het job never finishes (and without accounting there is no
+``sacct`` at all). :class:`HetSlurmInfoWatcher` asks ``squeue -t all`` instead (jobs stay listed
+for MinJobAge) and folds the components' states into the leader's, falling back to ``sacct``
+(measured on Slurm 22.05 with submitit 1.5.4, ../shared/slurm-facts.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from submitit.core import utils as submitit_utils
+from submitit.slurm.slurm import SlurmInfoWatcher, SlurmJob
+
+from hetseq_hpc.errors import LaunchError
+from hetseq_hpc.launch.failures import error_line, pick_failure
+
+log = logging.getLogger(__name__)
+
+#: Slurm states after which a job will not produce more results
+TERMINAL_STATES = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+                   "BOOT_FAIL", "DEADLINE", "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}
+#: precedence when folding component states into one (first match wins)
+_FOLD_ORDER = ["FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "TIMEOUT", "DEADLINE",
+               "CANCELLED", "PREEMPTED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "PENDING",
+               "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "COMPLETED"]
+
+
+def fold_states(states: List[str]) -> str:
+    """One state for a het job from its components' states (a failure anywhere wins; the job
+    is COMPLETED only when every component is)."""
+    clean = [s.split()[0].upper() for s in states if s]
+    if not clean:
+        return "UNKNOWN"
+    for state in _FOLD_ORDER:
+        if state in clean:
+            return state
+    return clean[0]
+
+
+class HetSlurmInfoWatcher(SlurmInfoWatcher):
+    """State of (het) jobs from ``squeue -t all``, with ``sacct`` as fallback."""
+
+    def _make_command(self) -> Optional[List[str]]:
+        to_check = {x.split("_")[0] for x in self._registered - self._finished}
+        if not to_check:
+            return None
+        return ["squeue", "-h", "-t", "all", "-o", "%i|%T", "-j", ",".join(sorted(to_check))]
+
+    def read_info(self, string: Any) -> Dict[str, Dict[str, str]]:
+        """Parse ``id|STATE`` rows; ``12+1`` rows are folded into job ``12``."""
+        if not isinstance(string, str):
+            string = string.decode()
+        per_job: Dict[str, List[str]] = {}
+        for line in string.splitlines():
+            if "|" not in line:
+                continue
+            job, state = line.strip().split("|", 1)
+            per_job.setdefault(job.split("+")[0], []).append(state)
+        return {job: {"State": fold_states(states), "JobID": job} for job, states in per_job.items()}
+
+    def update(self) -> None:
+        """Refresh every registered job's state (squeue, then sacct for jobs squeue forgot)."""
+        command = self._make_command()
+        if command is None:
+            return
+        self._num_calls += 1
+        try:
+            output = subprocess.run(command, capture_output=True, text=True, timeout=60).stdout
+            info = self.read_info(output)
+        except (OSError, subprocess.SubprocessError) as exc:
+            log.warning("squeue failed (%s): job states may lag", exc)
+            info = {}
+        missing = [j for j in command[-1].split(",") if j not in info]
+        if missing and shutil.which("sacct"):
+            info.update(self._sacct(missing))
+        self._info_dict.update(info)
+        self._last_status_check = time.time()
+        for job_id in self._registered - self._finished:
+            if self.is_done(job_id, mode="cache"):
+                self._finished.add(job_id)
+
+    def _sacct(self, jobs: List[str]) -> Dict[str, Dict[str, str]]:
+        try:
+            out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(jobs)],
+                                 capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            return {}
+        if out.returncode != 0:
+            return {}
+        return self.read_info(out.stdout)
+
+
+class HetSlurmJob(SlurmJob):
+    """A submitit job whose state comes from :class:`HetSlurmInfoWatcher`."""
+
+    watcher = HetSlurmInfoWatcher(delay_s=30)
+
+
+def task_outcomes(folder: Path, job_id: str, num_tasks: int) -> Dict[int, Tuple[str, Any]]:
+    """Result pickles present so far: ``rank -> ("success", summary) | ("error", traceback)``."""
+    out = {}
+    for rank in range(num_tasks):
+        path = Path(folder) / f"{job_id}_{rank}_result.pkl"
+        if path.exists():
+            try:
+                out[rank] = submitit_utils.pickle_load(path)
+            except (EOFError, OSError):
+                continue  # being written
+    return out
+
+
+def wait_for_job(job: HetSlurmJob, run_dir: Path, num_tasks: int, poll_s: float = 1.0,
+                 stream: bool = False, timeout_s: Optional[float] = None) -> Dict[str, Any]:
+    """Wait until every rank returned, a rank failed, or Slurm ended the job.
+
+    Args:
+        job: the submitted job.
+        run_dir: the run directory (rank 0's log is streamed from ``logs/rank0.log``).
+        num_tasks: ranks in the job.
+        poll_s: seconds between checks.
+        stream: copy rank 0's log to stderr while waiting.
+        timeout_s: give up after this long (None = wait as long as the job lives).
+
+    Returns:
+        rank 0's summary.
+
+    Raises:
+        LaunchError: a rank raised (its rank and last error line are named), or the job ended
+            without results (CANCELLED, TIMEOUT, ...), or ``timeout_s`` passed.
+    """
+    folder = Path(job.paths.folder)
+    log_path = Path(run_dir) / "logs" / "rank0.log"
+    offset = 0
+    start = time.monotonic()
+    ended_at: Optional[float] = None
+    while True:
+        if stream and log_path.exists():
+            with open(log_path, encoding="utf-8", errors="replace") as fh:
+                fh.seek(offset)
+                chunk = fh.read()
+                offset = fh.tell()
+            if chunk:
+                sys.stderr.write(chunk)
+                sys.stderr.flush()
+        outcomes = task_outcomes(folder, job.job_id, num_tasks)
+        errors = {r: o[1] for r, o in outcomes.items() if o[0] == "error"}
+        if errors:
+            time.sleep(poll_s)  # let the other ranks' results land, then pick the cause
+            outcomes = task_outcomes(folder, job.job_id, num_tasks)
+            errors = {r: o[1] for r, o in outcomes.items() if o[0] == "error"}
+            rank = pick_failure(errors)
+            raise LaunchError(
+                f"job {job.job_id}: rank {rank} failed: {error_line(errors[rank])} (log: "
+                f"{folder / f'{job.job_id}_{rank}_log.err'})"
+            )
+        if len(outcomes) == num_tasks:
+            return outcomes[0][1]
+        state = job.watcher.get_state(job.job_id, mode="force")
+        if state in TERMINAL_STATES:
+            # results may still be landing on a shared filesystem: give them a moment
+            ended_at = ended_at or time.monotonic()
+            if time.monotonic() - ended_at > 5.0:
+                raise LaunchError(
+                    f"job {job.job_id} ended {state} before every rank finished ({len(outcomes)}/"
+                    f"{num_tasks} results): see {folder} and {Path(run_dir) / 'logs'}"
+                )
+        if timeout_s is not None and time.monotonic() - start > timeout_s:
+            raise LaunchError(f"job {job.job_id} still {state} after {timeout_s:.0f} s: "
+                              f"scancel {job.job_id} to stop it")
+        time.sleep(poll_s)
+
+
+__all__ = ["TERMINAL_STATES", "HetSlurmInfoWatcher", "HetSlurmJob", "fold_states",
+           "pick_failure", "task_outcomes", "wait_for_job"]

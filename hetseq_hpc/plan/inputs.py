@@ -1,0 +1,216 @@
+"""The planner's inputs: partitions of the cluster config, and per-rank throughput and memory cap
+from a probe (an earlier run's ``allocation.json``) or from the datasheet table.
+
+Probe matching: SLURM partitions take the median samples/s and the smallest memory cap of the
+probe ranks of the same ``partition`` name, else of ``gres`` == ``gpu_type``; cluster=local
+matches planned rank ``i`` to probe rank ``i``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+
+from hetseq_hpc.allocation import micro_batch_cap
+from hetseq_hpc.errors import ConfigError
+from hetseq_hpc.plan.cost_model import datasheet_throughput, memory_cap
+from hetseq_hpc.plan.gpus import lookup_gpu, peak_tflops, runtime_precision
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hetseq_hpc.placement import RankPlacement
+
+_WRITTEN_BY_A_RUN = "pass the allocation.json written by a hetseq_hpc run"
+
+
+@dataclass(frozen=True)
+class PartitionSpec:
+    """One partition (het component) as the planner sees it; cluster=local is one of these."""
+
+    key: str  # name in cluster.partitions ("local" for cluster=local)
+    partition: str  # Slurm partition name
+    gpu_type: Optional[str]
+    ranks: int
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """One rank's planning inputs: throughput in samples/s, micro-batch cap in samples."""
+
+    rank: int
+    partition: str  # PartitionSpec.key
+    device: str  # display label, e.g. "A100 40GB bf16"
+    samples_per_s: float
+    max_micro_batch: int
+
+
+def partitions_of(run) -> List[PartitionSpec]:
+    """The planner's view of ``run.cluster``: one spec per SLURM partition, or one for local."""
+    cluster = run.cluster
+    if cluster.is_local:
+        return [PartitionSpec("local", "local", None, cluster.planned_world_size())]
+    return [PartitionSpec(key, part.partition, part.gpu_type, part.num_ranks)
+            for key, part in cluster.partitions.items()]
+
+
+def probe_file(path: str) -> Path:
+    """``plan.probe``'s file: the path itself, or ``allocation.json`` in it if a directory.
+
+    Raises:
+        ConfigError: the file does not exist.
+    """
+    file = Path(path)
+    if file.is_dir():
+        file = file / "allocation.json"
+    if not file.is_file():
+        raise ConfigError(f"plan.probe={path!r} does not exist: pass the allocation.json of an "
+                          "earlier run (or its run directory)")
+    return file
+
+
+def load_probe(path: str) -> Dict[str, Any]:
+    """The parsed ``allocation.json`` named by ``plan.probe``.
+
+    Raises:
+        ConfigError: the file is missing or not JSON.
+    """
+    file = probe_file(path)
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"plan.probe={path!r} is not readable JSON ({exc}): "
+                          f"{_WRITTEN_BY_A_RUN}") from None
+
+
+def _probe_cap(rank: Dict[str, Any], limit: Optional[int], where: str) -> int:
+    cal = rank.get("calibration") or {}
+    keys = ("memory_budget_bytes", "static_bytes", "activation_bytes_per_sample")
+    if all(k in cal for k in keys):
+        # memory_budget_bytes already has the headroom applied (hetseq_hpc.calibrate)
+        return micro_batch_cap(float(cal["memory_budget_bytes"]), float(cal["static_bytes"]),
+                               float(cal["activation_bytes_per_sample"]), limit)
+    if "max_micro_batch" in cal:
+        cap = int(cal["max_micro_batch"])
+        return min(cap, int(limit)) if limit is not None else cap
+    raise ConfigError(f"{where} has no calibration memory figures (memory_budget_bytes, "
+                      f"static_bytes, activation_bytes_per_sample): {_WRITTEN_BY_A_RUN}")
+
+
+def _probe_throughput(rank: Dict[str, Any], where: str) -> float:
+    try:
+        value = float((rank.get("calibration") or {})["samples_per_s"])
+    except (KeyError, TypeError, ValueError):
+        raise ConfigError(f"{where} has no calibration.samples_per_s: {_WRITTEN_BY_A_RUN}"
+                          ) from None
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{where} has calibration.samples_per_s={value}: it must be > 0; "
+                          "re-run the probe job")
+    return value
+
+
+def _probe_label(rank: Dict[str, Any]) -> str:
+    probe = rank.get("probe") or {}
+    if probe.get("kind") == "cuda" and probe.get("name"):
+        return f"{str(probe['name']).replace('NVIDIA ', '')} (probe)"
+    return f"{rank.get('device') or probe.get('name') or 'device'} (probe)"
+
+
+def ranks_from_probe(probe: Dict[str, Any], partitions: Sequence[PartitionSpec],
+                     by_index: bool = False, limit: Optional[int] = None) -> List[RankSpec]:
+    """Planning inputs from an earlier run's ``allocation.json`` (its measured calibrations).
+
+    Args:
+        probe: the parsed file (:func:`load_probe`).
+        partitions: the planned cluster (:func:`partitions_of`).
+        by_index: cluster=local: planned rank ``i`` takes probe rank ``i``.
+        limit: ``trainer.max_micro_batch``.
+
+    Raises:
+        ConfigError: a partition has no matching probe rank, or the file lacks calibrations.
+    """
+    probe_ranks = probe.get("ranks")
+    if not isinstance(probe_ranks, list) or not probe_ranks:
+        raise ConfigError(f"plan.probe has no 'ranks' list: {_WRITTEN_BY_A_RUN}")
+    out: List[RankSpec] = []
+    if by_index:
+        total = sum(p.ranks for p in partitions)
+        if len(probe_ranks) < total:
+            raise ConfigError(f"plan.probe has {len(probe_ranks)} ranks but the plan needs "
+                              f"{total}: probe with at least as many ranks, or lower cluster.ranks")
+        part = partitions[0]
+        for i in range(total):
+            where = f"plan.probe rank {i}"
+            out.append(RankSpec(i, part.key, _probe_label(probe_ranks[i]),
+                                _probe_throughput(probe_ranks[i], where),
+                                _probe_cap(probe_ranks[i], limit, where)))
+        return out
+    for part in partitions:
+        matched = [r for r in probe_ranks if r.get("partition") == part.partition]
+        if not matched and part.gpu_type:
+            matched = [r for r in probe_ranks if r.get("gres") == part.gpu_type]
+        if not matched:
+            seen = sorted({f"{r.get('partition')}/{r.get('gres')}" for r in probe_ranks})
+            raise ConfigError(
+                f"plan.probe has no rank of partition {part.partition!r} (gres "
+                f"{part.gpu_type!r}; it has partition/gres {', '.join(seen)}): probe a run that "
+                "includes that partition, or drop plan.probe to use the datasheet table"
+            )
+        where = f"plan.probe partition {part.partition!r}"
+        throughput = statistics.median(_probe_throughput(r, where) for r in matched)
+        cap = min(_probe_cap(r, limit, where) for r in matched)
+        label = _probe_label(matched[0])
+        for _ in range(part.ranks):
+            out.append(RankSpec(len(out), part.key, label, throughput, cap))
+    return out
+
+
+def check_gpu_types(partitions: Sequence[PartitionSpec]) -> None:
+    """Fail on an unknown GPU type before anything slow (building the model) happens.
+
+    Raises:
+        ConfigError: a ``gpu_type`` is not in the datasheet table.
+    """
+    for part in partitions:
+        if part.gpu_type:
+            lookup_gpu(part.gpu_type, f"cluster.partitions.{part.key}.gpu_type")
+
+
+def ranks_from_table(placements: Sequence[RankPlacement], flops_per_sample: float,
+                     param_count: int, activation_bytes_per_sample: float, mfu: float,
+                     peak: str = "runtime", limit: Optional[int] = None) -> List[RankSpec]:
+    """Planning inputs of SLURM ranks from the datasheet table.
+
+    Throughput = the GPU's peak in the precision the rank would train in (its requested
+    ``precision``, :func:`runtime_precision`) x ``mfu`` / ``flops_per_sample``; memory cap = the
+    runtime's formula on the rank's budget (:func:`hetseq_hpc.placement.memory_budget_bytes`,
+    with the datasheet memory standing in for the free GPU memory).
+
+    Args:
+        placements: every rank's placement (:func:`hetseq_hpc.placement.plan_placements`).
+        flops_per_sample: training FLOPs of one sample.
+        param_count: model parameters (fp32).
+        activation_bytes_per_sample: activation memory of one sample, bytes.
+        mfu: ``plan.mfu``; peak: ``plan.peak``; limit: ``trainer.max_micro_batch``.
+
+    Raises:
+        ConfigError: a partition has no GPU type, or an unknown one.
+    """
+    from hetseq_hpc.placement import memory_budget_bytes
+
+    out: List[RankSpec] = []
+    for place in placements:
+        where = f"cluster.partitions.{place.partition_key}.gpu_type"
+        if not place.gres:
+            raise ConfigError(f"{where} is null (CPU-only nodes) and the datasheet table has only "
+                              "GPUs: pass plan.probe=RUN_DIR/allocation.json from a run on them")
+        gpu = lookup_gpu(place.gres, where)
+        precision = runtime_precision(gpu, place.precision, peak)
+        throughput = datasheet_throughput(peak_tflops(gpu, precision), mfu, flops_per_sample)
+        memory = memory_budget_bytes(place, "cuda", gpu.memory_gib * 2**30, place.ranks_on_node)
+        cap = memory_cap(memory, param_count, activation_bytes_per_sample, limit)
+        out.append(RankSpec(place.rank, place.partition_key, f"{gpu.label} {precision}",
+                            throughput, cap))
+    return out

@@ -1,0 +1,122 @@
+"""What the planner needs from the task's real model: parameters, FLOPs, activation memory.
+
+The model is built on the ``meta`` device when nothing is measured (no memory, no time), else
+on the CPU; no data is loaded (synthetic token rows, masked by the task's own rule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from hetseq_hpc.errors import ConfigError
+from hetseq_hpc.plan.cost_model import PARAM_BYTES
+
+
+@dataclass
+class ModelInfo:
+    """The task model's planning figures."""
+
+    param_count: int
+    flops_per_sample: float  # training FLOPs of one sample (the task's flops_per_sample)
+    activation_bytes_per_sample: float = 0.0  # measured on the CPU (fp32), with safety margin
+    cpu_samples_per_s: float = 0.0  # measured on the CPU (cluster=local only)
+    vocab_size: int = 0
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def gradient_bytes(self) -> float:
+        """Bytes all-reduced per step: fp32 gradients of every parameter."""
+        return float(self.param_count * PARAM_BYTES)
+
+
+@dataclass(frozen=True)
+class CpuCalibration:
+    """How cluster=local ranks calibrate (the runtime's values, :mod:`hetseq_hpc.placement`)."""
+
+    micro_batch: int  # samples per timed forward+backward
+    steps: int  # timed steps
+    threads: int  # torch threads per rank
+    budget_bytes: float  # memory budget per rank
+
+
+def _synthetic_batch(n: int, seq_len: int, vocab_size: int, mask_prob: float):
+    """``n`` random token rows masked by the task's own :func:`mask_sample`: ``input_ids`` and
+    ``labels`` of shape ``(n, seq_len)``."""
+    import numpy as np
+    import torch
+
+    from hetseq_hpc.tasks.bert.data import SPECIAL_TOKENS, mask_sample
+
+    rng = np.random.default_rng(0)
+    inputs, labels = [], []
+    for i in range(n):
+        row = rng.integers(len(SPECIAL_TOKENS), vocab_size, size=seq_len)
+        x, y = mask_sample(row, vocab_size, mask_prob, 0, 0, "train", i)
+        inputs.append(x)
+        labels.append(y)
+    return {"input_ids": torch.from_numpy(np.stack(inputs)),
+            "labels": torch.from_numpy(np.stack(labels))}
+
+
+def measure_model(task_cfg, need_activations: bool,
+                  cpu_calibration: Optional[CpuCalibration] = None) -> ModelInfo:
+    """Build the task's real model (on ``meta`` when nothing is measured) and read its parameter
+    count, its training FLOPs per sample (:meth:`BertTask.flops_per_sample`, the one formula),
+    and, if asked, the activation bytes of one sample (saved-tensors hook, forward passes at
+    batch 1 and 2, x the runtime's safety margin).
+
+    ``cpu_calibration`` instead runs :func:`hetseq_hpc.calibrate.calibrate` (timed
+    forward+backward, as a cluster=local rank does) and also sets ``cpu_samples_per_s``.
+
+    Raises:
+        ConfigError: the task is not BERT (the only one whose model the planner can build
+            without its data so far), or ``task.data.files`` matches no file.
+    """
+    if task_cfg.name != "bert":
+        raise ConfigError(f"task={task_cfg.name} cannot be planned yet (the planner builds only "
+                          "BERT models without data): plan with task=bert and the same cluster")
+    import torch
+
+    from hetseq_hpc.calibrate import ACTIVATION_SAFETY, saved_tensor_bytes
+    from hetseq_hpc.tasks import build_task
+    from hetseq_hpc.tasks.bert.model import BertMaskedLM
+
+    task = build_task(task_cfg, seed=0)  # reads no data; flops_per_sample needs only the config
+    model_cfg, data_cfg = task_cfg.model, task_cfg.data
+    vocab = int(data_cfg.vocab_size)
+    seq = int(model_cfg.max_seq_len)
+    torch.manual_seed(0)
+    if not need_activations and cpu_calibration is None:
+        with torch.device("meta"):
+            model = BertMaskedLM(model_cfg, vocab)
+    else:
+        model = BertMaskedLM(model_cfg, vocab)
+    info = ModelInfo(param_count=sum(p.numel() for p in model.parameters()),
+                     flops_per_sample=float(task.flops_per_sample(model)), vocab_size=vocab)
+
+    def make(n: int):
+        return _synthetic_batch(n, seq, vocab, data_cfg.mask_prob)
+
+    if cpu_calibration is not None:
+        from hetseq_hpc.calibrate import calibrate
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(cpu_calibration.threads)
+        try:
+            cal = calibrate(model, make, torch.device("cpu"), cpu_calibration.micro_batch,
+                            cpu_calibration.steps, cpu_calibration.budget_bytes)
+        finally:
+            torch.set_num_threads(threads)
+        info.cpu_samples_per_s = cal.samples_per_s
+        info.activation_bytes_per_sample = cal.activation_bytes_per_sample
+    elif need_activations:
+        model.train()
+        saved = []
+        for n in (1, 2):
+            batch = make(n)
+            loss, nbytes = saved_tensor_bytes(lambda: model(**batch))  # noqa: B023
+            del loss
+            saved.append(nbytes)
+        info.activation_bytes_per_sample = max(saved[1] - saved[0], 0) * ACTIVATION_SAFETY
+    return info

@@ -1,0 +1,191 @@
+"""From a validated run configuration to a :class:`Plan`: inputs, prediction, warnings.
+
+Three sources of per-rank throughput, in this order: ``plan.probe`` (measured calibrations of an
+earlier run), cluster=local (this CPU, calibrated as a local rank would), else the datasheet
+table (SLURM partitions, :mod:`hetseq_hpc.plan.gpus`). Starts nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Callable, List, Optional, Tuple
+
+from hetseq_hpc.errors import AllocationError, ConfigError
+from hetseq_hpc.plan.config import DEFAULT_LINK_GBPS, DEFAULT_LOCAL_LINK_GBPS, PlanConfig
+from hetseq_hpc.plan.cost_model import Prediction, memory_cap, predict
+from hetseq_hpc.plan.inputs import (
+    PartitionSpec,
+    RankSpec,
+    check_gpu_types,
+    load_probe,
+    partitions_of,
+    probe_file,
+    ranks_from_probe,
+    ranks_from_table,
+)
+from hetseq_hpc.plan.model_info import CpuCalibration, ModelInfo, measure_model
+
+#: fewer samples per rank than this (on average) leaves most devices idle between all-reduces
+MIN_SAMPLES_PER_RANK = 8
+#: a predicted efficiency below this is worth a warning
+MIN_EFFICIENCY = 0.5
+#: largest global batch the small-batch warning suggests
+MAX_SUGGESTED_BATCH = 2**22
+
+
+@dataclass
+class Plan:
+    """Everything :func:`hetseq_hpc.plan.render.render` prints."""
+
+    cluster: str
+    partitions: List[PartitionSpec]
+    ranks: List[RankSpec]
+    prediction: Prediction
+    model: ModelInfo
+    options: PlanConfig
+    link_gbps: float
+    source: str  # how the throughputs were obtained
+    warnings: List[str] = field(default_factory=list)  # one line each, for stderr
+
+
+def _local_ranks(run) -> Tuple[ModelInfo, List[RankSpec], str]:
+    """cluster=local: calibrate the model on this CPU as a local rank does (the runtime's
+    threads, calibration micro-batch and memory budget, :mod:`hetseq_hpc.placement`), x each
+    rank's emulated speed (``cluster.speeds``)."""
+    from hetseq_hpc.env.hardware import read_meminfo
+    from hetseq_hpc.placement import calibration_micro_batch, memory_budget_bytes, plan_placements
+
+    places = plan_placements(run)
+    first = places[0]
+    calib = CpuCalibration(
+        micro_batch=calibration_micro_batch(run.trainer, len(places)),
+        steps=run.trainer.calibration_steps, threads=first.threads,
+        budget_bytes=memory_budget_bytes(first, "cpu", read_meminfo()[1], first.ranks_on_node))
+    model = measure_model(run.task, need_activations=True, cpu_calibration=calib)
+    cap = memory_cap(calib.budget_bytes, model.param_count, model.activation_bytes_per_sample,
+                     run.trainer.max_micro_batch)
+    ranks = [RankSpec(p.rank, "local", f"cpu {p.threads} thr"
+                      + (f" @{p.emulate_speed:g}" if p.emulate_speed != 1 else ""),
+                      model.cpu_samples_per_s * p.emulate_speed, cap) for p in places]
+    source = (f"measured on this CPU: {model.cpu_samples_per_s:.1f} samples/s at "
+              f"{calib.threads} thread(s), micro-batch {calib.micro_batch}, x cluster.speeds")
+    return model, ranks, source
+
+
+def _table_ranks(run, opts: PlanConfig) -> Tuple[ModelInfo, List[RankSpec], str]:
+    """SLURM without a probe: datasheet peak x MFU, memory cap from the datasheet memory."""
+    from hetseq_hpc.placement import plan_placements
+
+    model = measure_model(run.task, need_activations=True)
+    ranks = ranks_from_table(plan_placements(run), model.flops_per_sample, model.param_count,
+                             model.activation_bytes_per_sample, opts.mfu, opts.peak,
+                             run.trainer.max_micro_batch)
+    precision = ("as the runtime picks (bf16 on compute capability >= 8.0, else fp32)"
+                 if opts.peak == "runtime" else "tensor-core peak everywhere (plan.peak=tensor)")
+    source = (f"datasheet peak x MFU {opts.mfu:g} (plan.mfu) / "
+              f"{model.flops_per_sample / 1e9:.2f} GFLOP per sample; precision {precision}")
+    return model, ranks, source
+
+
+def make_plan(run, opts: Optional[PlanConfig] = None) -> Plan:
+    """Inputs -> prediction, for a validated run configuration. Starts nothing.
+
+    Args:
+        run: a :class:`~hetseq_hpc.config.RunConfig`.
+        opts: planner options; default ``run.plan``.
+
+    Raises:
+        ConfigError: unknown GPU type, bad probe, a device that cannot fit one sample, or a
+            batch that cannot be split.
+    """
+    opts = run.plan if opts is None else opts
+    parts = partitions_of(run)
+    local = run.cluster.is_local
+    link = opts.link_gbps or (DEFAULT_LOCAL_LINK_GBPS if local else DEFAULT_LINK_GBPS)
+    if not local and opts.probe is None:
+        check_gpu_types(parts)  # fail on an unknown GPU before building the model
+    if opts.probe:
+        probe = load_probe(opts.probe)
+        model = measure_model(run.task, need_activations=False)
+        ranks = ranks_from_probe(probe, parts, by_index=local, limit=run.trainer.max_micro_batch)
+        source = f"measured calibration from {opts.probe}"
+    elif local:
+        model, ranks, source = _local_ranks(run)
+    else:
+        model, ranks, source = _table_ranks(run, opts)
+    for spec in ranks:
+        if spec.max_micro_batch < 1:
+            raise ConfigError(
+                f"rank {spec.rank} ({spec.partition}, {spec.device}) cannot fit one sample of "
+                f"this model: shrink task.model, or leave partition {spec.partition!r} out")
+
+    def predict_at(batch: int, forced: Optional[List[int]] = None) -> Prediction:
+        return predict([r.samples_per_s for r in ranks], batch, [r.max_micro_batch for r in ranks],
+                       model.gradient_bytes, link, opts.latency_s, opts.overlap, forced)
+
+    try:
+        prediction = predict_at(run.trainer.global_batch_size, run.trainer.allocation)
+    except AllocationError as exc:
+        raise ConfigError(str(exc)) from None
+    retry = None if run.trainer.allocation else predict_at
+    warnings = [w for w in (probe_model_warning(opts, run), batch_warning(prediction, retry)) if w]
+    return Plan(run.cluster.name, parts, ranks, prediction, model, opts, link, source, warnings)
+
+
+def _good_enough(prediction: Prediction) -> bool:
+    per_rank = prediction.global_batch_size / prediction.world_size
+    return per_rank >= MIN_SAMPLES_PER_RANK and prediction.efficiency >= MIN_EFFICIENCY
+
+
+def batch_warning(prediction: Prediction,
+                  predict_at: Optional[Callable[[int], Prediction]] = None) -> Optional[str]:
+    """One line when the global batch is too small for the mix: fewer than
+    :data:`MIN_SAMPLES_PER_RANK` samples per rank on average, or a predicted efficiency below
+    :data:`MIN_EFFICIENCY`; else None.
+
+    ``predict_at(batch)`` (the same prediction at another global batch) lets the line name the
+    smallest batch, doubling from the current one up to :data:`MAX_SUGGESTED_BATCH`, that clears
+    both bars.
+    """
+    if _good_enough(prediction):
+        return None
+    world, batch = prediction.world_size, prediction.global_batch_size
+    hint = "plan fewer ranks or a faster link (plan.link_gbps)"
+    candidate = max(2 * batch, MIN_SAMPLES_PER_RANK * world)
+    while predict_at is not None and candidate <= MAX_SUGGESTED_BATCH:
+        try:
+            bigger = predict_at(candidate)
+        except AllocationError:  # a batch the allocator rejects: no suggestion
+            break
+        if _good_enough(bigger):
+            hint = f"trainer.global_batch_size={candidate} predicts {bigger.efficiency:.2f}"
+            break
+        candidate *= 2
+    return (f"global batch {batch:,} is small for {world} ranks ({batch / world:.1f} samples per "
+            f"rank, predicted efficiency {prediction.efficiency:.2f}; aim for >= "
+            f"{MIN_SAMPLES_PER_RANK} and >= {MIN_EFFICIENCY:g}): raise it, e.g. {hint}")
+
+
+def probe_model_warning(opts: PlanConfig, run) -> Optional[str]:
+    """One line when the probe's run used a different model than this plan; else None.
+
+    Raises:
+        ConfigError: ``plan.probe`` does not exist (:func:`probe_file`).
+    """
+    if not opts.probe:
+        return None
+    cfg_path = probe_file(opts.probe).parent / "hetseq_config.yaml"
+    if not cfg_path.is_file():
+        return None
+    try:
+        from omegaconf import OmegaConf
+
+        probed = OmegaConf.to_container(OmegaConf.load(cfg_path).task.model)
+        current = asdict(run.task.model)
+    except Exception:  # only a warning: an unreadable probe config is skipped
+        return None
+    diff = sorted(k for k in current if k in probed and probed[k] != current[k])
+    if diff:
+        return (f"the probe run used a different model "
+                f"({', '.join(f'{k}={probed[k]}' for k in diff)}): its throughputs may not apply")
+    return None

@@ -1,0 +1,1 @@
+"""Image classification with a small GroupNorm ResNet (``task=image``)."""

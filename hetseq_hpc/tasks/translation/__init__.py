@@ -1,0 +1,1 @@
+"""German-to-English translation with an encoder-decoder transformer (``task=translation``)."""

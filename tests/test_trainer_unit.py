@@ -1,0 +1,125 @@
+"""One Trainer step in-process: a real world-size-1 gloo group (single_process_rendezvous), the
+real BERT task with the small model, and state_dict / load_state_dict through real checkpoint
+files."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import astuple
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from conftest import SMALL_MODEL
+from hetseq_hpc.allocation import allocate
+from hetseq_hpc.config.compose import compose_run_config
+from hetseq_hpc.distributed import StepStats, rendezvous, single_process_rendezvous
+from hetseq_hpc.env.world import WorldInfo, free_port
+from hetseq_hpc.errors import AllocationError, CheckpointError
+from hetseq_hpc.tasks import build_task
+from hetseq_hpc.train.checkpoint import load_checkpoint, save_checkpoint
+from hetseq_hpc.train.loop import RankMeta, Trainer
+
+B = 8  # global batch; micro-batch cap 3 -> micro-batches [3, 3, 2] accumulated under no_sync
+
+
+@pytest.fixture
+def make_trainer(tmp_path, token_cache):
+    """``make_trainer(rdv, *overrides) -> Trainer`` on one CPU rank, run dir ``tmp_path``."""
+
+    def _make(rdv, *overrides: str) -> Trainer:
+        run = compose_run_config([*SMALL_MODEL, "cluster.ranks=1", "task.model.dropout=0.0",
+                                  f"trainer.global_batch_size={B}", "optim.warmup_steps=0",
+                                  f"task.data.cache_dir={token_cache}", "trainer.seed=1",
+                                  *overrides])
+        task = build_task(run.task, run.trainer.seed)
+        task.prepare()
+        task.load()
+        torch.manual_seed(run.trainer.seed)
+        model = task.build_model()
+        allocation = allocate([1.0], B, [3])
+        return Trainer(run, tmp_path, rdv, task, model, torch.device("cpu"), allocation,
+                       [RankMeta(rank=0, device="cpu", node="test")])
+
+    return _make
+
+
+def test_one_step_is_the_mean_loss_of_the_global_batch(make_trainer):
+    with single_process_rendezvous() as rdv:
+        trainer = make_trainer(rdv)
+        assert trainer.allocation.shares[0].micro_sizes == [3, 3, 2]
+        before = copy.deepcopy(trainer.model)
+        _, positions = trainer.sampler.global_batch(0)
+        batch = trainer.task.make_batch(positions, 0, "train")
+        with torch.no_grad():
+            want = float(before(**batch)) / trainer.task.count(batch)
+        rec = trainer.train_step(1)
+    assert rec.step == 1 and trainer.step == 1 and rec.stop_code == 0
+    (stats,) = rec.per_rank
+    assert isinstance(stats, StepStats) and stats.samples == B
+    assert stats.count == trainer.task.count(batch) and isinstance(stats.count, int)
+    assert rec.loss == pytest.approx(want, rel=1e-6)
+    assert stats.loss_sum == pytest.approx(want * stats.count, rel=1e-6)
+    changed = [not torch.equal(a, b) for a, b in zip(before.parameters(), trainer.model.parameters())]
+    assert any(changed), "the optimizer did not step"
+
+
+def test_state_dict_round_trip_repeats_the_next_step(make_trainer, tmp_path):
+    """save_checkpoint(trainer.state_dict()) / trainer.load_state_dict(load_checkpoint(...)):
+    a fresh trainer resumed after step 1 computes step 2 exactly like the original."""
+    with single_process_rendezvous() as rdv:
+        first = make_trainer(rdv)
+        first.train_step(1)
+        path = save_checkpoint(first.state_dict(), tmp_path, 1, keep=2)
+        want = first.train_step(2).loss
+        second = make_trainer(rdv)
+        second.load_state_dict(load_checkpoint(path), str(path))
+        assert second.step == 1
+        got = second.train_step(2).loss
+    assert got == want
+
+
+def test_load_state_dict_checks_the_run(make_trainer, tmp_path):
+    with single_process_rendezvous() as rdv:
+        trainer = make_trainer(rdv)
+        state = trainer.state_dict()
+        other = make_trainer(rdv, "trainer.seed=2")
+        with pytest.raises(CheckpointError) as err:
+            other.load_state_dict(state, "ckpt.pt")
+        message = str(err.value)
+        assert "\n" not in message
+        assert "trained with trainer.seed=1; this run has trainer.seed=2" in message
+        assert "trainer.allow_resume_mismatch=true" in message
+        allowed = make_trainer(rdv, "trainer.seed=2", "trainer.allow_resume_mismatch=true")
+        allowed.load_state_dict(state, "ckpt.pt")  # an explicit override continues
+        no_model = {k: v for k, v in state.items() if k != "model"}
+        with pytest.raises(CheckpointError, match=r"'ckpt\.pt' has no model entry"):
+            trainer.load_state_dict(no_model, "ckpt.pt")
+
+
+def _two_rank_worker(rank: int, port: int, out: str) -> None:
+    world = WorldInfo(rank=rank, local_rank=rank, world_size=2, master_addr="127.0.0.1",
+                      master_port=port)
+    with rendezvous(world, torch.device("cpu"), 60) as rdv:
+        table = rdv.exchange_step_stats(StepStats(1.5 + rank, 3 + rank, 2, 0.1, 0.2, 0.05, rank))
+        rdv.check_agreement("same", "allocation")
+        try:
+            rdv.check_agreement(f"digest{rank}", "allocation")
+            error = None
+        except AllocationError as exc:
+            error = str(exc)
+        if rank == 1:
+            torch.save({"table": [list(astuple(s)) for s in table], "error": error}, out)
+
+
+def test_exchange_and_agreement_on_two_ranks(tmp_path):
+    """A real 2-process gloo group: the named exchange returns every rank's stats in rank order
+    (ints stay ints), and differing digests raise one line naming each rank's digest."""
+    out = str(tmp_path / "result.pt")
+    mp.spawn(_two_rank_worker, args=(free_port(), out), nprocs=2, join=True)
+    result = torch.load(out)
+    assert result["table"] == [[1.5, 3, 2, 0.1, 0.2, 0.05, 0], [2.5, 4, 2, 0.1, 0.2, 0.05, 1]]
+    assert "ranks disagree on the allocation (digest rank 0: digest0, rank 1: digest1)" in \
+        result["error"]
+    assert "\n" not in result["error"] and "install the same hetseq_hpc" in result["error"]
