@@ -1,10 +1,11 @@
 """Split the global batch over ranks: per-rank samples, micro-batch and gradient accumulation.
 
 Rank ``i`` processes ``b_i`` samples per optimizer step, ``sum_i b_i = B`` (the global batch),
-as ``accum_steps`` micro-batches of at most ``micro_batch`` samples. ``b_i`` is proportional to
-the rank's measured throughput (samples/s), so every rank finishes its share at about the same
-time; the micro-batch is capped by the rank's memory, and gradient accumulation makes up the
-rest (the memory half of Whale, ATC 2022, and Poplar, AAAI 2025). Rounding uses the
+as ``accum_steps`` micro-batches of at most ``micro_batch`` samples. With measured cost curves
+(:mod:`hetseq_hpc.cost_model`: ``T_i = k_i a_i + c_i b_i + f_i``) ``b_i`` minimises the predicted
+step time ``max_i T_i`` exactly; with plain throughputs (samples/s) ``b_i`` is proportional to
+them. The micro-batch is capped by the rank's memory, and gradient accumulation makes up the
+rest (the memory half of Whale, ATC 2022, and Poplar, AAAI 2025). Proportional rounding uses the
 largest-remainder method, so the counts always sum to ``B`` and every rank gets >= 1 sample.
 
 All ranks run the same pure function on the same all-gathered inputs and then compare a
@@ -19,6 +20,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
+from hetseq_hpc.cost_model import CostCurve, min_max_split
 from hetseq_hpc.errors import AllocationError
 
 
@@ -55,10 +57,12 @@ class Allocation:
     Attributes:
         global_batch_size: ``B``.
         shares: one :class:`RankShare` per rank, in rank order.
-        source: ``"forced"`` (trainer.allocation), ``"throughput"`` (calibrated) or
-            ``"rebalanced"`` (online, from measured step times).
+        source: ``"forced"`` (trainer.allocation), ``"cost_curve"`` (calibrated cost curves),
+            ``"throughput"`` (proportional to samples/s) or ``"rebalanced"`` (online, from
+            measured step times).
         throughputs: the samples/s per rank the split was computed from (empty when forced).
         step: first optimizer step (1-based) that uses this allocation.
+        curves: the per-rank cost curves the split was computed from (empty without).
     """
 
     global_batch_size: int
@@ -66,6 +70,7 @@ class Allocation:
     source: str
     throughputs: Tuple[float, ...] = field(default_factory=tuple)
     step: int = 1
+    curves: Tuple[CostCurve, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         total = sum(s.samples for s in self.shares)
@@ -98,6 +103,7 @@ class Allocation:
         data = asdict(self)
         data["shares"] = [asdict(s) for s in self.shares]
         data["throughputs"] = list(self.throughputs)
+        data["curves"] = [c.to_dict() for c in self.curves]
         return data
 
     @classmethod
@@ -109,6 +115,7 @@ class Allocation:
             source=str(data["source"]),
             throughputs=tuple(float(t) for t in data.get("throughputs", ())),
             step=int(data.get("step", 1)),
+            curves=tuple(CostCurve.from_dict(c) for c in data.get("curves", ())),
         )
 
     def digest(self) -> str:
@@ -176,6 +183,7 @@ def allocate(
     forced: Optional[Sequence[int]] = None,
     source: Optional[str] = None,
     step: int = 1,
+    curves: Optional[Sequence[CostCurve]] = None,
 ) -> Allocation:
     """Compute the allocation every rank agrees on.
 
@@ -183,9 +191,12 @@ def allocate(
         throughputs: measured samples/s per rank, ``(world_size,)``.
         global_batch_size: ``B``.
         max_micro_batch: per-rank micro-batch cap from memory (and ``trainer.max_micro_batch``).
-        forced: per-rank sample counts that override the proportional split.
-        source: label stored in the result (default ``forced`` / ``throughput``).
+        forced: per-rank sample counts that override the computed split.
+        source: label stored in the result (default ``forced`` / ``cost_curve`` /
+            ``throughput``).
         step: first optimizer step that uses the allocation.
+        curves: per-rank cost curves; given, the split minimises the predicted step time
+            (:func:`hetseq_hpc.cost_model.min_max_split`) instead of following ``throughputs``.
 
     Raises:
         AllocationError: sizes disagree, a forced split does not sum to ``B``, or the batch is
@@ -203,6 +214,11 @@ def allocate(
             )
         samples = forced
         label = source or "forced"
+    elif curves is not None:
+        if len(curves) != n:
+            raise AllocationError(f"{len(curves)} cost curves for {n} ranks")
+        samples = min_max_split(list(curves), global_batch_size, max_micro_batch)
+        label = source or "cost_curve"
     else:
         samples = proportional_counts(throughputs, global_batch_size)
         label = source or "throughput"
@@ -212,6 +228,7 @@ def allocate(
         source=label,
         throughputs=tuple(float(t) for t in throughputs),
         step=step,
+        curves=tuple(curves or ()),
     )
 
 

@@ -1,10 +1,13 @@
-"""Measure a rank's throughput and memory per sample with a few passes of the real model.
+"""Measure a rank's cost curve and memory per sample with a few passes of the real model.
 
-Throughput: ``steps`` timed forward+backward passes (after one warm-up pass) on real training
-samples, no optimizer step, gradients dropped afterwards. Memory: bytes the autograd graph
-saves for backward, counted with ``torch.autograd.graph.saved_tensors_hooks`` at two batch
-sizes (the slope is the per-sample activation memory; works on any device), and on CUDA
-also the peak allocated memory, whichever is larger.
+Time: ``steps`` timed forward+backward passes on real training samples at two micro-batch sizes
+(the calibration micro-batch and a quarter of it, alternately, after one warm-up pass at each),
+fitted as ``t(m) = a + c m`` (:mod:`hetseq_hpc.cost_model`); plus the per-step fixed cost ``f``
+(clipping and an AdamW step, timed on copies of the parameters). No optimizer step touches the
+model; gradients are dropped afterwards. Memory: bytes the autograd graph saves for backward,
+counted with ``torch.autograd.graph.saved_tensors_hooks`` at the two sizes (the slope is the
+per-sample activation memory; works on any device), and on CUDA also the peak allocated memory,
+whichever is larger.
 """
 
 from __future__ import annotations
@@ -12,13 +15,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import asdict, dataclass
-from typing import Callable, Dict, Optional
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import nn
 
 from hetseq_hpc.allocation import micro_batch_cap
+from hetseq_hpc.cost_model import fit_curve, fit_residuals
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +32,8 @@ ACTIVATION_SAFETY = 1.5
 STATIC_PARAM_COPIES = 5
 #: share of free GPU memory / of this rank's RAM share that the cap may plan to use
 MEMORY_HEADROOM = 0.9
+#: the small timed micro-batch is the calibration micro-batch divided by this
+LOW_SIZE_DIVISOR = 4
 
 
 @dataclass(frozen=True)
@@ -35,12 +41,16 @@ class Calibration:
     """One rank's measurements.
 
     Attributes:
-        samples_per_s: forward+backward throughput at ``micro_batch`` (samples/s).
-        micro_batch: micro-batch used for timing.
+        samples_per_s: forward+backward throughput at ``micro_batch`` from the fit (samples/s).
+        micro_batch: the largest timed micro-batch.
         activation_bytes_per_sample: activation memory of one sample, with safety margin.
         static_bytes: parameters, gradients, optimizer state, DDP buckets (bytes).
         memory_budget_bytes: memory this rank may plan with (bytes).
         max_micro_batch: the resulting cap (>= 1, or 0 when nothing fits).
+        overhead_s: ``a`` of the fitted cost curve (seconds per micro-batch).
+        per_sample_s: ``c`` of the fitted cost curve (seconds per sample).
+        step_fixed_s: ``f``, the per-step fixed cost (clip + optimizer step), seconds.
+        timings: ``[micro-batch, seconds]`` of every timed pass (the fit's data).
     """
 
     samples_per_s: float
@@ -49,6 +59,10 @@ class Calibration:
     static_bytes: float
     memory_budget_bytes: float
     max_micro_batch: int
+    overhead_s: float = 0.0
+    per_sample_s: float = 0.0
+    step_fixed_s: float = 0.0
+    timings: List[List[float]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """Plain dict for JSON."""
@@ -85,6 +99,42 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed_sizes(micro_batch: int, steps: int, cap: int) -> List[int]:
+    """Micro-batch sizes of the ``steps`` timed passes: the calibration micro-batch ``m`` and
+    ``m / LOW_SIZE_DIVISOR`` alternately (``m`` first), both within the memory ``cap``; one
+    size only when ``m`` is too small to split. The same number of passes as a one-size
+    calibration, so the curve costs no more time than one rate."""
+    high = max(1, min(int(micro_batch), int(cap) if cap >= 1 else 1))
+    low = max(1, high // LOW_SIZE_DIVISOR)
+    return [low if j % 2 else high for j in range(int(steps))]
+
+
+def time_optimizer_step(model: nn.Module, device: torch.device, repeats: int = 2) -> float:
+    """Seconds of one clip + AdamW step on copies of the parameters with the model's gradients
+    (the per-step fixed cost ``f``; the model itself is not changed). The first step allocates
+    the optimizer state and is not counted; 0.0 when the model has no gradients."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    copies = [p.detach().clone() for p in params]
+    for copy, p in zip(copies, params):
+        copy.grad = p.grad
+    opt = torch.optim.AdamW(copies, lr=1e-12)
+    best = float("inf")
+    for j in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(copies, 1.0)
+        opt.step()
+        _sync(device)
+        if j:
+            best = min(best, time.perf_counter() - start)
+    for copy in copies:
+        copy.grad = None
+    del opt, copies
+    return 0.0 if best == float("inf") else best
+
+
 def calibrate(
     model: nn.Module,
     make_batch: Callable[[int], Dict[str, torch.Tensor]],
@@ -94,18 +144,26 @@ def calibrate(
     memory_budget_bytes: float,
     max_micro_batch: Optional[int] = None,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    step_fixed: bool = True,
 ) -> Calibration:
-    """Time ``steps`` forward+backward passes and measure memory per sample.
+    """Measure memory per sample, then time ``steps`` forward+backward passes at two sizes and
+    fit the cost curve ``t(m) = a + c m`` (:func:`hetseq_hpc.cost_model.fit_curve`).
+
+    Passes: one untimed pass at ``micro_batch`` (warm-up; saved activations), one untimed pass
+    at the small size (its warm-up; saved activations, whose difference is the per-sample
+    memory), then the timed passes of :func:`timed_sizes`, then (``step_fixed``) the per-step
+    fixed cost :func:`time_optimizer_step`. Every timing and the fit's residuals are logged.
 
     Args:
         model: the bare model (not DDP-wrapped: calibration must not run collectives).
         make_batch: ``n -> batch`` of ``n`` real samples on the CPU.
         device: where the model lives.
-        micro_batch: samples per timed pass.
-        steps: timed passes (after one warm-up pass).
+        micro_batch: the largest timed micro-batch (lowered to the memory cap).
+        steps: timed passes (after the warm-up passes).
         memory_budget_bytes: memory this rank may plan with.
         max_micro_batch: extra cap from ``trainer.max_micro_batch``.
-        autocast: context manager factory for mixed precision.
+        autocast: context manager factory for mixed precision (the rank's precision).
+        step_fixed: also time the optimizer step (the per-step fixed cost ``f``).
     """
 
     def run(n: int) -> tuple:
@@ -124,33 +182,51 @@ def calibrate(
     peak_per_sample = 0.0
     if device.type == "cuda":
         peak_per_sample = (torch.cuda.max_memory_allocated(device) - base_alloc) / micro_batch
-    start = time.perf_counter()
-    for _ in range(steps):
-        run(micro_batch)
-    _sync(device)
-    elapsed = max(time.perf_counter() - start, 1e-9)
-    if micro_batch > 1:
-        saved_one = run(1)
-        per_sample = max(saved_big - saved_one, 0) / (micro_batch - 1)
+    small = max(1, micro_batch // LOW_SIZE_DIVISOR)
+    if micro_batch > small:
+        saved_small = run(small)  # the small size's warm-up, and its activation bytes
+        per_sample = max(saved_big - saved_small, 0) / (micro_batch - small)
     else:
-        per_sample = float(saved_big)
+        per_sample = float(saved_big) / micro_batch
     per_sample = max(per_sample, peak_per_sample) * ACTIVATION_SAFETY
-    model.zero_grad(set_to_none=True)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     static = float(param_bytes * STATIC_PARAM_COPIES)
     budget = float(memory_budget_bytes) * MEMORY_HEADROOM
     cap = memory_cap(memory_budget_bytes, param_bytes, per_sample, max_micro_batch)
+    sizes = timed_sizes(micro_batch, steps, cap)
+    times = []
+    for n in sizes:
+        _sync(device)
+        start = time.perf_counter()
+        run(n)
+        _sync(device)
+        times.append(max(time.perf_counter() - start, 1e-9))
+    fixed = time_optimizer_step(model, device) if step_fixed else 0.0
+    model.zero_grad(set_to_none=True)
+    curve = fit_curve(sizes, times, fixed)
+    high = max(sizes)
     result = Calibration(
-        samples_per_s=micro_batch * steps / elapsed,
-        micro_batch=micro_batch,
+        samples_per_s=high / curve.micro_s(high),
+        micro_batch=high,
         activation_bytes_per_sample=per_sample,
         static_bytes=static,
         memory_budget_bytes=budget,
         max_micro_batch=cap,
+        overhead_s=curve.overhead_s,
+        per_sample_s=curve.per_sample_s,
+        step_fixed_s=curve.step_fixed_s,
+        timings=[[int(n), float(t)] for n, t in zip(sizes, times)],
+    )
+    residuals = fit_residuals(curve, sizes, times)
+    log.info(
+        "calibration: timings %s -> t(m) = %.2f ms + %.3f ms x m (residuals %s), step fixed "
+        "cost %.1f ms; %.1f samples/s at micro-batch %d",
+        ", ".join(f"t({n})={t * 1e3:.1f} ms" for n, t in zip(sizes, times)),
+        curve.overhead_s * 1e3, curve.per_sample_s * 1e3,
+        ", ".join(f"{r:+.1%}" for r in residuals), fixed * 1e3, result.samples_per_s, high,
     )
     log.info(
-        "calibration: %.1f samples/s at micro-batch %d; %.1f MiB activations/sample, "
-        "%.0f MiB static, budget %.0f MiB -> micro-batch cap %d",
-        result.samples_per_s, micro_batch, per_sample / 2**20, static / 2**20, budget / 2**20, cap,
+        "calibration: %.1f MiB activations/sample, %.0f MiB static, budget %.0f MiB -> "
+        "micro-batch cap %d", per_sample / 2**20, static / 2**20, budget / 2**20, cap,
     )
     return result

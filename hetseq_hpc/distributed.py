@@ -37,6 +37,8 @@ class StepStats:
         data_time_s: seconds spent building the rank's batches.
         stop_code: the strongest stop request the rank received
             (:data:`hetseq_hpc.preemption.NONE` = 0 when none).
+        tail_time_s: seconds of local work between the rank's previous exchange and this
+            step's start (clipping, optimizer step, logging): its per-step fixed cost.
     """
 
     loss_sum: float
@@ -46,6 +48,7 @@ class StepStats:
     step_time_s: float
     data_time_s: float
     stop_code: int = 0
+    tail_time_s: float = 0.0
 
 
 @dataclass

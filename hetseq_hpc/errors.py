@@ -29,6 +29,10 @@ class DataError(HetseqError, RuntimeError):
     """Training data cannot be found or read."""
 
 
+class TaskContractError(HetseqError, RuntimeError):
+    """A task breaks the task contract (docs/tasks.md): a loss that is not a 0-dim sum, ..."""
+
+
 class Preempted(HetseqError):
     """Training stopped at a step boundary after a scheduler signal; a checkpoint was written.
 

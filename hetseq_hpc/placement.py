@@ -53,7 +53,9 @@ class RankPlacement:
         partition_key: key in ``cluster.partitions`` (None on ``cluster=local``).
         partition: Slurm partition name (None on ``cluster=local``).
         gres: GPU class = GRES type (``gpu_type``) of the partition, None for CPU nodes.
-        precision: requested precision (``trainer.precision``: auto, fp32 or bf16).
+        precision: requested precision (auto, fp32, bf16 or fp16): ``cluster.precisions[rank]``
+            locally, the partition's ``precision`` on SLURM, else ``trainer.precision``; the
+            device decides what ``auto`` becomes (:func:`hetseq_hpc.train.precision.resolve_precision`).
         het_group: het component index (None on ``cluster=local``).
     """
 
@@ -135,6 +137,8 @@ def placement_for(run: RunConfig, rank: int, *, het_group: Optional[int] = None,
     warning about more ranks than cores is logged for rank 0 only).
     Speed: ``cluster.speeds[rank]`` locally, the partition's ``emulate_speed`` on SLURM.
     Memory: the partition's ``memory_budget_gb``, else ``cluster.memory_budget_gb``.
+    Precision: ``cluster.precisions[rank]`` locally, the partition's ``precision`` on SLURM,
+    else ``trainer.precision``.
     """
     cluster = run.cluster
     key = cluster.partition_for(rank, het_group)
@@ -146,12 +150,15 @@ def placement_for(run: RunConfig, rank: int, *, het_group: Optional[int] = None,
         on_node = local_world_size or world
         configured = cluster.threads_per_rank
         group = None
+        overrides = list(cluster.precisions)
+        precision = overrides[rank] if rank < len(overrides) else None
     else:
         speed = float(part.emulate_speed) if part is not None else 1.0
         on_node = local_world_size or (part.ranks_per_node_effective if part is not None else 1)
         configured = cpus_per_task or (part.cpus_per_rank if part is not None else None)
         group = het_group if het_group is not None else (
             list(cluster.partitions).index(key) if key is not None else None)
+        precision = part.precision if part is not None else None
     budget = part.memory_budget_gb if part is not None and part.memory_budget_gb else None
     budget = budget or cluster.memory_budget_gb
     return RankPlacement(
@@ -164,7 +171,7 @@ def placement_for(run: RunConfig, rank: int, *, het_group: Optional[int] = None,
         partition_key=key,
         partition=part.partition if part is not None else None,
         gres=part.gpu_type if part is not None else None,
-        precision=run.trainer.precision,
+        precision=precision or run.trainer.precision,
         het_group=group,
     )
 

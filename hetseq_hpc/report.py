@@ -1,9 +1,11 @@
 """Pictures of a run: per-rank step time and samples per step, from ``metrics.jsonl``.
 
-``python -m hetseq_hpc.report RUN_DIR [--out FILE]`` writes ``RUN_DIR/ranks.png`` (or FILE):
+``hetseq-hpc report RUN_DIR [--out FILE]`` (or ``python -m hetseq_hpc.report``) writes
+``RUN_DIR/ranks.png`` (or FILE):
 two stacked panels sharing the step axis, per-rank compute time per step (s) and per-rank
 samples per step, one line per rank; a dashed vertical line marks every re-allocation at the
-step it takes effect (``reallocation.at_step``).
+step it takes effect (``reallocation.at_step``). :func:`text_summary` gives the run in a few
+lines (``hetseq-hpc report`` prints it).
 """
 
 from __future__ import annotations
@@ -111,6 +113,49 @@ def plot_run(run_dir: Union[str, Path], out_path: Optional[Union[str, Path]] = N
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _median(values: List[float]) -> Optional[float]:
+    values = sorted(v for v in values if isinstance(v, (int, float)))
+    return values[len(values) // 2] if values else None
+
+
+def text_summary(run_dir: Union[str, Path]) -> str:
+    """A few lines about a run from its ``metrics.jsonl``: steps, first and last loss,
+    validation, median samples/s and straggle, re-allocations, and per rank (from the last
+    step) its device, micro-batch x accumulation, samples and median compute time.
+
+    Raises:
+        HetseqError: ``metrics.jsonl`` is missing or has no step rows.
+    """
+    rows = step_rows(run_dir)
+    first, last = rows[0], rows[-1]
+    vals = [r for r in read_metrics(run_dir) if isinstance(r.get("val_loss"), (int, float))]
+    moves = [r["reallocation"] for r in rows if isinstance(r.get("reallocation"), dict)]
+    lines = [
+        f"run {Path(run_dir).resolve()}: steps {first['step']}-{last['step']} "
+        f"({len(rows)} logged), {len(last['ranks'])} rank(s), allocation {last.get('allocation')}",
+        f"  loss {first.get('loss', float('nan')):.4f} -> {last.get('loss', float('nan')):.4f}",
+    ]
+    if vals:
+        lines.append(f"  validation loss {vals[0]['val_loss']:.4f} (step {vals[0]['step']}) -> "
+                     f"{vals[-1]['val_loss']:.4f} (step {vals[-1]['step']})")
+    speed = _median([r.get("samples_per_s") for r in rows])
+    straggle = _median([r.get("straggle") for r in rows])
+    if speed is not None:
+        lines.append(f"  median {speed:.1f} samples/s, straggle {straggle or 0.0:.3f} "
+                     "((max - min) / mean per-rank compute time)")
+    for move in moves:
+        lines.append(f"  re-allocation at step {move.get('at_step')}: {move.get('from')} -> "
+                     f"{move.get('to')}")
+    for rank in last["ranks"]:
+        times = [r2.get("compute_time_s") for row in rows for r2 in row["ranks"]
+                 if r2.get("rank") == rank["rank"]]
+        median = _median(times)
+        lines.append(f"  {_label(rank)}: {rank.get('micro_batch')} x {rank.get('accum_steps')} "
+                     f"= {rank.get('samples')} samples/step, median compute "
+                     + (f"{median:.3f} s" if median is not None else "n/a"))
+    return "\n".join(lines)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

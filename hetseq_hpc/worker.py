@@ -14,7 +14,6 @@ templates) or :func:`run_worker` (submitit pickles it). Each rank:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import signal
@@ -29,6 +28,7 @@ from hetseq_hpc.allocation import Allocation, allocate
 from hetseq_hpc.atomic import atomic_write_json
 from hetseq_hpc.calibrate import calibrate
 from hetseq_hpc.config import RunConfig, load_run_config
+from hetseq_hpc.cost_model import CostCurve
 from hetseq_hpc.distributed import rendezvous
 from hetseq_hpc.env.emulation import emulate_speed
 from hetseq_hpc.env.emulation import record as record_emulation
@@ -44,8 +44,13 @@ from hetseq_hpc.placement import (
     placement_for,
 )
 from hetseq_hpc.preemption import REQUEUE, StopRequest, requeue_job
+from hetseq_hpc.startup import MODEL_IMPORTS, PhaseClock, prefetch_imports
 from hetseq_hpc.tasks import build_task
+from hetseq_hpc.tasks.contract import checked_batch
+from hetseq_hpc.tasks.prepare_wait import prepare_on_rank0
+from hetseq_hpc.tasks.report import build_checked_model, finish_task_summary
 from hetseq_hpc.train.loop import RankMeta, Trainer
+from hetseq_hpc.train.precision import autocast_factory, resolve_precision
 from hetseq_hpc.train.rebalance import Rebalancer
 from hetseq_hpc.train.run_lock import claim_run_dir
 
@@ -81,17 +86,16 @@ def set_threads(placement: RankPlacement) -> int:
 
 
 def precision_context(placement: RankPlacement, device: torch.device, dev: DeviceProbe):
-    """``(name, context factory)`` for the placement's precision (``trainer.precision``): bf16
-    autocast where the device supports it (compute capability >= 8.0) under ``auto``; fp32
-    otherwise."""
-    wanted = placement.precision
-    bf16_ok = device.type == "cuda" and (dev.compute_capability or (0, 0)) >= (8, 0)
-    if wanted == "bf16" and device.type == "cuda" and not bf16_ok:
-        log.warning("trainer.precision=bf16 but %s has compute capability %s < 8.0: using fp32",
-                    dev.name, dev.compute_capability)
-    if wanted in ("auto", "bf16") and bf16_ok:
-        return "bf16", lambda: torch.autocast("cuda", dtype=torch.bfloat16)
-    return "fp32", contextlib.nullcontext
+    """``(name, context factory)`` for the placement's precision (per-rank override, else
+    ``trainer.precision``), resolved for this device by
+    :func:`hetseq_hpc.train.precision.resolve_precision`: ``auto`` = bf16 autocast on compute
+    capability >= 8.0, fp16 on 7.x, fp32 on older GPUs and the CPU; explicit bf16/fp16 also
+    on the CPU (torch's cpu autocast)."""
+    precision, warning = resolve_precision(placement.precision, device.type,
+                                           dev.compute_capability)
+    if warning:
+        log.warning("%s (%s)", warning, dev.name)
+    return precision, autocast_factory(precision, device.type)
 
 
 def agree_on_allocation(run: RunConfig, reports: List[Dict[str, Any]], rdv) -> Allocation:
@@ -123,9 +127,18 @@ def agree_on_allocation(run: RunConfig, reports: List[Dict[str, Any]], rdv) -> A
             )
     throughputs = [float(r["calibration"]["samples_per_s"]) for r in reports]
     allocation = allocate(throughputs, run.trainer.global_batch_size, caps,
-                          forced=run.trainer.allocation)
+                          forced=run.trainer.allocation, curves=report_curves(reports))
     rdv.check_agreement(allocation.digest(), "allocation")
     return allocation
+
+
+def report_curves(reports: List[Dict[str, Any]]) -> Optional[List[CostCurve]]:
+    """Every rank's calibrated cost curve (:mod:`hetseq_hpc.cost_model`), from the same gathered
+    floats on every rank; None when a report has no fit (then the split follows samples/s)."""
+    cals = [r["calibration"] for r in reports]
+    if not all(float(c.get("per_sample_s") or 0) > 0 for c in cals):
+        return None
+    return [CostCurve.from_dict(c) for c in cals]
 
 
 def write_allocation_json(run_dir: Path, allocation: Allocation, reports: List[Dict[str, Any]],
@@ -156,6 +169,8 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
     Raises:
         HetseqError: a bad environment, an impossible allocation, a corrupt checkpoint ...
     """
+    clock = PhaseClock()
+    prefetch = prefetch_imports(MODEL_IMPORTS.get(run.task.name, ()))
     run_dir_path = Path(run_dir).resolve()
     env = os.environ if env is None else env
     world = WorldInfo.from_env(env)
@@ -175,54 +190,67 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
         record_emulation(emulation, run_dir_path, world.rank)
     precision, autocast = precision_context(placement, device, dev)
     task = build_task(run.task, run.trainer.seed)
+    clock.mark("probe")
     with claim_run_dir(run_dir_path, world.is_master, env), \
             rendezvous(world, device, run.cluster.collective_timeout_s) as rdv:
+        clock.mark("rendezvous")
         inject = env.get("HETSEQ_INJECT_FAILURE", "")
         if inject.isdigit() and int(inject) == world.rank:
             raise RuntimeError(f"injected failure on rank {world.rank} (HETSEQ_INJECT_FAILURE="
                                f"{inject}): unset it to train")
-        if world.is_master:
-            task.prepare()
-        rdv.barrier()
+        prepare_on_rank0(task, rdv, run_dir_path)  # the others wait outside the gloo timeout
         task.load()
+        clock.mark("data")
         label = dev.label if emulation.method == "none" else f"{dev.label} @{emulation.speed:g}"
         meta = RankMeta(rank=world.rank, device=label, node=world.node_name,
                         het_group=world.het_group, partition=world.partition,
-                        gres=placement.gres)
-        torch.manual_seed(run.trainer.seed)
-        model = task.build_model().to(device)
+                        gres=placement.gres, precision=precision)
+        if prefetch is not None:
+            prefetch.join()  # nothing may import the model's modules while the thread does
+        model, task_info = build_checked_model(task, run, device)  # refuses BatchNorm
+        clock.mark("model")
         budget = memory_budget_bytes(placement, dev.kind, dev.memory_free_bytes,
                                      placement.ranks_on_node)
         cal = calibrate(
-            model, lambda n: task.make_batch(list(range(min(n, task.num_train))), 0, "train"),
+            model, lambda n: checked_batch(task, list(range(min(n, task.num_train))), 0, "train"),
             device, calibration_micro_batch(run.trainer, world.world_size),
             run.trainer.calibration_steps, budget, run.trainer.max_micro_batch, autocast,
         )
+        clock.mark("calibration")
         reports = rdv.all_gather_objects({
             "world": world.to_dict(), "probe": dev.to_dict(), "calibration": cal.to_dict(),
             "meta": meta.__dict__, "precision": precision, "threads": threads,
             "emulation": emulation.to_dict(), "placement": placement.to_dict(),
         })
         allocation = agree_on_allocation(run, reports, rdv)
+        clock.mark("allocation")
         if world.is_master:
-            path = write_allocation_json(run_dir_path, allocation, reports)
+            clock.log()
+            path = write_allocation_json(run_dir_path, allocation, reports,
+                                         {"startup": clock.to_dict()})
             log.info("allocation %s (%s; micro-batch x accumulation %s) -> %s", allocation.samples,
                      allocation.source,
                      [f"{s.micro_batch}x{s.accum_steps}" for s in allocation.shares], path)
 
-        def on_allocation(new: Allocation) -> None:
+        def on_allocation(new: Allocation, extra: Optional[Dict[str, Any]] = None) -> None:
             if world.is_master:
-                write_allocation_json(run_dir_path, new, reports)
+                write_allocation_json(run_dir_path, new, reports,
+                                      {"startup": clock.to_dict(), **(extra or {})})
 
         metas = [RankMeta(**r["meta"]) for r in reports]
         rebalancer = None
         if run.trainer.rebalance_every:
             rebalancer = Rebalancer(caps=[s.max_micro_batch for s in allocation.shares],
-                                    threshold=run.trainer.rebalance_threshold)
+                                    threshold=run.trainer.rebalance_threshold,
+                                    curves=report_curves(reports))
         trainer = Trainer(run, run_dir_path, rdv, task, model, device, allocation, metas,
                           autocast=autocast, on_allocation=on_allocation,
                           stop_request=stop_request, rebalancer=rebalancer)
         summary = trainer.fit()
+        finish_task_summary(summary, task, model, task_info, world.is_master)
+        if rebalancer is not None and all(rebalancer.fitted):  # the refitted curves, for plans
+            on_allocation(trainer.allocation,
+                          {"fitted_curves": [c.to_dict() for c in rebalancer.fitted]})
         if world.is_master and run.trainer.plot:
             try:
                 from hetseq_hpc.report import plot_run

@@ -1,35 +1,35 @@
 #!/usr/bin/env python3
 """Side-by-side benchmark: do a fast and a slow device train at (nearly) the SUM of their speeds?
 
-On this machine (2 CPU cores) two ranks, one at full speed and one throttled to ~0.35 by a cgroup
+On this machine (CPU cores) two ranks, one at full speed and one throttled to ~0.35 by a cgroup
 CPU quota (hetseq_hpc.env.emulation), train the BERT task's default model with the same global
 batch. In ONE run it measures:
 
-  (a) each rank's standalone throughput at its speed (1 process, 1 thread);
+  (a) each rank's standalone throughput at its speed (1 process, 1 thread), one at a time;
+  (a') the same two single-rank runs at the SAME time: each rank's rate while the other is busy
+      (shared caches and memory bandwidth) -- the machine's real ceiling for co-running ranks;
   (b) equal-split DDP -- how every other launcher runs: the same share for every rank;
-  (c) hetseq_hpc's automatic allocation (calibrated, with online re-balancing);
-  (d) plain torch DDP against hetseq_hpc on two unthrottled ranks, the same equal split
-      (the price of hetseq_hpc's machinery: summing hook, per-step exchange, exact weighting).
+  (c) hetseq_hpc's automatic allocation (cost curves calibrated, online re-balancing);
+  (d) plain torch DDP against hetseq_hpc on two unthrottled ranks, the same equal split, in
+      ``--pairs`` interleaved pairs (the price of hetseq_hpc's machinery).
 
 A second scenario changes the slow rank's quota mid-run (0.35 -> 0.7 by writing its cgroup's
-cpu.cfs_quota_us) and counts the steps re-balancing needs to get back above 0.9 efficiency.
+cpu.cfs_quota_us) and counts the steps re-balancing needs to get back above 0.9 efficiency
+(against the co-running ceiling of the new pair; the standalone figure is printed too).
 
-It prints a table and, last, one JSON line with efficiency_equal = thr(b)/sum thr(a),
-efficiency_balanced = thr(c)/sum thr(a), speedup = thr(c)/thr(b) and overhead_vs_ddp =
-step time of hetseq_hpc / step time of plain DDP - 1. Targets: efficiency_balanced >= 0.95,
-overhead_vs_ddp <= 0.02.
+Last line: one JSON object with efficiency_equal / efficiency_balanced (against the sum of the
+standalone rates, as before), efficiency_corunning / efficiency_equal_corunning (against the
+co-running ceiling), balance_error (median over steps of the longest wait of a rank -- the
+spread of the ranks' busy times -- as a share of the step), speedup = (c) / (b),
+overhead_vs_ddp (median over pairs of hetseq_hpc step / plain DDP step - 1) with its spread
+(overhead_iqr, overhead_pairs), steps_to_recover and planner_error (the planner, given (c)'s
+allocation.json as its probe, against (c)'s measured samples/s).
 
 How it measures: a step's time is the wall-clock time between consecutive steps' ends
 (hetseq_hpc: the ``time`` field of metrics.jsonl rows, so logging and metrics writing count;
-plain DDP: its loop), and throughput = global batch / median step time after warm-up. Runs on
-a shared 2-core VM drift by +-5-10 % from one run to the next, so (d) alternates plain DDP and
-hetseq_hpc ``--repeats`` times and compares the medians of the runs' medians. The global batch
-(default 128) and the micro-batch cap (default 32; plain DDP accumulates the same way) are the
-same in every scenario; with a small global batch, the fixed per-step costs every data-parallel
-rank pays (all-reduce, optimizer step) dominate this small model's step, and one huge
-micro-batch runs slower per sample on a CPU than several of 32.
+plain DDP: its loop), and throughput = global batch / median step time after warm-up.
 
-    python scripts/bench_hetero.py [--global-batch 128] [--steps 30] [--slow 0.35] [--out DIR]
+    python scripts/bench_hetero.py [--global-batch 128] [--steps 30] [--pairs 8] [--out DIR]
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -54,26 +55,35 @@ COMMON = ["trainer.val_every=0", "trainer.checkpoint_every=0", "trainer.keep_che
           "cluster.threads_per_rank=1"]
 
 
+def start_cli(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    """Start ``python -m hetseq_hpc`` (not waiting)."""
+    cmd = [sys.executable, "-m", "hetseq_hpc", *COMMON, f"trainer.global_batch_size={GLOBAL_BATCH}",
+           f"trainer.max_micro_batch={MICRO_BATCH}", *overrides, f"hydra.run.dir={run_dir}"]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def finish_cli(proc: subprocess.Popen, run_dir: Path, what: str) -> list:
+    """Wait for a run started by :func:`start_cli`; its metrics rows."""
+    out = proc.communicate()[0]
+    if proc.returncode != 0:
+        sys.exit(f"benchmark run failed ({what}):\n{out[-3000:]}")
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
 def run_cli(run_dir: Path, *overrides: str, on_row=None) -> list:
     """Run ``python -m hetseq_hpc`` to the end; ``on_row(rows)`` is called as metrics arrive."""
-    cmd = [sys.executable, "-m", "hetseq_hpc", *COMMON, f"trainer.global_batch_size={GLOBAL_BATCH}",
-           f"trainer.max_micro_batch={MICRO_BATCH}",
-           *overrides, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = start_cli(run_dir, *overrides)
     metrics = run_dir / "metrics.jsonl"
     seen = 0
-    while proc.poll() is None:
-        if on_row is not None and metrics.exists():
+    while on_row is not None and proc.poll() is None:
+        if metrics.exists():
             rows = read_metrics(metrics)
             if len(rows) > seen:
                 seen = len(rows)
                 on_row(rows)
         time.sleep(0.1)
-    out = proc.stdout.read()
-    if proc.returncode != 0:
-        sys.exit(f"benchmark run failed ({' '.join(overrides)}):\n{out[-3000:]}")
-    return read_metrics(metrics)
+    return finish_cli(proc, run_dir, " ".join(overrides))
 
 
 def step_times(rows: list, warmup: int) -> list:
@@ -86,6 +96,41 @@ def throughput(rows: list, warmup: int) -> float:
     return GLOBAL_BATCH / statistics.median(step_times(rows, warmup))
 
 
+def balance_error(rows: list, warmup: int) -> float:
+    """Median over steps of (max - min) of the ranks' busy time (compute + per-step tail) over
+    the step's wall time: the longest wait any rank had, as a share of the step."""
+    shares = []
+    for row in rows:
+        if row["step"] <= warmup or not row.get("step_time_s"):
+            continue
+        busy = [r["compute_time_s"] + r.get("tail_time_s", 0.0) for r in row["ranks"]]
+        shares.append((max(busy) - min(busy)) / row["step_time_s"])
+    return statistics.median(shares) if shares else float("nan")
+
+
+def corunning(root: Path, speeds: tuple, steps: int, warmup: int, alone: dict) -> dict:
+    """Rates of single-rank runs at ``speeds`` started together, counting only the steps that
+    ended while every one of them was past its warm-up and still running."""
+    slowest = min(alone[s] for s in speeds)
+    procs = {}
+    for s in speeds:  # faster ranks run more steps so that all overlap the slowest's run
+        n = max(steps, math.ceil(steps * alone[s] / slowest) + warmup)
+        run_dir = root / f"corun-{'-'.join(map(str, speeds))}-{s}"
+        procs[s] = (run_dir, start_cli(run_dir, "cluster.ranks=1", f"cluster.speeds=[{s}]",
+                                       f"trainer.max_steps={n}"))
+    rows = {s: finish_cli(p, d, f"co-running at {s}") for s, (d, p) in procs.items()}
+    begin = max(r[min(warmup, len(r) - 1)]["time"] for r in rows.values())
+    end = min(r[-1]["time"] for r in rows.values())
+    out = {}
+    for s, r in rows.items():
+        inside = [b["time"] - a["time"] for a, b in itertools.pairwise(r)
+                  if a["time"] >= begin and b["time"] <= end]
+        if len(inside) < 3:  # too little overlap: fall back to the steps after warm-up
+            inside = step_times(r, warmup)
+        out[s] = GLOBAL_BATCH / statistics.median(inside)
+    return out
+
+
 def plain_ddp_step_time(steps: int, warmup: int) -> float:
     """Median step time (s) of textbook DDP (scripts/plain_ddp.py) on the same model, data and
     equal split, 2 unthrottled ranks x 1 thread."""
@@ -96,10 +141,43 @@ def plain_ddp_step_time(steps: int, warmup: int) -> float:
     return statistics.median(json.loads(out.read_text())[warmup:])
 
 
+def overhead_pairs(root: Path, pairs: int, steps: int, warmup: int) -> list:
+    """Per pair: hetseq_hpc median step / plain DDP median step, both unthrottled, equal split;
+    the order inside a pair alternates so that a drifting machine biases neither side."""
+    half = GLOBAL_BATCH // 2
+    ratios = []
+    for i in range(pairs):
+        def hetseq(i=i):
+            rows = run_cli(root / f"unthrottled-{i}", "cluster.ranks=2",
+                           f"trainer.allocation=[{half},{GLOBAL_BATCH - half}]",
+                           f"trainer.max_steps={steps}")
+            return statistics.median(step_times(rows, warmup))
+
+        if i % 2:
+            mine, ddp = hetseq(), plain_ddp_step_time(steps, warmup)
+        else:
+            ddp = plain_ddp_step_time(steps, warmup)
+            mine = hetseq()
+        ratios.append((mine / ddp, mine, ddp))
+        print(f"    pair {i + 1}/{pairs}: plain DDP {ddp * 1000:.1f} ms, hetseq_hpc "
+              f"{mine * 1000:.1f} ms, ratio {mine / ddp:.4f}", flush=True)
+    return ratios
+
+
 def _cpu_model() -> str:
     from hetseq_hpc.env.hardware import _cpu_model as model
 
     return model()
+
+
+def recovery(rows: list, at_step: int, ceiling: float) -> int | None:
+    """Steps after ``at_step`` until a 4-step window's median runs at >= 0.9 of ``ceiling``."""
+    after = [r for r in rows if r["step"] > at_step]
+    for i in range(1, len(after) - 2):
+        window = after[i - 1:i + 3]
+        if GLOBAL_BATCH / statistics.median(step_times(window, 0)) / ceiling >= 0.9:
+            return window[0]["step"] - at_step
+    return None
 
 
 def main() -> None:
@@ -111,7 +189,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="steps per measured run")
     parser.add_argument("--alone-steps", type=int, default=12, help="steps per standalone run")
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the medians")
-    parser.add_argument("--repeats", type=int, default=3, help="alternating runs for (d)")
+    parser.add_argument("--pairs", type=int, default=8, help="interleaved DDP/hetseq_hpc pairs (d)")
+    parser.add_argument("--pair-steps", type=int, default=40, help="steps per run in (d)")
     parser.add_argument("--slow", type=float, default=0.35, help="speed of the slow rank")
     parser.add_argument("--changed", type=float, default=0.7, help="slow rank's speed after the change")
     parser.add_argument("--out", type=Path, default=None, help="keep run directories here")
@@ -122,47 +201,44 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     steps = [f"trainer.max_steps={args.steps}"]
     started = time.time()
+    alone_warmup = min(args.warmup, args.alone_steps // 3)
 
-    # (a) standalone throughput at each speed
+    # (a) standalone throughput at each speed, (a') the pairs co-running
     alone = {}
     for speed in (1.0, args.slow, args.changed):
         rows = run_cli(root / f"alone-{speed}", "cluster.ranks=1", f"cluster.speeds=[{speed}]",
                        f"trainer.max_steps={args.alone_steps}")
-        alone[speed] = throughput(rows, min(args.warmup, args.alone_steps // 3))
+        alone[speed] = throughput(rows, alone_warmup)
     ideal = alone[1.0] + alone[args.slow]
+    co = corunning(root, (1.0, args.slow), args.alone_steps, alone_warmup, alone)
+    co_changed = corunning(root, (1.0, args.changed), args.alone_steps, alone_warmup, alone)
+    ceiling = co[1.0] + co[args.slow]
     speeds = f"cluster.speeds=[1.0,{args.slow}]"
     half = GLOBAL_BATCH // 2
     # (b) equal split, (c) hetseq_hpc automatic allocation with online re-balancing
     equal_rows = run_cli(root / "equal", "cluster.ranks=2", speeds,
-                         f"trainer.allocation=[{half},{half}]", *steps)
+                         f"trainer.allocation=[{half},{GLOBAL_BATCH - half}]", *steps)
     auto_rows = run_cli(root / "auto", "cluster.ranks=2", speeds, "trainer.rebalance_every=10",
                         "trainer.plot=true", *steps)
     thr_equal, thr_auto = throughput(equal_rows, args.warmup), throughput(auto_rows, args.warmup)
-    # the planner's prediction for (c), from the standalone throughputs as its probe
-    probe = root / "standalone-probe.json"
-    probe.write_text(json.dumps({"ranks": [
-        {"rank": r, "device": f"cpu @{s}", "calibration": {"samples_per_s": alone[s],
-                                                           "max_micro_batch": MICRO_BATCH}}
-        for r, s in enumerate((1.0, args.slow))]}))
+    # the planner's prediction for (c), from (c)'s own allocation.json (its cost curves)
     plan_out = subprocess.run(
         [sys.executable, "-m", "hetseq_hpc.plan", "cluster.ranks=2", speeds,
          f"trainer.global_batch_size={GLOBAL_BATCH}", f"trainer.max_micro_batch={MICRO_BATCH}",
-         f"plan.probe={probe}"], cwd=REPO, capture_output=True, text=True)
+         f"plan.probe={root / 'auto' / 'allocation.json'}"], cwd=REPO, capture_output=True,
+        text=True)
     predicted = None
     if plan_out.returncode == 0:
         predicted = json.loads(plan_out.stdout.strip().splitlines()[-1])["predicted_samples_per_s"]
     else:
         print(f"planner failed: {plan_out.stderr.strip()[-500:]}", file=sys.stderr)
-
-    # (d) plain DDP vs hetseq_hpc, both unthrottled, equal split, alternating runs
     alloc = json.loads((root / "auto" / "allocation.json").read_text())
-    hetseq_runs, ddp_runs = [], []
-    for i in range(args.repeats):
-        ddp_runs.append(plain_ddp_step_time(args.steps, args.warmup))
-        rows = run_cli(root / f"unthrottled-{i}", "cluster.ranks=2",
-                       f"trainer.allocation=[{half},{half}]", *steps)
-        hetseq_runs.append(statistics.median(step_times(rows, args.warmup)))
-    hetseq_step, ddp_step = statistics.median(hetseq_runs), statistics.median(ddp_runs)
+
+    # (d) plain DDP vs hetseq_hpc, both unthrottled, equal split, interleaved pairs
+    print(f"(d) {args.pairs} interleaved pairs of {args.pair_steps} steps ...", flush=True)
+    pairs = overhead_pairs(root, args.pairs, args.pair_steps, args.warmup)
+    ratios = sorted(r for r, _, _ in pairs)
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
 
     # scenario 2: the slow rank's quota changes mid-run
     change_at = args.steps // 2
@@ -181,51 +257,57 @@ def main() -> None:
     change_rows = run_cli(root / "change", "cluster.ranks=2", speeds, "trainer.rebalance_every=5",
                           "trainer.plot=true", f"trainer.max_steps={args.steps * 2}",
                           on_row=maybe_change)
-    new_ideal = alone[1.0] + alone[args.changed]
-    recovered = None
-    after = [r for r in change_rows if r["step"] > changed.get("step", 10**9)]
-    for i in range(1, len(after) - 2):
-        window = after[i - 1:i + 3]
-        eff = GLOBAL_BATCH / statistics.median(step_times(window, 0)) / new_ideal
-        if eff >= 0.9:
-            recovered = window[0]["step"] - changed["step"]
-            break
+    at = changed.get("step", 10**9)
+    recovered = recovery(change_rows, at, co_changed[1.0] + co_changed[args.changed])
+    recovered_alone = recovery(change_rows, at, alone[1.0] + alone[args.changed])
     reallocs = [r["reallocation"] for r in change_rows if "reallocation" in r]
 
     result = {
         "efficiency_equal": thr_equal / ideal,
         "efficiency_balanced": thr_auto / ideal,
+        "efficiency_corunning": thr_auto / ceiling,
+        "efficiency_equal_corunning": thr_equal / ceiling,
+        "balance_error": balance_error(auto_rows, args.warmup),
         "speedup": thr_auto / thr_equal,
-        "overhead_vs_ddp": hetseq_step / ddp_step - 1,
+        "overhead_vs_ddp": statistics.median(ratios) - 1,
+        "overhead_iqr": [quartiles[0] - 1, quartiles[2] - 1],
+        "overhead_pairs": [round(r - 1, 4) for r, _, _ in pairs],
         "steps_to_recover": recovered,
+        "steps_to_recover_standalone": recovered_alone,
         "planner_error": (predicted / thr_auto - 1) if predicted else None,
         "global_batch": GLOBAL_BATCH,
+        "standalone_sum": ideal,
+        "corunning_ceiling": ceiling,
         "machine": f"{os.cpu_count()} CPU {_cpu_model()}",
         "emulation": alloc["ranks"][1].get("emulation", {}).get("method"),
     }
+    shares = alloc["allocation"]["shares"]
     line = "-" * 72
     print(line)
     print(f"hetseq_hpc heterogeneous benchmark: BERT default model, global batch {GLOBAL_BATCH}, "
           f"{args.steps} steps/run, medians after {args.warmup}; {result['machine']}")
     print(line)
-    print(f"(a) standalone   speed 1.00: {alone[1.0]:7.1f} samples/s")
-    print(f"                 speed {args.slow:.2f}: {alone[args.slow]:7.1f} samples/s   "
-          f"ideal sum {ideal:7.1f}")
-    print(f"(b) equal split  {half}/{half}:       {thr_equal:7.1f} samples/s   efficiency "
-          f"{result['efficiency_equal']:.3f}")
-    print(f"(c) hetseq_hpc   {alloc['allocation']['shares'][0]['samples']}/"
-          f"{alloc['allocation']['shares'][1]['samples']} (calibrated): {thr_auto:7.1f} samples/s   "
-          f"efficiency {result['efficiency_balanced']:.3f}   speedup {result['speedup']:.2f}x")
+    print(f"(a) standalone   speed 1.00: {alone[1.0]:7.1f} samples/s   co-running {co[1.0]:7.1f}")
+    print(f"                 speed {args.slow:.2f}: {alone[args.slow]:7.1f} samples/s   co-running "
+          f"{co[args.slow]:7.1f}")
+    print(f"                 sum standalone {ideal:7.1f}, co-running ceiling {ceiling:7.1f}")
+    print(f"(b) equal split  {half}/{GLOBAL_BATCH - half}:       {thr_equal:7.1f} samples/s   "
+          f"efficiency {result['efficiency_equal']:.3f} (co-running "
+          f"{result['efficiency_equal_corunning']:.3f})")
+    print(f"(c) hetseq_hpc   {'/'.join(str(s['samples']) for s in shares)} "
+          f"(final; {alloc['allocation']['source']}): {thr_auto:7.1f} samples/s   efficiency "
+          f"{result['efficiency_balanced']:.3f} (co-running {result['efficiency_corunning']:.3f})"
+          f"   speedup {result['speedup']:.2f}x   balance error {result['balance_error']:.3f}")
     if predicted:
         print(f"    planner predicted {predicted:7.1f} samples/s for (c): "
               f"{result['planner_error']:+.1%} off the measurement")
-    print(f"(d) unthrottled  plain DDP {ddp_step * 1000:6.1f} ms/step, hetseq_hpc "
-          f"{hetseq_step * 1000:6.1f} ms/step: overhead {result['overhead_vs_ddp']:+.3f} "
-          f"(runs: DDP {[round(t * 1000, 1) for t in ddp_runs]}, "
-          f"hetseq_hpc {[round(t * 1000, 1) for t in hetseq_runs]} ms)")
+    print(f"(d) unthrottled  hetseq_hpc / plain DDP step time over {args.pairs} pairs: median "
+          f"{result['overhead_vs_ddp']:+.3f}, quartiles {result['overhead_iqr'][0]:+.3f} .. "
+          f"{result['overhead_iqr'][1]:+.3f}, pairs {result['overhead_pairs']}")
     print(f"scenario 2: slow rank {args.slow} -> {args.changed} at step {changed.get('step')} "
           f"({changed.get('method')}); re-allocations {[(r['at_step'], r['to']) for r in reallocs]}; "
-          f"back above 0.9 after {recovered} steps")
+          f"back above 0.9 after {recovered} steps (co-running ceiling), {recovered_alone} "
+          "(standalone sum)")
     print(f"runs in {root}; plots {root / 'auto' / 'ranks.png'}, {root / 'change' / 'ranks.png'}; "
           f"{time.time() - started:.0f} s")
     print(line)

@@ -47,6 +47,6 @@ stop_cluster() {
 trap stop_cluster EXIT
 
 # lint first: a style error fails in a second, not after the suite
-"$VENV/bin/python" -m ruff check hetseq_hpc tests scripts
+"$VENV/bin/python" -m ruff check hetseq_hpc tests scripts examples
 
 "$VENV/bin/python" -m pytest "$@"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -17,6 +18,7 @@ from hetseq_hpc.allocation import (
     proportional_counts,
     shares_for,
 )
+from hetseq_hpc.cost_model import CostCurve, min_max_split, predicted_step_s
 from hetseq_hpc.errors import AllocationError
 
 GiB = 1024**3
@@ -396,3 +398,114 @@ def test_cannot_fit_one_sample_names_the_memory_budget_knob(placement, knob):
     message = str(info.value)
     assert message.startswith("rank 1 (cpu) cannot fit one sample: needs 2.50 GiB, has 1.00 GiB")
     assert f"raise {knob}" in message and "\n" not in message
+
+
+# --------------------------------------------------------------------------- cost curves
+def _curve_case(rng: random.Random):
+    """(curves, global batch, caps): world 1..8, micro-batch overheads from none to dominant."""
+    n = rng.randint(1, 8)
+    curves = [CostCurve(rng.choice([0.0, 10 ** rng.uniform(-4, -1)]), 10 ** rng.uniform(-4, -1),
+                        rng.choice([0.0, 10 ** rng.uniform(-3, 0)])) for _ in range(n)]
+    caps = [rng.randint(1, 64) for _ in range(n)]
+    return curves, rng.randint(n, n * rng.choice([1, 4, 32, 128])), caps
+
+
+def test_cost_curve_optimum_by_hand():
+    # 0.01 s vs 0.03 s per sample, no fixed costs: 30 + 10 samples both take 0.3 s
+    curves = [CostCurve(0.0, 0.01), CostCurve(0.0, 0.03)]
+    alloc = allocate([100.0, 33.3], 40, [64, 64], curves=curves)
+    assert alloc.samples == [30, 10] and alloc.source == "cost_curve"
+    assert predicted_step_s(curves, alloc.samples, [64, 64]) == pytest.approx(0.3)
+    # a per-step fixed cost of 0.1 s on the fast rank moves samples to the slow one:
+    # T = 0.01 b0 + 0.1 = 0.03 b1 with b0 + b1 = 40 -> b0 = 27.5: 27/13 (0.37 / 0.39) or 28/12
+    # (0.38 / 0.36); 28/12 is faster
+    fixed = [CostCurve(0.0, 0.01, 0.1), CostCurve(0.0, 0.03)]
+    assert allocate([1.0, 1.0], 40, [64, 64], curves=fixed).samples == [28, 12]
+
+
+def test_fewer_fuller_micro_batches_win():
+    """The proportional split gives the slow rank 34 samples = 2 micro-batches of 17; each
+    micro-batch costs it 0.15 s, so 32 samples in ONE micro-batch is faster overall."""
+    caps = [32, 32]
+    curves = [CostCurve(0.02, 0.01), CostCurve(0.15, 0.025)]
+    rates = [c.samples_per_s(32) for c in curves]  # 94.1 and 33.7 samples/s at full micro-batches
+    proportional = allocate(rates, 128, caps)
+    assert proportional.samples == [94, 34]
+    assert [s.accum_steps for s in proportional.shares] == [3, 2]
+    best = allocate(rates, 128, caps, curves=curves)
+    assert best.samples == [96, 32]
+    assert [(s.micro_batch, s.accum_steps) for s in best.shares] == [(32, 3), (32, 1)]
+    # 1.15 s (slow rank: 2 x 0.15 + 34 x 0.025) -> 1.02 s (fast rank: 3 x 0.02 + 96 x 0.01)
+    assert predicted_step_s(curves, proportional.samples, caps) == pytest.approx(1.15)
+    assert predicted_step_s(curves, best.samples, caps) == pytest.approx(1.02)
+
+
+def test_cost_curve_allocation_respects_the_memory_cap():
+    rng = random.Random(17)
+    for _ in range(300):
+        curves, batch, caps = _curve_case(rng)
+        alloc = allocate([1.0] * len(caps), batch, caps, curves=curves)
+        check_allocation(alloc, batch, caps)
+        for share, cap in zip(alloc.shares, caps):
+            assert share.accum_steps == math.ceil(share.samples / cap)
+
+
+def test_cost_curve_allocation_is_optimal_on_small_cases():
+    """Against every split of small batches over 1-3 ranks (brute force)."""
+    rng = random.Random(23)
+    for _ in range(150):
+        n = rng.randint(1, 3)
+        batch = rng.randint(n, 24)
+        curves = [CostCurve(rng.uniform(0, 0.05), rng.uniform(1e-3, 0.05), rng.uniform(0, 0.1))
+                  for _ in range(n)]
+        caps = [rng.randint(1, 12) for _ in range(n)]
+        got = min_max_split(curves, batch, caps)
+        best = min(predicted_step_s(curves, split, caps)
+                   for split in itertools.product(range(1, batch + 1), repeat=n)
+                   if sum(split) == batch)
+        assert predicted_step_s(curves, got, caps) == best
+
+
+def test_cost_curve_never_worse_than_the_proportional_split():
+    """Property (seeded random curves): under the model, the chosen split's step time is at most
+    that of the proportional split by throughput at full micro-batches, or by 1 / c."""
+    rng = random.Random(20241122)
+    for _ in range(500):
+        curves, batch, caps = _curve_case(rng)
+        got = predicted_step_s(curves, min_max_split(curves, batch, caps), caps)
+        for weights in ([c.samples_per_s(cap) for c, cap in zip(curves, caps)],
+                        [1.0 / c.per_sample_s for c in curves]):
+            proportional = proportional_counts(weights, batch)
+            assert got <= predicted_step_s(curves, proportional, caps) * (1 + 1e-12)
+
+
+def test_cost_curve_allocation_is_deterministic():
+    rng = random.Random(31)
+    for _ in range(100):
+        curves, batch, caps = _curve_case(rng)
+        first = allocate([1.0] * len(caps), batch, caps, curves=curves)
+        # the same floats after a trip through JSON (what every rank gathers)
+        again = [CostCurve.from_dict(json.loads(json.dumps(c.to_dict()))) for c in curves]
+        second = allocate([1.0] * len(caps), batch, list(caps), curves=again)
+        assert first == second and first.digest() == second.digest()
+    # identical ranks: ties go to the lower ranks
+    same = [CostCurve(0.0, 0.01)] * 4
+    assert min_max_split(same, 6, [8] * 4) == [2, 2, 1, 1]
+
+
+def test_cost_curves_round_trip_and_forced_still_wins():
+    curves = [CostCurve(0.01, 0.002, 0.05), CostCurve(0.02, 0.006, 0.1)]
+    alloc = allocate([1.0, 1.0], 64, [32, 32], curves=curves)
+    back = Allocation.from_dict(json.loads(json.dumps(alloc.to_dict())))
+    assert back == alloc and back.curves == tuple(curves)
+    forced = allocate([1.0, 1.0], 64, [32, 32], forced=[40, 24], curves=curves)
+    assert forced.samples == [40, 24] and forced.source == "forced"
+
+
+def test_cost_curve_split_errors():
+    with pytest.raises(AllocationError, match=r"trainer\.global_batch_size"):
+        min_max_split([CostCurve(0.0, 0.01)] * 3, 2, [8] * 3)
+    with pytest.raises(AllocationError, match="rank 1"):
+        min_max_split([CostCurve(0.0, 0.01)] * 2, 8, [8, 0])
+    with pytest.raises(AllocationError):
+        min_max_split([], 8, [])

@@ -72,7 +72,9 @@ def test_cost_model_pieces_by_hand():
     assert plan.lookup_gpu("A100_80GB", "x").memory_gib == 80
     assert plan.lookup_gpu("rtx_a6000", "x").tensor_tflops == 154.8
     v100 = plan.lookup_gpu("v100", "x")
-    assert plan.runtime_precision(v100, "auto") == "fp32"  # bf16 needs capability >= 8.0
+    # issue 10: auto = fp16 (shared loss scale) on Volta/Turing; fp32 only when asked for
+    assert plan.runtime_precision(v100, "auto") == "fp16"  # bf16 needs capability >= 8.0
+    assert plan.runtime_precision(v100, "fp32") == "fp32"
     assert plan.runtime_precision(v100, "auto", peak="tensor") == "fp16"
     assert plan.runtime_precision(plan.lookup_gpu("h100", "x"), "auto") == "bf16"
     with pytest.raises(ConfigError, match=r"k80.*a100"):
@@ -149,7 +151,7 @@ def test_unknown_gpu_type_is_one_line_and_exit_2():
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
-    assert "k80" in lines[0] and "a100" in lines[0] and lines[0].startswith("hetseq-plan: error:")
+    assert "k80" in lines[0] and "a100" in lines[0] and lines[0].startswith("hetseq-hpc plan: error:")
     assert proc.stdout == ""
 
 
@@ -163,7 +165,7 @@ def test_bad_plan_option_is_one_line_and_exit_2(tmp_path, option, key):
     assert proc.returncode == 2, proc.stdout
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith(f"hetseq-plan: error: {key}"), lines[0]
+    assert lines[0].startswith(f"hetseq-hpc plan: error: {key}"), lines[0]
     assert proc.stdout == ""
 
 
@@ -257,3 +259,36 @@ def test_local_plan_calibrates_this_cpu_as_a_rank_would():
                                   f"{calibration_micro_batch(run.trainer, 2)}, x cluster.speeds")
     assert result.prediction.balanced.allocation.samples == [16, 8]
     assert f"cpu {threads} thr @0.5" in plan.render(result)
+
+
+def test_prediction_with_cost_curves_by_hand():
+    """The runtime's cost model in the planner: T_i = ceil(b/32) a + c b + f, no all-reduce."""
+    from hetseq_hpc.cost_model import CostCurve
+
+    curves = [CostCurve(0.02, 0.01, 0.05), CostCurve(0.1, 0.03, 0.1)]
+    pred = plan.predict([1.0, 1.0], 64, [32, 32], 0.0, 10.0, 0.0, overlap=0.0, curves=curves)
+    # 51 + 13: fast 2 x 0.02 + 0.51 + 0.05 = 0.60 s, slow 0.1 + 0.39 + 0.1 = 0.59 s
+    # (50 + 14 -> 0.62 s on the slow rank, 52 + 12 -> 0.61 s on the fast one)
+    assert pred.balanced.allocation.samples == [51, 13]
+    assert pred.balanced.compute_s == pytest.approx((0.60, 0.59))
+    assert pred.balanced.step_s == pytest.approx(0.60)
+    # equal split: the slow rank runs 32 samples in 1.16 s
+    assert pred.equal.step_s == pytest.approx(1.16)
+    # ideal: each rank alone on the whole batch: 64 / 0.73 + 64 / 2.22
+    assert pred.ideal_samples_per_s == pytest.approx(64 / 0.73 + 64 / 2.22)
+    assert pred.efficiency == pytest.approx(64 / 0.60 / (64 / 0.73 + 64 / 2.22))
+
+
+def test_probe_cost_curves_prefer_the_latest_fit(tmp_path):
+    from hetseq_hpc.cost_model import CostCurve
+
+    probe = _probe(("a", "a100", 300.0), ("b", "t4", 100.0))
+    probe["ranks"][0]["calibration"].update(overhead_s=0.01, per_sample_s=0.003,
+                                            step_fixed_s=0.02)
+    parts = [plan.PartitionSpec("a", "a", "a100", 1), plan.PartitionSpec("b", "b", "t4", 1)]
+    # rank 1 has no fit: no curves for the plan (samples/s are used)
+    ranks = plan.ranks_from_probe(probe, parts)
+    assert ranks[0].curve == CostCurve(0.01, 0.003, 0.02) and ranks[1].curve is None
+    probe["fitted_curves"] = [CostCurve(0.0, 0.004).to_dict(), CostCurve(0.0, 0.01).to_dict()]
+    ranks = plan.ranks_from_probe(probe, parts)
+    assert [r.curve.per_sample_s for r in ranks] == [0.004, 0.01]

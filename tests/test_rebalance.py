@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 from hetseq_hpc.allocation import allocate
+from hetseq_hpc.cost_model import CostCurve, min_max_split, predicted_step_s
 from hetseq_hpc.distributed import StepStats
 from hetseq_hpc.train.rebalance import Rebalancer
 
@@ -73,3 +74,53 @@ def test_three_ranks_and_determinism():
     b, _ = simulate([0.01, 0.02, 0.04], 200, start=(11, 11, 10), seed=3)
     assert a == b
     assert a[-1] in ([18, 9, 5], [19, 9, 4], [18, 10, 4], [19, 8, 5]), a[-1]
+
+
+def _table(samples, accum, truth, tail, rng, noise):
+    return [StepStats(loss_sum=0.0, count=b, samples=b, step_time_s=0.0, data_time_s=0.0,
+                      compute_time_s=c.compute_s(b, k) * (1 + rng.uniform(-noise, noise)),
+                      tail_time_s=t)
+            for b, k, c, t in zip(samples, accum, truth, tail)]
+
+
+def test_step_change_is_corrected_in_one_move():
+    """Cost curves with per-micro-batch overheads and per-step costs (synthetic StepStats):
+    the slow rank gets twice as fast at step 40; the first decision after it moves straight to
+    the new optimum, and nothing moves afterwards."""
+    caps = [32, 32]
+    truth = [CostCurve(0.02, 0.01, 0.03), CostCurve(0.15, 0.03, 0.09)]
+    faster = [truth[0], CostCurve(0.075, 0.015, 0.05)]
+    rng = random.Random(5)
+    reb = Rebalancer(caps=caps, threshold=0.1, curves=truth)
+    alloc = allocate([1.0, 1.0], 128, caps, curves=truth)
+    assert alloc.samples == min_max_split(truth, 128, caps)
+    history = []
+    for step in range(1, 101):
+        now = truth if step < 40 else faster
+        history.append(alloc.samples)
+        reb.record(_table(alloc.samples, [s.accum_steps for s in alloc.shares], now,
+                          [c.step_fixed_s for c in now], rng, 0.03))
+        if step % EVERY == 0:
+            new = reb.observe(step, alloc)
+            if new is not None:
+                alloc = new
+    moves = _switches(history)
+    assert len(moves) == 1, (moves, reb.decisions)
+    assert 40 < moves[0] <= 40 + EVERY + 1
+    target = min_max_split(faster, 128, caps)
+    got = predicted_step_s(faster, history[-1], caps)
+    assert got <= predicted_step_s(faster, target, caps) * 1.03, (history[-1], target)
+    assert alloc.source == "rebalanced" and len(alloc.curves) == 2
+
+
+def test_prior_curves_leave_a_good_split_alone():
+    caps = [32, 32]
+    truth = [CostCurve(0.02, 0.01, 0.03), CostCurve(0.15, 0.03, 0.09)]
+    rng = random.Random(9)
+    reb = Rebalancer(caps=caps, threshold=0.1, curves=truth)
+    alloc = allocate([1.0, 1.0], 128, caps, curves=truth)
+    for step in range(1, 61):
+        reb.record(_table(alloc.samples, [s.accum_steps for s in alloc.shares], truth,
+                          [c.step_fixed_s for c in truth], rng, 0.05))
+        if step % EVERY == 0:
+            assert reb.observe(step, alloc) is None

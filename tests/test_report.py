@@ -69,3 +69,15 @@ def test_one_metrics_reader_for_report_and_tests(tmp_path):
     with pytest.raises(HetseqError, match=r"metrics\.jsonl line 2 is not JSON") as err:
         read_metrics(tmp_path)
     assert "\n" not in str(err.value)
+
+
+def test_text_summary_names_losses_reallocations_and_every_rank(tmp_path):
+    from hetseq_hpc.report import text_summary
+
+    _write_metrics(tmp_path)
+    text = text_summary(tmp_path)
+    assert "steps 1-12" in text and "loss 7.9000 -> 6.8000" in text
+    assert "re-allocation at step 7: [20, 8, 4] -> [19, 9, 4]" in text
+    for rank in range(3):
+        assert f"rank {rank} (" in text
+    assert "19 x 1 = 19 samples/step" in text

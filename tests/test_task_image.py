@@ -18,8 +18,8 @@ from task_contract import (  # one_thread: an autouse fixture
     one_thread,  # noqa: F401
 )
 
-from hetseq_hpc.errors import ConfigError
-from hetseq_hpc.tasks.image.config import ImageDataConfig, ImageModelConfig, ImageTaskConfig
+from hetseq_hpc.config.task import ImageDataConfig, ImageModelConfig, ImageTaskConfig
+from hetseq_hpc.errors import ConfigError, DataError
 from hetseq_hpc.tasks.image.data import FASHION_DIR, _read_idx, resolve_source
 from hetseq_hpc.tasks.image.task import ImageTask
 
@@ -153,3 +153,27 @@ def test_fashion_mnist_is_the_default_when_installed():
     assert resolve_source(None).kind == "fashion_mnist"
     labels = _read_idx(FASHION_DIR / "t10k-labels-idx1-ubyte.gz", 8)
     assert labels.shape == (10000,) and set(np.unique(labels)) == set(range(10))
+
+
+def test_fresh_machine_falls_back_to_scikit_learn_digits(tmp_path, monkeypatch):
+    """Without Debian's dataset-fashion-mnist (a fresh machine) the default is scikit-learn's
+    digits (a dependency of hetseq_hpc: real scanned digits inside the wheel), and the data
+    summary says so; without scikit-learn too, one line says what to install."""
+    from hetseq_hpc.tasks.image import data as image_data
+
+    monkeypatch.setattr(image_data, "FASHION_DIR", tmp_path / "no-fashion-mnist")
+    source = resolve_source(None)
+    assert source.kind == "digits"
+    cfg = ImageTaskConfig(model=ImageModelConfig(width=8, num_stages=2, groups=4),
+                          data=ImageDataConfig(cache_dir=str(tmp_path / "cache")))
+    task = ImageTask(cfg, 0)
+    task.prepare()
+    task.load()
+    summary = task.data_summary
+    assert summary["source"] == "scikit-learn load_digits()"
+    assert summary["image_shape"] == [1, 8, 8] and summary["num_classes"] == 10
+    assert summary["train_samples"] + summary["val_samples"] == 1797
+    assert task.flip is False  # digits are not mirror-symmetric
+    monkeypatch.setitem(__import__("sys").modules, "sklearn", None)  # not installed
+    with pytest.raises(DataError, match=r"pip install scikit-learn, or set task.data.path"):
+        resolve_source(None)

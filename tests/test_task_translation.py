@@ -18,12 +18,12 @@ from task_contract import (  # one_thread: an autouse fixture
     one_thread,  # noqa: F401
 )
 
-from hetseq_hpc.errors import ConfigError, DataError
-from hetseq_hpc.tasks.translation.config import (
+from hetseq_hpc.config.task import (
     TranslationDataConfig,
     TranslationModelConfig,
     TranslationTaskConfig,
 )
+from hetseq_hpc.errors import ConfigError, DataError
 from hetseq_hpc.tasks.translation.corpus import SYSTEM_LOCALE, read_ding, read_mo, resolve_sources
 from hetseq_hpc.tasks.translation.data import EOS_ID, PAD_ID
 from hetseq_hpc.tasks.translation.task import TranslationTask, bleu_from_stats, bleu_stats
@@ -180,3 +180,23 @@ def test_config_checks_name_the_field():
         TranslationModelConfig(label_smoothing=1.0)
     with pytest.raises(ConfigError, match=r"^task.data.vocab_size=10 is too small"):
         TranslationDataConfig(vocab_size=10)
+
+
+def test_fresh_machine_falls_back_to_pip_installed_catalogs(tmp_path, monkeypatch):
+    """Without Debian's trans-de-en and /usr/share/locale/de (a fresh machine) the default
+    text is the German catalogs of pip-installed packages: Django's, a dependency of
+    hetseq_hpc (757 distinct pairs with Django 5.2); the source names the package. With none
+    at all, one line says what to do."""
+    from hetseq_hpc.tasks.translation import corpus
+
+    monkeypatch.setattr(corpus, "DING_PATH", tmp_path / "no-ding")
+    monkeypatch.setattr(corpus, "SYSTEM_LOCALE", tmp_path / "no-locale")
+    source = resolve_sources([])
+    assert {kind for kind, _ in source.parts} == {"site-packages"}
+    assert "django" in source.description
+    pairs, per_kind = corpus.read_pairs(source, 200)
+    assert len(pairs) >= 500 and per_kind["site-packages"] >= len(pairs)
+    assert ("Datei", "File") in pairs or any(en == "File" for _, en in pairs)
+    monkeypatch.setattr(corpus, "site_package_catalogs", lambda: [])
+    with pytest.raises(DataError, match=r"set task.data.files to a german<TAB>english .tsv"):
+        resolve_sources([])

@@ -119,7 +119,8 @@ def test_exchange_and_agreement_on_two_ranks(tmp_path):
     out = str(tmp_path / "result.pt")
     mp.spawn(_two_rank_worker, args=(free_port(), out), nprocs=2, join=True)
     result = torch.load(out)
-    assert result["table"] == [[1.5, 3, 2, 0.1, 0.2, 0.05, 0], [2.5, 4, 2, 0.1, 0.2, 0.05, 1]]
+    assert result["table"] == [[1.5, 3, 2, 0.1, 0.2, 0.05, 0, 0.0],
+                               [2.5, 4, 2, 0.1, 0.2, 0.05, 1, 0.0]]
     assert "ranks disagree on the allocation (digest rank 0: digest0, rank 1: digest1)" in \
         result["error"]
     assert "\n" not in result["error"] and "install the same hetseq_hpc" in result["error"]

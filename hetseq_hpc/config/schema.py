@@ -28,6 +28,9 @@ from hetseq_hpc.config.common import check_sbatch_value as check_sbatch_value
 from hetseq_hpc.config.task import BertDataConfig as BertDataConfig
 from hetseq_hpc.config.task import BertModelConfig as BertModelConfig
 from hetseq_hpc.config.task import BertTaskConfig as BertTaskConfig
+from hetseq_hpc.config.task import CustomTaskConfig as CustomTaskConfig
+from hetseq_hpc.config.task import ImageTaskConfig as ImageTaskConfig
+from hetseq_hpc.config.task import TranslationTaskConfig as TranslationTaskConfig
 from hetseq_hpc.config.trainer import OptimConfig as OptimConfig
 from hetseq_hpc.config.trainer import TrainerConfig as TrainerConfig
 from hetseq_hpc.plan.config import PlanConfig, register_plan_config
@@ -48,7 +51,8 @@ class RunConfig:
 
 
 #: task name -> schema; the ``name`` field of a task config selects its schema.
-TASK_SCHEMAS: Dict[str, type] = {"bert": BertTaskConfig}
+TASK_SCHEMAS: Dict[str, type] = {"bert": BertTaskConfig, "image": ImageTaskConfig,
+                                 "translation": TranslationTaskConfig, "custom": CustomTaskConfig}
 #: cluster name -> schema, chosen by the ``name`` field (``slurm`` for every SLURM cluster file).
 CLUSTER_SCHEMAS: Dict[str, type] = {"local": LocalClusterConfig, "slurm": SlurmClusterConfig}
 

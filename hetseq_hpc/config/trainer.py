@@ -7,6 +7,8 @@ from typing import List, Optional
 
 from hetseq_hpc.config.common import require, require_finite
 
+#: what trainer.loggers accepts (jsonl, metrics.jsonl, is always written)
+LOGGER_NAMES = ("jsonl", "csv", "tensorboard", "wandb")
 #: largest trainer.seed: numpy's legacy seeding and most tools take 32-bit seeds (Lightning's
 #: seed_everything allows the same range)
 MAX_SEED = 2**32 - 1
@@ -42,8 +44,16 @@ class TrainerConfig:
     calibration_steps: int = 3
     # micro-batch used while calibrating; null = global batch / world size (at most 16)
     calibration_micro_batch: Optional[int] = None
-    # auto = bf16 autocast on GPUs with compute capability >= 8.0, else fp32; or fp32 / bf16
+    # auto = bf16 autocast on compute capability >= 8.0, fp16 on 7.x (Volta/Turing, with one
+    # job-wide loss scale), fp32 on older GPUs and CPU; or fp32 / bf16 / fp16 for every rank
     precision: str = "auto"
+    # gradient all-reduce payload: none (fp32), bf16 or fp16 (cast per bucket, still a SUM)
+    grad_compression: str = "none"
+    # DDP gradient bucket size in MiB; null = DDP's default (25)
+    bucket_cap_mb: Optional[float] = None
+    # sum = exact global-batch gradient; adasum = Adasum of each rank's own mean gradient
+    # (Maleki et al. 2020; NOT the exact global-batch update; power-of-two world sizes only)
+    grad_combine: str = "sum"
     # every N steps ranks compare measured step times and may re-balance; 0 = never
     rebalance_every: int = 0
     # straggle (max - min) / mean of per-rank compute time that triggers a re-balance
@@ -53,6 +63,11 @@ class TrainerConfig:
     # resume even when the checkpoint was written by a run whose configuration differs in
     # what matters (seed, task, model shape, global batch); false = refuse and list the differences
     allow_resume_mismatch: bool = False
+    # train a model with BatchNorm although uneven per-rank batches then are NOT exact (recorded
+    # in the log and summary.json); false = refuse it before training
+    allow_inexact_batchnorm: bool = False
+    # where rank 0 logs every step besides metrics.jsonl (always on): csv, tensorboard, wandb
+    loggers: List[str] = field(default_factory=lambda: ["jsonl"])
 
     def __post_init__(self) -> None:
         require_finite(self, "trainer")
@@ -102,14 +117,28 @@ class TrainerConfig:
             bool(self.resume),
             "trainer.resume is empty: use auto, never, or the path of a checkpoint",
         )
+        unknown = [n for n in self.loggers if n not in LOGGER_NAMES]
+        require(not unknown, f"trainer.loggers={list(self.loggers)} has unknown {unknown}: use "
+                f"any of {', '.join(LOGGER_NAMES)}, e.g. trainer.loggers=[jsonl,tensorboard]")
         require(self.grad_clip >= 0, f"trainer.grad_clip={self.grad_clip} is invalid: use >= 0")
         require(
             self.calibration_steps >= 1,
             f"trainer.calibration_steps={self.calibration_steps} is invalid: use >= 1",
         )
         require(
-            self.precision in ("auto", "fp32", "bf16"),
-            f"trainer.precision={self.precision!r} is unknown: use auto, fp32 or bf16",
+            self.precision in ("auto", "fp32", "bf16", "fp16"),
+            f"trainer.precision={self.precision!r} is unknown: use auto, fp32, bf16 or fp16",
+        )
+        require(
+            self.grad_compression in ("none", "bf16", "fp16"),
+            f"trainer.grad_compression={self.grad_compression!r} is unknown: use none, bf16 or fp16",
+        )
+        if self.bucket_cap_mb is not None:
+            require(self.bucket_cap_mb > 0, f"trainer.bucket_cap_mb={self.bucket_cap_mb} is "
+                    "invalid: use a size > 0 in MiB, or null for DDP's default 25")
+        require(
+            self.grad_combine in ("sum", "adasum"),
+            f"trainer.grad_combine={self.grad_combine!r} is unknown: use sum or adasum",
         )
         require(
             self.rebalance_threshold > 0,

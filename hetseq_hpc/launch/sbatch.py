@@ -9,20 +9,30 @@ the first component, while ``--partition``, ``--nodes``, ``--ntasks-per-node``, 
 
 Each task's stdout/stderr go to ``<folder>/<job id>_<rank>_log.{out,err}`` by redirection
 inside the step, not by ``srun --output``: in a het step ``%j`` expands to each component's own
-job id and ``%t`` restarts per component, and a folder holding ``%j`` made tasks of component
->= 1 fail to launch (measured with submitit 1.5.4, ../shared/slurm-facts.md). The names are the
+job id and ``%t`` restarts per component (srun's filename patterns,
+https://slurm.schedmd.com/srun.html#SECTION_FILENAME-PATTERN), and a folder holding ``%j`` made
+tasks of component >= 1 fail to launch (measured with submitit 1.5.4 on Slurm 22.05; submitit's
+het-job issue: https://github.com/facebookincubator/submitit/issues/1741). The names are the
 ones submitit's ``JobPaths`` expects (``SLURM_JOB_ID`` is the leader id in every task).
+
+Submitted by hand: ``hetseq-hpc render`` (``cluster.dry_run=true``) also creates the folder
+(sbatch does not create the folder of ``--output``) and saves the job function next to the
+script (:func:`save_hand_submission`); the script copies it to the name submitit's entry point
+waits for when no submitter wrote one, so ``sbatch <run dir>/job.sbatch`` runs the same job.
 """
 
 from __future__ import annotations
 
 import re
 import shlex
-from typing import List
+from pathlib import Path
+from typing import Any, List
 
 from hetseq_hpc.config.schema import PartitionConfig, SlurmClusterConfig
 from hetseq_hpc.errors import ConfigError
 
+#: the job function a dry run saves for a submission by hand (in submitit's folder)
+HAND_PICKLE = "hand_submitted.pkl"
 #: signal Slurm sends ``signal_delay_s`` before the time limit (submitit's default, USR2:
 #: NCCL may catch USR1)
 PREEMPT_SIGNAL = "USR2"
@@ -140,9 +150,30 @@ def render_sbatch(cluster: SlurmClusterConfig, folder: str, python: str) -> str:
         lines.append(f"export {name}={shlex.quote(str(value))}")
     lines += ["", "# setup (cluster.setup)"]
     lines += list(cluster.setup)
+    hand = shlex.quote(f"{folder}/{HAND_PICKLE}")
+    mine = shlex.quote(folder) + '/"${SLURM_JOB_ID}_submitted.pkl"'
+    lines += ["", "# submitted by hand (sbatch job.sbatch after hetseq-hpc render): run the job "
+              "function saved with this script", f"if [ -e {hand} ] && [ ! -e {mine} ]; then",
+              f"  cp {hand} {mine}", "fi"]
     lines += ["", "# one step over all het components, one task per rank",
               srun_command(cluster, folder, python), ""]
     return "\n".join(lines)
 
 
-__all__ = ["PREEMPT_SIGNAL", "component_options", "render_sbatch", "srun_command"]
+def save_hand_submission(folder: Path, function: Any) -> Path:
+    """Create submitit's ``folder`` (the script's ``--output`` folder) and save ``function`` as
+    :data:`HAND_PICKLE` (submitit's ``DelayedSubmission``, cloudpickled, written atomically),
+    so the script :func:`render_sbatch` wrote can be submitted by hand with ``sbatch``."""
+    import cloudpickle
+    from submitit.core.utils import DelayedSubmission
+
+    from hetseq_hpc.atomic import atomic_write
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    return atomic_write(folder / HAND_PICKLE,
+                        lambda fh: cloudpickle.dump(DelayedSubmission(function), fh))
+
+
+__all__ = ["HAND_PICKLE", "PREEMPT_SIGNAL", "component_options", "render_sbatch",
+           "save_hand_submission", "srun_command"]

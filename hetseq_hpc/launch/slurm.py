@@ -34,7 +34,7 @@ from hetseq_hpc.atomic import atomic_write_text
 from hetseq_hpc.config import RunConfig, SlurmClusterConfig, load_run_config, save_run_config
 from hetseq_hpc.errors import ConfigError, LaunchError
 from hetseq_hpc.launch.failures import error_line, pick_failure
-from hetseq_hpc.launch.sbatch import render_sbatch
+from hetseq_hpc.launch.sbatch import render_sbatch, save_hand_submission
 from hetseq_hpc.launch.slurm_checks import check_partitions, partition_inventory, require_slurm
 from hetseq_hpc.launch.slurm_watch import (
     TERMINAL_STATES,
@@ -119,9 +119,11 @@ def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
         config_path = save_run_config(run, run_dir / CONFIG_NAME)
         if cluster.dry_run:
             path = run_dir / "job.sbatch"
+            save_hand_submission(folder, HetseqJobFunction(str(config_path), str(run_dir)))
             atomic_write_text(path, script)
             print(f"dry run: wrote {path} ({cluster.world_size} ranks over "
-                  f"{len(cluster.partitions)} het component(s)); nothing was submitted")
+                  f"{len(cluster.partitions)} het component(s)); nothing was submitted; "
+                  f"submit it by hand with: sbatch {path}")
             return {"dry_run": True, "sbatch": str(path), "config": str(config_path)}
         folder.mkdir(parents=True, exist_ok=True)
     executor = HetSlurmExecutor(folder, cluster)

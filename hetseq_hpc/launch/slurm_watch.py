@@ -4,7 +4,8 @@ submitit's state watcher reads ``sacct`` rows ``17+0``, ``17+1``: the leader id 
 stays UNKNOWN and a cancelled het job never finishes (and without accounting there is no
 ``sacct`` at all). :class:`HetSlurmInfoWatcher` asks ``squeue -t all`` instead (jobs stay listed
 for MinJobAge) and folds the components' states into the leader's, falling back to ``sacct``
-(measured on Slurm 22.05 with submitit 1.5.4, ../shared/slurm-facts.md).
+(measured on Slurm 22.05 with submitit 1.5.4 on the project's test cluster,
+scripts/test-cluster.sh; submitit issue #1741).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ from hetseq_hpc.plan.config import plan_keys
 from hetseq_hpc.plan.planner import make_plan
 from hetseq_hpc.plan.render import headline_json, render
 
-PROG = "hetseq-plan"
+PROG = "hetseq-hpc plan"
 
 
 def plan_overrides(argv: Sequence[str]) -> List[str]:
@@ -87,7 +87,7 @@ def compose_plan_run(argv: Sequence[str]):
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m hetseq_hpc.plan [overrides] [plan.*=...]``: prints the plan; returns 0, or 2
-    after one ``hetseq-plan: error: ...`` line on stderr for a bad value."""
+    after one ``hetseq-hpc plan: error: ...`` line on stderr for a bad value."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)

@@ -60,12 +60,13 @@ class PlanConfig:
     link_gbps: Optional[float] = None
     # latency of one ring all-reduce step, microseconds
     latency_us: float = DEFAULT_LATENCY_US
-    # model FLOPs utilisation against the datasheet peak, in (0, 1]
+    # model FLOPs utilisation against the datasheet peak, in (0, 1], for GPU classes and
+    # precisions without a measured figure in the table (hetseq_hpc/plan/gpus.py ACHIEVED)
     mfu: float = DEFAULT_MFU
     # all-reduce hidden behind backward: ddp (DDP's 25 MiB buckets overlap the last micro-batch's
     # backward) or a fixed fraction in [0, 1] (0 = nothing overlaps, a lower bound)
     overlap: Any = DEFAULT_OVERLAP
-    # runtime = the precision the runtime picks (bf16 on compute capability >= 8.0, else fp32);
+    # runtime = the precision the runtime picks (bf16 on compute capability >= 8.0, fp16 on 7.x);
     # tensor = every GPU at its tensor-core peak (fp16 on V100/T4)
     peak: str = "runtime"
 

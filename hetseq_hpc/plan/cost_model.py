@@ -2,25 +2,29 @@
 
 All pure functions; units in the names (``_s`` seconds, ``_gbps`` Gbit/s, ``_bytes``).
 
-- throughput_i [samples/s] = measured (probe), or datasheet peak FLOP/s x MFU / training FLOPs
-  per sample (:func:`datasheet_throughput`);
-- split = :func:`hetseq_hpc.allocation.allocate` (what every rank computes at run time);
-  comparison = :func:`hetseq_hpc.allocation.equal_split`;
-- compute_i [s] = samples_i / throughput_i (:func:`compute_times_s`; accumulation overheads
-  ignored);
-- step [s] = max_i compute_i + exposed all-reduce (:func:`ddp_exposed_allreduce_s`, or the
+- per rank either a measured cost curve (a probe's fits: the runtime's own model,
+  :class:`hetseq_hpc.cost_model.CostCurve`) or a throughput_i [samples/s] = datasheet peak
+  FLOP/s x MFU / training FLOPs per sample (:func:`datasheet_throughput`), i.e. the curve
+  ``a = f = 0, c = 1 / throughput``;
+- split = :func:`hetseq_hpc.allocation.allocate` (what every rank computes at run time, with the
+  curves when there are any); comparison = :func:`hetseq_hpc.allocation.equal_split`;
+- busy_i [s] = k_i a_i + c_i b_i + f_i (:func:`compute_times_s`; samples_i / throughput_i
+  without curves);
+- step [s] = max_i busy_i + exposed all-reduce (:func:`ddp_exposed_allreduce_s`, or the
   all-reduce x (1 - overlap));
-- ideal [samples/s] = sum_i throughput_i; efficiency = balanced / ideal; speedup = balanced /
-  equal split; all-reduce share = exposed all-reduce / step.
+- ideal [samples/s] = sum_i of each rank's standalone rate on the whole global batch (sum_i
+  throughput_i without curves); efficiency = balanced / ideal; speedup = balanced / equal
+  split; all-reduce share = exposed all-reduce / step.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hetseq_hpc.allocation import Allocation, allocate, equal_split
+from hetseq_hpc.cost_model import CostCurve
 from hetseq_hpc.plan.config import DEFAULT_LATENCY_US, DEFAULT_OVERLAP
 
 #: bytes per parameter / gradient element (fp32 master weights and all-reduced gradients)
@@ -64,13 +68,21 @@ def ring_allreduce_s(gradient_bytes: float, world_size: int, link_gbps: float,
     return 2.0 * (n - 1) / n * gradient_bytes / bandwidth + 2.0 * (n - 1) * latency_s
 
 
-def compute_times_s(allocation: Allocation, throughputs: Sequence[float]) -> Tuple[float, ...]:
-    """Per-rank compute time of one step, seconds: ``samples_i / throughput_i``.
+def rank_curves(throughputs: Sequence[float],
+                curves: Optional[Sequence[CostCurve]] = None) -> List[CostCurve]:
+    """The cost curves, or each throughput's proportional curve (:meth:`CostCurve.from_throughput`)."""
+    if curves is not None:
+        return list(curves)
+    return [CostCurve.from_throughput(t) for t in throughputs]
 
-    The one place that turns a split into time: a per-rank cost curve (time of a micro-batch as
-    a function of its size) replaces this function, not its callers.
-    """
-    return tuple(b / t for b, t in zip(allocation.samples, throughputs))
+
+def compute_times_s(allocation: Allocation, throughputs: Sequence[float],
+                    curves: Optional[Sequence[CostCurve]] = None) -> Tuple[float, ...]:
+    """Per-rank busy time of one step until its gradients are ready, seconds:
+    ``k_i a_i + c_i b_i + f_i`` of each rank's cost curve (:mod:`hetseq_hpc.cost_model`, the
+    runtime's model), or ``samples_i / throughput_i`` without curves."""
+    return tuple(c.compute_s(s.samples, s.accum_steps) + c.step_fixed_s
+                 for s, c in zip(allocation.shares, rank_curves(throughputs, curves)))
 
 
 @dataclass(frozen=True)
@@ -78,7 +90,7 @@ class SplitTime:
     """Predicted timing of one split. Times in seconds, throughput in samples/s."""
 
     allocation: Allocation
-    compute_s: Tuple[float, ...]  # per rank, samples_i / throughput_i
+    compute_s: Tuple[float, ...]  # per rank busy time (compute_times_s)
     step_s: float  # max compute + exposed all-reduce
     samples_per_s: float
 
@@ -141,7 +153,8 @@ class Prediction:
 
 
 def ddp_exposed_allreduce_s(allocation: Allocation, throughputs: Sequence[float],
-                            allreduce_s: float, gradient_bytes: float) -> float:
+                            allreduce_s: float, gradient_bytes: float,
+                            curves: Optional[Sequence[CostCurve]] = None) -> float:
     """All-reduce time left after the last rank's compute, with DDP's bucketed overlap, seconds.
 
     DDP all-reduces gradients in buckets (``bucket_cap_mb=25``) as the backward pass fills them,
@@ -151,14 +164,15 @@ def ddp_exposed_allreduce_s(allocation: Allocation, throughputs: Sequence[float]
     k is ready at ``end_i - (1 - (k+1)/K) x backward_i`` (``backward_i`` = 2/3 of its last
     micro-batch's time); a bucket's ring all-reduce (``allreduce_s / K``, bandwidth-bound) starts
     when every rank has it AND the previous bucket is done. Returns the time from the last rank's
-    end of compute to the last bucket's end (one bucket = no overlap).
+    end of compute to the last bucket's end (one bucket = no overlap). ``curves``: as
+    :func:`compute_times_s`.
     """
     if allreduce_s <= 0:
         return 0.0
     k_buckets = max(1, math.ceil(gradient_bytes / DDP_BUCKET_BYTES))
-    ends = compute_times_s(allocation, throughputs)
-    backward = [BACKWARD_SHARE * share.micro_sizes[-1] / t
-                for share, t in zip(allocation.shares, throughputs)]
+    ends = compute_times_s(allocation, throughputs, curves)
+    backward = [BACKWARD_SHARE * c.micro_s(share.micro_sizes[-1])
+                for share, c in zip(allocation.shares, rank_curves(throughputs, curves))]
     per_bucket = allreduce_s / k_buckets
     finish = float("-inf")
     for k in range(k_buckets):
@@ -167,15 +181,17 @@ def ddp_exposed_allreduce_s(allocation: Allocation, throughputs: Sequence[float]
     return max(0.0, finish - max(ends))
 
 
-def _timed(allocation: Allocation, throughputs: Sequence[float], exposed_s: float) -> SplitTime:
-    compute = compute_times_s(allocation, throughputs)
+def _timed(allocation: Allocation, throughputs: Sequence[float], exposed_s: float,
+           curves: Optional[Sequence[CostCurve]] = None) -> SplitTime:
+    compute = compute_times_s(allocation, throughputs, curves)
     step = max(compute) + exposed_s
     return SplitTime(allocation, compute, step, allocation.global_batch_size / step)
 
 
 def predict(throughputs: Sequence[float], global_batch_size: int, caps: Sequence[int],
             gradient_bytes: float, link_gbps: float, latency_s: float = DEFAULT_LATENCY_US * 1e-6,
-            overlap: Any = DEFAULT_OVERLAP, forced: Optional[Sequence[int]] = None) -> Prediction:
+            overlap: Any = DEFAULT_OVERLAP, forced: Optional[Sequence[int]] = None,
+            curves: Optional[Sequence[CostCurve]] = None) -> Prediction:
     """Predict the balanced split (the runtime's :func:`allocate`), an equal split and the ideal.
 
     Args:
@@ -188,26 +204,30 @@ def predict(throughputs: Sequence[float], global_batch_size: int, caps: Sequence
         overlap: ``"ddp"`` (DDP's bucketed overlap, :func:`ddp_exposed_allreduce_s`) or a fixed
             share of the all-reduce hidden behind compute, [0, 1] (0 = a lower bound).
         forced: ``trainer.allocation`` if set (the runtime then uses it).
+        curves: per-rank cost curves (a probe's fits); the split, the times and the ideal
+            (sum of each rank's rate on the whole global batch alone) then come from them.
 
     Raises:
         AllocationError: the batch is smaller than the world, a throughput is not positive ...
     """
     allreduce = ring_allreduce_s(gradient_bytes, len(throughputs), link_gbps, latency_s)
-    balanced = allocate(throughputs, global_batch_size, caps, forced=forced)
+    balanced = allocate(throughputs, global_batch_size, caps, forced=forced, curves=curves)
     equal = equal_split(len(throughputs), global_batch_size, caps)
+    ideal = float(sum(throughputs)) if curves is None else sum(
+        global_batch_size / c.step_s(global_batch_size, cap) for c, cap in zip(curves, caps))
 
     def exposed(split: Allocation) -> float:
         if overlap == "ddp":
-            return ddp_exposed_allreduce_s(split, throughputs, allreduce, gradient_bytes)
+            return ddp_exposed_allreduce_s(split, throughputs, allreduce, gradient_bytes, curves)
         return allreduce * (1.0 - float(overlap))
 
     return Prediction(
         throughputs=tuple(float(t) for t in throughputs),
         global_batch_size=int(global_batch_size),
-        balanced=_timed(balanced, throughputs, exposed(balanced)),
-        equal=_timed(equal, throughputs, exposed(equal)),
+        balanced=_timed(balanced, throughputs, exposed(balanced), curves),
+        equal=_timed(equal, throughputs, exposed(equal), curves),
         allreduce_s=allreduce,
         exposed_allreduce_s=exposed(balanced),
-        ideal_samples_per_s=float(sum(throughputs)),
-        no_overlap_samples_per_s=_timed(balanced, throughputs, allreduce).samples_per_s,
+        ideal_samples_per_s=ideal,
+        no_overlap_samples_per_s=_timed(balanced, throughputs, allreduce, curves).samples_per_s,
     )

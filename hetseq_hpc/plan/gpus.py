@@ -1,13 +1,17 @@
-"""GPU classes from vendor datasheets: peak TFLOP/s per precision and memory, by GRES type.
+"""GPU classes from vendor datasheets: peak TFLOP/s per precision and memory, by GRES type,
+and the fraction of that peak real BERT training reaches per (class, precision).
 
-Peak figures, not measured ones: real training reaches a fraction of them (``plan.mfu``; see
-:func:`hetseq_hpc.plan.cost_model.datasheet_throughput`). Every entry names its datasheet.
+Peak figures are datasheet ones; the achieved fractions (:data:`ACHIEVED`) come from published
+MEASURED training throughput, converted with the model's training FLOPs: tensor-core and fp32
+paths reach very different fractions of their peaks (V100: 0.43 of 125 TFLOP/s fp16, 0.77 of
+15.7 fp32), so one ``plan.mfu`` for all gets ratios like A100:V100 wrong. Classes/precisions
+without a measurement fall back to ``plan.mfu`` and the plan says so. Every entry names its source.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 from hetseq_hpc.errors import ConfigError
 
@@ -97,17 +101,95 @@ def lookup_gpu(gpu_type: str, where: str) -> GpuClass:
 
 
 def runtime_precision(gpu: GpuClass, trainer_precision: str, peak: str = "runtime") -> str:
-    """The precision a rank on ``gpu`` trains in: ``bf16`` where the runtime enables bf16
-    autocast (``trainer.precision`` auto/bf16 and compute capability >= 8.0, see
-    ``hetseq_hpc.worker.precision_context``), else ``fp32``; ``peak="tensor"`` assumes the
-    tensor-core dtype everywhere (fp16 on Volta/Turing)."""
+    """The precision a rank on ``gpu`` trains in under ``trainer_precision`` (or the rank's
+    override): the runtime's own rule, :func:`hetseq_hpc.train.precision.resolve_precision`
+    (auto = bf16 on compute capability >= 8.0, fp16 on 7.x, fp32 below); ``peak="tensor"``
+    assumes the tensor-core dtype everywhere."""
     if peak == "tensor":
         return gpu.tensor_dtype
-    if trainer_precision in ("auto", "bf16") and gpu.capability >= (8, 0):
-        return "bf16"
-    return "fp32"
+    from hetseq_hpc.train.precision import resolve_precision
+
+    return resolve_precision(trainer_precision, "cuda", gpu.capability)[0]
 
 
 def peak_tflops(gpu: GpuClass, precision: str) -> float:
-    """Datasheet peak of ``gpu`` in ``precision`` (``fp32``, or its tensor-core dtype), TFLOP/s."""
+    """Datasheet peak of ``gpu`` in ``precision`` (``fp32``, or a half type: the tensor-core
+    peak; A100-class fp16 and bf16 peaks are equal), TFLOP/s."""
     return gpu.fp32_tflops if precision == "fp32" else gpu.tensor_tflops
+
+
+#: Training FLOPs of one BERT-Large phase-1 sequence (T=128, 20 masked predictions, V=30522):
+#: 3 x (2 x 12 L d^2 x T + 4 L T^2 d + 2 d V x 20) with L=24, d=1024 = 240.5 GFLOP (the
+#: forward's matmuls, x3 for forward + backward).
+BERT_LARGE_P1_FLOPS = 3 * (2 * 12 * 24 * 1024**2 * 128 + 4 * 24 * 128**2 * 1024
+                           + 2 * 1024 * 30522 * 20)
+_DLE = ("NVIDIA DeepLearningExamples PyTorch/LanguageModeling/BERT README (pytorch:21.11 NGC), "
+        "BERT-Large pre-training phase 1, seq 128, 1 GPU")
+
+
+@dataclass(frozen=True)
+class Achieved:
+    """Measured training throughput of one (GPU class, precision) as a fraction of its peak.
+
+    Attributes:
+        fraction: ``samples_per_s x flops_per_sample / peak`` (T4: :func:`_relative_to_v100`).
+        samples_per_s: the published measurement (sequences/s of the model ``source`` names).
+        source: where it was published, and what was measured.
+    """
+
+    fraction: float
+    samples_per_s: float
+    source: str
+
+
+def _measured(samples_per_s: float, peak: float, source: str) -> Achieved:
+    return Achieved(samples_per_s * BERT_LARGE_P1_FLOPS / (peak * 1e12), samples_per_s, source)
+
+
+#: (GPU family, precision) -> measured fraction of peak. "mixed precision" in the source is fp16
+#: AMP; A100's bf16 runs the same tensor cores at the same 312 TFLOP/s peak and is taken at the
+#: same fraction. No fp32 A100 entry: NVIDIA publishes TF32, which PyTorch leaves off for matmuls.
+#: T4: see :data:`SQUAD_BASE_FP32_STEP_S`; fp32 only, so T4 in fp16 (what ``auto`` picks) still
+#: runs at plan.mfu and the plan says so.
+ACHIEVED: Dict[Tuple[str, str], Achieved] = {
+    ("A100", "fp16"): _measured(580, 312.0, f"{_DLE}, DGX A100 80GB, mixed precision 580 seq/s"),
+    ("A100", "bf16"): _measured(580, 312.0, f"{_DLE}, DGX A100 80GB, mixed precision 580 seq/s "
+                                "(fp16 AMP; bf16 same peak)"),
+    ("V100", "fp16"): _measured(224, 125.0, f"{_DLE}, DGX-1 V100 32GB, mixed precision 224 seq/s"),
+    ("V100", "fp32"): _measured(50, 15.7, f"{_DLE}, DGX-1 V100 32GB, FP32 50 seq/s"),
+}
+
+#: Seconds per training step (1 GPU, local batch 11, fp32, sync excluded) of the SAME job on T4 and
+#: V100: Hugging Face ``run_squad.py``, BERT-BASE SQuAD v1.1 fine-tuning, seq 384, no fp16. T4:
+#: Pollux (OSDI'21) artifact, github.com/petuum/adaptdl simulator/traces/bert/placements.csv
+#: (commit de25dcc; AWS g4dn.12xlarge, NGC pytorch:20.10); V100: Sia (SOSP'23) artifact,
+#: github.com/siasosp23/artifacts sia-simulator/traces/bert/placements-azure.csv (commit
+#: aaf7a0d; Azure ND40rs_v2, V100 SXM2 32GB, PyTorch 1.9). The only published measured T4
+#: TRAINING throughput found (NVIDIA's tables give T4 inference only). 12.86 vs 33.31 seq/s:
+#: T4/V100 = 0.386, not the datasheet's 8.1/15.7 = 0.52 (the 70 W T4 runs below its peak).
+SQUAD_BASE_FP32_STEP_S = {"T4": 0.8552833199501038, "V100": 0.33023466169834137}
+SQUAD_BASE_BATCH = 11
+
+
+def _relative_to_v100(gpu: GpuClass) -> Achieved:
+    """fp32 fraction of ``gpu`` = the table's V100 fp32 fraction x (its fraction / V100's
+    fraction, both in :data:`SQUAD_BASE_FP32_STEP_S`): this source's own absolute fractions (T4
+    0.34, V100 0.45 with BERT-base FLOPs) come from an unoptimised eager stack, DLE's V100 from
+    NVIDIA's, and only the side-by-side RATIO carries over between stacks."""
+    family, v100, step = gpu.label.split()[0], ACHIEVED[("V100", "fp32")], SQUAD_BASE_FP32_STEP_S
+    samples_per_s = SQUAD_BASE_BATCH / step[family]
+    fraction = v100.fraction * (step["V100"] / step[family]) * (V100_16.fp32_tflops / gpu.fp32_tflops)
+    return Achieved(fraction, samples_per_s, (
+        f"Pollux/Sia artifacts, BERT-BASE SQuAD fp32 (NOT DLE BERT-Large): {family} "
+        f"{samples_per_s:.2f} seq/s vs V100 {SQUAD_BASE_BATCH / step['V100']:.2f}, "
+        "scaled onto the DLE V100 fp32 fraction"))
+
+
+ACHIEVED[("T4", "fp32")] = _relative_to_v100(T4)
+
+
+def achieved_fraction(gpu: GpuClass, precision: str) -> Optional[Achieved]:
+    """The measured fraction of peak for ``gpu`` (by family: A100 40/80GB share one) in
+    ``precision``, or None when nothing was measured (use ``plan.mfu``)."""
+    family = gpu.label.split()[0]
+    return ACHIEVED.get((family, precision))

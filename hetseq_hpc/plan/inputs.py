@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 from hetseq_hpc.allocation import micro_batch_cap
+from hetseq_hpc.cost_model import CostCurve
 from hetseq_hpc.errors import ConfigError
 from hetseq_hpc.plan.cost_model import datasheet_throughput, memory_cap
-from hetseq_hpc.plan.gpus import lookup_gpu, peak_tflops, runtime_precision
+from hetseq_hpc.plan.gpus import achieved_fraction, lookup_gpu, peak_tflops, runtime_precision
 
 if TYPE_CHECKING:  # pragma: no cover
     from hetseq_hpc.placement import RankPlacement
@@ -45,6 +46,7 @@ class RankSpec:
     device: str  # display label, e.g. "A100 40GB bf16"
     samples_per_s: float
     max_micro_batch: int
+    curve: Optional[CostCurve] = None  # the probe's fitted cost curve (hetseq_hpc.cost_model)
 
 
 def partitions_of(run) -> List[PartitionSpec]:
@@ -111,6 +113,26 @@ def _probe_throughput(rank: Dict[str, Any], where: str) -> float:
     return value
 
 
+def probe_curve(probe: Dict[str, Any], index: int) -> Optional[CostCurve]:
+    """Probe rank ``index``'s cost curve: the run's last refit (``fitted_curves``, written when
+    it re-balanced online), else its allocation's curves, else the rank's calibration fit;
+    None for a probe without fits (older runs: its samples/s are used)."""
+    for found in (probe.get("fitted_curves"), (probe.get("allocation") or {}).get("curves")):
+        if isinstance(found, list) and index < len(found):
+            return CostCurve.from_dict(found[index])
+    cal = (probe.get("ranks") or [{}])[index].get("calibration") or {}
+    if float(cal.get("per_sample_s") or 0) > 0:
+        return CostCurve.from_dict(cal)
+    return None
+
+
+def _median_curve(curves: List[Optional[CostCurve]]) -> Optional[CostCurve]:
+    if not curves or any(c is None for c in curves):
+        return None
+    return CostCurve(*(statistics.median(getattr(c, k) for c in curves)
+                       for k in ("overhead_s", "per_sample_s", "step_fixed_s")))
+
+
 def _probe_label(rank: Dict[str, Any]) -> str:
     probe = rank.get("probe") or {}
     if probe.get("kind") == "cuda" and probe.get("name"):
@@ -145,7 +167,7 @@ def ranks_from_probe(probe: Dict[str, Any], partitions: Sequence[PartitionSpec],
             where = f"plan.probe rank {i}"
             out.append(RankSpec(i, part.key, _probe_label(probe_ranks[i]),
                                 _probe_throughput(probe_ranks[i], where),
-                                _probe_cap(probe_ranks[i], limit, where)))
+                                _probe_cap(probe_ranks[i], limit, where), probe_curve(probe, i)))
         return out
     for part in partitions:
         matched = [r for r in probe_ranks if r.get("partition") == part.partition]
@@ -162,8 +184,9 @@ def ranks_from_probe(probe: Dict[str, Any], partitions: Sequence[PartitionSpec],
         throughput = statistics.median(_probe_throughput(r, where) for r in matched)
         cap = min(_probe_cap(r, limit, where) for r in matched)
         label = _probe_label(matched[0])
+        curve = _median_curve([probe_curve(probe, probe_ranks.index(r)) for r in matched])
         for _ in range(part.ranks):
-            out.append(RankSpec(len(out), part.key, label, throughput, cap))
+            out.append(RankSpec(len(out), part.key, label, throughput, cap, curve))
     return out
 
 
@@ -184,7 +207,9 @@ def ranks_from_table(placements: Sequence[RankPlacement], flops_per_sample: floa
     """Planning inputs of SLURM ranks from the datasheet table.
 
     Throughput = the GPU's peak in the precision the rank would train in (its requested
-    ``precision``, :func:`runtime_precision`) x ``mfu`` / ``flops_per_sample``; memory cap = the
+    ``precision``, :func:`runtime_precision`) x the MEASURED fraction of that peak for its
+    (class, precision) (:data:`hetseq_hpc.plan.gpus.ACHIEVED`, published training throughput),
+    else ``mfu`` / ``flops_per_sample``; the device label says which; memory cap = the
     runtime's formula on the rank's budget (:func:`hetseq_hpc.placement.memory_budget_bytes`,
     with the datasheet memory standing in for the free GPU memory).
 
@@ -208,9 +233,13 @@ def ranks_from_table(placements: Sequence[RankPlacement], flops_per_sample: floa
                               "GPUs: pass plan.probe=RUN_DIR/allocation.json from a run on them")
         gpu = lookup_gpu(place.gres, where)
         precision = runtime_precision(gpu, place.precision, peak)
-        throughput = datasheet_throughput(peak_tflops(gpu, precision), mfu, flops_per_sample)
+        measured = achieved_fraction(gpu, precision)
+        fraction = measured.fraction if measured is not None else mfu
+        throughput = datasheet_throughput(peak_tflops(gpu, precision), fraction, flops_per_sample)
         memory = memory_budget_bytes(place, "cuda", gpu.memory_gib * 2**30, place.ranks_on_node)
         cap = memory_cap(memory, param_count, activation_bytes_per_sample, limit)
-        out.append(RankSpec(place.rank, place.partition_key, f"{gpu.label} {precision}",
+        how = (f"table {fraction:.2f} of peak" if measured is not None
+               else f"plan.mfu {fraction:g}: no measured figure")
+        out.append(RankSpec(place.rank, place.partition_key, f"{gpu.label} {precision} ({how})",
                             throughput, cap))
     return out

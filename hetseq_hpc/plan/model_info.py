@@ -1,15 +1,18 @@
 """What the planner needs from the task's real model: parameters, FLOPs, activation memory.
 
-The model is built on the ``meta`` device when nothing is measured (no memory, no time), else
-on the CPU; no data is loaded (synthetic token rows, masked by the task's own rule).
+BERT is built from its config alone, on the ``meta`` device when nothing is measured (no memory,
+no time), else on the CPU, with synthetic token rows masked by the task's own rule. Every other
+task (image, translation, a user's) sizes its model from its data (classes, vocabulary): its
+data is prepared and loaded as a run would, and real training samples are measured. FLOPs come
+from the task's formula, else ``FlopCounterMode`` (:mod:`hetseq_hpc.tasks.flops`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from hetseq_hpc.errors import ConfigError
 from hetseq_hpc.plan.cost_model import PARAM_BYTES
 
 
@@ -59,44 +62,74 @@ def _synthetic_batch(n: int, seq_len: int, vocab_size: int, mask_prob: float):
             "labels": torch.from_numpy(np.stack(labels))}
 
 
+def _bert_model(task_cfg, on_meta: bool):
+    """BERT without its data: the model from the config (on ``meta`` when nothing is measured)
+    and synthetic masked rows."""
+    import torch
+
+    from hetseq_hpc.tasks.bert.model import BertMaskedLM
+
+    vocab, seq = int(task_cfg.data.vocab_size), int(task_cfg.model.max_seq_len)
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        model = BertMaskedLM(task_cfg.model, vocab)
+
+    def make(n: int):
+        return _synthetic_batch(n, seq, vocab, task_cfg.data.mask_prob)
+
+    return model, make, vocab, []
+
+
+def _data_model(task):
+    """Any other task: its model's shape depends on its data (classes, vocabulary), so the data
+    is prepared (cached, as a run would) and loaded first; batches are real training samples."""
+    import torch
+
+    from hetseq_hpc.tasks.contract import checked_batch
+
+    task.prepare()
+    task.load()
+    torch.manual_seed(0)
+    model = task.build_model()
+
+    def make(n: int):
+        return checked_batch(task, list(range(min(n, task.num_train))), 0, "train")
+
+    data = task.data_summary
+    notes = [f"task={task.name}: model built from {data.get('source', 'its data')}"]
+    return model, make, int(data.get("vocab_size", 0) or 0), notes
+
+
 def measure_model(task_cfg, need_activations: bool,
                   cpu_calibration: Optional[CpuCalibration] = None) -> ModelInfo:
-    """Build the task's real model (on ``meta`` when nothing is measured) and read its parameter
-    count, its training FLOPs per sample (:meth:`BertTask.flops_per_sample`, the one formula),
-    and, if asked, the activation bytes of one sample (saved-tensors hook, forward passes at
-    batch 1 and 2, x the runtime's safety margin).
+    """Build the task's real model and read its parameter count, its training FLOPs per sample
+    (the task's formula, else measured with ``FlopCounterMode``:
+    :func:`hetseq_hpc.tasks.flops.task_flops_per_sample`), and, if asked, the activation bytes of
+    one sample (saved-tensors hook, forward passes at batch 1 and 2, x the runtime's safety
+    margin). BERT is built from its config alone (on ``meta`` when nothing is measured); every
+    other task prepares and loads its data first.
 
     ``cpu_calibration`` instead runs :func:`hetseq_hpc.calibrate.calibrate` (timed
     forward+backward, as a cluster=local rank does) and also sets ``cpu_samples_per_s``.
 
     Raises:
-        ConfigError: the task is not BERT (the only one whose model the planner can build
-            without its data so far), or ``task.data.files`` matches no file.
+        ConfigError / DataError: the task's data cannot be found or read.
     """
-    if task_cfg.name != "bert":
-        raise ConfigError(f"task={task_cfg.name} cannot be planned yet (the planner builds only "
-                          "BERT models without data): plan with task=bert and the same cluster")
     import torch
 
     from hetseq_hpc.calibrate import ACTIVATION_SAFETY, saved_tensor_bytes
     from hetseq_hpc.tasks import build_task
-    from hetseq_hpc.tasks.bert.model import BertMaskedLM
+    from hetseq_hpc.tasks.flops import task_flops_per_sample
 
-    task = build_task(task_cfg, seed=0)  # reads no data; flops_per_sample needs only the config
-    model_cfg, data_cfg = task_cfg.model, task_cfg.data
-    vocab = int(data_cfg.vocab_size)
-    seq = int(model_cfg.max_seq_len)
+    task = build_task(task_cfg, seed=0)
     torch.manual_seed(0)
-    if not need_activations and cpu_calibration is None:
-        with torch.device("meta"):
-            model = BertMaskedLM(model_cfg, vocab)
+    if task_cfg.name == "bert":
+        on_meta = not need_activations and cpu_calibration is None
+        model, make, vocab, notes = _bert_model(task_cfg, on_meta)
     else:
-        model = BertMaskedLM(model_cfg, vocab)
+        model, make, vocab, notes = _data_model(task)
     info = ModelInfo(param_count=sum(p.numel() for p in model.parameters()),
-                     flops_per_sample=float(task.flops_per_sample(model)), vocab_size=vocab)
-
-    def make(n: int):
-        return _synthetic_batch(n, seq, vocab, data_cfg.mask_prob)
+                     flops_per_sample=task_flops_per_sample(task, model), vocab_size=vocab,
+                     notes=notes)
 
     if cpu_calibration is not None:
         from hetseq_hpc.calibrate import calibrate

@@ -80,10 +80,13 @@ def _table_ranks(run, opts: PlanConfig) -> Tuple[ModelInfo, List[RankSpec], str]
     ranks = ranks_from_table(plan_placements(run), model.flops_per_sample, model.param_count,
                              model.activation_bytes_per_sample, opts.mfu, opts.peak,
                              run.trainer.max_micro_batch)
-    precision = ("as the runtime picks (bf16 on compute capability >= 8.0, else fp32)"
-                 if opts.peak == "runtime" else "tensor-core peak everywhere (plan.peak=tensor)")
-    source = (f"datasheet peak x MFU {opts.mfu:g} (plan.mfu) / "
-              f"{model.flops_per_sample / 1e9:.2f} GFLOP per sample; precision {precision}")
+    precision = ("as the runtime picks (bf16 on compute capability >= 8.0, fp16 on 7.x, else "
+                 "fp32; per-partition precision overrides)" if opts.peak == "runtime"
+                 else "tensor-core peak everywhere (plan.peak=tensor)")
+    source = (f"datasheet table, not a probe: peak x the measured fraction of peak per (GPU class, "
+              f"precision) from published BERT training throughput (plan/gpus.py ACHIEVED; "
+              f"plan.mfu {opts.mfu:g} where none) / {model.flops_per_sample / 1e9:.2f} GFLOP per "
+              f"sample; precision {precision}")
     return model, ranks, source
 
 
@@ -119,9 +122,11 @@ def make_plan(run, opts: Optional[PlanConfig] = None) -> Plan:
                 f"rank {spec.rank} ({spec.partition}, {spec.device}) cannot fit one sample of "
                 f"this model: shrink task.model, or leave partition {spec.partition!r} out")
 
+    curves = [r.curve for r in ranks] if all(r.curve for r in ranks) else None
+
     def predict_at(batch: int, forced: Optional[List[int]] = None) -> Prediction:
         return predict([r.samples_per_s for r in ranks], batch, [r.max_micro_batch for r in ranks],
-                       model.gradient_bytes, link, opts.latency_s, opts.overlap, forced)
+                       model.gradient_bytes, link, opts.latency_s, opts.overlap, forced, curves)
 
     try:
         prediction = predict_at(run.trainer.global_batch_size, run.trainer.allocation)

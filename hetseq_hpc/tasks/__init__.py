@@ -1,21 +1,37 @@
-"""Tasks: data + model + loss. ``build_task`` picks one by ``task.name``."""
+"""Tasks: data + model + loss. :class:`Task` is the public API (docs/tasks.md); ``build_task``
+picks one by ``task.name``: ``bert``, ``image``, ``translation``, or ``custom`` (the class that
+``task.target`` names)."""
 
 from __future__ import annotations
 
 from hetseq_hpc.errors import ConfigError
+from hetseq_hpc.tasks.base import Task
+
+#: built-in task name -> "module:Class" (imported on use: each pulls its own dependencies)
+BUILTIN = {
+    "bert": "hetseq_hpc.tasks.bert.task:BertTask",
+    "image": "hetseq_hpc.tasks.image.task:ImageTask",
+    "translation": "hetseq_hpc.tasks.translation.task:TranslationTask",
+}
 
 
-def build_task(task_cfg, seed: int):
-    """Instantiate the task named by ``task_cfg.name``.
+def build_task(task_cfg, seed: int) -> Task:
+    """Instantiate the task of ``task_cfg`` with ``(task_cfg, seed)``.
 
     Raises:
-        ConfigError: the name is unknown.
+        ConfigError: the name is unknown, or ``task.target`` cannot be imported (``custom``).
     """
-    if task_cfg.name == "bert":
-        from hetseq_hpc.tasks.bert.task import BertTask
+    import importlib
 
-        return BertTask(task_cfg, seed)
-    raise ConfigError(f"task={task_cfg.name!r} is unknown: use task=bert")
+    if task_cfg.name == "custom":
+        from hetseq_hpc.tasks.custom import resolve_target
+
+        return resolve_target(task_cfg.target, task_cfg.path)(task_cfg, seed)
+    if task_cfg.name not in BUILTIN:
+        raise ConfigError(f"task={task_cfg.name!r} is unknown: use one of "
+                          f"{', '.join([*BUILTIN, 'custom'])}")
+    module, cls = BUILTIN[task_cfg.name].split(":")
+    return getattr(importlib.import_module(module), cls)(task_cfg, seed)
 
 
-__all__ = ["build_task"]
+__all__ = ["BUILTIN", "Task", "build_task"]

@@ -208,8 +208,9 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        found = re.search(r"WeightsUnpickler error: ([^.]*(?:\.[A-Za-z_]\w*)*)", str(exc))
-        detail = found.group(1) if found else "unsupported content"
+        # torch puts the refused construct after "WeightsUnpickler error:", often on a later line
+        found = re.search(r"WeightsUnpickler error:\s*([^\n]+)", str(exc))
+        detail = found.group(1).strip().rstrip(".") if found else "unsupported content"
         raise CheckpointError(
             f"checkpoint {str(path)!r} is refused as untrusted: safe loading (weights_only) found "
             f"Python objects in it ({detail}): resume only from checkpoints hetseq_hpc wrote, "

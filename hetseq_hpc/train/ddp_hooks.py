@@ -8,6 +8,21 @@ the gradient of the mean loss over the whole global batch.
 
 The hook runs when a bucket's gradients are ready, i.e. as this rank's backward pass reaches
 it; the time of the last call is the end of local compute, before any wait for slower ranks.
+
+Two variants (``trainer.grad_compression``, ``trainer.grad_combine``):
+
+- :func:`compressed_sum_hook`: the same SUM, with the payload cast to bf16/fp16 (half the
+  bytes) and back. An fp16 payload always comes with the job-wide dynamic loss scale
+  (:mod:`hetseq_hpc.train.precision`), which keeps it in fp16's range: an overflow is inf on
+  every rank and the step is skipped; bf16 has fp32's range.
+- :func:`adasum_hook`: Adasum (Maleki et al., "Scaling Distributed Training with Adaptive
+  Summation", MLSys 2021, arXiv:2006.02924; Horovod ``op=hvd.Adasum``). Each rank contributes
+  its OWN mean gradient (bucket / its unit count); the buckets are all-gathered and every rank
+  combines them by the pairwise rule ``a (+) b = (1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b``
+  in Horovod's recursive-halving order ((0+1)+(2+3))... PER PARAMETER TENSOR, as Horovod's
+  ``FusedPairwiseReduceWithComm`` computes its dot products per tensor, so the result does not
+  depend on how DDP buckets the parameters. A squared norm below 1e-8 keeps coefficient 1
+  (Horovod's guard). Not the exact global-batch gradient.
 """
 
 # No "from __future__ import annotations": DDP checks the hook's real annotations.
@@ -28,16 +43,31 @@ class HookState:
         last_ready_s: ``time.perf_counter()`` of the latest bucket-ready call (CPU clock).
         events: CUDA events recorded at each call (GPU clock), when on CUDA.
         process_group: the group to all-reduce over (None = default group).
+        comm_dtype: payload dtype of the compressed hooks (None = the gradients' own).
+        local_units: this rank's loss units this step (Adasum divides by it).
+        bytes_sent: payload bytes this rank handed to collectives this step.
     """
 
     process_group: Optional[object] = None
     last_ready_s: float = 0.0
     events: List[torch.cuda.Event] = field(default_factory=list)
+    comm_dtype: Optional[torch.dtype] = None
+    local_units: int = 1
+    bytes_sent: int = 0
 
     def reset(self) -> None:
-        """Forget the previous step's timestamps."""
+        """Forget the previous step's timestamps and byte count."""
         self.last_ready_s = 0.0
         self.events.clear()
+        self.bytes_sent = 0
+
+    def mark_ready(self, buffer: torch.Tensor) -> None:
+        """Record that a bucket is ready (CPU clock, and a CUDA event on a GPU)."""
+        self.last_ready_s = time.perf_counter()
+        if buffer.is_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.events.append(event)
 
 
 def no_forward_buffer_sync() -> Dict[str, bool]:
@@ -55,12 +85,76 @@ def no_forward_buffer_sync() -> Dict[str, bool]:
 
 def sum_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """All-reduce a bucket with SUM (no division by world size); record when it was ready."""
-    state.last_ready_s = time.perf_counter()
     buffer = bucket.buffer()
-    if buffer.is_cuda:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        state.events.append(event)
+    state.mark_ready(buffer)
+    state.bytes_sent += buffer.numel() * buffer.element_size()
     fut = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=state.process_group,
                           async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
+
+
+def compressed_sum_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """:func:`sum_allreduce_hook` with a ``state.comm_dtype`` payload: cast, SUM all-reduce,
+    cast back into the bucket. Non-finite values stay non-finite (the loss scale then skips the
+    step on every rank)."""
+    buffer = bucket.buffer()
+    state.mark_ready(buffer)
+    payload = buffer.to(state.comm_dtype)
+    state.bytes_sent += payload.numel() * payload.element_size()
+    fut = dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=state.process_group,
+                          async_op=True).get_future()
+
+    def decompress(f: torch.futures.Future) -> torch.Tensor:
+        buffer.copy_(f.value()[0])
+        return buffer
+
+    return fut.then(decompress)
+
+
+def adasum_pair(a: torch.Tensor, b: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Adasum of two flat vectors (float64 recommended):
+    ``(1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b``; a coefficient stays 1 when its vector's
+    squared norm is below ``eps`` (Horovod's guard)."""
+    dot = float(torch.dot(a, b))
+    a_sq, b_sq = float(torch.dot(a, a)), float(torch.dot(b, b))
+    a_coeff = 1.0 - dot / (2.0 * a_sq) if a_sq >= eps else 1.0
+    b_coeff = 1.0 - dot / (2.0 * b_sq) if b_sq >= eps else 1.0
+    return a_coeff * a + b_coeff * b
+
+
+def adasum_tree(rows: List[torch.Tensor]) -> torch.Tensor:
+    """Adasum of ``rows`` (one per rank, rank order, power-of-two count) in Horovod's
+    recursive-halving order: pairs (0,1), (2,3), ... then pairs of those results, ..."""
+    level = list(rows)
+    while len(level) > 1:
+        level = [adasum_pair(level[i], level[i + 1]) for i in range(0, len(level), 2)]
+    return level[0]
+
+
+def adasum_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Adasum of the ranks' own mean gradients, per parameter tensor (module docstring).
+
+    One all-gather of the bucket (in ``state.comm_dtype`` when set); every rank then computes
+    the same combination in float64 from the same gathered data."""
+    buffer = bucket.buffer()
+    state.mark_ready(buffer)
+    payload = buffer.div(state.local_units)
+    if state.comm_dtype is not None:
+        payload = payload.to(state.comm_dtype)
+    state.bytes_sent += payload.numel() * payload.element_size()
+    world = dist.get_world_size(state.process_group)
+    gathered = [torch.empty_like(payload) for _ in range(world)]
+    fut = dist.all_gather(gathered, payload, group=state.process_group,
+                          async_op=True).get_future()
+    sizes = [g.numel() for g in bucket.gradients()]
+
+    def combine(_: torch.futures.Future) -> torch.Tensor:
+        rows = [g.to(torch.float64) for g in gathered]
+        start = 0
+        for size in sizes:
+            part = adasum_tree([r[start:start + size] for r in rows])
+            buffer[start:start + size].copy_(part)
+            start += size
+        return buffer
+
+    return fut.then(combine)

@@ -10,8 +10,8 @@ One optimizer step on rank ``i`` (``b_i`` samples in ``accum_i`` micro-batches):
 4. ranks exchange loss sums, unit counts, timings and stop requests as named
    :class:`~hetseq_hpc.distributed.StepStats` (one small all-gather);
 5. gradients are divided by the GLOBAL unit count ``sum_i n_i``: the result is exactly the
-   gradient of the mean loss over the whole global batch (see
-   ../shared/heterogeneous-training-notes.md in the project history; HetSeq's
+   gradient of the mean loss over the whole global batch (PyTorch's DDP averages instead,
+   which is not equivalent for uneven batches: pytorch/pytorch issues 37359 and 37002; HetSeq's
    ``world_size / sum(sample_size)`` scaling is the same idea for sum-reduced losses);
 6. the global gradient is clipped, then AdamW steps.
 
@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -39,10 +38,14 @@ from hetseq_hpc.config.schema import RunConfig
 from hetseq_hpc.distributed import Rendezvous, StepStats
 from hetseq_hpc.errors import CheckpointError, Preempted
 from hetseq_hpc.preemption import REASONS
+from hetseq_hpc.tasks.contract import check_loss, checked_batch, checked_count
 from hetseq_hpc.train.checkpoint import agree_on_checkpoint, require_entries, save_on_rank0
-from hetseq_hpc.train.ddp_hooks import HookState, no_forward_buffer_sync, sum_allreduce_hook
-from hetseq_hpc.train.metrics import METRICS_NAME, MetricsWriter, Progress, run_summary, step_row
+from hetseq_hpc.train.ddp_hooks import HookState, no_forward_buffer_sync
+from hetseq_hpc.train.evaluate import evaluate_task
+from hetseq_hpc.train.loggers import first_logged_loss, open_loggers
+from hetseq_hpc.train.metrics import Progress, run_summary, step_row
 from hetseq_hpc.train.optim import build_optimizer, step_seed
+from hetseq_hpc.train.precision import GradientPath
 from hetseq_hpc.train.sampler import GlobalBatchSampler
 from hetseq_hpc.train.state import capture_rng, check_fingerprint, restore_rng, run_fingerprint
 
@@ -59,6 +62,7 @@ class RankMeta:
     het_group: Optional[int] = None
     partition: Optional[str] = None
     gres: Optional[str] = None
+    precision: Optional[str] = None  # what the rank computes in (fp32, bf16, fp16)
 
 
 @dataclass
@@ -75,6 +79,7 @@ class StepRecord:
     wall_s: float
     stop_code: int = 0
     extra: Dict[str, Any] = field(default_factory=dict)
+    grad_path: Dict[str, Any] = field(default_factory=dict)  # loss scale / skip, payload bytes
 
 
 class Trainer:
@@ -135,8 +140,12 @@ class Trainer:
         self.stop_request = stop_request
         self.sampler = GlobalBatchSampler(task.num_train, self.cfg.global_batch_size, self.cfg.seed)
         self.optimizer, self.scheduler = build_optimizer(model, run)
+        self.grad_path = GradientPath(  # loss scale normaliser: expected units of a global batch
+            self.cfg, [m.precision for m in metas], self.rank, self.world.world_size,
+            self.cfg.global_batch_size * float(getattr(task, "units_per_sample", 1.0)))
         self.step = 0  # last completed optimizer step; global batch ``step`` comes next
         self.history: List[StepRecord] = []
+        self._exchanged_at = 0.0  # perf_counter() when the last step's exchange ended
         self.last_val: Optional[Dict[str, float]] = None
         self.resume_note: Dict[str, Any] = {}
         self._resume()
@@ -146,8 +155,9 @@ class Trainer:
             device_ids=[device.index] if device.type == "cuda" else None,
             gradient_as_bucket_view=True,
             **no_forward_buffer_sync(),
+            **self.grad_path.ddp_kwargs(),
         )
-        self.ddp.register_comm_hook(self.hook_state, sum_allreduce_hook)
+        self.ddp.register_comm_hook(self.hook_state, self.grad_path.comm_hook(self.hook_state))
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
@@ -169,6 +179,7 @@ class Trainer:
             # dropout is re-seeded from (seed, step, rank) every step; these are kept for
             # anything else that draws random numbers
             "rng": capture_rng(),
+            "loss_scale": self.grad_path.loss_scale.state_dict(),
         }
 
     def load_state_dict(self, state: Dict[str, Any], source: str = "state") -> None:
@@ -191,6 +202,7 @@ class Trainer:
             ) from None
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self.grad_path.loss_scale.load_state_dict(state.get("loss_scale") or {})
         self.step = int(state["step"])
         if self.rank == 0 and "rng" in state:
             restore_rng(state["rng"])
@@ -218,7 +230,7 @@ class Trainer:
         offset = self.allocation.offsets()[self.rank]
         t0 = time.perf_counter()
         epoch, micro = self.sampler.rank_micro_batches(step - 1, offset, share.micro_sizes)
-        batches = [self.task.make_batch(p, epoch, "train") for p in micro]
+        batches = [checked_batch(self.task, p, epoch, "train") for p in micro]
         data_s = time.perf_counter() - t0
         torch.manual_seed(step_seed(self.cfg.seed, step, self.rank))
         self.hook_state.reset()
@@ -231,20 +243,22 @@ class Trainer:
         count = 0
         for j, batch in enumerate(batches):
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-            count += self.task.count(batch)
+            count += checked_count(self.task, batch)
             sync = j == len(batches) - 1
             with (contextlib.nullcontext() if sync else self.ddp.no_sync()), self.autocast():
-                loss = self.ddp(**batch)
-            loss.backward()
+                loss = check_loss(self.task, self.ddp(**batch))
+            self.grad_path.backward(loss, step, self.hook_state, count)
             loss_sum += loss.detach().double()
         table = self.rdv.exchange_step_stats(StepStats(
             loss_sum=loss_sum.item(), count=count, samples=share.samples,
             compute_time_s=self._compute_seconds(t0, start_event),
             step_time_s=time.perf_counter() - t0, data_time_s=data_s,
             stop_code=self.stop_request.code if self.stop_request is not None else 0,
+            tail_time_s=t0 - self._exchanged_at if self._exchanged_at else 0.0,
         ))
+        self._exchanged_at = time.perf_counter()
         global_count = sum(s.count for s in table)
-        inv = 1.0 / global_count
+        inv = self.grad_path.unscale_factor(global_count)
         for param in self.model.parameters():
             if param.grad is not None:
                 param.grad.mul_(inv)
@@ -254,7 +268,8 @@ class Trainer:
             grad_norm = float(torch.linalg.vector_norm(
                 torch.stack([p.grad.norm() for p in self.model.parameters() if p.grad is not None])))
         lr = float(self.scheduler.get_last_lr()[0])
-        self.optimizer.step()
+        if self.grad_path.step_ok(grad_norm, step):  # False: fp16 overflow, skipped on all ranks
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
@@ -264,26 +279,16 @@ class Trainer:
             step=step, epoch=epoch, loss=sum(s.loss_sum for s in table) / global_count, lr=lr,
             grad_norm=grad_norm, per_rank=table, wall_s=time.perf_counter() - t0,
             stop_code=max(s.stop_code for s in table),
+            grad_path=self.grad_path.row(self.hook_state),
         )
 
     # ------------------------------------------------------------------ validation
-    @torch.no_grad()
     def evaluate(self) -> Dict[str, float]:
-        """Mean masked-token loss and perplexity on the whole validation split (sharded)."""
-        self.model.eval()
-        positions = np.arange(self.rank, self.task.num_val, self.world.world_size)
-        size = max(1, self.allocation.shares[self.rank].micro_batch)
-        sums = torch.zeros(2, dtype=torch.float64)
-        for start in range(0, positions.size, size):
-            batch = self.task.make_batch(positions[start : start + size], 0, "val")
-            batch = {k: v.to(self.device) for k, v in batch.items()}
-            with self.autocast():
-                sums[0] += float(self.model(**batch))
-            sums[1] += self.task.count(batch)
-        self.rdv.all_reduce_sum_cpu(sums)
-        self.model.train()
-        loss = float(sums[0] / max(sums[1], 1.0))
-        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+        """The task's validation metrics on the whole validation split, sharded over the ranks
+        (:func:`hetseq_hpc.train.evaluate.evaluate_task`)."""
+        return evaluate_task(self.task, self.model, self.rdv,
+                             self.allocation.shares[self.rank].micro_batch, self.device,
+                             self.autocast)
 
     # ------------------------------------------------------------------ the loop
     def _maybe_rebalance(self, rec: StepRecord) -> None:
@@ -318,7 +323,7 @@ class Trainer:
             FloatingPointError: the loss is not finite.
         """
         cfg, start = self.cfg, self.step
-        writer = MetricsWriter(self.run_dir / METRICS_NAME, start) if self.rank == 0 else None
+        writer = open_loggers(self.run, self.run_dir, start) if self.rank == 0 else None
         progress = Progress(cfg.max_steps, start, enabled=self.rank == 0)
         if start >= cfg.max_steps:
             log.info("checkpoint is at step %d >= trainer.max_steps=%d: nothing to train",
@@ -336,7 +341,8 @@ class Trainer:
                 rec.extra.update(pending)
                 pending = {}
                 row = step_row(rec, self.metas, self.allocation.shares, cfg.global_batch_size,
-                               self.task.tokens_per_sample, self.allocation.samples)
+                               self.task.tokens_per_sample, self.allocation.samples,
+                               units_per_sample=self.task.units_per_sample)
                 self._maybe_rebalance(rec)
                 is_last = step == cfg.max_steps
                 if (cfg.val_every and step % cfg.val_every == 0) or is_last:
@@ -358,9 +364,15 @@ class Trainer:
             progress.close()
             if writer is not None:
                 writer.close()
-        return self.summary()
+        summary = self.summary()
+        if self.rank == 0 and self.history:  # the run's first step, also after a resume
+            summary["first_loss"] = first_logged_loss(self.run_dir) or summary["first_loss"]
+        return summary
 
     def summary(self) -> Dict[str, Any]:
-        """Final figures (see :func:`~hetseq_hpc.train.metrics.run_summary`)."""
-        return run_summary(self.history, self.metas, self.cfg.global_batch_size, self.step,
-                           self.last_val, self.allocation.samples)
+        """Final figures (see :func:`~hetseq_hpc.train.metrics.run_summary`), with the ranks'
+        precisions and the gradient combine (:meth:`GradientPath.summary`)."""
+        out = run_summary(self.history, self.metas, self.cfg.global_batch_size, self.step,
+                          self.last_val, self.allocation.samples)
+        out.update(self.grad_path.summary())
+        return out

@@ -88,18 +88,21 @@ def read_metrics(run_dir: Union[str, Path]) -> List[Dict[str, Any]]:
 
 
 def step_row(rec: Any, metas: List[Any], shares: List[Any], global_batch_size: int,
-             tokens_per_sample: int, allocation: List[int]) -> Dict[str, Any]:
+             tokens_per_sample: float, allocation: List[int],
+             units_per_sample: Optional[float] = None) -> Dict[str, Any]:
     """The ``metrics.jsonl`` row of step record ``rec`` (:class:`~hetseq_hpc.train.loop.StepRecord`):
     global figures plus one entry per rank (its :class:`~hetseq_hpc.train.loop.RankMeta`,
     :class:`~hetseq_hpc.allocation.RankShare` and :class:`~hetseq_hpc.distributed.StepStats`)."""
     samples_per_s = global_batch_size / max(rec.wall_s, 1e-9)
     ranks = [{
         "rank": meta.rank, "device": meta.device, "node": meta.node, "het_group": meta.het_group,
-        "partition": meta.partition, "gres": meta.gres, "micro_batch": share.micro_batch,
+        "partition": meta.partition, "gres": meta.gres,
+        "precision": getattr(meta, "precision", None), "micro_batch": share.micro_batch,
         "accum_steps": share.accum_steps, "samples": int(stats.samples),
         "step_time_s": round(stats.step_time_s, 6),
         "compute_time_s": round(stats.compute_time_s, 6),
         "data_time_s": round(stats.data_time_s, 6),
+        "tail_time_s": round(stats.tail_time_s, 6),
     } for meta, stats, share in zip(metas, rec.per_rank, shares)]
     compute = [r["compute_time_s"] for r in ranks]
     mean = sum(compute) / len(compute)
@@ -107,8 +110,13 @@ def step_row(rec: Any, metas: List[Any], shares: List[Any], global_batch_size: i
         "step": rec.step, "time": time.time(), "epoch": rec.epoch, "loss": rec.loss, "lr": rec.lr,
         "grad_norm": rec.grad_norm, "samples_per_s": samples_per_s,
         "tokens_per_s": samples_per_s * tokens_per_sample, "step_time_s": rec.wall_s,
+        # the task's loss units per second (masked tokens, images, target tokens ...)
+        "units_per_s": samples_per_s * (tokens_per_sample if units_per_sample is None
+                                        else units_per_sample),
         "straggle": (max(compute) - min(compute)) / mean if mean > 0 else 0.0,
         "allocation": allocation, "ranks": ranks,
+        # loss scale / skipped step / payload bytes (train.precision.GradientPath.row)
+        **getattr(rec, "grad_path", {}),
     }
 
 

@@ -1,30 +1,55 @@
-"""Online re-balancing: move samples from stragglers to fast ranks, from measured step times.
+"""Online re-balancing with the allocation's own cost model, refitted from measured step times.
 
-Every ``trainer.rebalance_every`` steps all ranks hold the same table of per-rank compute times
-and sample counts (the loop's per-step all-gather), so every rank computes the same decision
-at the same step without another message. The rule follows LBB (J. Supercomputing 2024):
+Every ``trainer.rebalance_every`` steps all ranks hold the same table of per-rank timings (the
+loop's per-step all-gather of :class:`~hetseq_hpc.distributed.StepStats`), so every rank
+computes the same decision at the same step without another message. For each rank, over the
+steps since the last decision (the first step after a switch is left out: new shapes warm up):
 
-* straggle = (max - min) / mean of the ranks' mean compute time over the last window;
-* at or below ``threshold`` nothing happens (a dead band), and it must stay above for
-  ``patience`` consecutive windows (a single noisy window never triggers a move);
-* above it, each rank's time per sample is smoothed (EMA over windows), the global batch is
-  re-split in proportion to 1 / time-per-sample (the same largest-remainder rounding as the
-  startup allocation), and the new split is taken only if it cuts the predicted step time by
-  at least half the threshold (hysteresis: a split that would only trade one straggler for
-  another is not taken);
-* after a switch one window is skipped, so the next decision sees only the new split.
+* its cost curve (:class:`~hetseq_hpc.cost_model.CostCurve`, the calibration's fit as a prior)
+  is refitted from the measured forward+backward time of its micro-batches
+  (``compute_time_s`` of ``accum`` micro-batches holding ``samples``, median of the window's
+  last :data:`RECENT_STEPS` steps, so a change a few steps old is seen): when the median ratio
+  measured / predicted is off by more than ``threshold`` the device changed speed (or the prior
+  was wrong) and the curve is rescaled by that ratio, forgetting older windows; otherwise the
+  window's point joins the earlier ones and, once two splits different enough were seen,
+  ``a`` and ``c`` are refitted by least squares (:func:`~hetseq_hpc.cost_model.fit_compute`);
+* its per-step fixed cost ``f`` is the median of its measured ``tail_time_s`` (optimizer step,
+  clipping, logging: the local work between two steps);
+* the global batch is re-split by :func:`~hetseq_hpc.cost_model.min_max_split` and the split is
+  taken only if it cuts the predicted step time by at least half of ``threshold`` (hysteresis).
 
-The global batch, which samples form it and the loss normalisation do not change, so the
-update is still exactly one step on the whole global batch.
+A sudden speed change is therefore corrected at the first decision after it, in one move to the
+refitted optimum, not by moving a sample at a time (LBB, J. Supercomputing 2024, moves single
+samples inside its dead band). The global batch, which samples form it and the loss
+normalisation do not change, so the update is still exactly one step on the whole global batch.
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from hetseq_hpc.allocation import Allocation, allocate
+from hetseq_hpc.cost_model import CostCurve, fit_compute, min_max_split, predicted_step_s
 from hetseq_hpc.distributed import StepStats
+
+#: the latest steps of a window whose median compute time is the window's measurement
+RECENT_STEPS = 3
+#: design points (one per window) kept per rank for the two-parameter refit
+MAX_POINTS = 4
+#: two splits are "different enough" for a refit of a and c when their (micro-batches, samples)
+#: vectors differ in direction by this share
+MIN_SPREAD = 0.15
+
+
+def _spread(designs: Sequence[Tuple[float, float]]) -> float:
+    """Largest ``|k1 b2 - k2 b1| / (k1 b2 + k2 b1)`` over pairs of designs (0 = parallel)."""
+    best = 0.0
+    for i, (k1, b1) in enumerate(designs):
+        for k2, b2 in designs[i + 1:]:
+            best = max(best, abs(k1 * b2 - k2 * b1) / (k1 * b2 + k2 * b1))
+    return best
 
 
 @dataclass
@@ -33,24 +58,56 @@ class Rebalancer:
 
     Args:
         caps: per-rank micro-batch caps (from calibration), kept by every new allocation.
-        threshold: straggle above which a re-balance is considered (``trainer.rebalance_threshold``).
-        smoothing: EMA weight of the newest window's time per sample, in (0, 1].
-        patience: consecutive windows above the threshold before a move.
+        threshold: relative model error that counts as a speed change, and twice the predicted
+            gain a move needs (``trainer.rebalance_threshold``).
+        curves: per-rank cost curves from calibration (the prior); None = start from the first
+            window's time per sample (``a = 0``).
     """
 
     caps: Sequence[int]
     threshold: float = 0.1
-    smoothing: float = 0.5
-    patience: int = 2
-    _window: List[List[StepStats]] = field(default_factory=list)
-    _per_sample_s: Optional[List[float]] = None
-    _skip_next: bool = False
-    _above: int = 0
+    curves: Optional[Sequence[CostCurve]] = None
     decisions: List[Dict[str, object]] = field(default_factory=list)
+    _window: List[List[StepStats]] = field(default_factory=list)
+    _points: List[List[Tuple[int, int, float]]] = field(default_factory=list)
+    _skip_rows: int = 0
+
+    def __post_init__(self) -> None:
+        self._curves: List[Optional[CostCurve]] = (
+            list(self.curves) if self.curves is not None else [None] * len(self.caps))
+        self._points = [[] for _ in self.caps]
+
+    @property
+    def fitted(self) -> List[Optional[CostCurve]]:
+        """The current per-rank curves (None before the first window without a prior)."""
+        return list(self._curves)
 
     def record(self, per_rank: List[StepStats]) -> None:
-        """Add one step's table (its ``samples`` and ``compute_time_s`` are used)."""
+        """Add one step's table (its ``samples``, ``compute_time_s`` and ``tail_time_s``)."""
         self._window.append(per_rank)
+
+    def _refit(self, rank: int, accum: int, rows: List[StepStats]) -> CostCurve:
+        """Rank ``rank``'s curve after a window of ``rows`` run as ``accum`` micro-batches."""
+        samples = rows[0].samples
+        recent = rows[-RECENT_STEPS:]  # a change inside the window shows in its last steps
+        measured = statistics.median(row.compute_time_s for row in recent)
+        tail = statistics.median(getattr(row, "tail_time_s", 0.0) for row in rows)
+        prior = self._curves[rank]
+        if prior is None:
+            self._points[rank] = [(accum, samples, measured)]
+            return CostCurve(0.0, measured / max(samples, 1), tail)
+        ratio = statistics.median(
+            row.compute_time_s / prior.compute_s(row.samples, accum) for row in recent)
+        points = [p for p in self._points[rank] if (p[0], p[1]) != (accum, samples)]
+        if abs(ratio - 1.0) > self.threshold:  # a speed change: forget the older windows
+            points = []
+        points = [*points, (accum, samples, measured)][-MAX_POINTS:]
+        self._points[rank] = points
+        designs = [(k, b) for k, b, _ in points]
+        if len(points) >= 2 and _spread(designs) >= MIN_SPREAD:
+            a, c = fit_compute(designs, [t for _, _, t in points])
+            return CostCurve(a, c, tail)
+        return prior.scaled(ratio).with_step_fixed(tail)
 
     def observe(self, step: int, allocation: Allocation,
                 per_rank: Optional[List[StepStats]] = None) -> Optional[Allocation]:
@@ -60,44 +117,36 @@ class Rebalancer:
         """
         if per_rank is not None:
             self.record(per_rank)
-        window, self._window = self._window, []
+        window, self._window = self._window[self._skip_rows:], []
+        self._skip_rows = 0
         if not window:
             return None
-        n = len(window[0])
-        mean_time = [sum(row[r].compute_time_s for row in window) / len(window) for r in range(n)]
-        per_sample = [
-            sum(row[r].compute_time_s for row in window) / max(sum(row[r].samples for row in window), 1e-9)
-            for r in range(n)
-        ]
-        if self._per_sample_s is None:
-            self._per_sample_s = per_sample
-        else:
-            a = self.smoothing
-            self._per_sample_s = [a * new + (1 - a) * old for new, old in zip(per_sample, self._per_sample_s)]
-        if self._skip_next:
-            self._skip_next = False
+        shares = allocation.shares
+        for rank, share in enumerate(shares):
+            rows = [row[rank] for row in window if row[rank].samples == share.samples]
+            if rows:
+                self._curves[rank] = self._refit(rank, share.accum_steps, rows)
+        if any(c is None for c in self._curves):
             return None
-        mean = sum(mean_time) / n
-        straggle = (max(mean_time) - min(mean_time)) / mean if mean > 0 else 0.0
-        if straggle <= self.threshold:
-            self._above = 0
+        curves: List[CostCurve] = list(self._curves)
+        busy = [statistics.median(row[r].compute_time_s + getattr(row[r], "tail_time_s", 0.0)
+                                  for row in window) for r in range(len(shares))]
+        mean = sum(busy) / len(busy)
+        straggle = (max(busy) - min(busy)) / mean if mean > 0 else 0.0
+        best = min_max_split(curves, allocation.global_batch_size, list(self.caps))
+        if best == allocation.samples:
             return None
-        self._above += 1
-        if self._above < self.patience:
-            return None
-        throughputs = [1.0 / max(t, 1e-12) for t in self._per_sample_s]
-        proposal = allocate(throughputs, allocation.global_batch_size, list(self.caps),
-                            source="rebalanced", step=step + 1)
-        if proposal.samples == allocation.samples:
-            return None
-        now = max(b * t for b, t in zip(allocation.samples, self._per_sample_s))
-        then = max(b * t for b, t in zip(proposal.samples, self._per_sample_s))
+        now = predicted_step_s(curves, allocation.samples, self.caps)
+        then = predicted_step_s(curves, best, self.caps)
         gain = (now - then) / now if now > 0 else 0.0
-        self.decisions.append({"step": step, "straggle": straggle, "gain": gain,
-                               "from": allocation.samples, "to": proposal.samples,
-                               "taken": gain >= self.threshold / 2})
-        if gain < self.threshold / 2:
+        if gain < self.threshold / 4:  # noise: not even worth a record
             return None
-        self._skip_next = True
-        self._above = 0
-        return proposal
+        taken = gain >= self.threshold / 2
+        self.decisions.append({"step": step, "straggle": straggle, "gain": gain,
+                               "from": allocation.samples, "to": best, "taken": taken})
+        if not taken:
+            return None
+        self._skip_rows = 1
+        return allocate([c.samples_per_s(cap) for c, cap in zip(curves, self.caps)],
+                        allocation.global_batch_size, list(self.caps), forced=best,
+                        source="rebalanced", step=step + 1, curves=curves)

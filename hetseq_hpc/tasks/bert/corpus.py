@@ -7,13 +7,18 @@ downloaded. ``task.data.files`` points at the user's own UTF-8 text instead.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
+import io
 import os
 from dataclasses import dataclass
 from typing import Iterator, List, Sequence
 
 from hetseq_hpc.config.validate import expand_data_files
 from hetseq_hpc.errors import DataError
+
+#: bytes read from a data file at a time (memory stays bounded whatever the file's size)
+READ_CHUNK_BYTES = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -32,29 +37,56 @@ class Corpus:
 
     def documents(self) -> Iterator[str]:
         """Yield documents: one per help topic, or one per blank-line-separated paragraph block
-        of each file (files are read lazily, one at a time).
+        of each file. Files are read in chunks of :data:`READ_CHUNK_BYTES`, so memory stays
+        bounded whatever their size; the blocks are exactly those of ``text.split("\\n\\n")``
+        on the whole file (universal newlines, as text mode reads it).
 
         Raises:
-            DataError: a file vanished or is not UTF-8 text.
+            DataError: a file vanished or is not UTF-8 text (the byte offset is named).
         """
         if not self.files:
             yield from _embedded_documents()
             return
         for path in self.files:
-            try:
-                with open(path, encoding="utf-8") as fh:
-                    text = fh.read()
-            except UnicodeDecodeError as exc:
-                raise DataError(
-                    f"data file {path!r} is not UTF-8 text ({exc.reason} at byte {exc.start}): "
-                    "convert it (iconv -t utf-8) or drop it from task.data.files"
-                ) from None
-            except OSError as exc:
-                raise DataError(f"data file {path!r} cannot be read ({exc.strerror}): check it") from None
-            for block in text.split("\n\n"):
+            for block in _file_blocks(path):
                 block = block.strip()
                 if block:
                     yield block
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of text (the files' sizes, or the embedded corpus's UTF-8 length)."""
+        if not self.files:
+            return sum(len(d.encode("utf-8")) + 2 for d in _embedded_documents())
+        return sum(os.path.getsize(p) for p in self.files if os.path.exists(p))
+
+
+def _file_blocks(path: str) -> Iterator[str]:
+    """The ``"\\n\\n"``-separated blocks of a UTF-8 file, read chunk by chunk."""
+    decoder = io.IncrementalNewlineDecoder(codecs.getincrementaldecoder("utf-8")(), translate=True)
+    offset = 0
+    rest = ""
+    try:
+        with open(path, "rb") as fh:
+            while True:
+                raw = fh.read(READ_CHUNK_BYTES)
+                try:
+                    text = decoder.decode(raw, final=not raw)
+                except UnicodeDecodeError as exc:
+                    raise DataError(
+                        f"data file {path!r} is not UTF-8 text ({exc.reason} near byte "
+                        f"{offset + max(exc.start, 0)}): convert it (iconv -t utf-8) or drop it "
+                        "from task.data.files"
+                    ) from None
+                offset += len(raw)
+                parts = (rest + text).split("\n\n")
+                rest = parts.pop()
+                yield from parts
+                if not raw:
+                    break
+    except OSError as exc:
+        raise DataError(f"data file {path!r} cannot be read ({exc.strerror}): check it") from None
+    yield rest
 
 
 def _embedded_documents() -> List[str]:

@@ -3,6 +3,7 @@
 The corpus is tokenised once, documents are joined with ``[SEP]``, and the stream is cut
 into rows ``[CLS] t_1 ... t_{T-2} [SEP]`` of exactly ``T = max_seq_len`` tokens (no padding).
 The rows live in one ``int32`` array on disk (``tokens.npy``), memory-mapped by every rank.
+Building it streams (:func:`build_packed_text`): bounded memory, all cores, atomic.
 
 Masking follows BERT (Devlin et al., 2019, section 3.1): each non-special token is selected
 with probability ``mask_prob``; a selected token becomes ``[MASK]`` 80% of the time, a random
@@ -12,17 +13,22 @@ sample is masked the same way whichever rank, world size or allocation processes
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import io
 import json
 import logging
 import os
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Sequence
+from typing import BinaryIO, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
 
+from hetseq_hpc.atomic import atomic_write, atomic_write_text, remove_stale_temps
 from hetseq_hpc.errors import DataError
 from hetseq_hpc.tasks.bert.corpus import Corpus
 from hetseq_hpc.tasks.bert.tokenizer import SPECIAL_TOKENS, load_tokenizer, train_tokenizer
@@ -35,6 +41,7 @@ IGNORE_INDEX = -100
 SPLIT_CODES = {"train": 0, "val": 1}
 #: bump when the packing format changes, so old caches are not reused
 CACHE_FORMAT = 1
+_SEP = np.asarray([SEP_ID], dtype=np.int32)
 
 
 def cache_root(cache_dir: str | None) -> Path:
@@ -77,80 +84,160 @@ class PackedText:
         return int(self.tokens.shape[1])
 
 
-def build_packed_text(corpus: Corpus, vocab_size: int, seq_len: int, directory: Path) -> Path:
-    """Tokenise ``corpus`` and write ``tokens.npy``/``tokenizer.json``/``meta.json`` into
-    ``directory`` if they are not there yet. Files appear atomically (written under a temporary
-    name, then renamed), so concurrent builders cannot leave a half-written cache.
+#: characters of text per ``encode_batch`` call: bounds the encodings alive at once (tokenizers
+#: encodes a batch on all cores)
+ENCODE_BATCH_CHARS = 1 << 20
+#: rows cut from the token stream and written at a time
+ROWS_PER_WRITE = 4096
+#: the ``.npy`` header is written last, into this many bytes reserved at the start (numpy pads
+#: a version-1.0 header to a multiple of 64 bytes; any (rows, T) shape fits in 128)
+NPY_HEADER_BYTES = 128
+
+
+def npy_header(rows: int, seq_len: int) -> bytes:
+    """The ``.npy`` version-1.0 header of a C-ordered ``(rows, seq_len)`` int32 array."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        buf, {"descr": np.lib.format.dtype_to_descr(np.dtype(np.int32)),
+              "fortran_order": False, "shape": (int(rows), int(seq_len))})
+    return buf.getvalue()
+
+
+class RowWriter:
+    """Cuts a token stream into rows ``[CLS] t_1 .. t_{T-2} [SEP]`` and appends every
+    :data:`ROWS_PER_WRITE` full rows to ``fh`` (the tail shorter than a row is dropped at the
+    end): memory holds one chunk of rows, never the corpus.
+
+    Args:
+        fh: binary file positioned after the reserved header.
+        seq_len: T, tokens per row.
+    """
+
+    def __init__(self, fh: BinaryIO, seq_len: int):
+        self.fh = fh
+        self.seq_len = seq_len
+        self.content = seq_len - 2
+        self.pending: List[np.ndarray] = []
+        self.pending_len = 0
+        self.rows = 0
+
+    def add(self, ids: Sequence[int]) -> None:
+        """Append one document's token ids and a ``[SEP]``."""
+        self.pending.append(np.asarray(ids, dtype=np.int32))
+        self.pending.append(_SEP)
+        self.pending_len += len(ids) + 1
+        if self.pending_len >= self.content * ROWS_PER_WRITE:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write every full row now pending."""
+        if not self.pending:
+            return
+        stream = np.concatenate(self.pending)
+        full = (stream.size // self.content) * self.content
+        if full:
+            body = stream[:full].reshape(-1, self.content)
+            rows = np.empty((body.shape[0], self.seq_len), dtype=np.int32)
+            rows[:, 0] = CLS_ID
+            rows[:, 1:-1] = body
+            rows[:, -1] = SEP_ID
+            self.fh.write(rows.tobytes())
+            self.rows += int(rows.shape[0])
+        self.pending = [stream[full:]]
+        self.pending_len = int(stream.size - full)
+
+
+def _batches(documents: Iterable[str], progress) -> Iterator[List[str]]:
+    """Documents grouped into lists of about :data:`ENCODE_BATCH_CHARS` characters."""
+    batch: List[str] = []
+    size = 0
+    for doc in documents:
+        batch.append(doc)
+        size += len(doc)
+        if size >= ENCODE_BATCH_CHARS:
+            yield batch
+            progress.update(size)
+            batch, size = [], 0
+    if batch:
+        yield batch
+        progress.update(size)
+
+
+def _progress(total: int, desc: str, show: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not show,
+                dynamic_ncols=True, mininterval=1.0)
+
+
+def build_packed_text(corpus: Corpus, vocab_size: int, seq_len: int, directory: Path,
+                      show_progress: Optional[bool] = None) -> Path:
+    """Tokenise ``corpus`` into ``directory`` (``tokenizer.json``, ``tokens.npy``, then
+    ``meta.json``) unless ``meta.json`` is already there.
+
+    Streaming: documents are read chunk by chunk, encoded in batches on all cores
+    (``encode_batch``), and full rows are appended to the temporary ``tokens.npy`` whose
+    header is written last; memory stays bounded whatever the corpus size. Atomic: every file
+    goes through :mod:`hetseq_hpc.atomic` and ``meta.json`` (the completion marker every reader
+    checks) comes last, so an interrupted build leaves nothing a later run trusts; a lock file
+    makes concurrent builders wait for the first one. ``show_progress``: progress bars (default:
+    when stderr is a terminal).
 
     Raises:
-        DataError: the corpus is too small for one training row.
+        DataError: the corpus is too small for one training row, or a file is not UTF-8.
     """
     meta_path = directory / "meta.json"
     if meta_path.is_file():
         return directory
     directory.mkdir(parents=True, exist_ok=True)
-    tokenizer_path = directory / "tokenizer.json"
-    tokenizer = train_tokenizer(corpus.documents(), vocab_size, tokenizer_path)
-    content = seq_len - 2
-    chunks, pending = [], []
-    pending_len = 0
-    batch = []
+    with open(directory / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent builder finishes first
+        if meta_path.is_file():
+            return directory
+        remove_stale_temps([directory])
+        if show_progress is None:
+            show_progress = sys.stderr.isatty()
+        return _build(corpus, vocab_size, seq_len, directory, show_progress)
 
-    def flush(docs):
-        nonlocal pending_len
-        for enc in tokenizer.encode_batch(docs, add_special_tokens=False):
-            ids = np.asarray(enc.ids, dtype=np.int32)
-            if ids.size == 0:
-                continue
-            pending.append(ids)
-            pending.append(np.asarray([SEP_ID], dtype=np.int32))
-            pending_len += ids.size + 1
 
-    for doc in corpus.documents():
-        batch.append(doc)
-        if len(batch) >= 256:
-            flush(batch)
-            batch = []
-            if pending_len >= content * 4096:  # cut full rows, keep the tail
-                stream = np.concatenate(pending)
-                full = (stream.size // content) * content
-                chunks.append(stream[:full].reshape(-1, content))
-                pending[:] = [stream[full:]]
-                pending_len = int(stream.size - full)
-    if batch:
-        flush(batch)
-    stream = np.concatenate(pending) if pending else np.zeros(0, dtype=np.int32)
-    full = (stream.size // content) * content
-    if full:
-        chunks.append(stream[:full].reshape(-1, content))
-    if not chunks:
-        raise DataError(
-            f"corpus {corpus.name} has fewer than {content} tokens, too few for one row of "
-            f"task.model.max_seq_len={seq_len}: add text or shorten the sequences"
-        )
-    body = np.concatenate(chunks)
-    rows = np.empty((body.shape[0], seq_len), dtype=np.int32)
-    rows[:, 0] = CLS_ID
-    rows[:, 1:-1] = body
-    rows[:, -1] = SEP_ID
-    tmp = directory / f".tokens.{os.getpid()}.npy"
-    np.save(tmp, rows)
-    os.replace(tmp, directory / "tokens.npy")
-    meta = {
-        "corpus": corpus.name,
-        "fingerprint": corpus.fingerprint,
-        "rows": int(rows.shape[0]),
-        "seq_len": seq_len,
-        "vocab_size": tokenizer.get_vocab_size(),
-        "format": CACHE_FORMAT,
-    }
-    tmp_meta = directory / f".meta.{os.getpid()}.json"
-    tmp_meta.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp_meta, meta_path)
-    log.info(
-        "packed %s: %d rows x %d tokens, vocabulary %d -> %s",
-        corpus.name, rows.shape[0], seq_len, meta["vocab_size"], directory,
-    )
+def _build(corpus: Corpus, vocab_size: int, seq_len: int, directory: Path,
+           show_progress: bool) -> Path:
+    started = time.monotonic()
+    total = corpus.size_bytes
+    log.info("preparing %s (%.1f MB): training the tokenizer, then packing rows of %d tokens "
+             "into %s", corpus.name, total / 1e6, seq_len, directory)
+    tokenizer = train_tokenizer(corpus.documents(), vocab_size, directory / "tokenizer.json",
+                                show_progress=show_progress)
+    writer_rows = [0]
+
+    def write(fh: BinaryIO) -> None:
+        fh.write(b"\0" * NPY_HEADER_BYTES)
+        rows = RowWriter(fh, seq_len)
+        with _progress(total, "packing", show_progress) as bar:
+            for batch in _batches(corpus.documents(), bar):
+                for enc in tokenizer.encode_batch(batch, add_special_tokens=False):
+                    if enc.ids:
+                        rows.add(enc.ids)
+        rows.flush()
+        if rows.rows == 0:
+            raise DataError(
+                f"corpus {corpus.name} has fewer than {seq_len - 2} tokens, too few for one row "
+                f"of task.model.max_seq_len={seq_len}: add text or shorten the sequences"
+            )
+        header = npy_header(rows.rows, seq_len)
+        if len(header) != NPY_HEADER_BYTES:  # pragma: no cover - numpy's padding rule
+            raise DataError(f"numpy wrote a {len(header)}-byte .npy header: delete "
+                            f"{directory} and report this numpy version")
+        fh.seek(0)
+        fh.write(header)
+        writer_rows[0] = rows.rows
+
+    atomic_write(directory / "tokens.npy", write, durable=True)
+    meta = {"corpus": corpus.name, "fingerprint": corpus.fingerprint, "rows": writer_rows[0],
+            "seq_len": seq_len, "vocab_size": tokenizer.get_vocab_size(), "format": CACHE_FORMAT}
+    atomic_write_text(directory / "meta.json", json.dumps(meta, indent=1), durable=True)
+    log.info("packed %s: %d rows x %d tokens, vocabulary %d, in %.0f s -> %s", corpus.name,
+             writer_rows[0], seq_len, meta["vocab_size"], time.monotonic() - started, directory)
     return directory
 
 

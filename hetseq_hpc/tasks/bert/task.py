@@ -9,6 +9,7 @@ import torch
 
 from hetseq_hpc.config.schema import BertTaskConfig
 from hetseq_hpc.errors import DataError
+from hetseq_hpc.tasks.base import Task
 from hetseq_hpc.tasks.bert.corpus import load_corpus
 from hetseq_hpc.tasks.bert.data import (
     IGNORE_INDEX,
@@ -22,8 +23,9 @@ from hetseq_hpc.tasks.bert.data import (
 from hetseq_hpc.tasks.bert.model import BertMaskedLM
 
 
-class BertTask:
-    """Masked-language modelling; loss units are masked tokens.
+class BertTask(Task):
+    """Masked-language modelling; loss units are masked tokens; validation: the base class's
+    mean loss per masked token and perplexity.
 
     Args:
         cfg: the ``task`` config group.
@@ -31,10 +33,10 @@ class BertTask:
     """
 
     name = "bert"
+    unit_name = "masked tokens"
 
     def __init__(self, cfg: BertTaskConfig, seed: int):
-        self.cfg = cfg
-        self.seed = seed
+        super().__init__(cfg, seed)
         self.corpus = load_corpus(cfg.data.files)
         self.directory = cache_root(cfg.data.cache_dir) / cache_key(
             self.corpus, cfg.data.vocab_size, cfg.model.max_seq_len
@@ -69,8 +71,13 @@ class BertTask:
 
     @property
     def tokens_per_sample(self) -> int:
-        """Tokens per packed sequence, T."""
+        """Tokens per packed sequence, T (``tokens_per_s`` counts every token)."""
         return self.data.seq_len
+
+    @property
+    def units_per_sample(self) -> float:
+        """Expected masked tokens per sequence, ``mask_prob * (T - 2)`` (``units_per_s``)."""
+        return self.cfg.data.mask_prob * (self.cfg.model.max_seq_len - 2)
 
     def build_model(self) -> BertMaskedLM:
         """A freshly initialised model (seed the RNG first)."""

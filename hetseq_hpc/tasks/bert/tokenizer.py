@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Iterable
 
 from tokenizers import Tokenizer
+
+from hetseq_hpc.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -16,13 +17,18 @@ log = logging.getLogger(__name__)
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
-def train_tokenizer(documents: Iterable[str], vocab_size: int, path: Path) -> Tokenizer:
+def train_tokenizer(documents: Iterable[str], vocab_size: int, path: Path,
+                    show_progress: bool = False) -> Tokenizer:
     """Train a lower-casing WordPiece tokenizer and save it atomically to ``path`` (JSON).
 
+    ``tokenizers`` streams ``documents`` in batches and counts words on all cores; memory grows
+    with the number of distinct words, not with the corpus.
+
     Args:
-        documents: the training text, one string per document.
+        documents: the training text, one string per document (an iterator is fine).
         vocab_size: the vocabulary size asked for; a small corpus yields fewer tokens.
         path: where the tokenizer JSON goes.
+        show_progress: ``tokenizers``' own progress bar.
     """
     from tokenizers import BertWordPieceTokenizer
 
@@ -32,12 +38,9 @@ def train_tokenizer(documents: Iterable[str], vocab_size: int, path: Path) -> To
         vocab_size=vocab_size,
         min_frequency=2,
         special_tokens=SPECIAL_TOKENS,
-        show_progress=False,
+        show_progress=show_progress,
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    wordpiece.save(str(tmp))
-    os.replace(tmp, path)
+    atomic_write_text(path, wordpiece._tokenizer.to_str(pretty=True), durable=True)
     log.info("trained WordPiece tokenizer: %d tokens -> %s", wordpiece.get_vocab_size(), path)
     return Tokenizer.from_file(str(path))
 

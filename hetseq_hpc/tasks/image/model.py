@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetseq_hpc.tasks.image.config import ImageModelConfig
+from hetseq_hpc.config.task import ImageModelConfig
 
 
 def _norm(channels: int, groups: int) -> nn.GroupNorm:

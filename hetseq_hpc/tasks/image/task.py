@@ -8,9 +8,10 @@ from typing import Dict, Optional, Sequence
 import torch
 from torch import nn
 
+from hetseq_hpc.config.task import ImageTaskConfig
 from hetseq_hpc.errors import DataError
+from hetseq_hpc.tasks.base import Task
 from hetseq_hpc.tasks.bert.data import cache_root
-from hetseq_hpc.tasks.image.config import ImageTaskConfig
 from hetseq_hpc.tasks.image.data import (
     ImageArrays,
     build_image_cache,
@@ -28,7 +29,7 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
 
 
-class ImageTask:
+class ImageTask(Task):
     """Image classification with a GroupNorm ResNet; cross-entropy summed over samples.
 
     Args:
@@ -40,14 +41,16 @@ class ImageTask:
     """
 
     name = "image"
+    unit_name = "images"
 
     def __init__(self, cfg: ImageTaskConfig, seed: int):
-        self.cfg = cfg
-        self.seed = seed
+        super().__init__(cfg, seed)
         self.source = resolve_source(cfg.data.path)
         self.directory = cache_root(cfg.data.cache_dir) / cache_key(
             self.source, cfg.data.image_size, cfg.data.val_fraction)
         self._data: Optional[ImageArrays] = None
+        # digits are not mirror-symmetric: no horizontal flips for the scikit-learn fallback
+        self.flip = cfg.data.flip and self.source.kind != "digits"
 
     def prepare(self) -> None:
         """Decode the images into the cache (rank 0, before the others load)."""
@@ -89,11 +92,6 @@ class ImageTask:
         """Loss units per sample: 1 (one label per image)."""
         return 1.0
 
-    @property
-    def tokens_per_sample(self) -> float:
-        """Alias of :attr:`units_per_sample` for the trainer's ``tokens_per_s``."""
-        return self.units_per_sample
-
     def build_model(self) -> ResNetClassifier:
         """A freshly initialised CNN on the CPU (seed the RNG first)."""
         meta = self.data.meta
@@ -104,7 +102,7 @@ class ImageTask:
         positions are 0-based within ``split`` ("train" or "val"). Training images are augmented
         as a function of (seed, epoch, position) only."""
         return make_image_batch(self.data, positions, split, self.seed, epoch, self.cfg.data.pad,
-                                self.cfg.data.flip)
+                                self.flip)
 
     def count(self, batch: Dict[str, torch.Tensor]) -> int:
         """Samples in ``batch`` (the loss normaliser's units)."""

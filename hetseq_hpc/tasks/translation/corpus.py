@@ -144,11 +144,26 @@ class ParallelSource:
 
     @property
     def description(self) -> str:
-        """E.g. ``"gettext (86 catalogs)"``."""
+        """E.g. ``"gettext (86 files), site-packages (13 files: django)"``."""
         counts: Dict[str, int] = {}
-        for kind, _ in self.parts:
+        packages: Dict[str, set] = {}
+        for kind, path in self.parts:
             counts[kind] = counts.get(kind, 0) + 1
-        return ", ".join(f"{k} ({n} file{'s' * (n != 1)})" for k, n in counts.items())
+            if kind == "site-packages":
+                packages.setdefault(kind, set()).add(_package_of(path))
+        return ", ".join(
+            f"{k} ({n} file{'s' * (n != 1)}"
+            f"{': ' + ', '.join(sorted(packages[k])) if k in packages else ''})"
+            for k, n in counts.items())
+
+
+def _package_of(path: str) -> str:
+    """The top-level package of a file under a site-packages folder (``django``)."""
+    parts = Path(path).parts
+    for i, part in enumerate(parts[:-1]):
+        if part in ("site-packages", "dist-packages"):
+            return parts[i + 1]
+    return Path(path).parent.name
 
 
 def resolve_sources(files: Sequence[str]) -> ParallelSource:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetseq_hpc.tasks.translation.config import TranslationModelConfig
+from hetseq_hpc.config.task import TranslationModelConfig
 from hetseq_hpc.tasks.translation.data import BOS_ID, EOS_ID, PAD_ID
 
 

@@ -10,9 +10,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from hetseq_hpc.config.task import TranslationTaskConfig
 from hetseq_hpc.errors import ConfigError, DataError
+from hetseq_hpc.tasks.base import Task
 from hetseq_hpc.tasks.bert.data import cache_root
-from hetseq_hpc.tasks.translation.config import TranslationTaskConfig
 from hetseq_hpc.tasks.translation.corpus import resolve_sources
 from hetseq_hpc.tasks.translation.data import (
     PAD_ID,
@@ -70,7 +71,7 @@ def bleu_from_stats(sums: Dict[str, float]) -> float:
                                    int(sums["bleu_ref_len"]), smooth_method="exp").score)
 
 
-class TranslationTask:
+class TranslationTask(Task):
     """German-to-English translation with an encoder-decoder transformer.
 
     Args:
@@ -84,10 +85,11 @@ class TranslationTask:
     """
 
     name = "translation"
+    unit_name = "target tokens"
+    example_header = "german | reference | model"
 
     def __init__(self, cfg: TranslationTaskConfig, seed: int):
-        self.cfg = cfg
-        self.seed = seed
+        super().__init__(cfg, seed)
         if cfg.data.bleu_samples and importlib.util.find_spec("sacrebleu") is None:
             raise ConfigError(
                 f"task.data.bleu_samples={cfg.data.bleu_samples} needs sacrebleu, which is not "
@@ -138,11 +140,6 @@ class TranslationTask:
     def units_per_sample(self) -> float:
         """Mean target tokens (``[EOS]`` included) per training pair: the loss units."""
         return float(self.data.meta["target_tokens_per_sample"])
-
-    @property
-    def tokens_per_sample(self) -> float:
-        """Alias of :attr:`units_per_sample` for the trainer's ``tokens_per_s``."""
-        return self.units_per_sample
 
     def build_model(self) -> TranslationTransformer:
         """A freshly initialised transformer on the CPU (seed the RNG first)."""
@@ -201,10 +198,12 @@ class TranslationTask:
         return metrics
 
     def examples(self, model: nn.Module, n: int = 3) -> List[Tuple[str, str, str]]:
-        """The first ``n`` validation pairs as ``(german, reference, greedy translation)``,
-        for the log."""
-        n = min(n, self.num_val)
-        batch = self.make_batch(list(range(n)), 0, "val")
+        """``(german, reference, greedy translation)`` of the first ``n`` validation pairs
+        whose reference has 3+ words (else the first ``n``), for the log."""
+        pairs = self.data.val_pairs
+        chosen = [i for i, (_, en) in enumerate(pairs) if len(en.split()) >= 3][:n]
+        chosen = chosen or list(range(min(n, self.num_val)))
+        batch = self.make_batch(chosen, 0, "val")
         device = next(_unwrap(model).parameters()).device
         hyps = self.translate(model, batch["src"].to(device))
-        return [(self.data.val_pairs[i][0], self.data.val_pairs[i][1], hyps[i]) for i in range(n)]
+        return [(pairs[i][0], pairs[i][1], hyp) for i, hyp in zip(chosen, hyps)]

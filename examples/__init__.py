@@ -1,0 +1,1 @@
+"""Complete user tasks for hetseq_hpc (see docs/tasks.md)."""

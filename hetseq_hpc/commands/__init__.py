@@ -1,0 +1,184 @@
+"""The ``hetseq-hpc`` command line: one tool, one subcommand per job (argparse sub-parsers).
+
+::
+
+    hetseq-hpc [run] [OVERRIDES]        train (the default: ``hetseq-hpc task=bert`` runs)
+    hetseq-hpc plan [OVERRIDES]         predicted split, step time and efficiency
+    hetseq-hpc probe [OVERRIDES]        measure this node's devices -> JSON for plan.probe=
+    hetseq-hpc render [OVERRIDES]       write the job.sbatch `run` would submit
+    hetseq-hpc report RUN_DIR           per-rank PNG and a text summary of a run
+    hetseq-hpc prepare [OVERRIDES]      build the task's data caches before any job
+
+OVERRIDES are Hydra overrides (``key=value``, ``group=option``) after the subcommand, as for
+``python -m hetseq_hpc``. Errors are one ``hetseq-hpc: error: ...`` line on stderr, exit code 2
+for a bad value, 1 for a failure while running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from hetseq_hpc import __version__
+from hetseq_hpc.errors import ConfigError, HetseqError
+
+PROG = "hetseq-hpc"
+#: subcommand -> one-line help (``hetseq-hpc --help`` lists them in this order)
+COMMANDS: Dict[str, str] = {
+    "run": "train here (cluster=local) or submit one SLURM het job; the default",
+    "plan": "predict split, step time and efficiency before submitting",
+    "probe": "measure this node's devices on the task; JSON for plan.probe=",
+    "render": "write the job.sbatch `run` would submit (sbatch it by hand)",
+    "report": "per-rank PNG and a text summary of a run directory",
+    "prepare": "build the task's data caches (tokenizer, tokens) before any job",
+}
+EPILOG = """examples:
+  hetseq-hpc task=bert                                  # = hetseq-hpc run task=bert
+  hetseq-hpc plan cluster=mixed task=bert trainer.global_batch_size=4096
+  hetseq-hpc prepare task=bert task.data.files='[/data/books/*.txt]'
+  hetseq-hpc render cluster=mixed task=bert hydra.run.dir=runs/b1 && sbatch runs/b1/job.sbatch
+  hetseq-hpc report runs/b1
+Each command has --help. Configuration groups and their options: hetseq-hpc run --help."""
+
+
+def _formatter(prog: str) -> argparse.HelpFormatter:
+    """Raw descriptions, 100 columns: every subcommand's help stays on one line."""
+    return argparse.RawDescriptionHelpFormatter(prog, width=100, max_help_position=16)
+
+
+def _overrides_parser(sub, name: str, description: str, epilog: str = ""):
+    parser = sub.add_parser(name, help=COMMANDS[name], description=description, epilog=epilog,
+                            formatter_class=_formatter)
+    parser.add_argument("overrides", nargs="*", metavar="OVERRIDE",
+                        help="Hydra overrides: group=option or key=value")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser: one sub-parser per entry of :data:`COMMANDS`."""
+    from hetseq_hpc.commands import probe, run
+
+    parser = argparse.ArgumentParser(
+        prog=PROG, formatter_class=_formatter, epilog=EPILOG,
+        description="Data-parallel PyTorch training across heterogeneous GPU partitions, "
+                    "with per-rank shares proportional to measured throughput.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    _overrides_parser(sub, "run", "Train: compose conf/ with the overrides, validate, then start "
+                      "the ranks (cluster=local) or submit one het job (SLURM clusters).",
+                      run.run_help())
+    _overrides_parser(sub, "plan", "Predict, before submitting, the per-rank split, step time, "
+                      "samples/s and efficiency (nothing is launched).", _plan_help())
+    probe_parser = _overrides_parser(sub, "probe", probe.DESCRIPTION, probe.EPILOG)
+    probe_parser.add_argument("--out", help="JSON file to write (default: probe-<partition or "
+                              "host>.json in the current directory)")
+    probe_parser.add_argument("--append", action="store_true",
+                              help="add this node's devices to an existing --out file")
+    _overrides_parser(sub, "render", "Write <run dir>/job.sbatch and hetseq_config.yaml, the "
+                      "script `run` would submit, and submit nothing (= cluster.dry_run=true). "
+                      "Submit it by hand with: sbatch <run dir>/job.sbatch")
+    report = sub.add_parser("report", help=COMMANDS["report"], formatter_class=_formatter,
+                            description="Write RUN_DIR/ranks.png (per-rank step time and samples "
+                            "per step) and print a text summary of the run.")
+    report.add_argument("run_dir", help="run directory (holds metrics.jsonl)")
+    report.add_argument("--out", help="PNG to write (default RUN_DIR/ranks.png)")
+    _overrides_parser(sub, "prepare", "Build the task's caches (tokenizer, packed token array) "
+                      "on this machine, before any job: on a login node, or with srun. "
+                      "Streams in bounded memory on all cores; safe to interrupt and re-run.")
+    return parser
+
+
+def _plan_help() -> str:
+    from hetseq_hpc.plan import cli as plan_cli
+
+    doc = plan_cli.__doc__ or ""
+    start = doc.find("Planner options")
+    return doc[start:doc.find("Cost model")].strip() if start >= 0 else ""
+
+
+def _split(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """``(argparse's part, the rest)``: Hydra's own flags (``-m``, ``--cfg``, ...) after a
+    subcommand bypass argparse and go to Hydra with the overrides."""
+    argv = list(argv)
+    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help", "--version")):
+        argv = ["run", *argv]  # the default subcommand
+    if argv[0] in ("run", "render") and any(a.startswith("-") and a not in ("-h", "--help")
+                                            for a in argv[1:]):
+        return argv[:1] + [a for a in argv[1:] if a in ("-h", "--help")], \
+            [a for a in argv[1:] if a not in ("-h", "--help")]
+    return argv, []
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``) and run the subcommand; returns the exit code.
+    Output into a closed pipe (``hetseq-hpc --help | head``) ends quietly."""
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except BrokenPipeError:
+        # Python's advice for pipes: point stdout at devnull so the exit flush stays quiet
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports it
+
+
+def _main(argv: List[str]) -> int:
+    own, hydra_flags = _split(argv)
+    args = build_parser().parse_args(own)
+    handlers: Dict[str, Callable[[argparse.Namespace, List[str]], int]] = {
+        "run": _run, "render": _render, "plan": _plan, "probe": _probe, "report": _report,
+        "prepare": _prepare,
+    }
+    try:
+        return handlers[args.command](args, hydra_flags)
+    except ConfigError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except HetseqError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace, hydra_flags: List[str]) -> int:
+    from hetseq_hpc.commands.run import run
+
+    return run([*hydra_flags, *args.overrides])
+
+
+def _render(args: argparse.Namespace, hydra_flags: List[str]) -> int:
+    from hetseq_hpc.commands.run import render
+
+    return render([*hydra_flags, *args.overrides])
+
+
+def _plan(args: argparse.Namespace, hydra_flags: List[str]) -> int:
+    from hetseq_hpc.commands.run import refuse_internal_options
+    from hetseq_hpc.plan.cli import main as plan_main
+
+    refuse_internal_options(args.overrides)
+    return plan_main(args.overrides)
+
+
+def _probe(args: argparse.Namespace, hydra_flags: List[str]) -> int:
+    from hetseq_hpc.commands.probe import probe_command
+
+    path = probe_command(args.overrides, args.out, args.append)
+    print(path)
+    return 0
+
+
+def _report(args: argparse.Namespace, hydra_flags: List[str]) -> int:
+    from hetseq_hpc.report import plot_run, text_summary
+
+    path = plot_run(args.run_dir, args.out)
+    print(text_summary(args.run_dir))
+    print(f"plot: {path}")
+    return 0
+
+
+def _prepare(args: argparse.Namespace, hydra_flags: List[str]) -> int:
+    from hetseq_hpc.commands.prepare import prepare_command
+
+    print(prepare_command(args.overrides))
+    return 0

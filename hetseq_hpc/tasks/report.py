@@ -1,0 +1,78 @@
+"""The worker's task-specific steps: build and check the model, and what the run records.
+
+:func:`build_checked_model` builds the model with the run's seed and refuses BatchNorm before
+any training (:mod:`hetseq_hpc.tasks.norms`); it also measures the training FLOPs per sample
+(:mod:`hetseq_hpc.tasks.flops`) while the model is still bare (before DDP wraps it).
+:func:`finish_task_summary` adds the task's facts to ``summary.json`` and writes the task's
+example predictions to rank 0's log.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, Tuple
+
+import torch
+from torch import nn
+
+from hetseq_hpc.tasks.flops import task_flops_per_sample
+from hetseq_hpc.tasks.norms import check_no_batchnorm
+
+log = logging.getLogger(__name__)
+
+#: example predictions written to rank 0's log at the end of a run
+N_EXAMPLES = 3
+
+
+def build_checked_model(task: Any, run: Any, device: torch.device) -> Tuple[nn.Module, Dict[str, Any]]:
+    """``torch.manual_seed(trainer.seed)``; ``task.build_model()``; BatchNorm check; FLOPs.
+
+    Returns:
+        ``(model on device, info)``; ``info`` = ``{"name", "class", "unit",
+        "units_per_sample", "flops_per_sample", "data", "exact", "inexact"}`` for
+        ``summary.json``.
+
+    Raises:
+        ConfigError: the model has BatchNorm and ``trainer.allow_inexact_batchnorm`` is false
+            (one line naming the layer and the fixes).
+    """
+    torch.manual_seed(run.trainer.seed)
+    model = task.build_model()
+    inexact = check_no_batchnorm(model, run.trainer.allow_inexact_batchnorm)
+    model = model.to(device)
+    data = dict(task.data_summary)
+    if data:
+        log.info("task=%s data: %s", run.task.name, data)
+    info = {
+        "name": run.task.name, "class": f"{type(task).__module__}.{type(task).__qualname__}",
+        "unit": getattr(task, "unit_name", "samples"),
+        "units_per_sample": float(task.units_per_sample),
+        "flops_per_sample": task_flops_per_sample(task, model), "data": data,
+        "exact": inexact is None, "inexact": inexact,
+    }
+    torch.manual_seed(run.trainer.seed)  # the FLOPs pass must not move the seeded RNG
+    return model, info
+
+
+def finish_task_summary(summary: Dict[str, Any], task: Any, model: nn.Module,
+                        info: Dict[str, Any], is_master: bool) -> None:
+    """Add ``task`` (name, class, unit, FLOPs per sample, achieved training TFLOP/s, data),
+    ``exact`` and ``inexact`` (BatchNorm opt-out) to ``summary``; on rank 0 log the task's
+    example predictions (and add them as ``examples``)."""
+    summary["task"] = {k: v for k, v in info.items() if k not in ("exact", "inexact")}
+    if summary.get("samples_per_s"):  # model FLOPs actually done, for MFU against a peak
+        summary["task"]["train_tflops_per_s"] = (summary["samples_per_s"]
+                                                 * info["flops_per_sample"] / 1e12)
+    summary["exact"] = info["exact"]
+    if info["inexact"] is not None:
+        summary["inexact"] = info["inexact"]
+    if is_master:
+        from hetseq_hpc.train.evaluate import log_examples
+
+        header = getattr(task, "example_header", None)
+        rows = log_examples(task, model, N_EXAMPLES, header)
+        if rows:
+            summary["examples"] = [list(r) for r in rows]
+
+
+__all__ = ["N_EXAMPLES", "build_checked_model", "finish_task_summary"]

@@ -1,0 +1,88 @@
+"""Validation for any task: sharded over the ranks, additive statistics, task-defined metrics.
+
+Rank ``r`` of ``W`` evaluates validation positions ``r, r + W, r + 2W, ...`` in batches of its
+micro-batch size; :meth:`~hetseq_hpc.tasks.Task.evaluate_batch` returns additive statistics
+(loss sums, correct counts, BLEU n-gram counts); every rank's sums are gathered and added in
+rank order, and :meth:`~hetseq_hpc.tasks.Task.finalize_metrics` turns them into metrics
+(``val_loss``, ``val_accuracy``, ``val_bleu`` ...). The result is the same for any world size
+up to float summation order, and identical on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from hetseq_hpc.tasks.contract import checked_batch
+
+log = logging.getLogger(__name__)
+
+
+def _add(total: Dict[str, float], part: Dict[str, float]) -> None:
+    for key, value in part.items():
+        total[key] = total.get(key, 0.0) + float(value)
+
+
+@torch.no_grad()
+def evaluate_task(task: Any, model: nn.Module, rdv: Any, batch_size: int, device: torch.device,
+                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                  ) -> Dict[str, float]:
+    """The task's validation metrics on its whole validation split (every rank calls this).
+
+    Args:
+        task: the task (``num_val``, ``make_batch``, ``evaluate_batch``, ``finalize_metrics``).
+        model: the BARE model (not the DDP wrapper: no collective runs inside).
+        rdv: the rendezvous (``world``, ``all_gather_objects``).
+        batch_size: samples per validation batch on this rank (its micro-batch).
+        device: where the model is.
+        autocast: the mixed-precision context of training.
+
+    Returns:
+        ``finalize_metrics`` of the summed statistics; ``{}`` when there is no validation split.
+    """
+    if int(task.num_val) <= 0:
+        return {}
+    was_training = model.training
+    model.eval()
+    world = rdv.world
+    positions = np.arange(world.rank, int(task.num_val), world.world_size)
+    size = max(1, int(batch_size))
+    sums: Dict[str, float] = {}
+    try:
+        for start in range(0, positions.size, size):
+            chunk = positions[start:start + size].tolist()
+            batch = checked_batch(task, chunk, 0, "val")
+            batch = {k: v.to(device) for k, v in batch.items()}
+            with autocast():
+                _add(sums, task.evaluate_batch(model, batch, chunk))
+    finally:
+        model.train(was_training)
+    gathered: List[Dict[str, float]] = rdv.all_gather_objects(sums)
+    total: Dict[str, float] = {}
+    for part in gathered:
+        _add(total, part)
+    return {k: float(v) for k, v in task.finalize_metrics(total).items()}
+
+
+def log_examples(task: Any, model: nn.Module, n: int = 3, header: Optional[str] = None) -> List[Any]:
+    """Write ``task.examples(model, n)`` (e.g. source | reference | translation) to the log,
+    after ``header`` if given; returns them. A task without examples logs nothing."""
+    examples = getattr(task, "examples", None)
+    if not callable(examples):
+        return []
+    model.eval()
+    with torch.no_grad():
+        rows = list(examples(model, n))
+    if rows and header:
+        log.info("examples: %s", header)
+    for i, row in enumerate(rows, 1):
+        log.info("example %d: %s", i, " | ".join(str(x) for x in row))
+    return rows
+
+
+__all__ = ["evaluate_task", "log_examples"]

@@ -1,0 +1,264 @@
+"""Where rank 0's step rows go: ``metrics.jsonl`` always, plus CSV, TensorBoard and W&B.
+
+``trainer.loggers=[jsonl,csv,tensorboard,wandb]`` picks them (``jsonl`` is always on). Every
+logger receives the same row (:func:`hetseq_hpc.train.metrics.step_row` plus validation and
+re-allocation entries) and keeps one record per step:
+
+- ``metrics.csv``: one row per logged step; per-rank figures as ``rank<N>_<field>`` columns (a
+  resume on more ranks rewrites the file with the wider header);
+- ``tb/``: TensorBoard event files through :class:`torch.utils.tensorboard.SummaryWriter`:
+  ``train/*`` (loss, lr, samples/s, tokens/s, gradient norm, straggle), ``val/*``, and the
+  per-rank view (``rank_step_time_s/rank<N>``, ``rank_compute_time_s/rank<N>``,
+  ``rank_micro_batch/rank<N>``, ``rank_samples/rank<N>``); re-allocations as text;
+- W&B (only when ``wandb`` is installed; offline unless ``WANDB_MODE`` says otherwise), one
+  run per run directory (its id is kept in ``wandb_id.txt``).
+
+Resume: the steps after the checkpoint are dropped before anything is appended, as
+:class:`~hetseq_hpc.train.metrics.MetricsWriter` does for ``metrics.jsonl``: the CSV is cut,
+TensorBoard gets ``purge_step`` (its readers drop the old events from that step on), and W&B
+ignores steps it has already seen.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import io
+import logging
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from hetseq_hpc.atomic import atomic_write_text
+from hetseq_hpc.config.trainer import LOGGER_NAMES
+from hetseq_hpc.train.metrics import METRICS_NAME, MetricsWriter, _clean
+
+log = logging.getLogger(__name__)
+
+CSV_NAME = "metrics.csv"
+TB_DIR = "tb"
+#: global scalars of a row -> TensorBoard tag
+TB_SCALARS = {"loss": "train/loss", "lr": "train/lr", "samples_per_s": "train/samples_per_s",
+              "tokens_per_s": "train/tokens_per_s", "grad_norm": "train/grad_norm",
+              "straggle": "train/straggle", "step_time_s": "train/step_time_s",
+              "val_loss": "val/loss", "val_ppl": "val/ppl"}
+#: per-rank fields -> TensorBoard tag prefix (one curve per rank)
+TB_RANK_FIELDS = {"step_time_s": "rank_step_time_s", "compute_time_s": "rank_compute_time_s",
+                  "micro_batch": "rank_micro_batch", "samples": "rank_samples"}
+#: per-rank fields copied into CSV columns ``rank<N>_<field>``
+CSV_RANK_FIELDS = ("micro_batch", "accum_steps", "samples", "step_time_s", "compute_time_s",
+                   "data_time_s")
+
+
+def missing_logger_package(name: str) -> Optional[str]:
+    """The package ``trainer.loggers`` entry ``name`` needs but cannot import, else None."""
+    needs = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(name)
+    if needs and importlib.util.find_spec(needs) is None:
+        return needs
+    return None
+
+
+def flat_row(row: Dict[str, Any]) -> Dict[str, Any]:
+    """A step row as flat CSV fields: scalars as they are, per-rank figures as
+    ``rank<N>_<field>``, the allocation as ``a/b/c``, a re-allocation as ``from -> to``."""
+    out: Dict[str, Any] = {}
+    for key, value in row.items():
+        if key == "ranks":
+            for rank in value or []:
+                for name in CSV_RANK_FIELDS:
+                    if name in rank:
+                        out[f"rank{rank['rank']}_{name}"] = rank[name]
+        elif key == "allocation" and isinstance(value, list):
+            out[key] = "/".join(str(v) for v in value)
+        elif key == "reallocation" and isinstance(value, dict):
+            out[key] = f"{value.get('from')} -> {value.get('to')} at step {value.get('at_step')}"
+        elif isinstance(value, (int, float, str, bool)) or value is None:
+            out[key] = value
+    return out
+
+
+class CsvLogger:
+    """``<run dir>/metrics.csv``, one row per logged step; steps after ``resume_step`` that an
+    earlier attempt wrote are dropped when it opens."""
+
+    def __init__(self, path: Path, resume_step: int = 0):
+        self.path = Path(path)
+        self.header: List[str] = []
+        self.rows: List[Dict[str, Any]] = []
+        if self.path.is_file():
+            with open(self.path, newline="", encoding="utf-8") as fh:
+                reader = csv.DictReader(fh)
+                self.header = list(reader.fieldnames or [])
+                self.rows = [r for r in reader if _int(r.get("step")) <= resume_step]
+        self._rewrite()
+
+    def _rewrite(self) -> None:
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=self.header, extrasaction="ignore")
+        if self.header:
+            writer.writeheader()
+            writer.writerows(self.rows)
+        atomic_write_text(self.path, buf.getvalue())
+
+    def write(self, row: Dict[str, Any]) -> None:
+        """Append one step (the whole file is rewritten when a new column appears)."""
+        flat = flat_row(_clean(row))
+        self.rows.append(flat)
+        new = [k for k in flat if k not in self.header]
+        if new:
+            self.header.extend(new)
+            self._rewrite()
+            return
+        with open(self.path, "a", newline="", encoding="utf-8") as fh:
+            csv.DictWriter(fh, fieldnames=self.header, extrasaction="ignore").writerow(flat)
+
+    def close(self) -> None:
+        """Nothing stays open between rows."""
+
+
+def _int(text: Any) -> int:
+    try:
+        return int(float(text))
+    except (TypeError, ValueError):
+        return 0
+
+
+class TensorBoardLogger:
+    """Event files in ``<run dir>/tb`` (``torch.utils.tensorboard``); ``purge_step`` makes
+    TensorBoard drop the events an earlier attempt wrote after ``resume_step``."""
+
+    def __init__(self, directory: Path, resume_step: int = 0, config_text: str = ""):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(directory), purge_step=resume_step + 1,
+                                    flush_secs=10)
+        if config_text and resume_step == 0:
+            self.writer.add_text("config", f"```\n{config_text}\n```", 0)
+
+    def write(self, row: Dict[str, Any]) -> None:
+        """Scalars of one step, one curve per rank for the per-rank figures."""
+        step = int(row["step"])
+        for key, tag in TB_SCALARS.items():
+            value = row.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(tag, float(value), step)
+        for rank in row.get("ranks") or []:
+            for key, prefix in TB_RANK_FIELDS.items():
+                if isinstance(rank.get(key), (int, float)):
+                    self.writer.add_scalar(f"{prefix}/rank{rank['rank']}", float(rank[key]), step)
+        move = row.get("reallocation")
+        if isinstance(move, dict):
+            self.writer.add_text("reallocation", f"step {move.get('at_step')}: "
+                                 f"{move.get('from')} -> {move.get('to')}", step)
+
+    def close(self) -> None:
+        """Flush and close the event file."""
+        self.writer.close()
+
+
+class WandbLogger:
+    """One W&B run per run directory (id kept in ``wandb_id.txt``), offline unless
+    ``WANDB_MODE`` is set; ``wandb`` drops steps it has already seen, so a resume adds none
+    twice."""
+
+    def __init__(self, run_dir: Path, config: Dict[str, Any]):
+        import wandb
+
+        id_file = Path(run_dir) / "wandb_id.txt"
+        run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+        atomic_write_text(id_file, run_id + "\n")
+        self.run = wandb.init(id=run_id, resume="allow", dir=str(run_dir), config=config,
+                              mode=os.environ.get("WANDB_MODE", "offline"),
+                              name=Path(run_dir).name)
+
+    def write(self, row: Dict[str, Any]) -> None:
+        """Log the scalars and per-rank figures of one step."""
+        flat = {k: v for k, v in flat_row(_clean(row)).items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        self.run.log(flat, step=int(row["step"]))
+
+    def close(self) -> None:
+        """Finish the W&B run."""
+        self.run.finish()
+
+
+class RunLoggers:
+    """Rank 0's loggers behind one ``write(row)`` / ``close()``; ``metrics.jsonl`` is always
+    among them. A logger that fails while writing is logged once and dropped: metrics must
+    never stop a run.
+
+    Args:
+        run_dir: the run directory.
+        names: ``trainer.loggers``.
+        resume_step: the checkpoint's step (0 for a fresh run).
+        config: the run's configuration as plain data (TensorBoard text, W&B config).
+    """
+
+    def __init__(self, run_dir: Path, names: Sequence[str], resume_step: int = 0,
+                 config: Optional[Dict[str, Any]] = None):
+        run_dir = Path(run_dir)
+        self.sinks: List[Any] = [MetricsWriter(run_dir / METRICS_NAME, resume_step)]
+        wanted = [n for n in dict.fromkeys(names) if n != "jsonl"]
+        for name in wanted:
+            missing = missing_logger_package(name)
+            if missing:
+                log.warning("trainer.loggers has %s but the %s package is not installed: "
+                            "skipping it (pip install %s)", name, missing, missing)
+                continue
+            if name == "csv":
+                self.sinks.append(CsvLogger(run_dir / CSV_NAME, resume_step))
+            elif name == "tensorboard":
+                import yaml
+
+                text = yaml.safe_dump(config, sort_keys=False) if config else ""
+                self.sinks.append(TensorBoardLogger(run_dir / TB_DIR, resume_step, text))
+            elif name == "wandb":
+                self.sinks.append(WandbLogger(run_dir, config or {}))
+
+    def write(self, row: Dict[str, Any]) -> None:
+        """Give one step row to every logger."""
+        for sink in list(self.sinks):
+            try:
+                sink.write(row)
+            except Exception as exc:
+                if isinstance(sink, MetricsWriter):
+                    raise
+                log.warning("%s failed (%s: %s): no more rows go to it", type(sink).__name__,
+                            type(exc).__name__, exc)
+                self.sinks.remove(sink)
+
+    def close(self) -> None:
+        """Close every logger."""
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as exc:  # a logger must never fail a finished run
+                log.warning("closing %s failed: %s", type(sink).__name__, exc)
+
+
+def first_logged_loss(run_dir: Path) -> Optional[float]:
+    """The loss of the first row of ``metrics.jsonl`` (the run's first step, also after a
+    resume on another world size), or None."""
+    from hetseq_hpc.train.metrics import read_metrics
+
+    try:
+        rows = read_metrics(run_dir)
+    except Exception:
+        return None
+    for row in rows:
+        if isinstance(row.get("loss"), (int, float)):
+            return float(row["loss"])
+    return None
+
+
+def open_loggers(run: Any, run_dir: Path, resume_step: int) -> RunLoggers:
+    """:class:`RunLoggers` for ``run.trainer.loggers`` (rank 0 only)."""
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.to_container(OmegaConf.structured(run), resolve=True)
+    return RunLoggers(run_dir, run.trainer.loggers, resume_step, config)
+
+
+__all__ = ["CSV_NAME", "LOGGER_NAMES", "TB_DIR", "CsvLogger", "RunLoggers", "TensorBoardLogger",
+           "WandbLogger", "first_logged_loss", "flat_row", "missing_logger_package",
+           "open_loggers"]

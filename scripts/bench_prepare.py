@@ -1,0 +1,114 @@
+"""Benchmark ``hetseq-hpc prepare`` on a corpus of real text built offline (not a test).
+
+The corpus: CPython's own ``pydoc_data.topics`` (the ``help()`` texts every CPython carries,
+PSF licence) cut into its blank-line-separated paragraphs, written
+again and again, each copy in a different order (``random.Random(copy).shuffle``) and with the
+copy number in front of every paragraph, until the file reaches ``--corpus-mb``. So the text
+is real English/Python prose, the tokenizer sees a natural vocabulary, and no two copies are
+byte-identical.
+
+Then it runs ``hetseq-hpc prepare task=bert task.data.files=[corpus]`` in a child process with
+a fresh cache and reports the corpus size, the wall time, MB/s, the cores used (CPU seconds of
+the child / wall seconds) and the peak resident memory (``ru_maxrss`` of the child: the
+largest RSS any process of it reached). The last line is JSON::
+
+    {"corpus_mb": ..., "seconds": ..., "mb_per_s": ..., "cores": ..., "cores_available": ...,
+     "peak_rss_mb": ..., "rows": ..., "vocab_size": ...}
+
+Usage: ``python scripts/bench_prepare.py --corpus-mb 1024 [--keep DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def build_corpus(path: Path, target_mb: float) -> int:
+    """Write the shuffled-copies corpus to ``path``; returns its size in bytes."""
+    from pydoc_data import topics
+
+    paragraphs = [p.strip() for text in topics.topics.values() for p in text.split("\n\n")
+                  if p.strip()]
+    target = int(target_mb * 1e6)
+    written = 0
+    copy = 0
+    with open(path, "w", encoding="utf-8") as fh:
+        while written < target:
+            order = list(paragraphs)
+            random.Random(copy).shuffle(order)
+            for paragraph in order:
+                block = f"[{copy}] {paragraph}\n\n"
+                fh.write(block)
+                written += len(block.encode("utf-8"))
+                if written >= target:
+                    break
+            copy += 1
+    return path.stat().st_size
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--corpus-mb", type=float, default=1024.0,
+                        help="corpus size in MB (10^6 bytes); default 1024")
+    parser.add_argument("--seq-len", type=int, default=128, help="task.model.max_seq_len")
+    parser.add_argument("--keep", help="build in this folder and keep it (default: a temp dir)")
+    args = parser.parse_args()
+    root = Path(args.keep or tempfile.mkdtemp(prefix="bench-prepare-"))
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        return run(root, args.corpus_mb, args.seq_len)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def run(root: Path, corpus_mb: float, seq_len: int) -> int:
+    """Build the corpus in ``root``, prepare it with a fresh cache, print the figures."""
+    corpus = root / "corpus.txt"
+    started = time.monotonic()
+    size = build_corpus(corpus, corpus_mb)
+    print(f"corpus: {corpus} {size / 1e6:.1f} MB (built in {time.monotonic() - started:.0f} s)",
+          flush=True)
+    cache = root / "cache"
+    env = dict(os.environ, HETSEQ_CACHE=str(cache))
+    cmd = [sys.executable, "-m", "hetseq_hpc", "prepare", "task=bert",
+           f"task.data.files=[{corpus}]", f"task.model.max_seq_len={seq_len}"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.monotonic()
+    proc = subprocess.run(cmd, env=env)
+    wall = time.monotonic() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        print(f"prepare failed with exit code {proc.returncode}", file=sys.stderr)
+        return 1
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    metas = list(cache.glob("*/meta.json"))
+    meta = json.loads(metas[0].read_text()) if metas else {}
+    result = {
+        "corpus_mb": round(size / 1e6, 1), "seconds": round(wall, 1),
+        "mb_per_s": round(size / 1e6 / wall, 2), "cores": round(cpu / wall, 2),
+        "cores_available": len(os.sched_getaffinity(0)),
+        # ru_maxrss is in KiB on Linux: the peak of the largest child (and self below)
+        "peak_rss_mb": round(max(after.ru_maxrss,
+                                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024, 1),
+        "rows": meta.get("rows"), "vocab_size": meta.get("vocab_size"),
+    }
+    print(f"prepared {result['corpus_mb']} MB in {wall:.0f} s: {result['mb_per_s']} MB/s on "
+          f"{result['cores']} of {result['cores_available']} cores, peak RSS "
+          f"{result['peak_rss_mb']} MB")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

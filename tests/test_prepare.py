@@ -1,0 +1,135 @@
+"""`hetseq-hpc prepare` and the BERT cache build: streamed, identical to packing the whole
+corpus at once, atomic, and a run on an unprepared corpus whose rank 0 prepares for longer
+than cluster.collective_timeout_s does not fail on the waiting ranks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO, SMALL_MODEL, cli_env, read_rows
+from hetseq_hpc.errors import DataError
+from hetseq_hpc.tasks.bert import corpus as corpus_mod
+from hetseq_hpc.tasks.bert import data as data_mod
+from hetseq_hpc.tasks.bert.corpus import load_corpus
+from hetseq_hpc.tasks.bert.data import CLS_ID, SEP_ID, build_packed_text, load_packed_text
+from hetseq_hpc.tasks.bert.tokenizer import load_tokenizer
+
+
+def _pydoc_text(copies: int = 1) -> str:
+    from pydoc_data import topics
+
+    text = "\n\n".join(t for _, t in sorted(topics.topics.items()))
+    return "\n\n".join(text for _ in range(copies))
+
+
+def _write_corpus(tmp_path: Path, text: str, name: str = "corpus.txt") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_blocks_are_those_of_splitting_the_whole_file(tmp_path, monkeypatch):
+    text = "a\r\n\r\nb\n\n\n\nc  \n \n\nd\re\r\rf" + "\n\nlong " * 50
+    path = tmp_path / "t.txt"
+    path.write_bytes(text.encode("utf-8"))
+    whole = path.read_text(encoding="utf-8")
+    expected = [b.strip() for b in whole.split("\n\n") if b.strip()]
+    for chunk in (1, 2, 3, 7, 1 << 20):
+        monkeypatch.setattr(corpus_mod, "READ_CHUNK_BYTES", chunk)
+        assert list(load_corpus([str(path)]).documents()) == expected, chunk
+
+
+def test_non_utf8_in_the_middle_names_the_byte(tmp_path, monkeypatch):
+    monkeypatch.setattr(corpus_mod, "READ_CHUNK_BYTES", 16)
+    path = tmp_path / "bad.txt"
+    path.write_bytes(b"good text\n\n" * 10 + b"\xff\xfe" + b" more\n")
+    with pytest.raises(DataError, match=r"not UTF-8 text .*byte 110"):
+        list(load_corpus([str(path)]).documents())
+
+
+def test_streamed_rows_equal_packing_the_whole_corpus(tmp_path, monkeypatch):
+    """Small write chunks and encode batches give exactly the rows of encoding every document,
+    joining them with [SEP] and cutting the whole stream into rows."""
+    monkeypatch.setattr(data_mod, "ROWS_PER_WRITE", 3)
+    monkeypatch.setattr(data_mod, "ENCODE_BATCH_CHARS", 500)
+    path = _write_corpus(tmp_path, _pydoc_text())
+    corpus = load_corpus([str(path)])
+    directory = build_packed_text(corpus, 2000, 32, tmp_path / "cache")
+    packed = load_packed_text(directory, 0.1)
+    tokenizer = load_tokenizer(directory / "tokenizer.json")
+    stream = []
+    for doc in corpus.documents():
+        ids = tokenizer.encode(doc, add_special_tokens=False).ids
+        if ids:
+            stream += [*ids, SEP_ID]
+    body = np.asarray(stream[: len(stream) // 30 * 30], dtype=np.int32).reshape(-1, 30)
+    assert packed.tokens.shape == (body.shape[0], 32)
+    assert (packed.tokens[:, 0] == CLS_ID).all() and (packed.tokens[:, -1] == SEP_ID).all()
+    assert np.array_equal(np.asarray(packed.tokens[:, 1:-1]), body)
+    meta = json.loads((directory / "meta.json").read_text())
+    assert meta["rows"] == body.shape[0]
+
+
+def test_an_interrupted_prepare_leaves_nothing_a_run_trusts(tmp_path, monkeypatch):
+    """A file that turns out not to be UTF-8 halfway through the packing pass stops the build:
+    no meta.json (the marker every reader checks), no tokens.npy, no temp file left."""
+    monkeypatch.setattr(corpus_mod, "READ_CHUNK_BYTES", 4096)
+    good = _write_corpus(tmp_path, _pydoc_text())
+    corpus = load_corpus([str(good)])
+    calls = {"n": 0}
+    real = type(corpus).documents
+
+    def documents(self):  # the second pass (packing) dies halfway
+        calls["n"] += 1
+        for i, doc in enumerate(real(self)):
+            if calls["n"] == 2 and i == 200:
+                raise DataError("simulated interruption")
+            yield doc
+
+    monkeypatch.setattr(type(corpus), "documents", documents)
+    directory = tmp_path / "cache"
+    with pytest.raises(DataError, match="simulated"):
+        build_packed_text(corpus, 2000, 32, directory)
+    assert not (directory / "meta.json").exists() and not (directory / "tokens.npy").exists()
+    assert not list(directory.glob(".*.tmp"))
+    with pytest.raises(DataError, match="unreadable"):
+        load_packed_text(directory, 0.1)
+    monkeypatch.setattr(type(corpus), "documents", real)
+    build_packed_text(corpus, 2000, 32, directory)
+    assert load_packed_text(directory, 0.1).tokens.shape[0] > 10
+
+
+def test_prepare_subcommand_builds_the_cache_a_run_then_uses(tmp_path):
+    path = _write_corpus(tmp_path, _pydoc_text())
+    env = cli_env(tmp_path / "cache")
+    proc = subprocess.run([sys.executable, "-m", "hetseq_hpc", "prepare", "task=bert",
+                           f"task.data.files=[{path}]", *SMALL_MODEL], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    metas = list((tmp_path / "cache").glob("*/meta.json"))
+    assert len(metas) == 1 and str(metas[0].parent) in proc.stdout
+    assert json.loads(metas[0].read_text())["rows"] > 10
+
+
+@pytest.mark.slow
+def test_waiting_ranks_outlive_a_prepare_longer_than_the_collective_timeout(tmp_path):
+    """Rank 0 prepares a new corpus for > 10 s (a test hook sleeps 15 s first) while the other
+    rank waits on the marker file, not in a gloo barrier with the 10 s timeout."""
+    path = _write_corpus(tmp_path, _pydoc_text())
+    env = cli_env(tmp_path / "cache")
+    env["HETSEQ_INJECT_PREPARE_DELAY_S"] = "15"
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "hetseq_hpc", *SMALL_MODEL, f"task.data.files=[{path}]",
+         "cluster.ranks=2", "cluster.collective_timeout_s=10", "trainer.max_steps=2",
+         "trainer.val_every=0", f"hydra.run.dir={run_dir}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in read_rows(run_dir)] == [1, 2]
+    assert not list((run_dir / "logs").glob(".prepared-*"))
