@@ -177,3 +177,10 @@ def test_fresh_machine_falls_back_to_scikit_learn_digits(tmp_path, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "sklearn", None)  # not installed
     with pytest.raises(DataError, match=r"pip install scikit-learn, or set task.data.path"):
         resolve_source(None)
+
+
+def test_data_before_load_is_a_one_line_error(task):
+    """The shared guard in Task.loaded: a task whose load() has not run names itself."""
+    fresh = ImageTask(task.cfg, task.seed)
+    with pytest.raises(DataError, match=r"^image data used before load\(\)"):
+        _ = fresh.num_train

@@ -59,6 +59,18 @@ class Task(abc.ABC):
     def load(self) -> None:
         """Open the prepared data (every rank, after :meth:`prepare`)."""
 
+    def loaded(self, data: Any) -> Any:
+        """``data`` (what :meth:`load` stored), or a one-line error when it is still None.
+
+        Raises:
+            DataError: the task's data is used before :meth:`load` ran.
+        """
+        if data is None:
+            from hetseq_hpc.errors import DataError
+
+            raise DataError(f"{self.name} data used before load(): call prepare() then load()")
+        return data
+
     @property
     @abc.abstractmethod
     def num_train(self) -> int:

@@ -186,9 +186,9 @@ class GradientPath:
 
     def __init__(self, trainer_cfg: Any, precisions: Sequence[Optional[str]], rank: int,
                  world_size: int, expected_units: float):
-        self.combine = getattr(trainer_cfg, "grad_combine", "sum")
-        self.compression = getattr(trainer_cfg, "grad_compression", "none")
-        self.bucket_cap_mb = getattr(trainer_cfg, "bucket_cap_mb", None)
+        self.combine = trainer_cfg.grad_combine
+        self.compression = trainer_cfg.grad_compression
+        self.bucket_cap_mb = trainer_cfg.bucket_cap_mb
         self.precisions = [p or "fp32" for p in precisions]
         self.rank = rank
         self.expected_units = max(float(expected_units), 1.0)

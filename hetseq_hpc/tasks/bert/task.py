@@ -8,7 +8,6 @@ import numpy as np
 import torch
 
 from hetseq_hpc.config.schema import BertTaskConfig
-from hetseq_hpc.errors import DataError
 from hetseq_hpc.tasks.base import Task
 from hetseq_hpc.tasks.bert.corpus import load_corpus
 from hetseq_hpc.tasks.bert.data import (
@@ -55,9 +54,7 @@ class BertTask(Task):
     @property
     def data(self) -> PackedText:
         """The loaded data; raises DataError before :meth:`load`."""
-        if self._data is None:
-            raise DataError("BERT data used before load(): call prepare() then load()")
-        return self._data
+        return self.loaded(self._data)
 
     @property
     def num_train(self) -> int:

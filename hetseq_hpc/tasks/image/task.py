@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from hetseq_hpc.config.task import ImageTaskConfig
-from hetseq_hpc.errors import DataError
 from hetseq_hpc.tasks.base import Task
 from hetseq_hpc.tasks.bert.data import cache_root
 from hetseq_hpc.tasks.image.data import (
@@ -65,9 +64,7 @@ class ImageTask(Task):
     @property
     def data(self) -> ImageArrays:
         """The loaded arrays; raises DataError before :meth:`load`."""
-        if self._data is None:
-            raise DataError("image data used before load(): call prepare() then load()")
-        return self._data
+        return self.loaded(self._data)
 
     @property
     def data_summary(self) -> Dict[str, object]:

@@ -114,9 +114,7 @@ class TranslationTask(Task):
     @property
     def data(self) -> TranslationData:
         """The loaded data; raises DataError before :meth:`load`."""
-        if self._data is None:
-            raise DataError("translation data used before load(): call prepare() then load()")
-        return self._data
+        return self.loaded(self._data)
 
     @property
     def data_summary(self) -> Dict[str, object]:
