@@ -1,13 +1,17 @@
 """Measure a rank's cost curve and memory per sample with a few passes of the real model.
 
-Time: ``steps`` timed forward+backward passes on real training samples at two micro-batch sizes
-(the calibration micro-batch and a quarter of it, alternately, after one warm-up pass at each),
-fitted as ``t(m) = a + c m`` (:mod:`hetseq_hpc.cost_model`); plus the per-step fixed cost ``f``
+Time: after one untimed warm-up pass at the calibration micro-batch ``m``, ``steps`` timed
+forward+backward passes on real training samples alternate between ``m`` and ``m / 4``
+(``m`` first); the fastest pass of each size is kept (one-off stalls -- page faults of a
+first pass at a new shape, a neighbour's burst, a cgroup throttle -- only ever add time,
+the approach of Python's ``timeit``) and the line through the two points is the cost curve
+``t(m) = a + c m`` (:mod:`hetseq_hpc.cost_model`); plus the per-step fixed cost ``f``
 (clipping and an AdamW step, timed on copies of the parameters). No optimizer step touches the
 model; gradients are dropped afterwards. Memory: bytes the autograd graph saves for backward,
-counted with ``torch.autograd.graph.saved_tensors_hooks`` at the two sizes (the slope is the
-per-sample activation memory; works on any device), and on CUDA also the peak allocated memory,
-whichever is larger.
+counted with ``torch.autograd.graph.saved_tensors_hooks`` in the warm-up pass and the first small
+pass (the slope is the per-sample activation memory; works on any device), and on CUDA also
+the peak allocated memory, whichever is larger. The default 4 passes (2 of each size) cost
+about what the earlier one-size calibration (warm-up + 3 passes at ``m``) did.
 """
 
 from __future__ import annotations
@@ -16,13 +20,14 @@ import contextlib
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from hetseq_hpc.allocation import micro_batch_cap
 from hetseq_hpc.cost_model import fit_curve, fit_residuals
+from hetseq_hpc.train.optim import adamw_kernel
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +107,20 @@ def _sync(device: torch.device) -> None:
 def timed_sizes(micro_batch: int, steps: int, cap: int) -> List[int]:
     """Micro-batch sizes of the ``steps`` timed passes: the calibration micro-batch ``m`` and
     ``m / LOW_SIZE_DIVISOR`` alternately (``m`` first), both within the memory ``cap``; one
-    size only when ``m`` is too small to split. The same number of passes as a one-size
-    calibration, so the curve costs no more time than one rate."""
+    size only when ``m`` is too small to split."""
     high = max(1, min(int(micro_batch), int(cap) if cap >= 1 else 1))
     low = max(1, high // LOW_SIZE_DIVISOR)
     return [low if j % 2 else high for j in range(int(steps))]
+
+
+def fastest_per_size(sizes: Sequence[int], times_s: Sequence[float]) -> Tuple[List[int], List[float]]:
+    """``(sizes, seconds)``: the fastest timing of each distinct micro-batch size, sizes
+    ascending (interference only ever adds time, so the minimum is the least disturbed)."""
+    best: Dict[int, float] = {}
+    for n, t in zip(sizes, times_s):
+        best[int(n)] = min(best.get(int(n), float("inf")), float(t))
+    ordered = sorted(best)
+    return ordered, [best[n] for n in ordered]
 
 
 def time_optimizer_step(model: nn.Module, device: torch.device, repeats: int = 2) -> float:
@@ -119,12 +133,12 @@ def time_optimizer_step(model: nn.Module, device: torch.device, repeats: int = 2
     copies = [p.detach().clone() for p in params]
     for copy, p in zip(copies, params):
         copy.grad = p.grad
-    opt = torch.optim.AdamW(copies, lr=1e-12)
+    opt = torch.optim.AdamW(copies, lr=1e-12, **adamw_kernel(copies))
     best = float("inf")
     for j in range(repeats):
         _sync(device)
         start = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(copies, 1.0)
+        torch.nn.utils.clip_grad_norm_(copies, 1.0, foreach=True)
         opt.step()
         _sync(device)
         if j:
@@ -149,51 +163,47 @@ def calibrate(
     """Measure memory per sample, then time ``steps`` forward+backward passes at two sizes and
     fit the cost curve ``t(m) = a + c m`` (:func:`hetseq_hpc.cost_model.fit_curve`).
 
-    Passes: one untimed pass at ``micro_batch`` (warm-up; saved activations), one untimed pass
-    at the small size (its warm-up; saved activations, whose difference is the per-sample
-    memory), then the timed passes of :func:`timed_sizes`, then (``step_fixed``) the per-step
-    fixed cost :func:`time_optimizer_step`. Every timing and the fit's residuals are logged.
+    Passes: one untimed pass at ``micro_batch`` (warm-up; saved activations, an upper bound
+    of the per-sample memory that sets a safe size for the timed passes), then the timed
+    passes of :func:`timed_sizes` (the first small one also counts its saved activations: the
+    difference is the per-sample memory), then (``step_fixed``) the per-step fixed cost
+    :func:`time_optimizer_step`. The curve is fitted to the fastest pass of each size
+    (:func:`fastest_per_size`). Every timing and the fit's residuals are logged.
 
     Args:
         model: the bare model (not DDP-wrapped: calibration must not run collectives).
         make_batch: ``n -> batch`` of ``n`` real samples on the CPU.
         device: where the model lives.
         micro_batch: the largest timed micro-batch (lowered to the memory cap).
-        steps: timed passes (after the warm-up passes).
+        steps: timed passes (after the warm-up pass).
         memory_budget_bytes: memory this rank may plan with.
         max_micro_batch: extra cap from ``trainer.max_micro_batch``.
         autocast: context manager factory for mixed precision (the rank's precision).
         step_fixed: also time the optimizer step (the per-step fixed cost ``f``).
     """
+    saved: Dict[int, int] = {}
 
-    def run(n: int) -> tuple:
+    def run(n: int) -> None:
         batch = {k: v.to(device, non_blocking=True) for k, v in make_batch(n).items()}
         with autocast():
-            loss, saved = saved_tensor_bytes(lambda: model(**batch))
+            loss, count = saved_tensor_bytes(lambda: model(**batch))
         loss.backward()
-        return saved
+        saved.setdefault(n, count)
 
     model.train()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base_alloc = torch.cuda.memory_allocated(device)
-    saved_big = run(micro_batch)  # warm-up, and activation bytes at micro_batch
+    run(micro_batch)  # warm-up, and activation bytes at micro_batch
     _sync(device)
     peak_per_sample = 0.0
     if device.type == "cuda":
         peak_per_sample = (torch.cuda.max_memory_allocated(device) - base_alloc) / micro_batch
-    small = max(1, micro_batch // LOW_SIZE_DIVISOR)
-    if micro_batch > small:
-        saved_small = run(small)  # the small size's warm-up, and its activation bytes
-        per_sample = max(saved_big - saved_small, 0) / (micro_batch - small)
-    else:
-        per_sample = float(saved_big) / micro_batch
-    per_sample = max(per_sample, peak_per_sample) * ACTIVATION_SAFETY
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    static = float(param_bytes * STATIC_PARAM_COPIES)
-    budget = float(memory_budget_bytes) * MEMORY_HEADROOM
-    cap = memory_cap(memory_budget_bytes, param_bytes, per_sample, max_micro_batch)
-    sizes = timed_sizes(micro_batch, steps, cap)
+    # every saved byte counted as per-sample: an upper bound, so this cap is a safe one
+    upper = max(saved[micro_batch] / micro_batch, peak_per_sample) * ACTIVATION_SAFETY
+    sizes = timed_sizes(micro_batch, steps,
+                        memory_cap(memory_budget_bytes, param_bytes, upper, max_micro_batch))
     times = []
     for n in sizes:
         _sync(device)
@@ -203,7 +213,17 @@ def calibrate(
         times.append(max(time.perf_counter() - start, 1e-9))
     fixed = time_optimizer_step(model, device) if step_fixed else 0.0
     model.zero_grad(set_to_none=True)
-    curve = fit_curve(sizes, times, fixed)
+    small = min(sizes)
+    if micro_batch > small:
+        per_sample = max(saved[micro_batch] - saved[small], 0) / (micro_batch - small)
+    else:
+        per_sample = float(saved[micro_batch]) / micro_batch
+    per_sample = max(per_sample, peak_per_sample) * ACTIVATION_SAFETY
+    static = float(param_bytes * STATIC_PARAM_COPIES)
+    budget = float(memory_budget_bytes) * MEMORY_HEADROOM
+    cap = memory_cap(memory_budget_bytes, param_bytes, per_sample, max_micro_batch)
+    fit_sizes, fit_times = fastest_per_size(sizes, times)
+    curve = fit_curve(fit_sizes, fit_times, fixed)
     high = max(sizes)
     result = Calibration(
         samples_per_s=high / curve.micro_s(high),

@@ -239,7 +239,7 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
 
         metas = [RankMeta(**r["meta"]) for r in reports]
         rebalancer = None
-        if run.trainer.rebalance_every:
+        if run.trainer.rebalance_interval and world.world_size > 1:
             rebalancer = Rebalancer(caps=[s.max_micro_batch for s in allocation.shares],
                                     threshold=run.trainer.rebalance_threshold,
                                     curves=report_curves(reports))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from hetseq_hpc.calibrate import LOW_SIZE_DIVISOR, calibrate, timed_sizes
+from hetseq_hpc.calibrate import LOW_SIZE_DIVISOR, calibrate, fastest_per_size, timed_sizes
 from hetseq_hpc.cost_model import CostCurve, fit_compute, fit_curve, fit_residuals
 from hetseq_hpc.errors import AllocationError
 
@@ -83,6 +83,14 @@ def test_timed_sizes_alternate_within_the_cap():
     assert timed_sizes(16, 1, 64) == [16]
 
 
+def test_fastest_per_size_ignores_one_off_stalls():
+    # the first pass at 16 stalled (3x): the fit sees the undisturbed 0.10 s, not a mean
+    sizes, times = fastest_per_size([16, 4, 16, 4], [0.30, 0.04, 0.10, 0.05])
+    assert sizes == [4, 16] and times == [0.04, 0.10]
+    curve = fit_curve(sizes, times)
+    assert curve.micro_s(16) == pytest.approx(0.10) and curve.micro_s(4) == pytest.approx(0.04)
+
+
 # --------------------------------------------------------------------------- a real calibration
 class _Tiny(nn.Module):
     """A small regression model with the task models' interface (``model(**batch) -> loss``)."""
@@ -108,6 +116,7 @@ def test_calibration_fits_two_sizes_and_times_the_optimizer():
     cal = calibrate(model, make_batch, torch.device("cpu"), 16, 3, 2**30)
     sizes = [n for n, _ in cal.timings]
     assert sizes == [16, 4, 16]
+    assert seen == [16, 16, 4, 16]  # one warm-up pass, then the timed ones
     assert all(t > 0 for _, t in cal.timings)
     assert cal.per_sample_s > 0 and cal.overhead_s >= 0 and cal.step_fixed_s > 0
     assert cal.samples_per_s == pytest.approx(16 / (cal.overhead_s + 16 * cal.per_sample_s))

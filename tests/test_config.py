@@ -542,3 +542,19 @@ def test_cli_binary_data_file_exits_2_and_starts_nothing(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("hetseq-hpc: error: task.data.files") and str(data) in proc.stderr
     _assert_nothing_started(tmp_path)
+
+
+@pytest.mark.parametrize("overrides,interval", [
+    ([], 10),                                              # measured split: re-balanced
+    (["trainer.allocation=[24,8]", "cluster.ranks=2"], 0),  # the user's split is kept
+    (["trainer.rebalance_every=3"], 3),
+    (["trainer.rebalance_every=0"], 0),
+    (["trainer.allocation=[24,8]", "cluster.ranks=2", "trainer.rebalance_every=5"], 5),
+])
+def test_rebalance_interval_defaults_to_on_for_a_measured_split(run_config, overrides, interval):
+    assert run_config(*overrides).trainer.rebalance_interval == interval
+
+
+def test_negative_rebalance_every_is_refused(run_config):
+    with pytest.raises(ConfigError, match=r"trainer\.rebalance_every=-1"):
+        run_config("trainer.rebalance_every=-1")

@@ -124,3 +124,25 @@ def test_prior_curves_leave_a_good_split_alone():
                           [c.step_fixed_s for c in truth], rng, 0.05))
         if step % EVERY == 0:
             assert reb.observe(step, alloc) is None
+
+
+def test_a_short_burst_at_the_end_of_a_window_is_not_a_speed_change():
+    """Two slow steps (a neighbour's burst) at the end of a 10-step window: the window's
+    median decides and the good split stays; three in a row are a change and it moves."""
+    caps = [32, 32]
+    truth = [CostCurve(0.02, 0.01, 0.03), CostCurve(0.15, 0.03, 0.09)]
+    alloc = allocate([1.0, 1.0], 128, caps, curves=truth)
+    accum = [s.accum_steps for s in alloc.shares]
+
+    def window(slow_steps):
+        reb = Rebalancer(caps=caps, threshold=0.1, curves=truth)
+        rng = random.Random(11)
+        for step in range(1, 11):
+            now = [truth[0].scaled(1.5), truth[1]] if step > 10 - slow_steps else truth
+            reb.record(_table(alloc.samples, accum, now, [c.step_fixed_s for c in truth],
+                              rng, 0.02))
+        return reb.observe(10, alloc)
+
+    assert window(2) is None
+    moved = window(3)
+    assert moved is not None and moved.samples[0] < alloc.samples[0]

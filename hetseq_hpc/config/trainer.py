@@ -12,6 +12,8 @@ LOGGER_NAMES = ("jsonl", "csv", "tensorboard", "wandb")
 #: largest trainer.seed: numpy's legacy seeding and most tools take 32-bit seeds (Lightning's
 #: seed_everything allows the same range)
 MAX_SEED = 2**32 - 1
+#: re-balancing interval (steps) when trainer.rebalance_every is null and the split is measured
+AUTO_REBALANCE_EVERY = 10
 
 
 @dataclass
@@ -40,8 +42,9 @@ class TrainerConfig:
     resume: str = "auto"
     # clip the global gradient norm to this value; 0 = no clipping
     grad_clip: float = 1.0
-    # timed forward+backward passes per rank to measure throughput (after 1 warm-up pass)
-    calibration_steps: int = 3
+    # timed forward+backward passes per rank (after 1 warm-up pass), alternating the
+    # calibration micro-batch and a quarter of it; the fastest of each size fits the cost curve
+    calibration_steps: int = 4
     # micro-batch used while calibrating; null = global batch / world size (at most 16)
     calibration_micro_batch: Optional[int] = None
     # auto = bf16 autocast on compute capability >= 8.0, fp16 on 7.x (Volta/Turing, with one
@@ -54,8 +57,9 @@ class TrainerConfig:
     # sum = exact global-batch gradient; adasum = Adasum of each rank's own mean gradient
     # (Maleki et al. 2020; NOT the exact global-batch update; power-of-two world sizes only)
     grad_combine: str = "sum"
-    # every N steps ranks compare measured step times and may re-balance; 0 = never
-    rebalance_every: int = 0
+    # every N steps ranks refit their cost curves from measured step times and may re-balance;
+    # 0 = never; null = every 10 steps when the split is measured, never with trainer.allocation
+    rebalance_every: Optional[int] = None
     # straggle (max - min) / mean of per-rank compute time that triggers a re-balance
     rebalance_threshold: float = 0.1
     # write a PNG of per-rank step times at the end
@@ -108,7 +112,8 @@ class TrainerConfig:
             require(value >= 1, f"trainer.{name}={value} is invalid: it must be >= 1")
         for name in ("val_every", "checkpoint_every", "rebalance_every"):
             value = getattr(self, name)
-            require(value >= 0, f"trainer.{name}={value} is invalid: it must be >= 0")
+            require(value is None or value >= 0,
+                    f"trainer.{name}={value} is invalid: it must be >= 0")
         require(
             self.keep_checkpoints >= 1,
             f"trainer.keep_checkpoints={self.keep_checkpoints} is invalid: keep at least 1",
@@ -145,10 +150,20 @@ class TrainerConfig:
             f"trainer.rebalance_threshold={self.rebalance_threshold} is invalid: it must be > 0",
         )
 
+    @property
+    def rebalance_interval(self) -> int:
+        """Steps between re-balancing decisions (0 = never): ``rebalance_every`` when given,
+        else :data:`AUTO_REBALANCE_EVERY` for a measured split and 0 for a forced
+        ``trainer.allocation`` (the user's split is kept)."""
+        if self.rebalance_every is not None:
+            return int(self.rebalance_every)
+        return 0 if self.allocation is not None else AUTO_REBALANCE_EVERY
+
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warm-up then linear or cosine decay (transformers' schedulers)."""
+    """AdamW with linear warm-up then linear or cosine decay (the schedules of transformers'
+    ``get_scheduler``, reimplemented in :mod:`hetseq_hpc.train.optim`)."""
 
     name: str = "adamw"
     # peak learning rate

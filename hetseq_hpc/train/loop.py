@@ -97,7 +97,7 @@ class Trainer:
         metas: :class:`RankMeta` of every rank, in rank order.
         autocast: factory of the mixed-precision context.
         rebalancer: optional online re-balancer (``record(per_rank)``, ``observe(step,
-            allocation) -> Optional[Allocation]``), consulted every ``trainer.rebalance_every``
+            allocation) -> Optional[Allocation]``), consulted every ``trainer.rebalance_interval``
             steps.
         on_allocation: called with every new allocation a re-balance switches to.
         stop_request: a :class:`~hetseq_hpc.preemption.StopRequest` (its ``code`` is shared with
@@ -258,15 +258,15 @@ class Trainer:
         ))
         self._exchanged_at = time.perf_counter()
         global_count = sum(s.count for s in table)
-        inv = self.grad_path.unscale_factor(global_count)
-        for param in self.model.parameters():
-            if param.grad is not None:
-                param.grad.mul_(inv)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        # one multi-tensor kernel per op instead of a Python loop over the parameters: the
+        # per-step fixed cost every rank pays, a slow one at its own speed
+        torch._foreach_mul_(grads, self.grad_path.unscale_factor(global_count))
         if self.cfg.grad_clip > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), self.cfg.grad_clip, foreach=True))
         else:
-            grad_norm = float(torch.linalg.vector_norm(
-                torch.stack([p.grad.norm() for p in self.model.parameters() if p.grad is not None])))
+            grad_norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
         lr = float(self.scheduler.get_last_lr()[0])
         if self.grad_path.step_ok(grad_norm, step):  # False: fp16 overflow, skipped on all ranks
             self.optimizer.step()
@@ -292,9 +292,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def _maybe_rebalance(self, rec: StepRecord) -> None:
-        """Feed the re-balancer; every ``trainer.rebalance_every`` steps all ranks check they
-        decided alike and switch together to its new allocation from the next step."""
-        every = self.cfg.rebalance_every
+        """Feed the re-balancer; every ``trainer.rebalance_interval`` steps all ranks check
+        they decided alike and switch together to its new allocation from the next step."""
+        every = self.cfg.rebalance_interval
         if self.rebalancer is None:
             return
         self.rebalancer.record(rec.per_rank)

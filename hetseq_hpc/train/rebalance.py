@@ -1,18 +1,19 @@
 """Online re-balancing with the allocation's own cost model, refitted from measured step times.
 
-Every ``trainer.rebalance_every`` steps all ranks hold the same table of per-rank timings (the
-loop's per-step all-gather of :class:`~hetseq_hpc.distributed.StepStats`), so every rank
-computes the same decision at the same step without another message. For each rank, over the
+Every ``trainer.rebalance_interval`` steps (``trainer.rebalance_every``; by default 10 for a
+measured split, never for a forced ``trainer.allocation``) all ranks hold the same table of
+per-rank timings (the loop's per-step all-gather of :class:`~hetseq_hpc.distributed.StepStats`),
+so every rank computes the same decision at the same step without another message. For each rank, over the
 steps since the last decision (the first step after a switch is left out: new shapes warm up):
 
 * its cost curve (:class:`~hetseq_hpc.cost_model.CostCurve`, the calibration's fit as a prior)
   is refitted from the measured forward+backward time of its micro-batches
-  (``compute_time_s`` of ``accum`` micro-batches holding ``samples``, median of the window's
-  last :data:`RECENT_STEPS` steps, so a change a few steps old is seen): when the median ratio
-  measured / predicted is off by more than ``threshold`` the device changed speed (or the prior
-  was wrong) and the curve is rescaled by that ratio, forgetting older windows; otherwise the
-  window's point joins the earlier ones and, once two splits different enough were seen,
-  ``a`` and ``c`` are refitted by least squares (:func:`~hetseq_hpc.cost_model.fit_compute`);
+  (``compute_time_s`` of ``accum`` micro-batches holding ``samples``, median over the window):
+  when each of the window's last :data:`RECENT_STEPS` steps is off the prediction by more than
+  ``threshold`` in the same direction the device changed speed (or the prior was wrong), and
+  the curve is rescaled by their median ratio, forgetting older windows -- a change a few steps
+  old is seen, one noisy step is not; otherwise the window's point joins the earlier ones and,
+  once two splits different enough were seen, ``a`` and ``c`` are refitted by least squares (:func:`~hetseq_hpc.cost_model.fit_compute`);
 * its per-step fixed cost ``f`` is the median of its measured ``tail_time_s`` (optimizer step,
   clipping, logging: the local work between two steps);
 * the global batch is re-split by :func:`~hetseq_hpc.cost_model.min_max_split` and the split is
@@ -87,20 +88,29 @@ class Rebalancer:
         self._window.append(per_rank)
 
     def _refit(self, rank: int, accum: int, rows: List[StepStats]) -> CostCurve:
-        """Rank ``rank``'s curve after a window of ``rows`` run as ``accum`` micro-batches."""
+        """Rank ``rank``'s curve after a window of ``rows`` run as ``accum`` micro-batches.
+
+        The window's measurement is the median compute time of all its steps; only when every
+        one of its last :data:`RECENT_STEPS` steps is off the prior by more than ``threshold``
+        in the same direction (a speed change, not a noisy step or two) is it the median of
+        those steps alone, and the older windows are forgotten."""
         samples = rows[0].samples
         recent = rows[-RECENT_STEPS:]  # a change inside the window shows in its last steps
-        measured = statistics.median(row.compute_time_s for row in recent)
         tail = statistics.median(getattr(row, "tail_time_s", 0.0) for row in rows)
         prior = self._curves[rank]
         if prior is None:
+            measured = statistics.median(row.compute_time_s for row in rows)
             self._points[rank] = [(accum, samples, measured)]
             return CostCurve(0.0, measured / max(samples, 1), tail)
-        ratio = statistics.median(
-            row.compute_time_s / prior.compute_s(row.samples, accum) for row in recent)
-        points = [p for p in self._points[rank] if (p[0], p[1]) != (accum, samples)]
-        if abs(ratio - 1.0) > self.threshold:  # a speed change: forget the older windows
-            points = []
+        ratios = [row.compute_time_s / prior.compute_s(row.samples, accum) for row in rows]
+        late = ratios[-len(recent):]
+        changed = len(late) == RECENT_STEPS and (min(late) > 1.0 + self.threshold
+                                                 or max(late) < 1.0 - self.threshold)
+        used = recent if changed else rows
+        measured = statistics.median(row.compute_time_s for row in used)
+        ratio = statistics.median(late if changed else ratios)
+        points = [] if changed else [p for p in self._points[rank]
+                                     if (p[0], p[1]) != (accum, samples)]
         points = [*points, (accum, samples, measured)][-MAX_POINTS:]
         self._points[rank] = points
         designs = [(k, b) for k, b, _ in points]
