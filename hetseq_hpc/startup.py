@@ -18,11 +18,10 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 log = logging.getLogger(__name__)
 
-#: modules a task's model needs that take seconds to import, by ``task.name``. The BERT model is
-#: plain torch (no transformers); what is left is ``torch._dynamo`` (and sympy under it, ~1 s),
-#: which torch.optim imports on the optimizer's first ``add_param_group``.
-MODEL_IMPORTS: Dict[str, Tuple[str, ...]] = {
-    name: ("torch._dynamo",) for name in ("bert", "image", "translation", "custom")}
+#: modules every rank needs that take about a second to import: ``torch._dynamo`` (and sympy
+#: under it), which torch.optim imports on the optimizer's first ``add_param_group`` -- for
+#: every task, the models themselves are plain torch
+BACKGROUND_IMPORTS: Tuple[str, ...] = ("torch._dynamo",)
 
 
 def process_start_epoch(pid: str = "self") -> Optional[float]:
@@ -65,11 +64,11 @@ class PhaseClock:
 
 
 def prefetch_imports(names: Sequence[str]) -> Optional[threading.Thread]:
-    """Import ``names`` in a daemon thread, so that the model's slow imports run while the rank
-    waits for its peers (rendezvous, rank 0's data preparation) instead of after. The caller
-    must ``join()`` the thread before it touches these modules itself (transformers' lazy module
-    is not safe to import from two threads at once); an error here is ignored (the real import
-    raises it where it happens). Returns the thread (None if nothing to import)."""
+    """Import ``names`` in a daemon thread, so that slow imports run while the rank waits for
+    its peers (rendezvous, rank 0's data preparation) instead of after. The caller must
+    ``join()`` the thread before it touches these modules itself (a module half-imported by
+    another thread is not safe to use); an error here is ignored (the real import raises it
+    where it happens). Returns the thread (None if nothing to import)."""
     if not names:
         return None
 

@@ -44,7 +44,7 @@ from hetseq_hpc.placement import (
     placement_for,
 )
 from hetseq_hpc.preemption import REQUEUE, StopRequest, requeue_job
-from hetseq_hpc.startup import MODEL_IMPORTS, PhaseClock, prefetch_imports
+from hetseq_hpc.startup import BACKGROUND_IMPORTS, PhaseClock, prefetch_imports
 from hetseq_hpc.tasks import build_task
 from hetseq_hpc.tasks.contract import checked_batch
 from hetseq_hpc.tasks.prepare_wait import prepare_on_rank0
@@ -170,7 +170,7 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
         HetseqError: a bad environment, an impossible allocation, a corrupt checkpoint ...
     """
     clock = PhaseClock()
-    prefetch = prefetch_imports(MODEL_IMPORTS.get(run.task.name, ()))
+    prefetch = prefetch_imports(BACKGROUND_IMPORTS)
     run_dir_path = Path(run_dir).resolve()
     env = os.environ if env is None else env
     world = WorldInfo.from_env(env)
@@ -206,7 +206,7 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
                         het_group=world.het_group, partition=world.partition,
                         gres=placement.gres, precision=precision)
         if prefetch is not None:
-            prefetch.join()  # nothing may import the model's modules while the thread does
+            prefetch.join()  # nothing may import these modules while the thread does
         model, task_info = build_checked_model(task, run, device)  # refuses BatchNorm
         clock.mark("model")
         budget = memory_budget_bytes(placement, dev.kind, dev.memory_free_bytes,

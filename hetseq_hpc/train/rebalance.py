@@ -2,9 +2,10 @@
 
 Every ``trainer.rebalance_interval`` steps (``trainer.rebalance_every``; by default 10 for a
 measured split, never for a forced ``trainer.allocation``) all ranks hold the same table of
-per-rank timings (the loop's per-step all-gather of :class:`~hetseq_hpc.distributed.StepStats`),
-so every rank computes the same decision at the same step without another message. For each rank, over the
-steps since the last decision (the first step after a switch is left out: new shapes warm up):
+per-rank timings (the loop's per-step all-gather of
+:class:`~hetseq_hpc.distributed.StepStats`), so every rank computes the same decision at the same
+step without another message. For each rank, over the steps since the last decision (the first
+step after a switch is left out: new shapes warm up):
 
 * its cost curve (:class:`~hetseq_hpc.cost_model.CostCurve`, the calibration's fit as a prior)
   is refitted from the measured forward+backward time of its micro-batches
@@ -13,7 +14,8 @@ steps since the last decision (the first step after a switch is left out: new sh
   ``threshold`` in the same direction the device changed speed (or the prior was wrong), and
   the curve is rescaled by their median ratio, forgetting older windows -- a change a few steps
   old is seen, one noisy step is not; otherwise the window's point joins the earlier ones and,
-  once two splits different enough were seen, ``a`` and ``c`` are refitted by least squares (:func:`~hetseq_hpc.cost_model.fit_compute`);
+  once two splits different enough were seen, ``a`` and ``c`` are refitted by least squares
+  (:func:`~hetseq_hpc.cost_model.fit_compute`);
 * its per-step fixed cost ``f`` is the median of its measured ``tail_time_s`` (optimizer step,
   clipping, logging: the local work between two steps);
 * the global batch is re-split by :func:`~hetseq_hpc.cost_model.min_max_split` and the split is
