@@ -50,6 +50,7 @@ from hetseq_hpc.tasks.contract import checked_batch
 from hetseq_hpc.tasks.prepare_wait import prepare_on_rank0
 from hetseq_hpc.tasks.report import build_checked_model, finish_task_summary
 from hetseq_hpc.train.loop import RankMeta, Trainer
+from hetseq_hpc.train.metrics import measured_step_sync
 from hetseq_hpc.train.precision import autocast_factory, resolve_precision
 from hetseq_hpc.train.rebalance import Rebalancer
 from hetseq_hpc.train.run_lock import claim_run_dir
@@ -248,9 +249,14 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
                           stop_request=stop_request, rebalancer=rebalancer)
         summary = trainer.fit()
         finish_task_summary(summary, task, model, task_info, world.is_master)
-        if rebalancer is not None and all(rebalancer.fitted):  # the refitted curves, for plans
-            on_allocation(trainer.allocation,
-                          {"fitted_curves": [c.to_dict() for c in rebalancer.fitted]})
+        final: Dict[str, Any] = {}  # what plans read from a finished run (plan.probe)
+        if rebalancer is not None and all(rebalancer.fitted):  # the refitted curves
+            final["fitted_curves"] = [c.to_dict() for c in rebalancer.fitted]
+        measured = measured_step_sync(trainer.history, trainer.allocation.samples)
+        if measured is not None:
+            final["measured_step"] = measured
+        if final:
+            on_allocation(trainer.allocation, final)
         if world.is_master and run.trainer.plot:
             try:
                 from hetseq_hpc.report import plot_run

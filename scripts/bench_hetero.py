@@ -25,7 +25,11 @@ cpu.cfs_quota_us) and counts the steps re-balancing needs to get back above 0.9 
 
 Last line: one JSON object with efficiency_equal / efficiency_balanced (against the sum of the
 standalone rates, as before), efficiency_corunning / efficiency_equal_corunning (against the
-co-running ceiling), balance_error (median over steps of the longest wait of a rank -- the
+co-running ceiling), efficiency_in_job (against the sum of the ranks' own rates inside (c):
+samples over busy time, no waiting -- what is left is balancing and synchronisation) with
+in_job_slowdown (per rank, co-running rate / in-job rate - 1: how much slower a rank works
+inside the lock-step job than free-running beside the other -- the machine's part of the gap,
+plus smaller micro-batches at small global batches), balance_error (median over steps of the longest wait of a rank -- the
 spread of the ranks' busy times -- as a share of the step), speedup = (c) / (b),
 overhead_vs_ddp (median over pairs of hetseq_hpc step / plain DDP step - 1) with its spread
 (overhead_iqr, overhead_pairs), steps_to_recover and planner_error (the planner, given (c)'s
@@ -123,6 +127,22 @@ def balance_error(rows: list, warmup: int) -> float:
         busy = [r["compute_time_s"] + r.get("tail_time_s", 0.0) for r in row["ranks"]]
         shares.append((max(busy) - min(busy)) / row["step_time_s"])
     return statistics.median(shares) if shares else float("nan")
+
+
+def in_job_rates(rows: list, warmup: int) -> list:
+    """Each rank's own rate inside the job: per step, its samples over its busy time (compute +
+    per-step tail, no waiting), median over the steps after ``warmup``. Their sum is what the
+    ranks deliver together if none of them ever waited and a step cost nothing beyond their own
+    work -- the ceiling that leaves out only balancing and synchronisation."""
+    per_rank = {}
+    for row in rows:
+        if row["step"] <= warmup:
+            continue
+        for i, r in enumerate(row["ranks"]):
+            busy = r["compute_time_s"] + r.get("tail_time_s", 0.0)
+            if busy > 0:
+                per_rank.setdefault(i, []).append(r["samples"] / busy)
+    return [statistics.median(per_rank[i]) for i in sorted(per_rank)]
 
 
 def corunning(root: Path, speeds: tuple, steps: int, warmup: int, alone: dict) -> dict:
@@ -224,6 +244,7 @@ def one_round(root: Path, r: int, args, alone: dict, steps: list) -> dict:
                        "trainer.rebalance_every=10", "trainer.plot=true", *steps)
         got["auto"] = throughput(rows, args.warmup)
         got["balance_error"] = balance_error(rows, args.warmup)
+        got["in_job"] = in_job_rates(rows, args.warmup)
         alloc = json.loads((root / f"round{r}" / "auto" / "allocation.json").read_text())
         got["split"] = [s["samples"] for s in alloc["allocation"]["shares"]]
         got["first_split"] = next(row["allocation"] for row in rows if "allocation" in row)
@@ -233,11 +254,19 @@ def one_round(root: Path, r: int, args, alone: dict, steps: list) -> dict:
         fn()
     got["ceiling"] = got["co"][1.0] + got["co"][args.slow]
     got["efficiency_corunning"] = got["auto"] / got["ceiling"]
+    got["efficiency_in_job"] = got["auto"] / sum(got["in_job"])
+    # how much slower each rank works inside the job than free-running beside the other (lock
+    # step; at small batches also its smaller micro-batches)
+    got["in_job_slowdown"] = [got["co"][1.0] / got["in_job"][0] - 1,
+                                got["co"][args.slow] / got["in_job"][1] - 1]
     got["speedup"] = got["auto"] / got["equal"]
     print(f"    round {r + 1}/{args.rounds}: co-running ceiling {got['ceiling']:.1f}, equal "
           f"{got['equal']:.1f}, hetseq_hpc {got['auto']:.1f} samples/s (split "
           f"{got['first_split']} -> {got['split']}): efficiency {got['efficiency_corunning']:.3f}"
-          f", speedup {got['speedup']:.2f}x, balance error {got['balance_error']:.3f}", flush=True)
+          f", speedup {got['speedup']:.2f}x, balance error {got['balance_error']:.3f}; in-job "
+          f"rates {[round(x, 1) for x in got['in_job']]} (slower than co-running: "
+          f"{[f'{x:+.0%}' for x in got['in_job_slowdown']]}), efficiency in job "
+          f"{got['efficiency_in_job']:.3f}", flush=True)
     return got
 
 
@@ -333,6 +362,10 @@ def main() -> None:
         "efficiency_corunning": med("efficiency_corunning"),
         "efficiency_corunning_rounds": [round(g["efficiency_corunning"], 4) for g in rounds],
         "efficiency_equal_corunning": statistics.median(g["equal"] / g["ceiling"] for g in rounds),
+        "efficiency_in_job": med("efficiency_in_job"),
+        "efficiency_in_job_rounds": [round(g["efficiency_in_job"], 4) for g in rounds],
+        "in_job_slowdown": [round(statistics.median(g["in_job_slowdown"][i] for g in rounds), 4)
+                              for i in (0, 1)],
         "balance_error": med("balance_error"),
         "speedup": med("speedup"),
         "speedup_rounds": [round(g["speedup"], 3) for g in rounds],
@@ -370,6 +403,10 @@ def main() -> None:
           f"(co-running {result['efficiency_corunning']:.3f}, rounds "
           f"{result['efficiency_corunning_rounds']})   speedup {result['speedup']:.2f}x   "
           f"balance error {result['balance_error']:.3f}")
+    print(f"    against the ranks' own in-job rates (no waiting, no sync): efficiency "
+          f"{result['efficiency_in_job']:.3f} (rounds {result['efficiency_in_job_rounds']}); "
+          f"in lock-step the ranks computed {result['in_job_slowdown'][0]:+.1%} / "
+          f"{result['in_job_slowdown'][1]:+.1%} slower per sample than co-running free")
     if predicted:
         print(f"    planner predicted {predicted:7.1f} samples/s for (c): "
               f"{result['planner_error']:+.1%} off the measurement")

@@ -292,3 +292,27 @@ def test_probe_cost_curves_prefer_the_latest_fit(tmp_path):
     probe["fitted_curves"] = [CostCurve(0.0, 0.004).to_dict(), CostCurve(0.0, 0.01).to_dict()]
     ranks = plan.ranks_from_probe(probe, parts)
     assert [r.curve.per_sample_s for r in ranks] == [0.004, 0.01]
+
+
+def test_a_probe_runs_measured_step_sync_replaces_the_all_reduce_model(tmp_path, capsys):
+    """A probe of the same world with ``measured_step.sync_s`` (written by a finished run):
+    the predicted step is max busy + that figure; a probe of another world size keeps the
+    all-reduce model."""
+    probe = tmp_path / "probe.json"
+    data = {"ranks": [{"rank": r, "device": f"cpu @{s}",
+                       "calibration": {"samples_per_s": t, "max_micro_batch": 16}}
+                      for r, (s, t) in enumerate(((1.0, 60.0), (0.5, 30.0)))],
+            "measured_step": {"steps": 20, "sync_s": 0.05}}
+    probe.write_text(json.dumps(data))
+    args = ["cluster.speeds=[1.0,0.5]", "trainer.global_batch_size=30",
+            "trainer.max_micro_batch=16", f"plan.probe={probe}"]
+    assert plan.main(["cluster.ranks=2", *args]) == 0
+    out = capsys.readouterr().out
+    head = json.loads(out.strip().splitlines()[-1])
+    # 20 + 10 samples at 60 and 30 samples/s: 1/3 s busy on both ranks, + 0.05 s measured
+    assert head["sync_measured"] is True
+    assert head["step_time_s"] == pytest.approx(1 / 3 + 0.05, abs=1e-6)
+    assert "the probe run measured 50 ms per step" in out
+    assert plan.probe_sync_s(data, 3) is None and plan.probe_sync_s(data, 2) == 0.05
+    data.pop("measured_step")
+    assert plan.probe_sync_s(data, 2) is None

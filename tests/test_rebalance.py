@@ -146,3 +146,49 @@ def test_a_short_burst_at_the_end_of_a_window_is_not_a_speed_change():
     assert window(2) is None
     moved = window(3)
     assert moved is not None and moved.samples[0] < alloc.samples[0]
+
+
+def _run_with_urgent_checks(truth_at, steps, every, noise, seed):
+    """Drive a re-balancer as the Trainer does: a decision every ``every`` steps or as soon as
+    :meth:`Rebalancer.speed_changed` says so. Returns (allocation per step, decision steps)."""
+    caps = [32, 32]
+    prior = truth_at(1)
+    rng = random.Random(seed)
+    reb = Rebalancer(caps=caps, threshold=0.1, curves=prior)
+    alloc = allocate([1.0, 1.0], 128, caps, curves=prior)
+    history, decided = [], []
+    for step in range(1, steps + 1):
+        now = truth_at(step)
+        history.append(alloc.samples)
+        reb.record(_table(alloc.samples, [s.accum_steps for s in alloc.shares], now,
+                          [c.step_fixed_s for c in now], rng, noise))
+        if step % every == 0 or reb.speed_changed(alloc):
+            decided.append(step)
+            new = reb.observe(step, alloc)
+            if new is not None:
+                alloc = new
+    return history, decided
+
+
+def test_a_speed_change_is_acted_on_before_the_next_interval():
+    """The slow rank gets twice as fast at step 12 of 10-step intervals: the decision comes
+    three steps later (not at step 20), moves once to the new optimum, and stays."""
+    truth = [CostCurve(0.02, 0.01, 0.03), CostCurve(0.15, 0.03, 0.09)]
+    faster = [truth[0], CostCurve(0.075, 0.015, 0.05)]
+    history, decided = _run_with_urgent_checks(lambda s: truth if s < 12 else faster, 60,
+                                               every=10, noise=0.03, seed=2)
+    moves = _switches(history)
+    assert moves == [15], (moves, decided)
+    target = min_max_split(faster, 128, [32, 32])
+    assert predicted_step_s(faster, history[-1], [32, 32]) <= \
+        predicted_step_s(faster, target, [32, 32]) * 1.03, (history[-1], target)
+
+
+def test_noise_inside_twice_the_threshold_never_forces_an_early_decision():
+    """+-12 % step-to-step noise (the refits' own error adds a few %): decisions only at the
+    intervals."""
+    truth = [CostCurve(0.02, 0.01, 0.03), CostCurve(0.15, 0.03, 0.09)]
+    for seed in range(10):
+        _, decided = _run_with_urgent_checks(lambda s: truth, 200, every=10, noise=0.12,
+                                             seed=seed)
+        assert all(s % 10 == 0 for s in decided), (seed, decided)

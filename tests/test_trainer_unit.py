@@ -124,3 +124,25 @@ def test_exchange_and_agreement_on_two_ranks(tmp_path):
     assert "ranks disagree on the allocation (digest rank 0: digest0, rank 1: digest1)" in \
         result["error"]
     assert "\n" not in result["error"] and "install the same hetseq_hpc" in result["error"]
+
+
+def test_measured_step_sync_is_the_median_wall_beyond_the_slowest_ranks_busy_time():
+    """Synthetic step records: walls of 0.30 s, busy 0.20 + 0.05 and 0.25 + 0.02 s -> sync
+    0.03 s; the step after a switch and the steps of the old split are left out."""
+    from types import SimpleNamespace
+
+    from hetseq_hpc.train.metrics import measured_step_sync
+
+    def rec(end_s, samples, busy=((0.20, 0.05), (0.25, 0.02))):
+        per_rank = [StepStats(loss_sum=0.0, count=b, samples=b, step_time_s=0.0,
+                              data_time_s=0.0, compute_time_s=c, tail_time_s=t)
+                    for b, (c, t) in zip(samples, busy)]
+        return SimpleNamespace(per_rank=per_rank, ended_s=end_s)
+
+    old = [rec(1.0 * i, [16, 16], ((0.9, 0.0), (0.9, 0.0))) for i in range(1, 4)]
+    new = [rec(3.0 + 0.5, [24, 8]), *(rec(3.5 + 0.3 * i, [24, 8]) for i in range(1, 6))]
+    got = measured_step_sync(old + new, [24, 8])
+    assert got["steps"] == 5 and got["samples"] == [24, 8]
+    assert got["step_s"] == pytest.approx(0.30) and got["busy_s"] == [0.25, 0.27]
+    assert got["sync_s"] == pytest.approx(0.03)
+    assert measured_step_sync(old + new[:3], [24, 8]) is None  # two steps only

@@ -184,6 +184,16 @@ def test_rebalancing_keeps_exact_semantics_and_switches_all_ranks_together(
         elif row["step"] == first["at_step"]:
             assert row["allocation"] == first["to"]
     _assert_same_losses(losses(reference_run), losses(tmp_path), range(1, 21))
+    # the finished run leaves what a plan needs: the refitted curves and, when the last split
+    # ran 3 steps or more (re-balancing every 2 steps may move it late), the measured sync
+    final = json.loads((tmp_path / "allocation.json").read_text())
+    assert len(final["fitted_curves"]) == 2
+    last = [r["allocation"] for r in rows]
+    measured = final.get("measured_step")
+    assert (measured is not None) == (last[-4:] == [last[-1]] * 4), (measured, last)
+    if measured is not None:
+        assert measured["samples"] == last[-1] and measured["steps"] >= 3
+        assert measured["sync_s"] >= 0
 
 
 def test_ctrl_c_checkpoints_and_resumes(tmp_path, token_cache):

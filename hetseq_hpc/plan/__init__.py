@@ -35,7 +35,13 @@ from hetseq_hpc.plan.gpus import (
     normalise_gpu_type,
     runtime_precision,
 )
-from hetseq_hpc.plan.inputs import PartitionSpec, RankSpec, ranks_from_probe, ranks_from_table
+from hetseq_hpc.plan.inputs import (
+    PartitionSpec,
+    RankSpec,
+    probe_sync_s,
+    ranks_from_probe,
+    ranks_from_table,
+)
 from hetseq_hpc.plan.model_info import ModelInfo, measure_model
 from hetseq_hpc.plan.planner import Plan, make_plan
 from hetseq_hpc.plan.render import render
@@ -62,6 +68,7 @@ __all__ = [
     "normalise_gpu_type",
     "plan_overrides",
     "predict",
+    "probe_sync_s",
     "ranks_from_probe",
     "ranks_from_table",
     "register_plan_config",

@@ -11,7 +11,9 @@ All pure functions; units in the names (``_s`` seconds, ``_gbps`` Gbit/s, ``_byt
 - busy_i [s] = k_i a_i + c_i b_i + f_i (:func:`compute_times_s`; samples_i / throughput_i
   without curves);
 - step [s] = max_i busy_i + exposed all-reduce (:func:`ddp_exposed_allreduce_s`, or the
-  all-reduce x (1 - overlap));
+  all-reduce x (1 - overlap)), or + the per-step synchronisation a probe run of the same world
+  measured (:func:`hetseq_hpc.train.metrics.measured_step_sync`: exposed all-reduce, statistics
+  exchange and the jitter of the slowest rank, all in one measured figure);
 - ideal [samples/s] = sum_i of each rank's standalone rate on the whole global batch (sum_i
   throughput_i without curves); efficiency = balanced / ideal; speedup = balanced / equal
   split; all-reduce share = exposed all-reduce / step.
@@ -107,6 +109,7 @@ class Prediction:
     exposed_allreduce_s: float  # what the balanced step waits for after compute
     ideal_samples_per_s: float
     no_overlap_samples_per_s: float = 0.0  # balanced split if nothing overlapped (a lower bound)
+    sync_measured: bool = False  # exposed_allreduce_s is a probe's measured per-step sync
 
     @property
     def world_size(self) -> int:
@@ -149,6 +152,7 @@ class Prediction:
             "allreduce_s": round(self.allreduce_s, 6),
             "efficiency_no_overlap": round(self.efficiency_no_overlap, 4),
             "allocation_source": self.balanced.allocation.source,
+            "sync_measured": self.sync_measured,
         }
 
 
@@ -191,7 +195,8 @@ def _timed(allocation: Allocation, throughputs: Sequence[float], exposed_s: floa
 def predict(throughputs: Sequence[float], global_batch_size: int, caps: Sequence[int],
             gradient_bytes: float, link_gbps: float, latency_s: float = DEFAULT_LATENCY_US * 1e-6,
             overlap: Any = DEFAULT_OVERLAP, forced: Optional[Sequence[int]] = None,
-            curves: Optional[Sequence[CostCurve]] = None) -> Prediction:
+            curves: Optional[Sequence[CostCurve]] = None,
+            measured_sync_s: Optional[float] = None) -> Prediction:
     """Predict the balanced split (the runtime's :func:`allocate`), an equal split and the ideal.
 
     Args:
@@ -206,6 +211,9 @@ def predict(throughputs: Sequence[float], global_batch_size: int, caps: Sequence
         forced: ``trainer.allocation`` if set (the runtime then uses it).
         curves: per-rank cost curves (a probe's fits); the split, the times and the ideal
             (sum of each rank's rate on the whole global batch alone) then come from them.
+        measured_sync_s: a probe's measured per-step synchronisation, seconds (its
+            ``measured_step.sync_s``); when given it replaces the all-reduce model's exposed
+            time for both splits.
 
     Raises:
         AllocationError: the batch is smaller than the world, a throughput is not positive ...
@@ -217,6 +225,8 @@ def predict(throughputs: Sequence[float], global_batch_size: int, caps: Sequence
         global_batch_size / c.step_s(global_batch_size, cap) for c, cap in zip(curves, caps))
 
     def exposed(split: Allocation) -> float:
+        if measured_sync_s is not None:
+            return float(measured_sync_s)
         if overlap == "ddp":
             return ddp_exposed_allreduce_s(split, throughputs, allreduce, gradient_bytes, curves)
         return allreduce * (1.0 - float(overlap))
@@ -229,5 +239,7 @@ def predict(throughputs: Sequence[float], global_batch_size: int, caps: Sequence
         allreduce_s=allreduce,
         exposed_allreduce_s=exposed(balanced),
         ideal_samples_per_s=ideal,
-        no_overlap_samples_per_s=_timed(balanced, throughputs, allreduce, curves).samples_per_s,
+        no_overlap_samples_per_s=_timed(balanced, throughputs, max(allreduce, exposed(balanced)),
+                                        curves).samples_per_s,
+        sync_measured=measured_sync_s is not None,
     )

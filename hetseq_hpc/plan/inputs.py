@@ -126,6 +126,18 @@ def probe_curve(probe: Dict[str, Any], index: int) -> Optional[CostCurve]:
     return None
 
 
+def probe_sync_s(probe: Dict[str, Any], world_size: int) -> Optional[float]:
+    """The probe run's measured per-step synchronisation in seconds (``measured_step.sync_s``,
+    :func:`hetseq_hpc.train.metrics.measured_step_sync`), when it ran ``world_size`` ranks as
+    the plan does (another world all-reduces differently: then None, and the all-reduce model
+    is used)."""
+    measured = probe.get("measured_step") or {}
+    sync = measured.get("sync_s")
+    if sync is None or len(probe.get("ranks") or []) != world_size:
+        return None
+    return max(float(sync), 0.0)
+
+
 def _median_curve(curves: List[Optional[CostCurve]]) -> Optional[CostCurve]:
     if not curves or any(c is None for c in curves):
         return None

@@ -20,6 +20,7 @@ from hetseq_hpc.plan.inputs import (
     load_probe,
     partitions_of,
     probe_file,
+    probe_sync_s,
     ranks_from_probe,
     ranks_from_table,
 )
@@ -107,10 +108,12 @@ def make_plan(run, opts: Optional[PlanConfig] = None) -> Plan:
     link = opts.link_gbps or (DEFAULT_LOCAL_LINK_GBPS if local else DEFAULT_LINK_GBPS)
     if not local and opts.probe is None:
         check_gpu_types(parts)  # fail on an unknown GPU before building the model
+    measured_sync_s = None
     if opts.probe:
         probe = load_probe(opts.probe)
         model = measure_model(run.task, need_activations=False)
         ranks = ranks_from_probe(probe, parts, by_index=local, limit=run.trainer.max_micro_batch)
+        measured_sync_s = probe_sync_s(probe, len(ranks))
         source = f"measured calibration from {opts.probe}"
     elif local:
         model, ranks, source = _local_ranks(run)
@@ -126,7 +129,8 @@ def make_plan(run, opts: Optional[PlanConfig] = None) -> Plan:
 
     def predict_at(batch: int, forced: Optional[List[int]] = None) -> Prediction:
         return predict([r.samples_per_s for r in ranks], batch, [r.max_micro_batch for r in ranks],
-                       model.gradient_bytes, link, opts.latency_s, opts.overlap, forced, curves)
+                       model.gradient_bytes, link, opts.latency_s, opts.overlap, forced, curves,
+                       measured_sync_s)
 
     try:
         prediction = predict_at(run.trainer.global_batch_size, run.trainer.allocation)

@@ -92,12 +92,15 @@ def _summary(plan: Plan) -> List[str]:
     bal, eq = pred.balanced, pred.equal
     ideal_compute = pred.global_batch_size / pred.ideal_samples_per_s
     overlap = opts.overlap if opts.overlap == "ddp" else format(opts.overlap, "g")
+    exposed = (f"the probe run measured {_ms(pred.exposed_allreduce_s)} ms per step beyond the "
+               "slowest rank's work (exposed all-reduce, statistics exchange, jitter), used "
+               "instead" if pred.sync_measured else
+               f"overlap {overlap} (plan.overlap) -> {_ms(pred.exposed_allreduce_s)} ms exposed")
     return [
         "",
         f"all-reduce: ring over {pred.world_size} ranks, {plan.model.gradient_bytes / 1e6:.1f} MB "
         f"fp32 gradients, {plan.link_gbps:g} Gbit/s (plan.link_gbps), {opts.latency_us:g} us "
-        f"latency (plan.latency_us) = {_ms(pred.allreduce_s)} ms; overlap {overlap} "
-        f"(plan.overlap) -> {_ms(pred.exposed_allreduce_s)} ms exposed",
+        f"latency (plan.latency_us) = {_ms(pred.allreduce_s)} ms; {exposed}",
         "",
         f"{'':<24} {'step ms':>9} {'compute ms':>10} {'all-reduce ms':>13} {'samples/s':>12}",
         f"{'balanced (' + bal.allocation.source + ')':<24} {_ms(bal.step_s):>9} "

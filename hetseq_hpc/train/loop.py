@@ -80,6 +80,7 @@ class StepRecord:
     stop_code: int = 0
     extra: Dict[str, Any] = field(default_factory=dict)
     grad_path: Dict[str, Any] = field(default_factory=dict)  # loss scale / skip, payload bytes
+    ended_s: float = 0.0  # time.perf_counter() when the step ended on this rank
 
 
 class Trainer:
@@ -279,7 +280,7 @@ class Trainer:
             step=step, epoch=epoch, loss=sum(s.loss_sum for s in table) / global_count, lr=lr,
             grad_norm=grad_norm, per_rank=table, wall_s=time.perf_counter() - t0,
             stop_code=max(s.stop_code for s in table),
-            grad_path=self.grad_path.row(self.hook_state),
+            grad_path=self.grad_path.row(self.hook_state), ended_s=time.perf_counter(),
         )
 
     # ------------------------------------------------------------------ validation
@@ -292,13 +293,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def _maybe_rebalance(self, rec: StepRecord) -> None:
-        """Feed the re-balancer; every ``trainer.rebalance_interval`` steps all ranks check
-        they decided alike and switch together to its new allocation from the next step."""
+        """Feed the re-balancer; every ``trainer.rebalance_interval`` steps, or at once when it
+        sees a speed change (:meth:`~hetseq_hpc.train.rebalance.Rebalancer.speed_changed`, the
+        same verdict on every rank), all ranks check they decided alike and switch together to
+        its new allocation from the next step."""
         every = self.cfg.rebalance_interval
-        if self.rebalancer is None:
+        if self.rebalancer is None or not every:
             return
         self.rebalancer.record(rec.per_rank)
-        if not every or rec.step % every:
+        if rec.step % every and not self.rebalancer.speed_changed(self.allocation):
             return
         new = self.rebalancer.observe(rec.step, self.allocation)
         self.rdv.check_agreement(new.digest() if new else "unchanged",

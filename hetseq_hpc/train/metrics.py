@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -144,6 +146,37 @@ def run_summary(history: List[Any], metas: List[Any], global_batch_size: int, st
         "allocation": allocation,
         "ranks": per_rank,
     }
+
+
+def measured_step_sync(history: List[Any], samples: List[int], min_steps: int = 3
+                       ) -> Optional[Dict[str, Any]]:
+    """What a step cost beyond the ranks' own work, measured over the steps run with the split
+    ``samples`` (the first step after a switch to it left out: new shapes warm up).
+
+    A step's wall time is the time between two consecutive step ends on this rank
+    (``StepRecord.ended_s``); rank ``i``'s busy time is its ``compute_time_s + tail_time_s``
+    (forward+backward until its last gradient bucket was ready, plus its local work between
+    steps). ``sync_s = median(wall) - max_i median(busy_i)`` (>= 0) is what the cost model's
+    ``max_i T_i`` leaves out: the all-reduce not hidden behind the slowest rank's backward, the
+    step-statistics exchange, and the straggling of ranks whose step times jitter (the median of
+    a maximum exceeds the maximum of medians). The planner adds it to its predicted step
+    (:func:`hetseq_hpc.plan.cost_model.predict`). Seconds; None with fewer than ``min_steps``
+    such steps.
+    """
+    walls, busy = [], []
+    for prev, rec in itertools.pairwise(history):
+        if [s.samples for s in prev.per_rank] != list(samples) or \
+                [s.samples for s in rec.per_rank] != list(samples) or not prev.ended_s:
+            continue
+        walls.append(rec.ended_s - prev.ended_s)
+        busy.append([s.compute_time_s + getattr(s, "tail_time_s", 0.0) for s in rec.per_rank])
+    if len(walls) < min_steps:
+        return None
+    busy_s = [statistics.median(row[i] for row in busy) for i in range(len(samples))]
+    step_s = statistics.median(walls)
+    return {"steps": len(walls), "samples": list(samples), "step_s": round(step_s, 6),
+            "busy_s": [round(b, 6) for b in busy_s],
+            "sync_s": round(max(0.0, step_s - max(busy_s)), 6)}
 
 
 class Progress:

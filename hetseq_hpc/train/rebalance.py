@@ -21,7 +21,11 @@ step after a switch is left out: new shapes warm up):
 * the global batch is re-split by :func:`~hetseq_hpc.cost_model.min_max_split` and the split is
   taken only if it cuts the predicted step time by at least half of ``threshold`` (hysteresis).
 
-A sudden speed change is therefore corrected at the first decision after it, in one move to the
+Between two decisions, :meth:`Rebalancer.speed_changed` looks at every step: when each of some
+rank's last :data:`RECENT_STEPS` steps (since the last switch) is off its curve by more than
+:data:`URGENT_FACTOR` x ``threshold`` in the same direction, the decision is taken at once
+instead of at the next interval (every rank sees the same table, so all decide at the same step).
+A sudden speed change is therefore corrected a few steps after it, in one move to the
 refitted optimum, not by moving a sample at a time (LBB, J. Supercomputing 2024, moves single
 samples inside its dead band). The global batch, which samples form it and the loss
 normalisation do not change, so the update is still exactly one step on the whole global batch.
@@ -39,6 +43,9 @@ from hetseq_hpc.distributed import StepStats
 
 #: the latest steps of a window whose median compute time is the window's measurement
 RECENT_STEPS = 3
+#: a speed change decided between two intervals must be this many times ``threshold`` off
+#: (three consecutive steps beyond twice the dead band are rare for noise, certain for a change)
+URGENT_FACTOR = 2.0
 #: design points (one per window) kept per rank for the two-parameter refit
 MAX_POINTS = 4
 #: two splits are "different enough" for a refit of a and c when their (micro-batches, samples)
@@ -120,6 +127,25 @@ class Rebalancer:
             a, c = fit_compute(designs, [t for _, _, t in points])
             return CostCurve(a, c, tail)
         return prior.scaled(ratio).with_step_fixed(tail)
+
+    def speed_changed(self, allocation: Allocation) -> bool:
+        """True when some rank's last :data:`RECENT_STEPS` recorded steps of ``allocation``
+        (after the switch to it) all ran more than ``URGENT_FACTOR x threshold`` slower, or all
+        faster, than its current curve predicts: decide now, not at the next interval. False
+        before every rank has a curve. Pure function of the recorded tables."""
+        window = self._window[self._skip_rows:]
+        if len(window) < RECENT_STEPS or any(c is None for c in self._curves):
+            return False
+        band = URGENT_FACTOR * self.threshold
+        for rank, share in enumerate(allocation.shares):
+            rows = [row[rank] for row in window[-RECENT_STEPS:]]
+            if any(row.samples != share.samples for row in rows):
+                continue
+            predicted = self._curves[rank].compute_s(share.samples, share.accum_steps)
+            ratios = [row.compute_time_s / predicted for row in rows]
+            if min(ratios) > 1.0 + band or max(ratios) < 1.0 - band:
+                return True
+        return False
 
     def observe(self, step: int, allocation: Allocation,
                 per_rank: Optional[List[StepStats]] = None) -> Optional[Allocation]:
