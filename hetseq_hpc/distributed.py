@@ -25,7 +25,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StepStats:
-    """What one rank tells the others after the backward passes of an optimizer step.
+    """What one rank tells the others at the end of the backward passes of an optimizer step
+    (on CPU ranks while the last gradient bucket is being all-reduced, see
+    :meth:`Rendezvous.post_step_stats`; on GPU ranks after the backward pass).
 
     Attributes:
         loss_sum: SUM of the rank's unit losses over its micro-batches (not a mean).
@@ -33,7 +35,8 @@ class StepStats:
             is the sum over ranks.
         samples: samples the rank processed.
         compute_time_s: forward+backward seconds up to the gradient all-reduce.
-        step_time_s: seconds from the step's start to the exchange.
+        step_time_s: seconds from the step's start to posting these statistics (on CPU: the end
+            of its compute; on a GPU: after the backward pass, its all-reduce wait included).
         data_time_s: seconds spent building the rank's batches.
         stop_code: the strongest stop request the rank received
             (:data:`hetseq_hpc.preemption.NONE` = 0 when none).
@@ -51,6 +54,27 @@ class StepStats:
     tail_time_s: float = 0.0
 
 
+class PendingStats:
+    """An all-gather of :class:`StepStats` in flight (:meth:`Rendezvous.post_step_stats`)."""
+
+    def __init__(self, work: Any, gathered: List[torch.Tensor]):
+        self._work = work
+        self._gathered = gathered
+
+    def result(self) -> List[StepStats]:
+        """Wait for the all-gather; every rank's statistics in rank order.
+
+        Raises:
+            RuntimeError: a peer failed or the collective timed out
+                (``cluster.collective_timeout_s``), as any torch.distributed collective.
+        """
+        self._work.wait()
+        kinds = [f.type for f in fields(StepStats)]
+        return [StepStats(*(int(v) if kind == "int" else float(v)
+                            for v, kind in zip(row.tolist(), kinds)))
+                for row in self._gathered]
+
+
 @dataclass
 class Rendezvous:
     """An initialised default process group plus a gloo group for CPU-side objects."""
@@ -64,12 +88,19 @@ class Rendezvous:
         ONE all-gather of a float64 vector per rank over the gloo group (counts stay exact
         as float64 up to 2**53).
         """
+        return self.post_step_stats(stats).result()
+
+    def post_step_stats(self, stats: StepStats) -> PendingStats:
+        """Start :meth:`exchange_step_stats` without waiting: the all-gather runs on the gloo
+        group's threads while this rank goes on (the training loop posts its statistics when
+        its backward pass has produced the last gradient bucket, so the exchange overlaps the
+        gradient all-reduce instead of following it). Every rank must post exactly once before
+        any other collective on the gloo group, and read the result with
+        :meth:`PendingStats.result`."""
         mine = torch.tensor(astuple(stats), dtype=torch.float64)
         gathered = [torch.zeros_like(mine) for _ in range(self.world.world_size)]
-        dist.all_gather(gathered, mine, group=self.cpu_group)
-        kinds = [f.type for f in fields(StepStats)]
-        return [StepStats(*(int(v) if kind == "int" else float(v) for v, kind in zip(row.tolist(), kinds)))
-                for row in gathered]
+        work = dist.all_gather(gathered, mine, group=self.cpu_group, async_op=True)
+        return PendingStats(work, gathered)
 
     def check_agreement(self, digest: str, what: str) -> None:
         """Check that every rank computed the same ``digest`` of ``what`` (one all-gather).

@@ -30,7 +30,7 @@ from hetseq_hpc.calibrate import calibrate
 from hetseq_hpc.config import RunConfig, load_run_config
 from hetseq_hpc.cost_model import CostCurve
 from hetseq_hpc.distributed import rendezvous
-from hetseq_hpc.env.emulation import emulate_speed
+from hetseq_hpc.env.emulation import emulate_speed, exempt_communication_threads
 from hetseq_hpc.env.emulation import record as record_emulation
 from hetseq_hpc.env.hardware import DeviceProbe, probe
 from hetseq_hpc.env.world import WorldInfo
@@ -187,14 +187,15 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
                     "training on CPU with gloo", env.get("CUDA_VISIBLE_DEVICES"))
     stop_request = StopRequest().install()
     emulation = emulate_speed(placement.emulate_speed, threads)
-    if emulation.method != "none":
-        record_emulation(emulation, run_dir_path, world.rank)
     precision, autocast = precision_context(placement, device, dev)
     task = build_task(run.task, run.trainer.seed)
     clock.mark("probe")
     with claim_run_dir(run_dir_path, world.is_master, env), \
             rendezvous(world, device, run.cluster.collective_timeout_s) as rdv:
         clock.mark("rendezvous")
+        if emulation.method != "none":  # a slower device, not a slower network
+            emulation = exempt_communication_threads(emulation)
+            record_emulation(emulation, run_dir_path, world.rank)
         inject = env.get("HETSEQ_INJECT_FAILURE", "")
         if inject.isdigit() and int(inject) == world.rank:
             raise RuntimeError(f"injected failure on rank {world.rank} (HETSEQ_INJECT_FAILURE="

@@ -83,3 +83,44 @@ def test_no_stale_cgroups_are_left_behind():
         left = [p.name for p in CGROUP_V1_CPU.iterdir() if p.name.startswith("hetseq-")
                 and p.name[7:].isdigit() and not Path(f"/proc/{p.name[7:]}").exists()]
         assert not left, left
+
+
+COMM_CHILD = """
+import json
+from pathlib import Path
+from hetseq_hpc.distributed import single_process_rendezvous
+from hetseq_hpc.env import emulation
+emu = emulation.emulate_speed(0.3, 1)
+with single_process_rendezvous():
+    comm = emulation.communication_threads()
+    emu = emulation.exempt_communication_threads(emu)
+    group = {int(t) for t in Path(emu.control).with_name("tasks").read_text().split()}
+    main = emulation.os.getpid()
+    print(json.dumps({"comm": sorted(comm.values()), "in_group": sorted(comm.keys() & group),
+                      "main_in_group": main in group, "exempt": list(emu.exempt_threads),
+                      "record": emu.to_dict()}))
+"""
+
+
+@pytest.mark.skipif(bool(_cgroup_writable()), reason=_cgroup_writable() or "writable")
+def test_communication_threads_run_outside_the_quota():
+    """A slower device, not a slower network: after a real gloo rendezvous, gloo's and the
+    store's threads leave the throttled cgroup; the main (compute) thread stays in it."""
+    out = subprocess.run([sys.executable, "-c", COMM_CHILD], capture_output=True, text=True,
+                         timeout=60, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert any(name.startswith("gloo") or name.startswith("pt_gloo") for name in got["comm"]), got
+    assert got["main_in_group"], got
+    assert got["in_group"] == [], got
+    assert sorted(got["exempt"]) == got["comm"], got
+    assert json.loads(json.dumps(got["record"]))["exempt_threads"] == got["exempt"]
+
+
+def test_exempt_needs_per_thread_cgroups():
+    """Under the duty cycle or cgroup v2 no single thread can leave: said, not pretended."""
+    from hetseq_hpc.env.emulation import Emulation, exempt_communication_threads
+
+    emu = exempt_communication_threads(Emulation(speed=0.5, method="cgroup-v2", cpus=0.5,
+                                                 control="/nonexistent/cpu.max"))
+    assert emu.exempt_threads == () and "throttled too" in emu.note
+    assert exempt_communication_threads(emulate_speed(1.0, 1)).method == "none"

@@ -146,3 +146,33 @@ def test_measured_step_sync_is_the_median_wall_beyond_the_slowest_ranks_busy_tim
     assert got["step_s"] == pytest.approx(0.30) and got["busy_s"] == [0.25, 0.27]
     assert got["sync_s"] == pytest.approx(0.03)
     assert measured_step_sync(old + new[:3], [24, 8]) is None  # two steps only
+
+
+def test_cpu_ranks_post_their_statistics_when_the_last_bucket_is_ready(make_trainer):
+    """The exchange overlaps the gradient all-reduce: the statistics are posted from the DDP
+    hook of the step's last bucket (inside the last backward pass), once per step, with the
+    compute time measured up to that bucket, and the loss is still the global batch's."""
+    with single_process_rendezvous() as rdv:
+        trainer = make_trainer(rdv, "trainer.bucket_cap_mb=0.05")  # several buckets
+        events = []
+        post, backward = rdv.post_step_stats, trainer.grad_path.backward
+
+        def recording_post(stats):
+            events.append(("post", trainer.hook_state.last_ready_s, stats))
+            return post(stats)
+
+        def recording_backward(*args, **kwargs):
+            backward(*args, **kwargs)
+            events.append(("backward", None, None))
+
+        rdv.post_step_stats = recording_post
+        trainer.grad_path.backward = recording_backward
+        for step in (1, 2):
+            rec = trainer.train_step(step)
+            kinds = [kind for kind, _, _ in events]
+            # three micro-batches: the post comes inside the third (last) backward pass
+            assert kinds == ["backward", "backward", "post", "backward"], kinds
+            (_, ready_s, stats), = [e for e in events if e[0] == "post"]
+            assert ready_s > 0 and stats.compute_time_s <= stats.step_time_s
+            assert rec.per_rank[0].count == stats.count and rec.per_rank[0].samples == B
+            events.clear()

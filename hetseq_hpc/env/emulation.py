@@ -8,6 +8,14 @@ last a duty cycle (a helper process alternately stops and continues the rank wit
 SIGSTOP/SIGCONT, what ``cpulimit`` does) -- also real CPU throttling, but coarser. The method
 that ran is logged and written to ``logs/rank<N>.emulation.json``, so a benchmark or a person
 can see which one it was (and change the quota mid-run by writing the cgroup file).
+
+The quota emulates a slower *device*, not a slower network: once the rendezvous has made its
+communication threads (gloo's ``gloo_tcp_loop`` / ``pt_gloo_runloop``, the store's
+``pt_tcpstore_uv``), :func:`exempt_communication_threads` moves them back out of the throttled
+group (cgroup v1 places single threads through its ``tasks`` file). A slower GPU on a real
+cluster sends its gradients over the same network as a fast one; without this, a throttled
+rank's share of every all-reduce and statistics exchange also waited for its CFS quota, a
+cost no real device class has.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -34,6 +42,9 @@ CGROUP_V2_ROOT = Path("/sys/fs/cgroup")
 PERIOD_US = 10_000
 #: cgroup directory prefix, so stale groups of dead ranks can be found and removed
 PREFIX = "hetseq-"
+#: name prefixes (``/proc/<pid>/task/<tid>/comm``) of the threads torch.distributed starts for
+#: communication: gloo's event loop and work threads, the TCPStore client loop, NCCL's threads
+COMM_THREAD_PREFIXES = ("gloo_tcp_loop", "pt_gloo_runloop", "pt_tcpstore", "pt_nccl", "NCCL")
 #: duty-cycle period in seconds for the fallback
 DUTY_PERIOD_S = 0.02
 
@@ -48,6 +59,8 @@ class Emulation:
         cpus: CPUs' worth of time allowed per period (``speed x threads``).
         control: the file that sets the quota (cgroups), else None.
         note: why a fallback was used, if one was.
+        exempt_threads: names of the communication threads that run outside the quota
+            (:func:`exempt_communication_threads`).
     """
 
     speed: float
@@ -55,6 +68,7 @@ class Emulation:
     cpus: float
     control: Optional[str] = None
     note: str = ""
+    exempt_threads: tuple = ()
 
     def to_dict(self) -> dict:
         """Plain dict for JSON."""
@@ -204,6 +218,53 @@ def set_quota(control: str, cpus: float) -> None:
     path = Path(control)
     quota = cfs_quota_us(cpus)
     path.write_text(f"{quota} {PERIOD_US}" if path.name == "cpu.max" else str(quota))
+
+
+def communication_threads(pid: Optional[int] = None) -> dict:
+    """Thread ids of process ``pid`` (default: this one) whose name starts with one of
+    :data:`COMM_THREAD_PREFIXES`, mapped to that name; ``{}`` where ``/proc`` cannot tell."""
+    out = {}
+    try:
+        for task in Path(f"/proc/{pid or os.getpid()}/task").iterdir():
+            try:
+                name = (task / "comm").read_text().strip()
+            except OSError:  # the thread ended meanwhile
+                continue
+            if name.startswith(COMM_THREAD_PREFIXES):
+                out[int(task.name)] = name
+    except OSError:
+        pass
+    return out
+
+
+def exempt_communication_threads(emu: Emulation) -> Emulation:
+    """Move this process's communication threads (:func:`communication_threads`) out of the
+    throttled cgroup, so that only computation runs at the emulated speed. Call it after the
+    rendezvous (the threads exist from then on).
+
+    Only cgroup v1 can place single threads (its ``tasks`` file); under cgroup v2 (a domain
+    group holds whole processes) and the duty cycle (SIGSTOP stops every thread) the whole rank
+    stays throttled and the returned note says so.
+
+    Returns:
+        ``emu`` with ``exempt_threads`` (the names moved) or a ``note`` on why none were.
+    """
+    if emu.method == "none":
+        return emu
+    if emu.method != "cgroup-v1" or emu.control is None:
+        return replace(emu, note=(emu.note + "; " if emu.note else "") + "communication threads "
+                       f"throttled too ({emu.method} cannot place single threads)")
+    moved = []
+    parent_tasks = Path(emu.control).parent.parent / "tasks"
+    for tid, name in sorted(communication_threads().items()):
+        try:
+            parent_tasks.write_text(str(tid))
+            moved.append(name)
+        except OSError as exc:  # e.g. the thread ended; the rest still move
+            log.debug("could not move thread %d (%s) out of the quota: %s", tid, name, exc)
+    log.info("emulation: %d communication thread(s) run unthrottled (%s)", len(moved),
+             ", ".join(sorted(set(moved))) or "none found")
+    return replace(emu, exempt_threads=tuple(moved))
 
 
 def record(emu: Emulation, run_dir: Path, rank: int) -> Path:

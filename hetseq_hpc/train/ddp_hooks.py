@@ -29,7 +29,7 @@ Two variants (``trainer.grad_compression``, ``trainer.grad_combine``):
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,10 @@ class HookState:
         comm_dtype: payload dtype of the compressed hooks (None = the gradients' own).
         local_units: this rank's loss units this step (Adasum divides by it).
         bytes_sent: payload bytes this rank handed to collectives this step.
+        on_last: called once, right after the step's LAST bucket is ready (this rank's backward
+            pass has produced every gradient), before its all-reduce starts; the training loop
+            posts its step statistics there so that their exchange overlaps the all-reduce.
+            Cleared by the call and by :meth:`reset`.
     """
 
     process_group: Optional[object] = None
@@ -54,12 +58,25 @@ class HookState:
     comm_dtype: Optional[torch.dtype] = None
     local_units: int = 1
     bytes_sent: int = 0
+    on_last: Optional[Callable[[], None]] = None
 
     def reset(self) -> None:
-        """Forget the previous step's timestamps and byte count."""
+        """Forget the previous step's timestamps, byte count and ``on_last``."""
         self.last_ready_s = 0.0
         self.events.clear()
         self.bytes_sent = 0
+        self.on_last = None
+
+    def bucket_ready(self, bucket: dist.GradBucket) -> torch.Tensor:
+        """A hook's first call: :meth:`mark_ready`, then ``on_last`` if ``bucket`` is the
+        step's last one (``GradBucket.is_last()``: DDP launches buckets in order, so every
+        gradient of this rank is ready then). Returns the bucket's buffer."""
+        buffer = bucket.buffer()
+        self.mark_ready(buffer)
+        if self.on_last is not None and bucket.is_last():
+            callback, self.on_last = self.on_last, None
+            callback()
+        return buffer
 
     def mark_ready(self, buffer: torch.Tensor) -> None:
         """Record that a bucket is ready (CPU clock, and a CUDA event on a GPU)."""
@@ -85,8 +102,7 @@ def no_forward_buffer_sync() -> Dict[str, bool]:
 
 def sum_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """All-reduce a bucket with SUM (no division by world size); record when it was ready."""
-    buffer = bucket.buffer()
-    state.mark_ready(buffer)
+    buffer = state.bucket_ready(bucket)
     state.bytes_sent += buffer.numel() * buffer.element_size()
     fut = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=state.process_group,
                           async_op=True).get_future()
@@ -97,8 +113,7 @@ def compressed_sum_hook(state: HookState, bucket: dist.GradBucket) -> torch.futu
     """:func:`sum_allreduce_hook` with a ``state.comm_dtype`` payload: cast, SUM all-reduce,
     cast back into the bucket. Non-finite values stay non-finite (the loss scale then skips the
     step on every rank)."""
-    buffer = bucket.buffer()
-    state.mark_ready(buffer)
+    buffer = state.bucket_ready(bucket)
     payload = buffer.to(state.comm_dtype)
     state.bytes_sent += payload.numel() * payload.element_size()
     fut = dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=state.process_group,
@@ -136,8 +151,7 @@ def adasum_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futu
 
     One all-gather of the bucket (in ``state.comm_dtype`` when set); every rank then computes
     the same combination in float64 from the same gathered data."""
-    buffer = bucket.buffer()
-    state.mark_ready(buffer)
+    buffer = state.bucket_ready(bucket)
     payload = buffer.div(state.local_units)
     if state.comm_dtype is not None:
         payload = payload.to(state.comm_dtype)

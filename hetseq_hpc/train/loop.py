@@ -242,21 +242,32 @@ class Trainer:
         self.ddp.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         count = 0
+        posted: List[Any] = []
+
+        def stats() -> StepStats:
+            return StepStats(
+                loss_sum=loss_sum.item(), count=count, samples=share.samples,
+                compute_time_s=self._compute_seconds(t0, start_event),
+                step_time_s=time.perf_counter() - t0, data_time_s=data_s,
+                stop_code=self.stop_request.code if self.stop_request is not None else 0,
+                tail_time_s=t0 - self._exchanged_at if self._exchanged_at else 0.0,
+            )
+
         for j, batch in enumerate(batches):
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             count += checked_count(self.task, batch)
             sync = j == len(batches) - 1
             with (contextlib.nullcontext() if sync else self.ddp.no_sync()), self.autocast():
                 loss = check_loss(self.task, self.ddp(**batch))
-            self.grad_path.backward(loss, step, self.hook_state, count)
             loss_sum += loss.detach().double()
-        table = self.rdv.exchange_step_stats(StepStats(
-            loss_sum=loss_sum.item(), count=count, samples=share.samples,
-            compute_time_s=self._compute_seconds(t0, start_event),
-            step_time_s=time.perf_counter() - t0, data_time_s=data_s,
-            stop_code=self.stop_request.code if self.stop_request is not None else 0,
-            tail_time_s=t0 - self._exchanged_at if self._exchanged_at else 0.0,
-        ))
+            if sync and self.device.type == "cpu":
+                # post the statistics when the last gradient bucket is ready, so that their
+                # exchange overlaps the gradient all-reduce (on a GPU the compute time is known
+                # only after a synchronisation: they go after the backward pass there)
+                self.hook_state.on_last = lambda: posted.append(self.rdv.post_step_stats(stats()))
+            self.grad_path.backward(loss, step, self.hook_state, count)
+        self.hook_state.on_last = None
+        table = (posted[0] if posted else self.rdv.post_step_stats(stats())).result()
         self._exchanged_at = time.perf_counter()
         global_count = sum(s.count for s in table)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
