@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -74,3 +75,13 @@ def wait_rows(run_dir: Path, n: int, proc: Optional[subprocess.Popen] = None, ti
             return
         time.sleep(0.2)
     raise AssertionError(f"{metrics} did not reach {n} rows")
+
+
+def sigint_as_in_a_terminal() -> None:
+    """``preexec_fn`` for a CLI the test will Ctrl-C: SIGINT back to its default action.
+
+    A shell without job control starts background commands with SIGINT ignored, and Python
+    then installs no KeyboardInterrupt handler: a suite started as ``(bash scripts/run-tests.sh
+    &)`` would hand that to every CLI it starts, and a test's Ctrl-C would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+

@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, SMALL_MODEL, cli_env, losses, read_rows, wait_rows
+from conftest import (
+    REPO,
+    SMALL_MODEL,
+    cli_env,
+    losses,
+    read_rows,
+    sigint_as_in_a_terminal,
+    wait_rows,
+)
 from hetseq_hpc.distributed import single_process_rendezvous
 from hetseq_hpc.errors import CheckpointError, LaunchError
 from hetseq_hpc.train.checkpoint import (
@@ -279,7 +287,8 @@ def test_second_run_in_a_busy_run_dir_fails_fast(tmp_path, token_cache):
         [sys.executable, "-m", "hetseq_hpc", *QUICK, "trainer.max_steps=100000",
          "optim.schedule_steps=100000", "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path}"],
         cwd=REPO, env=cli_env(token_cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True)
+        text=True, start_new_session=True,
+        preexec_fn=sigint_as_in_a_terminal)
     try:
         wait_rows(tmp_path, 2, first)
         second = _cli(tmp_path, token_cache, "trainer.max_steps=5", "trainer.seed=3",

@@ -176,3 +176,33 @@ def test_cpu_ranks_post_their_statistics_when_the_last_bucket_is_ready(make_trai
             assert ready_s > 0 and stats.compute_time_s <= stats.step_time_s
             assert rec.per_rank[0].count == stats.count and rec.per_rank[0].samples == B
             events.clear()
+
+
+def test_no_rebalancing_decision_after_the_last_step_or_a_stop(make_trainer):
+    """A split decided when no step follows would never run, yet it would become the run's final
+    allocation.json (and the split whose synchronisation it reports): no decision is taken at
+    ``trainer.max_steps`` nor at a stop request's step."""
+    with single_process_rendezvous() as rdv:
+        trainer = make_trainer(rdv, "trainer.max_steps=3", "trainer.rebalance_every=1")
+        asked = []
+
+        class Always:
+            def record(self, per_rank):
+                pass
+
+            def speed_changed(self, allocation):
+                return True
+
+            def observe(self, step, allocation):
+                asked.append(step)
+                return None
+
+        trainer.rebalancer = Always()
+        rec = trainer.train_step(1)
+        trainer._maybe_rebalance(rec)
+        assert asked == [1]
+        rec.stop_code = 1
+        trainer._maybe_rebalance(rec)
+        rec.stop_code, rec.step = 0, 3
+        trainer._maybe_rebalance(rec)
+        assert asked == [1], "a decision after the last step or a stop"

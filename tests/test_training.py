@@ -19,7 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SMALL_MODEL, cli_env, losses, read_rows, wait_rows
+from conftest import (
+    REPO,
+    SMALL_MODEL,
+    cli_env,
+    losses,
+    read_rows,
+    sigint_as_in_a_terminal,
+    wait_rows,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -204,7 +212,8 @@ def test_ctrl_c_checkpoints_and_resumes(tmp_path, token_cache):
            "trainer.max_steps=100000", "optim.schedule_steps=100000", "trainer.val_every=0",
            "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path}"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(token_cache), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=sigint_as_in_a_terminal)
     try:
         wait_rows(tmp_path, 3, proc)
         os.killpg(proc.pid, signal.SIGINT)

@@ -307,11 +307,16 @@ class Trainer:
         """Feed the re-balancer; every ``trainer.rebalance_interval`` steps, or at once when it
         sees a speed change (:meth:`~hetseq_hpc.train.rebalance.Rebalancer.speed_changed`, the
         same verdict on every rank), all ranks check they decided alike and switch together to
-        its new allocation from the next step."""
+        its new allocation from the next step. Nothing is decided after the last step or a stop
+        request's step: no step would run the new split."""
         every = self.cfg.rebalance_interval
         if self.rebalancer is None or not every:
             return
         self.rebalancer.record(rec.per_rank)
+        if rec.step >= self.cfg.max_steps or rec.stop_code:
+            # no step follows (the same on every rank): a switch now would leave an allocation
+            # that never ran in allocation.json and its measured sync
+            return
         if rec.step % every and not self.rebalancer.speed_changed(self.allocation):
             return
         new = self.rebalancer.observe(rec.step, self.allocation)
