@@ -8,7 +8,8 @@ One optimizer step on rank ``i`` (``b_i`` samples in ``accum_i`` micro-batches):
    whatever its accumulation count;
 3. DDP sums the gradients across ranks (:mod:`hetseq_hpc.train.ddp_hooks`);
 4. ranks exchange loss sums, unit counts, timings and stop requests as named
-   :class:`~hetseq_hpc.distributed.StepStats` (one small all-gather);
+   :class:`~hetseq_hpc.distributed.StepStats` (one small all-gather; on CPU ranks it is posted
+   when the last gradient bucket is ready, so it runs during that bucket's all-reduce);
 5. gradients are divided by the GLOBAL unit count ``sum_i n_i``: the result is exactly the
    gradient of the mean loss over the whole global batch (PyTorch's DDP averages instead,
    which is not equivalent for uneven batches: pytorch/pytorch issues 37359 and 37002; HetSeq's
