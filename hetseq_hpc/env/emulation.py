@@ -255,7 +255,7 @@ def exempt_communication_threads(emu: Emulation) -> Emulation:
         return replace(emu, note=(emu.note + "; " if emu.note else "") + "communication threads "
                        f"throttled too ({emu.method} cannot place single threads)")
     moved = []
-    parent_tasks = Path(emu.control).parent.parent / "tasks"
+    parent_tasks = CGROUP_V1_CPU / "tasks"  # where _cgroup_v1 took the rank from
     for tid, name in sorted(communication_threads().items()):
         try:
             parent_tasks.write_text(str(tid))
