@@ -8,16 +8,24 @@ batch. In ONE run it measures:
   (a) each rank's standalone throughput at its speed (1 process, 1 thread), one at a time;
   (a') the same two single-rank runs at the SAME time: each rank's rate while the other is busy
       (shared caches and memory bandwidth) -- the machine's real ceiling for co-running ranks;
+  (a'') right after (c), the same pair again, each on the share (c) ended with: with (a') two
+      points of each rank's co-running cost curve, from which the best integer split of the
+      global batch gives the ceiling AT this batch (a rank's rate depends on its micro-batch:
+      (a') credits the slow rank with a micro-batch of the whole global batch, which no split
+      of it can give; measured at batch 32 on the AMD VM: 27 ms/sample co-running on 32
+      samples, 30-32 ms on 7);
   (b) equal-split DDP -- how every other launcher runs: the same share for every rank;
   (c) hetseq_hpc's automatic allocation (cost curves calibrated, online re-balancing);
   (d) plain torch DDP against hetseq_hpc on two unthrottled ranks, the same equal split, in
       ``--pairs`` interleaved pairs (the price of hetseq_hpc's machinery).
 
-(a'), (b) and (c) run in ``--rounds`` interleaved rounds (the order rotates from round to
-round) and every ratio is taken inside a round, then the median over rounds is reported with
-the per-round values: a shared VM drifts by 25 % over minutes (measured: the same forced split
-at 138.9 and 175.2 samples/s in two runs a minute apart), so a ceiling measured minutes before
-the run it divides says little.
+(a'), (b) and (c) run in ``--rounds`` interleaved rounds and every ratio is taken inside a
+round, then the median over rounds is reported with the per-round values: a shared VM drifts by
+25 % over minutes (measured: the same forced split at 138.9 and 175.2 samples/s in two runs a
+minute apart), so a ceiling measured minutes before the run it divides says little. Inside a
+round (a') runs twice, right before (c) and right after (a''), and the ceiling is the mean of
+the two (a drift linear in time cancels; ceiling_drift_rounds gives, per round and rank, the
+second run's rate / the first's - 1); (b) comes last in even rounds, first in odd ones.
 
 A second scenario changes the slow rank's quota mid-run (0.35 -> 0.7 by writing its cgroup's
 cpu.cfs_quota_us) and counts the steps re-balancing needs to get back above 0.9 efficiency
@@ -25,7 +33,8 @@ cpu.cfs_quota_us) and counts the steps re-balancing needs to get back above 0.9 
 
 Last line: one JSON object with efficiency_equal / efficiency_balanced (against the sum of the
 standalone rates, as before), efficiency_corunning / efficiency_equal_corunning (against the
-co-running ceiling), efficiency_in_job (against the sum of the ranks' own rates inside (c):
+co-running ceiling, with ceiling_drift_rounds), efficiency_at_batch (against (a'')'s ceiling at
+this global batch, with ceiling_at_batch and best_splits), efficiency_in_job (against the sum of the ranks' own rates inside (c):
 samples over busy time, no waiting -- what is left is balancing and synchronisation) with
 in_job_slowdown (per rank, co-running rate / in-job rate - 1: how much slower a rank works
 inside the lock-step job than free-running beside the other -- the machine's part of the gap,
@@ -145,16 +154,24 @@ def in_job_rates(rows: list, warmup: int) -> list:
     return [statistics.median(per_rank[i]) for i in sorted(per_rank)]
 
 
-def corunning(root: Path, speeds: tuple, steps: int, warmup: int, alone: dict) -> dict:
-    """Rates of single-rank runs at ``speeds`` started together, counting only the steps that
-    ended while every one of them was past its warm-up and still running."""
-    slowest = min(alone[s] for s in speeds)
+def corunning(root: Path, speeds: tuple, steps: int, warmup: int, alone: dict,
+              batches: dict | None = None, run_tag: str = "co") -> dict:
+    """Rates (samples/s) of single-rank runs at ``speeds`` started together, counting only the
+    steps that ended while every one of them was past its warm-up and still running. Each run's
+    step is ``batches[speed]`` samples (default: the global batch), in micro-batches of at most
+    the cap; a ``run_tag`` other than "co" keeps a second run of the same pair apart."""
+    batches = batches or {s: GLOBAL_BATCH for s in speeds}
+    expected = {s: batches[s] / alone[s] for s in speeds}  # seconds per step, roughly
+    longest = max(expected.values())
     procs = {}
-    for s in speeds:  # faster ranks run more steps so that all overlap the slowest's run
-        n = max(steps, math.ceil(steps * alone[s] / slowest) + warmup)
-        run_dir = root / f"corun-{'-'.join(map(str, speeds))}-{s}"
+    for s in speeds:  # shorter steps run more of them so that all overlap the longest run
+        n = max(steps, math.ceil(steps * longest / expected[s]) + warmup)
+        tag = "-".join(map(str, speeds)) + (f"-b{batches[s]}" if batches[s] != GLOBAL_BATCH else "")
+        tag += "" if run_tag == "co" else f"-{run_tag}"
+        run_dir = root / f"corun-{tag}-{s}"
         procs[s] = (run_dir, start_cli(run_dir, "cluster.ranks=1", f"cluster.speeds=[{s}]",
-                                       f"trainer.max_steps={n}"))
+                                       f"trainer.max_steps={n}",
+                                       f"trainer.global_batch_size={batches[s]}"))
     rows = {s: finish_cli(p, d, f"co-running at {s}") for s, (d, p) in procs.items()}
     begin = max(r[min(warmup, len(r) - 1)]["time"] for r in rows.values())
     end = min(r[-1]["time"] for r in rows.values())
@@ -164,8 +181,32 @@ def corunning(root: Path, speeds: tuple, steps: int, warmup: int, alone: dict) -
                   if a["time"] >= begin and b["time"] <= end]
         if len(inside) < 3:  # too little overlap: fall back to the steps after warm-up
             inside = step_times(r, warmup)
-        out[s] = GLOBAL_BATCH / statistics.median(inside)
+        out[s] = batches[s] / statistics.median(inside)
     return out
+
+
+def best_split_ceiling(points: list, batch: int) -> tuple:
+    """The co-running ceiling AT a global batch: ``(samples/s, split)`` of the best integer
+    split of ``batch`` over the ranks, each rank's step time for ``n`` samples interpolated
+    linearly (``t(n) = alpha + beta * n``) through its two co-running measurements
+    ``points[i] = ((n1, rate1), (n2, rate2))`` -- one on the whole global batch, one on the share
+    the job gave it. Two ranks; every rank keeps at least one sample.
+
+    Why: the plain ceiling credits each rank with its rate on the whole global batch, a
+    micro-batch no split gives it; a rank's rate depends on its micro-batch (issue 11), so the
+    best any split of this batch can reach is this figure, balancing and synchronisation aside.
+    """
+    def curve(pts):
+        (n1, r1), (n2, r2) = pts
+        t1, t2 = n1 / r1, n2 / r2
+        if n1 == n2:
+            return lambda n: n * (t1 + t2) / (n1 + n2)
+        beta = (t2 - t1) / (n2 - n1)
+        return lambda n: t1 + beta * (n - n1)
+
+    t0, t1 = curve(points[0]), curve(points[1])
+    step, n0 = min((max(t0(n), t1(batch - n)), n) for n in range(1, batch))
+    return batch / step, [n0, batch - n0]
 
 
 def plain_ddp_step_times(steps: int, warmup: int) -> list:
@@ -223,15 +264,16 @@ def recovery(rows: list, at_step: int, ceiling: float) -> int | None:
 
 
 def one_round(root: Path, r: int, args, alone: dict, steps: list) -> dict:
-    """One interleaved round of (a') co-running, (b) equal split and (c) hetseq_hpc, the order
-    rotated by ``r``; every ratio of the round is taken between its own runs."""
+    """One interleaved round: (a') co-running, (c) hetseq_hpc with (a'') right after it, (a')
+    again, and (b) equal split last in even rounds, first in odd ones; every ratio of the round
+    is taken between its own runs, the ceiling from the mean of the two (a') runs around (c)."""
     speeds = f"cluster.speeds=[1.0,{args.slow}]"
     half = GLOBAL_BATCH // 2
     got = {}
 
-    def co():
-        got["co"] = corunning(root / f"round{r}", (1.0, args.slow), args.alone_steps,
-                              min(args.warmup, args.alone_steps // 3), alone)
+    def co(tag: str = "co"):
+        got[tag] = corunning(root / f"round{r}", (1.0, args.slow), args.alone_steps,
+                             min(args.warmup, args.alone_steps // 3), alone, run_tag=tag)
 
     def equal():
         rows = run_cli(root / f"round{r}" / "equal", "cluster.ranks=2", speeds,
@@ -248,25 +290,43 @@ def one_round(root: Path, r: int, args, alone: dict, steps: list) -> dict:
         alloc = json.loads((root / f"round{r}" / "auto" / "allocation.json").read_text())
         got["split"] = [s["samples"] for s in alloc["allocation"]["shares"]]
         got["first_split"] = next(row["allocation"] for row in rows if "allocation" in row)
+        # (a'') right after (c): the co-running rates on the shares (c) ended with
+        got["co_split"] = corunning(root / f"round{r}", (1.0, args.slow), args.alone_steps,
+                                    min(args.warmup, args.alone_steps // 3), alone,
+                                    batches=dict(zip((1.0, args.slow), got["split"])))
 
-    order = [co, auto, equal]
-    for fn in order[r % 3:] + order[:r % 3]:
+    # (a') brackets (c): once before, once after (and after (a'')), the ceiling the mean of the
+    # two, so that a drift of the VM during the round cancels to first order (rates of the same
+    # run minutes apart differ by up to ~10 % here); (b) alternates before and after
+    order = [co, auto, lambda: co("co_after"), equal]
+    for fn in (order if r % 2 == 0 else order[-1:] + order[:-1]):
         fn()
+    got["drift"] = {s: got["co_after"][s] / got["co"][s] - 1 for s in (1.0, args.slow)}
+    got["co"] = {s: (got["co"][s] + got["co_after"][s]) / 2 for s in (1.0, args.slow)}
     got["ceiling"] = got["co"][1.0] + got["co"][args.slow]
     got["efficiency_corunning"] = got["auto"] / got["ceiling"]
+    got["ceiling_at_batch"], got["best_split"] = best_split_ceiling(
+        [((GLOBAL_BATCH, got["co"][s]), (n, got["co_split"][s]))
+         for s, n in zip((1.0, args.slow), got["split"])], GLOBAL_BATCH)
+    got["efficiency_at_batch"] = got["auto"] / got["ceiling_at_batch"]
     got["efficiency_in_job"] = got["auto"] / sum(got["in_job"])
     # how much slower each rank works inside the job than free-running beside the other (lock
     # step; at small batches also its smaller micro-batches)
     got["in_job_slowdown"] = [got["co"][1.0] / got["in_job"][0] - 1,
                                 got["co"][args.slow] / got["in_job"][1] - 1]
     got["speedup"] = got["auto"] / got["equal"]
-    print(f"    round {r + 1}/{args.rounds}: co-running ceiling {got['ceiling']:.1f}, equal "
+    drift = ", ".join(f"{got['drift'][x]:+.0%}" for x in (1.0, args.slow))
+    print(f"    round {r + 1}/{args.rounds}: co-running ceiling {got['ceiling']:.1f} (runs after "
+          f"(c) vs before, per rank: {drift}), equal "
           f"{got['equal']:.1f}, hetseq_hpc {got['auto']:.1f} samples/s (split "
           f"{got['first_split']} -> {got['split']}): efficiency {got['efficiency_corunning']:.3f}"
           f", speedup {got['speedup']:.2f}x, balance error {got['balance_error']:.3f}; in-job "
           f"rates {[round(x, 1) for x in got['in_job']]} (slower than co-running: "
           f"{[f'{x:+.0%}' for x in got['in_job_slowdown']]}), efficiency in job "
-          f"{got['efficiency_in_job']:.3f}", flush=True)
+          f"{got['efficiency_in_job']:.3f}; co-running on the final shares "
+          f"{[round(got['co_split'][x], 1) for x in (1.0, args.slow)]} -> ceiling at this batch "
+          f"{got['ceiling_at_batch']:.1f} (best split {got['best_split']}): efficiency "
+          f"{got['efficiency_at_batch']:.3f}", flush=True)
     return got
 
 
@@ -362,6 +422,12 @@ def main() -> None:
         "efficiency_corunning": med("efficiency_corunning"),
         "efficiency_corunning_rounds": [round(g["efficiency_corunning"], 4) for g in rounds],
         "efficiency_equal_corunning": statistics.median(g["equal"] / g["ceiling"] for g in rounds),
+        "ceiling_drift_rounds": [[round(g["drift"][x], 4) for x in (1.0, args.slow)]
+                                 for g in rounds],
+        "efficiency_at_batch": med("efficiency_at_batch"),
+        "efficiency_at_batch_rounds": [round(g["efficiency_at_batch"], 4) for g in rounds],
+        "ceiling_at_batch": med("ceiling_at_batch"),
+        "best_splits": [g["best_split"] for g in rounds],
         "efficiency_in_job": med("efficiency_in_job"),
         "efficiency_in_job_rounds": [round(g["efficiency_in_job"], 4) for g in rounds],
         "in_job_slowdown": [round(statistics.median(g["in_job_slowdown"][i] for g in rounds), 4)
@@ -403,6 +469,10 @@ def main() -> None:
           f"(co-running {result['efficiency_corunning']:.3f}, rounds "
           f"{result['efficiency_corunning_rounds']})   speedup {result['speedup']:.2f}x   "
           f"balance error {result['balance_error']:.3f}")
+    print(f"    against the co-running ceiling AT this global batch (each rank's co-running "
+          f"rate on its final share and on the whole batch, best integer split "
+          f"{result['best_splits']}): {result['ceiling_at_batch']:.1f} samples/s, efficiency "
+          f"{result['efficiency_at_batch']:.3f} (rounds {result['efficiency_at_batch_rounds']})")
     print(f"    against the ranks' own in-job rates (no waiting, no sync): efficiency "
           f"{result['efficiency_in_job']:.3f} (rounds {result['efficiency_in_job_rounds']}); "
           f"in lock-step the ranks computed {result['in_job_slowdown'][0]:+.1%} / "

@@ -192,3 +192,25 @@ def test_noise_inside_twice_the_threshold_never_forces_an_early_decision():
         _, decided = _run_with_urgent_checks(lambda s: truth, 200, every=10, noise=0.12,
                                              seed=seed)
         assert all(s % 10 == 0 for s in decided), (seed, decided)
+
+
+def test_an_interval_right_after_an_early_decision_waits_for_three_steps():
+    """A decision two steps after the previous one would rest on two steps, one of them an
+    outlier (seen on the VM: one 291 ms step among ~190 ms ones moved a good 25/7 split to
+    27/5): the window keeps filling, and three steps' median leaves the split alone."""
+    caps = [32, 32]
+    truth = [CostCurve(0.02, 0.01, 0.03), CostCurve(0.15, 0.03, 0.09)]
+    alloc = allocate([1.0, 1.0], 128, caps, curves=truth)
+    accum = [s.accum_steps for s in alloc.shares]
+    tail = [c.step_fixed_s for c in truth]
+    rng = random.Random(3)
+    reb = Rebalancer(caps=caps, threshold=0.1, curves=truth)
+    for _ in range(8):
+        reb.record(_table(alloc.samples, accum, truth, tail, rng, 0.02))
+    assert reb.observe(8, alloc) is None  # an early decision, nothing to change
+    reb.record(_table(alloc.samples, accum, truth, tail, rng, 0.02))
+    outlier = [truth[0], truth[1].scaled(1.5)]
+    reb.record(_table(alloc.samples, accum, outlier, tail, rng, 0.0))
+    assert reb.observe(10, alloc) is None, "two steps decided"
+    assert reb.observe(11, alloc, _table(alloc.samples, accum, truth, tail, rng, 0.02)) is None
+    assert reb.decisions == [], reb.decisions
