@@ -155,11 +155,11 @@ def in_job_rates(rows: list, warmup: int) -> list:
 
 
 def corunning(root: Path, speeds: tuple, steps: int, warmup: int, alone: dict,
-              batches: dict | None = None, run_tag: str = "co") -> dict:
+              batches: dict | None = None, suffix: str = "") -> dict:
     """Rates (samples/s) of single-rank runs at ``speeds`` started together, counting only the
     steps that ended while every one of them was past its warm-up and still running. Each run's
     step is ``batches[speed]`` samples (default: the global batch), in micro-batches of at most
-    the cap; a ``run_tag`` other than "co" keeps a second run of the same pair apart."""
+    the cap; ``suffix`` ends the run directories' names (a second run of the same pair)."""
     batches = batches or {s: GLOBAL_BATCH for s in speeds}
     expected = {s: batches[s] / alone[s] for s in speeds}  # seconds per step, roughly
     longest = max(expected.values())
@@ -167,8 +167,7 @@ def corunning(root: Path, speeds: tuple, steps: int, warmup: int, alone: dict,
     for s in speeds:  # shorter steps run more of them so that all overlap the longest run
         n = max(steps, math.ceil(steps * longest / expected[s]) + warmup)
         tag = "-".join(map(str, speeds)) + (f"-b{batches[s]}" if batches[s] != GLOBAL_BATCH else "")
-        tag += "" if run_tag == "co" else f"-{run_tag}"
-        run_dir = root / f"corun-{tag}-{s}"
+        run_dir = root / f"corun-{tag}{suffix}-{s}"
         procs[s] = (run_dir, start_cli(run_dir, "cluster.ranks=1", f"cluster.speeds=[{s}]",
                                        f"trainer.max_steps={n}",
                                        f"trainer.global_batch_size={batches[s]}"))
@@ -271,9 +270,9 @@ def one_round(root: Path, r: int, args, alone: dict, steps: list) -> dict:
     half = GLOBAL_BATCH // 2
     got = {}
 
-    def co(tag: str = "co"):
-        got[tag] = corunning(root / f"round{r}", (1.0, args.slow), args.alone_steps,
-                             min(args.warmup, args.alone_steps // 3), alone, run_tag=tag)
+    def co(key: str = "co", batches: dict | None = None, suffix: str = ""):
+        got[key] = corunning(root / f"round{r}", (1.0, args.slow), args.alone_steps,
+                             min(args.warmup, args.alone_steps // 3), alone, batches, suffix)
 
     def equal():
         rows = run_cli(root / f"round{r}" / "equal", "cluster.ranks=2", speeds,
@@ -291,14 +290,12 @@ def one_round(root: Path, r: int, args, alone: dict, steps: list) -> dict:
         got["split"] = [s["samples"] for s in alloc["allocation"]["shares"]]
         got["first_split"] = next(row["allocation"] for row in rows if "allocation" in row)
         # (a'') right after (c): the co-running rates on the shares (c) ended with
-        got["co_split"] = corunning(root / f"round{r}", (1.0, args.slow), args.alone_steps,
-                                    min(args.warmup, args.alone_steps // 3), alone,
-                                    batches=dict(zip((1.0, args.slow), got["split"])))
+        co("co_split", batches=dict(zip((1.0, args.slow), got["split"])))
 
     # (a') brackets (c): once before, once after (and after (a'')), the ceiling the mean of the
-    # two, so that a drift of the VM during the round cancels to first order (rates of the same
-    # run minutes apart differ by up to ~10 % here); (b) alternates before and after
-    order = [co, auto, lambda: co("co_after"), equal]
+    # two, so that a drift of the VM during the round cancels to first order (the same pair's
+    # rates minutes apart differed by -13 % .. +21 % here); (b) alternates before and after
+    order = [co, auto, lambda: co("co_after", suffix="-co_after"), equal]
     for fn in (order if r % 2 == 0 else order[-1:] + order[:-1]):
         fn()
     got["drift"] = {s: got["co_after"][s] / got["co"][s] - 1 for s in (1.0, args.slow)}

@@ -5,7 +5,8 @@ measured split, never for a forced ``trainer.allocation``) all ranks hold the sa
 per-rank timings (the loop's per-step all-gather of
 :class:`~hetseq_hpc.distributed.StepStats`), so every rank computes the same decision at the same
 step without another message. For each rank, over the steps since the last decision (the first
-step after a switch is left out: new shapes warm up):
+step after a switch is left out: new shapes warm up; fewer than :data:`RECENT_STEPS` of them
+decide nothing and keep accumulating):
 
 * its cost curve (:class:`~hetseq_hpc.cost_model.CostCurve`, the calibration's fit as a prior)
   is refitted from the measured forward+backward time of its micro-batches
