@@ -75,6 +75,26 @@ class PendingStats:
                 for row in self._gathered]
 
 
+class PendingBarrier:
+    """A barrier in flight (:meth:`Rendezvous.post_barrier`)."""
+
+    def __init__(self, work: Any):
+        self._work = work
+
+    def done(self) -> bool:
+        """True once every rank has posted the barrier (never blocks)."""
+        return bool(self._work.is_completed())
+
+    def wait(self) -> None:
+        """Wait until every rank has posted it.
+
+        Raises:
+            RuntimeError: a peer failed or the collective timed out
+                (``cluster.collective_timeout_s``), as any torch.distributed collective.
+        """
+        self._work.wait()
+
+
 @dataclass
 class Rendezvous:
     """An initialised default process group plus a gloo group for CPU-side objects."""
@@ -101,6 +121,13 @@ class Rendezvous:
         gathered = [torch.zeros_like(mine) for _ in range(self.world.world_size)]
         work = dist.all_gather(gathered, mine, group=self.cpu_group, async_op=True)
         return PendingStats(work, gathered)
+
+    def post_barrier(self) -> PendingBarrier:
+        """Start a barrier over the gloo group without waiting: a rank that is done with
+        something (its calibration) says so and can go on working until :meth:`PendingBarrier.
+        done` says every rank is; it must :meth:`PendingBarrier.wait` before any other
+        collective on the gloo group."""
+        return PendingBarrier(dist.barrier(group=self.cpu_group, async_op=True))
 
     def check_agreement(self, digest: str, what: str) -> None:
         """Check that every rank computed the same ``digest`` of ``what`` (one all-gather).

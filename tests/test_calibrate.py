@@ -144,6 +144,100 @@ def test_calibration_times_within_the_memory_cap():
     assert cal.micro_batch == 8
 
 
+def _batches(n):
+    return {"x": torch.randn(n, 32), "y": torch.randn(n, 1)}
+
+
+def test_a_rank_done_early_times_more_passes_until_its_peers_are_done():
+    # the peers are done after three more passes: the rank times exactly those, alternating on
+    # from where its own passes stopped, and every pass joins the fit's data
+    asked = []
+    passes = []
+
+    def wait_for_peers():
+        asked.append(len(passes))
+        return lambda: len(passes) >= 3 + 3 + 1  # warm-up + 3 own passes + 3 more
+
+    def make_batch(n):
+        passes.append(n)
+        return _batches(n)
+
+    cal = calibrate(_Tiny(), make_batch, torch.device("cpu"), 16, 3, 2**30,
+                    wait_for_peers=wait_for_peers)
+    assert asked == [4], "asked once, after the warm-up and its own three passes"
+    assert [n for n, _ in cal.timings] == [16, 4, 16, 4, 16, 4]
+    assert cal.overhead_s >= 0 and cal.per_sample_s > 0
+
+
+def test_the_last_rank_to_finish_times_no_extra_pass():
+    # every rank is done by the time it asks (or within the grace period): no pass is added
+    cal = calibrate(_Tiny(), _batches, torch.device("cpu"), 16, 2, 2**30,
+                    wait_for_peers=lambda: (lambda: True))
+    assert [n for n, _ in cal.timings] == [16, 4]
+
+
+def test_extra_passes_are_bounded_when_peers_never_finish():
+    from hetseq_hpc.calibrate import MAX_EXTRA_PASSES
+
+    cal = calibrate(_Tiny(), _batches, torch.device("cpu"), 8, 2, 2**30,
+                    wait_for_peers=lambda: (lambda: False))
+    assert len(cal.timings) == 2 + MAX_EXTRA_PASSES
+    assert {n for n, _ in cal.timings} == {8, 2}
+
+
+def test_calibration_waits_for_peers_over_a_real_barrier():
+    """Two real gloo processes, the second one slower: the first one keeps timing passes
+    until the second is done, and both leave calibration together."""
+    import torch.multiprocessing as mp
+
+    from hetseq_hpc.env.world import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_barrier_rank, args=(r, port, out)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    assert len(got[1]) == 2, "the slow rank (done last) times only its own passes"
+    assert len(got[0]) > 2, f"the fast rank timed no pass while it waited: {got[0]}"
+
+
+def _barrier_rank(rank, port, out):
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from hetseq_hpc.distributed import PendingBarrier
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=60))
+    try:
+        torch.set_num_threads(1)
+
+        def make_batch(n):
+            if rank == 1:
+                time.sleep(0.2)  # a slower device
+            return _batches(n)
+
+        held = []
+
+        def wait_for_peers():
+            held.append(PendingBarrier(dist.barrier(async_op=True)))
+            return held[0].done
+
+        cal = calibrate(_Tiny(), make_batch, torch.device("cpu"), 8, 2, 2**30,
+                        wait_for_peers=wait_for_peers)
+        held[0].wait()
+        out.put((rank, cal.timings))
+    finally:
+        dist.destroy_process_group()
+
+
 # --------------------------------------------------------------------------- start-up phases
 def test_phase_clock_counts_from_the_process_start():
     import sys
