@@ -44,6 +44,7 @@ class TrainerConfig:
     grad_clip: float = 1.0
     # timed forward+backward passes per rank (after 1 warm-up pass), alternating the
     # calibration micro-batch and a quarter of it; the fastest of each size fits the cost curve
+    # (a rank done before the slowest one times more of them while it waits, at most 16)
     calibration_steps: int = 4
     # micro-batch used while calibrating; null = global batch / world size (at most 16)
     calibration_micro_batch: Optional[int] = None
