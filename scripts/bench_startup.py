@@ -12,9 +12,9 @@ Runs ``python -m hetseq_hpc cluster=testcluster task=bert`` (the default model) 
   the Python interpreter), ``imports``, ``probe``, ``rendezvous``, ``data``, ``model``,
   ``calibration``, ``allocation``, and ``first_step`` (trainer set-up and the first step).
 
-Needs the test cluster (``scripts/test-cluster.sh``; ``source /work/notes/slurm_env.sh`` or the
-SLURM_CONF it prints). The last line is JSON: the median of the runs for every figure, plus the
-runs themselves.
+Needs the test cluster: ``eval "$(scripts/test-cluster.sh start | tail -n1)"`` starts it and
+exports the SLURM_CONF it prints. The last line is JSON: the median of the runs for every
+figure, plus the runs themselves.
 
     python scripts/bench_startup.py [--repeats 3] [--out DIR] [extra overrides ...]
 """
