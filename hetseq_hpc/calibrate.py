@@ -28,7 +28,7 @@ import contextlib
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -52,6 +52,16 @@ MAX_EXTRA_PASSES = 16
 #: how long a rank that is done looks for the other ranks' "done" before it times another
 #: pass, seconds (the last rank to finish sees every rank done within a round trip)
 PEER_GRACE_S = 0.02
+
+
+class PeersDone(Protocol):
+    """What ``wait_for_peers`` returns (:class:`hetseq_hpc.distributed.PendingBarrier`)."""
+
+    def done(self) -> bool:
+        """True once every rank is done (never blocks)."""
+
+    def wait(self) -> None:
+        """Block until every rank is done."""
 
 
 @dataclass(frozen=True)
@@ -183,7 +193,7 @@ def calibrate(
     max_micro_batch: Optional[int] = None,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     step_fixed: bool = True,
-    wait_for_peers: Optional[Callable[[], Callable[[], bool]]] = None,
+    wait_for_peers: Optional[Callable[[], PeersDone]] = None,
 ) -> Calibration:
     """Measure memory per sample, then time ``steps`` forward+backward passes at two sizes and
     fit the cost curve ``t(m) = a + c m`` (:func:`hetseq_hpc.cost_model.fit_curve`).
@@ -206,10 +216,12 @@ def calibrate(
         autocast: context manager factory for mixed precision (the rank's precision).
         step_fixed: also time the optimizer step (the per-step fixed cost ``f``).
         wait_for_peers: called once when this rank's own passes (and the optimizer timing)
-            are done; returns a predicate that is True once every rank is done too. Until
-            then this rank times more passes of the two sizes, alternating on (at most
+            are done, to say so (the worker passes :meth:`Rendezvous.post_barrier
+            <hetseq_hpc.distributed.Rendezvous.post_barrier>`); until its result is
+            ``done()`` this rank times more passes of the two sizes, alternating on (at most
             :data:`MAX_EXTRA_PASSES`; none when every rank is done within
-            :data:`PEER_GRACE_S`); they join the fit and ``timings``. None: no extra passes.
+            :data:`PEER_GRACE_S`), then waits for it. The passes join the fit and ``timings``.
+            None: no extra passes, no waiting.
     """
     saved: Dict[int, int] = {}
 
@@ -247,12 +259,13 @@ def calibrate(
         timed(n)
     fixed = time_optimizer_step(model, device) if step_fixed else 0.0
     if wait_for_peers is not None:
-        peers_done = wait_for_peers()
+        peers = wait_for_peers()
         cycle = sorted(set(sizes), reverse=True)  # the same sizes, alternating on
-        if not done_within(peers_done, PEER_GRACE_S):
-            while len(sizes) < steps + MAX_EXTRA_PASSES and not peers_done():
+        if not done_within(peers.done, PEER_GRACE_S):
+            while len(sizes) < steps + MAX_EXTRA_PASSES and not peers.done():
                 sizes.append(cycle[len(sizes) % len(cycle)])
                 timed(sizes[-1])
+        peers.wait()
     model.zero_grad(set_to_none=True)
     small = min(sizes)
     if micro_batch > small:

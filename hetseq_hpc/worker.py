@@ -20,7 +20,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -29,7 +29,7 @@ from hetseq_hpc.atomic import atomic_write_json
 from hetseq_hpc.calibrate import calibrate
 from hetseq_hpc.config import RunConfig, load_run_config
 from hetseq_hpc.cost_model import CostCurve
-from hetseq_hpc.distributed import PendingBarrier, rendezvous
+from hetseq_hpc.distributed import rendezvous
 from hetseq_hpc.env.emulation import emulate_speed, exempt_communication_threads
 from hetseq_hpc.env.emulation import record as record_emulation
 from hetseq_hpc.env.hardware import DeviceProbe, probe
@@ -213,21 +213,12 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
         clock.mark("model")
         budget = memory_budget_bytes(placement, dev.kind, dev.memory_free_bytes,
                                      placement.ranks_on_node)
-        barrier: List[PendingBarrier] = []
-
-        def calibrated() -> Callable[[], bool]:
-            # done with its own passes: a rank says so and times more while slower ones go on
-            barrier.append(rdv.post_barrier())
-            return barrier[0].done
-
-        cal = calibrate(
+        cal = calibrate(  # a rank done early times more passes while slower ones go on
             model, lambda n: checked_batch(task, list(range(min(n, task.num_train))), 0, "train"),
             device, calibration_micro_batch(run.trainer, world.world_size),
             run.trainer.calibration_steps, budget, run.trainer.max_micro_batch, autocast,
-            wait_for_peers=calibrated,
+            wait_for_peers=rdv.post_barrier,
         )
-        if barrier:
-            barrier[0].wait()
         clock.mark("calibration")
         reports = rdv.all_gather_objects({
             "world": world.to_dict(), "probe": dev.to_dict(), "calibration": cal.to_dict(),
