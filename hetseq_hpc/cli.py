@@ -30,7 +30,7 @@ from hetseq_hpc.config import (
     to_run_config,
 )
 from hetseq_hpc.config.compose import apply_empty_dict_overrides
-from hetseq_hpc.errors import ConfigError, HetseqError
+from hetseq_hpc.errors import ConfigError, HetseqError, Preempted
 
 log = logging.getLogger("hetseq_hpc")
 
@@ -74,9 +74,14 @@ def dispatch_or_exit(run: RunConfig, run_dir: Path, new_dir: bool = False) -> An
     """:func:`dispatch`, with every error as one ``hetseq-hpc: error:`` line and its exit
     code. A SLURM run refused before anything was submitted (``sinfo`` checks, ``sbatch``
     refusing, Slurm missing) removes the run directory when it was ``new_dir`` (created by
-    Hydra for this attempt): a rejected attempt leaves nothing behind."""
+    Hydra for this attempt): a rejected attempt leaves nothing behind. A job that stopped after
+    a checkpoint and will not go on by itself (its requeues used up) exits 3 with the command
+    that continues it."""
     try:
         return dispatch(run, run_dir)
+    except Preempted as exc:  # not a failure: stopped after a checkpoint
+        print(f"hetseq-hpc: {exc}", file=sys.stderr)
+        sys.exit(3)
     except HetseqError as exc:
         if new_dir and not run.cluster.is_local and not (run_dir / "job.json").exists():
             shutil.rmtree(run_dir, ignore_errors=True)

@@ -47,6 +47,7 @@ from hetseq_hpc.preemption import REQUEUE, StopRequest, requeue_job
 from hetseq_hpc.startup import BACKGROUND_IMPORTS, PhaseClock, prefetch_imports
 from hetseq_hpc.tasks import build_task
 from hetseq_hpc.tasks.contract import checked_batch
+from hetseq_hpc.tasks.contract_check import check_before_training
 from hetseq_hpc.tasks.prepare_wait import prepare_on_rank0
 from hetseq_hpc.tasks.report import build_checked_model, finish_task_summary
 from hetseq_hpc.train.loop import RankMeta, Trainer
@@ -200,7 +201,8 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
         if inject.isdigit() and int(inject) == world.rank:
             raise RuntimeError(f"injected failure on rank {world.rank} (HETSEQ_INJECT_FAILURE="
                                f"{inject}): unset it to train")
-        prepare_on_rank0(task, rdv, run_dir_path)  # the others wait outside the gloo timeout
+        # the others wait outside the gloo timeout, on rank 0's marker and heartbeat
+        prepare_on_rank0(task, rdv, run_dir_path, run.cluster.collective_timeout_s)
         task.load()
         clock.mark("data")
         label = dev.label if emulation.method == "none" else f"{dev.label} @{emulation.speed:g}"
@@ -210,6 +212,7 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
         if prefetch is not None:
             prefetch.join()  # nothing may import these modules while the thread does
         model, task_info = build_checked_model(task, run, device)  # refuses BatchNorm
+        check_before_training(task, model, run, device, rdv, task_info)  # sum loss, rows, count
         clock.mark("model")
         budget = memory_budget_bytes(placement, dev.kind, dev.memory_free_bytes,
                                      placement.ranks_on_node)
@@ -227,13 +230,6 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
         })
         allocation = agree_on_allocation(run, reports, rdv)
         clock.mark("allocation")
-        if world.is_master:
-            clock.log()
-            path = write_allocation_json(run_dir_path, allocation, reports,
-                                         {"startup": clock.to_dict()})
-            log.info("allocation %s (%s; micro-batch x accumulation %s) -> %s", allocation.samples,
-                     allocation.source,
-                     [f"{s.micro_batch}x{s.accum_steps}" for s in allocation.shares], path)
 
         def on_allocation(new: Allocation, extra: Optional[Dict[str, Any]] = None) -> None:
             if world.is_master:
@@ -249,6 +245,13 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
         trainer = Trainer(run, run_dir_path, rdv, task, model, device, allocation, metas,
                           autocast=autocast, on_allocation=on_allocation,
                           stop_request=stop_request, rebalancer=rebalancer)
+        if world.is_master:  # after the Trainer chose the run (a new run archives the old one)
+            clock.log()
+            path = write_allocation_json(run_dir_path, allocation, reports,
+                                         {"startup": clock.to_dict()})
+            log.info("allocation %s (%s; micro-batch x accumulation %s) -> %s", allocation.samples,
+                     allocation.source,
+                     [f"{s.micro_batch}x{s.accum_steps}" for s in allocation.shares], path)
         summary = trainer.fit()
         finish_task_summary(summary, task, model, task_info, world.is_master)
         final: Dict[str, Any] = {}  # what plans read from a finished run (plan.probe)
@@ -280,16 +283,6 @@ def handle_preempted(exc: Preempted, run: RunConfig) -> None:
     log.warning("rank %d: %s", rank, exc)
     if exc.code == REQUEUE and rank == 0:
         requeue_job(max_requeues=run.cluster.max_requeues)
-
-
-def run_in_job(run: RunConfig, run_dir: str) -> Dict[str, Any]:
-    """:func:`run_worker` inside a SLURM job started by submitit. A preempted rank exits with
-    ``SystemExit`` so that submitit writes no result for it: the requeued job will."""
-    try:
-        return run_worker(run, run_dir)
-    except Preempted as exc:
-        handle_preempted(exc, run)
-        raise SystemExit(3) from None
 
 
 def error_file(run_dir: Path, rank: int) -> Path:

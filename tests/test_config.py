@@ -199,8 +199,11 @@ def test_load_missing_file(tmp_path):
 
 
 def test_load_directory_is_missing_file(tmp_path):
-    with pytest.raises(ConfigError, match="does not exist"):
+    # issue 26: a directory is named as one, not as "does not exist"
+    with pytest.raises(ConfigError, match="is a directory, not a file"):
         load_run_config(tmp_path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_run_config(tmp_path / "hetseq_config.yaml")
 
 
 INVALID_YAML = [

@@ -11,7 +11,9 @@
 
 OVERRIDES are Hydra overrides (``key=value``, ``group=option``) after the subcommand, as for
 ``python -m hetseq_hpc``. Errors are one ``hetseq-hpc: error: ...`` line on stderr, exit code 2
-for a bad value, 1 for a failure while running.
+for a bad value, 1 for a failure while running. A first word that is neither a command nor an
+override (no ``=``) is an unknown command, named with the closest commands
+(:func:`bare_word_problem`).
 """
 
 from __future__ import annotations
@@ -98,6 +100,57 @@ def _plan_help() -> str:
     return doc[start:doc.find("Cost model")].strip() if start >= 0 else ""
 
 
+#: words people type for a command, and the command they mean (for "did you mean")
+ALIASES: Dict[str, str] = {"train": "run", "start": "run", "submit": "run", "fit": "run",
+                           "dry-run": "render", "sbatch": "render", "plot": "report",
+                           "summary": "report", "predict": "plan", "calibrate": "probe",
+                           "measure": "probe", "tokenize": "prepare", "help": "--help",
+                           "version": "--version"}
+
+
+def bare_word_problem(argv: Sequence[str]) -> Optional[str]:
+    """Why ``argv`` cannot be a command line, or None: a first word that is neither a command,
+    an option nor an override (no ``=``; Hydra's ``~key`` deletes are overrides) is an unknown
+    command; a later such word in a command's overrides is not an override. The message names
+    the word, the closest commands (:mod:`difflib`, also through :data:`ALIASES`) and the fix."""
+    argv = list(argv)
+    if not argv:
+        return None
+    first = argv[0]
+    if first not in COMMANDS and _is_bare(first):
+        return _unknown_command(first)
+    command, rest = (first, argv[1:]) if first in COMMANDS else ("run", argv)
+    if command == "report" or any(a.startswith("-") for a in argv):
+        return None  # report takes a path; flags: argparse or Hydra (multirun) parse them
+    for word in rest:
+        if _is_bare(word):
+            if word in COMMANDS:
+                return (f"{word!r} after {command!r} is not an override: give one command, "
+                        f"first (hetseq-hpc {word} OVERRIDES)")
+            return (f"{word!r} is not an override: overrides are key=value or group=option "
+                    f"(e.g. task=bert); see hetseq-hpc {command} --help")
+    return None
+
+
+def _is_bare(word: str) -> bool:
+    return "=" not in word and not word.startswith(("-", "~"))
+
+
+def _unknown_command(word: str) -> str:
+    import difflib
+
+    guesses: Dict[str, str] = {}  # command -> how it is shown; closest first
+    matches = difflib.get_close_matches(word.lower(), [*COMMANDS, *ALIASES], n=3, cutoff=0.6)
+    for name in ([word.lower()] if word.lower() in ALIASES else []) + matches:
+        command = ALIASES.get(name, name)
+        if command not in guesses:  # an alias shows the word it stands for: 'run' (train)
+            note = name in ALIASES and name != word.lower()
+            guesses[command] = repr(command) + (f" ({name})" if note else "")
+    hint = f"did you mean {' or '.join(guesses.values())}? " if guesses else ""
+    return (f"unknown command {word!r}: {hint}commands: {', '.join(COMMANDS)} (or give "
+            "overrides key=value for run); see hetseq-hpc --help")
+
+
 def _split(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
     """``(argparse's part, the rest)``: Hydra's own flags (``-m``, ``--cfg``, ...) after a
     subcommand bypass argparse and go to Hydra with the overrides."""
@@ -124,6 +177,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _main(argv: List[str]) -> int:
+    problem = bare_word_problem(argv)
+    if problem:
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
+        return 2
     own, hydra_flags = _split(argv)
     args = build_parser().parse_args(own)
     handlers: Dict[str, Callable[[argparse.Namespace, List[str]], int]] = {

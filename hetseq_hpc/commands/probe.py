@@ -9,7 +9,6 @@ the shape of a run's ``allocation.json`` (``ranks``: ``partition``, ``gres``, ``
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -19,6 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from hetseq_hpc.atomic import atomic_write_json
 from hetseq_hpc.errors import ConfigError
+from hetseq_hpc.input_files import output_problem, read_json_file
 
 log = logging.getLogger(__name__)
 
@@ -93,12 +93,36 @@ def default_out() -> Path:
     return Path.cwd() / f"probe-{safe}.json"
 
 
-def probe_command(overrides: Sequence[str], out: Optional[str] = None,
-                  append: bool = False) -> Path:
-    """Probe, write the JSON file and return its path.
+def check_out(path: Path, append: bool) -> List[Dict[str, Any]]:
+    """Check, before anything is probed, that ``path`` can take the probe file; with ``append``
+    and an existing file, return its ranks (checked as ``plan.probe`` checks a probe file,
+    :func:`hetseq_hpc.plan.inputs.check_probe`), else ``[]``.
 
     Raises:
-        ConfigError: a bad override, or ``--append`` to a file that is not a probe file.
+        ConfigError: ``path`` is a directory or not a regular file, cannot be created, or
+            (``--append``) is not a probe file; one line naming it and the fix.
+    """
+    from hetseq_hpc.plan.inputs import check_probe
+
+    problem = output_problem(path)
+    if problem:
+        raise ConfigError(f"--out {path} {problem}: give a writable file, e.g. "
+                          "--out probe.json")
+    if not (append and os.path.lexists(path)):
+        return []
+    label = f"--append to {path}:"
+    fix = "it is not a probe file; give a new --out file, or one hetseq-hpc probe wrote"
+    return list(check_probe(read_json_file(path, label, fix), label, fix)["ranks"])
+
+
+def probe_command(overrides: Sequence[str], out: Optional[str] = None,
+                  append: bool = False) -> Path:
+    """Probe, write the JSON file and return its path. ``--out`` (and the file ``--append``
+    adds to) is checked before anything is probed (:func:`check_out`).
+
+    Raises:
+        ConfigError: a bad override, an ``--out`` that cannot be written, or ``--append`` to a
+            file that is not a probe file.
     """
     from hetseq_hpc.commands.run import refuse_internal_options
     from hetseq_hpc.config import compose_run_config
@@ -107,17 +131,15 @@ def probe_command(overrides: Sequence[str], out: Optional[str] = None,
     refuse_internal_options(overrides)
     run = compose_run_config([o for o in overrides if not o.startswith("hydra.")])
     path = Path(out).expanduser() if out else default_out()
-    earlier: List[Dict[str, Any]] = []
-    if append and path.is_file():
-        try:
-            earlier = list(json.loads(path.read_text())["ranks"])
-        except (OSError, ValueError, KeyError, TypeError):
-            raise ConfigError(f"--append to {path}: it is not a probe file (no 'ranks' list); "
-                              "give a new --out file") from None
+    earlier = check_out(path, append)
     ranks = earlier + probe_devices(run)
     for number, rank in enumerate(ranks):
         rank["rank"] = number
     data = {"kind": "hetseq_hpc probe", "task": run.task.name, "ranks": ranks,
             "written_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    atomic_write_json(path, data)
+    try:
+        atomic_write_json(path, data)
+    except OSError as exc:
+        raise ConfigError(f"--out {path} cannot be written ({exc.strerror or exc}): give a "
+                          "writable file, e.g. --out probe.json") from None
     return path

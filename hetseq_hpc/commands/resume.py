@@ -14,6 +14,7 @@ BEFORE anything is written; the run then starts without Hydra, so the earlier ru
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -21,6 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hetseq_hpc.errors import CheckpointError, ConfigError
+from hetseq_hpc.input_files import file_problem
 
 log = logging.getLogger("hetseq_hpc")
 
@@ -118,14 +120,73 @@ def check_resume(run: Any, run_dir: Optional[Path]) -> None:
         path = found[-1]
     else:
         path = Path(resume).expanduser()
-        if not path.is_file():
-            raise CheckpointError(f"trainer.resume={resume} does not exist: give the path of a "
+        problem = file_problem(path)
+        if problem:
+            raise CheckpointError(f"trainer.resume={resume} {problem}: give the path of a "
                               "checkpoint (RUN_DIR/checkpoints/step_XXXXXXXX.pt), or "
                               "trainer.resume=auto / never")
     saved = checkpoint_fingerprint(path)
     if saved is None:
         return
     check_fingerprint(saved, run_fingerprint(run), str(path), run.trainer.allow_resume_mismatch)
+
+
+def task_module_file(target: str, path: Optional[str]) -> Optional[Path]:
+    """The file that importing ``target``'s module would run, found WITHOUT importing anything
+    (``task.path`` first, then ``sys.path``); None when it is not found."""
+    parts = str(target).rsplit(".", 1)[0].split(".")
+    roots = ([path] if path else []) + [entry or os.getcwd() for entry in sys.path]
+    for root in roots:
+        base = Path(os.path.expanduser(str(root))).joinpath(*parts)
+        for candidate in (base.with_name(base.name + ".py"), base / "__init__.py"):
+            if candidate.is_file():
+                return candidate.resolve()
+    return None
+
+
+def override_value(overrides: Sequence[str], key: str) -> Any:
+    """The value the last override of ``key`` gives (Hydra's grammar: ``true`` is True), or
+    None when the command line does not set it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    wanted = [o for o in overrides if _key(o) == key]
+    if not wanted:
+        return None
+    return OverridesParser.create().parse_overrides(wanted[-1:])[0].value()
+
+
+def guard_saved_task(merged: DictConfig, overrides: Sequence[str], run_dir: Path
+                     ) -> Optional[str]:
+    """Refuse to import a user task module that only the saved configuration names.
+
+    Continuing a run directory (maybe copied or shared by someone else) would import the
+    module its ``hetseq_config.yaml`` names in ``task.target``/``task.path``: code the person
+    typing the command never named. It is imported only when the command line names it again
+    (``task.target=...``, ``task.path=...`` or ``task=...``) or says
+    ``trainer.trust_saved_task=true``.
+
+    Returns:
+        ``"<file> (task.target=...)"`` to name in the console, or None for a built-in task.
+
+    Raises:
+        ConfigError: the saved configuration alone names the module (one line: the file and
+            the two ways to go on). Nothing has been imported or written.
+    """
+    target = OmegaConf.select(merged, "task.target", default=None)
+    if not target:
+        return None
+    folder = OmegaConf.select(merged, "task.path", default=None)
+    where = task_module_file(str(target), folder)
+    shown = str(where) if where else f"module {str(target).rsplit('.', 1)[0]!r} (not found)"
+    named = {_key(o) for o in overrides} & {"task", "task.target", "task.path"}
+    # the command line's own word only: a saved config's value could be the directory's writer's
+    if not named and override_value(overrides, "trainer.trust_saved_task") is not True:
+        raise ConfigError(
+            f"{run_dir / 'hetseq_config.yaml'} names task.target={target} (code in {shown}), "
+            "which is not imported unless you name it: repeat task.target="
+            f"{target} task.path={folder} on the command line, or add "
+            "trainer.trust_saved_task=true if you trust that file")
+    return f"{shown} (task.target={target})"
 
 
 def _log_to(run_dir: Path) -> None:
@@ -161,13 +222,18 @@ def resume_saved_run(argv: List[str]) -> Optional[int]:
     except Exception as exc:
         raise ConfigError(f"{path} is not valid YAML ({' '.join(str(exc).split())}): fix it, or "
                           "start over with trainer.resume=never") from None
-    run = to_run_config(merge_overrides(saved, overrides, earlier_overrides(path.parent)))
-    if run.trainer.resume == "never":
-        return None
+    resume = override_value(overrides, "trainer.resume")
+    if (resume if resume is not None else OmegaConf.select(saved, "trainer.resume")) == "never":
+        return None  # a new run: nothing of the saved configuration is used (or imported)
+    merged = merge_overrides(saved, overrides, earlier_overrides(path.parent))
     run_dir = path.parent.resolve()
+    task_code = guard_saved_task(merged, overrides, run_dir)
+    run = to_run_config(merged)  # imports the task module (validation)
     check_resume(run, run_dir)
     _log_to(run_dir)
     log.info("continuing %s from its saved %s%s", run_dir, path.name,
              f" with {' '.join(overrides)}" if overrides else "")
+    if task_code:
+        log.info("task code imported from %s", task_code)
     dispatch_or_exit(run, run_dir)
     return 0

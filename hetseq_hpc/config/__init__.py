@@ -35,6 +35,7 @@ from hetseq_hpc.config.schema import (
 )
 from hetseq_hpc.config.validate import planned_world_size, validate_run_config
 from hetseq_hpc.errors import ConfigError
+from hetseq_hpc.input_files import file_problem
 
 #: Directory of the YAML config groups (``conf/``; the package holds a link to it).
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -123,9 +124,10 @@ def load_run_config(path: Union[str, Path]) -> RunConfig:
         ConfigError: the file is missing, not YAML, or holds invalid values.
     """
     path = Path(path)
-    if not path.is_file():
+    problem = file_problem(path)
+    if problem:
         raise ConfigError(
-            f"config file {str(path)!r} does not exist: pass the hetseq_config.yaml of a run "
+            f"config file {str(path)!r} {problem}: pass the hetseq_config.yaml of a run "
             "directory (written by python -m hetseq_hpc)"
         )
     try:

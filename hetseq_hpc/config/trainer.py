@@ -68,9 +68,16 @@ class TrainerConfig:
     # resume even when the checkpoint was written by a run whose configuration differs in
     # what matters (seed, task, model shape, global batch); false = refuse and list the differences
     allow_resume_mismatch: bool = False
+    # continuing a run directory whose saved config names a user's task module (task.target /
+    # task.path) imports that code only when the command line names it again or this is true
+    trust_saved_task: bool = False
     # train a model with BatchNorm although uneven per-rank batches then are NOT exact (recorded
     # in the log and summary.json); false = refuse it before training
     allow_inexact_batchnorm: bool = False
+    # skip the check of the task contract on the first batch (SUM loss, additive count,
+    # row-wise make_batch; docs/tasks.md) for a task whose samples interact in a batch; the run
+    # is then recorded as NOT exact in the log and summary.json
+    skip_contract_check: bool = False
     # where rank 0 logs every step besides metrics.jsonl (always on): csv, tensorboard, wandb
     loggers: List[str] = field(default_factory=lambda: ["jsonl"])
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 import glob
+import importlib.util
 import os
 from typing import TYPE_CHECKING, List
 
@@ -13,12 +14,14 @@ from hetseq_hpc.errors import ConfigError
 if TYPE_CHECKING:  # pragma: no cover
     from hetseq_hpc.config.schema import RunConfig
 
-__all__ = ["check_text_file", "expand_data_files", "planned_world_size", "validate_run_config",
-           "visible_gpu_count"]
+__all__ = ["LOGGER_PACKAGES", "check_grad_combine", "check_logger_packages", "check_text_file",
+           "expand_data_files", "planned_world_size", "validate_run_config", "visible_gpu_count"]
 
 #: bytes of each data file read before any process starts (the rest is checked while loading);
 #: git's binary detection looks at the same first 8000 bytes (xdiff-interface.c, FIRST_FEW_BYTES)
 TEXT_PROBE_BYTES = 8000
+#: ``trainer.loggers`` entries that need a package besides hetseq_hpc's own dependencies
+LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 
 def planned_world_size(run: RunConfig) -> int:
@@ -77,14 +80,49 @@ def check_text_file(path: str, probe_bytes: int = TEXT_PROBE_BYTES) -> None:
         ) from None
 
 
+def check_logger_packages(loggers: List[str]) -> None:
+    """Every ``trainer.loggers`` entry must be importable where the run starts: a logger whose
+    package is missing is refused here, before any rank starts, not found missing by rank 0.
+
+    Raises:
+        ConfigError: an entry's package (:data:`LOGGER_PACKAGES`) is not installed.
+    """
+    for name in dict.fromkeys(loggers):
+        package = LOGGER_PACKAGES.get(name)
+        if package and importlib.util.find_spec(package) is None:
+            rest = [n for n in dict.fromkeys(loggers) if n != name]
+            raise ConfigError(
+                f"trainer.loggers={list(loggers)} has {name} but the {package} package is not "
+                f"installed here: pip install {package}, or drop it "
+                f"(trainer.loggers=[{','.join(rest) or 'jsonl'}])"
+            )
+
+
+def check_grad_combine(grad_combine: str, world: int) -> None:
+    """``trainer.grad_combine=adasum`` pairs ranks recursively, so the planned world size must be
+    a power of two (Horovod refuses others the same way); checked before any rank starts.
+
+    Raises:
+        ConfigError: adasum on a world size that is not a power of two.
+    """
+    if grad_combine == "adasum" and not (world >= 1 and world & (world - 1) == 0):
+        lower = 1 << (world.bit_length() - 1)
+        raise ConfigError(
+            f"trainer.grad_combine=adasum needs a power-of-two number of ranks, this run plans "
+            f"{world}: use {lower} or {lower * 2} ranks (cluster.ranks, or the partitions' nodes "
+            "and gpus_per_node), or trainer.grad_combine=sum"
+        )
+
+
 def _data_files(run: RunConfig) -> List[str]:
     files = getattr(getattr(run.task, "data", None), "files", None)
     return list(files) if files else []
 
 
 def validate_run_config(run: RunConfig) -> None:
-    """Cross-group checks: world size against the global batch and a forced allocation,
-    per-rank cluster settings, data files exist and hold text.
+    """Cross-group checks: world size against the global batch, a forced allocation and
+    ``grad_combine=adasum``, per-rank cluster settings, logger packages installed, data files
+    exist and hold text.
 
     Raises:
         ConfigError: with the offending values and the fix, in one line.
@@ -103,6 +141,8 @@ def validate_run_config(run: RunConfig) -> None:
             f"but the world size is {world}: give one sample count per rank"
         )
     run.cluster.check_world(world)
+    check_grad_combine(trainer.grad_combine, world)
+    check_logger_packages(list(trainer.loggers))
     for path in expand_data_files(_data_files(run)):
         check_text_file(path)
     if run.optim.schedule_steps is not None and run.optim.schedule_steps < trainer.max_steps:

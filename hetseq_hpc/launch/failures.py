@@ -5,9 +5,18 @@ peer", a reset socket, an aborted NCCL communicator, a collective that timed out
 effect, not the cause. Launchers therefore name the rank whose OWN error is first:
 
 * a genuine error (any error that is not a peer disconnection), earliest first;
-* else a rank killed by a signal nobody in hetseq_hpc sent (the kernel's OOM killer, ``kill``);
-* else a rank found stopped (SIGSTOP, Ctrl-Z) while its peers timed out waiting for it;
+* else a rank killed by a signal nobody in hetseq_hpc sent (the kernel's OOM killer, ``kill``),
+  or, on SLURM, a rank that left neither a result nor an error of its own (killed or stopped:
+  its peers only saw it go away);
+* else a rank found stopped (SIGSTOP, Ctrl-Z) while its peers timed out waiting for it (the
+  local launcher looks at ``/proc``; on SLURM the rank itself notices, :class:`StopWatch`,
+  and its error file says so);
 * else the earliest peer disconnection.
+
+Both launchers read each rank's OWN error file, ``<run dir>/logs/rank<N>.error.json``
+(:func:`hetseq_hpc.launch.rank_guard.report_failure`), and pick with :func:`first_failure`.
+A SLURM job that stopped cleanly after a checkpoint leaves ``logs/stop.json`` from rank 0
+(:func:`write_stop_record`), so that the launcher can tell such a stop from a failure.
 
 The error line of a Python traceback is its last ``module.Name: message`` line, not its last
 line: torch's C++ errors append "Exception raised from ..." and frame lines such as
@@ -19,8 +28,12 @@ from __future__ import annotations
 import json
 import re
 import signal
+import threading
+import time
 from pathlib import Path
-from typing import Dict, Iterable, Mapping, Optional
+from typing import Any, Dict, Iterable, Mapping, Optional
+
+from hetseq_hpc.atomic import atomic_write_json
 
 #: error text of a rank that only saw a peer go away (lower case; matched in the error line)
 PEER_MARKERS = (
@@ -28,6 +41,12 @@ PEER_MARKERS = (
     "nccl communicator was aborted", "remote process exited", "econnreset", "socket closed",
     "timed out waiting", "connection refused",
 )
+#: rank 0's record of a clean stop after a checkpoint in a SLURM job (relative to the run dir)
+STOP_RECORD = Path("logs") / "stop.json"
+#: a rank whose clock jumped this many seconds between two ticks was stopped (SIGSTOP, a frozen
+#: node): peers time out after cluster.collective_timeout_s >= 10 s, so a stop that makes them
+#: fail is longer than this
+STOP_GAP_S = 5.0
 #: a Python exception line: ``pkg.module.NameError: message`` at column 0
 _EXC_LINE = re.compile(r"[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Preempted|Failure)"
                        r"(?::.*)?\Z")
@@ -74,26 +93,29 @@ def read_error_file(path: Path) -> Optional[Dict]:
 
 
 def first_failure(codes: Mapping[int, int], errors: Mapping[int, Optional[Dict]],
-                  stopped: Iterable[int] = ()) -> int:
-    """The rank to blame on the local launcher.
+                  stopped: Iterable[int] = (), silent: Iterable[int] = ()) -> int:
+    """The rank to blame (local launcher and SLURM).
 
     Args:
         codes: rank -> exit code observed BEFORE the launcher stopped anyone (negative = killed
-            by that signal); ranks still running are absent.
-        errors: rank -> its error file (:func:`read_error_file`), or None.
+            by that signal); ranks still running are absent. SLURM gives none: ``{}``.
+        errors: rank -> its error (:func:`read_error_file`, or one built from a traceback:
+            ``type``, ``message``, optional ``time`` and ``peer``), or None.
         stopped: ranks found stopped (SIGSTOP, Ctrl-Z) while the others failed.
+        silent: ranks that left neither a result nor an error of their own while others
+            failed (SLURM: killed by a signal, or stopped); ranked with the killed ones.
 
     Returns:
         the first rank with a genuine error (by the error's time), else the first rank killed
-        by a foreign signal, else a stopped rank, else the first peer disconnection, else the
-        lowest failed rank.
+        by a foreign signal or silent, else a stopped rank, else the first peer disconnection,
+        else the lowest failed rank.
 
     Raises:
         ValueError: no rank failed.
     """
-    stopped = set(stopped)
+    stopped, silent = set(stopped), set(silent)
     failed = sorted(set(r for r, c in codes.items() if c not in (None, 0)) |
-                    set(r for r, e in errors.items() if e) | stopped)
+                    set(r for r, e in errors.items() if e) | stopped | silent)
     if not failed:
         raise ValueError("no rank failed")
 
@@ -102,13 +124,92 @@ def first_failure(codes: Mapping[int, int], errors: Mapping[int, Optional[Dict]]
         when = float(err.get("time", float("inf"))) if err else float("inf")
         if err and not (err.get("peer") or is_peer_error(f"{err.get('type')}: {err['message']}")):
             return (0, when, rank)
-        if codes.get(rank, 0) < 0:
+        if codes.get(rank, 0) < 0 or (rank in silent and not err):
             return (1, 0.0, rank)
-        if rank in stopped:
+        if rank in stopped or (err and float(err.get("stopped_s") or 0) > 0):
             return (2, 0.0, rank)
         return (3 if err else 4, when, rank)
 
     return min(failed, key=order)
+
+
+class StopWatch:
+    """Notices that this process was stopped (SIGSTOP, Ctrl-Z, a frozen node): a daemon thread
+    ticks every ``tick_s``; a tick that comes ``gap_s`` late means every thread of the process
+    stood still that long. :attr:`stopped_s` is the longest such gap (0.0: never stopped).
+
+    A stopped SLURM rank cannot be seen from the launcher's node, and when Slurm ends the step
+    it continues the rank, which then fails like its peers with a disconnection; its error
+    file's ``stopped_s`` (:func:`note_stopped`) tells the launcher which rank they waited for.
+    """
+
+    def __init__(self, gap_s: float = STOP_GAP_S, tick_s: float = 0.5,
+                 clock: Any = time.monotonic):
+        self.gap_s, self.tick_s = gap_s, tick_s
+        self.stopped_s = 0.0
+        self._clock = clock
+        self._done = threading.Event()
+
+    def check(self, last: float) -> float:
+        """One tick: record the gap since ``last`` if it is a stop; returns the new tick time."""
+        now = self._clock()
+        if now - last - self.tick_s >= self.gap_s:
+            self.stopped_s = max(self.stopped_s, now - last - self.tick_s)
+        return now
+
+    def start(self) -> StopWatch:
+        """Start the daemon thread; returns self."""
+
+        def run() -> None:
+            last = self._clock()
+            while not self._done.wait(self.tick_s):
+                last = self.check(last)
+
+        threading.Thread(target=run, name="hetseq-stop-watch", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        """End the thread (within one tick); :attr:`stopped_s` keeps its value."""
+        self._done.set()
+
+
+def note_stopped(path: Path, stopped_s: float) -> None:
+    """Add ``stopped_s`` (seconds this rank stood still, :class:`StopWatch`) to its error file
+    ``path`` (:func:`hetseq_hpc.launch.rank_guard.report_failure`). Never raises."""
+    data = read_error_file(path)
+    if data is None or stopped_s <= 0:
+        return
+    try:
+        atomic_write_json(path, {**data, "stopped_s": round(float(stopped_s), 1)})
+    except OSError:
+        pass
+
+
+def write_stop_record(run_dir: Path, job_id: str, step: int, code: int, restarts: int,
+                      max_requeues: int, requeued: bool) -> None:
+    """Rank 0 of a SLURM job that stopped after writing the checkpoint of ``step`` records it
+    in ``<run dir>/logs/stop.json`` (``code``: :mod:`hetseq_hpc.preemption`'s TERMINATE or
+    REQUEUE; ``requeued``: the job was requeued and will go on by itself). Never raises."""
+    try:
+        path = Path(run_dir) / STOP_RECORD
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, {"job_id": str(job_id), "step": int(step), "code": int(code),
+                                 "restarts": int(restarts), "max_requeues": int(max_requeues),
+                                 "requeued": bool(requeued), "time": time.time()})
+    except OSError:
+        pass
+
+
+def read_stop_record(run_dir: Path, job_id: str) -> Optional[Dict[str, Any]]:
+    """Job ``job_id``'s stop record (:func:`write_stop_record`), or None if there is none, it
+    is unreadable, or it belongs to another job."""
+    try:
+        data = json.loads((Path(run_dir) / STOP_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or str(data.get("job_id")) != str(job_id):
+        return None
+    return data if isinstance(data.get("step"), int) else None
 
 
 def signal_reason(code: int, run_dir: Path, rank: int) -> str:
@@ -141,5 +242,6 @@ def memory_estimate_gb(run_dir: Path, rank: int) -> Optional[float]:
         return None
 
 
-__all__ = ["PEER_MARKERS", "error_line", "first_failure", "is_peer_error", "memory_estimate_gb",
-           "pick_failure", "read_error_file", "signal_reason"]
+__all__ = ["PEER_MARKERS", "STOP_GAP_S", "STOP_RECORD", "StopWatch", "error_line",
+           "first_failure", "is_peer_error", "memory_estimate_gb", "note_stopped", "pick_failure",
+           "read_error_file", "read_stop_record", "signal_reason", "write_stop_record"]

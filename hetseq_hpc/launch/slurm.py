@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -32,8 +33,16 @@ from submitit.slurm.slurm import SlurmExecutor
 
 from hetseq_hpc.atomic import atomic_write_text
 from hetseq_hpc.config import RunConfig, SlurmClusterConfig, load_run_config, save_run_config
-from hetseq_hpc.errors import ConfigError, LaunchError
-from hetseq_hpc.launch.failures import error_line, pick_failure
+from hetseq_hpc.errors import ConfigError, LaunchError, Preempted
+from hetseq_hpc.launch.failures import (
+    STOP_RECORD,
+    StopWatch,
+    error_line,
+    note_stopped,
+    pick_failure,
+    write_stop_record,
+)
+from hetseq_hpc.launch.rank_guard import report_failure
 from hetseq_hpc.launch.sbatch import render_sbatch, save_hand_submission
 from hetseq_hpc.launch.slurm_checks import check_partitions, partition_inventory, require_slurm
 from hetseq_hpc.launch.slurm_watch import (
@@ -44,6 +53,7 @@ from hetseq_hpc.launch.slurm_watch import (
     task_outcomes,
     wait_for_job,
 )
+from hetseq_hpc.preemption import REQUEUE
 from hetseq_hpc.train.run_lock import lock_run_dir
 from hetseq_hpc.worker import CONFIG_NAME
 
@@ -82,16 +92,40 @@ class HetseqJobFunction:
     """What every task of the het job runs (pickled by submitit): one hetseq_hpc rank.
 
     Each (re)start reads the run's config, so a requeued job resumes from the run directory's
-    latest checkpoint (``trainer.resume=auto``).
+    latest checkpoint (``trainer.resume=auto``). A failed rank writes its own
+    ``logs/rank<N>.error.json`` (:func:`~hetseq_hpc.launch.rank_guard.report_failure`) for the
+    launcher to name the cause, with how long the rank stood still if it was stopped
+    (:class:`~hetseq_hpc.launch.failures.StopWatch`). A rank stopped after a checkpoint exits 3
+    with no result (the requeued job writes them), and rank 0 records the stop in
+    ``logs/stop.json`` (:func:`~hetseq_hpc.launch.failures.write_stop_record`).
     """
 
     config_path: str
     run_dir: str
 
     def __call__(self) -> Dict[str, Any]:
-        from hetseq_hpc.worker import run_in_job
+        from hetseq_hpc.worker import error_file, handle_preempted, run_worker
 
-        return run_in_job(load_run_config(self.config_path), self.run_dir)
+        rank = int(os.environ.get("SLURM_PROCID", "0") or 0)
+        watch = StopWatch().start()
+        try:
+            run = load_run_config(self.config_path)
+            return run_worker(run, self.run_dir)
+        except Preempted as exc:
+            if rank == 0:
+                restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+                limit = run.cluster.max_requeues
+                requeued = exc.code == REQUEUE and restarts < limit
+                write_stop_record(self.run_dir, os.environ.get("SLURM_JOB_ID", ""), exc.step,
+                                  exc.code, restarts, limit, requeued)
+            handle_preempted(exc, run)
+            raise SystemExit(3) from None
+        except Exception as exc:
+            report_failure(exc, rank, error_file(self.run_dir, rank))
+            note_stopped(error_file(self.run_dir, rank), watch.stopped_s)
+            raise
+        finally:
+            watch.stop()
 
 
 # ------------------------------------------------------------------------------ launch
@@ -117,6 +151,9 @@ def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
     # the run (hetseq_hpc.train.run_lock.claim_run_dir), so it is released before submitting
     with lock_run_dir(run_dir):
         config_path = save_run_config(run, run_dir / CONFIG_NAME)
+        # an earlier job's errors and stop record must not be read as this job's
+        for stale in [*(run_dir / "logs").glob("rank*.error.json"), run_dir / STOP_RECORD]:
+            stale.unlink(missing_ok=True)
         if cluster.dry_run:
             path = run_dir / "job.sbatch"
             save_hand_submission(folder, HetseqJobFunction(str(config_path), str(run_dir)))

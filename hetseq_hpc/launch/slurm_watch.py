@@ -6,11 +6,19 @@ stays UNKNOWN and a cancelled het job never finishes (and without accounting the
 for MinJobAge) and folds the components' states into the leader's, falling back to ``sacct``
 (measured on Slurm 22.05 with submitit 1.5.4 on the project's test cluster,
 scripts/test-cluster.sh; submitit issue #1741).
+
+When ranks fail, :func:`wait_for_job` names the rank whose OWN error came first, from each
+rank's ``logs/rank<N>.error.json`` and result traceback, as the local launcher does
+(:func:`hetseq_hpc.launch.failures.first_failure`): a rank killed or stopped leaves no error of
+its own, and its peers' disconnections do not count against them. A job that stopped after a
+checkpoint because its requeues were used up is reported as such, with the command that
+continues it (:class:`RequeueLimitReached`).
 """
 
 from __future__ import annotations
 
 import logging
+import shlex
 import shutil
 import subprocess
 import sys
@@ -21,8 +29,17 @@ from typing import Any, Dict, List, Optional, Tuple
 from submitit.core import utils as submitit_utils
 from submitit.slurm.slurm import SlurmInfoWatcher, SlurmJob
 
-from hetseq_hpc.errors import LaunchError
-from hetseq_hpc.launch.failures import error_line, pick_failure
+from hetseq_hpc.errors import LaunchError, Preempted
+from hetseq_hpc.launch.failures import (
+    error_line,
+    first_failure,
+    is_peer_error,
+    pick_failure,
+    read_error_file,
+    read_stop_record,
+)
+from hetseq_hpc.preemption import REQUEUE
+from hetseq_hpc.worker import error_file
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +47,10 @@ log = logging.getLogger(__name__)
 TERMINAL_STATES = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                    "BOOT_FAIL", "DEADLINE", "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}
 #: precedence when folding component states into one (first match wins)
+#: seconds the other ranks get to leave their result or error after a rank failed
+FAILURE_GRACE_S = 5.0
+#: seconds results may take to land on a shared filesystem after the job ended
+SETTLE_S = 5.0
 _FOLD_ORDER = ["FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "TIMEOUT", "DEADLINE",
                "CANCELLED", "PREEMPTED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "PENDING",
                "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "COMPLETED"]
@@ -119,6 +140,64 @@ def task_outcomes(folder: Path, job_id: str, num_tasks: int) -> Dict[int, Tuple[
     return out
 
 
+class RequeueLimitReached(Preempted):
+    """The job stopped cleanly after the checkpoint of ``step`` (Slurm's time limit or a
+    preemption) and was not requeued: ``cluster.max_num_timeout`` requeues were used up. Not a
+    failure (the CLI exits 3, like a rank stopped after a checkpoint); the message says how to
+    continue."""
+
+    def __init__(self, step: int, max_requeues: int, run_dir: Path):
+        super().__init__(step, REQUEUE, "the requeue limit")
+        self.args = (
+            f"stopped after step {step} with a checkpoint: requeue limit (cluster.max_num_timeout="
+            f"{max_requeues}) reached; continue with: hetseq-hpc "
+            f"{shlex.quote(f'hydra.run.dir={run_dir}')} trainer.resume=auto",)
+
+
+def _rank_errors(run_dir: Path, traces: Dict[int, str], num_tasks: int) -> Dict[int, Dict]:
+    """rank -> its own error: ``logs/rank<N>.error.json`` if it wrote one, else one built from
+    its result traceback (no time: such ranks sort by rank)."""
+    errors: Dict[int, Dict] = {}
+    for rank in range(num_tasks):
+        err = read_error_file(error_file(run_dir, rank))
+        if err is None and rank in traces:
+            line = error_line(traces[rank])
+            kind, _, message = line.partition(": ")
+            err = {"type": kind, "message": message or line, "peer": is_peer_error(line)}
+        if err is not None:
+            errors[rank] = err
+    return errors
+
+
+def failure_message(job_id: str, folder: Path, run_dir: Path, num_tasks: int,
+                    outcomes: Dict[int, Tuple[str, Any]]) -> str:
+    """The one-line report of a failed job: the rank whose own error came first
+    (:func:`~hetseq_hpc.launch.failures.first_failure`; ranks without a result or an error of
+    their own count as killed or stopped), its error line and its log file."""
+    traces = {r: str(o[1]) for r, o in outcomes.items() if o[0] == "error"}
+    errors = _rank_errors(run_dir, traces, num_tasks)
+    silent = [r for r in range(num_tasks) if r not in outcomes and r not in errors]
+    rank = first_failure({}, errors, silent=silent)
+    log_err = folder / f"{job_id}_{rank}_log.err"
+    stopped_s = float(errors.get(rank, {}).get("stopped_s") or 0)
+    if stopped_s > 0 and is_peer_error(f"{errors[rank].get('type')}: {errors[rank]['message']}"):
+        reason = (f"it was stopped for {stopped_s:.0f} s (SIGSTOP, Ctrl-Z, a frozen node) and did "
+                  "not answer; its peers timed out waiting for it")
+    elif rank in traces:
+        reason = error_line(traces[rank])
+    elif rank in errors:
+        reason = f"{errors[rank].get('type', 'Error')}: {errors[rank]['message']}"
+    else:
+        reason = ("it ended without an error of its own (killed by a signal: scancel, kill -9, "
+                  "the kernel's OOM killer; or stopped), and its peers lost it")
+    return (f"job {job_id}: rank {rank} failed: {reason} (log: {log_err}; "
+            f"{Path(run_dir) / 'logs' / f'rank{rank}.log'})")
+
+
+def _accounted(run_dir: Path, num_tasks: int, outcomes: Dict[int, Tuple[str, Any]]) -> bool:
+    return all(r in outcomes or error_file(run_dir, r).is_file() for r in range(num_tasks))
+
+
 def wait_for_job(job: HetSlurmJob, run_dir: Path, num_tasks: int, poll_s: float = 1.0,
                  stream: bool = False, timeout_s: Optional[float] = None) -> Dict[str, Any]:
     """Wait until every rank returned, a rank failed, or Slurm ended the job.
@@ -135,8 +214,10 @@ def wait_for_job(job: HetSlurmJob, run_dir: Path, num_tasks: int, poll_s: float 
         rank 0's summary.
 
     Raises:
-        LaunchError: a rank raised (its rank and last error line are named), or the job ended
-            without results (CANCELLED, TIMEOUT, ...), or ``timeout_s`` passed.
+        LaunchError: a rank failed (the rank whose own error came first is named, with its error
+            line: :func:`failure_message`), or the job ended without results (CANCELLED,
+            TIMEOUT, ...), or ``timeout_s`` passed.
+        RequeueLimitReached: the job stopped after a checkpoint with its requeues used up.
     """
     folder = Path(job.paths.folder)
     log_path = Path(run_dir) / "logs" / "rank0.log"
@@ -153,23 +234,26 @@ def wait_for_job(job: HetSlurmJob, run_dir: Path, num_tasks: int, poll_s: float 
                 sys.stderr.write(chunk)
                 sys.stderr.flush()
         outcomes = task_outcomes(folder, job.job_id, num_tasks)
-        errors = {r: o[1] for r, o in outcomes.items() if o[0] == "error"}
-        if errors:
-            time.sleep(poll_s)  # let the other ranks' results land, then pick the cause
-            outcomes = task_outcomes(folder, job.job_id, num_tasks)
-            errors = {r: o[1] for r, o in outcomes.items() if o[0] == "error"}
-            rank = pick_failure(errors)
-            raise LaunchError(
-                f"job {job.job_id}: rank {rank} failed: {error_line(errors[rank])} (log: "
-                f"{folder / f'{job.job_id}_{rank}_log.err'})"
-            )
+        if any(o[0] == "error" for o in outcomes.values()) or any(
+                error_file(run_dir, r).is_file() for r in range(num_tasks)):
+            # let the other ranks' results and errors land, then pick the cause
+            failed_at = time.monotonic()
+            while (not _accounted(run_dir, num_tasks, outcomes)
+                   and time.monotonic() - failed_at < FAILURE_GRACE_S):
+                time.sleep(poll_s)
+                outcomes = task_outcomes(folder, job.job_id, num_tasks)
+            raise LaunchError(failure_message(job.job_id, folder, run_dir, num_tasks, outcomes))
         if len(outcomes) == num_tasks:
             return outcomes[0][1]
         state = job.watcher.get_state(job.job_id, mode="force")
         if state in TERMINAL_STATES:
             # results may still be landing on a shared filesystem: give them a moment
             ended_at = ended_at or time.monotonic()
-            if time.monotonic() - ended_at > 5.0:
+            if time.monotonic() - ended_at > SETTLE_S:
+                stop = read_stop_record(run_dir, job.job_id)
+                if stop is not None and stop.get("code") == REQUEUE and not stop.get("requeued"):
+                    raise RequeueLimitReached(stop["step"], int(stop.get("max_requeues", 0)),
+                                              Path(run_dir))
                 raise LaunchError(
                     f"job {job.job_id} ended {state} before every rank finished ({len(outcomes)}/"
                     f"{num_tasks} results): see {folder} and {Path(run_dir) / 'logs'}"
@@ -180,5 +264,6 @@ def wait_for_job(job: HetSlurmJob, run_dir: Path, num_tasks: int, poll_s: float 
         time.sleep(poll_s)
 
 
-__all__ = ["TERMINAL_STATES", "HetSlurmInfoWatcher", "HetSlurmJob", "fold_states",
-           "pick_failure", "task_outcomes", "wait_for_job"]
+__all__ = ["FAILURE_GRACE_S", "TERMINAL_STATES", "HetSlurmInfoWatcher", "HetSlurmJob",
+           "RequeueLimitReached", "failure_message", "fold_states", "pick_failure",
+           "task_outcomes", "wait_for_job"]

@@ -8,7 +8,6 @@ matches planned rank ``i`` to probe rank ``i``.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass
@@ -16,8 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 from hetseq_hpc.allocation import micro_batch_cap
-from hetseq_hpc.cost_model import CostCurve
+from hetseq_hpc.cost_model import MIN_PER_SAMPLE_S, CostCurve
 from hetseq_hpc.errors import ConfigError
+from hetseq_hpc.input_files import describe, file_problem, number, read_json_file
 from hetseq_hpc.plan.cost_model import datasheet_throughput, memory_cap
 from hetseq_hpc.plan.gpus import achieved_fraction, lookup_gpu, peak_tflops, runtime_precision
 
@@ -62,29 +62,129 @@ def probe_file(path: str) -> Path:
     """``plan.probe``'s file: the path itself, or ``allocation.json`` in it if a directory.
 
     Raises:
-        ConfigError: the file does not exist.
+        ConfigError: the file does not exist or is not a regular file (a FIFO, a device).
     """
     file = Path(path)
     if file.is_dir():
         file = file / "allocation.json"
-    if not file.is_file():
-        raise ConfigError(f"plan.probe={path!r} does not exist: pass the allocation.json of an "
-                          "earlier run (or its run directory)")
+    problem = file_problem(file)
+    if problem:
+        shown = repr(path) if file == Path(path) else f"{path!r} ({file})"
+        raise ConfigError(f"plan.probe={shown} {problem}: pass the allocation.json of an "
+                          "earlier run (or its run directory), or a file hetseq-hpc probe wrote")
     return file
 
 
 def load_probe(path: str) -> Dict[str, Any]:
-    """The parsed ``allocation.json`` named by ``plan.probe``.
+    """The parsed and checked (:func:`check_probe`) ``allocation.json`` named by ``plan.probe``.
 
     Raises:
-        ConfigError: the file is missing or not JSON.
+        ConfigError: the file is missing, not a regular file, not strict JSON, or not shaped
+            like a probe (one line naming the key).
     """
     file = probe_file(path)
-    try:
-        return json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"plan.probe={path!r} is not readable JSON ({exc}): "
-                          f"{_WRITTEN_BY_A_RUN}") from None
+    label = f"plan.probe={path!r}"
+    return check_probe(read_json_file(file, label, _WRITTEN_BY_A_RUN), label)
+
+
+#: calibration figures a probe rank may hold: (key, low, high, integer). Bounds keep the
+#: planner's arithmetic finite (no overflow to inf); no real device comes near them.
+_FIGURES = (
+    ("samples_per_s", 1e-6, 1e15, False),
+    ("micro_batch", 0, 2**31, True),
+    ("max_micro_batch", 0, 2**31, True),
+    ("memory_budget_bytes", -1e18, 1e18, False),
+    ("static_bytes", 0, 1e18, False),
+    ("activation_bytes_per_sample", 0, 1e18, False),
+    ("overhead_s", 0, 1e6, False),
+    ("per_sample_s", 0, 1e6, False),
+    ("step_fixed_s", 0, 1e6, False),
+)
+_CURVE_KEYS = ("overhead_s", "per_sample_s")
+
+
+def _check_figures(figures: Any, where: str, fix: str) -> None:
+    if not isinstance(figures, dict):
+        raise ConfigError(f"{where} is {describe(figures)}, not an object: {fix}")
+    for key, low, high, integer in _FIGURES:
+        if figures.get(key) is not None:
+            number(figures[key], f"{where}.{key}", fix, low, high, integer)
+    act = figures.get("activation_bytes_per_sample")
+    if act is not None and 0 < act < 1:
+        raise ConfigError(f"{where}.activation_bytes_per_sample={act:g} is below one byte: "
+                          f"{fix}")
+
+
+def _check_curve(curve: Any, where: str, fix: str) -> None:
+    _check_figures(curve, where, fix)
+    missing = [k for k in _CURVE_KEYS if curve.get(k) is None]
+    if missing:
+        raise ConfigError(f"{where} has no {' or '.join(missing)} (a cost curve needs "
+                          f"{', '.join(_CURVE_KEYS)}): {fix}")
+    if curve["per_sample_s"] < MIN_PER_SAMPLE_S:
+        raise ConfigError(f"{where}.per_sample_s={curve['per_sample_s']:g} is below "
+                          f"{MIN_PER_SAMPLE_S:g} s: {fix}")
+
+
+def _check_curves(curves: Any, where: str, fix: str) -> None:
+    if curves is None:
+        return
+    if not isinstance(curves, list):
+        raise ConfigError(f"{where} is {describe(curves)}, not a list: {fix}")
+    for i, curve in enumerate(curves):
+        _check_curve(curve, f"{where}[{i}]", fix)
+
+
+def check_probe(data: Any, label: str = "plan.probe", fix: str = _WRITTEN_BY_A_RUN
+                ) -> Dict[str, Any]:
+    """Check the shape of a parsed probe file (a run's ``allocation.json`` or what
+    ``hetseq-hpc probe`` writes) before anything reads it: an object with a non-empty
+    ``ranks`` list of objects; their ``partition``/``gres``/``device`` strings or null; every
+    ``calibration`` figure a finite number in range (:data:`_FIGURES`); a calibration with
+    ``per_sample_s`` > 0 and every entry of ``fitted_curves`` / ``allocation.curves`` a full cost
+    curve; ``measured_step.sync_s`` a number of seconds. Returns ``data``.
+
+    Raises:
+        ConfigError: one line naming ``label`` and the offending key, ending with ``fix``.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"{label} holds {describe(data)}, not an object with a 'ranks' list: "
+                          f"{fix}")
+    ranks = data.get("ranks")
+    if not isinstance(ranks, list) or not ranks:
+        raise ConfigError(f"{label} has no 'ranks' list: {fix}")
+    for i, rank in enumerate(ranks):
+        where = f"{label} ranks[{i}]"
+        if not isinstance(rank, dict):
+            raise ConfigError(f"{where} is {describe(rank)}, not an object: {fix}")
+        for key in ("partition", "gres", "device"):
+            if rank.get(key) is not None and not isinstance(rank[key], str):
+                raise ConfigError(f"{where}.{key} is {describe(rank[key])}, not a string: "
+                                  f"{fix}")
+        if rank.get("probe") is not None and not isinstance(rank["probe"], dict):
+            raise ConfigError(f"{where}.probe is {describe(rank['probe'])}, not an object: "
+                              f"{fix}")
+        cal = rank.get("calibration")
+        if cal is not None:
+            _check_figures(cal, f"{where}.calibration", fix)
+            if (cal.get("per_sample_s") or 0) > 0:
+                _check_curve(cal, f"{where}.calibration", fix)
+    _check_curves(data.get("fitted_curves"), f"{label} fitted_curves", fix)
+    allocation = data.get("allocation")
+    if allocation is not None:
+        if not isinstance(allocation, dict):
+            raise ConfigError(f"{label} allocation is {describe(allocation)}, not an object: "
+                              f"{fix}")
+        _check_curves(allocation.get("curves"), f"{label} allocation.curves", fix)
+    measured = data.get("measured_step")
+    if measured is not None:
+        if not isinstance(measured, dict):
+            raise ConfigError(f"{label} measured_step is {describe(measured)}, not an object: "
+                              f"{fix}")
+        if measured.get("sync_s") is not None:
+            number(measured["sync_s"], f"{label} measured_step.sync_s", fix,
+                   -1e6, 1e6)
+    return data
 
 
 def _probe_cap(rank: Dict[str, Any], limit: Optional[int], where: str) -> int:

@@ -14,8 +14,12 @@ import torch
 from hetseq_hpc.errors import TaskContractError
 
 
-def _who(task: Any) -> str:
+def task_label(task: Any) -> str:
+    """``"task <module>.<Class>"``: how every contract error names the task."""
     return f"task {type(task).__module__}.{type(task).__qualname__}"
+
+
+_who = task_label
 
 
 def checked_batch(task: Any, positions: Sequence[int], epoch: int,
@@ -85,4 +89,4 @@ def check_loss(task: Any, loss: Any) -> torch.Tensor:
         "F.cross_entropy(logits, labels, reduction='sum')")
 
 
-__all__ = ["check_loss", "checked_batch", "checked_count"]
+__all__ = ["check_loss", "checked_batch", "checked_count", "task_label"]

@@ -11,7 +11,10 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import os
 import sys
+import sysconfig
+import traceback
 from typing import List, Optional
 
 from hetseq_hpc.errors import ConfigError
@@ -25,11 +28,13 @@ def _public_classes(module) -> List[str]:
 
 def _missing_module(target: str, module_name: str, exc: ImportError) -> ConfigError:
     """The error for a target whose module cannot be imported (names the part that exists)."""
-    missing = getattr(exc, "name", None) or module_name
-    if missing and not (module_name == missing or module_name.startswith(missing + ".")):
+    missing = getattr(exc, "name", None)
+    if not missing:  # the module raised ImportError itself
+        return _failed_import(target, module_name, exc)
+    if not (module_name == missing or module_name.startswith(missing + ".")):
         # the module exists but itself imports something that is not installed
-        return ConfigError(f"task.target={target!r}: importing {module_name!r} failed ({exc}): "
-                           f"install {missing!r} or fix that import")
+        return ConfigError(f"task.target={target!r}: importing {module_name!r} failed at "
+                           f"{_where(exc)} ({exc}): install {missing!r} or fix that import")
     parts, found = module_name.split("."), None
     for i in range(len(parts) - 1, 0, -1):
         try:
@@ -45,6 +50,41 @@ def _missing_module(target: str, module_name: str, exc: ImportError) -> ConfigEr
                        "PYTHONPATH")
 
 
+def _where(exc: BaseException) -> str:
+    """``file:line`` where ``exc`` happened while a module was imported: a SyntaxError's own
+    place, else the innermost frame outside Python's standard library and installed packages
+    (the user's code), else the innermost frame."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{exc.filename}:{exc.lineno}"
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith("<frozen")]
+    if not frames:
+        return "?"
+    roots = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    mine = [f for f in frames if not any(f.filename.startswith(r + os.sep) for r in roots)]
+    frame = (mine or frames)[-1]
+    return f"{frame.filename}:{frame.lineno}"
+
+
+def _failed_import(target: str, module_name: str, exc: BaseException) -> ConfigError:
+    """The one-line error for a module that raised (or exited) while being imported."""
+    where = _where(exc)
+    if isinstance(exc, SystemExit):
+        return ConfigError(f"task.target={target!r}: module {module_name!r} called "
+                           f"sys.exit({exc.code!r}) while being imported, at {where}: a task "
+                           "module must not exit on import; move that code under "
+                           "'if __name__ == \"__main__\":'")
+    if isinstance(exc, SyntaxError):
+        text = exc.msg
+    else:
+        lines = str(exc).strip().splitlines()
+        text = lines[0] if lines else ""
+    what = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return ConfigError(f"task.target={target!r}: importing module {module_name!r} failed at "
+                       f"{where} with {what}: fix the module so that it imports cleanly "
+                       f"(check with python -c 'import {module_name}')")
+
+
 def resolve_target(target: str, path: Optional[str] = None) -> type:
     """The task class ``target`` names (``"package.module.ClassName"``).
 
@@ -53,9 +93,11 @@ def resolve_target(target: str, path: Optional[str] = None) -> type:
         path: a folder put first on ``sys.path`` before importing (``task.path``).
 
     Raises:
-        ConfigError: the target is malformed, its module cannot be imported, the module has no
-            such class (the message lists the classes it has), or the class is not a subclass
-            of :class:`hetseq_hpc.tasks.Task`. One line each.
+        ConfigError: the target is malformed, its module cannot be imported (not found, a
+            syntax error, an exception or ``sys.exit`` while it is imported: the message names
+            the module, the file and line, and the exception), the module has no such class
+            (the message lists the classes it has), or the class is not a subclass of
+            :class:`hetseq_hpc.tasks.Task`. One line each.
     """
     from hetseq_hpc.tasks.base import Task
 
@@ -70,6 +112,8 @@ def resolve_target(target: str, path: Optional[str] = None) -> type:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise _missing_module(target, module_name, exc) from None
+    except (Exception, SystemExit) as exc:  # a broken module, or one that exits on import
+        raise _failed_import(target, module_name, exc) from None
     cls = getattr(module, class_name, None)
     if cls is None:
         classes = _public_classes(module)

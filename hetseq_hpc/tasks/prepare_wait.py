@@ -6,21 +6,31 @@ instead: rank 0 writes it when ``task.prepare()`` ended, with its error if it fa
 then do all ranks meet in a barrier. A rank 0 that dies without writing it is seen by the
 launcher (the local launcher stops the others; ``srun --kill-on-bad-exit`` ends the step).
 
+A rank 0 that is alive but makes no progress (stopped with SIGSTOP or Ctrl-Z, hung) is caught
+by a heartbeat: while it prepares, a thread of rank 0 rewrites a counter in
+``logs/.preparing-<token>.heartbeat`` every :func:`beat_interval` seconds, and a waiting rank
+that sees the counter unchanged for ``cluster.collective_timeout_s`` (by its own monotonic
+clock: no clock of two machines is compared) fails with a :class:`DataError` naming rank 0's
+heartbeat. The launcher then stops every rank, the stopped rank 0 included.
+
 Run ``hetseq-hpc prepare <overrides>`` before submitting, and no GPU waits at all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 from hetseq_hpc.atomic import atomic_write_json
 from hetseq_hpc.errors import DataError
+from hetseq_hpc.tasks.prepare_errors import prepare_task
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +38,8 @@ log = logging.getLogger(__name__)
 POLL_S = 0.5
 #: a waiting rank logs that it still waits every this many seconds
 NOTE_EVERY_S = 60.0
-#: test hook: seconds rank 0 sleeps before preparing (a slow prepare without a big corpus)
-DELAY_ENV = "HETSEQ_INJECT_PREPARE_DELAY_S"
+#: rank 0 renews its heartbeat at least this often (seconds), more often for short timeouts
+BEAT_EVERY_S = 5.0
 
 
 def marker_path(run_dir: Path, token: str) -> Path:
@@ -37,30 +47,101 @@ def marker_path(run_dir: Path, token: str) -> Path:
     return Path(run_dir) / "logs" / f".prepared-{token}.json"
 
 
-def prepare_on_rank0(task: Any, rdv: Any, run_dir: Path, poll_s: float = POLL_S) -> None:
+def heartbeat_path(run_dir: Path, token: str) -> Path:
+    """``<run dir>/logs/.preparing-<token>.heartbeat``: rank 0's counter while it prepares."""
+    return Path(run_dir) / "logs" / f".preparing-{token}.heartbeat"
+
+
+def beat_interval(timeout_s: float) -> float:
+    """Seconds between two heartbeats: ``min(BEAT_EVERY_S, timeout_s / 4)``, so a waiting rank
+    sees about four beats per timeout."""
+    return min(BEAT_EVERY_S, max(float(timeout_s), 0.04) / 4)
+
+
+class Heartbeat:
+    """A daemon thread that rewrites a counter in ``path`` every ``interval_s`` seconds while
+    the ``with`` block runs (the file is removed at the end).
+
+    The counter is written in place (``pwrite`` of a fixed-width line at offset 0: no new file,
+    no new disk block after the first beat), so a full disk does not stop the heartbeat. A beat
+    that fails is retried at the next interval; rank 0's own failure is reported by its marker.
+
+    Args:
+        path: the heartbeat file (its folder must exist or be creatable).
+        interval_s: seconds between beats.
+    """
+
+    def __init__(self, path: Path, interval_s: float):
+        self.path = Path(path)
+        self.interval_s = float(interval_s)
+        self.beats = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def beat(self) -> None:
+        """Write the next counter value now (errors are logged once and otherwise ignored)."""
+        self.beats += 1
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                os.pwrite(fd, f"{self.beats:20d}\n".encode(), 0)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            if self.beats == 1:
+                log.warning("cannot write the prepare heartbeat %s (%s): the waiting ranks may "
+                            "give up on rank 0", self.path, exc.strerror)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.beat()
+
+    def __enter__(self) -> Heartbeat:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.beat()
+        self._thread = threading.Thread(target=self._run, name="prepare-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        with contextlib.suppress(OSError):
+            self.path.unlink(missing_ok=True)
+
+
+def prepare_on_rank0(task: Any, rdv: Any, run_dir: Path, timeout_s: float,
+                     poll_s: float = POLL_S) -> None:
     """``task.prepare()`` on rank 0; the other ranks wait for its marker file, then all meet.
 
     Args:
         task: the task (its ``prepare()`` builds caches; cheap when they exist).
         rdv: the joined :class:`~hetseq_hpc.distributed.Rendezvous`.
         run_dir: the run directory (shared by every rank).
+        timeout_s: ``cluster.collective_timeout_s``: a waiting rank gives up when rank 0's
+            heartbeat has not changed for this many seconds.
         poll_s: seconds between looks at the marker.
 
     Raises:
-        DataError: on the waiting ranks, when rank 0's ``prepare()`` failed (its reason).
-        Whatever ``prepare()`` raises, on rank 0.
+        DataError: on the waiting ranks, when rank 0's ``prepare()`` failed (its reason) or its
+            heartbeat stopped for ``timeout_s``; on rank 0, a file-system error of ``prepare()``
+            (:func:`~hetseq_hpc.tasks.prepare_errors.prepare_task`).
+        Whatever else ``prepare()`` raises, on rank 0.
     """
     token = rdv.broadcast_object(uuid.uuid4().hex if rdv.world.rank == 0 else None)
     marker = marker_path(run_dir, token)
+    heartbeat = heartbeat_path(run_dir, token)
     if rdv.world.rank == 0:
         started = time.monotonic()
         try:
-            delay = float(os.environ.get(DELAY_ENV) or 0)
-            if delay > 0:
-                time.sleep(delay)
-            task.prepare()
+            with Heartbeat(heartbeat, beat_interval(timeout_s)):
+                prepare_task(task)
         except BaseException as exc:
-            atomic_write_json(marker, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+            try:
+                atomic_write_json(marker, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+            except OSError as write_exc:  # e.g. the full disk prepare() failed on: exc matters
+                log.warning("cannot write %s (%s)", marker, write_exc.strerror)
             raise
         atomic_write_json(marker, {"ok": True})
         took = time.monotonic() - started
@@ -68,14 +149,35 @@ def prepare_on_rank0(task: Any, rdv: Any, run_dir: Path, poll_s: float = POLL_S)
             log.info("preparing the data took %.0f s while the other ranks waited: run "
                      "`hetseq-hpc prepare` with the same overrides before the job next time", took)
     else:
-        _wait(marker, poll_s)
+        wait_for_rank0(marker, heartbeat, timeout_s, poll_s)
     rdv.barrier()
     if rdv.world.rank == 0:
         marker.unlink(missing_ok=True)
 
 
-def _wait(marker: Path, poll_s: float) -> None:
-    started = last_note = time.monotonic()
+def _read(path: Path) -> Optional[bytes]:
+    try:
+        with open(path, "rb") as fh:  # open() revalidates the file on NFS (close-to-open)
+            return fh.read(64) + str(os.fstat(fh.fileno()).st_mtime_ns).encode()
+    except OSError:
+        return None
+
+
+def wait_for_rank0(marker: Path, heartbeat: Path, timeout_s: float, poll_s: float = POLL_S,
+                   clock: Callable[[], float] = time.monotonic,
+                   sleep: Callable[[float], None] = time.sleep) -> None:
+    """Wait (a rank other than 0) until ``marker`` says rank 0's ``prepare()`` ended.
+
+    Rank 0 is alive while the content (or modification time) of ``heartbeat`` changes; the
+    time since the last change is measured on ``clock`` (this rank's, seconds), starting when
+    the wait starts.
+
+    Raises:
+        DataError: the marker reports rank 0's error, or ``heartbeat`` did not change for
+            ``timeout_s`` seconds (rank 0 stopped, hung, or the run directory is not shared).
+    """
+    started = last_note = last_change = clock()
+    last_seen: Optional[bytes] = None
     while True:
         try:
             result = json.loads(marker.read_text())
@@ -86,8 +188,18 @@ def _wait(marker: Path, poll_s: float) -> None:
                 raise DataError(f"rank 0 could not prepare the data ({result.get('error')}): "
                                 "see rank 0's log; fix it, or run `hetseq-hpc prepare` first")
             return
-        now = time.monotonic()
+        seen = _read(heartbeat)
+        now = clock()
+        if seen is not None and seen != last_seen:
+            last_seen, last_change = seen, now
+        elif now - last_change > timeout_s:
+            logs = marker.parent
+            raise DataError(
+                f"rank 0 sent no heartbeat for {now - last_change:.0f} s while preparing the "
+                f"data (stopped or hung, or {logs.parent} not shared by every node?): see "
+                f"{logs / 'rank0.log'}; run `hetseq-hpc prepare` with the same overrides before "
+                f"the job, or raise cluster.collective_timeout_s (now {timeout_s:g})")
         if now - last_note >= NOTE_EVERY_S:
             log.info("still waiting for rank 0 to prepare the data (%.0f s)", now - started)
             last_note = now
-        time.sleep(poll_s)
+        sleep(poll_s)

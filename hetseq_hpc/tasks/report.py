@@ -54,11 +54,24 @@ def build_checked_model(task: Any, run: Any, device: torch.device) -> Tuple[nn.M
     return model, info
 
 
+def record_inexact(info: Dict[str, Any], record: Dict[str, Any]) -> None:
+    """Mark ``info`` (from :func:`build_checked_model`) inexact with ``record`` (``{"exact":
+    False, "reason": ..., ...}``); a second record (BatchNorm opt-out and a skipped contract
+    check) joins the reasons with ``"; "`` and keeps the other keys of both."""
+    info["exact"] = False
+    if info.get("inexact") is None:
+        info["inexact"] = dict(record)
+        return
+    merged = {**info["inexact"], **{k: v for k, v in record.items() if k != "reason"}}
+    merged["reason"] = f"{info['inexact'].get('reason', '')}; {record.get('reason', '')}"
+    info["inexact"] = merged
+
+
 def finish_task_summary(summary: Dict[str, Any], task: Any, model: nn.Module,
                         info: Dict[str, Any], is_master: bool) -> None:
     """Add ``task`` (name, class, unit, FLOPs per sample, achieved training TFLOP/s, data),
-    ``exact`` and ``inexact`` (BatchNorm opt-out) to ``summary``; on rank 0 log the task's
-    example predictions (and add them as ``examples``)."""
+    ``exact`` and ``inexact`` (BatchNorm opt-out, skipped contract check) to ``summary``; on
+    rank 0 log the task's example predictions (and add them as ``examples``)."""
     summary["task"] = {k: v for k, v in info.items() if k not in ("exact", "inexact")}
     if summary.get("samples_per_s"):  # model FLOPs actually done, for MFU against a peak
         summary["task"]["train_tflops_per_s"] = (summary["samples_per_s"]
@@ -75,4 +88,4 @@ def finish_task_summary(summary: Dict[str, Any], task: Any, model: nn.Module,
             summary["examples"] = [list(r) for r in rows]
 
 
-__all__ = ["N_EXAMPLES", "build_checked_model", "finish_task_summary"]
+__all__ = ["N_EXAMPLES", "build_checked_model", "finish_task_summary", "record_inexact"]

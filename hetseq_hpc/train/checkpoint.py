@@ -29,42 +29,26 @@ import torch
 
 from hetseq_hpc.atomic import atomic_write, atomic_write_text, remove_stale_temps
 from hetseq_hpc.errors import CheckpointError
+from hetseq_hpc.input_files import file_problem
+from hetseq_hpc.train.checkpoint_files import FIX as _FIX
+from hetseq_hpc.train.checkpoint_files import (  # noqa: F401 - re-exported: the public names
+    apply_retention,
+    checkpoint_dir,
+    checkpoint_path,
+    checksum_path,
+    list_checkpoints,
+    stored_run_id,
+    verify_checksum,
+)
+from hetseq_hpc.train.run_history import current_run_id, start_or_continue
 
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(r"^step_(\d{8})\.pt\Z")
 #: bump when the checkpoint layout changes (2: checksummed, plain-data rng states, config)
 FORMAT_VERSION = 2
 #: entries every checkpoint must hold
 REQUIRED = ("model", "optimizer", "scheduler", "step")
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-_FIX = ("resume from another checkpoint (trainer.resume=auto skips bad ones), or set "
-        "trainer.resume=never to start over")
-
-
-def checkpoint_dir(run_dir: Path) -> Path:
-    """``<run dir>/checkpoints``."""
-    return Path(run_dir) / "checkpoints"
-
-
-def checkpoint_path(run_dir: Path, step: int) -> Path:
-    """Path of the checkpoint after optimizer step ``step``."""
-    return checkpoint_dir(run_dir) / f"step_{step:08d}.pt"
-
-
-def checksum_path(path: Path) -> Path:
-    """The SHA-256 sidecar of checkpoint ``path``: ``<path>.sha256``."""
-    path = Path(path)
-    return path.with_name(path.name + ".sha256")
-
-
-def list_checkpoints(run_dir: Path) -> List[Path]:
-    """Complete checkpoints of a run, oldest first."""
-    directory = checkpoint_dir(run_dir)
-    if not directory.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
-    return [p for _, p in sorted(found)]
 
 
 class _HashingWriter:
@@ -102,6 +86,13 @@ def _write_error(final: Path, exc: BaseException, seen: Optional[OSError]) -> Ch
         chain.append(cause)
         cause = cause.__cause__ or cause.__context__
     codes = {getattr(e, "errno", None) for e in chain}
+    in_way = next((p for p in (final, checksum_path(final)) if p.is_dir()), None)
+    if in_way is not None:  # a directory at the checkpoint's (or its checksum's) name
+        return CheckpointError(
+            f"could not write checkpoint {str(final)!r}: {str(in_way)!r} is a directory, not a "
+            f"file: remove or rename it, then continue with hetseq-hpc "
+            f"hydra.run.dir={final.parent.parent} trainer.resume=auto"
+        )
     if codes & set(_SPACE_ERRNOS):
         return CheckpointError(
             f"no space left on {_mount_point(final.parent)} (writing checkpoint {str(final)!r}): "
@@ -141,42 +132,9 @@ def save_checkpoint(state: Dict[str, Any], run_dir: Path, step: int, keep: int) 
             final.unlink(missing_ok=True)
         writer = box.get("w")
         raise _write_error(final, exc, writer.error if writer else None) from None
-    for old in list_checkpoints(run_dir)[:-keep]:
-        old.unlink(missing_ok=True)
-        checksum_path(old).unlink(missing_ok=True)
+    apply_retention(run_dir, final, keep, payload.get("run_id"))
     log.info("checkpoint: %s", final)
     return final
-
-
-def _sha256_of(path: Path) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            sha.update(chunk)
-    return sha.hexdigest()
-
-
-def verify_checksum(path: Path) -> None:
-    """Check ``path`` against its ``.sha256`` sidecar.
-
-    Raises:
-        CheckpointError: the sidecar is missing or unreadable, or the content differs.
-    """
-    sidecar = checksum_path(path)
-    try:
-        want = sidecar.read_text(encoding="ascii").split()[0].lower()
-    except (OSError, UnicodeDecodeError, IndexError):
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} is corrupt or incomplete: its checksum file "
-            f"{sidecar.name} is missing or unreadable (cut off while saving, or not written by "
-            f"this hetseq_hpc): {_FIX}"
-        ) from None
-    got = _sha256_of(path)
-    if got != want:
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} is corrupt: its SHA-256 {got[:16]}... differs from "
-            f"{want[:16]}... in {sidecar.name}: {_FIX}"
-        )
 
 
 def require_entries(state: Any, source: str) -> None:
@@ -199,9 +157,10 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
             hetseq_hpc checkpoint; the one-line message names the file and how to go on.
     """
     path = Path(path)
-    if not path.is_file():
+    problem = file_problem(path)
+    if problem:
         raise CheckpointError(
-            f"checkpoint {str(path)!r} does not exist: check trainer.resume, or set "
+            f"checkpoint {str(path)!r} {problem}: check trainer.resume, or set "
             "trainer.resume=auto to use the latest checkpoint of the run directory"
         )
     verify_checksum(path)
@@ -246,8 +205,9 @@ class ResumeChoice:
 
 def choose_checkpoint(resume: str, run_dir: Path) -> ResumeChoice:
     """Resolve ``trainer.resume``: ``never`` = start over; ``auto`` = the newest checkpoint of
-    the run directory that verifies (bad newer ones are skipped and left in place); anything
-    else = that path, which must verify.
+    the run directory that verifies and belongs to its current run (``run.json``; bad newer
+    ones are skipped and left in place, another run's are never resumed); anything else = that
+    path, which must verify.
 
     Raises:
         CheckpointError: an explicit path is bad, or under ``auto`` no checkpoint verifies
@@ -259,11 +219,19 @@ def choose_checkpoint(resume: str, run_dir: Path) -> ResumeChoice:
         path = Path(os.path.expanduser(resume))
         return ResumeChoice(path, load_checkpoint(path))
     skipped: List[Tuple[Path, str]] = []
+    current = current_run_id(run_dir)
     for path in reversed(list_checkpoints(run_dir)):
         try:
-            return ResumeChoice(path, load_checkpoint(path), skipped)
+            state = load_checkpoint(path)
         except CheckpointError as exc:
             skipped.append((path, str(exc)))
+            continue
+        owner = state.get("run_id")
+        if current and isinstance(owner, str) and owner and owner != current:
+            log.warning("resume: %s was written by run %s, not by this directory's current run "
+                        "%s (%s): not resumed", path, owner, current, run_dir / "run.json")
+            continue
+        return ResumeChoice(path, state, skipped)
     if skipped:
         raise CheckpointError(skipped[0][1])
     return ResumeChoice()
@@ -295,7 +263,8 @@ def agree_on_checkpoint(rdv: Any, resume: str, run_dir: Path
             error = str(exc)
         if choice.skipped:
             _, why = choice.skipped[0]
-            log.warning("resume: %s; resuming from %s instead (the bad file stays in place)",
+            log.warning("resume: %s; resuming from %s instead (the bad file is kept: the next "
+                        "checkpoint moves it to checkpoints/corrupt/)",
                         why.rsplit(": ", 1)[0], choice.path)  # every reason ends ": <fix>"
     path, skipped, error = rdv.broadcast_object(
         (choice.path and str(choice.path), [str(p) for p, _ in choice.skipped], error))
@@ -304,6 +273,33 @@ def agree_on_checkpoint(rdv: Any, resume: str, run_dir: Path
     if path is None:
         return None, None, []
     return path, choice.state if rdv.world.rank == 0 else load_checkpoint(Path(path)), skipped
+
+
+def agree_on_run(rdv: Any, run_dir: Path, state: Optional[Dict[str, Any]]) -> str:
+    """Every rank's id of the current run, decided once on rank 0 (under the run lock) by
+    :func:`hetseq_hpc.train.run_history.start_or_continue`: a resumed checkpoint's run goes
+    on; a run starting at step 0 is new, and an earlier run's records in the directory are
+    moved to ``previous/<its id>/`` first.
+
+    Args:
+        rdv: the joined rendezvous.
+        run_dir: the run directory.
+        state: the checkpoint being resumed (any rank's copy), or None for step 0.
+
+    Raises:
+        CheckpointError: on every rank, when the earlier run's records cannot be moved.
+    """
+    run_id, error = None, None
+    if rdv.world.rank == 0:
+        resumed = None if state is None else str(state.get("run_id") or "")
+        try:
+            run_id, _ = start_or_continue(run_dir, resumed)
+        except CheckpointError as exc:
+            error = str(exc)
+    run_id, error = rdv.broadcast_object((run_id, error))
+    if error:
+        raise CheckpointError(error)
+    return run_id
 
 
 def save_on_rank0(rdv: Any, state_fn: Callable[[], Dict[str, Any]], run_dir: Path, step: int,

@@ -13,6 +13,10 @@ re-allocation entries) and keeps one record per step:
 - W&B (only when ``wandb`` is installed; offline unless ``WANDB_MODE`` says otherwise), one
   run per run directory (its id is kept in ``wandb_id.txt``).
 
+Metrics never stop a run: an optional logger that cannot open or write (a file where ``tb/``
+should be, a read-only directory, a directory named ``metrics.csv``) logs ONE warning naming
+its path and the fix and is dropped; training and ``metrics.jsonl`` go on.
+
 Resume: the steps after the checkpoint are dropped before anything is appended, as
 :class:`~hetseq_hpc.train.metrics.MetricsWriter` does for ``metrics.jsonl``: the CSV is cut,
 TensorBoard gets ``purge_step`` (its readers drop the old events from that step on), and W&B
@@ -26,6 +30,7 @@ import importlib.util
 import io
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -81,6 +86,8 @@ class CsvLogger:
     """``<run dir>/metrics.csv``, one row per logged step; steps after ``resume_step`` that an
     earlier attempt wrote are dropped when it opens."""
 
+    name = "csv"
+
     def __init__(self, path: Path, resume_step: int = 0):
         self.path = Path(path)
         self.header: List[str] = []
@@ -123,13 +130,35 @@ def _int(text: Any) -> int:
         return 0
 
 
+def _quiet_tensorboard_threads() -> None:
+    """TensorBoard writes events in a thread that re-raises its error there (a traceback on the
+    console) and again in the caller's next call, where :class:`RunLoggers` turns it into one
+    warning: silence the thread's copy only (other threads' errors still reach the old hook)."""
+    previous = threading.excepthook
+    if getattr(previous, "hetseq_tensorboard", False):
+        return
+
+    def hook(args: Any) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and issubclass(args.exc_type,
+                                                                             Exception):
+            return
+        previous(args)
+
+    hook.hetseq_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 class TensorBoardLogger:
     """Event files in ``<run dir>/tb`` (``torch.utils.tensorboard``); ``purge_step`` makes
     TensorBoard drop the events an earlier attempt wrote after ``resume_step``."""
 
+    name = "tensorboard"
+
     def __init__(self, directory: Path, resume_step: int = 0, config_text: str = ""):
         from torch.utils.tensorboard import SummaryWriter
 
+        self.path = Path(directory)
+        _quiet_tensorboard_threads()
         self.writer = SummaryWriter(log_dir=str(directory), purge_step=resume_step + 1,
                                     flush_secs=10)
         if config_text and resume_step == 0:
@@ -161,9 +190,12 @@ class WandbLogger:
     ``WANDB_MODE`` is set; ``wandb`` drops steps it has already seen, so a resume adds none
     twice."""
 
+    name = "wandb"
+
     def __init__(self, run_dir: Path, config: Dict[str, Any]):
         import wandb
 
+        self.path = Path(run_dir) / "wandb"
         id_file = Path(run_dir) / "wandb_id.txt"
         run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
         atomic_write_text(id_file, run_id + "\n")
@@ -182,10 +214,35 @@ class WandbLogger:
         self.run.finish()
 
 
+def logger_fix(name: str, path: Path) -> str:
+    """The fix for optional logger ``name`` that cannot write to ``path``: what is in the way,
+    else make it writable; always also "drop it from trainer.loggers"."""
+    path = Path(path)
+    wants_dir = name != "csv"
+    if path.exists() or path.is_symlink():
+        if wants_dir and not path.is_dir():
+            return (f"{path} is not a directory: remove or rename it, or drop {name} from "
+                    "trainer.loggers")
+        if not wants_dir and path.is_dir():
+            return (f"{path} is a directory: remove or rename it, or drop {name} from "
+                    "trainer.loggers")
+    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        return (f"{blocker} is a file where a directory is needed: remove or rename it, or drop "
+                f"{name} from trainer.loggers")
+    return f"make {path} writable (or free its disk), or drop {name} from trainer.loggers"
+
+
+def _reason(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or "no message"
+    return f"{type(exc).__name__}: {text}"
+
+
 class RunLoggers:
     """Rank 0's loggers behind one ``write(row)`` / ``close()``; ``metrics.jsonl`` is always
-    among them. A logger that fails while writing is logged once and dropped: metrics must
-    never stop a run.
+    among them and its failures are raised. Metrics never stop a run: an optional logger (csv,
+    tensorboard, wandb) that fails to open, to write or to close logs ONE warning naming its
+    path and the fix and is dropped; training goes on.
 
     Args:
         run_dir: the run directory.
@@ -205,35 +262,61 @@ class RunLoggers:
                 log.warning("trainer.loggers has %s but the %s package is not installed: "
                             "skipping it (pip install %s)", name, missing, missing)
                 continue
-            if name == "csv":
-                self.sinks.append(CsvLogger(run_dir / CSV_NAME, resume_step))
-            elif name == "tensorboard":
-                import yaml
+            path = {"csv": run_dir / CSV_NAME, "tensorboard": run_dir / TB_DIR}.get(
+                name, run_dir / "wandb")
+            try:
+                self.sinks.append(self._open(name, run_dir, resume_step, config))
+            except Exception as exc:
+                log.warning("trainer.loggers: %s cannot write to %s (%s); training goes on "
+                            "without it: %s", name, path, _reason(exc), logger_fix(name, path))
 
-                text = yaml.safe_dump(config, sort_keys=False) if config else ""
-                self.sinks.append(TensorBoardLogger(run_dir / TB_DIR, resume_step, text))
-            elif name == "wandb":
-                self.sinks.append(WandbLogger(run_dir, config or {}))
+    @staticmethod
+    def _open(name: str, run_dir: Path, resume_step: int,
+              config: Optional[Dict[str, Any]]) -> Any:
+        if name == "csv":
+            return CsvLogger(run_dir / CSV_NAME, resume_step)
+        if name == "tensorboard":
+            import yaml
+
+            text = yaml.safe_dump(config, sort_keys=False) if config else ""
+            return TensorBoardLogger(run_dir / TB_DIR, resume_step, text)
+        return WandbLogger(run_dir, config or {})
+
+    def _drop(self, sink: Any, doing: str, exc: BaseException) -> None:
+        """Warn once about an optional logger that failed, and stop using it."""
+        log.warning("trainer.loggers: %s failed %s %s (%s); no more rows go to it, training "
+                    "goes on: %s", sink.name, doing, sink.path, _reason(exc),
+                    logger_fix(sink.name, sink.path))
+        self.sinks.remove(sink)
+        try:  # release what it holds (a TensorBoard writer thread); it already said why
+            sink.close()
+        except Exception:
+            pass
 
     def write(self, row: Dict[str, Any]) -> None:
-        """Give one step row to every logger."""
+        """Give one step row to every logger.
+
+        Raises:
+            OSError: ``metrics.jsonl`` cannot be written (the optional loggers never raise).
+        """
         for sink in list(self.sinks):
             try:
                 sink.write(row)
             except Exception as exc:
                 if isinstance(sink, MetricsWriter):
                     raise
-                log.warning("%s failed (%s: %s): no more rows go to it", type(sink).__name__,
-                            type(exc).__name__, exc)
-                self.sinks.remove(sink)
+                self._drop(sink, "writing to", exc)
 
     def close(self) -> None:
-        """Close every logger."""
-        for sink in self.sinks:
+        """Close every logger (an optional logger's failure is one warning)."""
+        for sink in list(self.sinks):
             try:
                 sink.close()
             except Exception as exc:  # a logger must never fail a finished run
-                log.warning("closing %s failed: %s", type(sink).__name__, exc)
+                if isinstance(sink, MetricsWriter):
+                    log.warning("closing %s failed: %s", METRICS_NAME, _reason(exc))
+                    continue
+                self._drop(sink, "closing", exc)
 
 
 def first_logged_loss(run_dir: Path) -> Optional[float]:
@@ -260,5 +343,5 @@ def open_loggers(run: Any, run_dir: Path, resume_step: int) -> RunLoggers:
 
 
 __all__ = ["CSV_NAME", "LOGGER_NAMES", "TB_DIR", "CsvLogger", "RunLoggers", "TensorBoardLogger",
-           "WandbLogger", "first_logged_loss", "flat_row", "missing_logger_package",
+           "WandbLogger", "first_logged_loss", "flat_row", "logger_fix", "missing_logger_package",
            "open_loggers"]

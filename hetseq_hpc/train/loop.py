@@ -40,7 +40,12 @@ from hetseq_hpc.distributed import Rendezvous, StepStats
 from hetseq_hpc.errors import CheckpointError, Preempted
 from hetseq_hpc.preemption import REASONS
 from hetseq_hpc.tasks.contract import check_loss, checked_batch, checked_count
-from hetseq_hpc.train.checkpoint import agree_on_checkpoint, require_entries, save_on_rank0
+from hetseq_hpc.train.checkpoint import (
+    agree_on_checkpoint,
+    agree_on_run,
+    require_entries,
+    save_on_rank0,
+)
 from hetseq_hpc.train.ddp_hooks import HookState, no_forward_buffer_sync
 from hetseq_hpc.train.evaluate import evaluate_task
 from hetseq_hpc.train.loggers import first_logged_loss, open_loggers
@@ -150,6 +155,7 @@ class Trainer:
         self._exchanged_at = 0.0  # perf_counter() when the last step's exchange ended
         self.last_val: Optional[Dict[str, float]] = None
         self.resume_note: Dict[str, Any] = {}
+        self.run_id = ""  # this run's id (train/run_history.py), decided by _resume()
         self._resume()
         self.hook_state = HookState()
         self.ddp = DDP(
@@ -178,6 +184,7 @@ class Trainer:
             "allocation": self.allocation.to_dict(),
             "ranks": [dict(m.__dict__) for m in self.metas],
             "config": run_fingerprint(self.run),
+            "run_id": self.run_id,  # retention and resume consider only this run's checkpoints
             # dropout is re-seeded from (seed, step, rank) every step; these are kept for
             # anything else that draws random numbers
             "rng": capture_rng(),
@@ -211,6 +218,7 @@ class Trainer:
 
     def _resume(self) -> None:
         path, state, skipped = agree_on_checkpoint(self.rdv, self.cfg.resume, self.run_dir)
+        self.run_id = agree_on_run(self.rdv, self.run_dir, state)
         if path is None:
             return
         self.load_state_dict(state, path)
@@ -369,7 +377,7 @@ class Trainer:
                     self.last_val = self.evaluate()
                     rec.extra.update(self.last_val)
                 if writer is not None and (step % cfg.log_every == 0 or is_last or rec.extra):
-                    writer.write({**row, **rec.extra})
+                    writer.write({**row, "run_id": self.run_id, **rec.extra})
                 progress.update(step, rec.loss, cfg.global_batch_size / max(rec.wall_s, 1e-9),
                                 extra=(f"val_loss {self.last_val['val_loss']:.4f}"
                                        if "val_loss" in rec.extra else None))

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 from hetseq_hpc.atomic import atomic_write_text
-from hetseq_hpc.errors import HetseqError
+from hetseq_hpc.errors import ConfigError, HetseqError
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,10 @@ class MetricsWriter:
         self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - open until close()
 
     def _truncate_after(self, step: int) -> None:
+        # drops cut-off, damaged and non-row lines: what a resumed run appends must read back
         keep = [line for _, line, row in _parse(self.path, strict=False)
-                if row is not None and int(row.get("step", 0)) <= step]  # drops cut-off lines
+                if isinstance(row, dict) and isinstance(row.get("step", 0), int)
+                and row.get("step", 0) <= step]
         atomic_write_text(self.path, "".join(line + "\n" for line in keep))
 
     def write(self, row: Dict[str, Any]) -> None:
@@ -59,14 +61,17 @@ class MetricsWriter:
 
 def _parse(path: Path, strict: bool) -> Iterator[Tuple[int, str, Optional[Dict[str, Any]]]]:
     """``(line number, line, row or None)`` of every non-empty line; with ``strict`` a line
-    that is not JSON raises, unless it is the last one (a row still being written)."""
-    lines = path.read_text(encoding="utf-8").splitlines()
+    that is not JSON raises, unless it is the last one (a row still being written), and bytes
+    that are not UTF-8 raise ``UnicodeDecodeError``; without it both become ``None`` rows."""
+    lines = path.read_text(encoding="utf-8", errors="strict" if strict else "replace").splitlines()
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             yield number, line, json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError) as exc:
+            if strict and isinstance(exc, RecursionError):
+                raise  # read_metrics names it
             if strict and number < len(lines):
                 raise HetseqError(f"{path} line {number} is not JSON: the run may have been cut "
                                   "off mid-write; delete that line") from None
@@ -75,18 +80,43 @@ def _parse(path: Path, strict: bool) -> Iterator[Tuple[int, str, Optional[Dict[s
 
 def read_metrics(run_dir: Union[str, Path]) -> List[Dict[str, Any]]:
     """All rows of a run's ``metrics.jsonl`` (``run_dir`` may also be the file itself); a last
-    line still being written is skipped.
+    line still being written is skipped. The file kind is checked before it is opened (a FIFO
+    or a device is refused, never read).
 
     Raises:
-        HetseqError: the file is missing, or a line before the last is not JSON (one line).
+        ConfigError (a :class:`HetseqError`): ``run_dir`` is neither a run directory nor a
+            ``.jsonl`` file, the file is missing or not a regular file, is not UTF-8 text, a
+            line before the last is not JSON, or a row is not a JSON object (one line naming
+            the file and line).
     """
-    path = Path(run_dir)
-    if path.is_dir() or not path.name.endswith(".jsonl"):
-        path = path / METRICS_NAME
-    if not path.is_file():
-        raise HetseqError(f"{path} does not exist: pass the run directory of a hetseq_hpc run "
-                          f"(it writes {METRICS_NAME})")
-    return [row for _, _, row in _parse(path, strict=True) if row is not None]
+    from hetseq_hpc.input_files import describe, file_problem, kind_of
+
+    given = Path(run_dir)
+    fix = f"pass the run directory of a hetseq_hpc run (it writes {METRICS_NAME})"
+    path = given if given.name.endswith(".jsonl") and not given.is_dir() else given / METRICS_NAME
+    if path != given and kind_of(given) not in (None, "a directory"):
+        raise ConfigError(f"{given} is not a run directory (it is {kind_of(given)}): {fix}")
+    problem = file_problem(path)
+    if problem:
+        raise ConfigError(f"{path} {problem}: {fix}")
+    try:
+        parsed = list(_parse(path, strict=True))
+    except UnicodeDecodeError as exc:
+        line = exc.object[:exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path} line {line} is not UTF-8 text (binary data?): restore the file "
+                          "a hetseq_hpc run wrote, or delete that line") from None
+    except RecursionError:
+        raise ConfigError(f"{path} has a row nested too deeply to be read: restore the file a "
+                          "hetseq_hpc run wrote, or delete that row") from None
+    except OSError as exc:
+        raise ConfigError(f"{path} cannot be read ({exc.strerror or exc}): {fix}") from None
+    except HetseqError as exc:  # a damaged line before the last (_parse)
+        raise ConfigError(str(exc)) from None
+    for number, _, row in parsed:
+        if row is not None and not isinstance(row, dict):
+            raise ConfigError(f"{path} line {number} is {describe(row)}, not a JSON object: "
+                              "restore the file a hetseq_hpc run wrote, or delete that line")
+    return [row for _, _, row in parsed if row is not None]
 
 
 def step_row(rec: Any, metas: List[Any], shares: List[Any], global_batch_size: int,

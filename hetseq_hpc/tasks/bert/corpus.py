@@ -12,13 +12,20 @@ import hashlib
 import io
 import os
 from dataclasses import dataclass
-from typing import Iterator, List, Sequence
+from typing import Iterator, List, Sequence, Tuple
 
 from hetseq_hpc.config.validate import expand_data_files
 from hetseq_hpc.errors import DataError
 
 #: bytes read from a data file at a time (memory stays bounded whatever the file's size)
 READ_CHUNK_BYTES = 1 << 22
+#: characters of one piece at most: a paragraph block longer than this (a file without blank
+#: lines, or without any newline) is cut at whitespace into pieces of the same document, so no
+#: string the tokenizer sees grows with the file
+MAX_PIECE_CHARS = 1 << 18
+#: where a long block may be cut: whitespace splits words for every tokenizer here, so the
+#: pieces give exactly the tokens of the whole block
+_CUT_CHARS = (" ", "\n", "\t")
 
 
 @dataclass(frozen=True)
@@ -35,23 +42,43 @@ class Corpus:
     files: tuple
     fingerprint: str
 
-    def documents(self) -> Iterator[str]:
-        """Yield documents: one per help topic, or one per blank-line-separated paragraph block
-        of each file. Files are read in chunks of :data:`READ_CHUNK_BYTES`, so memory stays
-        bounded whatever their size; the blocks are exactly those of ``text.split("\\n\\n")``
-        on the whole file (universal newlines, as text mode reads it).
+    def segments(self) -> Iterator[Tuple[str, bool]]:
+        """Yield ``(text, ends_document)``: the documents (one per help topic, or one per
+        blank-line-separated paragraph block of each file, stripped), each cut into pieces of
+        at most :data:`MAX_PIECE_CHARS` characters at whitespace (a block with no whitespace
+        for that long is cut anyway). Only the last piece of a document has ``ends_document``
+        true (it may be ``""`` when the block ended in whitespace). Files are read in chunks of
+        :data:`READ_CHUNK_BYTES`, so memory stays bounded whatever their size and line
+        structure; the blocks are exactly those of ``text.split("\\n\\n")`` on the whole file
+        (universal newlines, as text mode reads it).
 
         Raises:
             DataError: a file vanished or is not UTF-8 text (the byte offset is named).
         """
         if not self.files:
-            yield from _embedded_documents()
+            for doc in _embedded_documents():
+                yield from _pieces(doc, True)
             return
         for path in self.files:
-            for block in _file_blocks(path):
-                block = block.strip()
-                if block:
-                    yield block
+            open_piece = False  # a piece of the current block was yielded
+            for piece, end in _file_pieces(path):
+                piece = piece.strip()
+                if piece:
+                    yield piece, end
+                    open_piece = not end
+                elif end and open_piece:
+                    yield "", True
+                    open_piece = False
+
+    def documents(self) -> Iterator[str]:
+        """The non-empty texts of :meth:`segments`: whole documents, a document longer than
+        :data:`MAX_PIECE_CHARS` as several pieces (tokenizer training counts words, which the
+        pieces keep whole).
+
+        Raises:
+            DataError: as :meth:`segments`.
+        """
+        return (text for text, _ in self.segments() if text)
 
     @property
     def size_bytes(self) -> int:
@@ -61,8 +88,29 @@ class Corpus:
         return sum(os.path.getsize(p) for p in self.files if os.path.exists(p))
 
 
-def _file_blocks(path: str) -> Iterator[str]:
-    """The ``"\\n\\n"``-separated blocks of a UTF-8 file, read chunk by chunk."""
+def _cut(text: str, start: int) -> int:
+    """Where to end the piece of ``text`` starting at ``start`` (``len(text) - start >
+    MAX_PIECE_CHARS``): before the last whitespace within the limit, else at the limit."""
+    limit = start + MAX_PIECE_CHARS
+    cut = max(text.rfind(c, start + 1, limit + 1) for c in _CUT_CHARS)
+    return cut if cut > start else limit
+
+
+def _pieces(block: str, end: bool) -> Iterator[Tuple[str, bool]]:
+    """``block`` as pieces of at most :data:`MAX_PIECE_CHARS` characters; the last one carries
+    ``end``."""
+    start = 0
+    while len(block) - start > MAX_PIECE_CHARS:
+        cut = _cut(block, start)
+        yield block[start:cut], False
+        start = cut
+    yield (block[start:] if start else block), end
+
+
+def _file_pieces(path: str) -> Iterator[Tuple[str, bool]]:
+    """The ``"\\n\\n"``-separated blocks of a UTF-8 file as ``(piece, ends_block)``, read
+    chunk by chunk; a block longer than :data:`MAX_PIECE_CHARS` comes in several pieces, so the
+    text held at once stays bounded even in a file without any newline."""
     decoder = io.IncrementalNewlineDecoder(codecs.getincrementaldecoder("utf-8")(), translate=True)
     offset = 0
     rest = ""
@@ -81,12 +129,19 @@ def _file_blocks(path: str) -> Iterator[str]:
                 offset += len(raw)
                 parts = (rest + text).split("\n\n")
                 rest = parts.pop()
-                yield from parts
+                for part in parts:
+                    yield from _pieces(part, True)
+                start = 0  # the unfinished block: keep only its last piece (ends in its tail)
+                while len(rest) - start > MAX_PIECE_CHARS:
+                    cut = _cut(rest, start)
+                    yield rest[start:cut], False
+                    start = cut
+                rest = rest[start:]
                 if not raw:
                     break
     except OSError as exc:
         raise DataError(f"data file {path!r} cannot be read ({exc.strerror}): check it") from None
-    yield rest
+    yield rest, True
 
 
 def _embedded_documents() -> List[str]:

@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import BinaryIO, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -121,11 +121,14 @@ class RowWriter:
         self.pending_len = 0
         self.rows = 0
 
-    def add(self, ids: Sequence[int]) -> None:
-        """Append one document's token ids and a ``[SEP]``."""
-        self.pending.append(np.asarray(ids, dtype=np.int32))
-        self.pending.append(_SEP)
-        self.pending_len += len(ids) + 1
+    def add(self, ids: Sequence[int], end: bool = True) -> None:
+        """Append token ids of a document, and a ``[SEP]`` when ``end`` (the document's last
+        piece; an empty last piece adds only the ``[SEP]``)."""
+        if len(ids):
+            self.pending.append(np.asarray(ids, dtype=np.int32))
+        if end:
+            self.pending.append(_SEP)
+        self.pending_len += len(ids) + int(end)
         if self.pending_len >= self.content * ROWS_PER_WRITE:
             self.flush()
 
@@ -147,13 +150,14 @@ class RowWriter:
         self.pending_len = int(stream.size - full)
 
 
-def _batches(documents: Iterable[str], progress) -> Iterator[List[str]]:
-    """Documents grouped into lists of about :data:`ENCODE_BATCH_CHARS` characters."""
-    batch: List[str] = []
+def _batches(segments: Iterable[Tuple[str, bool]], progress) -> Iterator[List[Tuple[str, bool]]]:
+    """``(text, ends_document)`` pieces grouped into lists of about :data:`ENCODE_BATCH_CHARS`
+    characters."""
+    batch: List[Tuple[str, bool]] = []
     size = 0
-    for doc in documents:
-        batch.append(doc)
-        size += len(doc)
+    for segment in segments:
+        batch.append(segment)
+        size += len(segment[0])
         if size >= ENCODE_BATCH_CHARS:
             yield batch
             progress.update(size)
@@ -214,10 +218,15 @@ def _build(corpus: Corpus, vocab_size: int, seq_len: int, directory: Path,
         fh.write(b"\0" * NPY_HEADER_BYTES)
         rows = RowWriter(fh, seq_len)
         with _progress(total, "packing", show_progress) as bar:
-            for batch in _batches(corpus.documents(), bar):
-                for enc in tokenizer.encode_batch(batch, add_special_tokens=False):
-                    if enc.ids:
-                        rows.add(enc.ids)
+            open_doc = False  # the current document has tokens (it ends with a [SEP])
+            for batch in _batches(corpus.segments(), bar):
+                texts = [text for text, _ in batch]
+                for (_, end), enc in zip(batch, tokenizer.encode_batch(texts,
+                                                                       add_special_tokens=False)):
+                    open_doc = open_doc or bool(enc.ids)
+                    if enc.ids or (end and open_doc):
+                        rows.add(enc.ids, end=end and open_doc)
+                    open_doc = open_doc and not end
         rows.flush()
         if rows.rows == 0:
             raise DataError(

@@ -18,6 +18,7 @@ or line-aligned parallel pairs ``name.de`` + ``name.en``.
 
 from __future__ import annotations
 
+import codecs
 import gettext
 import glob
 import hashlib
@@ -42,6 +43,13 @@ Pair = Tuple[str, str]
 _NOTES = re.compile(r"\{[^}]*\}|\[[^\]]*\]")
 _SPACE = re.compile(r"\s+")
 _SENTENCE_END = (".", "!", "?")
+#: bytes read from a user's data file at a time
+READ_CHUNK_BYTES = 1 << 22
+#: a line longer than this many characters is skipped while it is read (kept pairs have at most
+#: ``task.data.max_chars`` characters a side), so memory stays bounded without newlines
+MAX_LINE_CHARS = 1 << 20
+#: the characters ``str.splitlines`` ends a line at
+_LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
 
 
 def clean(text: str) -> str:
@@ -115,11 +123,53 @@ def read_tsv(path: Path) -> List[Pair]:
 
 
 def _read_lines(path: Path) -> List[str]:
+    """The lines of a UTF-8 file (as ``str.splitlines`` of the whole text), read in chunks of
+    :data:`READ_CHUNK_BYTES`. A line longer than :data:`MAX_LINE_CHARS` characters is returned
+    as ``""`` (its pair is dropped, the line numbers of the others stay aligned) without ever
+    being held whole, so memory stays bounded whatever the line structure (a file without any
+    newline included).
+
+    Raises:
+        DataError: the file is not UTF-8 (the byte offset is named) or cannot be read.
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    lines: List[str] = []
+    rest, skipping, skipped, offset = "", False, 0, 0
     try:
-        return Path(path).read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        raise DataError(f"data file {str(path)!r} is not UTF-8 text ({exc.reason} at byte "
-                        f"{exc.start}): convert it (iconv -t utf-8)") from None
+        with open(path, "rb") as fh:
+            while True:
+                raw = fh.read(READ_CHUNK_BYTES)
+                try:
+                    text = decoder.decode(raw, final=not raw)
+                except UnicodeDecodeError as exc:
+                    raise DataError(f"data file {str(path)!r} is not UTF-8 text ({exc.reason} at "
+                                    f"byte {offset + max(exc.start, 0)}): convert it "
+                                    "(iconv -t utf-8)") from None
+                offset += len(raw)
+                parts = (rest + text).splitlines(keepends=True)
+                # the last part may go on in the next chunk (a "\r" there may be half a "\r\n")
+                rest = parts.pop() if parts and raw else ""
+                for part in parts:  # (when skipping, the first part ends the long line)
+                    line = "" if skipping else part.splitlines()[0]
+                    if len(line) > MAX_LINE_CHARS:
+                        line, skipped = "", skipped + 1
+                    lines.append(line)
+                    skipping = False
+                if len(rest) > MAX_LINE_CHARS + 2:  # too long whatever its line break
+                    skipped += not skipping
+                    # keep a final line break: it ends the skipped line in the next round
+                    rest, skipping = (rest[-1] if rest[-1] in _LINE_BREAKS else ""), True
+                if not raw:
+                    break
+    except OSError as exc:
+        raise DataError(f"data file {str(path)!r} cannot be read ({exc.strerror}): check "
+                        "it") from None
+    if skipping:
+        lines.append("")
+    if skipped:
+        log.warning("%s: skipped %d line(s) longer than %d characters (no sentence pair is that "
+                    "long)", path, skipped, MAX_LINE_CHARS)
+    return lines
 
 
 def site_package_catalogs() -> List[Path]:

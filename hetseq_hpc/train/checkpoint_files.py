@@ -1,0 +1,207 @@
+"""The files of ``<run dir>/checkpoints``: names, checksums, which run wrote them, retention.
+
+* ``step_XXXXXXXX.pt`` and its SHA-256 sidecar ``step_XXXXXXXX.pt.sha256`` (``sha256sum``
+  format, so ``sha256sum -c`` checks it by hand).
+* Retention (:func:`apply_retention`) counts only checkpoints that VERIFY and belong to the
+  current run (their ``run_id``, see :mod:`hetseq_hpc.train.run_history`); it never deletes the
+  checkpoint just written nor any checkpoint newer than it, and a checkpoint that fails its
+  checksum is moved to ``checkpoints/corrupt/`` (kept for inspection, never counted, never
+  deleted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from hetseq_hpc.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^step_(\d{8})\.pt\Z")
+#: where retention moves checkpoints that fail their checksum
+CORRUPT_DIR = "corrupt"
+#: how every "this checkpoint is bad" message ends
+FIX = ("resume from another checkpoint (trainer.resume=auto skips bad ones), or set "
+       "trainer.resume=never to start over")
+
+#: checkpoints already verified by this process: path -> ((size, mtime_ns), run id or "")
+_VERIFIED: Dict[str, Tuple[Tuple[int, int], str]] = {}
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    """``<run dir>/checkpoints``."""
+    return Path(run_dir) / "checkpoints"
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    """Path of the checkpoint after optimizer step ``step``."""
+    return checkpoint_dir(run_dir) / f"step_{step:08d}.pt"
+
+
+def checksum_path(path: Path) -> Path:
+    """The SHA-256 sidecar of checkpoint ``path``: ``<path>.sha256``."""
+    path = Path(path)
+    return path.with_name(path.name + ".sha256")
+
+
+def step_of(path: Path) -> int:
+    """The optimizer step in a checkpoint's file name (``step_00000012.pt`` -> 12)."""
+    match = _NAME.match(Path(path).name)
+    if match is None:
+        raise ValueError(f"{path} is not named step_XXXXXXXX.pt")
+    return int(match.group(1))
+
+
+def list_checkpoints(run_dir: Path) -> List[Path]:
+    """Checkpoint files of a run directory (regular files named ``step_XXXXXXXX.pt``; a
+    directory or FIFO of that name is not one), oldest step first."""
+    directory = checkpoint_dir(run_dir)
+    if not directory.is_dir():
+        return []
+    found = []
+    for path in directory.iterdir():
+        match = _NAME.match(path.name)
+        try:
+            regular = match is not None and stat.S_ISREG(path.stat().st_mode)
+        except OSError:
+            regular = False
+        if regular:
+            found.append((int(match.group(1)), path))
+    return [p for _, p in sorted(found)]
+
+
+def _sha256_of(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def verify_checksum(path: Path) -> None:
+    """Check ``path`` against its ``.sha256`` sidecar.
+
+    Raises:
+        CheckpointError: the sidecar is missing or unreadable, or the content differs.
+    """
+    sidecar = checksum_path(path)
+    try:
+        want = sidecar.read_text(encoding="ascii").split()[0].lower()
+    except (OSError, UnicodeDecodeError, IndexError):
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is corrupt or incomplete: its checksum file "
+            f"{sidecar.name} is missing or unreadable (cut off while saving, or not written by "
+            f"this hetseq_hpc): {FIX}"
+        ) from None
+    got = _sha256_of(path)
+    if got != want:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is corrupt: its SHA-256 {got[:16]}... differs from "
+            f"{want[:16]}... in {sidecar.name}: {FIX}"
+        )
+
+
+def stored_run_id(path: Path) -> str:
+    """The ``run_id`` a checkpoint was written by, ``""`` for one written before run ids
+    existed. Read memory-mapped with ``torch.load(weights_only=True)``: no weights are read,
+    no code runs.
+
+    Raises:
+        CheckpointError: the file cannot be read as a checkpoint.
+    """
+    import torch
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {str(path)!r} is unreadable ({type(exc).__name__}): "
+                              f"{FIX}") from None
+    value = state.get("run_id") if isinstance(state, dict) else None
+    return value if isinstance(value, str) else ""
+
+
+def verified_run_id(path: Path) -> str:
+    """:func:`verify_checksum`, then :func:`stored_run_id`; cached per file size and mtime, so
+    retention hashes each checkpoint once per process.
+
+    Raises:
+        CheckpointError: the checkpoint does not verify or cannot be read.
+    """
+    info = Path(path).stat()
+    key = (info.st_size, info.st_mtime_ns)
+    cached = _VERIFIED.get(str(path))
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    verify_checksum(path)
+    run_id = stored_run_id(path)
+    _VERIFIED[str(path)] = (key, run_id)
+    return run_id
+
+
+def quarantine(path: Path) -> Path:
+    """Move a bad checkpoint and its sidecar to ``checkpoints/corrupt/`` (never deleted);
+    returns the new path."""
+    target_dir = Path(path).parent / CORRUPT_DIR
+    target_dir.mkdir(exist_ok=True)
+    target = target_dir / Path(path).name
+    n = 1
+    while target.exists():
+        n += 1
+        target = target_dir / f"{Path(path).name}.{n}"
+    os.replace(path, target)
+    sidecar = checksum_path(path)
+    if sidecar.exists():
+        os.replace(sidecar, target.with_name(target.name + ".sha256"))
+    return target
+
+
+def apply_retention(run_dir: Path, written: Path, keep: int, run_id: Optional[str]) -> List[Path]:
+    """Keep ``written`` and the newest ``keep - 1`` older verified checkpoints of run
+    ``run_id``; delete the other older ones of that run.
+
+    Never deleted: the checkpoint just written, any checkpoint of a later step, checkpoints of
+    another run (a different ``run_id``), files that do not verify (moved to
+    ``checkpoints/corrupt/`` with a warning instead, whatever their step). A checkpoint without a run id (written
+    before run ids existed) counts as the current run's.
+
+    Args:
+        run_dir: the run directory.
+        written: the checkpoint just written (trusted: its hash was computed while writing).
+        keep: ``trainer.keep_checkpoints`` (>= 1).
+        run_id: the current run's id (None: every verified checkpoint counts).
+
+    Returns:
+        The checkpoints deleted.
+    """
+    written_step = step_of(written)
+    older: List[Path] = []
+    for path in list_checkpoints(run_dir):
+        if path == written:
+            continue
+        try:
+            owner = verified_run_id(path)
+        except (CheckpointError, OSError) as exc:
+            moved = quarantine(path)
+            log.warning("%s; moved to %s (not counted by retention, not deleted)",
+                        str(exc).rsplit(": ", 1)[0], moved)
+            continue
+        if step_of(path) > written_step or (run_id and owner and owner != run_id):
+            continue  # a later step, or another run's file: not ours to delete
+        older.append(path)
+    doomed = older[:max(len(older) - (keep - 1), 0)]
+    for path in doomed:
+        path.unlink(missing_ok=True)
+        checksum_path(path).unlink(missing_ok=True)
+        _VERIFIED.pop(str(path), None)
+    return doomed
+
+
+__all__ = ["CORRUPT_DIR", "FIX", "apply_retention", "checkpoint_dir", "checkpoint_path",
+           "checksum_path", "list_checkpoints", "quarantine", "step_of", "stored_run_id",
+           "verified_run_id", "verify_checksum"]
