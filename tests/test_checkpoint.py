@@ -156,6 +156,12 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
+def test_disk_full_with_no_earlier_checkpoint_says_so(small_tmpfs):
+    disk = small_tmpfs("2m")
+    with pytest.raises(CheckpointError, match="no earlier checkpoint exists"):
+        save_checkpoint(_state(1, size=1_000_000), disk, 1, keep=2)
+
+
 def test_disk_full_keeps_the_previous_checkpoint(small_tmpfs):
     disk = small_tmpfs("2m")
     first = save_checkpoint(_state(1, size=1000), disk, 1, keep=2)
@@ -164,6 +170,7 @@ def test_disk_full_keeps_the_previous_checkpoint(small_tmpfs):
     message = str(err.value)
     assert message.startswith(f"no space left on {disk} ") and "\n" not in message
     assert "free space or move hydra.run.dir" in message
+    assert "the earlier checkpoint step_00000001.pt is kept" in message  # true, and named
     left = sorted(p.name for p in (disk / "checkpoints").iterdir())
     assert left == ["step_00000001.pt", "step_00000001.pt.sha256"], left  # no temp file
     assert load_checkpoint(first)["step"] == 1

@@ -93,15 +93,18 @@ def _write_error(final: Path, exc: BaseException, seen: Optional[OSError]) -> Ch
             f"file: remove or rename it, then continue with hetseq-hpc "
             f"hydra.run.dir={final.parent.parent} trainer.resume=auto"
         )
+    earlier = [p for p in list_checkpoints(final.parent.parent) if p != final]
+    kept = (f"the earlier checkpoint {earlier[-1].name} is kept" if earlier
+            else "no earlier checkpoint exists")
     if codes & set(_SPACE_ERRNOS):
         return CheckpointError(
-            f"no space left on {_mount_point(final.parent)} (writing checkpoint {str(final)!r}): "
-            "free space or move hydra.run.dir; the previous checkpoint is kept"
+            f"no space left on {_mount_point(final.parent)} (writing checkpoint {str(final)!r}; "
+            f"{kept}): free space or move hydra.run.dir"
         )
     reason = next((e.strerror for e in chain if getattr(e, "strerror", None)), None)
     return CheckpointError(
-        f"could not write checkpoint {str(final)!r} ({reason or type(exc).__name__}): free disk "
-        "space or fix permissions; earlier checkpoints are intact"
+        f"could not write checkpoint {str(final)!r} ({reason or type(exc).__name__}; {kept}): "
+        "free disk space or fix permissions"
     )
 
 
