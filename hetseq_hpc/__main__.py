@@ -1,4 +1,4 @@
-"""``python -m hetseq_hpc task=bert cluster=local ...``"""
+"""``python -m hetseq_hpc task=bert cluster=local ...`` (= ``hetseq-hpc``)."""
 
 from hetseq_hpc.cli import main
 

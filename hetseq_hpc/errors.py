@@ -1,4 +1,12 @@
-"""Typed errors. Every message is one line that names the offending value and ends with the fix."""
+"""Typed errors, and the one table from error type to exit code (:data:`EXIT_CODES`).
+
+Every message is one line that names the offending value and ends with the fix.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Tuple, Type
 
 
 class HetseqError(Exception):
@@ -38,7 +46,7 @@ class Preempted(HetseqError):
 
     Attributes:
         step: the last completed (and checkpointed) optimizer step.
-        code: :data:`hetseq_hpc.preemption.TERMINATE` or :data:`~hetseq_hpc.preemption.REQUEUE`.
+        code: :data:`hetseq_hpc.env.preemption.TERMINATE` or :data:`~hetseq_hpc.env.preemption.REQUEUE`.
     """
 
     def __init__(self, step: int, code: int, reason: str):
@@ -46,3 +54,32 @@ class Preempted(HetseqError):
                          "trainer.resume=auto")
         self.step = step
         self.code = code
+
+
+# ---------------------------------------------------------------------------- exit codes
+# One table from error type to exit code, and the one-line error every command prints:
+# ConfigError (bad input) 2; Preempted (stopped after a checkpoint, not a failure) 3 and said
+# without 'error:'; any other HetseqError 1; Ctrl-C 130.
+PROG = "hetseq-hpc"
+#: (error type, exit code), most specific first; the first ``isinstance`` match decides
+EXIT_CODES: Tuple[Tuple[Type[BaseException], int], ...] = (
+    (ConfigError, 2),
+    (Preempted, 3),
+    (HetseqError, 1),
+)
+#: exit code after Ctrl-C (128 + SIGINT, as a shell reports it)
+INTERRUPTED = 130
+
+
+def exit_code(exc: BaseException) -> int:
+    """The exit code of ``exc`` by :data:`EXIT_CODES` (1 for anything not listed)."""
+    return next((code for kind, code in EXIT_CODES if isinstance(exc, kind)), 1)
+
+
+def report_error(exc: BaseException, prog: str = PROG) -> int:
+    """Print ``exc`` as the command's one stderr line and return its exit code. A stop after
+    a checkpoint (:class:`Preempted`) is said without ``error:``: it is not a failure."""
+    code = exit_code(exc)
+    text = str(exc) or type(exc).__name__
+    print(f"{prog}: {text}" if code == 3 else f"{prog}: error: {text}", file=sys.stderr)
+    return code

@@ -5,9 +5,9 @@ templates) or :func:`run_worker` (submitit pickles it). Each rank:
 
 1. finds its place in the job (:class:`~hetseq_hpc.env.world.WorldInfo`);
 2. probes its device (:mod:`~hetseq_hpc.env.hardware`);
-3. joins the rendezvous (:mod:`~hetseq_hpc.distributed`);
+3. joins the rendezvous (:mod:`~hetseq_hpc.distributed.rendezvous`);
 4. calibrates the real model and agrees with all ranks on one
-   :class:`~hetseq_hpc.allocation.Allocation` (written to ``allocation.json``);
+   :class:`~hetseq_hpc.balance.allocation.Allocation` (written to ``allocation.json``);
 5. trains (:class:`~hetseq_hpc.train.loop.Trainer`) and writes ``summary.json``.
 """
 
@@ -24,42 +24,40 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from hetseq_hpc.allocation import Allocation, allocate
-from hetseq_hpc.atomic import atomic_write_json
-from hetseq_hpc.calibrate import calibrate
-from hetseq_hpc.config import RunConfig, load_run_config
-from hetseq_hpc.cost_model import CostCurve
-from hetseq_hpc.distributed import rendezvous
-from hetseq_hpc.env.emulation import emulate_speed, exempt_communication_threads
-from hetseq_hpc.env.emulation import record as record_emulation
-from hetseq_hpc.env.hardware import DeviceProbe, probe
-from hetseq_hpc.env.world import WorldInfo
-from hetseq_hpc.errors import AllocationError, Preempted
-from hetseq_hpc.launch.rank_guard import report_failure, watch_launcher
-from hetseq_hpc.logs import setup_rank_logging
-from hetseq_hpc.placement import (
+from hetseq_hpc.balance.allocation import Allocation, allocate
+from hetseq_hpc.balance.calibrate import calibrate
+from hetseq_hpc.balance.curves import CostCurve
+from hetseq_hpc.balance.placement import (
     RankPlacement,
     calibration_micro_batch,
     memory_budget_bytes,
     placement_for,
 )
-from hetseq_hpc.preemption import REQUEUE, StopRequest, requeue_job
-from hetseq_hpc.startup import BACKGROUND_IMPORTS, PhaseClock, prefetch_imports
+from hetseq_hpc.balance.rebalance import Rebalancer
+from hetseq_hpc.config import RunConfig, load_run_config
+from hetseq_hpc.distributed.rendezvous import rendezvous
+from hetseq_hpc.env.emulation import emulate_speed, exempt_communication_threads
+from hetseq_hpc.env.emulation import record as record_emulation
+from hetseq_hpc.env.hardware import DeviceProbe, probe
+from hetseq_hpc.env.preemption import REQUEUE, StopRequest, requeue_job
+from hetseq_hpc.env.startup import BACKGROUND_IMPORTS, PhaseClock, prefetch_imports
+from hetseq_hpc.env.world import WorldInfo
+from hetseq_hpc.errors import AllocationError, Preempted
+from hetseq_hpc.files.atomic import atomic_write_json
+from hetseq_hpc.launch.rank_guard import report_failure, watch_launcher
+from hetseq_hpc.rundir.lock import claim_run_dir
+from hetseq_hpc.rundir.logs import setup_rank_logging
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.tasks import build_task
 from hetseq_hpc.tasks.contract import checked_batch
 from hetseq_hpc.tasks.contract_check import check_before_training
 from hetseq_hpc.tasks.prepare_wait import prepare_on_rank0
-from hetseq_hpc.tasks.report import build_checked_model, finish_task_summary
+from hetseq_hpc.tasks.summary import build_checked_model, finish_task_summary
 from hetseq_hpc.train.loop import RankMeta, Trainer
 from hetseq_hpc.train.metrics import measured_step_sync
 from hetseq_hpc.train.precision import autocast_factory, resolve_precision
-from hetseq_hpc.train.rebalance import Rebalancer
-from hetseq_hpc.train.run_lock import claim_run_dir
 
 log = logging.getLogger("hetseq_hpc.worker")
-
-CONFIG_NAME = "hetseq_config.yaml"
-
 
 def pick_device(world: WorldInfo) -> torch.device:
     """``cuda:<local rank % visible GPUs>`` when CUDA is available, else the CPU."""
@@ -72,7 +70,7 @@ def pick_device(world: WorldInfo) -> torch.device:
 
 def rank_placement(run: RunConfig, world: WorldInfo,
                    env: Optional[Dict[str, str]] = None) -> RankPlacement:
-    """This rank's placement (:func:`hetseq_hpc.placement.placement_for`) from the config and
+    """This rank's placement (:func:`hetseq_hpc.balance.placement.placement_for`) from the config and
     its place in the job: het component, ``SLURM_CPUS_PER_TASK``, ``LOCAL_WORLD_SIZE``."""
     env = os.environ if env is None else env
     local = str(env.get("LOCAL_WORLD_SIZE", ""))
@@ -135,7 +133,7 @@ def agree_on_allocation(run: RunConfig, reports: List[Dict[str, Any]], rdv) -> A
 
 
 def report_curves(reports: List[Dict[str, Any]]) -> Optional[List[CostCurve]]:
-    """Every rank's calibrated cost curve (:mod:`hetseq_hpc.cost_model`), from the same gathered
+    """Every rank's calibrated cost curve (:mod:`hetseq_hpc.balance.curves`), from the same gathered
     floats on every rank; None when a report has no fit (then the split follows samples/s)."""
     cals = [r["calibration"] for r in reports]
     if not all(float(c.get("per_sample_s") or 0) > 0 for c in cals):
@@ -160,7 +158,7 @@ def write_allocation_json(run_dir: Path, allocation: Allocation, reports: List[D
     }
     if extra:
         data.update(extra)
-    path = Path(run_dir) / "allocation.json"
+    path = RunDir(run_dir).allocation
     atomic_write_json(path, data)
     return path
 
@@ -264,14 +262,14 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
             on_allocation(trainer.allocation, final)
         if world.is_master and run.trainer.plot:
             try:
-                from hetseq_hpc.report import plot_run
+                from hetseq_hpc.report.plots import plot_run
 
                 summary["plot"] = str(plot_run(run_dir_path))
             except Exception as exc:  # a picture must never fail a finished run
                 log.warning("could not draw the per-rank plot: %s", exc)
         summary["world_size"] = world.world_size
         if world.is_master:
-            atomic_write_json(run_dir_path / "summary.json", summary)
+            atomic_write_json(RunDir(run_dir_path).summary, summary)
         rdv.barrier()
     return summary
 
@@ -285,11 +283,6 @@ def handle_preempted(exc: Preempted, run: RunConfig) -> None:
         requeue_job(max_requeues=run.cluster.max_requeues)
 
 
-def error_file(run_dir: Path, rank: int) -> Path:
-    """``<run dir>/logs/rank<N>.error.json``: a failed rank's one-line reason (launchers read it)."""
-    return Path(run_dir) / "logs" / f"rank{rank}.error.json"
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     """``python -m hetseq_hpc.worker --config FILE [--run-dir DIR]``; exit 0 on success, 3 when
     stopped by the scheduler after a checkpoint, 1 on a failure (its one-line reason goes to the
@@ -298,7 +291,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     launcher, the rank also ends itself if that launcher dies (``watch_launcher``)."""
     parser = argparse.ArgumentParser(prog="python -m hetseq_hpc.worker",
                                      description="Run one hetseq_hpc rank.")
-    parser.add_argument("--config", required=True, help=f"the run's {CONFIG_NAME}")
+    parser.add_argument("--config", required=True, help=f"the run's {RunDir.CONFIG_NAME}")
     parser.add_argument("--run-dir", help="run directory (default: the config's directory)")
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir or Path(args.config).parent).resolve()
@@ -318,7 +311,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except BaseException as exc:  # every failure is reported, then re-signalled
         if isinstance(exc, KeyboardInterrupt):
             return 130
-        one_line = report_failure(exc, rank, error_file(run_dir, rank))
+        one_line = report_failure(exc, rank, RunDir(run_dir).error_file(rank))
         if not logging.getLogger().handlers:
             print(f"rank {rank}: {type(exc).__name__}: {one_line}", file=sys.stderr)
         return 1

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from hetseq_hpc.allocation import (
+from hetseq_hpc.balance.allocation import (
     Allocation,
     RankShare,
     allocate,
@@ -18,7 +18,7 @@ from hetseq_hpc.allocation import (
     proportional_counts,
     shares_for,
 )
-from hetseq_hpc.cost_model import CostCurve, min_max_split, predicted_step_s
+from hetseq_hpc.balance.curves import CostCurve, min_max_split, predicted_step_s
 from hetseq_hpc.errors import AllocationError
 
 GiB = 1024**3

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetseq_hpc.config.schema import BertModelConfig
-from hetseq_hpc.tasks.bert.data import IGNORE_INDEX, PAD_ID
-from hetseq_hpc.tasks.bert.model import BertMaskedLM
+from hetseq_hpc.tasks.bert.mlm_data import IGNORE_INDEX, PAD_ID
+from hetseq_hpc.tasks.bert.mlm_model import BertMaskedLM
 from hetseq_hpc.train.optim import build_scheduler
 
 transformers = pytest.importorskip("transformers")
@@ -159,7 +159,7 @@ def test_worker_and_bert_model_do_not_import_transformers():
         import torch
         import hetseq_hpc.worker
         from hetseq_hpc.config.schema import BertModelConfig
-        from hetseq_hpc.tasks.bert.model import BertMaskedLM
+        from hetseq_hpc.tasks.bert.mlm_model import BertMaskedLM
         from hetseq_hpc.train.optim import build_scheduler
         model = BertMaskedLM(BertModelConfig(), 8192)
         model(torch.zeros(2, 16, dtype=torch.long), torch.ones(2, 16, dtype=torch.long)).backward()

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from hetseq_hpc.calibrate import LOW_SIZE_DIVISOR, calibrate, fastest_per_size, timed_sizes
-from hetseq_hpc.cost_model import CostCurve, fit_compute, fit_curve, fit_residuals
+from hetseq_hpc.balance.calibrate import LOW_SIZE_DIVISOR, calibrate, fastest_per_size, timed_sizes
+from hetseq_hpc.balance.curves import CostCurve, fit_compute, fit_curve, fit_residuals
 from hetseq_hpc.errors import AllocationError
 
 
@@ -197,7 +197,7 @@ def test_peers_done_within_the_grace_period_cost_no_extra_pass():
     # another pass (which would hold every other rank up by one slow pass)
     import time
 
-    from hetseq_hpc.calibrate import PEER_GRACE_S
+    from hetseq_hpc.balance.calibrate import PEER_GRACE_S
 
     def wait_for_peers():
         posted = time.perf_counter()
@@ -209,7 +209,7 @@ def test_peers_done_within_the_grace_period_cost_no_extra_pass():
 
 
 def test_extra_passes_are_bounded_when_peers_never_finish():
-    from hetseq_hpc.calibrate import MAX_EXTRA_PASSES
+    from hetseq_hpc.balance.calibrate import MAX_EXTRA_PASSES
 
     cal = calibrate(_Tiny(), _batches, torch.device("cpu"), 8, 2, 2**30,
                     wait_for_peers=lambda: _Peers(lambda: False))
@@ -246,7 +246,7 @@ def _barrier_rank(rank, port, out):
 
     import torch.distributed as dist
 
-    from hetseq_hpc.distributed import PendingBarrier
+    from hetseq_hpc.distributed.rendezvous import PendingBarrier
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=60))
@@ -270,7 +270,7 @@ def test_phase_clock_counts_from_the_process_start():
     import sys
     import time
 
-    from hetseq_hpc.startup import PhaseClock, prefetch_imports, process_start_epoch
+    from hetseq_hpc.env.startup import PhaseClock, prefetch_imports, process_start_epoch
 
     started = process_start_epoch()
     assert started is not None and started <= time.time()

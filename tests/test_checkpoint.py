@@ -24,8 +24,9 @@ from conftest import (
     sigint_as_in_a_terminal,
     wait_rows,
 )
-from hetseq_hpc.distributed import single_process_rendezvous
+from hetseq_hpc.distributed.rendezvous import single_process_rendezvous
 from hetseq_hpc.errors import CheckpointError, LaunchError
+from hetseq_hpc.rundir.lock import FD_ENV, acquire, claim_run_dir, lock_run_dir
 from hetseq_hpc.train.checkpoint import (
     agree_on_checkpoint,
     checkpoint_path,
@@ -34,7 +35,6 @@ from hetseq_hpc.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from hetseq_hpc.train.run_lock import FD_ENV, acquire, claim_run_dir, lock_run_dir
 
 QUICK = [*SMALL_MODEL, "cluster.ranks=1", "trainer.val_every=0", "trainer.calibration_steps=1",
          "trainer.global_batch_size=16"]
@@ -178,7 +178,7 @@ def test_disk_full_keeps_the_previous_checkpoint(small_tmpfs):
 
 # ----------------------------------------------------------------------------- run lock
 def test_run_lock_is_exclusive_inherited_and_dies_with_its_holder(tmp_path):
-    probe = ("import sys; from hetseq_hpc.train.run_lock import claim_run_dir\n"
+    probe = ("import sys; from hetseq_hpc.rundir.lock import claim_run_dir\n"
              "with claim_run_dir(sys.argv[1], True) as lock: print('ok', lock.owned)")
     with lock_run_dir(tmp_path) as lock:
         other = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], cwd=REPO,
@@ -192,7 +192,7 @@ def test_run_lock_is_exclusive_inherited_and_dies_with_its_holder(tmp_path):
         with claim_run_dir(tmp_path, False, {}) as none:  # other ranks take nothing
             assert none is None
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from hetseq_hpc.train.run_lock import acquire\n"
+        "import sys, time; from hetseq_hpc.rundir.lock import acquire\n"
         "acquire(sys.argv[1]); print('held', flush=True); time.sleep(600)"), str(tmp_path)],
         cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:

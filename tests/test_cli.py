@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO, SMALL_MODEL, cli_env, read_rows
 from hetseq_hpc import __version__
-from hetseq_hpc.commands import COMMANDS
+from hetseq_hpc.cli.parser import COMMANDS
 
 
 def _hetseq(*args: str, token_cache: Path | None = None, cwd: Path = REPO, env=None, timeout=600):

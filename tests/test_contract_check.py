@@ -25,11 +25,11 @@ from task_contract import one_thread  # noqa: F401  (autouse: one intra-op threa
 
 from conftest import REPO, SMALL_MODEL, cli_env, losses
 from hetseq_hpc.config import compose_run_config
-from hetseq_hpc.distributed import single_process_rendezvous
+from hetseq_hpc.distributed.rendezvous import single_process_rendezvous
 from hetseq_hpc.errors import TaskContractError
 from hetseq_hpc.tasks import build_task
 from hetseq_hpc.tasks.contract_check import check_task_contract, contract_positions
-from hetseq_hpc.tasks.report import record_inexact
+from hetseq_hpc.tasks.summary import record_inexact
 
 TASKS = '''
 import torch
@@ -241,7 +241,7 @@ def data_files(tmp_path_factory) -> dict:
 
     from sklearn.datasets import load_digits
 
-    from hetseq_hpc.tasks.translation.corpus import read_mo, site_package_catalogs
+    from hetseq_hpc.tasks.translation.parallel_corpus import read_mo, site_package_catalogs
 
     root = tmp_path_factory.mktemp("contract-data")
     digits = load_digits()

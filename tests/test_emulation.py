@@ -88,7 +88,7 @@ def test_no_stale_cgroups_are_left_behind():
 COMM_CHILD = """
 import json
 from pathlib import Path
-from hetseq_hpc.distributed import single_process_rendezvous
+from hetseq_hpc.distributed.rendezvous import single_process_rendezvous
 from hetseq_hpc.env import emulation
 emu = emulation.emulate_speed(0.3, 1)
 with single_process_rendezvous():

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from hetseq_hpc.commands import COMMANDS
+from hetseq_hpc.cli.parser import COMMANDS
 
 #: the planner prints its errors as "hetseq-hpc plan: error:" (tests/test_plan.py relies on it)
 PLAN_ERROR = "hetseq-hpc plan: error: "
@@ -269,7 +269,12 @@ def test_an_unknown_command_is_named_not_hydras_missing_equal(argv, words, tmp_p
 # ---------------------------------------------------------------------------------- helpers
 def test_file_problem_and_strict_json_in_process(tmp_path):
     from hetseq_hpc.errors import ConfigError
-    from hetseq_hpc.input_files import file_problem, loads_strict, output_problem, read_json_file
+    from hetseq_hpc.files.user_input import (
+        file_problem,
+        loads_strict,
+        output_problem,
+        read_json_file,
+    )
 
     os.mkfifo(tmp_path / "f")
     (tmp_path / "ok.json").write_text('{"a": [1, 2.5, null]}')

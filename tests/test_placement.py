@@ -7,12 +7,7 @@ import logging
 
 import pytest
 
-from hetseq_hpc.config import compose_run_config
-from hetseq_hpc.config.trainer import TrainerConfig
-from hetseq_hpc.env.emulation import PERIOD_US, cfs_quota_us
-from hetseq_hpc.env.world import WorldInfo
-from hetseq_hpc.launch.local import rank_environments
-from hetseq_hpc.placement import (
+from hetseq_hpc.balance.placement import (
     RankPlacement,
     calibration_micro_batch,
     cpu_threads,
@@ -21,6 +16,11 @@ from hetseq_hpc.placement import (
     placement_for,
     plan_placements,
 )
+from hetseq_hpc.config import compose_run_config
+from hetseq_hpc.config.trainer import TrainerConfig
+from hetseq_hpc.env.emulation import PERIOD_US, cfs_quota_us
+from hetseq_hpc.env.world import WorldInfo
+from hetseq_hpc.launch.local import rank_environments
 from hetseq_hpc.worker import rank_placement
 
 TORCH_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -50,7 +50,7 @@ def test_local_threads_per_rank_wins():
 
 def test_more_local_ranks_than_cores_get_one_thread_and_a_warning(caplog):
     run = _run("cluster.ranks=5")
-    with caplog.at_level(logging.WARNING, logger="hetseq_hpc.placement"):
+    with caplog.at_level(logging.WARNING, logger="hetseq_hpc.balance.placement"):
         placements = plan_placements(run, cores=2)
     assert [p.threads for p in placements] == [1] * 5
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

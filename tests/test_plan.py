@@ -115,7 +115,7 @@ def test_cli_mixed_prints_table_and_json():
 
 def test_campus64_bert_base_meets_the_targets(capsys):
     # in-process (the subprocess path is covered above); the model is built on the CPU
-    code = plan.main(["cluster=campus64", "task=bert", "trainer.global_batch_size=65536",
+    code = plan.plan_command(["cluster=campus64", "task=bert", "trainer.global_batch_size=65536",
                       *BERT_BASE])
     out = capsys.readouterr().out
     assert code == 0
@@ -131,7 +131,7 @@ def test_campus64_bert_base_meets_the_targets(capsys):
 def test_ddp_overlap_by_hand():
     """Two equal ranks, 10 samples each at 100 samples/s: compute ends at 0.1 s, the last
     micro-batch's backward lasts 2/3 x 0.1 s = 66.7 ms."""
-    from hetseq_hpc.allocation import allocate
+    from hetseq_hpc.balance.allocation import allocate
 
     split = allocate([100.0, 100.0], 20, [64, 64])
     # one bucket (1 MB of gradients): ready only at the end -> the whole 10 ms is exposed
@@ -213,7 +213,7 @@ def test_planner_uses_the_task_flops_formula():
 
     from hetseq_hpc.config.compose import compose_run_config
     from hetseq_hpc.tasks import build_task
-    from hetseq_hpc.tasks.bert.model import BertMaskedLM
+    from hetseq_hpc.tasks.bert.mlm_model import BertMaskedLM
 
     run = compose_run_config(["task=bert", *BERT_BASE])
     with torch.device("meta"):
@@ -231,7 +231,7 @@ def test_local_plan_from_a_probe_file(tmp_path, capsys):
         {"rank": r, "device": f"cpu @{s}",
          "calibration": {"samples_per_s": t, "max_micro_batch": 16}}
         for r, (s, t) in enumerate(((1.0, 60.0), (0.5, 30.0)))]}))
-    code = plan.main(["cluster.ranks=2", "cluster.speeds=[1.0,0.5]",
+    code = plan.plan_command(["cluster.ranks=2", "cluster.speeds=[1.0,0.5]",
                       "trainer.global_batch_size=30", "trainer.max_micro_batch=16",
                       f"plan.probe={probe}"])
     out, err = capsys.readouterr()
@@ -245,7 +245,7 @@ def test_local_plan_from_a_probe_file(tmp_path, capsys):
 def test_local_plan_calibrates_this_cpu_as_a_rank_would():
     """cluster=local without a probe: the small model is timed on this CPU with the runtime's
     placement (threads, calibration micro-batch, memory budget), x cluster.speeds."""
-    from hetseq_hpc.placement import calibration_micro_batch, plan_placements
+    from hetseq_hpc.balance.placement import calibration_micro_batch, plan_placements
 
     run = plan.compose_plan_run(["cluster.ranks=2", "cluster.speeds=[1.0,0.5]",
                                  "trainer.global_batch_size=24", "trainer.calibration_steps=1",
@@ -263,7 +263,7 @@ def test_local_plan_calibrates_this_cpu_as_a_rank_would():
 
 def test_prediction_with_cost_curves_by_hand():
     """The runtime's cost model in the planner: T_i = ceil(b/32) a + c b + f, no all-reduce."""
-    from hetseq_hpc.cost_model import CostCurve
+    from hetseq_hpc.balance.curves import CostCurve
 
     curves = [CostCurve(0.02, 0.01, 0.05), CostCurve(0.1, 0.03, 0.1)]
     pred = plan.predict([1.0, 1.0], 64, [32, 32], 0.0, 10.0, 0.0, overlap=0.0, curves=curves)
@@ -280,7 +280,7 @@ def test_prediction_with_cost_curves_by_hand():
 
 
 def test_probe_cost_curves_prefer_the_latest_fit(tmp_path):
-    from hetseq_hpc.cost_model import CostCurve
+    from hetseq_hpc.balance.curves import CostCurve
 
     probe = _probe(("a", "a100", 300.0), ("b", "t4", 100.0))
     probe["ranks"][0]["calibration"].update(overhead_s=0.01, per_sample_s=0.003,
@@ -306,7 +306,7 @@ def test_a_probe_runs_measured_step_sync_replaces_the_all_reduce_model(tmp_path,
     probe.write_text(json.dumps(data))
     args = ["cluster.speeds=[1.0,0.5]", "trainer.global_batch_size=30",
             "trainer.max_micro_batch=16", f"plan.probe={probe}"]
-    assert plan.main(["cluster.ranks=2", *args]) == 0
+    assert plan.plan_command(["cluster.ranks=2", *args]) == 0
     out = capsys.readouterr().out
     head = json.loads(out.strip().splitlines()[-1])
     # 20 + 10 samples at 60 and 30 samples/s: 1/3 s busy on both ranks, + 0.05 s measured

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import pytest
 
+from hetseq_hpc.balance.placement import plan_placements
 from hetseq_hpc.config.compose import compose_run_config
-from hetseq_hpc.placement import plan_placements
 from hetseq_hpc.plan.gpus import (
     ACHIEVED,
     BERT_LARGE_P1_FLOPS,

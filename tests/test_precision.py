@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, SMALL_MODEL, cli_env, losses, read_rows
+from hetseq_hpc.balance.placement import placement_for
 from hetseq_hpc.config.cluster import LocalClusterConfig
 from hetseq_hpc.config.compose import compose_run_config
 from hetseq_hpc.errors import ConfigError
-from hetseq_hpc.placement import placement_for
 from hetseq_hpc.train.precision import (
     INIT_SCALE,
     INJECT_ENV,

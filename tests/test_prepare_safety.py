@@ -27,10 +27,10 @@ import pytest
 from conftest import REPO, SMALL_MODEL, cli_env, read_rows
 from hetseq_hpc.errors import DataError
 from hetseq_hpc.tasks import prepare_wait
-from hetseq_hpc.tasks.bert import corpus as corpus_mod
-from hetseq_hpc.tasks.bert import data as data_mod
-from hetseq_hpc.tasks.bert.corpus import load_corpus
-from hetseq_hpc.tasks.bert.data import SEP_ID, build_packed_text, load_packed_text
+from hetseq_hpc.tasks.bert import text_corpus as corpus_mod
+from hetseq_hpc.tasks.bert import mlm_data as data_mod
+from hetseq_hpc.tasks.bert.mlm_data import SEP_ID, build_packed_text, load_packed_text
+from hetseq_hpc.tasks.bert.text_corpus import load_corpus
 from hetseq_hpc.tasks.bert.tokenizer import load_tokenizer
 from hetseq_hpc.tasks.prepare_errors import prepare_task
 
@@ -304,7 +304,7 @@ def test_prepare_of_a_file_without_newline_stays_in_bounded_memory(tmp_path):
 
 
 def test_translation_lines_are_those_of_splitlines_whatever_the_chunks(tmp_path, monkeypatch):
-    from hetseq_hpc.tasks.translation import corpus as tcorpus
+    from hetseq_hpc.tasks.translation import parallel_corpus as tcorpus
 
     text = "a\tb\r\n\r\nc\rd\x0be\u2028ü\tx" + "long" * 10 + "\r\n\nend\r"
     path = tmp_path / "pairs.tsv"
@@ -320,7 +320,7 @@ def test_translation_reads_a_file_without_newline_in_bounded_memory(tmp_path, mo
     """An 8 MB line is skipped while it is read (the old reader held it three times over)."""
     import tracemalloc
 
-    from hetseq_hpc.tasks.translation import corpus as tcorpus
+    from hetseq_hpc.tasks.translation import parallel_corpus as tcorpus
 
     monkeypatch.setattr(tcorpus, "READ_CHUNK_BYTES", 1 << 16)
     monkeypatch.setattr(tcorpus, "MAX_LINE_CHARS", 1 << 16)

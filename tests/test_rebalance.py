@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import random
 
-from hetseq_hpc.allocation import allocate
-from hetseq_hpc.cost_model import CostCurve, min_max_split, predicted_step_s
-from hetseq_hpc.distributed import StepStats
-from hetseq_hpc.train.rebalance import Rebalancer
+from hetseq_hpc.balance.allocation import allocate
+from hetseq_hpc.balance.curves import CostCurve, min_max_split, predicted_step_s
+from hetseq_hpc.balance.rebalance import Rebalancer
+from hetseq_hpc.distributed.rendezvous import StepStats
 
 B = 32
 EVERY = 5

@@ -1,4 +1,4 @@
-"""hetseq_hpc.report: the per-rank PNG from metrics.jsonl."""
+"""hetseq_hpc.report.plots: the per-rank PNG from metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from conftest import REPO
 from hetseq_hpc.errors import HetseqError
-from hetseq_hpc.report import plot_run
+from hetseq_hpc.report.plots import plot_run
 from hetseq_hpc.train.metrics import read_metrics
 
 
@@ -50,7 +50,7 @@ def test_missing_metrics_is_one_line_error(tmp_path):
         plot_run(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "hetseq_hpc.report", str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # bad input, as `hetseq-hpc report` (errors.EXIT_CODES)
     assert len(proc.stderr.strip().splitlines()) == 1
     assert proc.stderr.startswith("hetseq-report: error:")
     (tmp_path / "metrics.jsonl").write_text("")
@@ -72,7 +72,7 @@ def test_one_metrics_reader_for_report_and_tests(tmp_path):
 
 
 def test_text_summary_names_losses_reallocations_and_every_rank(tmp_path):
-    from hetseq_hpc.report import text_summary
+    from hetseq_hpc.report.plots import text_summary
 
     _write_metrics(tmp_path)
     text = text_summary(tmp_path)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import REPO, SMALL_MODEL, cli_env, read_rows
+from hetseq_hpc.rundir.history import current_run_id, start_or_continue, write_run_id
 from hetseq_hpc.train.checkpoint import (
     checkpoint_path,
     checksum_path,
@@ -25,7 +26,6 @@ from hetseq_hpc.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from hetseq_hpc.train.run_history import current_run_id, start_or_continue, write_run_id
 
 QUICK = [*SMALL_MODEL, "cluster.ranks=1", "trainer.val_every=0", "trainer.calibration_steps=1",
          "trainer.global_batch_size=16"]

@@ -21,8 +21,9 @@ from submitit.core import utils as submitit_utils
 from test_slurm import needs_slurm
 
 from conftest import REPO, SMALL_MODEL, cli_env, wait_rows
-from hetseq_hpc import cli
+from hetseq_hpc.cli import dispatch as cli
 from hetseq_hpc.config import compose_run_config, save_run_config
+from hetseq_hpc.env.preemption import REQUEUE, TERMINATE
 from hetseq_hpc.errors import DataError, LaunchError, Preempted
 from hetseq_hpc.launch import slurm_watch
 from hetseq_hpc.launch.failures import (
@@ -34,7 +35,6 @@ from hetseq_hpc.launch.failures import (
 )
 from hetseq_hpc.launch.slurm import HetseqJobFunction, launch_slurm
 from hetseq_hpc.launch.slurm_watch import RequeueLimitReached, wait_for_job
-from hetseq_hpc.preemption import REQUEUE, TERMINATE
 
 #: what ranks of a 3-rank job on the test cluster wrote when rank 1 was SIGKILLed (recorded)
 RESET = ("RuntimeError: Got the following error when running the callback: RuntimeError: "

@@ -15,6 +15,7 @@ from submitit.core import utils as submitit_utils
 
 from hetseq_hpc.config import compose_run_config
 from hetseq_hpc.config.schema import PartitionConfig
+from hetseq_hpc.env.preemption import requeue_job
 from hetseq_hpc.errors import ConfigError, LaunchError
 from hetseq_hpc.launch import slurm_checks, slurm_watch
 from hetseq_hpc.launch.sbatch import render_sbatch
@@ -26,7 +27,6 @@ from hetseq_hpc.launch.slurm_checks import (
     slurm_minutes,
 )
 from hetseq_hpc.launch.slurm_watch import HetSlurmInfoWatcher, wait_for_job
-from hetseq_hpc.preemption import requeue_job
 
 #: ``sinfo -h -N -o '%R|%N|%G|%c|%l'`` of the project's test cluster (recorded)
 SINFO_TESTCLUSTER = """a100|n1|gpu:a100:2|4|infinite

@@ -18,15 +18,20 @@ from task_contract import (  # one_thread: an autouse fixture
     one_thread,  # noqa: F401
 )
 
-from hetseq_hpc.config.task import (
+from hetseq_hpc.config.tasks import (
     TranslationDataConfig,
     TranslationModelConfig,
     TranslationTaskConfig,
 )
 from hetseq_hpc.errors import ConfigError, DataError
-from hetseq_hpc.tasks.translation.corpus import SYSTEM_LOCALE, read_ding, read_mo, resolve_sources
-from hetseq_hpc.tasks.translation.data import EOS_ID, PAD_ID
-from hetseq_hpc.tasks.translation.task import TranslationTask, bleu_from_stats, bleu_stats
+from hetseq_hpc.tasks.translation.parallel_corpus import (
+    SYSTEM_LOCALE,
+    read_ding,
+    read_mo,
+    resolve_sources,
+)
+from hetseq_hpc.tasks.translation.parallel_data import EOS_ID, PAD_ID
+from hetseq_hpc.tasks.translation.seq2seq_task import TranslationTask, bleu_from_stats, bleu_stats
 
 PAIRS = [
     ("Das Haus ist groß.", "The house is big."),
@@ -187,7 +192,7 @@ def test_fresh_machine_falls_back_to_pip_installed_catalogs(tmp_path, monkeypatc
     text is the German catalogs of pip-installed packages: Django's, a dependency of
     hetseq_hpc (757 distinct pairs with Django 5.2); the source names the package. With none
     at all, one line says what to do."""
-    from hetseq_hpc.tasks.translation import corpus
+    from hetseq_hpc.tasks.translation import parallel_corpus as corpus
 
     monkeypatch.setattr(corpus, "DING_PATH", tmp_path / "no-ding")
     monkeypatch.setattr(corpus, "SYSTEM_LOCALE", tmp_path / "no-locale")

@@ -45,7 +45,7 @@ def data_files(tmp_path_factory) -> dict:
     the Django catalogs (a dependency of hetseq_hpc) as a TSV."""
     from sklearn.datasets import load_digits
 
-    from hetseq_hpc.tasks.translation.corpus import read_mo, site_package_catalogs
+    from hetseq_hpc.tasks.translation.parallel_corpus import read_mo, site_package_catalogs
 
     root = tmp_path_factory.mktemp("task-data")
     digits = load_digits()

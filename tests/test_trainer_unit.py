@@ -12,9 +12,9 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import SMALL_MODEL
-from hetseq_hpc.allocation import allocate
+from hetseq_hpc.balance.allocation import allocate
 from hetseq_hpc.config.compose import compose_run_config
-from hetseq_hpc.distributed import StepStats, rendezvous, single_process_rendezvous
+from hetseq_hpc.distributed.rendezvous import StepStats, rendezvous, single_process_rendezvous
 from hetseq_hpc.env.world import WorldInfo, free_port
 from hetseq_hpc.errors import AllocationError, CheckpointError
 from hetseq_hpc.tasks import build_task

@@ -1,6 +1,6 @@
 """Run configuration: schemas, composition, loading/saving, and validation.
 
-- :mod:`~hetseq_hpc.config.task`, :mod:`~hetseq_hpc.config.cluster`,
+- :mod:`~hetseq_hpc.config.tasks`, :mod:`~hetseq_hpc.config.cluster`,
   :mod:`~hetseq_hpc.config.trainer`: the groups' schema dataclasses (each checks its fields);
   :mod:`~hetseq_hpc.config.schema`: :class:`RunConfig` and the Hydra ConfigStore registration;
 - :mod:`~hetseq_hpc.config.compose`: :func:`compose_run` / :func:`compose_run_config`, the one way
@@ -17,7 +17,6 @@ from typing import Any, Union
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from hetseq_hpc.atomic import atomic_write_text
 from hetseq_hpc.config.compose import compose_run, compose_run_config
 from hetseq_hpc.config.keys import check_known_keys, describe_omegaconf_error
 from hetseq_hpc.config.schema import (
@@ -35,7 +34,8 @@ from hetseq_hpc.config.schema import (
 )
 from hetseq_hpc.config.validate import planned_world_size, validate_run_config
 from hetseq_hpc.errors import ConfigError
-from hetseq_hpc.input_files import file_problem
+from hetseq_hpc.files.atomic import atomic_write_text
+from hetseq_hpc.files.user_input import file_problem
 
 #: Directory of the YAML config groups (``conf/``; the package holds a link to it).
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"

@@ -5,7 +5,7 @@ structured-config pattern, https://hydra.cc/docs/tutorials/structured_config/sch
 Each dataclass checks its own fields in ``__post_init__``, which runs when the composed
 ``DictConfig`` is turned into objects with :func:`hetseq_hpc.config.to_run_config`;
 checks that span groups (an allocation against the world size) live in
-:mod:`hetseq_hpc.config.validate`. The groups' schemas live in :mod:`~hetseq_hpc.config.task`,
+:mod:`hetseq_hpc.config.validate`. The groups' schemas live in :mod:`~hetseq_hpc.config.tasks`,
 :mod:`~hetseq_hpc.config.cluster` and :mod:`~hetseq_hpc.config.trainer`; this module ties them
 into :class:`RunConfig` (and re-exports them).
 
@@ -25,12 +25,12 @@ from hetseq_hpc.config.cluster import LocalClusterConfig as LocalClusterConfig
 from hetseq_hpc.config.cluster import PartitionConfig as PartitionConfig
 from hetseq_hpc.config.cluster import SlurmClusterConfig as SlurmClusterConfig
 from hetseq_hpc.config.common import check_sbatch_value as check_sbatch_value
-from hetseq_hpc.config.task import BertDataConfig as BertDataConfig
-from hetseq_hpc.config.task import BertModelConfig as BertModelConfig
-from hetseq_hpc.config.task import BertTaskConfig as BertTaskConfig
-from hetseq_hpc.config.task import CustomTaskConfig as CustomTaskConfig
-from hetseq_hpc.config.task import ImageTaskConfig as ImageTaskConfig
-from hetseq_hpc.config.task import TranslationTaskConfig as TranslationTaskConfig
+from hetseq_hpc.config.tasks import BertDataConfig as BertDataConfig
+from hetseq_hpc.config.tasks import BertModelConfig as BertModelConfig
+from hetseq_hpc.config.tasks import BertTaskConfig as BertTaskConfig
+from hetseq_hpc.config.tasks import CustomTaskConfig as CustomTaskConfig
+from hetseq_hpc.config.tasks import ImageTaskConfig as ImageTaskConfig
+from hetseq_hpc.config.tasks import TranslationTaskConfig as TranslationTaskConfig
 from hetseq_hpc.config.trainer import OptimConfig as OptimConfig
 from hetseq_hpc.config.trainer import TrainerConfig as TrainerConfig
 from hetseq_hpc.plan.config import PlanConfig, register_plan_config

@@ -31,7 +31,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
-from hetseq_hpc.atomic import atomic_write_text
+from hetseq_hpc.files.atomic import atomic_write_text
+from hetseq_hpc.rundir.paths import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -269,5 +270,5 @@ def exempt_communication_threads(emu: Emulation) -> Emulation:
 
 def record(emu: Emulation, run_dir: Path, rank: int) -> Path:
     """Write ``logs/rank<N>.emulation.json``."""
-    return atomic_write_text(Path(run_dir) / "logs" / f"rank{rank}.emulation.json",
+    return atomic_write_text(RunDir(run_dir).emulation_file(rank),
                              json.dumps(emu.to_dict(), indent=1))

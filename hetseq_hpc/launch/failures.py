@@ -33,7 +33,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, Mapping, Optional
 
-from hetseq_hpc.atomic import atomic_write_json
+from hetseq_hpc.files.atomic import atomic_write_json
+from hetseq_hpc.rundir.paths import RunDir
 
 #: error text of a rank that only saw a peer go away (lower case; matched in the error line)
 PEER_MARKERS = (
@@ -188,7 +189,7 @@ def note_stopped(path: Path, stopped_s: float) -> None:
 def write_stop_record(run_dir: Path, job_id: str, step: int, code: int, restarts: int,
                       max_requeues: int, requeued: bool) -> None:
     """Rank 0 of a SLURM job that stopped after writing the checkpoint of ``step`` records it
-    in ``<run dir>/logs/stop.json`` (``code``: :mod:`hetseq_hpc.preemption`'s TERMINATE or
+    in ``<run dir>/logs/stop.json`` (``code``: :mod:`hetseq_hpc.env.preemption`'s TERMINATE or
     REQUEUE; ``requeued``: the job was requeued and will go on by itself). Never raises."""
     try:
         path = Path(run_dir) / STOP_RECORD
@@ -232,7 +233,7 @@ def memory_estimate_gb(run_dir: Path, rank: int) -> Optional[float]:
     """GiB rank ``rank`` was planned to hold: calibration ``static_bytes`` + ``activation_bytes_
     per_sample`` x its micro-batch, from ``<run dir>/allocation.json``; None if unknown."""
     try:
-        data = json.loads((Path(run_dir) / "allocation.json").read_text())
+        data = json.loads(RunDir(run_dir).allocation.read_text())
         entry = data["ranks"][rank]
         cal, share = entry["calibration"], entry["share"]
         total = float(cal["static_bytes"]) + float(cal["activation_bytes_per_sample"]) * int(

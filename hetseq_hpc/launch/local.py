@@ -32,15 +32,15 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional
 
+from hetseq_hpc.balance.placement import placement_for
 from hetseq_hpc.config import RunConfig, planned_world_size, save_run_config
 from hetseq_hpc.config.validate import visible_gpu_count
 from hetseq_hpc.env.world import free_port
 from hetseq_hpc.errors import LaunchError
 from hetseq_hpc.launch.failures import first_failure, read_error_file, signal_reason
 from hetseq_hpc.launch.rank_guard import LAUNCHER_PID_ENV
-from hetseq_hpc.placement import placement_for
-from hetseq_hpc.train.run_lock import lock_run_dir
-from hetseq_hpc.worker import CONFIG_NAME, error_file
+from hetseq_hpc.rundir.lock import lock_run_dir
+from hetseq_hpc.rundir.paths import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def rank_environments(run: RunConfig, config_path: Path) -> List[Dict[str, str]]
     (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
     ``MASTER_PORT``) and ``OMP_NUM_THREADS`` from the rank's placement. Nothing else: each
     worker resolves its own placement (threads, emulated speed, memory budget) from the config
-    with :func:`hetseq_hpc.placement.placement_for`."""
+    with :func:`hetseq_hpc.balance.placement.placement_for`."""
     cluster = run.cluster
     world = planned_world_size(run)
     port = cluster.master_port or free_port()
@@ -174,7 +174,7 @@ def _start(cmd: List[str], envs: List[Dict[str, str]], pass_fds: tuple) -> List[
 
 
 def _failure_reason(run_dir: Path, rank: int, code: Optional[int]) -> str:
-    err = read_error_file(error_file(run_dir, rank))
+    err = read_error_file(RunDir(run_dir).error_file(rank))
     if err is not None:
         return f"{err.get('type', 'Error')}: {err['message']}"
     if code is not None and code < 0:
@@ -205,7 +205,7 @@ def _watch(procs: List[subprocess.Popen], poll_s: float) -> Dict[int, int]:
 def launch_local(run: RunConfig, run_dir: Path, poll_s: float = POLL_S) -> Dict:
     """Run the job on this machine and return rank 0's summary.
 
-    The run directory is locked for the whole run (:func:`~hetseq_hpc.train.run_lock.lock_run_dir`;
+    The run directory is locked for the whole run (:func:`~hetseq_hpc.rundir.lock.lock_run_dir`;
     the ranks inherit the lock). SIGTERM/SIGHUP to the launcher stop the ranks after their
     current step (they checkpoint) and raise :class:`LauncherStopped`, a ``KeyboardInterrupt``.
 
@@ -221,7 +221,7 @@ def launch_local(run: RunConfig, run_dir: Path, poll_s: float = POLL_S) -> Dict:
 
 def _launch(run: RunConfig, run_dir: Path, poll_s: float, lock_env: Dict[str, str],
             pass_fds: tuple) -> Dict:
-    config_path = save_run_config(run, run_dir / CONFIG_NAME)
+    config_path = save_run_config(run, RunDir(run_dir).config)
     for stale in (run_dir / "logs").glob("rank*.error.json"):
         stale.unlink()
     envs = rank_environments(run, config_path)
@@ -239,7 +239,7 @@ def _launch(run: RunConfig, run_dir: Path, poll_s: float, lock_env: Dict[str, st
         procs = _start(cmd, envs, pass_fds)
         codes = _watch(procs, poll_s)
         if any(c != 0 for c in codes.values()):
-            errors = {r: read_error_file(error_file(run_dir, r)) for r in range(len(procs))}
+            errors = {r: read_error_file(RunDir(run_dir).error_file(r)) for r in range(len(procs))}
             stopped = [r for r, p in enumerate(procs) if r not in codes and _is_stopped(p.pid)]
             _stop(procs)
             failed = first_failure(codes, errors, stopped)
@@ -247,10 +247,10 @@ def _launch(run: RunConfig, run_dir: Path, poll_s: float, lock_env: Dict[str, st
                       else _failure_reason(run_dir, failed, codes.get(failed)))
             raise LaunchError(
                 f"rank {failed} failed ({reason}); the other ranks were stopped; see "
-                f"{run_dir / 'logs' / f'rank{failed}.log'}"
+                f"{RunDir(run_dir).rank_log(failed)}"
             )
     except BaseException:
         _stop(procs)
         raise
-    summary_path = run_dir / "summary.json"
+    summary_path = RunDir(run_dir).summary
     return json.loads(summary_path.read_text()) if summary_path.is_file() else {}

@@ -21,8 +21,8 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from hetseq_hpc.atomic import atomic_write_json
 from hetseq_hpc.errors import HetseqError
+from hetseq_hpc.files.atomic import atomic_write_json
 from hetseq_hpc.launch.failures import is_peer_error
 
 log = logging.getLogger("hetseq_hpc.worker")

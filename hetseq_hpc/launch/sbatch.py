@@ -167,7 +167,7 @@ def save_hand_submission(folder: Path, function: Any) -> Path:
     import cloudpickle
     from submitit.core.utils import DelayedSubmission
 
-    from hetseq_hpc.atomic import atomic_write
+    from hetseq_hpc.files.atomic import atomic_write
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -31,9 +31,10 @@ from typing import Any, Dict, Optional, Tuple
 from submitit.core import utils as submitit_utils
 from submitit.slurm.slurm import SlurmExecutor
 
-from hetseq_hpc.atomic import atomic_write_text
 from hetseq_hpc.config import RunConfig, SlurmClusterConfig, load_run_config, save_run_config
+from hetseq_hpc.env.preemption import REQUEUE
 from hetseq_hpc.errors import ConfigError, LaunchError, Preempted
+from hetseq_hpc.files.atomic import atomic_write_text
 from hetseq_hpc.launch.failures import (
     STOP_RECORD,
     StopWatch,
@@ -53,9 +54,8 @@ from hetseq_hpc.launch.slurm_watch import (
     task_outcomes,
     wait_for_job,
 )
-from hetseq_hpc.preemption import REQUEUE
-from hetseq_hpc.train.run_lock import lock_run_dir
-from hetseq_hpc.worker import CONFIG_NAME
+from hetseq_hpc.rundir.lock import lock_run_dir
+from hetseq_hpc.rundir.paths import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class HetseqJobFunction:
     run_dir: str
 
     def __call__(self) -> Dict[str, Any]:
-        from hetseq_hpc.worker import error_file, handle_preempted, run_worker
+        from hetseq_hpc.worker import handle_preempted, run_worker
 
         rank = int(os.environ.get("SLURM_PROCID", "0") or 0)
         watch = StopWatch().start()
@@ -121,8 +121,8 @@ class HetseqJobFunction:
             handle_preempted(exc, run)
             raise SystemExit(3) from None
         except Exception as exc:
-            report_failure(exc, rank, error_file(self.run_dir, rank))
-            note_stopped(error_file(self.run_dir, rank), watch.stopped_s)
+            report_failure(exc, rank, RunDir(self.run_dir).error_file(rank))
+            note_stopped(RunDir(self.run_dir).error_file(rank), watch.stopped_s)
             raise
         finally:
             watch.stop()
@@ -148,9 +148,9 @@ def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
         require_slurm()
         check_partitions(cluster, partition_inventory())
     # the launcher holds the run-directory lock while it writes; rank 0 of the job takes it for
-    # the run (hetseq_hpc.train.run_lock.claim_run_dir), so it is released before submitting
+    # the run (hetseq_hpc.rundir.lock.claim_run_dir), so it is released before submitting
     with lock_run_dir(run_dir):
-        config_path = save_run_config(run, run_dir / CONFIG_NAME)
+        config_path = save_run_config(run, RunDir(run_dir).config)
         # an earlier job's errors and stop record must not be read as this job's
         for stale in [*(run_dir / "logs").glob("rank*.error.json"), run_dir / STOP_RECORD]:
             stale.unlink(missing_ok=True)

@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from submitit.core import utils as submitit_utils
 from submitit.slurm.slurm import SlurmInfoWatcher, SlurmJob
 
+from hetseq_hpc.env.preemption import REQUEUE
 from hetseq_hpc.errors import LaunchError, Preempted
 from hetseq_hpc.launch.failures import (
     error_line,
@@ -38,8 +39,7 @@ from hetseq_hpc.launch.failures import (
     read_error_file,
     read_stop_record,
 )
-from hetseq_hpc.preemption import REQUEUE
-from hetseq_hpc.worker import error_file
+from hetseq_hpc.rundir.paths import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ def _rank_errors(run_dir: Path, traces: Dict[int, str], num_tasks: int) -> Dict[
     its result traceback (no time: such ranks sort by rank)."""
     errors: Dict[int, Dict] = {}
     for rank in range(num_tasks):
-        err = read_error_file(error_file(run_dir, rank))
+        err = read_error_file(RunDir(run_dir).error_file(rank))
         if err is None and rank in traces:
             line = error_line(traces[rank])
             kind, _, message = line.partition(": ")
@@ -191,11 +191,11 @@ def failure_message(job_id: str, folder: Path, run_dir: Path, num_tasks: int,
         reason = ("it ended without an error of its own (killed by a signal: scancel, kill -9, "
                   "the kernel's OOM killer; or stopped), and its peers lost it")
     return (f"job {job_id}: rank {rank} failed: {reason} (log: {log_err}; "
-            f"{Path(run_dir) / 'logs' / f'rank{rank}.log'})")
+            f"{RunDir(run_dir).rank_log(rank)})")
 
 
 def _accounted(run_dir: Path, num_tasks: int, outcomes: Dict[int, Tuple[str, Any]]) -> bool:
-    return all(r in outcomes or error_file(run_dir, r).is_file() for r in range(num_tasks))
+    return all(r in outcomes or RunDir(run_dir).error_file(r).is_file() for r in range(num_tasks))
 
 
 def wait_for_job(job: HetSlurmJob, run_dir: Path, num_tasks: int, poll_s: float = 1.0,
@@ -220,7 +220,7 @@ def wait_for_job(job: HetSlurmJob, run_dir: Path, num_tasks: int, poll_s: float 
         RequeueLimitReached: the job stopped after a checkpoint with its requeues used up.
     """
     folder = Path(job.paths.folder)
-    log_path = Path(run_dir) / "logs" / "rank0.log"
+    log_path = RunDir(run_dir).rank_log(0)
     offset = 0
     start = time.monotonic()
     ended_at: Optional[float] = None
@@ -235,7 +235,7 @@ def wait_for_job(job: HetSlurmJob, run_dir: Path, num_tasks: int, poll_s: float 
                 sys.stderr.flush()
         outcomes = task_outcomes(folder, job.job_id, num_tasks)
         if any(o[0] == "error" for o in outcomes.values()) or any(
-                error_file(run_dir, r).is_file() for r in range(num_tasks)):
+                RunDir(run_dir).error_file(r).is_file() for r in range(num_tasks)):
             # let the other ranks' results and errors land, then pick the cause
             failed_at = time.monotonic()
             while (not _accounted(run_dir, num_tasks, outcomes)

@@ -1,33 +1,23 @@
 """Plan a heterogeneous run before submitting it: predicted split, step time and efficiency.
 
 ``python -m hetseq_hpc.plan cluster=mixed task=bert trainer.global_batch_size=4096`` (usage and
-options: :mod:`hetseq_hpc.plan.cli`). The modules, one job each:
+options: :mod:`hetseq_hpc.plan.command`). The modules, one job each:
 
 - :mod:`~hetseq_hpc.plan.config`: the ``plan`` config group (:class:`PlanConfig`, validated);
 - :mod:`~hetseq_hpc.plan.gpus`: GPU classes from vendor datasheets, by GRES type;
-- :mod:`~hetseq_hpc.plan.cost_model`: throughput, ring all-reduce, DDP overlap, :func:`predict`;
+- :mod:`~hetseq_hpc.plan.step_time`: throughput, ring all-reduce, DDP overlap, :func:`predict`;
 - :mod:`~hetseq_hpc.plan.model_info`: the task model's parameters, FLOPs and activation memory;
 - :mod:`~hetseq_hpc.plan.inputs`: per-rank inputs from a probe or from the datasheet table;
 - :mod:`~hetseq_hpc.plan.planner`: run config -> :class:`Plan` (with warnings);
 - :mod:`~hetseq_hpc.plan.render`: the printed table and the JSON headline;
-- :mod:`~hetseq_hpc.plan.cli`: the command line.
+- :mod:`~hetseq_hpc.plan.command`: the command line.
 
 Nothing here imports :mod:`hetseq_hpc.config` at import time (it imports
 :mod:`hetseq_hpc.plan.config` for ``RunConfig.plan``).
 """
 
-from hetseq_hpc.plan.cli import compose_plan_run, main, plan_overrides
+from hetseq_hpc.plan.command import compose_plan_run, plan_command, plan_overrides
 from hetseq_hpc.plan.config import PlanConfig, register_plan_config
-from hetseq_hpc.plan.cost_model import (
-    DDP_BUCKET_BYTES,
-    Prediction,
-    SplitTime,
-    datasheet_throughput,
-    ddp_exposed_allreduce_s,
-    memory_cap,
-    predict,
-    ring_allreduce_s,
-)
 from hetseq_hpc.plan.gpus import (
     GPU_TABLE,
     GpuClass,
@@ -45,6 +35,16 @@ from hetseq_hpc.plan.inputs import (
 from hetseq_hpc.plan.model_info import ModelInfo, measure_model
 from hetseq_hpc.plan.planner import Plan, make_plan
 from hetseq_hpc.plan.render import render
+from hetseq_hpc.plan.step_time import (
+    DDP_BUCKET_BYTES,
+    Prediction,
+    SplitTime,
+    datasheet_throughput,
+    ddp_exposed_allreduce_s,
+    memory_cap,
+    predict,
+    ring_allreduce_s,
+)
 
 __all__ = [
     "DDP_BUCKET_BYTES",
@@ -61,11 +61,11 @@ __all__ = [
     "datasheet_throughput",
     "ddp_exposed_allreduce_s",
     "lookup_gpu",
-    "main",
     "make_plan",
     "measure_model",
     "memory_cap",
     "normalise_gpu_type",
+    "plan_command",
     "plan_overrides",
     "predict",
     "probe_sync_s",

@@ -1,7 +1,7 @@
-"""``python -m hetseq_hpc.plan [overrides] [plan.KEY=VALUE ...]``: see :mod:`hetseq_hpc.plan.cli`."""
+"""``python -m hetseq_hpc.plan [overrides] [plan.KEY=VALUE ...]``: see :mod:`hetseq_hpc.plan.command`."""
 
 import sys
 
-from hetseq_hpc.plan.cli import main
+from hetseq_hpc.plan.command import plan_command
 
-sys.exit(main())
+sys.exit(plan_command())

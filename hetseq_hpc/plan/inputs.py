@@ -14,15 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
-from hetseq_hpc.allocation import micro_batch_cap
-from hetseq_hpc.cost_model import MIN_PER_SAMPLE_S, CostCurve
+from hetseq_hpc.balance.allocation import micro_batch_cap
+from hetseq_hpc.balance.curves import MIN_PER_SAMPLE_S, CostCurve
 from hetseq_hpc.errors import ConfigError
-from hetseq_hpc.input_files import describe, file_problem, number, read_json_file
-from hetseq_hpc.plan.cost_model import datasheet_throughput, memory_cap
+from hetseq_hpc.files.user_input import describe, file_problem, number, read_json_file
 from hetseq_hpc.plan.gpus import achieved_fraction, lookup_gpu, peak_tflops, runtime_precision
+from hetseq_hpc.plan.step_time import datasheet_throughput, memory_cap
+from hetseq_hpc.rundir.paths import RunDir
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hetseq_hpc.placement import RankPlacement
+    from hetseq_hpc.balance.placement import RankPlacement
 
 _WRITTEN_BY_A_RUN = "pass the allocation.json written by a hetseq_hpc run"
 
@@ -46,7 +47,7 @@ class RankSpec:
     device: str  # display label, e.g. "A100 40GB bf16"
     samples_per_s: float
     max_micro_batch: int
-    curve: Optional[CostCurve] = None  # the probe's fitted cost curve (hetseq_hpc.cost_model)
+    curve: Optional[CostCurve] = None  # the probe's fitted cost curve (hetseq_hpc.balance.curves)
 
 
 def partitions_of(run) -> List[PartitionSpec]:
@@ -66,7 +67,7 @@ def probe_file(path: str) -> Path:
     """
     file = Path(path)
     if file.is_dir():
-        file = file / "allocation.json"
+        file = RunDir(file).allocation
     problem = file_problem(file)
     if problem:
         shown = repr(path) if file == Path(path) else f"{path!r} ({file})"
@@ -191,7 +192,7 @@ def _probe_cap(rank: Dict[str, Any], limit: Optional[int], where: str) -> int:
     cal = rank.get("calibration") or {}
     keys = ("memory_budget_bytes", "static_bytes", "activation_bytes_per_sample")
     if all(k in cal for k in keys):
-        # memory_budget_bytes already has the headroom applied (hetseq_hpc.calibrate)
+        # memory_budget_bytes already has the headroom applied (hetseq_hpc.balance.calibrate)
         return micro_batch_cap(float(cal["memory_budget_bytes"]), float(cal["static_bytes"]),
                                float(cal["activation_bytes_per_sample"]), limit)
     if "max_micro_batch" in cal:
@@ -322,11 +323,11 @@ def ranks_from_table(placements: Sequence[RankPlacement], flops_per_sample: floa
     ``precision``, :func:`runtime_precision`) x the MEASURED fraction of that peak for its
     (class, precision) (:data:`hetseq_hpc.plan.gpus.ACHIEVED`, published training throughput),
     else ``mfu`` / ``flops_per_sample``; the device label says which; memory cap = the
-    runtime's formula on the rank's budget (:func:`hetseq_hpc.placement.memory_budget_bytes`,
+    runtime's formula on the rank's budget (:func:`hetseq_hpc.balance.placement.memory_budget_bytes`,
     with the datasheet memory standing in for the free GPU memory).
 
     Args:
-        placements: every rank's placement (:func:`hetseq_hpc.placement.plan_placements`).
+        placements: every rank's placement (:func:`hetseq_hpc.balance.placement.plan_placements`).
         flops_per_sample: training FLOPs of one sample.
         param_count: model parameters (fp32).
         activation_bytes_per_sample: activation memory of one sample, bytes.
@@ -335,7 +336,7 @@ def ranks_from_table(placements: Sequence[RankPlacement], flops_per_sample: floa
     Raises:
         ConfigError: a partition has no GPU type, or an unknown one.
     """
-    from hetseq_hpc.placement import memory_budget_bytes
+    from hetseq_hpc.balance.placement import memory_budget_bytes
 
     out: List[RankSpec] = []
     for place in placements:

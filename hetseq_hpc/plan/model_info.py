@@ -13,7 +13,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from hetseq_hpc.plan.cost_model import PARAM_BYTES
+from hetseq_hpc.plan.step_time import PARAM_BYTES
 
 
 @dataclass
@@ -35,7 +35,7 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class CpuCalibration:
-    """How cluster=local ranks calibrate (the runtime's values, :mod:`hetseq_hpc.placement`)."""
+    """How cluster=local ranks calibrate (the runtime's values, :mod:`hetseq_hpc.balance.placement`)."""
 
     micro_batch: int  # samples per timed forward+backward
     steps: int  # timed steps
@@ -49,7 +49,7 @@ def _synthetic_batch(n: int, seq_len: int, vocab_size: int, mask_prob: float):
     import numpy as np
     import torch
 
-    from hetseq_hpc.tasks.bert.data import SPECIAL_TOKENS, mask_sample
+    from hetseq_hpc.tasks.bert.mlm_data import SPECIAL_TOKENS, mask_sample
 
     rng = np.random.default_rng(0)
     inputs, labels = [], []
@@ -67,7 +67,7 @@ def _bert_model(task_cfg, on_meta: bool):
     and synthetic masked rows."""
     import torch
 
-    from hetseq_hpc.tasks.bert.model import BertMaskedLM
+    from hetseq_hpc.tasks.bert.mlm_model import BertMaskedLM
 
     vocab, seq = int(task_cfg.data.vocab_size), int(task_cfg.model.max_seq_len)
     with torch.device("meta") if on_meta else contextlib.nullcontext():
@@ -108,7 +108,7 @@ def measure_model(task_cfg, need_activations: bool,
     margin). BERT is built from its config alone (on ``meta`` when nothing is measured); every
     other task prepares and loads its data first.
 
-    ``cpu_calibration`` instead runs :func:`hetseq_hpc.calibrate.calibrate` (timed
+    ``cpu_calibration`` instead runs :func:`hetseq_hpc.balance.calibrate.calibrate` (timed
     forward+backward, as a cluster=local rank does) and also sets ``cpu_samples_per_s``.
 
     Raises:
@@ -116,7 +116,7 @@ def measure_model(task_cfg, need_activations: bool,
     """
     import torch
 
-    from hetseq_hpc.calibrate import ACTIVATION_SAFETY, saved_tensor_bytes
+    from hetseq_hpc.balance.calibrate import ACTIVATION_SAFETY, saved_tensor_bytes
     from hetseq_hpc.tasks import build_task
     from hetseq_hpc.tasks.flops import task_flops_per_sample
 
@@ -132,7 +132,7 @@ def measure_model(task_cfg, need_activations: bool,
                      notes=notes)
 
     if cpu_calibration is not None:
-        from hetseq_hpc.calibrate import calibrate
+        from hetseq_hpc.balance.calibrate import calibrate
 
         threads = torch.get_num_threads()
         torch.set_num_threads(cpu_calibration.threads)

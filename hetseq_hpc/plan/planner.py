@@ -12,7 +12,6 @@ from typing import Callable, List, Optional, Tuple
 
 from hetseq_hpc.errors import AllocationError, ConfigError
 from hetseq_hpc.plan.config import DEFAULT_LINK_GBPS, DEFAULT_LOCAL_LINK_GBPS, PlanConfig
-from hetseq_hpc.plan.cost_model import Prediction, memory_cap, predict
 from hetseq_hpc.plan.inputs import (
     PartitionSpec,
     RankSpec,
@@ -25,6 +24,7 @@ from hetseq_hpc.plan.inputs import (
     ranks_from_table,
 )
 from hetseq_hpc.plan.model_info import CpuCalibration, ModelInfo, measure_model
+from hetseq_hpc.plan.step_time import Prediction, memory_cap, predict
 
 #: fewer samples per rank than this (on average) leaves most devices idle between all-reduces
 MIN_SAMPLES_PER_RANK = 8
@@ -51,10 +51,14 @@ class Plan:
 
 def _local_ranks(run) -> Tuple[ModelInfo, List[RankSpec], str]:
     """cluster=local: calibrate the model on this CPU as a local rank does (the runtime's
-    threads, calibration micro-batch and memory budget, :mod:`hetseq_hpc.placement`), x each
+    threads, calibration micro-batch and memory budget, :mod:`hetseq_hpc.balance.placement`), x each
     rank's emulated speed (``cluster.speeds``)."""
+    from hetseq_hpc.balance.placement import (
+        calibration_micro_batch,
+        memory_budget_bytes,
+        plan_placements,
+    )
     from hetseq_hpc.env.hardware import read_meminfo
-    from hetseq_hpc.placement import calibration_micro_batch, memory_budget_bytes, plan_placements
 
     places = plan_placements(run)
     first = places[0]
@@ -75,7 +79,7 @@ def _local_ranks(run) -> Tuple[ModelInfo, List[RankSpec], str]:
 
 def _table_ranks(run, opts: PlanConfig) -> Tuple[ModelInfo, List[RankSpec], str]:
     """SLURM without a probe: datasheet peak x MFU, memory cap from the datasheet memory."""
-    from hetseq_hpc.placement import plan_placements
+    from hetseq_hpc.balance.placement import plan_placements
 
     model = measure_model(run.task, need_activations=True)
     ranks = ranks_from_table(plan_placements(run), model.flops_per_sample, model.param_count,

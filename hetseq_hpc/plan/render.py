@@ -58,7 +58,7 @@ def _header(plan: Plan) -> List[str]:
         model_line,
         f"throughput: {plan.source}",
         "",
-        "balanced = throughput-proportional split (hetseq_hpc.allocation.allocate), "
+        "balanced = throughput-proportional split (hetseq_hpc.balance.allocation.allocate), "
         "equal = same share per rank; times in ms",
     ]
 

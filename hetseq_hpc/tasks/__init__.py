@@ -9,9 +9,9 @@ from hetseq_hpc.tasks.base import Task
 
 #: built-in task name -> "module:Class" (imported on use: each pulls its own dependencies)
 BUILTIN = {
-    "bert": "hetseq_hpc.tasks.bert.task:BertTask",
-    "image": "hetseq_hpc.tasks.image.task:ImageTask",
-    "translation": "hetseq_hpc.tasks.translation.task:TranslationTask",
+    "bert": "hetseq_hpc.tasks.bert.mlm_task:BertTask",
+    "image": "hetseq_hpc.tasks.image.classify_task:ImageTask",
+    "translation": "hetseq_hpc.tasks.translation.seq2seq_task:TranslationTask",
 }
 
 

@@ -26,7 +26,7 @@ class Task(abc.ABC):
 
     Args:
         cfg: the ``task`` config group (a dataclass; for ``task=custom`` a
-            :class:`~hetseq_hpc.config.task.CustomTaskConfig` whose ``args`` and ``model`` are
+            :class:`~hetseq_hpc.config.tasks.CustomTaskConfig` whose ``args`` and ``model`` are
             plain dicts of your own options).
         seed: ``trainer.seed``: draw every random choice of the data (masking, augmentation)
             from it, the epoch and the sample's position, never from the rank.
@@ -52,7 +52,7 @@ class Task(abc.ABC):
     # ------------------------------------------------------------------ data
     def prepare(self) -> None:
         """Build caches (tokenizers, decoded arrays) once. Runs on rank 0 while the other
-        ranks wait; write files atomically (:mod:`hetseq_hpc.atomic`). Default: nothing."""
+        ranks wait; write files atomically (:mod:`hetseq_hpc.files.atomic`). Default: nothing."""
         return None
 
     @abc.abstractmethod

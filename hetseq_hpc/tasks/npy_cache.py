@@ -1,6 +1,6 @@
 """A task's data cache as a folder of ``.npy`` arrays plus ``meta.json`` (written last).
 
-Every file is written through :mod:`hetseq_hpc.atomic` (temp file, fsync, rename), so a crash
+Every file is written through :mod:`hetseq_hpc.files.atomic` (temp file, fsync, rename), so a crash
 or two concurrent builders never leave a half-written array; a folder whose ``meta.json``
 exists is complete. Arrays are memory-mapped when opened, so each rank shares the page cache.
 """
@@ -14,8 +14,8 @@ from typing import Dict, Sequence, Tuple
 
 import numpy as np
 
-from hetseq_hpc.atomic import atomic_write
 from hetseq_hpc.errors import DataError
+from hetseq_hpc.files.atomic import atomic_write
 
 
 def save_npy(path: Path, array: np.ndarray) -> None:

@@ -3,7 +3,7 @@
 A full disk or an unwritable ``task.data.cache_dir`` surfaces deep inside a cache build as a
 bare ``OSError``; :func:`prepare_task` turns it into a :class:`~hetseq_hpc.errors.DataError`
 that names the path (and, for a full disk, its mount point). The built-in caches are written
-atomically with ``meta.json`` last (:mod:`hetseq_hpc.atomic`), so a failed build leaves nothing
+atomically with ``meta.json`` last (:mod:`hetseq_hpc.files.atomic`), so a failed build leaves nothing
 a later run trusts.
 """
 

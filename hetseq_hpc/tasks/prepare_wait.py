@@ -28,8 +28,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from hetseq_hpc.atomic import atomic_write_json
 from hetseq_hpc.errors import DataError
+from hetseq_hpc.files.atomic import atomic_write_json
 from hetseq_hpc.tasks.prepare_errors import prepare_task
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ def prepare_on_rank0(task: Any, rdv: Any, run_dir: Path, timeout_s: float,
 
     Args:
         task: the task (its ``prepare()`` builds caches; cheap when they exist).
-        rdv: the joined :class:`~hetseq_hpc.distributed.Rendezvous`.
+        rdv: the joined :class:`~hetseq_hpc.distributed.rendezvous.Rendezvous`.
         run_dir: the run directory (shared by every rank).
         timeout_s: ``cluster.collective_timeout_s``: a waiting rank gives up when rank 0's
             heartbeat has not changed for this many seconds.

@@ -1,6 +1,6 @@
 """Checkpoints in ``<run dir>/checkpoints``: atomic, checksummed, loaded without running code.
 
-* ``step_XXXXXXXX.pt`` is written through :func:`hetseq_hpc.atomic.atomic_write` (temp file,
+* ``step_XXXXXXXX.pt`` is written through :func:`hetseq_hpc.files.atomic.atomic_write` (temp file,
   fsync, rename), so a crash never leaves a half-written checkpoint under its final name;
   ``.<name>.<pid>.tmp`` files of killed writers are swept at the start of the next run.
 * Its SHA-256 goes to the sidecar ``step_XXXXXXXX.pt.sha256`` (``sha256sum`` format, so
@@ -27,9 +27,10 @@ from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from hetseq_hpc.atomic import atomic_write, atomic_write_text, remove_stale_temps
 from hetseq_hpc.errors import CheckpointError
-from hetseq_hpc.input_files import file_problem
+from hetseq_hpc.files.atomic import atomic_write, atomic_write_text, remove_stale_temps
+from hetseq_hpc.files.user_input import file_problem
+from hetseq_hpc.rundir.history import current_run_id, start_or_continue
 from hetseq_hpc.train.checkpoint_files import FIX as _FIX
 from hetseq_hpc.train.checkpoint_files import (  # noqa: F401 - re-exported: the public names
     apply_retention,
@@ -40,7 +41,6 @@ from hetseq_hpc.train.checkpoint_files import (  # noqa: F401 - re-exported: the
     stored_run_id,
     verify_checksum,
 )
-from hetseq_hpc.train.run_history import current_run_id, start_or_continue
 
 log = logging.getLogger(__name__)
 
@@ -280,7 +280,7 @@ def agree_on_checkpoint(rdv: Any, resume: str, run_dir: Path
 
 def agree_on_run(rdv: Any, run_dir: Path, state: Optional[Dict[str, Any]]) -> str:
     """Every rank's id of the current run, decided once on rank 0 (under the run lock) by
-    :func:`hetseq_hpc.train.run_history.start_or_continue`: a resumed checkpoint's run goes
+    :func:`hetseq_hpc.rundir.history.start_or_continue`: a resumed checkpoint's run goes
     on; a run starting at step 0 is new, and an earlier run's records in the directory are
     moved to ``previous/<its id>/`` first.
 

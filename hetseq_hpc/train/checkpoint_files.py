@@ -3,7 +3,7 @@
 * ``step_XXXXXXXX.pt`` and its SHA-256 sidecar ``step_XXXXXXXX.pt.sha256`` (``sha256sum``
   format, so ``sha256sum -c`` checks it by hand).
 * Retention (:func:`apply_retention`) counts only checkpoints that VERIFY and belong to the
-  current run (their ``run_id``, see :mod:`hetseq_hpc.train.run_history`); it never deletes the
+  current run (their ``run_id``, see :mod:`hetseq_hpc.rundir.history`); it never deletes the
   checkpoint just written nor any checkpoint newer than it, and a checkpoint that fails its
   checksum is moved to ``checkpoints/corrupt/`` (kept for inspection, never counted, never
   deleted).
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from hetseq_hpc.errors import CheckpointError
+from hetseq_hpc.rundir.paths import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ _VERIFIED: Dict[str, Tuple[Tuple[int, int], str]] = {}
 
 def checkpoint_dir(run_dir: Path) -> Path:
     """``<run dir>/checkpoints``."""
-    return Path(run_dir) / "checkpoints"
+    return RunDir(run_dir).checkpoints
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:

@@ -34,8 +34,8 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from hetseq_hpc.atomic import atomic_write_text
 from hetseq_hpc.config.trainer import LOGGER_NAMES
+from hetseq_hpc.files.atomic import atomic_write_text
 from hetseq_hpc.train.metrics import METRICS_NAME, MetricsWriter, _clean
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ One optimizer step on rank ``i`` (``b_i`` samples in ``accum_i`` micro-batches):
    whatever its accumulation count;
 3. DDP sums the gradients across ranks (:mod:`hetseq_hpc.train.ddp_hooks`);
 4. ranks exchange loss sums, unit counts, timings and stop requests as named
-   :class:`~hetseq_hpc.distributed.StepStats` (one small all-gather; on CPU ranks it is posted
+   :class:`~hetseq_hpc.distributed.rendezvous.StepStats` (one small all-gather; on CPU ranks it is posted
    when the last gradient bucket is ready, so it runs during that bucket's all-reduce);
 5. gradients are divided by the GLOBAL unit count ``sum_i n_i``: the result is exactly the
    gradient of the mean loss over the whole global batch (PyTorch's DDP averages instead,
@@ -34,11 +34,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hetseq_hpc.allocation import Allocation
+from hetseq_hpc.balance.allocation import Allocation
 from hetseq_hpc.config.schema import RunConfig
-from hetseq_hpc.distributed import Rendezvous, StepStats
+from hetseq_hpc.distributed.rendezvous import Rendezvous, StepStats
+from hetseq_hpc.env.preemption import REASONS
 from hetseq_hpc.errors import CheckpointError, Preempted
-from hetseq_hpc.preemption import REASONS
 from hetseq_hpc.tasks.contract import check_loss, checked_batch, checked_count
 from hetseq_hpc.train.checkpoint import (
     agree_on_checkpoint,
@@ -95,7 +95,7 @@ class Trainer:
     Args:
         run: the validated run configuration.
         run_dir: the run directory (checkpoints, metrics.jsonl).
-        rdv: the joined rendezvous (:func:`hetseq_hpc.distributed.single_process_rendezvous`
+        rdv: the joined rendezvous (:func:`hetseq_hpc.distributed.rendezvous.single_process_rendezvous`
             makes a one-rank one for tests).
         task: the task (data, batches, unit counts).
         model: the bare model, already on ``device`` and identically initialised on all ranks.
@@ -107,7 +107,7 @@ class Trainer:
             allocation) -> Optional[Allocation]``), consulted every ``trainer.rebalance_interval``
             steps.
         on_allocation: called with every new allocation a re-balance switches to.
-        stop_request: a :class:`~hetseq_hpc.preemption.StopRequest` (its ``code`` is shared with
+        stop_request: a :class:`~hetseq_hpc.env.preemption.StopRequest` (its ``code`` is shared with
             every rank each step).
 
     Raises:
@@ -314,7 +314,7 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def _maybe_rebalance(self, rec: StepRecord) -> None:
         """Feed the re-balancer; every ``trainer.rebalance_interval`` steps, or at once when it
-        sees a speed change (:meth:`~hetseq_hpc.train.rebalance.Rebalancer.speed_changed`, the
+        sees a speed change (:meth:`~hetseq_hpc.balance.rebalance.Rebalancer.speed_changed`, the
         same verdict on every rank), all ranks check they decided alike and switch together to
         its new allocation from the next step. Nothing is decided after the last step or a stop
         request's step: no step would run the new split."""

@@ -12,12 +12,13 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
-from hetseq_hpc.atomic import atomic_write_text
 from hetseq_hpc.errors import ConfigError, HetseqError
+from hetseq_hpc.files.atomic import atomic_write_text
+from hetseq_hpc.rundir.paths import RunDir
 
 log = logging.getLogger(__name__)
 
-METRICS_NAME = "metrics.jsonl"
+METRICS_NAME = RunDir.METRICS_NAME
 
 
 def _clean(value: Any) -> Any:
@@ -89,7 +90,7 @@ def read_metrics(run_dir: Union[str, Path]) -> List[Dict[str, Any]]:
             line before the last is not JSON, or a row is not a JSON object (one line naming
             the file and line).
     """
-    from hetseq_hpc.input_files import describe, file_problem, kind_of
+    from hetseq_hpc.files.user_input import describe, file_problem, kind_of
 
     given = Path(run_dir)
     fix = f"pass the run directory of a hetseq_hpc run (it writes {METRICS_NAME})"
@@ -124,7 +125,7 @@ def step_row(rec: Any, metas: List[Any], shares: List[Any], global_batch_size: i
              units_per_sample: Optional[float] = None) -> Dict[str, Any]:
     """The ``metrics.jsonl`` row of step record ``rec`` (:class:`~hetseq_hpc.train.loop.StepRecord`):
     global figures plus one entry per rank (its :class:`~hetseq_hpc.train.loop.RankMeta`,
-    :class:`~hetseq_hpc.allocation.RankShare` and :class:`~hetseq_hpc.distributed.StepStats`)."""
+    :class:`~hetseq_hpc.balance.allocation.RankShare` and :class:`~hetseq_hpc.distributed.rendezvous.StepStats`)."""
     samples_per_s = global_batch_size / max(rec.wall_s, 1e-9)
     ranks = [{
         "rank": meta.rank, "device": meta.device, "node": meta.node, "het_group": meta.het_group,
@@ -190,7 +191,7 @@ def measured_step_sync(history: List[Any], samples: List[int], min_steps: int = 
     ``max_i T_i`` leaves out: the all-reduce not hidden behind the slowest rank's backward, the
     step-statistics exchange, and the straggling of ranks whose step times jitter (the median of
     a maximum exceeds the maximum of medians). The planner adds it to its predicted step
-    (:func:`hetseq_hpc.plan.cost_model.predict`). Seconds; None with fewer than ``min_steps``
+    (:func:`hetseq_hpc.plan.step_time.predict`). Seconds; None with fewer than ``min_steps``
     such steps.
     """
     walls, busy = [], []

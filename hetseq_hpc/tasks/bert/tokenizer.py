@@ -9,7 +9,7 @@ from typing import Iterable
 
 from tokenizers import Tokenizer
 
-from hetseq_hpc.atomic import atomic_write_text
+from hetseq_hpc.files.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,306 @@
+"""Measure a rank's cost curve and memory per sample with a few passes of the real model.
+
+Time: after one untimed warm-up pass at the calibration micro-batch ``m``, ``steps`` timed
+forward+backward passes on real training samples alternate between ``m`` and ``m / 4``
+(``m`` first); the fastest pass of each size is kept (one-off stalls -- page faults of a
+first pass at a new shape, a neighbour's burst, a cgroup throttle -- only ever add time,
+the approach of Python's ``timeit``) and the line through the two points is the cost curve
+``t(m) = a + c m`` (:mod:`hetseq_hpc.balance.curves`); plus the per-step fixed cost ``f``
+(clipping and an AdamW step, timed on copies of the parameters). A rank that is done before
+the slowest one keeps timing passes of the same two sizes while it would otherwise wait for
+the exchange of calibrations (``wait_for_peers``; at most :data:`MAX_EXTRA_PASSES`): on a
+mixed cluster the fast ranks, whose passes are short and most easily disturbed, get the most
+passes, and the start-up does not get longer (at most by the one pass a rank is in when the
+slowest finishes). Measured on the 2-core AMD VM: a fast rank's faster of two passes at 16
+samples ranged 89.6-107.4 ms over six starts (105.5 ms once: 13 % above its per-sample time in
+training, which put the first split one sample off); with the extra passes its fitted t(16)
+was 85-100 ms over fifteen (docs/benchmarks.md, 2026-11-24). No optimizer step touches the
+model; gradients are dropped afterwards. Memory: bytes the autograd graph saves for backward,
+counted with ``torch.autograd.graph.saved_tensors_hooks`` in the warm-up pass and the first small
+pass (the slope is the per-sample activation memory; works on any device), and on CUDA also
+the peak allocated memory, whichever is larger. The default 4 passes (2 of each size) cost
+about what the earlier one-size calibration (warm-up + 3 passes at ``m``) did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from hetseq_hpc.balance.allocation import micro_batch_cap
+from hetseq_hpc.balance.curves import fit_curve, fit_residuals
+from hetseq_hpc.train.optim import adamw_kernel
+
+log = logging.getLogger(__name__)
+
+#: margin on measured activation memory for temporaries the hooks do not see
+ACTIVATION_SAFETY = 1.5
+#: weights + gradients + two AdamW moments + one DDP bucket copy, in parameter sizes
+STATIC_PARAM_COPIES = 5
+#: share of free GPU memory / of this rank's RAM share that the cap may plan to use
+MEMORY_HEADROOM = 0.9
+#: the small timed micro-batch is the calibration micro-batch divided by this
+LOW_SIZE_DIVISOR = 4
+#: most passes a rank times while slower ranks still calibrate (``wait_for_peers``)
+MAX_EXTRA_PASSES = 16
+#: how long a rank that is done looks for the other ranks' "done" before it times another
+#: pass, seconds (the last rank to finish sees every rank done within a round trip)
+PEER_GRACE_S = 0.02
+
+
+class PeersDone(Protocol):
+    """What ``wait_for_peers`` returns (:class:`hetseq_hpc.distributed.rendezvous.PendingBarrier`)."""
+
+    def done(self) -> bool:
+        """True once every rank is done (never blocks)."""
+
+    def wait(self) -> None:
+        """Block until every rank is done."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """One rank's measurements.
+
+    Attributes:
+        samples_per_s: forward+backward throughput at ``micro_batch`` from the fit (samples/s).
+        micro_batch: the largest timed micro-batch.
+        activation_bytes_per_sample: activation memory of one sample, with safety margin.
+        static_bytes: parameters, gradients, optimizer state, DDP buckets (bytes).
+        memory_budget_bytes: memory this rank may plan with (bytes).
+        max_micro_batch: the resulting cap (>= 1, or 0 when nothing fits).
+        overhead_s: ``a`` of the fitted cost curve (seconds per micro-batch).
+        per_sample_s: ``c`` of the fitted cost curve (seconds per sample).
+        step_fixed_s: ``f``, the per-step fixed cost (clip + optimizer step), seconds.
+        timings: ``[micro-batch, seconds]`` of every timed pass (the fit's data).
+    """
+
+    samples_per_s: float
+    micro_batch: int
+    activation_bytes_per_sample: float
+    static_bytes: float
+    memory_budget_bytes: float
+    max_micro_batch: int
+    overhead_s: float = 0.0
+    per_sample_s: float = 0.0
+    step_fixed_s: float = 0.0
+    timings: List[List[float]] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        """Plain dict for JSON."""
+        return asdict(self)
+
+
+def saved_tensor_bytes(fn: Callable[[], torch.Tensor]) -> tuple:
+    """``(fn(), bytes)``: run ``fn`` and count the bytes autograd saves for backward."""
+    total = 0
+
+    def pack(t: torch.Tensor):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = fn()
+    return loss, total
+
+
+def memory_cap(memory_budget_bytes: float, param_bytes: float, activation_bytes_per_sample: float,
+               limit: Optional[int] = None) -> int:
+    """Micro-batch cap of a device (the one formula the runtime and the planner share):
+    :func:`~hetseq_hpc.balance.allocation.micro_batch_cap` with budget ``memory x MEMORY_HEADROOM`` and
+    static ``STATIC_PARAM_COPIES x param_bytes`` (weights, gradients, two AdamW moments, one DDP
+    bucket copy). Bytes in, samples out; 0 if not one sample fits."""
+    return micro_batch_cap(float(memory_budget_bytes) * MEMORY_HEADROOM,
+                           float(param_bytes) * STATIC_PARAM_COPIES,
+                           activation_bytes_per_sample, limit)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_sizes(micro_batch: int, steps: int, cap: int) -> List[int]:
+    """Micro-batch sizes of the ``steps`` timed passes: the calibration micro-batch ``m`` and
+    ``m / LOW_SIZE_DIVISOR`` alternately (``m`` first), both within the memory ``cap``; one
+    size only when ``m`` is too small to split."""
+    high = max(1, min(int(micro_batch), int(cap) if cap >= 1 else 1))
+    low = max(1, high // LOW_SIZE_DIVISOR)
+    return [low if j % 2 else high for j in range(int(steps))]
+
+
+def fastest_per_size(sizes: Sequence[int], times_s: Sequence[float]) -> Tuple[List[int], List[float]]:
+    """``(sizes, seconds)``: the fastest timing of each distinct micro-batch size, sizes
+    ascending (interference only ever adds time, so the minimum is the least disturbed)."""
+    best: Dict[int, float] = {}
+    for n, t in zip(sizes, times_s):
+        best[int(n)] = min(best.get(int(n), float("inf")), float(t))
+    ordered = sorted(best)
+    return ordered, [best[n] for n in ordered]
+
+
+def done_within(done: Callable[[], bool], seconds: float) -> bool:
+    """True as soon as ``done()`` is; False if it is still False after ``seconds`` (polled
+    every millisecond)."""
+    deadline = time.perf_counter() + seconds
+    while not done():
+        if time.perf_counter() >= deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def time_optimizer_step(model: nn.Module, device: torch.device, repeats: int = 2) -> float:
+    """Seconds of one clip + AdamW step on copies of the parameters with the model's gradients
+    (the per-step fixed cost ``f``; the model itself is not changed). The first step allocates
+    the optimizer state and is not counted; 0.0 when the model has no gradients."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    copies = [p.detach().clone() for p in params]
+    for copy, p in zip(copies, params):
+        copy.grad = p.grad
+    opt = torch.optim.AdamW(copies, lr=1e-12, **adamw_kernel(copies))
+    best = float("inf")
+    for j in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(copies, 1.0, foreach=True)
+        opt.step()
+        _sync(device)
+        if j:
+            best = min(best, time.perf_counter() - start)
+    for copy in copies:
+        copy.grad = None
+    del opt, copies
+    return 0.0 if best == float("inf") else best
+
+
+def calibrate(
+    model: nn.Module,
+    make_batch: Callable[[int], Dict[str, torch.Tensor]],
+    device: torch.device,
+    micro_batch: int,
+    steps: int,
+    memory_budget_bytes: float,
+    max_micro_batch: Optional[int] = None,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    step_fixed: bool = True,
+    wait_for_peers: Optional[Callable[[], PeersDone]] = None,
+) -> Calibration:
+    """Measure memory per sample, then time ``steps`` forward+backward passes at two sizes and
+    fit the cost curve ``t(m) = a + c m`` (:func:`hetseq_hpc.balance.curves.fit_curve`).
+
+    Passes: one untimed pass at ``micro_batch`` (warm-up; saved activations, an upper bound
+    of the per-sample memory that sets a safe size for the timed passes), then the timed
+    passes of :func:`timed_sizes` (the first small one also counts its saved activations: the
+    difference is the per-sample memory), then (``step_fixed``) the per-step fixed cost
+    :func:`time_optimizer_step`. The curve is fitted to the fastest pass of each size
+    (:func:`fastest_per_size`). Every timing and the fit's residuals are logged.
+
+    Args:
+        model: the bare model (not DDP-wrapped: calibration must not run collectives).
+        make_batch: ``n -> batch`` of ``n`` real samples on the CPU.
+        device: where the model lives.
+        micro_batch: the largest timed micro-batch (lowered to the memory cap).
+        steps: timed passes (after the warm-up pass).
+        memory_budget_bytes: memory this rank may plan with.
+        max_micro_batch: extra cap from ``trainer.max_micro_batch``.
+        autocast: context manager factory for mixed precision (the rank's precision).
+        step_fixed: also time the optimizer step (the per-step fixed cost ``f``).
+        wait_for_peers: called once when this rank's own passes (and the optimizer timing)
+            are done, to say so (the worker passes :meth:`Rendezvous.post_barrier
+            <hetseq_hpc.distributed.rendezvous.Rendezvous.post_barrier>`); until its result is
+            ``done()`` this rank times more passes of the two sizes, alternating on (at most
+            :data:`MAX_EXTRA_PASSES`; none when every rank is done within
+            :data:`PEER_GRACE_S`), then waits for it. The passes join the fit and ``timings``.
+            None: no extra passes, no waiting.
+    """
+    saved: Dict[int, int] = {}
+
+    def run(n: int) -> None:
+        batch = {k: v.to(device, non_blocking=True) for k, v in make_batch(n).items()}
+        with autocast():
+            loss, count = saved_tensor_bytes(lambda: model(**batch))
+        loss.backward()
+        saved.setdefault(n, count)
+
+    model.train()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base_alloc = torch.cuda.memory_allocated(device)
+    run(micro_batch)  # warm-up, and activation bytes at micro_batch
+    _sync(device)
+    peak_per_sample = 0.0
+    if device.type == "cuda":
+        peak_per_sample = (torch.cuda.max_memory_allocated(device) - base_alloc) / micro_batch
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # every saved byte counted as per-sample: an upper bound, so this cap is a safe one
+    upper = max(saved[micro_batch] / micro_batch, peak_per_sample) * ACTIVATION_SAFETY
+    sizes = timed_sizes(micro_batch, steps,
+                        memory_cap(memory_budget_bytes, param_bytes, upper, max_micro_batch))
+    times = []
+
+    def timed(n: int) -> None:
+        _sync(device)
+        start = time.perf_counter()
+        run(n)
+        _sync(device)
+        times.append(max(time.perf_counter() - start, 1e-9))
+
+    for n in sizes:
+        timed(n)
+    fixed = time_optimizer_step(model, device) if step_fixed else 0.0
+    if wait_for_peers is not None:
+        peers = wait_for_peers()
+        cycle = sorted(set(sizes), reverse=True)  # the same sizes, alternating on
+        if not done_within(peers.done, PEER_GRACE_S):
+            while len(sizes) < steps + MAX_EXTRA_PASSES and not peers.done():
+                sizes.append(cycle[len(sizes) % len(cycle)])
+                timed(sizes[-1])
+        peers.wait()
+    model.zero_grad(set_to_none=True)
+    small = min(sizes)
+    if micro_batch > small:
+        per_sample = max(saved[micro_batch] - saved[small], 0) / (micro_batch - small)
+    else:
+        per_sample = float(saved[micro_batch]) / micro_batch
+    per_sample = max(per_sample, peak_per_sample) * ACTIVATION_SAFETY
+    static = float(param_bytes * STATIC_PARAM_COPIES)
+    budget = float(memory_budget_bytes) * MEMORY_HEADROOM
+    cap = memory_cap(memory_budget_bytes, param_bytes, per_sample, max_micro_batch)
+    fit_sizes, fit_times = fastest_per_size(sizes, times)
+    curve = fit_curve(fit_sizes, fit_times, fixed)
+    high = max(sizes)
+    result = Calibration(
+        samples_per_s=high / curve.micro_s(high),
+        micro_batch=high,
+        activation_bytes_per_sample=per_sample,
+        static_bytes=static,
+        memory_budget_bytes=budget,
+        max_micro_batch=cap,
+        overhead_s=curve.overhead_s,
+        per_sample_s=curve.per_sample_s,
+        step_fixed_s=curve.step_fixed_s,
+        timings=[[int(n), float(t)] for n, t in zip(sizes, times)],
+    )
+    residuals = fit_residuals(curve, sizes, times)
+    log.info(
+        "calibration: timings %s -> t(m) = %.2f ms + %.3f ms x m (residuals %s), step fixed "
+        "cost %.1f ms; %.1f samples/s at micro-batch %d",
+        ", ".join(f"t({n})={t * 1e3:.1f} ms" for n, t in zip(sizes, times)),
+        curve.overhead_s * 1e3, curve.per_sample_s * 1e3,
+        ", ".join(f"{r:+.1%}" for r in residuals), fixed * 1e3, result.samples_per_s, high,
+    )
+    log.info(
+        "calibration: %.1f MiB activations/sample, %.0f MiB static, budget %.0f MiB -> "
+        "micro-batch cap %d", per_sample / 2**20, static / 2**20, budget / 2**20, cap,
+    )
+    return result

@@ -1,0 +1,186 @@
+"""Where and how one rank runs, resolved from the run configuration and the rank's place.
+
+One function, :func:`placement_for`, answers for a rank: its CPU threads, its emulated speed,
+its memory budget, its partition and GPU class, and its requested precision. The worker calls
+it with its :class:`~hetseq_hpc.env.world.WorldInfo`, the local launcher to set
+``OMP_NUM_THREADS``, and the planner (through :func:`plan_placements`) for every rank of a world
+that is not started. The formulas the three used to carry in copies live here too: the CPU
+thread split (:func:`cpu_threads`), the calibration micro-batch
+(:func:`calibration_micro_batch`), the memory budget (:func:`memory_budget_bytes`) and the
+emulation quota (:func:`emulated_cpus`, from :mod:`hetseq_hpc.env.emulation`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, List, Optional
+
+from hetseq_hpc.env.emulation import emulated_cpus
+from hetseq_hpc.env.hardware import usable_cores
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hetseq_hpc.config import PartitionConfig, RunConfig, TrainerConfig
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "CALIBRATION_MICRO_BATCH_MAX",
+    "RankPlacement",
+    "calibration_micro_batch",
+    "cpu_threads",
+    "emulated_cpus",
+    "memory_budget_bytes",
+    "placement_for",
+    "plan_placements",
+]
+
+#: largest default calibration micro-batch (trainer.calibration_micro_batch unset)
+CALIBRATION_MICRO_BATCH_MAX = 16
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """How one rank runs.
+
+    Attributes:
+        rank: global rank.
+        threads: torch CPU threads for this rank (>= 1).
+        emulate_speed: emulated speed factor in (0, 1]; 1.0 = no emulation.
+        memory_budget_gb: configured budget in GiB (the partition's, else the cluster's);
+            None = the device's free memory.
+        ranks_on_node: ranks sharing this rank's node (its RAM share on CPU).
+        partition_key: key in ``cluster.partitions`` (None on ``cluster=local``).
+        partition: Slurm partition name (None on ``cluster=local``).
+        gres: GPU class = GRES type (``gpu_type``) of the partition, None for CPU nodes.
+        precision: requested precision (auto, fp32, bf16 or fp16): ``cluster.precisions[rank]``
+            locally, the partition's ``precision`` on SLURM, else ``trainer.precision``; the
+            device decides what ``auto`` becomes (:func:`hetseq_hpc.train.precision.resolve_precision`).
+        het_group: het component index (None on ``cluster=local``).
+    """
+
+    rank: int
+    threads: int
+    emulate_speed: float
+    memory_budget_gb: Optional[float]
+    ranks_on_node: int
+    partition_key: Optional[str]
+    partition: Optional[str]
+    gres: Optional[str]
+    precision: str
+    het_group: Optional[int]
+
+    @property
+    def emulated_cpus(self) -> float:
+        """CPUs' worth of time this rank may use under emulation (``speed x threads``)."""
+        return emulated_cpus(self.emulate_speed, self.threads)
+
+    def to_dict(self) -> dict:
+        """Plain dict for JSON."""
+        return asdict(self)
+
+
+def cpu_threads(cores: int, ranks_on_node: int, configured: Optional[int] = None,
+                warn: bool = True) -> int:
+    """Torch CPU threads of a rank: ``configured`` if set, else the node's ``cores`` split evenly
+    between its ``ranks_on_node`` ranks, at least 1. More ranks than cores is logged as a
+    warning when ``warn`` (the ranks then share cores and each runs slower)."""
+    if configured:
+        return int(configured)
+    ranks = max(int(ranks_on_node), 1)
+    if ranks > cores and warn:
+        log.warning("%d ranks on %d CPU core(s): one thread each, ranks share cores; lower "
+                    "cluster.ranks for full speed", ranks, cores)
+    return max(1, int(cores) // ranks)
+
+
+def calibration_micro_batch(trainer: TrainerConfig, world_size: int) -> int:
+    """Micro-batch timed while calibrating: ``trainer.calibration_micro_batch``, else the global
+    batch / world size, capped at :data:`CALIBRATION_MICRO_BATCH_MAX`, at least 1."""
+    if trainer.calibration_micro_batch:
+        return int(trainer.calibration_micro_batch)
+    share = trainer.global_batch_size // max(int(world_size), 1)
+    return max(1, min(CALIBRATION_MICRO_BATCH_MAX, share))
+
+
+def memory_budget_bytes(placement: RankPlacement, device_kind: str, free_bytes: float,
+                        local_world_size: int) -> float:
+    """Bytes a rank may plan its micro-batch with (before the headroom of
+    :func:`hetseq_hpc.balance.calibrate.memory_cap`): the configured ``memory_budget_gb``; else the free
+    GPU memory (``device_kind == "cuda"``); else its share ``free_bytes / local_world_size`` of
+    the node's available RAM."""
+    if placement.memory_budget_gb:
+        return float(placement.memory_budget_gb) * 2**30
+    if device_kind == "cuda":
+        return float(free_bytes)
+    return float(free_bytes) / max(int(local_world_size), 1)
+
+
+def placement_for(run: RunConfig, rank: int, *, het_group: Optional[int] = None,
+                  local_world_size: Optional[int] = None, cpus_per_task: Optional[int] = None,
+                  cores: Optional[int] = None) -> RankPlacement:
+    """Resolve rank ``rank``'s placement from ``run`` (nothing is started or probed).
+
+    Args:
+        run: the validated run configuration.
+        rank: global rank.
+        het_group: the rank's het component (``WorldInfo.het_group``); None = derived from the
+            rank (srun numbers component 0's tasks first) on SLURM, none on ``cluster=local``.
+        local_world_size: ranks on this rank's node; None = the planned world size locally,
+            the partition's ranks per node on SLURM.
+        cpus_per_task: cores the scheduler reserved for the rank (``SLURM_CPUS_PER_TASK``);
+            None = the partition's ``cpus_per_rank`` on SLURM; ignored on ``cluster=local``.
+        cores: CPUs this process may use; None = :func:`usable_cores`.
+
+    Threads: locally ``cluster.threads_per_rank``, else the cores split between the ranks; on
+    SLURM ``cpus_per_task``, else the partition's ``cpus_per_rank`` (:func:`cpu_threads`; the
+    warning about more ranks than cores is logged for rank 0 only).
+    Speed: ``cluster.speeds[rank]`` locally, the partition's ``emulate_speed`` on SLURM.
+    Memory: the partition's ``memory_budget_gb``, else ``cluster.memory_budget_gb``.
+    Precision: ``cluster.precisions[rank]`` locally, the partition's ``precision`` on SLURM,
+    else ``trainer.precision``.
+    """
+    cluster = run.cluster
+    key = cluster.partition_for(rank, het_group)
+    part: Optional[PartitionConfig] = cluster.partitions[key] if key is not None else None
+    if cluster.is_local:
+        world = cluster.planned_world_size()
+        speeds = list(cluster.speeds)
+        speed = float(speeds[rank]) if rank < len(speeds) else 1.0
+        on_node = local_world_size or world
+        configured = cluster.threads_per_rank
+        group = None
+        overrides = list(cluster.precisions)
+        precision = overrides[rank] if rank < len(overrides) else None
+    else:
+        speed = float(part.emulate_speed) if part is not None else 1.0
+        on_node = local_world_size or (part.ranks_per_node_effective if part is not None else 1)
+        configured = cpus_per_task or (part.cpus_per_rank if part is not None else None)
+        group = het_group if het_group is not None else (
+            list(cluster.partitions).index(key) if key is not None else None)
+        precision = part.precision if part is not None else None
+    budget = part.memory_budget_gb if part is not None and part.memory_budget_gb else None
+    budget = budget or cluster.memory_budget_gb
+    return RankPlacement(
+        rank=rank,
+        threads=cpu_threads(usable_cores() if cores is None else cores, on_node, configured,
+                            warn=rank == 0),
+        emulate_speed=speed,
+        memory_budget_gb=float(budget) if budget else None,
+        ranks_on_node=int(on_node),
+        partition_key=key,
+        partition=part.partition if part is not None else None,
+        gres=part.gpu_type if part is not None else None,
+        precision=precision or run.trainer.precision,
+        het_group=group,
+    )
+
+
+def plan_placements(run: RunConfig, cores: Optional[int] = None) -> List[RankPlacement]:
+    """Placement of every rank of the planned world, in rank order; nothing is started.
+
+    ``cores`` (None = this machine's usable cores) only matters where threads are not set by
+    the configuration (``cluster=local`` without ``threads_per_rank``).
+    """
+    return [placement_for(run, rank, cores=cores)
+            for rank in range(run.cluster.planned_world_size())]

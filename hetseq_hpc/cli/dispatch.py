@@ -1,0 +1,67 @@
+"""Hand a validated run to its launcher (local ranks, or one SLURM het job), and say how it
+ended: the summary of a local run, or the one-line error with its exit code
+(:mod:`hetseq_hpc.cli.exit_codes`)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Dict
+
+from hetseq_hpc.config import RunConfig
+from hetseq_hpc.errors import INTERRUPTED, HetseqError, report_error
+from hetseq_hpc.rundir.paths import RunDir
+
+log = logging.getLogger("hetseq_hpc")
+
+
+def dispatch(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
+    """Start ``run`` with the launcher its cluster names; returns the launcher's result."""
+    if run.cluster.is_local:
+        from hetseq_hpc.launch.local import launch_local
+
+        summary = launch_local(run, run_dir)
+        _report(summary, run_dir)
+        return summary
+    from hetseq_hpc.launch.slurm import launch_slurm
+
+    return launch_slurm(run, run_dir)
+
+
+def _report(summary: Dict[str, Any], run_dir: Path) -> None:
+    if not summary:
+        return
+    val = summary.get("validation") or {}
+    log.info(
+        "done: %s steps, loss %.4f -> %.4f, validation %s, %.1f samples/s",
+        summary.get("final_step"), summary.get("first_loss") or float("nan"),
+        summary.get("final_loss") or float("nan"),
+        ", ".join(f"{k[4:] if k.startswith('val_') else k} {v:.4g}" for k, v in val.items())
+        or "n/a", summary.get("samples_per_s") or 0.0,
+    )
+    for rank in summary.get("ranks", []):
+        thr = rank.get("samples_per_compute_s")
+        log.info("  rank %d %-28s %5d samples, %s samples/s", rank["rank"], rank["device"],
+                 rank["samples"], f"{thr:.1f}" if thr else "n/a")
+    log.info("metrics: %s  allocation: %s", RunDir(run_dir).metrics, RunDir(run_dir).allocation)
+
+
+def dispatch_or_exit(run: RunConfig, run_dir: Path, new_dir: bool = False) -> Any:
+    """:func:`dispatch`, with every error as one line and its exit code
+    (:func:`~hetseq_hpc.cli.exit_codes.report_error`). A SLURM run refused before anything was
+    submitted (``sinfo`` checks, ``sbatch`` refusing, Slurm missing) removes the run directory
+    when it was ``new_dir`` (created by Hydra for this attempt): a rejected attempt leaves
+    nothing behind. A job that stopped after a checkpoint and will not go on by itself (its
+    requeues used up) exits 3 with the command that continues it."""
+    try:
+        return dispatch(run, run_dir)
+    except HetseqError as exc:
+        if new_dir and not run.cluster.is_local and not (run_dir / "job.json").exists():
+            shutil.rmtree(run_dir, ignore_errors=True)
+        sys.exit(report_error(exc))
+    except KeyboardInterrupt:
+        print(f"hetseq-hpc: interrupted; the ranks checkpointed after their last step: continue "
+              f"with hydra.run.dir={run_dir} trainer.resume=auto", file=sys.stderr)
+        sys.exit(INTERRUPTED)

@@ -1,0 +1,81 @@
+"""The one Hydra entry point (``hetseq-hpc run`` of a new run): pre-check, then Hydra.
+
+:func:`run_with_hydra` composes ``conf/`` with the command-line overrides and validates the
+whole configuration once before Hydra does (nothing is created on a bad value), then starts
+Hydra's ``@hydra.main`` function, which validates again and hands the run to its launcher
+(:mod:`hetseq_hpc.cli.dispatch`). Errors are one line (:mod:`hetseq_hpc.cli.exit_codes`).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, List
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
+from omegaconf import DictConfig
+
+from hetseq_hpc.cli.dispatch import dispatch_or_exit
+from hetseq_hpc.cli.overrides import run_dir_override, run_dir_problem
+from hetseq_hpc.cli.preflight import check_resume
+from hetseq_hpc.config import (
+    CONF_DIR,
+    compose_run_config,
+    register_configs,
+    to_run_config,
+)
+from hetseq_hpc.config.compose import apply_empty_dict_overrides
+from hetseq_hpc.errors import ConfigError, HetseqError, report_error
+
+#: whether the run directory existed before Hydra started (set by :func:`run_with_hydra`)
+_RUN_DIR_EXISTED = False
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> Any:
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
+    new_dir = not _RUN_DIR_EXISTED
+    try:
+        apply_empty_dict_overrides(cfg, list(hydra_cfg.overrides.task))
+        run = to_run_config(cfg)
+    except ConfigError as exc:
+        sys.exit(report_error(exc))
+    return dispatch_or_exit(run, run_dir, new_dir)
+
+
+def precheck_overrides(argv: List[str]) -> None:
+    """Compose and validate the config once before Hydra does, so that a bad override (unknown
+    key, wrong type, out-of-range value, missing group option) or an unwritable
+    ``hydra.run.dir`` is one ``hetseq-hpc: error:`` line with exit code 2 instead of Hydra's
+    multi-line report, and nothing is created. Skipped for multirun and Hydra's own flags, which
+    Hydra handles.
+    """
+    if any(arg.startswith("-") for arg in argv):
+        return
+    overrides = [a for a in argv if not a.lstrip("+~").startswith("hydra.")]
+    try:
+        run = compose_run_config(overrides)
+        run_dir = run_dir_override(argv)
+        problem = run_dir_problem(run_dir)
+        if problem:
+            raise ConfigError(f"hydra.run.dir={run_dir} cannot be created ({problem}): choose a "
+                              "writable directory, e.g. hydra.run.dir=runs/my-run")
+        check_resume(run, Path(run_dir) if run_dir != "." else None)
+    except HetseqError as exc:  # a bad value (2); a checkpoint that is missing or does not fit (1)
+        sys.exit(report_error(exc))
+    except HydraException as exc:  # Hydra's parser on a malformed hydra.run.dir override
+        sys.exit(report_error(ConfigError(" ".join(str(exc).split()) or type(exc).__name__)))
+
+
+def run_with_hydra(argv: List[str]) -> None:
+    """Pre-check ``argv`` (Hydra overrides and flags), then start Hydra's entry point on it."""
+    global _RUN_DIR_EXISTED
+    register_configs()
+    precheck_overrides(argv)
+    explicit = any(a.lstrip("+").startswith("hydra.run.dir=") for a in argv)
+    _RUN_DIR_EXISTED = explicit and Path(run_dir_override(argv)).expanduser().exists()
+    sys.argv = [sys.argv[0], *argv]
+    _hydra_main()

@@ -1,0 +1,77 @@
+"""Reading the command line's Hydra overrides before Hydra runs: keys, values, the run
+directory, and the options of the config groups. Nothing is composed, imported or written."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, List, Optional, Sequence
+
+from hetseq_hpc.errors import ConfigError
+
+#: config groups whose options are files in conf/<group>/
+GROUPS = ("task", "cluster", "trainer", "optim", "plan")
+
+
+def group_options(group: str) -> List[str]:
+    """The options of a config group: the YAML files in ``conf/<group>/`` (never the
+    ``*_schema`` nodes, which only the YAML files build on)."""
+    from hetseq_hpc.config import CONF_DIR
+
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def refuse_internal_options(overrides: Sequence[str]) -> None:
+    """Refuse ``group=<name>_schema``: the schemas are internal building blocks.
+
+    Raises:
+        ConfigError: one line naming the real options.
+    """
+    for arg in overrides:
+        key, _, value = arg.lstrip("+~").partition("=")
+        if key in GROUPS and value.strip().endswith("_schema"):
+            options = ", ".join(group_options(key))
+            raise ConfigError(f"{key}={value} is an internal schema, not an option: choose one "
+                              f"of {options} (e.g. {key}={group_options(key)[0]})")
+
+
+def override_key(override: str) -> str:
+    """The key (or group) an override sets: ``+a.b=1`` -> ``a.b``."""
+    return override.lstrip("+~").partition("=")[0]
+
+
+def override_value(overrides: Sequence[str], key: str) -> Any:
+    """The value the last override of ``key`` gives (Hydra's grammar: ``true`` is True), or
+    None when the command line does not set it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    wanted = [o for o in overrides if override_key(o) == key]
+    if not wanted:
+        return None
+    return OverridesParser.create().parse_overrides(wanted[-1:])[0].value()
+
+
+def run_dir_override(argv: Sequence[str]) -> str:
+    """The value of the last ``hydra.run.dir=`` override (Hydra's grammar, quotes removed), else
+    the working directory (the default run directory lies below it)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    wanted = [a for a in argv if a.lstrip("+").startswith("hydra.run.dir=")]
+    if not wanted:
+        return "."
+    parsed = OverridesParser.create().parse_overrides(wanted[-1:])
+    return str(parsed[0].value())
+
+
+def run_dir_problem(path: str) -> Optional[str]:
+    """Why the run directory ``path`` cannot be created or written, or None if it can: its
+    nearest existing ancestor must be a writable directory."""
+    target = Path(os.path.expanduser(path)).absolute()
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None

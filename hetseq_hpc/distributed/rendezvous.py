@@ -1,0 +1,255 @@
+"""Rendezvous and the few collectives hetseq_hpc uses outside DDP.
+
+Backends: ranks with CUDA join with ``"cpu:gloo,cuda:nccl"`` (NCCL for CUDA tensors, gloo for
+CPU tensors), ranks without CUDA with ``"gloo"``. Python objects (probes, allocations, timings)
+travel over a separate gloo group so they never touch a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import astuple, dataclass, fields
+from datetime import timedelta
+from typing import Any, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from hetseq_hpc.env.world import WorldInfo, free_port
+from hetseq_hpc.errors import AllocationError, LaunchError
+from hetseq_hpc.launch.loopback_store import loopback_store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one rank tells the others at the end of the backward passes of an optimizer step
+    (on CPU ranks while the last gradient bucket is being all-reduced, see
+    :meth:`Rendezvous.post_step_stats`; on GPU ranks after the backward pass).
+
+    Attributes:
+        loss_sum: SUM of the rank's unit losses over its micro-batches (not a mean).
+        count: loss units (masked tokens for BERT) the rank processed; the global normaliser
+            is the sum over ranks.
+        samples: samples the rank processed.
+        compute_time_s: forward+backward seconds up to the gradient all-reduce.
+        step_time_s: seconds from the step's start to posting these statistics (on CPU: the end
+            of its compute; on a GPU: after the backward pass, its all-reduce wait included).
+        data_time_s: seconds spent building the rank's batches.
+        stop_code: the strongest stop request the rank received
+            (:data:`hetseq_hpc.env.preemption.NONE` = 0 when none).
+        tail_time_s: seconds of local work between the rank's previous exchange and this
+            step's start (clipping, optimizer step, logging): its per-step fixed cost.
+    """
+
+    loss_sum: float
+    count: int
+    samples: int
+    compute_time_s: float
+    step_time_s: float
+    data_time_s: float
+    stop_code: int = 0
+    tail_time_s: float = 0.0
+
+
+class PendingStats:
+    """An all-gather of :class:`StepStats` in flight (:meth:`Rendezvous.post_step_stats`)."""
+
+    def __init__(self, work: Any, gathered: List[torch.Tensor]):
+        self._work = work
+        self._gathered = gathered
+
+    def result(self) -> List[StepStats]:
+        """Wait for the all-gather; every rank's statistics in rank order.
+
+        Raises:
+            RuntimeError: a peer failed or the collective timed out
+                (``cluster.collective_timeout_s``), as any torch.distributed collective.
+        """
+        self._work.wait()
+        kinds = [f.type for f in fields(StepStats)]
+        return [StepStats(*(int(v) if kind == "int" else float(v)
+                            for v, kind in zip(row.tolist(), kinds)))
+                for row in self._gathered]
+
+
+class PendingBarrier:
+    """A barrier in flight (:meth:`Rendezvous.post_barrier`)."""
+
+    def __init__(self, work: Any):
+        self._work = work
+
+    def done(self) -> bool:
+        """True once every rank has posted the barrier (never blocks)."""
+        return bool(self._work.is_completed())
+
+    def wait(self) -> None:
+        """Wait until every rank has posted it.
+
+        Raises:
+            RuntimeError: a peer failed or the collective timed out
+                (``cluster.collective_timeout_s``), as any torch.distributed collective.
+        """
+        self._work.wait()
+
+
+@dataclass
+class Rendezvous:
+    """An initialised default process group plus a gloo group for CPU-side objects."""
+
+    world: WorldInfo
+    cpu_group: Any
+
+    def exchange_step_stats(self, stats: StepStats) -> List[StepStats]:
+        """Every rank's :class:`StepStats` of this step, in rank order.
+
+        ONE all-gather of a float64 vector per rank over the gloo group (counts stay exact
+        as float64 up to 2**53).
+        """
+        return self.post_step_stats(stats).result()
+
+    def post_step_stats(self, stats: StepStats) -> PendingStats:
+        """Start :meth:`exchange_step_stats` without waiting: the all-gather runs on the gloo
+        group's threads while this rank goes on (the training loop posts its statistics when
+        its backward pass has produced the last gradient bucket, so the exchange overlaps the
+        gradient all-reduce instead of following it). Every rank must post exactly once before
+        any other collective on the gloo group, and read the result with
+        :meth:`PendingStats.result`."""
+        mine = torch.tensor(astuple(stats), dtype=torch.float64)
+        gathered = [torch.zeros_like(mine) for _ in range(self.world.world_size)]
+        work = dist.all_gather(gathered, mine, group=self.cpu_group, async_op=True)
+        return PendingStats(work, gathered)
+
+    def post_barrier(self) -> PendingBarrier:
+        """Start a barrier over the gloo group without waiting: a rank that is done with
+        something (its calibration) says so and can go on working until :meth:`PendingBarrier.
+        done` says every rank is; it must :meth:`PendingBarrier.wait` before any other
+        collective on the gloo group."""
+        return PendingBarrier(dist.barrier(group=self.cpu_group, async_op=True))
+
+    def check_agreement(self, digest: str, what: str) -> None:
+        """Check that every rank computed the same ``digest`` of ``what`` (one all-gather).
+
+        Raises:
+            AllocationError: the digests differ; the message names each rank's digest.
+        """
+        digests = self.all_gather_objects(digest)
+        if len(set(digests)) != 1:
+            per_rank = ", ".join(f"rank {r}: {d}" for r, d in enumerate(digests))
+            raise AllocationError(
+                f"ranks disagree on the {what} (digest {per_rank}): mixed hetseq_hpc versions? "
+                "install the same hetseq_hpc and torch on every node"
+            )
+
+    def all_gather_objects(self, obj: Any) -> List[Any]:
+        """Every rank's ``obj`` (picklable), ordered by rank."""
+        out: List[Any] = [None] * self.world.world_size
+        dist.all_gather_object(out, obj, group=self.cpu_group)
+        return out
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """``obj`` as given on rank 0 (picklable; the other ranks' ``obj`` is ignored)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
+    def all_reduce_sum_cpu(self, values: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum over ranks of a small CPU tensor (float64 recommended), in place."""
+        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.cpu_group)
+        return values
+
+    def barrier(self) -> None:
+        """Wait for every rank (over the gloo group)."""
+        dist.barrier(group=self.cpu_group)
+
+
+def backend_for(device: torch.device) -> str:
+    """``"cpu:gloo,cuda:nccl"`` on a CUDA device, else ``"gloo"``."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def join(world: WorldInfo, device: torch.device, timeout_s: int) -> Rendezvous:
+    """Join the rendezvous at ``tcp://master_addr:master_port``.
+
+    Args:
+        world: this rank's place in the job.
+        device: this rank's compute device (picks the backend).
+        timeout_s: how long the rendezvous and every later collective may wait, seconds.
+
+    Raises:
+        LaunchError: the store cannot be reached or a peer does not arrive in ``timeout_s``.
+    """
+    backend = backend_for(device)
+    init_method = f"tcp://{world.master_addr}:{world.master_port}"
+    log.info(
+        "rank %d/%d joining %s with %s (node %s%s)",
+        world.rank,
+        world.world_size,
+        init_method,
+        backend,
+        world.node_name,
+        "" if world.het_group is None else f", het group {world.het_group}",
+    )
+    kwargs = {}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    try:
+        # a loopback master (cluster=local) gets a store bound to 127.0.0.1 only
+        store = loopback_store(world, timeout_s)
+        kwargs.update({"store": store} if store is not None else {"init_method": init_method})
+        dist.init_process_group(
+            backend=backend,
+            rank=world.rank,
+            world_size=world.world_size,
+            timeout=timedelta(seconds=timeout_s),
+            **kwargs,
+        )
+        cpu_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    except Exception as exc:
+        raise LaunchError(
+            f"rank {world.rank} could not join the rendezvous at {init_method} ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}): check that rank 0 runs on "
+            f"{world.master_addr} and port {world.master_port} is free and reachable"
+        ) from exc
+    return Rendezvous(world=world, cpu_group=cpu_group)
+
+
+def leave() -> None:
+    """Destroy the process group if one exists (safe to call twice)."""
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def rendezvous(world: WorldInfo, device: torch.device, timeout_s: int) -> Iterator[Rendezvous]:
+    """Context manager around :func:`join` that always tears the process group down."""
+    rdv: Optional[Rendezvous] = None
+    try:
+        rdv = join(world, device, timeout_s)
+        yield rdv
+    finally:
+        leave()
+
+
+@contextlib.contextmanager
+def single_process_rendezvous(device: Optional[torch.device] = None,
+                              timeout_s: int = 60) -> Iterator[Rendezvous]:
+    """A real world-size-1 process group on a free loopback port, for running a
+    :class:`~hetseq_hpc.train.loop.Trainer` step in-process (tests, notebooks).
+
+    DDP needs an initialised process group, so this is not a fake: every collective runs
+    through gloo with one member.
+
+    Raises:
+        LaunchError: a process group already exists in this process, or none could be made.
+    """
+    if dist.is_initialized():
+        raise LaunchError("a torch.distributed process group already exists in this process: "
+                          "leave it (hetseq_hpc.distributed.rendezvous.leave) before a single-process one")
+    world = WorldInfo(rank=0, local_rank=0, world_size=1, master_addr="127.0.0.1",
+                      master_port=free_port())
+    with rendezvous(world, device or torch.device("cpu"), timeout_s) as rdv:
+        yield rdv

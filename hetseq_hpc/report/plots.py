@@ -1,0 +1,237 @@
+"""Pictures of a run: per-rank step time and samples per step, from ``metrics.jsonl``.
+
+``hetseq-hpc report RUN_DIR [--out FILE]`` (or ``python -m hetseq_hpc.report.plots``) writes
+``RUN_DIR/ranks.png`` (or FILE):
+two stacked panels sharing the step axis, per-rank compute time per step (s) and per-rank
+samples per step, one line per rank; a dashed vertical line marks every re-allocation at the
+step it takes effect (``reallocation.at_step``). :func:`text_summary` gives the run in a few
+lines (``hetseq-hpc report`` prints it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Optional, Union
+
+from hetseq_hpc.errors import ConfigError, HetseqError
+from hetseq_hpc.files.user_input import describe, number, output_problem
+from hetseq_hpc.train.metrics import METRICS_NAME, read_metrics
+
+_FIX = "restore the metrics.jsonl a hetseq_hpc run wrote, or delete that row"
+#: per-rank figures the report reads: (key, integer)
+_RANK_FIGURES = (("micro_batch", True), ("accum_steps", True), ("samples", True),
+                 ("step_time_s", False), ("compute_time_s", False))
+#: row figures the report reads (numbers or null)
+_ROW_FIGURES = ("loss", "samples_per_s", "straggle", "val_loss")
+#: largest magnitude of a plotted or printed figure (keeps axis limits finite)
+_MAX_FIGURE = 1e15
+
+
+def _check_row(row: dict, where: str) -> None:
+    """One ``metrics.jsonl`` row as the report reads it (see :func:`step_rows`)."""
+    number(row.get("step"), f"{where} step", _FIX, 0, _MAX_FIGURE, integer=True)
+    for key in _ROW_FIGURES:
+        if row.get(key) is not None:
+            number(row[key], f"{where} {key}", _FIX, -_MAX_FIGURE, _MAX_FIGURE)
+    ranks = row.get("ranks")
+    if not isinstance(ranks, list):
+        raise ConfigError(f"{where} ranks is {describe(ranks)}, not a list of per-rank "
+                          f"objects: {_FIX}")
+    for i, rank in enumerate(ranks):
+        if not isinstance(rank, dict):
+            raise ConfigError(f"{where} ranks[{i}] is {describe(rank)}, not an object: {_FIX}")
+        number(rank.get("rank"), f"{where} ranks[{i}].rank", _FIX, 0, 2**31, integer=True)
+        for key, integer in _RANK_FIGURES:
+            if rank.get(key) is not None:
+                number(rank[key], f"{where} ranks[{i}].{key}", _FIX, 0, _MAX_FIGURE, integer)
+    move = row.get("reallocation")
+    if move is not None and not isinstance(move, dict):
+        raise ConfigError(f"{where} reallocation is {describe(move)}, not an object: {_FIX}")
+    if move and move.get("to") is not None and not isinstance(move["to"], list):
+        raise ConfigError(f"{where} reallocation.to is {describe(move['to'])}, not a list: {_FIX}")
+    if move and move.get("at_step") is not None:
+        number(move["at_step"], f"{where} reallocation.at_step", _FIX, 0, _MAX_FIGURE, True)
+
+
+def step_rows(run_dir: Union[str, Path]) -> List[dict]:
+    """Rows of ``<run_dir>/metrics.jsonl`` that carry per-rank figures, each checked: ``step``
+    a whole number, ``ranks`` a list of objects with a whole ``rank``, every figure the report
+    reads a finite number or null, ``reallocation`` an object.
+
+    Raises:
+        ConfigError: the file is missing or unreadable (:func:`read_metrics`), or a row has a
+            value of the wrong type (one line naming the row and key).
+        HetseqError: it has no per-rank rows.
+    """
+    rows = []
+    name = Path(run_dir) if str(run_dir).endswith(".jsonl") else Path(run_dir) / METRICS_NAME
+    for index, row in enumerate(read_metrics(run_dir), 1):
+        if row.get("ranks") is None or row["ranks"] == []:  # not a step row
+            continue
+        _check_row(row, f"{name} row {index}")
+        rows.append(row)
+    if not rows:
+        raise HetseqError(f"{name} has no step rows: train at least one step first")
+    return rows
+
+
+def _fmt(value: Optional[float], spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def _png_target(run_dir: Union[str, Path], out_path: Optional[Union[str, Path]]) -> Path:
+    """The file :func:`plot_run` writes, checked before any work.
+
+    Raises:
+        ConfigError: it is a directory or not a regular file, cannot be created, or has a
+            suffix matplotlib cannot write.
+    """
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    folder = Path(run_dir).parent if str(run_dir).endswith(".jsonl") else Path(run_dir)
+    out = Path(out_path).expanduser() if out_path else folder / "ranks.png"
+    shown = f"--out {out}" if out_path else str(out)
+    problem = output_problem(out)
+    if problem:
+        raise ConfigError(f"{shown} {problem}: give a writable file, e.g. --out ranks.png")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = out.suffix.lstrip(".").lower()
+    if suffix and suffix not in formats:
+        raise ConfigError(f"{shown}: matplotlib cannot write .{suffix} files: end the name with "
+                          f"one of {', '.join('.' + f for f in sorted(formats))}")
+    return out
+
+
+def _label(rank: dict) -> str:
+    where = rank.get("partition") or rank.get("device") or ""
+    device = rank.get("device") or ""
+    if rank.get("partition") and device:
+        where = f"{rank['partition']}, {device}"
+    return f"rank {rank['rank']} ({where})" if where else f"rank {rank['rank']}"
+
+
+def plot_run(run_dir: Union[str, Path], out_path: Optional[Union[str, Path]] = None) -> Path:
+    """Plot per-rank compute time and samples per step; returns the PNG's path.
+
+    Args:
+        run_dir: run directory holding ``metrics.jsonl``.
+        out_path: PNG to write (default ``ranks.png`` next to ``metrics.jsonl``).
+
+    Raises:
+        ConfigError: ``metrics.jsonl`` is not a run's metrics file (:func:`step_rows`), or the
+            PNG cannot be written there (checked first; a failing write is one line too).
+        HetseqError: ``metrics.jsonl`` has no step rows.
+    """
+    import matplotlib
+
+    rows = step_rows(run_dir)
+    out = _png_target(run_dir, out_path)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: Dict[int, Dict[str, list]] = {}
+    labels: Dict[int, str] = {}
+    partitions: Dict[int, str] = {}
+    for row in rows:
+        for rank in row["ranks"]:
+            s = series.setdefault(int(rank["rank"]), {"step": [], "time": [], "samples": []})
+            s["step"].append(row["step"])
+            time_s = rank.get("compute_time_s", rank.get("step_time_s"))
+            s["time"].append(float("nan") if time_s is None else time_s)
+            s["samples"].append(float("nan") if rank.get("samples") is None else rank["samples"])
+            labels.setdefault(int(rank["rank"]), _label(rank))
+            partitions.setdefault(int(rank["rank"]), str(rank.get("partition") or "ranks"))
+    moves = [r["reallocation"] for r in rows if isinstance(r.get("reallocation"), dict)]
+
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(10, 6.5),
+                                      gridspec_kw={"height_ratios": [3, 2]})
+    many = len(series) > 12  # then one colour and one legend entry per partition
+    colours: Dict[str, str] = {}
+    for rank in sorted(series):
+        s = series[rank]
+        style = {}
+        label = labels[rank]
+        if many:
+            group = partitions[rank]
+            label = None if group in colours else group
+            colours.setdefault(group, f"C{len(colours) % 10}")
+            style = {"color": colours[group], "alpha": 0.5}
+        top.plot(s["step"], s["time"], lw=1.2, label=label, **style)
+        bottom.step(s["step"], s["samples"], where="post", lw=1.5, **style)
+    for move in moves:
+        at = move.get("at_step")
+        if at is None:
+            continue
+        for ax in (top, bottom):
+            ax.axvline(at, color="0.3", ls="--", lw=1)
+        text = f"re-allocation at step {at}"
+        if len(move.get("to") or []) <= 4:
+            text += f"\n{move.get('from')} -> {move.get('to')}"
+        top.annotate(text, (at, 1.0),
+                     xycoords=("data", "axes fraction"), xytext=(4, -4),
+                     textcoords="offset points", va="top", fontsize=8, color="0.2",
+                     bbox={"fc": "white", "ec": "none", "alpha": 0.8})
+    top.set_ylabel("compute time per step (s)")
+    peak = max((t for s in series.values() for t in s["time"] if t == t), default=0)  # not NaN
+    top.set_ylim(0, 1.2 * peak if peak > 0 else 1)  # room for the re-allocation labels
+    top.set_title(f"per-rank step time and share: {Path(run_dir).resolve().name}")
+    top.legend(fontsize=8, loc="lower left", ncol=2 if len(series) > 4 and not many else 1)
+    bottom.set_ylabel("samples per step")
+    bottom.set_xlabel("optimizer step")
+    bottom.set_ylim(bottom=0)
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=110)
+    except OSError as exc:
+        raise ConfigError(f"{out} cannot be written ({exc.strerror or exc}): give a writable "
+                          "file, e.g. --out ranks.png") from None
+    finally:
+        plt.close(fig)
+    return out
+
+
+def _median(values: List[float]) -> Optional[float]:
+    values = sorted(v for v in values if isinstance(v, (int, float)))
+    return values[len(values) // 2] if values else None
+
+
+def text_summary(run_dir: Union[str, Path]) -> str:
+    """A few lines about a run from its ``metrics.jsonl``: steps, first and last loss,
+    validation, median samples/s and straggle, re-allocations, and per rank (from the last
+    step) its device, micro-batch x accumulation, samples and median compute time.
+
+    Raises:
+        HetseqError: ``metrics.jsonl`` is missing or has no step rows.
+    """
+    rows = step_rows(run_dir)
+    first, last = rows[0], rows[-1]
+    vals = [r for r in read_metrics(run_dir) if isinstance(r.get("val_loss"), (int, float))]
+    moves = [r["reallocation"] for r in rows if isinstance(r.get("reallocation"), dict)]
+    lines = [
+        f"run {Path(run_dir).resolve()}: steps {first['step']}-{last['step']} "
+        f"({len(rows)} logged), {len(last['ranks'])} rank(s), allocation {last.get('allocation')}",
+        f"  loss {_fmt(first.get('loss'), '.4f')} -> {_fmt(last.get('loss'), '.4f')}",
+    ]
+    if vals:
+        lines.append(f"  validation loss {vals[0]['val_loss']:.4f} (step {vals[0]['step']}) -> "
+                     f"{vals[-1]['val_loss']:.4f} (step {vals[-1]['step']})")
+    speed = _median([r.get("samples_per_s") for r in rows])
+    straggle = _median([r.get("straggle") for r in rows])
+    if speed is not None:
+        lines.append(f"  median {speed:.1f} samples/s, straggle {straggle or 0.0:.3f} "
+                     "((max - min) / mean per-rank compute time)")
+    for move in moves:
+        lines.append(f"  re-allocation at step {move.get('at_step')}: {move.get('from')} -> "
+                     f"{move.get('to')}")
+    for rank in last["ranks"]:
+        times = [r2.get("compute_time_s") for row in rows for r2 in row["ranks"]
+                 if r2.get("rank") == rank["rank"]]
+        median = _median(times)
+        lines.append(f"  {_label(rank)}: {rank.get('micro_batch')} x {rank.get('accum_steps')} "
+                     f"= {rank.get('samples')} samples/step, median compute "
+                     + (f"{median:.3f} s" if median is not None else "n/a"))
+    return "\n".join(lines)

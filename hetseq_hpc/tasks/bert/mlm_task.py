@@ -1,0 +1,100 @@
+"""The BERT masked-language-modelling task."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence
+
+import numpy as np
+import torch
+
+from hetseq_hpc.config.schema import BertTaskConfig
+from hetseq_hpc.tasks.base import Task
+from hetseq_hpc.tasks.bert.mlm_data import (
+    IGNORE_INDEX,
+    PackedText,
+    build_packed_text,
+    cache_key,
+    cache_root,
+    load_packed_text,
+    make_mlm_batch,
+)
+from hetseq_hpc.tasks.bert.mlm_model import BertMaskedLM
+from hetseq_hpc.tasks.bert.text_corpus import load_corpus
+
+
+class BertTask(Task):
+    """Masked-language modelling; loss units are masked tokens; validation: the base class's
+    mean loss per masked token and perplexity.
+
+    Args:
+        cfg: the ``task`` config group.
+        seed: ``trainer.seed`` (masking seed).
+    """
+
+    name = "bert"
+    unit_name = "masked tokens"
+
+    def __init__(self, cfg: BertTaskConfig, seed: int):
+        super().__init__(cfg, seed)
+        self.corpus = load_corpus(cfg.data.files)
+        self.directory = cache_root(cfg.data.cache_dir) / cache_key(
+            self.corpus, cfg.data.vocab_size, cfg.model.max_seq_len
+        )
+        self._data: Optional[PackedText] = None
+
+    def prepare(self) -> None:
+        """Train/load the tokenizer and write the packed token cache (rank 0, before the others)."""
+        build_packed_text(self.corpus, self.cfg.data.vocab_size, self.cfg.model.max_seq_len,
+                          self.directory)
+
+    def load(self) -> None:
+        """Memory-map the packed tokens and split train/validation (every rank)."""
+        self._data = load_packed_text(self.directory, self.cfg.data.val_fraction)
+
+    @property
+    def data(self) -> PackedText:
+        """The loaded data; raises DataError before :meth:`load`."""
+        return self.loaded(self._data)
+
+    @property
+    def num_train(self) -> int:
+        """Training sequences."""
+        return int(self.data.train_index.size)
+
+    @property
+    def num_val(self) -> int:
+        """Validation sequences."""
+        return int(self.data.val_index.size)
+
+    @property
+    def tokens_per_sample(self) -> int:
+        """Tokens per packed sequence, T (``tokens_per_s`` counts every token)."""
+        return self.data.seq_len
+
+    @property
+    def units_per_sample(self) -> float:
+        """Expected masked tokens per sequence, ``mask_prob * (T - 2)`` (``units_per_s``)."""
+        return self.cfg.data.mask_prob * (self.cfg.model.max_seq_len - 2)
+
+    def build_model(self) -> BertMaskedLM:
+        """A freshly initialised model (seed the RNG first)."""
+        return BertMaskedLM(self.cfg.model, self.data.vocab_size)
+
+    def make_batch(self, positions: Sequence[int], epoch: int, split: str) -> Dict[str, torch.Tensor]:
+        """Masked batch of split positions: ``input_ids``/``labels`` of shape ``(len(positions), T)``."""
+        index = self.data.train_index if split == "train" else self.data.val_index
+        rows = index[np.asarray(positions, dtype=np.int64)]
+        return make_mlm_batch(self.data, rows, self.cfg.data.mask_prob, self.seed, epoch, split)
+
+    def count(self, batch: Dict[str, torch.Tensor]) -> int:
+        """Masked tokens in ``batch`` (the loss normaliser's units)."""
+        return int((batch["labels"] != IGNORE_INDEX).sum())
+
+    def flops_per_sample(self, model: BertMaskedLM) -> float:
+        """Training FLOPs per sample at the configured masking rate (for MFU and the planner).
+
+        Needs only the config (packed rows are exactly ``task.model.max_seq_len`` tokens), not
+        the loaded data, so the planner calls it on a ``meta``-device model.
+        """
+        seq = self.cfg.model.max_seq_len
+        return model.flops_per_sample(seq, self.cfg.data.mask_prob * (seq - 2))
