@@ -18,19 +18,23 @@ import logging
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
 
-from hetseq_hpc.balance.allocation import Allocation, allocate
+from hetseq_hpc.balance.agree import (
+    RankReport,
+    agree_on_allocation,
+    report_curves,
+    write_allocation_json,
+)
+from hetseq_hpc.balance.allocation import Allocation
 from hetseq_hpc.balance.calibrate import calibrate
-from hetseq_hpc.balance.curves import CostCurve
+from hetseq_hpc.balance.memory import memory_budget_bytes
 from hetseq_hpc.balance.placement import (
     RankPlacement,
     calibration_micro_batch,
-    memory_budget_bytes,
     placement_for,
 )
 from hetseq_hpc.balance.rebalance import Rebalancer
@@ -40,22 +44,22 @@ from hetseq_hpc.env.emulation import emulate_speed, exempt_communication_threads
 from hetseq_hpc.env.emulation import record as record_emulation
 from hetseq_hpc.env.hardware import DeviceProbe, probe
 from hetseq_hpc.env.preemption import REQUEUE, StopRequest, requeue_job
+from hetseq_hpc.env.rank_guard import report_failure, watch_launcher
 from hetseq_hpc.env.startup import BACKGROUND_IMPORTS, PhaseClock, prefetch_imports
 from hetseq_hpc.env.world import WorldInfo
-from hetseq_hpc.errors import AllocationError, Preempted
+from hetseq_hpc.errors import Preempted
 from hetseq_hpc.files.atomic import atomic_write_json
-from hetseq_hpc.launch.rank_guard import report_failure, watch_launcher
 from hetseq_hpc.rundir.lock import claim_run_dir
 from hetseq_hpc.rundir.logs import setup_rank_logging
 from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.tasks import build_task
 from hetseq_hpc.tasks.contract import checked_batch
-from hetseq_hpc.tasks.contract_check import check_before_training
 from hetseq_hpc.tasks.prepare_wait import prepare_on_rank0
-from hetseq_hpc.tasks.summary import build_checked_model, finish_task_summary
+from hetseq_hpc.train.contract_check import check_before_training
 from hetseq_hpc.train.loop import RankMeta, Trainer
 from hetseq_hpc.train.metrics import measured_step_sync
 from hetseq_hpc.train.precision import autocast_factory, resolve_precision
+from hetseq_hpc.train.task_summary import build_checked_model, finish_task_summary
 
 log = logging.getLogger("hetseq_hpc.worker")
 
@@ -96,71 +100,6 @@ def precision_context(placement: RankPlacement, device: torch.device, dev: Devic
     if warning:
         log.warning("%s (%s)", warning, dev.name)
     return precision, autocast_factory(precision, device.type)
-
-
-def agree_on_allocation(run: RunConfig, reports: List[Dict[str, Any]], rdv) -> Allocation:
-    """Compute the allocation from every rank's report and check that all ranks got the same.
-
-    Raises:
-        AllocationError: a rank cannot fit one sample, ranks mix CUDA and CPU, or digests differ.
-    """
-    kinds = {r["probe"]["kind"] for r in reports}
-    if len(kinds) > 1:
-        where = ", ".join(f"rank {i}: {r['probe']['kind']}" for i, r in enumerate(reports))
-        raise AllocationError(
-            f"ranks mix CUDA and CPU devices ({where}): one all-reduce cannot span both; give "
-            "every rank a GPU, or run all on CPU (CUDA_VISIBLE_DEVICES=)"
-        )
-    caps = [int(r["calibration"]["max_micro_batch"]) for r in reports]
-    for i, cap in enumerate(caps):
-        if cap < 1:
-            cal = reports[i]["calibration"]
-            key = (reports[i].get("placement") or {}).get("partition_key")
-            knob = (f"cluster.partitions.{key}.memory_budget_gb" if key
-                    else "cluster.memory_budget_gb")
-            raise AllocationError(
-                f"rank {i} ({reports[i]['probe']['name']}) cannot fit one sample: needs "
-                f"{(cal['static_bytes'] + cal['activation_bytes_per_sample']) / 2**30:.2f} GiB, has "
-                f"{cal['memory_budget_bytes'] / 2**30:.2f} GiB (memory budget {knob}, unset = the "
-                f"device's free memory); raise {knob} if the device has more memory, shrink "
-                "task.model, or leave that device out"
-            )
-    throughputs = [float(r["calibration"]["samples_per_s"]) for r in reports]
-    allocation = allocate(throughputs, run.trainer.global_batch_size, caps,
-                          forced=run.trainer.allocation, curves=report_curves(reports))
-    rdv.check_agreement(allocation.digest(), "allocation")
-    return allocation
-
-
-def report_curves(reports: List[Dict[str, Any]]) -> Optional[List[CostCurve]]:
-    """Every rank's calibrated cost curve (:mod:`hetseq_hpc.balance.curves`), from the same gathered
-    floats on every rank; None when a report has no fit (then the split follows samples/s)."""
-    cals = [r["calibration"] for r in reports]
-    if not all(float(c.get("per_sample_s") or 0) > 0 for c in cals):
-        return None
-    return [CostCurve.from_dict(c) for c in cals]
-
-
-def write_allocation_json(run_dir: Path, allocation: Allocation, reports: List[Dict[str, Any]],
-                          extra: Optional[Dict[str, Any]] = None) -> Path:
-    """Rank 0 writes ``allocation.json``: the split, the digest, and every rank's world, probe,
-    calibration and placement (het component, partition, GRES)."""
-    data = {
-        "allocation": allocation.to_dict(),
-        "digest": allocation.digest(),
-        "ranks": [
-            {**r["meta"], "world": r["world"], "probe": r["probe"], "calibration": r["calibration"],
-             "precision": r["precision"], "emulation": r.get("emulation"),
-             "share": allocation.to_dict()["shares"][i]}
-            for i, r in enumerate(reports)
-        ],
-        "written_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-    if extra:
-        data.update(extra)
-    path = RunDir(run_dir).allocation
-    atomic_write_json(path, data)
-    return path
 
 
 def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
@@ -221,11 +160,11 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
             wait_for_peers=rdv.post_barrier,
         )
         clock.mark("calibration")
-        reports = rdv.all_gather_objects({
-            "world": world.to_dict(), "probe": dev.to_dict(), "calibration": cal.to_dict(),
-            "meta": meta.__dict__, "precision": precision, "threads": threads,
-            "emulation": emulation.to_dict(), "placement": placement.to_dict(),
-        })
+        reports = [RankReport.of(r) for r in rdv.all_gather_objects(RankReport(
+            world=world.to_dict(), probe=dev.to_dict(), calibration=cal.to_dict(),
+            meta=dict(meta.__dict__), precision=precision, threads=threads,
+            emulation=emulation.to_dict(), placement=placement.to_dict(),
+        ).to_dict())]
         allocation = agree_on_allocation(run, reports, rdv)
         clock.mark("allocation")
 
@@ -234,7 +173,7 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
                 write_allocation_json(run_dir_path, new, reports,
                                       {"startup": clock.to_dict(), **(extra or {})})
 
-        metas = [RankMeta(**r["meta"]) for r in reports]
+        metas = [RankMeta(**r.meta) for r in reports]
         rebalancer = None
         if run.trainer.rebalance_interval and world.world_size > 1:
             rebalancer = Rebalancer(caps=[s.max_micro_batch for s in allocation.shares],
@@ -287,7 +226,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """``python -m hetseq_hpc.worker --config FILE [--run-dir DIR]``; exit 0 on success, 3 when
     stopped by the scheduler after a checkpoint, 1 on a failure (its one-line reason goes to the
     rank's log, stderr and ``logs/rank<N>.error.json``, marked when it is only a peer's
-    disconnection: :func:`hetseq_hpc.launch.rank_guard.report_failure`). Started by the local
+    disconnection: :func:`hetseq_hpc.env.rank_guard.report_failure`). Started by the local
     launcher, the rank also ends itself if that launcher dies (``watch_launcher``)."""
     parser = argparse.ArgumentParser(prog="python -m hetseq_hpc.worker",
                                      description="Run one hetseq_hpc rank.")

@@ -14,11 +14,11 @@ from hetseq_hpc.balance.allocation import (
     RankShare,
     allocate,
     equal_split,
-    micro_batch_cap,
     proportional_counts,
     shares_for,
 )
 from hetseq_hpc.balance.curves import CostCurve, min_max_split, predicted_step_s
+from hetseq_hpc.balance.memory import micro_batch_cap
 from hetseq_hpc.errors import AllocationError
 
 GiB = 1024**3
@@ -388,8 +388,8 @@ def _report(cap: int, placement: dict) -> dict:
     ],
 )
 def test_cannot_fit_one_sample_names_the_memory_budget_knob(placement, knob):
+    from hetseq_hpc.balance.agree import agree_on_allocation
     from hetseq_hpc.config import compose_run_config
-    from hetseq_hpc.worker import agree_on_allocation
 
     run = compose_run_config(["cluster.ranks=2"])
     with pytest.raises(AllocationError) as info:

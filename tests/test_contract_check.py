@@ -1,4 +1,4 @@
-"""The task contract checked before step 1 (hetseq_hpc.tasks.contract_check) and the guarded
+"""The task contract checked before step 1 (hetseq_hpc.train.contract_check) and the guarded
 import of a task module (hetseq_hpc.tasks.custom).
 
 A task that breaks the contract would train silently wrong with uneven batches: a model that
@@ -28,8 +28,8 @@ from hetseq_hpc.config import compose_run_config
 from hetseq_hpc.distributed.rendezvous import single_process_rendezvous
 from hetseq_hpc.errors import TaskContractError
 from hetseq_hpc.tasks import build_task
-from hetseq_hpc.tasks.contract_check import check_task_contract, contract_positions
-from hetseq_hpc.tasks.summary import record_inexact
+from hetseq_hpc.train.contract_check import check_task_contract, contract_positions
+from hetseq_hpc.train.task_summary import record_inexact
 
 TASKS = '''
 import torch

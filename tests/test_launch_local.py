@@ -18,6 +18,7 @@ import pytest
 import torch.distributed as dist
 
 from conftest import REPO, SMALL_MODEL, cli_env, wait_rows
+from hetseq_hpc.distributed.loopback_store import is_loopback, loopback_store
 from hetseq_hpc.env.world import WorldInfo, free_port
 from hetseq_hpc.launch.failures import (
     error_line,
@@ -26,7 +27,6 @@ from hetseq_hpc.launch.failures import (
     pick_failure,
     signal_reason,
 )
-from hetseq_hpc.launch.loopback_store import is_loopback, loopback_store
 
 LONG_RUN = ["cluster.ranks=2", "trainer.max_steps=100000", "optim.schedule_steps=100000",
             "trainer.val_every=0", "trainer.checkpoint_every=0"]

@@ -7,12 +7,12 @@ import logging
 
 import pytest
 
+from hetseq_hpc.balance.memory import memory_budget_bytes
 from hetseq_hpc.balance.placement import (
     RankPlacement,
     calibration_micro_batch,
     cpu_threads,
     emulated_cpus,
-    memory_budget_bytes,
     placement_for,
     plan_placements,
 )

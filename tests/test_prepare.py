@@ -14,8 +14,8 @@ import pytest
 
 from conftest import REPO, SMALL_MODEL, cli_env
 from hetseq_hpc.errors import DataError
-from hetseq_hpc.tasks.bert import text_corpus as corpus_mod
 from hetseq_hpc.tasks.bert import mlm_data as data_mod
+from hetseq_hpc.tasks.bert import text_corpus as corpus_mod
 from hetseq_hpc.tasks.bert.mlm_data import CLS_ID, SEP_ID, build_packed_text, load_packed_text
 from hetseq_hpc.tasks.bert.text_corpus import load_corpus
 from hetseq_hpc.tasks.bert.tokenizer import load_tokenizer

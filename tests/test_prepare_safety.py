@@ -27,8 +27,8 @@ import pytest
 from conftest import REPO, SMALL_MODEL, cli_env, read_rows
 from hetseq_hpc.errors import DataError
 from hetseq_hpc.tasks import prepare_wait
-from hetseq_hpc.tasks.bert import text_corpus as corpus_mod
 from hetseq_hpc.tasks.bert import mlm_data as data_mod
+from hetseq_hpc.tasks.bert import text_corpus as corpus_mod
 from hetseq_hpc.tasks.bert.mlm_data import SEP_ID, build_packed_text, load_packed_text
 from hetseq_hpc.tasks.bert.text_corpus import load_corpus
 from hetseq_hpc.tasks.bert.tokenizer import load_tokenizer

@@ -237,25 +237,3 @@ def equal_split(world_size: int, global_batch_size: int, max_micro_batch: Sequen
     return allocate([1.0] * world_size, global_batch_size, max_micro_batch, source="equal")
 
 
-def micro_batch_cap(
-    memory_budget_bytes: float, static_bytes: float, bytes_per_sample: float,
-    limit: Optional[int] = None,
-) -> int:
-    """Largest micro-batch that fits: ``floor((budget - static) / per_sample)``, at most ``limit``.
-
-    Args:
-        memory_budget_bytes: memory this rank may use (free GPU memory, or its RAM share).
-        static_bytes: parameters, gradients, optimizer state and buffers.
-        bytes_per_sample: activation memory of one sample (measured during calibration).
-        limit: an extra cap (``trainer.max_micro_batch``).
-
-    Returns:
-        The cap, or 0 if not even one sample fits (the caller reports it).
-    """
-    if bytes_per_sample <= 0:
-        cap = 1 << 20
-    else:
-        cap = int((memory_budget_bytes - static_bytes) // bytes_per_sample)
-    if limit is not None:
-        cap = min(cap, int(limit))
-    return max(cap, 0)

@@ -33,18 +33,14 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 import torch
 from torch import nn
 
-from hetseq_hpc.balance.allocation import micro_batch_cap
 from hetseq_hpc.balance.curves import fit_curve, fit_residuals
-from hetseq_hpc.train.optim import adamw_kernel
+from hetseq_hpc.balance.memory import MEMORY_HEADROOM, STATIC_PARAM_COPIES, memory_cap
+from hetseq_hpc.env.hardware import adamw_kernel
 
 log = logging.getLogger(__name__)
 
 #: margin on measured activation memory for temporaries the hooks do not see
 ACTIVATION_SAFETY = 1.5
-#: weights + gradients + two AdamW moments + one DDP bucket copy, in parameter sizes
-STATIC_PARAM_COPIES = 5
-#: share of free GPU memory / of this rank's RAM share that the cap may plan to use
-MEMORY_HEADROOM = 0.9
 #: the small timed micro-batch is the calibration micro-batch divided by this
 LOW_SIZE_DIVISOR = 4
 #: most passes a rank times while slower ranks still calibrate (``wait_for_peers``)
@@ -109,17 +105,6 @@ def saved_tensor_bytes(fn: Callable[[], torch.Tensor]) -> tuple:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = fn()
     return loss, total
-
-
-def memory_cap(memory_budget_bytes: float, param_bytes: float, activation_bytes_per_sample: float,
-               limit: Optional[int] = None) -> int:
-    """Micro-batch cap of a device (the one formula the runtime and the planner share):
-    :func:`~hetseq_hpc.balance.allocation.micro_batch_cap` with budget ``memory x MEMORY_HEADROOM`` and
-    static ``STATIC_PARAM_COPIES x param_bytes`` (weights, gradients, two AdamW moments, one DDP
-    bucket copy). Bytes in, samples out; 0 if not one sample fits."""
-    return micro_batch_cap(float(memory_budget_bytes) * MEMORY_HEADROOM,
-                           float(param_bytes) * STATIC_PARAM_COPIES,
-                           activation_bytes_per_sample, limit)
 
 
 def _sync(device: torch.device) -> None:

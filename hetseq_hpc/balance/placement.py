@@ -30,7 +30,6 @@ __all__ = [
     "calibration_micro_batch",
     "cpu_threads",
     "emulated_cpus",
-    "memory_budget_bytes",
     "placement_for",
     "plan_placements",
 ]
@@ -101,19 +100,6 @@ def calibration_micro_batch(trainer: TrainerConfig, world_size: int) -> int:
         return int(trainer.calibration_micro_batch)
     share = trainer.global_batch_size // max(int(world_size), 1)
     return max(1, min(CALIBRATION_MICRO_BATCH_MAX, share))
-
-
-def memory_budget_bytes(placement: RankPlacement, device_kind: str, free_bytes: float,
-                        local_world_size: int) -> float:
-    """Bytes a rank may plan its micro-batch with (before the headroom of
-    :func:`hetseq_hpc.balance.calibrate.memory_cap`): the configured ``memory_budget_gb``; else the free
-    GPU memory (``device_kind == "cuda"``); else its share ``free_bytes / local_world_size`` of
-    the node's available RAM."""
-    if placement.memory_budget_gb:
-        return float(placement.memory_budget_gb) * 2**30
-    if device_kind == "cuda":
-        return float(free_bytes)
-    return float(free_bytes) / max(int(local_world_size), 1)
 
 
 def placement_for(run: RunConfig, rank: int, *, het_group: Optional[int] = None,

@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from hetseq_hpc.cli.dispatch import dispatch_or_exit
 from hetseq_hpc.cli.overrides import run_dir_override, run_dir_problem
-from hetseq_hpc.cli.preflight import check_resume
+from hetseq_hpc.cli.preflight import check_resume, check_task_code
 from hetseq_hpc.config import (
     CONF_DIR,
     compose_run_config,
@@ -58,6 +58,7 @@ def precheck_overrides(argv: List[str]) -> None:
     overrides = [a for a in argv if not a.lstrip("+~").startswith("hydra.")]
     try:
         run = compose_run_config(overrides)
+        check_task_code(run)
         run_dir = run_dir_override(argv)
         problem = run_dir_problem(run_dir)
         if problem:

@@ -53,3 +53,18 @@ def check_resume(run: Any, run_dir: Optional[Path]) -> None:
     if saved is None:
         return
     check_fingerprint(saved, run_fingerprint(run), str(path), run.trainer.allow_resume_mismatch)
+
+
+def check_task_code(run: Any) -> None:
+    """Import the user's task class that ``task.target`` names (``task=custom``) and check it,
+    before any process starts: a missing module, class or base class is one line here rather
+    than a failure on every rank (:func:`hetseq_hpc.tasks.custom.resolve_target`).
+
+    Raises:
+        ConfigError: the target cannot be imported or is not a Task subclass (one line).
+    """
+    target = getattr(run.task, "target", None)
+    if target:
+        from hetseq_hpc.tasks.custom import resolve_target
+
+        resolve_target(target, getattr(run.task, "path", None))

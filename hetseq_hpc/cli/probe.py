@@ -49,9 +49,9 @@ def probe_devices(run: Any) -> List[Dict[str, Any]]:
     import torch
 
     from hetseq_hpc.balance.calibrate import calibrate
+    from hetseq_hpc.balance.memory import memory_budget_bytes
     from hetseq_hpc.balance.placement import (
         calibration_micro_batch,
-        memory_budget_bytes,
         placement_for,
     )
     from hetseq_hpc.env.hardware import probe

@@ -25,6 +25,7 @@ from hetseq_hpc.config.cluster import LocalClusterConfig as LocalClusterConfig
 from hetseq_hpc.config.cluster import PartitionConfig as PartitionConfig
 from hetseq_hpc.config.cluster import SlurmClusterConfig as SlurmClusterConfig
 from hetseq_hpc.config.common import check_sbatch_value as check_sbatch_value
+from hetseq_hpc.config.plan import PlanConfig, register_plan_config
 from hetseq_hpc.config.tasks import BertDataConfig as BertDataConfig
 from hetseq_hpc.config.tasks import BertModelConfig as BertModelConfig
 from hetseq_hpc.config.tasks import BertTaskConfig as BertTaskConfig
@@ -33,7 +34,6 @@ from hetseq_hpc.config.tasks import ImageTaskConfig as ImageTaskConfig
 from hetseq_hpc.config.tasks import TranslationTaskConfig as TranslationTaskConfig
 from hetseq_hpc.config.trainer import OptimConfig as OptimConfig
 from hetseq_hpc.config.trainer import TrainerConfig as TrainerConfig
-from hetseq_hpc.plan.config import PlanConfig, register_plan_config
 
 
 @dataclass

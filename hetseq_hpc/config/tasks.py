@@ -275,6 +275,5 @@ class CustomTaskConfig:
         self.path = os.path.abspath(os.path.expanduser(self.path))
         require(os.path.isdir(self.path), f"task.path={self.path!r} is not a folder: point it at "
                 "the folder that holds your task's module (or leave it null)")
-        from hetseq_hpc.tasks.custom import resolve_target
-
-        resolve_target(self.target, self.path)  # a bad target fails here, before any rank starts
+        # the module is imported (and its class checked) by hetseq_hpc.cli.preflight.check_task_code
+        # before any rank starts: configuration itself never runs a user's code

@@ -16,9 +16,9 @@ from typing import Any, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
+from hetseq_hpc.distributed.loopback_store import loopback_store
 from hetseq_hpc.env.world import WorldInfo, free_port
 from hetseq_hpc.errors import AllocationError, LaunchError
-from hetseq_hpc.launch.loopback_store import loopback_store
 
 log = logging.getLogger(__name__)
 

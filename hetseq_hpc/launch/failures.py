@@ -14,7 +14,7 @@ effect, not the cause. Launchers therefore name the rank whose OWN error is firs
 * else the earliest peer disconnection.
 
 Both launchers read each rank's OWN error file, ``<run dir>/logs/rank<N>.error.json``
-(:func:`hetseq_hpc.launch.rank_guard.report_failure`), and pick with :func:`first_failure`.
+(:func:`hetseq_hpc.env.rank_guard.report_failure`), and pick with :func:`first_failure`.
 A SLURM job that stopped cleanly after a checkpoint leaves ``logs/stop.json`` from rank 0
 (:func:`write_stop_record`), so that the launcher can tell such a stop from a failure.
 
@@ -33,15 +33,10 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, Mapping, Optional
 
+from hetseq_hpc.env.rank_guard import PEER_MARKERS, is_peer_error
 from hetseq_hpc.files.atomic import atomic_write_json
 from hetseq_hpc.rundir.paths import RunDir
 
-#: error text of a rank that only saw a peer go away (lower case; matched in the error line)
-PEER_MARKERS = (
-    "connection closed by peer", "connection reset by peer", "broken pipe",
-    "nccl communicator was aborted", "remote process exited", "econnreset", "socket closed",
-    "timed out waiting", "connection refused",
-)
 #: rank 0's record of a clean stop after a checkpoint in a SLURM job (relative to the run dir)
 STOP_RECORD = Path("logs") / "stop.json"
 #: a rank whose clock jumped this many seconds between two ticks was stopped (SIGSTOP, a frozen
@@ -64,12 +59,6 @@ def error_line(trace: object) -> str:
         if _EXC_LINE.match(line):
             return line.strip()
     return lines[-1].strip() if lines else "unknown error"
-
-
-def is_peer_error(text: object) -> bool:
-    """True if ``text`` (an error line or ``"Type: message"``) is a peer's disconnection."""
-    low = str(text).lower()
-    return any(marker in low for marker in PEER_MARKERS)
 
 
 def pick_failure(errors: Mapping[int, str]) -> int:
@@ -176,7 +165,7 @@ class StopWatch:
 
 def note_stopped(path: Path, stopped_s: float) -> None:
     """Add ``stopped_s`` (seconds this rank stood still, :class:`StopWatch`) to its error file
-    ``path`` (:func:`hetseq_hpc.launch.rank_guard.report_failure`). Never raises."""
+    ``path`` (:func:`hetseq_hpc.env.rank_guard.report_failure`). Never raises."""
     data = read_error_file(path)
     if data is None or stopped_s <= 0:
         return

@@ -13,7 +13,7 @@ reaches only the launcher), and the launcher sends every rank SIGTERM, once, whe
 any reason (an error, Ctrl-C, SIGTERM or SIGHUP): the ranks checkpoint after their current step
 (SIGKILL after :data:`TERM_GRACE_S`). Each rank also gets a parent-death signal
 (Linux ``prctl(PR_SET_PDEATHSIG, SIGTERM)``), so a SIGKILLed launcher still stops them, with a
-watchdog in the worker as the last resort (:func:`hetseq_hpc.launch.rank_guard.watch_launcher`).
+watchdog in the worker as the last resort (:func:`hetseq_hpc.env.rank_guard.watch_launcher`).
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from typing import Callable, Dict, Iterator, List, Optional
 from hetseq_hpc.balance.placement import placement_for
 from hetseq_hpc.config import RunConfig, planned_world_size, save_run_config
 from hetseq_hpc.config.validate import visible_gpu_count
+from hetseq_hpc.env.rank_guard import LAUNCHER_PID_ENV
 from hetseq_hpc.env.world import free_port
 from hetseq_hpc.errors import LaunchError
 from hetseq_hpc.launch.failures import first_failure, read_error_file, signal_reason
-from hetseq_hpc.launch.rank_guard import LAUNCHER_PID_ENV
 from hetseq_hpc.rundir.lock import lock_run_dir
 from hetseq_hpc.rundir.paths import RunDir
 

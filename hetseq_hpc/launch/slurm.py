@@ -33,6 +33,7 @@ from submitit.slurm.slurm import SlurmExecutor
 
 from hetseq_hpc.config import RunConfig, SlurmClusterConfig, load_run_config, save_run_config
 from hetseq_hpc.env.preemption import REQUEUE
+from hetseq_hpc.env.rank_guard import report_failure
 from hetseq_hpc.errors import ConfigError, LaunchError, Preempted
 from hetseq_hpc.files.atomic import atomic_write_text
 from hetseq_hpc.launch.failures import (
@@ -43,7 +44,6 @@ from hetseq_hpc.launch.failures import (
     pick_failure,
     write_stop_record,
 )
-from hetseq_hpc.launch.rank_guard import report_failure
 from hetseq_hpc.launch.sbatch import render_sbatch, save_hand_submission
 from hetseq_hpc.launch.slurm_checks import check_partitions, partition_inventory, require_slurm
 from hetseq_hpc.launch.slurm_watch import (
@@ -93,7 +93,7 @@ class HetseqJobFunction:
 
     Each (re)start reads the run's config, so a requeued job resumes from the run directory's
     latest checkpoint (``trainer.resume=auto``). A failed rank writes its own
-    ``logs/rank<N>.error.json`` (:func:`~hetseq_hpc.launch.rank_guard.report_failure`) for the
+    ``logs/rank<N>.error.json`` (:func:`~hetseq_hpc.env.rank_guard.report_failure`) for the
     launcher to name the cause, with how long the rank stood still if it was stopped
     (:class:`~hetseq_hpc.launch.failures.StopWatch`). A rank stopped after a checkpoint exits 3
     with no result (the requeued job writes them), and rank 0 records the stop in

@@ -3,7 +3,7 @@
 ``python -m hetseq_hpc.plan cluster=mixed task=bert trainer.global_batch_size=4096`` (usage and
 options: :mod:`hetseq_hpc.plan.command`). The modules, one job each:
 
-- :mod:`~hetseq_hpc.plan.config`: the ``plan`` config group (:class:`PlanConfig`, validated);
+- :mod:`~hetseq_hpc.config.plan`: the ``plan`` config group (:class:`PlanConfig`, validated);
 - :mod:`~hetseq_hpc.plan.gpus`: GPU classes from vendor datasheets, by GRES type;
 - :mod:`~hetseq_hpc.plan.step_time`: throughput, ring all-reduce, DDP overlap, :func:`predict`;
 - :mod:`~hetseq_hpc.plan.model_info`: the task model's parameters, FLOPs and activation memory;
@@ -13,11 +13,12 @@ options: :mod:`hetseq_hpc.plan.command`). The modules, one job each:
 - :mod:`~hetseq_hpc.plan.command`: the command line.
 
 Nothing here imports :mod:`hetseq_hpc.config` at import time (it imports
-:mod:`hetseq_hpc.plan.config` for ``RunConfig.plan``).
+:mod:`hetseq_hpc.config.plan` for ``RunConfig.plan``).
 """
 
+from hetseq_hpc.balance.memory import param_memory_cap as memory_cap
+from hetseq_hpc.config.plan import PlanConfig, register_plan_config
 from hetseq_hpc.plan.command import compose_plan_run, plan_command, plan_overrides
-from hetseq_hpc.plan.config import PlanConfig, register_plan_config
 from hetseq_hpc.plan.gpus import (
     GPU_TABLE,
     GpuClass,
@@ -41,7 +42,6 @@ from hetseq_hpc.plan.step_time import (
     SplitTime,
     datasheet_throughput,
     ddp_exposed_allreduce_s,
-    memory_cap,
     predict,
     ring_allreduce_s,
 )

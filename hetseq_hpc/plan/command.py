@@ -15,7 +15,7 @@ figures (``predicted_samples_per_s``, ``equal_split_samples_per_s``, ``ideal_sam
 ``efficiency``, ``speedup_vs_equal``, ``allreduce_share``, ``world_size``, ...). Warnings (a
 global batch too small for the mix, a probe of another model) go to stderr, one line each.
 
-Planner options: the ``plan`` config group (schema: ``hetseq_hpc/plan/config.py``)::
+Planner options: the ``plan`` config group (schema: ``hetseq_hpc/config/plan.py``)::
 
     plan.probe=PATH       allocation.json of an earlier run (or its run directory): use its
                           measured per-rank ``calibration`` (samples/s, memory) instead of the
@@ -43,8 +43,8 @@ from __future__ import annotations
 import sys
 from typing import List, Optional, Sequence
 
+from hetseq_hpc.config.plan import plan_keys
 from hetseq_hpc.errors import ConfigError, report_error
-from hetseq_hpc.plan.config import plan_keys
 from hetseq_hpc.plan.planner import make_plan
 from hetseq_hpc.plan.render import headline_json, render
 

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
-from hetseq_hpc.balance.allocation import micro_batch_cap
 from hetseq_hpc.balance.curves import MIN_PER_SAMPLE_S, CostCurve
+from hetseq_hpc.balance.memory import micro_batch_cap
+from hetseq_hpc.balance.memory import param_memory_cap as memory_cap
 from hetseq_hpc.errors import ConfigError
 from hetseq_hpc.files.user_input import describe, file_problem, number, read_json_file
 from hetseq_hpc.plan.gpus import achieved_fraction, lookup_gpu, peak_tflops, runtime_precision
-from hetseq_hpc.plan.step_time import datasheet_throughput, memory_cap
+from hetseq_hpc.plan.step_time import datasheet_throughput
 from hetseq_hpc.rundir.paths import RunDir
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -336,7 +337,7 @@ def ranks_from_table(placements: Sequence[RankPlacement], flops_per_sample: floa
     Raises:
         ConfigError: a partition has no GPU type, or an unknown one.
     """
-    from hetseq_hpc.balance.placement import memory_budget_bytes
+    from hetseq_hpc.balance.memory import memory_budget_bytes
 
     out: List[RankSpec] = []
     for place in placements:

@@ -13,7 +13,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from hetseq_hpc.plan.step_time import PARAM_BYTES
+from hetseq_hpc.balance.memory import PARAM_BYTES
 
 
 @dataclass

@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Callable, List, Optional, Tuple
 
+from hetseq_hpc.balance.memory import param_memory_cap as memory_cap
+from hetseq_hpc.config.plan import DEFAULT_LINK_GBPS, DEFAULT_LOCAL_LINK_GBPS, PlanConfig
 from hetseq_hpc.errors import AllocationError, ConfigError
-from hetseq_hpc.plan.config import DEFAULT_LINK_GBPS, DEFAULT_LOCAL_LINK_GBPS, PlanConfig
 from hetseq_hpc.plan.inputs import (
     PartitionSpec,
     RankSpec,
@@ -24,7 +25,7 @@ from hetseq_hpc.plan.inputs import (
     ranks_from_table,
 )
 from hetseq_hpc.plan.model_info import CpuCalibration, ModelInfo, measure_model
-from hetseq_hpc.plan.step_time import Prediction, memory_cap, predict
+from hetseq_hpc.plan.step_time import Prediction, predict
 
 #: fewer samples per rank than this (on average) leaves most devices idle between all-reduces
 MIN_SAMPLES_PER_RANK = 8
@@ -53,9 +54,9 @@ def _local_ranks(run) -> Tuple[ModelInfo, List[RankSpec], str]:
     """cluster=local: calibrate the model on this CPU as a local rank does (the runtime's
     threads, calibration micro-batch and memory budget, :mod:`hetseq_hpc.balance.placement`), x each
     rank's emulated speed (``cluster.speeds``)."""
+    from hetseq_hpc.balance.memory import memory_budget_bytes
     from hetseq_hpc.balance.placement import (
         calibration_micro_batch,
-        memory_budget_bytes,
         plan_placements,
     )
     from hetseq_hpc.env.hardware import read_meminfo

@@ -27,10 +27,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hetseq_hpc.balance.allocation import Allocation, allocate, equal_split
 from hetseq_hpc.balance.curves import CostCurve
-from hetseq_hpc.plan.config import DEFAULT_LATENCY_US, DEFAULT_OVERLAP
+from hetseq_hpc.config.plan import DEFAULT_LATENCY_US, DEFAULT_OVERLAP
 
 #: bytes per parameter / gradient element (fp32 master weights and all-reduced gradients)
-PARAM_BYTES = 4
 #: DDP's default bucket size (``bucket_cap_mb=25``)
 DDP_BUCKET_BYTES = 25 * 2**20
 #: share of a step's matmul FLOPs in the backward pass (2 of the 3 passes)
@@ -46,16 +45,6 @@ def datasheet_throughput(peak_tflops: float, mfu: float, flops_per_sample: float
         flops_per_sample: training FLOPs (forward + backward) of one sample.
     """
     return peak_tflops * 1e12 * mfu / flops_per_sample
-
-
-def memory_cap(memory_bytes: float, param_count: int, activation_bytes_per_sample: float,
-               limit: Optional[int] = None) -> int:
-    """Micro-batch cap of a device with ``memory_bytes`` and ``param_count`` fp32 parameters:
-    the runtime's own formula, :func:`hetseq_hpc.balance.calibrate.memory_cap`."""
-    from hetseq_hpc.balance.calibrate import memory_cap as runtime_memory_cap
-
-    return runtime_memory_cap(memory_bytes, PARAM_BYTES * param_count,
-                              activation_bytes_per_sample, limit)
 
 
 def ring_allreduce_s(gradient_bytes: float, world_size: int, link_gbps: float,

@@ -75,13 +75,13 @@ def check_before_training(task: Any, model: torch.nn.Module, run: Any, device: t
                           rdv: Any, info: Dict[str, Any]) -> None:
     """The worker's call after the model is built: :func:`check_task_contract`, or with
     ``trainer.skip_contract_check`` a warning and ``exact: false`` plus the reason in ``info``
-    (for ``summary.json``, :func:`hetseq_hpc.tasks.summary.record_inexact`).
+    (for ``summary.json``, :func:`hetseq_hpc.train.task_summary.record_inexact`).
 
     Raises:
         TaskContractError: as :func:`check_task_contract`.
     """
     if getattr(run.trainer, "skip_contract_check", False):
-        from hetseq_hpc.tasks.summary import record_inexact
+        from hetseq_hpc.train.task_summary import record_inexact
 
         record = skipped_record()
         log.warning("%s: training is NOT known to be exact across allocations: %s",

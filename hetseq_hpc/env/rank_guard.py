@@ -23,7 +23,6 @@ from typing import Optional
 
 from hetseq_hpc.errors import HetseqError
 from hetseq_hpc.files.atomic import atomic_write_json
-from hetseq_hpc.launch.failures import is_peer_error
 
 log = logging.getLogger("hetseq_hpc.worker")
 
@@ -33,6 +32,20 @@ LAUNCHER_PID_ENV = "HETSEQ_LAUNCHER_PID"
 ORPHAN_GRACE_S = 20.0
 #: seconds between the watchdog's checks of the parent pid
 WATCH_EVERY_S = 0.5
+
+#: error text of a rank that only saw a peer go away (lower case; matched in the error line)
+PEER_MARKERS = (
+    "connection closed by peer", "connection reset by peer", "broken pipe",
+    "nccl communicator was aborted", "remote process exited", "econnreset", "socket closed",
+    "timed out waiting", "connection refused",
+)
+
+
+def is_peer_error(text: object) -> bool:
+    """True if ``text`` (an error line or ``"Type: message"``) is a peer's disconnection."""
+    low = str(text).lower()
+    return any(marker in low for marker in PEER_MARKERS)
+
 
 
 def _log_to_files_only(level: int, message: str) -> None:
@@ -91,4 +104,5 @@ def watch_launcher(env=None, grace_s: float = ORPHAN_GRACE_S) -> Optional[thread
     return thread
 
 
-__all__ = ["LAUNCHER_PID_ENV", "ORPHAN_GRACE_S", "report_failure", "watch_launcher"]
+__all__ = ["LAUNCHER_PID_ENV", "ORPHAN_GRACE_S", "PEER_MARKERS", "is_peer_error", "report_failure",
+           "watch_launcher"]

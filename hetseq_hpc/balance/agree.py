@@ -1,0 +1,124 @@
+"""All ranks agree on one allocation: every rank's start-up report (probe, calibration,
+placement) is gathered, each rank computes the same split from the same floats, and a digest
+check proves they did (:meth:`hetseq_hpc.distributed.rendezvous.Rendezvous.check_agreement`).
+Rank 0 records it in ``allocation.json``."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+
+from hetseq_hpc.balance.allocation import Allocation, allocate
+from hetseq_hpc.balance.curves import CostCurve
+from hetseq_hpc.errors import AllocationError
+from hetseq_hpc.files.atomic import atomic_write_json
+from hetseq_hpc.rundir.paths import RunDir
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank tells every other rank at start-up (gathered once, the same on all).
+
+    Attributes:
+        world: :meth:`hetseq_hpc.env.world.WorldInfo.to_dict` (rank, node, het component).
+        probe: :meth:`hetseq_hpc.env.hardware.DeviceProbe.to_dict` (device, memory).
+        calibration: :meth:`hetseq_hpc.balance.calibrate.Calibration.to_dict` (samples/s, cost
+            curve, memory figures in bytes, ``max_micro_batch`` in samples).
+        meta: the rank's :class:`hetseq_hpc.train.loop.RankMeta` fields.
+        precision: the rank's resolved precision (fp32, bf16, fp16).
+        threads: torch CPU threads of the rank.
+        emulation: how its speed is emulated (``cluster.speeds``), or None.
+        placement: :meth:`hetseq_hpc.balance.placement.RankPlacement.to_dict`.
+    """
+
+    probe: Dict[str, Any]
+    calibration: Dict[str, Any]
+    world: Dict[str, Any] = field(default_factory=dict)
+    meta: Dict[str, Any] = field(default_factory=dict)
+    precision: str = "fp32"
+    threads: int = 1
+    emulation: Optional[Dict[str, Any]] = None
+    placement: Dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, value: Union[RankReport, Mapping[str, Any]]) -> RankReport:
+        """``value`` itself, or the report a plain mapping of the same fields describes."""
+        return value if isinstance(value, cls) else cls(**dict(value))
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain data (what travels between ranks)."""
+        return asdict(self)
+
+
+ReportLike = Union[RankReport, Mapping[str, Any]]
+
+
+def agree_on_allocation(run: Any, reports: Sequence[ReportLike], rdv) -> Allocation:
+    """Compute the allocation from every rank's report and check that all ranks got the same.
+
+    Raises:
+        AllocationError: a rank cannot fit one sample, ranks mix CUDA and CPU, or digests differ.
+    """
+    reports = [RankReport.of(r) for r in reports]
+    kinds = {r.probe["kind"] for r in reports}
+    if len(kinds) > 1:
+        where = ", ".join(f"rank {i}: {r.probe['kind']}" for i, r in enumerate(reports))
+        raise AllocationError(
+            f"ranks mix CUDA and CPU devices ({where}): one all-reduce cannot span both; give "
+            "every rank a GPU, or run all on CPU (CUDA_VISIBLE_DEVICES=)"
+        )
+    caps = [int(r.calibration["max_micro_batch"]) for r in reports]
+    for i, cap in enumerate(caps):
+        if cap < 1:
+            cal = reports[i].calibration
+            key = (reports[i].placement or {}).get("partition_key")
+            knob = (f"cluster.partitions.{key}.memory_budget_gb" if key
+                    else "cluster.memory_budget_gb")
+            raise AllocationError(
+                f"rank {i} ({reports[i].probe['name']}) cannot fit one sample: needs "
+                f"{(cal['static_bytes'] + cal['activation_bytes_per_sample']) / 2**30:.2f} GiB, has "
+                f"{cal['memory_budget_bytes'] / 2**30:.2f} GiB (memory budget {knob}, unset = the "
+                f"device's free memory); raise {knob} if the device has more memory, shrink "
+                "task.model, or leave that device out"
+            )
+    throughputs = [float(r.calibration["samples_per_s"]) for r in reports]
+    allocation = allocate(throughputs, run.trainer.global_batch_size, caps,
+                          forced=run.trainer.allocation, curves=report_curves(reports))
+    rdv.check_agreement(allocation.digest(), "allocation")
+    return allocation
+
+
+def report_curves(reports: Sequence[ReportLike]) -> Optional[List[CostCurve]]:
+    """Every rank's calibrated cost curve (:mod:`hetseq_hpc.balance.curves`), from the same gathered
+    floats on every rank; None when a report has no fit (then the split follows samples/s)."""
+    cals = [RankReport.of(r).calibration for r in reports]
+    if not all(float(c.get("per_sample_s") or 0) > 0 for c in cals):
+        return None
+    return [CostCurve.from_dict(c) for c in cals]
+
+
+def write_allocation_json(run_dir: Path, allocation: Allocation, reports: Sequence[ReportLike],
+                          extra: Optional[Dict[str, Any]] = None) -> Path:
+    """Rank 0 writes ``allocation.json``: the split, the digest, and every rank's world, probe,
+    calibration and placement (het component, partition, GRES)."""
+    data = {
+        "allocation": allocation.to_dict(),
+        "digest": allocation.digest(),
+        "ranks": [
+            {**r.meta, "world": r.world, "probe": r.probe, "calibration": r.calibration,
+             "precision": r.precision, "emulation": r.emulation,
+             "share": allocation.to_dict()["shares"][i]}
+            for i, r in enumerate(RankReport.of(x) for x in reports)
+        ],
+        "written_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    if extra:
+        data.update(extra)
+    path = RunDir(run_dir).allocation
+    atomic_write_json(path, data)
+    return path
+
+
+__all__ = ["RankReport", "agree_on_allocation", "report_curves", "write_allocation_json"]
