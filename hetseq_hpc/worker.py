@@ -134,10 +134,6 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
         if emulation.method != "none":  # a slower device, not a slower network
             emulation = exempt_communication_threads(emulation)
             record_emulation(emulation, run_dir_path, world.rank)
-        inject = env.get("HETSEQ_INJECT_FAILURE", "")
-        if inject.isdigit() and int(inject) == world.rank:
-            raise RuntimeError(f"injected failure on rank {world.rank} (HETSEQ_INJECT_FAILURE="
-                               f"{inject}): unset it to train")
         # the others wait outside the gloo timeout, on rank 0's marker and heartbeat
         prepare_on_rank0(task, rdv, run_dir_path, run.cluster.collective_timeout_s)
         task.load()
@@ -199,18 +195,29 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
             final["measured_step"] = measured
         if final:
             on_allocation(trainer.allocation, final)
-        if world.is_master and run.trainer.plot:
-            try:
-                from hetseq_hpc.report.plots import plot_run
-
-                summary["plot"] = str(plot_run(run_dir_path))
-            except Exception as exc:  # a picture must never fail a finished run
-                log.warning("could not draw the per-rank plot: %s", exc)
         summary["world_size"] = world.world_size
         if world.is_master:
             atomic_write_json(RunDir(run_dir_path).summary, summary)
         rdv.barrier()
+        if world.is_master and run.trainer.plot:  # after the barrier: no rank waits for it
+            draw_plot(summary, run_dir_path)
     return summary
+
+
+def draw_plot(summary: Dict[str, Any], run_dir: Path) -> None:
+    """Rank 0 at the end of a run: ``ranks.png`` (:func:`hetseq_hpc.report.plots.plot_run`),
+    its path logged and added to ``summary`` and ``summary.json``. A failure only warns: a
+    picture never fails a finished run."""
+    try:
+        from hetseq_hpc.report.plots import plot_run
+
+        summary["plot"] = str(plot_run(run_dir))
+    except Exception as exc:
+        log.warning("could not draw the run's plot (%s): draw it later with hetseq-hpc report %s",
+                    " ".join(str(exc).split()) or type(exc).__name__, run_dir)
+        return
+    log.info("plot: %s", summary["plot"])
+    atomic_write_json(RunDir(run_dir).summary, summary)
 
 
 def handle_preempted(exc: Preempted, run: RunConfig) -> None:

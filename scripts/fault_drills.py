@@ -3,8 +3,8 @@
 
 Each drill starts ``python -m hetseq_hpc`` (2 ranks, a small BERT), injects one fault, and
 prints what the user sees (exit code, the one error line) and how long it took. README's
-"Reliability" table comes from this script; the tests in tests/test_checkpoint.py and
-tests/test_launch_local.py check the same behaviour without timing it.
+"Reliability" table comes from this script; the tests in tests/integration/test_checkpoint.py and
+tests/integration/test_launch_local.py check the same behaviour without timing it.
 
     python scripts/fault_drills.py            # all drills, about 2-4 minutes on 2 cores
     python scripts/fault_drills.py --only sigkill_launcher,flipped_bytes

@@ -4,9 +4,14 @@
 #   bash scripts/run-tests.sh [pytest args...]
 #
 # On a fresh machine it creates .venv, installs torch==2.13.0 FIRST (the CPU wheel; nothing may
-# pull another torch), then the package with its test extra, starts the single-host Slurm test
-# cluster (scripts/test-cluster.sh; tests that need it skip, saying why, if Slurm cannot be
-# installed here), runs pytest, and stops the cluster again.
+# pull another torch), then the package with its test extra, starts its OWN single-host Slurm
+# test cluster (scripts/test-cluster.sh; tests that need it skip, saying why, if Slurm cannot be
+# installed here), runs pytest, and stops that cluster again.
+#
+# Safe on a shared host: the cluster gets a fresh state directory (mktemp, or
+# $HETSEQ_TESTCLUSTER_DIR if you set it) and free ports, so two clones (or two users) running
+# this at once each test against their own cluster, and each stops only its own. A cluster
+# already running in $HETSEQ_TESTCLUSTER_DIR is used and left running.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,11 +27,20 @@ fi
 "$VENV/bin/python" -c 'import torch, sys; v = torch.__version__; sys.exit(0 if v.startswith("2.13.0") else f"torch {v} was installed instead of 2.13.0")'
 
 cluster_started=0
+cluster_dir_made=0
 if [ -x scripts/test-cluster.sh ] && [ "${HETSEQ_SKIP_SLURM:-0}" != 1 ]; then
+  if [ -z "${HETSEQ_TESTCLUSTER_DIR:-}" ]; then
+    HETSEQ_TESTCLUSTER_DIR=$(mktemp -d /tmp/hetseq-testcluster.XXXXXX)
+    cluster_dir_made=1
+  fi
+  export HETSEQ_TESTCLUSTER_DIR
+  already_up=0
+  if scripts/test-cluster.sh status >/dev/null 2>&1; then already_up=1; fi
   if out=$(scripts/test-cluster.sh start 2>&1); then
-    cluster_started=1
-    eval "$(printf '%s\n' "$out" | tail -n 1)"   # export SLURM_CONF=...
+    if [ "$already_up" = 0 ]; then cluster_started=1; fi
+    eval "$(printf '%s\n' "$out" | tail -n 1)"   # export SLURM_CONF=<its state dir>/etc/slurm.conf
     export HETSEQ_TESTCLUSTER=1
+    echo "Slurm test cluster: $HETSEQ_TESTCLUSTER_DIR (SLURM_CONF=$SLURM_CONF)" >&2
   else
     code=$?
     printf '%s\n' "$out" | tail -n 20 >&2
@@ -42,7 +56,16 @@ if [ -x scripts/test-cluster.sh ] && [ "${HETSEQ_SKIP_SLURM:-0}" != 1 ]; then
   fi
 fi
 stop_cluster() {
+  local rc=$?
   if [ "$cluster_started" = 1 ]; then scripts/test-cluster.sh stop >/dev/null 2>&1 || true; fi
+  if [ "$cluster_dir_made" = 1 ]; then
+    if [ "$rc" = 0 ] || [ "$cluster_started" = 0 ]; then
+      rm -rf "$HETSEQ_TESTCLUSTER_DIR"
+    else
+      echo "the test cluster's logs are kept in $HETSEQ_TESTCLUSTER_DIR/log" >&2
+    fi
+  fi
+  return "$rc"
 }
 trap stop_cluster EXIT
 
@@ -50,5 +73,9 @@ trap stop_cluster EXIT
 "$VENV/bin/python" -m ruff check hetseq_hpc tests scripts examples
 # the import-layer contract (pyproject.toml [tool.importlinter]): no package imports one above it
 "$VENV/bin/lint-imports"
+
+if [ "${CI:-}" = true ]; then
+  bash scripts/check_wheel.sh   # the built wheel, installed elsewhere, finds conf/ and trains
+fi
 
 "$VENV/bin/python" -m pytest "$@"

@@ -12,8 +12,15 @@
 # Everything (configs, state, spool, logs, pid files, fake GPU devices) lives under
 # ${HETSEQ_TESTCLUSTER_DIR:-/tmp/hetseq-testcluster}. Nothing outside it is touched except:
 #   - the packages slurm-wlm + munge (installed with apt-get if slurmctld is missing),
-#   - munged (started only if no munged answers; stopped on `stop` only if we started it),
-#   - /etc/hosts: lines for n1..n4, added on start and removed (exactly those) on stop.
+#   - munged (started only if no munged answers; stopped on `stop` only if we started it and
+#     no other Slurm on this host still uses it: another test cluster then takes it over),
+#   - /etc/hosts: lines for n1..n4 tagged with our state directory, added on start and removed
+#     (exactly those) on stop.
+#
+# Several clusters on one host (two clones running scripts/run-tests.sh, two users): give each
+# its own state directory. Each start picks free ports (unless set below) and records them in
+# its own slurm.conf; `stop` touches only the daemons, jobs and /etc/hosts lines of its own
+# directory. scripts/run-tests.sh starts its own cluster in a fresh directory for every run.
 #
 # Exit codes: 0 ok; 1 failure (cluster did not come up, bad usage, ...);
 #             3 the cluster cannot run here (not root, no apt-get, install failed, no mknod):
@@ -22,8 +29,8 @@
 # Environment knobs:
 #   HETSEQ_TESTCLUSTER_DIR              state directory        (default /tmp/hetseq-testcluster)
 #   HETSEQ_TESTCLUSTER_TIMEOUT          seconds to wait for the cluster to come up (default 60)
-#   HETSEQ_TESTCLUSTER_CTLD_PORT        slurmctld port          (default 16817)
-#   HETSEQ_TESTCLUSTER_SLURMD_PORT_BASE slurmd of nK listens on BASE+K (default 17000)
+#   HETSEQ_TESTCLUSTER_CTLD_PORT        slurmctld port          (default auto: a free port)
+#   HETSEQ_TESTCLUSTER_SLURMD_PORT_BASE slurmd of nK listens on BASE+K (default auto: free)
 #   HETSEQ_TESTCLUSTER_EDIT_HOSTS       1 (default): add n1..n4 to /etc/hosts; 0: don't
 #
 # Progress messages go to stderr; stdout of `start` is only the `export SLURM_CONF=...` line,
@@ -33,8 +40,8 @@ set -euo pipefail
 PROG=${0##*/}
 DIR=${HETSEQ_TESTCLUSTER_DIR:-/tmp/hetseq-testcluster}
 TIMEOUT=${HETSEQ_TESTCLUSTER_TIMEOUT:-60}
-CTLD_PORT=${HETSEQ_TESTCLUSTER_CTLD_PORT:-16817}
-SLURMD_PORT_BASE=${HETSEQ_TESTCLUSTER_SLURMD_PORT_BASE:-17000}
+CTLD_PORT=${HETSEQ_TESTCLUSTER_CTLD_PORT:-auto}
+SLURMD_PORT_BASE=${HETSEQ_TESTCLUSTER_SLURMD_PORT_BASE:-auto}
 EDIT_HOSTS=${HETSEQ_TESTCLUSTER_EDIT_HOSTS:-1}
 
 EXIT_UNAVAILABLE=3
@@ -43,7 +50,18 @@ CONF_DIR=$DIR/etc
 CONF=$CONF_DIR/slurm.conf
 RUN=$DIR/run          # pid files written by the Slurm daemons themselves
 OURS=$DIR/run/ours    # what *we* started / changed: <daemon>.pid, hosts flags
-HOSTS_MARK="# hetseq-testcluster $DIR"   # tag on every /etc/hosts line we add
+HOSTS_TAG="# hetseq-testcluster"          # every test cluster's /etc/hosts lines carry it
+HOSTS_MARK="$HOSTS_TAG $DIR"              # ... followed by the cluster's state directory
+# held while a start picks its ports and job-id slot and starts slurmctld, and while /etc/hosts
+# is edited: two clusters starting at once must not pick the same ports or slot
+LOCK=/tmp/hetseq-testcluster.lock
+# Job ids: a job's rendezvous port is derived from its id (15000 + id % 20000,
+# hetseq_hpc.env.world) and every emulated node is this host, so two clusters whose job ids
+# overlap would give two jobs the same port. Each cluster starts its ids in a slot no other
+# running test cluster uses: FirstJobId = 1 + slot x JOB_ID_SLOT.
+JOB_ID_SLOT=2500
+JOB_ID_SLOTS=8
+FIRST_JOB_ID=1
 
 # Daemons and client commands live in /usr/sbin and /usr/bin.
 export PATH=$PATH:/usr/local/sbin:/usr/sbin:/sbin
@@ -63,8 +81,9 @@ A single-host Slurm test cluster: slurmctld + 4 emulated slurmd (n1..n4), partit
 a100 = n[1-2] (gres gpu:a100:2 per node) and v100 = n[3-4] (gres gpu:v100:2 per node).
 
   start    install slurm-wlm + munge if needed (root, apt-get), start munged (if not
-           running), slurmctld and the 4 slurmd, wait until every node is idle. A fresh
-           cluster each time (job ids restart at 1). On a running cluster: just reports it.
+           running), slurmctld and the 4 slurmd on free ports, wait until every node is
+           idle. A fresh cluster each time (job ids restart at FirstJobId). On a running cluster (of
+           this state directory): just reports it.
            Last stdout line:  export SLURM_CONF=$CONF
            (also written to $DIR/env.sh). Use:
                eval "\$($0 start | tail -n1)"
@@ -72,7 +91,8 @@ a100 = n[1-2] (gres gpu:a100:2 per node) and v100 = n[3-4] (gres gpu:v100:2 per 
            remove the /etc/hosts lines it added. Logs stay in $DIR/log.
   status   show the daemons and sinfo; exit 0 if the cluster is up, 1 if not.
 
-State directory: \$HETSEQ_TESTCLUSTER_DIR (now: $DIR).
+State directory: \$HETSEQ_TESTCLUSTER_DIR (now: $DIR). Another directory is another
+cluster: HETSEQ_TESTCLUSTER_DIR=/tmp/my-cluster $0 start|stop|status.
 Exit codes: 0 ok, 1 error, 3 cannot run here (not root / cannot install); reason on stderr.
 EOF
 }
@@ -134,6 +154,10 @@ check_settings() {
     [[ $DIR == /* ]] || die 1 "HETSEQ_TESTCLUSTER_DIR must be an absolute path (got '$DIR')"
     [[ $DIR != / && $DIR != *[[:space:]]* ]] || die 1 "HETSEQ_TESTCLUSTER_DIR must not be / or contain spaces (got '$DIR')"
     [[ $TIMEOUT =~ ^[0-9]+$ ]] || die 1 "HETSEQ_TESTCLUSTER_TIMEOUT must be a number of seconds"
+    [[ $CTLD_PORT == auto || $CTLD_PORT =~ ^[0-9]+$ ]] ||
+        die 1 "HETSEQ_TESTCLUSTER_CTLD_PORT must be a port number or auto (got '$CTLD_PORT')"
+    [[ $SLURMD_PORT_BASE == auto || $SLURMD_PORT_BASE =~ ^[0-9]+$ ]] ||
+        die 1 "HETSEQ_TESTCLUSTER_SLURMD_PORT_BASE must be a number or auto (got '$SLURMD_PORT_BASE')"
 }
 
 # ----------------------------------------------------------------- installation
@@ -217,7 +241,9 @@ AuthInfo=cred_expire=10
 MailProg=/bin/true
 
 # All state under $DIR. StateSaveLocation is wiped by every 'start', so each start is a
-# fresh cluster and job ids restart at 1 (FirstJobId default).
+# fresh cluster and job ids restart at FirstJobId: 1, or the first id of a slot no other test
+# cluster on this host uses (job ids set the jobs' rendezvous ports).
+FirstJobId=$FIRST_JOB_ID
 StateSaveLocation=$DIR/state
 SlurmdSpoolDir=$DIR/spool/%n
 SlurmctldPidFile=$RUN/slurmctld.pid
@@ -338,11 +364,27 @@ write_env_sh() {
 # Print /etc/hosts content exactly, including whether it ends with a newline.
 read_hosts() { local c; c=$(cat /etc/hosts; printf x); printf '%s' "${c%x}"; }
 
-hosts_defines() {   # hosts_defines NAME: a non-comment line of /etc/hosts maps NAME
-    awk -v n="$1" '{ sub(/#.*/, ""); for (i = 2; i <= NF; i++) if ($i == n) f = 1 } END { exit !f }' /etc/hosts
+# hosts_defines NAME: a line of /etc/hosts that is not a test cluster's maps NAME. Another test
+# cluster's lines map the same names to the same addresses: we add our own next to them, so
+# that each cluster's stop removes only its own and the names keep resolving for the other.
+hosts_defines() {
+    awk -v n="$1" -v t="$HOSTS_TAG" 'index($0, t) { next }
+        { sub(/#.*/, ""); for (i = 2; i <= NF; i++) if ($i == n) f = 1 } END { exit !f }' /etc/hosts
 }
 
-hosts_remove() {
+# with_lock CMD...: run CMD holding $LOCK (two clusters starting or stopping at once must not
+# both rewrite /etc/hosts from the same old content, nor pick the same ports or job-id slot).
+with_lock() {
+    local rc=0
+    { flock -w 60 9 || log "warning: $LOCK is held for 60 s: going on without it"
+      "$@" || rc=$?; } 9>>"$LOCK"
+    return "$rc"
+}
+
+hosts_remove() { with_lock hosts_remove_locked; }
+hosts_add() { with_lock hosts_add_locked; }
+
+hosts_remove_locked() {
     [[ -f /etc/hosts ]] || return 0
     local cur new
     cur=$(read_hosts; printf x); cur=${cur%x}
@@ -364,9 +406,9 @@ hosts_remove() {
     rm -f "$OURS/hosts-added-newline"
 }
 
-hosts_add() {
+hosts_add_locked() {
     [[ $EDIT_HOSTS == 1 ]] || { log "HETSEQ_TESTCLUSTER_EDIT_HOSTS=0: not adding n1..n4 to /etc/hosts"; return 0; }
-    hosts_remove   # leftovers of an earlier run that was not stopped
+    hosts_remove_locked   # leftovers of an earlier run that was not stopped
     local n lines="" cur
     for n in "${NODES[@]}"; do
         if hosts_defines "$n"; then
@@ -399,8 +441,14 @@ start_munge() {
     fi
     [[ -s /etc/munge/munge.key ]] || die 1 "/etc/munge/munge.key is missing (Debian's munge package creates it)"
     install -d -o munge -g munge /run/munge
-    runuser -u munge -- /usr/sbin/munged ||
+    if ! runuser -u munge -- /usr/sbin/munged; then
+        # another test cluster starting at the same moment may have won the race
+        if wait_until 5 munge_works; then
+            log "munged was started meanwhile by someone else; using it"
+            return 0
+        fi
         die 1 "munged failed to start (see /var/log/munge/munged.log)"
+    fi
     local pid=""
     wait_until 10 test -s /run/munge/munged.pid || true
     pid=$(cat /run/munge/munged.pid 2>/dev/null || true)
@@ -416,13 +464,36 @@ start_munge() {
 # port_in_use PORT: something accepts connections on 127.0.0.1:PORT.
 port_in_use() { timeout 1 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; }
 
-check_ports() {
-    local p n
-    for p in "$CTLD_PORT" $(for n in "${NODES[@]}"; do node_port "$n"; done); do
-        port_in_use "$p" && die 1 "port $p is already in use (another Slurm cluster on this host?);" \
-            "set HETSEQ_TESTCLUSTER_CTLD_PORT / HETSEQ_TESTCLUSTER_SLURMD_PORT_BASE"
+our_ports() { local n; echo "$CTLD_PORT"; for n in "${NODES[@]}"; do node_port "$n"; done; }
+
+ports_free() {
+    local p seen=" "
+    for p in $(our_ports); do
+        [[ $seen == *" $p "* ]] && return 1   # the ctld port among the slurmd ports
+        seen+="$p "
+        port_in_use "$p" && return 1
     done
     return 0
+}
+
+# pick_ports: the ports set by the environment must be free; "auto" ones are picked at random in
+# 10000-14999 (below the jobs' rendezvous ports, 15000 + job id % 20000, and Linux's ephemeral
+# range) until all five are free, so that clusters of several clones or users never share one.
+pick_ports() {
+    local want_ctld=$CTLD_PORT want_base=$SLURMD_PORT_BASE try base
+    if [[ $want_ctld != auto && $want_base != auto ]]; then
+        ports_free && return 0
+        die 1 "a port of $(our_ports | tr '\n' ' ')is already in use (another Slurm cluster on" \
+            "this host?): set HETSEQ_TESTCLUSTER_CTLD_PORT / HETSEQ_TESTCLUSTER_SLURMD_PORT_BASE" \
+            "to free ports, or leave them unset (auto)"
+    fi
+    for try in $(seq 1 100); do
+        base=$(( 10000 + (RANDOM % 499) * 10 ))
+        [[ $want_ctld == auto ]] && CTLD_PORT=$base
+        [[ $want_base == auto ]] && SLURMD_PORT_BASE=$base
+        ports_free && { log "ports: slurmctld $CTLD_PORT, slurmd $(( SLURMD_PORT_BASE + 1 ))-$(( SLURMD_PORT_BASE + ${#NODES[@]} ))"; return 0; }
+    done
+    die 1 "found no free ports for slurmctld and 4 slurmd after $try tries"
 }
 
 # Slurm daemons daemonize themselves and write their pid file (SlurmctldPidFile, SlurmdPidFile).
@@ -470,6 +541,19 @@ start_failed() {
     exit 1
 }
 
+# start_controller (under $LOCK): pick ports and a job-id slot, write the configuration, start
+# slurmctld and wait until it answers; a later start then sees its ports and slot in use.
+start_controller() {
+    pick_ports
+    pick_first_job_id
+    write_slurm_conf
+    write_gres_conf
+    write_env_sh
+    # -i: ignore errors reading state files (there are none: StateSaveLocation was wiped; the
+    # "Could not open ... state file" errors in slurmctld.log are expected).
+    slurmctld -i && adopt slurmctld "$RUN/slurmctld.pid" && wait_until "$TIMEOUT" ctld_ping
+}
+
 cmd_start() {
     check_settings
     local t0; t0=$(now)
@@ -485,19 +569,10 @@ cmd_start() {
         log "cluster in $DIR is partially running: stopping it first"
         cmd_stop
     fi
-    check_ports
-
     prepare_dirs
     make_fake_gpus
-    write_slurm_conf
-    write_gres_conf
-    write_env_sh
     start_munge
-
-    # -i: ignore errors reading state files (there are none: StateSaveLocation was wiped; the
-    # "Could not open ... state file" errors in slurmctld.log are expected).
-    if ! slurmctld -i || ! adopt slurmctld "$RUN/slurmctld.pid" ||
-       ! wait_until "$TIMEOUT" ctld_ping; then
+    if ! with_lock start_controller; then
         log "slurmctld did not come up within ${TIMEOUT}s"
         start_failed
     fi
@@ -583,9 +658,60 @@ our_leftovers() {   # our_leftovers stepd|job
     return 0
 }
 
+# other_confs: SLURM_CONF of every other running slurmctld on this host (one per line).
+other_confs() {
+    local d
+    for d in /proc/[0-9]*; do
+        [[ "$(cat "$d/comm" 2>/dev/null)" == slurmctld ]] || continue
+        pid_alive "${d#/proc/}" && ! pid_has_our_conf "${d#/proc/}" || continue
+        tr '\0' '\n' 2>/dev/null < "$d/environ" | sed -n 's/^SLURM_CONF=//p' | head -n1
+    done
+    return 0
+}
+
+# pick_first_job_id: the first job-id slot (JOB_ID_SLOT ids each) that no other running
+# cluster's FirstJobId falls in (a cluster without FirstJobId starts at 1: slot 0).
+pick_first_job_id() {
+    local conf id used=" " slot
+    while IFS= read -r conf; do
+        [[ -n $conf ]] || continue
+        id=$(sed -n 's/^FirstJobId=//p' "$conf" 2>/dev/null | head -n1)
+        [[ $id =~ ^[0-9]+$ ]] || id=1
+        used+="$(( (id - 1) / JOB_ID_SLOT )) "
+    done < <(other_confs)
+    for (( slot = 0; slot < JOB_ID_SLOTS; slot++ )); do
+        if [[ $used != *" $slot "* ]]; then
+            FIRST_JOB_ID=$(( 1 + slot * JOB_ID_SLOT ))
+            (( slot == 0 )) || log "job ids start at $FIRST_JOB_ID (other test clusters run here)"
+            return 0
+        fi
+    done
+    die 1 "$JOB_ID_SLOTS test clusters already run on this host: stop one first"
+}
+
+# other_slurm: the state directory of another running test cluster on this host (its slurmctld's
+# SLURM_CONF is <dir>/etc/slurm.conf), else "pid N" of any other Slurm daemon, else nothing.
+other_slurm() {
+    local d comm conf any=""
+    for d in /proc/[0-9]*; do
+        comm=$(cat "$d/comm" 2>/dev/null) || continue
+        [[ $comm == slurmctld || $comm == slurmd ]] || continue
+        pid_alive "${d#/proc/}" || continue
+        pid_has_our_conf "${d#/proc/}" && continue
+        conf=$(tr '\0' '\n' 2>/dev/null < "$d/environ" | sed -n 's/^SLURM_CONF=//p' | head -n1)
+        if [[ $conf == */etc/slurm.conf && -d ${conf%/etc/slurm.conf}/run/ours ]]; then
+            echo "${conf%/etc/slurm.conf}"
+            return 0
+        fi
+        any=${any:-"pid ${d#/proc/}"}
+    done
+    [[ -n $any ]] && echo "$any"
+    return 0
+}
+
 cmd_stop() {
     check_settings
-    local t0 d pid pids=() leftovers; t0=$(now)
+    local t0 d pid other pids=() leftovers; t0=$(now)
     if ! any_ours_alive; then
         log "no daemon of ours is running (state dir $DIR)"
     else
@@ -608,8 +734,18 @@ cmd_stop() {
         fi
         if ours_alive munged; then
             pid=$(recorded_pid munged)
-            log "stopping munged (pid $pid, started by us)"
-            stop_pids 10 "$pid"
+            other=$(other_slurm)
+            if [[ -n $other ]]; then
+                # another cluster authenticates through it: leave it running; a test cluster
+                # takes it over (its stop stops it)
+                if [[ $other == /* && -d $other/run/ours && ! -e $other/run/ours/munged.pid ]]; then
+                    printf '%s\n' "$pid" > "$other/run/ours/munged.pid"
+                fi
+                log "leaving munged (pid $pid) running: Slurm of $other still uses it"
+            else
+                log "stopping munged (pid $pid, started by us)"
+                stop_pids 10 "$pid"
+            fi
         fi
     fi
     rm -f "$OURS"/*.pid 2>/dev/null || true

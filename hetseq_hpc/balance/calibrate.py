@@ -11,15 +11,12 @@ the slowest one keeps timing passes of the same two sizes while it would otherwi
 the exchange of calibrations (``wait_for_peers``; at most :data:`MAX_EXTRA_PASSES`): on a
 mixed cluster the fast ranks, whose passes are short and most easily disturbed, get the most
 passes, and the start-up does not get longer (at most by the one pass a rank is in when the
-slowest finishes). Measured on the 2-core AMD VM: a fast rank's faster of two passes at 16
-samples ranged 89.6-107.4 ms over six starts (105.5 ms once: 13 % above its per-sample time in
-training, which put the first split one sample off); with the extra passes its fitted t(16)
-was 85-100 ms over fifteen (docs/benchmarks.md, 2026-11-24). No optimizer step touches the
-model; gradients are dropped afterwards. Memory: bytes the autograd graph saves for backward,
-counted with ``torch.autograd.graph.saved_tensors_hooks`` in the warm-up pass and the first small
-pass (the slope is the per-sample activation memory; works on any device), and on CUDA also
-the peak allocated memory, whichever is larger. The default 4 passes (2 of each size) cost
-about what the earlier one-size calibration (warm-up + 3 passes at ``m``) did.
+slowest finishes). No optimizer step touches the model; gradients are dropped afterwards.
+
+Memory: bytes the autograd graph saves for backward, counted with
+``torch.autograd.graph.saved_tensors_hooks`` in the warm-up pass and the first small pass (the
+slope is the per-sample activation memory; works on any device), and on CUDA also the peak
+allocated memory, whichever is larger.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ One function, :func:`placement_for`, answers for a rank: its CPU threads, its em
 its memory budget, its partition and GPU class, and its requested precision. The worker calls
 it with its :class:`~hetseq_hpc.env.world.WorldInfo`, the local launcher to set
 ``OMP_NUM_THREADS``, and the planner (through :func:`plan_placements`) for every rank of a world
-that is not started. The formulas the three used to carry in copies live here too: the CPU
+that is not started. The formulas the three share live here too: the CPU
 thread split (:func:`cpu_threads`), the calibration micro-batch
 (:func:`calibration_micro_batch`), the memory budget (:func:`memory_budget_bytes`) and the
 emulation quota (:func:`emulated_cpus`, from :mod:`hetseq_hpc.env.emulation`).

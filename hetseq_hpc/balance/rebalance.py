@@ -1,4 +1,5 @@
-"""Online re-balancing with the allocation's own cost model, refitted from measured step times.
+"""Online re-balancing with the allocation's own cost model, refitted from measured step times,
+that tells noise from a real speed change by the measurements' own uncertainty.
 
 Every ``trainer.rebalance_interval`` steps (``trainer.rebalance_every``; by default 10 for a
 measured split, never for a forced ``trainer.allocation``) all ranks hold the same table of
@@ -19,21 +20,35 @@ decide nothing and keep accumulating):
   (:func:`~hetseq_hpc.balance.curves.fit_compute`);
 * its per-step fixed cost ``f`` is the median of its measured ``tail_time_s`` (optimizer step,
   clipping, logging: the local work between two steps);
-* the global batch is re-split by :func:`~hetseq_hpc.balance.curves.min_max_split` and the split is
-  taken only if it cuts the predicted step time by at least half of ``threshold`` (hysteresis).
+* the global batch is re-split by :func:`~hetseq_hpc.balance.curves.min_max_split`, but a move
+  is sized by what the measurements support (:meth:`Rebalancer._supported_move`): each rank's
+  curve is moved to the unfavourable end of its confidence interval (:data:`CONFIDENCE_Z`
+  standard errors of its window's median, from the window's own spread and the rank's spread
+  over the run, :func:`relative_error`) -- ranks that would gain samples taken as slower, those
+  that would lose them as faster -- and the min-max split of those curves is taken only if it
+  still cuts the step time by ``threshold / 4`` at that end. Noise moves nothing; a clear
+  change moves the split at once, as far as the evidence goes. A move back toward the split
+  the last move left (within :data:`REVERSAL_MEMORY_STEPS`) needs :data:`REVERSAL_FACTOR`
+  times the evidence; a move further the same way :data:`CONTINUATION_FACTOR` times.
+* when some rank's speed changed, every rank is measured over the SAME latest steps, so a
+  neighbour that slows all ranks alike moves no sample;
+* a window shorter than :data:`MIN_WINDOW_S` of busy time decides nothing (steps too short to
+  time are timed over more of them); after a move that stopped short of the point estimate
+  the next decision comes :data:`FOLLOW_UP_STEPS` steps later (:meth:`Rebalancer.due`).
 
 Between two decisions, :meth:`Rebalancer.speed_changed` looks at every step: when each of some
 rank's last :data:`RECENT_STEPS` steps (since the last switch) is off its curve by more than
 :data:`URGENT_FACTOR` x ``threshold`` in the same direction, the decision is taken at once
 instead of at the next interval (every rank sees the same table, so all decide at the same step).
-A sudden speed change is therefore corrected a few steps after it, in one move to the
-refitted optimum, not by moving a sample at a time (LBB, J. Supercomputing 2024, moves single
+A sudden speed change is therefore corrected a few steps after it, in one or two moves sized by
+the evidence, not by moving a sample at a time (LBB, J. Supercomputing 2024, moves single
 samples inside its dead band). The global batch, which samples form it and the loss
 normalisation do not change, so the update is still exactly one step on the whole global batch.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -52,6 +67,55 @@ MAX_POINTS = 4
 #: two splits are "different enough" for a refit of a and c when their (micro-batches, samples)
 #: vectors differ in direction by this share
 MIN_SPREAD = 0.15
+#: a move is sized by the one-sided confidence bound of the rates at this many standard errors
+#: (about 98 % one-sided for a normal error): what the measurements support, not the point
+#: estimate alone
+CONFIDENCE_Z = 2.0
+#: a move back toward the split the last move left needs this many times the evidence
+REVERSAL_FACTOR = 2.0
+#: a move further in the direction of the last one (a change still being caught up with) needs
+#: this share of the evidence
+CONTINUATION_FACTOR = 0.7
+#: ... while that move is at most this many steps old (after that the split has settled)
+REVERSAL_MEMORY_STEPS = 100
+#: a window is measured over at least this much busy time; shorter steps are timed over more
+#: steps (a 1 ms step is mostly timer and scheduler noise)
+MIN_WINDOW_S = 0.25
+#: after a move that stopped short, the next decision comes after this many measured steps
+FOLLOW_UP_STEPS = 5
+#: relative standard error assumed for a rank whose window has a single step
+UNKNOWN_ERROR = 0.5
+
+
+#: two-sided 95 % Student t quantiles over the normal one (1.96), for a window of n steps
+#: (n - 1 degrees of freedom): a spread read from 2-5 steps is itself uncertain
+_T_INFLATION = {2: 6.5, 3: 2.2, 4: 1.6, 5: 1.4}
+
+
+def relative_spread(times_s: Sequence[float]) -> float:
+    """Step-to-step relative spread (a sigma) of ``times_s``: ``1.4826 x MAD / median`` from 6
+    steps on (robust to a stalled step), the standard deviation of ``log t`` below that
+    (inflated by the Student t quantile: few steps understate a spread);
+    :data:`UNKNOWN_ERROR` for fewer than two times."""
+    times = [float(t) for t in times_s if t > 0]
+    n = len(times)
+    if n < 2:
+        return UNKNOWN_ERROR
+    if n >= 6:
+        med = statistics.median(times)
+        return 1.4826 * statistics.median(abs(t - med) for t in times) / med
+    return statistics.stdev(math.log(t) for t in times) * _T_INFLATION.get(n, 1.0)
+
+
+def relative_error(times_s: Sequence[float], floor_sigma: float = 0.0) -> float:
+    """Relative standard error of the median of ``times_s`` (``sqrt(pi/2) sigma / sqrt(n)``,
+    the median's efficiency on normal noise), with sigma at least ``floor_sigma`` (the rank's
+    spread seen over the run so far: three quiet steps do not prove a quiet device)."""
+    n = len([t for t in times_s if t > 0])
+    if n < 2:
+        return UNKNOWN_ERROR
+    sigma = max(relative_spread(times_s), floor_sigma)
+    return 1.2533 * sigma / math.sqrt(n)
 
 
 def _spread(designs: Sequence[Tuple[float, float]]) -> float:
@@ -87,6 +151,11 @@ class Rebalancer:
         self._curves: List[Optional[CostCurve]] = (
             list(self.curves) if self.curves is not None else [None] * len(self.caps))
         self._points = [[] for _ in self.caps]
+        self._errors: List[float] = [UNKNOWN_ERROR] * len(self.caps)
+        self._spread: List[float] = [0.0] * len(self.caps)  # each rank's step-to-step sigma
+        self._last_move: Optional[Tuple[List[int], List[int]]] = None
+        self._last_move_step = 0
+        self._follow_up = False  # the last move stopped short of the point estimate
 
     @property
     def fitted(self) -> List[Optional[CostCurve]]:
@@ -97,27 +166,49 @@ class Rebalancer:
         """Add one step's table (its ``samples``, ``compute_time_s`` and ``tail_time_s``)."""
         self._window.append(per_rank)
 
-    def _refit(self, rank: int, accum: int, rows: List[StepStats]) -> CostCurve:
+    def _note_error(self, rank: int, rows: List[StepStats],
+                    used: Optional[List[StepStats]] = None) -> None:
+        """Update rank ``rank``'s run-long spread from a window's ``rows`` (the larger of the
+        old value and this window's, decaying slowly), and the relative error of the
+        measurement taken from ``used`` (default all ``rows``)."""
+        spread = relative_spread([row.compute_time_s for row in rows]) if len(rows) >= 6 else 0.0
+        self._spread[rank] = max(spread, 0.9 * self._spread[rank])
+        times = [row.compute_time_s for row in (rows if used is None else used)]
+        self._errors[rank] = relative_error(times, self._spread[rank])
+
+    def _changed(self, rank: int, accum: int, rows: List[StepStats]) -> bool:
+        """Whether every one of rank ``rank``'s last :data:`RECENT_STEPS` steps in ``rows`` is
+        off its curve by more than ``threshold`` in the same direction (a speed change, not a
+        noisy step or two)."""
+        prior = self._curves[rank]
+        late = rows[-RECENT_STEPS:]
+        if prior is None or len(late) < RECENT_STEPS:
+            return False
+        ratios = [row.compute_time_s / prior.compute_s(row.samples, accum) for row in late]
+        return min(ratios) > 1.0 + self.threshold or max(ratios) < 1.0 - self.threshold
+
+    def _refit(self, rank: int, accum: int, rows: List[StepStats], changed: bool) -> CostCurve:
         """Rank ``rank``'s curve after a window of ``rows`` run as ``accum`` micro-batches.
 
-        The window's measurement is the median compute time of all its steps; only when every
-        one of its last :data:`RECENT_STEPS` steps is off the prior by more than ``threshold``
-        in the same direction (a speed change, not a noisy step or two) is it the median of
-        those steps alone, and the older windows are forgotten."""
+        The window's measurement is the median compute time of all its steps; when some rank's
+        speed changed (``changed``, :meth:`_changed` of any rank: the SAME steps for every
+        rank, so a neighbour that slows all ranks alike moves no sample) it is the median of
+        the last :data:`RECENT_STEPS` steps alone, and the older windows are forgotten."""
         samples = rows[0].samples
         recent = rows[-RECENT_STEPS:]  # a change inside the window shows in its last steps
         tail = statistics.median(getattr(row, "tail_time_s", 0.0) for row in rows)
         prior = self._curves[rank]
         if prior is None:
             measured = statistics.median(row.compute_time_s for row in rows)
+            self._note_error(rank, rows)
             self._points[rank] = [(accum, samples, measured)]
             return CostCurve(0.0, measured / max(samples, 1), tail)
         ratios = [row.compute_time_s / prior.compute_s(row.samples, accum) for row in rows]
         late = ratios[-len(recent):]
-        changed = len(late) == RECENT_STEPS and (min(late) > 1.0 + self.threshold
-                                                 or max(late) < 1.0 - self.threshold)
+        changed = changed and len(recent) == RECENT_STEPS
         used = recent if changed else rows
         measured = statistics.median(row.compute_time_s for row in used)
+        self._note_error(rank, rows, used)
         ratio = statistics.median(late if changed else ratios)
         points = [] if changed else [p for p in self._points[rank]
                                      if (p[0], p[1]) != (accum, samples)]
@@ -128,6 +219,51 @@ class Rebalancer:
             a, c = fit_compute(designs, [t for _, _, t in points])
             return CostCurve(a, c, tail)
         return prior.scaled(ratio).with_step_fixed(tail)
+
+    def _supported_move(self, curves: List[CostCurve], current: List[int], best: List[int],
+                        step: int) -> Tuple[List[int], bool, float]:
+        """The split the measurements support with confidence, whether the move reverses the
+        last one, and the gain of that split at the unfavourable end of the intervals.
+
+        Each rank's curve is moved to the unfavourable end of its confidence interval
+        (:data:`CONFIDENCE_Z` standard errors of its window's median, :func:`relative_error`;
+        :data:`REVERSAL_FACTOR` times that for a move back toward the split the last move
+        left, within :data:`REVERSAL_MEMORY_STEPS`): a rank that would gain samples is taken as slower, one that would lose samples
+        as faster. The min-max split of those curves is the move the evidence supports: the
+        point estimate's move when the window is steady, a smaller one (or none) when it is
+        noisy, so no rank's share drops below what its curve supports with confidence."""
+        direction = [b - c for b, c in zip(best, current)]
+        recent = self._last_move is not None and step - self._last_move_step <= REVERSAL_MEMORY_STEPS
+        agreement = sum(d * (to - frm) for d, frm, to in zip(direction, *self._last_move)) \
+            if recent else 0
+        reversal = agreement < 0
+        # the split follows the RATIO of the moving ranks' rates, whose relative error is the
+        # root sum of squares of theirs: each moves by its share of that bound
+        moving = sum(1 for d in direction if d) or 1
+        factor = REVERSAL_FACTOR if reversal else CONTINUATION_FACTOR if agreement > 0 else 1.0
+        z = CONFIDENCE_Z * factor / math.sqrt(moving)
+        cautious = [
+            curve.scaled(1.0 + z * err) if d > 0 else
+            curve.scaled(max(1.0 - z * err, 0.1)) if d < 0 else curve
+            for curve, err, d in zip(curves, self._errors, direction)
+        ]
+        target = min_max_split(cautious, sum(current), list(self.caps))
+        if any((t - c) * d < 0 or (d == 0 and t != c)
+               for t, c, d in zip(target, current, direction)):
+            return current, reversal, 0.0  # the cautious optimum points elsewhere: no move
+        now = predicted_step_s(cautious, current, self.caps)
+        then = predicted_step_s(cautious, target, self.caps)
+        return target, reversal, (now - then) / now if now > 0 else 0.0
+
+    def due(self, step: int, every: int, allocation: Allocation) -> bool:
+        """Whether to decide after ``step``: every ``every`` steps; at once on a speed change
+        (:meth:`speed_changed`); and, after a move that stopped short of the point estimate
+        (the evidence then supported only part of it), as soon as the new split has run
+        :data:`FOLLOW_UP_STEPS` measured steps. A pure function of the recorded tables: every
+        rank gets the same answer."""
+        if step % every == 0 or self.speed_changed(allocation):
+            return True
+        return self._follow_up and len(self._window) - self._skip_rows >= FOLLOW_UP_STEPS
 
     def speed_changed(self, allocation: Allocation) -> bool:
         """True when some rank's last :data:`RECENT_STEPS` recorded steps of ``allocation``
@@ -160,16 +296,24 @@ class Rebalancer:
             self.record(per_rank)
         if len(self._window) - self._skip_rows < RECENT_STEPS:
             # an interval that falls one or two steps after an early decision: the median of
-            # so few steps is one noisy step (measured: a 291 ms outlier among ~190 ms steps
-            # moved a good 25/7 split to 27/5); the window keeps filling until the next interval
+            # so few steps is one noisy step; the window keeps filling until the next interval
             return None
-        window, self._window = self._window[self._skip_rows:], []
+        pending = self._window[self._skip_rows:]
+        if not self.speed_changed(allocation) and sum(
+                max(r.compute_time_s + getattr(r, "tail_time_s", 0.0) for r in row)
+                for row in pending) < MIN_WINDOW_S:
+            return None  # steps too short to time: measure over more of them
+        window, self._window = pending, []
+        self._follow_up = False
         self._skip_rows = 0
         shares = allocation.shares
-        for rank, share in enumerate(shares):
-            rows = [row[rank] for row in window if row[rank].samples == share.samples]
+        mine = [[row[rank] for row in window if row[rank].samples == share.samples]
+                for rank, share in enumerate(shares)]
+        changed = any(rows and self._changed(rank, shares[rank].accum_steps, rows)
+                      for rank, rows in enumerate(mine))
+        for rank, rows in enumerate(mine):
             if rows:
-                self._curves[rank] = self._refit(rank, share.accum_steps, rows)
+                self._curves[rank] = self._refit(rank, shares[rank].accum_steps, rows, changed)
         if any(c is None for c in self._curves):
             return None
         curves: List[CostCurve] = list(self._curves)
@@ -177,19 +321,25 @@ class Rebalancer:
                                   for row in window) for r in range(len(shares))]
         mean = sum(busy) / len(busy)
         straggle = (max(busy) - min(busy)) / mean if mean > 0 else 0.0
+        current = list(allocation.samples)
         best = min_max_split(curves, allocation.global_batch_size, list(self.caps))
-        if best == allocation.samples:
+        if best == current:
             return None
-        now = predicted_step_s(curves, allocation.samples, self.caps)
-        then = predicted_step_s(curves, best, self.caps)
-        gain = (now - then) / now if now > 0 else 0.0
+        now = predicted_step_s(curves, current, self.caps)
+        gain = (now - predicted_step_s(curves, best, self.caps)) / now if now > 0 else 0.0
         if gain < self.threshold / 4:  # noise: not even worth a record
             return None
-        taken = gain >= self.threshold / 2
+        target, reversal, supported_gain = self._supported_move(curves, current, best, step)
+        taken = target != current and supported_gain >= self.threshold / 4
         self.decisions.append({"step": step, "straggle": straggle, "gain": gain,
-                               "from": allocation.samples, "to": best, "taken": taken})
+                               "from": current, "to": target if taken else best, "best": best,
+                               "supported_gain": supported_gain, "reversal": reversal,
+                               "errors": [round(e, 4) for e in self._errors], "taken": taken})
         if not taken:
             return None
+        self._follow_up = target != best  # more steps will narrow the interval: look again soon
+        best = target
+        self._last_move, self._last_move_step = (current, list(best)), step
         self._skip_rows = 1
         return allocate([c.samples_per_s(cap) for c, cap in zip(curves, self.caps)],
                         allocation.global_batch_size, list(self.caps), forced=best,

@@ -1,6 +1,6 @@
 """Hand a validated run to its launcher (local ranks, or one SLURM het job), and say how it
-ended: the summary of a local run, or the one-line error with its exit code
-(:mod:`hetseq_hpc.cli.exit_codes`)."""
+ended: the summary of a local run or of a SLURM job waited for, or the one-line error with its exit code
+(:data:`hetseq_hpc.errors.EXIT_CODES`)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ def dispatch(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
         return summary
     from hetseq_hpc.launch.slurm import launch_slurm
 
-    return launch_slurm(run, run_dir)
+    result = launch_slurm(run, run_dir)
+    _report(result.get("summary") or {}, run_dir)  # a job waited for (cluster.wait=true)
+    return result
 
 
 def _report(summary: Dict[str, Any], run_dir: Path) -> None:
@@ -46,11 +48,13 @@ def _report(summary: Dict[str, Any], run_dir: Path) -> None:
         log.info("  rank %d %-28s %5d samples, %s samples/s", rank["rank"], rank["device"],
                  rank["samples"], f"{thr:.1f}" if thr else "n/a")
     log.info("metrics: %s  allocation: %s", RunDir(run_dir).metrics, RunDir(run_dir).allocation)
+    if summary.get("plot"):
+        log.info("plot: %s", summary["plot"])
 
 
 def dispatch_or_exit(run: RunConfig, run_dir: Path, new_dir: bool = False) -> Any:
     """:func:`dispatch`, with every error as one line and its exit code
-    (:func:`~hetseq_hpc.cli.exit_codes.report_error`). A SLURM run refused before anything was
+    (:func:`~hetseq_hpc.errors.report_error`). A SLURM run refused before anything was
     submitted (``sinfo`` checks, ``sbatch`` refusing, Slurm missing) removes the run directory
     when it was ``new_dir`` (created by Hydra for this attempt): a rejected attempt leaves
     nothing behind. A job that stopped after a checkpoint and will not go on by itself (its

@@ -3,7 +3,7 @@
 :func:`run_with_hydra` composes ``conf/`` with the command-line overrides and validates the
 whole configuration once before Hydra does (nothing is created on a bad value), then starts
 Hydra's ``@hydra.main`` function, which validates again and hands the run to its launcher
-(:mod:`hetseq_hpc.cli.dispatch`). Errors are one line (:mod:`hetseq_hpc.cli.exit_codes`).
+(:mod:`hetseq_hpc.cli.dispatch`). Errors are one line (:data:`hetseq_hpc.errors.EXIT_CODES`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from hetseq_hpc.cli.dispatch import dispatch_or_exit
 from hetseq_hpc.cli.overrides import run_dir_override, run_dir_problem
-from hetseq_hpc.cli.preflight import check_resume, check_task_code
+from hetseq_hpc.cli.preflight import check_model_fits, check_resume, check_task_code
 from hetseq_hpc.config import (
     CONF_DIR,
     compose_run_config,
@@ -59,6 +59,7 @@ def precheck_overrides(argv: List[str]) -> None:
     try:
         run = compose_run_config(overrides)
         check_task_code(run)
+        check_model_fits(run)  # from the parameter count: nothing is built
         run_dir = run_dir_override(argv)
         problem = run_dir_problem(run_dir)
         if problem:

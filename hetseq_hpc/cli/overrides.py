@@ -3,11 +3,10 @@ directory, and the options of the config groups. Nothing is composed, imported o
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
 from hetseq_hpc.errors import ConfigError
+from hetseq_hpc.files.user_input import folder_problem
 
 #: config groups whose options are files in conf/<group>/
 GROUPS = ("task", "cluster", "trainer", "optim", "plan")
@@ -65,13 +64,6 @@ def run_dir_override(argv: Sequence[str]) -> str:
 
 def run_dir_problem(path: str) -> Optional[str]:
     """Why the run directory ``path`` cannot be created or written, or None if it can: its
-    nearest existing ancestor must be a writable directory."""
-    target = Path(os.path.expanduser(path)).absolute()
-    existing = target
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"{existing} is a file, not a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{existing} is not writable"
-    return None
+    nearest existing ancestor must be a writable directory
+    (:func:`hetseq_hpc.files.user_input.folder_problem`)."""
+    return folder_problem(path)

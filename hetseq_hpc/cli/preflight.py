@@ -1,12 +1,13 @@
 """Checks made before any process starts or anything is written: the checkpoint a run would
-resume from must exist and fit the run (the same checks the ranks make later)."""
+resume from must exist and fit the run (the same checks the ranks make later), the user's task
+class must import, and the model must fit the memory of a rank (from its parameter count)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
-from hetseq_hpc.errors import CheckpointError
+from hetseq_hpc.errors import CheckpointError, ConfigError
 from hetseq_hpc.files.user_input import file_problem
 
 
@@ -68,3 +69,94 @@ def check_task_code(run: Any) -> None:
         from hetseq_hpc.tasks.custom import resolve_target
 
         resolve_target(target, getattr(run.task, "path", None))
+
+
+def _gib(nbytes: float) -> str:
+    gib = nbytes / 2**30
+    return f"{gib:.3g} GiB" if gib < 1000 else f"{gib:,.0f} GiB"
+
+
+def _local_gpus() -> int:
+    """Visible GPUs, asked of torch only where an NVIDIA driver is loaded (cheap otherwise)."""
+    if not Path("/proc/driver/nvidia").exists():
+        return 0
+    from hetseq_hpc.config.cluster import visible_gpu_count
+
+    return visible_gpu_count()
+
+
+def rank_memory_limits(run: Any) -> List[Tuple[str, float, str, str]]:
+    """The memory one rank may use, per kind of rank, as the runtime budgets it
+    (:func:`hetseq_hpc.balance.memory.memory_budget_bytes`): ``[(where, bytes, why, fix)]``.
+    cluster=local: ``cluster.memory_budget_gb``, else the RAM this machine (and its memory
+    cgroup) still has, shared by the ranks (none on GPUs: their memory is not asked here);
+    SLURM: each partition's ``memory_budget_gb``, else its GPU's memory (known GPU classes),
+    else ``mem_gb`` per rank of a node."""
+    from hetseq_hpc.config.validate import planned_world_size
+    from hetseq_hpc.env.hardware import read_meminfo
+    from hetseq_hpc.env.memcg import cgroup_memory_room
+    from hetseq_hpc.plan.gpus import GPU_TABLE, normalise_gpu_type
+
+    cluster = run.cluster
+    if cluster.is_local:
+        fix = "fewer ranks (cluster.ranks) or a bigger cluster.memory_budget_gb"
+        if cluster.memory_budget_gb:
+            return [("a rank", cluster.memory_budget_gb * 2**30,
+                     f"cluster.memory_budget_gb={cluster.memory_budget_gb:g}", fix)]
+        if _local_gpus():
+            return []
+        ranks = planned_world_size(run)
+        available = read_meminfo()[1]
+        room = cgroup_memory_room()
+        if room is not None and (not available or room < available):
+            available, what = room, "left under this process's memory cgroup limit"
+        else:
+            what = "of RAM available on this machine"
+        if not available:
+            return []
+        return [("a rank on this machine", available / ranks,
+                 f"{_gib(available)} {what} / {ranks} ranks", fix)]
+    limits = []
+    for key, part in cluster.partitions.items():
+        where, ranks = f"a rank of partition {key}", part.ranks_per_node_effective
+        budget = part.memory_budget_gb or cluster.memory_budget_gb
+        gpu = GPU_TABLE.get(normalise_gpu_type(part.gpu_type)) if part.gpu_type else None
+        if budget:
+            name = ("cluster.partitions." + key if part.memory_budget_gb else "cluster")
+            limits.append((where, budget * 2**30, f"{name}.memory_budget_gb={budget:g}",
+                           f"a bigger {name}.memory_budget_gb or a partition with more memory"))
+        elif gpu is not None:
+            limits.append((where, gpu.memory_gib * 2**30, f"{gpu.label} GPU memory",
+                           "a partition with bigger GPUs"))
+        elif not part.gpu_type:
+            limits.append((where, part.mem_gb * 2**30 / ranks,
+                           f"cluster.partitions.{key}.mem_gb={part.mem_gb:g} / {ranks} ranks "
+                           "per node", f"fewer ranks per node or a bigger cluster.partitions."
+                           f"{key}.mem_gb"))
+    return limits
+
+
+def check_model_fits(run: Any) -> None:
+    """Refuse, before any process starts, a model whose weights, gradients and AdamW state
+    (:data:`~hetseq_hpc.balance.memory.STATIC_PARAM_COPIES` fp32 copies) alone exceed the
+    memory a rank may use (:func:`rank_memory_limits`). The parameter count comes from the
+    task's configuration (:func:`hetseq_hpc.tasks.sizes.param_count`; nothing is built); a task
+    whose size depends on its data or code is not checked here.
+
+    Raises:
+        ConfigError: one line with the parameter count, the bytes needed, the limit and the fix.
+    """
+    from hetseq_hpc.balance.memory import PARAM_BYTES, STATIC_PARAM_COPIES
+    from hetseq_hpc.tasks.sizes import param_count
+
+    count = param_count(run.task)
+    if not count:
+        return
+    need = float(count) * PARAM_BYTES * STATIC_PARAM_COPIES
+    for where, limit, why, fix in rank_memory_limits(run):
+        if need > limit:
+            raise ConfigError(
+                f"task={run.task.name} has about {count:,} parameters: weights, gradients and "
+                f"AdamW state need {_gib(need)} ({STATIC_PARAM_COPIES} x {PARAM_BYTES} bytes per "
+                f"parameter) but {where} may use {_gib(limit)} ({why}): use a smaller task.model "
+                f"(hidden size, layers), {fix}")

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hetseq_hpc.cli.dispatch import dispatch_or_exit
 from hetseq_hpc.cli.overrides import override_key, override_value, run_dir_override
-from hetseq_hpc.cli.preflight import check_resume, check_task_code
+from hetseq_hpc.cli.preflight import check_model_fits, check_resume, check_task_code
 from hetseq_hpc.errors import ConfigError
 from hetseq_hpc.rundir.paths import RunDir
 
@@ -169,6 +169,7 @@ def resume_saved_run(argv: List[str]) -> Optional[int]:
     task_code = guard_saved_task(merged, overrides, run_dir)
     run = to_run_config(merged)
     check_task_code(run)  # imports the task module the user named (or trusted)
+    check_model_fits(run)
     check_resume(run, run_dir)
     _log_to(run_dir)
     log.info("continuing %s from its saved %s%s", run_dir, path.name,

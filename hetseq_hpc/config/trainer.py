@@ -63,8 +63,9 @@ class TrainerConfig:
     rebalance_every: Optional[int] = None
     # straggle (max - min) / mean of per-rank compute time that triggers a re-balance
     rebalance_threshold: float = 0.1
-    # write a PNG of per-rank step times at the end
-    plot: bool = False
+    # write <run dir>/ranks.png at the end (loss and validation, throughput, each rank's share
+    # and step time, re-allocations marked) and log where; a failure to draw only warns
+    plot: bool = True
     # resume even when the checkpoint was written by a run whose configuration differs in
     # what matters (seed, task, model shape, global batch); false = refuse and list the differences
     allow_resume_mismatch: bool = False

@@ -136,9 +136,13 @@ def validate_run_config(run: RunConfig) -> None:
             f">= {world} or use fewer ranks"
         )
     if trainer.allocation is not None and len(trainer.allocation) != world:
+        batch = trainer.global_batch_size
+        even = [batch // world + (1 if r < batch % world else 0) for r in range(world)]
+        example = f", e.g. trainer.allocation=[{','.join(map(str, even))}]" if world <= 16 else ""
         raise ConfigError(
             f"trainer.allocation={list(trainer.allocation)} has {len(trainer.allocation)} entries "
-            f"but the world size is {world}: give one sample count per rank"
+            f"but the world size is {world}: set trainer.allocation=null to let the ranks "
+            f"measure their split, or give {world} sample counts summing to {batch}{example}"
         )
     run.cluster.check_world(world)
     check_grad_combine(trainer.grad_combine, world)

@@ -157,13 +157,20 @@ def output_problem(path: PathLike) -> Optional[str]:
         problem = file_problem(target)
         if problem and problem != "does not exist":  # a dangling symlink is replaced
             return problem
-    existing = target.parent
+    problem = folder_problem(target.parent)
+    return f"cannot be created ({problem})" if problem else None
+
+
+def folder_problem(path: PathLike) -> Optional[str]:
+    """Why a folder cannot be created (or written) at ``path``, or None when it can: its
+    nearest existing ancestor must be a writable folder."""
+    existing = Path(path).expanduser().absolute()
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        return f"cannot be created ({existing} is a file, not a folder)"
+        return f"{existing} is a file, not a folder"
     if not os.access(existing, os.W_OK | os.X_OK):
-        return f"cannot be created ({existing} is not writable)"
+        return f"{existing} is not writable"
     return None
 
 

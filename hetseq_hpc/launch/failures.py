@@ -202,20 +202,22 @@ def read_stop_record(run_dir: Path, job_id: str) -> Optional[Dict[str, Any]]:
     return data if isinstance(data.get("step"), int) else None
 
 
-def signal_reason(code: int, run_dir: Path, rank: int) -> str:
-    """Words for a rank that died of signal ``-code``; a SIGKILL nobody sent is most likely the
-    kernel's OOM killer: say so, with ``allocation.json``'s memory estimate for the rank."""
+def signal_reason(code: int, run_dir: Path, rank: int, oom: Optional[str] = None) -> str:
+    """Words for a rank that died of signal ``-code``. A SIGKILL is called out of memory only
+    when ``oom`` says why (:func:`hetseq_hpc.env.memcg.oom_evidence`: the cgroup's OOM-kill count
+    rose, or the kernel log names the process), with ``allocation.json``'s memory estimate for
+    the rank and the fix; otherwise nobody can tell who sent it, and the words say so."""
     name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
     if -code != signal.SIGKILL:
         return f"killed by signal {name}"
-    reason = (f"killed by signal {name}: probably out of memory (the kernel's OOM killer; "
-              "dmesg names it)")
+    if not oom:
+        return f"killed by {name} (by a user, the scheduler, or the OOM killer)"
+    reason = f"killed by {name}: out of memory (the kernel's OOM killer: {oom})"
     estimate = memory_estimate_gb(run_dir, rank)
     if estimate is not None:
         reason += (f"; the rank was planned to use about {estimate:.2f} GiB (allocation.json: "
-                   "static + activations x micro-batch): lower cluster.memory_budget_gb, shrink "
-                   "task.model or trainer.max_micro_batch")
-    return reason
+                   "static + activations x micro-batch)")
+    return reason + ": lower cluster.memory_budget_gb, shrink task.model or trainer.max_micro_batch"
 
 
 def memory_estimate_gb(run_dir: Path, rank: int) -> Optional[float]:

@@ -35,6 +35,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 from hetseq_hpc.balance.placement import placement_for
 from hetseq_hpc.config import RunConfig, planned_world_size, save_run_config
 from hetseq_hpc.config.validate import visible_gpu_count
+from hetseq_hpc.env.memcg import oom_evidence, oom_kill_counts
 from hetseq_hpc.env.rank_guard import LAUNCHER_PID_ENV
 from hetseq_hpc.env.world import free_port
 from hetseq_hpc.errors import LaunchError
@@ -173,12 +174,17 @@ def _start(cmd: List[str], envs: List[Dict[str, str]], pass_fds: tuple) -> List[
     return procs
 
 
-def _failure_reason(run_dir: Path, rank: int, code: Optional[int]) -> str:
+def _failure_reason(run_dir: Path, rank: int, code: Optional[int], pid: Optional[int] = None,
+                    oom_before: Optional[Dict[str, int]] = None) -> str:
+    """The words for a failed rank: its own error, else its signal. A SIGKILL is called out of
+    memory only with the kernel's word for it (:func:`hetseq_hpc.env.memcg.oom_evidence`: the
+    cgroup's OOM-kill count since ``oom_before``, or the kernel log naming ``pid``)."""
     err = read_error_file(RunDir(run_dir).error_file(rank))
     if err is not None:
         return f"{err.get('type', 'Error')}: {err['message']}"
     if code is not None and code < 0:
-        return signal_reason(code, run_dir, rank)
+        oom = oom_evidence(oom_before or {}, pid) if -code == signal.SIGKILL else None
+        return signal_reason(code, run_dir, rank, oom)
     return f"exit code {code}"
 
 
@@ -235,6 +241,7 @@ def _launch(run: RunConfig, run_dir: Path, poll_s: float, lock_env: Dict[str, st
     cmd = [sys.executable, "-m", "hetseq_hpc.worker", "--config", str(config_path),
            "--run-dir", str(run_dir)]
     procs: List[subprocess.Popen] = []
+    oom_before = oom_kill_counts()  # the ranks inherit this cgroup: did the OOM killer act?
     try:
         procs = _start(cmd, envs, pass_fds)
         codes = _watch(procs, poll_s)
@@ -244,7 +251,8 @@ def _launch(run: RunConfig, run_dir: Path, poll_s: float, lock_env: Dict[str, st
             _stop(procs)
             failed = first_failure(codes, errors, stopped)
             reason = (STOPPED_REASON if failed in stopped and errors.get(failed) is None
-                      else _failure_reason(run_dir, failed, codes.get(failed)))
+                      else _failure_reason(run_dir, failed, codes.get(failed), procs[failed].pid,
+                                        oom_before))
             raise LaunchError(
                 f"rank {failed} failed ({reason}); the other ranks were stopped; see "
                 f"{RunDir(run_dir).rank_log(failed)}"

@@ -64,20 +64,25 @@ def _header(plan: Plan) -> List[str]:
 
 
 def _table(plan: Plan) -> List[str]:
+    """One line per rank class; the partition and device columns are as wide as their longest
+    entry (no label is cut)."""
     bal, eq = plan.prediction.balanced, plan.prediction.equal
     slowest = max(bal.compute_s)
-    head = (f"{'partition':<10} {'device':<24} {'ranks':<12} {'n':>4} {'samples/s':>10} "
-            f"{'cap':>6} | {'samples':>7} {'micro x acc':>11} {'compute':>9} {'busy':>5} | "
-            f"{'equal':>6} {'micro x acc':>11} {'compute':>9}")
+    classes = rank_classes(plan)
+    part_w = max([len("partition")] + [len(str(part)) for part, _ in classes])
+    dev_w = max([len("device")] + [len(plan.ranks[ids[0]].device) for _, ids in classes])
+    head = (f"{'partition':<{part_w}} {'device':<{dev_w}} {'ranks':<12} {'n':>4} "
+            f"{'samples/s':>10} {'cap':>6} | {'samples':>7} {'micro x acc':>11} {'compute':>9} "
+            f"{'busy':>5} | {'equal':>6} {'micro x acc':>11} {'compute':>9}")
     lines = [head, "-" * len(head)]
     previous = None
-    for part, ids in rank_classes(plan):
+    for part, ids in classes:
         spec, first = plan.ranks[ids[0]], ids[0]
         b, e = bal.allocation.shares[first], eq.allocation.shares[first]
         ranks = _ranges(ids)
         ranks = ranks if len(ranks) <= 12 else ranks[:10] + ".."
         lines.append(
-            f"{(part if part != previous else ''):<10} {spec.device[:24]:<24} {ranks:<12} "
+            f"{(part if part != previous else ''):<{part_w}} {spec.device:<{dev_w}} {ranks:<12} "
             f"{len(ids):>4} {spec.samples_per_s:>10.1f} {spec.max_micro_batch:>6} | "
             f"{b.samples:>7} {f'{b.micro_batch} x {b.accum_steps}':>11} "
             f"{_ms(bal.compute_s[first]):>9} {bal.compute_s[first] / slowest:>5.0%} | "

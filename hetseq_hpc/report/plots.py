@@ -1,20 +1,21 @@
-"""Pictures of a run: per-rank step time and samples per step, from ``metrics.jsonl``.
+"""Pictures of a run, from ``metrics.jsonl``.
 
 ``hetseq-hpc report RUN_DIR [--out FILE]`` (or ``python -m hetseq_hpc.report.plots``) writes
-``RUN_DIR/ranks.png`` (or FILE):
-two stacked panels sharing the step axis, per-rank compute time per step (s) and per-rank
-samples per step, one line per rank; a dashed vertical line marks every re-allocation at the
-step it takes effect (``reallocation.at_step``). :func:`text_summary` gives the run in a few
+``RUN_DIR/ranks.png`` (or FILE), and every run writes it at its end (``trainer.plot``, on by
+default): loss and validation loss, throughput, each rank's share of the global batch and
+each rank's step time over the optimizer steps, re-allocations marked
+(:func:`hetseq_hpc.report.figure.build_figure`). :func:`text_summary` gives the run in a few
 lines (``hetseq-hpc report`` prints it).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Optional, Union
+from typing import List, Optional, Union
 
 from hetseq_hpc.errors import ConfigError, HetseqError
 from hetseq_hpc.files.user_input import describe, number, output_problem
+from hetseq_hpc.report.figure import build_figure, rank_label
 from hetseq_hpc.train.metrics import METRICS_NAME, read_metrics
 
 _FIX = "restore the metrics.jsonl a hetseq_hpc run wrote, or delete that row"
@@ -102,16 +103,9 @@ def _png_target(run_dir: Union[str, Path], out_path: Optional[Union[str, Path]])
     return out
 
 
-def _label(rank: dict) -> str:
-    where = rank.get("partition") or rank.get("device") or ""
-    device = rank.get("device") or ""
-    if rank.get("partition") and device:
-        where = f"{rank['partition']}, {device}"
-    return f"rank {rank['rank']} ({where})" if where else f"rank {rank['rank']}"
-
-
 def plot_run(run_dir: Union[str, Path], out_path: Optional[Union[str, Path]] = None) -> Path:
-    """Plot per-rank compute time and samples per step; returns the PNG's path.
+    """Draw the run's four panels (:func:`hetseq_hpc.report.figure.build_figure`); returns
+    the PNG's path.
 
     Args:
         run_dir: run directory holding ``metrics.jsonl``.
@@ -130,62 +124,11 @@ def plot_run(run_dir: Union[str, Path], out_path: Optional[Union[str, Path]] = N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series: Dict[int, Dict[str, list]] = {}
-    labels: Dict[int, str] = {}
-    partitions: Dict[int, str] = {}
-    for row in rows:
-        for rank in row["ranks"]:
-            s = series.setdefault(int(rank["rank"]), {"step": [], "time": [], "samples": []})
-            s["step"].append(row["step"])
-            time_s = rank.get("compute_time_s", rank.get("step_time_s"))
-            s["time"].append(float("nan") if time_s is None else time_s)
-            s["samples"].append(float("nan") if rank.get("samples") is None else rank["samples"])
-            labels.setdefault(int(rank["rank"]), _label(rank))
-            partitions.setdefault(int(rank["rank"]), str(rank.get("partition") or "ranks"))
-    moves = [r["reallocation"] for r in rows if isinstance(r.get("reallocation"), dict)]
-
-    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(10, 6.5),
-                                      gridspec_kw={"height_ratios": [3, 2]})
-    many = len(series) > 12  # then one colour and one legend entry per partition
-    colours: Dict[str, str] = {}
-    for rank in sorted(series):
-        s = series[rank]
-        style = {}
-        label = labels[rank]
-        if many:
-            group = partitions[rank]
-            label = None if group in colours else group
-            colours.setdefault(group, f"C{len(colours) % 10}")
-            style = {"color": colours[group], "alpha": 0.5}
-        top.plot(s["step"], s["time"], lw=1.2, label=label, **style)
-        bottom.step(s["step"], s["samples"], where="post", lw=1.5, **style)
-    for move in moves:
-        at = move.get("at_step")
-        if at is None:
-            continue
-        for ax in (top, bottom):
-            ax.axvline(at, color="0.3", ls="--", lw=1)
-        text = f"re-allocation at step {at}"
-        if len(move.get("to") or []) <= 4:
-            text += f"\n{move.get('from')} -> {move.get('to')}"
-        top.annotate(text, (at, 1.0),
-                     xycoords=("data", "axes fraction"), xytext=(4, -4),
-                     textcoords="offset points", va="top", fontsize=8, color="0.2",
-                     bbox={"fc": "white", "ec": "none", "alpha": 0.8})
-    top.set_ylabel("compute time per step (s)")
-    peak = max((t for s in series.values() for t in s["time"] if t == t), default=0)  # not NaN
-    top.set_ylim(0, 1.2 * peak if peak > 0 else 1)  # room for the re-allocation labels
-    top.set_title(f"per-rank step time and share: {Path(run_dir).resolve().name}")
-    top.legend(fontsize=8, loc="lower left", ncol=2 if len(series) > 4 and not many else 1)
-    bottom.set_ylabel("samples per step")
-    bottom.set_xlabel("optimizer step")
-    bottom.set_ylim(bottom=0)
-    for ax in (top, bottom):
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
+    fig = build_figure(rows, f"run {Path(run_dir).resolve().name}: steps {rows[0]['step']}-"
+                             f"{rows[-1]['step']}, {len(rows[-1]['ranks'])} rank(s)")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=110)
+        fig.savefig(out, dpi=100)
     except OSError as exc:
         raise ConfigError(f"{out} cannot be written ({exc.strerror or exc}): give a writable "
                           "file, e.g. --out ranks.png") from None
@@ -231,7 +174,7 @@ def text_summary(run_dir: Union[str, Path]) -> str:
         times = [r2.get("compute_time_s") for row in rows for r2 in row["ranks"]
                  if r2.get("rank") == rank["rank"]]
         median = _median(times)
-        lines.append(f"  {_label(rank)}: {rank.get('micro_batch')} x {rank.get('accum_steps')} "
+        lines.append(f"  {rank_label(rank)}: {rank.get('micro_batch')} x {rank.get('accum_steps')} "
                      f"= {rank.get('samples')} samples/step, median compute "
                      + (f"{median:.3f} s" if median is not None else "n/a"))
     return "\n".join(lines)

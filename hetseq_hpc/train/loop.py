@@ -26,7 +26,6 @@ import contextlib
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
@@ -52,41 +51,11 @@ from hetseq_hpc.train.loggers import first_logged_loss, open_loggers
 from hetseq_hpc.train.metrics import Progress, run_summary, step_row
 from hetseq_hpc.train.optim import build_optimizer, step_seed
 from hetseq_hpc.train.precision import GradientPath
+from hetseq_hpc.train.records import RankMeta, StepRecord
 from hetseq_hpc.train.sampler import GlobalBatchSampler
 from hetseq_hpc.train.state import capture_rng, check_fingerprint, restore_rng, run_fingerprint
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RankMeta:
-    """Static facts about a rank, reported in metrics.jsonl and allocation.json."""
-
-    rank: int
-    device: str
-    node: str
-    het_group: Optional[int] = None
-    partition: Optional[str] = None
-    gres: Optional[str] = None
-    precision: Optional[str] = None  # what the rank computes in (fp32, bf16, fp16)
-
-
-@dataclass
-class StepRecord:
-    """What one optimizer step produced, as all ranks agree on it (``per_rank`` in rank order;
-    ``stop_code`` is the strongest stop request any rank saw)."""
-
-    step: int
-    epoch: int
-    loss: float
-    lr: float
-    grad_norm: float
-    per_rank: List[StepStats]
-    wall_s: float
-    stop_code: int = 0
-    extra: Dict[str, Any] = field(default_factory=dict)
-    grad_path: Dict[str, Any] = field(default_factory=dict)  # loss scale / skip, payload bytes
-    ended_s: float = 0.0  # time.perf_counter() when the step ended on this rank
 
 
 class Trainer:
@@ -316,8 +285,10 @@ class Trainer:
         """Feed the re-balancer; every ``trainer.rebalance_interval`` steps, or at once when it
         sees a speed change (:meth:`~hetseq_hpc.balance.rebalance.Rebalancer.speed_changed`, the
         same verdict on every rank), all ranks check they decided alike and switch together to
-        its new allocation from the next step. Nothing is decided after the last step or a stop
-        request's step: no step would run the new split."""
+        its new allocation from the next step (:meth:`~hetseq_hpc.balance.rebalance.Rebalancer.due`
+        also calls for a follow-up decision a few steps after a move that the evidence
+        supported only in part). Nothing is decided after the last step or a stop request's
+        step: no step would run the new split."""
         every = self.cfg.rebalance_interval
         if self.rebalancer is None or not every:
             return
@@ -326,18 +297,22 @@ class Trainer:
             # no step follows (the same on every rank): a switch now would leave an allocation
             # that never ran in allocation.json and its measured sync
             return
-        if rec.step % every and not self.rebalancer.speed_changed(self.allocation):
+        if not self.rebalancer.due(rec.step, every, self.allocation):
             return
         new = self.rebalancer.observe(rec.step, self.allocation)
         self.rdv.check_agreement(new.digest() if new else "unchanged",
                                  f"re-balancing decision at step {rec.step}")
         if new is None:
             return
-        log.info("step %d: straggle %.2f -> re-balancing %s -> %s from step %d", rec.step,
-                 self.rebalancer.decisions[-1]["straggle"], self.allocation.samples, new.samples,
-                 rec.step + 1)
+        why = self.rebalancer.decisions[-1]
+        log.info("step %d: straggle %.2f -> re-balancing %s -> %s from step %d (predicted gain "
+                 "%.1f %%, %.1f %% at the cautious end of the rates' intervals)", rec.step,
+                 why["straggle"], self.allocation.samples, new.samples, rec.step + 1,
+                 100 * why["gain"], 100 * why.get("supported_gain", why["gain"]))
         rec.extra["reallocation"] = {"from": self.allocation.samples, "to": new.samples,
-                                     "at_step": rec.step + 1}
+                                     "at_step": rec.step + 1,
+                                     **{k: why[k] for k in ("gain", "supported_gain", "errors")
+                                        if k in why}}
         self.allocation = new
         if self.on_allocation is not None:
             self.on_allocation(new)

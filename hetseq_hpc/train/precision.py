@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
@@ -48,9 +47,6 @@ INIT_SCALE = 2.0**16
 GROWTH_FACTOR = 2.0
 BACKOFF_FACTOR = 0.5
 GROWTH_INTERVAL = 2000
-#: TEST HOOK, like HETSEQ_INJECT_FAILURE: "RANK:STEP" puts inf into that rank's scaled loss
-#: (the one backward sees; the logged loss stays finite) at that optimizer step
-INJECT_ENV = "HETSEQ_INJECT_OVERFLOW"
 
 
 def resolve_precision(requested: str, device_type: str,
@@ -111,13 +107,6 @@ def check_adasum_world(world_size: int) -> None:
         raise ConfigError(f"trainer.grad_combine=adasum needs a power-of-two number of ranks, "
                           f"this run has {world_size}: use 2, 4, 8 ... ranks, or "
                           "trainer.grad_combine=sum")
-
-
-def injected_overflow(rank: int, step: int, env: Optional[Mapping[str, str]] = None) -> bool:
-    """TEST HOOK: True when ``HETSEQ_INJECT_OVERFLOW`` is ``"<rank>:<step>"`` for this rank/step."""
-    value = (os.environ if env is None else env).get(INJECT_ENV, "")
-    parts = value.split(":")
-    return len(parts) == 2 and parts[0].strip() == str(rank) and parts[1].strip() == str(step)
 
 
 @dataclass
@@ -229,8 +218,9 @@ class GradientPath:
         """``loss.backward()``, on ``loss x S / U`` when the scale is in use: the SUM loss's
         gradients are ~U times a mean loss's (``U`` = expected loss units of the global batch),
         so the job-wide constant ``1 / U`` (the same on every rank: the sum stays exact) brings
-        them to a mean loss's size before ``S``, GradScaler's usual operating range. ``state``
-        / ``local_units``: the hook state and this rank's unit count so far (Adasum)."""
+        them to a mean loss's size before ``S``, GradScaler's usual operating range. ``step``:
+        the optimizer step; ``state`` / ``local_units``: the hook state and this rank's unit
+        count so far (Adasum)."""
         if state is not None:
             state.local_units = max(int(local_units), 1)
         self._used_scale = self.loss_scale.factor()
@@ -238,11 +228,7 @@ class GradientPath:
             loss.backward()
             return
         self._loss_factor = self._used_scale / self.expected_units
-        scaled = loss * self._loss_factor
-        if injected_overflow(self.rank, step):
-            log.warning("rank %d: injected overflow at step %d (%s)", self.rank, step, INJECT_ENV)
-            scaled = scaled * float("inf")
-        scaled.backward()
+        (loss * self._loss_factor).backward()
 
     def unscale_factor(self, global_count: int) -> float:
         """What the summed gradients are multiplied by: ``1 / global_count`` (exactly the value

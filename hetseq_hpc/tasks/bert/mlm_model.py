@@ -3,13 +3,12 @@
 A BERT encoder and MLM head (Devlin et al. 2019) in plain PyTorch
 (:mod:`hetseq_hpc.tasks.bert.encoder`), random init, nothing downloaded. It mirrors the layout
 of transformers' ``BertForMaskedLM`` under ``mlm.`` (``mlm.bert.*``, ``mlm.cls.*``, no pooler, the
-decoder tied to the word embeddings), so checkpoints are interchangeable with the
-transformers-built model this project used before, and the same torch seed gives the same
-initial weights. transformers is not imported: it took seconds of every rank's start-up.
+decoder tied to the word embeddings), so checkpoints are interchangeable with a
+transformers-built ``BertForMaskedLM``, and the same torch seed gives the same initial weights.
+transformers is not imported: it takes seconds of every rank's start-up.
 
 The vocabulary projection runs only on the masked positions, ~15% of the tokens: the same loss
-for about 2.7x less compute on small models (measured on this project's CPU, see ../shared notes
-in the repository history).
+for less compute.
 
 Returning the SUM (not the mean) is what makes uneven per-rank batches exact: the trainer
 divides by the GLOBAL number of masked tokens before backward.

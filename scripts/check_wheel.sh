@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Packaging check (issue 21): build the wheel, install it (NOT editable) into a fresh venv, and
+# run a 5-step job from a folder outside the checkout, so that the package finds every config
+# group through its own copy of conf/ (hetseq_hpc/conf is a link to ../conf in the checkout).
+#
+#   bash scripts/check_wheel.sh            # exit 0 when the installed wheel trains
+#
+# run-tests.sh calls it in CI (CI=true). Uses pip's cache; torch==2.13.0 is installed first so
+# nothing pulls another torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+.venv/bin/python -m pip wheel --no-deps -q -w "$work/dist" . >/dev/null
+"$PYTHON" -m venv "$work/venv"
+"$work/venv/bin/python" -m pip install -q torch==2.13.0
+"$work/venv/bin/python" -m pip install -q "$work"/dist/hetseq_hpc-*.whl
+mkdir "$work/elsewhere"
+cd "$work/elsewhere"
+HETSEQ_CACHE="$work/cache" "$work/venv/bin/hetseq-hpc" run task=bert trainer.max_steps=5 \
+  trainer.val_every=0 "hydra.run.dir=$work/run" > "$work/out.log" 2>&1 || {
+  tail -n 20 "$work/out.log" >&2; echo "check_wheel: the installed wheel did not train" >&2; exit 1; }
+"$work/venv/bin/python" - "$work/run" <<'PY'
+import json, pathlib, sys
+import hetseq_hpc
+run = pathlib.Path(sys.argv[1])
+rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+where = pathlib.Path(hetseq_hpc.__file__).resolve()
+assert "site-packages" in str(where), f"imported from {where}, not the installed wheel"
+assert [r["step"] for r in rows] == [1, 2, 3, 4, 5], rows
+print(f"check_wheel: installed wheel ({where.parent}) trained 5 steps outside the checkout")
+PY

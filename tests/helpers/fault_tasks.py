@@ -1,0 +1,82 @@
+"""Test tasks that cause a fault on one rank of a real run (``task=custom``): the tests inject
+their faults here, hetseq_hpc has no switch for them.
+
+Both train the small BERT of :data:`~tests.helpers.runs.SMALL_MODEL` (its sizes given as
+``+task.model.<name>``, the task's options as ``+task.args.<name>``):
+
+* :class:`FailingBert` raises ``RuntimeError("injected failure on rank N")`` in ``load()`` on
+  the rank ``+task.args.fail_rank=N`` names (right after the rendezvous and rank 0's prepare),
+  for testing launchers and error reports;
+* :class:`OverflowBert` puts inf into the scaled loss that backward sees (the logged loss stays
+  finite) on rank ``+task.args.overflow_rank`` at optimizer step
+  ``+task.args.overflow_step``: an fp16 overflow on one rank, for testing the loss scale.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import fields
+from typing import Callable, List
+
+from hetseq_hpc.config.tasks import BertDataConfig, BertModelConfig, BertTaskConfig
+from hetseq_hpc.tasks.bert.mlm_task import BertTask
+from hetseq_hpc.train import precision
+from tests.helpers.runs import REPO, SMALL_MODEL
+
+
+def fault_task(cls: str, **args) -> List[str]:
+    """Overrides that train the small BERT as this module's task ``cls`` with ``args``."""
+    return ["task=custom", f"task.target={__name__}.{cls}", f"task.path={REPO}",
+            *(f"+{override}" for override in SMALL_MODEL),
+            *(f"+task.args.{name}={value}" for name, value in args.items())]
+
+
+def fail_on_rank(rank: int) -> List[str]:
+    """Overrides of a run whose rank ``rank`` raises right after the rendezvous."""
+    return fault_task("FailingBert", fail_rank=rank)
+
+
+def overflow_at(rank: int, step: int) -> List[str]:
+    """Overrides of a run whose rank ``rank`` overflows in the backward pass of ``step``."""
+    return fault_task("OverflowBert", overflow_rank=rank, overflow_step=step)
+
+
+def this_rank() -> int:
+    """This process's rank, from the environment (local launcher: RANK; Slurm: SLURM_PROCID)."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+class _Bert(BertTask):
+    """BERT with ``task.model`` as its model config and the default data (``task=custom``)."""
+
+    def __init__(self, cfg, seed: int):
+        model = {f.name: cfg.model[f.name] for f in fields(BertModelConfig) if f.name in cfg.model}
+        super().__init__(BertTaskConfig(model=BertModelConfig(**model), data=BertDataConfig()),
+                         seed)
+        self.args = dict(cfg.args)
+
+
+class FailingBert(_Bert):
+    def load(self) -> None:
+        if this_rank() == int(self.args["fail_rank"]):
+            raise RuntimeError(f"injected failure on rank {this_rank()}")
+        super().load()
+
+
+def overflowing_backward(backward: Callable, rank: int, step: int) -> Callable:
+    """``GradientPath.backward`` that multiplies the loss by inf on ``rank`` at ``step``."""
+
+    def wrapped(self, loss, at_step, *args, **kwargs):
+        if self.rank == rank and at_step == step:
+            loss = loss * float("inf")
+        return backward(self, loss, at_step, *args, **kwargs)
+
+    return wrapped
+
+
+class OverflowBert(_Bert):
+    def load(self) -> None:
+        super().load()
+        path = precision.GradientPath
+        path.backward = overflowing_backward(path.backward, int(self.args["overflow_rank"]),
+                                             int(self.args["overflow_step"]))

@@ -1,0 +1,231 @@
+"""Checkpoints and run directories under attack and fault (issue 8), with real mounts, processes
+and runs of the CLI: a full filesystem (a real small tmpfs), the run lock held by a live and a
+dead process, a corrupt latest checkpoint, a payload named as trainer.resume, two runs in one
+directory, a resume with another configuration. (File-level checks:
+tests/unit/test_checkpoint_files.py.)"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hetseq_hpc.errors import CheckpointError, LaunchError
+from hetseq_hpc.rundir.lock import FD_ENV, acquire, claim_run_dir, lock_run_dir
+from hetseq_hpc.train.checkpoint import (
+    checkpoint_path,
+    load_checkpoint,
+    save_checkpoint,
+)
+from tests.helpers.checkpoints import Payload, flip_middle, small_state, write_with_checksum
+from tests.helpers.runs import (
+    REPO,
+    SMALL_MODEL,
+    cli_env,
+    losses,
+    read_rows,
+    sigint_as_in_a_terminal,
+    wait_rows,
+)
+
+QUICK = [*SMALL_MODEL, "cluster.ranks=1", "trainer.val_every=0", "trainer.calibration_steps=1",
+         "trainer.global_batch_size=16"]
+
+
+def _cli(run_dir: Path, token_cache: Path, *overrides: str, timeout: float = 600):
+    cmd = [sys.executable, "-m", "hetseq_hpc", *QUICK, *overrides, f"hydra.run.dir={run_dir}"]
+    return subprocess.run(cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 1, f"exit {proc.returncode}\n{proc.stderr[-3000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("hetseq-hpc: error:"), proc.stderr[-3000:]
+    return last
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """``small_tmpfs(size) -> Path``: a real tmpfs of ``size`` (e.g. "7m"), unmounted after."""
+    mounts = []
+
+    def _mount(size: str) -> Path:
+        where = tmp_path / f"tmpfs{len(mounts)}"
+        where.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {proc.stderr.strip()}")
+        mounts.append(where)
+        return where
+
+    yield _mount
+    for where in mounts:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def test_disk_full_with_no_earlier_checkpoint_says_so(small_tmpfs):
+    disk = small_tmpfs("2m")
+    with pytest.raises(CheckpointError, match="no earlier checkpoint exists"):
+        save_checkpoint(small_state(1, size=1_000_000), disk, 1, keep=2)
+
+
+def test_disk_full_keeps_the_previous_checkpoint(small_tmpfs):
+    disk = small_tmpfs("2m")
+    first = save_checkpoint(small_state(1, size=1000), disk, 1, keep=2)
+    with pytest.raises(CheckpointError) as err:
+        save_checkpoint(small_state(2, size=1_000_000), disk, 2, keep=2)  # 4 MB into 2 MB
+    message = str(err.value)
+    assert message.startswith(f"no space left on {disk} ") and "\n" not in message
+    assert "free space or move hydra.run.dir" in message
+    assert "the earlier checkpoint step_00000001.pt is kept" in message  # true, and named
+    left = sorted(p.name for p in (disk / "checkpoints").iterdir())
+    assert left == ["step_00000001.pt", "step_00000001.pt.sha256"], left  # no temp file
+    assert load_checkpoint(first)["step"] == 1
+
+
+# ----------------------------------------------------------------------------- run lock
+def test_run_lock_is_exclusive_inherited_and_dies_with_its_holder(tmp_path):
+    probe = ("import sys; from hetseq_hpc.rundir.lock import claim_run_dir\n"
+             "with claim_run_dir(sys.argv[1], True) as lock: print('ok', lock.owned)")
+    with lock_run_dir(tmp_path) as lock:
+        other = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], cwd=REPO,
+                               capture_output=True, text=True)
+        assert other.returncode == 1 and "is in use by another run" in other.stderr
+        assert f"held by pid={os.getpid()} host=" in other.stderr
+        child = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], cwd=REPO,
+                               capture_output=True, text=True, pass_fds=(lock.fd,),
+                               env={**os.environ, **lock.child_env()})
+        assert child.stdout.strip() == "ok False", child.stderr  # the launcher's own rank
+        with claim_run_dir(tmp_path, False, {}) as none:  # other ranks take nothing
+            assert none is None
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from hetseq_hpc.rundir.lock import acquire\n"
+        "acquire(sys.argv[1]); print('held', flush=True); time.sleep(600)"), str(tmp_path)],
+        cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(LaunchError, match=f"held by pid={holder.pid} "):
+            acquire(tmp_path)
+        holder.kill()
+        holder.wait()
+        acquire(tmp_path).release()  # the kernel dropped the dead holder's lock
+    finally:
+        holder.kill()
+    assert FD_ENV == "HETSEQ_RUN_LOCK_FD"
+
+
+# ----------------------------------------------------------------------------- real runs
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory, token_cache):
+    """A real 2-step run with a checkpoint after every step."""
+    run_dir = tmp_path_factory.mktemp("base")
+    proc = _cli(run_dir, token_cache, "trainer.max_steps=2", "trainer.checkpoint_every=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def _copy(base: Path, dst: Path) -> Path:
+    shutil.copytree(base, dst, ignore=shutil.ignore_patterns(".hetseq.lock"))
+    return dst
+
+
+@pytest.mark.slow
+def test_auto_resume_falls_back_past_a_corrupt_latest(base_run, tmp_path, token_cache):
+    run_dir = _copy(base_run, tmp_path / "run")
+    bad = checkpoint_path(run_dir, 2)
+    damaged = flip_middle(bad)
+    stale = bad.with_name(".step_00000003.pt.999.tmp")
+    stale.write_bytes(b"left by a killed writer")
+    proc = _cli(run_dir, token_cache, "trainer.max_steps=3", "trainer.checkpoint_every=0",
+                "trainer.keep_checkpoints=3", "trainer.resume=auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kept = bad.parent / "corrupt" / bad.name  # moved aside by retention (issue 26), not deleted
+    assert kept.read_bytes() == damaged, "the bad checkpoint must stay for inspection"
+    assert not stale.exists()
+    said = [line for line in (run_dir / "logs" / "rank0.log").read_text().splitlines()
+            if "resuming from" in line]
+    assert len(said) == 1 and str(bad) in said[0] and "step_00000001.pt" in said[0], said
+    rows = read_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[1]["resume_fallback"] == {"bad": [str(bad)],
+                                          "used": str(checkpoint_path(run_dir, 1))}
+    assert "resume_fallback" not in rows[2]
+
+
+@pytest.mark.slow
+def test_explicit_corrupt_checkpoint_stops_with_one_line(base_run, tmp_path, token_cache):
+    run_dir = _copy(base_run, tmp_path / "run")
+    bad = checkpoint_path(run_dir, 2)
+    flip_middle(bad)
+    proc = _cli(tmp_path / "other", token_cache, "trainer.max_steps=3", f"trainer.resume={bad}")
+    last = _error_line(proc)
+    assert str(bad) in last and "is corrupt: its SHA-256" in last
+
+
+@pytest.mark.slow
+def test_payload_as_trainer_resume_is_refused(tmp_path, token_cache):
+    marker = tmp_path / "PWNED"
+    evil = tmp_path / "evil" / "step_00000009.pt"
+    write_with_checksum(evil, {"model": Payload(marker), "format_version": 2})
+    proc = _cli(tmp_path / "run", token_cache, "trainer.max_steps=2", f"trainer.resume={evil}")
+    last = _error_line(proc)
+    assert str(evil) in last and "refused as untrusted" in last
+    assert not marker.exists(), "resuming ran code from the checkpoint"
+
+
+@pytest.mark.slow
+def test_resume_with_another_seed_is_refused(base_run, tmp_path, token_cache):
+    run_dir = _copy(base_run, tmp_path / "run")
+    proc = _cli(run_dir, token_cache, "trainer.max_steps=3", "trainer.seed=2")
+    last = _error_line(proc)
+    assert "was trained with trainer.seed=0; this run has trainer.seed=2" in last
+    assert "trainer.allow_resume_mismatch=true" in last
+    assert max(losses(run_dir)) == 2, "the refused run must not touch metrics.jsonl"
+
+
+@pytest.mark.slow
+def test_disk_full_during_a_real_run_is_one_line(small_tmpfs, token_cache):
+    disk = small_tmpfs("7m")  # room for one ~4.3 MB checkpoint of the small model, not two
+    run_dir = disk / "run"
+    proc = _cli(run_dir, token_cache, "trainer.max_steps=2", "trainer.checkpoint_every=1",
+                "trainer.keep_checkpoints=1")
+    last = _error_line(proc)
+    assert f"no space left on {disk}" in last and "free space or move hydra.run.dir" in last
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "step_00000001.pt", "step_00000001.pt.sha256"]
+    assert load_checkpoint(checkpoint_path(run_dir, 1))["step"] == 1
+
+
+@pytest.mark.slow
+def test_second_run_in_a_busy_run_dir_fails_fast(tmp_path, token_cache):
+    first = subprocess.Popen(
+        [sys.executable, "-m", "hetseq_hpc", *QUICK, "trainer.max_steps=100000",
+         "optim.schedule_steps=100000", "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path}"],
+        cwd=REPO, env=cli_env(token_cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+        preexec_fn=sigint_as_in_a_terminal)
+    try:
+        wait_rows(tmp_path, 2, first)
+        second = _cli(tmp_path, token_cache, "trainer.max_steps=5", "trainer.seed=3",
+                      timeout=300)
+        os.killpg(first.pid, signal.SIGINT)  # Ctrl-C: checkpoint after the current step
+        first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    last = _error_line(second)
+    assert f"run directory {str(tmp_path)!r} is in use by another run (held by pid=" in last
+    assert "choose another hydra.run.dir" in last
+    assert first.returncode == 130
+    rows = read_rows(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), "the runs mixed"
+    latest = sorted((tmp_path / "checkpoints").glob("step_*.pt"))[-1]
+    assert load_checkpoint(latest)["config"]["trainer.seed"] == 0, "the second run wrote it"

@@ -1,0 +1,136 @@
+"""cluster=local launcher: the ranks die with their launcher, the right rank is blamed. Real
+processes, real signals, real gloo; nothing mocked. (Picking the failed rank from what the ranks
+left, and the loopback rendezvous store, in-process: tests/unit/test_failure_attribution.py.)"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.fault_tasks import fail_on_rank
+from tests.helpers.runs import REPO, SMALL_MODEL, cli_env, wait_rows
+
+#: how long ranks that should be gone may still run: a guard against hangs, not a speed check
+#: (the ranks of LONG_RUN would train for hours if nothing stopped them)
+GONE_GUARD_S = 120
+
+LONG_RUN = ["cluster.ranks=2", "trainer.max_steps=100000", "optim.schedule_steps=100000",
+            "trainer.val_every=0", "trainer.checkpoint_every=0"]
+
+
+# ------------------------------------------------------------------ helpers
+def _processes():
+    """``(pid, argv, environment, state)`` of every readable process (from /proc)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                environ = dict(item.partition(b"=")[::2]
+                               for item in (entry / "environ").read_bytes().split(b"\0"))
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            yield int(entry.name), argv, environ, state
+
+
+def _ranks_of(run_dir: Path) -> dict:
+    """rank -> pid of the live worker processes of ``run_dir`` (zombies count as gone)."""
+    return {int(env[b"RANK"]): pid for pid, argv, env, state in _processes()
+            if state != "Z" and b"hetseq_hpc.worker" in argv and b"RANK" in env
+            and str(run_dir).encode() in b" ".join(argv)}
+
+
+def _wait_gone(run_dir: Path, timeout_s: float = GONE_GUARD_S) -> None:
+    """Poll until no worker of ``run_dir`` is alive (``timeout_s``: a guard against hangs)."""
+    start = time.monotonic()
+    while _ranks_of(run_dir):
+        if time.monotonic() - start > timeout_s:
+            pids = _ranks_of(run_dir)
+            for pid in pids.values():  # do not leave them running after a failed test
+                os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"workers {pids} still alive {timeout_s:.0f} s later")
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def _launcher(run_dir: Path, token_cache: Path, *overrides: str, small: bool = True):
+    """The CLI running in the background (its own session); killed with its group on exit."""
+    cmd = [sys.executable, "-m", "hetseq_hpc", *(SMALL_MODEL if small else []), *overrides,
+           f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(token_cache), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _checkpoints(run_dir: Path) -> list:
+    return sorted((run_dir / "checkpoints").glob("step_*.pt"))
+
+
+# ------------------------------------------------------------------ the ranks die with the launcher
+@pytest.mark.slow
+def test_sigterm_to_launcher_checkpoints_and_stops_the_ranks(tmp_path, token_cache):
+    """``kill <launcher>`` (what timeout, a CI cancel or a closed terminal send): the ranks
+    checkpoint after their current step and exit; nobody keeps training."""
+    with _launcher(tmp_path, token_cache, *LONG_RUN) as proc:
+        wait_rows(tmp_path, 3, proc)
+        assert set(_ranks_of(tmp_path)) == {0, 1}
+        os.kill(proc.pid, signal.SIGTERM)
+        _wait_gone(tmp_path)
+        _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "trainer.resume=auto" in stderr.strip().splitlines()[-1]
+    assert _checkpoints(tmp_path), "no checkpoint written on SIGTERM"
+
+
+@pytest.mark.slow
+def test_sigkill_to_launcher_stops_the_ranks_within_seconds(tmp_path, token_cache):
+    """SIGKILL cannot be caught: the ranks' parent-death signal (prctl) makes them checkpoint
+    and exit on their own."""
+    with _launcher(tmp_path, token_cache, *LONG_RUN) as proc:
+        wait_rows(tmp_path, 3, proc)
+        assert set(_ranks_of(tmp_path)) == {0, 1}
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        _wait_gone(tmp_path)
+    assert _checkpoints(tmp_path), "the orphaned ranks wrote no checkpoint"
+
+
+# ------------------------------------------------------------------ the right rank is blamed
+@pytest.mark.slow
+def test_failing_rank_is_named_and_peers_tracebacks_stay_in_their_logs(tmp_path, token_cache):
+    """Rank 1 fails on its own (the test task of fail_on_rank(1) raises in its load()); rank 0
+    only sees it disconnect. Rank 1 is named with its reason, and rank 0's traceback is in its
+    log, not on the console."""
+    with _launcher(tmp_path, token_cache, *fail_on_rank(1), "cluster.ranks=2",
+                   "trainer.max_steps=5", small=False) as proc:
+        _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1
+    last = stderr.strip().splitlines()[-1]
+    assert "rank 1 failed" in last and "injected failure on rank 1" in last, last
+    assert "[rank 0] ERROR" not in stderr, stderr[-3000:]
+    assert stderr.count("Traceback") <= 1, stderr[-3000:]
+    _wait_gone(tmp_path)
+
+
+@pytest.mark.slow
+def test_stopped_rank_is_named_not_the_peer_that_timed_out(tmp_path, token_cache):
+    """SIGSTOP on rank 1: rank 0 times out in a collective and exits first. The old launcher
+    blamed rank 0 (the first to exit); the cause is the stopped rank 1."""
+    with _launcher(tmp_path, token_cache, *LONG_RUN, "cluster.collective_timeout_s=10") as proc:
+        wait_rows(tmp_path, 2, proc)
+        os.kill(_ranks_of(tmp_path)[1], signal.SIGSTOP)
+        _, stderr = proc.communicate(timeout=180)
+    last = stderr.strip().splitlines()[-1]
+    assert "rank 1 failed" in last and "stopped (SIGSTOP" in last, last
+    _wait_gone(tmp_path)

@@ -1,0 +1,69 @@
+"""Checkpoint files under attack and fault (issue 8), in-process on real files: a code-running
+payload, flipped bytes, a checkpoint without a model, a killed write's temp file. (A full
+filesystem, the run lock and real runs of the CLI: tests/integration/test_checkpoint.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hetseq_hpc.distributed.rendezvous import single_process_rendezvous
+from hetseq_hpc.errors import CheckpointError
+from hetseq_hpc.train.checkpoint import (
+    agree_on_checkpoint,
+    checkpoint_path,
+    checksum_path,
+    choose_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from tests.helpers.checkpoints import Payload, flip_middle, small_state, write_with_checksum
+
+
+# ----------------------------------------------------------------------------- file level
+def test_payload_checkpoint_never_runs_code(tmp_path):
+    control = tmp_path / "control"
+    control.mkdir()
+    torch.save(Payload(control / "ran"), control / "evil.pt")
+    torch.load(control / "evil.pt", weights_only=False)
+    assert (control / "ran").exists(), "negative control: the payload must run when trusted"
+
+    marker = tmp_path / "PWNED"
+    save_checkpoint(small_state(1), tmp_path, 1, keep=5)
+    evil = checkpoint_path(tmp_path, 2)
+    write_with_checksum(evil, {"model": Payload(marker), "format_version": 2, "step": 2})
+    choice = choose_checkpoint("auto", tmp_path)  # newest is the payload: skipped, never run
+    assert choice.path == checkpoint_path(tmp_path, 1)
+    assert "refused as untrusted" in choice.skipped[0][1]
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(evil)
+    assert "refused as untrusted" in str(err.value) and str(evil) in str(err.value)
+    assert "\n" not in str(err.value)
+    checksum_path(evil).unlink()  # without a sidecar it is not even unpickled
+    with pytest.raises(CheckpointError, match="checksum file"):
+        load_checkpoint(evil)
+    assert not marker.exists(), "the checkpoint ran code"
+
+
+def test_flipped_bytes_and_missing_model_are_named(tmp_path):
+    path = save_checkpoint(small_state(1, size=100_000), tmp_path, 1, keep=2)
+    load_checkpoint(path)
+    flip_middle(path)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path)
+    assert f"checkpoint {str(path)!r} is corrupt: its SHA-256" in str(err.value)
+    no_model = checkpoint_path(tmp_path, 2)
+    write_with_checksum(no_model, {"optimizer": {}, "scheduler": {}, "step": 2,
+                                   "format_version": 2})
+    with pytest.raises(CheckpointError, match="has no model entry"):
+        load_checkpoint(no_model)
+
+
+def test_stale_temp_files_are_swept_at_start(tmp_path):
+    save_checkpoint(small_state(1), tmp_path, 1, keep=2)
+    stale = checkpoint_path(tmp_path, 2).with_name(".step_00000002.pt.4242.tmp")
+    stale.write_bytes(b"half a checkpoint")
+    with single_process_rendezvous() as rdv:
+        path, state, skipped = agree_on_checkpoint(rdv, "auto", tmp_path)
+    assert not stale.exists()
+    assert path == str(checkpoint_path(tmp_path, 1)) and state["step"] == 1 and skipped == []

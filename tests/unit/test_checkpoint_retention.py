@@ -1,0 +1,78 @@
+"""Issue 26, critical cases 1-2, on real files in-process: retention never deletes the good
+checkpoints (a corrupt newer one is moved aside, another run's and later steps are kept), auto
+resume never picks another run's checkpoint, and a new run archives the earlier run's records.
+(The same performed with the real CLI, and case 3: tests/integration/test_run_safety.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from hetseq_hpc.rundir.history import current_run_id, start_or_continue, write_run_id
+from hetseq_hpc.train.checkpoint import (
+    checkpoint_path,
+    checksum_path,
+    choose_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+from tests.helpers.checkpoints import plant_corrupt
+
+
+def _state(step: int, run_id: str = "") -> dict:
+    state = {"model": {"w": torch.full((8,), float(step))}, "optimizer": {}, "scheduler": {},
+             "step": step}
+    if run_id:
+        state["run_id"] = run_id
+    return state
+
+
+# ----------------------------------------------------------------------------- retention
+def test_retention_keeps_the_new_checkpoint_and_moves_a_corrupt_newer_one_aside(tmp_path):
+    """keep_checkpoints=1 with a corrupt step 20: the checkpoint just written and the newest
+    verified one survive; the corrupt file goes to checkpoints/corrupt/ byte for byte."""
+    save_checkpoint(_state(1, "r1"), tmp_path, 1, keep=1)
+    save_checkpoint(_state(2, "r1"), tmp_path, 2, keep=1)
+    damaged = plant_corrupt(tmp_path, 2, 20)
+    written = save_checkpoint(_state(3, "r1"), tmp_path, 3, keep=1)
+    assert list_checkpoints(tmp_path) == [written]
+    assert load_checkpoint(written)["step"] == 3
+    corrupt = tmp_path / "checkpoints" / "corrupt" / "step_00000020.pt"
+    assert corrupt.read_bytes() == damaged, "the corrupt file must be kept, not deleted"
+    assert checksum_path(corrupt).is_file()
+    assert choose_checkpoint("auto", tmp_path).path == written
+
+
+def test_retention_never_deletes_a_later_step_or_another_runs_checkpoint(tmp_path):
+    write_run_id(tmp_path, "mine")
+    save_checkpoint(_state(1, "theirs"), tmp_path, 1, keep=5)
+    save_checkpoint(_state(9, "mine"), tmp_path, 9, keep=5)  # a later step of this run
+    save_checkpoint(_state(2, "mine"), tmp_path, 2, keep=5)
+    save_checkpoint(_state(3, "mine"), tmp_path, 3, keep=1)  # deletes only step 2
+    assert [p.name for p in list_checkpoints(tmp_path)] == [
+        "step_00000001.pt", "step_00000003.pt", "step_00000009.pt"]
+
+
+def test_auto_resume_never_picks_another_runs_checkpoint(tmp_path):
+    write_run_id(tmp_path, "mine")
+    save_checkpoint(_state(2, "mine"), tmp_path, 2, keep=5)
+    save_checkpoint(_state(40, "theirs"), tmp_path, 40, keep=5)
+    assert choose_checkpoint("auto", tmp_path).path == checkpoint_path(tmp_path, 2)
+
+
+def test_a_new_run_archives_the_earlier_runs_records(tmp_path):
+    write_run_id(tmp_path, "old")
+    save_checkpoint(_state(4, "old"), tmp_path, 4, keep=5)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 4, "loss": 1.0}\n')
+    (tmp_path / "logs").mkdir()
+    run_id, archived = start_or_continue(tmp_path, None)
+    assert run_id != "old" and current_run_id(tmp_path) == run_id
+    assert archived == tmp_path / "previous" / "old"
+    assert (archived / "checkpoints" / "step_00000004.pt").is_file()
+    assert (archived / "metrics.jsonl").read_text() == '{"step": 4, "loss": 1.0}\n'
+    assert json.loads((archived / "run.json").read_text())["run_id"] == "old"
+    assert not (tmp_path / "checkpoints").exists() and (tmp_path / "logs").is_dir()
+    # continuing keeps the id and moves nothing
+    assert start_or_continue(tmp_path, run_id) == (run_id, None)

@@ -1,0 +1,443 @@
+"""Composing the real Hydra config (conf/) and validating it, in-process; nothing is launched.
+(The command line refusing bad values: tests/integration/test_config_cli.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+import hetseq_hpc.config
+from hetseq_hpc.config import (
+    BertTaskConfig,
+    ClusterConfig,
+    LocalClusterConfig,
+    RunConfig,
+    compose_run,
+    load_run_config,
+    save_run_config,
+    to_run_config,
+)
+from hetseq_hpc.errors import ConfigError
+
+
+@pytest.fixture
+def compose_cfg():
+    """``compose_cfg(*overrides)`` -> composed DictConfig of conf/config.yaml."""
+    return lambda *overrides: compose_run(list(overrides))
+
+
+@pytest.fixture
+def run_config(compose_cfg):
+    """``run_config(*overrides)`` -> validated RunConfig."""
+    return lambda *overrides: to_run_config(compose_cfg(*overrides))
+
+
+# --------------------------------------------------------------------------- defaults
+def test_defaults(run_config):
+    # cluster.ranks pinned: the default world size depends on this machine's GPUs
+    run = run_config("cluster.ranks=2")
+    assert isinstance(run, RunConfig)
+    assert isinstance(run.task, BertTaskConfig)
+    assert isinstance(run.cluster, LocalClusterConfig)
+    assert isinstance(run.cluster, ClusterConfig) and run.cluster.is_local
+    assert run.trainer.allow_resume_mismatch is False
+    assert run.task.name == "bert"
+    assert run.cluster.name == "local"
+    assert run.trainer.global_batch_size == 32
+    assert run.trainer.allocation is None
+    assert run.trainer.resume == "auto"
+    assert run.trainer.precision == "auto"
+    assert run.optim.name == "adamw"
+    assert run.task.model.hidden_size == 128
+    assert run.task.data.files == []
+
+
+def test_defaults_without_overrides(compose_cfg):
+    cfg = compose_cfg()
+    assert cfg.task.name == "bert"
+    assert cfg.cluster.name == "local"
+    assert cfg.cluster.ranks is None
+    assert cfg.trainer.global_batch_size == 32
+    run = to_run_config(cfg)  # world size = GPUs here, else 2: both <= 32
+    assert run.cluster.ranks is None
+
+
+@pytest.mark.parametrize(
+    "overrides, getter, value",
+    [
+        pytest.param(["cluster.ranks=3"], lambda r: r.cluster.ranks, 3, id="cluster.ranks"),
+        pytest.param(["cluster.ranks=2", "trainer.global_batch_size=64"],
+                     lambda r: r.trainer.global_batch_size, 64, id="global_batch_size"),
+        pytest.param(["cluster.ranks=2", "trainer.allocation=[24,8]"],
+                     lambda r: r.trainer.allocation, [24, 8], id="allocation"),
+        pytest.param(["cluster.ranks=2", "trainer.max_steps=7"],
+                     lambda r: r.trainer.max_steps, 7, id="max_steps"),
+        pytest.param(["cluster.ranks=2", "trainer.seed=1234"],
+                     lambda r: r.trainer.seed, 1234, id="seed"),
+        pytest.param(["cluster.ranks=2", "trainer.resume=never"],
+                     lambda r: r.trainer.resume, "never", id="resume-never"),
+        pytest.param(["cluster.ranks=2", "trainer.resume=/tmp/ckpt/step_10.pt"],
+                     lambda r: r.trainer.resume, "/tmp/ckpt/step_10.pt", id="resume-path"),
+        pytest.param(["cluster.ranks=2", "task.model.dropout=0.0"],
+                     lambda r: r.task.model.dropout, 0.0, id="dropout-0"),
+        pytest.param(["cluster.ranks=2", "task.model.dropout=0.25"],
+                     lambda r: r.task.model.dropout, 0.25, id="dropout-0.25"),
+    ],
+)
+def test_overrides(run_config, overrides, getter, value):
+    assert getter(run_config(*overrides)) == value
+
+
+def test_allocation_override_with_matching_world(run_config):
+    run = run_config("cluster.ranks=3", "trainer.global_batch_size=12",
+                     "trainer.allocation=[6,4,2]")
+    assert run.trainer.allocation == [6, 4, 2]
+    assert hetseq_hpc.config.planned_world_size(run) == 3
+
+
+def test_existing_data_files_are_accepted(run_config, tmp_path):
+    (tmp_path / "a.txt").write_text("hello world\n")
+    (tmp_path / "b.txt").write_text("more text\n")
+    run = run_config("cluster.ranks=2", f"task.data.files=[{tmp_path}/*.txt]")
+    assert run.task.data.files == [f"{tmp_path}/*.txt"]
+
+
+# --------------------------------------------------------------------------- errors
+@pytest.mark.parametrize(
+    "overrides, names",
+    [
+        pytest.param(["cluster.ranks=0"], ["cluster.ranks=0"], id="ranks-0"),
+        pytest.param(["cluster.ranks=-1"], ["cluster.ranks=-1"], id="ranks-negative"),
+        pytest.param(["cluster.ranks=2", "trainer.global_batch_size=1"],
+                     ["trainer.global_batch_size=1", "world size 2"], id="batch-below-world"),
+        pytest.param(["cluster.ranks=2", "trainer.allocation=[20,8]"],
+                     ["trainer.allocation", "28", "32"], id="allocation-wrong-sum"),
+        pytest.param(["cluster.ranks=2", "trainer.allocation=[16,8,8]"],
+                     ["trainer.allocation", "3 entries", "world size is 2"],
+                     id="allocation-wrong-length"),
+        pytest.param(["cluster.ranks=2", "trainer.allocation=[32,0]"],
+                     ["trainer.allocation"], id="allocation-zero-entry"),
+        pytest.param(["cluster.ranks=2", "task.data.files=[/nonexistent/*.txt]"],
+                     ["task.data.files", "/nonexistent/*.txt"], id="missing-data-file"),
+        pytest.param(["cluster.ranks=2", "task.model.num_heads=3"],
+                     ["task.model.num_heads=3", "128"], id="heads-do-not-divide-hidden"),
+        pytest.param(["cluster.ranks=2", "task.model.dropout=1.0"],
+                     ["task.model.dropout"], id="dropout-1"),
+        pytest.param(["cluster.ranks=2", "optim.lr=0"], ["optim.lr"], id="lr-0"),
+        pytest.param(["cluster.ranks=2", "trainer.precision=fp8"],
+                     ["trainer.precision", "fp8"], id="precision-fp8"),
+        pytest.param(["cluster.ranks=2", "trainer.max_steps=0"], ["trainer.max_steps"],
+                     id="max-steps-0"),
+        pytest.param(["cluster.ranks=2", "trainer.resume=''"], ["trainer.resume"],
+                     id="resume-empty"),
+        pytest.param(["cluster.ranks=2", "cluster.speeds=[1.0]"], ["cluster.speeds"],
+                     id="speeds-length"),
+        pytest.param(["cluster.ranks=2", "optim.schedule_steps=10"], ["optim.schedule_steps"],
+                     id="schedule-shorter-than-run"),
+    ],
+)
+def test_config_errors(run_config, overrides, names):
+    with pytest.raises(ConfigError) as info:
+        run_config(*overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    for name in names:
+        assert name in message, f"{name!r} not in {message!r}"
+
+
+def test_unknown_task_is_a_hydra_error(compose_cfg):
+    with pytest.raises(ConfigError) as info:
+        compose_cfg("task=nope")
+    assert "task=nope" in str(info.value) and "bert" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_task_name_in_plain_dict():
+    with pytest.raises(ConfigError) as info:
+        to_run_config({"task": {"name": "nope"}, "cluster": {"name": "local", "ranks": 2}})
+    assert "task" in str(info.value) and "nope" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_plain_dict_is_accepted():
+    run = to_run_config({"task": {"name": "bert"}, "cluster": {"name": "local", "ranks": 2},
+                         "trainer": {"allocation": [20, 12]}})
+    assert run.trainer.allocation == [20, 12]
+    assert run.task.model.hidden_size == 128
+
+
+def test_type_error_names_the_key():
+    with pytest.raises(ConfigError) as info:
+        to_run_config({"task": {"name": "bert"}, "cluster": {"name": "local", "ranks": 2},
+                       "trainer": {"global_batch_size": "abc"}})
+    assert "trainer.global_batch_size" in str(info.value)
+
+
+# --------------------------------------------------------------------------- save / load
+def test_save_load_round_trip(run_config, tmp_path):
+    run = run_config("cluster.ranks=2", "trainer.allocation=[24,8]", "trainer.max_steps=9",
+                     "trainer.seed=5", "task.model.dropout=0.0", "trainer.resume=never")
+    path = save_run_config(run, tmp_path / "run" / "hetseq_config.yaml")
+    assert path.is_file()
+    assert [p.name for p in path.parent.iterdir()] == ["hetseq_config.yaml"]  # no .tmp left
+    back = load_run_config(path)
+    assert back == run
+    assert isinstance(back.task, BertTaskConfig)
+    assert back.trainer.allocation == [24, 8]
+    # saving again gives the same text
+    again = save_run_config(back, tmp_path / "again.yaml")
+    assert again.read_text() == path.read_text()
+
+
+def test_load_missing_file(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_run_config(missing)
+    assert str(missing) in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_load_directory_is_missing_file(tmp_path):
+    # issue 26: a directory is named as one, not as "does not exist"
+    with pytest.raises(ConfigError, match="is a directory, not a file"):
+        load_run_config(tmp_path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_run_config(tmp_path / "hetseq_config.yaml")
+
+
+INVALID_YAML = [
+    pytest.param("trainer: {global_batch_size: 32\n", id="unclosed-flow-mapping"),
+    pytest.param("task:\n\t- bert\n", id="tab-indent"),
+    pytest.param("a: [1, 2\n", id="unclosed-flow-sequence"),
+]
+
+
+@pytest.mark.parametrize("text", INVALID_YAML)
+def test_load_invalid_yaml(tmp_path, text):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_run_config(path)
+    assert str(path) in str(info.value)
+    assert "not valid YAML" in str(info.value)
+    assert "\n" not in str(info.value), "one line"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        pytest.param("", id="empty"),
+        pytest.param("- 1\n- 2\n", id="a-list"),
+        pytest.param("task: {name: bert}\ncluster: {name: local, ranks: 0}\n", id="bad-value"),
+        pytest.param("task: {name: bert}\ncluster: {name: local, ranks: 2}\ntrainer: {foo: 1}\n",
+                     id="unknown-key"),
+    ],
+)
+def test_load_valid_yaml_invalid_config(tmp_path, text):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_run_config(path)
+    assert "\n" not in str(info.value)
+
+
+# --------------------------------------------------------------------------- typed cluster config
+def test_cluster_field_is_typed_with_the_base_schema(run_config):
+    import typing
+
+    assert typing.get_type_hints(RunConfig)["cluster"] is ClusterConfig
+    local = run_config("cluster.ranks=3").cluster
+    slurm = run_config("cluster=mixed").cluster
+    assert local.is_local and not slurm.is_local
+    assert local.planned_world_size() == 3
+    assert slurm.planned_world_size() == slurm.world_size == 4 + 8 + 4
+    assert slurm.memory_budget_gb is None and slurm.collective_timeout_s == 600
+    assert [slurm.partition_of_rank(r) for r in (0, 3, 4, 11, 12, 15, 16)] == \
+        ["a100", "a100", "v100", "v100", "t4", "t4", None]
+
+
+# --------------------------------------------------------------------------- issue 8: sbatch values
+@pytest.mark.parametrize("value", ["a100\n", "a100\nsrun evil", "a100 ", "", "a$(id)", "a;b"])
+def test_sbatch_values_are_anchored_at_the_true_end(value):
+    from hetseq_hpc.config.common import check_sbatch_value
+
+    with pytest.raises(ConfigError) as info:
+        check_sbatch_value("cluster.job_name", value)
+    assert "\n" not in str(info.value).replace(repr(value), "")
+
+
+def test_trailing_newline_in_job_name_is_rejected(run_config):
+    with pytest.raises(ConfigError, match=r"cluster\.job_name"):
+        to_run_config({"task": {"name": "bert"},
+                       "cluster": {"name": "slurm", "job_name": "hetseq\n",
+                                   "partitions": {"a100": {"partition": "a100"}}}})
+
+
+EVIL_CLUSTER = """\
+defaults:
+  - slurm_schema
+  - _self_
+
+name: slurm
+partitions:
+  "a100\\necho pwned > /tmp/hetseq-pwned":
+    partition: a100
+    gpu_type: a100
+"""
+
+
+def test_partition_key_with_a_newline_is_rejected_through_hydra(tmp_path):
+    import shutil
+
+    conf = tmp_path / "conf"
+    shutil.copytree(hetseq_hpc.config.CONF_DIR, conf)
+    (conf / "cluster" / "evil.yaml").write_text(EVIL_CLUSTER)
+    cfg = compose_run(["cluster=evil"], config_dir=conf)
+    assert "a100\necho pwned > /tmp/hetseq-pwned" in cfg.cluster.partitions  # the YAML really has it
+    with pytest.raises(ConfigError) as info:
+        to_run_config(cfg)
+    message = str(info.value)
+    assert message.startswith("cluster.partitions key=") and "not allowed in an sbatch" in message
+
+
+def test_partition_key_with_a_newline_is_rejected_from_a_saved_config(tmp_path):
+    path = tmp_path / "hetseq_config.yaml"
+    path.write_text('task: {name: bert}\ncluster:\n  name: slurm\n  partitions:\n'
+                    '    "a100\\necho pwned":\n      partition: a100\n')
+    with pytest.raises(ConfigError, match=r"cluster\.partitions key"):
+        load_run_config(path)
+
+
+# --------------------------------------------------------------------------- issue 8: ignored overrides
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        pytest.param(["+trainer.max_step=5"], "did you mean trainer.max_steps?", id="plus-typo"),
+        pytest.param(["trainer.max_step=5"], "did you mean trainer.max_steps?", id="typo"),
+        pytest.param(["+trainr.max_steps=5"], "did you mean trainer?", id="plus-group-typo"),
+        pytest.param(["+optim.learning_rate=1"], "the keys of optim are name, lr", id="no-match"),
+        pytest.param(["+cluster.rank=3"], "did you mean cluster.ranks?", id="plus-cluster"),
+        pytest.param(["cluster=mixed", "+cluster.partitions.a100.gpu_typ=x"],
+                     "did you mean cluster.partitions.a100.gpu_type?", id="plus-partition"),
+        pytest.param(["+task.model.hidden=64"], "did you mean task.model.hidden_size?",
+                     id="plus-nested"),
+    ],
+)
+def test_unknown_keys_are_errors_with_a_suggestion(run_config, overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        run_config(*overrides)
+    assert expected in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_empty_partitions_override_is_an_error(run_config, compose_cfg):
+    with pytest.raises(ConfigError, match=r"cluster\.partitions is empty"):
+        run_config("cluster=mixed", "cluster.partitions={}")
+    assert dict(compose_cfg("cluster=mixed", "cluster.env={}").cluster.env) == {}
+    # a non-empty dict override still merges into the old one (Hydra's documented behaviour)
+    cfg = compose_cfg("cluster=mixed", "cluster.partitions={a100: {nodes: 3}}")
+    assert list(cfg.cluster.partitions) == ["a100", "v100", "t4"]
+    assert cfg.cluster.partitions.a100.nodes == 3
+
+
+# --------------------------------------------------------------------------- issue 8: ranges
+@pytest.mark.parametrize(
+    "overrides, names",
+    [
+        pytest.param(["trainer.seed=-1"], ["trainer.seed=-1", "0..4294967295"], id="seed-negative"),
+        pytest.param(["trainer.seed=4294967296"], ["trainer.seed=4294967296"], id="seed-2^32"),
+        pytest.param(["trainer.seed=18446744073709551616"], ["trainer.seed="], id="seed-2^64"),
+        pytest.param(["trainer.calibration_micro_batch=-4"], ["trainer.calibration_micro_batch=-4"],
+                     id="calibration-micro-batch-negative"),
+        pytest.param(["trainer.calibration_micro_batch=0"], ["trainer.calibration_micro_batch=0"],
+                     id="calibration-micro-batch-0"),
+        pytest.param(["optim.lr=inf"], ["optim.lr=inf", "finite"], id="lr-inf"),
+        pytest.param(["optim.lr=nan"], ["optim.lr=nan", "finite"], id="lr-nan"),
+        pytest.param(["optim.weight_decay=inf"], ["optim.weight_decay"], id="weight-decay-inf"),
+        pytest.param(["optim.eps=nan"], ["optim.eps"], id="eps-nan"),
+        pytest.param(["trainer.grad_clip=inf"], ["trainer.grad_clip"], id="grad-clip-inf"),
+        pytest.param(["trainer.rebalance_threshold=nan"], ["trainer.rebalance_threshold"],
+                     id="rebalance-threshold-nan"),
+        pytest.param(["cluster.speeds=[1.0,nan]"], ["cluster.speeds"], id="speeds-nan"),
+        pytest.param(["cluster.memory_budget_gb=inf"], ["cluster.memory_budget_gb"],
+                     id="memory-budget-inf"),
+        pytest.param(["cluster=mixed", "cluster.partitions.a100.memory_budget_gb=inf"],
+                     ["cluster.partitions.a100.memory_budget_gb"], id="partition-budget-inf"),
+        pytest.param(["cluster=mixed", "cluster.partitions.v100.emulate_speed=nan"],
+                     ["cluster.partitions.v100.emulate_speed"], id="partition-speed-nan"),
+        pytest.param(["cluster=mixed", "cluster.max_num_timeout=-1"],
+                     ["cluster.max_num_timeout=-1"], id="max-num-timeout-negative"),
+        pytest.param(["cluster=mixed", "cluster.timeout_min=525601"],
+                     ["cluster.timeout_min=525601", "525600"], id="timeout-min-absurd"),
+    ],
+)
+def test_range_errors(run_config, overrides, names):
+    with pytest.raises(ConfigError) as info:
+        run_config(*(["cluster.ranks=2"] if overrides[0] != "cluster=mixed" else []), *overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    for name in names:
+        assert name in message, f"{name!r} not in {message!r}"
+
+
+def test_range_edges_are_accepted(run_config):
+    run = run_config("cluster.ranks=2", "trainer.seed=4294967295",
+                     "trainer.calibration_micro_batch=1")
+    assert run.trainer.seed == 2**32 - 1 and run.trainer.calibration_micro_batch == 1
+    assert run_config("cluster=mixed", "cluster.max_num_timeout=0",
+                      "cluster.timeout_min=525600").cluster.timeout_min == 525600
+
+
+# --------------------------------------------------------------------------- issue 8: data files
+def test_data_file_with_glob_characters_in_its_name(run_config, tmp_path):
+    real = tmp_path / "data[1].txt"
+    real.write_text("real text in a file whose name holds glob characters\n")
+    run = run_config("cluster.ranks=2", f"task.data.files=['{real}']")
+    assert run.task.data.files == [str(real)]
+    from hetseq_hpc.config.validate import expand_data_files
+
+    assert expand_data_files([str(real)]) == [str(real)]
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        pytest.param(b"", ["is empty"], id="empty"),
+        pytest.param(b"  \n\n\t\n", ["is empty"], id="only-whitespace"),
+        pytest.param(b"PK\x03\x04\x00\x00binary", ["binary"], id="binary-nul"),
+        pytest.param("caf\u00e9 latin-1\n".encode("latin-1"), ["not UTF-8"], id="latin-1"),
+    ],
+)
+def test_bad_data_files_are_one_line_errors(run_config, tmp_path, content, words):
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        run_config("cluster.ranks=2", f"task.data.files=[{path}]")
+    message = str(info.value)
+    assert str(path) in message and "\n" not in message and "UTF-8 text" in message
+    for word in words:
+        assert word in message
+
+
+def test_multibyte_character_cut_by_the_probe_is_fine(tmp_path):
+    from hetseq_hpc.config.validate import check_text_file
+
+    path = tmp_path / "t.txt"
+    path.write_text("h\u00e9llo w\u00f6rld\n", encoding="utf-8")
+    for probe in range(1, 16):  # every cut, including inside a two-byte character
+        check_text_file(str(path), probe_bytes=probe)
+
+
+@pytest.mark.parametrize("overrides,interval", [
+    ([], 10),                                              # measured split: re-balanced
+    (["trainer.allocation=[24,8]", "cluster.ranks=2"], 0),  # the user's split is kept
+    (["trainer.rebalance_every=3"], 3),
+    (["trainer.rebalance_every=0"], 0),
+    (["trainer.allocation=[24,8]", "cluster.ranks=2", "trainer.rebalance_every=5"], 5),
+])
+def test_rebalance_interval_defaults_to_on_for_a_measured_split(run_config, overrides, interval):
+    assert run_config(*overrides).trainer.rebalance_interval == interval
+
+
+def test_negative_rebalance_every_is_refused(run_config):
+    with pytest.raises(ConfigError, match=r"trainer\.rebalance_every=-1"):
+        run_config("trainer.rebalance_every=-1")

@@ -1,0 +1,145 @@
+"""The public task API (hetseq_hpc.tasks.Task) and task=custom, in-process: the contract checks
+(one line each), the import errors of task.target, the example task, FLOPs for any task.
+(BatchNorm refused before training, and accepted with trainer.allow_inexact_batchnorm=true, in
+real runs: tests/integration/test_custom_task_runs.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hetseq_hpc.config import compose_run_config
+from hetseq_hpc.errors import ConfigError, TaskContractError
+from hetseq_hpc.tasks import Task, build_task
+from hetseq_hpc.tasks.contract import check_loss, checked_batch, checked_count
+from hetseq_hpc.tasks.custom import resolve_target
+from hetseq_hpc.tasks.flops import measure_flops_per_sample, task_flops_per_sample
+from tests.helpers.runs import REPO
+from tests.helpers.task_sources import USER_TASK, module_dir
+
+EXAMPLE = "examples.char_lm.CharLMTask"
+
+
+@pytest.fixture
+def user_dir(tmp_path) -> Path:
+    return module_dir(tmp_path, "my_tasks.py", USER_TASK)
+
+
+def custom_run(user_dir: Path, *overrides: str):
+    return compose_run_config(["task=custom", "task.target=my_tasks.Regression",
+                               f"task.path={user_dir}", *overrides])
+
+
+class Toy(Task):
+    """A minimal in-test task whose pieces the contract tests break one at a time."""
+
+    def load(self):
+        pass
+
+    num_train = property(lambda self: 8)
+    num_val = property(lambda self: 0)
+
+    def make_batch(self, positions, epoch, split):
+        return {"x": torch.ones(len(positions), 2)}
+
+    def count(self, batch):
+        return batch["x"].shape[0]
+
+    def build_model(self):
+        return nn.Linear(2, 1)
+
+
+def test_contract_errors_are_one_line_each():
+    toy = Toy(None, 0)
+    assert checked_count(toy, checked_batch(toy, [0, 1, 2], 0, "train")) == 3
+
+    class WrongRows(Toy):
+        def make_batch(self, positions, epoch, split):
+            return {"x": torch.ones(len(positions) + 1, 2)}
+
+    class NoUnits(Toy):
+        def count(self, batch):
+            return 0
+
+    class FloatUnits(Toy):
+        def count(self, batch):
+            return 2.5
+
+    cases = [
+        (lambda: checked_batch(WrongRows(None, 0), [0, 1], 0, "train"),
+         r"'x' of shape \(3, 2\) for 2 positions .* first dimension of every tensor"),
+        (lambda: checked_count(NoUnits(None, 0), {"x": torch.ones(4, 2)}),
+         r"count returned 0 for a batch of 4 samples"),
+        (lambda: checked_count(FloatUnits(None, 0), {"x": torch.ones(4, 2)}),
+         r"count returned 2.5: return the number of loss units"),
+        (lambda: check_loss(toy, torch.ones(3)),
+         r"returned a tensor of shape \(3,\) .* 0-dim floating tensor"),
+        (lambda: check_loss(toy, torch.tensor(3)),
+         r"dtype torch.int64 .* 0-dim floating tensor"),
+        (lambda: check_loss(toy, 1.5), r"returned a float from forward"),
+    ]
+    for call, pattern in cases:
+        with pytest.raises(TaskContractError, match=pattern) as info:
+            call()
+        assert "\n" not in str(info.value)
+    assert checked_count(NoUnits(None, 0), {"x": torch.ones(0, 2)}) == 0  # empty is fine
+
+
+def test_import_errors_name_the_path_and_what_was_found(user_dir):
+    cases = [
+        ("nonexistent_pkg.mod.Task", r"no module named 'nonexistent_pkg' in task.path"),
+        ("examples.no_such_file.Task", r"'examples' exists but has no module 'no_such_file'"),
+        ("examples.char_lm.CharLmTask", r"has no 'CharLmTask': did you mean "
+                                        r"examples.char_lm.CharLMTask\?"),
+        ("my_tasks.NotATask", r"is a class that does not subclass hetseq_hpc.tasks.Task"),
+        ("Regression", r"is not a dotted path"),
+    ]
+    for target, pattern in cases:
+        with pytest.raises(ConfigError, match=pattern) as info:
+            resolve_target(target, str(user_dir))
+        assert "\n" not in str(info.value) and repr(target) in str(info.value)
+    with pytest.raises(ConfigError, match=r"^task.target is empty"):
+        compose_run_config(["task=custom"])
+
+
+def test_custom_task_is_built_with_its_config_and_seed(user_dir):
+    run = custom_run(user_dir, "+task.args.batchnorm=false", "trainer.seed=5")
+    assert run.task.path == str(user_dir) and run.task.args == {"batchnorm": False}
+    task = build_task(run.task, run.trainer.seed)
+    assert type(task).__name__ == "Regression" and task.seed == 5 and task.cfg is run.task
+    task.load()
+    torch.manual_seed(0)
+    model = task.build_model()
+    # no formula: measured with FlopCounterMode. Forward 2 * (4*8 + 8*1) = 80 per sample;
+    # backward: both gradients of the second layer (2 * 2 * 8 = 32) and only the weight
+    # gradient of the first (2 * 4 * 8 = 64; its input needs none): 176 in all
+    assert task.flops_per_sample(model) is None
+    assert task_flops_per_sample(task, model) == 176.0
+    assert all(p.grad is None for p in model.parameters())
+    metrics = task.finalize_metrics(task.evaluate_batch(model, task.make_batch([0, 1], 0, "val"),
+                                                        [0, 1]))
+    assert set(metrics) == {"val_loss", "val_ppl"}  # the default metrics
+
+
+def test_example_task_and_formula_tasks(tmp_path):
+    run = compose_run_config(["task=custom", f"task.target={EXAMPLE}", "+task.args.seq_len=16",
+                              "+task.args.hidden=16", f"task.path={REPO}"])
+    task = build_task(run.task, 0)
+    task.load()
+    batch = task.make_batch([0, 1, 2], 0, "train")
+    assert batch["inputs"].shape == (3, 16) and task.count(batch) == 48
+    assert task.units_per_sample == 16.0 and task.data_summary["source"] == "pydoc_data.topics"
+    torch.manual_seed(0)
+    model = task.build_model()
+    assert measure_flops_per_sample(task, model) > 0
+    assert len(task.examples(model.eval(), 2)) == 2
+    # the planner builds any task's model (from its data) and measures its FLOPs
+    from hetseq_hpc.plan import measure_model
+
+    info = measure_model(run.task, need_activations=True)
+    assert info.param_count == sum(p.numel() for p in model.parameters())
+    assert info.flops_per_sample == pytest.approx(measure_flops_per_sample(task, model), rel=1e-6)
+    assert info.activation_bytes_per_sample > 0
