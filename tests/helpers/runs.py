@@ -87,3 +87,21 @@ def sigint_as_in_a_terminal() -> None:
     then installs no KeyboardInterrupt handler: a suite started as ``(bash scripts/run-tests.sh
     &)`` would hand that to every CLI it starts, and a test's Ctrl-C would do nothing."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def worker_pids(run_dir: Path) -> dict:
+    """rank -> pid of the worker processes of ``run_dir`` (read from /proc)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"hetseq_hpc.worker" in cmdline and str(run_dir).encode() in b" ".join(cmdline):
+            for item in environ:
+                if item.startswith(b"RANK="):
+                    found[int(item[5:])] = int(entry.name)
+    return found

@@ -12,29 +12,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from tests.helpers.runs import REPO, SMALL_MODEL, cli_env, wait_rows
+from tests.helpers.runs import REPO, SMALL_MODEL, cli_env, wait_rows, worker_pids
 
 NOT_OOM = "killed by SIGKILL (by a user, the scheduler, or the OOM killer)"
-
-
-def _worker_pids(run_dir: Path) -> dict:
-    """rank -> pid of the worker processes of ``run_dir`` (from /proc)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"hetseq_hpc.worker" in cmdline and str(run_dir).encode() in b" ".join(cmdline):
-            for item in environ:
-                if item.startswith(b"RANK="):
-                    found[int(item[5:])] = int(entry.name)
-    return found
 
 
 def _ok(proc) -> None:
@@ -53,7 +34,7 @@ def test_kill_9_of_a_rank_is_not_called_out_of_memory(tmp_path, token_cache):
                             stderr=subprocess.PIPE, text=True)
     try:
         wait_rows(tmp_path, 2, proc)
-        pids = _worker_pids(tmp_path)
+        pids = worker_pids(tmp_path)
         assert set(pids) == {0, 1}, f"workers not found: {pids}"
         os.kill(pids[1], signal.SIGKILL)
         _, stderr = proc.communicate(timeout=120)

@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -28,6 +27,7 @@ from tests.helpers.runs import (
     read_rows,
     sigint_as_in_a_terminal,
     wait_rows,
+    worker_pids,
 )
 
 pytestmark = pytest.mark.slow
@@ -124,24 +124,6 @@ def test_corrupt_checkpoint_is_reported_and_kept(tmp_path, run_cli):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def _worker_pids(run_dir: Path) -> dict:
-    """rank -> pid of the worker processes of ``run_dir`` (read from /proc)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"hetseq_hpc.worker" in cmdline and str(run_dir).encode() in b" ".join(cmdline):
-            for item in environ:
-                if item.startswith(b"RANK="):
-                    found[int(item[5:])] = int(entry.name)
-    return found
-
-
 def test_dead_rank_stops_the_job_with_a_clear_error(tmp_path, token_cache):
     """SIGKILL rank 1 mid-training: the launcher stops rank 0 (which would wait in a collective)
     and reports which rank died and why, instead of hanging."""
@@ -152,7 +134,7 @@ def test_dead_rank_stops_the_job_with_a_clear_error(tmp_path, token_cache):
                             stderr=subprocess.PIPE, text=True)
     try:
         wait_rows(tmp_path, 2, proc)
-        pids = _worker_pids(tmp_path)
+        pids = worker_pids(tmp_path)
         assert set(pids) == {0, 1}, f"workers not found: {pids}"
         os.kill(pids[1], signal.SIGKILL)
         _, stderr = proc.communicate(timeout=120)  # a hang would time out here
@@ -162,7 +144,7 @@ def test_dead_rank_stops_the_job_with_a_clear_error(tmp_path, token_cache):
     assert proc.returncode == 1
     last = stderr.strip().splitlines()[-1]
     assert "rank 1 failed" in last and "SIGKILL" in last, last
-    assert not _worker_pids(tmp_path), "a worker outlived the launcher"
+    assert not worker_pids(tmp_path), "a worker outlived the launcher"
 
 
 def test_rebalancing_keeps_exact_semantics_and_switches_all_ranks_together(
