@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -23,3 +24,26 @@ def run_cli(token_cache):
                               text=True, timeout=timeout)
 
     return _run
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``tmpfs(size, where=None, readonly=False) -> Path``: a real tmpfs of ``size`` (e.g.
+    "2m") mounted on ``where`` (default a new folder under tmp_path); read-only gives EROFS
+    even for root. Skips when mounting is not allowed; unmounted after the test."""
+    mounts = []
+
+    def _mount(size: str, where: Optional[Path] = None, readonly: bool = False) -> Path:
+        where = where or tmp_path / f"tmpfs{len(mounts)}"
+        where.mkdir(parents=True)
+        options = f"ro,size={size}" if readonly else f"size={size}"
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs (needs root): {proc.stderr.strip()}")
+        mounts.append(where)
+        return where
+
+    yield _mount
+    for where in mounts:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)

@@ -28,7 +28,7 @@ import pytest
 from hetseq_hpc.train.checkpoint import checkpoint_path, list_checkpoints
 from hetseq_hpc.train.loggers import CSV_NAME, TB_DIR
 from tests.helpers.loggers import LOGGERS, logger_warnings
-from tests.helpers.runs import REPO, SMALL_MODEL, cli_env, read_rows
+from tests.helpers.runs import SMALL_MODEL, hetseq, read_rows
 
 TWO_RANKS = ["cluster.ranks=2", "trainer.val_every=0", "trainer.calibration_steps=1",
              "trainer.global_batch_size=16"]
@@ -36,10 +36,8 @@ TWO_RANKS = ["cluster.ranks=2", "trainer.val_every=0", "trainer.calibration_step
 
 def _cli(run_dir: Path, token_cache: Path, *overrides: str, small: bool = True,
          timeout: float = 600) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "hetseq_hpc", *(SMALL_MODEL if small else []), *overrides,
-           f"hydra.run.dir={run_dir}"]
-    return subprocess.run(cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True,
-                          text=True, timeout=timeout)
+    return hetseq(*(SMALL_MODEL if small else []), *overrides, f"hydra.run.dir={run_dir}",
+                  token_cache=token_cache, timeout=timeout)
 
 
 def _ok(proc: subprocess.CompletedProcess) -> str:
@@ -58,23 +56,10 @@ def _refused(proc: subprocess.CompletedProcess, run_dir: Path) -> str:
 
 
 @pytest.fixture
-def ro_tmpfs():
+def ro_tmpfs(tmpfs):
     """``ro_tmpfs(where) -> where``: a read-only tmpfs mounted on the (new, empty) directory
     ``where`` (EROFS even for root), unmounted after the test."""
-    mounts = []
-
-    def _mount(where: Path) -> Path:
-        where.mkdir(parents=True)
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(where)],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            pytest.skip(f"cannot mount a read-only tmpfs (needs root): {proc.stderr.strip()}")
-        mounts.append(where)
-        return where
-
-    yield _mount
-    for where in mounts:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+    return lambda where: tmpfs("1m", where, readonly=True)
 
 
 # ------------------------------------------------------------------ optional loggers
@@ -153,9 +138,7 @@ def test_directory_at_a_checkpoint_name_stops_a_real_run_with_the_right_advice(
     quick = [*SMALL_MODEL, "cluster.ranks=1", "trainer.val_every=0",
              "trainer.calibration_steps=1", "trainer.global_batch_size=16",
              "trainer.checkpoint_every=2"]
-    _ok(subprocess.run([sys.executable, "-m", "hetseq_hpc", *quick, "trainer.max_steps=2",
-                        f"hydra.run.dir={run_dir}"], cwd=REPO, env=cli_env(token_cache),
-                       capture_output=True, text=True, timeout=600))
+    _ok(_cli(run_dir, token_cache, *quick, "trainer.max_steps=2", small=False))
     blocker = checkpoint_path(run_dir, 4)
     blocker.mkdir()
     (blocker / "notes.txt").write_text("someone's files\n")

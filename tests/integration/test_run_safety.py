@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from hetseq_hpc.train.checkpoint import (
     load_checkpoint,
 )
 from tests.helpers.checkpoints import plant_corrupt
-from tests.helpers.runs import REPO, SMALL_MODEL, cli_env, read_rows
+from tests.helpers.runs import SMALL_MODEL, hetseq, read_rows
 
 QUICK = [*SMALL_MODEL, "cluster.ranks=1", "trainer.val_every=0", "trainer.calibration_steps=1",
          "trainer.global_batch_size=16"]
@@ -29,10 +28,8 @@ QUICK = [*SMALL_MODEL, "cluster.ranks=1", "trainer.val_every=0", "trainer.calibr
 
 def _cli(run_dir: Path, token_cache: Path, *overrides: str, quick: bool = True,
          timeout: float = 600) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "hetseq_hpc", *(QUICK if quick else []), *overrides,
-           f"hydra.run.dir={run_dir}"]
-    return subprocess.run(cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True,
-                          text=True, timeout=timeout)
+    return hetseq(*(QUICK if quick else []), *overrides, f"hydra.run.dir={run_dir}",
+                  token_cache=token_cache, timeout=timeout)
 
 
 def _ok(proc: subprocess.CompletedProcess) -> None:
