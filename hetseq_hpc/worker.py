@@ -91,7 +91,7 @@ def set_threads(placement: RankPlacement) -> int:
 
 def precision_context(placement: RankPlacement, device: torch.device, dev: DeviceProbe):
     """``(name, context factory)`` for the placement's precision (per-rank override, else
-    ``trainer.precision``), resolved for this device by
+    ``precision.default``), resolved for this device by
     :func:`hetseq_hpc.train.precision.resolve_precision`: ``auto`` = bf16 autocast on compute
     capability >= 8.0, fp16 on 7.x, fp32 on older GPUs and the CPU; explicit bf16/fp16 also
     on the CPU (torch's cpu autocast)."""
@@ -151,8 +151,8 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
                                      placement.ranks_on_node)
         cal = calibrate(  # a rank done early times more passes while slower ones go on
             model, lambda n: checked_batch(task, list(range(min(n, task.num_train))), 0, "train"),
-            device, calibration_micro_batch(run.trainer, world.world_size),
-            run.trainer.calibration_steps, budget, run.trainer.max_micro_batch, autocast,
+            device, calibration_micro_batch(run, world.world_size),
+            run.balance.calibration_steps, budget, run.balance.max_micro_batch, autocast,
             wait_for_peers=rdv.post_barrier,
         )
         clock.mark("calibration")
@@ -171,9 +171,9 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
 
         metas = [RankMeta(**r.meta) for r in reports]
         rebalancer = None
-        if run.trainer.rebalance_interval and world.world_size > 1:
+        if run.balance.rebalance_interval and world.world_size > 1:
             rebalancer = Rebalancer(caps=[s.max_micro_batch for s in allocation.shares],
-                                    threshold=run.trainer.rebalance_threshold,
+                                    threshold=run.balance.rebalance_threshold,
                                     curves=report_curves(reports))
         trainer = Trainer(run, run_dir_path, rdv, task, model, device, allocation, metas,
                           autocast=autocast, on_allocation=on_allocation,

@@ -83,7 +83,7 @@ COMMON = ["trainer.val_every=0", "trainer.checkpoint_every=0", "trainer.keep_che
 def start_cli(run_dir: Path, *overrides: str) -> subprocess.Popen:
     """Start ``python -m hetseq_hpc`` (not waiting)."""
     cmd = [sys.executable, "-m", "hetseq_hpc", *COMMON, f"trainer.global_batch_size={GLOBAL_BATCH}",
-           f"trainer.max_micro_batch={MICRO_BATCH}", *overrides, f"hydra.run.dir={run_dir}"]
+           f"balance.max_micro_batch={MICRO_BATCH}", *overrides, f"hydra.run.dir={run_dir}"]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 
@@ -227,7 +227,7 @@ def overhead_pairs(root: Path, pairs: int, steps: int, warmup: int) -> list:
     for i in range(pairs):
         def hetseq(i=i):
             rows = run_cli(root / f"unthrottled-{i}", "cluster.ranks=2",
-                           f"trainer.allocation=[{half},{GLOBAL_BATCH - half}]",
+                           f"balance.allocation=[{half},{GLOBAL_BATCH - half}]",
                            f"trainer.max_steps={steps}")
             return step_times(rows, warmup)
 
@@ -276,13 +276,13 @@ def one_round(root: Path, r: int, args, alone: dict, steps: list) -> dict:
 
     def equal():
         rows = run_cli(root / f"round{r}" / "equal", "cluster.ranks=2", speeds,
-                       f"trainer.allocation=[{half},{GLOBAL_BATCH - half}]",
+                       f"balance.allocation=[{half},{GLOBAL_BATCH - half}]",
                        f"trainer.max_steps={args.equal_steps}")
         got["equal"] = throughput(rows, args.warmup)
 
     def auto():
         rows = run_cli(root / f"round{r}" / "auto", "cluster.ranks=2", speeds,
-                       "trainer.rebalance_every=10", "trainer.plot=true", *steps)
+                       "balance.rebalance_every=10", "trainer.plot=true", *steps)
         got["auto"] = throughput(rows, args.warmup)
         got["balance_error"] = balance_error(rows, args.warmup)
         got["in_job"] = in_job_rates(rows, args.warmup)
@@ -376,7 +376,7 @@ def main() -> None:
     probe = root / f"round{mid}" / "auto" / "allocation.json"
     plan_out = subprocess.run(
         [sys.executable, "-m", "hetseq_hpc.plan", "cluster.ranks=2", speeds,
-         f"trainer.global_batch_size={GLOBAL_BATCH}", f"trainer.max_micro_batch={MICRO_BATCH}",
+         f"trainer.global_batch_size={GLOBAL_BATCH}", f"balance.max_micro_batch={MICRO_BATCH}",
          f"plan.probe={probe}"], cwd=REPO, capture_output=True, text=True)
     predicted = None
     if plan_out.returncode == 0:
@@ -405,7 +405,7 @@ def main() -> None:
             changed["step"] = rows[-1]["step"]
             changed["method"] = emu["method"]
 
-    change_rows = run_cli(root / "change", "cluster.ranks=2", speeds, "trainer.rebalance_every=5",
+    change_rows = run_cli(root / "change", "cluster.ranks=2", speeds, "balance.rebalance_every=5",
                           "trainer.plot=true", f"trainer.max_steps={args.steps * 2}",
                           on_row=maybe_change)
     at = changed.get("step", 10**9)

@@ -85,7 +85,7 @@ def agree_on_allocation(run: Any, reports: Sequence[ReportLike], rdv) -> Allocat
             )
     throughputs = [float(r.calibration["samples_per_s"]) for r in reports]
     allocation = allocate(throughputs, run.trainer.global_batch_size, caps,
-                          forced=run.trainer.allocation, curves=report_curves(reports))
+                          forced=run.balance.allocation, curves=report_curves(reports))
     rdv.check_agreement(allocation.digest(), "allocation")
     return allocation
 

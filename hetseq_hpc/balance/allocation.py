@@ -57,7 +57,7 @@ class Allocation:
     Attributes:
         global_batch_size: ``B``.
         shares: one :class:`RankShare` per rank, in rank order.
-        source: ``"forced"`` (trainer.allocation), ``"cost_curve"`` (calibrated cost curves),
+        source: ``"forced"`` (balance.allocation), ``"cost_curve"`` (calibrated cost curves),
             ``"throughput"`` (proportional to samples/s) or ``"rebalanced"`` (online, from
             measured step times).
         throughputs: the samples/s per rank the split was computed from (empty when forced).
@@ -190,7 +190,7 @@ def allocate(
     Args:
         throughputs: measured samples/s per rank, ``(world_size,)``.
         global_batch_size: ``B``.
-        max_micro_batch: per-rank micro-batch cap from memory (and ``trainer.max_micro_batch``).
+        max_micro_batch: per-rank micro-batch cap from memory (and ``balance.max_micro_batch``).
         forced: per-rank sample counts that override the computed split.
         source: label stored in the result (default ``forced`` / ``cost_curve`` /
             ``throughput``).
@@ -209,7 +209,7 @@ def allocate(
         forced = [int(b) for b in forced]
         if len(forced) != n or sum(forced) != global_batch_size or min(forced) < 1:
             raise AllocationError(
-                f"trainer.allocation={forced} does not fit {n} ranks and global batch "
+                f"balance.allocation={forced} does not fit {n} ranks and global batch "
                 f"{global_batch_size}: give {n} counts >= 1 that sum to {global_batch_size}"
             )
         samples = forced

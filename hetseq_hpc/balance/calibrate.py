@@ -194,7 +194,7 @@ def calibrate(
         micro_batch: the largest timed micro-batch (lowered to the memory cap).
         steps: timed passes (after the warm-up pass).
         memory_budget_bytes: memory this rank may plan with.
-        max_micro_batch: extra cap from ``trainer.max_micro_batch``.
+        max_micro_batch: extra cap from ``balance.max_micro_batch``.
         autocast: context manager factory for mixed precision (the rank's precision).
         step_fixed: also time the optimizer step (the per-step fixed cost ``f``).
         wait_for_peers: called once when this rank's own passes (and the optimizer timing)

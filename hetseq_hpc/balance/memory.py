@@ -46,7 +46,7 @@ def micro_batch_cap(
         memory_budget_bytes: memory this rank may use (free GPU memory, or its RAM share).
         static_bytes: parameters, gradients, optimizer state and buffers.
         bytes_per_sample: activation memory of one sample (measured during calibration).
-        limit: an extra cap (``trainer.max_micro_batch``).
+        limit: an extra cap (``balance.max_micro_batch``).
 
     Returns:
         The cap, or 0 if not even one sample fits (the caller reports it).

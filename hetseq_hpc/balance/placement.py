@@ -20,7 +20,7 @@ from hetseq_hpc.env.emulation import emulated_cpus
 from hetseq_hpc.env.hardware import usable_cores
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hetseq_hpc.config import PartitionConfig, RunConfig, TrainerConfig
+    from hetseq_hpc.config import PartitionConfig, RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ __all__ = [
     "plan_placements",
 ]
 
-#: largest default calibration micro-batch (trainer.calibration_micro_batch unset)
+#: largest default calibration micro-batch (balance.calibration_micro_batch unset)
 CALIBRATION_MICRO_BATCH_MAX = 16
 
 
@@ -52,8 +52,8 @@ class RankPlacement:
         partition_key: key in ``cluster.partitions`` (None on ``cluster=local``).
         partition: Slurm partition name (None on ``cluster=local``).
         gres: GPU class = GRES type (``gpu_type``) of the partition, None for CPU nodes.
-        precision: requested precision (auto, fp32, bf16 or fp16): ``cluster.precisions[rank]``
-            locally, the partition's ``precision`` on SLURM, else ``trainer.precision``; the
+        precision: requested precision (auto, fp32, bf16 or fp16) from the ``precision`` group
+            (:meth:`hetseq_hpc.config.rank_precision.PrecisionConfig.for_rank`); the
             device decides what ``auto`` becomes (:func:`hetseq_hpc.train.precision.resolve_precision`).
         het_group: het component index (None on ``cluster=local``).
     """
@@ -93,12 +93,13 @@ def cpu_threads(cores: int, ranks_on_node: int, configured: Optional[int] = None
     return max(1, int(cores) // ranks)
 
 
-def calibration_micro_batch(trainer: TrainerConfig, world_size: int) -> int:
-    """Micro-batch timed while calibrating: ``trainer.calibration_micro_batch``, else the global
-    batch / world size, capped at :data:`CALIBRATION_MICRO_BATCH_MAX`, at least 1."""
-    if trainer.calibration_micro_batch:
-        return int(trainer.calibration_micro_batch)
-    share = trainer.global_batch_size // max(int(world_size), 1)
+def calibration_micro_batch(run: RunConfig, world_size: int) -> int:
+    """Micro-batch timed while calibrating: ``balance.calibration_micro_batch``, else the global
+    batch (``trainer.global_batch_size``) / world size, capped at
+    :data:`CALIBRATION_MICRO_BATCH_MAX`, at least 1."""
+    if run.balance.calibration_micro_batch:
+        return int(run.balance.calibration_micro_batch)
+    share = run.trainer.global_batch_size // max(int(world_size), 1)
     return max(1, min(CALIBRATION_MICRO_BATCH_MAX, share))
 
 
@@ -123,8 +124,8 @@ def placement_for(run: RunConfig, rank: int, *, het_group: Optional[int] = None,
     warning about more ranks than cores is logged for rank 0 only).
     Speed: ``cluster.speeds[rank]`` locally, the partition's ``emulate_speed`` on SLURM.
     Memory: the partition's ``memory_budget_gb``, else ``cluster.memory_budget_gb``.
-    Precision: ``cluster.precisions[rank]`` locally, the partition's ``precision`` on SLURM,
-    else ``trainer.precision``.
+    Precision: :meth:`hetseq_hpc.config.rank_precision.PrecisionConfig.for_rank` (``precision.ranks``,
+    else ``precision.partitions``, else ``precision.default``).
     """
     cluster = run.cluster
     key = cluster.partition_for(rank, het_group)
@@ -136,15 +137,12 @@ def placement_for(run: RunConfig, rank: int, *, het_group: Optional[int] = None,
         on_node = local_world_size or world
         configured = cluster.threads_per_rank
         group = None
-        overrides = list(cluster.precisions)
-        precision = overrides[rank] if rank < len(overrides) else None
     else:
         speed = float(part.emulate_speed) if part is not None else 1.0
         on_node = local_world_size or (part.ranks_per_node_effective if part is not None else 1)
         configured = cpus_per_task or (part.cpus_per_rank if part is not None else None)
         group = het_group if het_group is not None else (
             list(cluster.partitions).index(key) if key is not None else None)
-        precision = part.precision if part is not None else None
     budget = part.memory_budget_gb if part is not None and part.memory_budget_gb else None
     budget = budget or cluster.memory_budget_gb
     return RankPlacement(
@@ -157,7 +155,7 @@ def placement_for(run: RunConfig, rank: int, *, het_group: Optional[int] = None,
         partition_key=key,
         partition=part.partition if part is not None else None,
         gres=part.gpu_type if part is not None else None,
-        precision=precision or run.trainer.precision,
+        precision=run.precision.for_rank(rank, key),
         het_group=group,
     )
 

@@ -1,8 +1,8 @@
 """Online re-balancing with the allocation's own cost model, refitted from measured step times,
 that tells noise from a real speed change by the measurements' own uncertainty.
 
-Every ``trainer.rebalance_interval`` steps (``trainer.rebalance_every``; by default 10 for a
-measured split, never for a forced ``trainer.allocation``) all ranks hold the same table of
+Every ``balance.rebalance_interval`` steps (``balance.rebalance_every``; by default 10 for a
+measured split, never for a forced ``balance.allocation``) all ranks hold the same table of
 per-rank timings (the loop's per-step all-gather of
 :class:`~hetseq_hpc.distributed.rendezvous.StepStats`), so every rank computes the same decision at the same
 step without another message. For each rank, over the steps since the last decision (the first
@@ -134,7 +134,7 @@ class Rebalancer:
     Args:
         caps: per-rank micro-batch caps (from calibration), kept by every new allocation.
         threshold: relative model error that counts as a speed change, and twice the predicted
-            gain a move needs (``trainer.rebalance_threshold``).
+            gain a move needs (``balance.rebalance_threshold``).
         curves: per-rank cost curves from calibration (the prior); None = start from the first
             window's time per sample (``a = 0``).
     """

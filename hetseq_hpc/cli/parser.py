@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from hetseq_hpc import __version__
 from hetseq_hpc.cli.overrides import GROUPS, group_options, refuse_internal_options
+from hetseq_hpc.config.aliases import migrate_overrides
 from hetseq_hpc.errors import PROG, ConfigError, HetseqError, report_error
 
 #: subcommand -> one-line help (``hetseq-hpc --help`` lists them in this order)
@@ -199,6 +200,9 @@ def _main(argv: List[str]) -> int:
         return report_error(ConfigError(problem))
     own, hydra_flags = _split(argv)
     args = build_parser().parse_args(own)
+    if getattr(args, "overrides", None):  # keys that moved between groups keep working
+        args.overrides = migrate_overrides(args.overrides)
+    hydra_flags = migrate_overrides(hydra_flags)
     handlers: Dict[str, Callable[[argparse.Namespace, List[str]], int]] = {
         "run": _run, "render": _render, "plan": _plan, "probe": _probe, "report": _report,
         "prepare": _prepare,

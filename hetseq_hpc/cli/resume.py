@@ -79,7 +79,11 @@ def earlier_overrides(run_dir: Path) -> List[str]:
         loaded = OmegaConf.load(path)
     except Exception:
         return []
-    return [str(o) for o in loaded] if OmegaConf.is_list(loaded) else []
+    if not OmegaConf.is_list(loaded):
+        return []
+    from hetseq_hpc.config.aliases import migrate_overrides
+
+    return migrate_overrides([str(o) for o in loaded])  # a run started before keys moved
 
 
 def task_module_file(target: str, path: Optional[str]) -> Optional[Path]:

@@ -1,7 +1,10 @@
 """Run configuration: schemas, composition, loading/saving, and validation.
 
 - :mod:`~hetseq_hpc.config.tasks`, :mod:`~hetseq_hpc.config.cluster`,
-  :mod:`~hetseq_hpc.config.trainer`: the groups' schema dataclasses (each checks its fields);
+  :mod:`~hetseq_hpc.config.trainer`, :mod:`~hetseq_hpc.config.balance`,
+  :mod:`~hetseq_hpc.config.comm`, :mod:`~hetseq_hpc.config.rank_precision`,
+  :mod:`~hetseq_hpc.config.plan`: the groups' schema dataclasses (each checks its fields);
+- :mod:`~hetseq_hpc.config.aliases`: keys that moved between groups, still accepted;
   :mod:`~hetseq_hpc.config.schema`: :class:`RunConfig` and the Hydra ConfigStore registration;
 - :mod:`~hetseq_hpc.config.compose`: :func:`compose_run` / :func:`compose_run_config`, the one way
   to compose ``conf/`` with overrides (CLI pre-check, planner, tests);
@@ -17,16 +20,20 @@ from typing import Any, Union
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from hetseq_hpc.config.aliases import migrate_saved
 from hetseq_hpc.config.compose import compose_run, compose_run_config
 from hetseq_hpc.config.keys import check_known_keys, describe_omegaconf_error
 from hetseq_hpc.config.schema import (
     CLUSTER_SCHEMAS,
     TASK_SCHEMAS,
+    BalanceConfig,
     BertTaskConfig,
     ClusterConfig,
+    CommConfig,
     LocalClusterConfig,
     OptimConfig,
     PartitionConfig,
+    PrecisionConfig,
     RunConfig,
     SlurmClusterConfig,
     TrainerConfig,
@@ -42,11 +49,14 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 __all__ = [
     "CONF_DIR",
+    "BalanceConfig",
     "BertTaskConfig",
     "ClusterConfig",
+    "CommConfig",
     "LocalClusterConfig",
     "OptimConfig",
     "PartitionConfig",
+    "PrecisionConfig",
     "RunConfig",
     "SlurmClusterConfig",
     "TrainerConfig",
@@ -64,6 +74,11 @@ __all__ = [
 def _typed(cfg: Any) -> DictConfig:
     """Merge a plain or composed config onto the schemas its ``task.name``/``cluster.name`` pick."""
     raw = OmegaConf.create(cfg) if not isinstance(cfg, DictConfig) else cfg
+    saved = OmegaConf.to_container(raw, resolve=False, throw_on_missing=False)
+    if isinstance(saved, dict):
+        migrated = migrate_saved(saved)  # a config written before keys moved between groups
+        if migrated != saved:
+            raw = OmegaConf.create(migrated)
     task_name = OmegaConf.select(raw, "task.name", default=None)
     cluster_name = OmegaConf.select(raw, "cluster.name", default=None)
     if task_name not in TASK_SCHEMAS:

@@ -17,8 +17,6 @@ from hetseq_hpc.config.common import check_sbatch_value, require, require_finite
 
 #: the longest wall-clock limit accepted (365 days in minutes); Slurm's INFINITE is not a number
 MAX_TIMEOUT_MIN = 525_600
-#: what a per-rank / per-partition precision override accepts (trainer.precision's values)
-RANK_PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 
 def visible_gpu_count() -> int:
@@ -98,8 +96,6 @@ class LocalClusterConfig(ClusterConfig):
     master_port: Optional[int] = None
     # per-rank emulated speed factors, e.g. [1.0, 0.35]; empty = full speed everywhere
     speeds: List[float] = field(default_factory=list)
-    # per-rank precision overrides, e.g. [bf16, fp16]; empty = trainer.precision everywhere
-    precisions: List[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _check_common(self)
@@ -124,9 +120,6 @@ class LocalClusterConfig(ClusterConfig):
                 0.0 < speed <= 1.0,
                 f"cluster.speeds contains {speed}: each speed must be in (0, 1]",
             )
-        for precision in self.precisions:
-            require(precision in RANK_PRECISIONS, f"cluster.precisions contains {precision!r}: "
-                    f"use {', '.join(RANK_PRECISIONS)} per rank, e.g. cluster.precisions=[bf16,fp16]")
 
     @property
     def is_local(self) -> bool:
@@ -150,11 +143,6 @@ class LocalClusterConfig(ClusterConfig):
             not self.speeds or len(self.speeds) == world_size,
             f"cluster.speeds={list(self.speeds)} has {len(self.speeds)} entries but cluster.ranks "
             f"is {world_size}: give one speed per rank",
-        )
-        require(
-            not self.precisions or len(self.precisions) == world_size,
-            f"cluster.precisions={list(self.precisions)} has {len(self.precisions)} entries but "
-            f"cluster.ranks is {world_size}: give one precision per rank",
         )
 
 
@@ -185,8 +173,6 @@ class PartitionConfig:
     # memory budget per rank in GiB for the micro-batch cap (emulates a small-memory GPU);
     # null = cluster.memory_budget_gb, else the device's free memory
     memory_budget_gb: Optional[float] = None
-    # precision of this partition's ranks (auto, fp32, bf16, fp16); null = trainer.precision
-    precision: Optional[str] = None
     # more sbatch options for this component, e.g. {exclude: "n7"}
     extra_sbatch: Dict[str, str] = field(default_factory=dict)
 
@@ -232,9 +218,6 @@ class PartitionConfig:
                 self.memory_budget_gb > 0,
                 f"{where}.memory_budget_gb={self.memory_budget_gb} is invalid: it must be > 0",
             )
-        if self.precision is not None:
-            require(self.precision in RANK_PRECISIONS, f"{where}.precision={self.precision!r} is "
-                    f"unknown: use {', '.join(RANK_PRECISIONS)}, or null for trainer.precision")
         for opt, value in self.extra_sbatch.items():
             check_sbatch_value(f"{where}.extra_sbatch key", opt)
             check_sbatch_value(f"{where}.extra_sbatch.{opt}", value)

@@ -67,8 +67,10 @@ def compose_run(overrides: Sequence[str] = (), config_dir: Optional[Union[str, P
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
 
+    from hetseq_hpc.config.aliases import migrate_overrides
     from hetseq_hpc.config.schema import register_configs
 
+    overrides = migrate_overrides(overrides)
     if config_dir is None:
         from hetseq_hpc.config import CONF_DIR
 

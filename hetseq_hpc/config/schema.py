@@ -5,9 +5,16 @@ structured-config pattern, https://hydra.cc/docs/tutorials/structured_config/sch
 Each dataclass checks its own fields in ``__post_init__``, which runs when the composed
 ``DictConfig`` is turned into objects with :func:`hetseq_hpc.config.to_run_config`;
 checks that span groups (an allocation against the world size) live in
-:mod:`hetseq_hpc.config.validate`. The groups' schemas live in :mod:`~hetseq_hpc.config.tasks`,
-:mod:`~hetseq_hpc.config.cluster` and :mod:`~hetseq_hpc.config.trainer`; this module ties them
-into :class:`RunConfig` (and re-exports them).
+:mod:`hetseq_hpc.config.validate`. Each group's schema has its own module, named after the
+group and read by one part of the package: ``task`` (:mod:`~hetseq_hpc.config.tasks`, the
+tasks), ``cluster`` (:mod:`~hetseq_hpc.config.cluster`, the launchers), ``trainer`` and
+``optim`` (:mod:`~hetseq_hpc.config.trainer`, the training loop), ``balance``
+(:mod:`~hetseq_hpc.config.balance`, :mod:`hetseq_hpc.balance`), ``comm``
+(:mod:`~hetseq_hpc.config.comm`, the gradient path), ``precision``
+(:mod:`~hetseq_hpc.config.rank_precision`, the one source of a rank's precision) and ``plan``
+(:mod:`~hetseq_hpc.config.plan`, the planner). This module ties them into :class:`RunConfig`
+and registers them, in one place (:func:`register_configs`). Keys that moved between groups
+keep working through :mod:`hetseq_hpc.config.aliases`.
 
 Units are in the field names: ``*_s`` seconds, ``*_min`` minutes, ``*_gb`` GiB.
 """
@@ -20,12 +27,15 @@ from typing import Any, Dict
 from omegaconf import MISSING
 
 # the group schemas, re-exported: ``from hetseq_hpc.config.schema import PartitionConfig`` works
+from hetseq_hpc.config.balance import BalanceConfig as BalanceConfig
 from hetseq_hpc.config.cluster import ClusterConfig as ClusterConfig
 from hetseq_hpc.config.cluster import LocalClusterConfig as LocalClusterConfig
 from hetseq_hpc.config.cluster import PartitionConfig as PartitionConfig
 from hetseq_hpc.config.cluster import SlurmClusterConfig as SlurmClusterConfig
+from hetseq_hpc.config.comm import CommConfig as CommConfig
 from hetseq_hpc.config.common import check_sbatch_value as check_sbatch_value
 from hetseq_hpc.config.plan import PlanConfig, register_plan_config
+from hetseq_hpc.config.rank_precision import PrecisionConfig as PrecisionConfig
 from hetseq_hpc.config.tasks import BertDataConfig as BertDataConfig
 from hetseq_hpc.config.tasks import BertModelConfig as BertModelConfig
 from hetseq_hpc.config.tasks import BertTaskConfig as BertTaskConfig
@@ -38,13 +48,19 @@ from hetseq_hpc.config.trainer import TrainerConfig as TrainerConfig
 
 @dataclass
 class RunConfig:
-    """The whole run: ``task``, ``cluster``, ``trainer`` and ``optim`` groups."""
+    """The whole run: one field per config group."""
 
     # the task's schema is chosen by task.name (TASK_SCHEMAS)
     task: Any = MISSING
     # LocalClusterConfig or SlurmClusterConfig, chosen by cluster.name (CLUSTER_SCHEMAS)
     cluster: ClusterConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # the split of the global batch over the ranks, measured and re-balanced
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+    # gradient communication between the ranks
+    comm: CommConfig = field(default_factory=CommConfig)
+    # each rank's compute precision (the one source of it)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     # planner options (python -m hetseq_hpc.plan); recorded, not read, by a training run
     plan: PlanConfig = field(default_factory=PlanConfig)
@@ -72,5 +88,8 @@ def register_configs() -> None:
     for name, schema in CLUSTER_SCHEMAS.items():
         cs.store(group="cluster", name=f"{name}_schema", node=schema)
     cs.store(group="trainer", name="trainer_schema", node=TrainerConfig)
+    cs.store(group="balance", name="balance_schema", node=BalanceConfig)
+    cs.store(group="comm", name="comm_schema", node=CommConfig)
+    cs.store(group="precision", name="precision_schema", node=PrecisionConfig)
     cs.store(group="optim", name="adamw_schema", node=OptimConfig)
     register_plan_config(cs)

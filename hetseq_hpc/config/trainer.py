@@ -12,20 +12,18 @@ LOGGER_NAMES = ("jsonl", "csv", "tensorboard", "wandb")
 #: largest trainer.seed: numpy's legacy seeding and most tools take 32-bit seeds (Lightning's
 #: seed_everything allows the same range)
 MAX_SEED = 2**32 - 1
-#: re-balancing interval (steps) when trainer.rebalance_every is null and the split is measured
-AUTO_REBALANCE_EVERY = 10
 
 
 @dataclass
 class TrainerConfig:
-    """The training loop: global batch, its split, steps, checkpoints, logging."""
+    """The training loop: global batch, steps, seed, checkpoints, logging, safety switches.
+
+    The split of the global batch is the ``balance`` group, gradient communication the ``comm``
+    group and each rank's precision the ``precision`` group (:mod:`hetseq_hpc.config.schema`).
+    """
 
     # samples per optimizer step over all ranks together (the global batch)
     global_batch_size: int = 32
-    # forced per-rank sample counts, e.g. [24, 8]; null = proportional to measured throughput
-    allocation: Optional[List[int]] = None
-    # largest micro-batch any rank may use (memory caps may lower it); null = no extra cap
-    max_micro_batch: Optional[int] = None
     # optimizer steps to train for
     max_steps: int = 1000
     # seed of model init, data order, masking and dropout, in [0, 2**32 - 1]
@@ -42,27 +40,6 @@ class TrainerConfig:
     resume: str = "auto"
     # clip the global gradient norm to this value; 0 = no clipping
     grad_clip: float = 1.0
-    # timed forward+backward passes per rank (after 1 warm-up pass), alternating the
-    # calibration micro-batch and a quarter of it; the fastest of each size fits the cost curve
-    # (a rank done before the slowest one times more of them while it waits, at most 16)
-    calibration_steps: int = 4
-    # micro-batch used while calibrating; null = global batch / world size (at most 16)
-    calibration_micro_batch: Optional[int] = None
-    # auto = bf16 autocast on compute capability >= 8.0, fp16 on 7.x (Volta/Turing, with one
-    # job-wide loss scale), fp32 on older GPUs and CPU; or fp32 / bf16 / fp16 for every rank
-    precision: str = "auto"
-    # gradient all-reduce payload: none (fp32), bf16 or fp16 (cast per bucket, still a SUM)
-    grad_compression: str = "none"
-    # DDP gradient bucket size in MiB; null = DDP's default (25)
-    bucket_cap_mb: Optional[float] = None
-    # sum = exact global-batch gradient; adasum = Adasum of each rank's own mean gradient
-    # (Maleki et al. 2020; NOT the exact global-batch update; power-of-two world sizes only)
-    grad_combine: str = "sum"
-    # every N steps ranks refit their cost curves from measured step times and may re-balance;
-    # 0 = never; null = every 10 steps when the split is measured, never with trainer.allocation
-    rebalance_every: Optional[int] = None
-    # straggle (max - min) / mean of per-rank compute time that triggers a re-balance
-    rebalance_threshold: float = 0.1
     # write <run dir>/ranks.png at the end (loss and validation, throughput, each rank's share
     # and step time, re-allocations marked) and log where; a failure to draw only warns
     plot: bool = True
@@ -88,41 +65,16 @@ class TrainerConfig:
             self.global_batch_size >= 1,
             f"trainer.global_batch_size={self.global_batch_size} is invalid: it must be >= 1",
         )
-        if self.allocation is not None:
-            require(
-                len(self.allocation) >= 1 and all(int(b) >= 1 for b in self.allocation),
-                f"trainer.allocation={list(self.allocation)} is invalid: give every rank at least "
-                "one sample, e.g. trainer.allocation=[24,8]",
-            )
-            require(
-                sum(self.allocation) == self.global_batch_size,
-                f"trainer.allocation={list(self.allocation)} sums to {sum(self.allocation)}, not "
-                f"trainer.global_batch_size={self.global_batch_size}: make the counts add up to "
-                "the global batch",
-            )
-        if self.max_micro_batch is not None:
-            require(
-                self.max_micro_batch >= 1,
-                f"trainer.max_micro_batch={self.max_micro_batch} is invalid: it must be >= 1",
-            )
         require(
             0 <= self.seed <= MAX_SEED,
             f"trainer.seed={self.seed} is out of range: use an integer in 0..{MAX_SEED}",
         )
-        if self.calibration_micro_batch is not None:
-            require(
-                self.calibration_micro_batch >= 1,
-                f"trainer.calibration_micro_batch={self.calibration_micro_batch} is invalid: use "
-                ">= 1, or null for global batch / world size (at most 16)",
-            )
         require(self.max_steps >= 1, f"trainer.max_steps={self.max_steps} is invalid: use >= 1")
-        for name in ("log_every",):
+        require(self.log_every >= 1,
+                f"trainer.log_every={self.log_every} is invalid: it must be >= 1")
+        for name in ("val_every", "checkpoint_every"):
             value = getattr(self, name)
-            require(value >= 1, f"trainer.{name}={value} is invalid: it must be >= 1")
-        for name in ("val_every", "checkpoint_every", "rebalance_every"):
-            value = getattr(self, name)
-            require(value is None or value >= 0,
-                    f"trainer.{name}={value} is invalid: it must be >= 0")
+            require(value >= 0, f"trainer.{name}={value} is invalid: it must be >= 0")
         require(
             self.keep_checkpoints >= 1,
             f"trainer.keep_checkpoints={self.keep_checkpoints} is invalid: keep at least 1",
@@ -135,38 +87,6 @@ class TrainerConfig:
         require(not unknown, f"trainer.loggers={list(self.loggers)} has unknown {unknown}: use "
                 f"any of {', '.join(LOGGER_NAMES)}, e.g. trainer.loggers=[jsonl,tensorboard]")
         require(self.grad_clip >= 0, f"trainer.grad_clip={self.grad_clip} is invalid: use >= 0")
-        require(
-            self.calibration_steps >= 1,
-            f"trainer.calibration_steps={self.calibration_steps} is invalid: use >= 1",
-        )
-        require(
-            self.precision in ("auto", "fp32", "bf16", "fp16"),
-            f"trainer.precision={self.precision!r} is unknown: use auto, fp32, bf16 or fp16",
-        )
-        require(
-            self.grad_compression in ("none", "bf16", "fp16"),
-            f"trainer.grad_compression={self.grad_compression!r} is unknown: use none, bf16 or fp16",
-        )
-        if self.bucket_cap_mb is not None:
-            require(self.bucket_cap_mb > 0, f"trainer.bucket_cap_mb={self.bucket_cap_mb} is "
-                    "invalid: use a size > 0 in MiB, or null for DDP's default 25")
-        require(
-            self.grad_combine in ("sum", "adasum"),
-            f"trainer.grad_combine={self.grad_combine!r} is unknown: use sum or adasum",
-        )
-        require(
-            self.rebalance_threshold > 0,
-            f"trainer.rebalance_threshold={self.rebalance_threshold} is invalid: it must be > 0",
-        )
-
-    @property
-    def rebalance_interval(self) -> int:
-        """Steps between re-balancing decisions (0 = never): ``rebalance_every`` when given,
-        else :data:`AUTO_REBALANCE_EVERY` for a measured split and 0 for a forced
-        ``trainer.allocation`` (the user's split is kept)."""
-        if self.rebalance_every is not None:
-            return int(self.rebalance_every)
-        return 0 if self.allocation is not None else AUTO_REBALANCE_EVERY
 
 
 @dataclass

@@ -99,7 +99,7 @@ def check_logger_packages(loggers: List[str]) -> None:
 
 
 def check_grad_combine(grad_combine: str, world: int) -> None:
-    """``trainer.grad_combine=adasum`` pairs ranks recursively, so the planned world size must be
+    """``comm.grad_combine=adasum`` pairs ranks recursively, so the planned world size must be
     a power of two (Horovod refuses others the same way); checked before any rank starts.
 
     Raises:
@@ -108,9 +108,9 @@ def check_grad_combine(grad_combine: str, world: int) -> None:
     if grad_combine == "adasum" and not (world >= 1 and world & (world - 1) == 0):
         lower = 1 << (world.bit_length() - 1)
         raise ConfigError(
-            f"trainer.grad_combine=adasum needs a power-of-two number of ranks, this run plans "
+            f"comm.grad_combine=adasum needs a power-of-two number of ranks, this run plans "
             f"{world}: use {lower} or {lower * 2} ranks (cluster.ranks, or the partitions' nodes "
-            "and gpus_per_node), or trainer.grad_combine=sum"
+            "and gpus_per_node), or comm.grad_combine=sum"
         )
 
 
@@ -135,17 +135,25 @@ def validate_run_config(run: RunConfig) -> None:
             f"{world}: every rank needs at least one sample; raise trainer.global_batch_size to "
             f">= {world} or use fewer ranks"
         )
-    if trainer.allocation is not None and len(trainer.allocation) != world:
+    allocation = run.balance.allocation
+    if allocation is not None and sum(allocation) != trainer.global_batch_size:
+        raise ConfigError(
+            f"balance.allocation={list(allocation)} sums to {sum(allocation)}, not "
+            f"trainer.global_batch_size={trainer.global_batch_size}: make the counts add up to "
+            "the global batch"
+        )
+    if allocation is not None and len(allocation) != world:
         batch = trainer.global_batch_size
         even = [batch // world + (1 if r < batch % world else 0) for r in range(world)]
-        example = f", e.g. trainer.allocation=[{','.join(map(str, even))}]" if world <= 16 else ""
+        example = f", e.g. balance.allocation=[{','.join(map(str, even))}]" if world <= 16 else ""
         raise ConfigError(
-            f"trainer.allocation={list(trainer.allocation)} has {len(trainer.allocation)} entries "
-            f"but the world size is {world}: set trainer.allocation=null to let the ranks "
+            f"balance.allocation={list(allocation)} has {len(allocation)} entries "
+            f"but the world size is {world}: set balance.allocation=null to let the ranks "
             f"measure their split, or give {world} sample counts summing to {batch}{example}"
         )
     run.cluster.check_world(world)
-    check_grad_combine(trainer.grad_combine, world)
+    run.precision.check_world(world, list(getattr(run.cluster, "partitions", {}) or {}))
+    check_grad_combine(run.comm.grad_combine, world)
     check_logger_packages(list(trainer.loggers))
     for path in expand_data_files(_data_files(run)):
         check_text_file(path)

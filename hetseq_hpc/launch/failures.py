@@ -217,7 +217,7 @@ def signal_reason(code: int, run_dir: Path, rank: int, oom: Optional[str] = None
     if estimate is not None:
         reason += (f"; the rank was planned to use about {estimate:.2f} GiB (allocation.json: "
                    "static + activations x micro-batch)")
-    return reason + ": lower cluster.memory_budget_gb, shrink task.model or trainer.max_micro_batch"
+    return reason + ": lower cluster.memory_budget_gb, shrink task.model or balance.max_micro_batch"
 
 
 def memory_estimate_gb(run_dir: Path, rank: int) -> Optional[float]:

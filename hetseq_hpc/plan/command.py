@@ -30,7 +30,7 @@ Planner options: the ``plan`` config group (schema: ``hetseq_hpc/config/plan.py`
                           models DDP's 25 MiB buckets overlapping the last micro-batch's
                           backward (Li et al., VLDB 2020); a number in [0, 1] fixes the hidden
                           share (0 = nothing overlaps, a lower bound, also printed).
-    plan.peak=runtime     ``runtime``: the precision the runtime picks (trainer.precision=auto
+    plan.peak=runtime     ``runtime``: the precision the runtime picks (precision.default=auto
                           -> bf16 tensor cores on compute capability >= 8.0, fp32 elsewhere);
                           ``tensor``: every GPU at its tensor-core peak (fp16 on V100/T4).
 

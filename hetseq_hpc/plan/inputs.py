@@ -262,7 +262,7 @@ def ranks_from_probe(probe: Dict[str, Any], partitions: Sequence[PartitionSpec],
         probe: the parsed file (:func:`load_probe`).
         partitions: the planned cluster (:func:`partitions_of`).
         by_index: cluster=local: planned rank ``i`` takes probe rank ``i``.
-        limit: ``trainer.max_micro_batch``.
+        limit: ``balance.max_micro_batch``.
 
     Raises:
         ConfigError: a partition has no matching probe rank, or the file lacks calibrations.
@@ -332,7 +332,7 @@ def ranks_from_table(placements: Sequence[RankPlacement], flops_per_sample: floa
         flops_per_sample: training FLOPs of one sample.
         param_count: model parameters (fp32).
         activation_bytes_per_sample: activation memory of one sample, bytes.
-        mfu: ``plan.mfu``; peak: ``plan.peak``; limit: ``trainer.max_micro_batch``.
+        mfu: ``plan.mfu``; peak: ``plan.peak``; limit: ``balance.max_micro_batch``.
 
     Raises:
         ConfigError: a partition has no GPU type, or an unknown one.

@@ -64,12 +64,12 @@ def _local_ranks(run) -> Tuple[ModelInfo, List[RankSpec], str]:
     places = plan_placements(run)
     first = places[0]
     calib = CpuCalibration(
-        micro_batch=calibration_micro_batch(run.trainer, len(places)),
-        steps=run.trainer.calibration_steps, threads=first.threads,
+        micro_batch=calibration_micro_batch(run, len(places)),
+        steps=run.balance.calibration_steps, threads=first.threads,
         budget_bytes=memory_budget_bytes(first, "cpu", read_meminfo()[1], first.ranks_on_node))
     model = measure_model(run.task, need_activations=True, cpu_calibration=calib)
     cap = memory_cap(calib.budget_bytes, model.param_count, model.activation_bytes_per_sample,
-                     run.trainer.max_micro_batch)
+                     run.balance.max_micro_batch)
     ranks = [RankSpec(p.rank, "local", f"cpu {p.threads} thr"
                       + (f" @{p.emulate_speed:g}" if p.emulate_speed != 1 else ""),
                       model.cpu_samples_per_s * p.emulate_speed, cap) for p in places]
@@ -85,7 +85,7 @@ def _table_ranks(run, opts: PlanConfig) -> Tuple[ModelInfo, List[RankSpec], str]
     model = measure_model(run.task, need_activations=True)
     ranks = ranks_from_table(plan_placements(run), model.flops_per_sample, model.param_count,
                              model.activation_bytes_per_sample, opts.mfu, opts.peak,
-                             run.trainer.max_micro_batch)
+                             run.balance.max_micro_batch)
     precision = ("as the runtime picks (bf16 on compute capability >= 8.0, fp16 on 7.x, else "
                  "fp32; per-partition precision overrides)" if opts.peak == "runtime"
                  else "tensor-core peak everywhere (plan.peak=tensor)")
@@ -117,7 +117,7 @@ def make_plan(run, opts: Optional[PlanConfig] = None) -> Plan:
     if opts.probe:
         probe = load_probe(opts.probe)
         model = measure_model(run.task, need_activations=False)
-        ranks = ranks_from_probe(probe, parts, by_index=local, limit=run.trainer.max_micro_batch)
+        ranks = ranks_from_probe(probe, parts, by_index=local, limit=run.balance.max_micro_batch)
         measured_sync_s = probe_sync_s(probe, len(ranks))
         source = f"measured calibration from {opts.probe}"
     elif local:
@@ -138,10 +138,10 @@ def make_plan(run, opts: Optional[PlanConfig] = None) -> Plan:
                        measured_sync_s)
 
     try:
-        prediction = predict_at(run.trainer.global_batch_size, run.trainer.allocation)
+        prediction = predict_at(run.trainer.global_batch_size, run.balance.allocation)
     except AllocationError as exc:
         raise ConfigError(str(exc)) from None
-    retry = None if run.trainer.allocation else predict_at
+    retry = None if run.balance.allocation else predict_at
     warnings = [w for w in (probe_model_warning(opts, run), batch_warning(prediction, retry)) if w]
     return Plan(run.cluster.name, parts, ranks, prediction, model, opts, link, source, warnings)
 

@@ -197,7 +197,7 @@ def predict(throughputs: Sequence[float], global_batch_size: int, caps: Sequence
         latency_s: latency per ring step, seconds.
         overlap: ``"ddp"`` (DDP's bucketed overlap, :func:`ddp_exposed_allreduce_s`) or a fixed
             share of the all-reduce hidden behind compute, [0, 1] (0 = a lower bound).
-        forced: ``trainer.allocation`` if set (the runtime then uses it).
+        forced: ``balance.allocation`` if set (the runtime then uses it).
         curves: per-rank cost curves (a probe's fits); the split, the times and the ideal
             (sum of each rank's rate on the whole global batch alone) then come from them.
         measured_sync_s: a probe's measured per-step synchronisation, seconds (its

@@ -9,7 +9,7 @@ the gradient of the mean loss over the whole global batch.
 The hook runs when a bucket's gradients are ready, i.e. as this rank's backward pass reaches
 it; the time of the last call is the end of local compute, before any wait for slower ranks.
 
-Two variants (``trainer.grad_compression``, ``trainer.grad_combine``):
+Two variants (``comm.grad_compression``, ``comm.grad_combine``):
 
 - :func:`compressed_sum_hook`: the same SUM, with the payload cast to bf16/fp16 (half the
   bytes) and back. An fp16 payload always comes with the job-wide dynamic loss scale

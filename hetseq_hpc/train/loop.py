@@ -73,7 +73,7 @@ class Trainer:
         metas: :class:`RankMeta` of every rank, in rank order.
         autocast: factory of the mixed-precision context.
         rebalancer: optional online re-balancer (``record(per_rank)``, ``observe(step,
-            allocation) -> Optional[Allocation]``), consulted every ``trainer.rebalance_interval``
+            allocation) -> Optional[Allocation]``), consulted every ``balance.rebalance_interval``
             steps.
         on_allocation: called with every new allocation a re-balance switches to.
         stop_request: a :class:`~hetseq_hpc.env.preemption.StopRequest` (its ``code`` is shared with
@@ -117,7 +117,7 @@ class Trainer:
         self.sampler = GlobalBatchSampler(task.num_train, self.cfg.global_batch_size, self.cfg.seed)
         self.optimizer, self.scheduler = build_optimizer(model, run)
         self.grad_path = GradientPath(  # loss scale normaliser: expected units of a global batch
-            self.cfg, [m.precision for m in metas], self.rank, self.world.world_size,
+            run.comm, [m.precision for m in metas], self.rank, self.world.world_size,
             self.cfg.global_batch_size * float(getattr(task, "units_per_sample", 1.0)))
         self.step = 0  # last completed optimizer step; global batch ``step`` comes next
         self.history: List[StepRecord] = []
@@ -282,14 +282,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def _maybe_rebalance(self, rec: StepRecord) -> None:
-        """Feed the re-balancer; every ``trainer.rebalance_interval`` steps, or at once when it
+        """Feed the re-balancer; every ``balance.rebalance_interval`` steps, or at once when it
         sees a speed change (:meth:`~hetseq_hpc.balance.rebalance.Rebalancer.speed_changed`, the
         same verdict on every rank), all ranks check they decided alike and switch together to
         its new allocation from the next step (:meth:`~hetseq_hpc.balance.rebalance.Rebalancer.due`
         also calls for a follow-up decision a few steps after a move that the evidence
         supported only in part). Nothing is decided after the last step or a stop request's
         step: no step would run the new split."""
-        every = self.cfg.rebalance_interval
+        every = self.run.balance.rebalance_interval
         if self.rebalancer is None or not every:
             return
         self.rebalancer.record(rec.per_rank)

@@ -17,7 +17,7 @@ the same non-finite summed gradient and skip the SAME step (each rank checks the
 gradient, which is bitwise the same on every rank; under ``no_sync`` the micro-steps'
 gradients only accumulate locally and enter that one all-reduce, so no local check can differ).
 It is used when any rank computes in fp16 or the all-reduce payload is fp16
-(``trainer.grad_compression=fp16``); otherwise it does not exist and the fp32/bf16 path is
+(``comm.grad_compression=fp16``); otherwise it does not exist and the fp32/bf16 path is
 bit-for-bit the one without it. A skipped step does not step the optimizer; the LR scheduler
 still steps, as in torch's AMP recipe (``scaler.step(opt)`` skips, ``sched.step()`` runs), so the
 learning rate stays a function of the global batch index (resume and re-balancing rely on it).
@@ -104,9 +104,9 @@ def check_adasum_world(world_size: int) -> None:
         ConfigError: ``world_size`` is not a power of two (one line).
     """
     if not is_power_of_two(int(world_size)):
-        raise ConfigError(f"trainer.grad_combine=adasum needs a power-of-two number of ranks, "
+        raise ConfigError(f"comm.grad_combine=adasum needs a power-of-two number of ranks, "
                           f"this run has {world_size}: use 2, 4, 8 ... ranks, or "
-                          "trainer.grad_combine=sum")
+                          "comm.grad_combine=sum")
 
 
 @dataclass
@@ -173,11 +173,11 @@ class GradientPath:
         ConfigError: ``grad_combine=adasum`` on a world that is not a power of two.
     """
 
-    def __init__(self, trainer_cfg: Any, precisions: Sequence[Optional[str]], rank: int,
+    def __init__(self, comm_cfg: Any, precisions: Sequence[Optional[str]], rank: int,
                  world_size: int, expected_units: float):
-        self.combine = trainer_cfg.grad_combine
-        self.compression = trainer_cfg.grad_compression
-        self.bucket_cap_mb = trainer_cfg.bucket_cap_mb
+        self.combine = comm_cfg.grad_combine
+        self.compression = comm_cfg.grad_compression
+        self.bucket_cap_mb = comm_cfg.bucket_cap_mb
         self.precisions = [p or "fp32" for p in precisions]
         self.rank = rank
         self.expected_units = max(float(expected_units), 1.0)
@@ -188,7 +188,7 @@ class GradientPath:
         if self.combine == "adasum":
             check_adasum_world(world_size)
             if rank == 0:
-                log.warning("trainer.grad_combine=adasum: each rank's own mean gradient is "
+                log.warning("comm.grad_combine=adasum: each rank's own mean gradient is "
                             "combined by Adasum (Maleki et al. 2020); this is NOT the exact "
                             "global-batch update")
         if self.loss_scale.enabled and rank == 0:

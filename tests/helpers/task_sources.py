@@ -5,18 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-#: ``breaches.py``: a correct regression task and three that break the task contract
-BREACHES = '''
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
-from hetseq_hpc.tasks import Task
-
-
-class Regression(Task):
-    """A correct task: sum of squared errors over samples, one unit per sample."""
-
+#: the data of both regression tasks below: y = x . w + noise, 224 train and 32 val samples,
+#: one loss unit per sample
+REGRESSION_DATA = '''
     def load(self):
         g = torch.Generator().manual_seed(0)
         self.x = torch.randn(256, 4, generator=g)
@@ -31,7 +22,21 @@ class Regression(Task):
 
     def count(self, batch):
         return int(batch["y"].shape[0])
+'''
 
+#: ``breaches.py``: a correct regression task and three that break the task contract
+BREACHES = '''
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from hetseq_hpc.tasks import Task
+
+
+class Regression(Task):
+    """A correct task: sum of squared errors over samples, one unit per sample."""
+
+{regression_data}
     def build_model(self):
         return Net(self.cfg.model.get("dropout", 0.0), "sum")
 
@@ -67,7 +72,7 @@ class Net(nn.Module):
 
     def forward(self, x, y):
         return F.mse_loss(self.body(x).squeeze(1), y, reduction=self.reduction)
-'''
+'''.replace("{regression_data}", REGRESSION_DATA.lstrip("\n"))
 
 #: ``my_tasks.py``: a regression task whose model has BatchNorm when ``task.args.batchnorm``
 USER_TASK = '''
@@ -79,21 +84,7 @@ from hetseq_hpc.tasks import Task
 class Regression(Task):
     """y = x . w + noise; loss units are samples; the model optionally has BatchNorm."""
 
-    def load(self):
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(256, 4, generator=g)
-        self.y = self.x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1 * torch.randn(256, generator=g)
-
-    num_train = property(lambda self: 224)
-    num_val = property(lambda self: 32)
-
-    def make_batch(self, positions, epoch, split):
-        rows = torch.as_tensor(list(positions), dtype=torch.long) + (224 if split == "val" else 0)
-        return {"x": self.x[rows], "y": self.y[rows]}
-
-    def count(self, batch):
-        return int(batch["y"].shape[0])
-
+{regression_data}
     def build_model(self):
         norm = nn.BatchNorm1d(8) if self.cfg.args.get("batchnorm") else nn.LayerNorm(8)
         return Net(nn.Sequential(nn.Linear(4, 8), norm, nn.ReLU(), nn.Linear(8, 1)))
@@ -110,7 +101,7 @@ class Net(nn.Module):
 
 class NotATask:
     pass
-'''
+'''.replace("{regression_data}", REGRESSION_DATA.lstrip("\n"))
 
 
 def module_dir(tmp_path: Path, filename: str, source: str) -> Path:

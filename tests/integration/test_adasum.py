@@ -137,7 +137,7 @@ def test_compressed_sum_keeps_the_sum_in_half_the_bytes():
 
 @pytest.mark.slow
 def test_adasum_run_says_it_is_not_the_exact_update(tmp_path, run_cli):
-    proc = run_cli(tmp_path, "cluster.ranks=2", "trainer.grad_combine=adasum",
+    proc = run_cli(tmp_path, "cluster.ranks=2", "comm.grad_combine=adasum",
                    "trainer.max_steps=3", "trainer.val_every=0", "trainer.checkpoint_every=0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())

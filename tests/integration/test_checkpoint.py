@@ -33,7 +33,7 @@ from tests.helpers.runs import (
     wait_rows,
 )
 
-QUICK = [*SMALL_MODEL, "cluster.ranks=1", "trainer.val_every=0", "trainer.calibration_steps=1",
+QUICK = [*SMALL_MODEL, "cluster.ranks=1", "trainer.val_every=0", "balance.calibration_steps=1",
          "trainer.global_batch_size=16"]
 
 

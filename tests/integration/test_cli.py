@@ -77,7 +77,7 @@ def test_plan_subcommand_prints_the_plan():
 
 @pytest.mark.slow
 def test_probe_writes_json_that_plan_reads(tmp_path, token_cache):
-    proc = hetseq("probe", "task=bert", *SMALL_MODEL, "trainer.calibration_steps=1",
+    proc = hetseq("probe", "task=bert", *SMALL_MODEL, "balance.calibration_steps=1",
                   token_cache=token_cache, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     path = Path(proc.stdout.strip().splitlines()[-1])

@@ -28,7 +28,7 @@ def _assert_nothing_started(tmp_path):
     "override, names",
     [
         pytest.param("cluster.ranks=0", ["cluster.ranks"], id="ranks-0"),
-        pytest.param("trainer.allocation=[20,8]", ["trainer.allocation"], id="allocation-sum"),
+        pytest.param("balance.allocation=[20,8]", ["balance.allocation"], id="allocation-sum"),
     ],
 )
 def test_cli_config_error_exits_2_and_starts_nothing(tmp_path, override, names):
@@ -54,7 +54,7 @@ CLI_TYPE_ERRORS = [
     pytest.param("trainer.max_steps=abc", ["trainer.max_steps='abc'", "an integer",
                                            "trainer.max_steps=1000"], id="max-steps-abc"),
     pytest.param("cluster.ranks=1.5", ["cluster.ranks=1.5", "an integer"], id="ranks-float"),
-    pytest.param("trainer.allocation=5", ["trainer.allocation=5", "a list of integers"],
+    pytest.param("balance.allocation=5", ["balance.allocation=5", "a list of integers"],
                  id="allocation-scalar"),
     pytest.param("trainer.seed=x", ["trainer.seed='x'", "an integer"], id="seed-str"),
     pytest.param("optim.lr=fast", ["optim.lr='fast'", "a number", "optim.lr=0.001"],
@@ -64,7 +64,7 @@ CLI_TYPE_ERRORS = [
                  id="dropout-list"),
     pytest.param("cluster.speeds=fast", ["cluster.speeds='fast'", "a list of numbers"],
                  id="speeds-str"),
-    pytest.param("trainer.allocation=[a,b]", ["trainer.allocation[0]='a'", "an integer"],
+    pytest.param("balance.allocation=[a,b]", ["balance.allocation[0]='a'", "an integer"],
                  id="allocation-entry"),
     pytest.param("trainer.resume=[1,2]", ["trainer.resume=[1, 2]", "a string"], id="resume-list"),
 ]

@@ -52,7 +52,7 @@ def _metrics_rows(run_dir: Path) -> int:
      r"rank: rank 1's batch of training positions \[.*\] differs from rank 0's in 'x'"),
 ])
 def test_contract_breach_is_refused_before_step_1(tmp_path, user_dir, target, member, pattern):
-    proc = _cli(tmp_path, user_dir, target, "cluster.ranks=2", "trainer.allocation=[24,8]")
+    proc = _cli(tmp_path, user_dir, target, "cluster.ranks=2", "balance.allocation=[24,8]")
     assert proc.returncode == 1, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]  # the launcher's one line
     assert last.startswith("hetseq-hpc: error: rank") and "TaskContractError" in last, last

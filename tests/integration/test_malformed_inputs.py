@@ -23,7 +23,7 @@ PLAN_ERROR = "hetseq-hpc plan: error: "
 ERROR = "hetseq-hpc: error: "
 #: a local plan of 2 ranks from a probe file (as tests/unit/test_plan.py plans one)
 PLAN = ["plan", "cluster.ranks=2", "cluster.speeds=[1.0,0.5]", "trainer.global_batch_size=30",
-        "trainer.max_micro_batch=16"]
+        "balance.max_micro_batch=16"]
 
 
 def _hetseq(*args: str, cwd: Path = REPO, timeout: float = 120) -> subprocess.CompletedProcess:

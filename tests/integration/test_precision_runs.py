@@ -1,7 +1,7 @@
 """Every rank at its own precision in one job, with ONE loss scale (hetseq_hpc.train.precision).
 
 End to end on CPU (torch's cpu autocast runs bf16 and fp16): 2 real worker processes,
-``trainer.allocation=[24,8]``, ``cluster.precisions=[bf16,fp16]``.
+``balance.allocation=[24,8]``, ``precision.ranks=[bf16,fp16]``.
 
 Tolerance of the mixed run against the fp32 1-rank run, per step, relative: ``MIXED_REL_TOL =
 2.5e-4``. Derivation: parameters, gradients and AdamW stay fp32, so the difference comes from
@@ -37,8 +37,8 @@ MIXED_REL_TOL = 2.5e-4
 COMPRESSION_REL_TOL = 3.5e-4
 EXACT = ["task.model.dropout=0.0", "trainer.val_every=0", "trainer.seed=7",
          "trainer.global_batch_size=32"]
-MIXED = ["cluster.ranks=2", "trainer.allocation=[24,8]", "trainer.max_micro_batch=5",
-         "cluster.precisions=[bf16,fp16]", "trainer.checkpoint_every=10"]
+MIXED = ["cluster.ranks=2", "balance.allocation=[24,8]", "balance.max_micro_batch=5",
+         "precision.ranks=[bf16,fp16]", "trainer.checkpoint_every=10"]
 
 
 # ---------------------------------------------------------------- end to end
@@ -104,11 +104,11 @@ def test_overflow_on_one_rank_skips_the_step_everywhere_and_resume_is_exact(tmp_
 
 @pytest.mark.slow
 def test_bf16_compressed_allreduce_stays_within_tolerance_of_none(tmp_path, token_cache):
-    plain = ["cluster.ranks=2", "trainer.allocation=[24,8]", "trainer.max_micro_batch=5",
+    plain = ["cluster.ranks=2", "balance.allocation=[24,8]", "balance.max_micro_batch=5",
              "trainer.max_steps=20"]
     _run(tmp_path / "none", token_cache, *plain)
-    _run(tmp_path / "bf16", token_cache, *plain, "trainer.grad_compression=bf16",
-         "trainer.bucket_cap_mb=1")
+    _run(tmp_path / "bf16", token_cache, *plain, "comm.grad_compression=bf16",
+         "comm.bucket_cap_mb=1")
     ref, got = losses(tmp_path / "none"), losses(tmp_path / "bf16")
     for step in range(1, 21):
         rel = abs(got[step] - ref[step]) / abs(ref[step])

@@ -4,7 +4,7 @@
   gives ONE warning naming its path and the fix and is dropped; training and ``metrics.jsonl``
   go on (real 2-rank runs).
 * A run that cannot work is refused before any process starts, in one line with exit 2:
-  ``trainer.loggers=[wandb]`` without wandb, ``trainer.grad_combine=adasum`` on a world size
+  ``trainer.loggers=[wandb]`` without wandb, ``comm.grad_combine=adasum`` on a world size
   that is not a power of two (local and SLURM configs).
 * A directory at a checkpoint's name stops the run with the right advice (remove or rename it,
   and how to continue), and is never taken for a checkpoint.
@@ -30,7 +30,7 @@ from hetseq_hpc.train.loggers import CSV_NAME, TB_DIR
 from tests.helpers.loggers import LOGGERS, logger_warnings
 from tests.helpers.runs import SMALL_MODEL, hetseq, read_rows
 
-TWO_RANKS = ["cluster.ranks=2", "trainer.val_every=0", "trainer.calibration_steps=1",
+TWO_RANKS = ["cluster.ranks=2", "trainer.val_every=0", "balance.calibration_steps=1",
              "trainer.global_batch_size=16"]
 
 
@@ -121,11 +121,11 @@ def test_wandb_without_the_package_is_refused_before_any_process(tmp_path):
 def test_adasum_on_three_local_ranks_is_refused_before_any_process(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "hetseq_hpc", "cluster.ranks=3",
-                           "trainer.grad_combine=adasum", f"hydra.run.dir={run_dir}"],
+                           "comm.grad_combine=adasum", f"hydra.run.dir={run_dir}"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     line = _refused(proc, run_dir)
-    assert "trainer.grad_combine=adasum needs a power-of-two number of ranks" in line
-    assert "plans 3: use 2 or 4 ranks" in line and line.endswith("trainer.grad_combine=sum")
+    assert "comm.grad_combine=adasum needs a power-of-two number of ranks" in line
+    assert "plans 3: use 2 or 4 ranks" in line and line.endswith("comm.grad_combine=sum")
 
 
 @pytest.mark.slow
@@ -136,7 +136,7 @@ def test_directory_at_a_checkpoint_name_stops_a_real_run_with_the_right_advice(
     (it said "free disk space or fix permissions" before)."""
     run_dir = tmp_path / "run"
     quick = [*SMALL_MODEL, "cluster.ranks=1", "trainer.val_every=0",
-             "trainer.calibration_steps=1", "trainer.global_batch_size=16",
+             "balance.calibration_steps=1", "trainer.global_batch_size=16",
              "trainer.checkpoint_every=2"]
     _ok(_cli(run_dir, token_cache, *quick, "trainer.max_steps=2", small=False))
     blocker = checkpoint_path(run_dir, 4)

@@ -22,7 +22,7 @@ from hetseq_hpc.train.checkpoint import (
 from tests.helpers.checkpoints import plant_corrupt
 from tests.helpers.runs import SMALL_MODEL, hetseq, read_rows
 
-QUICK = [*SMALL_MODEL, "cluster.ranks=1", "trainer.val_every=0", "trainer.calibration_steps=1",
+QUICK = [*SMALL_MODEL, "cluster.ranks=1", "trainer.val_every=0", "balance.calibration_steps=1",
          "trainer.global_batch_size=16"]
 
 

@@ -4,7 +4,7 @@ task (BERT: tests/integration/test_training.py). Real worker processes, real glo
 For each task, with dropout off and one seed:
 
 - ``cluster.ranks=1`` (32 samples per step) is the reference, uninterrupted, 20 steps;
-- ``cluster.ranks=2 trainer.allocation=[24,8] trainer.max_micro_batch=5`` (accumulation on both
+- ``cluster.ranks=2 balance.allocation=[24,8] balance.max_micro_batch=5`` (accumulation on both
   ranks) runs steps 1-10, stops (``trainer.max_steps=10``) and is resumed with
   ``trainer.resume=auto`` for steps 11-20.
 
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow
 
 STEPS = ["trainer.global_batch_size=32", "optim.schedule_steps=20", "trainer.checkpoint_every=10",
          "trainer.seed=7", "task.model.dropout=0.0", "trainer.val_every=0"]
-UNEVEN = ["cluster.ranks=2", "trainer.allocation=[24,8]", "trainer.max_micro_batch=5"]
+UNEVEN = ["cluster.ranks=2", "balance.allocation=[24,8]", "balance.max_micro_batch=5"]
 
 
 def run(run_dir: Path, cache: Path, *overrides: str) -> None:

@@ -85,7 +85,7 @@ def test_one_rank_equals_uneven_two_ranks(tmp_path, run_cli, reference_run):
     """1 rank x 32 and 2 ranks x [24, 8] (with gradient accumulation on both) log the same loss
     at every one of 20 steps: one update == one step on the whole global batch."""
     proc = run_cli(tmp_path, *EXACT, "cluster.ranks=2", "trainer.global_batch_size=32",
-                   "trainer.allocation=[24,8]", "trainer.max_micro_batch=5",
+                   "balance.allocation=[24,8]", "balance.max_micro_batch=5",
                    "trainer.max_steps=20")
     _ok(proc)
     alloc = json.loads((tmp_path / "allocation.json").read_text())["allocation"]
@@ -126,7 +126,9 @@ def test_corrupt_checkpoint_is_reported_and_kept(tmp_path, run_cli):
 
 def test_dead_rank_stops_the_job_with_a_clear_error(tmp_path, token_cache):
     """SIGKILL rank 1 mid-training: the launcher stops rank 0 (which would wait in a collective)
-    and reports which rank died and why, instead of hanging."""
+    and reports which rank died and why, instead of hanging. A 0.03 GiB rank on a machine with
+    GiBs free, killed by the user, is not called out of memory (its cgroup counter did not move;
+    the kernel log, where readable, does not name the process)."""
     cmd = [sys.executable, "-m", "hetseq_hpc", *SMALL_MODEL, "cluster.ranks=2",
            "trainer.max_steps=100000", "trainer.val_every=0", "trainer.checkpoint_every=0",
            f"hydra.run.dir={tmp_path}"]
@@ -144,6 +146,9 @@ def test_dead_rank_stops_the_job_with_a_clear_error(tmp_path, token_cache):
     assert proc.returncode == 1
     last = stderr.strip().splitlines()[-1]
     assert "rank 1 failed" in last and "SIGKILL" in last, last
+    not_oom = "killed by SIGKILL (by a user, the scheduler, or the OOM killer)"
+    assert f"rank 1 failed ({not_oom})" in last, last
+    assert "out of memory" not in last and "memory_budget_gb" not in last, last
     assert not worker_pids(tmp_path), "a worker outlived the launcher"
 
 
@@ -152,8 +157,8 @@ def test_rebalancing_keeps_exact_semantics_and_switches_all_ranks_together(
     """Start badly split ([28, 4] on equal ranks) with re-balancing every 2 steps: the
     allocation changes mid-run, every rank switches at the same step, and the losses still
     equal the 1-rank run at every step."""
-    proc = run_cli(tmp_path, *EXACT, "cluster.ranks=2", "trainer.allocation=[28,4]",
-                   "trainer.rebalance_every=2", "trainer.max_steps=20")
+    proc = run_cli(tmp_path, *EXACT, "cluster.ranks=2", "balance.allocation=[28,4]",
+                   "balance.rebalance_every=2", "trainer.max_steps=20")
     _ok(proc)
     rows = read_rows(tmp_path)
     moves = [r for r in rows if "reallocation" in r]

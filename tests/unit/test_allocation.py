@@ -237,7 +237,7 @@ def test_wrong_forced_allocation_raises(forced):
     with pytest.raises(AllocationError) as info:
         allocate([1.0, 1.0], 32, [16, 16], forced=forced)
     message = str(info.value)
-    assert "trainer.allocation" in message and "\n" not in message
+    assert "balance.allocation" in message and "\n" not in message
 
 
 # --------------------------------------------------------------------------- errors

@@ -43,9 +43,9 @@ def test_defaults(run_config):
     assert run.task.name == "bert"
     assert run.cluster.name == "local"
     assert run.trainer.global_batch_size == 32
-    assert run.trainer.allocation is None
+    assert run.balance.allocation is None
     assert run.trainer.resume == "auto"
-    assert run.trainer.precision == "auto"
+    assert run.precision.default == "auto"
     assert run.optim.name == "adamw"
     assert run.task.model.hidden_size == 128
     assert run.task.data.files == []
@@ -67,8 +67,8 @@ def test_defaults_without_overrides(compose_cfg):
         pytest.param(["cluster.ranks=3"], lambda r: r.cluster.ranks, 3, id="cluster.ranks"),
         pytest.param(["cluster.ranks=2", "trainer.global_batch_size=64"],
                      lambda r: r.trainer.global_batch_size, 64, id="global_batch_size"),
-        pytest.param(["cluster.ranks=2", "trainer.allocation=[24,8]"],
-                     lambda r: r.trainer.allocation, [24, 8], id="allocation"),
+        pytest.param(["cluster.ranks=2", "balance.allocation=[24,8]"],
+                     lambda r: r.balance.allocation, [24, 8], id="allocation"),
         pytest.param(["cluster.ranks=2", "trainer.max_steps=7"],
                      lambda r: r.trainer.max_steps, 7, id="max_steps"),
         pytest.param(["cluster.ranks=2", "trainer.seed=1234"],
@@ -89,8 +89,8 @@ def test_overrides(run_config, overrides, getter, value):
 
 def test_allocation_override_with_matching_world(run_config):
     run = run_config("cluster.ranks=3", "trainer.global_batch_size=12",
-                     "trainer.allocation=[6,4,2]")
-    assert run.trainer.allocation == [6, 4, 2]
+                     "balance.allocation=[6,4,2]")
+    assert run.balance.allocation == [6, 4, 2]
     assert hetseq_hpc.config.planned_world_size(run) == 3
 
 
@@ -109,13 +109,13 @@ def test_existing_data_files_are_accepted(run_config, tmp_path):
         pytest.param(["cluster.ranks=-1"], ["cluster.ranks=-1"], id="ranks-negative"),
         pytest.param(["cluster.ranks=2", "trainer.global_batch_size=1"],
                      ["trainer.global_batch_size=1", "world size 2"], id="batch-below-world"),
-        pytest.param(["cluster.ranks=2", "trainer.allocation=[20,8]"],
-                     ["trainer.allocation", "28", "32"], id="allocation-wrong-sum"),
-        pytest.param(["cluster.ranks=2", "trainer.allocation=[16,8,8]"],
-                     ["trainer.allocation", "3 entries", "world size is 2"],
+        pytest.param(["cluster.ranks=2", "balance.allocation=[20,8]"],
+                     ["balance.allocation", "28", "32"], id="allocation-wrong-sum"),
+        pytest.param(["cluster.ranks=2", "balance.allocation=[16,8,8]"],
+                     ["balance.allocation", "3 entries", "world size is 2"],
                      id="allocation-wrong-length"),
-        pytest.param(["cluster.ranks=2", "trainer.allocation=[32,0]"],
-                     ["trainer.allocation"], id="allocation-zero-entry"),
+        pytest.param(["cluster.ranks=2", "balance.allocation=[32,0]"],
+                     ["balance.allocation"], id="allocation-zero-entry"),
         pytest.param(["cluster.ranks=2", "task.data.files=[/nonexistent/*.txt]"],
                      ["task.data.files", "/nonexistent/*.txt"], id="missing-data-file"),
         pytest.param(["cluster.ranks=2", "task.model.num_heads=3"],
@@ -123,8 +123,8 @@ def test_existing_data_files_are_accepted(run_config, tmp_path):
         pytest.param(["cluster.ranks=2", "task.model.dropout=1.0"],
                      ["task.model.dropout"], id="dropout-1"),
         pytest.param(["cluster.ranks=2", "optim.lr=0"], ["optim.lr"], id="lr-0"),
-        pytest.param(["cluster.ranks=2", "trainer.precision=fp8"],
-                     ["trainer.precision", "fp8"], id="precision-fp8"),
+        pytest.param(["cluster.ranks=2", "precision.default=fp8"],
+                     ["precision.default", "fp8"], id="precision-fp8"),
         pytest.param(["cluster.ranks=2", "trainer.max_steps=0"], ["trainer.max_steps"],
                      id="max-steps-0"),
         pytest.param(["cluster.ranks=2", "trainer.resume=''"], ["trainer.resume"],
@@ -161,7 +161,7 @@ def test_unknown_task_name_in_plain_dict():
 def test_plain_dict_is_accepted():
     run = to_run_config({"task": {"name": "bert"}, "cluster": {"name": "local", "ranks": 2},
                          "trainer": {"allocation": [20, 12]}})
-    assert run.trainer.allocation == [20, 12]
+    assert run.balance.allocation == [20, 12]
     assert run.task.model.hidden_size == 128
 
 
@@ -174,7 +174,7 @@ def test_type_error_names_the_key():
 
 # --------------------------------------------------------------------------- save / load
 def test_save_load_round_trip(run_config, tmp_path):
-    run = run_config("cluster.ranks=2", "trainer.allocation=[24,8]", "trainer.max_steps=9",
+    run = run_config("cluster.ranks=2", "balance.allocation=[24,8]", "trainer.max_steps=9",
                      "trainer.seed=5", "task.model.dropout=0.0", "trainer.resume=never")
     path = save_run_config(run, tmp_path / "run" / "hetseq_config.yaml")
     assert path.is_file()
@@ -182,7 +182,7 @@ def test_save_load_round_trip(run_config, tmp_path):
     back = load_run_config(path)
     assert back == run
     assert isinstance(back.task, BertTaskConfig)
-    assert back.trainer.allocation == [24, 8]
+    assert back.balance.allocation == [24, 8]
     # saving again gives the same text
     again = save_run_config(back, tmp_path / "again.yaml")
     assert again.read_text() == path.read_text()
@@ -346,16 +346,16 @@ def test_empty_partitions_override_is_an_error(run_config, compose_cfg):
         pytest.param(["trainer.seed=-1"], ["trainer.seed=-1", "0..4294967295"], id="seed-negative"),
         pytest.param(["trainer.seed=4294967296"], ["trainer.seed=4294967296"], id="seed-2^32"),
         pytest.param(["trainer.seed=18446744073709551616"], ["trainer.seed="], id="seed-2^64"),
-        pytest.param(["trainer.calibration_micro_batch=-4"], ["trainer.calibration_micro_batch=-4"],
+        pytest.param(["balance.calibration_micro_batch=-4"], ["balance.calibration_micro_batch=-4"],
                      id="calibration-micro-batch-negative"),
-        pytest.param(["trainer.calibration_micro_batch=0"], ["trainer.calibration_micro_batch=0"],
+        pytest.param(["balance.calibration_micro_batch=0"], ["balance.calibration_micro_batch=0"],
                      id="calibration-micro-batch-0"),
         pytest.param(["optim.lr=inf"], ["optim.lr=inf", "finite"], id="lr-inf"),
         pytest.param(["optim.lr=nan"], ["optim.lr=nan", "finite"], id="lr-nan"),
         pytest.param(["optim.weight_decay=inf"], ["optim.weight_decay"], id="weight-decay-inf"),
         pytest.param(["optim.eps=nan"], ["optim.eps"], id="eps-nan"),
         pytest.param(["trainer.grad_clip=inf"], ["trainer.grad_clip"], id="grad-clip-inf"),
-        pytest.param(["trainer.rebalance_threshold=nan"], ["trainer.rebalance_threshold"],
+        pytest.param(["balance.rebalance_threshold=nan"], ["balance.rebalance_threshold"],
                      id="rebalance-threshold-nan"),
         pytest.param(["cluster.speeds=[1.0,nan]"], ["cluster.speeds"], id="speeds-nan"),
         pytest.param(["cluster.memory_budget_gb=inf"], ["cluster.memory_budget_gb"],
@@ -381,8 +381,8 @@ def test_range_errors(run_config, overrides, names):
 
 def test_range_edges_are_accepted(run_config):
     run = run_config("cluster.ranks=2", "trainer.seed=4294967295",
-                     "trainer.calibration_micro_batch=1")
-    assert run.trainer.seed == 2**32 - 1 and run.trainer.calibration_micro_batch == 1
+                     "balance.calibration_micro_batch=1")
+    assert run.trainer.seed == 2**32 - 1 and run.balance.calibration_micro_batch == 1
     assert run_config("cluster=mixed", "cluster.max_num_timeout=0",
                       "cluster.timeout_min=525600").cluster.timeout_min == 525600
 
@@ -429,15 +429,51 @@ def test_multibyte_character_cut_by_the_probe_is_fine(tmp_path):
 
 @pytest.mark.parametrize("overrides,interval", [
     ([], 10),                                              # measured split: re-balanced
-    (["trainer.allocation=[24,8]", "cluster.ranks=2"], 0),  # the user's split is kept
-    (["trainer.rebalance_every=3"], 3),
-    (["trainer.rebalance_every=0"], 0),
-    (["trainer.allocation=[24,8]", "cluster.ranks=2", "trainer.rebalance_every=5"], 5),
+    (["balance.allocation=[24,8]", "cluster.ranks=2"], 0),  # the user's split is kept
+    (["balance.rebalance_every=3"], 3),
+    (["balance.rebalance_every=0"], 0),
+    (["balance.allocation=[24,8]", "cluster.ranks=2", "balance.rebalance_every=5"], 5),
 ])
 def test_rebalance_interval_defaults_to_on_for_a_measured_split(run_config, overrides, interval):
-    assert run_config(*overrides).trainer.rebalance_interval == interval
+    assert run_config(*overrides).balance.rebalance_interval == interval
 
 
 def test_negative_rebalance_every_is_refused(run_config):
-    with pytest.raises(ConfigError, match=r"trainer\.rebalance_every=-1"):
-        run_config("trainer.rebalance_every=-1")
+    with pytest.raises(ConfigError, match=r"balance\.rebalance_every=-1"):
+        run_config("balance.rebalance_every=-1")
+
+
+def test_keys_that_moved_between_groups_keep_working(tmp_path):
+    """trainer.allocation & co. moved to the balance / comm / precision groups: an old command
+    line is rewritten (prefix and value kept), and a hetseq_config.yaml saved before the move
+    still loads, so such a run directory resumes."""
+    from omegaconf import OmegaConf
+
+    from hetseq_hpc.config import compose_run_config, load_run_config, save_run_config
+    from hetseq_hpc.config.aliases import migrate_overrides
+
+    assert migrate_overrides(["trainer.allocation=[24,8]", "+trainer.grad_combine=sum",
+                              "cluster.partitions.v100.precision=fp16", "trainer.max_steps=3",
+                              "precision.partitions.t4=fp32"]) == [
+        "balance.allocation=[24,8]", "+comm.grad_combine=sum",
+        "++precision.partitions.v100=fp16", "trainer.max_steps=3",
+        "++precision.partitions.t4=fp32"]
+    run = compose_run_config(["cluster=mixed", "balance.allocation=null",
+                              "precision.partitions.v100=fp16", "comm.bucket_cap_mb=10"])
+    saved = OmegaConf.to_container(OmegaConf.structured(run))
+    # the shape an older version wrote: everything under trainer, precision in the cluster
+    saved["trainer"].update(allocation=None, max_micro_batch=8, calibration_steps=4,
+                            calibration_micro_batch=None, rebalance_every=5,
+                            rebalance_threshold=0.1, precision="bf16", grad_compression="none",
+                            bucket_cap_mb=10.0, grad_combine="sum")
+    saved["cluster"]["partitions"]["v100"]["precision"] = "fp16"
+    saved["cluster"]["partitions"]["t4"]["precision"] = None
+    for group in ("balance", "comm", "precision"):
+        del saved[group]
+    path = tmp_path / "hetseq_config.yaml"
+    path.write_text(OmegaConf.to_yaml(OmegaConf.create(saved)))
+    old = load_run_config(path)
+    assert old.balance.max_micro_batch == 8 and old.balance.rebalance_every == 5
+    assert old.comm.bucket_cap_mb == 10.0
+    assert old.precision.default == "bf16" and old.precision.partitions == {"v100": "fp16"}
+    assert load_run_config(save_run_config(old, tmp_path / "again.yaml")) == old

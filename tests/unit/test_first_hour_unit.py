@@ -1,6 +1,6 @@
 """Issue 27, "the first hour", in process: a SIGKILL is called OOM only on the kernel's word,
 the plan's device column is never cut, a forced allocation of the wrong length suggests
-``trainer.allocation=null``, a model too big for a rank is refused from its parameter count,
+``balance.allocation=null``, a model too big for a rank is refused from its parameter count,
 a waited Slurm job prints the summary line, and the plot's four panels have data."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def test_a_sigkill_is_called_oom_only_with_the_kernels_evidence(tmp_path):
     oom = signal_reason(-signal.SIGKILL, tmp_path, 0, oom="the kernel log names pid 7")
     assert "out of memory" in oom and "the kernel log names pid 7" in oom and "2.00 GiB" in oom
     assert oom.endswith("lower cluster.memory_budget_gb, shrink task.model or "
-                        "trainer.max_micro_batch") and "\n" not in oom
+                        "balance.max_micro_batch") and "\n" not in oom
     assert signal_reason(-signal.SIGSEGV, tmp_path, 0) == "killed by signal SIGSEGV"
 
 
@@ -102,10 +102,10 @@ def test_plan_prints_every_device_label_whole(cluster):
 def test_a_forced_allocation_of_another_length_suggests_null():
     with pytest.raises(ConfigError) as err:
         compose_run_config(["cluster.ranks=3", "trainer.global_batch_size=32",
-                            "trainer.allocation=[20,12]"])
+                            "balance.allocation=[20,12]"])
     line = str(err.value)
     assert "\n" not in line and "world size is 3" in line
-    assert "trainer.allocation=null" in line and "trainer.allocation=[11,11,10]" in line
+    assert "balance.allocation=null" in line and "balance.allocation=[11,11,10]" in line
 
 
 # ------------------------------------------------------------------ a model too big for a rank

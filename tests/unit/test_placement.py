@@ -4,6 +4,7 @@ config and its place in the job; the local launcher's rank environments. Pure: n
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,6 +18,7 @@ from hetseq_hpc.balance.placement import (
     plan_placements,
 )
 from hetseq_hpc.config import compose_run_config
+from hetseq_hpc.config.balance import BalanceConfig
 from hetseq_hpc.config.trainer import TrainerConfig
 from hetseq_hpc.env.emulation import PERIOD_US, cfs_quota_us
 from hetseq_hpc.env.world import WorldInfo
@@ -59,7 +61,7 @@ def test_more_local_ranks_than_cores_get_one_thread_and_a_warning(caplog):
 
 def test_local_speeds_budget_and_precision_per_rank():
     run = _run("cluster.ranks=3", "cluster.speeds=[1.0,0.5,0.25]", "cluster.memory_budget_gb=2",
-               "trainer.precision=fp32")
+               "precision.default=fp32")
     placements = plan_placements(run, cores=6)
     assert [p.emulate_speed for p in placements] == [1.0, 0.5, 0.25]
     assert [p.emulated_cpus for p in placements] == [2.0, 1.0, 0.5]
@@ -131,8 +133,9 @@ def test_memory_budget_bytes():
     [(32, None, 2, 16), (64, None, 2, 16), (12, None, 3, 4), (3, None, 4, 1), (32, 5, 2, 5)],
 )
 def test_calibration_micro_batch(batch, configured, world, expected):
-    trainer = TrainerConfig(global_batch_size=batch, calibration_micro_batch=configured)
-    assert calibration_micro_batch(trainer, world) == expected
+    run = SimpleNamespace(trainer=TrainerConfig(global_batch_size=batch),
+                          balance=BalanceConfig(calibration_micro_batch=configured))
+    assert calibration_micro_batch(run, world) == expected
 
 
 def test_thread_and_quota_formulas():

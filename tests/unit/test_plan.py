@@ -188,7 +188,7 @@ def test_local_plan_from_a_probe_file(tmp_path, capsys):
          "calibration": {"samples_per_s": t, "max_micro_batch": 16}}
         for r, (s, t) in enumerate(((1.0, 60.0), (0.5, 30.0)))]}))
     code = plan.plan_command(["cluster.ranks=2", "cluster.speeds=[1.0,0.5]",
-                      "trainer.global_batch_size=30", "trainer.max_micro_batch=16",
+                      "trainer.global_batch_size=30", "balance.max_micro_batch=16",
                       f"plan.probe={probe}"])
     out, err = capsys.readouterr()
     assert code == 0, err
@@ -204,7 +204,7 @@ def test_local_plan_calibrates_this_cpu_as_a_rank_would():
     from hetseq_hpc.balance.placement import calibration_micro_batch, plan_placements
 
     run = plan.compose_plan_run(["cluster.ranks=2", "cluster.speeds=[1.0,0.5]",
-                                 "trainer.global_batch_size=24", "trainer.calibration_steps=1",
+                                 "trainer.global_batch_size=24", "balance.calibration_steps=1",
                                  *SMALL_MODEL])
     result = plan.make_plan(run)
     threads = plan_placements(run)[0].threads
@@ -212,7 +212,7 @@ def test_local_plan_calibrates_this_cpu_as_a_rank_would():
     fast, slow = (r.samples_per_s for r in result.ranks)
     assert fast > 0 and slow == pytest.approx(fast / 2)
     assert result.source.endswith(f"at {threads} thread(s), micro-batch "
-                                  f"{calibration_micro_batch(run.trainer, 2)}, x cluster.speeds")
+                                  f"{calibration_micro_batch(run, 2)}, x cluster.speeds")
     assert result.prediction.balanced.allocation.samples == [16, 8]
     assert f"cpu {threads} thr @0.5" in plan.render(result)
 
@@ -261,7 +261,7 @@ def test_a_probe_runs_measured_step_sync_replaces_the_all_reduce_model(tmp_path,
             "measured_step": {"steps": 20, "sync_s": 0.05}}
     probe.write_text(json.dumps(data))
     args = ["cluster.speeds=[1.0,0.5]", "trainer.global_batch_size=30",
-            "trainer.max_micro_batch=16", f"plan.probe={probe}"]
+            "balance.max_micro_batch=16", f"plan.probe={probe}"]
     assert plan.plan_command(["cluster.ranks=2", *args]) == 0
     out = capsys.readouterr().out
     head = json.loads(out.strip().splitlines()[-1])

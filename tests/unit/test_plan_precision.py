@@ -20,7 +20,7 @@ commit aaf7a0d, Azure ND40rs_v2), seconds per step at local batch 4/6/8/11:
 T4 0.4553/0.5694/0.7033/0.8553, V100 0.1917/0.2330/0.2750/0.3302 -> T4/V100 = 0.42/0.41/0.39/0.386.
 The table's T4 fp32 entry is scaled from the batch-11 ratio, so the T4 check below is a
 consistency check (the planner reproduces that published ratio), not an independent validation.
-T4 in fp16 (what trainer.precision=auto picks) has no measurement and stays at plan.mfu.
+T4 in fp16 (what precision.default=auto picks) has no measurement and stays at plan.mfu.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def _throughput_by_partition(*overrides: str) -> dict:
 
 
 def test_predicted_class_ratios_match_published_measurements():
-    auto = _throughput_by_partition()  # trainer.precision=auto: A100 bf16, V100 fp16, T4 fp16
-    v100_fp32 = _throughput_by_partition("cluster.partitions.v100.precision=fp32")["v100"]
+    auto = _throughput_by_partition()  # precision.default=auto: A100 bf16, V100 fp16, T4 fp16
+    v100_fp32 = _throughput_by_partition("precision.partitions.v100=fp32")["v100"]
     assert "bf16" in auto["a100"].device and "fp16" in auto["v100"].device
     assert "fp32" in v100_fp32.device
     predicted = {
@@ -96,8 +96,8 @@ def test_t4_over_v100_fp32_matches_published_measurement():
     model), within 25 % at every local batch both GPUs were profiled at. The T4 entry is scaled
     from the batch-11 ratio, so this checks consistency, not an independent prediction; it also
     shows the datasheet ratio (8.1/15.7 = 0.52) is 22-34 % too optimistic for the 70 W T4."""
-    fp32 = _throughput_by_partition("cluster.partitions.t4.precision=fp32",
-                                    "cluster.partitions.v100.precision=fp32")
+    fp32 = _throughput_by_partition("precision.partitions.t4=fp32",
+                                    "precision.partitions.v100=fp32")
     t4, v100 = fp32["t4"], fp32["v100"]
     assert "T4 16GB fp32 (table" in t4.device and "fp32 (table" in v100.device
     predicted = t4.samples_per_s / v100.samples_per_s

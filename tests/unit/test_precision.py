@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hetseq_hpc.balance.placement import placement_for
-from hetseq_hpc.config.cluster import LocalClusterConfig
 from hetseq_hpc.config.compose import compose_run_config
+from hetseq_hpc.config.rank_precision import PrecisionConfig
 from hetseq_hpc.errors import ConfigError
 from hetseq_hpc.train.precision import (
     INIT_SCALE,
@@ -57,7 +57,7 @@ def test_loss_scale_follows_gradscaler_rule_and_round_trips():
 
 def test_scale_is_absent_without_fp16(tmp_path):
     """fp32/bf16 everywhere: no scale, the unscale factor is exactly 1/count, nothing logged."""
-    cfg = compose_run_config(["trainer.precision=bf16"]).trainer
+    cfg = compose_run_config(["precision.default=bf16"]).comm
     for precisions in (["fp32"], ["bf16", "fp32"], [None, None]):
         path = GradientPath(cfg, precisions, 0, len(precisions), 300.0)
         assert not path.loss_scale.enabled
@@ -72,7 +72,7 @@ def test_injected_overflow_names_one_rank_and_step(monkeypatch):
     rank's backward of that step gets a non-finite gradient, and its loss scale skips it."""
     monkeypatch.setattr(GradientPath, "backward",
                         overflowing_backward(GradientPath.backward, rank=1, step=5))
-    cfg = compose_run_config(["trainer.precision=bf16"]).trainer
+    cfg = compose_run_config(["precision.default=bf16"]).comm
     for rank, step, overflow in ((1, 5, True), (0, 5, False), (1, 6, False)):
         path = GradientPath(cfg, ["bf16", "fp16"], rank, 2, 300.0)
         weight = torch.ones(3, requires_grad=True)
@@ -86,18 +86,29 @@ def test_adasum_refuses_a_world_that_is_not_a_power_of_two():
         check_adasum_world(ok)
     with pytest.raises(ConfigError) as err:
         check_adasum_world(3)
-    assert "\n" not in str(err.value) and "trainer.grad_combine=sum" in str(err.value)
+    assert "\n" not in str(err.value) and "comm.grad_combine=sum" in str(err.value)
 
 
 def test_per_rank_and_per_partition_precision_overrides():
-    run = compose_run_config(["cluster.ranks=2", "cluster.precisions=[bf16,fp16]"])
+    run = compose_run_config(["cluster.ranks=2", "precision.ranks=[bf16,fp16]"])
     assert [placement_for(run, r, cores=2).precision for r in (0, 1)] == ["bf16", "fp16"]
+    run = compose_run_config(["cluster=mixed", "precision.default=fp32",
+                              "precision.partitions.v100=fp16"])
+    first_v100 = run.cluster.partitions["a100"].num_ranks  # srun numbers a100's ranks first
+    assert placement_for(run, 0, cores=8).precision == "fp32"  # a100: precision.default
+    assert placement_for(run, first_v100, cores=8).precision == "fp16"
+    with pytest.raises(ConfigError, match=r"precision\.ranks"):
+        compose_run_config(["cluster.ranks=2", "precision.ranks=[bf16,fp8]"])
+    with pytest.raises(ConfigError, match="one precision per rank"):
+        PrecisionConfig(ranks=["bf16", "fp16"]).check_world(3, [])
+    with pytest.raises(ConfigError, match=r"precision\.partitions names p100, not a partition"):
+        compose_run_config(["cluster=mixed", "++precision.partitions.p100=fp16"])
+
+
+def test_old_precision_keys_still_work_and_name_their_new_place():
+    """Precision has one source (the precision group); the three old places are rewritten."""
     run = compose_run_config(["cluster=mixed", "trainer.precision=fp32",
                               "cluster.partitions.v100.precision=fp16"])
-    first_v100 = run.cluster.partitions["a100"].num_ranks  # srun numbers a100's ranks first
-    assert placement_for(run, 0, cores=8).precision == "fp32"  # a100: trainer.precision
-    assert placement_for(run, first_v100, cores=8).precision == "fp16"
-    with pytest.raises(ConfigError, match=r"cluster\.precisions"):
-        compose_run_config(["cluster.ranks=2", "cluster.precisions=[bf16,fp8]"])
-    with pytest.raises(ConfigError, match="one precision per rank"):
-        LocalClusterConfig(ranks=3, precisions=["bf16", "fp16"]).check_world(3)
+    assert run.precision.default == "fp32" and run.precision.partitions == {"v100": "fp16"}
+    run = compose_run_config(["cluster.ranks=2", "cluster.precisions=[bf16,fp16]"])
+    assert run.precision.ranks == ["bf16", "fp16"]

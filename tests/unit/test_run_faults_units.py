@@ -1,6 +1,6 @@
 """Faults around a local run, in-process: an optional logger (csv, tensorboard) that breaks
 mid-run gives ONE warning naming its path and the fix and is dropped while ``metrics.jsonl``
-goes on; a missing logger package and ``trainer.grad_combine=adasum`` on a world size that is
+goes on; a missing logger package and ``comm.grad_combine=adasum`` on a world size that is
 not a power of two are configuration errors; a directory at a checkpoint's name is named with
 the fix and never taken for a checkpoint. (Real runs and refused command lines:
 tests/integration/test_run_faults.py.)
@@ -67,9 +67,9 @@ def test_missing_logger_package_is_a_config_error(monkeypatch):
 ])
 def test_adasum_world_size_is_checked_in_validation(overrides, world):
     with pytest.raises(ConfigError, match=f"this run plans {world}:"):
-        compose_run_config([*overrides, "trainer.grad_combine=adasum"])
+        compose_run_config([*overrides, "comm.grad_combine=adasum"])
     for ok in (["cluster.ranks=1"], ["cluster.ranks=4"]):
-        assert compose_run_config([*ok, "trainer.grad_combine=adasum"]).trainer.grad_combine \
+        assert compose_run_config([*ok, "comm.grad_combine=adasum"]).comm.grad_combine \
             == "adasum"
 
 

@@ -122,7 +122,7 @@ def test_cpu_ranks_post_their_statistics_when_the_last_bucket_is_ready(make_trai
     hook of the step's last bucket (inside the last backward pass), once per step, with the
     compute time measured up to that bucket, and the loss is still the global batch's."""
     with single_process_rendezvous() as rdv:
-        trainer = make_trainer(rdv, "trainer.bucket_cap_mb=0.05")  # several buckets
+        trainer = make_trainer(rdv, "comm.bucket_cap_mb=0.05")  # several buckets
         events = []
         post, backward = rdv.post_step_stats, trainer.grad_path.backward
 
@@ -152,7 +152,7 @@ def test_no_rebalancing_decision_after_the_last_step_or_a_stop(make_trainer):
     allocation.json (and the split whose synchronisation it reports): no decision is taken at
     ``trainer.max_steps`` nor at a stop request's step."""
     with single_process_rendezvous() as rdv:
-        trainer = make_trainer(rdv, "trainer.max_steps=3", "trainer.rebalance_every=1")
+        trainer = make_trainer(rdv, "trainer.max_steps=3", "balance.rebalance_every=1")
         asked = []
 
         class Always:

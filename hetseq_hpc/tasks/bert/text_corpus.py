@@ -7,15 +7,13 @@ downloaded. ``task.data.files`` points at the user's own UTF-8 text instead.
 
 from __future__ import annotations
 
-import codecs
 import hashlib
-import io
 import os
 from dataclasses import dataclass
 from typing import Iterator, List, Sequence, Tuple
 
 from hetseq_hpc.config.validate import expand_data_files
-from hetseq_hpc.errors import DataError
+from hetseq_hpc.tasks.text_chunks import utf8_chunks
 
 #: bytes read from a data file at a time (memory stays bounded whatever the file's size)
 READ_CHUNK_BYTES = 1 << 22
@@ -111,36 +109,18 @@ def _file_pieces(path: str) -> Iterator[Tuple[str, bool]]:
     """The ``"\\n\\n"``-separated blocks of a UTF-8 file as ``(piece, ends_block)``, read
     chunk by chunk; a block longer than :data:`MAX_PIECE_CHARS` comes in several pieces, so the
     text held at once stays bounded even in a file without any newline."""
-    decoder = io.IncrementalNewlineDecoder(codecs.getincrementaldecoder("utf-8")(), translate=True)
-    offset = 0
     rest = ""
-    try:
-        with open(path, "rb") as fh:
-            while True:
-                raw = fh.read(READ_CHUNK_BYTES)
-                try:
-                    text = decoder.decode(raw, final=not raw)
-                except UnicodeDecodeError as exc:
-                    raise DataError(
-                        f"data file {path!r} is not UTF-8 text ({exc.reason} near byte "
-                        f"{offset + max(exc.start, 0)}): convert it (iconv -t utf-8) or drop it "
-                        "from task.data.files"
-                    ) from None
-                offset += len(raw)
-                parts = (rest + text).split("\n\n")
-                rest = parts.pop()
-                for part in parts:
-                    yield from _pieces(part, True)
-                start = 0  # the unfinished block: keep only its last piece (ends in its tail)
-                while len(rest) - start > MAX_PIECE_CHARS:
-                    cut = _cut(rest, start)
-                    yield rest[start:cut], False
-                    start = cut
-                rest = rest[start:]
-                if not raw:
-                    break
-    except OSError as exc:
-        raise DataError(f"data file {path!r} cannot be read ({exc.strerror}): check it") from None
+    for text, _last in utf8_chunks(path, READ_CHUNK_BYTES, translate_newlines=True):
+        parts = (rest + text).split("\n\n")
+        rest = parts.pop()
+        for part in parts:
+            yield from _pieces(part, True)
+        start = 0  # the unfinished block: keep only its last piece (ends in its tail)
+        while len(rest) - start > MAX_PIECE_CHARS:
+            cut = _cut(rest, start)
+            yield rest[start:cut], False
+            start = cut
+        rest = rest[start:]
     yield rest, True
 
 

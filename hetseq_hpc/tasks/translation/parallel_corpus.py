@@ -18,7 +18,6 @@ or line-aligned parallel pairs ``name.de`` + ``name.en``.
 
 from __future__ import annotations
 
-import codecs
 import gettext
 import glob
 import hashlib
@@ -34,6 +33,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from hetseq_hpc.config.validate import expand_data_files
 from hetseq_hpc.errors import ConfigError, DataError
+from hetseq_hpc.tasks.text_chunks import utf8_chunks
 
 log = logging.getLogger(__name__)
 
@@ -132,38 +132,22 @@ def _read_lines(path: Path) -> List[str]:
     Raises:
         DataError: the file is not UTF-8 (the byte offset is named) or cannot be read.
     """
-    decoder = codecs.getincrementaldecoder("utf-8")()
     lines: List[str] = []
-    rest, skipping, skipped, offset = "", False, 0, 0
-    try:
-        with open(path, "rb") as fh:
-            while True:
-                raw = fh.read(READ_CHUNK_BYTES)
-                try:
-                    text = decoder.decode(raw, final=not raw)
-                except UnicodeDecodeError as exc:
-                    raise DataError(f"data file {str(path)!r} is not UTF-8 text ({exc.reason} at "
-                                    f"byte {offset + max(exc.start, 0)}): convert it "
-                                    "(iconv -t utf-8)") from None
-                offset += len(raw)
-                parts = (rest + text).splitlines(keepends=True)
-                # the last part may go on in the next chunk (a "\r" there may be half a "\r\n")
-                rest = parts.pop() if parts and raw else ""
-                for part in parts:  # (when skipping, the first part ends the long line)
-                    line = "" if skipping else part.splitlines()[0]
-                    if len(line) > MAX_LINE_CHARS:
-                        line, skipped = "", skipped + 1
-                    lines.append(line)
-                    skipping = False
-                if len(rest) > MAX_LINE_CHARS + 2:  # too long whatever its line break
-                    skipped += not skipping
-                    # keep a final line break: it ends the skipped line in the next round
-                    rest, skipping = (rest[-1] if rest[-1] in _LINE_BREAKS else ""), True
-                if not raw:
-                    break
-    except OSError as exc:
-        raise DataError(f"data file {str(path)!r} cannot be read ({exc.strerror}): check "
-                        "it") from None
+    rest, skipping, skipped = "", False, 0
+    for text, last in utf8_chunks(str(path), READ_CHUNK_BYTES):
+        parts = (rest + text).splitlines(keepends=True)
+        # the last part may go on in the next chunk (a "\r" there may be half a "\r\n")
+        rest = parts.pop() if parts and not last else ""
+        for part in parts:  # (when skipping, the first part ends the long line)
+            line = "" if skipping else part.splitlines()[0]
+            if len(line) > MAX_LINE_CHARS:
+                line, skipped = "", skipped + 1
+            lines.append(line)
+            skipping = False
+        if len(rest) > MAX_LINE_CHARS + 2:  # too long whatever its line break
+            skipped += not skipping
+            # keep a final line break: it ends the skipped line in the next round
+            rest, skipping = (rest[-1] if rest[-1] in _LINE_BREAKS else ""), True
     if skipping:
         lines.append("")
     if skipped:
