@@ -116,6 +116,11 @@ class CharLMTask(Task):
     def count(self, batch: Dict[str, torch.Tensor]) -> int:
         return int(batch["targets"].numel())
 
+    def sharding_units(self, model: nn.Module) -> List[nn.Module]:
+        """Under ``sharding.mode=fsdp`` the GRU is its own FSDP unit (the embedding and the
+        head form the root unit)."""
+        return [model.rnn]
+
     def build_model(self) -> CharLM:
         return CharLM(len(self.chars), self.hidden, self.layers, self.dropout)
 

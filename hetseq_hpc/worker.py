@@ -26,12 +26,13 @@ import torch
 from hetseq_hpc.balance.agree import (
     RankReport,
     agree_on_allocation,
+    agree_on_sharding,
     report_curves,
     write_allocation_json,
 )
 from hetseq_hpc.balance.allocation import Allocation
 from hetseq_hpc.balance.calibrate import calibrate
-from hetseq_hpc.balance.memory import memory_budget_bytes
+from hetseq_hpc.balance.memory import memory_budget_bytes, model_state_bytes
 from hetseq_hpc.balance.placement import (
     RankPlacement,
     calibration_micro_batch,
@@ -58,6 +59,7 @@ from hetseq_hpc.tasks.prepare_wait import prepare_on_rank0
 from hetseq_hpc.train.contract_check import check_before_training
 from hetseq_hpc.train.loop import RankMeta, Trainer
 from hetseq_hpc.train.metrics import measured_step_sync
+from hetseq_hpc.train.parallel import model_bytes
 from hetseq_hpc.train.precision import autocast_factory, resolve_precision
 from hetseq_hpc.train.task_summary import build_checked_model, finish_task_summary
 
@@ -149,11 +151,15 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
         clock.mark("model")
         budget = memory_budget_bytes(placement, dev.kind, dev.memory_free_bytes,
                                      placement.ranks_on_node)
+        param_bytes, unit_bytes = model_bytes(task, model)
+        sharding = agree_on_sharding(run.sharding.mode, param_bytes, budget, rdv)
+        static = model_state_bytes(param_bytes, sharding, world.world_size, unit_bytes,
+                                   run.sharding.cpu_offload and device.type == "cuda")
         cal = calibrate(  # a rank done early times more passes while slower ones go on
             model, lambda n: checked_batch(task, list(range(min(n, task.num_train))), 0, "train"),
             device, calibration_micro_batch(run, world.world_size),
             run.balance.calibration_steps, budget, run.balance.max_micro_batch, autocast,
-            wait_for_peers=rdv.post_barrier,
+            wait_for_peers=rdv.post_barrier, static_bytes=static,
         )
         clock.mark("calibration")
         reports = [RankReport.of(r) for r in rdv.all_gather_objects(RankReport(
@@ -177,7 +183,7 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
                                     curves=report_curves(reports))
         trainer = Trainer(run, run_dir_path, rdv, task, model, device, allocation, metas,
                           autocast=autocast, on_allocation=on_allocation,
-                          stop_request=stop_request, rebalancer=rebalancer)
+                          stop_request=stop_request, rebalancer=rebalancer, sharding=sharding)
         if world.is_master:  # after the Trainer chose the run (a new run archives the old one)
             clock.log()
             path = write_allocation_json(run_dir_path, allocation, reports,
@@ -186,7 +192,8 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
                      allocation.source,
                      [f"{s.micro_batch}x{s.accum_steps}" for s in allocation.shares], path)
         summary = trainer.fit()
-        finish_task_summary(summary, task, model, task_info, world.is_master)
+        with trainer.parallel.unsharded() as whole:  # FSDP: gathered on every rank
+            finish_task_summary(summary, task, whole, task_info, world.is_master)
         final: Dict[str, Any] = {}  # what plans read from a finished run (plan.probe)
         if rebalancer is not None and all(rebalancer.fitted):  # the refitted curves
             final["fitted_curves"] = [c.to_dict() for c in rebalancer.fitted]

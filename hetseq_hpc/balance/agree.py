@@ -5,6 +5,7 @@ Rank 0 records it in ``allocation.json``."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -15,6 +16,8 @@ from hetseq_hpc.balance.curves import CostCurve
 from hetseq_hpc.errors import AllocationError
 from hetseq_hpc.files.atomic import atomic_write_json
 from hetseq_hpc.rundir.paths import RunDir
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,9 @@ def agree_on_allocation(run: Any, reports: Sequence[ReportLike], rdv) -> Allocat
             "every rank a GPU, or run all on CPU (CUDA_VISIBLE_DEVICES=)"
         )
     caps = [int(r.calibration["max_micro_batch"]) for r in reports]
+    shard_hint = ("shard the model state (sharding.mode=fsdp, or auto), "
+                  if run.sharding.mode == "none" else "use activation checkpointing "
+                  "(sharding.activation_checkpointing=true), ")
     for i, cap in enumerate(caps):
         if cap < 1:
             cal = reports[i].calibration
@@ -78,16 +84,43 @@ def agree_on_allocation(run: Any, reports: Sequence[ReportLike], rdv) -> Allocat
                     else "cluster.memory_budget_gb")
             raise AllocationError(
                 f"rank {i} ({reports[i].probe['name']}) cannot fit one sample: needs "
-                f"{(cal['static_bytes'] + cal['activation_bytes_per_sample']) / 2**30:.2f} GiB, has "
-                f"{cal['memory_budget_bytes'] / 2**30:.2f} GiB (memory budget {knob}, unset = the "
-                f"device's free memory); raise {knob} if the device has more memory, shrink "
-                "task.model, or leave that device out"
+                f"{(cal['static_bytes'] + cal['activation_bytes_per_sample']) / 2**30:.2f} GiB, "
+                f"has {cal['memory_budget_bytes'] / 2**30:.2f} GiB (memory budget {knob}, unset = "
+                f"the device's free memory); {shard_hint}raise {knob} if the device has more "
+                "memory, shrink task.model, or leave that device out"
             )
     throughputs = [float(r.calibration["samples_per_s"]) for r in reports]
     allocation = allocate(throughputs, run.trainer.global_batch_size, caps,
                           forced=run.balance.allocation, curves=report_curves(reports))
     rdv.check_agreement(allocation.digest(), "allocation")
     return allocation
+
+
+def agree_on_sharding(mode: str, param_bytes: float, memory_budget_bytes: float, rdv) -> str:
+    """The data-parallel mode every rank uses, from ``sharding.mode``: ``none`` -> ``ddp``,
+    ``fsdp`` -> ``fsdp``, ``auto`` -> ``ddp`` when a full replica fits every rank's memory
+    budget with room for activations (:func:`hetseq_hpc.balance.memory.replica_fits`; DDP is
+    faster), else ``fsdp``. ``auto`` gathers each rank's verdict (one small all-gather), so all
+    ranks decide alike.
+
+    Args:
+        mode: ``sharding.mode``.
+        param_bytes: the model's parameter bytes.
+        memory_budget_bytes: this rank's budget (:func:`~hetseq_hpc.balance.memory.memory_budget_bytes`).
+        rdv: the joined rendezvous.
+    """
+    from hetseq_hpc.balance.memory import replica_fits
+
+    if mode != "auto":
+        return "fsdp" if mode == "fsdp" else "ddp"
+    fits = rdv.all_gather_objects(bool(replica_fits(memory_budget_bytes, param_bytes)))
+    chosen = "ddp" if all(fits) else "fsdp"
+    if rdv.world.rank == 0:
+        short = [r for r, ok in enumerate(fits) if not ok]
+        log.info("sharding.mode=auto -> %s (%s)", chosen,
+                 "a full replica fits every rank" if chosen == "ddp" else
+                 f"a full replica does not fit rank(s) {short}")
+    return chosen
 
 
 def report_curves(reports: Sequence[ReportLike]) -> Optional[List[CostCurve]]:

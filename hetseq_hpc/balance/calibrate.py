@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from hetseq_hpc.balance.curves import fit_curve, fit_residuals
-from hetseq_hpc.balance.memory import MEMORY_HEADROOM, STATIC_PARAM_COPIES, memory_cap
+from hetseq_hpc.balance.memory import MEMORY_HEADROOM, memory_cap, model_state_bytes
 from hetseq_hpc.env.hardware import adamw_kernel
 
 log = logging.getLogger(__name__)
@@ -176,6 +176,7 @@ def calibrate(
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     step_fixed: bool = True,
     wait_for_peers: Optional[Callable[[], PeersDone]] = None,
+    static_bytes: Optional[float] = None,
 ) -> Calibration:
     """Measure memory per sample, then time ``steps`` forward+backward passes at two sizes and
     fit the cost curve ``t(m) = a + c m`` (:func:`hetseq_hpc.balance.curves.fit_curve`).
@@ -204,6 +205,9 @@ def calibrate(
             :data:`MAX_EXTRA_PASSES`; none when every rank is done within
             :data:`PEER_GRACE_S`), then waits for it. The passes join the fit and ``timings``.
             None: no extra passes, no waiting.
+        static_bytes: the model state this rank will hold in training
+            (:func:`hetseq_hpc.balance.memory.model_state_bytes`: less under FSDP); None = a
+            full DDP replica.
     """
     saved: Dict[int, int] = {}
 
@@ -227,7 +231,8 @@ def calibrate(
     # every saved byte counted as per-sample: an upper bound, so this cap is a safe one
     upper = max(saved[micro_batch] / micro_batch, peak_per_sample) * ACTIVATION_SAFETY
     sizes = timed_sizes(micro_batch, steps,
-                        memory_cap(memory_budget_bytes, param_bytes, upper, max_micro_batch))
+                        memory_cap(memory_budget_bytes, param_bytes, upper, max_micro_batch,
+                                   static_bytes))
     times = []
 
     def timed(n: int) -> None:
@@ -255,9 +260,9 @@ def calibrate(
     else:
         per_sample = float(saved[micro_batch]) / micro_batch
     per_sample = max(per_sample, peak_per_sample) * ACTIVATION_SAFETY
-    static = float(param_bytes * STATIC_PARAM_COPIES)
+    static = model_state_bytes(param_bytes) if static_bytes is None else float(static_bytes)
     budget = float(memory_budget_bytes) * MEMORY_HEADROOM
-    cap = memory_cap(memory_budget_bytes, param_bytes, per_sample, max_micro_batch)
+    cap = memory_cap(memory_budget_bytes, param_bytes, per_sample, max_micro_batch, static)
     fit_sizes, fit_times = fastest_per_size(sizes, times)
     curve = fit_curve(fit_sizes, fit_times, fixed)
     high = max(sizes)

@@ -5,7 +5,9 @@
   else its share of the node's RAM);
 * :func:`memory_cap`: ``floor((budget x MEMORY_HEADROOM - STATIC_PARAM_COPIES x param bytes)
   / activation bytes per sample)``, via :func:`micro_batch_cap`;
-* :func:`param_memory_cap`: the same from a parameter count (the planner, fp32 parameters).
+* :func:`param_memory_cap`: the same from a parameter count (the planner, fp32 parameters);
+* :func:`model_state_bytes`: what the model state takes on a rank, replicated (DDP) or
+  sharded (FSDP2), and :func:`replica_fits` (``sharding.mode=auto``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,13 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: weights + gradients + two AdamW moments + one DDP bucket copy, in parameter sizes
 STATIC_PARAM_COPIES = 5
+#: weights + gradients + two AdamW moments, each split over the world under FSDP
+SHARDED_STATE_COPIES = 4
+#: the unit FSDP is computing, gathered whole: its weights and its gradients
+UNIT_COPIES = 2
+#: share of a rank's planned memory that ``sharding.mode=auto`` keeps free for activations
+#: when it asks whether a full replica fits
+AUTO_ACTIVATION_SHARE = 0.1
 #: share of free GPU memory / of this rank's RAM share that the cap may plan to use
 MEMORY_HEADROOM = 0.9
 #: bytes of one fp32 parameter
@@ -60,15 +69,38 @@ def micro_batch_cap(
     return max(cap, 0)
 
 
+def model_state_bytes(param_bytes: float, mode: str = "ddp", world_size: int = 1,
+                      largest_unit_bytes: float = 0.0, offload: bool = False) -> float:
+    """Bytes of model state one rank holds (before activations).
+
+    ``ddp``: ``STATIC_PARAM_COPIES x param_bytes`` (weights, gradients, two AdamW moments, one
+    DDP bucket copy). ``fsdp``: ``SHARDED_STATE_COPIES x param_bytes / world_size`` (this rank's
+    shard of weights, gradients and moments; none on the device with ``offload``) plus
+    ``UNIT_COPIES x largest_unit_bytes`` (the unit being computed, gathered whole, and its
+    gradient before the reduce-scatter).
+    """
+    if mode != "fsdp":
+        return float(param_bytes) * STATIC_PARAM_COPIES
+    shard = 0.0 if offload else float(param_bytes) * SHARDED_STATE_COPIES / max(int(world_size), 1)
+    return shard + UNIT_COPIES * float(largest_unit_bytes)
+
+
 def memory_cap(memory_budget_bytes: float, param_bytes: float, activation_bytes_per_sample: float,
-               limit: Optional[int] = None) -> int:
+               limit: Optional[int] = None, static_bytes: Optional[float] = None) -> int:
     """Micro-batch cap of a device (the one formula the runtime and the planner share):
-    :func:`micro_batch_cap` with budget ``memory x MEMORY_HEADROOM`` and
-    static ``STATIC_PARAM_COPIES x param_bytes`` (weights, gradients, two AdamW moments, one DDP
-    bucket copy). Bytes in, samples out; 0 if not one sample fits."""
-    return micro_batch_cap(float(memory_budget_bytes) * MEMORY_HEADROOM,
-                           float(param_bytes) * STATIC_PARAM_COPIES,
+    :func:`micro_batch_cap` with budget ``memory x MEMORY_HEADROOM`` and static bytes
+    ``static_bytes`` (default :func:`model_state_bytes` of a DDP replica). Bytes in, samples
+    out; 0 if not one sample fits."""
+    static = model_state_bytes(param_bytes) if static_bytes is None else float(static_bytes)
+    return micro_batch_cap(float(memory_budget_bytes) * MEMORY_HEADROOM, static,
                            activation_bytes_per_sample, limit)
+
+
+def replica_fits(memory_budget_bytes: float, param_bytes: float) -> bool:
+    """Whether a full DDP replica fits a rank with :data:`AUTO_ACTIVATION_SHARE` of its planned
+    memory left for activations (``sharding.mode=auto`` picks DDP when it does on every rank)."""
+    room = float(memory_budget_bytes) * MEMORY_HEADROOM * (1.0 - AUTO_ACTIVATION_SHARE)
+    return model_state_bytes(param_bytes) <= room
 
 
 def param_memory_cap(memory_bytes: float, param_count: int, activation_bytes_per_sample: float,
@@ -79,5 +111,6 @@ def param_memory_cap(memory_bytes: float, param_count: int, activation_bytes_per
                               activation_bytes_per_sample, limit)
 
 
-__all__ = ["MEMORY_HEADROOM", "PARAM_BYTES", "STATIC_PARAM_COPIES", "memory_budget_bytes",
-           "memory_cap", "micro_batch_cap", "param_memory_cap"]
+__all__ = ["AUTO_ACTIVATION_SHARE", "MEMORY_HEADROOM", "PARAM_BYTES", "SHARDED_STATE_COPIES",
+           "STATIC_PARAM_COPIES", "UNIT_COPIES", "memory_budget_bytes", "memory_cap",
+           "micro_batch_cap", "model_state_bytes", "param_memory_cap", "replica_fits"]

@@ -9,7 +9,8 @@ from hetseq_hpc.errors import ConfigError
 from hetseq_hpc.files.user_input import folder_problem
 
 #: config groups whose options are files in conf/<group>/
-GROUPS = ("task", "cluster", "trainer", "balance", "comm", "precision", "optim", "plan")
+GROUPS = ("task", "cluster", "trainer", "balance", "comm", "precision", "sharding", "optim",
+          "plan")
 
 
 def group_options(group: str) -> List[str]:

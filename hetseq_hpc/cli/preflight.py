@@ -137,26 +137,48 @@ def rank_memory_limits(run: Any) -> List[Tuple[str, float, str, str]]:
 
 
 def check_model_fits(run: Any) -> None:
-    """Refuse, before any process starts, a model whose weights, gradients and AdamW state
-    (:data:`~hetseq_hpc.balance.memory.STATIC_PARAM_COPIES` fp32 copies) alone exceed the
-    memory a rank may use (:func:`rank_memory_limits`). The parameter count comes from the
-    task's configuration (:func:`hetseq_hpc.tasks.sizes.param_count`; nothing is built); a task
-    whose size depends on its data or code is not checked here.
+    """Refuse, before any process starts, a model whose state alone exceeds the memory a rank
+    may use (:func:`rank_memory_limits`): under ``sharding.mode=none`` a full replica
+    (weights, gradients and AdamW state: :data:`~hetseq_hpc.balance.memory.STATIC_PARAM_COPIES`
+    fp32 copies; the message says when ``sharding.mode=fsdp`` would fit), under ``fsdp`` and
+    ``auto`` this rank's shard (:data:`~hetseq_hpc.balance.memory.SHARDED_STATE_COPIES` copies /
+    world size; the unit being gathered comes on top and is checked at start-up, when its size
+    is known). The parameter count comes from the task's configuration
+    (:func:`hetseq_hpc.tasks.sizes.param_count`; nothing is built); a task whose size depends
+    on its data or code is not checked here.
 
     Raises:
         ConfigError: one line with the parameter count, the bytes needed, the limit and the fix.
     """
-    from hetseq_hpc.balance.memory import PARAM_BYTES, STATIC_PARAM_COPIES
+    from hetseq_hpc.balance.memory import (
+        PARAM_BYTES,
+        SHARDED_STATE_COPIES,
+        STATIC_PARAM_COPIES,
+        model_state_bytes,
+    )
+    from hetseq_hpc.config.validate import planned_world_size
     from hetseq_hpc.tasks.sizes import param_count
 
     count = param_count(run.task)
     if not count:
         return
-    need = float(count) * PARAM_BYTES * STATIC_PARAM_COPIES
+    world = planned_world_size(run)
+    replica = model_state_bytes(float(count) * PARAM_BYTES)
+    shard = model_state_bytes(float(count) * PARAM_BYTES, "fsdp", world)
+    mode = run.sharding.mode
     for where, limit, why, fix in rank_memory_limits(run):
-        if need > limit:
+        if mode == "none" and replica > limit:
+            sharded = (f"sharding.mode=fsdp (a shard needs {_gib(shard)} on {world} ranks), "
+                       if shard < limit else "")
             raise ConfigError(
                 f"task={run.task.name} has about {count:,} parameters: weights, gradients and "
-                f"AdamW state need {_gib(need)} ({STATIC_PARAM_COPIES} x {PARAM_BYTES} bytes per "
-                f"parameter) but {where} may use {_gib(limit)} ({why}): use a smaller task.model "
+                f"AdamW state need {_gib(replica)} ({STATIC_PARAM_COPIES} x {PARAM_BYTES} bytes "
+                f"per parameter) but {where} may use {_gib(limit)} ({why}): use {sharded}a "
+                f"smaller task.model (hidden size, layers), {fix}")
+        if mode != "none" and shard > limit:
+            raise ConfigError(
+                f"task={run.task.name} has about {count:,} parameters: even sharded over {world} "
+                f"ranks, weights, gradients and AdamW state need {_gib(shard)} per rank "
+                f"({SHARDED_STATE_COPIES} x {PARAM_BYTES} bytes per parameter / {world}) but "
+                f"{where} may use {_gib(limit)} ({why}): use more ranks, a smaller task.model "
                 f"(hidden size, layers), {fix}")

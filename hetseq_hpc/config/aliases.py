@@ -25,6 +25,8 @@ MOVED_KEYS: Dict[str, str] = {
     **{f"trainer.{name}": f"comm.{name}" for name in (
         "grad_compression", "bucket_cap_mb", "grad_combine")},
     "trainer.precision": "precision.default",
+    "trainer.sharding": "sharding.mode",
+    "trainer.activation_checkpointing": "sharding.activation_checkpointing",
     "cluster.precisions": "precision.ranks",
 }
 #: ``cluster.partitions.<name>.precision`` -> ``precision.partitions.<name>``

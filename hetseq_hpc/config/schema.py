@@ -11,7 +11,8 @@ tasks), ``cluster`` (:mod:`~hetseq_hpc.config.cluster`, the launchers), ``traine
 ``optim`` (:mod:`~hetseq_hpc.config.trainer`, the training loop), ``balance``
 (:mod:`~hetseq_hpc.config.balance`, :mod:`hetseq_hpc.balance`), ``comm``
 (:mod:`~hetseq_hpc.config.comm`, the gradient path), ``precision``
-(:mod:`~hetseq_hpc.config.rank_precision`, the one source of a rank's precision) and ``plan``
+(:mod:`~hetseq_hpc.config.rank_precision`, the one source of a rank's precision), ``sharding``
+(:mod:`~hetseq_hpc.config.sharding`, DDP or FSDP2, :mod:`hetseq_hpc.train.parallel`) and ``plan``
 (:mod:`~hetseq_hpc.config.plan`, the planner). This module ties them into :class:`RunConfig`
 and registers them, in one place (:func:`register_configs`). Keys that moved between groups
 keep working through :mod:`hetseq_hpc.config.aliases`.
@@ -36,6 +37,7 @@ from hetseq_hpc.config.comm import CommConfig as CommConfig
 from hetseq_hpc.config.common import check_sbatch_value as check_sbatch_value
 from hetseq_hpc.config.plan import PlanConfig, register_plan_config
 from hetseq_hpc.config.rank_precision import PrecisionConfig as PrecisionConfig
+from hetseq_hpc.config.sharding import ShardingConfig as ShardingConfig
 from hetseq_hpc.config.tasks import BertDataConfig as BertDataConfig
 from hetseq_hpc.config.tasks import BertModelConfig as BertModelConfig
 from hetseq_hpc.config.tasks import BertTaskConfig as BertTaskConfig
@@ -61,6 +63,8 @@ class RunConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     # each rank's compute precision (the one source of it)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    # replicated (DDP) or sharded (FSDP2) model state
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     # planner options (python -m hetseq_hpc.plan); recorded, not read, by a training run
     plan: PlanConfig = field(default_factory=PlanConfig)
@@ -91,5 +95,6 @@ def register_configs() -> None:
     cs.store(group="balance", name="balance_schema", node=BalanceConfig)
     cs.store(group="comm", name="comm_schema", node=CommConfig)
     cs.store(group="precision", name="precision_schema", node=PrecisionConfig)
+    cs.store(group="sharding", name="sharding_schema", node=ShardingConfig)
     cs.store(group="optim", name="adamw_schema", node=OptimConfig)
     register_plan_config(cs)

@@ -154,6 +154,13 @@ def validate_run_config(run: RunConfig) -> None:
     run.cluster.check_world(world)
     run.precision.check_world(world, list(getattr(run.cluster, "partitions", {}) or {}))
     check_grad_combine(run.comm.grad_combine, world)
+    if run.sharding.mode != "none" and (run.comm.grad_compression != "none"
+                                        or run.comm.grad_combine != "sum"):
+        raise ConfigError(
+            f"sharding.mode={run.sharding.mode} reduce-scatters fp32 gradient SUMS: "
+            f"comm.grad_compression={run.comm.grad_compression} and comm.grad_combine="
+            f"{run.comm.grad_combine} are DDP hooks; use comm.grad_compression=none "
+            "comm.grad_combine=sum, or sharding.mode=none")
     check_logger_packages(list(trainer.loggers))
     for path in expand_data_files(_data_files(run)):
         check_text_file(path)

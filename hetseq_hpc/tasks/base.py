@@ -127,6 +127,13 @@ class Task(abc.ABC):
         batch (:func:`hetseq_hpc.tasks.flops.task_flops_per_sample`)."""
         return None
 
+    def sharding_units(self, model: nn.Module) -> List[nn.Module]:
+        """The submodules FSDP shards separately under ``sharding.mode=fsdp`` (each is
+        all-gathered whole while it computes; the rest of the model forms the root unit).
+        Default: :func:`default_sharding_units` (transformer blocks / residual blocks). Weights
+        tied between two modules must stay in the same unit."""
+        return default_sharding_units(model)
+
     # ------------------------------------------------------------------ validation
     @torch.no_grad()
     def evaluate_batch(self, model: nn.Module, batch: Dict[str, torch.Tensor],
@@ -150,4 +157,29 @@ class Task(abc.ABC):
         return []
 
 
-__all__ = ["Task"]
+def default_sharding_units(model: nn.Module) -> List[nn.Module]:
+    """The blocks of a model, as FSDP wraps them (torchtitan shards each transformer block):
+    every entry of every ``nn.ModuleList`` that holds parameters (transformer layers), else
+    every composite entry (one with parameterised submodules) of every ``nn.Sequential``
+    (residual blocks). Outermost first; a block inside a chosen block is not chosen again."""
+    def has_params(m: nn.Module) -> bool:
+        return any(True for _ in m.parameters())
+
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if lists:
+        candidates = [e for lst in lists for e in lst if has_params(e)]
+    else:
+        candidates = [e for seq in model.modules() if isinstance(seq, nn.Sequential)
+                      for e in seq if any(has_params(c) for c in e.children())]
+    chosen: List[nn.Module] = []
+    for unit in candidates:
+        if unit is not model and not any(unit is c or _contains(c, unit) for c in chosen):
+            chosen.append(unit)
+    return chosen
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
+__all__ = ["Task", "default_sharding_units"]

@@ -31,7 +31,6 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hetseq_hpc.balance.allocation import Allocation
 from hetseq_hpc.config.schema import RunConfig
@@ -45,11 +44,12 @@ from hetseq_hpc.train.checkpoint import (
     require_entries,
     save_on_rank0,
 )
-from hetseq_hpc.train.ddp_hooks import HookState, no_forward_buffer_sync
+from hetseq_hpc.train.ddp_hooks import HookState
 from hetseq_hpc.train.evaluate import evaluate_task
 from hetseq_hpc.train.loggers import first_logged_loss, open_loggers
 from hetseq_hpc.train.metrics import Progress, run_summary, step_row
 from hetseq_hpc.train.optim import build_optimizer, step_seed
+from hetseq_hpc.train.parallel import build_parallel
 from hetseq_hpc.train.precision import GradientPath
 from hetseq_hpc.train.records import RankMeta, StepRecord
 from hetseq_hpc.train.sampler import GlobalBatchSampler
@@ -98,6 +98,7 @@ class Trainer:
         rebalancer: Any = None,
         on_allocation: Optional[Callable[[Allocation], None]] = None,
         stop_request: Any = None,
+        sharding: str = "ddp",
     ):
         self.run = run
         self.cfg = run.trainer
@@ -115,10 +116,14 @@ class Trainer:
         self.on_allocation = on_allocation
         self.stop_request = stop_request
         self.sampler = GlobalBatchSampler(task.num_train, self.cfg.global_batch_size, self.cfg.seed)
-        self.optimizer, self.scheduler = build_optimizer(model, run)
         self.grad_path = GradientPath(  # loss scale normaliser: expected units of a global batch
             run.comm, [m.precision for m in metas], self.rank, self.world.world_size,
             self.cfg.global_batch_size * float(getattr(task, "units_per_sample", 1.0)))
+        self.hook_state = HookState()
+        # DDP or FSDP2 (train/parallel.py); FSDP shards the model in place, before the optimizer
+        self.parallel = build_parallel(run, task, model, device, self.grad_path,
+                                       self.hook_state, sharding)
+        self.optimizer, self.scheduler = build_optimizer(model, run)
         self.step = 0  # last completed optimizer step; global batch ``step`` comes next
         self.history: List[StepRecord] = []
         self._exchanged_at = 0.0  # perf_counter() when the last step's exchange ended
@@ -126,15 +131,7 @@ class Trainer:
         self.resume_note: Dict[str, Any] = {}
         self.run_id = ""  # this run's id (train/run_history.py), decided by _resume()
         self._resume()
-        self.hook_state = HookState()
-        self.ddp = DDP(
-            model,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            gradient_as_bucket_view=True,
-            **no_forward_buffer_sync(),
-            **self.grad_path.ddp_kwargs(),
-        )
-        self.ddp.register_comm_hook(self.hook_state, self.grad_path.comm_hook(self.hook_state))
+        self.parallel.start()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
@@ -143,8 +140,8 @@ class Trainer:
         the allocation and rank facts (informative: a resume may use another world), the
         run's :func:`~hetseq_hpc.train.state.run_fingerprint` and this process's RNG states."""
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": self.parallel.model_state(),  # full, also under FSDP (gathered)
+            "optimizer": self.parallel.optimizer_state(self.optimizer),
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
             "epoch": self.sampler.epoch_of(max(self.step - 1, 0)),
@@ -172,13 +169,13 @@ class Trainer:
         check_fingerprint(state.get("config"), run_fingerprint(self.run), source,
                           self.cfg.allow_resume_mismatch)
         try:
-            self.model.load_state_dict(state["model"])
+            self.parallel.load_model_state(state["model"])
         except RuntimeError as exc:
             raise CheckpointError(
                 f"checkpoint {source!r} holds a different model ({str(exc).splitlines()[0]}): "
                 "use the task.model settings it was trained with, or a new run directory"
             ) from None
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.parallel.load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.grad_path.loss_scale.load_state_dict(state.get("loss_scale") or {})
         self.step = int(state["step"])
@@ -208,8 +205,11 @@ class Trainer:
         share = self.allocation.shares[self.rank]
         offset = self.allocation.offsets()[self.rank]
         t0 = time.perf_counter()
-        epoch, micro = self.sampler.rank_micro_batches(step - 1, offset, share.micro_sizes)
+        sizes, padding = self.parallel.pass_sizes(share, self.allocation.shares)
+        epoch, micro = self.sampler.rank_micro_batches(step - 1, offset, sizes)
         batches = [checked_batch(self.task, p, epoch, "train") for p in micro]
+        # zero-weight passes (FSDP: the same number of passes on every rank)
+        batches += [checked_batch(self.task, micro[0][:1], epoch, "train")] * padding
         data_s = time.perf_counter() - t0
         torch.manual_seed(step_seed(self.cfg.seed, step, self.rank))
         self.hook_state.reset()
@@ -217,7 +217,8 @@ class Trainer:
         if self.device.type == "cuda":
             start_event = torch.cuda.Event(enable_timing=True)
             start_event.record()
-        self.ddp.train()
+        module = self.parallel.module
+        module.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         count = 0
         posted: List[Any] = []
@@ -233,10 +234,13 @@ class Trainer:
 
         for j, batch in enumerate(batches):
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-            count += checked_count(self.task, batch)
+            real = j < len(micro)
+            count += checked_count(self.task, batch) if real else 0
             sync = j == len(batches) - 1
-            with (contextlib.nullcontext() if sync else self.ddp.no_sync()), self.autocast():
-                loss = check_loss(self.task, self.ddp(**batch))
+            with self.parallel.sync(sync), self.autocast():
+                loss = check_loss(self.task, module(**batch))
+            if not real:
+                loss = loss * 0.0  # a pass only for FSDP's collectives: the gradient adds 0
             loss_sum += loss.detach().double()
             if sync and self.device.type == "cpu":
                 # post the statistics when the last gradient bucket is ready, so that their
@@ -252,11 +256,7 @@ class Trainer:
         # one multi-tensor kernel per op instead of a Python loop over the parameters: the
         # per-step fixed cost every rank pays, a slow one at its own speed
         torch._foreach_mul_(grads, self.grad_path.unscale_factor(global_count))
-        if self.cfg.grad_clip > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(
-                self.model.parameters(), self.cfg.grad_clip, foreach=True))
-        else:
-            grad_norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+        grad_norm = self.parallel.grad_norm(self.cfg.grad_clip, grads)
         lr = float(self.scheduler.get_last_lr()[0])
         if self.grad_path.step_ok(grad_norm, step):  # False: fp16 overflow, skipped on all ranks
             self.optimizer.step()
@@ -276,9 +276,10 @@ class Trainer:
     def evaluate(self) -> Dict[str, float]:
         """The task's validation metrics on the whole validation split, sharded over the ranks
         (:func:`hetseq_hpc.train.evaluate.evaluate_task`)."""
-        return evaluate_task(self.task, self.model, self.rdv,
-                             self.allocation.shares[self.rank].micro_batch, self.device,
-                             self.autocast)
+        with self.parallel.unsharded() as model:  # FSDP: gathered whole on every rank
+            return evaluate_task(self.task, model, self.rdv,
+                                 self.allocation.shares[self.rank].micro_batch, self.device,
+                                 self.autocast)
 
     # ------------------------------------------------------------------ the loop
     def _maybe_rebalance(self, rec: StepRecord) -> None:
@@ -358,7 +359,7 @@ class Trainer:
                                        if "val_loss" in rec.extra else None))
                 if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or is_last \
                         or rec.stop_code:
-                    save_on_rank0(self.rdv, self.state_dict, self.run_dir, step,
+                    save_on_rank0(self.rdv, self._checkpoint_state(), self.run_dir, step,
                                   cfg.keep_checkpoints)
                 if rec.stop_code and not is_last:
                     # every rank saw the same request in the step's exchange: all stop here
@@ -372,10 +373,19 @@ class Trainer:
             summary["first_loss"] = first_logged_loss(self.run_dir) or summary["first_loss"]
         return summary
 
+    def _checkpoint_state(self) -> Callable[[], Dict[str, Any]]:
+        """What rank 0 saves: :meth:`state_dict`, built on rank 0 alone under DDP; under FSDP
+        gathered by every rank now (a collective), rank 0 keeping the full state."""
+        if not self.parallel.sharded:
+            return self.state_dict
+        state = self.state_dict()
+        return lambda: state
+
     def summary(self) -> Dict[str, Any]:
         """Final figures (see :func:`~hetseq_hpc.train.metrics.run_summary`), with the ranks'
         precisions and the gradient combine (:meth:`GradientPath.summary`)."""
         out = run_summary(self.history, self.metas, self.cfg.global_batch_size, self.step,
                           self.last_val, self.allocation.samples)
         out.update(self.grad_path.summary())
+        out["sharding"] = self.parallel.describe()
         return out

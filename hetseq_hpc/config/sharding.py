@@ -1,0 +1,34 @@
+"""The ``sharding`` group: whether every rank holds the whole model (DDP) or a shard (FSDP2).
+
+Read by :mod:`hetseq_hpc.train.parallel` (the strategies), :mod:`hetseq_hpc.balance.memory` (what
+a rank's memory must hold in each mode) and the planner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetseq_hpc.config.common import require
+
+#: what sharding.mode accepts
+SHARDING_MODES = ("none", "fsdp", "auto")
+
+
+@dataclass
+class ShardingConfig:
+    """Replicated (DDP) or sharded (FSDP2) data parallelism, and the memory savers of small GPUs."""
+
+    # none = DDP, a full replica (weights, gradients, AdamW state) on every rank; fsdp = PyTorch
+    # FSDP2 (fully_shard): each rank holds 1/world of them and gathers one unit at a time;
+    # auto = DDP when the full replica fits every rank's memory budget (faster), else fsdp
+    mode: str = "none"
+    # recompute each sharding unit's activations in the backward pass (torch.utils.checkpoint):
+    # less activation memory per sample, about one more forward pass of compute
+    activation_checkpointing: bool = False
+    # keep the sharded parameters, gradients and optimizer state in CPU memory (FSDP2's
+    # CPUOffloadPolicy); for GPUs too small for even their shard; ignored on CPU ranks
+    cpu_offload: bool = False
+
+    def __post_init__(self) -> None:
+        require(self.mode in SHARDING_MODES, f"sharding.mode={self.mode!r} is unknown: use "
+                f"{', '.join(SHARDING_MODES)} (e.g. sharding.mode=fsdp)")

@@ -1,0 +1,306 @@
+"""How the model is spread over the ranks: a full replica per rank (DDP) or a shard (FSDP2).
+
+The training loop talks to one of two strategies through the same methods, so every step keeps
+"one update = one step on the whole global batch" in both modes:
+
+- :class:`Replicated` (``sharding.mode=none``): ``DistributedDataParallel`` with the SUM comm
+  hook (:mod:`hetseq_hpc.train.ddp_hooks`); accumulation under ``no_sync``.
+- :class:`Sharded` (``sharding.mode=fsdp``): PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``,
+  https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html) over every rank, one FSDP
+  unit per :meth:`Task.sharding_units <hetseq_hpc.tasks.base.Task.sharding_units>` entry plus
+  the root. Exactness: FSDP's reduce-scatter AVERAGES over ranks; here it SUMS
+  (``set_gradient_divide_factor(1.0)`` with ``set_force_sum_reduction_for_comms``: a plain SUM,
+  which gloo also runs), and the loop divides by the global unit count as for DDP. Every rank
+  runs the SAME number of forward/backward passes per step (FSDP gathers each unit's
+  parameters in every pass, a collective): a rank's share is split into the job's largest
+  accumulation count, and a rank with fewer samples than passes adds zero-weight passes
+  (its first sample, loss x 0: gradient unchanged). Gradient sync happens on the last pass only
+  (``set_requires_gradient_sync``). The global gradient norm is computed over the shards
+  (``clip_grad_norm_`` on DTensors). Parameters are all-gathered in fp32 on every rank (one
+  job-wide dtype: ranks cannot all-gather in different dtypes); each rank computes in its own
+  precision under autocast, as in DDP.
+
+Checkpoints hold the FULL model and optimizer state in the same layout in both modes (gathered
+to rank 0 under FSDP), so a run resumes on any world size and in the other mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+def equal_pass_sizes(samples: int, passes: int) -> Tuple[List[int], int]:
+    """Split ``samples`` into ``passes`` micro-batches as evenly as possible (larger first).
+
+    Returns:
+        ``(sizes, padding)``: ``min(samples, passes)`` sizes summing to ``samples``, and the
+        number of zero-weight passes to add so that the rank runs ``passes`` passes.
+    """
+    real = max(1, min(int(samples), int(passes)))
+    base, extra = divmod(int(samples), real)
+    return [base + (1 if i < extra else 0) for i in range(real)], int(passes) - real
+
+
+def activation_checkpointing(units: Sequence[nn.Module]) -> None:
+    """Recompute each unit's activations in the backward pass (``torch.utils.checkpoint``,
+    non-reentrant; the RNG state is restored, so dropout draws the same masks). The unit's
+    ``forward`` is replaced on the instance, so parameter names (and checkpoints) do not
+    change."""
+    from torch.utils.checkpoint import checkpoint
+
+    for unit in units:
+        inner = unit.forward
+
+        @functools.wraps(inner)
+        def forward(*args: Any, _inner=inner, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return _inner(*args, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        unit.forward = forward
+
+
+class Replicated:
+    """DDP: every rank holds the whole model; gradients are SUMMED by the comm hook.
+
+    Args:
+        model: the bare model on its device.
+        device: this rank's device.
+        grad_path: the :class:`~hetseq_hpc.train.precision.GradientPath` (hook, DDP options).
+        hook_state: the :class:`~hetseq_hpc.train.ddp_hooks.HookState` the hook fills.
+    """
+
+    sharded = False
+    mode = "ddp"
+
+    def __init__(self, model: nn.Module, device: torch.device, grad_path: Any, hook_state: Any):
+        self.model = model
+        self.device = device
+        self.grad_path = grad_path
+        self.hook_state = hook_state
+        self.module: nn.Module = model
+
+    def start(self) -> None:
+        """Wrap in DDP (after any checkpoint was loaded into the bare model)."""
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from hetseq_hpc.train.ddp_hooks import no_forward_buffer_sync
+
+        self.module = DDP(self.model,
+                          device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                          gradient_as_bucket_view=True, **no_forward_buffer_sync(),
+                          **self.grad_path.ddp_kwargs())
+        self.module.register_comm_hook(self.hook_state, self.grad_path.comm_hook(self.hook_state))
+
+    def pass_sizes(self, share: Any, all_shares: Sequence[Any]) -> Tuple[List[int], int]:
+        """This rank's micro-batch sizes and zero-weight passes: its own split, none."""
+        return list(share.micro_sizes), 0
+
+    def sync(self, last: bool) -> contextlib.AbstractContextManager:
+        """All-reduce on the last pass only."""
+        return contextlib.nullcontext() if last else self.module.no_sync()
+
+    def grad_norm(self, max_norm: float, grads: List[torch.Tensor]) -> float:
+        """Clip the global gradient norm to ``max_norm`` (0 = no clipping); returns the norm."""
+        if max_norm > 0:
+            return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm,
+                                                        foreach=True))
+        return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+
+    def model_state(self) -> Dict[str, Any]:
+        """The full model state (rank 0 saves it)."""
+        return self.model.state_dict()
+
+    def load_model_state(self, state: Dict[str, Any]) -> None:
+        """Load a full model state (raises RuntimeError on another shape)."""
+        self.model.load_state_dict(state)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        """The optimizer state, parameters numbered in ``param_groups`` order."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)
+
+    @contextlib.contextmanager
+    def unsharded(self) -> Iterator[nn.Module]:
+        """The bare model, whole (it always is)."""
+        yield self.model
+
+    def describe(self) -> Dict[str, Any]:
+        return {"mode": self.mode}
+
+
+class Sharded(Replicated):
+    """FSDP2 over every rank (see the module docstring for the exactness rules).
+
+    Args:
+        model: the bare model on its device (sharded in place).
+        units: the sharding units (:meth:`Task.sharding_units`).
+        device: this rank's device.
+        grad_path: the :class:`~hetseq_hpc.train.precision.GradientPath`.
+        hook_state: the step's timing state (no hook runs under FSDP).
+        cpu_offload: keep the sharded state in CPU memory (``CPUOffloadPolicy``; GPUs only).
+    """
+
+    sharded = True
+    mode = "fsdp"
+
+    def __init__(self, model: nn.Module, units: Sequence[nn.Module], device: torch.device,
+                 grad_path: Any, hook_state: Any, cpu_offload: bool = False):
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+        super().__init__(model, device, grad_path, hook_state)
+        offload = CPUOffloadPolicy() if cpu_offload and device.type == "cuda" else OffloadPolicy()
+        self.units = list(units)
+        for unit in self.units:
+            fully_shard(unit, offload_policy=offload)
+        fully_shard(model, offload_policy=offload)
+        self.fsdp_modules = [m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")]
+        for module in self.fsdp_modules:  # a plain SUM over ranks, not FSDP's mean
+            module.set_force_sum_reduction_for_comms(True)
+            module.set_gradient_divide_factor(1.0)
+        self.offload = cpu_offload and device.type == "cuda"
+        log.info("FSDP2: %d units + root over all ranks; parameters all-gathered in fp32 on "
+                 "every rank (one job-wide dtype; each rank computes in its own precision under "
+                 "autocast)%s", len(self.units), "; sharded state offloaded to CPU"
+                 if self.offload else "")
+
+    def start(self) -> None:
+        """Nothing to wrap: the model was sharded in place."""
+
+    def pass_sizes(self, share: Any, all_shares: Sequence[Any]) -> Tuple[List[int], int]:
+        """The job's largest accumulation count of passes on every rank
+        (:func:`equal_pass_sizes`): FSDP gathers parameters in every pass, on every rank."""
+        passes = max(len(s.micro_sizes) for s in all_shares)
+        return equal_pass_sizes(share.samples, passes)
+
+    def sync(self, last: bool) -> contextlib.AbstractContextManager:
+        """Reduce-scatter on the last pass only."""
+        self.model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    def grad_norm(self, max_norm: float, grads: List[torch.Tensor]) -> float:
+        """The global norm over every rank's shards (a collective), clipped to ``max_norm``
+        (0 = measured only: the clip factor is 1 exactly)."""
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                              max_norm if max_norm > 0 else float("inf"),
+                                              foreach=True)
+        full = getattr(norm, "full_tensor", None)
+        return float(full() if callable(full) else norm)
+
+    def _options(self) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    def model_state(self) -> Dict[str, Any]:
+        """The full model state, gathered (a collective: EVERY rank calls it); rank 0 gets
+        the tensors, the others an empty dict."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.model, options=self._options())
+
+    def load_model_state(self, state: Dict[str, Any]) -> None:
+        """Shard a full model state onto this rank (every rank passes the full state)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        missing, unexpected = set_model_state_dict(
+            self.model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+        if missing or unexpected:
+            raise RuntimeError(f"missing keys {list(missing)[:3]}, unexpected keys "
+                               f"{list(unexpected)[:3]}")
+
+    def _fqns(self, optimizer: torch.optim.Optimizer) -> List[str]:
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        """The full optimizer state in :meth:`torch.optim.Optimizer.state_dict`'s layout
+        (parameters numbered in ``param_groups`` order, as DDP's is), gathered (EVERY rank
+        calls it; rank 0 gets it, the others an empty dict)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        full = get_optimizer_state_dict(self.model, optimizer, options=self._options())
+        if not full:
+            return {}
+        index = {name: i for i, name in enumerate(self._fqns(optimizer))}
+        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in full["param_groups"]]
+        return {"state": {index[n]: v for n, v in full["state"].items()}, "param_groups": groups}
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
+        """Shard a full optimizer state (DDP's layout) onto this rank."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        fqns = self._fqns(optimizer)
+        # torch creates the empty optimizer state to load into by a step on zero gradients,
+        # which it skips while any gradient is set (only at resume, before any backward pass)
+        optimizer.zero_grad(set_to_none=True)
+        groups = [{**g, "params": [fqns[i] for i in g["params"]]} for g in state["param_groups"]]
+        named = {"state": {fqns[int(i)]: v for i, v in state["state"].items()},
+                 "param_groups": groups}
+        set_optimizer_state_dict(self.model, optimizer, named,
+                                 options=StateDictOptions(full_state_dict=True))
+
+    @contextlib.contextmanager
+    def unsharded(self) -> Iterator[nn.Module]:
+        """Every unit gathered whole for the duration (one all-gather per unit on EVERY rank,
+        then no collective inside: validation, decoding and examples may run any number of
+        forward passes on one rank), resharded after."""
+        for module in self.fsdp_modules:
+            module.set_reshard_after_forward(False, recurse=False)
+        for module in self.fsdp_modules:
+            module.unshard()
+        try:
+            yield self.model
+        finally:
+            for module in self.fsdp_modules:
+                module.reshard()
+                module.set_reshard_after_forward(module is not self.model, recurse=False)
+
+    def describe(self) -> Dict[str, Any]:
+        return {"mode": self.mode, "units": len(self.units), "all_gather_dtype": "fp32",
+                "cpu_offload": self.offload}
+
+
+def model_bytes(task: Any, model: nn.Module) -> Tuple[float, float]:
+    """``(parameter bytes of the model, parameter bytes of its largest FSDP unit)``; the root
+    unit (everything outside the task's sharding units) counts as a unit."""
+    def size(params: Any) -> float:
+        return float(sum(p.numel() * p.element_size() for p in params))
+
+    total = size(model.parameters())
+    units = list(task.sharding_units(model)) if hasattr(task, "sharding_units") else []
+    in_units = {id(p) for u in units for p in u.parameters()}
+    root = size(p for p in model.parameters() if id(p) not in in_units)
+    return total, max([root] + [size(u.parameters()) for u in units])
+
+
+def build_parallel(run: Any, task: Any, model: nn.Module, device: torch.device, grad_path: Any,
+                   hook_state: Any, mode: str) -> Replicated:
+    """The strategy for ``mode`` (``ddp`` or ``fsdp``, as decided for ``sharding.mode``), with
+    ``sharding.activation_checkpointing`` applied to the task's sharding units first."""
+    units = list(task.sharding_units(model)) if hasattr(task, "sharding_units") else []
+    if run.sharding.activation_checkpointing:
+        if not units:
+            log.warning("sharding.activation_checkpointing=true, but the task names no sharding "
+                        "units: nothing is recomputed")
+        activation_checkpointing(units)
+    if mode == "fsdp":
+        return Sharded(model, units, device, grad_path, hook_state, run.sharding.cpu_offload)
+    return Replicated(model, device, grad_path, hook_state)
+
+
+__all__ = ["Replicated", "Sharded", "activation_checkpointing", "build_parallel",
+           "equal_pass_sizes", "model_bytes"]

@@ -1,0 +1,125 @@
+"""Sharded data parallelism's pieces, in-process (hetseq_hpc.train.parallel, balance.memory,
+tasks.base.default_sharding_units). The 2- and 3-rank FSDP runs of every task are in
+tests/integration/test_sharding_exact.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hetseq_hpc.balance.memory import (
+    STATIC_PARAM_COPIES,
+    memory_cap,
+    model_state_bytes,
+    replica_fits,
+)
+from hetseq_hpc.config import compose_run_config
+from hetseq_hpc.distributed.rendezvous import single_process_rendezvous
+from hetseq_hpc.errors import ConfigError
+from hetseq_hpc.tasks.base import default_sharding_units
+from hetseq_hpc.train.parallel import Replicated, Sharded, equal_pass_sizes
+
+
+@pytest.mark.parametrize("samples, passes, expected", [
+    (24, 5, ([5, 5, 5, 5, 4], 0)),   # more passes than its own split: smaller micro-batches
+    (8, 5, ([2, 2, 2, 1, 1], 0)),
+    (3, 5, ([1, 1, 1], 2)),          # fewer samples than passes: two zero-weight passes
+    (7, 1, ([7], 0)),
+])
+def test_every_rank_runs_the_jobs_largest_number_of_passes(samples, passes, expected):
+    sizes, padding = equal_pass_sizes(samples, passes)
+    assert (sizes, padding) == expected and sum(sizes) == samples
+    assert len(sizes) + padding == passes
+
+
+def test_default_units_are_the_blocks_of_the_builtin_models():
+    from hetseq_hpc.tasks.bert.mlm_model import BertMaskedLM
+    from hetseq_hpc.tasks.image.resnet import BasicBlock, ResNetClassifier
+    from hetseq_hpc.tasks.translation.transformer import TranslationTransformer
+
+    run = compose_run_config(["task.model.num_layers=3"])
+    bert = BertMaskedLM(run.task.model, 100)
+    units = default_sharding_units(bert)
+    assert len(units) == 3 and all(type(u).__name__ == "BertLayer" for u in units)
+    image = compose_run_config(["task=image", "task.model.num_stages=2",
+                                "task.model.blocks_per_stage=2"]).task.model
+    units = default_sharding_units(ResNetClassifier(image, 3, 10))
+    assert len(units) == 4 and all(isinstance(u, BasicBlock) for u in units)
+    cfg = compose_run_config(["task=translation", "task.model.num_encoder_layers=2",
+                              "task.model.num_decoder_layers=3"]).task.model
+    units = default_sharding_units(TranslationTransformer(cfg, 50))
+    assert [type(u).__name__ for u in units].count("TransformerDecoderLayer") == 3
+    assert len(units) == 5
+    assert default_sharding_units(nn.Linear(4, 4)) == []
+
+
+def test_model_state_bytes_replicated_and_sharded():
+    p = 4e9  # a 1 B-parameter model in fp32
+    assert model_state_bytes(p) == STATIC_PARAM_COPIES * p
+    assert model_state_bytes(p, "fsdp", 8, largest_unit_bytes=1e8) == 4 * p / 8 + 2e8
+    assert model_state_bytes(p, "fsdp", 8, 1e8, offload=True) == 2e8
+    # a 16 GiB T4 cannot hold the replica, a shard over 8 ranks leaves room for activations
+    t4 = 16 * 2**30
+    assert not replica_fits(t4, p)
+    assert memory_cap(t4, p, 2**26) == 0
+    assert memory_cap(t4, p, 2**26, static_bytes=model_state_bytes(p, "fsdp", 8, 1e8)) > 100
+
+
+def test_sharding_config_values_and_old_keys():
+    assert compose_run_config(["sharding=fsdp"]).sharding.mode == "fsdp"
+    run = compose_run_config(["trainer.sharding=auto", "trainer.activation_checkpointing=true"])
+    assert run.sharding.mode == "auto" and run.sharding.activation_checkpointing
+    with pytest.raises(ConfigError, match=r"sharding\.mode='zero3' is unknown"):
+        compose_run_config(["sharding.mode=zero3"])
+    with pytest.raises(ConfigError, match=r"comm\.grad_combine=adasum are DDP hooks"):
+        compose_run_config(["sharding.mode=fsdp", "comm.grad_combine=adasum", "cluster.ranks=2"])
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(4, 8), nn.ReLU()),
+                                     nn.Sequential(nn.Linear(8, 4), nn.ReLU())])
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).sum()
+
+
+def test_sharded_checkpoint_state_has_the_replicated_layout_on_one_rank():
+    """The full model and optimizer state an FSDP run saves is laid out exactly as DDP's
+    (parameters numbered in param_groups order), so checkpoints move between the modes."""
+    torch.manual_seed(0)
+    plain, sharded = _Net(), _Net()
+    sharded.load_state_dict(plain.state_dict())
+    x = torch.randn(6, 4)
+    with single_process_rendezvous() as rdv:
+        assert rdv.world.world_size == 1
+        replica = Replicated(plain, torch.device("cpu"), None, None)
+        shard = Sharded(sharded, list(sharded.blocks), torch.device("cpu"), None, None)
+        states = []
+        for strategy, model in ((replica, plain), (shard, sharded)):
+            opt = torch.optim.AdamW([{"params": list(model.parameters())[:2]},
+                                     {"params": list(model.parameters())[2:], "lr": 0.5}])
+            model(x).backward()
+            opt.step()
+            states.append((strategy.model_state(), strategy.optimizer_state(opt)))
+        (m1, o1), (m2, o2) = states
+        assert list(m1) == list(m2)
+        assert all(torch.allclose(m1[k], m2[k].cpu(), atol=1e-6) for k in m1)
+        assert o1["param_groups"] == o2["param_groups"]
+        assert sorted(o1["state"]) == sorted(o2["state"])
+        for i in o1["state"]:
+            assert torch.allclose(o1["state"][i]["exp_avg"], o2["state"][i]["exp_avg"], atol=1e-6)
+        # and back: the DDP-layout state loads into the sharded model and its optimizer
+        opt = torch.optim.AdamW([{"params": list(sharded.parameters())[:2]},
+                                 {"params": list(sharded.parameters())[2:], "lr": 0.5}])
+        shard.load_model_state(m1)
+        shard.load_optimizer_state(opt, o1)
+        back = shard.optimizer_state(opt)
+        assert [(g["params"], g["lr"], list(g["betas"])) for g in back["param_groups"]] == \
+            [(g["params"], g["lr"], list(g["betas"])) for g in o1["param_groups"]]
+        assert torch.allclose(back["state"][4]["exp_avg_sq"], o1["state"][4]["exp_avg_sq"])
