@@ -36,6 +36,7 @@ COMMANDS: Dict[str, str] = {
     "render": "write the job.sbatch `run` would submit (sbatch it by hand)",
     "report": "per-rank PNG and a text summary of a run directory",
     "prepare": "build the task's data caches (tokenizer, tokens) before any job",
+    "export": "write a run's trained model as one safetensors file (for inference)",
 }
 EPILOG = """examples:
   hetseq-hpc task=bert                                  # = hetseq-hpc run task=bert
@@ -87,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "per step) and print a text summary of the run.")
     report.add_argument("run_dir", help="run directory (holds metrics.jsonl)")
     report.add_argument("--out", help="PNG to write (default RUN_DIR/ranks.png)")
+    export = sub.add_parser("export", help=COMMANDS["export"], formatter_class=_formatter,
+                            description="Write the model of RUN_DIR's newest checkpoint that "
+                            "verifies (full state, also for sharding.mode=fsdp runs) as one "
+                            "safetensors file.")
+    export.add_argument("run_dir", help="run directory (holds checkpoints/)")
+    export.add_argument("--out", help="file to write (default RUN_DIR/model.safetensors)")
+    export.add_argument("--checkpoint", help="a checkpoint file instead of the newest one")
     _overrides_parser(sub, "prepare", "Build the task's caches (tokenizer, packed token array) "
                       "on this machine, before any job: on a login node, or with srun. "
                       "Streams in bounded memory on all cores; safe to interrupt and re-run.")
@@ -138,8 +146,8 @@ def bare_word_problem(argv: Sequence[str]) -> Optional[str]:
     if first not in COMMANDS and _is_bare(first):
         return _unknown_command(first)
     command, rest = (first, argv[1:]) if first in COMMANDS else ("run", argv)
-    if command == "report" or any(a.startswith("-") for a in argv):
-        return None  # report takes a path; flags: argparse or Hydra (multirun) parse them
+    if command in ("report", "export") or any(a.startswith("-") for a in argv):
+        return None  # report and export take a path; flags: argparse or Hydra (multirun) parse them
     for word in rest:
         if _is_bare(word):
             if word in COMMANDS:
@@ -205,7 +213,7 @@ def _main(argv: List[str]) -> int:
     hydra_flags = migrate_overrides(hydra_flags)
     handlers: Dict[str, Callable[[argparse.Namespace, List[str]], int]] = {
         "run": _run, "render": _render, "plan": _plan, "probe": _probe, "report": _report,
-        "prepare": _prepare,
+        "prepare": _prepare, "export": _export,
     }
     try:
         return handlers[args.command](args, hydra_flags)
@@ -246,6 +254,13 @@ def _report(args: argparse.Namespace, hydra_flags: List[str]) -> int:
     path = plot_run(args.run_dir, args.out)
     print(text_summary(args.run_dir))
     print(f"plot: {path}")
+    return 0
+
+
+def _export(args: argparse.Namespace, hydra_flags: List[str]) -> int:
+    from hetseq_hpc.cli.export import export_command
+
+    print(export_command(args.run_dir, args.out, args.checkpoint))
     return 0
 
 

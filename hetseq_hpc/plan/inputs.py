@@ -49,6 +49,7 @@ class RankSpec:
     samples_per_s: float
     max_micro_batch: int
     curve: Optional[CostCurve] = None  # the probe's fitted cost curve (hetseq_hpc.balance.curves)
+    memory_bytes: float = 0.0  # the rank's memory budget before the headroom; 0 = not known
 
 
 def partitions_of(run) -> List[PartitionSpec]:
@@ -203,6 +204,14 @@ def _probe_cap(rank: Dict[str, Any], limit: Optional[int], where: str) -> int:
                       f"static_bytes, activation_bytes_per_sample): {_WRITTEN_BY_A_RUN}")
 
 
+def _probe_memory(rank: Dict[str, Any]) -> float:
+    """The probed rank's memory budget before the headroom (bytes; 0 when not recorded)."""
+    from hetseq_hpc.balance.memory import MEMORY_HEADROOM
+
+    planned = (rank.get("calibration") or {}).get("memory_budget_bytes")
+    return float(planned) / MEMORY_HEADROOM if planned else 0.0
+
+
 def _probe_throughput(rank: Dict[str, Any], where: str) -> float:
     try:
         value = float((rank.get("calibration") or {})["samples_per_s"])
@@ -281,7 +290,8 @@ def ranks_from_probe(probe: Dict[str, Any], partitions: Sequence[PartitionSpec],
             where = f"plan.probe rank {i}"
             out.append(RankSpec(i, part.key, _probe_label(probe_ranks[i]),
                                 _probe_throughput(probe_ranks[i], where),
-                                _probe_cap(probe_ranks[i], limit, where), probe_curve(probe, i)))
+                                _probe_cap(probe_ranks[i], limit, where), probe_curve(probe, i),
+                                _probe_memory(probe_ranks[i])))
         return out
     for part in partitions:
         matched = [r for r in probe_ranks if r.get("partition") == part.partition]
@@ -299,8 +309,9 @@ def ranks_from_probe(probe: Dict[str, Any], partitions: Sequence[PartitionSpec],
         cap = min(_probe_cap(r, limit, where) for r in matched)
         label = _probe_label(matched[0])
         curve = _median_curve([probe_curve(probe, probe_ranks.index(r)) for r in matched])
+        memory = min(_probe_memory(r) for r in matched)
         for _ in range(part.ranks):
-            out.append(RankSpec(len(out), part.key, label, throughput, cap, curve))
+            out.append(RankSpec(len(out), part.key, label, throughput, cap, curve, memory))
     return out
 
 
@@ -355,5 +366,5 @@ def ranks_from_table(placements: Sequence[RankPlacement], flops_per_sample: floa
         how = (f"table {fraction:.2f} of peak" if measured is not None
                else f"plan.mfu {fraction:g}: no measured figure")
         out.append(RankSpec(place.rank, place.partition_key, f"{gpu.label} {precision} ({how})",
-                            throughput, cap))
+                            throughput, cap, memory_bytes=memory))
     return out

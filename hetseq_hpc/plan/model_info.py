@@ -26,6 +26,7 @@ class ModelInfo:
     cpu_samples_per_s: float = 0.0  # measured on the CPU (cluster=local only)
     vocab_size: int = 0
     notes: List[str] = field(default_factory=list)
+    largest_unit_params: int = 0  # parameters of the largest FSDP unit (the root counts)
 
     @property
     def gradient_bytes(self) -> float:
@@ -127,9 +128,13 @@ def measure_model(task_cfg, need_activations: bool,
         model, make, vocab, notes = _bert_model(task_cfg, on_meta)
     else:
         model, make, vocab, notes = _data_model(task)
+    units = list(task.sharding_units(model))
+    in_units = {id(p) for u in units for p in u.parameters()}
+    largest = max([sum(p.numel() for p in model.parameters() if id(p) not in in_units)]
+                  + [sum(p.numel() for p in u.parameters()) for u in units])
     info = ModelInfo(param_count=sum(p.numel() for p in model.parameters()),
                      flops_per_sample=task_flops_per_sample(task, model), vocab_size=vocab,
-                     notes=notes)
+                     notes=notes, largest_unit_params=int(largest))
 
     if cpu_calibration is not None:
         from hetseq_hpc.balance.calibrate import calibrate

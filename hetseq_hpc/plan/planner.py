@@ -7,9 +7,11 @@ table (SLURM partitions, :mod:`hetseq_hpc.plan.gpus`). Starts nothing.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, List, Optional, Tuple
 
+from hetseq_hpc.balance.memory import PARAM_BYTES, model_state_bytes
+from hetseq_hpc.balance.memory import memory_cap as device_memory_cap
 from hetseq_hpc.balance.memory import param_memory_cap as memory_cap
 from hetseq_hpc.config.plan import DEFAULT_LINK_GBPS, DEFAULT_LOCAL_LINK_GBPS, PlanConfig
 from hetseq_hpc.errors import AllocationError, ConfigError
@@ -25,6 +27,7 @@ from hetseq_hpc.plan.inputs import (
     ranks_from_table,
 )
 from hetseq_hpc.plan.model_info import CpuCalibration, ModelInfo, measure_model
+from hetseq_hpc.plan.sharding_plan import ModeFit, chosen_mode, mode_fits
 from hetseq_hpc.plan.step_time import Prediction, predict
 
 #: fewer samples per rank than this (on average) leaves most devices idle between all-reduces
@@ -48,6 +51,9 @@ class Plan:
     link_gbps: float
     source: str  # how the throughputs were obtained
     warnings: List[str] = field(default_factory=list)  # one line each, for stderr
+    sharding: str = "ddp"  # the mode the runtime would use (sharding.mode, auto resolved)
+    configured_sharding: str = "none"  # sharding.mode as configured
+    mode_fits: List[ModeFit] = field(default_factory=list)  # DDP and FSDP (memory known)
 
 
 def _local_ranks(run) -> Tuple[ModelInfo, List[RankSpec], str]:
@@ -72,7 +78,9 @@ def _local_ranks(run) -> Tuple[ModelInfo, List[RankSpec], str]:
                      run.balance.max_micro_batch)
     ranks = [RankSpec(p.rank, "local", f"cpu {p.threads} thr"
                       + (f" @{p.emulate_speed:g}" if p.emulate_speed != 1 else ""),
-                      model.cpu_samples_per_s * p.emulate_speed, cap) for p in places]
+                      model.cpu_samples_per_s * p.emulate_speed, cap,
+                      memory_bytes=memory_budget_bytes(p, "cpu", read_meminfo()[1],
+                                                       p.ranks_on_node)) for p in places]
     source = (f"measured on this CPU: {model.cpu_samples_per_s:.1f} samples/s at "
               f"{calib.threads} thread(s), micro-batch {calib.micro_batch}, x cluster.speeds")
     return model, ranks, source
@@ -124,12 +132,22 @@ def make_plan(run, opts: Optional[PlanConfig] = None) -> Plan:
         model, ranks, source = _local_ranks(run)
     else:
         model, ranks, source = _table_ranks(run, opts)
+
+    memory = [r.memory_bytes for r in ranks]
+    known = all(m > 0 for m in memory)
+    mode = chosen_mode(run.sharding.mode, memory, model.param_count) if known else \
+        ("fsdp" if run.sharding.mode == "fsdp" else "ddp")
+    if mode == "fsdp" and known:  # the caps a sharded rank has (the runtime's formula)
+        static = model_state_bytes(float(model.param_count) * PARAM_BYTES, "fsdp", len(ranks),
+                                   float(model.largest_unit_params) * PARAM_BYTES)
+        ranks = [replace(r, max_micro_batch=device_memory_cap(
+            r.memory_bytes, 0.0, model.activation_bytes_per_sample, run.balance.max_micro_batch,
+            static)) for r in ranks]
     for spec in ranks:
         if spec.max_micro_batch < 1:
             raise ConfigError(
                 f"rank {spec.rank} ({spec.partition}, {spec.device}) cannot fit one sample of "
-                f"this model: shrink task.model, or leave partition {spec.partition!r} out")
-
+                f"this model: shrink task.model, shard it (sharding.mode=fsdp), or leave partition {spec.partition!r} out")
     curves = [r.curve for r in ranks] if all(r.curve for r in ranks) else None
 
     def predict_at(batch: int, forced: Optional[List[int]] = None) -> Prediction:
@@ -143,7 +161,14 @@ def make_plan(run, opts: Optional[PlanConfig] = None) -> Plan:
         raise ConfigError(str(exc)) from None
     retry = None if run.balance.allocation else predict_at
     warnings = [w for w in (probe_model_warning(opts, run), batch_warning(prediction, retry)) if w]
-    return Plan(run.cluster.name, parts, ranks, prediction, model, opts, link, source, warnings)
+    fits: List[ModeFit] = []
+    if known and model.activation_bytes_per_sample > 0:
+        passes = max(len(s.micro_sizes) for s in prediction.balanced.allocation.shares)
+        fits = mode_fits(memory, model.param_count, model.largest_unit_params or
+                         model.param_count, model.activation_bytes_per_sample,
+                         prediction.balanced.step_s, prediction.allreduce_s, passes)
+    return Plan(run.cluster.name, parts, ranks, prediction, model, opts, link, source, warnings,
+                mode, run.sharding.mode, fits)
 
 
 def _good_enough(prediction: Prediction) -> bool:

@@ -124,9 +124,16 @@ def _summary(plan: Plan) -> List[str]:
 
 def render(plan: Plan) -> str:
     """The human-readable table and summary (without the final JSON line). Times in ms."""
-    return "\n".join(_header(plan) + _table(plan) + _summary(plan))
+    from hetseq_hpc.plan.sharding_plan import render_fits
+
+    fits = render_fits(plan.mode_fits, plan.configured_sharding, plan.sharding) if plan.mode_fits else []
+    return "\n".join(_header(plan) + _table(plan) + _summary(plan) + fits)
 
 
 def headline_json(plan: Plan) -> str:
     """The final output line: :meth:`Prediction.headline` as JSON."""
-    return json.dumps(plan.prediction.headline())
+    headline = plan.prediction.headline()
+    headline["sharding"] = plan.sharding
+    if plan.mode_fits:
+        headline["modes"] = {f.mode: f.to_dict() for f in plan.mode_fits}
+    return json.dumps(headline)

@@ -1,4 +1,5 @@
-"""The DDP training loop with exact gradients for uneven per-rank batches.
+"""The training loop with exact gradients for uneven per-rank batches (DDP, or FSDP2 under
+``sharding.mode=fsdp``: :mod:`hetseq_hpc.train.parallel`, which keeps every rule below).
 
 One optimizer step on rank ``i`` (``b_i`` samples in ``accum_i`` micro-batches):
 
@@ -49,7 +50,7 @@ from hetseq_hpc.train.evaluate import evaluate_task
 from hetseq_hpc.train.loggers import first_logged_loss, open_loggers
 from hetseq_hpc.train.metrics import Progress, run_summary, step_row
 from hetseq_hpc.train.optim import build_optimizer, step_seed
-from hetseq_hpc.train.parallel import build_parallel
+from hetseq_hpc.train.parallel import build_parallel, rank_memory
 from hetseq_hpc.train.precision import GradientPath
 from hetseq_hpc.train.records import RankMeta, StepRecord
 from hetseq_hpc.train.sampler import GlobalBatchSampler
@@ -78,6 +79,8 @@ class Trainer:
         on_allocation: called with every new allocation a re-balance switches to.
         stop_request: a :class:`~hetseq_hpc.env.preemption.StopRequest` (its ``code`` is shared with
             every rank each step).
+        sharding: ``ddp`` or ``fsdp``, the same on every rank
+            (:func:`hetseq_hpc.balance.agree.agree_on_sharding`).
 
     Raises:
         CheckpointError: the checkpoint ``trainer.resume`` names is bad, or none of the run
@@ -383,9 +386,12 @@ class Trainer:
 
     def summary(self) -> Dict[str, Any]:
         """Final figures (see :func:`~hetseq_hpc.train.metrics.run_summary`), with the ranks'
-        precisions and the gradient combine (:meth:`GradientPath.summary`)."""
+        precisions and the gradient combine (:meth:`GradientPath.summary`), the sharding mode and
+        every rank's memory (:func:`~hetseq_hpc.train.parallel.rank_memory`; a collective)."""
         out = run_summary(self.history, self.metas, self.cfg.global_batch_size, self.step,
                           self.last_val, self.allocation.samples)
         out.update(self.grad_path.summary())
         out["sharding"] = self.parallel.describe()
+        out["memory"] = self.rdv.all_gather_objects(  # every rank's, in rank order
+            rank_memory(self.model, self.optimizer, self.device))
         return out

@@ -274,6 +274,29 @@ class Sharded(Replicated):
                 "cpu_offload": self.offload}
 
 
+def rank_memory(model: nn.Module, optimizer: torch.optim.Optimizer,
+                device: torch.device) -> Dict[str, float]:
+    """What this rank holds and has used, in bytes: ``state_bytes`` (its parameters, as many
+    gradient bytes, and its optimizer state: local shards under FSDP), ``peak_rss_bytes`` (the
+    process's peak resident memory: Python and torch's libraries included, ~0.3 GB on CPU) and,
+    on a GPU, ``cuda_peak_bytes`` (``torch.cuda.max_memory_allocated``)."""
+    import resource
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        to_local = getattr(t, "to_local", None)
+        return to_local() if callable(to_local) else t
+
+    params = sum(local(p).numel() * local(p).element_size() for p in model.parameters())
+    moments = sum(local(v).numel() * local(v).element_size()
+                  for st in optimizer.state.values() for v in st.values()
+                  if isinstance(v, torch.Tensor) and v.dim() > 0)
+    out = {"state_bytes": float(2 * params + moments),
+           "peak_rss_bytes": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024}
+    if device.type == "cuda":
+        out["cuda_peak_bytes"] = float(torch.cuda.max_memory_allocated(device))
+    return out
+
+
 def model_bytes(task: Any, model: nn.Module) -> Tuple[float, float]:
     """``(parameter bytes of the model, parameter bytes of its largest FSDP unit)``; the root
     unit (everything outside the task's sharding units) counts as a unit."""
@@ -303,4 +326,4 @@ def build_parallel(run: Any, task: Any, model: nn.Module, device: torch.device, 
 
 
 __all__ = ["Replicated", "Sharded", "activation_checkpointing", "build_parallel",
-           "equal_pass_sizes", "model_bytes"]
+           "equal_pass_sizes", "model_bytes", "rank_memory"]

@@ -18,8 +18,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
-from tests.helpers.runs import SMALL_MODEL, assert_same_losses, losses
+from hetseq_hpc.train.checkpoint import load_checkpoint
+from tests.helpers.runs import SMALL_MODEL, assert_same_losses, hetseq, losses
 from tests.helpers.tasks import task_overrides
 
 pytestmark = pytest.mark.slow
@@ -57,7 +60,7 @@ def test_fsdp_uneven_then_3_ranks_then_ddp_repeat_one_rank(name, tmp_path, run_c
     assert "on 3 ranks" in log and "FSDP2:" in log
 
 
-def test_a_model_ddp_refuses_trains_sharded_and_auto_chooses_right(tmp_path, run_cli):
+def test_a_model_ddp_refuses_trains_sharded_auto_chooses_and_export(tmp_path, run_cli):
     """A per-rank memory budget (emulated on CPU: ``cluster.memory_budget_gb``) too small for a
     replica's weights, gradients and AdamW state (5 fp32 copies, ~7 MiB for the small model)
     but not for a shard on 2 ranks (~4.5 MiB with the largest unit gathered whole): DDP is
@@ -78,3 +81,12 @@ def test_a_model_ddp_refuses_trains_sharded_and_auto_chooses_right(tmp_path, run
     modes = [json.loads((tmp_path / d / "summary.json").read_text())["sharding"]["mode"]
              for d in ("fsdp", "auto_tight", "auto_roomy")]
     assert modes == ["fsdp", "fsdp", "ddp"]
+    # the sharded run's model, consolidated for inference: every tensor of its checkpoint
+    proc = hetseq("export", str(tmp_path / "fsdp"), "--out", str(tmp_path / "m.safetensors"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    exported = load_file(tmp_path / "m.safetensors")
+    model = load_checkpoint(sorted((tmp_path / "fsdp" / "checkpoints").glob("*.pt"))[-1])["model"]
+    assert sorted(exported) == sorted(model)
+    assert all(torch.equal(exported[k], model[k]) for k in model)
+    empty = hetseq("export", str(tmp_path / "nothing-here"))
+    assert empty.returncode != 0 and "hetseq-hpc: error:" in empty.stderr

@@ -123,3 +123,42 @@ def test_sharded_checkpoint_state_has_the_replicated_layout_on_one_rank():
         assert [(g["params"], g["lr"], list(g["betas"])) for g in back["param_groups"]] == \
             [(g["params"], g["lr"], list(g["betas"])) for g in o1["param_groups"]]
         assert torch.allclose(back["state"][4]["exp_avg_sq"], o1["state"][4]["exp_avg_sq"])
+
+
+def test_planner_modes_for_a_mix_with_a_small_gpu():
+    """4 x 16 GiB + 4 x 80 GiB: a 1.3 B-parameter model (BERT-large-like units of 1/24) does
+    not fit the 16 GiB ranks as a replica but fits sharded; FSDP moves (2K+1)/2 all-reduces."""
+    from hetseq_hpc.plan.sharding_plan import chosen_mode, fsdp_traffic_factor, mode_fits
+
+    memory = [16 * 2**30] * 4 + [80 * 2**30] * 4
+    ddp, fsdp = mode_fits(memory, 1_300_000_000, 1_300_000_000 // 24, 2**28, ddp_step_s=1.0,
+                          allreduce_s=0.2, passes=2)
+    assert (ddp.mode, ddp.fits, fsdp.mode, fsdp.fits) == ("ddp", False, "fsdp", True)
+    assert ddp.largest_params < 1_300_000_000 < fsdp.largest_params
+    assert fsdp.step_s == pytest.approx(1.0 + (fsdp_traffic_factor(2) - 1) * 0.2)
+    assert fsdp_traffic_factor(1) == 1.5
+    assert chosen_mode("auto", memory, 1_300_000_000) == "fsdp"
+    assert chosen_mode("auto", memory, 100_000_000) == "ddp"
+    assert chosen_mode("none", memory, 1_300_000_000) == "ddp"
+
+
+def test_plan_of_a_local_mix_too_small_for_a_replica_picks_and_shows_fsdp():
+    from hetseq_hpc.plan.planner import make_plan
+    from hetseq_hpc.plan.render import headline_json, render
+
+    # the planner builds BERT with the configured vocabulary (8192): the root unit (embeddings)
+    # is most of this small model, so a shard needs ~8.8 MiB of the 12 MiB budget
+    run = compose_run_config(["cluster.ranks=2", "cluster.memory_budget_gb=0.012",
+                              "sharding.mode=auto", "task.model.hidden_size=64",
+                              "task.model.num_layers=2", "task.model.num_heads=2",
+                              "task.model.intermediate_size=128", "task.model.max_seq_len=64"])
+    plan = make_plan(run)
+    assert plan.sharding == "fsdp"
+    fits = {f.mode: f for f in plan.mode_fits}
+    assert not fits["ddp"].fits and fits["fsdp"].fits
+    assert all(r.max_micro_batch >= 1 for r in plan.ranks)  # the sharded caps
+    text = render(plan)
+    assert "sharding (sharding.mode=auto -> fsdp)" in text and "largest model" in text
+    import json
+
+    assert json.loads(headline_json(plan))["modes"]["fsdp"]["fits"] is True

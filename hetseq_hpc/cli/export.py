@@ -1,0 +1,53 @@
+"""``hetseq-hpc export RUN_DIR``: the trained model as one safetensors file, for inference.
+
+The newest checkpoint of the run directory that verifies (its checksum, safe loading; the
+same choice as ``trainer.resume=auto``), or the one ``--checkpoint`` names, is read and its
+full model state is written to ``--out`` (default ``RUN_DIR/model.safetensors``) with the
+safetensors format (https://huggingface.co/docs/safetensors: tensors only, no code runs when
+it is loaded). Checkpoints hold the full state in both sharding modes, so an FSDP run exports
+the same way as a DDP run. Weights tied in the model (BERT's embedding and output layer) are
+stored under both names.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+
+def export_command(run_dir: str, out: Optional[str] = None,
+                   checkpoint: Optional[str] = None) -> Path:
+    """Write the model of ``run_dir``'s checkpoint to ``out``; returns the file written.
+
+    Raises:
+        CheckpointError: no checkpoint verifies (or the named one does not), or ``out``
+            cannot be written; one line naming the file and the fix. Nothing half-written stays.
+    """
+    from safetensors.torch import save
+
+    from hetseq_hpc.errors import CheckpointError
+    from hetseq_hpc.files.atomic import atomic_write_bytes
+    from hetseq_hpc.files.user_input import folder_problem
+    from hetseq_hpc.train.checkpoint import choose_checkpoint
+
+    folder = Path(run_dir).expanduser()
+    problem = folder_problem(folder)
+    if problem:
+        raise CheckpointError(f"run directory {str(folder)!r} {problem}: pass the "
+                              "hydra.run.dir of a run that wrote checkpoints")
+    choice = choose_checkpoint(checkpoint or "auto", folder)
+    if choice.path is None or choice.state is None:
+        raise CheckpointError(f"run directory {str(folder)!r} has no checkpoint: train first "
+                              "(checkpoints are written every trainer.checkpoint_every steps "
+                              "and at the end)")
+    state = choice.state
+    tensors = {k: v.detach().contiguous().clone() for k, v in state["model"].items()}
+    metadata = {"format": "pt", "step": str(state["step"]), "run_id": str(state.get("run_id", "")),
+                "source": str(choice.path)}
+    target = Path(out).expanduser() if out else folder / "model.safetensors"
+    try:
+        atomic_write_bytes(target, save(tensors, metadata=metadata))
+    except OSError as exc:
+        raise CheckpointError(f"cannot write {str(target)!r} ({exc.strerror or exc}): choose "
+                              "another --out") from None
+    return target

@@ -1,0 +1,105 @@
+"""The planner's view of ``sharding.mode``: for the configured mix, the model state each rank
+holds under DDP and under FSDP2, whether it fits, the predicted step of each, and the largest
+model (parameters) that fits the mix in each mode.
+
+Memory per rank is the runtime's own formula (:func:`hetseq_hpc.balance.memory.model_state_bytes`
+plus one sample's activations, within ``budget x MEMORY_HEADROOM``). The FSDP step is the DDP
+step plus its extra traffic: with ``K`` passes per step, FSDP moves ``(2K + 1) / 2`` times a
+ring all-reduce's bytes (an all-gather of the parameters in every forward and every backward
+pass, one reduce-scatter of the gradients) where DDP moves one all-reduce; the extra is counted
+as exposed (an upper bound: FSDP2 prefetches the next unit's all-gather during compute).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Sequence
+
+from hetseq_hpc.balance.memory import (
+    MEMORY_HEADROOM,
+    PARAM_BYTES,
+    SHARDED_STATE_COPIES,
+    STATIC_PARAM_COPIES,
+    UNIT_COPIES,
+    model_state_bytes,
+    replica_fits,
+)
+
+
+@dataclass
+class ModeFit:
+    """One data-parallel mode on the planned mix.
+
+    Attributes:
+        mode: ``ddp`` or ``fsdp``.
+        state_bytes: model state on one rank (bytes; the same on every rank).
+        fits: every rank holds it and at least one sample's activations.
+        step_s: predicted step time, seconds.
+        largest_params: the largest parameter count whose state and one sample's activations
+            (as measured for this model) fit every rank of the mix, at this model's shape
+            (its largest unit's share of the parameters).
+    """
+
+    mode: str
+    state_bytes: float
+    fits: bool
+    step_s: float
+    largest_params: int
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"mode": self.mode, "state_bytes": round(self.state_bytes), "fits": self.fits,
+                "step_time_s": round(self.step_s, 6), "largest_params": self.largest_params}
+
+
+def fsdp_traffic_factor(passes: int) -> float:
+    """FSDP's bytes per step over a ring all-reduce's: ``(2K + 1) / 2`` for ``K`` passes."""
+    return (2 * max(int(passes), 1) + 1) / 2.0
+
+
+def mode_fits(memory_bytes: Sequence[float], param_count: int, unit_params: int,
+              activation_bytes_per_sample: float, ddp_step_s: float, allreduce_s: float,
+              passes: int) -> List[ModeFit]:
+    """:class:`ModeFit` of DDP and of FSDP on ranks with ``memory_bytes`` budgets.
+
+    Args:
+        memory_bytes: each rank's memory budget (before the headroom), bytes.
+        param_count: the model's parameters; unit_params: those of its largest FSDP unit.
+        activation_bytes_per_sample: one sample's activations, bytes.
+        ddp_step_s: the predicted DDP step; allreduce_s: its full ring all-reduce, seconds.
+        passes: forward/backward passes per step (the largest accumulation count).
+    """
+    world = len(memory_bytes)
+    room = min(memory_bytes) * MEMORY_HEADROOM - activation_bytes_per_sample
+    param_bytes = float(param_count) * PARAM_BYTES
+    unit_share = unit_params / max(param_count, 1)
+    ddp = model_state_bytes(param_bytes)
+    fsdp = model_state_bytes(param_bytes, "fsdp", world, float(unit_params) * PARAM_BYTES)
+    per_param_fsdp = PARAM_BYTES * (SHARDED_STATE_COPIES / world + UNIT_COPIES * unit_share)
+    extra = (fsdp_traffic_factor(passes) - 1.0) * allreduce_s
+    return [
+        ModeFit("ddp", ddp, ddp <= room, ddp_step_s,
+                max(int(room // (PARAM_BYTES * STATIC_PARAM_COPIES)), 0)),
+        ModeFit("fsdp", fsdp, fsdp <= room, ddp_step_s + extra,
+                max(int(room // per_param_fsdp), 0)),
+    ]
+
+
+def chosen_mode(configured: str, memory_bytes: Sequence[float], param_count: int) -> str:
+    """What the runtime would use for ``sharding.mode`` (``auto``: DDP when a replica fits
+    every rank, :func:`hetseq_hpc.balance.memory.replica_fits`)."""
+    if configured == "auto":
+        param_bytes = float(param_count) * PARAM_BYTES
+        return "ddp" if all(replica_fits(m, param_bytes) for m in memory_bytes) else "fsdp"
+    return "fsdp" if configured == "fsdp" else "ddp"
+
+
+def render_fits(fits: Sequence[ModeFit], configured: str, chosen: str) -> List[str]:
+    """The planner's sharding block (one line per mode)."""
+    lines = ["", f"sharding (sharding.mode={configured} -> {chosen}): model state per rank, "
+             "whether it fits every rank with one sample, step, largest model for this mix",
+             f"{'mode':<6} {'state/rank MB':>14} {'fits':>5} {'step ms':>9} {'largest model':>16}"]
+    for fit in fits:
+        lines.append(f"{fit.mode:<6} {fit.state_bytes / 1e6:>14,.1f} "
+                     f"{'yes' if fit.fits else 'no':>5} {fit.step_s * 1e3:>9,.1f} "
+                     f"{fit.largest_params / 1e6:>13,.1f} M")
+    return lines

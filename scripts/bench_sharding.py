@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Sharded (FSDP2) against replicated (DDP) data parallelism, on this machine's CPU cores.
+
+(a) Throughput where both fit: two ranks train the BERT task (``--hidden``, ``--layers``) in
+    ``--pairs`` interleaved pairs of runs, DDP then FSDP (the order alternates), the same
+    global batch and split; the ratio FSDP step / DDP step is taken inside each pair and the
+    median over pairs is reported (a shared VM drifts by minutes: never compare across pairs).
+(b) Memory per rank in both modes: each rank's measured model state (its parameters, as many
+    gradient bytes and its optimizer state -- local shards under FSDP; ``summary.json``
+    ``memory``) against the whole model state / world size, and each process's peak RSS
+    (Python and torch's libraries included: ~0.3 GB on CPU, not the model).
+(c) The largest model that fits an emulated mix: both ranks get ``cluster.memory_budget_gb``
+    ``--budget-gb``; BERT models of ``--ladder`` layers are tried in each mode (2 steps each);
+    the largest that trains is the measured figure, printed next to the planner's
+    ``largest_params`` for the same mix (``hetseq-hpc plan ... sharding.mode=...``).
+
+    python scripts/bench_sharding.py [--pairs 4] [--steps 20] [--budget-gb 0.03]
+                                     [--ladder 1,2,4,8,16] [--out DIR]
+
+Last line: one JSON object. The machine is printed; rerun on another before trusting a figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_hetero as hetero  # the CLI runner and step-time helpers
+
+from hetseq_hpc.train.metrics import read_metrics
+
+MODEL = ["task=bert", "task.model.num_heads=2", "task.model.max_seq_len=64",
+         "task.model.dropout=0.0"]
+
+
+def model_args(hidden: int, layers: int) -> list:
+    return [*MODEL, f"task.model.hidden_size={hidden}", f"task.model.num_layers={layers}",
+            f"task.model.intermediate_size={4 * hidden}"]
+
+
+def train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "hetseq_hpc", "cluster.ranks=2", "trainer.val_every=0",
+           "trainer.checkpoint_every=0", "trainer.plot=false", *overrides,
+           f"hydra.run.dir={run_dir}"]
+    return subprocess.run(cmd, cwd=hetero.REPO, capture_output=True, text=True, timeout=1800)
+
+
+def step_median(run_dir: Path, warmup: int) -> float:
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    return statistics.median(hetero.step_times(rows, warmup))
+
+
+def throughput_pairs(root: Path, args) -> dict:
+    """(a) and (b): interleaved DDP/FSDP pairs at the same split."""
+    ratios, memory = [], {}
+    for i in range(args.pairs):
+        steps = {}
+        order = ("none", "fsdp") if i % 2 == 0 else ("fsdp", "none")
+        for mode in order:
+            run_dir = root / f"pair{i}-{mode}"
+            proc = train(run_dir, *model_args(args.hidden, args.layers), f"sharding.mode={mode}",
+                         f"trainer.max_steps={args.steps}", "trainer.global_batch_size=32",
+                         "balance.allocation=[16,16]")
+            if proc.returncode != 0:
+                raise SystemExit(f"{mode} run failed:\n{proc.stderr[-2000:]}")
+            steps[mode] = step_median(run_dir, warmup=4)
+            memory[mode] = json.loads((run_dir / "summary.json").read_text())["memory"]
+        ratios.append(steps["fsdp"] / steps["none"])
+        print(f"  pair {i + 1}/{args.pairs}: step DDP {steps['none'] * 1e3:.1f} ms, FSDP "
+              f"{steps['fsdp'] * 1e3:.1f} ms, ratio {ratios[-1]:.3f}", flush=True)
+    whole = memory["none"][0]["state_bytes"]  # a replica's state, measured on a DDP rank
+    return {"fsdp_step_over_ddp": round(statistics.median(ratios), 4),
+            "ratio_pairs": [round(r, 4) for r in ratios],
+            "state_bytes_ddp": [int(m["state_bytes"]) for m in memory["none"]],
+            "state_bytes_fsdp": [int(m["state_bytes"]) for m in memory["fsdp"]],
+            "state_bytes_whole_over_world": int(whole / 2),
+            "peak_rss_mb_ddp": [round(m["peak_rss_bytes"] / 2**20) for m in memory["none"]],
+            "peak_rss_mb_fsdp": [round(m["peak_rss_bytes"] / 2**20) for m in memory["fsdp"]]}
+
+
+def param_count(hidden: int, layers: int) -> int:
+    """Parameters of the BERT model with these settings (built on the meta device)."""
+    import torch
+
+    from hetseq_hpc.config import compose_run_config
+    from hetseq_hpc.tasks.bert.mlm_model import BertMaskedLM
+
+    run = compose_run_config(model_args(hidden, layers))
+    with torch.device("meta"):
+        model = BertMaskedLM(run.task.model, int(run.task.data.vocab_size))
+    return sum(p.numel() for p in model.parameters())
+
+
+def planner_largest(args, mode: str) -> int:
+    cmd = [sys.executable, "-m", "hetseq_hpc", "plan", "cluster.ranks=2",
+           *model_args(args.hidden, args.ladder[0]), f"cluster.memory_budget_gb={args.budget_gb}",
+           f"sharding.mode={mode}"]
+    proc = subprocess.run(cmd, cwd=hetero.REPO, capture_output=True, text=True, timeout=600)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        return -1
+    modes = json.loads(lines[-1]).get("modes", {})
+    return int(modes.get("fsdp" if mode == "fsdp" else "ddp", {}).get("largest_params", -1))
+
+
+def largest_that_trains(root: Path, args) -> dict:
+    """(c): the ladder of model sizes under the budget, in each mode."""
+    out = {}
+    for mode in ("none", "fsdp"):
+        fitted, params = 0, 0
+        for layers in args.ladder:
+            run_dir = root / f"fit-{mode}-{layers}"
+            proc = train(run_dir, *model_args(args.hidden, layers), f"sharding.mode={mode}",
+                         f"cluster.memory_budget_gb={args.budget_gb}", "trainer.max_steps=2",
+                         "trainer.global_batch_size=8")
+            ok = proc.returncode == 0
+            print(f"  {mode:5s} {layers:3d} layers: {'trains' if ok else 'refused'}"
+                  + ("" if ok else f" ({proc.stderr.strip().splitlines()[-1][:140]})"), flush=True)
+            if not ok:
+                break
+            fitted, params = layers, param_count(args.hidden, layers)
+        out[mode] = {"largest_layers_trained": fitted, "parameters": params,
+                     "planner_largest_params": planner_largest(args, mode)}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pairs", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4, help="layers of the (a) model")
+    parser.add_argument("--budget-gb", type=float, default=0.03)
+    parser.add_argument("--ladder", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[1, 2, 4, 8, 16])
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    machine = f"{hetero._cpu_model()}, {os.cpu_count()} CPUs, {platform.platform()}"
+    print(f"machine: {machine}", flush=True)
+    root = args.out or Path(tempfile.mkdtemp(prefix="bench-sharding-"))
+    started = time.monotonic()
+    print(f"(a)+(b) {args.pairs} interleaved DDP/FSDP pairs, hidden {args.hidden}, "
+          f"{args.layers} layers, {args.steps} steps ...", flush=True)
+    result = throughput_pairs(root, args)
+    print(f"(c) largest model under {args.budget_gb} GiB per rank ...", flush=True)
+    result["largest"] = largest_that_trains(root, args)
+    result.update(machine=machine, seconds=round(time.monotonic() - started))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# The GPU check: what only a GPU can show, in ONE call on a lent GPU machine (the `device`
+# tool's `run`; DEVELOPERS' brief: run it the first time a session has a GPU, and put the
+# figures and the device in docs/benchmarks.md). Never part of the tests or CI.
+#
+#   bash scripts/gpu_check.sh            # writes $OUT/gpu_check.json (+ logs) and prints it
+#
+# What it runs (each step's exit code is recorded; one failing step does not stop the others):
+#   1. the device: nvidia-smi, and hetseq-hpc's pynvml probe (`hetseq-hpc probe task=bert`);
+#   2. the NCCL rendezvous and 30 training steps of the small BERT at fp32, bf16 and fp16
+#      (precision=<p>; fp16 with the job-wide loss scale), one rank per GPU;
+#   3. the FSDP2 path on the GPU (sharding.mode=fsdp, NCCL), with activation checkpointing;
+#   4. BERT-base (768 hidden, 12 layers, 12 heads, sequence 128) in bf16: samples/s and MFU
+#      against the GPU's dense bf16 peak (hetseq_hpc/plan/gpus.py).
+#
+# The GPU machine has PyTorch but not every dependency of hetseq_hpc (hydra-core, omegaconf,
+# antlr4-python3-runtime, submitit, django ...), and cannot download: build them HERE first,
+# for the machine's Python (3.12), into .whl/ (ignored by git, carried with carry=[".whl"]):
+#   echo /.whl/ >> .git/info/exclude
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 -d .whl hydra-core==1.3.2 omegaconf==2.3.0 \
+#     submitit==1.5.4 django sacrebleu portalocker
+#   pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3   # an sdist: build it here
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-check}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 HETSEQ_CACHE=${HETSEQ_CACHE:-/tmp/hetseq-cache}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+SMALL="task.model.hidden_size=64 task.model.num_layers=2 task.model.num_heads=2 task.model.intermediate_size=128 task.model.max_seq_len=64 trainer.val_every=0 trainer.plot=false"
+declare -A RC
+
+step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember the exit code
+  local name=$1; shift
+  echo "== $name: $*"
+  "$@" >"$OUT/$name.log" 2>&1
+  RC[$name]=$?
+  tail -n 3 "$OUT/$name.log"
+}
+
+step smi nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+step probe "$PY" -m hetseq_hpc probe task=bert $SMALL --out "$OUT/probe.json"
+for p in fp32 bf16 fp16; do
+  step "train_$p" "$PY" -m hetseq_hpc $SMALL precision=$p trainer.max_steps=30 \
+    hydra.run.dir=/tmp/gpu-check-runs/$p
+  cp /tmp/gpu-check-runs/$p/summary.json "$OUT/summary_$p.json" 2>/dev/null
+done
+step fsdp "$PY" -m hetseq_hpc $SMALL sharding.mode=fsdp sharding.activation_checkpointing=true \
+  trainer.max_steps=30 hydra.run.dir=/tmp/gpu-check-runs/fsdp
+cp /tmp/gpu-check-runs/fsdp/summary.json "$OUT/summary_fsdp.json" 2>/dev/null
+step bert_base "$PY" -m hetseq_hpc task.model.hidden_size=768 task.model.num_layers=12 \
+  task.model.num_heads=12 task.model.intermediate_size=3072 task.model.max_seq_len=128 \
+  precision=bf16 trainer.global_batch_size=256 trainer.max_steps=40 trainer.val_every=0 \
+  trainer.plot=false hydra.run.dir=/tmp/gpu-check-runs/bert_base
+cp /tmp/gpu-check-runs/bert_base/summary.json "$OUT/summary_bert_base.json" 2>/dev/null
+
+rcs=""
+for k in "${!RC[@]}"; do rcs="$rcs\"$k\": ${RC[$k]}, "; done
+"$PY" - "$OUT" "{${rcs%, }}" <<'EOF'
+import json, sys
+from pathlib import Path
+
+out, rcs = Path(sys.argv[1]), json.loads(sys.argv[2])
+result = {"exit_codes": rcs, "device": (out / "smi.log").read_text().strip().splitlines()[-1:]}
+for name in ("fp32", "bf16", "fp16", "fsdp", "bert_base"):
+    path = out / f"summary_{name}.json"
+    if path.exists():
+        s = json.loads(path.read_text())
+        result[name] = {k: s.get(k) for k in ("samples_per_s", "final_loss", "precisions",
+                                              "sharding", "memory")}
+        result[name]["train_tflops_per_s"] = (s.get("task") or {}).get("train_tflops_per_s")
+try:
+    import torch
+
+    from hetseq_hpc.plan.gpus import lookup_gpu, peak_tflops
+
+    name = torch.cuda.get_device_name(0)  # e.g. "NVIDIA H100 80GB HBM3": try the words too
+    gpu = None
+    for candidate in [name, *name.split()]:
+        try:
+            gpu = lookup_gpu(candidate, "gpu_check")
+            break
+        except Exception:
+            continue
+    if gpu is None:
+        raise LookupError(f"{name!r} is not in the planner's GPU table")
+    peak = peak_tflops(gpu, "bf16")
+    achieved = (result.get("bert_base") or {}).get("train_tflops_per_s")
+    if achieved:
+        result["bert_base"]["mfu_bf16"] = round(achieved / peak, 4)
+        result["bert_base"]["peak_bf16_tflops"] = peak
+except Exception as exc:  # an unknown GPU name: the figures above still stand
+    result["mfu_note"] = f"no MFU: {type(exc).__name__}: {exc}"
+(out / "gpu_check.json").write_text(json.dumps(result, indent=1))
+print(json.dumps(result))
+EOF
