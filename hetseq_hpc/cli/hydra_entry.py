@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, List
+from typing import Any, List, Tuple
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -26,11 +26,17 @@ from hetseq_hpc.config import (
     register_configs,
     to_run_config,
 )
-from hetseq_hpc.config.compose import apply_empty_dict_overrides
+from hetseq_hpc.config.compose import (
+    apply_empty_dict_overrides,
+    apply_partition_overrides,
+    split_partition_overrides,
+)
 from hetseq_hpc.errors import ConfigError, HetseqError, report_error
 
 #: whether the run directory existed before Hydra started (set by :func:`run_with_hydra`)
 _RUN_DIR_EXISTED = False
+#: whole partitions from the command line, applied after Hydra composed (set by run_with_hydra)
+_PARTITIONS: List[Tuple[str, str]] = []
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
@@ -40,6 +46,7 @@ def _hydra_main(cfg: DictConfig) -> Any:
     new_dir = not _RUN_DIR_EXISTED
     try:
         apply_empty_dict_overrides(cfg, list(hydra_cfg.overrides.task))
+        apply_partition_overrides(cfg, _PARTITIONS)
         run = to_run_config(cfg)
     except ConfigError as exc:
         sys.exit(report_error(exc))
@@ -74,9 +81,10 @@ def precheck_overrides(argv: List[str]) -> None:
 
 def run_with_hydra(argv: List[str]) -> None:
     """Pre-check ``argv`` (Hydra overrides and flags), then start Hydra's entry point on it."""
-    global _RUN_DIR_EXISTED
+    global _RUN_DIR_EXISTED, _PARTITIONS
     register_configs()
     precheck_overrides(argv)
+    argv, _PARTITIONS = split_partition_overrides(argv)
     explicit = any(a.lstrip("+").startswith("hydra.run.dir=") for a in argv)
     _RUN_DIR_EXISTED = explicit and Path(run_dir_override(argv)).expanduser().exists()
     sys.argv = [sys.argv[0], *argv]

@@ -9,8 +9,9 @@ written. :func:`compose_run_config` also validates the result into a :class:`Run
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple, Union
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
@@ -52,6 +53,61 @@ def apply_empty_dict_overrides(cfg: DictConfig, overrides: Sequence[str]) -> Non
                 OmegaConf.update(cfg, key, {}, merge=False, force_add=True)
 
 
+#: ``[+|++]cluster.partitions.<name>={...}``: a whole partition given on the command line
+_NEW_PARTITION = re.compile(r"\+{0,2}cluster\.partitions\.([^.=]+)=(\{.*\})", re.S)
+
+
+def split_partition_overrides(overrides: Sequence[str]) -> Tuple[List[str], List[Tuple[str, str]]]:
+    """``(the other overrides, [(partition name, its {...} value)])``.
+
+    Hydra cannot add a mapping as a new entry of ``cluster.partitions`` (a dict of typed
+    :class:`~hetseq_hpc.config.cluster.PartitionConfig` nodes: "dict is not a subclass of
+    PartitionConfig"), so ``+cluster.partitions.xp={gpu_type: titan_xp, nodes: 2}`` is taken
+    out before Hydra composes and applied after (:func:`apply_partition_overrides`), with the
+    same validation as a partition written in YAML.
+    """
+    rest, parts = [], []
+    for override in overrides:
+        match = _NEW_PARTITION.fullmatch(override.strip())
+        if match:
+            parts.append((match.group(1), match.group(2)))
+        else:
+            rest.append(override)
+    return rest, parts
+
+
+def apply_partition_overrides(cfg: DictConfig, parts: Sequence[Tuple[str, str]]) -> None:
+    """Add (or merge into) ``cluster.partitions.<name>`` each ``{...}`` value, in order; an
+    entry without ``partition`` is the Slurm partition of the same name.
+
+    Raises:
+        ConfigError: the cluster has no partitions (``cluster=local``), or a value does not parse
+            or does not fit the partition schema (one line, naming the key).
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from hetseq_hpc.config.cluster import PartitionConfig
+
+    for name, text in parts:
+        key = f"cluster.partitions.{name}"
+        node = OmegaConf.select(cfg, "cluster.partitions", default=None)
+        if not isinstance(node, DictConfig):
+            raise ConfigError(f"{key}={text} needs a Slurm cluster: cluster=local has no "
+                              "partitions (choose one, e.g. cluster=mixed)")
+        try:
+            value = OverridesParser.create().parse_overrides([f"x={text}"])[0].value()
+            base = node[name] if name in node else OmegaConf.structured(
+                PartitionConfig(partition=name))
+            merged = OmegaConf.merge(base, value)
+        except (HydraException, OmegaConfBaseException, ValueError) as exc:
+            raise ConfigError(f"{key}={text} is not a valid partition "
+                              f"({describe_omegaconf_error(exc)}): give its fields, e.g. "
+                              f"+{key}={{gpu_type: t4, nodes: 2, gpus_per_node: 4}}") from None
+        with open_dict(cfg):
+            node[name] = merged
+
+
 def compose_run(overrides: Sequence[str] = (), config_dir: Optional[Union[str, Path]] = None,
                 config_name: str = "config") -> DictConfig:
     """Compose ``<config_dir>/<config_name>.yaml`` (default: the package's ``conf/``) with
@@ -70,7 +126,7 @@ def compose_run(overrides: Sequence[str] = (), config_dir: Optional[Union[str, P
     from hetseq_hpc.config.aliases import migrate_overrides
     from hetseq_hpc.config.schema import register_configs
 
-    overrides = migrate_overrides(overrides)
+    overrides, partitions = split_partition_overrides(migrate_overrides(overrides))
     if config_dir is None:
         from hetseq_hpc.config import CONF_DIR
 
@@ -82,6 +138,7 @@ def compose_run(overrides: Sequence[str] = (), config_dir: Optional[Union[str, P
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError(describe_omegaconf_error(exc)) from None
     apply_empty_dict_overrides(cfg, overrides)
+    apply_partition_overrides(cfg, partitions)
     return cfg
 
 

@@ -104,6 +104,18 @@ def test_render_writes_a_job_script_and_its_log_folder(tmp_path, token_cache):
     assert "cluster=local" in line
 
 
+def test_render_with_a_partition_given_on_the_command_line(tmp_path, token_cache):
+    """Through Hydra's own entry point: the new partition is a het component of the script."""
+    run_dir = tmp_path / "r"
+    proc = hetseq("render", "cluster=testcluster", "task=bert", f"hydra.run.dir={run_dir}",
+                  "+cluster.partitions.extra={partition: debug, nodes: 1, cpus_per_rank: 1}",
+                  token_cache=token_cache)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    saved = (run_dir / "hetseq_config.yaml").read_text()
+    assert "extra:" in saved and "partition: debug" in saved
+    assert "--partition=debug" in (run_dir / "job.sbatch").read_text()
+
+
 @pytest.mark.slow
 def test_report_prints_a_summary_and_draws_the_png(tmp_path, run_cli):
     run_dir = tmp_path / "run"

@@ -12,6 +12,7 @@ from hetseq_hpc.config import (
     LocalClusterConfig,
     RunConfig,
     compose_run,
+    compose_run_config,
     load_run_config,
     save_run_config,
     to_run_config,
@@ -449,7 +450,7 @@ def test_keys_that_moved_between_groups_keep_working(tmp_path):
     still loads, so such a run directory resumes."""
     from omegaconf import OmegaConf
 
-    from hetseq_hpc.config import compose_run_config, load_run_config, save_run_config
+    from hetseq_hpc.config import load_run_config, save_run_config
     from hetseq_hpc.config.aliases import migrate_overrides
 
     assert migrate_overrides(["trainer.allocation=[24,8]", "+trainer.grad_combine=sum",
@@ -477,3 +478,21 @@ def test_keys_that_moved_between_groups_keep_working(tmp_path):
     assert old.comm.bucket_cap_mb == 10.0
     assert old.precision.default == "bf16" and old.precision.partitions == {"v100": "fp16"}
     assert load_run_config(save_run_config(old, tmp_path / "again.yaml")) == old
+
+
+def test_a_whole_new_partition_from_the_command_line():
+    """``+cluster.partitions.xp={...}`` adds a partition (Hydra alone refuses a dict there),
+    validated as in YAML; a partition already there is merged into."""
+    run = compose_run_config(["cluster=mixed",
+                              "+cluster.partitions.xp={gpu_type: t4, nodes: 2, gpus_per_node: 4}",
+                              "cluster.partitions.t4={nodes: 3}"])
+    assert list(run.cluster.partitions) == ["a100", "v100", "t4", "xp"]
+    xp = run.cluster.partitions["xp"]
+    assert (xp.partition, xp.gpu_type, xp.nodes, xp.gpus_per_node) == ("xp", "t4", 2, 4)
+    assert run.cluster.partitions["t4"].nodes == 3
+    with pytest.raises(ConfigError, match=r"cluster\.partitions\.xp\.nodes=0 is invalid"):
+        compose_run_config(["cluster=mixed", "+cluster.partitions.xp={nodes: 0}"])
+    with pytest.raises(ConfigError, match=r"did you mean nodes"):
+        compose_run_config(["cluster=mixed", "+cluster.partitions.xp={nodez: 2}"])
+    with pytest.raises(ConfigError, match=r"cluster=local has no partitions"):
+        compose_run_config(["+cluster.partitions.xp={nodes: 2}"])
