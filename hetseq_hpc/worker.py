@@ -59,7 +59,7 @@ from hetseq_hpc.tasks.prepare_wait import prepare_on_rank0
 from hetseq_hpc.train.contract_check import check_before_training
 from hetseq_hpc.train.loop import RankMeta, Trainer
 from hetseq_hpc.train.metrics import measured_step_sync
-from hetseq_hpc.train.parallel import model_bytes
+from hetseq_hpc.train.parallel import build_parallel, model_bytes
 from hetseq_hpc.train.precision import autocast_factory, resolve_precision
 from hetseq_hpc.train.task_summary import build_checked_model, finish_task_summary
 
@@ -146,20 +146,31 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
                         gres=placement.gres, precision=precision)
         if prefetch is not None:
             prefetch.join()  # nothing may import these modules while the thread does
-        model, task_info = build_checked_model(task, run, device)  # refuses BatchNorm
-        check_before_training(task, model, run, device, rdv, task_info)  # sum loss, rows, count
-        clock.mark("model")
         budget = memory_budget_bytes(placement, dev.kind, dev.memory_free_bytes,
                                      placement.ranks_on_node)
-        param_bytes, unit_bytes = model_bytes(task, model)
-        sharding = agree_on_sharding(run.sharding.mode, param_bytes, budget, rdv)
-        static = model_state_bytes(param_bytes, sharding, world.world_size, unit_bytes,
-                                   run.sharding.cpu_offload and device.type == "cuda")
-        cal = calibrate(  # a rank done early times more passes while slower ones go on
+        chosen: Dict[str, Any] = {}
+
+        def place(bare: torch.nn.Module) -> torch.nn.Module:
+            # DDP or FSDP from the model's size (every rank alike), then moved or sharded there
+            param_bytes, unit_bytes = model_bytes(task, bare)
+            mode = agree_on_sharding(run.sharding.mode, param_bytes, budget, rdv)
+            chosen["parallel"] = build_parallel(run, task, bare, device, mode)
+            chosen["static"] = model_state_bytes(param_bytes, mode, world.world_size, unit_bytes,
+                                                 run.sharding.cpu_offload and device.type == "cuda")
+            return chosen["parallel"].model
+
+        model, task_info = build_checked_model(task, run, device, place)  # refuses BatchNorm
+        parallel = chosen["parallel"]
+        with parallel.unsharded() as whole:  # FSDP: gathered once, the check runs no collective
+            check_before_training(task, whole, run, device, rdv, task_info)  # sum loss, count
+        clock.mark("model")
+        cal = calibrate(  # a rank done early times more passes while slower ones go on (DDP;
+            # under FSDP every pass is a collective: every rank times the same passes)
             model, lambda n: checked_batch(task, list(range(min(n, task.num_train))), 0, "train"),
             device, calibration_micro_batch(run, world.world_size),
             run.balance.calibration_steps, budget, run.balance.max_micro_batch, autocast,
-            wait_for_peers=rdv.post_barrier, static_bytes=static,
+            wait_for_peers=None if parallel.sharded else rdv.post_barrier,
+            static_bytes=chosen["static"],
         )
         clock.mark("calibration")
         reports = [RankReport.of(r) for r in rdv.all_gather_objects(RankReport(
@@ -183,7 +194,7 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
                                     curves=report_curves(reports))
         trainer = Trainer(run, run_dir_path, rdv, task, model, device, allocation, metas,
                           autocast=autocast, on_allocation=on_allocation,
-                          stop_request=stop_request, rebalancer=rebalancer, sharding=sharding)
+                          stop_request=stop_request, rebalancer=rebalancer, parallel=parallel)
         if world.is_master:  # after the Trainer chose the run (a new run archives the old one)
             clock.log()
             path = write_allocation_json(run_dir_path, allocation, reports,

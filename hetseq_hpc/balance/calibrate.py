@@ -142,13 +142,18 @@ def done_within(done: Callable[[], bool], seconds: float) -> bool:
 def time_optimizer_step(model: nn.Module, device: torch.device, repeats: int = 2) -> float:
     """Seconds of one clip + AdamW step on copies of the parameters with the model's gradients
     (the per-step fixed cost ``f``; the model itself is not changed). The first step allocates
-    the optimizer state and is not counted; 0.0 when the model has no gradients."""
+    the optimizer state and is not counted; 0.0 when the model has no gradients. Under FSDP
+    the copies are this rank's shards (no collective runs)."""
+    def local(t: torch.Tensor) -> torch.Tensor:  # a shard of an FSDP parameter: its local part
+        to_local = getattr(t, "to_local", None)
+        return to_local() if callable(to_local) else t
+
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return 0.0
-    copies = [p.detach().clone() for p in params]
+    copies = [local(p).detach().clone() for p in params]
     for copy, p in zip(copies, params):
-        copy.grad = p.grad
+        copy.grad = local(p.grad)
     opt = torch.optim.AdamW(copies, lr=1e-12, **adamw_kernel(copies))
     best = float("inf")
     for j in range(repeats):

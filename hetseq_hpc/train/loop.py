@@ -80,7 +80,10 @@ class Trainer:
         stop_request: a :class:`~hetseq_hpc.env.preemption.StopRequest` (its ``code`` is shared with
             every rank each step).
         sharding: ``ddp`` or ``fsdp``, the same on every rank
-            (:func:`hetseq_hpc.balance.agree.agree_on_sharding`).
+            (:func:`hetseq_hpc.balance.agree.agree_on_sharding`), when ``parallel`` is None.
+        parallel: the strategy already built by the worker
+            (:func:`hetseq_hpc.train.parallel.build_parallel`: the model sharded before the
+            contract check and calibration); None = build it here.
 
     Raises:
         CheckpointError: the checkpoint ``trainer.resume`` names is bad, or none of the run
@@ -102,6 +105,7 @@ class Trainer:
         on_allocation: Optional[Callable[[Allocation], None]] = None,
         stop_request: Any = None,
         sharding: str = "ddp",
+        parallel: Any = None,
     ):
         self.run = run
         self.cfg = run.trainer
@@ -124,8 +128,7 @@ class Trainer:
             self.cfg.global_batch_size * float(getattr(task, "units_per_sample", 1.0)))
         self.hook_state = HookState()
         # DDP or FSDP2 (train/parallel.py); FSDP shards the model in place, before the optimizer
-        self.parallel = build_parallel(run, task, model, device, self.grad_path,
-                                       self.hook_state, sharding)
+        self.parallel = parallel or build_parallel(run, task, model, device, sharding)
         self.optimizer, self.scheduler = build_optimizer(model, run)
         self.step = 0  # last completed optimizer step; global batch ``step`` comes next
         self.history: List[StepRecord] = []
@@ -134,7 +137,7 @@ class Trainer:
         self.resume_note: Dict[str, Any] = {}
         self.run_id = ""  # this run's id (train/run_history.py), decided by _resume()
         self._resume()
-        self.parallel.start()
+        self.parallel.start(self.grad_path, self.hook_state)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:

@@ -74,22 +74,20 @@ class Replicated:
     Args:
         model: the bare model on its device.
         device: this rank's device.
-        grad_path: the :class:`~hetseq_hpc.train.precision.GradientPath` (hook, DDP options).
-        hook_state: the :class:`~hetseq_hpc.train.ddp_hooks.HookState` the hook fills.
     """
 
     sharded = False
     mode = "ddp"
 
-    def __init__(self, model: nn.Module, device: torch.device, grad_path: Any, hook_state: Any):
+    def __init__(self, model: nn.Module, device: torch.device):
         self.model = model
         self.device = device
-        self.grad_path = grad_path
-        self.hook_state = hook_state
         self.module: nn.Module = model
 
-    def start(self) -> None:
-        """Wrap in DDP (after any checkpoint was loaded into the bare model)."""
+    def start(self, grad_path: Any, hook_state: Any) -> None:
+        """Wrap in DDP (after any checkpoint was loaded into the bare model), with the SUM
+        comm hook of ``grad_path`` (:class:`~hetseq_hpc.train.precision.GradientPath`) filling
+        ``hook_state`` (:class:`~hetseq_hpc.train.ddp_hooks.HookState`)."""
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         from hetseq_hpc.train.ddp_hooks import no_forward_buffer_sync
@@ -97,8 +95,8 @@ class Replicated:
         self.module = DDP(self.model,
                           device_ids=[self.device.index] if self.device.type == "cuda" else None,
                           gradient_as_bucket_view=True, **no_forward_buffer_sync(),
-                          **self.grad_path.ddp_kwargs())
-        self.module.register_comm_hook(self.hook_state, self.grad_path.comm_hook(self.hook_state))
+                          **grad_path.ddp_kwargs())
+        self.module.register_comm_hook(hook_state, grad_path.comm_hook(hook_state))
 
     def pass_sizes(self, share: Any, all_shares: Sequence[Any]) -> Tuple[List[int], int]:
         """This rank's micro-batch sizes and zero-weight passes: its own split, none."""
@@ -143,11 +141,10 @@ class Sharded(Replicated):
     """FSDP2 over every rank (see the module docstring for the exactness rules).
 
     Args:
-        model: the bare model on its device (sharded in place).
+        model: the bare model, on the CPU or on ``device`` (sharded in place: each unit's shards
+            land on ``device``, so the whole model is never on the device at once).
         units: the sharding units (:meth:`Task.sharding_units`).
         device: this rank's device.
-        grad_path: the :class:`~hetseq_hpc.train.precision.GradientPath`.
-        hook_state: the step's timing state (no hook runs under FSDP).
         cpu_offload: keep the sharded state in CPU memory (``CPUOffloadPolicy``; GPUs only).
     """
 
@@ -155,15 +152,18 @@ class Sharded(Replicated):
     mode = "fsdp"
 
     def __init__(self, model: nn.Module, units: Sequence[nn.Module], device: torch.device,
-                 grad_path: Any, hook_state: Any, cpu_offload: bool = False):
+                 cpu_offload: bool = False):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-        super().__init__(model, device, grad_path, hook_state)
+        super().__init__(model, device)
         offload = CPUOffloadPolicy() if cpu_offload and device.type == "cuda" else OffloadPolicy()
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         self.units = list(units)
         for unit in self.units:
-            fully_shard(unit, offload_policy=offload)
-        fully_shard(model, offload_policy=offload)
+            fully_shard(unit, mesh=mesh, offload_policy=offload)
+        fully_shard(model, mesh=mesh, offload_policy=offload)
         self.fsdp_modules = [m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")]
         for module in self.fsdp_modules:  # a plain SUM over ranks, not FSDP's mean
             module.set_force_sum_reduction_for_comms(True)
@@ -174,8 +174,8 @@ class Sharded(Replicated):
                  "autocast)%s", len(self.units), "; sharded state offloaded to CPU"
                  if self.offload else "")
 
-    def start(self) -> None:
-        """Nothing to wrap: the model was sharded in place."""
+    def start(self, grad_path: Any = None, hook_state: Any = None) -> None:
+        """Nothing to wrap: the model was sharded in place (no comm hook runs under FSDP)."""
 
     def pass_sizes(self, share: Any, all_shares: Sequence[Any]) -> Tuple[List[int], int]:
         """The job's largest accumulation count of passes on every rank
@@ -310,10 +310,12 @@ def model_bytes(task: Any, model: nn.Module) -> Tuple[float, float]:
     return total, max([root] + [size(u.parameters()) for u in units])
 
 
-def build_parallel(run: Any, task: Any, model: nn.Module, device: torch.device, grad_path: Any,
-                   hook_state: Any, mode: str) -> Replicated:
+def build_parallel(run: Any, task: Any, model: nn.Module, device: torch.device,
+                   mode: str) -> Replicated:
     """The strategy for ``mode`` (``ddp`` or ``fsdp``, as decided for ``sharding.mode``), with
-    ``sharding.activation_checkpointing`` applied to the task's sharding units first."""
+    ``sharding.activation_checkpointing`` applied to the task's sharding units first. ``ddp``
+    moves the model to ``device``; ``fsdp`` shards it onto ``device`` (a collective: every
+    rank calls this at the same point)."""
     units = list(task.sharding_units(model)) if hasattr(task, "sharding_units") else []
     if run.sharding.activation_checkpointing:
         if not units:
@@ -321,8 +323,8 @@ def build_parallel(run: Any, task: Any, model: nn.Module, device: torch.device, 
                         "units: nothing is recomputed")
         activation_checkpointing(units)
     if mode == "fsdp":
-        return Sharded(model, units, device, grad_path, hook_state, run.sharding.cpu_offload)
-    return Replicated(model, device, grad_path, hook_state)
+        return Sharded(model, units, device, run.sharding.cpu_offload)
+    return Replicated(model.to(device), device)
 
 
 __all__ = ["Replicated", "Sharded", "activation_checkpointing", "build_parallel",

@@ -10,7 +10,7 @@ example predictions to rank 0's log.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -24,11 +24,17 @@ log = logging.getLogger(__name__)
 N_EXAMPLES = 3
 
 
-def build_checked_model(task: Any, run: Any, device: torch.device) -> Tuple[nn.Module, Dict[str, Any]]:
+def build_checked_model(task: Any, run: Any, device: torch.device,
+                        place: Optional[Callable[[nn.Module], nn.Module]] = None
+                        ) -> Tuple[nn.Module, Dict[str, Any]]:
     """``torch.manual_seed(trainer.seed)``; ``task.build_model()``; BatchNorm check; FLOPs.
 
+    ``place`` (the worker's: DDP moves the model to the device, FSDP shards it there) receives
+    the checked model on the CPU, after its FLOPs were measured there; None = ``.to(device)``
+    and FLOPs measured on the device.
+
     Returns:
-        ``(model on device, info)``; ``info`` = ``{"name", "class", "unit",
+        ``(model placed, info)``; ``info`` = ``{"name", "class", "unit",
         "units_per_sample", "flops_per_sample", "data", "exact", "inexact"}`` for
         ``summary.json``.
 
@@ -39,7 +45,11 @@ def build_checked_model(task: Any, run: Any, device: torch.device) -> Tuple[nn.M
     torch.manual_seed(run.trainer.seed)
     model = task.build_model()
     inexact = check_no_batchnorm(model, run.trainer.allow_inexact_batchnorm)
-    model = model.to(device)
+    if place is None:
+        model = model.to(device)
+    flops = task_flops_per_sample(task, model)
+    if place is not None:
+        model = place(model)
     data = dict(task.data_summary)
     if data:
         log.info("task=%s data: %s", run.task.name, data)
@@ -47,7 +57,7 @@ def build_checked_model(task: Any, run: Any, device: torch.device) -> Tuple[nn.M
         "name": run.task.name, "class": f"{type(task).__module__}.{type(task).__qualname__}",
         "unit": getattr(task, "unit_name", "samples"),
         "units_per_sample": float(task.units_per_sample),
-        "flops_per_sample": task_flops_per_sample(task, model), "data": data,
+        "flops_per_sample": flops, "data": data,
         "exact": inexact is None, "inexact": inexact,
     }
     torch.manual_seed(run.trainer.seed)  # the FLOPs pass must not move the seeded RNG

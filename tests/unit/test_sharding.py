@@ -98,8 +98,8 @@ def test_sharded_checkpoint_state_has_the_replicated_layout_on_one_rank():
     x = torch.randn(6, 4)
     with single_process_rendezvous() as rdv:
         assert rdv.world.world_size == 1
-        replica = Replicated(plain, torch.device("cpu"), None, None)
-        shard = Sharded(sharded, list(sharded.blocks), torch.device("cpu"), None, None)
+        replica = Replicated(plain, torch.device("cpu"))
+        shard = Sharded(sharded, list(sharded.blocks), torch.device("cpu"))
         states = []
         for strategy, model in ((replica, plain), (shard, sharded)):
             opt = torch.optim.AdamW([{"params": list(model.parameters())[:2]},
