@@ -32,7 +32,12 @@ from hetseq_hpc.balance.agree import (
 )
 from hetseq_hpc.balance.allocation import Allocation
 from hetseq_hpc.balance.calibrate import calibrate
-from hetseq_hpc.balance.memory import memory_budget_bytes, model_state_bytes
+from hetseq_hpc.balance.memory import (
+    AUTO_ACTIVATION_SHARE,
+    MEMORY_HEADROOM,
+    memory_budget_bytes,
+    model_state_bytes,
+)
 from hetseq_hpc.balance.placement import (
     RankPlacement,
     calibration_micro_batch,
@@ -104,6 +109,36 @@ def precision_context(placement: RankPlacement, device: torch.device, dev: Devic
     return precision, autocast_factory(precision, device.type)
 
 
+def calibrate_rank(model: torch.nn.Module, parallel: Any, task: Any, run: RunConfig,
+                   world: WorldInfo, device: torch.device, budget: float, autocast: Any, rdv: Any,
+                   static: float, param_bytes: float) -> Any:
+    """This rank's cost curve and micro-batch cap (:func:`hetseq_hpc.balance.calibrate.calibrate`).
+
+    DDP: on the whole model; a rank done early times more passes while slower ones go on.
+    FSDP, where the whole weights and gradients fit beside the shard (2 x the parameter bytes,
+    with room for activations): on the gathered model without collectives
+    (:meth:`~hetseq_hpc.train.parallel.Sharded.local_passes`), so each rank times its own speed;
+    the optimizer step's fixed cost is not timed then (a whole-model copy would not fit).
+    Otherwise on the shards, the same passes on every rank (each pass waits for the slowest
+    rank's all-gathers, so the split comes out even: a warning says so)."""
+    def make(n: int) -> Any:
+        return checked_batch(task, list(range(min(n, task.num_train))), 0, "train")
+
+    args = (make, device, calibration_micro_batch(run, world.world_size),
+            run.balance.calibration_steps, budget, run.balance.max_micro_batch, autocast)
+    if not parallel.sharded:
+        return calibrate(model, *args, wait_for_peers=rdv.post_barrier, static_bytes=static)
+    room = budget * MEMORY_HEADROOM * (1.0 - AUTO_ACTIVATION_SHARE)
+    if 2 * param_bytes + static <= room:
+        with parallel.local_passes() as whole:
+            return calibrate(whole, *args, step_fixed=False, wait_for_peers=rdv.post_barrier,
+                             static_bytes=static)
+    log.warning("sharding.mode=fsdp: the whole weights and gradients do not fit beside the shard "
+                "for calibration: timed on the shards, where every pass waits for the slowest "
+                "rank, so the split is about even; force balance.allocation for a mixed cluster")
+    return calibrate(model, *args, wait_for_peers=None, static_bytes=static)
+
+
 def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     """Run one rank to the end; returns the training summary (same on every rank).
 
@@ -153,7 +188,8 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
         def place(bare: torch.nn.Module) -> torch.nn.Module:
             # DDP or FSDP from the model's size (every rank alike), then moved or sharded there
             param_bytes, unit_bytes = model_bytes(task, bare)
-            mode = agree_on_sharding(run.sharding.mode, param_bytes, budget, rdv)
+            mode = agree_on_sharding(run.sharding.mode, param_bytes, budget, rdv, device.type)
+            chosen["param_bytes"] = param_bytes
             chosen["parallel"] = build_parallel(run, task, bare, device, mode)
             chosen["static"] = model_state_bytes(param_bytes, mode, world.world_size, unit_bytes,
                                                  run.sharding.cpu_offload and device.type == "cuda")
@@ -164,14 +200,8 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
         with parallel.unsharded() as whole:  # FSDP: gathered once, the check runs no collective
             check_before_training(task, whole, run, device, rdv, task_info)  # sum loss, count
         clock.mark("model")
-        cal = calibrate(  # a rank done early times more passes while slower ones go on (DDP;
-            # under FSDP every pass is a collective: every rank times the same passes)
-            model, lambda n: checked_batch(task, list(range(min(n, task.num_train))), 0, "train"),
-            device, calibration_micro_batch(run, world.world_size),
-            run.balance.calibration_steps, budget, run.balance.max_micro_batch, autocast,
-            wait_for_peers=None if parallel.sharded else rdv.post_barrier,
-            static_bytes=chosen["static"],
-        )
+        cal = calibrate_rank(model, parallel, task, run, world, device, budget, autocast, rdv,
+                             chosen["static"], chosen["param_bytes"])
         clock.mark("calibration")
         reports = [RankReport.of(r) for r in rdv.all_gather_objects(RankReport(
             world=world.to_dict(), probe=dev.to_dict(), calibration=cal.to_dict(),
@@ -188,7 +218,11 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
 
         metas = [RankMeta(**r.meta) for r in reports]
         rebalancer = None
-        if run.balance.rebalance_interval and world.world_size > 1:
+        if parallel.sharded and run.balance.rebalance_interval and world.world_size > 1:
+            log.info("sharding.mode=fsdp: online re-balancing is off (every pass waits for the "
+                     "all-gathers, so a rank's step time shows the slowest rank's pace); the "
+                     "calibrated split is kept")
+        elif run.balance.rebalance_interval and world.world_size > 1:
             rebalancer = Rebalancer(caps=[s.max_micro_batch for s in allocation.shares],
                                     threshold=run.balance.rebalance_threshold,
                                     curves=report_curves(reports))

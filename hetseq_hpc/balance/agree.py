@@ -65,13 +65,7 @@ def agree_on_allocation(run: Any, reports: Sequence[ReportLike], rdv) -> Allocat
         AllocationError: a rank cannot fit one sample, ranks mix CUDA and CPU, or digests differ.
     """
     reports = [RankReport.of(r) for r in reports]
-    kinds = {r.probe["kind"] for r in reports}
-    if len(kinds) > 1:
-        where = ", ".join(f"rank {i}: {r.probe['kind']}" for i, r in enumerate(reports))
-        raise AllocationError(
-            f"ranks mix CUDA and CPU devices ({where}): one all-reduce cannot span both; give "
-            "every rank a GPU, or run all on CPU (CUDA_VISIBLE_DEVICES=)"
-        )
+    check_device_kinds([r.probe["kind"] for r in reports])
     caps = [int(r.calibration["max_micro_batch"]) for r in reports]
     shard_hint = ("shard the model state (sharding.mode=fsdp, or auto), "
                   if run.sharding.mode == "none" else "use activation checkpointing "
@@ -96,24 +90,47 @@ def agree_on_allocation(run: Any, reports: Sequence[ReportLike], rdv) -> Allocat
     return allocation
 
 
-def agree_on_sharding(mode: str, param_bytes: float, memory_budget_bytes: float, rdv) -> str:
+def check_device_kinds(kinds: Sequence[str]) -> None:
+    """Every rank's device kind (``cuda`` or ``cpu``), in rank order, must be the same.
+
+    Raises:
+        AllocationError: one line naming each rank's kind and the fix.
+    """
+    if len(set(kinds)) > 1:
+        where = ", ".join(f"rank {i}: {k}" for i, k in enumerate(kinds))
+        raise AllocationError(
+            f"ranks mix CUDA and CPU devices ({where}): one all-reduce cannot span both; give "
+            "every rank a GPU, or run all on CPU (CUDA_VISIBLE_DEVICES=)"
+        )
+
+
+def agree_on_sharding(mode: str, param_bytes: float, memory_budget_bytes: float, rdv,
+                      device_kind: str = "cpu") -> str:
     """The data-parallel mode every rank uses, from ``sharding.mode``: ``none`` -> ``ddp``,
     ``fsdp`` -> ``fsdp``, ``auto`` -> ``ddp`` when a full replica fits every rank's memory
     budget with room for activations (:func:`hetseq_hpc.balance.memory.replica_fits`; DDP is
-    faster), else ``fsdp``. ``auto`` gathers each rank's verdict (one small all-gather), so all
-    ranks decide alike.
+    faster), else ``fsdp``. Every rank's verdict and device kind are gathered (one small
+    all-gather), so all ranks decide alike.
 
     Args:
         mode: ``sharding.mode``.
         param_bytes: the model's parameter bytes.
         memory_budget_bytes: this rank's budget (:func:`~hetseq_hpc.balance.memory.memory_budget_bytes`).
         rdv: the joined rendezvous.
+        device_kind: this rank's device kind; every rank's must match (checked here, before
+            any sharding collective).
+
+    Raises:
+        AllocationError: ranks mix CUDA and CPU devices (:func:`check_device_kinds`).
     """
     from hetseq_hpc.balance.memory import replica_fits
 
+    verdicts = rdv.all_gather_objects(
+        (device_kind, bool(replica_fits(memory_budget_bytes, param_bytes))))
+    check_device_kinds([kind for kind, _ in verdicts])
     if mode != "auto":
         return "fsdp" if mode == "fsdp" else "ddp"
-    fits = rdv.all_gather_objects(bool(replica_fits(memory_budget_bytes, param_bytes)))
+    fits = [ok for _, ok in verdicts]
     chosen = "ddp" if all(fits) else "fsdp"
     if rdv.world.rank == 0:
         short = [r for r, ok in enumerate(fits) if not ok]

@@ -23,6 +23,8 @@ STATIC_PARAM_COPIES = 5
 SHARDED_STATE_COPIES = 4
 #: the unit FSDP is computing, gathered whole: its weights and its gradients
 UNIT_COPIES = 2
+#: validation and the task-contract check gather the whole weights once (no gradients)
+GATHERED_WEIGHT_COPIES = 1
 #: share of a rank's planned memory that ``sharding.mode=auto`` keeps free for activations
 #: when it asks whether a full replica fits
 AUTO_ACTIVATION_SHARE = 0.1
@@ -75,14 +77,17 @@ def model_state_bytes(param_bytes: float, mode: str = "ddp", world_size: int = 1
 
     ``ddp``: ``STATIC_PARAM_COPIES x param_bytes`` (weights, gradients, two AdamW moments, one
     DDP bucket copy). ``fsdp``: ``SHARDED_STATE_COPIES x param_bytes / world_size`` (this rank's
-    shard of weights, gradients and moments; none on the device with ``offload``) plus
-    ``UNIT_COPIES x largest_unit_bytes`` (the unit being computed, gathered whole, and its
-    gradient before the reduce-scatter).
+    shard of weights, gradients and moments; none on the device with ``offload``) plus the
+    larger of ``UNIT_COPIES x largest_unit_bytes`` (in training: the unit being computed,
+    gathered whole, and its gradient before the reduce-scatter) and
+    ``GATHERED_WEIGHT_COPIES x param_bytes`` (validation and the task-contract check run on the
+    whole weights, gathered once: no gradients then).
     """
     if mode != "fsdp":
         return float(param_bytes) * STATIC_PARAM_COPIES
     shard = 0.0 if offload else float(param_bytes) * SHARDED_STATE_COPIES / max(int(world_size), 1)
-    return shard + UNIT_COPIES * float(largest_unit_bytes)
+    return shard + max(UNIT_COPIES * float(largest_unit_bytes),
+                       GATHERED_WEIGHT_COPIES * float(param_bytes))
 
 
 def memory_cap(memory_budget_bytes: float, param_bytes: float, activation_bytes_per_sample: float,
@@ -111,6 +116,6 @@ def param_memory_cap(memory_bytes: float, param_count: int, activation_bytes_per
                               activation_bytes_per_sample, limit)
 
 
-__all__ = ["AUTO_ACTIVATION_SHARE", "MEMORY_HEADROOM", "PARAM_BYTES", "SHARDED_STATE_COPIES",
+__all__ = ["AUTO_ACTIVATION_SHARE", "GATHERED_WEIGHT_COPIES", "MEMORY_HEADROOM", "PARAM_BYTES", "SHARDED_STATE_COPIES",
            "STATIC_PARAM_COPIES", "UNIT_COPIES", "memory_budget_bytes", "memory_cap",
            "micro_batch_cap", "model_state_bytes", "param_memory_cap", "replica_fits"]

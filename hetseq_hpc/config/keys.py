@@ -49,7 +49,14 @@ def _suggest(key: str, schema: type, parent: str) -> str:
 
 
 def unknown_key_message(full_key: str, key: Any, schema: type) -> str:
-    """One line for a key that ``schema`` does not have, with the closest known key."""
+    """One line for a key that ``schema`` does not have, with the closest known key (or, for a
+    key that moved to another group, its new place: :mod:`hetseq_hpc.config.aliases`)."""
+    from hetseq_hpc.config.aliases import new_key
+
+    moved = new_key(full_key)
+    if moved is not None:
+        return (f"{full_key} is now {moved}: write {moved} (in a YAML file too; on the command "
+                "line the old key is still rewritten)")
     parent = full_key[: -len(str(key))].rstrip(".") if full_key.endswith(str(key)) else ""
     return (f"{full_key} is not a setting: {_suggest(key, schema, parent)} "
             "(fix the spelling or remove it; '+' cannot add settings)")

@@ -98,6 +98,26 @@ def check_logger_packages(loggers: List[str]) -> None:
             )
 
 
+def check_fsdp_available(mode: str) -> None:
+    """``sharding.mode=fsdp|auto`` needs PyTorch's FSDP2 with sum reductions
+    (``torch.distributed.fsdp.fully_shard``, ``FSDPModule.set_force_sum_reduction_for_comms``).
+
+    Raises:
+        ConfigError: this torch lacks them (one line naming its version and the fix).
+    """
+    import torch
+
+    try:
+        from torch.distributed.fsdp import FSDPModule, fully_shard  # noqa: F401
+    except ImportError:
+        FSDPModule = None
+    if FSDPModule is None or not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
+        raise ConfigError(
+            f"sharding.mode={mode} needs PyTorch's FSDP2 with sum reductions, which torch "
+            f"{torch.__version__} lacks: install torch 2.13 (pip install torch==2.13.0), or "
+            "use sharding.mode=none")
+
+
 def check_grad_combine(grad_combine: str, world: int) -> None:
     """``comm.grad_combine=adasum`` pairs ranks recursively, so the planned world size must be
     a power of two (Horovod refuses others the same way); checked before any rank starts.
@@ -154,6 +174,8 @@ def validate_run_config(run: RunConfig) -> None:
     run.cluster.check_world(world)
     run.precision.check_world(world, list(getattr(run.cluster, "partitions", {}) or {}))
     check_grad_combine(run.comm.grad_combine, world)
+    if run.sharding.mode != "none":
+        check_fsdp_available(run.sharding.mode)
     if run.sharding.mode != "none" and (run.comm.grad_compression != "none"
                                         or run.comm.grad_combine != "sum"):
         raise ConfigError(

@@ -137,9 +137,11 @@ def make_plan(run, opts: Optional[PlanConfig] = None) -> Plan:
     known = all(m > 0 for m in memory)
     mode = chosen_mode(run.sharding.mode, memory, model.param_count) if known else \
         ("fsdp" if run.sharding.mode == "fsdp" else "ddp")
-    if mode == "fsdp" and known:  # the caps a sharded rank has (the runtime's formula)
+    offload = bool(run.sharding.cpu_offload) and not local
+    if mode == "fsdp" and known and model.activation_bytes_per_sample > 0:
+        # the caps a sharded rank has (the runtime's formula); a probe's own caps stand
         static = model_state_bytes(float(model.param_count) * PARAM_BYTES, "fsdp", len(ranks),
-                                   float(model.largest_unit_params) * PARAM_BYTES)
+                                   float(model.largest_unit_params) * PARAM_BYTES, offload)
         ranks = [replace(r, max_micro_batch=device_memory_cap(
             r.memory_bytes, 0.0, model.activation_bytes_per_sample, run.balance.max_micro_batch,
             static)) for r in ranks]
@@ -166,7 +168,7 @@ def make_plan(run, opts: Optional[PlanConfig] = None) -> Plan:
         passes = max(len(s.micro_sizes) for s in prediction.balanced.allocation.shares)
         fits = mode_fits(memory, model.param_count, model.largest_unit_params or
                          model.param_count, model.activation_bytes_per_sample,
-                         prediction.balanced.step_s, prediction.allreduce_s, passes)
+                         prediction.balanced.step_s, prediction.allreduce_s, passes, offload)
     return Plan(run.cluster.name, parts, ranks, prediction, model, opts, link, source, warnings,
                 mode, run.sharding.mode, fits)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence
 
 from hetseq_hpc.balance.memory import (
+    GATHERED_WEIGHT_COPIES,
     MEMORY_HEADROOM,
     PARAM_BYTES,
     SHARDED_STATE_COPIES,
@@ -58,7 +59,7 @@ def fsdp_traffic_factor(passes: int) -> float:
 
 def mode_fits(memory_bytes: Sequence[float], param_count: int, unit_params: int,
               activation_bytes_per_sample: float, ddp_step_s: float, allreduce_s: float,
-              passes: int) -> List[ModeFit]:
+              passes: int, offload: bool = False) -> List[ModeFit]:
     """:class:`ModeFit` of DDP and of FSDP on ranks with ``memory_bytes`` budgets.
 
     Args:
@@ -67,14 +68,17 @@ def mode_fits(memory_bytes: Sequence[float], param_count: int, unit_params: int,
         activation_bytes_per_sample: one sample's activations, bytes.
         ddp_step_s: the predicted DDP step; allreduce_s: its full ring all-reduce, seconds.
         passes: forward/backward passes per step (the largest accumulation count).
+        offload: ``sharding.cpu_offload`` (the shards live in CPU memory).
     """
     world = len(memory_bytes)
     room = min(memory_bytes) * MEMORY_HEADROOM - activation_bytes_per_sample
     param_bytes = float(param_count) * PARAM_BYTES
     unit_share = unit_params / max(param_count, 1)
     ddp = model_state_bytes(param_bytes)
-    fsdp = model_state_bytes(param_bytes, "fsdp", world, float(unit_params) * PARAM_BYTES)
-    per_param_fsdp = PARAM_BYTES * (SHARDED_STATE_COPIES / world + UNIT_COPIES * unit_share)
+    fsdp = model_state_bytes(param_bytes, "fsdp", world, float(unit_params) * PARAM_BYTES,
+                             offload)
+    gathered = max(UNIT_COPIES * unit_share, float(GATHERED_WEIGHT_COPIES))
+    per_param_fsdp = PARAM_BYTES * ((0.0 if offload else SHARDED_STATE_COPIES / world) + gathered)
     extra = (fsdp_traffic_factor(passes) - 1.0) * allreduce_s
     return [
         ModeFit("ddp", ddp, ddp <= room, ddp_step_s,

@@ -245,9 +245,10 @@ class Trainer:
             sync = j == len(batches) - 1
             with self.parallel.sync(sync), self.autocast():
                 loss = check_loss(self.task, module(**batch))
-            if not real:
+            if real:
+                loss_sum += loss.detach().double()
+            else:
                 loss = loss * 0.0  # a pass only for FSDP's collectives: the gradient adds 0
-            loss_sum += loss.detach().double()
             if sync and self.device.type == "cpu":
                 # post the statistics when the last gradient bucket is ready, so that their
                 # exchange overlaps the gradient all-reduce (on a GPU the compute time is known

@@ -14,8 +14,10 @@ The training loop talks to one of two strategies through the same methods, so ev
   runs the SAME number of forward/backward passes per step (FSDP gathers each unit's
   parameters in every pass, a collective): a rank's share is split into the job's largest
   accumulation count, and a rank with fewer samples than passes adds zero-weight passes
-  (its first sample, loss x 0: gradient unchanged). Gradient sync happens on the last pass only
-  (``set_requires_gradient_sync``). The global gradient norm is computed over the shards
+  (its first sample, loss x 0: gradient unchanged). Every pass reduce-scatters its gradients
+  (a SUM, so the shards that accumulate over the passes are exactly the step's sum; with sync
+  off FSDP would keep the whole model's unsharded gradient between passes, a full replica's
+  worth of memory). The global gradient norm is computed over the shards
   (``clip_grad_norm_`` on DTensors). Parameters are all-gathered in fp32 on every rank (one
   job-wide dtype: ranks cannot all-gather in different dtypes); each rank computes in its own
   precision under autocast, as in DDP.
@@ -184,8 +186,7 @@ class Sharded(Replicated):
         return equal_pass_sizes(share.samples, passes)
 
     def sync(self, last: bool) -> contextlib.AbstractContextManager:
-        """Reduce-scatter on the last pass only."""
-        self.model.set_requires_gradient_sync(last)
+        """Reduce-scatter in every pass (the memory of the shards only; see the module doc)."""
         return contextlib.nullcontext()
 
     def grad_norm(self, max_norm: float, grads: List[torch.Tensor]) -> float:
@@ -268,6 +269,24 @@ class Sharded(Replicated):
             for module in self.fsdp_modules:
                 module.reshard()
                 module.set_reshard_after_forward(module is not self.model, recurse=False)
+
+    @contextlib.contextmanager
+    def local_passes(self) -> Iterator[nn.Module]:
+        """:meth:`unsharded`, with gradients kept whole on this rank (no reduce-scatter, no
+        resharding after backward): forward/backward passes run no collective, so each rank
+        times its OWN speed and may run any number of passes (calibration). Holds the whole
+        weights and gradients (2 x the parameter bytes) for the duration; zero the gradients
+        before leaving."""
+        for module in self.fsdp_modules:
+            module.set_requires_gradient_sync(False, recurse=False)
+            module.set_reshard_after_backward(False, recurse=False)
+        try:
+            with self.unsharded() as whole:
+                yield whole
+        finally:
+            for module in self.fsdp_modules:
+                module.set_requires_gradient_sync(True, recurse=False)
+                module.set_reshard_after_backward(True, recurse=False)
 
     def describe(self) -> Dict[str, Any]:
         return {"mode": self.mode, "units": len(self.units), "all_gather_dtype": "fp32",

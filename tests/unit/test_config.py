@@ -496,3 +496,18 @@ def test_a_whole_new_partition_from_the_command_line():
         compose_run_config(["cluster=mixed", "+cluster.partitions.xp={nodez: 2}"])
     with pytest.raises(ConfigError, match=r"cluster=local has no partitions"):
         compose_run_config(["+cluster.partitions.xp={nodes: 2}"])
+
+
+def test_a_moved_key_in_a_yaml_file_names_its_new_place(tmp_path):
+    import shutil
+
+    from hetseq_hpc.config import CONF_DIR
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf)
+    mixed = conf / "cluster" / "mixed.yaml"
+    mixed.write_text(mixed.read_text().replace("    partition: a100\n",
+                                               "    partition: a100\n    precision: fp16\n", 1))
+    with pytest.raises(ConfigError, match=r"cluster\.partitions\.a100\.precision is now "
+                                          r"precision\.partitions\.a100"):
+        compose_run_config(["cluster=mixed"], config_dir=conf)

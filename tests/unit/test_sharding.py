@@ -57,13 +57,16 @@ def test_default_units_are_the_blocks_of_the_builtin_models():
 def test_model_state_bytes_replicated_and_sharded():
     p = 4e9  # a 1 B-parameter model in fp32
     assert model_state_bytes(p) == STATIC_PARAM_COPIES * p
-    assert model_state_bytes(p, "fsdp", 8, largest_unit_bytes=1e8) == 4 * p / 8 + 2e8
-    assert model_state_bytes(p, "fsdp", 8, 1e8, offload=True) == 2e8
+    # the shard, plus the whole weights gathered for validation (more than 2 units here)
+    assert model_state_bytes(p, "fsdp", 8, largest_unit_bytes=1e8) == 4 * p / 8 + p
+    assert model_state_bytes(p, "fsdp", 8, 1e8, offload=True) == p
+    # a model whose root unit (embeddings) is most of it: 2 x that unit
+    assert model_state_bytes(p, "fsdp", 8, largest_unit_bytes=0.8 * p) == 4 * p / 8 + 1.6 * p
     # a 16 GiB T4 cannot hold the replica, a shard over 8 ranks leaves room for activations
     t4 = 16 * 2**30
     assert not replica_fits(t4, p)
     assert memory_cap(t4, p, 2**26) == 0
-    assert memory_cap(t4, p, 2**26, static_bytes=model_state_bytes(p, "fsdp", 8, 1e8)) > 100
+    assert memory_cap(t4, p, 2**26, static_bytes=model_state_bytes(p, "fsdp", 8, 1e8)) > 50
 
 
 def test_sharding_config_values_and_old_keys():
