@@ -294,25 +294,41 @@ def ranks_from_probe(probe: Dict[str, Any], partitions: Sequence[PartitionSpec],
                                 _probe_memory(probe_ranks[i])))
         return out
     for part in partitions:
-        matched = [r for r in probe_ranks if r.get("partition") == part.partition]
-        if not matched and part.gpu_type:
-            matched = [r for r in probe_ranks if r.get("gres") == part.gpu_type]
-        if not matched:
+        specs = probe_partition_ranks(probe, part, len(out), limit)
+        if specs is None:
             seen = sorted({f"{r.get('partition')}/{r.get('gres')}" for r in probe_ranks})
             raise ConfigError(
                 f"plan.probe has no rank of partition {part.partition!r} (gres "
                 f"{part.gpu_type!r}; it has partition/gres {', '.join(seen)}): probe a run that "
                 "includes that partition, or drop plan.probe to use the datasheet table"
             )
-        where = f"plan.probe partition {part.partition!r}"
-        throughput = statistics.median(_probe_throughput(r, where) for r in matched)
-        cap = min(_probe_cap(r, limit, where) for r in matched)
-        label = _probe_label(matched[0])
-        curve = _median_curve([probe_curve(probe, probe_ranks.index(r)) for r in matched])
-        memory = min(_probe_memory(r) for r in matched)
-        for _ in range(part.ranks):
-            out.append(RankSpec(len(out), part.key, label, throughput, cap, curve, memory))
+        out.extend(specs)
     return out
+
+
+def probe_partition_ranks(probe: Dict[str, Any], part: PartitionSpec, first_rank: int,
+                          limit: Optional[int] = None) -> Optional[List[RankSpec]]:
+    """The ranks of partition ``part`` from a probe (its ranks of the same Slurm partition,
+    else of the same GRES type; the median throughput, the smallest cap), numbered from
+    ``first_rank``; None when the probe has no such rank.
+
+    Raises:
+        ConfigError: a matching probe rank lacks its calibration figures.
+    """
+    probe_ranks = probe["ranks"]
+    matched = [r for r in probe_ranks if r.get("partition") == part.partition]
+    if not matched and part.gpu_type:
+        matched = [r for r in probe_ranks if r.get("gres") == part.gpu_type]
+    if not matched:
+        return None
+    where = f"plan.probe partition {part.partition!r}"
+    throughput = statistics.median(_probe_throughput(r, where) for r in matched)
+    cap = min(_probe_cap(r, limit, where) for r in matched)
+    label = _probe_label(matched[0])
+    curve = _median_curve([probe_curve(probe, probe_ranks.index(r)) for r in matched])
+    memory = min(_probe_memory(r) for r in matched)
+    return [RankSpec(first_rank + i, part.key, label, throughput, cap, curve, memory)
+            for i in range(part.ranks)]
 
 
 def check_gpu_types(partitions: Sequence[PartitionSpec]) -> None:

@@ -7,6 +7,7 @@ table (SLURM partitions, :mod:`hetseq_hpc.plan.gpus`). Starts nothing.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, List, Optional, Tuple
 
@@ -22,6 +23,7 @@ from hetseq_hpc.plan.inputs import (
     load_probe,
     partitions_of,
     probe_file,
+    probe_partition_ranks,
     probe_sync_s,
     ranks_from_probe,
     ranks_from_table,
@@ -104,6 +106,50 @@ def _table_ranks(run, opts: PlanConfig) -> Tuple[ModelInfo, List[RankSpec], str]
     return model, ranks, source
 
 
+def _probe_ranks(run, opts: PlanConfig, probe, parts) -> Tuple[ModelInfo, List[RankSpec], str]:
+    """``plan.probe``: probed partitions use their measurements; a partition the probe lacks
+    (a lab that probed its A100s first) comes from the datasheet table, scaled by what the
+    probe showed on this task: the median over the probed GPU partitions of measured / table
+    samples/s (1 when none of them is in the table). The source line says which is which."""
+    from hetseq_hpc.balance.placement import plan_placements
+
+    limit = run.balance.max_micro_batch
+    found = {} if run.cluster.is_local else {
+        p.key: probe_partition_ranks(probe, p, 0, limit) for p in parts}
+    missing = [p for p in parts if p.key in found and found[p.key] is None]
+    if not missing:
+        model = measure_model(run.task, need_activations=False)
+        ranks = ranks_from_probe(probe, parts, by_index=run.cluster.is_local, limit=limit)
+        return model, ranks, f"measured calibration from {opts.probe}"
+    check_gpu_types(missing)
+    model = measure_model(run.task, need_activations=True)
+    with_gpu = {p.key for p in parts if p.gpu_type}
+    places = [pl for pl in plan_placements(run) if pl.partition_key in with_gpu]
+    table: dict = {}
+    for spec in ranks_from_table(places, model.flops_per_sample, model.param_count,
+                                 model.activation_bytes_per_sample, opts.mfu, opts.peak, limit):
+        table.setdefault(spec.partition, spec)
+    ratios = [found[k][0].samples_per_s / table[k].samples_per_s
+              for k in found if found[k] is not None and k in table]
+    scale = statistics.median(ratios) if ratios else 1.0
+    ranks: List[RankSpec] = []
+    for part in parts:
+        if found[part.key] is not None:
+            specs = [replace(r, rank=len(ranks) + i) for i, r in enumerate(found[part.key])]
+        else:
+            t = table[part.key]
+            specs = [replace(t, rank=len(ranks) + i, samples_per_s=t.samples_per_s * scale,
+                             device=f"{t.device} x{scale:.2f}") for i in range(part.ranks)]
+        ranks.extend(specs)
+    probed = [k for k in found if found[k] is not None]
+    basis = (f"the probed partitions' measured / table ratio {scale:.2f}" if ratios else
+             "no probed partition is in the table: unscaled")
+    source = (f"measured calibration from {opts.probe} for partition(s) {', '.join(probed)}; "
+              f"{', '.join(p.key for p in missing)} from the datasheet table x {scale:.2f} "
+              f"({basis})")
+    return model, ranks, source
+
+
 def make_plan(run, opts: Optional[PlanConfig] = None) -> Plan:
     """Inputs -> prediction, for a validated run configuration. Starts nothing.
 
@@ -124,10 +170,8 @@ def make_plan(run, opts: Optional[PlanConfig] = None) -> Plan:
     measured_sync_s = None
     if opts.probe:
         probe = load_probe(opts.probe)
-        model = measure_model(run.task, need_activations=False)
-        ranks = ranks_from_probe(probe, parts, by_index=local, limit=run.balance.max_micro_batch)
+        model, ranks, source = _probe_ranks(run, opts, probe, parts)
         measured_sync_s = probe_sync_s(probe, len(ranks))
-        source = f"measured calibration from {opts.probe}"
     elif local:
         model, ranks, source = _local_ranks(run)
     else:

@@ -272,3 +272,28 @@ def test_a_probe_runs_measured_step_sync_replaces_the_all_reduce_model(tmp_path,
     assert plan.probe_sync_s(data, 3) is None and plan.probe_sync_s(data, 2) == 0.05
     data.pop("measured_step")
     assert plan.probe_sync_s(data, 2) is None
+
+
+def test_a_probe_of_one_partition_of_three_plans_the_mix(tmp_path, capsys):
+    """plan.probe with only the a100 partition measured: a100 ranks use the probe; v100 and t4
+    come from the datasheet table scaled by the a100's measured / table ratio, and the plan
+    says which partitions came from where."""
+    from hetseq_hpc.config import compose_run_config
+    from hetseq_hpc.plan.planner import make_plan
+
+    probe = tmp_path / "probe.json"
+    probe.write_text(json.dumps(_probe(("a100", "a100", 400.0))))
+    overrides = ["cluster=mixed", *SMALL_MODEL, "trainer.global_batch_size=256"]
+    table = make_plan(compose_run_config(overrides))
+    partial = make_plan(compose_run_config([*overrides, f"plan.probe={probe}"]))
+    by_part = {}
+    for r in partial.ranks:
+        by_part.setdefault(r.partition, r)
+    assert by_part["a100"].samples_per_s == 400.0 and "(probe)" in by_part["a100"].device
+    scale = 400.0 / next(r for r in table.ranks if r.partition == "a100").samples_per_s
+    for key in ("v100", "t4"):
+        from_table = next(r for r in table.ranks if r.partition == key).samples_per_s
+        assert by_part[key].samples_per_s == pytest.approx(from_table * scale)
+        assert f"x{scale:.2f}" in by_part[key].device
+    assert [r.rank for r in partial.ranks] == list(range(len(partial.ranks)))
+    assert "for partition(s) a100; v100, t4 from the datasheet table" in partial.source
