@@ -23,31 +23,39 @@ def export_command(run_dir: str, out: Optional[str] = None,
         CheckpointError: no checkpoint verifies (or the named one does not), or ``out``
             cannot be written; one line naming the file and the fix. Nothing half-written stays.
     """
-    from safetensors.torch import save
+    import os
+
+    from safetensors.torch import save_file
 
     from hetseq_hpc.errors import CheckpointError
-    from hetseq_hpc.files.atomic import atomic_write_bytes
-    from hetseq_hpc.files.user_input import folder_problem
+    from hetseq_hpc.files.atomic import temp_path_for
     from hetseq_hpc.train.checkpoint import choose_checkpoint
 
     folder = Path(run_dir).expanduser()
-    problem = folder_problem(folder)
-    if problem:
-        raise CheckpointError(f"run directory {str(folder)!r} {problem}: pass the "
-                              "hydra.run.dir of a run that wrote checkpoints")
+    if not folder.is_dir():  # read-only is fine: only --out is written
+        raise CheckpointError(f"run directory {str(folder)!r} does not exist or is not a "
+                              "directory: pass the hydra.run.dir of a run that wrote checkpoints")
     choice = choose_checkpoint(checkpoint or "auto", folder)
     if choice.path is None or choice.state is None:
         raise CheckpointError(f"run directory {str(folder)!r} has no checkpoint: train first "
                               "(checkpoints are written every trainer.checkpoint_every steps "
                               "and at the end)")
     state = choice.state
-    tensors = {k: v.detach().contiguous().clone() for k, v in state["model"].items()}
+    state.pop("optimizer", None)  # the moments are not exported: free them first
+    tensors, seen = {}, set()
+    for k, v in state["model"].items():  # tied weights: each name gets its own storage
+        v = v.detach().contiguous()
+        tensors[k] = v.clone() if v.untyped_storage().data_ptr() in seen else v
+        seen.add(v.untyped_storage().data_ptr())
     metadata = {"format": "pt", "step": str(state["step"]), "run_id": str(state.get("run_id", "")),
                 "source": str(choice.path)}
     target = Path(out).expanduser() if out else folder / "model.safetensors"
+    tmp = temp_path_for(target)
     try:
-        atomic_write_bytes(target, save(tensors, metadata=metadata))
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.replace(tmp, target)
     except OSError as exc:
+        tmp.unlink(missing_ok=True)
         raise CheckpointError(f"cannot write {str(target)!r} ({exc.strerror or exc}): choose "
                               "another --out") from None
     return target

@@ -56,7 +56,9 @@ def merge_overrides(saved: DictConfig, overrides: Sequence[str],
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from hetseq_hpc.config import compose_run
+    from hetseq_hpc.config.compose import split_partition_overrides
 
+    overrides, partitions = split_partition_overrides(overrides)
     new_keys = [override_key(o) for o in overrides]
     kept = [o for o in earlier if not override_key(o).startswith("hydra.")
             and not any(override_key(o) == k or override_key(o).startswith(k + ".") for k in new_keys)]
@@ -69,6 +71,12 @@ def merge_overrides(saved: DictConfig, overrides: Sequence[str],
             if isinstance(value, DictConfig):
                 value = OmegaConf.to_container(value, resolve=False)
             OmegaConf.update(merged, key, value, merge=False, force_add=True)
+        for name, text in partitions:  # a whole partition: merged into the saved one
+            value = OverridesParser.create().parse_overrides([f"x={text}"])[0].value()
+            saved_part = OmegaConf.select(merged, f"cluster.partitions.{name}", default=None)
+            whole = OmegaConf.merge(saved_part, value) if saved_part is not None else value
+            OmegaConf.update(merged, f"cluster.partitions.{name}", whole, merge=False,
+                             force_add=True)
     return merged
 
 

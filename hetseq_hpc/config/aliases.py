@@ -85,6 +85,11 @@ def migrate_saved(container: Dict[str, Any]) -> Dict[str, Any]:
         value = section.pop(name)
         out[group] = section
         new_group, new_name = new.split(".")
+        if not isinstance(out.get(new_group) or {}, dict):
+            from hetseq_hpc.errors import ConfigError
+
+            raise ConfigError(f"{new_group}={out[new_group]!r} in the saved configuration is not "
+                              f"a group of settings, and {old} belongs in it: fix the file")
         target = dict(out.get(new_group) or {})
         target.setdefault(new_name, value)
         out[new_group] = target

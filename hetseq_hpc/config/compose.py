@@ -73,6 +73,16 @@ def split_partition_overrides(overrides: Sequence[str]) -> Tuple[List[str], List
             parts.append((match.group(1), match.group(2)))
         else:
             rest.append(override)
+    for name, text in parts:
+        key = f"cluster.partitions.{name}"
+        if "},{" in text.replace(" ", ""):
+            raise ConfigError(f"{key}={text} looks like a sweep: a whole partition cannot be "
+                              f"swept; sweep its fields instead, e.g. -m {key}.nodes=1,2")
+        others = [o for o in rest if o.lstrip("+~").startswith(key + ".")
+                  or o.lstrip("+~").split("=")[0] == key]
+        if others:
+            raise ConfigError(f"{key} is given whole ({{...}}) and again by {others[0]}: put "
+                              f"every field into the one value, e.g. +{key}={{nodes: 2, ...}}")
     return rest, parts
 
 

@@ -117,6 +117,13 @@ def _probe_ranks(run, opts: PlanConfig, probe, parts) -> Tuple[ModelInfo, List[R
     found = {} if run.cluster.is_local else {
         p.key: probe_partition_ranks(probe, p, 0, limit) for p in parts}
     missing = [p for p in parts if p.key in found and found[p.key] is None]
+    if missing and len(missing) == len(parts):  # nothing matched: the old one-line refusal
+        ranks_from_probe(probe, parts, limit=limit)
+    for part in missing:
+        if not part.gpu_type:
+            raise ConfigError(
+                f"plan.probe has no rank of partition {part.partition!r}, a CPU-only partition "
+                "the datasheet table cannot stand in for: probe it too (hetseq-hpc probe)")
     if not missing:
         model = measure_model(run.task, need_activations=False)
         ranks = ranks_from_probe(probe, parts, by_index=run.cluster.is_local, limit=limit)
@@ -171,7 +178,8 @@ def make_plan(run, opts: Optional[PlanConfig] = None) -> Plan:
     if opts.probe:
         probe = load_probe(opts.probe)
         model, ranks, source = _probe_ranks(run, opts, probe, parts)
-        measured_sync_s = probe_sync_s(probe, len(ranks))
+        # a probe of another mix has no step sync to reuse
+        measured_sync_s = None if "datasheet" in source else probe_sync_s(probe, len(ranks))
     elif local:
         model, ranks, source = _local_ranks(run)
     else:

@@ -511,3 +511,34 @@ def test_a_moved_key_in_a_yaml_file_names_its_new_place(tmp_path):
     with pytest.raises(ConfigError, match=r"cluster\.partitions\.a100\.precision is now "
                                           r"precision\.partitions\.a100"):
         compose_run_config(["cluster=mixed"], config_dir=conf)
+
+
+def test_a_whole_partition_and_its_fields_cannot_be_mixed_or_swept():
+    with pytest.raises(ConfigError, match=r"given whole .* and again by "
+                                          r"cluster\.partitions\.xp\.nodes=3"):
+        compose_run_config(["cluster=mixed", "+cluster.partitions.xp={gpu_type: t4}",
+                            "cluster.partitions.xp.nodes=3"])
+    with pytest.raises(ConfigError, match=r"cannot be swept"):
+        compose_run_config(["cluster=mixed", "+cluster.partitions.xp={nodes: 1},{nodes: 2}"])
+
+
+def test_resume_merges_a_whole_partition_into_the_saved_one():
+    """A run directory started with +cluster.partitions.xp={gpu_type: t4, ...}, continued with
+    +cluster.partitions.xp={nodes: 3}: the saved GPU type and GPUs per node stay."""
+    from omegaconf import OmegaConf
+
+    from hetseq_hpc.cli.resume import merge_overrides
+
+    first = compose_run_config(["cluster=mixed",
+                                "+cluster.partitions.xp={gpu_type: t4, nodes: 2, gpus_per_node: 4}"])
+    saved = OmegaConf.structured(first)
+    merged = merge_overrides(saved, ["+cluster.partitions.xp={nodes: 3}"], ["cluster=mixed"])
+    xp = merged.cluster.partitions.xp
+    assert (xp.gpu_type, xp.nodes, xp.gpus_per_node) == ("t4", 3, 4)
+
+
+def test_a_saved_config_with_a_group_that_is_not_a_mapping_is_one_line():
+    from hetseq_hpc.config.aliases import migrate_saved
+
+    with pytest.raises(ConfigError, match=r"precision='bf16' in the saved configuration"):
+        migrate_saved({"trainer": {"precision": "fp16"}, "precision": "bf16"})

@@ -297,3 +297,17 @@ def test_a_probe_of_one_partition_of_three_plans_the_mix(tmp_path, capsys):
         assert f"x{scale:.2f}" in by_part[key].device
     assert [r.rank for r in partial.ranks] == list(range(len(partial.ranks)))
     assert "for partition(s) a100; v100, t4 from the datasheet table" in partial.source
+
+
+def test_a_probe_that_matches_no_partition_or_misses_a_cpu_one_is_refused(tmp_path):
+    from hetseq_hpc.config import compose_run_config
+    from hetseq_hpc.plan.planner import make_plan
+
+    probe = tmp_path / "probe.json"
+    probe.write_text(json.dumps(_probe(("elsewhere", "h100", 400.0))))
+    with pytest.raises(ConfigError, match="has no rank of partition"):
+        make_plan(compose_run_config(["cluster=mixed", *SMALL_MODEL, f"plan.probe={probe}"]))
+    probe.write_text(json.dumps(_probe(("a100", "a100", 400.0))))
+    cpu = "+cluster.partitions.cpus={partition: cpus, nodes: 1}"
+    with pytest.raises(ConfigError, match="CPU-only partition"):
+        make_plan(compose_run_config(["cluster=mixed", cpu, *SMALL_MODEL, f"plan.probe={probe}"]))
