@@ -53,6 +53,9 @@ def export_command(run_dir: str, out: Optional[str] = None,
     tmp = temp_path_for(target)
     try:
         save_file(tensors, str(tmp), metadata=metadata)
+        mask = os.umask(0)  # safetensors creates 0600: give the file the usual mode
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
         os.replace(tmp, target)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
