@@ -36,6 +36,7 @@ from hetseq_hpc.balance.memory import (
     AUTO_ACTIVATION_SHARE,
     MEMORY_HEADROOM,
     memory_budget_bytes,
+    model_bytes,
     model_state_bytes,
 )
 from hetseq_hpc.balance.placement import (
@@ -64,7 +65,7 @@ from hetseq_hpc.tasks.prepare_wait import prepare_on_rank0
 from hetseq_hpc.train.contract_check import check_before_training
 from hetseq_hpc.train.loop import RankMeta, Trainer
 from hetseq_hpc.train.metrics import measured_step_sync
-from hetseq_hpc.train.parallel import build_parallel, model_bytes
+from hetseq_hpc.train.parallel import build_parallel
 from hetseq_hpc.train.precision import autocast_factory, resolve_precision
 from hetseq_hpc.train.task_summary import build_checked_model, finish_task_summary
 

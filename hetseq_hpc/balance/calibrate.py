@@ -31,7 +31,12 @@ import torch
 from torch import nn
 
 from hetseq_hpc.balance.curves import fit_curve, fit_residuals
-from hetseq_hpc.balance.memory import MEMORY_HEADROOM, memory_cap, model_state_bytes
+from hetseq_hpc.balance.memory import (
+    MEMORY_HEADROOM,
+    local_part,
+    memory_cap,
+    model_state_bytes,
+)
 from hetseq_hpc.env.hardware import adamw_kernel
 
 log = logging.getLogger(__name__)
@@ -144,10 +149,7 @@ def time_optimizer_step(model: nn.Module, device: torch.device, repeats: int = 2
     (the per-step fixed cost ``f``; the model itself is not changed). The first step allocates
     the optimizer state and is not counted; 0.0 when the model has no gradients. Under FSDP
     the copies are this rank's shards (no collective runs)."""
-    def local(t: torch.Tensor) -> torch.Tensor:  # a shard of an FSDP parameter: its local part
-        to_local = getattr(t, "to_local", None)
-        return to_local() if callable(to_local) else t
-
+    local = local_part  # a shard of an FSDP parameter: its local part
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return 0.0

@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 if TYPE_CHECKING:  # pragma: no cover
     from hetseq_hpc.balance.placement import RankPlacement
@@ -101,6 +101,25 @@ def memory_cap(memory_budget_bytes: float, param_bytes: float, activation_bytes_
                            activation_bytes_per_sample, limit)
 
 
+def local_part(tensor: Any) -> Any:
+    """This rank's part of a tensor: the local shard of an FSDP (DTensor) parameter or gradient,
+    else the tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def model_bytes(task: Any, model: Any) -> Tuple[float, float]:
+    """``(parameter bytes of the model, parameter bytes of its largest FSDP unit)``: the units
+    are ``task.sharding_units(model)``; the root unit (everything outside them) counts as one."""
+    def size(params: Any) -> float:
+        return float(sum(p.numel() * p.element_size() for p in params))
+
+    units = list(task.sharding_units(model)) if hasattr(task, "sharding_units") else []
+    in_units = {id(p) for u in units for p in u.parameters()}
+    root = size(p for p in model.parameters() if id(p) not in in_units)
+    return size(model.parameters()), max([root] + [size(u.parameters()) for u in units])
+
+
 def replica_fits(memory_budget_bytes: float, param_bytes: float) -> bool:
     """Whether a full DDP replica fits a rank with :data:`AUTO_ACTIVATION_SHARE` of its planned
     memory left for activations (``sharding.mode=auto`` picks DDP when it does on every rank)."""
@@ -116,6 +135,20 @@ def param_memory_cap(memory_bytes: float, param_count: int, activation_bytes_per
                               activation_bytes_per_sample, limit)
 
 
-__all__ = ["AUTO_ACTIVATION_SHARE", "GATHERED_WEIGHT_COPIES", "MEMORY_HEADROOM", "PARAM_BYTES", "SHARDED_STATE_COPIES",
-           "STATIC_PARAM_COPIES", "UNIT_COPIES", "memory_budget_bytes", "memory_cap",
-           "micro_batch_cap", "model_state_bytes", "param_memory_cap", "replica_fits"]
+__all__ = [
+    "AUTO_ACTIVATION_SHARE",
+    "GATHERED_WEIGHT_COPIES",
+    "MEMORY_HEADROOM",
+    "PARAM_BYTES",
+    "SHARDED_STATE_COPIES",
+    "STATIC_PARAM_COPIES",
+    "UNIT_COPIES",
+    "local_part",
+    "memory_budget_bytes",
+    "memory_cap",
+    "micro_batch_cap",
+    "model_bytes",
+    "model_state_bytes",
+    "param_memory_cap",
+    "replica_fits",
+]

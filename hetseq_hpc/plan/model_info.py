@@ -13,7 +13,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from hetseq_hpc.balance.memory import PARAM_BYTES
+from hetseq_hpc.balance.memory import PARAM_BYTES, model_bytes
 
 
 @dataclass
@@ -128,10 +128,8 @@ def measure_model(task_cfg, need_activations: bool,
         model, make, vocab, notes = _bert_model(task_cfg, on_meta)
     else:
         model, make, vocab, notes = _data_model(task)
-    units = list(task.sharding_units(model))
-    in_units = {id(p) for u in units for p in u.parameters()}
-    largest = max([sum(p.numel() for p in model.parameters() if id(p) not in in_units)]
-                  + [sum(p.numel() for p in u.parameters()) for u in units])
+    total_bytes, unit_bytes = model_bytes(task, model)
+    largest = round(sum(p.numel() for p in model.parameters()) * unit_bytes / max(total_bytes, 1))
     info = ModelInfo(param_count=sum(p.numel() for p in model.parameters()),
                      flops_per_sample=task_flops_per_sample(task, model), vocab_size=vocab,
                      notes=notes, largest_unit_params=int(largest))

@@ -301,9 +301,7 @@ def rank_memory(model: nn.Module, optimizer: torch.optim.Optimizer,
     on a GPU, ``cuda_peak_bytes`` (``torch.cuda.max_memory_allocated``)."""
     import resource
 
-    def local(t: torch.Tensor) -> torch.Tensor:
-        to_local = getattr(t, "to_local", None)
-        return to_local() if callable(to_local) else t
+    from hetseq_hpc.balance.memory import local_part as local
 
     params = sum(local(p).numel() * local(p).element_size() for p in model.parameters())
     moments = sum(local(v).numel() * local(v).element_size()
@@ -314,19 +312,6 @@ def rank_memory(model: nn.Module, optimizer: torch.optim.Optimizer,
     if device.type == "cuda":
         out["cuda_peak_bytes"] = float(torch.cuda.max_memory_allocated(device))
     return out
-
-
-def model_bytes(task: Any, model: nn.Module) -> Tuple[float, float]:
-    """``(parameter bytes of the model, parameter bytes of its largest FSDP unit)``; the root
-    unit (everything outside the task's sharding units) counts as a unit."""
-    def size(params: Any) -> float:
-        return float(sum(p.numel() * p.element_size() for p in params))
-
-    total = size(model.parameters())
-    units = list(task.sharding_units(model)) if hasattr(task, "sharding_units") else []
-    in_units = {id(p) for u in units for p in u.parameters()}
-    root = size(p for p in model.parameters() if id(p) not in in_units)
-    return total, max([root] + [size(u.parameters()) for u in units])
 
 
 def build_parallel(run: Any, task: Any, model: nn.Module, device: torch.device,
@@ -347,4 +332,4 @@ def build_parallel(run: Any, task: Any, model: nn.Module, device: torch.device,
 
 
 __all__ = ["Replicated", "Sharded", "activation_checkpointing", "build_parallel",
-           "equal_pass_sizes", "model_bytes", "rank_memory"]
+           "equal_pass_sizes", "rank_memory"]
