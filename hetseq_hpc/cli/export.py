@@ -4,8 +4,8 @@ The newest checkpoint of the run directory that verifies (its checksum, safe loa
 same choice as ``trainer.resume=auto``), or the one ``--checkpoint`` names, is read and its
 full model state is written to ``--out`` (default ``RUN_DIR/model.safetensors``) with the
 safetensors format (https://huggingface.co/docs/safetensors: tensors only, no code runs when
-it is loaded). Checkpoints hold the full state in both sharding modes, so an FSDP run exports
-the same way as a DDP run. Weights tied in the model (BERT's embedding and output layer) are
+it is loaded). An FSDP run's sharded checkpoint is read whole, shard by shard, on this one
+process (no ranks needed), so it exports the same way as a DDP run. Weights tied in the model (BERT's embedding and output layer) are
 stored under both names.
 """
 
@@ -30,6 +30,7 @@ def export_command(run_dir: str, out: Optional[str] = None,
     from hetseq_hpc.errors import CheckpointError
     from hetseq_hpc.files.atomic import temp_path_for
     from hetseq_hpc.train.checkpoint import choose_checkpoint
+    from hetseq_hpc.train.shard_files import shard_dir_of
 
     folder = Path(run_dir).expanduser()
     if not folder.is_dir():  # read-only is fine: only --out is written
@@ -41,6 +42,10 @@ def export_command(run_dir: str, out: Optional[str] = None,
                               "(checkpoints are written every trainer.checkpoint_every steps "
                               "and at the end)")
     state = choice.state
+    if "shards" in state:  # an FSDP run's sharded checkpoint: its model, read whole
+        from hetseq_hpc.train.sharded_checkpoint import full_state
+
+        state["model"] = full_state(shard_dir_of(choice.path, state), [], optimizer=False)["model"]
     state.pop("optimizer", None)  # the moments are not exported: free them first
     tensors, seen = {}, set()
     for k, v in state["model"].items():  # tied weights: each name gets its own storage

@@ -12,6 +12,8 @@ from hetseq_hpc.config.common import require
 
 #: what sharding.mode accepts
 SHARDING_MODES = ("none", "fsdp", "auto")
+#: what sharding.checkpoint accepts
+CHECKPOINT_LAYOUTS = ("sharded", "full")
 
 
 @dataclass
@@ -28,7 +30,15 @@ class ShardingConfig:
     # keep the sharded parameters, gradients and optimizer state in CPU memory (FSDP2's
     # CPUOffloadPolicy); for GPUs too small for even their shard; ignored on CPU ranks
     cpu_offload: bool = False
+    # how an FSDP run writes checkpoints: sharded = every rank its own shard, in parallel, with
+    # torch.distributed.checkpoint (no rank holds the whole state; resumes on any world size and
+    # under DDP); full = gathered to rank 0 into one file, as DDP writes (needs the whole model
+    # and optimizer state in rank 0's CPU memory)
+    checkpoint: str = "sharded"
 
     def __post_init__(self) -> None:
         require(self.mode in SHARDING_MODES, f"sharding.mode={self.mode!r} is unknown: use "
                 f"{', '.join(SHARDING_MODES)} (e.g. sharding.mode=fsdp)")
+        require(self.checkpoint in CHECKPOINT_LAYOUTS, f"sharding.checkpoint={self.checkpoint!r}"
+                f" is unknown: use {' or '.join(CHECKPOINT_LAYOUTS)} (e.g. "
+                "sharding.checkpoint=sharded)")

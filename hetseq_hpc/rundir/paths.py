@@ -8,7 +8,8 @@ A run directory (``hydra.run.dir``, default ``outputs/<date>/<time>/``) holds::
     allocation.json         the agreed split and every rank's start-up report
     summary.json            final figures
     ranks.png               the per-rank picture
-    checkpoints/            step_XXXXXXXX.pt + .sha256; corrupt/ for files that failed it
+    checkpoints/            step_XXXXXXXX.pt + .sha256 (+ step_XXXXXXXX.<token>.shards/ of FSDP runs);
+                            corrupt/ for files that failed it
     previous/<run id>/      an earlier run's records, moved there when a new run started
     logs/rank<N>.log        each rank's log; rank<N>.error.json a failed rank's one line
     cli.log                 the launcher's log

@@ -41,6 +41,8 @@ from hetseq_hpc.train.checkpoint_files import (  # noqa: F401 - re-exported: the
     stored_run_id,
     verify_checksum,
 )
+from hetseq_hpc.train.shard_files import sweep_shard_temps
+from hetseq_hpc.train.shard_files import verify_shards as check_shards
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +153,11 @@ def require_entries(state: Any, source: str) -> None:
         )
 
 
-def load_checkpoint(path: Path) -> Dict[str, Any]:
-    """Verify and read a checkpoint onto the CPU, running no code from the file.
+def load_checkpoint(path: Path, verify_shards: bool = True) -> Dict[str, Any]:
+    """Verify and read a checkpoint onto the CPU, running no code from the file. A sharded
+    checkpoint's record is returned without its tensors (its ``shards`` entry names them), after
+    :func:`hetseq_hpc.train.shard_files.verify_shards` (every file's checksum when
+    ``verify_shards``, else its list and metadata only).
 
     Raises:
         CheckpointError: the file is missing, fails its checksum, is refused by safe loading
@@ -188,6 +193,8 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
             "point trainer.resume at one written by this version, or set trainer.resume=never"
         )
     require_entries(state, str(path))
+    if "shards" in state:
+        check_shards(path, state, full=verify_shards)
     return state
 
 
@@ -257,7 +264,7 @@ def agree_on_checkpoint(rdv: Any, resume: str, run_dir: Path
     """
     choice, error = ResumeChoice(), None
     if rdv.world.rank == 0:
-        swept = remove_stale_temps([checkpoint_dir(run_dir)])
+        swept = remove_stale_temps([checkpoint_dir(run_dir)]) + sweep_shard_temps(run_dir)
         if swept:
             log.info("removed temporary files of interrupted checkpoint writes: %s", swept)
         try:
@@ -275,7 +282,9 @@ def agree_on_checkpoint(rdv: Any, resume: str, run_dir: Path
         raise CheckpointError(error)
     if path is None:
         return None, None, []
-    return path, choice.state if rdv.world.rank == 0 else load_checkpoint(Path(path)), skipped
+    # rank 0 has verified every file; the others check the record, shard list and metadata
+    return path, choice.state if rdv.world.rank == 0 else load_checkpoint(
+        Path(path), verify_shards=False), skipped
 
 
 def agree_on_run(rdv: Any, run_dir: Path, state: Optional[Dict[str, Any]]) -> str:

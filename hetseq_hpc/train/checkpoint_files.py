@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 import stat
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -32,7 +33,7 @@ FIX = ("resume from another checkpoint (trainer.resume=auto skips bad ones), or 
        "trainer.resume=never to start over")
 
 #: checkpoints already verified by this process: path -> ((size, mtime_ns), run id or "")
-_VERIFIED: Dict[str, Tuple[Tuple[int, int], str]] = {}
+_VERIFIED: Dict[str, Tuple[tuple, str]] = {}
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -108,10 +109,9 @@ def verify_checksum(path: Path) -> None:
         )
 
 
-def stored_run_id(path: Path) -> str:
-    """The ``run_id`` a checkpoint was written by, ``""`` for one written before run ids
-    existed. Read memory-mapped with ``torch.load(weights_only=True)``: no weights are read,
-    no code runs.
+def stored_state(path: Path) -> dict:
+    """A checkpoint's content, read memory-mapped with ``torch.load(weights_only=True)`` (no
+    weights are read until used, no code runs); ``{}`` when it is not a dict.
 
     Raises:
         CheckpointError: the file cannot be read as a checkpoint.
@@ -123,24 +123,48 @@ def stored_run_id(path: Path) -> str:
     except Exception as exc:
         raise CheckpointError(f"checkpoint {str(path)!r} is unreadable ({type(exc).__name__}): "
                               f"{FIX}") from None
-    value = state.get("run_id") if isinstance(state, dict) else None
+    return state if isinstance(state, dict) else {}
+
+
+def stored_run_id(path: Path) -> str:
+    """The ``run_id`` a checkpoint was written by, ``""`` for one written before run ids
+    existed (:func:`stored_state`).
+
+    Raises:
+        CheckpointError: the file cannot be read as a checkpoint.
+    """
+    value = stored_state(path).get("run_id")
     return value if isinstance(value, str) else ""
 
 
+def shard_dirs(path: Path) -> List[Path]:
+    """The shard directories of checkpoint ``path``'s step (``step_XXXXXXXX.<token>.shards``,
+    :mod:`hetseq_hpc.train.shard_files`); empty for a full checkpoint."""
+    stem = Path(path).name[: -len(".pt")]
+    return sorted(p for p in Path(path).parent.glob(f"{stem}.*.shards") if p.is_dir())
+
+
 def verified_run_id(path: Path) -> str:
-    """:func:`verify_checksum`, then :func:`stored_run_id`; cached per file size and mtime, so
+    """:func:`verify_checksum` (and a sharded checkpoint's files), then its run id; cached per file size and mtime, so
     retention hashes each checkpoint once per process.
 
     Raises:
         CheckpointError: the checkpoint does not verify or cannot be read.
     """
     info = Path(path).stat()
-    key = (info.st_size, info.st_mtime_ns)
+    key = (info.st_size, info.st_mtime_ns, tuple(  # a sharded checkpoint: its files too
+        (f.name, f.stat().st_size, f.stat().st_mtime_ns)
+        for d in shard_dirs(path) for f in sorted(d.iterdir())))
     cached = _VERIFIED.get(str(path))
     if cached is not None and cached[0] == key:
         return cached[1]
     verify_checksum(path)
-    run_id = stored_run_id(path)
+    state = stored_state(path)
+    if "shards" in state:  # a sharded checkpoint verifies only with all its files
+        from hetseq_hpc.train.shard_files import verify_shards
+
+        verify_shards(path, state)
+    run_id = state.get("run_id") if isinstance(state.get("run_id"), str) else ""
     _VERIFIED[str(path)] = (key, run_id)
     return run_id
 
@@ -159,6 +183,8 @@ def quarantine(path: Path) -> Path:
     sidecar = checksum_path(path)
     if sidecar.exists():
         os.replace(sidecar, target.with_name(target.name + ".sha256"))
+    for shards in shard_dirs(path):  # a sharded checkpoint's tensors go with its record
+        os.replace(shards, target_dir / shards.name)
     return target
 
 
@@ -197,6 +223,8 @@ def apply_retention(run_dir: Path, written: Path, keep: int, run_id: Optional[st
         older.append(path)
     doomed = older[:max(len(older) - (keep - 1), 0)]
     for path in doomed:
+        for shards in shard_dirs(path):
+            shutil.rmtree(shards, ignore_errors=True)
         path.unlink(missing_ok=True)
         checksum_path(path).unlink(missing_ok=True)
         _VERIFIED.pop(str(path), None)
@@ -204,5 +232,6 @@ def apply_retention(run_dir: Path, written: Path, keep: int, run_id: Optional[st
 
 
 __all__ = ["CORRUPT_DIR", "FIX", "apply_retention", "checkpoint_dir", "checkpoint_path",
-           "checksum_path", "list_checkpoints", "quarantine", "step_of", "stored_run_id",
+           "checksum_path", "list_checkpoints", "quarantine", "shard_dirs", "step_of", "stored_run_id",
+           "stored_state",
            "verified_run_id", "verify_checksum"]

@@ -37,7 +37,7 @@ from hetseq_hpc.balance.allocation import Allocation
 from hetseq_hpc.config.schema import RunConfig
 from hetseq_hpc.distributed.rendezvous import Rendezvous, StepStats
 from hetseq_hpc.env.preemption import REASONS
-from hetseq_hpc.errors import CheckpointError, Preempted
+from hetseq_hpc.errors import Preempted
 from hetseq_hpc.tasks.contract import check_loss, checked_batch, checked_count
 from hetseq_hpc.train.checkpoint import (
     agree_on_checkpoint,
@@ -54,6 +54,7 @@ from hetseq_hpc.train.parallel import build_parallel, rank_memory
 from hetseq_hpc.train.precision import GradientPath
 from hetseq_hpc.train.records import RankMeta, StepRecord
 from hetseq_hpc.train.sampler import GlobalBatchSampler
+from hetseq_hpc.train.sharded_checkpoint import load_tensors, save_sharded
 from hetseq_hpc.train.state import capture_rng, check_fingerprint, restore_rng, run_fingerprint
 
 log = logging.getLogger(__name__)
@@ -140,14 +141,16 @@ class Trainer:
         self.parallel.start(self.grad_path, self.hook_state)
 
     # ------------------------------------------------------------------ state
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self, tensors: bool = True) -> Dict[str, Any]:
         """Everything a resumed run needs, as plain data (``torch.load(weights_only=True)``
         reads it): model, optimizer and scheduler states, ``step`` (the sampler's position),
         the allocation and rank facts (informative: a resume may use another world), the
-        run's :func:`~hetseq_hpc.train.state.run_fingerprint` and this process's RNG states."""
+        run's :func:`~hetseq_hpc.train.state.run_fingerprint` and this process's RNG states.
+        ``tensors=False``: without the model and optimizer (a sharded checkpoint's record)."""
+        full = {"model": self.parallel.model_state(),  # full, also under FSDP (gathered)
+                "optimizer": self.parallel.optimizer_state(self.optimizer)} if tensors else {}
         return {
-            "model": self.parallel.model_state(),  # full, also under FSDP (gathered)
-            "optimizer": self.parallel.optimizer_state(self.optimizer),
+            **full,
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
             "epoch": self.sampler.epoch_of(max(self.step - 1, 0)),
@@ -174,14 +177,7 @@ class Trainer:
         require_entries(state, source)
         check_fingerprint(state.get("config"), run_fingerprint(self.run), source,
                           self.cfg.allow_resume_mismatch)
-        try:
-            self.parallel.load_model_state(state["model"])
-        except RuntimeError as exc:
-            raise CheckpointError(
-                f"checkpoint {source!r} holds a different model ({str(exc).splitlines()[0]}): "
-                "use the task.model settings it was trained with, or a new run directory"
-            ) from None
-        self.parallel.load_optimizer_state(self.optimizer, state["optimizer"])
+        load_tensors(self.parallel, self.optimizer, state, source)
         self.scheduler.load_state_dict(state["scheduler"])
         self.grad_path.loss_scale.load_state_dict(state.get("loss_scale") or {})
         self.step = int(state["step"])
@@ -366,8 +362,7 @@ class Trainer:
                                        if "val_loss" in rec.extra else None))
                 if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or is_last \
                         or rec.stop_code:
-                    save_on_rank0(self.rdv, self._checkpoint_state(), self.run_dir, step,
-                                  cfg.keep_checkpoints)
+                    self._save(step)
                 if rec.stop_code and not is_last:
                     # every rank saw the same request in the step's exchange: all stop here
                     raise Preempted(step, rec.stop_code, REASONS.get(rec.stop_code, "a stop request"))
@@ -380,13 +375,17 @@ class Trainer:
             summary["first_loss"] = first_logged_loss(self.run_dir) or summary["first_loss"]
         return summary
 
-    def _checkpoint_state(self) -> Callable[[], Dict[str, Any]]:
-        """What rank 0 saves: :meth:`state_dict`, built on rank 0 alone under DDP; under FSDP
-        gathered by every rank now (a collective), rank 0 keeping the full state."""
-        if not self.parallel.sharded:
-            return self.state_dict
-        state = self.state_dict()
-        return lambda: state
+    def _save(self, step: int) -> None:
+        """Checkpoint ``step``: rank 0 saves :meth:`state_dict` (under FSDP gathered by every
+        rank first), or under ``sharding.checkpoint=sharded`` every rank its own shards
+        (:func:`~hetseq_hpc.train.sharded_checkpoint.save_sharded`). Collectives either way."""
+        keep, sharded = self.cfg.keep_checkpoints, self.parallel.sharded
+        if sharded and self.run.sharding.checkpoint == "sharded":
+            save_sharded(self.rdv, self.parallel.model, self.optimizer,
+                         self.state_dict(tensors=False), self.run_dir, step, keep)
+            return
+        state = self.state_dict() if sharded else None  # FSDP: gathered by every rank now
+        save_on_rank0(self.rdv, (lambda: state) if sharded else self.state_dict, self.run_dir, step, keep)
 
     def summary(self) -> Dict[str, Any]:
         """Final figures (see :func:`~hetseq_hpc.train.metrics.run_summary`), with the ranks'

@@ -22,8 +22,10 @@ The training loop talks to one of two strategies through the same methods, so ev
   job-wide dtype: ranks cannot all-gather in different dtypes); each rank computes in its own
   precision under autocast, as in DDP.
 
-Checkpoints hold the FULL model and optimizer state in the same layout in both modes (gathered
-to rank 0 under FSDP), so a run resumes on any world size and in the other mode.
+Checkpoints: :meth:`Replicated.model_state` and friends give the FULL state in DDP's layout
+(gathered to rank 0 under FSDP, ``sharding.checkpoint=full``); by default an FSDP run writes
+and reads its shards instead (:mod:`hetseq_hpc.train.sharded_checkpoint`). Either resumes on
+any world size and in the other mode.
 """
 
 from __future__ import annotations

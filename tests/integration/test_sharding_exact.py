@@ -7,8 +7,12 @@ For each task, with dropout off and one seed, ``cluster.ranks=1`` (DDP, 32 sampl
 - steps 1-10: FSDP on 2 ranks at ``[24, 8]`` with ``balance.max_micro_batch=5`` (gradient
   accumulation on both ranks: 5 and 2 passes, evened out to 5 passes each, the small rank
   padding with zero-weight passes) and ``sharding.activation_checkpointing=true``;
-- steps 11-15: resumed on 3 ranks, still FSDP (the full checkpoint is resharded onto 3);
-- steps 16-20: resumed on 2 ranks under DDP (``sharding.mode=none``).
+- steps 11-15: resumed on 3 ranks, still FSDP: the sharded checkpoint the 2 ranks wrote
+  (``torch.distributed.checkpoint``, one file per rank) is resharded onto 3 as it is read;
+- steps 16-20: resumed on 2 ranks under DDP (``sharding.mode=none``), every rank reading the
+  sharded checkpoint whole.
+
+A BERT run with ``sharding.checkpoint=full`` (gathered to rank 0, one file) resumes the same way.
 
 Tolerance 1e-5 relative, as for every exactness test (measured: below 1e-7 for BERT).
 """
@@ -22,6 +26,8 @@ import torch
 from safetensors.torch import load_file
 
 from hetseq_hpc.train.checkpoint import load_checkpoint
+from hetseq_hpc.train.shard_files import shard_dir_of
+from hetseq_hpc.train.sharded_checkpoint import full_state
 from tests.helpers.runs import SMALL_MODEL, assert_same_losses, hetseq, losses
 from tests.helpers.tasks import task_overrides
 
@@ -47,6 +53,9 @@ def test_fsdp_uneven_then_3_ranks_then_ddp_repeat_one_rank(name, tmp_path, run_c
     _ok(run_cli(run, *task, *STEPS, *FSDP_UNEVEN, "trainer.max_steps=10", small=False))
     summary = json.loads((run / "summary.json").read_text())
     assert summary["sharding"]["mode"] == "fsdp" and summary["sharding"]["units"] >= 1
+    # written sharded (DCP): each of the 2 ranks its own file; the 3-rank run reshards them
+    shards = sorted((run / "checkpoints").glob("step_00000010.*.shards"))
+    assert len(shards) == 1 and len(list(shards[0].glob("__*_*.distcp"))) == 2
     assert summary["exact"] is True
     _ok(run_cli(run, *task, *STEPS, "sharding.mode=fsdp", "cluster.ranks=3",
                 "balance.allocation=null",
@@ -85,8 +94,24 @@ def test_a_model_ddp_refuses_trains_sharded_auto_chooses_and_export(tmp_path, ru
     proc = hetseq("export", str(tmp_path / "fsdp"), "--out", str(tmp_path / "m.safetensors"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     exported = load_file(tmp_path / "m.safetensors")
-    model = load_checkpoint(sorted((tmp_path / "fsdp" / "checkpoints").glob("*.pt"))[-1])["model"]
+    record = sorted((tmp_path / "fsdp" / "checkpoints").glob("*.pt"))[-1]
+    state = load_checkpoint(record)
+    model = full_state(shard_dir_of(record, state), [], optimizer=False)["model"]
     assert sorted(exported) == sorted(model)
     assert all(torch.equal(exported[k], model[k]) for k in model)
     empty = hetseq("export", str(tmp_path / "nothing-here"))
     assert empty.returncode != 0 and "hetseq-hpc: error:" in empty.stderr
+
+
+def test_fsdp_full_checkpoints_resume_on_3_ranks(tmp_path, run_cli):
+    """``sharding.checkpoint=full``: the state gathered to rank 0 in one file, as DDP writes it."""
+    task = [*SMALL_MODEL, "task.model.max_seq_len=32"]
+    ref, run = tmp_path / "ref", tmp_path / "full"
+    _ok(run_cli(ref, *task, *STEPS, "cluster.ranks=1", "trainer.max_steps=10", small=False))
+    _ok(run_cli(run, *task, *STEPS, *FSDP_UNEVEN, "sharding.checkpoint=full",
+                "trainer.max_steps=5", small=False))
+    assert not list((run / "checkpoints").glob("*.shards"))
+    assert load_checkpoint(run / "checkpoints" / "step_00000005.pt")["model"]
+    _ok(run_cli(run, *task, *STEPS, "sharding.mode=fsdp", "cluster.ranks=3",
+                "balance.allocation=null", "trainer.max_steps=10", small=False))
+    assert_same_losses(losses(ref), losses(run), range(1, 11))

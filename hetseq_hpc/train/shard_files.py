@@ -1,0 +1,275 @@
+"""The files of a sharded checkpoint, checked and read without unpickling anything untrusted.
+
+An FSDP run (``sharding.checkpoint=sharded``, the default) writes each checkpoint as
+
+* ``checkpoints/step_XXXXXXXX.<token>.shards/``: what ``torch.distributed.checkpoint`` (DCP)
+  wrote, every rank its own ``__<rank>_<n>.distcp`` files in parallel, rank 0 the
+  ``.metadata``; plus ``SHA256SUMS`` (``sha256sum`` format: ``cd`` there and run
+  ``sha256sum -c SHA256SUMS`` to check by hand) over all of them;
+* ``checkpoints/step_XXXXXXXX.pt`` with its ``.sha256``, the commit record every checkpoint has
+  (:mod:`hetseq_hpc.train.checkpoint`): the step, scheduler, RNG, config ... and a ``shards``
+  entry naming the directory and the SHA-256 of its ``SHA256SUMS``. The checkpoint exists once
+  this record does: a crash before it leaves only a directory nobody references, swept at the
+  next start (:func:`sweep_orphans`).
+
+Safety. DCP's own reader loads ``.metadata`` with ``pickle.load`` (torch 2.13,
+``torch/distributed/checkpoint/filesystem.py``): whoever can write the run directory could run
+code in every rank. :class:`SafeShardReader` reads it with an unpickler that constructs only
+DCP's metadata dataclasses, ``torch.Size``, dtypes, layouts and paths (anything else is refused
+before it is built), refuses byte items (DCP pickles non-tensor values; hetseq_hpc writes only
+tensors) and storage transforms, and reads only files named ``__<rank>_<n>.distcp`` inside the
+directory. Tensor data is read by DCP with ``torch.load(weights_only=True)``. Before any of it,
+every file is checked against ``SHA256SUMS``, whose digest is in the checksummed record, so a
+flipped byte is named, never loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pickle
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from hetseq_hpc.errors import CheckpointError
+from hetseq_hpc.train.checkpoint_files import FIX, checkpoint_dir, list_checkpoints, stored_state
+
+#: the checksum list inside a shard directory
+MANIFEST = "SHA256SUMS"
+#: DCP's metadata file
+METADATA = ".metadata"
+_DIR = re.compile(r"^step_(\d{8})\.([0-9a-f]{8,32})\.shards\Z")
+_DATA = re.compile(r"^__\d+_\d+\.distcp\Z")
+_DCP = "torch.distributed.checkpoint"
+#: the only classes a DCP ``.metadata`` may construct
+ALLOWED_GLOBALS = frozenset({
+    *((f"{_DCP}.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    (f"{_DCP}.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+})
+
+
+def shard_dir_name(step: int, token: str) -> str:
+    """``step_XXXXXXXX.<token>.shards``: a new name for every write, so a checkpoint of the same
+    step is replaced by writing its record, never by rewriting a directory in place."""
+    return f"step_{step:08d}.{token}.shards"
+
+
+def is_shard_dir_name(name: str) -> bool:
+    """Whether ``name`` is a shard directory's name (no path separators, no ``..``)."""
+    return _DIR.match(name) is not None
+
+
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB chunks."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def rank_files(directory: Path, rank: int) -> List[Path]:
+    """The data files rank ``rank`` wrote into a shard directory (``__<rank>_<n>.distcp``)."""
+    return sorted(p for p in Path(directory).glob(f"__{rank}_*.distcp") if _DATA.match(p.name))
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only :data:`ALLOWED_GLOBALS` and torch dtypes; refuses every other global."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not DCP checkpoint metadata")
+
+
+def read_metadata_safely(directory: Path) -> Any:
+    """DCP's ``Metadata`` of a shard directory, unpickled with :data:`ALLOWED_GLOBALS` only,
+    and checked: tensor entries only, data files by their DCP names inside the directory, no
+    storage transforms.
+
+    Raises:
+        CheckpointError: the file is missing, refused (names what it tried to build) or
+            inconsistent; one line ending with the fix.
+    """
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    path = Path(directory) / METADATA
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+    except OSError as exc:
+        raise CheckpointError(f"sharded checkpoint {str(directory)!r} has no readable "
+                              f"{METADATA} ({exc.strerror or exc}): {FIX}") from None
+    except Exception as exc:  # the refusal, or a damaged pickle
+        raise CheckpointError(
+            f"sharded checkpoint {str(path)!r} is refused as untrusted: its metadata is not "
+            f"plain DCP metadata ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; "
+            f"nothing was built from it): {FIX}") from None
+    bad = None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        bad = "it is not a DCP Metadata object"
+    else:
+        kinds = {type(v).__name__ for v in metadata.state_dict_metadata.values()
+                 if not isinstance(v, TensorStorageMetadata)}
+        files = {getattr(info, "relative_path", None) for info in metadata.storage_data.values()}
+        if kinds:
+            bad = f"it lists non-tensor entries ({', '.join(sorted(kinds))})"
+        elif any(not isinstance(f, str) or not _DATA.match(f) for f in files):
+            bad = "it names data files outside the directory or not written by DCP"
+        elif any(getattr(info, "transform_descriptors", None)
+                 for info in metadata.storage_data.values()):
+            bad = "it asks for storage transforms"
+    if bad:
+        raise CheckpointError(f"sharded checkpoint {str(path)!r} is refused: {bad}: {FIX}")
+    return metadata
+
+
+def write_manifest(directory: Path, digests: Dict[str, str]) -> str:
+    """Write ``SHA256SUMS`` (``<digest>  <name>`` lines, sorted) into ``directory`` with fsync;
+    returns its own SHA-256 (stored in the commit record)."""
+    text = "".join(f"{digest}  {name}\n" for name, digest in sorted(digests.items()))
+    path = Path(directory) / MANIFEST
+    with open(path, "w", encoding="ascii") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def shard_dir_of(record_path: Path, state: Dict[str, Any]) -> Path:
+    """The shard directory a record names (beside the record; the name is checked).
+
+    Raises:
+        CheckpointError: the ``shards`` entry is malformed or names something else.
+    """
+    entry = state.get("shards")
+    name = entry.get("dir") if isinstance(entry, dict) else None
+    if not isinstance(name, str) or not is_shard_dir_name(name):
+        raise CheckpointError(f"checkpoint {str(record_path)!r} names no valid shard directory "
+                              f"({name!r}): {FIX}")
+    return Path(record_path).parent / name
+
+
+def verify_shards(record_path: Path, state: Dict[str, Any], full: bool = True) -> Path:
+    """Check a sharded checkpoint before anything is loaded from it: ``SHA256SUMS`` against the
+    record's digest, then (``full``) every listed file's SHA-256 and the metadata's contents
+    (:func:`read_metadata_safely`). ``full=False`` checks the list and the metadata file only
+    (the ranks that read a checkpoint rank 0 has just verified whole).
+
+    Returns:
+        The shard directory.
+
+    Raises:
+        CheckpointError: a file is missing, differs from its checksum, or the metadata is
+            refused; one line naming the file and the fix.
+    """
+    directory = shard_dir_of(record_path, state)
+    manifest = directory / MANIFEST
+    try:
+        text = manifest.read_text(encoding="ascii")
+    except (OSError, UnicodeDecodeError):
+        raise CheckpointError(f"sharded checkpoint {str(directory)!r} is incomplete: its "
+                              f"{MANIFEST} is missing or unreadable: {FIX}") from None
+    want = str(state["shards"].get("manifest_sha256", ""))
+    if hashlib.sha256(text.encode("ascii")).hexdigest() != want:
+        raise CheckpointError(f"sharded checkpoint {str(manifest)!r} is corrupt: it differs "
+                              f"from the checksum in {Path(record_path).name}: {FIX}")
+    listed: Dict[str, str] = {}
+    for line in text.splitlines():
+        digest, _, name = line.partition("  ")
+        if name != METADATA and not _DATA.match(name):
+            raise CheckpointError(f"sharded checkpoint {str(manifest)!r} lists {name!r}, not a "
+                                  f"DCP file: {FIX}")
+        listed[name] = digest
+    if METADATA not in listed:
+        raise CheckpointError(f"sharded checkpoint {str(manifest)!r} does not list "
+                              f"{METADATA}: {FIX}")
+    for name, digest in listed.items():
+        if not full and name != METADATA:
+            continue
+        try:
+            got = sha256_file(directory / name)
+        except OSError:
+            raise CheckpointError(f"sharded checkpoint {str(directory)!r} is incomplete: "
+                                  f"{name} is missing: {FIX}") from None
+        if got != digest:
+            raise CheckpointError(
+                f"sharded checkpoint file {str(directory / name)!r} is corrupt: its SHA-256 "
+                f"{got[:16]}... differs from {digest[:16]}... in {MANIFEST}: {FIX}")
+    metadata = read_metadata_safely(directory)
+    used = {info.relative_path for info in metadata.storage_data.values()}
+    unlisted = sorted(used - set(listed))
+    if unlisted:
+        raise CheckpointError(f"sharded checkpoint {str(directory)!r} reads {unlisted[0]}, "
+                              f"which {MANIFEST} does not list: {FIX}")
+    return directory
+
+
+def safe_reader(directory: Path) -> Any:
+    """A DCP ``FileSystemReader`` for ``directory`` whose ``read_metadata`` is
+    :func:`read_metadata_safely` (the rest is DCP's own, which reads tensors with
+    ``weights_only=True``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeShardReader(FileSystemReader):
+        """DCP's file reader without its ``pickle.load``."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata = read_metadata_safely(Path(self.path))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeShardReader(directory)
+
+
+def sweep_orphans(checkpoints: Path, referenced: Optional[set] = None) -> List[Path]:
+    """Remove shard directories no record references (a write cut off before its record, an
+    older write of a step written again) and DCP temp directories (``.step_*.shards.tmp``).
+    Call only where no other process writes (rank 0, at the start of a run or after a save).
+
+    Args:
+        checkpoints: ``<run dir>/checkpoints``.
+        referenced: names of the directories the records reference.
+    """
+    removed: List[Path] = []
+    if not Path(checkpoints).is_dir():
+        return removed
+    for path in Path(checkpoints).iterdir():
+        stale_tmp = path.name.startswith(".step_") and path.name.endswith(".shards.tmp")
+        orphan = is_shard_dir_name(path.name) and path.name not in (referenced or set())
+        if path.is_dir() and (stale_tmp or orphan):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def referenced_shard_dirs(run_dir: Path) -> set:
+    """Names of the shard directories the run directory's records reference."""
+    names = set()
+    for path in list_checkpoints(run_dir):
+        try:
+            shards = stored_state(path).get("shards")
+        except CheckpointError:
+            continue
+        if isinstance(shards, dict) and isinstance(shards.get("dir"), str):
+            names.add(shards["dir"])
+    return names
+
+
+def sweep_shard_temps(run_dir: Path) -> List[Path]:
+    """:func:`sweep_orphans` of a run directory's checkpoints (rank 0, at the start of a run)."""
+    return sweep_orphans(checkpoint_dir(run_dir), referenced_shard_dirs(run_dir))

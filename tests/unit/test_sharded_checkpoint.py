@@ -1,0 +1,163 @@
+"""Sharded (DCP) checkpoints of FSDP runs under attack and fault, in-process on real files: a
+real one-rank gloo process group, a real FSDP2 model, real ``torch.distributed.checkpoint``
+files. A ``.metadata`` that would run code, flipped bytes in a shard, a data file outside the
+directory, a pickled (byte) entry: each is refused before anything is unpickled, with one line;
+``trainer.resume=auto`` falls back past it. Retention and quarantine take the shard directory
+with the record. (Loading on another world size and under DDP: tests/integration/test_sharding_exact.py.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from hetseq_hpc.distributed.rendezvous import single_process_rendezvous
+from hetseq_hpc.errors import CheckpointError
+from hetseq_hpc.train.checkpoint import checkpoint_path, choose_checkpoint, load_checkpoint
+from hetseq_hpc.train.shard_files import MANIFEST, METADATA, shard_dir_of, sweep_shard_temps
+from hetseq_hpc.train.sharded_checkpoint import full_state, load_sharded, save_sharded
+from tests.helpers.checkpoints import Payload, flip_middle, write_with_checksum
+
+
+def _model(seed: int) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    for unit in (model[0], model[2]):
+        fully_shard(unit)
+    fully_shard(model)
+    return model
+
+
+def _trained(seed: int = 0):
+    model = _model(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(5, 6)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _record(step: int) -> dict:
+    return {"scheduler": {}, "step": step, "run_id": ""}
+
+
+@pytest.fixture
+def rdv():
+    with single_process_rendezvous() as joined:
+        yield joined
+
+
+def _save(rdv, run_dir, step, keep=5):
+    model, optimizer = _trained(step)
+    return save_sharded(rdv, model, optimizer, _record(step), run_dir, step, keep), model
+
+
+def _rewrite_consistently(record_path, state, shards):
+    """What an attacker with write access does after changing files in the shard directory:
+    a matching SHA256SUMS, a record naming its digest, a matching record checksum."""
+    lines = "".join(f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n"
+                    for p in sorted(shards.iterdir()) if p.name != MANIFEST)
+    (shards / MANIFEST).write_text(lines)
+    state["shards"]["manifest_sha256"] = hashlib.sha256(lines.encode()).hexdigest()
+    write_with_checksum(record_path, state)
+
+
+def test_sharded_checkpoint_round_trips_and_reads_whole(tmp_path, rdv):
+    path, model = _save(rdv, tmp_path, 1)
+    state = load_checkpoint(path)
+    assert state["model"] == {} and "shards" in state
+    shards = shard_dir_of(path, state)
+    assert sorted(p.name for p in shards.iterdir()) == [METADATA, MANIFEST, "__0_0.distcp"]
+    fresh, optimizer = _model(99), None
+    optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    load_sharded(fresh, optimizer, shards, state["optimizer"]["param_groups"], str(path))
+    for (name, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
+        assert torch.equal(a.full_tensor(), b.full_tensor()), name
+    assert len(optimizer.state) == 4  # the AdamW moments came back too
+    whole = full_state(shards, state["optimizer"]["param_groups"])
+    assert sorted(whole["model"]) == sorted(model.state_dict())
+    assert sorted(whole["optimizer"]["state"]) == [0, 1, 2, 3]
+    assert whole["optimizer"]["param_groups"][0]["params"] == [0, 1, 2, 3]
+
+
+def test_malicious_metadata_never_runs_code(tmp_path, rdv):
+    marker = tmp_path / "PWNED"
+    good, _ = _save(rdv, tmp_path, 1)
+    evil, _ = _save(rdv, tmp_path, 2)
+    state = load_checkpoint(evil)
+    shards = shard_dir_of(evil, state)
+    (shards / METADATA).write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(CheckpointError, match=r"checksum|corrupt"):  # not even unpickled
+        load_checkpoint(evil)
+    _rewrite_consistently(evil, state, shards)  # checksums match: the unpickler must refuse
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(evil)
+    assert "refused as untrusted" in str(err.value) and "open is not DCP" in str(err.value)
+    assert "\n" not in str(err.value)
+    choice = choose_checkpoint("auto", tmp_path)  # the newest is refused: the older one is used
+    assert choice.path == good and "refused as untrusted" in choice.skipped[0][1]
+    assert not marker.exists(), "the checkpoint ran code"
+
+
+def test_flipped_shard_is_named_before_anything_is_read(tmp_path, rdv):
+    path, _ = _save(rdv, tmp_path, 1)
+    shards = shard_dir_of(path, load_checkpoint(path))
+    flip_middle(shards / "__0_0.distcp", 16)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path)
+    assert f"{str(shards / '__0_0.distcp')!r} is corrupt: its SHA-256" in str(err.value)
+    (shards / "__0_0.distcp").unlink()
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp is missing"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("change", ["outside", "bytes", "record_dir"])
+def test_metadata_that_reaches_outside_or_holds_objects_is_refused(tmp_path, rdv, change):
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    path, _ = _save(rdv, tmp_path, 1)
+    state = load_checkpoint(path)
+    shards = shard_dir_of(path, state)
+    if change == "record_dir":
+        state["shards"]["dir"] = "../../etc"
+        write_with_checksum(path, state)
+        with pytest.raises(CheckpointError, match="names no valid shard directory"):
+            load_checkpoint(path)
+        return
+    metadata = pickle.loads((shards / METADATA).read_bytes())  # the test's own file: trusted
+    if change == "outside":
+        for info in metadata.storage_data.values():
+            info.relative_path = "../../../etc/passwd"
+    else:
+        metadata.state_dict_metadata["model.extra"] = BytesStorageMetadata()
+    (shards / METADATA).write_bytes(pickle.dumps(metadata))
+    _rewrite_consistently(path, state, shards)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path)
+    assert ("outside the directory" if change == "outside" else "refused as untrusted") \
+        in str(err.value)
+
+
+def test_retention_quarantine_and_orphans_take_the_shard_directory(tmp_path, rdv):
+    for step in (1, 2, 3):
+        _save(rdv, tmp_path, step, keep=2)
+    folder = checkpoint_path(tmp_path, 1).parent
+    names = sorted(p.name.split(".")[0] + p.suffix for p in folder.iterdir())
+    assert names == ["step_00000002.pt", "step_00000002.sha256", "step_00000002.shards",
+                     "step_00000003.pt", "step_00000003.sha256", "step_00000003.shards"]
+    # a write cut off before its record: a temp directory and a directory no record names
+    (folder / ".step_00000004.0123456789abcdef.shards.tmp").mkdir()
+    (folder / "step_00000004.0123456789abcdef.shards").mkdir()
+    swept = sweep_shard_temps(tmp_path)
+    assert len(swept) == 2 and len(list(folder.glob("*.shards"))) == 2
+    # a flipped shard in an older checkpoint: the next save moves it, with its record, aside
+    older = checkpoint_path(tmp_path, 2)
+    flip_middle(shard_dir_of(older, load_checkpoint(older)) / "__0_0.distcp", 16)
+    _save(rdv, tmp_path, 4, keep=2)
+    corrupt = folder / "corrupt"
+    assert sorted(p.name.split(".")[0] for p in corrupt.iterdir()) == ["step_00000002"] * 3
