@@ -67,7 +67,12 @@ from hetseq_hpc.train.loop import RankMeta, Trainer
 from hetseq_hpc.train.metrics import measured_step_sync
 from hetseq_hpc.train.parallel import build_parallel
 from hetseq_hpc.train.precision import autocast_factory, resolve_precision
-from hetseq_hpc.train.task_summary import build_checked_model, finish_task_summary
+from hetseq_hpc.train.task_summary import (
+    build_checked_model,
+    examples_model,
+    finish_task_summary,
+    record_inexact,
+)
 
 log = logging.getLogger("hetseq_hpc.worker")
 
@@ -191,15 +196,23 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
             param_bytes, unit_bytes = model_bytes(task, bare)
             mode = agree_on_sharding(run.sharding.mode, param_bytes, budget, rdv, device.type)
             chosen["param_bytes"] = param_bytes
+            if mode == "fsdp":  # on the whole CPU model, before sharding: never whole on the device
+                check_before_training(task, bare, run, torch.device("cpu"), rdv, early)
             chosen["parallel"] = build_parallel(run, task, bare, device, mode)
-            chosen["static"] = model_state_bytes(param_bytes, mode, world.world_size, unit_bytes,
-                                                 run.sharding.cpu_offload and device.type == "cuda")
+            chosen["static"] = model_state_bytes(
+                param_bytes, mode, world.world_size, unit_bytes,
+                run.sharding.cpu_offload and device.type == "cuda",
+                gathered_weights=not task.evaluates_in_fixed_passes())
             return chosen["parallel"].model
 
+        early: Dict[str, Any] = {}  # the FSDP contract check's record, if it was skipped
         model, task_info = build_checked_model(task, run, device, place)  # refuses BatchNorm
         parallel = chosen["parallel"]
-        with parallel.unsharded() as whole:  # FSDP: gathered once, the check runs no collective
-            check_before_training(task, whole, run, device, rdv, task_info)  # sum loss, count
+        if parallel.sharded:
+            if early.get("inexact"):
+                record_inexact(task_info, early["inexact"])
+        else:
+            check_before_training(task, model, run, device, rdv, task_info)  # sum loss, count
         clock.mark("model")
         cal = calibrate_rank(model, parallel, task, run, world, device, budget, autocast, rdv,
                              chosen["static"], chosen["param_bytes"])
@@ -238,8 +251,8 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
                      allocation.source,
                      [f"{s.micro_batch}x{s.accum_steps}" for s in allocation.shares], path)
         summary = trainer.fit()
-        with trainer.parallel.unsharded() as whole:  # FSDP: gathered on every rank
-            finish_task_summary(summary, task, whole, task_info, world.is_master)
+        finish_task_summary(summary, task, examples_model(task, trainer.parallel, world.is_master),
+                            task_info, world.is_master)
         final: Dict[str, Any] = {}  # what plans read from a finished run (plan.probe)
         if rebalancer is not None and all(rebalancer.fitted):  # the refitted curves
             final["fitted_curves"] = [c.to_dict() for c in rebalancer.fitted]

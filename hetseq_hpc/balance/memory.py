@@ -72,22 +72,26 @@ def micro_batch_cap(
 
 
 def model_state_bytes(param_bytes: float, mode: str = "ddp", world_size: int = 1,
-                      largest_unit_bytes: float = 0.0, offload: bool = False) -> float:
+                      largest_unit_bytes: float = 0.0, offload: bool = False,
+                      gathered_weights: bool = True) -> float:
     """Bytes of model state one rank holds (before activations).
 
     ``ddp``: ``STATIC_PARAM_COPIES x param_bytes`` (weights, gradients, two AdamW moments, one
     DDP bucket copy). ``fsdp``: ``SHARDED_STATE_COPIES x param_bytes / world_size`` (this rank's
-    shard of weights, gradients and moments; none on the device with ``offload``) plus the
-    larger of ``UNIT_COPIES x largest_unit_bytes`` (in training: the unit being computed,
-    gathered whole, and its gradient before the reduce-scatter) and
-    ``GATHERED_WEIGHT_COPIES x param_bytes`` (validation and the task-contract check run on the
-    whole weights, gathered once: no gradients then).
+    shard of weights, gradients and moments; none on the device with ``offload``) plus
+    ``UNIT_COPIES x largest_unit_bytes`` (the unit being computed, gathered whole, and its
+    gradient before the reduce-scatter) or, when ``gathered_weights``, the larger of that and
+    ``GATHERED_WEIGHT_COPIES x param_bytes``: validation gathers the whole weights on every rank
+    when the task's ``evaluate_batch`` runs a data-dependent number of forward passes
+    (:meth:`hetseq_hpc.tasks.base.Task.evaluates_in_fixed_passes` is False: decoding). The
+    default (True) is the safe bound where the task is not known; the contract check runs on
+    the CPU model before sharding and the examples on a CPU copy, so neither counts.
     """
     if mode != "fsdp":
         return float(param_bytes) * STATIC_PARAM_COPIES
     shard = 0.0 if offload else float(param_bytes) * SHARDED_STATE_COPIES / max(int(world_size), 1)
-    return shard + max(UNIT_COPIES * float(largest_unit_bytes),
-                       GATHERED_WEIGHT_COPIES * float(param_bytes))
+    whole = GATHERED_WEIGHT_COPIES * float(param_bytes) if gathered_weights else 0.0
+    return shard + max(UNIT_COPIES * float(largest_unit_bytes), whole)
 
 
 def memory_cap(memory_budget_bytes: float, param_bytes: float, activation_bytes_per_sample: float,

@@ -145,6 +145,16 @@ class Task(abc.ABC):
         """
         return {"loss_sum": float(model(**batch)), "units": float(self.count(batch))}
 
+    def evaluates_in_fixed_passes(self) -> bool:
+        """Whether :meth:`evaluate_batch` runs the model's ``forward`` the same number of times
+        for every batch (and calls nothing else of the model). Then an FSDP run validates on
+        the shards, every rank running as many batches, one unit gathered at a time, and never
+        holds the whole weights; otherwise (decoding step by step, calling other methods of the
+        model) the whole weights are gathered on every rank for validation. Default: True for
+        the default :meth:`evaluate_batch` (one forward), False when it is overridden (say True
+        in your override when it holds)."""
+        return type(self).evaluate_batch is Task.evaluate_batch
+
     def finalize_metrics(self, sums: Dict[str, float]) -> Dict[str, float]:
         """Metrics from the summed statistics; names start with ``val_`` (they land in
         ``metrics.jsonl`` and ``summary.json``). Default: ``val_loss`` (mean loss per unit)

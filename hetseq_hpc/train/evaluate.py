@@ -30,8 +30,8 @@ def _add(total: Dict[str, float], part: Dict[str, float]) -> None:
 
 @torch.no_grad()
 def evaluate_task(task: Any, model: nn.Module, rdv: Any, batch_size: int, device: torch.device,
-                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-                  ) -> Dict[str, float]:
+                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                  same_passes: bool = False) -> Dict[str, float]:
     """The task's validation metrics on its whole validation split (every rank calls this).
 
     Args:
@@ -41,6 +41,9 @@ def evaluate_task(task: Any, model: nn.Module, rdv: Any, batch_size: int, device
         batch_size: samples per validation batch on this rank (its micro-batch).
         device: where the model is.
         autocast: the mixed-precision context of training.
+        same_passes: every rank runs the same number of batches (a sharded FSDP model gathers
+            each unit in every forward, a collective): the ranks agree on the largest count and
+            a rank with fewer batches runs its first one again, its statistics discarded.
 
     Returns:
         ``finalize_metrics`` of the summed statistics; ``{}`` when there is no validation split.
@@ -53,13 +56,20 @@ def evaluate_task(task: Any, model: nn.Module, rdv: Any, batch_size: int, device
     positions = np.arange(world.rank, int(task.num_val), world.world_size)
     size = max(1, int(batch_size))
     sums: Dict[str, float] = {}
+    starts = list(range(0, positions.size, size))
+    if same_passes:
+        passes = max(rdv.all_gather_objects(len(starts)))
+        starts += [None] * (passes - len(starts))  # repeats of a batch, not counted
     try:
-        for start in range(0, positions.size, size):
-            chunk = positions[start:start + size].tolist()
+        for start in starts:
+            chunk = (positions[start:start + size] if start is not None else
+                     positions[:size] if positions.size else np.arange(1)).tolist()
             batch = checked_batch(task, chunk, 0, "val")
             batch = {k: v.to(device) for k, v in batch.items()}
             with autocast():
-                _add(sums, task.evaluate_batch(model, batch, chunk))
+                part = task.evaluate_batch(model, batch, chunk)
+            if start is not None:
+                _add(sums, part)
     finally:
         model.train(was_training)
     gathered: List[Dict[str, float]] = rdv.all_gather_objects(sums)

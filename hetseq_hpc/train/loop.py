@@ -8,17 +8,16 @@ One optimizer step on rank ``i`` (``b_i`` samples in ``accum_i`` micro-batches):
    all but the last micro-batch run under ``no_sync``, so each rank all-reduces once per step
    whatever its accumulation count;
 3. DDP sums the gradients across ranks (:mod:`hetseq_hpc.train.ddp_hooks`);
-4. ranks exchange loss sums, unit counts, timings and stop requests as named
-   :class:`~hetseq_hpc.distributed.rendezvous.StepStats` (one small all-gather; on CPU ranks it is posted
-   when the last gradient bucket is ready, so it runs during that bucket's all-reduce);
+4. ranks exchange loss sums, unit counts, timings and stop requests as named ``StepStats``
+   (one small all-gather, posted on CPU ranks when the last gradient bucket is ready);
 5. gradients are divided by the GLOBAL unit count ``sum_i n_i``: the result is exactly the
    gradient of the mean loss over the whole global batch (PyTorch's DDP averages instead,
    which is not equivalent for uneven batches: pytorch/pytorch issues 37359 and 37002; HetSeq's
    ``world_size / sum(sample_size)`` scaling is the same idea for sum-reduced losses);
 6. the global gradient is clipped, then AdamW steps.
 
-Dropout's RNG is re-seeded from ``(seed, step, rank)`` every step, and masking is a function of
-``(seed, epoch, sample)``, so a run resumed from a checkpoint repeats an uninterrupted run.
+Dropout's RNG is re-seeded from ``(seed, step, rank)`` every step and masking is a function of
+``(seed, epoch, sample)``: a run resumed from a checkpoint repeats an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -277,12 +276,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ validation
     def evaluate(self) -> Dict[str, float]:
-        """The task's validation metrics on the whole validation split, sharded over the ranks
-        (:func:`hetseq_hpc.train.evaluate.evaluate_task`)."""
-        with self.parallel.unsharded() as model:  # FSDP: gathered whole on every rank
-            return evaluate_task(self.task, model, self.rdv,
-                                 self.allocation.shares[self.rank].micro_batch, self.device,
-                                 self.autocast)
+        """The task's validation metrics, the split shared by the ranks (:func:`evaluate_task`);
+        under FSDP on the shards if the task evaluates in fixed passes, else gathered whole."""
+        fixed = self.task.evaluates_in_fixed_passes()
+        with self.parallel.for_evaluation(fixed) as model:
+            return evaluate_task(self.task, model, self.rdv, self.allocation.shares[self.rank]
+                                 .micro_batch, self.device, self.autocast,
+                                 same_passes=self.parallel.sharded and fixed)
 
     # ------------------------------------------------------------------ the loop
     def _maybe_rebalance(self, rec: StepRecord) -> None:

@@ -137,6 +137,10 @@ class Replicated:
         """The bare model, whole (it always is)."""
         yield self.model
 
+    def for_evaluation(self, fixed_passes: bool) -> contextlib.AbstractContextManager:
+        """The bare model (validation runs no collective under DDP)."""
+        return self.unsharded()
+
     def describe(self) -> Dict[str, Any]:
         return {"mode": self.mode}
 
@@ -289,6 +293,23 @@ class Sharded(Replicated):
             for module in self.fsdp_modules:
                 module.set_requires_gradient_sync(True, recurse=False)
                 module.set_reshard_after_backward(True, recurse=False)
+
+    @contextlib.contextmanager
+    def for_evaluation(self, fixed_passes: bool) -> Iterator[nn.Module]:
+        """The model validation runs on: the sharded model itself when the task's
+        ``evaluate_batch`` runs a fixed number of forward passes (every rank then runs as many
+        batches, each forward gathering one unit at a time: the whole weights are never on a
+        rank), else :meth:`unsharded`. Everything is resharded after (the root keeps its
+        parameters gathered after a forward without backward)."""
+        if not fixed_passes:
+            with self.unsharded() as whole:
+                yield whole
+            return
+        try:
+            yield self.model
+        finally:
+            for module in self.fsdp_modules:
+                module.reshard()
 
     def describe(self) -> Dict[str, Any]:
         return {"mode": self.mode, "units": len(self.units), "all_gather_dtype": "fp32",

@@ -77,11 +77,31 @@ def record_inexact(info: Dict[str, Any], record: Dict[str, Any]) -> None:
     info["inexact"] = merged
 
 
-def finish_task_summary(summary: Dict[str, Any], task: Any, model: nn.Module,
+def examples_model(task: Any, parallel: Any, is_master: bool) -> Optional[nn.Module]:
+    """The model rank 0 writes the task's example predictions with: the bare model under DDP;
+    under FSDP a CPU copy (``task.build_model()``) loaded from the full state gathered to rank
+    0's CPU memory (a collective: EVERY rank calls it), so the whole weights never sit on a
+    device. None on the other ranks, and under FSDP when the task writes no examples."""
+    from hetseq_hpc.tasks.base import Task
+
+    if not parallel.sharded:
+        return parallel.model
+    if type(task).examples is Task.examples:  # nothing to write: nothing to gather
+        return None
+    state = parallel.model_state()
+    if not is_master:
+        return None
+    copy = task.build_model()
+    copy.load_state_dict(state)
+    return copy
+
+
+def finish_task_summary(summary: Dict[str, Any], task: Any, model: Optional[nn.Module],
                         info: Dict[str, Any], is_master: bool) -> None:
     """Add ``task`` (name, class, unit, FLOPs per sample, achieved training TFLOP/s, data),
     ``exact`` and ``inexact`` (BatchNorm opt-out, skipped contract check) to ``summary``; on
-    rank 0 log the task's example predictions (and add them as ``examples``)."""
+    rank 0 log the task's example predictions with ``model`` (:func:`examples_model`; None:
+    none) and add them as ``examples``."""
     summary["task"] = {k: v for k, v in info.items() if k not in ("exact", "inexact")}
     if summary.get("samples_per_s"):  # model FLOPs actually done, for MFU against a peak
         summary["task"]["train_tflops_per_s"] = (summary["samples_per_s"]
@@ -89,7 +109,7 @@ def finish_task_summary(summary: Dict[str, Any], task: Any, model: nn.Module,
     summary["exact"] = info["exact"]
     if info["inexact"] is not None:
         summary["inexact"] = info["inexact"]
-    if is_master:
+    if is_master and model is not None:
         from hetseq_hpc.train.evaluate import log_examples
 
         header = getattr(task, "example_header", None)
@@ -98,4 +118,5 @@ def finish_task_summary(summary: Dict[str, Any], task: Any, model: nn.Module,
             summary["examples"] = [list(r) for r in rows]
 
 
-__all__ = ["N_EXAMPLES", "build_checked_model", "finish_task_summary", "record_inexact"]
+__all__ = ["N_EXAMPLES", "build_checked_model", "examples_model", "finish_task_summary",
+           "record_inexact"]

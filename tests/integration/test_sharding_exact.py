@@ -115,3 +115,25 @@ def test_fsdp_full_checkpoints_resume_on_3_ranks(tmp_path, run_cli):
     _ok(run_cli(run, *task, *STEPS, "sharding.mode=fsdp", "cluster.ranks=3",
                 "balance.allocation=null", "trainer.max_steps=10", small=False))
     assert_same_losses(losses(ref), losses(run), range(1, 11))
+
+
+@pytest.mark.parametrize("name", ["bert", "translation"])
+def test_fsdp_validation_matches_one_rank(name, tmp_path, run_cli, task_data_files):
+    """Validation under FSDP: BERT (one forward per batch) on the shards, every rank running as
+    many batches (2 ranks at [24, 8] have different micro-batches); translation with BLEU
+    (greedy decoding, a data-dependent number of passes) on the weights gathered whole. The
+    metrics equal the 1-rank run's, and translation's examples come from rank 0's CPU copy."""
+    task = [*SMALL_MODEL, "task.model.max_seq_len=32"] if name == "bert" else \
+        task_overrides(name, task_data_files)
+    common = [*task, *STEPS, "trainer.val_every=5", "trainer.max_steps=10"]
+    ref, run = tmp_path / "ref", tmp_path / "sharded"
+    _ok(run_cli(ref, *common, "cluster.ranks=1", small=False))
+    _ok(run_cli(run, *common, *FSDP_UNEVEN, small=False))
+    rows = {d: [r for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+                if "val_loss" in r] for d in (ref, run)}
+    assert [r["step"] for r in rows[run]] == [5, 10]
+    for a, b in zip(rows[ref], rows[run]):
+        for key in (k for k in a if k.startswith("val_")):
+            assert abs(a[key] - b[key]) <= 1e-5 * max(abs(a[key]), 1.0), (key, a[key], b[key])
+    if name == "translation":
+        assert json.loads((run / "summary.json").read_text()).get("examples")

@@ -60,6 +60,8 @@ def test_model_state_bytes_replicated_and_sharded():
     # the shard, plus the whole weights gathered for validation (more than 2 units here)
     assert model_state_bytes(p, "fsdp", 8, largest_unit_bytes=1e8) == 4 * p / 8 + p
     assert model_state_bytes(p, "fsdp", 8, 1e8, offload=True) == p
+    # validation on the shards (a task that evaluates in fixed passes): never the whole weights
+    assert model_state_bytes(p, "fsdp", 8, 1e8, gathered_weights=False) == 4 * p / 8 + 2e8
     # a model whose root unit (embeddings) is most of it: 2 x that unit
     assert model_state_bytes(p, "fsdp", 8, largest_unit_bytes=0.8 * p) == 4 * p / 8 + 1.6 * p
     # a 16 GiB T4 cannot hold the replica, a shard over 8 ranks leaves room for activations

@@ -186,6 +186,12 @@ class TranslationTask(Task):
         sums["bleu_sentences"] = float(chosen.size)
         return sums
 
+    def evaluates_in_fixed_passes(self) -> bool:
+        """One forward per batch without BLEU; greedy decoding runs as many as the longest
+        translation needs, so with ``task.data.bleu_samples`` an FSDP run gathers the whole
+        weights for validation."""
+        return not self.cfg.data.bleu_samples
+
     def finalize_metrics(self, sums: Dict[str, float]) -> Dict[str, float]:
         """``{"val_loss": per target token (label-smoothed), "val_ppl", "val_bleu"}``; BLEU only
         when BLEU statistics were collected."""
