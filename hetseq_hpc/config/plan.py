@@ -54,14 +54,14 @@ class PlanConfig:
     """
 
     # allocation.json (or its run directory) of an earlier run: plan from its measured per-rank
-    # calibration instead of the datasheet table; null = datasheet table (SLURM) / this CPU (local)
+    # calibration instead of the GPU spec model; null = spec model (SLURM) / this CPU (local)
     probe: Optional[str] = None
     # network bandwidth per rank for the all-reduce, Gbit/s; null = 100 (SLURM) or 20 (local)
     link_gbps: Optional[float] = None
     # latency of one ring all-reduce step, microseconds
     latency_us: float = DEFAULT_LATENCY_US
-    # model FLOPs utilisation against the datasheet peak, in (0, 1], for GPU classes and
-    # precisions without a measured figure in the table (hetseq_hpc/plan/gpus.py ACHIEVED)
+    # model FLOPs utilisation against the peak, in (0, 1]; kept for saved configs: the GPU spec
+    # model (hetseq_hpc/plan/perf_model.py, docs/planner-accuracy.md) rates every known GPU
     mfu: float = DEFAULT_MFU
     # all-reduce hidden behind backward: ddp (DDP's 25 MiB buckets overlap the last micro-batch's
     # backward) or a fixed fraction in [0, 1] (0 = nothing overlaps, a lower bound)
@@ -73,7 +73,7 @@ class PlanConfig:
     def __post_init__(self) -> None:
         if self.probe is not None and not str(self.probe).strip():
             raise ConfigError("plan.probe is empty: write plan.probe=RUN_DIR/allocation.json, "
-                              "or leave it out to use the datasheet table")
+                              "or leave it out to use the GPU spec model")
         if self.link_gbps is not None:
             self.link_gbps = _number("link_gbps", self.link_gbps, lambda x: x > 0,
                                      "a bandwidth > 0 in Gbit/s, e.g. plan.link_gbps=100")

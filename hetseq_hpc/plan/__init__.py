@@ -4,10 +4,10 @@
 options: :mod:`hetseq_hpc.plan.command`). The modules, one job each:
 
 - :mod:`~hetseq_hpc.config.plan`: the ``plan`` config group (:class:`PlanConfig`, validated);
-- :mod:`~hetseq_hpc.plan.gpus`: GPU classes from vendor datasheets, by GRES type;
+- :mod:`~hetseq_hpc.plan.gpus`: GPU classes by GRES type (from :mod:`~hetseq_hpc.plan.gpu_specs`); :mod:`~hetseq_hpc.plan.perf_model`: achieved rates;
 - :mod:`~hetseq_hpc.plan.step_time`: throughput, ring all-reduce, DDP overlap, :func:`predict`;
 - :mod:`~hetseq_hpc.plan.model_info`: the task model's parameters, FLOPs and activation memory;
-- :mod:`~hetseq_hpc.plan.inputs`: per-rank inputs from a probe or from the datasheet table;
+- :mod:`~hetseq_hpc.plan.inputs`: per-rank inputs from a probe or from the GPU spec model;
 - :mod:`~hetseq_hpc.plan.planner`: run config -> :class:`Plan` (with warnings);
 - :mod:`~hetseq_hpc.plan.render`: the printed table and the JSON headline;
 - :mod:`~hetseq_hpc.plan.command`: the command line.

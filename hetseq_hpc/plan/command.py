@@ -19,7 +19,7 @@ Planner options: the ``plan`` config group (schema: ``hetseq_hpc/config/plan.py`
 
     plan.probe=PATH       allocation.json of an earlier run (or its run directory): use its
                           measured per-rank ``calibration`` (samples/s, memory) instead of the
-                          datasheet table. SLURM clusters match ranks to partitions by
+                          GPU spec model. SLURM clusters match ranks to partitions by
                           ``partition`` name, then by ``gres`` = ``gpu_type``; cluster=local
                           matches by rank index.
     plan.link_gbps=100    network bandwidth per rank in Gbit/s for the all-reduce

@@ -1,5 +1,5 @@
 """The planner's inputs: partitions of the cluster config, and per-rank throughput and memory cap
-from a probe (an earlier run's ``allocation.json``) or from the datasheet table.
+from a probe (an earlier run's ``allocation.json``) or from the GPU spec model.
 
 Probe matching: SLURM partitions take the median samples/s and the smallest memory cap of the
 probe ranks of the same ``partition`` name, else of ``gres`` == ``gpu_type``; cluster=local
@@ -19,8 +19,8 @@ from hetseq_hpc.balance.memory import micro_batch_cap
 from hetseq_hpc.balance.memory import param_memory_cap as memory_cap
 from hetseq_hpc.errors import ConfigError
 from hetseq_hpc.files.user_input import describe, file_problem, number, read_json_file
-from hetseq_hpc.plan.gpus import achieved_fraction, lookup_gpu, peak_tflops, runtime_precision
-from hetseq_hpc.plan.step_time import datasheet_throughput
+from hetseq_hpc.plan.gpus import lookup_gpu, runtime_precision
+from hetseq_hpc.plan.perf_model import achieved_flops
 from hetseq_hpc.rundir.paths import RunDir
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -300,7 +300,7 @@ def ranks_from_probe(probe: Dict[str, Any], partitions: Sequence[PartitionSpec],
             raise ConfigError(
                 f"plan.probe has no rank of partition {part.partition!r} (gres "
                 f"{part.gpu_type!r}; it has partition/gres {', '.join(seen)}): probe a run that "
-                "includes that partition, or drop plan.probe to use the datasheet table"
+                "includes that partition, or drop plan.probe to use the GPU spec model"
             )
         out.extend(specs)
     return out
@@ -335,7 +335,7 @@ def check_gpu_types(partitions: Sequence[PartitionSpec]) -> None:
     """Fail on an unknown GPU type before anything slow (building the model) happens.
 
     Raises:
-        ConfigError: a ``gpu_type`` is not in the datasheet table.
+        ConfigError: a ``gpu_type`` is not in the spec table.
     """
     for part in partitions:
         if part.gpu_type:
@@ -345,42 +345,42 @@ def check_gpu_types(partitions: Sequence[PartitionSpec]) -> None:
 def ranks_from_table(placements: Sequence[RankPlacement], flops_per_sample: float,
                      param_count: int, activation_bytes_per_sample: float, mfu: float,
                      peak: str = "runtime", limit: Optional[int] = None) -> List[RankSpec]:
-    """Planning inputs of SLURM ranks from the datasheet table.
+    """Planning inputs of SLURM ranks from the GPU spec model.
 
-    Throughput = the GPU's peak in the precision the rank would train in (its requested
-    ``precision``, :func:`runtime_precision`) x the MEASURED fraction of that peak for its
-    (class, precision) (:data:`hetseq_hpc.plan.gpus.ACHIEVED`, published training throughput),
-    else ``mfu`` / ``flops_per_sample``; the device label says which; memory cap = the
-    runtime's formula on the rank's budget (:func:`hetseq_hpc.balance.placement.memory_budget_bytes`,
-    with the datasheet memory standing in for the free GPU memory).
+    Throughput = :func:`hetseq_hpc.plan.perf_model.achieved_flops` of the rank's GPU in the
+    precision it would train in (its requested ``precision``, :func:`runtime_precision`):
+    ``min(peak x compute fraction, bandwidth x FLOP/byte)``, factors fitted on published BERT
+    training (``docs/planner-accuracy.md``) / ``flops_per_sample``; the device label says which
+    bound. Memory cap = the runtime's formula on the rank's budget
+    (:func:`hetseq_hpc.balance.placement.memory_budget_bytes`, with the spec memory standing in
+    for the free GPU memory).
 
     Args:
         placements: every rank's placement (:func:`hetseq_hpc.balance.placement.plan_placements`).
         flops_per_sample: training FLOPs of one sample.
         param_count: model parameters (fp32).
         activation_bytes_per_sample: activation memory of one sample, bytes.
-        mfu: ``plan.mfu``; peak: ``plan.peak``; limit: ``balance.max_micro_batch``.
+        mfu: ``plan.mfu`` (unused by the spec model; kept for the signature).
+        peak: ``plan.peak``; limit: ``balance.max_micro_batch``.
 
     Raises:
         ConfigError: a partition has no GPU type, or an unknown one.
     """
     from hetseq_hpc.balance.memory import memory_budget_bytes
 
+    del mfu
     out: List[RankSpec] = []
     for place in placements:
         where = f"cluster.partitions.{place.partition_key}.gpu_type"
         if not place.gres:
-            raise ConfigError(f"{where} is null (CPU-only nodes) and the datasheet table has only "
+            raise ConfigError(f"{where} is null (CPU-only nodes) and the spec model has only "
                               "GPUs: pass plan.probe=RUN_DIR/allocation.json from a run on them")
         gpu = lookup_gpu(place.gres, where)
         precision = runtime_precision(gpu, place.precision, peak)
-        measured = achieved_fraction(gpu, precision)
-        fraction = measured.fraction if measured is not None else mfu
-        throughput = datasheet_throughput(peak_tflops(gpu, precision), fraction, flops_per_sample)
+        flops, bound = achieved_flops(gpu.spec, precision)
         memory = memory_budget_bytes(place, "cuda", gpu.memory_gib * 2**30, place.ranks_on_node)
         cap = memory_cap(memory, param_count, activation_bytes_per_sample, limit)
-        how = (f"table {fraction:.2f} of peak" if measured is not None
-               else f"plan.mfu {fraction:g}: no measured figure")
-        out.append(RankSpec(place.rank, place.partition_key, f"{gpu.label} {precision} ({how})",
-                            throughput, cap, memory_bytes=memory))
+        out.append(RankSpec(place.rank, place.partition_key,
+                            f"{gpu.label} {precision} (specs, {bound}-bound {flops / 1e12:.1f} TF)",
+                            flops / flops_per_sample, cap, memory_bytes=memory))
     return out

@@ -1,8 +1,8 @@
 """From a validated run configuration to a :class:`Plan`: inputs, prediction, warnings.
 
 Three sources of per-rank throughput, in this order: ``plan.probe`` (measured calibrations of an
-earlier run), cluster=local (this CPU, calibrated as a local rank would), else the datasheet
-table (SLURM partitions, :mod:`hetseq_hpc.plan.gpus`). Starts nothing.
+earlier run), cluster=local (this CPU, calibrated as a local rank would), else the GPU spec
+model (SLURM partitions, :mod:`hetseq_hpc.plan.perf_model`). Starts nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from hetseq_hpc.balance.memory import memory_cap as device_memory_cap
 from hetseq_hpc.balance.memory import param_memory_cap as memory_cap
 from hetseq_hpc.config.plan import DEFAULT_LINK_GBPS, DEFAULT_LOCAL_LINK_GBPS, PlanConfig
 from hetseq_hpc.errors import AllocationError, ConfigError
+from hetseq_hpc.plan.gpu_specs import find_spec
 from hetseq_hpc.plan.inputs import (
     PartitionSpec,
     RankSpec,
@@ -29,6 +30,7 @@ from hetseq_hpc.plan.inputs import (
     ranks_from_table,
 )
 from hetseq_hpc.plan.model_info import CpuCalibration, ModelInfo, measure_model
+from hetseq_hpc.plan.perf_model import FACTORS, probe_samples_per_s
 from hetseq_hpc.plan.sharding_plan import ModeFit, chosen_mode, mode_fits
 from hetseq_hpc.plan.step_time import Prediction, predict
 
@@ -89,7 +91,7 @@ def _local_ranks(run) -> Tuple[ModelInfo, List[RankSpec], str]:
 
 
 def _table_ranks(run, opts: PlanConfig) -> Tuple[ModelInfo, List[RankSpec], str]:
-    """SLURM without a probe: datasheet peak x MFU, memory cap from the datasheet memory."""
+    """SLURM without a probe: the GPU spec model, memory cap from the spec memory."""
     from hetseq_hpc.balance.placement import plan_placements
 
     model = measure_model(run.task, need_activations=True)
@@ -99,18 +101,21 @@ def _table_ranks(run, opts: PlanConfig) -> Tuple[ModelInfo, List[RankSpec], str]
     precision = ("as the runtime picks (bf16 on compute capability >= 8.0, fp16 on 7.x, else "
                  "fp32; per-partition precision overrides)" if opts.peak == "runtime"
                  else "tensor-core peak everywhere (plan.peak=tensor)")
-    source = (f"datasheet table, not a probe: peak x the measured fraction of peak per (GPU class, "
-              f"precision) from published BERT training throughput (plan/gpus.py ACHIEVED; "
-              f"plan.mfu {opts.mfu:g} where none) / {model.flops_per_sample / 1e9:.2f} GFLOP per "
-              f"sample; precision {precision}")
+    source = (f"GPU specs, not a probe: min(peak x {FACTORS['compute_fraction']:.3f}, bandwidth x "
+              f"{FACTORS['intensity_half']:.1f} (half) / {FACTORS['intensity_fp32']:.1f} (fp32) "
+              f"FLOP/byte), fitted on DLE PyTorch BERT and checked on held-out figures "
+              f"(docs/planner-accuracy.md) / {model.flops_per_sample / 1e9:.2f} GFLOP per sample; "
+              f"precision {precision}; fp32 means fp32, not TF32 (the runtime leaves TF32 off)")
     return model, ranks, source
 
 
 def _probe_ranks(run, opts: PlanConfig, probe, parts) -> Tuple[ModelInfo, List[RankSpec], str]:
     """``plan.probe``: probed partitions use their measurements; a partition the probe lacks
-    (a lab that probed its A100s first) comes from the datasheet table, scaled by what the
-    probe showed on this task: the median over the probed GPU partitions of measured / table
-    samples/s (1 when none of them is in the table). The source line says which is which."""
+    (a lab that probed its A100s first) comes from the GPU spec model, scaled by what the probe
+    showed on this task: the median over the probed GPU partitions of measured / spec-model
+    samples/s (a probed GPU in no spec table is predicted from the probe's own SM count, clock
+    and capability, :func:`hetseq_hpc.plan.gpu_specs.spec_from_probe`; 1 when no probed
+    partition can be predicted). The source line says which partitions came from specs."""
     from hetseq_hpc.balance.placement import plan_placements
 
     limit = run.balance.max_micro_batch
@@ -123,20 +128,26 @@ def _probe_ranks(run, opts: PlanConfig, probe, parts) -> Tuple[ModelInfo, List[R
         if not part.gpu_type:
             raise ConfigError(
                 f"plan.probe has no rank of partition {part.partition!r}, a CPU-only partition "
-                "the datasheet table cannot stand in for: probe it too (hetseq-hpc probe)")
+                "the GPU spec model cannot stand in for: probe it too (hetseq-hpc probe)")
     if not missing:
         model = measure_model(run.task, need_activations=False)
         ranks = ranks_from_probe(probe, parts, by_index=run.cluster.is_local, limit=limit)
         return model, ranks, f"measured calibration from {opts.probe}"
     check_gpu_types(missing)
     model = measure_model(run.task, need_activations=True)
-    with_gpu = {p.key for p in parts if p.gpu_type}
-    places = [pl for pl in plan_placements(run) if pl.partition_key in with_gpu]
+    known = {p.key for p in parts if p.gpu_type and find_spec(p.gpu_type)}
+    places = [pl for pl in plan_placements(run) if pl.partition_key in known]
     table: dict = {}
     for spec in ranks_from_table(places, model.flops_per_sample, model.param_count,
                                  model.activation_bytes_per_sample, opts.mfu, opts.peak, limit):
-        table.setdefault(spec.partition, spec)
-    ratios = [found[k][0].samples_per_s / table[k].samples_per_s
+        table.setdefault(spec.partition, spec.samples_per_s)
+    for part in parts:  # probed GPUs in no spec table: predicted from the probe's own facts
+        if found[part.key] is not None and part.key not in table:
+            rate = probe_samples_per_s(probe, part.partition, part.gpu_type,
+                                       model.flops_per_sample)
+            if rate:
+                table[part.key] = rate
+    ratios = [found[k][0].samples_per_s / table[k]
               for k in found if found[k] is not None and k in table]
     scale = statistics.median(ratios) if ratios else 1.0
     ranks: List[RankSpec] = []
@@ -144,16 +155,19 @@ def _probe_ranks(run, opts: PlanConfig, probe, parts) -> Tuple[ModelInfo, List[R
         if found[part.key] is not None:
             specs = [replace(r, rank=len(ranks) + i) for i, r in enumerate(found[part.key])]
         else:
-            t = table[part.key]
+            t = next(r for r in ranks_from_table(
+                [pl for pl in plan_placements(run) if pl.partition_key == part.key],
+                model.flops_per_sample, model.param_count, model.activation_bytes_per_sample,
+                opts.mfu, opts.peak, limit))
             specs = [replace(t, rank=len(ranks) + i, samples_per_s=t.samples_per_s * scale,
                              device=f"{t.device} x{scale:.2f}") for i in range(part.ranks)]
         ranks.extend(specs)
     probed = [k for k in found if found[k] is not None]
-    basis = (f"the probed partitions' measured / table ratio {scale:.2f}" if ratios else
-             "no probed partition is in the table: unscaled")
+    basis = (f"the median of the probed partitions' measured / spec-model ratios "
+             f"{', '.join(f'{r:.3g}' for r in ratios)}" if ratios else
+             "no probed partition could be predicted from specs: unscaled")
     source = (f"measured calibration from {opts.probe} for partition(s) {', '.join(probed)}; "
-              f"{', '.join(p.key for p in missing)} from the datasheet table x {scale:.2f} "
-              f"({basis})")
+              f"{', '.join(p.key for p in missing)} from GPU specs x {scale:.3g} ({basis})")
     return model, ranks, source
 
 
@@ -179,7 +193,7 @@ def make_plan(run, opts: Optional[PlanConfig] = None) -> Plan:
         probe = load_probe(opts.probe)
         model, ranks, source = _probe_ranks(run, opts, probe, parts)
         # a probe of another mix has no step sync to reuse
-        measured_sync_s = None if "datasheet" in source else probe_sync_s(probe, len(ranks))
+        measured_sync_s = None if "from GPU specs" in source else probe_sync_s(probe, len(ranks))
     elif local:
         model, ranks, source = _local_ranks(run)
     else:

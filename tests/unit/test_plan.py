@@ -276,7 +276,7 @@ def test_a_probe_runs_measured_step_sync_replaces_the_all_reduce_model(tmp_path,
 
 def test_a_probe_of_one_partition_of_three_plans_the_mix(tmp_path, capsys):
     """plan.probe with only the a100 partition measured: a100 ranks use the probe; v100 and t4
-    come from the datasheet table scaled by the a100's measured / table ratio, and the plan
+    come from the GPU spec model scaled by the a100 measured / predicted ratio, and the plan
     says which partitions came from where."""
     from hetseq_hpc.config import compose_run_config
     from hetseq_hpc.plan.planner import make_plan
@@ -296,7 +296,7 @@ def test_a_probe_of_one_partition_of_three_plans_the_mix(tmp_path, capsys):
         assert by_part[key].samples_per_s == pytest.approx(from_table * scale)
         assert f"x{scale:.2f}" in by_part[key].device
     assert [r.rank for r in partial.ranks] == list(range(len(partial.ranks)))
-    assert "for partition(s) a100; v100, t4 from the datasheet table" in partial.source
+    assert "for partition(s) a100; v100, t4 from GPU specs" in partial.source
 
 
 def test_a_probe_that_matches_no_partition_or_misses_a_cpu_one_is_refused(tmp_path):

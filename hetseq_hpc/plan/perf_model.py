@@ -1,0 +1,216 @@
+"""Achieved training throughput of any GPU from its specifications, with THREE numbers fitted on
+ONE published source and checked on others it was not fitted on.
+
+Model (eager PyTorch training code, the code path hetseq_hpc's trainer is): a GPU is limited by
+its compute or by its memory bandwidth, whichever is slower,
+
+    FLOP/s achieved = min(peak(precision) x a, bandwidth x I(width))
+
+- ``peak``: :mod:`hetseq_hpc.plan.gpu_specs` (SMs x FLOP/SM/clock x clock, per precision);
+- ``a``: the fraction of peak a compute-bound step reaches;
+- ``I(width)``: FLOP per byte of memory traffic of the step, ``half`` (fp16/bf16 activations)
+  or ``fp32`` (fp32 and TF32: fp32 activations, twice the bytes).
+
+Fit (:func:`fit_factors`, :data:`FACTORS`) on the ``role=fit`` rows of ``data/published_bert.csv``
+only: NVIDIA DeepLearningExamples PyTorch BERT README (pytorch:21.11), SQuAD fine-tuning, 1 GPU:
+A100 80GB mixed 110.5 seq/s and TF32 61.5; V100 32GB mixed 52 and FP32 12. Tensor-core and TF32
+rows are bandwidth-bound (their FLOP per byte agree across A100 and V100: 40.0 and 42.7), the
+V100 fp32 row is compute-bound (CUDA cores): ``I_half`` = median FLOP/byte of the half rows,
+``I_fp32`` = that of the A100 TF32 row, ``a`` = the V100 fp32 row's fraction of peak. Held out:
+every ``role=heldout`` row (DLE PyTorch 20.06 release, Lambda's GPU benchmarks 2021 and 2024,
+Pollux/Sia traces): :func:`heldout_errors`, ``docs/planner-accuracy.md``.
+
+NOT modelled: NVIDIA's fused pre-training scripts (padding removal, fused attention), whose
+sequences/s are not comparable across releases.
+
+Training FLOPs per sample (:func:`bert_flops`) are the formula hetseq_hpc's BERT task uses
+(:meth:`hetseq_hpc.tasks.bert.mlm_model.BertMaskedLM.flops_per_sample`).
+"""
+
+from __future__ import annotations
+
+import csv
+import statistics
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from hetseq_hpc.plan.gpu_specs import GpuSpec, find_spec, spec_from_probe
+
+#: the published figures (fit and held-out rows, with their sources)
+DATA_FILE = Path(__file__).with_name("data") / "published_bert.csv"
+#: BERT shapes: model -> (layers, hidden); intermediate = 4 x hidden; WordPiece vocabulary 30522
+BERT_SHAPES = {"base": (12, 768), "large": (24, 1024)}
+BERT_VOCAB = 30522
+
+
+def bert_flops(model: str, seq_len: int, masked: float, vocab: int = BERT_VOCAB) -> float:
+    """Training FLOPs (forward + backward = 3 x forward matmuls) of one BERT sample: the encoder
+    ``2 L (4 h^2 + 2 h 4h) T + 4 L T^2 h`` and the MLM head on the masked tokens only
+    ``2 (h^2 + h V) x masked`` (0 for SQuAD fine-tuning, whose 2-logit head is negligible).
+
+    Args:
+        model: ``base`` or ``large``.
+        seq_len: tokens per sample ``T``.
+        masked: masked (predicted) tokens per sample.
+        vocab: vocabulary size ``V``.
+    """
+    layers, h = BERT_SHAPES[model]
+    per_layer = 4 * h * h + 2 * h * 4 * h
+    encoder = 2 * layers * per_layer * seq_len + layers * 4 * seq_len * seq_len * h
+    return 3.0 * (encoder + 2 * (h * h + h * vocab) * masked)
+
+
+def width(precision: str) -> str:
+    """Activation width of a precision: ``half`` (fp16, bf16) or ``fp32`` (fp32, tf32)."""
+    return "half" if precision in ("fp16", "bf16") else "fp32"
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published single-GPU measurement (a row of :data:`DATA_FILE`).
+
+    Attributes:
+        role: ``fit`` or ``heldout``.
+        gpu: spec-table key (:data:`hetseq_hpc.plan.gpu_specs.SPEC_TABLE`).
+        precision: ``fp16``, ``tf32`` or ``fp32``.
+        model: ``base`` or ``large``; workload: ``squad384`` (SQuAD fine-tuning, seq 384).
+        seq_len / masked: tokens and masked tokens per sample; batch: per GPU (0 = not given).
+        samples_per_s: sequences/s as published.
+        source_url / table: where (commit-pinned URL) and which table.
+    """
+
+    role: str
+    gpu: str
+    precision: str
+    model: str
+    workload: str
+    seq_len: int
+    masked: int
+    batch: int
+    samples_per_s: float
+    source_url: str
+    table: str
+
+    @property
+    def spec(self) -> GpuSpec:
+        """The GPU's spec row."""
+        found = find_spec(self.gpu)
+        if found is None:  # the data file and the spec table ship together
+            raise KeyError(f"{DATA_FILE.name}: gpu {self.gpu!r} is not in the spec table")
+        return found
+
+    @property
+    def flops(self) -> float:
+        """Training FLOPs of one sample (:func:`bert_flops`)."""
+        return bert_flops(self.model, self.seq_len, self.masked)
+
+    @property
+    def fraction(self) -> float:
+        """Achieved fraction of the spec peak in this precision."""
+        return self.samples_per_s * self.flops / self.spec.peak_flops(self.precision)
+
+    @property
+    def intensity(self) -> float:
+        """Achieved FLOP per byte of memory bandwidth."""
+        return self.samples_per_s * self.flops / (self.spec.bandwidth_gbs * 1e9)
+
+
+@lru_cache(maxsize=1)
+def published() -> Tuple[Published, ...]:
+    """Every row of :data:`DATA_FILE` (fit and held-out), in file order."""
+    with DATA_FILE.open(newline="") as fh:
+        reader = csv.DictReader(line for line in fh if not line.startswith("#"))
+        return tuple(Published(
+            r["role"], r["gpu"], r["precision"], r["model"], r["workload"], int(r["seq_len"]),
+            int(r["masked"]), int(r["batch"] or 0), float(r["samples_per_s"]), r["source_url"],
+            r["table"]) for r in reader)
+
+
+def fit_factors(rows: Optional[Tuple[Published, ...]] = None) -> Dict[str, float]:
+    """The three factors from the ``role=fit`` rows (held-out rows are never read):
+    ``compute_fraction`` = median fraction of peak of the fit rows on CUDA cores (``fp32``),
+    ``intensity_half`` / ``intensity_fp32`` = median FLOP per byte of the tensor-core fit rows
+    (fp16/bf16, resp. tf32). See the module docstring for why each row binds where it does."""
+    fit = [r for r in (rows if rows is not None else published()) if r.role == "fit"]
+    return {
+        "compute_fraction": statistics.median(r.fraction for r in fit if r.precision == "fp32"),
+        "intensity_half": statistics.median(r.intensity for r in fit if width(r.precision) == "half"),
+        "intensity_fp32": statistics.median(r.intensity for r in fit if r.precision == "tf32"),
+    }
+
+
+#: the fitted factors (:func:`fit_factors`): compute_fraction (of peak), intensity_half and
+#: intensity_fp32 (FLOP per byte of memory bandwidth)
+FACTORS: Dict[str, float] = fit_factors()
+
+
+def achieved_flops(spec: GpuSpec, precision: str) -> Tuple[float, str]:
+    """``(FLOP/s, bound)``: ``min(peak x compute_fraction, bandwidth x intensity)`` and which
+    of ``compute`` / ``bandwidth`` binds. A spec without a bandwidth (a probed GPU in no table)
+    is compute-bound."""
+    compute = spec.peak_flops(precision) * FACTORS["compute_fraction"]
+    memory = spec.bandwidth_gbs * 1e9 * FACTORS[f"intensity_{width(precision)}"]
+    if spec.bandwidth_gbs > 0 and memory < compute:
+        return memory, "bandwidth"
+    return compute, "compute"
+
+
+def predict_samples_per_s(spec: GpuSpec, precision: str, flops_per_sample: float) -> float:
+    """Predicted training samples/s of one GPU: :func:`achieved_flops` / ``flops_per_sample``.
+
+    Args:
+        spec: the GPU (a spec-table row or :func:`hetseq_hpc.plan.gpu_specs.spec_from_probe`).
+        precision: ``fp32``, ``tf32``, ``fp16`` or ``bf16``.
+        flops_per_sample: training FLOPs of one sample.
+    """
+    return achieved_flops(spec, precision)[0] / flops_per_sample
+
+
+def predicted(row: Published) -> float:
+    """The model's samples/s for a published row (its GPU, precision and model)."""
+    return predict_samples_per_s(row.spec, row.precision, row.flops)
+
+
+def gpu_class(row: Published) -> str:
+    """The class a row is scored in: GPU family (label without memory or form factor) x
+    precision, e.g. ``A100 tf32``, ``RTX 3090 fp16``."""
+    family = " ".join(w for w in row.spec.label.split()
+                      if not w.endswith("GB") and w not in ("PCIe", "SXM", "SXM2"))
+    return f"{family} {row.precision}"
+
+
+def heldout_errors() -> Dict[str, List[float]]:
+    """Relative errors ``predicted / published - 1`` of every held-out row, by :func:`gpu_class`."""
+    out: Dict[str, List[float]] = {}
+    for row in published():
+        if row.role == "heldout":
+            out.setdefault(gpu_class(row), []).append(predicted(row) / row.samples_per_s - 1)
+    return out
+
+
+def probe_samples_per_s(probe: Dict[str, Any], partition: str, gpu_type: Optional[str],
+                        flops_per_sample: float) -> Optional[float]:
+    """The model's samples/s for a probed partition from the probe's own device facts
+    (:func:`hetseq_hpc.plan.gpu_specs.spec_from_probe`: SMs, max SM clock, compute capability;
+    the probe is preferred to any table row) in the precision ``auto`` picks there.
+
+    Args:
+        probe: a checked probe file (``ranks`` with ``partition``, ``gres`` and ``probe``).
+        partition: the Slurm partition; gpu_type: its GRES type (the fallback match).
+        flops_per_sample: training FLOPs of one sample.
+
+    Returns:
+        samples/s, or None when the matching probe rank has no GPU facts (a CPU, older probe).
+    """
+    from hetseq_hpc.train.precision import resolve_precision
+
+    ranks = probe.get("ranks") or []
+    matched = [r for r in ranks if r.get("partition") == partition] or [
+        r for r in ranks if gpu_type and r.get("gres") == gpu_type]
+    spec = spec_from_probe(matched[0].get("probe") or {}) if matched else None
+    if spec is None:
+        return None
+    precision = resolve_precision("auto", "cuda", spec.capability)[0]
+    return achieved_flops(spec, precision)[0] / flops_per_sample

@@ -1,0 +1,143 @@
+"""The GPU spec model against published figures it was NOT fitted on (issue 25).
+
+Fit: the 4 ``role=fit`` rows of hetseq_hpc/plan/data/published_bert.csv (NVIDIA DLE PyTorch BERT
+README, pytorch:21.11, SQuAD, 1 GPU). Held out: every other row (DLE PyTorch 20.06 release,
+Lambda deeplearning-benchmark 2021 and 2024 snapshots, Pollux/Sia traces), URLs in the file and in
+docs/planner-accuracy.md. Classes that miss the 20 % bar are listed in KNOWN_MISSES with their
+measured error, and the test checks they still miss (so the list cannot silently go stale).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from hetseq_hpc.errors import ConfigError
+from hetseq_hpc.plan import perf_model as pm
+from hetseq_hpc.plan.gpu_specs import SPEC_TABLE, find_spec, peak_flops, spec_from_probe
+from hetseq_hpc.plan.gpus import GPU_TABLE, lookup_gpu
+
+WITHIN = 0.20
+#: held-out classes whose median |error| is above 20 %: (low, high) bounds of the measured median
+#: |error|, reported in docs/planner-accuracy.md (not hidden, not tuned away)
+KNOWN_MISSES = {
+    "A40 fp16": (0.2, 0.35), "GTX 1080 Ti fp32": (0.3, 0.5), "H100 fp16": (0.25, 0.45),
+    "H100 tf32": (0.2, 0.35), "RTX 2080 Ti fp16": (0.3, 0.55), "RTX 2080 Ti fp32": (0.35, 0.55),
+    "RTX 3090 tf32": (0.2, 0.3), "RTX 4090 fp16": (0.3, 0.45), "RTX 4090 tf32": (0.2, 0.35),
+    "RTX 6000 Ada fp16": (0.2, 0.35), "RTX 6000 Ada tf32": (0.2, 0.35),
+    "RTX A6000 fp16": (0.2, 0.35), "T4 fp32": (0.6, 0.8),
+}
+
+#: datasheet peaks, TFLOP/s (dense): (gpu, precision) -> value
+DATASHEET = {
+    ("v100", "fp16"): 125.0, ("v100", "fp32"): 15.7, ("t4", "fp16"): 65.0, ("t4", "fp32"): 8.1,
+    ("a100", "bf16"): 312.0, ("a100", "fp32"): 19.5, ("a100", "tf32"): 156.0,
+    ("a10", "bf16"): 125.0, ("a10", "fp32"): 31.2, ("a40", "bf16"): 149.7, ("a40", "fp32"): 37.4,
+    ("rtxa6000", "bf16"): 154.8, ("rtxa6000", "fp32"): 38.7, ("l4", "bf16"): 121.0,
+    ("l4", "fp32"): 30.3, ("h100", "bf16"): 989.0, ("h100", "fp32"): 67.0,
+    ("h200", "bf16"): 989.0, ("h200", "fp32"): 67.0, ("l40s", "bf16"): 362.0,
+    ("l40s", "fp32"): 91.6, ("titanxp", "fp32"): 12.15, ("p100", "fp32"): 9.3,
+    ("rtx3090", "fp16"): 71.0, ("rtx3090", "fp32"): 35.6, ("rtx4090", "fp16"): 165.2,
+    ("rtx4090", "fp32"): 82.6, ("titanrtx", "fp16"): 130.0, ("rtx2080ti", "fp32"): 13.4,
+}
+
+
+@pytest.mark.parametrize("key, precision", sorted(DATASHEET))
+def test_peaks_from_specs_equal_the_datasheet(key, precision):
+    spec = find_spec(key)
+    assert spec is not None and spec.source
+    assert spec.peak_flops(precision) / 1e12 == pytest.approx(DATASHEET[(key, precision)], rel=0.03)
+
+
+def test_spec_table_covers_the_issue_list_and_every_row_names_its_source():
+    for key in ("p100", "v10016", "v10032", "t4", "titanxp", "titanrtx", "rtx2080ti", "rtx3090",
+                "rtx4090", "a10", "a40", "a10040", "a10080", "l4", "l40s", "h100", "h200",
+                "rtxa6000"):
+        assert key in SPEC_TABLE and key in GPU_TABLE, key
+    assert all("NVIDIA" in s.source for s in SPEC_TABLE.values())
+    assert lookup_gpu("TITAN_Xp", "x").fp32_tflops == pytest.approx(12.1, abs=0.1)
+
+
+def test_unknown_gpu_is_one_line_naming_the_known_ones_and_the_fix():
+    with pytest.raises(ConfigError) as err:
+        lookup_gpu("k80", "cluster.partitions.old.gpu_type")
+    text = str(err.value)
+    assert "\n" not in text and "k80" in text and "titanxp" in text and "plan.probe=" in text
+
+
+def test_a_probed_gpu_in_no_table_gets_a_peak_from_its_facts():
+    probe = {"kind": "cuda", "name": "NVIDIA Future GPU", "sm_count": 100, "sm_clock_mhz": 2000,
+             "compute_capability": [9, 5], "memory_total_bytes": 96 * 2**30}
+    spec = spec_from_probe(probe)
+    assert spec is not None and spec.memory_gib == 96 and "probe" in spec.source
+    # rated as the newest known architecture (Hopper): 128 fp32 lanes, 4096 tensor FLOP/clk/SM
+    assert spec.peak_flops("fp32") == pytest.approx(100 * 128 * 2 * 2000e6)
+    assert spec.peak_flops("bf16") == pytest.approx(100 * 4096 * 2000e6)
+    assert pm.predict_samples_per_s(spec, "bf16", 1e9) > 0  # no bandwidth: compute-bound
+    assert spec_from_probe({"kind": "cpu"}) is None
+    with pytest.raises(ConfigError, match="older than Pascal"):
+        peak_flops((3, 7), 13, 875, "fp32")
+
+
+def test_fit_uses_only_fit_rows_of_one_source():
+    fit = [r for r in pm.published() if r.role == "fit"]
+    assert len({r.source_url for r in fit}) == 1 and "DeepLearningExamples" in fit[0].source_url
+    assert pm.fit_factors() == pm.FACTORS
+    heldout = [r for r in pm.published() if r.role == "heldout"]
+    assert heldout and all(r.source_url.startswith("https://github.com/") for r in heldout)
+    assert not {r.source_url for r in heldout} & {r.source_url for r in fit}
+    # changing a held-out figure cannot move the factors
+    moved = tuple(r if r.role == "fit" else pm.Published(**{**r.__dict__, "samples_per_s": 1.0})
+                  for r in pm.published())
+    assert pm.fit_factors(moved) == pm.FACTORS
+
+
+def test_heldout_median_error_per_class():
+    errors = pm.heldout_errors()
+    for cls, errs in errors.items():
+        median = statistics.median(abs(e) for e in errs)
+        if cls in KNOWN_MISSES:
+            low, high = KNOWN_MISSES[cls]
+            assert low <= median <= high, f"{cls}: {median:.2f} left its documented band"
+        else:
+            assert median <= WITHIN, f"{cls}: median |error| {median:.2f} ({len(errs)} rows)"
+    everything = [abs(e) for errs in errors.values() for e in errs]
+    assert statistics.median(everything) <= WITHIN
+
+
+def _ratio(gpu_a, prec_a, gpu_b, prec_b, url_part):
+    """(predicted, published) ratio of two held-out rows of the same source and model size."""
+    out = []
+    rows = [r for r in pm.published() if r.role == "heldout" and url_part in r.source_url]
+    for a in rows:
+        for b in rows:
+            if (a.gpu, a.precision, b.gpu, b.precision) == (gpu_a, prec_a, gpu_b, prec_b) and \
+                    a.model == b.model and a.table.split(",")[-1] == b.table.split(",")[-1]:
+                out.append((pm.predicted(a) / pm.predicted(b), a.samples_per_s / b.samples_per_s))
+    assert out, (gpu_a, gpu_b, url_part)
+    return out
+
+
+def test_a100_over_v100_ratio_is_a_documented_near_miss():
+    """A100:V100 fp16 over the three held-out sources that publish both: errors -3 %, -15 %
+    (Lambda 2024: A100 80GB SXM4 / V100 16GB, base and large), -24 %, -21 % (Lambda 2021: A100
+    40GB SXM4 / V100 32GB), -26 % (DLE 20.06: A100 40GB / V100 16GB SQuAD): median 21 %, just
+    outside the issue's 20 % (the model rates A100 40GB by its 1555 GB/s; it ran faster)."""
+    pairs = (_ratio("a10080", "fp16", "v10016", "fp16", "4e11f689")
+             + _ratio("a10040", "fp16", "v10032", "fp16", "e167f02c")
+             + _ratio("a10040", "fp16", "v10016", "fp16", "b2763ae2"))
+    errors = [pred / pub - 1 for pred, pub in pairs]
+    assert WITHIN < statistics.median(abs(e) for e in errors) < 0.22, errors
+
+
+def test_v100_over_t4_ratio_is_a_documented_miss():
+    """The one published side-by-side T4/V100 training pair (fp32, BERT-base SQuAD, Pollux + Sia
+    traces): published V100/T4 = 2.59; the spec model says 1.93 (-26 %): the 70 W T4 does not
+    hold its 1590 MHz boost clock, which a spec-sheet model cannot know (docs)."""
+    t4 = next(r for r in pm.published() if r.gpu == "t4")
+    v100 = next(r for r in pm.published() if "siasosp23" in r.source_url)
+    predicted = pm.predicted(v100) / pm.predicted(t4)
+    published = v100.samples_per_s / t4.samples_per_s
+    assert published == pytest.approx(2.59, abs=0.01)
+    assert -0.30 < predicted / published - 1 < -0.20
