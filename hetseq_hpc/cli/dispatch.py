@@ -27,6 +27,10 @@ def dispatch(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
         return summary
     from hetseq_hpc.launch.slurm import launch_slurm
 
+    if getattr(run.cluster, "choose", "none") != "none":  # the mix that finishes first / cheapest
+        from hetseq_hpc.launch.test_only import choose_mix
+
+        run = choose_mix(run, run_dir)
     result = launch_slurm(run, run_dir)
     _report(result.get("summary") or {}, run_dir)  # a job waited for (cluster.wait=true)
     return result

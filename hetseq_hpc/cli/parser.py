@@ -4,6 +4,7 @@
 
     hetseq-hpc [run] [OVERRIDES]        train (the default: ``hetseq-hpc task=bert`` runs)
     hetseq-hpc plan [OVERRIDES]         predicted split, step time and efficiency
+    hetseq-hpc plan --when [OVERRIDES]  the partition mix that finishes first (Slurm's estimates)
     hetseq-hpc probe [OVERRIDES]        measure this node's devices -> JSON for plan.probe=
     hetseq-hpc render [OVERRIDES]       write the job.sbatch `run` would submit
     hetseq-hpc report RUN_DIR           per-rank PNG and a text summary of a run
@@ -41,6 +42,7 @@ COMMANDS: Dict[str, str] = {
 EPILOG = """examples:
   hetseq-hpc task=bert                                  # = hetseq-hpc run task=bert
   hetseq-hpc plan cluster=mixed task=bert trainer.global_batch_size=4096
+  hetseq-hpc plan --when cluster=mixed task=bert trainer.max_steps=10000
   hetseq-hpc prepare task=bert task.data.files='[/data/books/*.txt]'
   hetseq-hpc render cluster=mixed task=bert hydra.run.dir=runs/b1 && sbatch runs/b1/job.sbatch
   hetseq-hpc report runs/b1
@@ -73,8 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     _overrides_parser(sub, "run", "Train: compose conf/ with the overrides, validate, then start "
                       "the ranks (cluster=local) or submit one het job (SLURM clusters).",
                       run_help())
-    _overrides_parser(sub, "plan", "Predict, before submitting, the per-rank split, step time, "
-                      "samples/s and efficiency (nothing is launched).", _plan_help())
+    plan_parser = _overrides_parser(sub, "plan", "Predict, before submitting, the per-rank "
+                                    "split, step time, samples/s and efficiency (nothing is "
+                                    "launched).", _plan_help())
+    plan_parser.add_argument("--when", action="store_true",
+                             help="time to result: rank the mixes of the partitions by expected "
+                             "finish (Slurm's start estimate, sbatch --test-only, + predicted run "
+                             "time); = plan.when=true; nothing is submitted")
     probe_parser = _overrides_parser(sub, "probe", probe.DESCRIPTION, probe.EPILOG)
     probe_parser.add_argument("--out", help="JSON file to write (default: probe-<partition or "
                               "host>.json in the current directory)")
@@ -234,9 +241,12 @@ def _render(args: argparse.Namespace, hydra_flags: List[str]) -> int:
 
 
 def _plan(args: argparse.Namespace, hydra_flags: List[str]) -> int:
+    from hetseq_hpc.cli.when_command import wants_when, when_command
     from hetseq_hpc.plan.command import plan_command
 
     refuse_internal_options(args.overrides)
+    if args.when or wants_when(args.overrides):
+        return when_command(args.overrides)
     return plan_command(args.overrides)
 
 

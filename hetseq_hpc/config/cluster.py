@@ -15,6 +15,9 @@ from omegaconf import MISSING
 
 from hetseq_hpc.config.common import check_sbatch_value, require, require_finite
 
+#: ``cluster.choose``: none = submit the configured mix; finish_first = the mix Slurm's start
+#: estimate plus the predicted run time finishes first; cheapest = the fewest GPU-hours
+CHOOSE = ("none", "finish_first", "cheapest")
 #: the longest wall-clock limit accepted (365 days in minutes); Slurm's INFINITE is not a number
 MAX_TIMEOUT_MIN = 525_600
 
@@ -250,6 +253,10 @@ class SlurmClusterConfig(ClusterConfig):
     env: Dict[str, str] = field(default_factory=dict)
     # commands run before the step in the sbatch script (module load ..., source venv)
     setup: List[str] = field(default_factory=list)
+    # none = submit the partitions as configured; finish_first / cheapest = plan the candidate
+    # mixes of them (hetseq-hpc plan --when) and submit the one that finishes first / costs the
+    # fewest GPU-hours
+    choose: str = "none"
 
     def __post_init__(self) -> None:
         _check_common(self)
@@ -274,6 +281,10 @@ class SlurmClusterConfig(ClusterConfig):
             self.max_num_timeout >= 0,
             f"cluster.max_num_timeout={self.max_num_timeout} is invalid: use >= 0 "
             "(0 = never requeue)",
+        )
+        require(
+            self.choose in CHOOSE,
+            f"cluster.choose={self.choose!r} is unknown: use none, finish_first or cheapest",
         )
 
     @property

@@ -28,6 +28,13 @@ DEFAULT_LATENCY_US = 10.0
 DEFAULT_OVERLAP = "ddp"
 #: ``plan.peak`` choices
 PEAKS = ("runtime", "tensor")
+#: ``plan.when``: seconds from a job's start to its first training step (interpreter and torch
+#: imports, rendezvous, calibration), assumed when nothing better is known
+DEFAULT_STARTUP_S = 90.0
+#: ``plan.when``: checkpoint write bandwidth, GB/s (one parallel-file-system client)
+DEFAULT_CHECKPOINT_GB_S = 1.0
+#: ``plan.when``: most candidate mixes asked of Slurm (one ``sbatch --test-only`` each)
+DEFAULT_MAX_MIXES = 32
 
 
 def _number(key: str, value: Any, ok, rule: str) -> float:
@@ -69,6 +76,15 @@ class PlanConfig:
     # runtime = the precision the runtime picks (bf16 on compute capability >= 8.0, fp16 on 7.x);
     # tensor = every GPU at its tensor-core peak (fp16 on V100/T4)
     peak: str = "runtime"
+    # time to result (hetseq-hpc plan --when): enumerate partition mixes, ask Slurm when each
+    # would start (sbatch --test-only, nothing submitted) and rank them by predicted finish
+    when: bool = False
+    # seconds from a job's start to its first step (imports, rendezvous, calibration), >= 0
+    startup_s: float = DEFAULT_STARTUP_S
+    # checkpoint write bandwidth in GB/s for the checkpoint cost of a run, > 0
+    checkpoint_gb_s: float = DEFAULT_CHECKPOINT_GB_S
+    # most candidate mixes plan.when asks Slurm about (node counts are thinned above it), >= 1
+    max_mixes: int = DEFAULT_MAX_MIXES
 
     def __post_init__(self) -> None:
         if self.probe is not None and not str(self.probe).strip():
@@ -87,6 +103,16 @@ class PlanConfig:
                                    "overlap at all")
         if self.peak not in PEAKS:
             raise ConfigError(f"plan.peak={self.peak!r} is unknown: use runtime or tensor")
+        if not isinstance(self.when, bool):
+            raise ConfigError(f"plan.when={self.when!r} is not a boolean: use plan.when=true or "
+                              "plan.when=false")
+        self.startup_s = _number("startup_s", self.startup_s, lambda x: x >= 0,
+                                 "seconds >= 0, e.g. plan.startup_s=90")
+        self.checkpoint_gb_s = _number("checkpoint_gb_s", self.checkpoint_gb_s, lambda x: x > 0,
+                                       "a bandwidth > 0 in GB/s, e.g. plan.checkpoint_gb_s=1")
+        mixes = _number("max_mixes", self.max_mixes, lambda x: x >= 1 and float(x).is_integer(),
+                        "a whole number >= 1, e.g. plan.max_mixes=32")
+        self.max_mixes = int(mixes)
 
     @property
     def latency_s(self) -> float:

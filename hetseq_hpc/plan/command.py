@@ -34,6 +34,16 @@ Planner options: the ``plan`` config group (schema: ``hetseq_hpc/config/plan.py`
                           -> bf16 tensor cores on compute capability >= 8.0, fp32 elsewhere);
                           ``tensor``: every GPU at its tensor-core peak (fp16 on V100/T4).
 
+Time to result (``hetseq-hpc plan --when`` = ``plan.when=true``; SLURM clusters)::
+
+    plan.when=false       true: rank the mixes of the partitions (each in or out, 1 .. its
+                          nodes) by expected finish = Slurm's start estimate (sbatch
+                          --test-only, nothing submitted) + startup + steps x step + checkpoints
+    plan.startup_s=90     seconds from a job's start to its first step
+    plan.checkpoint_gb_s=1  checkpoint write bandwidth, GB/s
+    plan.max_mixes=32     most mixes asked about (node counts thinned above it, said so)
+    cluster.choose=finish_first|cheapest  (hetseq-hpc run) submits the first / fewest GPU-h row
+
 Cost model: :mod:`hetseq_hpc.plan.step_time`; GPU table: :mod:`hetseq_hpc.plan.gpus`.
 Errors are one line naming the value and the fix, exit code 2.
 """
@@ -93,7 +103,12 @@ def plan_command(argv: Optional[Sequence[str]] = None) -> int:
         print(__doc__)
         return 0
     try:
-        plan = make_plan(compose_plan_run(argv))
+        run = compose_plan_run(argv)
+        if run.plan.when:  # the planner never imports a launcher: sbatch --test-only is the CLI's
+            raise ConfigError("plan.when=true asks Slurm for start estimates, which this module "
+                              "does not: run hetseq-hpc plan --when (python -m hetseq_hpc plan "
+                              "--when)")
+        plan = make_plan(run)
     except ConfigError as exc:
         return report_error(exc, PROG)
     for warning in plan.warnings:

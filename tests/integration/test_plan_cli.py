@@ -4,6 +4,7 @@ plan, one-line errors with exit 2."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -54,3 +55,62 @@ def test_bad_plan_option_is_one_line_and_exit_2(tmp_path, option, key):
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith(f"hetseq-hpc plan: error: {key}"), lines[0]
     assert proc.stdout == ""
+
+
+# ------------------------------------------------------------------ time to result (plan --when)
+def _hetseq(*args, env=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "hetseq_hpc", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _no_slurm_env():
+    """This environment with no Slurm commands on PATH (the interpreter is called by path)."""
+    env = dict(os.environ, PATH="/nonexistent")
+    env.pop("SLURM_CONF", None)
+    return env
+
+
+def test_plan_when_needs_a_slurm_cluster_and_slurm():
+    proc = _hetseq("plan", "--when", "cluster=local")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "pick a SLURM cluster" in proc.stderr
+    proc = _hetseq("plan", "cluster=mixed", "task=bert", "plan.when=true", env=_no_slurm_env())
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "Slurm is not available here (sbatch, srun, squeue, sinfo not found)" in proc.stderr
+    # the planner's own module never asks Slurm: it says which command does
+    proc = _plan_cli("cluster=mixed", "plan.when=true", timeout=60)
+    assert proc.returncode == 2 and "run hetseq-hpc plan --when" in proc.stderr, proc.stderr
+
+
+def test_choose_without_slurm_submits_nothing_and_leaves_no_run_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _hetseq("run", "cluster=mixed", "task=bert", "cluster.choose=finish_first",
+                   f"hydra.run.dir={run_dir}", env=_no_slurm_env())
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("hetseq-hpc: error: Slurm is not "
+                                                          "available here"), proc.stderr
+    assert not run_dir.exists()
+
+
+def test_test_only_asks_sbatch_with_the_launchers_script(tmp_path, monkeypatch):
+    """``test_only_start`` runs ``sbatch --test-only`` on the het-job script the launcher renders,
+    with Slurm's standard time format, and reads its answer (a stand-in sbatch on PATH prints
+    the line the real one printed on the test cluster)."""
+    from hetseq_hpc.config import compose_run_config
+    from hetseq_hpc.launch.sbatch import render_sbatch
+    from hetseq_hpc.launch.test_only import test_only_start
+
+    seen = tmp_path / "seen"
+    fake = tmp_path / "bin" / "sbatch"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\necho \"$1 $SLURM_TIME_FORMAT\" > {seen}.args\ncp \"$2\" {seen}.sh\n"
+                    "echo 'sbatch: Job 5 to start at 2026-11-25T04:48:32 using 3 processors on "
+                    "n[1,3-4]' >&2\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    cluster = compose_run_config(["cluster=testcluster", "cluster.folder=/shared/sub"]).cluster
+    est = test_only_start(cluster, python="/usr/bin/python3")
+    assert (tmp_path / "seen.args").read_text().split() == ["--test-only", "standard"]
+    assert (tmp_path / "seen.sh").read_text() == render_sbatch(cluster, "/shared/sub",
+                                                               "/usr/bin/python3")
+    assert est.start_epoch is not None and "n[1,3-4]" in est.detail and not est.refused

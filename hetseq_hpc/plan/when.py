@@ -1,0 +1,329 @@
+"""Time to result: which mix of the configured partitions finishes first (``plan.when``).
+
+For a SLURM cluster config, :func:`candidate_mixes` lists the mixes of its partitions (each
+partition in or out, 1 .. its configured node count when in; thinned when there are more than
+``plan.max_mixes``, and the table says how). For each mix, :func:`predict_mix` restricts the
+run to it (:func:`restrict_run`), plans it with the planner (:func:`hetseq_hpc.plan.planner.make_plan`)
+and predicts its run time::
+
+    run_s = plan.startup_s + trainer.max_steps x predicted step time + checkpoint cost
+
+where the checkpoint cost is one write of the model and its AdamW state
+(:data:`CHECKPOINT_BYTES_PER_PARAM` bytes per parameter) at ``plan.checkpoint_gb_s`` GB/s for
+every ``trainer.checkpoint_every`` steps and at the end. When the job would start comes from
+Slurm: the caller passes ``estimate_start(cluster) -> StartEstimate``
+(:func:`hetseq_hpc.launch.test_only.test_only_start`, ``sbatch --test-only`` on the het-job
+script the launcher would submit; the planner never imports a launcher). A mix Slurm gives no
+start time for keeps its run time, no finish time, and says so: nothing is guessed.
+
+:func:`rank_mixes` returns the :class:`WhenTable`, sorted by expected finish; its
+:meth:`WhenTable.pick` is what ``cluster.choose=finish_first|cheapest`` submits. Rendering:
+:mod:`hetseq_hpc.plan.when_table`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from hetseq_hpc.errors import ConfigError, HetseqError
+
+#: checkpoint bytes per parameter: the fp32 weights (4) and AdamW's two fp32 moments
+#: ``exp_avg``/``exp_avg_sq`` (8) (torch.optim.AdamW's state)
+CHECKPOINT_BYTES_PER_PARAM = 12
+
+
+@dataclass(frozen=True)
+class StartEstimate:
+    """When Slurm expects a job to start, from ``sbatch --test-only``.
+
+    Attributes:
+        start_epoch: expected start, seconds since the epoch; None when Slurm gave no time.
+        detail: what Slurm said (nodes, processors), or why there is no estimate.
+        refused: sbatch refused the job (it cannot run as asked): not a candidate.
+    """
+
+    start_epoch: Optional[float]
+    detail: str
+    refused: bool = False
+
+
+@dataclass
+class MixRow:
+    """One candidate mix and its predicted time to result. Times in seconds."""
+
+    mix: Dict[str, int]  # partition key -> nodes, in het-component order
+    ranks: int = 0
+    gpus: int = 0  # GPUs the job holds (CPU-only partitions: one per rank)
+    steps: int = 0
+    step_s: float = 0.0  # predicted step time (balanced split)
+    startup_s: float = 0.0
+    checkpoint_s: float = 0.0
+    over_limit: bool = False  # the predicted run is longer than cluster.timeout_min
+    problem: str = ""  # why it cannot run (the planner or sbatch refused it); '' = it can
+    start: Optional[StartEstimate] = None
+
+    @property
+    def label(self) -> str:
+        """``a100:1+v100:2`` (partition key:nodes, in het-component order)."""
+        return "+".join(f"{k}:{n}" for k, n in self.mix.items())
+
+    @property
+    def run_s(self) -> float:
+        """Predicted run time: start-up + steps x step time + checkpoint writes."""
+        return self.startup_s + self.steps * self.step_s + self.checkpoint_s
+
+    @property
+    def gpu_hours(self) -> float:
+        """GPUs held x predicted run time, in hours."""
+        return self.gpus * self.run_s / 3600.0
+
+    @property
+    def start_epoch(self) -> Optional[float]:
+        """Slurm's expected start (epoch seconds), or None."""
+        return None if self.start is None else self.start.start_epoch
+
+    @property
+    def finish_epoch(self) -> Optional[float]:
+        """Expected start + predicted run time (epoch seconds); None without a start estimate."""
+        start = self.start_epoch
+        return None if start is None or self.problem else start + self.run_s
+
+
+@dataclass
+class WhenTable:
+    """The candidate mixes of one run, sorted by expected finish (:func:`rank_mixes`)."""
+
+    rows: List[MixRow]
+    now: float  # epoch seconds when Slurm was asked
+    note: str  # how the mixes were enumerated (and thinned)
+    source: str = ""  # where the throughputs came from (the planner's source line)
+
+    @property
+    def estimated(self) -> List[MixRow]:
+        """Rows that can run and have a start estimate, by expected finish."""
+        return [r for r in self.rows if not r.problem and r.finish_epoch is not None]
+
+    def pick(self, choose: str) -> MixRow:
+        """The row ``cluster.choose`` names: ``finish_first`` = earliest expected finish
+        (GPU-hours break ties); ``cheapest`` = fewest GPU-hours among the mixes that can run
+        (expected finish breaks ties; a mix without an estimate sorts last there).
+
+        Raises:
+            ConfigError: no mix can run, or (finish_first) Slurm gave no start estimate for any.
+        """
+        runnable = [r for r in self.rows if not r.problem]
+        if not runnable:
+            first = self.rows[0].problem if self.rows else "no mixes"
+            raise ConfigError(f"cluster.choose={choose}: no mix of the partitions can run (first: "
+                              f"{first}): fix that, or set cluster.choose=none")
+        if choose == "cheapest":
+            return min(runnable, key=lambda r: (round(r.gpu_hours, 9), r.finish_epoch is None,
+                                                r.finish_epoch or 0.0))
+        if choose != "finish_first":
+            raise ConfigError(f"cluster.choose={choose!r} is unknown: use finish_first or cheapest")
+        if not self.estimated:
+            raise ConfigError(
+                "cluster.choose=finish_first: Slurm gave no start estimate for any mix "
+                f"({runnable[0].start.detail if runnable[0].start else 'not asked'}): ask the "
+                "admins for SchedulerType=sched/backfill, or use cluster.choose=cheapest or none")
+        return min(self.estimated, key=lambda r: (r.finish_epoch, r.gpu_hours))
+
+
+# ------------------------------------------------------------------------------ the mixes
+def _thin(nodes: int, level: int) -> List[int]:
+    """Node counts tried for a partition of ``nodes`` nodes: level 0 all of 1..nodes; 1 powers
+    of two and ``nodes``; 2 half and all; 3 all only."""
+    if level == 0:
+        return list(range(1, nodes + 1))
+    if level == 1:
+        return sorted({2 ** i for i in range(nodes.bit_length()) if 2 ** i <= nodes} | {nodes})
+    if level == 2:
+        return sorted({max(1, nodes // 2), nodes})
+    return [nodes]
+
+
+_LEVELS = ("every node count", "node counts thinned to powers of two and the configured count",
+           "node counts thinned to half and all of the configured count",
+           "each partition in or out at its configured node count")
+
+
+def candidate_mixes(partitions: Dict[str, int], max_mixes: int) -> Tuple[List[Dict[str, int]], str]:
+    """Mixes of ``partitions`` (key -> configured nodes): each partition out or in with a node
+    count from 1 up to its configured one, at least one partition in. Above ``max_mixes`` the
+    node counts are thinned (powers of two, then half/all, then in/out only) and, if still too
+    many, the mixes with the most nodes are kept.
+
+    Returns:
+        ``(mixes, note)``: mixes in het-component order (largest first), and one line saying
+        how many of how many possible mixes are listed and how they were thinned.
+    """
+    keys = list(partitions)
+    possible = math.prod(n + 1 for n in partitions.values()) - 1
+    for level in range(len(_LEVELS)):
+        choices = [[0, *_thin(partitions[k], level)] for k in keys]
+        count = math.prod(len(c) for c in choices) - 1
+        if count <= max_mixes:
+            break
+    how = _LEVELS[level]
+    mixes = [{k: n for k, n in zip(keys, combo) if n}
+             for combo in itertools.product(*choices) if any(combo)]
+    mixes.sort(key=lambda m: (-sum(m.values()), [-m.get(k, 0) for k in keys]))
+    cut = len(mixes) > max_mixes
+    mixes = mixes[:max_mixes]
+    note = f"{len(mixes)} of {possible} possible mix(es): {how}"
+    if cut:
+        note += f", then the {max_mixes} with the most nodes"
+    if len(mixes) < possible:
+        note += f" (plan.max_mixes={max_mixes}; raise it to see more)"
+    return mixes, note
+
+
+def restrict_run(run, mix: Dict[str, int]):
+    """``run`` with its cluster restricted to ``mix`` (partition key -> nodes; the others left
+    out), ``cluster.choose=none`` and the per-partition precision of the kept partitions only:
+    the configuration the launcher submits when ``mix`` is chosen.
+
+    Raises:
+        ConfigError: a key of ``mix`` is not a configured partition, or the restricted run
+            fails the cross-group checks (:func:`hetseq_hpc.config.validate_run_config`).
+    """
+    from hetseq_hpc.config import validate_run_config
+
+    parts = run.cluster.partitions
+    unknown = [k for k in mix if k not in parts]
+    if unknown:
+        raise ConfigError(f"mix names {', '.join(unknown)}, not a partition of the cluster: use "
+                          f"{', '.join(parts)}")
+    cluster = replace(run.cluster, choose="none",
+                      partitions={k: replace(p, nodes=int(mix[k])) for k, p in parts.items()
+                                  if mix.get(k)})
+    precision = replace(run.precision, partitions={k: v for k, v in run.precision.partitions.items()
+                                                   if k in cluster.partitions})
+    restricted = replace(run, cluster=cluster, precision=precision)
+    validate_run_config(restricted)
+    return restricted
+
+
+@contextlib.contextmanager
+def _model_measured_once() -> Iterator[None]:
+    """Inside: the planner measures the task's model once for every mix (the model does not
+    depend on the mix), by memoising :func:`hetseq_hpc.plan.planner.measure_model` per
+    ``(task config, need_activations)``; restored on exit."""
+    from hetseq_hpc.plan import planner
+
+    original = planner.measure_model
+    cache: dict = {}
+
+    def measured(task_cfg, need_activations, cpu_calibration=None):
+        if cpu_calibration is not None:
+            return original(task_cfg, need_activations, cpu_calibration)
+        key = (repr(task_cfg), bool(need_activations))
+        if key not in cache:
+            cache[key] = original(task_cfg, need_activations)
+        return replace(cache[key])
+
+    planner.measure_model = measured
+    try:
+        yield
+    finally:
+        planner.measure_model = original
+
+
+def predict_mix(run, mix: Dict[str, int]) -> Tuple[MixRow, object, str]:
+    """Plan ``run`` restricted to ``mix`` and predict its run time (no start estimate yet).
+
+    Returns:
+        ``(row, restricted run, the planner's throughput source line)``; the row's ``problem``
+        says why the mix cannot run (the restricted run is then None, the source '').
+    """
+    from hetseq_hpc.plan.planner import make_plan
+
+    row = MixRow(mix=dict(mix), steps=int(run.trainer.max_steps),
+                 startup_s=float(run.plan.startup_s))
+    try:
+        restricted = restrict_run(run, mix)
+        plan = make_plan(restricted)
+    except HetseqError as exc:
+        row.problem = f"cannot run: {exc}"
+        return row, None, ""
+    cluster = restricted.cluster
+    row.ranks = cluster.world_size
+    row.gpus = sum(p.nodes * (p.gpus_per_node if p.gpu_type else p.ranks_per_node_effective)
+                   for p in cluster.partitions.values())
+    row.step_s = float(plan.prediction.balanced.step_s)
+    every = int(run.trainer.checkpoint_every)
+    writes = (row.steps // every if every else 0) + (0 if every and row.steps % every == 0 else 1)
+    row.checkpoint_s = (writes * plan.model.param_count * CHECKPOINT_BYTES_PER_PARAM
+                        / (run.plan.checkpoint_gb_s * 1e9))
+    row.over_limit = row.run_s > cluster.timeout_min * 60
+    return row, restricted, plan.source
+
+
+def _order(row: MixRow) -> tuple:
+    """Sort key: estimated finishes first (earliest first), then mixes without an estimate
+    (shortest run first), then mixes that cannot run."""
+    if row.problem:
+        return (2, 0.0, row.label)
+    if row.finish_epoch is None:
+        return (1, row.run_s, row.label)
+    return (0, row.finish_epoch, row.gpu_hours)
+
+
+def check_when_cluster(run) -> None:
+    """``plan.when`` and ``cluster.choose`` need a SLURM cluster with partitions.
+
+    Raises:
+        ConfigError: ``run.cluster`` is local (one line naming it and the fix).
+    """
+    if run.cluster.is_local or not getattr(run.cluster, "partitions", None):
+        raise ConfigError("plan.when compares mixes of SLURM partitions but this cluster is "
+                          f"{run.cluster.name!r}: pick a SLURM cluster, e.g. cluster=mixed")
+
+
+def rank_mixes(run, estimate_start: Callable[[object], StartEstimate],
+               now: Optional[float] = None,
+               mixes: Optional[Sequence[Dict[str, int]]] = None) -> Tuple[WhenTable, Dict[str, object]]:
+    """Plan every candidate mix of ``run`` (a validated SLURM RunConfig), ask
+    ``estimate_start(restricted cluster)`` when each would start, and sort by expected finish.
+
+    Args:
+        run: the RunConfig; ``run.plan`` holds ``startup_s``, ``checkpoint_gb_s``, ``max_mixes``.
+        estimate_start: Slurm's start estimate for a cluster config (never submits).
+        now: epoch seconds of the question (default: now); a start before it counts as now.
+        mixes: the mixes to rank (default :func:`candidate_mixes` of the configured partitions).
+
+    Returns:
+        ``(table, runs)``: the table, and label -> restricted RunConfig of each mix that can run.
+
+    Raises:
+        ConfigError: ``run`` is not a SLURM cluster.
+    """
+    check_when_cluster(run)
+    configured = {k: int(p.nodes) for k, p in run.cluster.partitions.items()}
+    note = f"{len(mixes)} given mix(es)" if mixes is not None else ""
+    if mixes is None:
+        mixes, note = candidate_mixes(configured, run.plan.max_mixes)
+    rows: List[MixRow] = []
+    runs: Dict[str, object] = {}
+    with _model_measured_once():
+        planned = [predict_mix(run, mix) for mix in mixes]
+    source = next((s for _, _, s in planned if s), "")
+    asked = time.time() if now is None else now
+    for row, restricted, _ in planned:
+        if restricted is not None:
+            start = estimate_start(restricted.cluster)
+            if start.start_epoch is not None and start.start_epoch < asked:
+                start = replace(start, start_epoch=asked)
+            row.start = start
+            if start.refused:
+                row.problem = f"sbatch refused it: {start.detail}"
+            else:
+                runs[row.label] = restricted
+        rows.append(row)
+    rows.sort(key=_order)
+    return WhenTable(rows, asked, note, source), runs

@@ -1,0 +1,140 @@
+"""Time to result against the real Slurm test cluster: with partition a100 kept busy by a
+blocker job of a known time limit, ``hetseq-hpc plan --when`` ranks the mixes by Slurm's start
+estimate (backfill, ``sbatch --test-only``) + predicted run time; every candidate is then
+submitted for real, and the pick finishes first. ``cluster.choose=finish_first`` submits the
+pick itself.
+
+The candidates: a100 1 node, v100 1 node, both (``cluster=testcluster`` with v100 at 1 node:
+three mixes, so that the whole test stays near 90 s: a 1-minute blocker, then tiny BERT jobs of
+4 steps). Predicted and actual start and finish of each are printed (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers.runs import REPO, SMALL_MODEL, assert_ok, cli_env, read_rows
+from tests.helpers.slurm import slurm_cli, squeue_state
+
+#: the blocker's limit (minutes; Slurm's smallest) and how long it really sleeps (seconds)
+BLOCK_MIN, BLOCK_SLEEP_S = 1, 55
+SHORT = [*SMALL_MODEL, "cluster.partitions.v100.nodes=1", "trainer.max_steps=4",
+         "optim.warmup_steps=1", "trainer.val_every=0", "plan.startup_s=10",
+         "cluster.timeout_min=5"]
+
+
+def _times(job_id: str):
+    """``(state, start, end)`` of a (het) job from squeue, epoch seconds: the latest start and
+    end of its components (jobs stay listed for MinJobAge)."""
+    env = dict(os.environ, SLURM_TIME_FORMAT="standard")
+    out = subprocess.run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T|%S|%e"],
+                         capture_output=True, text=True, env=env).stdout
+    rows = [line.split("|") for line in out.splitlines() if line.count("|") == 2]
+
+    def epoch(text):
+        try:
+            return time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%S"))
+        except ValueError:
+            return None
+
+    starts = [epoch(r[1]) for r in rows]
+    ends = [epoch(r[2]) for r in rows]
+    return (squeue_state(job_id), max(starts) if None not in starts and starts else None,
+            max(ends) if None not in ends and ends else None)
+
+
+def _mix_overrides(mix):
+    """Overrides that restrict cluster=testcluster (+ SHORT) to ``mix``."""
+    out = [f"cluster.partitions.{k}.nodes={n}" for k, n in mix.items()]
+    return out + [f"~cluster.partitions.{k}" for k in ("a100", "v100") if k not in mix]
+
+
+def _clock(epoch):
+    return "-" if epoch is None else time.strftime("%H:%M:%S", time.localtime(epoch))
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_plan_when_pick_finishes_first_and_choose_submits_it(tmp_path, token_cache):
+    blocker = subprocess.run(
+        ["sbatch", "--parsable", "-p", "a100", "-N2", "--exclusive", f"--time={BLOCK_MIN}",
+         "-o", str(tmp_path / "blocker.out"), "--wrap", f"sleep {BLOCK_SLEEP_S}"],
+        capture_output=True, text=True, timeout=60)
+    assert blocker.returncode == 0, blocker.stderr
+    blocker_id = blocker.stdout.strip().split(";")[0]
+    jobs = {}
+    try:
+        deadline = time.monotonic() + 60
+        while squeue_state(blocker_id) != "RUNNING":
+            assert time.monotonic() < deadline, "the blocker job did not start"
+            time.sleep(0.5)
+        plan = subprocess.run([sys.executable, "-m", "hetseq_hpc", "plan", "--when",
+                               "cluster=testcluster", *SHORT], cwd=REPO,
+                              env=cli_env(token_cache), capture_output=True, text=True,
+                              timeout=300)
+        assert_ok(plan)
+        table = json.loads(plan.stdout.strip().splitlines()[-1])
+        rows = {m["label"]: m for m in table["mixes"]}
+        assert list(rows) == ["v100:1", "a100:1", "a100:1+v100:1"], plan.stdout
+        assert table["finish_first"] == "v100:1", plan.stdout
+        asked = table["asked_at"]
+        assert rows["v100:1"]["start"] - asked < 10  # v100 is free: now
+        for label in ("a100:1", "a100:1+v100:1"):  # a100 waits for the blocker's time limit
+            assert rows[label]["start"] - asked > 20, plan.stdout
+            assert rows[label]["finish"] > rows["v100:1"]["finish"]
+        assert "no start estimate" not in plan.stdout
+
+        # cluster.choose=finish_first submits the pick; the others are submitted as they are
+        chosen = slurm_cli(tmp_path / "chosen", token_cache, *SHORT,
+                           "cluster.choose=finish_first", timeout=300)
+        assert_ok(chosen)
+        assert re.search(r"cluster.choose=finish_first: submitting v100:1 ", chosen.stdout)
+        assert re.search(r"submitted het job \d+: 1 ranks over v100", chosen.stdout)
+        when = json.loads((tmp_path / "chosen" / "when.json").read_text())
+        assert when["chosen"] == "v100:1" and when["choose"] == "finish_first"
+        info = json.loads((tmp_path / "chosen" / "job.json").read_text())
+        assert info["partitions"] == ["v100"]
+        saved = (tmp_path / "chosen" / "hetseq_config.yaml").read_text()
+        assert "choose: none" in saved and "a100:" not in saved.split("partitions:")[1]
+        jobs["v100:1"] = str(info["job_id"])
+        dirs = {"v100:1": tmp_path / "chosen"}
+        for label in ("a100:1", "a100:1+v100:1"):
+            mix = rows[label]["mix"]
+            run_dir = tmp_path / label.replace(":", "").replace("+", "_")
+            proc = slurm_cli(run_dir, token_cache, *SHORT, *_mix_overrides(mix), timeout=300)
+            assert_ok(proc)
+            jobs[label] = str(json.loads((run_dir / "job.json").read_text())["job_id"])
+            dirs[label] = run_dir
+
+        deadline = time.monotonic() + 240  # a guard against hangs, not a speed check
+        actual = {}
+        while len(actual) < len(jobs):
+            for label, job_id in jobs.items():
+                state, start, end = _times(job_id)
+                if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+                    actual[label] = (state, start, end)
+            assert time.monotonic() < deadline, f"jobs did not finish: {actual}"
+            time.sleep(1)
+    finally:
+        subprocess.run(["scancel", blocker_id, *jobs.values()], capture_output=True)
+
+    print("\nmix            predicted start/finish    actual start/finish   state")
+    for label in rows:
+        row, (state, start, end) = rows[label], actual[label]
+        print(f"{label:14s} {_clock(row['start'])} / {_clock(row['finish'])}   "
+              f"{_clock(start)} / {_clock(end)}   {state}")
+    assert all(state == "COMPLETED" for state, _, _ in actual.values()), actual
+    for label, run_dir in dirs.items():  # each candidate really trained its 4 steps
+        assert [r["step"] for r in read_rows(run_dir)] == [1, 2, 3, 4], label
+    first_end = actual["v100:1"][2]
+    assert all(first_end < end for label, (_, _, end) in actual.items() if label != "v100:1"), \
+        actual
+    for label in ("a100:1", "a100:1+v100:1"):  # they waited for the blocker, as Slurm said
+        assert actual[label][1] >= actual["v100:1"][1]
