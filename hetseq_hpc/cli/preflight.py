@@ -142,8 +142,10 @@ def check_model_fits(run: Any) -> None:
     (weights, gradients and AdamW state: :data:`~hetseq_hpc.balance.memory.STATIC_PARAM_COPIES`
     fp32 copies; the message says when ``sharding.mode=fsdp`` would fit), under ``fsdp`` and
     ``auto`` this rank's shard (:data:`~hetseq_hpc.balance.memory.SHARDED_STATE_COPIES` copies /
-    world size, none with ``sharding.cpu_offload`` on GPUs) plus the whole weights gathered
-    once for validation (:func:`~hetseq_hpc.balance.memory.model_state_bytes`). The parameter count comes from the task's configuration
+    world size, none with ``sharding.cpu_offload`` on GPUs), plus the whole weights gathered
+    once for validation for tasks other than BERT, which validates on the shards
+    (:func:`~hetseq_hpc.balance.memory.model_state_bytes`; the unit being computed is left to
+    the runtime's check). The parameter count comes from the task's configuration
     (:func:`hetseq_hpc.tasks.sizes.param_count`; nothing is built); a task whose size depends
     on its data or code is not checked here.
 
@@ -165,7 +167,9 @@ def check_model_fits(run: Any) -> None:
     world = planned_world_size(run)
     replica = model_state_bytes(float(count) * PARAM_BYTES)
     offload = bool(run.sharding.cpu_offload) and not run.cluster.is_local  # GPU partitions
-    shard = model_state_bytes(float(count) * PARAM_BYTES, "fsdp", world, offload=offload)
+    # BERT validates on the shards; the others may gather the whole weights for it
+    shard = model_state_bytes(float(count) * PARAM_BYTES, "fsdp", world, offload=offload,
+                              gathered_weights=run.task.name != "bert")
     mode = run.sharding.mode
     for where, limit, why, fix in rank_memory_limits(run):
         if mode == "none" and replica > limit:
@@ -180,7 +184,7 @@ def check_model_fits(run: Any) -> None:
             raise ConfigError(
                 f"task={run.task.name} has about {count:,} parameters: even sharded over {world} "
                 f"ranks, weights, gradients and AdamW state need {_gib(shard)} per rank "
-                f"({SHARDED_STATE_COPIES} x {PARAM_BYTES} bytes per parameter / {world}, plus "
-                "the whole weights gathered for validation) but "
+                f"({SHARDED_STATE_COPIES} x {PARAM_BYTES} bytes per parameter / {world}"
+                f"{'' if run.task.name == 'bert' else ', plus the whole weights gathered for validation'}) but "
                 f"{where} may use {_gib(limit)} ({why}): use more ranks, a smaller task.model "
                 f"(hidden size, layers), {fix}")

@@ -27,6 +27,9 @@ class ModelInfo:
     vocab_size: int = 0
     notes: List[str] = field(default_factory=list)
     largest_unit_params: int = 0  # parameters of the largest FSDP unit (the root counts)
+    # validation runs on the shards under FSDP (Task.evaluates_in_fixed_passes); False: the
+    # whole weights are gathered for it, and FSDP's memory counts them
+    evaluates_sharded: bool = False
 
     @property
     def gradient_bytes(self) -> float:
@@ -100,8 +103,27 @@ def _data_model(task):
     return model, make, int(data.get("vocab_size", 0) or 0), notes
 
 
+#: measured models of this process: (task config, need_activations) -> ModelInfo
+_MEASURED: dict = {}
+
+
 def measure_model(task_cfg, need_activations: bool,
                   cpu_calibration: Optional[CpuCalibration] = None) -> ModelInfo:
+    """:func:`measure_task_model`, measured once per task configuration in a process (``plan
+    --when`` plans many mixes of one model); a CPU calibration (timed) always runs again.
+    Returns a copy: callers may change it."""
+    from dataclasses import replace
+
+    if cpu_calibration is not None:
+        return measure_task_model(task_cfg, need_activations, cpu_calibration)
+    key = (repr(task_cfg), bool(need_activations))
+    if key not in _MEASURED:
+        _MEASURED[key] = measure_task_model(task_cfg, need_activations)
+    return replace(_MEASURED[key])
+
+
+def measure_task_model(task_cfg, need_activations: bool,
+                       cpu_calibration: Optional[CpuCalibration] = None) -> ModelInfo:
     """Build the task's real model and read its parameter count, its training FLOPs per sample
     (the task's formula, else measured with ``FlopCounterMode``:
     :func:`hetseq_hpc.tasks.flops.task_flops_per_sample`), and, if asked, the activation bytes of
@@ -132,7 +154,8 @@ def measure_model(task_cfg, need_activations: bool,
     largest = round(sum(p.numel() for p in model.parameters()) * unit_bytes / max(total_bytes, 1))
     info = ModelInfo(param_count=sum(p.numel() for p in model.parameters()),
                      flops_per_sample=task_flops_per_sample(task, model), vocab_size=vocab,
-                     notes=notes, largest_unit_params=int(largest))
+                     notes=notes, largest_unit_params=int(largest),
+                     evaluates_sharded=bool(task.evaluates_in_fixed_passes()))
 
     if cpu_calibration is not None:
         from hetseq_hpc.balance.calibrate import calibrate

@@ -207,7 +207,8 @@ def make_plan(run, opts: Optional[PlanConfig] = None) -> Plan:
     if mode == "fsdp" and known and model.activation_bytes_per_sample > 0:
         # the caps a sharded rank has (the runtime's formula); a probe's own caps stand
         static = model_state_bytes(float(model.param_count) * PARAM_BYTES, "fsdp", len(ranks),
-                                   float(model.largest_unit_params) * PARAM_BYTES, offload)
+                                   float(model.largest_unit_params) * PARAM_BYTES, offload,
+                                   gathered_weights=not model.evaluates_sharded)
         ranks = [replace(r, max_micro_batch=device_memory_cap(
             r.memory_bytes, 0.0, model.activation_bytes_per_sample, run.balance.max_micro_batch,
             static)) for r in ranks]
@@ -234,7 +235,8 @@ def make_plan(run, opts: Optional[PlanConfig] = None) -> Plan:
         passes = max(len(s.micro_sizes) for s in prediction.balanced.allocation.shares)
         fits = mode_fits(memory, model.param_count, model.largest_unit_params or
                          model.param_count, model.activation_bytes_per_sample,
-                         prediction.balanced.step_s, prediction.allreduce_s, passes, offload)
+                         prediction.balanced.step_s, prediction.allreduce_s, passes, offload,
+                         gathered_weights=not model.evaluates_sharded)
     return Plan(run.cluster.name, parts, ranks, prediction, model, opts, link, source, warnings,
                 mode, run.sharding.mode, fits)
 

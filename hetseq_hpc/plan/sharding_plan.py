@@ -59,7 +59,8 @@ def fsdp_traffic_factor(passes: int) -> float:
 
 def mode_fits(memory_bytes: Sequence[float], param_count: int, unit_params: int,
               activation_bytes_per_sample: float, ddp_step_s: float, allreduce_s: float,
-              passes: int, offload: bool = False) -> List[ModeFit]:
+              passes: int, offload: bool = False,
+              gathered_weights: bool = True) -> List[ModeFit]:
     """:class:`ModeFit` of DDP and of FSDP on ranks with ``memory_bytes`` budgets.
 
     Args:
@@ -69,6 +70,8 @@ def mode_fits(memory_bytes: Sequence[float], param_count: int, unit_params: int,
         ddp_step_s: the predicted DDP step; allreduce_s: its full ring all-reduce, seconds.
         passes: forward/backward passes per step (the largest accumulation count).
         offload: ``sharding.cpu_offload`` (the shards live in CPU memory).
+        gathered_weights: validation gathers the whole weights (a task that decodes); False:
+            it runs on the shards (:func:`hetseq_hpc.balance.memory.model_state_bytes`).
     """
     world = len(memory_bytes)
     room = min(memory_bytes) * MEMORY_HEADROOM - activation_bytes_per_sample
@@ -76,8 +79,9 @@ def mode_fits(memory_bytes: Sequence[float], param_count: int, unit_params: int,
     unit_share = unit_params / max(param_count, 1)
     ddp = model_state_bytes(param_bytes)
     fsdp = model_state_bytes(param_bytes, "fsdp", world, float(unit_params) * PARAM_BYTES,
-                             offload)
-    gathered = max(UNIT_COPIES * unit_share, float(GATHERED_WEIGHT_COPIES))
+                             offload, gathered_weights)
+    gathered = max(UNIT_COPIES * unit_share,
+                   float(GATHERED_WEIGHT_COPIES) if gathered_weights else 0.0)
     per_param_fsdp = PARAM_BYTES * ((0.0 if offload else SHARDED_STATE_COPIES / world) + gathered)
     extra = (fsdp_traffic_factor(passes) - 1.0) * allreduce_s
     return [

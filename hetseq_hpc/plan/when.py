@@ -23,12 +23,11 @@ start time for keeps its run time, no finish time, and says so: nothing is guess
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from hetseq_hpc.errors import ConfigError, HetseqError
 
@@ -209,31 +208,6 @@ def restrict_run(run, mix: Dict[str, int]):
     return restricted
 
 
-@contextlib.contextmanager
-def _model_measured_once() -> Iterator[None]:
-    """Inside: the planner measures the task's model once for every mix (the model does not
-    depend on the mix), by memoising :func:`hetseq_hpc.plan.planner.measure_model` per
-    ``(task config, need_activations)``; restored on exit."""
-    from hetseq_hpc.plan import planner
-
-    original = planner.measure_model
-    cache: dict = {}
-
-    def measured(task_cfg, need_activations, cpu_calibration=None):
-        if cpu_calibration is not None:
-            return original(task_cfg, need_activations, cpu_calibration)
-        key = (repr(task_cfg), bool(need_activations))
-        if key not in cache:
-            cache[key] = original(task_cfg, need_activations)
-        return replace(cache[key])
-
-    planner.measure_model = measured
-    try:
-        yield
-    finally:
-        planner.measure_model = original
-
-
 def predict_mix(run, mix: Dict[str, int]) -> Tuple[MixRow, object, str]:
     """Plan ``run`` restricted to ``mix`` and predict its run time (no start estimate yet).
 
@@ -310,8 +284,7 @@ def rank_mixes(run, estimate_start: Callable[[object], StartEstimate],
         mixes, note = candidate_mixes(configured, run.plan.max_mixes)
     rows: List[MixRow] = []
     runs: Dict[str, object] = {}
-    with _model_measured_once():
-        planned = [predict_mix(run, mix) for mix in mixes]
+    planned = [predict_mix(run, mix) for mix in mixes]  # the model is measured once
     source = next((s for _, _, s in planned if s), "")
     asked = time.time() if now is None else now
     for row, restricted, _ in planned:
