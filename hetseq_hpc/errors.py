@@ -33,6 +33,16 @@ class LaunchError(HetseqError, RuntimeError):
     """Starting, or keeping alive, the worker processes or the SLURM job failed."""
 
 
+class RankExcluded(LaunchError):
+    """This rank was lost to the others (no heartbeat) and they re-formed the job without it
+    (``trainer.elastic``): not a failure of the run; the rank ends (exit code 4)."""
+
+
+class TooFewRanks(LaunchError):
+    """Fewer ranks than ``trainer.elastic.min_ranks`` survived a lost rank: the run ends as
+    without recovery (a requeue resumes it from the last checkpoint)."""
+
+
 class DataError(HetseqError, RuntimeError):
     """Training data cannot be found or read."""
 
@@ -59,12 +69,14 @@ class Preempted(HetseqError):
 # ---------------------------------------------------------------------------- exit codes
 # One table from error type to exit code, and the one-line error every command prints:
 # ConfigError (bad input) 2; Preempted (stopped after a checkpoint, not a failure) 3 and said
-# without 'error:'; any other HetseqError 1; Ctrl-C 130.
+# without 'error:'; RankExcluded (the job went on without this rank) 4; any other
+# HetseqError 1; Ctrl-C 130.
 PROG = "hetseq-hpc"
 #: (error type, exit code), most specific first; the first ``isinstance`` match decides
 EXIT_CODES: Tuple[Tuple[Type[BaseException], int], ...] = (
     (ConfigError, 2),
     (Preempted, 3),
+    (RankExcluded, 4),
     (HetseqError, 1),
 )
 #: exit code after Ctrl-C (128 + SIGINT, as a shell reports it)

@@ -54,7 +54,7 @@ from hetseq_hpc.env.preemption import REQUEUE, StopRequest, requeue_job
 from hetseq_hpc.env.rank_guard import report_failure, watch_launcher
 from hetseq_hpc.env.startup import BACKGROUND_IMPORTS, PhaseClock, prefetch_imports
 from hetseq_hpc.env.world import WorldInfo
-from hetseq_hpc.errors import Preempted
+from hetseq_hpc.errors import Preempted, RankExcluded, exit_code
 from hetseq_hpc.files.atomic import atomic_write_json
 from hetseq_hpc.rundir.lock import claim_run_dir
 from hetseq_hpc.rundir.logs import setup_rank_logging
@@ -63,6 +63,7 @@ from hetseq_hpc.tasks import build_task
 from hetseq_hpc.tasks.contract import checked_batch
 from hetseq_hpc.tasks.prepare_wait import prepare_on_rank0
 from hetseq_hpc.train.contract_check import check_before_training
+from hetseq_hpc.train.elastic import ElasticWorld
 from hetseq_hpc.train.loop import RankMeta, Trainer
 from hetseq_hpc.train.metrics import measured_step_sync
 from hetseq_hpc.train.parallel import build_parallel
@@ -145,6 +146,27 @@ def calibrate_rank(model: torch.nn.Module, parallel: Any, task: Any, run: RunCon
     return calibrate(model, *args, wait_for_peers=None, static_bytes=static)
 
 
+def elastic_store(run: RunConfig, world: Any, env: Dict[str, str]) -> Any:
+    """The job's store for in-job recovery (:mod:`hetseq_hpc.train.elastic`), or None: off by
+    ``trainer.elastic.enabled=false``, without a store from the launcher (Slurm), for FSDP
+    (a lost rank takes its shard) and for one rank."""
+    from hetseq_hpc.distributed.membership import job_store
+
+    cfg = run.trainer.elastic
+    if not cfg.enabled or world.world_size < 2:
+        return None
+    if run.sharding.mode != "none":
+        log.info("trainer.elastic: off under sharding.mode=%s (a lost rank takes its shard with "
+                 "it: the run ends, a requeue resumes from the last checkpoint)",
+                 run.sharding.mode)
+        return None
+    store = job_store(run.cluster.collective_timeout_s, env)
+    if store is None and world.is_master:
+        log.info("trainer.elastic: off (the launcher serves no job store: in-job recovery runs "
+                 "under cluster=local; a lost rank ends the job as before)")
+    return store
+
+
 def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     """Run one rank to the end; returns the training summary (same on every rank).
 
@@ -171,8 +193,10 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
     precision, autocast = precision_context(placement, device, dev)
     task = build_task(run.task, run.trainer.seed)
     clock.mark("probe")
+    job = elastic_store(run, world, env)
     with claim_run_dir(run_dir_path, world.is_master, env), \
-            rendezvous(world, device, run.cluster.collective_timeout_s) as rdv:
+            rendezvous(world, device, run.cluster.collective_timeout_s, job,
+                       run.trainer.elastic.timeout_s if job is not None else None) as rdv:
         clock.mark("rendezvous")
         if emulation.method != "none":  # a slower device, not a slower network
             emulation = exempt_communication_threads(emulation)
@@ -225,9 +249,12 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
         allocation = agree_on_allocation(run, reports, rdv)
         clock.mark("allocation")
 
+        live: Dict[str, Any] = {}  # the elastic world, once there is one
+
         def on_allocation(new: Allocation, extra: Optional[Dict[str, Any]] = None) -> None:
-            if world.is_master:
-                write_allocation_json(run_dir_path, new, reports,
+            if torch.distributed.get_rank() == 0:  # of the current world (it may have re-formed)
+                members = live["elastic"].membership.members if live else range(len(reports))
+                write_allocation_json(run_dir_path, new, [reports[m] for m in members],
                                       {"startup": clock.to_dict(), **(extra or {})})
 
         metas = [RankMeta(**r.meta) for r in reports]
@@ -240,9 +267,14 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
             rebalancer = Rebalancer(caps=[s.max_micro_batch for s in allocation.shares],
                                     threshold=run.balance.rebalance_threshold,
                                     curves=report_curves(reports))
+        elastic = (ElasticWorld(run, job, rdv, reports, device)
+                   if job is not None and not parallel.sharded else None)
+        if elastic is not None:
+            live["elastic"] = elastic
         trainer = Trainer(run, run_dir_path, rdv, task, model, device, allocation, metas,
                           autocast=autocast, on_allocation=on_allocation,
-                          stop_request=stop_request, rebalancer=rebalancer, parallel=parallel)
+                          stop_request=stop_request, rebalancer=rebalancer, parallel=parallel,
+                          elastic=elastic)
         if world.is_master:  # after the Trainer chose the run (a new run archives the old one)
             clock.log()
             path = write_allocation_json(run_dir_path, allocation, reports,
@@ -251,8 +283,9 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
                      allocation.source,
                      [f"{s.micro_batch}x{s.accum_steps}" for s in allocation.shares], path)
         summary = trainer.fit()
-        finish_task_summary(summary, task, examples_model(task, trainer.parallel, world.is_master),
-                            task_info, world.is_master)
+        master = trainer.rank == 0  # of the current world (rank 0 may have been lost)
+        finish_task_summary(summary, task, examples_model(task, trainer.parallel, master),
+                            task_info, master)
         final: Dict[str, Any] = {}  # what plans read from a finished run (plan.probe)
         if rebalancer is not None and all(rebalancer.fitted):  # the refitted curves
             final["fitted_curves"] = [c.to_dict() for c in rebalancer.fitted]
@@ -261,11 +294,15 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
             final["measured_step"] = measured
         if final:
             on_allocation(trainer.allocation, final)
-        summary["world_size"] = world.world_size
-        if world.is_master:
+        summary["world_size"] = trainer.world.world_size
+        if elastic is not None:
+            summary["lost_ranks"] = sorted(set(range(world.world_size))
+                                           - set(elastic.membership.members))
+            elastic.close()
+        if master:
             atomic_write_json(RunDir(run_dir_path).summary, summary)
-        rdv.barrier()
-        if world.is_master and run.trainer.plot:  # after the barrier: no rank waits for it
+        trainer.rdv.barrier()
+        if master and run.trainer.plot:  # after the barrier: no rank waits for it
             draw_plot(summary, run_dir_path)
     return summary
 
@@ -320,6 +357,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         if run is not None:
             handle_preempted(exc, run)
         return 3
+    except RankExcluded as exc:  # the job went on without this rank: not a failure
+        log.warning("rank %d: %s", rank, exc)
+        return exit_code(exc)
     except BaseException as exc:  # every failure is reported, then re-signalled
         if isinstance(exc, KeyboardInterrupt):
             return 130

@@ -15,6 +15,28 @@ MAX_SEED = 2**32 - 1
 
 
 @dataclass
+class ElasticConfig:
+    """In-job recovery from a lost rank (:mod:`hetseq_hpc.train.elastic`): the survivors
+    re-form the world and redo the interrupted step over themselves, same global batch."""
+
+    # false = a lost rank ends the job (exit with its named error; a requeue resumes from the
+    # last checkpoint). Takes effect for DDP runs on cluster=local, whose launcher serves the
+    # job's store; FSDP and Slurm runs keep the end-the-job behaviour (logged)
+    enabled: bool = True
+    # fewer survivors than this end the run as if recovery were off
+    min_ranks: int = 1
+    # seconds a training-step collective may wait for a peer before that peer counts as stuck
+    # (a killed peer is noticed at once); a rank without a heartbeat for half of it is lost
+    timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        require(self.min_ranks >= 1, f"trainer.elastic.min_ranks={self.min_ranks} is invalid: "
+                "use >= 1")
+        require(self.timeout_s >= 2, f"trainer.elastic.timeout_s={self.timeout_s} is too short: "
+                "use >= 2 (seconds)")
+
+
+@dataclass
 class TrainerConfig:
     """The training loop: global batch, steps, seed, checkpoints, logging, safety switches.
 
@@ -58,6 +80,8 @@ class TrainerConfig:
     skip_contract_check: bool = False
     # where rank 0 logs every step besides metrics.jsonl (always on): csv, tensorboard, wandb
     loggers: List[str] = field(default_factory=lambda: ["jsonl"])
+    # a lost rank does not end the run (DDP on cluster=local): see ElasticConfig
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
     def __post_init__(self) -> None:
         require_finite(self, "trainer")

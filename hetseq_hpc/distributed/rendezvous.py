@@ -170,13 +170,19 @@ def backend_for(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
-def join(world: WorldInfo, device: torch.device, timeout_s: int) -> Rendezvous:
-    """Join the rendezvous at ``tcp://master_addr:master_port``.
+def join(world: WorldInfo, device: torch.device, timeout_s: int, job: Any = None,
+         step_timeout_s: Optional[float] = None) -> Rendezvous:
+    """Join the rendezvous at ``tcp://master_addr:master_port``, or through the job's store.
 
     Args:
         world: this rank's place in the job.
         device: this rank's compute device (picks the backend).
         timeout_s: how long the rendezvous and every later collective may wait, seconds.
+        job: the job's store served by the launcher
+            (:func:`hetseq_hpc.distributed.membership.job_store`): generation 0 of an elastic
+            world, whose store no rank holds.
+        step_timeout_s: timeout of the default group (DDP's gradient all-reduce) when shorter
+            than ``timeout_s``: how long a training step waits for a silent peer.
 
     Raises:
         LaunchError: the store cannot be reached or a peer does not arrive in ``timeout_s``.
@@ -197,13 +203,14 @@ def join(world: WorldInfo, device: torch.device, timeout_s: int) -> Rendezvous:
         kwargs["device_id"] = device
     try:
         # a loopback master (cluster=local) gets a store bound to 127.0.0.1 only
-        store = loopback_store(world, timeout_s)
+        store = (dist.PrefixStore("g0/pg", job) if job is not None
+                 else loopback_store(world, timeout_s))
         kwargs.update({"store": store} if store is not None else {"init_method": init_method})
         dist.init_process_group(
             backend=backend,
             rank=world.rank,
             world_size=world.world_size,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timedelta(seconds=min(timeout_s, step_timeout_s or timeout_s)),
             **kwargs,
         )
         cpu_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
@@ -224,11 +231,13 @@ def leave() -> None:
 
 
 @contextlib.contextmanager
-def rendezvous(world: WorldInfo, device: torch.device, timeout_s: int) -> Iterator[Rendezvous]:
-    """Context manager around :func:`join` that always tears the process group down."""
+def rendezvous(world: WorldInfo, device: torch.device, timeout_s: int, job: Any = None,
+               step_timeout_s: Optional[float] = None) -> Iterator[Rendezvous]:
+    """Context manager around :func:`join` that always tears the process group down (the
+    current one: an elastic world may have re-formed it)."""
     rdv: Optional[Rendezvous] = None
     try:
-        rdv = join(world, device, timeout_s)
+        rdv = join(world, device, timeout_s, job, step_timeout_s)
         yield rdv
     finally:
         leave()

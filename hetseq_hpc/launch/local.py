@@ -139,6 +139,53 @@ def _die_with_parent(parent_pid: int) -> Optional[Callable[[], None]]:
     return setup
 
 
+class ElasticJob:
+    """The job's store, served by the launcher for in-job recovery (``trainer.elastic``, DDP):
+    no rank holds it, so losing any rank loses nothing
+    (:mod:`hetseq_hpc.distributed.membership`). It listens on 127.0.0.1 only; every key is
+    under a random token given to the ranks in their environment."""
+
+    def __init__(self, store, token: str):
+        self.store, self.token = store, token
+        self.ended: set = set()
+
+    @classmethod
+    def serve(cls, run: RunConfig, envs: List[Dict[str, str]]) -> Optional[ElasticJob]:
+        """Serve the store and tell the ranks where (``envs`` updated), or None when in-job
+        recovery does not apply (off, FSDP, one rank)."""
+        from hetseq_hpc.distributed.membership import (
+            STORE_ENV,
+            TOKEN_ENV,
+            job_token,
+            serve_job_store,
+        )
+
+        if not run.trainer.elastic.enabled or run.sharding.mode != "none" or len(envs) < 2:
+            return None
+        store, port = serve_job_store("127.0.0.1")
+        token = job_token()
+        for env in envs:
+            env.update({STORE_ENV: f"127.0.0.1:{port}", TOKEN_ENV: token})
+        return cls(store, token)
+
+    @staticmethod
+    def tolerated(code: int) -> bool:
+        """A rank's exit the others survive: a signal (killed, lost) or 4 (left out)."""
+        from hetseq_hpc.errors import EXIT_CODES, RankExcluded
+
+        return code < 0 or code == dict(EXIT_CODES)[RankExcluded]
+
+    def end_excluded(self, procs: List[subprocess.Popen], codes: Dict[int, int]) -> None:
+        """SIGKILL the ranks the others left out (a stopped process does not end by itself)."""
+        for rank, proc in enumerate(procs):
+            if rank in codes or rank in self.ended:
+                continue
+            if self.store.check([f"job/{self.token}/excluded/{rank}"]):
+                log.warning("rank %d was left out by the others (no heartbeat): ending it", rank)
+                _signal_all([proc], signal.SIGKILL)
+                self.ended.add(rank)
+
+
 class LauncherStopped(KeyboardInterrupt):
     """The launcher received SIGTERM or SIGHUP; handled like Ctrl-C (the ranks checkpoint)."""
 
@@ -188,10 +235,13 @@ def _failure_reason(run_dir: Path, rank: int, code: Optional[int], pid: Optional
     return f"exit code {code}"
 
 
-def _watch(procs: List[subprocess.Popen], poll_s: float) -> Dict[int, int]:
+def _watch(procs: List[subprocess.Popen], poll_s: float,
+           job: Optional[ElasticJob] = None) -> Dict[int, int]:
     """Wait until every rank exited, or a rank failed and the others had
     :data:`FAILURE_GRACE_S` to exit on their own; returns rank -> exit code of the ranks that
-    exited by themselves (before anyone stopped them)."""
+    exited by themselves (before anyone stopped them). With ``job`` (in-job recovery), a rank
+    lost to a signal or left out by the others (exit 4; a stopped one is ended here) is not a
+    failure: the survivors go on without it."""
     codes: Dict[int, int] = {}
     failed_at: Optional[float] = None
     while len(codes) < len(procs):
@@ -199,7 +249,10 @@ def _watch(procs: List[subprocess.Popen], poll_s: float) -> Dict[int, int]:
             code = proc.poll()
             if code is not None and rank not in codes:
                 codes[rank] = code
-        if failed_at is None and any(c != 0 for c in codes.values()):
+        if job is not None:
+            job.end_excluded(procs, codes)
+        if failed_at is None and any(c != 0 and not (job and job.tolerated(c))
+                                     for c in codes.values()):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
             break
@@ -242,10 +295,19 @@ def _launch(run: RunConfig, run_dir: Path, poll_s: float, lock_env: Dict[str, st
            "--run-dir", str(run_dir)]
     procs: List[subprocess.Popen] = []
     oom_before = oom_kill_counts()  # the ranks inherit this cgroup: did the OOM killer act?
+    job = ElasticJob.serve(run, envs)
     try:
         procs = _start(cmd, envs, pass_fds)
-        codes = _watch(procs, poll_s)
-        if any(c != 0 for c in codes.values()):
+        codes = _watch(procs, poll_s, job)
+        if job is not None and codes and all(job.tolerated(c) or c == 0 for c in codes.values()):
+            lost = sorted(r for r, c in codes.items() if c != 0)
+            if lost:
+                log.warning("rank(s) %s were lost; the others finished the run without them",
+                            lost)
+            if len(lost) == len(procs):
+                raise LaunchError(f"every rank was lost ({_failure_reason(run_dir, 0, codes[0])}"
+                                  f"); see {RunDir(run_dir).rank_log(0)}")
+        elif any(c != 0 for c in codes.values()):
             errors = {r: read_error_file(RunDir(run_dir).error_file(r)) for r in range(len(procs))}
             stopped = [r for r, p in enumerate(procs) if r not in codes and _is_stopped(p.pid)]
             _stop(procs)

@@ -34,6 +34,7 @@ from torch import nn
 
 from hetseq_hpc.balance.allocation import Allocation
 from hetseq_hpc.config.schema import RunConfig
+from hetseq_hpc.distributed.membership import is_peer_failure
 from hetseq_hpc.distributed.rendezvous import Rendezvous, StepStats
 from hetseq_hpc.env.preemption import REASONS
 from hetseq_hpc.errors import Preempted
@@ -51,6 +52,7 @@ from hetseq_hpc.train.metrics import Progress, run_summary, step_row
 from hetseq_hpc.train.optim import build_optimizer, step_seed
 from hetseq_hpc.train.parallel import build_parallel, rank_memory
 from hetseq_hpc.train.precision import GradientPath
+from hetseq_hpc.train.rebalance_step import maybe_rebalance
 from hetseq_hpc.train.records import RankMeta, StepRecord
 from hetseq_hpc.train.sampler import GlobalBatchSampler
 from hetseq_hpc.train.sharded_checkpoint import load_tensors, save_sharded
@@ -84,6 +86,8 @@ class Trainer:
         parallel: the strategy already built by the worker
             (:func:`hetseq_hpc.train.parallel.build_parallel`: the model sharded before the
             contract check and calibration); None = build it here.
+        elastic: a :class:`~hetseq_hpc.train.elastic.ElasticWorld` (in-job recovery from a
+            lost rank), or None (a failed collective ends the run).
 
     Raises:
         CheckpointError: the checkpoint ``trainer.resume`` names is bad, or none of the run
@@ -106,6 +110,7 @@ class Trainer:
         stop_request: Any = None,
         sharding: str = "ddp",
         parallel: Any = None,
+        elastic: Any = None,
     ):
         self.run = run
         self.cfg = run.trainer
@@ -117,16 +122,14 @@ class Trainer:
         self.model = model
         self.device = device
         self.allocation = allocation
-        self.metas = metas
+        self.metas = self.metas_by_member = metas  # the latter by original rank, for ever
+        self.elastic = elastic
         self.autocast = autocast
         self.rebalancer = rebalancer
         self.on_allocation = on_allocation
         self.stop_request = stop_request
         self.sampler = GlobalBatchSampler(task.num_train, self.cfg.global_batch_size, self.cfg.seed)
-        self.grad_path = GradientPath(  # loss scale normaliser: expected units of a global batch
-            run.comm, [m.precision for m in metas], self.rank, self.world.world_size,
-            self.cfg.global_batch_size * float(getattr(task, "units_per_sample", 1.0)))
-        self.hook_state = HookState()
+        self.reset_gradient_path()
         # DDP or FSDP2 (train/parallel.py); FSDP shards the model in place, before the optimizer
         self.parallel = parallel or build_parallel(run, task, model, device, sharding)
         self.optimizer, self.scheduler = build_optimizer(model, run)
@@ -138,6 +141,14 @@ class Trainer:
         self.run_id = ""  # this run's id (train/run_history.py), decided by _resume()
         self._resume()
         self.parallel.start(self.grad_path, self.hook_state)
+
+    def reset_gradient_path(self) -> None:
+        """The gradient path and hook state of this world (loss scale normaliser: the
+        expected units of a global batch)."""
+        self.grad_path = GradientPath(
+            self.run.comm, [m.precision for m in self.metas], self.rank, self.world.world_size,
+            self.cfg.global_batch_size * float(getattr(self.task, "units_per_sample", 1.0)))
+        self.hook_state = HookState()
 
     # ------------------------------------------------------------------ state
     def state_dict(self, tensors: bool = True) -> Dict[str, Any]:
@@ -285,42 +296,6 @@ class Trainer:
                                  same_passes=self.parallel.sharded and fixed)
 
     # ------------------------------------------------------------------ the loop
-    def _maybe_rebalance(self, rec: StepRecord) -> None:
-        """Feed the re-balancer; every ``balance.rebalance_interval`` steps, or at once when it
-        sees a speed change (:meth:`~hetseq_hpc.balance.rebalance.Rebalancer.speed_changed`, the
-        same verdict on every rank), all ranks check they decided alike and switch together to
-        its new allocation from the next step (:meth:`~hetseq_hpc.balance.rebalance.Rebalancer.due`
-        also calls for a follow-up decision a few steps after a move that the evidence
-        supported only in part). Nothing is decided after the last step or a stop request's
-        step: no step would run the new split."""
-        every = self.run.balance.rebalance_interval
-        if self.rebalancer is None or not every:
-            return
-        self.rebalancer.record(rec.per_rank)
-        if rec.step >= self.cfg.max_steps or rec.stop_code:
-            # no step follows (the same on every rank): a switch now would leave an allocation
-            # that never ran in allocation.json and its measured sync
-            return
-        if not self.rebalancer.due(rec.step, every, self.allocation):
-            return
-        new = self.rebalancer.observe(rec.step, self.allocation)
-        self.rdv.check_agreement(new.digest() if new else "unchanged",
-                                 f"re-balancing decision at step {rec.step}")
-        if new is None:
-            return
-        why = self.rebalancer.decisions[-1]
-        log.info("step %d: straggle %.2f -> re-balancing %s -> %s from step %d (predicted gain "
-                 "%.1f %%, %.1f %% at the cautious end of the rates' intervals)", rec.step,
-                 why["straggle"], self.allocation.samples, new.samples, rec.step + 1,
-                 100 * why["gain"], 100 * why.get("supported_gain", why["gain"]))
-        rec.extra["reallocation"] = {"from": self.allocation.samples, "to": new.samples,
-                                     "at_step": rec.step + 1,
-                                     **{k: why[k] for k in ("gain", "supported_gain", "errors")
-                                        if k in why}}
-        self.allocation = new
-        if self.on_allocation is not None:
-            self.on_allocation(new)
-
     def fit(self) -> Dict[str, Any]:
         """Train to ``trainer.max_steps``; returns a summary (final loss, validation, throughput).
 
@@ -336,9 +311,26 @@ class Trainer:
             log.info("checkpoint is at step %d >= trainer.max_steps=%d: nothing to train",
                      start, cfg.max_steps)
         pending = dict(self.resume_note)  # goes into the first row written
+        step, event = start, None
         try:
-            for step in range(start + 1, cfg.max_steps + 1):
-                rec = self.train_step(step)
+            while step < cfg.max_steps:
+                step += 1
+                try:
+                    rec = self.train_step(step)
+                except RuntimeError as exc:  # a peer died or hung (torch's DistError too)
+                    if self.elastic is None or not is_peer_failure(exc):
+                        raise
+                    event = self.elastic.recover(self, exc, step)
+                    step = self.step  # redo the first step not completed by everyone
+                    writer = writer or (open_loggers(self.run, self.run_dir, step)
+                                        if self.rank == 0 else None)
+                    progress.enabled = self.rank == 0
+                    continue
+                if event is not None:  # the row of the membership change, once a step is done
+                    event["recovery_s"] = round(time.monotonic() - event.pop("detected_monotonic"), 3)
+                    if writer is not None:
+                        writer.write({**event, "run_id": self.run_id})
+                    event = None
                 if not math.isfinite(rec.loss):
                     raise FloatingPointError(
                         f"loss is {rec.loss} at step {step}: lower optim.lr or raise "
@@ -350,7 +342,7 @@ class Trainer:
                 row = step_row(rec, self.metas, self.allocation.shares, cfg.global_batch_size,
                                self.task.tokens_per_sample, self.allocation.samples,
                                units_per_sample=self.task.units_per_sample)
-                self._maybe_rebalance(rec)
+                maybe_rebalance(self, rec)
                 is_last = step == cfg.max_steps
                 if (cfg.val_every and step % cfg.val_every == 0) or is_last:
                     self.last_val = self.evaluate()

@@ -56,8 +56,8 @@ def read_rows(run_dir: Path) -> List[dict]:
 
 
 def losses(run_dir: Path) -> Dict[int, float]:
-    """step -> training loss of a run."""
-    return {row["step"]: row["loss"] for row in read_rows(run_dir)}
+    """step -> training loss of a run (step rows only: not a membership event's row)."""
+    return {row["step"]: row["loss"] for row in read_rows(run_dir) if "loss" in row}
 
 
 def assert_same_losses(a: dict, b: dict, steps) -> None:

@@ -125,9 +125,10 @@ def test_failing_rank_is_named_and_peers_tracebacks_stay_in_their_logs(tmp_path,
 
 @pytest.mark.slow
 def test_stopped_rank_is_named_not_the_peer_that_timed_out(tmp_path, token_cache):
-    """SIGSTOP on rank 1: rank 0 times out in a collective and exits first. The old launcher
-    blamed rank 0 (the first to exit); the cause is the stopped rank 1."""
-    with _launcher(tmp_path, token_cache, *LONG_RUN, "cluster.collective_timeout_s=10") as proc:
+    """SIGSTOP on rank 1 without in-job recovery: rank 0 times out in a collective and exits
+    first. The old launcher blamed rank 0 (the first to exit); the cause is the stopped rank 1."""
+    with _launcher(tmp_path, token_cache, *LONG_RUN, "cluster.collective_timeout_s=10",
+                   "trainer.elastic.enabled=false") as proc:
         wait_rows(tmp_path, 2, proc)
         os.kill(_ranks_of(tmp_path)[1], signal.SIGSTOP)
         _, stderr = proc.communicate(timeout=180)

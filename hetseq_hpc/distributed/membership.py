@@ -1,0 +1,215 @@
+"""Who is still in the job: heartbeats and re-forming the world after a lost rank.
+
+Everything goes through a store that does NOT live in a rank (the local launcher serves it,
+:func:`serve_job_store`), so losing any rank, rank 0 included, loses nothing the survivors need.
+Every key is under the job's token (``HETSEQ_JOB_TOKEN``), so another job's ranks on the same
+store see nothing of this one. Ranks are named by their ORIGINAL rank (their ``member`` id)
+across generations; generation ``g`` is the ``g``-th world (0 = the one the launcher started).
+
+* Heartbeat (:class:`Heartbeat`): a thread adds 1 to ``hb/<member>`` every
+  :data:`HEARTBEAT_S` seconds. A member whose counter has not moved for ``stale_s`` seconds of
+  the observer's own clock is stale (dead, or stopped by SIGSTOP / a stuck driver): no clock
+  has to agree between hosts.
+* Re-forming (:func:`reform`): each survivor writes ``g<n>/join/<member>``, then waits until
+  every member of the old world has joined or is stale; the first to see that proposes the
+  joined set with ``compare_set`` on ``g<n>/members`` (one winner, which every survivor then
+  reads). New ranks are dense, in the order of the old ones; a member left out (it joined
+  after going stale) gets :class:`~hetseq_hpc.errors.RankExcluded`.
+
+Sources: torch.distributed ``TCPStore`` / ``PrefixStore`` (https://pytorch.org/docs/stable/distributed.html#distributed-key-value-store);
+the rule of redoing the interrupted step over the survivors is in :mod:`hetseq_hpc.train.elastic`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from hetseq_hpc.errors import HetseqError, LaunchError, RankExcluded
+
+log = logging.getLogger(__name__)
+
+#: where the ranks find the job's store (``host:port``) and the job's token
+STORE_ENV = "HETSEQ_STORE"
+TOKEN_ENV = "HETSEQ_JOB_TOKEN"
+#: seconds between two heartbeats of a rank
+HEARTBEAT_S = 0.5
+
+
+def job_token() -> str:
+    """A new random token naming one job's keys in the store (hex, 16 bytes)."""
+    return secrets.token_hex(16)
+
+
+def serve_job_store(host: str = "127.0.0.1", port: int = 0) -> Tuple[Any, int]:
+    """Serve a ``TCPStore`` from THIS process (the launcher), listening on ``host`` only.
+
+    Returns:
+        ``(store, port)``; the store serves as long as the object lives.
+    """
+    import socket
+
+    from hetseq_hpc.distributed.loopback_store import is_loopback
+
+    if not is_loopback(host):
+        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=60))
+        return store, store.port
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    bound = sock.getsockname()[1]
+    store = dist.TCPStore(host, bound, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60), master_listen_fd=sock.detach(),
+                          use_libuv=True)
+    return store, bound
+
+
+def job_store(timeout_s: float, environ: Optional[Dict[str, str]] = None) -> Optional[Any]:
+    """A client of the job's store under its token (``PrefixStore``), or None when the
+    launcher serves none (``HETSEQ_STORE`` unset: no in-job recovery).
+
+    Raises:
+        LaunchError: the variables are malformed or the store cannot be reached.
+    """
+    env = os.environ if environ is None else environ
+    where, token = env.get(STORE_ENV), env.get(TOKEN_ENV, "")
+    if not where:
+        return None
+    host, _, port = where.rpartition(":")
+    if not host or not port.isdigit() or not token:
+        raise LaunchError(f"{STORE_ENV}={where!r} / {TOKEN_ENV} are malformed: the launcher "
+                          "sets them (host:port and a token); unset them to run without one")
+    try:
+        client = dist.TCPStore(host, int(port), is_master=False,
+                               timeout=timedelta(seconds=timeout_s))
+    except Exception as exc:
+        raise LaunchError(f"the job's store at {where} cannot be reached ({type(exc).__name__}): "
+                          "its launcher is gone; start the run again") from None
+    return dist.PrefixStore(f"job/{token}", client)
+
+
+class Heartbeat:
+    """A daemon thread that says "alive" for ``member`` every :data:`HEARTBEAT_S` seconds, and
+    the observer side: which members stopped saying it."""
+
+    def __init__(self, store: Any, member: int):
+        self.store, self.member = store, int(member)
+        self._stop = threading.Event()
+        self._seen: Dict[int, Tuple[int, float]] = {}
+        self._thread = threading.Thread(target=self._run, name="hetseq-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.store.add(f"hb/{self.member}", 1)
+            except Exception:  # the store is gone: the launcher ended, nothing to report to
+                return
+            self._stop.wait(HEARTBEAT_S)
+
+    def stale(self, members: List[int], stale_s: float) -> List[int]:
+        """The members whose heartbeat has not moved for ``stale_s`` seconds (of this process's
+        clock, since it first looked)."""
+        now, out = time.monotonic(), []
+        for m in members:
+            value = int(self.store.add(f"hb/{m}", 0))
+            last = self._seen.get(m)
+            if last is None or last[0] != value:
+                self._seen[m] = (value, now)
+            elif now - last[1] > stale_s:
+                out.append(m)
+        return out
+
+    def close(self) -> None:
+        """Stop beating (the rank is leaving)."""
+        self._stop.set()
+
+
+@dataclass(frozen=True)
+class Membership:
+    """One generation of the world: ``members`` (original ranks, in new-rank order)."""
+
+    generation: int
+    members: Tuple[int, ...]
+
+    def rank_of(self, member: int) -> int:
+        """New rank of an original rank."""
+        return self.members.index(member)
+
+
+def reform(store: Any, heartbeat: Heartbeat, me: int, old: Membership, stale_s: float,
+           timeout_s: float) -> Membership:
+    """Agree with the other survivors on the next world (see the module docstring).
+
+    Args:
+        store: the job's store (:func:`job_store`); heartbeat: this rank's :class:`Heartbeat`.
+        me: this rank's original rank; old: the world that broke.
+        stale_s: seconds without a heartbeat after which a member counts as lost.
+        timeout_s: how long to wait for the others at most.
+
+    Raises:
+        RankExcluded: the others re-formed without this rank.
+        LaunchError: no agreement within ``timeout_s``.
+    """
+    gen = old.generation + 1
+    store.set(f"g{gen}/join/{me}", "1")
+    deadline = time.monotonic() + timeout_s
+    key = f"g{gen}/members"
+    while True:
+        joined = [m for m in old.members if store.check([f"g{gen}/join/{m}"])]
+        lost = heartbeat.stale([m for m in old.members if m not in joined], stale_s)
+        if len(joined) + len(lost) == len(old.members):
+            proposal = json.dumps(sorted(joined))
+            winner = store.compare_set(key, "", proposal)
+            break
+        if store.check([key]):
+            winner = store.get(key)
+            break
+        if time.monotonic() > deadline:
+            raise LaunchError(f"the surviving ranks could not agree on a new world within "
+                              f"{timeout_s:g} s (joined: {joined}): raise "
+                              "trainer.elastic.timeout_s, or restart from the last checkpoint")
+        time.sleep(0.05)
+    members = tuple(json.loads(winner.decode() if isinstance(winner, bytes) else winner))
+    if me not in members:
+        raise RankExcluded(f"rank {me} was lost to the others (no heartbeat for {stale_s:g} s) and "
+                       f"the job went on without it as ranks {list(members)}: nothing to do")
+    for m in old.members:
+        if m not in members:
+            store.set(f"excluded/{m}", str(gen))
+    return Membership(gen, members)
+
+
+def join_generation(store: Any, membership: Membership, me: int, backend: str,
+                    timeout_s: float) -> None:
+    """Initialise the default process group of ``membership`` through the job's store (no
+    master rank: any survivor may be gone), with collective timeout ``timeout_s``."""
+    dist.init_process_group(backend=backend, store=dist.PrefixStore(
+        f"g{membership.generation}/pg", store), rank=membership.rank_of(me),
+        world_size=len(membership.members), timeout=timedelta(seconds=timeout_s))
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` from a training step is a collective's failure (a peer gone or silent:
+    torch's ``DistError``, or gloo's / NCCL's ``RuntimeError``), not a bug or bad input
+    (hetseq_hpc's own errors, out of memory)."""
+    if isinstance(exc, (HetseqError, torch.OutOfMemoryError)):
+        return False
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(
+        word in text for word in ("gloo", "nccl", "connection closed", "connection reset",
+                                  "timed out", "broken pipe"))

@@ -1,0 +1,143 @@
+"""A lost rank does not end the run (``trainer.elastic``, issue 24): real worker processes,
+real gloo, a real ``kill -9`` / ``SIGSTOP``, the launcher's real job store.
+
+Reference: 3 ranks, 30 steps, uninterrupted. Each drill loses rank(s) mid-run; the run must
+finish all 30 steps with exit 0, log the reference loss at every step (≤ 1e-6 relative:
+the survivors redo the interrupted step over themselves, same global batch), and write one
+``event: membership`` row per change. Dropout is off: masks are drawn per rank and step, so a
+moved sample would draw another mask (as with any re-balancing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.runs import REPO, SMALL_MODEL, cli_env, losses, read_rows, worker_pids
+
+pytestmark = pytest.mark.slow
+
+COMMON = [*SMALL_MODEL, "task.model.max_seq_len=32", "task.model.dropout=0.0",
+          "trainer.global_batch_size=24", "trainer.max_steps=30", "optim.schedule_steps=30",
+          "trainer.seed=5", "trainer.val_every=0", "trainer.checkpoint_every=0",
+          "trainer.elastic.timeout_s=4"]
+TOL = 1e-6
+
+
+def _start(run_dir: Path, token_cache: Path, *overrides: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "hetseq_hpc", *COMMON, *overrides, f"hydra.run.dir={run_dir}"]
+    return subprocess.Popen(cmd, cwd=REPO, env=cli_env(token_cache), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _step_rows(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return sum('"loss"' in line for line in path.read_text().splitlines()) if path.exists() else 0
+
+
+def _at_step(run_dir: Path, proc: subprocess.Popen, n: int) -> None:
+    deadline = time.monotonic() + 300  # a guard against hangs, not a speed check
+    while _step_rows(run_dir) < n:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"no step {n} in {run_dir}"
+        time.sleep(0.05)
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{stderr[-4000:]}"
+    return stdout + stderr
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, token_cache):
+    run_dir = tmp_path_factory.mktemp("elastic") / "reference"
+    _finish(_start(run_dir, token_cache, "cluster.ranks=3"))
+    return losses(run_dir)
+
+
+def _same_trajectory(reference: dict, run_dir: Path) -> None:
+    got = losses(run_dir)
+    assert sorted(got) == list(range(1, 31)), sorted(got)
+    worst = max(abs(got[s] - reference[s]) / abs(reference[s]) for s in reference)
+    assert worst <= TOL, f"largest relative difference {worst:.2e}"
+
+
+def _events(run_dir: Path) -> list:
+    return [r for r in read_rows(run_dir) if r.get("event") == "membership"]
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_kill_9_a_rank_at_step_10_and_the_run_finishes_the_same(victim, reference, tmp_path,
+                                                                  token_cache):
+    """``kill -9`` of rank 1, or of rank 0 (which writes the metrics and checkpoints: the
+    store lives in the launcher, and the lowest survivor takes rank 0 over)."""
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, token_cache, "cluster.ranks=3")
+    _at_step(run_dir, proc, 10)
+    os.kill(worker_pids(run_dir)[victim], signal.SIGKILL)
+    out = _finish(proc)
+    _same_trajectory(reference, run_dir)
+    (event,) = _events(run_dir)
+    assert [x["rank"] for x in event["lost"]] == [victim] and event["world_size"] == 2
+    assert sum(event["split"]) == 24 and event["recovery_s"] > 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["lost_ranks"] == [victim] and summary["world_size"] == 2
+    assert f"rank(s) [{victim}] were lost" in out
+
+
+def test_a_stopped_rank_is_left_out_then_ended(reference, tmp_path, token_cache):
+    """SIGSTOP (a hung process): the others time out after ``trainer.elastic.timeout_s``, go on
+    without it, and the launcher ends the stopped process."""
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, token_cache, "cluster.ranks=3")
+    _at_step(run_dir, proc, 10)
+    pid = worker_pids(run_dir)[2]
+    os.kill(pid, signal.SIGSTOP)
+    _finish(proc)
+    _same_trajectory(reference, run_dir)
+    (event,) = _events(run_dir)
+    assert [x["rank"] for x in event["lost"]] == [2]
+    assert not Path(f"/proc/{pid}").exists(), "the stopped rank was not ended"
+
+
+def test_two_ranks_lost_one_after_the_other_from_4(reference, tmp_path, token_cache):
+    """4 ranks (the trajectory does not depend on the world size), rank 3 killed at step 8,
+    rank 1 at step 18: two membership changes, 2 survivors finish."""
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, token_cache, "cluster.ranks=4")
+    pids = None
+    _at_step(run_dir, proc, 8)
+    pids = worker_pids(run_dir)
+    os.kill(pids[3], signal.SIGKILL)
+    _at_step(run_dir, proc, 18)
+    os.kill(pids[1], signal.SIGKILL)
+    _finish(proc)
+    _same_trajectory(reference, run_dir)
+    events = _events(run_dir)
+    assert [e["world_size"] for e in events] == [3, 2]
+    assert [[x["rank"] for x in e["lost"]] for e in events] == [[3], [1]]
+
+
+def test_too_few_survivors_end_the_run_as_before(tmp_path, token_cache):
+    """``trainer.elastic.min_ranks=2`` on 2 ranks: losing one ends the run with a line that
+    says how it goes on (a requeue resumes from the last checkpoint)."""
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, token_cache, "cluster.ranks=2", "trainer.elastic.min_ranks=2")
+    _at_step(run_dir, proc, 5)
+    os.kill(worker_pids(run_dir)[1], signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert "trainer.elastic.min_ranks=2" in last and "last checkpoint" in last, last
