@@ -109,3 +109,21 @@ def test_dataset_adapter_is_exact_across_24_8(tmp_path, token_cache):
     run(uneven, token_cache, *task, *steps, *UNEVEN)
     assert_same_losses(losses(ref), losses(uneven), range(1, 21))
     assert json.loads((ref / "summary.json").read_text())["task"]["name"] == "dataset"
+
+
+@pytest.mark.parametrize("case", ["hub", "column"])
+def test_refusals_start_nothing(case, hf_models, tmp_path, token_cache):
+    """A hub name (a ConfigError: exit 2) and a missing column (a DataError: exit 1): one
+    ``error:`` line, no run directory."""
+    path, data = hf_models["classification"]
+    task = (["task=hf", "task.model.path=bert-base-uncased", f"task.data.files=[{data}]"]
+            if case == "hub" else ["task=hf", f"task.model.path={path}",
+                                   f"task.data.files=[{data}]", "task.data.text_field=sentence"])
+    cmd = [sys.executable, "-m", "hetseq_hpc", *task, f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == (2 if case == "hub" else 1), proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "error:" in lines[0], proc.stderr
+    assert ("downloads nothing" if case == "hub" else "'sentence'") in lines[0]
+    assert not (tmp_path / "run").exists()
