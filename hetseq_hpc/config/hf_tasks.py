@@ -148,8 +148,8 @@ class HfDataConfig:
     val_fraction: float = 0.05
     # masked LM: share of tokens selected for prediction
     mask_prob: float = 0.15
-    # texts per encode_batch call of the Rust tokenizer (all cores)
-    encode_batch: int = 1000
+    # texts per encode_batch call of the Rust tokenizer (all cores; also capped at 4 M characters)
+    encode_batch: int = 20000
     # where token ids are cached; null = $HETSEQ_CACHE, else ~/.cache/hetseq_hpc
     cache_dir: Optional[str] = None
 

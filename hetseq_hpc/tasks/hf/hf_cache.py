@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -77,8 +78,18 @@ class _Packer:
         self.content = out.seq_len - len(prefix) - len(suffix)
         self.pending: List[np.ndarray] = []
 
-    def add(self, ids: List[int]) -> None:
-        self.pending.append(np.asarray(ids + self.sep, dtype=np.int32))
+    def add_batch(self, id_lists: List[List[int]]) -> int:
+        """Append the texts' ids, each followed by the separator; returns the tokens added
+        (separators not counted). One C-level pass: no Python loop over tokens."""
+        lengths = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
+        total = int(lengths.sum())
+        flat = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=total)
+        if self.sep:
+            ends = np.cumsum(lengths)
+            flat = np.insert(flat, np.repeat(ends, len(self.sep)),
+                             np.tile(np.asarray(self.sep, dtype=np.int32), len(id_lists)))
+        self.pending.append(flat)
+        return total
 
     def flush(self) -> None:
         if not self.pending:
@@ -136,18 +147,25 @@ def build_hf_cache(data_cfg: Any, tokenizer: Any, kind: str, seq_len: int,
     return directory
 
 
+#: characters of text per encode_batch call at most (bounds the encodings alive at once)
+BATCH_CHARS = 4 << 20
+
+
 def _texts(data_cfg: Any, kind: str, size: int):
-    """Batches ``(texts, labels)`` of up to ``size`` records over all files."""
+    """Batches ``(texts, labels)`` of up to ``size`` records (and about :data:`BATCH_CHARS`
+    characters) over all files."""
     label_field = data_cfg.label_field if kind == "classification" else None
     texts: List[str] = []
     labels: List[object] = []
+    chars = 0
     for path in data_cfg.files:
         for text, label in records(path, data_cfg.text_field, label_field):
             texts.append(text)
             labels.append(label)
-            if len(texts) >= size:
+            chars += len(text)
+            if len(texts) >= size or chars >= BATCH_CHARS:
                 yield texts, labels
-                texts, labels = [], []
+                texts, labels, chars = [], [], 0
     if texts:
         yield texts, labels
 
@@ -171,16 +189,15 @@ def _build(data_cfg: Any, tokenizer: Any, kind: str, seq_len: int, directory: Pa
         framed = kind == "masked_lm" and cls_id is not None and sep_id is not None
         separator = [sep_id] if sep_id is not None else ([eos_id] if eos_id is not None else [])
         packer = _Packer(out, [cls_id] if framed else [], [sep_id] if framed else [], separator)
+        # encode_batch_fast (tokenizers >= 0.21) skips the offsets nobody reads here
+        encode = getattr(encoder, "encode_batch_fast", encoder.encode_batch)
         for texts, labels in _texts(data_cfg, kind, data_cfg.encode_batch):
-            encodings = encoder.encode_batch_fast(texts, add_special_tokens=not packed)
+            encodings = encode(texts, add_special_tokens=not packed)
             stats["texts"] += len(texts)
-            stats["bytes"] += sum(len(t.encode("utf-8")) for t in texts)
+            stats["bytes"] += len("\n".join(texts).encode("utf-8")) - len(texts) + 1
             if packed:
-                for enc in encodings:
-                    packer.add(enc.ids)
-                    stats["tokens"] += len(enc.ids)
-                if sum(p.size for p in packer.pending) >= 1 << 20:
-                    packer.flush()
+                stats["tokens"] += packer.add_batch([enc.ids for enc in encodings])
+                packer.flush()
                 continue
             block = np.full((len(encodings), seq_len), pad_id, dtype=np.int32)
             size = np.empty(len(encodings), dtype=np.int32)
