@@ -16,6 +16,13 @@ largest RSS any process of it reached). The last line is JSON::
      "peak_rss_mb": ..., "rows": ..., "vocab_size": ...}
 
 Usage: ``python scripts/bench_prepare.py --corpus-mb 1024 [--keep DIR]``.
+
+``--task hf --tokenizer wordpiece|bpe`` measures ``task=hf`` instead: a BERT WordPiece or a
+byte-level BPE tokenizer (30k tokens) is trained here on the first 20 MB of the corpus and saved
+with a config-only model (``task.model.config``: nothing downloaded, no weights), then
+``hetseq-hpc prepare task=hf`` tokenises the corpus (one text per line, packed rows) with the
+Rust ``encode_batch_fast`` on all cores. The JSON line adds ``tokens``, ``tokens_per_s`` and
+``tokens_per_s_per_core`` (per core used) and the machine (``cpu``).
 """
 
 from __future__ import annotations
@@ -62,17 +69,78 @@ def main() -> int:
                         help="corpus size in MB (10^6 bytes); default 1024")
     parser.add_argument("--seq-len", type=int, default=128, help="task.model.max_seq_len")
     parser.add_argument("--keep", help="build in this folder and keep it (default: a temp dir)")
+    parser.add_argument("--task", choices=["bert", "hf"], default="bert",
+                        help="bert (trains its own tokenizer) or hf (a given tokenizer)")
+    parser.add_argument("--tokenizer", choices=["wordpiece", "bpe"], default="wordpiece",
+                        help="--task hf: BERT WordPiece or byte-level BPE")
     args = parser.parse_args()
     root = Path(args.keep or tempfile.mkdtemp(prefix="bench-prepare-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
-        return run(root, args.corpus_mb, args.seq_len)
+        return run(root, args.corpus_mb, args.seq_len, args.task, args.tokenizer)
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
 
 
-def run(root: Path, corpus_mb: float, seq_len: int) -> int:
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo (the machine the figures belong to)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def hf_model_dir(root: Path, corpus: Path, kind: str) -> Path:
+    """A 30k-token tokenizer trained on the first 20 MB of ``corpus`` plus a config (no
+    weights), saved for ``task.model.config``/``task.model.tokenizer``."""
+    from itertools import islice
+
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+    from transformers import BertConfig, GPT2Config, PreTrainedTokenizerFast
+
+    with open(corpus, encoding="utf-8") as fh:
+        sample = list(islice(fh, 200_000))
+    if kind == "wordpiece":
+        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.train_from_iterator(sample, trainers.WordPieceTrainer(
+            vocab_size=30000, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"],
+            show_progress=False))
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
+                                       cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+        config = BertConfig(vocab_size=len(fast), architectures=["BertForMaskedLM"])
+    else:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.train_from_iterator(sample, trainers.BpeTrainer(
+            vocab_size=30000, special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+        config = GPT2Config(vocab_size=len(fast), architectures=["GPT2LMHeadModel"])
+    model = root / f"model-{kind}"
+    fast.save_pretrained(model)
+    config.save_pretrained(model)
+    return model
+
+
+def run(root: Path, corpus_mb: float, seq_len: int, task: str = "bert",
+        tokenizer: str = "wordpiece") -> int:
     """Build the corpus in ``root``, prepare it with a fresh cache, print the figures."""
     corpus = root / "corpus.txt"
     started = time.monotonic()
@@ -83,6 +151,10 @@ def run(root: Path, corpus_mb: float, seq_len: int) -> int:
     env = dict(os.environ, HETSEQ_CACHE=str(cache))
     cmd = [sys.executable, "-m", "hetseq_hpc", "prepare", "task=bert",
            f"task.data.files=[{corpus}]", f"task.model.max_seq_len={seq_len}"]
+    if task == "hf":
+        model = hf_model_dir(root, corpus, tokenizer)
+        cmd[4] = "task=hf"
+        cmd += [f"task.model.config={model}", f"task.model.tokenizer={model}"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()
     proc = subprocess.run(cmd, env=env)
@@ -102,10 +174,16 @@ def run(root: Path, corpus_mb: float, seq_len: int) -> int:
         "peak_rss_mb": round(max(after.ru_maxrss,
                                  resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024, 1),
         "rows": meta.get("rows"), "vocab_size": meta.get("vocab_size"),
+        "task": task, "cpu": cpu_name(),
     }
+    if task == "hf":
+        result.update(tokenizer=tokenizer, tokens=meta.get("tokens"),
+                      tokens_per_s=round(meta.get("tokens", 0) / wall),
+                      tokens_per_s_per_core=round(meta.get("tokens", 0) / max(cpu, 1e-9)),
+                      mb_per_s_per_core=round(size / 1e6 / max(cpu, 1e-9), 2))
     print(f"prepared {result['corpus_mb']} MB in {wall:.0f} s: {result['mb_per_s']} MB/s on "
           f"{result['cores']} of {result['cores_available']} cores, peak RSS "
-          f"{result['peak_rss_mb']} MB")
+          f"{result['peak_rss_mb']} MB ({result['cpu']})")
     print(json.dumps(result))
     return 0
 

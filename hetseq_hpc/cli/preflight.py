@@ -58,12 +58,19 @@ def check_resume(run: Any, run_dir: Optional[Path]) -> None:
 
 def check_task_code(run: Any) -> None:
     """Import the user's task class that ``task.target`` names (``task=custom``) and check it,
+    or check ``task=hf``'s model and data columns / ``task=dataset``'s build function
+    (:mod:`hetseq_hpc.tasks.hf.hf_checks`),
     before any process starts: a missing module, class or base class is one line here rather
     than a failure on every rank (:func:`hetseq_hpc.tasks.custom.resolve_target`).
 
     Raises:
         ConfigError: the target cannot be imported or is not a Task subclass (one line).
     """
+    if run.task.name in ("hf", "dataset"):
+        from hetseq_hpc.tasks.hf.hf_checks import check_dataset_task, check_hf_task
+
+        (check_hf_task if run.task.name == "hf" else check_dataset_task)(run.task)
+        return
     target = getattr(run.task, "target", None)
     if target:
         from hetseq_hpc.tasks.custom import resolve_target

@@ -35,6 +35,8 @@ from hetseq_hpc.config.cluster import PartitionConfig as PartitionConfig
 from hetseq_hpc.config.cluster import SlurmClusterConfig as SlurmClusterConfig
 from hetseq_hpc.config.comm import CommConfig as CommConfig
 from hetseq_hpc.config.common import check_sbatch_value as check_sbatch_value
+from hetseq_hpc.config.hf_tasks import DatasetTaskConfig as DatasetTaskConfig
+from hetseq_hpc.config.hf_tasks import HfTaskConfig as HfTaskConfig
 from hetseq_hpc.config.plan import PlanConfig, register_plan_config
 from hetseq_hpc.config.rank_precision import PrecisionConfig as PrecisionConfig
 from hetseq_hpc.config.sharding import ShardingConfig as ShardingConfig
@@ -72,7 +74,8 @@ class RunConfig:
 
 #: task name -> schema; the ``name`` field of a task config selects its schema.
 TASK_SCHEMAS: Dict[str, type] = {"bert": BertTaskConfig, "image": ImageTaskConfig,
-                                 "translation": TranslationTaskConfig, "custom": CustomTaskConfig}
+                                 "translation": TranslationTaskConfig, "custom": CustomTaskConfig,
+                                 "hf": HfTaskConfig, "dataset": DatasetTaskConfig}
 #: cluster name -> schema, chosen by the ``name`` field (``slurm`` for every SLURM cluster file).
 CLUSTER_SCHEMAS: Dict[str, type] = {"local": LocalClusterConfig, "slurm": SlurmClusterConfig}
 

@@ -1,5 +1,6 @@
 """Tasks: data + model + loss. :class:`Task` is the public API (docs/tasks.md); ``build_task``
-picks one by ``task.name``: ``bert``, ``image``, ``translation``, or ``custom`` (the class that
+picks one by ``task.name``: ``bert``, ``image``, ``translation``, ``hf`` (a Hugging Face model
+from a local directory), ``dataset`` (a user's map-style Dataset), or ``custom`` (the class that
 ``task.target`` names)."""
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ BUILTIN = {
     "bert": "hetseq_hpc.tasks.bert.mlm_task:BertTask",
     "image": "hetseq_hpc.tasks.image.classify_task:ImageTask",
     "translation": "hetseq_hpc.tasks.translation.seq2seq_task:TranslationTask",
+    "hf": "hetseq_hpc.tasks.hf.hf_task:HfTask",
+    "dataset": "hetseq_hpc.tasks.dataset_task:DatasetTask",
 }
 
 

@@ -51,10 +51,11 @@ def build_checked_model(task: Any, run: Any, device: torch.device,
     if place is not None:
         model = place(model)
     data = dict(task.data_summary)
+    name = task_name(run, task)
     if data:
-        log.info("task=%s data: %s", run.task.name, data)
+        log.info("task=%s data: %s", name, data)
     info = {
-        "name": run.task.name, "class": f"{type(task).__module__}.{type(task).__qualname__}",
+        "name": name, "class": f"{type(task).__module__}.{type(task).__qualname__}",
         "unit": getattr(task, "unit_name", "samples"),
         "units_per_sample": float(task.units_per_sample),
         "flops_per_sample": flops, "data": data,
@@ -62,6 +63,15 @@ def build_checked_model(task: Any, run: Any, device: torch.device,
     }
     torch.manual_seed(run.trainer.seed)  # the FLOPs pass must not move the seeded RNG
     return model, info
+
+
+def task_name(run: Any, task: Any) -> str:
+    """The task's name for the log and ``summary.json``: a user task's own ``name`` class
+    attribute when it sets one (``task=custom``, ``task=dataset``), else ``task.name``."""
+    own = getattr(type(task), "name", None)
+    if run.task.name in ("custom", "dataset") and isinstance(own, str) and own and own != "task":
+        return own
+    return run.task.name
 
 
 def record_inexact(info: Dict[str, Any], record: Dict[str, Any]) -> None:

@@ -9,6 +9,8 @@ import numpy as np
 
 #: the metric each task logs at validation
 METRIC = {"image": "val_accuracy", "translation": "val_bleu", "custom": "val_bits_per_char"}
+#: the name summary.json gives each task: a custom task's own ``name`` class attribute
+SUMMARY_NAME = {"image": "image", "translation": "translation", "custom": "char_lm"}
 
 
 def write_task_data(root: Path) -> dict:

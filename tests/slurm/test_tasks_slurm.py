@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from tests.helpers.runs import REPO, cli_env, read_rows
-from tests.helpers.tasks import METRIC, task_overrides
+from tests.helpers.tasks import METRIC, SUMMARY_NAME, task_overrides
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -31,4 +31,4 @@ def test_task_runs_as_a_het_job(name, tmp_path, token_cache, task_data_files):
     assert [r["partition"] for r in rows[-1]["ranks"]] == ["a100", "v100", "v100"]
     assert METRIC[name] in rows[-1]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["task"]["name"] == name and summary["world_size"] == 3
+    assert summary["task"]["name"] == SUMMARY_NAME[name] and summary["world_size"] == 3

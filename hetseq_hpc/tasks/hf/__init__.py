@@ -1,0 +1,1 @@
+"""``task=hf``: Hugging Face transformers models from local files (docs/tasks.md)."""

@@ -1,0 +1,281 @@
+"""Tokenising the user's files with the model's own tokenizer into a memory-mapped cache.
+
+Rank 0 runs :func:`build_hf_cache` in ``prepare``; every rank opens the result with
+:func:`open_hf_cache`. The cache folder (named by a hash of the files, the tokenizer and the
+options) holds ``tokens.npy`` (``(N, T)`` int32, written streaming, header last), for padded
+rows ``lengths.npy`` (``(N,)`` int32), for classification ``labels.npy`` (``(N,)`` int64), and
+``meta.json`` last (the completion marker). Every file is atomic
+(:mod:`hetseq_hpc.files.atomic`); a lock makes a second builder wait for the first.
+
+Texts are encoded ``task.data.encode_batch`` at a time by the Rust tokenizer's
+``encode_batch_fast`` on all cores (``TOKENIZERS_PARALLELISM=true``). Two layouts:
+
+- packed (language models, ``task.data.pack=true``): the texts' tokens joined by the
+  tokenizer's separator (``[SEP]``/EOS) and cut into rows of exactly ``T`` tokens (masked LM
+  rows start with ``[CLS]`` and end with ``[SEP]`` when the tokenizer has them); no padding;
+- padded (classification, or ``pack=false``): one text per row, with the tokenizer's special
+  tokens, truncated to ``T`` and padded with the pad id; the length is kept.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import itertools
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, BinaryIO, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from hetseq_hpc.errors import DataError
+from hetseq_hpc.files.atomic import atomic_write, atomic_write_text, remove_stale_temps
+from hetseq_hpc.tasks.bert.mlm_data import NPY_HEADER_BYTES, npy_header
+from hetseq_hpc.tasks.hf.hf_records import records
+from hetseq_hpc.tasks.npy_cache import open_npy_cache, save_npy
+
+log = logging.getLogger(__name__)
+
+#: bump when the layout changes, so old caches are not reused
+HF_CACHE_FORMAT = 1
+
+
+def hf_cache_key(data_cfg: Any, tokenizer_json: str, kind: str, seq_len: int) -> str:
+    """Folder name for (files with their sizes and mtimes, tokenizer, kind, T, options)."""
+    h = hashlib.sha256(f"{HF_CACHE_FORMAT}|{kind}|{seq_len}|{data_cfg.pack}|"
+                       f"{data_cfg.text_field}|{data_cfg.label_field}".encode())
+    for path in data_cfg.files:
+        st = os.stat(path)
+        h.update(f"|{path}|{st.st_size}|{st.st_mtime_ns}".encode())
+    h.update(hashlib.sha256(tokenizer_json.encode()).digest())
+    return "hf-" + h.hexdigest()[:20]
+
+
+def is_packed(kind: str, data_cfg: Any) -> bool:
+    """Whether the rows are packed (language models with ``task.data.pack=true``)."""
+    return kind != "classification" and bool(data_cfg.pack)
+
+
+class _Rows:
+    """Appends int32 rows of width ``T`` to ``fh`` (after the reserved ``.npy`` header)."""
+
+    def __init__(self, fh: BinaryIO, seq_len: int):
+        self.fh, self.seq_len, self.rows = fh, seq_len, 0
+
+    def write(self, rows: np.ndarray) -> None:
+        self.fh.write(np.ascontiguousarray(rows, dtype=np.int32).tobytes())
+        self.rows += int(rows.shape[0])
+
+
+class _Packer:
+    """Joins token ids and cuts rows ``prefix + T' content tokens + suffix``."""
+
+    def __init__(self, out: _Rows, prefix: List[int], suffix: List[int], separator: List[int]):
+        self.out, self.prefix, self.suffix, self.sep = out, prefix, suffix, separator
+        self.content = out.seq_len - len(prefix) - len(suffix)
+        self.pending: List[np.ndarray] = []
+
+    def add_batch(self, id_lists: List[List[int]]) -> int:
+        """Append the texts' ids, each followed by the separator; returns the tokens added
+        (separators not counted). One C-level pass: no Python loop over tokens."""
+        lengths = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
+        total = int(lengths.sum())
+        flat = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=total)
+        if self.sep:
+            ends = np.cumsum(lengths)
+            flat = np.insert(flat, np.repeat(ends, len(self.sep)),
+                             np.tile(np.asarray(self.sep, dtype=np.int32), len(id_lists)))
+        self.pending.append(flat)
+        return total
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        stream = np.concatenate(self.pending)
+        full = (stream.size // self.content) * self.content
+        if full:
+            body = stream[:full].reshape(-1, self.content)
+            rows = np.empty((body.shape[0], self.out.seq_len), dtype=np.int32)
+            rows[:, :len(self.prefix)] = self.prefix
+            rows[:, len(self.prefix):len(self.prefix) + self.content] = body
+            if self.suffix:
+                rows[:, -len(self.suffix):] = self.suffix
+            self.out.write(rows)
+        self.pending = [stream[full:]]
+
+
+def _special(tokenizer: Any, name: str) -> Optional[int]:
+    value = getattr(tokenizer, f"{name}_token_id", None)
+    return None if value is None else int(value)
+
+
+def _encoder(tokenizer: Any, packed: bool, seq_len: int):
+    """A copy of the Rust tokenizer set up for the layout (no padding; truncation to T for
+    padded rows)."""
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    backend.no_padding()
+    if packed:
+        backend.no_truncation()
+    else:
+        backend.enable_truncation(seq_len)
+    return backend
+
+
+def build_hf_cache(data_cfg: Any, tokenizer: Any, kind: str, seq_len: int,
+                   directory: Path) -> Path:
+    """Tokenise ``data_cfg.files`` into ``directory`` unless its ``meta.json`` exists.
+
+    Raises:
+        DataError: a file cannot be read or lacks a column; fewer than 2 rows result; a
+            classification label set with fewer than 2 classes.
+    """
+    meta_path = directory / "meta.json"
+    if meta_path.is_file():
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if meta_path.is_file():
+            return directory
+        remove_stale_temps([directory])
+        _build(data_cfg, tokenizer, kind, seq_len, directory)
+    return directory
+
+
+#: characters of text per encode_batch call at most (bounds the encodings alive at once)
+BATCH_CHARS = 4 << 20
+
+
+def _texts(data_cfg: Any, kind: str, size: int):
+    """Batches ``(texts, labels)`` of up to ``size`` records (and about :data:`BATCH_CHARS`
+    characters) over all files."""
+    label_field = data_cfg.label_field if kind == "classification" else None
+    texts: List[str] = []
+    labels: List[object] = []
+    chars = 0
+    for path in data_cfg.files:
+        for text, label in records(path, data_cfg.text_field, label_field):
+            texts.append(text)
+            labels.append(label)
+            chars += len(text)
+            if len(texts) >= size or chars >= BATCH_CHARS:
+                yield texts, labels
+                texts, labels, chars = [], [], 0
+    if texts:
+        yield texts, labels
+
+
+def _build(data_cfg: Any, tokenizer: Any, kind: str, seq_len: int, directory: Path) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+    started = time.monotonic()
+    packed = is_packed(kind, data_cfg)
+    encoder = _encoder(tokenizer, packed, seq_len)
+    cls_id, sep_id = _special(tokenizer, "cls"), _special(tokenizer, "sep")
+    eos_id = _special(tokenizer, "eos")
+    pad_id = _special(tokenizer, "pad")
+    pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
+    lengths: List[np.ndarray] = []
+    raw_labels: List[object] = []
+    stats = {"texts": 0, "tokens": 0, "bytes": 0}
+
+    def write(fh: BinaryIO) -> None:
+        fh.write(b"\0" * NPY_HEADER_BYTES)
+        out = _Rows(fh, seq_len)
+        framed = kind == "masked_lm" and cls_id is not None and sep_id is not None
+        separator = [sep_id] if sep_id is not None else ([eos_id] if eos_id is not None else [])
+        packer = _Packer(out, [cls_id] if framed else [], [sep_id] if framed else [], separator)
+        # encode_batch_fast (tokenizers >= 0.21) skips the offsets nobody reads here
+        encode = getattr(encoder, "encode_batch_fast", encoder.encode_batch)
+        for texts, labels in _texts(data_cfg, kind, data_cfg.encode_batch):
+            encodings = encode(texts, add_special_tokens=not packed)
+            stats["texts"] += len(texts)
+            stats["bytes"] += len("\n".join(texts).encode("utf-8")) - len(texts) + 1
+            if packed:
+                stats["tokens"] += packer.add_batch([enc.ids for enc in encodings])
+                packer.flush()
+                continue
+            block = np.full((len(encodings), seq_len), pad_id, dtype=np.int32)
+            size = np.empty(len(encodings), dtype=np.int32)
+            for i, enc in enumerate(encodings):
+                ids = enc.ids[:seq_len]
+                block[i, :len(ids)] = ids
+                size[i] = len(ids)
+            stats["tokens"] += int(size.sum())
+            out.write(block)
+            lengths.append(size)
+            raw_labels.extend(labels)
+        packer.flush()
+        if out.rows < 2:
+            raise DataError(f"task.data.files give {out.rows} sample(s) of {seq_len} tokens "
+                            f"({stats['tokens']} tokens from {stats['texts']} texts): need at "
+                            "least 2; add text or lower task.model.max_seq_len")
+        header = npy_header(out.rows, seq_len)
+        if len(header) != NPY_HEADER_BYTES:  # pragma: no cover - numpy's padding rule
+            raise DataError(f"numpy wrote a {len(header)}-byte .npy header: delete {directory}")
+        fh.seek(0)
+        fh.write(header)
+        stats["rows"] = out.rows
+
+    atomic_write(directory / "tokens.npy", write, durable=True)
+    label_names = _label_names(raw_labels) if kind == "classification" else None
+    if not packed:
+        save_npy(directory / "lengths.npy", np.concatenate(lengths))
+    if label_names is not None:
+        index = {name: i for i, name in enumerate(label_names)}
+        save_npy(directory / "labels.npy",
+                 np.asarray([index[_name(v)] for v in raw_labels], dtype=np.int64))
+    seconds = time.monotonic() - started
+    meta = {"format": HF_CACHE_FORMAT, "kind": kind, "packed": packed, "seq_len": seq_len,
+            "rows": stats["rows"], "texts": stats["texts"], "tokens": stats["tokens"],
+            "bytes": stats["bytes"], "pad_id": int(pad_id), "label_names": label_names,
+            "files": list(data_cfg.files), "seconds": round(seconds, 3)}
+    atomic_write_text(directory / "meta.json", json.dumps(meta, indent=1), durable=True)
+    log.info("tokenised %d texts (%.1f MB, %d tokens) into %d rows x %d in %.1f s -> %s",
+             stats["texts"], stats["bytes"] / 1e6, stats["tokens"], stats["rows"], seq_len,
+             seconds, directory)
+
+
+def _name(value: object) -> str:
+    text = str(value).strip() if isinstance(value, str) else str(value)
+    return str(int(text)) if text.isdigit() else text
+
+
+def _label_names(raw: List[object]) -> List[str]:
+    """Class names in id order: integers 0..K-1 keep their value, strings are sorted.
+
+    Raises:
+        DataError: fewer than 2 distinct labels, or integer labels that are not 0..K-1.
+    """
+    values = set(raw)
+    if len(values) < 2:
+        raise DataError(f"the label column holds {len(values)} distinct value(s) "
+                        f"({sorted(map(str, values))[:3]}): classification needs at least 2")
+    if all(isinstance(v, str) and v.strip().isdigit() for v in values):  # CSV integers
+        values = {int(v) for v in values}
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        top = max(values)
+        if min(values) < 0:
+            raise DataError(f"integer labels must be >= 0 (found {min(values)}): use 0..K-1")
+        return [str(i) for i in range(top + 1)]
+    return sorted({_name(v) for v in values})
+
+
+def open_hf_cache(directory: Path) -> Tuple[dict, Dict[str, np.ndarray]]:
+    """``(meta, arrays)`` of a finished cache, memory-mapped.
+
+    Raises:
+        DataError: missing or damaged (the message says to delete the folder).
+    """
+    try:
+        meta = json.loads((directory / "meta.json").read_text())
+    except Exception:
+        raise DataError(f"hf token cache {str(directory)!r} is unreadable: delete that "
+                        "directory to rebuild it") from None
+    names = ["tokens"] + ([] if meta["packed"] else ["lengths"])
+    names += ["labels"] if meta["kind"] == "classification" else []
+    return open_npy_cache(directory, names, "hf token cache")

@@ -1,0 +1,231 @@
+"""``task=hf``: a Hugging Face ``transformers`` model from a local directory, trained on the
+user's local files with a loss summed from the logits (docs/tasks.md, "Hugging Face models").
+
+Loss units: predicted tokens (causal LM: every token with a next token in its row; masked LM:
+the selected tokens) or samples (classification). Masking is a pure function of
+``(seed, epoch, split, row)`` as for ``task=bert``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from hetseq_hpc.errors import ConfigError
+from hetseq_hpc.tasks.base import Task
+from hetseq_hpc.tasks.bert.mlm_data import cache_root
+from hetseq_hpc.tasks.hf.hf_cache import build_hf_cache, hf_cache_key, open_hf_cache
+from hetseq_hpc.tasks.hf.hf_model import (
+    IGNORE_INDEX,
+    SummedLossModel,
+    build_hf_model,
+    load_hf_config,
+    load_tokenizer,
+    model_kind,
+    no_split_units,
+    set_dropout,
+    special_ids,
+)
+
+SPLIT_CODES = {"train": 0, "val": 1}
+UNIT_NAMES = {"causal_lm": "predicted tokens", "masked_lm": "masked tokens",
+              "classification": "samples"}
+
+
+class HfTask(Task):
+    """A transformers causal LM, masked LM or sequence classifier (``task.model.kind``).
+
+    Args:
+        cfg: the ``task`` group (:class:`~hetseq_hpc.config.hf_tasks.HfTaskConfig`).
+        seed: ``trainer.seed`` (masking seed).
+
+    Raises:
+        ConfigError: the config or tokenizer cannot be read; a masked LM whose tokenizer has
+            no mask token (one line each).
+    """
+
+    name = "hf"
+
+    def __init__(self, cfg: Any, seed: int):
+        super().__init__(cfg, seed)
+        self.config = load_hf_config(cfg.model)
+        self.kind = model_kind(cfg.model, self.config)
+        self.unit_name = UNIT_NAMES[self.kind]
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.seq_len = int(cfg.model.max_seq_len)
+        if self.kind == "masked_lm" and self.tokenizer.mask_token_id is None:
+            raise ConfigError(f"the tokenizer of {cfg.model.tokenizer or cfg.model.path or cfg.model.config!r} "
+                              "has no mask token: task.model.kind=masked_lm needs one")
+        limit = getattr(self.config, "max_position_embeddings", None) or getattr(
+            self.config, "n_positions", None)
+        if limit and self.seq_len > int(limit):
+            raise ConfigError(f"task.model.max_seq_len={self.seq_len} exceeds the model's "
+                              f"{limit} positions: use task.model.max_seq_len<={limit}")
+        key = hf_cache_key(cfg.data, self.tokenizer.backend_tokenizer.to_str(), self.kind,
+                           self.seq_len)
+        self.directory = cache_root(cfg.data.cache_dir) / key
+        self._meta: Optional[dict] = None
+        self._arrays: Dict[str, np.ndarray] = {}
+        self.special = np.asarray(special_ids(self.tokenizer), dtype=np.int64)
+
+    # ------------------------------------------------------------------ data
+    def prepare(self) -> None:
+        """Tokenise the files into the cache (rank 0; streamed, all cores, atomic)."""
+        build_hf_cache(self.cfg.data, self.tokenizer, self.kind, self.seq_len, self.directory)
+
+    def load(self) -> None:
+        """Memory-map the cache; a fixed permutation (seed 0) picks the validation rows."""
+        self._meta, self._arrays = open_hf_cache(self.directory)
+        n = int(self._arrays["tokens"].shape[0])
+        n_val = min(n - 1, max(1, round(n * self.cfg.data.val_fraction)))
+        order = np.random.default_rng(0).permutation(n)
+        self.train_index, self.val_index = np.sort(order[n_val:]), np.sort(order[:n_val])
+
+    @property
+    def meta(self) -> dict:
+        """The cache's ``meta.json``; raises DataError before :meth:`load`."""
+        return self.loaded(self._meta)
+
+    @property
+    def num_train(self) -> int:
+        """Training rows."""
+        return int(self.loaded(self._meta) and self.train_index.size)
+
+    @property
+    def num_val(self) -> int:
+        """Validation rows."""
+        return int(self.loaded(self._meta) and self.val_index.size)
+
+    @property
+    def num_labels(self) -> int:
+        """Classes (classification): from the data's labels."""
+        return len(self.meta["label_names"] or [])
+
+    @property
+    def units_per_sample(self) -> float:
+        """Mean loss units per row: ``T - 1`` (packed causal LM), ``mask_prob x tokens``
+        (masked LM), 1 (classification)."""
+        meta = self.meta
+        tokens = meta["tokens"] / max(meta["texts"], 1) if not meta["packed"] else self.seq_len
+        tokens = min(tokens, self.seq_len)
+        if self.kind == "causal_lm":
+            return float(max(tokens - 1, 1))
+        if self.kind == "masked_lm":
+            return float(self.cfg.data.mask_prob * tokens)
+        return 1.0
+
+    @property
+    def tokens_per_sample(self) -> float:
+        """Tokens per row, ``T``."""
+        return float(self.seq_len)
+
+    @property
+    def data_summary(self) -> Dict[str, Any]:
+        meta = self.meta
+        out = {"files": meta["files"], "kind": self.kind, "texts": meta["texts"],
+               "tokens": meta["tokens"], "rows": meta["rows"], "seq_len": self.seq_len,
+               "packed": meta["packed"], "train_rows": self.num_train, "val_rows": self.num_val,
+               "model": self.cfg.model.path or self.cfg.model.config, "cache": str(self.directory)}
+        if meta["label_names"]:
+            out["labels"] = meta["label_names"]
+        return out
+
+    def make_batch(self, positions: Sequence[int], epoch: int, split: str) -> Dict[str, torch.Tensor]:
+        """``input_ids``, ``attention_mask`` ``(B, T)`` int64 and ``labels`` (``(B, T)``, or
+        ``(B,)`` for classification); row ``i`` depends only on ``positions[i]``, ``epoch``,
+        ``split`` and the seed."""
+        index = self.train_index if split == "train" else self.val_index
+        rows = index[np.asarray(positions, dtype=np.int64).reshape(-1)]
+        ids = np.asarray(self._arrays["tokens"][rows], dtype=np.int64)
+        if self.meta["packed"]:
+            lengths = np.full(len(rows), self.seq_len, dtype=np.int64)
+        else:
+            lengths = np.asarray(self._arrays["lengths"][rows], dtype=np.int64)
+        mask = np.arange(self.seq_len)[None, :] < lengths[:, None]
+        if self.kind == "classification":
+            labels = np.asarray(self._arrays["labels"][rows], dtype=np.int64)
+        elif self.kind == "causal_lm":
+            labels = np.full_like(ids, IGNORE_INDEX)
+            labels[:, :-1] = np.where(mask[:, 1:], ids[:, 1:], IGNORE_INDEX)
+        else:
+            ids, labels = self._mask(ids, mask, rows, epoch, split)
+        return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(
+            mask.astype(np.int64)), "labels": torch.from_numpy(labels)}
+
+    def _mask(self, ids: np.ndarray, mask: np.ndarray, rows: np.ndarray, epoch: int,
+              split: str):
+        """BERT masking of each row from ``default_rng([seed, epoch, split, row])``: 80%
+        ``[MASK]``, 10% a random token, 10% unchanged; at least one token per row."""
+        inputs, labels = ids.copy(), np.full_like(ids, IGNORE_INDEX)
+        vocab = len(self.tokenizer)
+        prob = self.cfg.data.mask_prob
+        for i, row in enumerate(rows):
+            rng = np.random.default_rng([self.seed, epoch, SPLIT_CODES[split], int(row)])
+            maskable = mask[i] & ~np.isin(ids[i], self.special)
+            selected = (rng.random(self.seq_len) < prob) & maskable
+            if not selected.any():
+                candidates = np.flatnonzero(maskable if maskable.any() else mask[i])
+                selected[candidates[rng.integers(candidates.size)]] = True
+            action = rng.random(self.seq_len)
+            random_tokens = rng.integers(0, vocab, size=self.seq_len)
+            inputs[i, selected & (action < 0.8)] = self.tokenizer.mask_token_id
+            swap = selected & (action >= 0.8) & (action < 0.9)
+            inputs[i, swap] = random_tokens[swap]
+            labels[i, selected] = ids[i, selected]
+        return inputs, labels
+
+    def count(self, batch: Dict[str, torch.Tensor]) -> int:
+        """Labels that are not ``-100``: predicted tokens, masked tokens or samples."""
+        return int((batch["labels"] != IGNORE_INDEX).sum())
+
+    # ------------------------------------------------------------------ model
+    def build_model(self) -> SummedLossModel:
+        """The transformers model (pretrained from safetensors, or a random init from the
+        config; the caller seeds torch), wrapped to return the summed loss."""
+        config = self.config
+        if self.kind == "classification":
+            n = self.num_labels
+            if getattr(config, "num_labels", None) != n:
+                config.num_labels = n
+                config.id2label = {i: name for i, name in enumerate(self.meta["label_names"])}
+                config.label2id = {name: i for i, name in config.id2label.items()}
+            if getattr(config, "pad_token_id", None) is None:
+                config.pad_token_id = int(self.meta["pad_id"])
+        set_dropout(config, float(self.cfg.model.dropout))
+        return SummedLossModel(build_hf_model(self.cfg.model, config, self.kind), self.kind)
+
+    def sharding_units(self, model: nn.Module) -> List[nn.Module]:
+        """The modules named by the model's ``_no_split_modules`` (its transformer blocks),
+        else the default (every ``nn.ModuleList`` entry)."""
+        return no_split_units(model) or super().sharding_units(model)
+
+    # ------------------------------------------------------------------ validation
+    @torch.no_grad()
+    def evaluate_batch(self, model: nn.Module, batch: Dict[str, torch.Tensor],
+                       positions: Sequence[int]) -> Dict[str, float]:
+        """Loss sum and units; for classification also the correct predictions."""
+        if self.kind != "classification":
+            return super().evaluate_batch(model, batch, positions)
+        loss = float(model(**batch))
+        logits = model.logits(batch["input_ids"], batch["attention_mask"])
+        return {"loss_sum": loss, "units": float(len(positions)),
+                "correct": float((logits.argmax(-1) == batch["labels"]).sum())}
+
+    def evaluates_in_fixed_passes(self) -> bool:
+        """True for language models (one forward per batch); classification also calls
+        ``model.logits`` for the accuracy, so it is False there."""
+        return self.kind != "classification"
+
+    def finalize_metrics(self, sums: Dict[str, float]) -> Dict[str, float]:
+        """``val_loss`` and ``val_ppl`` (LM) or ``val_accuracy`` (classification)."""
+        metrics = super().finalize_metrics(sums)
+        if self.kind == "classification":
+            metrics.pop("val_ppl", None)
+            metrics["val_accuracy"] = sums.get("correct", 0.0) / max(sums.get("units", 0.0), 1.0)
+        else:
+            metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 50.0))
+        return metrics

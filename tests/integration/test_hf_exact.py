@@ -1,0 +1,129 @@
+"""``task=hf`` and ``task=dataset`` through the real CLI: exact across [24, 8], fine-tuning starts
+from the saved weights. Tiny models made here with ``save_pretrained`` (nothing downloaded).
+
+For each kind (causal LM on a text file, masked LM on a text file, classification on JSON lines
+with a label column), dropout off, one seed: ``cluster.ranks=1`` (32 rows per step) and
+``cluster.ranks=2 balance.allocation=[24,8] balance.max_micro_batch=5`` (accumulation on both)
+log the same loss at every one of 20 steps, to 1e-5 relative (``assert_same_losses``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers.hf_models import make_bert, make_gpt2, write_text_files
+from tests.helpers.runs import REPO, assert_same_losses, cli_env, losses, read_rows
+
+pytestmark = pytest.mark.slow
+
+STEPS = ["trainer.global_batch_size=32", "trainer.max_steps=20", "optim.schedule_steps=20",
+         "trainer.seed=7", "task.model.dropout=0.0", "trainer.val_every=0",
+         "trainer.checkpoint_every=0", "task.model.max_seq_len=32", "optim=finetune",
+         "optim.lr=1e-3", "trainer.plot=false"]
+UNEVEN = ["cluster.ranks=2", "balance.allocation=[24,8]", "balance.max_micro_batch=5"]
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    files = write_text_files(root)
+    return {"causal_lm": (make_gpt2(root / "gpt2"), files["txt"]),
+            "masked_lm": (make_bert(root / "bert"), files["txt"]),
+            "classification": (make_bert(root / "cls", "classification"), files["jsonl"])}
+
+
+def run(run_dir: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "hetseq_hpc", *overrides, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=REPO, env=cli_env(cache), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDERR:\n{proc.stderr[-4000:]}"
+    return proc
+
+
+@pytest.mark.parametrize("kind", ["causal_lm", "masked_lm", "classification"])
+def test_hf_uneven_ranks_repeat_one_rank(kind, hf_models, tmp_path, token_cache):
+    """1 rank x 32 == 2 ranks x [24, 8] at every one of 20 steps; the kind, unit and metric
+    reach summary.json."""
+    path, data = hf_models[kind]
+    task = ["task=hf", f"task.model.path={path}", f"task.data.files=[{data}]"]
+    ref, uneven = tmp_path / "ref", tmp_path / "uneven"
+    run(ref, token_cache, *task, *STEPS, "cluster.ranks=1")
+    run(uneven, token_cache, *task, *STEPS, *UNEVEN)
+    assert_same_losses(losses(ref), losses(uneven), range(1, 21))
+    summary = json.loads((ref / "summary.json").read_text())
+    assert summary["task"]["name"] == "hf" and summary["task"]["data"]["kind"] == kind
+    assert summary["exact"] is True
+    metric = "val_accuracy" if kind == "classification" else "val_ppl"
+    assert metric in read_rows(ref)[-1]
+
+
+def test_finetuning_starts_from_the_saved_weights(hf_models, tmp_path, token_cache):
+    """Step 1's loss is the saved GPT-2's loss on the first global batch (computed here from
+    the saved model directly), not a fresh init's."""
+    from transformers import GPT2LMHeadModel
+
+    from hetseq_hpc.config import compose_run_config
+    from hetseq_hpc.tasks import build_task
+    from hetseq_hpc.train.sampler import _permutation
+
+    path, data = hf_models["causal_lm"]
+    task_args = ["task=hf", f"task.model.path={path}", f"task.data.files=[{data}]"]
+    run(tmp_path / "run", token_cache, *task_args, *STEPS, "cluster.ranks=1",
+        "trainer.max_steps=1")
+    step1 = losses(tmp_path / "run")[1]
+
+    cfg = compose_run_config([*task_args, *STEPS, f"task.data.cache_dir={token_cache}"])
+    task = build_task(cfg.task, 7)
+    task.prepare()
+    task.load()
+    positions = _permutation(task.num_train, 7, 0)[:32]  # the first global batch
+    batch = task.make_batch(positions, 0, "train")
+    saved = GPT2LMHeadModel.from_pretrained(path).eval()
+    with torch.no_grad():
+        logits = saved(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        direct = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
+                                                   reduction="sum") / task.count(batch)
+        torch.manual_seed(123)
+        fresh = GPT2LMHeadModel(saved.config).eval()
+        fresh_loss = torch.nn.functional.cross_entropy(
+            fresh(input_ids=batch["input_ids"]).logits.flatten(0, 1), batch["labels"].flatten(),
+            reduction="sum") / task.count(batch)
+    assert np.isclose(step1, float(direct), rtol=1e-5), (step1, float(direct))
+    assert abs(float(fresh_loss) - step1) > 1e-3
+
+
+def test_dataset_adapter_is_exact_across_24_8(tmp_path, token_cache):
+    """A user's Dataset of variable-length items with a custom collate_fn (fixed-width
+    padding) and a loss_fn: 1 rank == 2 ranks x [24, 8] at every step."""
+    steps = [s for s in STEPS if "max_seq_len" not in s and "optim" not in s]
+    task = ["task=dataset", "task.target=tests.helpers.user_dataset:build", f"task.path={REPO}"]
+    ref, uneven = tmp_path / "ref", tmp_path / "uneven"
+    run(ref, token_cache, *task, *steps, "cluster.ranks=1")
+    run(uneven, token_cache, *task, *steps, *UNEVEN)
+    assert_same_losses(losses(ref), losses(uneven), range(1, 21))
+    assert json.loads((ref / "summary.json").read_text())["task"]["name"] == "dataset"
+
+
+@pytest.mark.parametrize("case", ["hub", "column"])
+def test_refusals_start_nothing(case, hf_models, tmp_path, token_cache):
+    """A hub name (a ConfigError: exit 2) and a missing column (a DataError: exit 1): one
+    ``error:`` line, no run directory."""
+    path, data = hf_models["classification"]
+    task = (["task=hf", "task.model.path=bert-base-uncased", f"task.data.files=[{data}]"]
+            if case == "hub" else ["task=hf", f"task.model.path={path}",
+                                   f"task.data.files=[{data}]", "task.data.text_field=sentence"])
+    cmd = [sys.executable, "-m", "hetseq_hpc", *task, f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == (2 if case == "hub" else 1), proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "error:" in lines[0], proc.stderr
+    assert ("downloads nothing" if case == "hub" else "'sentence'") in lines[0]
+    assert not (tmp_path / "run").exists()

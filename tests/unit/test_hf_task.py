@@ -1,0 +1,216 @@
+"""``task=hf`` and ``task=dataset`` in-process: the one-line refusals (hub name, ``.bin``-only
+model, missing/empty file, missing column), the summed loss, dropout wiring, row-wise batches,
+random init from a config, FSDP units, and the Dataset adapter. Tiny models made here."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from hetseq_hpc.cli.preflight import check_task_code
+from hetseq_hpc.config import compose_run_config
+from hetseq_hpc.errors import ConfigError, DataError, HetseqError
+from hetseq_hpc.tasks import build_task
+from tests.helpers.hf_models import make_bert, make_gpt2, write_text_files
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hfu")
+    files = write_text_files(root)
+    return {"root": root, **files, "gpt2": make_gpt2(root / "gpt2"),
+            "bert": make_bert(root / "bert"), "cls": make_bert(root / "cls", "classification")}
+
+
+def compose(*overrides: str):
+    run = compose_run_config(["task=hf", *overrides])
+    check_task_code(run)
+    return run
+
+
+def one_line_error(exc_type, *overrides: str) -> str:
+    with pytest.raises(exc_type) as info:
+        compose(*overrides)
+    message = str(info.value)
+    assert "\n" not in message and len(message) < 400, message
+    return message
+
+
+def task_of(made, model: str, data: str, *extra: str):
+    run = compose(f"task.model.path={made[model]}", f"task.data.files=[{made[data]}]",
+                  f"task.data.cache_dir={made['root'] / 'cache'}", "task.model.max_seq_len=32",
+                  "task.model.dropout=0.0", *extra)
+    task = build_task(run.task, 3)
+    task.prepare()
+    task.load()
+    return task
+
+
+def test_hub_name_is_refused_in_one_line_saying_nothing_is_downloaded(made):
+    msg = one_line_error(ConfigError, "task.model.path=openai-community/gpt2",
+                         f"task.data.files=[{made['txt']}]")
+    assert "downloads nothing" in msg and "local directory" in msg
+
+
+def test_bin_only_model_dir_is_refused(made, tmp_path):
+    model = tmp_path / "binonly"
+    model.mkdir()
+    shutil.copy(made["gpt2"] / "config.json", model / "config.json")
+    (model / "pytorch_model.bin").write_bytes(b"\0")
+    msg = one_line_error(ConfigError, f"task.model.path={model}", f"task.data.files=[{made['txt']}]")
+    assert "pytorch_model.bin" in msg and "safetensors" in msg
+
+
+def test_missing_and_empty_files_are_refused(made, tmp_path):
+    msg = one_line_error(ConfigError, f"task.model.path={made['gpt2']}",
+                         f"task.data.files=[{tmp_path / 'nope.txt'}]")
+    assert "does not exist" in msg
+    (tmp_path / "empty.jsonl").write_text("")
+    msg = one_line_error(ConfigError, f"task.model.path={made['gpt2']}",
+                         f"task.data.files=[{tmp_path / 'empty.jsonl'}]")
+    assert "is empty" in msg
+
+
+def test_missing_column_names_the_columns_found(made, tmp_path):
+    msg = one_line_error(DataError, f"task.model.path={made['cls']}",
+                         f"task.data.files=[{made['jsonl']}]", "task.data.label_field=stars")
+    assert "'stars'" in msg and "'text', 'label'" in msg
+    csv = tmp_path / "d.csv"
+    csv.write_text("sentence,label\nhello,1\n")
+    msg = one_line_error(DataError, f"task.model.path={made['cls']}", f"task.data.files=[{csv}]")
+    assert "no column 'text'" in msg and "'sentence'" in msg
+
+
+def test_causal_lm_batch_is_row_wise_and_the_loss_a_sum(made):
+    task = task_of(made, "gpt2", "txt")
+    assert task.kind == "causal_lm" and task.unit_name == "predicted tokens"
+    full = task.make_batch([5, 1, 9, 2], 0, "train")
+    half = task.make_batch([9, 2], 0, "train")
+    for key in full:
+        assert torch.equal(full[key][2:], half[key])
+    assert torch.equal(full["labels"][:, :-1], full["input_ids"][:, 1:])
+    assert task.count(full) == 4 * 31
+    torch.manual_seed(0)
+    model = task.build_model().eval()
+    with torch.no_grad():
+        total = model(**full)
+        parts = model(**task.make_batch([5, 1], 0, "train")) + model(**half)
+        mean = model.model(input_ids=full["input_ids"], labels=full["input_ids"]).loss
+    assert torch.allclose(total, parts, rtol=1e-5)
+    assert torch.allclose(total / task.count(full), mean, rtol=1e-5)  # the model's mean x count
+    assert [type(u).__name__ for u in task.sharding_units(model)] == ["GPT2Block"] * 2
+
+
+def test_masked_lm_masking_is_deterministic_and_spares_special_tokens(made):
+    task = task_of(made, "bert", "txt")
+    a = task.make_batch([0, 7], 2, "train")
+    b = task.make_batch([7], 2, "train")
+    assert torch.equal(a["input_ids"][1:], b["input_ids"]) and torch.equal(a["labels"][1:], b["labels"])
+    assert not torch.equal(a["labels"], task.make_batch([0, 7], 3, "train")["labels"])
+    tok = task.tokenizer
+    assert (a["input_ids"][:, 0] == tok.cls_token_id).all()  # rows framed [CLS] .. [SEP]
+    assert (a["labels"][:, 0] == -100).all() and (a["labels"][:, -1] == -100).all()
+    torch.manual_seed(0)
+    units = task.sharding_units(task.build_model())
+    assert [type(u).__name__ for u in units] == ["BertLayer", "BertLayer"]  # embeddings tied
+
+
+def test_classification_reads_json_lines_labels_and_pads(made):
+    task = task_of(made, "cls", "jsonl")
+    assert task.kind == "classification" and task.num_labels == 2
+    batch = task.make_batch(list(range(6)), 0, "train")
+    assert batch["labels"].shape == (6,) and task.count(batch) == 6
+    assert batch["input_ids"].shape == (6, 32)
+    assert ((batch["attention_mask"] == 0) <= (batch["input_ids"] == tok_pad(task))).all()
+    torch.manual_seed(0)
+    model = task.build_model()
+    loss = model(**batch)
+    assert loss.ndim == 0 and loss.item() > 0
+    stats = task.evaluate_batch(model.eval(), task.make_batch([0, 1], 0, "val"), [0, 1])
+    assert 0 <= task.finalize_metrics(stats)["val_accuracy"] <= 1
+
+
+def tok_pad(task):
+    return task.tokenizer.pad_token_id
+
+
+def test_dropout_is_wired_into_the_config_and_random_init_from_config(made, tmp_path):
+    run = compose(f"task.model.config={made['gpt2'] / 'config.json'}",
+                  f"task.model.tokenizer={made['gpt2']}", f"task.data.files=[{made['txt']}]",
+                  f"task.data.cache_dir={tmp_path}", "task.model.max_seq_len=32",
+                  "task.model.dropout=0.25", "task.model.kind=causal_lm")
+    task = build_task(run.task, 0)
+    assert {task.config.resid_pdrop, task.config.embd_pdrop, task.config.attn_pdrop} == {0.25}
+    task.prepare()
+    task.load()
+    torch.manual_seed(1)  # the saved model was made under seed 0
+    fresh = task.build_model()
+    from safetensors.torch import load_file
+
+    saved = load_file(str(made["gpt2"] / "model.safetensors"))
+    key = "transformer.h.0.attn.c_attn.weight"
+    assert not torch.equal(fresh.model.state_dict()[key], saved[key])  # random init
+    drops = [m.p for m in fresh.modules() if isinstance(m, torch.nn.Dropout)]
+    assert drops and set(drops) == {0.25}
+
+
+def test_string_labels_from_csv_are_sorted_into_ids(made, tmp_path):
+    csv = tmp_path / "s.csv"
+    rows = "".join(f"\"{t}\",{'pos' if i % 3 else 'neg'}\n" for i, t in enumerate(
+        json.loads(line)["text"].replace('"', "'") for line in
+        made["jsonl"].read_text().splitlines()[:60]))
+    csv.write_text("text,label\n" + rows)
+    run = compose(f"task.model.path={made['cls']}", f"task.data.files=[{csv}]",
+                  f"task.data.cache_dir={tmp_path}", "task.model.max_seq_len=16")
+    task = build_task(run.task, 0)
+    task.prepare()
+    task.load()
+    assert task.meta["label_names"] == ["neg", "pos"]
+    assert set(np.unique(task._arrays["labels"])) == {0, 1}
+
+
+def test_dataset_adapter_rows_counts_and_name(tmp_path):
+    from hetseq_hpc.tasks.dataset_task import dataset_task_class
+    from tests.helpers.user_dataset import build
+
+    run = compose_run_config(["task=dataset", "task.target=tests.helpers.user_dataset:build"])
+    task = build_task(run.task, 0)
+    task.load()
+    assert (task.num_train, task.num_val) == (400, 40)
+    full = task.make_batch([3, 8, 1], 0, "train")
+    assert torch.equal(full["ids"][1:], task.make_batch([8, 1], 0, "train")["ids"])
+    assert task.count(full) == int((full["tags"] != -100).sum())
+    torch.manual_seed(0)
+    model = task.build_model()
+    assert model(**full).ndim == 0
+    cls = dataset_task_class(build, name="tagger")
+    other = cls(run.task, 0)
+    other.load()
+    assert other.name == "tagger" and other.num_train == 400
+
+
+def test_dataset_target_that_does_not_import_is_one_line():
+    run = compose_run_config(["task=dataset", "task.target=no_such_module_xyz:build"])
+    with pytest.raises(HetseqError) as info:
+        check_task_code(run)
+    assert "no_such_module_xyz" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_custom_task_name_attribute_reaches_the_summary():
+    from types import SimpleNamespace
+
+    from hetseq_hpc.train.task_summary import task_name
+
+    class Mine:
+        name = "regression"
+
+    class Plain:
+        name = "task"
+
+    run = SimpleNamespace(task=SimpleNamespace(name="custom"))
+    assert task_name(run, Mine()) == "regression" and task_name(run, Plain()) == "custom"
+    assert task_name(SimpleNamespace(task=SimpleNamespace(name="bert")), Mine()) == "bert"
