@@ -122,9 +122,11 @@ def drill_sigkill_launcher(tmp: Path, cache: Path) -> dict:
 
 
 def drill_dead_rank(tmp: Path, cache: Path) -> dict:
-    """SIGKILL one rank: the others are stopped and the dead rank is named."""
+    """SIGKILL one rank without in-job recovery: the others are stopped and the dead rank is
+    named."""
     run_dir = tmp / "dead_rank"
-    proc = _start(run_dir, cache, "trainer.max_steps=100000", "trainer.checkpoint_every=0")
+    proc = _start(run_dir, cache, "trainer.max_steps=100000", "trainer.checkpoint_every=0",
+                  "trainer.elastic.enabled=false")
     _wait_rows(run_dir, 3, proc)
     victims = sorted(_workers(run_dir))
     t0 = time.monotonic()
@@ -133,6 +135,52 @@ def drill_dead_rank(tmp: Path, cache: Path) -> dict:
     return {"ok": proc.returncode not in (0, None) and "rank" in _said(err),
             "seconds": round(time.monotonic() - t0, 2), "exit": proc.returncode,
             "said": _said(err)}
+
+
+def _lose_a_rank(tmp: Path, cache: Path, name: str, victim: int, how: int) -> dict:
+    """3 ranks, 30 steps; at step 10 ``how`` (SIGKILL / SIGSTOP) hits rank ``victim``: with
+    in-job recovery (the default) the run finishes. Reports seconds from the signal to the next
+    completed step (from metrics.jsonl's row times) and the steps lost (re-done steps beyond
+    the interrupted one; 0 = the survivors went on from where the run was)."""
+    run_dir = tmp / name
+    proc = _start(run_dir, cache, "cluster.ranks=3", "trainer.max_steps=30",
+                  "trainer.checkpoint_every=0", "task.model.dropout=0.0")
+    _wait_rows(run_dir, 10, proc)
+    pids = {}
+    for pid in _workers(run_dir):
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
+        pids[rank] = pid
+    done_before = _rows(run_dir)
+    t_signal = time.time()
+    os.kill(pids[victim], how)
+    _, err = proc.communicate(timeout=300)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    steps = [r for r in rows if "loss" in r]
+    after = [r["time"] for r in steps if r["time"] > t_signal]
+    event = next((r for r in rows if r.get("event") == "membership"), {})
+    lost = max(0, done_before - event.get("resumed_at_step", done_before + 1) + 1) if event else None
+    return {"ok": proc.returncode == 0 and len({r["step"] for r in steps}) == 30 and bool(event),
+            "seconds": round(min(after) - t_signal, 2) if after else None,
+            "steps_lost": lost, "exit": proc.returncode,
+            "said": f"lost {event.get('lost')} at step {event.get('step')}; went on with "
+                    f"{event.get('world_size')} ranks, split {event.get('split')}"
+                    if event else _said(err)}
+
+
+def drill_elastic_kill_rank1(tmp: Path, cache: Path) -> dict:
+    """kill -9 of rank 1 at step 10 of 30: the other two finish the run."""
+    return _lose_a_rank(tmp, cache, "elastic_kill1", 1, signal.SIGKILL)
+
+
+def drill_elastic_kill_rank0(tmp: Path, cache: Path) -> dict:
+    """kill -9 of rank 0 (it writes the metrics): the others finish the run."""
+    return _lose_a_rank(tmp, cache, "elastic_kill0", 0, signal.SIGKILL)
+
+
+def drill_elastic_sigstop(tmp: Path, cache: Path) -> dict:
+    """SIGSTOP of rank 2 (a hang): left out after trainer.elastic.timeout_s, then ended."""
+    return _lose_a_rank(tmp, cache, "elastic_stop", 2, signal.SIGSTOP)
 
 
 def _flip(path: Path, count: int = 64) -> None:
@@ -207,6 +255,9 @@ DRILLS: Dict[str, Callable[[Path, Path], dict]] = {
     "sigterm_launcher": drill_sigterm_launcher,
     "sigkill_launcher": drill_sigkill_launcher,
     "dead_rank": drill_dead_rank,
+    "elastic_kill_rank1": drill_elastic_kill_rank1,
+    "elastic_kill_rank0": drill_elastic_kill_rank0,
+    "elastic_sigstop": drill_elastic_sigstop,
     "flipped_bytes": drill_flipped_bytes,
     "payload_checkpoint": drill_payload_checkpoint,
     "second_run_same_dir": drill_second_run_same_dir,

@@ -16,6 +16,7 @@ from hetseq_hpc.errors import CheckpointError
 from hetseq_hpc.tasks import build_task
 from hetseq_hpc.train.checkpoint import load_checkpoint, save_checkpoint
 from hetseq_hpc.train.loop import RankMeta, Trainer
+from hetseq_hpc.train.rebalance_step import maybe_rebalance
 from tests.helpers.runs import SMALL_MODEL
 
 B = 8  # global batch; micro-batch cap 3 -> micro-batches [3, 3, 2] accumulated under no_sync
@@ -171,10 +172,10 @@ def test_no_rebalancing_decision_after_the_last_step_or_a_stop(make_trainer):
 
         trainer.rebalancer = Always()
         rec = trainer.train_step(1)
-        trainer._maybe_rebalance(rec)
+        maybe_rebalance(trainer, rec)
         assert asked == [1]
         rec.stop_code = 1
-        trainer._maybe_rebalance(rec)
+        maybe_rebalance(trainer, rec)
         rec.stop_code, rec.step = 0, 3
-        trainer._maybe_rebalance(rec)
+        maybe_rebalance(trainer, rec)
         assert asked == [1], "a decision after the last step or a stop"
