@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -104,9 +104,11 @@ class Heartbeat:
     """A daemon thread that says "alive" for ``member`` every :data:`HEARTBEAT_S` seconds, and
     the observer side: which members stopped saying it."""
 
-    def __init__(self, store: Any, member: int):
+    def __init__(self, store: Any, member: int, watch: Sequence[int] = ()):
         self.store, self.member = store, int(member)
+        self.watch = list(watch)  # members whose heartbeats this thread follows all along
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._seen: Dict[int, Tuple[int, float]] = {}
         self._thread = threading.Thread(target=self._run, name="hetseq-heartbeat", daemon=True)
         self._thread.start()
@@ -115,21 +117,23 @@ class Heartbeat:
         while not self._stop.is_set():
             try:
                 self.store.add(f"hb/{self.member}", 1)
+                self.stale(self.watch, float("inf"))  # so that a silence is timed from its start
             except Exception:  # the store is gone: the launcher ended, nothing to report to
                 return
             self._stop.wait(HEARTBEAT_S)
 
-    def stale(self, members: List[int], stale_s: float) -> List[int]:
+    def stale(self, members: Sequence[int], stale_s: float) -> List[int]:
         """The members whose heartbeat has not moved for ``stale_s`` seconds (of this process's
-        clock, since it first looked)."""
+        clock, since it first saw the counter's current value)."""
+        values = {m: int(self.store.add(f"hb/{m}", 0)) for m in members}
         now, out = time.monotonic(), []
-        for m in members:
-            value = int(self.store.add(f"hb/{m}", 0))
-            last = self._seen.get(m)
-            if last is None or last[0] != value:
-                self._seen[m] = (value, now)
-            elif now - last[1] > stale_s:
-                out.append(m)
+        with self._lock:
+            for m, value in values.items():
+                last = self._seen.get(m)
+                if last is None or last[0] != value:
+                    self._seen[m] = (value, now)
+                elif now - last[1] > stale_s:
+                    out.append(m)
         return out
 
     def close(self) -> None:

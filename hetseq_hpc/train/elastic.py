@@ -67,7 +67,7 @@ class ElasticWorld:
         self.origin = rdv.world
         self.reports = [RankReport.of(r) for r in reports]
         self.membership = Membership(0, tuple(range(rdv.world.world_size)))
-        self.heartbeat = Heartbeat(store, self.member)
+        self.heartbeat = Heartbeat(store, self.member, watch=range(rdv.world.world_size))
         self.retried_at: Optional[int] = None  # a step redone with nobody lost
         self.events: List[Dict[str, Any]] = []
 
