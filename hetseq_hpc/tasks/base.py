@@ -127,6 +127,13 @@ class Task(abc.ABC):
         batch (:func:`hetseq_hpc.tasks.flops.task_flops_per_sample`)."""
         return None
 
+    def data_fingerprint(self) -> Optional[str]:
+        """A digest of what :meth:`prepare` made of the data, when two prepares of the same
+        files may differ (a trained tokenizer), or None (default: the files and config decide
+        the data). A resume refuses a checkpoint trained on another (``data.fingerprint`` in
+        the run's fingerprint, :mod:`hetseq_hpc.train.state`)."""
+        return None
+
     def sharding_units(self, model: nn.Module) -> List[nn.Module]:
         """The submodules FSDP shards separately under ``sharding.mode=fsdp`` (each is
         all-gathered whole while it computes; the rest of the model forms the root unit).

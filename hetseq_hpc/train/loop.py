@@ -128,6 +128,8 @@ class Trainer:
         self.rebalancer = rebalancer
         self.on_allocation = on_allocation
         self.stop_request = stop_request
+        digest = getattr(task, "data_fingerprint", lambda: None)()  # may differ per prepare
+        self.fingerprint = {**run_fingerprint(run), **({"data.fingerprint": digest} if digest else {})}
         self.sampler = GlobalBatchSampler(task.num_train, self.cfg.global_batch_size, self.cfg.seed)
         self.reset_gradient_path()
         # DDP or FSDP2 (train/parallel.py); FSDP shards the model in place, before the optimizer
@@ -168,7 +170,7 @@ class Trainer:
             "world_size": self.world.world_size,
             "allocation": self.allocation.to_dict(),
             "ranks": [dict(m.__dict__) for m in self.metas],
-            "config": run_fingerprint(self.run),
+            "config": self.fingerprint,
             "run_id": self.run_id,  # retention and resume consider only this run's checkpoints
             # dropout is re-seeded from (seed, step, rank) every step; these are kept for
             # anything else that draws random numbers
@@ -185,7 +187,7 @@ class Trainer:
                 naming ``source``.
         """
         require_entries(state, source)
-        check_fingerprint(state.get("config"), run_fingerprint(self.run), source,
+        check_fingerprint(state.get("config"), self.fingerprint, source,
                           self.cfg.allow_resume_mismatch)
         load_tensors(self.parallel, self.optimizer, state, source)
         self.scheduler.load_state_dict(state["scheduler"])

@@ -74,15 +74,19 @@ def check_fingerprint(saved: Optional[Dict[str, Any]], current: Dict[str, Any], 
     """
     saved = dict(saved or {})
     keys = [k for k in current if k in saved and saved[k] != current[k]]
-    keys += [k for k in saved if k not in current]
+    # a data fingerprint (Task.data_fingerprint) is compared only where both sides have one
+    keys += [k for k in saved if k not in current and not k.startswith("data.")]
     if not keys:
         return []
     then = ", ".join(f"{k}={saved.get(k)}" for k in keys)
     now = ", ".join(f"{k}={current.get(k)}" for k in keys)
     if not allow_mismatch:
+        fix = ("the same values" if "data.fingerprint" not in keys else
+               "the data cache the checkpoint was trained with (task.data.cache_dir / "
+               "HETSEQ_CACHE: a tokenizer trained again assigns other token ids)")
         raise CheckpointError(
-            f"checkpoint {source!r} was trained with {then}; this run has {now}: use the same "
-            "values, a new hydra.run.dir, or trainer.allow_resume_mismatch=true"
+            f"checkpoint {source!r} was trained with {then}; this run has {now}: use {fix}, "
+            "a new hydra.run.dir, or trainer.allow_resume_mismatch=true"
         )
     log.warning("resuming from %s although it was trained with %s (this run: %s): "
                 "trainer.allow_resume_mismatch=true", source, then, now)

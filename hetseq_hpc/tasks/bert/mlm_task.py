@@ -51,6 +51,14 @@ class BertTask(Task):
         """Memory-map the packed tokens and split train/validation (every rank)."""
         self._data = load_packed_text(self.directory, self.cfg.data.val_fraction)
 
+    def data_fingerprint(self) -> str:
+        """SHA-256 (16 hex digits) of the trained WordPiece tokenizer: ``tokenizers``' trainer
+        breaks ties in hash order, so two prepares of the same corpus (another machine, another
+        cache directory) give other token ids, and a checkpoint means something else there."""
+        import hashlib
+
+        return hashlib.sha256((self.directory / "tokenizer.json").read_bytes()).hexdigest()[:16]
+
     @property
     def data(self) -> PackedText:
         """The loaded data; raises DataError before :meth:`load`."""
