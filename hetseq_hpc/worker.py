@@ -162,8 +162,8 @@ def elastic_store(run: RunConfig, world: Any, env: Dict[str, str]) -> Any:
         return None
     store = job_store(run.cluster.collective_timeout_s, env)
     if store is None and world.is_master:
-        log.info("trainer.elastic: off (the launcher serves no job store: in-job recovery runs "
-                 "under cluster=local; a lost rank ends the job as before)")
+        log.info("trainer.elastic: off (no job store: started by hand or by an older script; "
+                 "a lost rank ends the job as before)")
     return store
 
 

@@ -20,8 +20,8 @@ class ElasticConfig:
     re-form the world and redo the interrupted step over themselves, same global batch."""
 
     # false = a lost rank ends the job (exit with its named error; a requeue resumes from the
-    # last checkpoint). Takes effect for DDP runs on cluster=local, whose launcher serves the
-    # job's store; FSDP and Slurm runs keep the end-the-job behaviour (logged)
+    # last checkpoint). Takes effect for DDP runs (cluster=local: the launcher serves the job's
+    # store; Slurm: the batch script does); FSDP runs keep the end-the-job behaviour (logged)
     enabled: bool = True
     # fewer survivors than this end the run as if recovery were off
     min_ranks: int = 1

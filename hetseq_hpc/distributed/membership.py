@@ -1,6 +1,7 @@
 """Who is still in the job: heartbeats and re-forming the world after a lost rank.
 
-Everything goes through a store that does NOT live in a rank (the local launcher serves it,
+Everything goes through a store that does NOT live in a rank (the local launcher serves it, a
+Slurm batch script runs :mod:`hetseq_hpc.distributed.store_server`; both through
 :func:`serve_job_store`), so losing any rank, rank 0 included, loses nothing the survivors need.
 Every key is under the job's token (``HETSEQ_JOB_TOKEN``), so another job's ranks on the same
 store see nothing of this one. Ranks are named by their ORIGINAL rank (their ``member`` id)
@@ -52,23 +53,28 @@ def job_token() -> str:
 
 
 def serve_job_store(host: str = "127.0.0.1", port: int = 0) -> Tuple[Any, int]:
-    """Serve a ``TCPStore`` from THIS process (the launcher), listening on ``host`` only.
+    """Serve a ``TCPStore`` from THIS process (the launcher, or the batch script's
+    :mod:`~hetseq_hpc.distributed.store_server`), listening on ``host``'s address only: the
+    socket is bound here and handed to torch (``master_listen_fd``; torch alone binds every
+    interface).
 
     Returns:
         ``(store, port)``; the store serves as long as the object lives.
+
+    Raises:
+        OSError: ``host`` does not resolve or the address cannot be bound.
     """
     import socket
 
-    from hetseq_hpc.distributed.loopback_store import is_loopback
-
-    if not is_loopback(host):
-        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=60))
-        return store, store.port
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
     bound = sock.getsockname()[1]
     store = dist.TCPStore(host, bound, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=60), master_listen_fd=sock.detach(),

@@ -94,25 +94,52 @@ def component_options(part: PartitionConfig, timeout_min: int, where: str = "par
     return opts
 
 
-def srun_command(cluster: SlurmClusterConfig, folder: str, python: str) -> str:
-    """The one step over every component; each task runs submitit's entry point."""
+def srun_command(cluster: SlurmClusterConfig, folder: str, python: str,
+                 elastic: bool = False) -> str:
+    """The one step over every component; each task runs submitit's entry point. With
+    ``elastic`` (in-job recovery) the step survives a task's death: ``--kill-on-bad-exit=0``
+    (a task that exits non-zero does not end the step) and ``--no-kill`` (nor does a lost
+    node), https://slurm.schedmd.com/srun.html."""
     k = len(cluster.partitions)
     het = [f"--het-group=0-{k - 1}"] if k > 1 else []
     inner = ('exec "$0" -u -m submitit.core._submit "$1" '
              '>>"$1/${SLURM_JOB_ID}_${SLURM_PROCID}_log.out" '
              '2>>"$1/${SLURM_JOB_ID}_${SLURM_PROCID}_log.err"')
-    parts = ["srun", "--unbuffered", *het, "--kill-on-bad-exit=1", "bash", "-c", inner, python,
-             folder]
+    survive = ["--kill-on-bad-exit=0", "--no-kill"] if elastic else ["--kill-on-bad-exit=1"]
+    parts = ["srun", "--unbuffered", *het, *survive, "bash", "-c", inner, python, folder]
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def render_sbatch(cluster: SlurmClusterConfig, folder: str, python: str) -> str:
+def store_lines(python: str, folder: str) -> List[str]:
+    """The batch script's part of in-job recovery: serve the job's store on the batch host
+    (:mod:`hetseq_hpc.distributed.store_server`, listening on that host's address only),
+    give the ranks its address and a fresh token in their environment, end it on exit."""
+    port_file = shlex.quote(folder) + '/"${SLURM_JOB_ID}_store.port"'
+    return [
+        "", "# in-job recovery (trainer.elastic): the job's store, here on the batch host, in no rank",
+        'HETSEQ_JOB_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d " \\n")',
+        "export HETSEQ_JOB_TOKEN",
+        f"rm -f {port_file}",
+        f'{shlex.quote(python)} -m hetseq_hpc.distributed.store_server --host "$(hostname)" '
+        f"--port-file {port_file} &",
+        "store_pid=$!",
+        "trap 'kill $store_pid 2>/dev/null' EXIT",
+        f"for _ in $(seq 1 600); do [ -s {port_file} ] && break; sleep 0.1; done",
+        f'export HETSEQ_STORE="$(hostname):$(cat {port_file})"',
+    ]
+
+
+def render_sbatch(cluster: SlurmClusterConfig, folder: str, python: str,
+                  elastic: bool = False) -> str:
     """The complete sbatch script.
 
     Args:
         cluster: a validated SLURM cluster config (``partitions`` in het-component order).
         folder: submitit's folder (absolute, shared with the compute nodes).
         python: the Python interpreter the tasks run (absolute path).
+        elastic: in-job recovery from a lost rank (``trainer.elastic`` of a DDP run): the
+            script serves the job's store (:func:`store_lines`) and the step survives a
+            task's death (:func:`srun_command`).
 
     Raises:
         ConfigError: an environment variable name in ``cluster.env`` is unsafe, or a value
@@ -155,8 +182,10 @@ def render_sbatch(cluster: SlurmClusterConfig, folder: str, python: str) -> str:
     lines += ["", "# submitted by hand (sbatch job.sbatch after hetseq-hpc render): run the job "
               "function saved with this script", f"if [ -e {hand} ] && [ ! -e {mine} ]; then",
               f"  cp {hand} {mine}", "fi"]
+    if elastic:
+        lines += store_lines(python, folder)
     lines += ["", "# one step over all het components, one task per rank",
-              srun_command(cluster, folder, python), ""]
+              srun_command(cluster, folder, python, elastic), ""]
     return "\n".join(lines)
 
 
@@ -176,4 +205,4 @@ def save_hand_submission(folder: Path, function: Any) -> Path:
 
 
 __all__ = ["HAND_PICKLE", "PREEMPT_SIGNAL", "component_options", "render_sbatch",
-           "save_hand_submission", "srun_command"]
+           "save_hand_submission", "srun_command", "store_lines"]

@@ -70,17 +70,19 @@ class HetSlurmExecutor(SlurmExecutor):
 
     job_class = HetSlurmJob
 
-    def __init__(self, folder: Path, cluster: SlurmClusterConfig, python: Optional[str] = None):
+    def __init__(self, folder: Path, cluster: SlurmClusterConfig, python: Optional[str] = None,
+                 elastic: bool = False):
         if "%" in str(folder):
             raise ConfigError(f"cluster.folder={str(folder)!r} must not hold '%' patterns: give a "
                               "plain directory")
         super().__init__(folder, max_num_timeout=cluster.max_num_timeout, python=python)
         self.cluster = cluster
+        self.elastic = elastic
         self.python_path = python or sys.executable
         self.update_parameters(time=cluster.timeout_min, job_name=cluster.job_name)
 
     def _make_submission_file_text(self, command: str, uid: str) -> str:
-        return render_sbatch(self.cluster, str(self.folder), self.python_path)
+        return render_sbatch(self.cluster, str(self.folder), self.python_path, self.elastic)
 
     def _num_tasks(self) -> int:
         return self.cluster.world_size
@@ -129,6 +131,13 @@ class HetseqJobFunction:
 
 
 # ------------------------------------------------------------------------------ launch
+def elastic_job(run: RunConfig) -> bool:
+    """Whether the job recovers from a lost rank in-job (``trainer.elastic.enabled``, DDP, more
+    than one rank): its script then serves the job's store and its step survives a task."""
+    return bool(run.trainer.elastic.enabled and run.sharding.mode == "none"
+                and run.cluster.world_size > 1)
+
+
 def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
     """Submit ``run`` as one het job (or, with ``cluster.dry_run``, only write ``job.sbatch``).
 
@@ -143,7 +152,8 @@ def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
     cluster: SlurmClusterConfig = run.cluster
     run_dir = Path(run_dir).resolve()
     folder = Path(cluster.folder or run_dir / "submitit").expanduser().resolve()
-    script = render_sbatch(cluster, str(folder), sys.executable)  # refuses unsafe values first
+    elastic = elastic_job(run)
+    script = render_sbatch(cluster, str(folder), sys.executable, elastic)  # refuses unsafe values
     if not cluster.dry_run:
         require_slurm()
         check_partitions(cluster, partition_inventory())
@@ -163,7 +173,7 @@ def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
                   f"submit it by hand with: sbatch {path}")
             return {"dry_run": True, "sbatch": str(path), "config": str(config_path)}
         folder.mkdir(parents=True, exist_ok=True)
-    executor = HetSlurmExecutor(folder, cluster)
+    executor = HetSlurmExecutor(folder, cluster, elastic=elastic)
     try:
         job = executor.submit(HetseqJobFunction(str(config_path), str(run_dir)))
     except submitit_utils.FailedJobError as exc:

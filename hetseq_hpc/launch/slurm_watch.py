@@ -198,6 +198,19 @@ def _accounted(run_dir: Path, num_tasks: int, outcomes: Dict[int, Tuple[str, Any
     return all(r in outcomes or RunDir(run_dir).error_file(r).is_file() for r in range(num_tasks))
 
 
+def finished_without_lost(outcomes: Dict[int, Tuple[str, Any]],
+                          num_tasks: int) -> Optional[Dict[str, Any]]:
+    """The summary of a run whose surviving ranks all returned after losing some
+    (``lost_ranks`` in their summary, :mod:`hetseq_hpc.train.elastic`), else None."""
+    if not outcomes or any(kind != "success" for kind, _ in outcomes.values()):
+        return None
+    summary = outcomes[min(outcomes)][1]
+    lost = set(summary.get("lost_ranks") or []) if isinstance(summary, dict) else set()
+    if lost and set(outcomes) | lost == set(range(num_tasks)):
+        return summary
+    return None
+
+
 def wait_for_job(job: HetSlurmJob, run_dir: Path, num_tasks: int, poll_s: float = 1.0,
                  stream: bool = False, timeout_s: Optional[float] = None) -> Dict[str, Any]:
     """Wait until every rank returned, a rank failed, or Slurm ended the job.
@@ -245,6 +258,12 @@ def wait_for_job(job: HetSlurmJob, run_dir: Path, num_tasks: int, poll_s: float 
             raise LaunchError(failure_message(job.job_id, folder, run_dir, num_tasks, outcomes))
         if len(outcomes) == num_tasks:
             return outcomes[0][1]
+        survived = finished_without_lost(outcomes, num_tasks)
+        if survived is not None:  # in-job recovery: the survivors finished without them
+            if job.watcher.get_state(job.job_id, mode="force") not in TERMINAL_STATES:
+                # a stopped rank the others left out would hold the step until the time limit
+                subprocess.run(["scancel", str(job.job_id)], capture_output=True, check=False)
+            return survived
         state = job.watcher.get_state(job.job_id, mode="force")
         if state in TERMINAL_STATES:
             # results may still be landing on a shared filesystem: give them a moment

@@ -123,9 +123,10 @@ def _mark_moves(axes, share_ax, moves: List[dict], first: float, last: float) ->
             previous = at
 
 
-def build_figure(rows: List[dict], title: str = ""):
-    """The four-panel Figure (:data:`TITLES`) of checked step rows; the caller saves and
-    closes it. Needs matplotlib with a non-interactive backend selected."""
+def build_figure(rows: List[dict], title: str = "", lost_at: Sequence[int] = ()):
+    """The four-panel Figure (:data:`TITLES`) of checked step rows, with a dashed red line at
+    each step in ``lost_at`` (a rank lost and the run gone on without it); the caller saves
+    and closes it. Needs matplotlib with a non-interactive backend selected."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
@@ -175,6 +176,10 @@ def build_figure(rows: List[dict], title: str = ""):
     time_ax.set_xlabel("optimizer step")
     time_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     _mark_moves(axes, share_ax, moves, min(steps), max(steps))
+    for number, at in enumerate(lost_at):
+        for ax in axes:
+            ax.axvline(at, color="C3", ls="--", lw=1.0,
+                       label="lost rank(s)" if ax is loss_ax and number == 0 else None)
 
     for ax in (loss_ax, share_ax):
         if ax.get_legend_handles_labels()[0]:

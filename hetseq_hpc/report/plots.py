@@ -125,7 +125,8 @@ def plot_run(run_dir: Union[str, Path], out_path: Optional[Union[str, Path]] = N
     import matplotlib.pyplot as plt
 
     fig = build_figure(rows, f"run {Path(run_dir).resolve().name}: steps {rows[0]['step']}-"
-                             f"{rows[-1]['step']}, {len(rows[-1]['ranks'])} rank(s)")
+                             f"{rows[-1]['step']}, {len(rows[-1]['ranks'])} rank(s)",
+                       [e["step"] for e in membership_events(run_dir)])
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, dpi=100)
@@ -135,6 +136,13 @@ def plot_run(run_dir: Union[str, Path], out_path: Optional[Union[str, Path]] = N
     finally:
         plt.close(fig)
     return out
+
+
+def membership_events(run_dir: Union[str, Path]) -> List[dict]:
+    """The ``event: membership`` rows of a run (a lost rank survived in-job,
+    :mod:`hetseq_hpc.train.elastic`), in order."""
+    return [r for r in read_metrics(run_dir) if r.get("event") == "membership"
+            and isinstance(r.get("step"), int)]
 
 
 def _median(values: List[float]) -> Optional[float]:
@@ -170,6 +178,11 @@ def text_summary(run_dir: Union[str, Path]) -> str:
     for move in moves:
         lines.append(f"  re-allocation at step {move.get('at_step')}: {move.get('from')} -> "
                      f"{move.get('to')}")
+    for ev in membership_events(run_dir):
+        lost = [x.get("rank") for x in ev.get("lost") or [] if isinstance(x, dict)]
+        lines.append(f"  lost rank(s) {lost} at step {ev.get('step')}: went on with "
+                     f"{ev.get('world_size')} rank(s), split {ev.get('split')}, "
+                     f"{ev.get('recovery_s')} s to the next completed step")
     for rank in last["ranks"]:
         times = [r2.get("compute_time_s") for row in rows for r2 in row["ranks"]
                  if r2.get("rank") == rank["rank"]]

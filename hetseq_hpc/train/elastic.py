@@ -24,8 +24,9 @@ Gradients are summed and divided by the global unit count as in any step, so the
 the uninterrupted run's (up to float summation order; dropout masks are drawn per rank and
 step, so with dropout on the masks of a moved sample differ, as with any re-balancing).
 
-Not covered: FSDP (a lost rank takes its shard; it ends the run as before) and Slurm (the
-batch script would have to serve the store before ``srun``): there ``trainer.elastic`` is off.
+Not covered: FSDP (a lost rank takes its shard; it ends the run as before). On Slurm the batch
+script serves the store (:func:`hetseq_hpc.launch.sbatch.store_lines`) and its step survives a
+task's death (``srun --kill-on-bad-exit=0 --no-kill``).
 """
 
 from __future__ import annotations

@@ -20,7 +20,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.runs import REPO, SMALL_MODEL, cli_env, losses, read_rows, worker_pids
+from tests.helpers.runs import (
+    REPO,
+    SMALL_MODEL,
+    cli_env,
+    hetseq,
+    losses,
+    read_rows,
+    worker_pids,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -95,6 +103,11 @@ def test_kill_9_a_rank_at_step_10_and_the_run_finishes_the_same(victim, referenc
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["lost_ranks"] == [victim] and summary["world_size"] == 2
     assert f"rank(s) [{victim}] were lost" in out
+    report = hetseq("report", str(run_dir), token_cache=token_cache)
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert f"lost rank(s) [{victim}] at step {event['step']}: went on with 2 rank(s)" \
+        in report.stdout + report.stderr
+    assert (run_dir / "ranks.png").is_file()
 
 
 def test_a_stopped_rank_is_left_out_then_ended(reference, tmp_path, token_cache):

@@ -53,10 +53,13 @@ def _rank_pid(folder: Path, rank: int) -> int:
     (signal.SIGSTOP, "it was stopped for"),
 ])
 def test_killed_or_stopped_rank_1_is_named(tmp_path, token_cache, signum, words):
-    """3 ranks (a100 + 2 x v100); rank 1 gets SIGKILL or SIGSTOP mid-run: the one-line error
+    """Without in-job recovery (``trainer.elastic.enabled=false``; with it:
+    tests/slurm/test_elastic_slurm.py), 3 ranks (a100 + 2 x v100); rank 1 gets SIGKILL or
+    SIGSTOP mid-run: the one-line error
     names rank 1 (it named rank 0, the first peer to complain), within the collective timeout
     and Slurm's clean-up (a bound against hangs, not a speed check)."""
-    proc = _start(tmp_path, token_cache, "cluster.collective_timeout_s=20")
+    proc = _start(tmp_path, token_cache, "cluster.collective_timeout_s=20",
+                  "trainer.elastic.enabled=false")
     try:
         wait_rows(tmp_path, 2, proc)
         os.kill(_rank_pid(tmp_path / "submitit", 1), signum)
