@@ -6,7 +6,7 @@ Every message is one line that names the offending value and ends with the fix.
 from __future__ import annotations
 
 import sys
-from typing import Tuple, Type
+from typing import Optional, Tuple, Type
 
 
 class HetseqError(Exception):
@@ -57,13 +57,21 @@ class Preempted(HetseqError):
     Attributes:
         step: the last completed (and checkpointed) optimizer step.
         code: :data:`hetseq_hpc.env.preemption.TERMINATE` or :data:`~hetseq_hpc.env.preemption.REQUEUE`.
+        leader: whether THIS rank requeues the job and records the stop: None = the job's
+            original rank 0 (``SLURM_PROCID`` 0); an elastic world that lost ranks names its
+            current rank 0 (the original one may be the rank that was lost).
     """
 
-    def __init__(self, step: int, code: int, reason: str):
+    def __init__(self, step: int, code: int, reason: str, leader: Optional[bool] = None):
         super().__init__(f"stopped after step {step} on {reason}; checkpoint written, resume with "
                          "trainer.resume=auto")
         self.step = step
         self.code = code
+        self.leader = leader
+
+    def leads(self, procid: int) -> bool:
+        """Whether the rank with original rank ``procid`` requeues the job and records the stop."""
+        return procid == 0 if self.leader is None else bool(self.leader)
 
 
 # ---------------------------------------------------------------------------- exit codes

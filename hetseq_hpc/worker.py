@@ -39,6 +39,7 @@ from hetseq_hpc.balance.memory import (
     model_bytes,
     model_state_bytes,
 )
+from hetseq_hpc.balance.peak import MemoryWatch
 from hetseq_hpc.balance.placement import (
     RankPlacement,
     calibration_micro_batch,
@@ -122,8 +123,8 @@ def calibrate_rank(model: torch.nn.Module, parallel: Any, task: Any, run: RunCon
     """This rank's cost curve and micro-batch cap (:func:`hetseq_hpc.balance.calibrate.calibrate`).
 
     DDP: on the whole model; a rank done early times more passes while slower ones go on.
-    FSDP, where the whole weights and gradients fit beside the shard (2 x the parameter bytes,
-    with room for activations): on the gathered model without collectives
+    FSDP, where the whole weights and gradients fit beside the shard on every rank (2 x the
+    parameter bytes, with room for activations; one small all-gather): on the gathered model without collectives
     (:meth:`~hetseq_hpc.train.parallel.Sharded.local_passes`), so each rank times its own speed;
     the optimizer step's fixed cost is not timed then (a whole-model copy would not fit).
     Otherwise on the shards, the same passes on every rank (each pass waits for the slowest
@@ -136,7 +137,9 @@ def calibrate_rank(model: torch.nn.Module, parallel: Any, task: Any, run: RunCon
     if not parallel.sharded:
         return calibrate(model, *args, wait_for_peers=rdv.post_barrier, static_bytes=static)
     room = budget * MEMORY_HEADROOM * (1.0 - AUTO_ACTIVATION_SHARE)
-    if 2 * param_bytes + static <= room:
+    # every rank alike (the sharded path runs collectives in each pass): gathered only where
+    # the whole weights and gradients fit EVERY rank (ranks' budgets differ on a mix)
+    if all(rdv.all_gather_objects(bool(2 * param_bytes + static <= room))):
         with parallel.local_passes() as whole:
             return calibrate(whole, *args, step_fixed=False, wait_for_peers=rdv.post_barrier,
                              static_bytes=static)
@@ -217,19 +220,22 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
 
         def place(bare: torch.nn.Module) -> torch.nn.Module:
             # DDP or FSDP from the model's size (every rank alike), then moved or sharded there
-            param_bytes, unit_bytes = model_bytes(task, bare)
+            sizes = model_bytes(task, bare)
+            param_bytes = sizes.total
             mode = agree_on_sharding(run.sharding.mode, param_bytes, budget, rdv, device.type)
             chosen["param_bytes"] = param_bytes
             if mode == "fsdp":  # on the whole CPU model, before sharding: never whole on the device
                 check_before_training(task, bare, run, torch.device("cpu"), rdv, early)
             chosen["parallel"] = build_parallel(run, task, bare, device, mode)
             chosen["static"] = model_state_bytes(
-                param_bytes, mode, world.world_size, unit_bytes,
+                param_bytes, mode, world.world_size, sizes.block,
                 run.sharding.cpu_offload and device.type == "cuda",
-                gathered_weights=not task.evaluates_in_fixed_passes())
+                gathered_weights=not task.evaluates_in_fixed_passes(), root_bytes=sizes.root)
             return chosen["parallel"].model
 
         early: Dict[str, Any] = {}  # the FSDP contract check's record, if it was skipped
+        # the peak the budget bounds, measured (hetseq_hpc.balance.peak)
+        watch = MemoryWatch(device, budget, bool(placement.memory_budget_gb)).begin()
         model, task_info = build_checked_model(task, run, device, place)  # refuses BatchNorm
         parallel = chosen["parallel"]
         if parallel.sharded:
@@ -238,6 +244,8 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
         else:
             check_before_training(task, model, run, device, rdv, task_info)  # sum loss, count
         clock.mark("model")
+        watch.start_window(parallel.model)  # from the placed model: calibration, training
+        parallel.memory_watch = watch
         cal = calibrate_rank(model, parallel, task, run, world, device, budget, autocast, rdv,
                              chosen["static"], chosen["param_bytes"])
         clock.mark("calibration")
@@ -325,10 +333,11 @@ def draw_plot(summary: Dict[str, Any], run_dir: Path) -> None:
 
 def handle_preempted(exc: Preempted, run: RunConfig) -> None:
     """After a stop at a step boundary: on USR2, rank 0 requeues the job (through the leader id)
-    unless it already restarted ``cluster.max_num_timeout`` times."""
+    unless it already restarted ``cluster.max_num_timeout`` times; after an elastic world fell
+    below ``trainer.elastic.min_ranks``, its current rank 0 does (:meth:`Preempted.leads`)."""
     rank = int(os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0")) or 0)
     log.warning("rank %d: %s", rank, exc)
-    if exc.code == REQUEUE and rank == 0:
+    if exc.code == REQUEUE and exc.leads(rank):
         requeue_job(max_requeues=run.cluster.max_requeues)
 
 

@@ -21,8 +21,10 @@ Usage: ``python scripts/bench_prepare.py --corpus-mb 1024 [--keep DIR]``.
 byte-level BPE tokenizer (30k tokens) is trained here on the first 20 MB of the corpus and saved
 with a config-only model (``task.model.config``: nothing downloaded, no weights), then
 ``hetseq-hpc prepare task=hf`` tokenises the corpus (one text per line, packed rows) with the
-Rust ``encode_batch_fast`` on all cores. The JSON line adds ``tokens``, ``tokens_per_s`` and
-``tokens_per_s_per_core`` (per core used) and the machine (``cpu``).
+word cache of ``hetseq_hpc.tasks.hf.word_cache`` (one process per core; ``--plain``: the
+Rust ``encode_batch_fast`` on all cores, the path before it). The JSON line adds ``path``,
+``tokens``, ``tokens_per_s`` and ``tokens_per_s_per_core`` (per core used) and the machine
+(``cpu``). Peak RSS is the largest single process (``prepare`` or one of its workers).
 """
 
 from __future__ import annotations
@@ -73,11 +75,14 @@ def main() -> int:
                         help="bert (trains its own tokenizer) or hf (a given tokenizer)")
     parser.add_argument("--tokenizer", choices=["wordpiece", "bpe"], default="wordpiece",
                         help="--task hf: BERT WordPiece or byte-level BPE")
+    parser.add_argument("--plain", action="store_true",
+                        help="--task hf: the plain tokenizer path (HETSEQ_PREPARE_FAST=0), not "
+                             "the word cache; to compare the two on the same machine")
     args = parser.parse_args()
     root = Path(args.keep or tempfile.mkdtemp(prefix="bench-prepare-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
-        return run(root, args.corpus_mb, args.seq_len, args.task, args.tokenizer)
+        return run(root, args.corpus_mb, args.seq_len, args.task, args.tokenizer, args.plain)
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
@@ -140,19 +145,25 @@ def hf_model_dir(root: Path, corpus: Path, kind: str) -> Path:
 
 
 def run(root: Path, corpus_mb: float, seq_len: int, task: str = "bert",
-        tokenizer: str = "wordpiece") -> int:
-    """Build the corpus in ``root``, prepare it with a fresh cache, print the figures."""
-    corpus = root / "corpus.txt"
+        tokenizer: str = "wordpiece", plain: bool = False) -> int:
+    """Build the corpus in ``root`` (reused from an earlier ``--keep`` run of the same size),
+    prepare it with a fresh cache, print the figures."""
+    corpus = root / f"corpus-{corpus_mb:g}.txt"
     started = time.monotonic()
-    size = build_corpus(corpus, corpus_mb)
+    size = corpus.stat().st_size if corpus.is_file() else build_corpus(corpus, corpus_mb)
     print(f"corpus: {corpus} {size / 1e6:.1f} MB (built in {time.monotonic() - started:.0f} s)",
           flush=True)
     cache = root / "cache"
+    shutil.rmtree(cache, ignore_errors=True)
     env = dict(os.environ, HETSEQ_CACHE=str(cache))
+    if plain:
+        env["HETSEQ_PREPARE_FAST"] = "0"
     cmd = [sys.executable, "-m", "hetseq_hpc", "prepare", "task=bert",
            f"task.data.files=[{corpus}]", f"task.model.max_seq_len={seq_len}"]
     if task == "hf":
-        model = hf_model_dir(root, corpus, tokenizer)
+        model = root / f"model-{tokenizer}"
+        if not (model / "config.json").is_file():
+            model = hf_model_dir(root, corpus, tokenizer)
         cmd[4] = "task=hf"
         cmd += [f"task.model.config={model}", f"task.model.tokenizer={model}"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -177,7 +188,8 @@ def run(root: Path, corpus_mb: float, seq_len: int, task: str = "bert",
         "task": task, "cpu": cpu_name(),
     }
     if task == "hf":
-        result.update(tokenizer=tokenizer, tokens=meta.get("tokens"),
+        result.update(tokenizer=tokenizer, path="plain" if plain else "word cache",
+                      tokens=meta.get("tokens"),
                       tokens_per_s=round(meta.get("tokens", 0) / wall),
                       tokens_per_s_per_core=round(meta.get("tokens", 0) / max(cpu, 1e-9)),
                       mb_per_s_per_core=round(size / 1e6 / max(cpu, 1e-9), 2))

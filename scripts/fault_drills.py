@@ -137,15 +137,17 @@ def drill_dead_rank(tmp: Path, cache: Path) -> dict:
             "said": _said(err)}
 
 
-def _lose_a_rank(tmp: Path, cache: Path, name: str, victim: int, how: int) -> dict:
+def _lose_a_rank(tmp: Path, cache: Path, name: str, victim: int, how: int, *overrides: str,
+                 delay_s: float = 0.0) -> dict:
     """3 ranks, 30 steps; at step 10 ``how`` (SIGKILL / SIGSTOP) hits rank ``victim``: with
     in-job recovery (the default) the run finishes. Reports seconds from the signal to the next
     completed step (from metrics.jsonl's row times) and the steps lost (re-done steps beyond
     the interrupted one; 0 = the survivors went on from where the run was)."""
     run_dir = tmp / name
     proc = _start(run_dir, cache, "cluster.ranks=3", "trainer.max_steps=30",
-                  "trainer.checkpoint_every=0", "task.model.dropout=0.0")
+                  "trainer.checkpoint_every=0", "task.model.dropout=0.0", *overrides)
     _wait_rows(run_dir, 10, proc)
+    time.sleep(delay_s)
     pids = {}
     for pid in _workers(run_dir):
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -176,6 +178,13 @@ def drill_elastic_kill_rank1(tmp: Path, cache: Path) -> dict:
 def drill_elastic_kill_rank0(tmp: Path, cache: Path) -> dict:
     """kill -9 of rank 0 (it writes the metrics): the others finish the run."""
     return _lose_a_rank(tmp, cache, "elastic_kill0", 0, signal.SIGKILL)
+
+
+def drill_elastic_kill_in_checkpoint(tmp: Path, cache: Path) -> dict:
+    """kill -9 of rank 1, 15 ms after step 10's row, with validation and a checkpoint after
+    every step: the kill lands in a checkpoint or a validation, which the others redo."""
+    return _lose_a_rank(tmp, cache, "elastic_kill_ckpt", 1, signal.SIGKILL,
+                        "trainer.val_every=1", "trainer.checkpoint_every=1", delay_s=0.015)
 
 
 def drill_elastic_sigstop(tmp: Path, cache: Path) -> dict:
@@ -257,6 +266,7 @@ DRILLS: Dict[str, Callable[[Path, Path], dict]] = {
     "dead_rank": drill_dead_rank,
     "elastic_kill_rank1": drill_elastic_kill_rank1,
     "elastic_kill_rank0": drill_elastic_kill_rank0,
+    "elastic_kill_in_checkpoint": drill_elastic_kill_in_checkpoint,
     "elastic_sigstop": drill_elastic_sigstop,
     "flipped_bytes": drill_flipped_bytes,
     "payload_checkpoint": drill_payload_checkpoint,

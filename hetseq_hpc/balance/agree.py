@@ -75,6 +75,8 @@ def agree_on_allocation(run: Any, reports: Sequence[ReportLike], rdv) -> Allocat
             cal = reports[i].calibration
             key = (reports[i].placement or {}).get("partition_key")
             knob = (f"cluster.partitions.{key}.memory_budget_gb" if key
+                    else f"cluster.memory_budgets_gb[{i}]"
+                    if getattr(run.cluster, "memory_budgets_gb", None)
                     else "cluster.memory_budget_gb")
             raise AllocationError(
                 f"rank {i} ({reports[i].probe['name']}) cannot fit one sample: needs "

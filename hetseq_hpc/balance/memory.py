@@ -7,12 +7,15 @@
   / activation bytes per sample)``, via :func:`micro_batch_cap`;
 * :func:`param_memory_cap`: the same from a parameter count (the planner, fp32 parameters);
 * :func:`model_state_bytes`: what the model state takes on a rank, replicated (DDP) or
-  sharded (FSDP2), and :func:`replica_fits` (``sharding.mode=auto``).
+  sharded (FSDP2: the shard plus FSDP2's gathered units at their peak), and
+  :func:`replica_fits` (``sharding.mode=auto``);
+* :func:`model_bytes`: the parameter bytes of a model, of its FSDP root unit and of its
+  largest block (the task's sharding units), as :func:`model_state_bytes` takes them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Tuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 if TYPE_CHECKING:  # pragma: no cover
     from hetseq_hpc.balance.placement import RankPlacement
@@ -21,8 +24,16 @@ if TYPE_CHECKING:  # pragma: no cover
 STATIC_PARAM_COPIES = 5
 #: weights + gradients + two AdamW moments, each split over the world under FSDP
 SHARDED_STATE_COPIES = 4
-#: the unit FSDP is computing, gathered whole: its weights and its gradients
-UNIT_COPIES = 2
+#: FSDP2 keeps the ROOT unit (everything outside the task's sharding units: embeddings, head)
+#: gathered from its forward to the end of the backward pass (the root is not resharded after
+#: forward, :class:`hetseq_hpc.train.parallel.Sharded`), and its gradient is reduce-scattered
+#: only at the end of the backward pass: its weights and its gradient, whole
+ROOT_COPIES = 2
+#: a BLOCK (a sharding unit) in the backward pass: its gathered weights, its whole gradient
+#: before the reduce-scatter, and the next block's weights, prefetched
+BLOCK_COPIES = 3
+#: the most FSDP ever gathers at once in training: every weight and every gradient, whole
+MAX_GATHERED_COPIES = 2
 #: validation and the task-contract check gather the whole weights once (no gradients)
 GATHERED_WEIGHT_COPIES = 1
 #: share of a rank's planned memory that ``sharding.mode=auto`` keeps free for activations
@@ -72,26 +83,54 @@ def micro_batch_cap(
 
 
 def model_state_bytes(param_bytes: float, mode: str = "ddp", world_size: int = 1,
-                      largest_unit_bytes: float = 0.0, offload: bool = False,
-                      gathered_weights: bool = True) -> float:
-    """Bytes of model state one rank holds (before activations).
+                      block_bytes: float = 0.0, offload: bool = False,
+                      gathered_weights: bool = True,
+                      root_bytes: Optional[float] = None) -> float:
+    """Bytes of model state one rank holds at its peak (before activations): the ONE formula
+    the runtime (worker, calibration), the planner and the pre-flight check share.
 
     ``ddp``: ``STATIC_PARAM_COPIES x param_bytes`` (weights, gradients, two AdamW moments, one
-    DDP bucket copy). ``fsdp``: ``SHARDED_STATE_COPIES x param_bytes / world_size`` (this rank's
-    shard of weights, gradients and moments; none on the device with ``offload``) plus
-    ``UNIT_COPIES x largest_unit_bytes`` (the unit being computed, gathered whole, and its
-    gradient before the reduce-scatter) or, when ``gathered_weights``, the larger of that and
-    ``GATHERED_WEIGHT_COPIES x param_bytes``: validation gathers the whole weights on every rank
-    when the task's ``evaluate_batch`` runs a data-dependent number of forward passes
+    DDP bucket copy).
+
+    ``fsdp``: ``SHARDED_STATE_COPIES x param_bytes / world_size`` (this rank's shard of
+    weights, gradients and moments; none on the device with ``offload``) plus what FSDP2 holds
+    gathered at the peak of a training step, :func:`gathered_bytes`:
+    ``ROOT_COPIES x root_bytes + BLOCK_COPIES x block_bytes`` (the root unit's weights and
+    gradient, whole through forward and backward; the block being computed, its gradient, and
+    the next block prefetched), at most ``MAX_GATHERED_COPIES x param_bytes``; or, when
+    ``gathered_weights``, the larger of that and ``GATHERED_WEIGHT_COPIES x param_bytes``:
+    validation gathers the whole weights on every rank when the task's ``evaluate_batch`` runs
+    a data-dependent number of forward passes
     (:meth:`hetseq_hpc.tasks.base.Task.evaluates_in_fixed_passes` is False: decoding). The
-    default (True) is the safe bound where the task is not known; the contract check runs on
-    the CPU model before sharding and the examples on a CPU copy, so neither counts.
+    contract check runs on the CPU model before sharding and the examples on a CPU copy, so
+    neither counts.
+
+    Args:
+        param_bytes: the model's parameter bytes.
+        mode: ``ddp`` or ``fsdp``.
+        world_size: ranks the model is sharded over.
+        block_bytes: parameter bytes of the largest sharding unit (0: none).
+        offload: ``sharding.cpu_offload`` on GPUs (the shards live in CPU memory).
+        gathered_weights: validation gathers the whole weights (the safe default where the
+            task is not known).
+        root_bytes: parameter bytes of the root unit; None = not known: everything outside
+            the largest block (an upper bound).
     """
     if mode != "fsdp":
         return float(param_bytes) * STATIC_PARAM_COPIES
     shard = 0.0 if offload else float(param_bytes) * SHARDED_STATE_COPIES / max(int(world_size), 1)
     whole = GATHERED_WEIGHT_COPIES * float(param_bytes) if gathered_weights else 0.0
-    return shard + max(UNIT_COPIES * float(largest_unit_bytes), whole)
+    return shard + max(gathered_bytes(param_bytes, block_bytes, root_bytes), whole)
+
+
+def gathered_bytes(param_bytes: float, block_bytes: float = 0.0,
+                   root_bytes: Optional[float] = None) -> float:
+    """What FSDP2 holds unsharded at the peak of a training step (see
+    :func:`model_state_bytes`): ``ROOT_COPIES x root + BLOCK_COPIES x block``, at most
+    ``MAX_GATHERED_COPIES x param_bytes``. ``root_bytes`` None: ``param_bytes - block_bytes``."""
+    param, block = float(param_bytes), float(block_bytes)
+    root = max(param - block, 0.0) if root_bytes is None else float(root_bytes)
+    return min(ROOT_COPIES * root + BLOCK_COPIES * block, MAX_GATHERED_COPIES * param)
 
 
 def memory_cap(memory_budget_bytes: float, param_bytes: float, activation_bytes_per_sample: float,
@@ -112,16 +151,25 @@ def local_part(tensor: Any) -> Any:
     return to_local() if callable(to_local) else tensor
 
 
-def model_bytes(task: Any, model: Any) -> Tuple[float, float]:
-    """``(parameter bytes of the model, parameter bytes of its largest FSDP unit)``: the units
-    are ``task.sharding_units(model)``; the root unit (everything outside them) counts as one."""
+class ModelBytes(NamedTuple):
+    """Parameter bytes of a model as FSDP2 shards it (:func:`model_bytes`)."""
+
+    total: float  # every parameter
+    root: float  # the root unit: the parameters outside every sharding unit
+    block: float  # the largest sharding unit (0 when the task names none)
+
+
+def model_bytes(task: Any, model: Any) -> ModelBytes:
+    """:class:`ModelBytes` of ``model``: the units are ``task.sharding_units(model)``, the
+    root unit everything outside them (the whole model when there are none)."""
     def size(params: Any) -> float:
         return float(sum(p.numel() * p.element_size() for p in params))
 
     units = list(task.sharding_units(model)) if hasattr(task, "sharding_units") else []
     in_units = {id(p) for u in units for p in u.parameters()}
     root = size(p for p in model.parameters() if id(p) not in in_units)
-    return size(model.parameters()), max([root] + [size(u.parameters()) for u in units])
+    return ModelBytes(size(model.parameters()), root,
+                      max([0.0] + [size(u.parameters()) for u in units]))
 
 
 def replica_fits(memory_budget_bytes: float, param_bytes: float) -> bool:
@@ -141,12 +189,16 @@ def param_memory_cap(memory_bytes: float, param_count: int, activation_bytes_per
 
 __all__ = [
     "AUTO_ACTIVATION_SHARE",
+    "BLOCK_COPIES",
     "GATHERED_WEIGHT_COPIES",
+    "MAX_GATHERED_COPIES",
     "MEMORY_HEADROOM",
     "PARAM_BYTES",
+    "ROOT_COPIES",
     "SHARDED_STATE_COPIES",
     "STATIC_PARAM_COPIES",
-    "UNIT_COPIES",
+    "ModelBytes",
+    "gathered_bytes",
     "local_part",
     "memory_budget_bytes",
     "memory_cap",

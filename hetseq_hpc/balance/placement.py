@@ -123,7 +123,8 @@ def placement_for(run: RunConfig, rank: int, *, het_group: Optional[int] = None,
     SLURM ``cpus_per_task``, else the partition's ``cpus_per_rank`` (:func:`cpu_threads`; the
     warning about more ranks than cores is logged for rank 0 only).
     Speed: ``cluster.speeds[rank]`` locally, the partition's ``emulate_speed`` on SLURM.
-    Memory: the partition's ``memory_budget_gb``, else ``cluster.memory_budget_gb``.
+    Memory: the partition's ``memory_budget_gb``, else ``cluster.memory_budgets_gb[rank]``
+    (cluster=local), else ``cluster.memory_budget_gb``.
     Precision: :meth:`hetseq_hpc.config.rank_precision.PrecisionConfig.for_rank` (``precision.ranks``,
     else ``precision.partitions``, else ``precision.default``).
     """
@@ -144,7 +145,8 @@ def placement_for(run: RunConfig, rank: int, *, het_group: Optional[int] = None,
         group = het_group if het_group is not None else (
             list(cluster.partitions).index(key) if key is not None else None)
     budget = part.memory_budget_gb if part is not None and part.memory_budget_gb else None
-    budget = budget or cluster.memory_budget_gb
+    budgets = list(getattr(cluster, "memory_budgets_gb", None) or [])  # cluster=local only
+    budget = budget or (budgets[rank] if rank < len(budgets) else None) or cluster.memory_budget_gb
     return RankPlacement(
         rank=rank,
         threads=cpu_threads(usable_cores() if cores is None else cores, on_node, configured,

@@ -95,7 +95,8 @@ def _local_gpus() -> int:
 def rank_memory_limits(run: Any) -> List[Tuple[str, float, str, str]]:
     """The memory one rank may use, per kind of rank, as the runtime budgets it
     (:func:`hetseq_hpc.balance.memory.memory_budget_bytes`): ``[(where, bytes, why, fix)]``.
-    cluster=local: ``cluster.memory_budget_gb``, else the RAM this machine (and its memory
+    cluster=local: ``cluster.memory_budgets_gb`` (one per rank), else
+    ``cluster.memory_budget_gb``, else the RAM this machine (and its memory
     cgroup) still has, shared by the ranks (none on GPUs: their memory is not asked here);
     SLURM: each partition's ``memory_budget_gb``, else its GPU's memory (known GPU classes),
     else ``mem_gb`` per rank of a node."""
@@ -107,6 +108,10 @@ def rank_memory_limits(run: Any) -> List[Tuple[str, float, str, str]]:
     cluster = run.cluster
     if cluster.is_local:
         fix = "fewer ranks (cluster.ranks) or a bigger cluster.memory_budget_gb"
+        if cluster.memory_budgets_gb:
+            return [(f"rank {i}", gb * 2**30, f"cluster.memory_budgets_gb[{i}]={gb:g}",
+                     f"a bigger cluster.memory_budgets_gb[{i}]")
+                    for i, gb in enumerate(cluster.memory_budgets_gb)]
         if cluster.memory_budget_gb:
             return [("a rank", cluster.memory_budget_gb * 2**30,
                      f"cluster.memory_budget_gb={cluster.memory_budget_gb:g}", fix)]
@@ -143,18 +148,32 @@ def rank_memory_limits(run: Any) -> List[Tuple[str, float, str, str]]:
     return limits
 
 
+def evaluates_in_fixed_passes(task_cfg: Any) -> bool:
+    """The task's own rule (:meth:`hetseq_hpc.tasks.base.Task.evaluates_in_fixed_passes`, as
+    the runtime and the planner ask it): whether an FSDP run validates on the shards. A task
+    that cannot be built here says True (no whole weights counted): the pre-flight check only
+    refuses what cannot fit, and the ranks check the built model again."""
+    from hetseq_hpc.tasks import build_task
+
+    try:
+        return bool(build_task(task_cfg, 0).evaluates_in_fixed_passes())
+    except Exception:
+        return True
+
+
 def check_model_fits(run: Any) -> None:
     """Refuse, before any process starts, a model whose state alone exceeds the memory a rank
     may use (:func:`rank_memory_limits`): under ``sharding.mode=none`` a full replica
     (weights, gradients and AdamW state: :data:`~hetseq_hpc.balance.memory.STATIC_PARAM_COPIES`
     fp32 copies; the message says when ``sharding.mode=fsdp`` would fit), under ``fsdp`` and
     ``auto`` this rank's shard (:data:`~hetseq_hpc.balance.memory.SHARDED_STATE_COPIES` copies /
-    world size, none with ``sharding.cpu_offload`` on GPUs), plus the whole weights gathered
-    once for validation for tasks other than BERT, which validates on the shards
-    (:func:`~hetseq_hpc.balance.memory.model_state_bytes`; the unit being computed is left to
-    the runtime's check). The parameter count comes from the task's configuration
-    (:func:`hetseq_hpc.tasks.sizes.param_count`; nothing is built); a task whose size depends
-    on its data or code is not checked here.
+    world size, none with ``sharding.cpu_offload`` on GPUs) plus what FSDP2 gathers at its
+    peak (the root unit and the largest block, :func:`hetseq_hpc.tasks.sizes.unit_param_counts`)
+    or the whole weights gathered for validation where the task decodes
+    (:func:`evaluates_in_fixed_passes`): the runtime's formula,
+    :func:`~hetseq_hpc.balance.memory.model_state_bytes`. The parameter count comes from the
+    task's configuration (:func:`hetseq_hpc.tasks.sizes.param_count`; no model is built); a
+    task whose size depends on its data or code is not checked here.
 
     Raises:
         ConfigError: one line with the parameter count, the bytes needed, the limit and the fix.
@@ -166,7 +185,7 @@ def check_model_fits(run: Any) -> None:
         model_state_bytes,
     )
     from hetseq_hpc.config.validate import planned_world_size
-    from hetseq_hpc.tasks.sizes import param_count
+    from hetseq_hpc.tasks.sizes import param_count, unit_param_counts
 
     count = param_count(run.task)
     if not count:
@@ -174,9 +193,13 @@ def check_model_fits(run: Any) -> None:
     world = planned_world_size(run)
     replica = model_state_bytes(float(count) * PARAM_BYTES)
     offload = bool(run.sharding.cpu_offload) and not run.cluster.is_local  # GPU partitions
-    # BERT validates on the shards; the others may gather the whole weights for it
-    shard = model_state_bytes(float(count) * PARAM_BYTES, "fsdp", world, offload=offload,
-                              gathered_weights=run.task.name != "bert")
+    root, block = unit_param_counts(run.task) or (count, 0)
+    whole = not evaluates_in_fixed_passes(run.task)
+    shard = model_state_bytes(float(count) * PARAM_BYTES, "fsdp", world, float(block) * PARAM_BYTES,
+                              offload, gathered_weights=whole,
+                              root_bytes=float(root) * PARAM_BYTES)
+    gathered = ("the whole weights gathered for validation" if whole else
+                "the root unit and the largest block gathered")
     mode = run.sharding.mode
     for where, limit, why, fix in rank_memory_limits(run):
         if mode == "none" and replica > limit:
@@ -191,7 +214,6 @@ def check_model_fits(run: Any) -> None:
             raise ConfigError(
                 f"task={run.task.name} has about {count:,} parameters: even sharded over {world} "
                 f"ranks, weights, gradients and AdamW state need {_gib(shard)} per rank "
-                f"({SHARDED_STATE_COPIES} x {PARAM_BYTES} bytes per parameter / {world}"
-                f"{'' if run.task.name == 'bert' else ', plus the whole weights gathered for validation'}) but "
-                f"{where} may use {_gib(limit)} ({why}): use more ranks, a smaller task.model "
-                f"(hidden size, layers), {fix}")
+                f"({SHARDED_STATE_COPIES} x {PARAM_BYTES} bytes per parameter / {world}, plus "
+                f"{gathered}) but {where} may use {_gib(limit)} ({why}): use more ranks, a "
+                f"smaller task.model (hidden size, layers), {fix}")

@@ -99,6 +99,9 @@ class LocalClusterConfig(ClusterConfig):
     master_port: Optional[int] = None
     # per-rank emulated speed factors, e.g. [1.0, 0.35]; empty = full speed everywhere
     speeds: List[float] = field(default_factory=list)
+    # per-rank memory budgets in GiB, e.g. [0.5, 4.0] (a small and a large GPU emulated on
+    # CPU); empty = cluster.memory_budget_gb for every rank
+    memory_budgets_gb: List[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _check_common(self)
@@ -123,6 +126,17 @@ class LocalClusterConfig(ClusterConfig):
                 0.0 < speed <= 1.0,
                 f"cluster.speeds contains {speed}: each speed must be in (0, 1]",
             )
+        for budget in self.memory_budgets_gb:
+            require(
+                budget > 0,
+                f"cluster.memory_budgets_gb contains {budget}: each budget must be > 0 (GiB)",
+            )
+        require(
+            not (self.memory_budgets_gb and self.memory_budget_gb is not None),
+            f"cluster.memory_budgets_gb={list(self.memory_budgets_gb)} and "
+            f"cluster.memory_budget_gb={self.memory_budget_gb} are both set: keep one (the list "
+            "gives each rank its own budget)",
+        )
 
     @property
     def is_local(self) -> bool:
@@ -137,7 +151,8 @@ class LocalClusterConfig(ClusterConfig):
         return gpus if gpus > 0 else 2
 
     def check_world(self, world_size: int) -> None:
-        """``cluster.speeds`` has one entry per rank (or none).
+        """``cluster.speeds`` and ``cluster.memory_budgets_gb`` have one entry per rank (or
+        none).
 
         Raises:
             ConfigError: the lengths differ.
@@ -146,6 +161,12 @@ class LocalClusterConfig(ClusterConfig):
             not self.speeds or len(self.speeds) == world_size,
             f"cluster.speeds={list(self.speeds)} has {len(self.speeds)} entries but cluster.ranks "
             f"is {world_size}: give one speed per rank",
+        )
+        budgets = list(self.memory_budgets_gb)
+        require(
+            not budgets or len(budgets) == world_size,
+            f"cluster.memory_budgets_gb={budgets} has {len(budgets)} entries but cluster.ranks "
+            f"is {world_size}: give one budget (GiB) per rank",
         )
 
 

@@ -17,7 +17,7 @@ from hetseq_hpc.config.common import require, require_finite
 from hetseq_hpc.errors import ConfigError
 
 #: task.model.kind values (``auto`` = from ``config.architectures``)
-HF_KINDS = ("auto", "causal_lm", "masked_lm", "classification")
+HF_KINDS = ("auto", "causal_lm", "masked_lm", "classification", "seq2seq")
 #: data file suffixes task=hf reads (stdlib readers: no pyarrow)
 HF_DATA_SUFFIXES = (".txt", ".text", ".jsonl", ".json", ".csv", ".tsv")
 
@@ -91,21 +91,28 @@ class HfModelConfig:
     config: Optional[str] = None
     # tokenizer directory; null = task.model.path (or task.model.config's directory)
     tokenizer: Optional[str] = None
-    # causal_lm | masked_lm | classification | auto (from config.architectures)
+    # causal_lm | masked_lm | classification | seq2seq | auto (from config.architectures)
     kind: str = "auto"
-    # every dropout probability the model's config has (docs/tasks.md lists them); 0.0 = off
-    dropout: float = 0.1
-    # tokens per sample: packed rows (LM) or padded/truncated texts (classification)
+    # null = the model's own dropout values (a fine-tune keeps them); a number sets every
+    # dropout probability of the model's config (docs/tasks.md says which); 0.0 = off
+    dropout: Optional[float] = None
+    # tokens per sample: packed rows (LM) or padded/truncated texts (classification, the
+    # source of seq2seq)
     max_seq_len: int = 128
+    # seq2seq: target tokens per sample (padded/truncated); null = max_seq_len
+    max_target_len: Optional[int] = None
 
     def __post_init__(self) -> None:
         require_finite(self, "task.model")
         require(self.kind in HF_KINDS,
                 f"task.model.kind={self.kind!r} is unknown: use one of {', '.join(HF_KINDS)}")
-        require(0.0 <= self.dropout < 1.0,
+        require(self.dropout is None or 0.0 <= self.dropout < 1.0,
                 f"task.model.dropout={self.dropout} is invalid: it must be in [0, 1)")
         require(self.max_seq_len >= 4,
                 f"task.model.max_seq_len={self.max_seq_len} is too short: use at least 4 tokens")
+        require(self.max_target_len is None or self.max_target_len >= 2,
+                f"task.model.max_target_len={self.max_target_len} is too short: use at least 2 "
+                "tokens (or null for max_seq_len)")
 
     def check_paths(self) -> None:
         """Exactly one of ``path``/``config``; they (and ``tokenizer``) must be local.
@@ -141,6 +148,9 @@ class HfDataConfig:
     text_field: str = "text"
     # the label column (classification): integers 0..K-1, or strings (sorted into 0..K-1)
     label_field: str = "label"
+    # seq2seq: the input and the output text columns of JSON lines / CSV files
+    source_field: str = "source"
+    target_field: str = "target"
     # LM: join the texts and cut rows of exactly max_seq_len tokens (true), or one padded row
     # per text (false); classification always pads one row per text
     pack: bool = True
@@ -165,7 +175,8 @@ class HfDataConfig:
 
 @dataclass
 class HfTaskConfig:
-    """A Hugging Face ``transformers`` model (causal LM, masked LM, sequence classification)
+    """A Hugging Face ``transformers`` model (causal LM, masked LM, sequence classification,
+    seq2seq)
     fine-tuned or trained on local files; the loss is summed from the logits (docs/tasks.md)."""
 
     name: str = "hf"
@@ -192,7 +203,8 @@ class DatasetTaskConfig:
     path: Optional[str] = None
     # passed to build(**args): free-form, add keys with +task.args.name=value
     args: Dict[str, Any] = field(default_factory=dict)
-    # the model's options (free-form); dropout is passed to build as dropout=...
+    # the model's options (free-form); dropout is passed as build(dropout=...) when build
+    # has a dropout parameter (or **kwargs)
     model: Dict[str, Any] = field(default_factory=lambda: {"dropout": 0.1})
     # share of train held out for validation when build returns no "val" dataset; 0 = none
     val_fraction: float = 0.0

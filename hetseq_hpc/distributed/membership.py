@@ -3,8 +3,9 @@
 Everything goes through a store that does NOT live in a rank (the local launcher serves it, a
 Slurm batch script runs :mod:`hetseq_hpc.distributed.store_server`; both through
 :func:`serve_job_store`), so losing any rank, rank 0 included, loses nothing the survivors need.
-Every key is under the job's token (``HETSEQ_JOB_TOKEN``), so another job's ranks on the same
-store see nothing of this one. Ranks are named by their ORIGINAL rank (their ``member`` id)
+The store serves only clients that prove they hold the job's token (``HETSEQ_JOB_TOKEN``,
+:mod:`hetseq_hpc.distributed.auth_store`), so another job's ranks, or anyone else who reaches
+the port, can neither read nor write a key. Ranks are named by their ORIGINAL rank (their ``member`` id)
 across generations; generation ``g`` is the ``g``-th world (0 = the one the launcher started).
 
 * Heartbeat (:class:`Heartbeat`): a thread adds 1 to ``hb/<member>`` every
@@ -17,7 +18,7 @@ across generations; generation ``g`` is the ``g``-th world (0 = the one the laun
   reads). New ranks are dense, in the order of the old ones; a member left out (it joined
   after going stale) gets :class:`~hetseq_hpc.errors.RankExcluded`.
 
-Sources: torch.distributed ``TCPStore`` / ``PrefixStore`` (https://pytorch.org/docs/stable/distributed.html#distributed-key-value-store);
+Sources: torch.distributed ``Store`` / ``PrefixStore`` (https://pytorch.org/docs/stable/distributed.html#distributed-key-value-store);
 the rule of redoing the interrupted step over the survivors is in :mod:`hetseq_hpc.train.elastic`.
 """
 
@@ -31,11 +32,13 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing import AuthenticationError
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from hetseq_hpc.distributed.auth_store import AuthStoreClient, AuthStoreServer
 from hetseq_hpc.errors import HetseqError, LaunchError, RankExcluded
 
 log = logging.getLogger(__name__)
@@ -45,6 +48,9 @@ STORE_ENV = "HETSEQ_STORE"
 TOKEN_ENV = "HETSEQ_JOB_TOKEN"
 #: seconds between two heartbeats of a rank
 HEARTBEAT_S = 0.5
+#: prefix of every key the ranks write (the token itself is the store's authentication key and
+#: appears in no key, so no timeout message or key listing can show it)
+JOB_PREFIX = "job"
 
 
 def job_token() -> str:
@@ -52,42 +58,40 @@ def job_token() -> str:
     return secrets.token_hex(16)
 
 
-def serve_job_store(host: str = "127.0.0.1", port: int = 0) -> Tuple[Any, int]:
-    """Serve a ``TCPStore`` from THIS process (the launcher, or the batch script's
-    :mod:`~hetseq_hpc.distributed.store_server`), listening on ``host``'s address only: the
-    socket is bound here and handed to torch (``master_listen_fd``; torch alone binds every
-    interface).
+def serve_job_store(host: str = "127.0.0.1", port: int = 0,
+                    token: Optional[str] = None) -> Tuple[AuthStoreServer, int]:
+    """Serve the job's store from THIS process (the launcher, or the batch script's
+    :mod:`~hetseq_hpc.distributed.store_server`): an
+    :class:`~hetseq_hpc.distributed.auth_store.AuthStoreServer` listening on ``host``'s address
+    only, which serves a client only after it proves it holds the job's token.
+
+    Args:
+        host: the address (or name) to listen on; port: 0 for a free one.
+        token: the job's token; default ``$HETSEQ_JOB_TOKEN`` (never a command-line argument).
 
     Returns:
-        ``(store, port)``; the store serves as long as the object lives.
+        ``(server, port)``; the server serves until ``server.close()`` or the process ends.
 
     Raises:
         OSError: ``host`` does not resolve or the address cannot be bound.
+        LaunchError: no token given and ``HETSEQ_JOB_TOKEN`` unset.
     """
-    import socket
-
-    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        raise
-    bound = sock.getsockname()[1]
-    store = dist.TCPStore(host, bound, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60), master_listen_fd=sock.detach(),
-                          use_libuv=True)
-    return store, bound
+    token = token if token is not None else os.environ.get(TOKEN_ENV, "")
+    if not token:
+        raise LaunchError(f"the job's store needs the job's token in {TOKEN_ENV}: the launcher "
+                          "or batch script sets it (export it before starting the store)")
+    server = AuthStoreServer(host, port, token)
+    return server, server.port
 
 
 def job_store(timeout_s: float, environ: Optional[Dict[str, str]] = None) -> Optional[Any]:
-    """A client of the job's store under its token (``PrefixStore``), or None when the
-    launcher serves none (``HETSEQ_STORE`` unset: no in-job recovery).
+    """A client of the job's store (keys under :data:`JOB_PREFIX`), which proves the job's
+    token at connect, or None when the launcher serves none (``HETSEQ_STORE`` unset: no in-job
+    recovery).
 
     Raises:
-        LaunchError: the variables are malformed or the store cannot be reached.
+        LaunchError: the variables are malformed, the store cannot be reached, or it refuses
+            the token.
     """
     env = os.environ if environ is None else environ
     where, token = env.get(STORE_ENV), env.get(TOKEN_ENV, "")
@@ -98,12 +102,20 @@ def job_store(timeout_s: float, environ: Optional[Dict[str, str]] = None) -> Opt
         raise LaunchError(f"{STORE_ENV}={where!r} / {TOKEN_ENV} are malformed: the launcher "
                           "sets them (host:port and a token); unset them to run without one")
     try:
-        client = dist.TCPStore(host, int(port), is_master=False,
-                               timeout=timedelta(seconds=timeout_s))
+        client = AuthStoreClient(host.strip("[]"), int(port), token, timedelta(seconds=timeout_s))
+    except AuthenticationError:
+        raise LaunchError(f"the job's store at {where} refused this rank's {TOKEN_ENV}: the rank "
+                          "belongs to another job, or the variable was changed; start the run "
+                          "again") from None
     except Exception as exc:
         raise LaunchError(f"the job's store at {where} cannot be reached ({type(exc).__name__}): "
                           "its launcher is gone; start the run again") from None
-    return dist.PrefixStore(f"job/{token}", client)
+    return dist.PrefixStore(JOB_PREFIX, client)
+
+
+def excluded_key(member: int) -> str:
+    """The server-side key that says original rank ``member`` was left out."""
+    return f"{JOB_PREFIX}/excluded/{int(member)}"
 
 
 class Heartbeat:

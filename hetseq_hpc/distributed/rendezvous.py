@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import astuple, dataclass, fields
 from datetime import timedelta
-from typing import Any, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, MutableMapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,29 @@ from hetseq_hpc.env.world import WorldInfo, free_port
 from hetseq_hpc.errors import AllocationError, LaunchError
 
 log = logging.getLogger(__name__)
+
+#: NCCL settings of an elastic world (in-job recovery): ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``
+#: (``CleanUpOnly``: the watchdog aborts the communicators of a failed or timed-out collective
+#: and the collective raises, but the process lives on to re-form the world; torch's default,
+#: 3 ``SkipCleanUp``, and 1 ``TearDown`` end the process, which would kill every survivor).
+#: Source: ``ErrorHandlingMode`` in torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp (torch 2.13).
+ELASTIC_NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
+def set_elastic_nccl_env(environ: Optional[MutableMapping[str, str]] = None) -> Dict[str, str]:
+    """Set :data:`ELASTIC_NCCL_ENV` in ``environ`` (default ``os.environ``; read by NCCL process
+    groups created afterwards), overriding a user's value with a warning; returns what changed."""
+    env = os.environ if environ is None else environ
+    changed = {}
+    for name, value in ELASTIC_NCCL_ENV.items():
+        old = env.get(name)
+        if old != value:
+            if old is not None:
+                log.warning("%s=%s would end this rank when a peer is lost; in-job recovery "
+                            "(trainer.elastic) sets %s", name, old, value)
+            env[name] = value
+            changed[name] = value
+    return changed
 
 
 @dataclass(frozen=True)
@@ -181,8 +205,10 @@ def join(world: WorldInfo, device: torch.device, timeout_s: int, job: Any = None
         job: the job's store served by the launcher
             (:func:`hetseq_hpc.distributed.membership.job_store`): generation 0 of an elastic
             world, whose store no rank holds.
-        step_timeout_s: timeout of the default group (DDP's gradient all-reduce) when shorter
-            than ``timeout_s``: how long a training step waits for a silent peer.
+        step_timeout_s: accepted for callers of an elastic world and not applied here: start-up
+            collectives (calibration, DDP's first broadcast, the contract check) keep
+            ``timeout_s``, and the training loop shortens the default group's timeout to the
+            step's own (:class:`hetseq_hpc.train.elastic.StepTimeout`) once training starts.
 
     Raises:
         LaunchError: the store cannot be reached or a peer does not arrive in ``timeout_s``.
@@ -201,6 +227,8 @@ def join(world: WorldInfo, device: torch.device, timeout_s: int, job: Any = None
     kwargs = {}
     if device.type == "cuda":
         kwargs["device_id"] = device
+        if job is not None:  # an elastic world: NCCL must not end the survivors
+            set_elastic_nccl_env()
     try:
         # a loopback master (cluster=local) gets a store bound to 127.0.0.1 only
         store = (dist.PrefixStore("g0/pg", job) if job is not None
@@ -210,7 +238,7 @@ def join(world: WorldInfo, device: torch.device, timeout_s: int, job: Any = None
             backend=backend,
             rank=world.rank,
             world_size=world.world_size,
-            timeout=timedelta(seconds=min(timeout_s, step_timeout_s or timeout_s)),
+            timeout=timedelta(seconds=timeout_s),
             **kwargs,
         )
         cpu_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))

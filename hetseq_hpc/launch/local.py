@@ -142,8 +142,9 @@ def _die_with_parent(parent_pid: int) -> Optional[Callable[[], None]]:
 class ElasticJob:
     """The job's store, served by the launcher for in-job recovery (``trainer.elastic``, DDP):
     no rank holds it, so losing any rank loses nothing
-    (:mod:`hetseq_hpc.distributed.membership`). It listens on 127.0.0.1 only; every key is
-    under a random token given to the ranks in their environment."""
+    (:mod:`hetseq_hpc.distributed.membership`). It listens on 127.0.0.1 only and serves only
+    clients that prove they hold a random token given to the ranks in their environment
+    (:mod:`hetseq_hpc.distributed.auth_store`)."""
 
     def __init__(self, store, token: str):
         self.store, self.token = store, token
@@ -162,11 +163,15 @@ class ElasticJob:
 
         if not run.trainer.elastic.enabled or run.sharding.mode != "none" or len(envs) < 2:
             return None
-        store, port = serve_job_store("127.0.0.1")
         token = job_token()
+        store, port = serve_job_store("127.0.0.1", token=token)
         for env in envs:
             env.update({STORE_ENV: f"127.0.0.1:{port}", TOKEN_ENV: token})
         return cls(store, token)
+
+    def close(self) -> None:
+        """Stop serving the store (every rank has ended)."""
+        self.store.close()
 
     @staticmethod
     def tolerated(code: int) -> bool:
@@ -177,10 +182,12 @@ class ElasticJob:
 
     def end_excluded(self, procs: List[subprocess.Popen], codes: Dict[int, int]) -> None:
         """SIGKILL the ranks the others left out (a stopped process does not end by itself)."""
+        from hetseq_hpc.distributed.membership import excluded_key
+
         for rank, proc in enumerate(procs):
             if rank in codes or rank in self.ended:
                 continue
-            if self.store.check([f"job/{self.token}/excluded/{rank}"]):
+            if self.store.check([excluded_key(rank)]):
                 log.warning("rank %d was left out by the others (no heartbeat): ending it", rank)
                 _signal_all([proc], signal.SIGKILL)
                 self.ended.add(rank)
@@ -322,5 +329,8 @@ def _launch(run: RunConfig, run_dir: Path, poll_s: float, lock_env: Dict[str, st
     except BaseException:
         _stop(procs)
         raise
+    finally:
+        if job is not None:
+            job.close()
     summary_path = RunDir(run_dir).summary
     return json.loads(summary_path.read_text()) if summary_path.is_file() else {}

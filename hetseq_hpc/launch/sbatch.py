@@ -110,22 +110,28 @@ def srun_command(cluster: SlurmClusterConfig, folder: str, python: str,
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def store_lines(python: str, folder: str) -> List[str]:
+def store_lines(python: str, folder: str, nodes: int = 1) -> List[str]:
     """The batch script's part of in-job recovery: serve the job's store on the batch host
-    (:mod:`hetseq_hpc.distributed.store_server`, listening on that host's address only),
-    give the ranks its address and a fresh token in their environment, end it on exit."""
-    port_file = shlex.quote(folder) + '/"${SLURM_JOB_ID}_store.port"'
+    (:mod:`hetseq_hpc.distributed.store_server`, listening on one address of that host that
+    the other ``nodes`` reach: ``--host auto``, never ``$(hostname)``, which Debian-style hosts
+    resolve to 127.0.1.1), give the ranks its address and a fresh token in their environment
+    (the token never on a command line), end it on exit; the job fails at once when the store
+    does not start."""
+    where = shlex.quote(folder) + '/"${SLURM_JOB_ID}_store.address"'
     return [
         "", "# in-job recovery (trainer.elastic): the job's store, here on the batch host, in no rank",
         'HETSEQ_JOB_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d " \\n")',
         "export HETSEQ_JOB_TOKEN",
-        f"rm -f {port_file}",
-        f'{shlex.quote(python)} -m hetseq_hpc.distributed.store_server --host "$(hostname)" '
-        f"--port-file {port_file} &",
+        f"rm -f {where}",
+        f"{shlex.quote(python)} -m hetseq_hpc.distributed.store_server --host auto "
+        f"--nodes {int(nodes)} --address-file {where} &",
         "store_pid=$!",
         "trap 'kill $store_pid 2>/dev/null' EXIT",
-        f"for _ in $(seq 1 600); do [ -s {port_file} ] && break; sleep 0.1; done",
-        f'export HETSEQ_STORE="$(hostname):$(cat {port_file})"',
+        f"for _ in $(seq 1 600); do [ -s {where} ] && break; kill -0 $store_pid 2>/dev/null || break; "
+        "sleep 0.1; done",
+        f"if [ ! -s {where} ]; then echo \"hetseq-hpc: error: the job's store did not start "
+        f"(its error is above)\" >&2; exit 1; fi",
+        f'export HETSEQ_STORE="$(cat {where})"',
     ]
 
 
@@ -183,7 +189,7 @@ def render_sbatch(cluster: SlurmClusterConfig, folder: str, python: str,
               "function saved with this script", f"if [ -e {hand} ] && [ ! -e {mine} ]; then",
               f"  cp {hand} {mine}", "fi"]
     if elastic:
-        lines += store_lines(python, folder)
+        lines += store_lines(python, folder, sum(int(p.nodes) for p in cluster.partitions.values()))
     lines += ["", "# one step over all het components, one task per rank",
               srun_command(cluster, folder, python, elastic), ""]
     return "\n".join(lines)

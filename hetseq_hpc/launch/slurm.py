@@ -34,7 +34,7 @@ from submitit.slurm.slurm import SlurmExecutor
 from hetseq_hpc.config import RunConfig, SlurmClusterConfig, load_run_config, save_run_config
 from hetseq_hpc.env.preemption import REQUEUE
 from hetseq_hpc.env.rank_guard import report_failure
-from hetseq_hpc.errors import ConfigError, LaunchError, Preempted
+from hetseq_hpc.errors import ConfigError, LaunchError, Preempted, RankExcluded
 from hetseq_hpc.files.atomic import atomic_write_text
 from hetseq_hpc.launch.failures import (
     STOP_RECORD,
@@ -47,6 +47,7 @@ from hetseq_hpc.launch.failures import (
 from hetseq_hpc.launch.sbatch import render_sbatch, save_hand_submission
 from hetseq_hpc.launch.slurm_checks import check_partitions, partition_inventory, require_slurm
 from hetseq_hpc.launch.slurm_watch import (
+    EXCLUDED_RESULT,
     TERMINAL_STATES,
     HetSlurmInfoWatcher,
     HetSlurmJob,
@@ -99,7 +100,9 @@ class HetseqJobFunction:
     launcher to name the cause, with how long the rank stood still if it was stopped
     (:class:`~hetseq_hpc.launch.failures.StopWatch`). A rank stopped after a checkpoint exits 3
     with no result (the requeued job writes them), and rank 0 records the stop in
-    ``logs/stop.json`` (:func:`~hetseq_hpc.launch.failures.write_stop_record`).
+    ``logs/stop.json`` (:func:`~hetseq_hpc.launch.failures.write_stop_record`). A rank the
+    others left out (``RankExcluded``, in-job recovery) ends quietly: a log line, no error file,
+    exit 0, and a result that says so (:data:`~hetseq_hpc.launch.slurm_watch.EXCLUDED_RESULT`).
     """
 
     config_path: str
@@ -114,7 +117,7 @@ class HetseqJobFunction:
             run = load_run_config(self.config_path)
             return run_worker(run, self.run_dir)
         except Preempted as exc:
-            if rank == 0:
+            if exc.leads(rank):
                 restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
                 limit = run.cluster.max_requeues
                 requeued = exc.code == REQUEUE and restarts < limit
@@ -122,6 +125,9 @@ class HetseqJobFunction:
                                   exc.code, restarts, limit, requeued)
             handle_preempted(exc, run)
             raise SystemExit(3) from None
+        except RankExcluded as exc:  # the others went on without this rank: not a failure
+            log.warning("rank %d: %s", rank, exc)
+            return {EXCLUDED_RESULT: True, "rank": rank}
         except Exception as exc:
             report_failure(exc, rank, RunDir(self.run_dir).error_file(rank))
             note_stopped(RunDir(self.run_dir).error_file(rank), watch.stopped_s)
@@ -195,7 +201,7 @@ def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
     sys.stdout.flush()
     if not cluster.wait:
         return info
-    summary = wait_for_job(job, run_dir, cluster.world_size, stream=True)
+    summary = wait_for_job(job, run_dir, cluster.world_size, stream=True, elastic=elastic)
     info["summary"] = summary
     return info
 

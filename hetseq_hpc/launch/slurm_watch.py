@@ -154,6 +154,28 @@ class RequeueLimitReached(Preempted):
             f"{shlex.quote(f'hydra.run.dir={run_dir}')} trainer.resume=auto",)
 
 
+#: the result of a rank the others left out (``RankExcluded``): it ended quietly, exit 0
+EXCLUDED_RESULT = "excluded_rank"
+
+
+def is_excluded(result: Any) -> bool:
+    """Whether a rank's result says it was left out by the others (not a summary)."""
+    return isinstance(result, dict) and bool(result.get(EXCLUDED_RESULT))
+
+
+def _summaries(outcomes: Dict[int, Tuple[str, Any]]) -> Dict[int, Any]:
+    """rank -> summary of the ranks that returned one (not the ones left out)."""
+    return {r: o[1] for r, o in outcomes.items() if o[0] == "success" and not is_excluded(o[1])}
+
+
+def cancel_job(job_id: str) -> None:
+    """``scancel`` the job; never raises (without scancel, nothing can be cancelled)."""
+    try:
+        subprocess.run(["scancel", str(job_id)], capture_output=True, check=False, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("could not scancel job %s (%s): cancel it by hand", job_id, exc)
+
+
 def _rank_errors(run_dir: Path, traces: Dict[int, str], num_tasks: int) -> Dict[int, Dict]:
     """rank -> its own error: ``logs/rank<N>.error.json`` if it wrote one, else one built from
     its result traceback (no time: such ranks sort by rank)."""
@@ -201,10 +223,12 @@ def _accounted(run_dir: Path, num_tasks: int, outcomes: Dict[int, Tuple[str, Any
 def finished_without_lost(outcomes: Dict[int, Tuple[str, Any]],
                           num_tasks: int) -> Optional[Dict[str, Any]]:
     """The summary of a run whose surviving ranks all returned after losing some
-    (``lost_ranks`` in their summary, :mod:`hetseq_hpc.train.elastic`), else None."""
-    if not outcomes or any(kind != "success" for kind, _ in outcomes.values()):
+    (``lost_ranks`` in their summary, :mod:`hetseq_hpc.train.elastic`; a rank the others left
+    out returns :data:`EXCLUDED_RESULT`, no summary), else None."""
+    survivors = _summaries(outcomes)
+    if not survivors or any(kind != "success" for kind, _ in outcomes.values()):
         return None
-    summary = outcomes[min(outcomes)][1]
+    summary = survivors[min(survivors)]
     lost = set(summary.get("lost_ranks") or []) if isinstance(summary, dict) else set()
     if lost and set(outcomes) | lost == set(range(num_tasks)):
         return summary
@@ -212,7 +236,8 @@ def finished_without_lost(outcomes: Dict[int, Tuple[str, Any]],
 
 
 def wait_for_job(job: HetSlurmJob, run_dir: Path, num_tasks: int, poll_s: float = 1.0,
-                 stream: bool = False, timeout_s: Optional[float] = None) -> Dict[str, Any]:
+                 stream: bool = False, timeout_s: Optional[float] = None,
+                 elastic: bool = False) -> Dict[str, Any]:
     """Wait until every rank returned, a rank failed, or Slurm ended the job.
 
     Args:
@@ -222,13 +247,16 @@ def wait_for_job(job: HetSlurmJob, run_dir: Path, num_tasks: int, poll_s: float 
         poll_s: seconds between checks.
         stream: copy rank 0's log to stderr while waiting.
         timeout_s: give up after this long (None = wait as long as the job lives).
+        elastic: the job recovers from a lost rank in-job (its step survives a task's exit),
+            so a rank failing by its own error must cancel it.
 
     Returns:
-        rank 0's summary.
+        rank 0's summary (the lowest surviving rank's after in-job recovery).
 
     Raises:
         LaunchError: a rank failed (the rank whose own error came first is named, with its error
-            line: :func:`failure_message`), or the job ended without results (CANCELLED,
+            line: :func:`failure_message`; with ``elastic``, a job still running is cancelled,
+            unless the ranks ended with ``TooFewRanks``), or the job ended without results (CANCELLED,
             TIMEOUT, ...), or ``timeout_s`` passed.
         RequeueLimitReached: the job stopped after a checkpoint with its requeues used up.
     """
@@ -255,14 +283,29 @@ def wait_for_job(job: HetSlurmJob, run_dir: Path, num_tasks: int, poll_s: float 
                    and time.monotonic() - failed_at < FAILURE_GRACE_S):
                 time.sleep(poll_s)
                 outcomes = task_outcomes(folder, job.job_id, num_tasks)
-            raise LaunchError(failure_message(job.job_id, folder, run_dir, num_tasks, outcomes))
+            message = failure_message(job.job_id, folder, run_dir, num_tasks, outcomes)
+            traces = {r: str(o[1]) for r, o in outcomes.items() if o[0] == "error"}
+            too_few = any(e.get("type") == "TooFewRanks"
+                          for e in _rank_errors(run_dir, traces, num_tasks).values())
+            if elastic and not too_few and job.watcher.get_state(job.job_id, mode="force") not in TERMINAL_STATES:
+                # in-job recovery would let the others go on without a rank that failed by its
+                # own error (a bug, bad data): the job fails instead (TooFewRanks: the survivors
+                # checkpoint and end by themselves)
+                log.warning("job %s: a rank failed by its own error: cancelling the job",
+                            job.job_id)
+                cancel_job(job.job_id)
+            raise LaunchError(message)
         if len(outcomes) == num_tasks:
-            return outcomes[0][1]
+            survivors = _summaries(outcomes)
+            if not survivors:
+                raise LaunchError(f"job {job.job_id}: every rank was left out by the others: see "
+                                  f"{Path(run_dir) / 'logs'}")
+            return survivors[min(survivors)]
         survived = finished_without_lost(outcomes, num_tasks)
         if survived is not None:  # in-job recovery: the survivors finished without them
             if job.watcher.get_state(job.job_id, mode="force") not in TERMINAL_STATES:
                 # a stopped rank the others left out would hold the step until the time limit
-                subprocess.run(["scancel", str(job.job_id)], capture_output=True, check=False)
+                cancel_job(job.job_id)
             return survived
         state = job.watcher.get_state(job.job_id, mode="force")
         if state in TERMINAL_STATES:
@@ -283,6 +326,18 @@ def wait_for_job(job: HetSlurmJob, run_dir: Path, num_tasks: int, poll_s: float 
         time.sleep(poll_s)
 
 
-__all__ = ["FAILURE_GRACE_S", "TERMINAL_STATES", "HetSlurmInfoWatcher", "HetSlurmJob",
-           "RequeueLimitReached", "failure_message", "fold_states", "pick_failure",
-           "task_outcomes", "wait_for_job"]
+__all__ = [
+    "EXCLUDED_RESULT",
+    "FAILURE_GRACE_S",
+    "TERMINAL_STATES",
+    "HetSlurmInfoWatcher",
+    "HetSlurmJob",
+    "RequeueLimitReached",
+    "cancel_job",
+    "failure_message",
+    "fold_states",
+    "is_excluded",
+    "pick_failure",
+    "task_outcomes",
+    "wait_for_job",
+]

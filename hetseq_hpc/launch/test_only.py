@@ -86,6 +86,11 @@ def test_only_start(cluster, python: Optional[str] = None,
     """``sbatch --test-only`` on the het-job script the launcher would submit for ``cluster``
     (a validated SLURM cluster config): Slurm's expected start. Submits nothing.
 
+    The script's ``#SBATCH --time`` (every het component) is ``cluster.timeout_min``: the
+    planner passes the mix's cluster with it set to the predicted run time plus a margin,
+    capped by the configured limit (:func:`hetseq_hpc.plan.when.asked_time_min`), so that
+    backfill estimates the start of a job of that length.
+
     Raises:
         ConfigError: a value is unsafe for the script (:func:`render_sbatch`).
         LaunchError: sbatch cannot be run or does not answer in

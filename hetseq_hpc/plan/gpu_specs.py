@@ -13,8 +13,14 @@ Assumptions (stated once, here):
   (Turing/GA102/AD102 whitepapers' "FP16 Tensor TFLOPS with FP32 Accumulate"): ``geforce=True``
   halves the tensor and TF32 rates. Quadro/RTX A-series/data-centre parts run it at full rate.
 - Volta/Turing have no bf16: a bf16 peak there is the fp16 one (the runtime falls back to fp16).
-- Pascal has no tensor cores: half precision is 2x fp32 on GP100 (P100, cc 6.0) and 1/64 of it
-  on GP102 (TITAN Xp, GTX 1080 Ti, cc 6.1); the runtime trains in fp32 there (``auto``).
+- Pascal has no tensor cores. Its NATIVE fp16 arithmetic (HFMA2, fp16 accumulate) is 2x fp32
+  on GP100 (P100, cc 6.0: 18.7 vs 9.3 TFLOP/s, P100 datasheet) and 1/64 of fp32 on GP102
+  (TITAN Xp, GTX 1080 Ti, cc 6.1: CUDA C Programming Guide, "Arithmetic Instructions"
+  throughput table, 2 vs 128 results per clock per SM); :attr:`Arch.half_native` keeps these.
+  What the planner rates as "fp16" is fp16 storage with FP32 ACCUMULATE (autocast: cuBLAS
+  ``CUBLAS_COMPUTE_32F``, PyTorch's fp32 "opmath" in element-wise kernels), whose arithmetic is
+  fp32 on both: :attr:`Arch.half_vs_fp32` = 1.0 on Pascal. The runtime trains in fp32 there
+  (``auto``) anyway.
 - TF32 (Ampere and later) is a peak the RUNTIME DOES NOT USE: hetseq_hpc leaves PyTorch's default
   (``torch.backends.cuda.matmul.allow_tf32 = False``), so "fp32" is the CUDA-core fp32 peak on
   every GPU. ``tf32`` exists to read published figures (NGC containers turn TF32 on).
@@ -45,7 +51,11 @@ class Arch:
         tensor: fp16/bf16 tensor FLOP per SM per clock with fp32 accumulate, full-rate parts
             (0 = no tensor cores).
         tf32: TF32 tensor FLOP per SM per clock (0 = none).
-        half_vs_fp32: half-precision rate over fp32 without tensor cores (Pascal).
+        half_vs_fp32: rate of fp16 training (fp16 storage, fp32 accumulate) over fp32
+            without tensor cores (Pascal): 1.0, its arithmetic is fp32.
+        half_native: native fp16 arithmetic (fp16 accumulate) over fp32 without tensor cores,
+            the datasheet's figure (2.0 GP100, 1/64 GP102); documentation only, nothing the
+            runtime runs uses it.
         bf16: whether the tensor cores run bf16.
     """
 
@@ -55,12 +65,13 @@ class Arch:
     tf32: int = 0
     half_vs_fp32: float = 1.0
     bf16: bool = False
+    half_native: float = 0.0
 
 
 #: compute capability -> architecture (Pascal .. Hopper whitepapers' per-SM rates)
 ARCHS: Dict[Tuple[int, int], Arch] = {
-    (6, 0): Arch("Pascal GP100", 64, half_vs_fp32=2.0),
-    (6, 1): Arch("Pascal GP10x", 128, half_vs_fp32=1.0),
+    (6, 0): Arch("Pascal GP100", 64, half_vs_fp32=1.0, half_native=2.0),
+    (6, 1): Arch("Pascal GP10x", 128, half_vs_fp32=1.0, half_native=1.0 / 64),
     (7, 0): Arch("Volta", 64, tensor=1024),
     (7, 5): Arch("Turing", 64, tensor=1024),
     (8, 0): Arch("Ampere GA100", 64, tensor=2048, tf32=1024, bf16=True),
@@ -135,6 +146,9 @@ class GpuSpec:
         source: the datasheet or whitepaper the row comes from.
         geforce: GeForce part (half-rate fp32-accumulate tensor and TF32, see module doc).
         tensor_mhz: clock the vendor's tensor peaks are quoted at, when lower than boost.
+        gpu_link: the link between the GPUs of one node (:data:`GPU_LINK_GBPS`): ``pcie3``..
+            ``pcie5`` (the board's host interface) or ``nvlink1``..``nvlink4`` (SXM parts).
+        tdp_w: board power limit, W (datasheet); 0 = not used (:func:`power_clock_factor`).
     """
 
     label: str
@@ -146,6 +160,13 @@ class GpuSpec:
     source: str
     geforce: bool = False
     tensor_mhz: Optional[float] = None
+    gpu_link: str = "pcie3"
+    tdp_w: float = 0.0
+
+    @property
+    def intra_node_gbps(self) -> float:
+        """Bandwidth between two GPUs of one node, Gbit/s one way (:data:`GPU_LINK_GBPS`)."""
+        return GPU_LINK_GBPS[self.gpu_link]
 
     def peak_flops(self, precision: str) -> float:
         """Peak FLOP/s in ``precision`` (:func:`peak_flops` on this row's facts)."""
@@ -167,50 +188,97 @@ _H100 = ("NVIDIA H100 datasheet + whitepaper (SXM5 132 SMs, 1980 MHz, 3352 GB/s,
          "1830 MHz; PCIe 114 SMs, 1755 MHz, 2000 GB/s, tensor peaks at 1620 MHz)")
 
 
+#: link between the GPUs of one node -> Gbit/s one way per GPU: PCIe x16 raw rate (gen3 8 GT/s,
+#: gen4 16, gen5 32 per lane, 128b/130b: 15.75 / 31.5 / 63 GB/s; PCI-SIG base specifications),
+#: NVLink per GPU (P100 4 links x 20 GB/s, V100 6 x 25, A100 12 x 25, H100 18 x 25 GB/s one way:
+#: the Pascal, Volta, Ampere and Hopper whitepapers). PCIe peer traffic through a CPU root port
+#: runs slower than this (an upper bound).
+GPU_LINK_GBPS: Dict[str, float] = {
+    "pcie3": 15.75 * 8, "pcie4": 31.5 * 8, "pcie5": 63.0 * 8,
+    "nvlink1": 80.0 * 8, "nvlink2": 150.0 * 8, "nvlink3": 300.0 * 8, "nvlink4": 450.0 * 8,
+}
+
+#: the power-limit reference: the fit source's V100 SXM2 (:mod:`hetseq_hpc.plan.perf_model`),
+#: 300 W for 80 SMs at 1530 MHz, taken to hold its boost clock under load
+POWER_REFERENCE = (300.0, 80, 1530.0)
+#: compute capabilities made on the reference's process (TSMC 12 nm FFN: Volta GV100 and every
+#: Turing die), the only ones :func:`power_clock_factor` applies to
+POWER_SAME_PROCESS = ((7, 0), (7, 5))
+
+
+def power_clock_factor(spec: GpuSpec) -> float:
+    """Sustained over boost clock of a power-limited GPU, from specifications only, in (0, 1].
+
+    Power at full load is taken as proportional to SMs x clock at the reference's energy per
+    SM-cycle (:data:`POWER_REFERENCE`, same process only: :data:`POWER_SAME_PROCESS`); a board
+    whose limit ``tdp_w`` is below that need runs at ``boost x (tdp_w / need) ** (1/3)``, the
+    textbook DVFS approximation ``P = C V^2 f`` with ``V`` proportional to ``f`` (Weste & Harris,
+    CMOS VLSI Design, 4th ed., sec. 5.2). The exponent was set from that approximation, not
+    from the held-out figures (docs/planner-accuracy.md gives the alternatives' errors too).
+    1.0 without ``tdp_w`` or on another process (no reference there), and for a probed GPU.
+    """
+    if not spec.tdp_w or tuple(spec.capability) not in POWER_SAME_PROCESS:
+        return 1.0
+    ref_w, ref_sms, ref_mhz = POWER_REFERENCE
+    need = ref_w * spec.sm_count * spec.boost_mhz / (ref_sms * ref_mhz)
+    return 1.0 if need <= spec.tdp_w else (spec.tdp_w / need) ** (1.0 / 3.0)
+
+
 def _row(label: str, cc: Tuple[int, int], sms: int, mhz: float, gib: float, gbs: float,
-         source: str, geforce: bool = False, tensor_mhz: Optional[float] = None) -> GpuSpec:
-    return GpuSpec(label, cc, sms, mhz, gib, gbs, source, geforce, tensor_mhz)
+         source: str, geforce: bool = False, tensor_mhz: Optional[float] = None,
+         link: str = "pcie3", tdp_w: float = 0.0) -> GpuSpec:
+    return GpuSpec(label, cc, sms, mhz, gib, gbs, source, geforce, tensor_mhz, link, tdp_w)
 
 
 P100_PCIE = _row("P100 PCIe 16GB", (6, 0), 56, 1303, 16, 732,
                  "NVIDIA Tesla P100 PCIe datasheet + Pascal GP100 whitepaper")
 P100_SXM2 = _row("P100 SXM2 16GB", (6, 0), 56, 1480, 16, 732,
-                 "NVIDIA Tesla P100 SXM2 datasheet + Pascal GP100 whitepaper")
+                 "NVIDIA Tesla P100 SXM2 datasheet + Pascal GP100 whitepaper", link="nvlink1")
 TITAN_XP = _row("TITAN Xp 12GB", (6, 1), 30, 1582, 12, 547.7,
                 "NVIDIA TITAN Xp product page (3840 CUDA cores, 1582 MHz, 547.7 GB/s)")
 GTX_1080TI = _row("GTX 1080 Ti 11GB", (6, 1), 28, 1582, 11, 484,
                   "NVIDIA GeForce GTX 1080 Ti product page (3584 cores, 1582 MHz)", geforce=True)
-V100_16 = _row("V100 16GB", (7, 0), 80, 1530, 16, 900, _V100)
-V100_32 = _row("V100 32GB", (7, 0), 80, 1530, 32, 900, _V100)
+V100_16 = _row("V100 16GB", (7, 0), 80, 1530, 16, 900, _V100, link="nvlink2", tdp_w=300)
+V100_32 = _row("V100 32GB", (7, 0), 80, 1530, 32, 900, _V100, link="nvlink2", tdp_w=300)
 V100_PCIE = _row("V100 PCIe 16GB", (7, 0), 80, 1380, 16, 900,
-                 "NVIDIA Tesla V100 datasheet (PCIe: 1380 MHz, 14 TF fp32, 112 TF tensor)")
+                 "NVIDIA Tesla V100 datasheet (PCIe: 1380 MHz, 14 TF fp32, 112 TF tensor, 250 W)",
+                 tdp_w=250)
 T4 = _row("T4 16GB", (7, 5), 40, 1590, 16, 320,
-          "NVIDIA T4 datasheet + Turing whitepaper (40 SMs, 1590 MHz, 65 TF fp16, 8.1 TF fp32)")
-TITAN_RTX = _row("TITAN RTX 24GB", (7, 5), 72, 1770, 24, 672, _TU)
-QUADRO_RTX8000 = _row("Quadro RTX 8000 48GB", (7, 5), 72, 1770, 48, 672, _TU)
-QUADRO_RTX6000 = _row("Quadro RTX 6000 24GB", (7, 5), 72, 1770, 24, 672, _TU)
-RTX_2080TI = _row("RTX 2080 Ti 11GB", (7, 5), 68, 1545, 11, 616, _TU, geforce=True)
-A100_40 = _row("A100 40GB", (8, 0), 108, 1410, 40, 1555, _A100)
-A100_80 = _row("A100 80GB", (8, 0), 108, 1410, 80, 2039, _A100)
-A100_80_PCIE = _row("A100 80GB PCIe", (8, 0), 108, 1410, 80, 1935, _A100)
+          "NVIDIA T4 datasheet + Turing whitepaper (40 SMs, 1590 MHz, 65 TF fp16, 8.1 TF fp32, "
+          "70 W)", tdp_w=70)
+# board power (tdp_w): TITAN RTX 280 W, Quadro RTX 6000/8000 260 W (295 W with VirtualLink),
+# RTX 2080 Ti 250 W (Turing whitepaper Appendix A, the boards' datasheets)
+TITAN_RTX = _row("TITAN RTX 24GB", (7, 5), 72, 1770, 24, 672, _TU, tdp_w=280)
+QUADRO_RTX8000 = _row("Quadro RTX 8000 48GB", (7, 5), 72, 1770, 48, 672, _TU, tdp_w=260)
+QUADRO_RTX6000 = _row("Quadro RTX 6000 24GB", (7, 5), 72, 1770, 24, 672, _TU, tdp_w=260)
+RTX_2080TI = _row("RTX 2080 Ti 11GB", (7, 5), 68, 1545, 11, 616, _TU, geforce=True, tdp_w=250)
+A100_40 = _row("A100 40GB", (8, 0), 108, 1410, 40, 1555, _A100, link="nvlink3")
+A100_80 = _row("A100 80GB", (8, 0), 108, 1410, 80, 2039, _A100, link="nvlink3")
+A100_80_PCIE = _row("A100 80GB PCIe", (8, 0), 108, 1410, 80, 1935, _A100, link="pcie4")
 A10 = _row("A10 24GB", (8, 6), 72, 1695, 24, 600,
-           "NVIDIA A10 datasheet (125 TF bf16 dense, 31.2 TF fp32) + GA102 whitepaper")
+           "NVIDIA A10 datasheet (125 TF bf16 dense, 31.2 TF fp32) + GA102 whitepaper",
+           link="pcie4")
 A40 = _row("A40 48GB", (8, 6), 84, 1740, 48, 696,
-           "NVIDIA A40 datasheet (149.7 TF bf16 dense, 37.4 TF fp32) + GA102 whitepaper")
+           "NVIDIA A40 datasheet (149.7 TF bf16 dense, 37.4 TF fp32) + GA102 whitepaper",
+           link="pcie4")
 RTX_A6000 = _row("RTX A6000 48GB", (8, 6), 84, 1800, 48, 768,
-                 "NVIDIA RTX A6000 datasheet (154.8 TF tensor dense, 38.7 TF fp32)")
-RTX_3090 = _row("RTX 3090 24GB", (8, 6), 82, 1695, 24, 936, _GA102, geforce=True)
-RTX_4090 = _row("RTX 4090 24GB", (8, 9), 128, 2520, 24, 1008, _AD, geforce=True)
+                 "NVIDIA RTX A6000 datasheet (154.8 TF tensor dense, 38.7 TF fp32)",
+                 link="pcie4")
+RTX_3090 = _row("RTX 3090 24GB", (8, 6), 82, 1695, 24, 936, _GA102, geforce=True, link="pcie4")
+RTX_4090 = _row("RTX 4090 24GB", (8, 9), 128, 2520, 24, 1008, _AD, geforce=True, link="pcie4")
 RTX_6000_ADA = _row("RTX 6000 Ada 48GB", (8, 9), 142, 2505, 48, 960,
-                    "NVIDIA RTX 6000 Ada datasheet + Ada whitepaper")
+                    "NVIDIA RTX 6000 Ada datasheet + Ada whitepaper", link="pcie4")
 L4 = _row("L4 24GB", (8, 9), 58, 2040, 24, 300,
-          "NVIDIA L4 datasheet (121 TF bf16 dense, 30.3 TF fp32) + Ada whitepaper")
+          "NVIDIA L4 datasheet (121 TF bf16 dense, 30.3 TF fp32) + Ada whitepaper", link="pcie4")
 L40S = _row("L40S 48GB", (8, 9), 142, 2520, 48, 864,
-            "NVIDIA L40S datasheet (362 TF bf16 dense, 91.6 TF fp32)")
-H100_SXM = _row("H100 SXM 80GB", (9, 0), 132, 1980, 80, 3352, _H100, tensor_mhz=1830)
-H100_PCIE = _row("H100 PCIe 80GB", (9, 0), 114, 1755, 80, 2000, _H100, tensor_mhz=1620)
+            "NVIDIA L40S datasheet (362 TF bf16 dense, 91.6 TF fp32)", link="pcie4")
+H100_SXM = _row("H100 SXM 80GB", (9, 0), 132, 1980, 80, 3352, _H100, tensor_mhz=1830,
+                link="nvlink4")
+H100_PCIE = _row("H100 PCIe 80GB", (9, 0), 114, 1755, 80, 2000, _H100, tensor_mhz=1620,
+                 link="pcie5")
 H200 = _row("H200 141GB", (9, 0), 132, 1980, 141, 4800,
-            "NVIDIA H200 datasheet (GH100 as H100 SXM; 141 GB HBM3e, 4.8 TB/s)", tensor_mhz=1830)
+            "NVIDIA H200 datasheet (GH100 as H100 SXM; 141 GB HBM3e, 4.8 TB/s)", tensor_mhz=1830,
+            link="nvlink4")
 
 #: GRES type, normalised (:func:`normalise_gpu_type`) -> spec row
 SPEC_TABLE: Dict[str, GpuSpec] = {
@@ -265,4 +333,4 @@ def spec_from_probe(probe: Mapping[str, Any]) -> Optional[GpuSpec]:
     memory = float(probe.get("memory_total_bytes") or 0) / 2**30 or (known.memory_gib if known else 0)
     return GpuSpec(name, (int(cap[0]), int(cap[1])), int(sms), float(mhz), memory,
                    known.bandwidth_gbs if known else 0.0, "pynvml probe (SMs, max SM clock, "
-                   "compute capability)", geforce, None)
+                   "compute capability)", geforce, None, known.gpu_link if known else "pcie3")

@@ -26,7 +26,9 @@ class ModelInfo:
     cpu_samples_per_s: float = 0.0  # measured on the CPU (cluster=local only)
     vocab_size: int = 0
     notes: List[str] = field(default_factory=list)
-    largest_unit_params: int = 0  # parameters of the largest FSDP unit (the root counts)
+    largest_unit_params: int = 0  # parameters of the largest FSDP block (a sharding unit)
+    # parameters of the FSDP root unit (outside every block); None = not known
+    root_params: Optional[int] = None
     # validation runs on the shards under FSDP (Task.evaluates_in_fixed_passes); False: the
     # whole weights are gathered for it, and FSDP's memory counts them
     evaluates_sharded: bool = False
@@ -150,11 +152,16 @@ def measure_task_model(task_cfg, need_activations: bool,
         model, make, vocab, notes = _bert_model(task_cfg, on_meta)
     else:
         model, make, vocab, notes = _data_model(task)
-    total_bytes, unit_bytes = model_bytes(task, model)
-    largest = round(sum(p.numel() for p in model.parameters()) * unit_bytes / max(total_bytes, 1))
-    info = ModelInfo(param_count=sum(p.numel() for p in model.parameters()),
+    sizes = model_bytes(task, model)
+    count = sum(p.numel() for p in model.parameters())
+
+    def params(nbytes: float) -> int:
+        return round(count * nbytes / max(sizes.total, 1))
+
+    info = ModelInfo(param_count=count,
                      flops_per_sample=task_flops_per_sample(task, model), vocab_size=vocab,
-                     notes=notes, largest_unit_params=int(largest),
+                     notes=notes, largest_unit_params=params(sizes.block),
+                     root_params=params(sizes.root),
                      evaluates_sharded=bool(task.evaluates_in_fixed_passes()))
 
     if cpu_calibration is not None:

@@ -4,9 +4,11 @@ ONE published source and checked on others it was not fitted on.
 Model (eager PyTorch training code, the code path hetseq_hpc's trainer is): a GPU is limited by
 its compute or by its memory bandwidth, whichever is slower,
 
-    FLOP/s achieved = min(peak(precision) x a, bandwidth x I(width))
+    FLOP/s achieved = min(peak(precision) x p x a, bandwidth x I(width))
 
 - ``peak``: :mod:`hetseq_hpc.plan.gpu_specs` (SMs x FLOP/SM/clock x clock, per precision);
+- ``p``: sustained over boost clock of a power-limited board (T4: 70 W), from its power limit
+  and the fit's V100 (:func:`hetseq_hpc.plan.gpu_specs.power_clock_factor`; 1 for most GPUs);
 - ``a``: the fraction of peak a compute-bound step reaches;
 - ``I(width)``: FLOP per byte of memory traffic of the step, ``half`` (fp16/bf16 activations)
   or ``fp32`` (fp32 and TF32: fp32 activations, twice the bytes).
@@ -18,7 +20,9 @@ rows are bandwidth-bound (their FLOP per byte agree across A100 and V100: 40.0 a
 V100 fp32 row is compute-bound (CUDA cores): ``I_half`` = median FLOP/byte of the half rows,
 ``I_fp32`` = that of the A100 TF32 row, ``a`` = the V100 fp32 row's fraction of peak. Held out:
 every ``role=heldout`` row (DLE PyTorch 20.06 release, Lambda's GPU benchmarks 2021 and 2024,
-Pollux/Sia traces): :func:`heldout_errors`, ``docs/planner-accuracy.md``.
+Pollux/Sia traces): :func:`heldout_errors`, ``docs/planner-accuracy.md``. A ``role=republished``
+row repeats a measurement already in the file (the fit's, or an older snapshot's): kept for the
+record, never counted as held out.
 
 NOT modelled: NVIDIA's fused pre-training scripts (padding removal, fused attention), whose
 sequences/s are not comparable across releases.
@@ -36,7 +40,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from hetseq_hpc.plan.gpu_specs import GpuSpec, find_spec, spec_from_probe
+from hetseq_hpc.plan.gpu_specs import GpuSpec, find_spec, power_clock_factor, spec_from_probe
 
 #: the published figures (fit and held-out rows, with their sources)
 DATA_FILE = Path(__file__).with_name("data") / "published_bert.csv"
@@ -72,7 +76,8 @@ class Published:
     """One published single-GPU measurement (a row of :data:`DATA_FILE`).
 
     Attributes:
-        role: ``fit`` or ``heldout``.
+        role: ``fit``, ``heldout``, or ``republished`` (a repeat of a measurement already in
+            the file, not counted as held out).
         gpu: spec-table key (:data:`hetseq_hpc.plan.gpu_specs.SPEC_TABLE`).
         precision: ``fp16``, ``tf32`` or ``fp32``.
         model: ``base`` or ``large``; workload: ``squad384`` (SQuAD fine-tuning, seq 384).
@@ -147,10 +152,11 @@ FACTORS: Dict[str, float] = fit_factors()
 
 
 def achieved_flops(spec: GpuSpec, precision: str) -> Tuple[float, str]:
-    """``(FLOP/s, bound)``: ``min(peak x compute_fraction, bandwidth x intensity)`` and which
-    of ``compute`` / ``bandwidth`` binds. A spec without a bandwidth (a probed GPU in no table)
-    is compute-bound."""
-    compute = spec.peak_flops(precision) * FACTORS["compute_fraction"]
+    """``(FLOP/s, bound)``: ``min(peak x power_clock_factor x compute_fraction, bandwidth x
+    intensity)`` and which of ``compute`` / ``bandwidth`` binds. A spec without a bandwidth (a
+    probed GPU in no table) is compute-bound."""
+    compute = (spec.peak_flops(precision) * power_clock_factor(spec)
+               * FACTORS["compute_fraction"])
     memory = spec.bandwidth_gbs * 1e9 * FACTORS[f"intensity_{width(precision)}"]
     if spec.bandwidth_gbs > 0 and memory < compute:
         return memory, "bandwidth"

@@ -16,7 +16,7 @@ from hetseq_hpc.balance.memory import memory_cap as device_memory_cap
 from hetseq_hpc.balance.memory import param_memory_cap as memory_cap
 from hetseq_hpc.config.plan import DEFAULT_LINK_GBPS, DEFAULT_LOCAL_LINK_GBPS, PlanConfig
 from hetseq_hpc.errors import AllocationError, ConfigError
-from hetseq_hpc.plan.gpu_specs import find_spec
+from hetseq_hpc.plan.gpu_specs import GPU_LINK_GBPS, find_spec
 from hetseq_hpc.plan.inputs import (
     PartitionSpec,
     RankSpec,
@@ -32,7 +32,7 @@ from hetseq_hpc.plan.inputs import (
 from hetseq_hpc.plan.model_info import CpuCalibration, ModelInfo, measure_model
 from hetseq_hpc.plan.perf_model import FACTORS, probe_samples_per_s
 from hetseq_hpc.plan.sharding_plan import ModeFit, chosen_mode, mode_fits
-from hetseq_hpc.plan.step_time import Prediction, predict
+from hetseq_hpc.plan.step_time import Prediction, predict, ring_link_gbps
 
 #: fewer samples per rank than this (on average) leaves most devices idle between all-reduces
 MIN_SAMPLES_PER_RANK = 8
@@ -52,12 +52,35 @@ class Plan:
     prediction: Prediction
     model: ModelInfo
     options: PlanConfig
-    link_gbps: float
+    link_gbps: float  # the network between nodes (plan.link_gbps or its default)
     source: str  # how the throughputs were obtained
     warnings: List[str] = field(default_factory=list)  # one line each, for stderr
     sharding: str = "ddp"  # the mode the runtime would use (sharding.mode, auto resolved)
     configured_sharding: str = "none"  # sharding.mode as configured
     mode_fits: List[ModeFit] = field(default_factory=list)  # DDP and FSDP (memory known)
+    ring_gbps: float = 0.0  # the all-reduce ring's slowest link (ring_gbps_of); 0 = link_gbps
+
+
+def intra_node_gbps(gpu_type: Optional[str]) -> float:
+    """Link between two ranks of one node, Gbit/s: the GPU's (PCIe or NVLink, from its spec
+    row, :attr:`hetseq_hpc.plan.gpu_specs.GpuSpec.intra_node_gbps`; PCIe 3.0 x16 for a GPU in
+    no table), or gloo over shared memory/loopback on CPU-only nodes
+    (:data:`~hetseq_hpc.config.plan.DEFAULT_LOCAL_LINK_GBPS`)."""
+    if not gpu_type:
+        return DEFAULT_LOCAL_LINK_GBPS
+    spec = find_spec(gpu_type)
+    return spec.intra_node_gbps if spec else GPU_LINK_GBPS["pcie3"]
+
+
+def ring_gbps_of(run, network_gbps: float) -> float:
+    """The all-reduce ring's slowest link for ``run``'s cluster
+    (:func:`hetseq_hpc.plan.step_time.ring_link_gbps`): traffic inside a node at the GPUs' link,
+    only cross-node hops at ``network_gbps``. cluster=local: ``network_gbps`` (loopback)."""
+    if run.cluster.is_local:
+        return float(network_gbps)
+    groups = [(int(p.nodes), int(p.ranks_per_node_effective), intra_node_gbps(p.gpu_type))
+              for p in run.cluster.partitions.values()]
+    return ring_link_gbps(groups, network_gbps)
 
 
 def _local_ranks(run) -> Tuple[ModelInfo, List[RankSpec], str]:
@@ -78,13 +101,13 @@ def _local_ranks(run) -> Tuple[ModelInfo, List[RankSpec], str]:
         steps=run.balance.calibration_steps, threads=first.threads,
         budget_bytes=memory_budget_bytes(first, "cpu", read_meminfo()[1], first.ranks_on_node))
     model = measure_model(run.task, need_activations=True, cpu_calibration=calib)
-    cap = memory_cap(calib.budget_bytes, model.param_count, model.activation_bytes_per_sample,
-                     run.balance.max_micro_batch)
+    budgets = [memory_budget_bytes(p, "cpu", read_meminfo()[1], p.ranks_on_node) for p in places]
     ranks = [RankSpec(p.rank, "local", f"cpu {p.threads} thr"
                       + (f" @{p.emulate_speed:g}" if p.emulate_speed != 1 else ""),
-                      model.cpu_samples_per_s * p.emulate_speed, cap,
-                      memory_bytes=memory_budget_bytes(p, "cpu", read_meminfo()[1],
-                                                       p.ranks_on_node)) for p in places]
+                      model.cpu_samples_per_s * p.emulate_speed,
+                      memory_cap(budget, model.param_count, model.activation_bytes_per_sample,
+                                 run.balance.max_micro_batch),
+                      memory_bytes=budget) for p, budget in zip(places, budgets)]
     source = (f"measured on this CPU: {model.cpu_samples_per_s:.1f} samples/s at "
               f"{calib.threads} thread(s), micro-batch {calib.micro_batch}, x cluster.speeds")
     return model, ranks, source
@@ -186,6 +209,7 @@ def make_plan(run, opts: Optional[PlanConfig] = None) -> Plan:
     parts = partitions_of(run)
     local = run.cluster.is_local
     link = opts.link_gbps or (DEFAULT_LOCAL_LINK_GBPS if local else DEFAULT_LINK_GBPS)
+    ring = ring_gbps_of(run, link)
     if not local and opts.probe is None:
         check_gpu_types(parts)  # fail on an unknown GPU before building the model
     measured_sync_s = None
@@ -206,9 +230,10 @@ def make_plan(run, opts: Optional[PlanConfig] = None) -> Plan:
     offload = bool(run.sharding.cpu_offload) and not local
     if mode == "fsdp" and known and model.activation_bytes_per_sample > 0:
         # the caps a sharded rank has (the runtime's formula); a probe's own caps stand
+        root = None if model.root_params is None else float(model.root_params) * PARAM_BYTES
         static = model_state_bytes(float(model.param_count) * PARAM_BYTES, "fsdp", len(ranks),
                                    float(model.largest_unit_params) * PARAM_BYTES, offload,
-                                   gathered_weights=not model.evaluates_sharded)
+                                   gathered_weights=not model.evaluates_sharded, root_bytes=root)
         ranks = [replace(r, max_micro_batch=device_memory_cap(
             r.memory_bytes, 0.0, model.activation_bytes_per_sample, run.balance.max_micro_batch,
             static)) for r in ranks]
@@ -221,7 +246,7 @@ def make_plan(run, opts: Optional[PlanConfig] = None) -> Plan:
 
     def predict_at(batch: int, forced: Optional[List[int]] = None) -> Prediction:
         return predict([r.samples_per_s for r in ranks], batch, [r.max_micro_batch for r in ranks],
-                       model.gradient_bytes, link, opts.latency_s, opts.overlap, forced, curves,
+                       model.gradient_bytes, ring, opts.latency_s, opts.overlap, forced, curves,
                        measured_sync_s)
 
     try:
@@ -233,12 +258,13 @@ def make_plan(run, opts: Optional[PlanConfig] = None) -> Plan:
     fits: List[ModeFit] = []
     if known and model.activation_bytes_per_sample > 0:
         passes = max(len(s.micro_sizes) for s in prediction.balanced.allocation.shares)
-        fits = mode_fits(memory, model.param_count, model.largest_unit_params or
-                         model.param_count, model.activation_bytes_per_sample,
+        fits = mode_fits(memory, model.param_count, model.largest_unit_params,
+                         model.activation_bytes_per_sample,
                          prediction.balanced.step_s, prediction.allreduce_s, passes, offload,
-                         gathered_weights=not model.evaluates_sharded)
+                         gathered_weights=not model.evaluates_sharded,
+                         root_params=model.root_params)
     return Plan(run.cluster.name, parts, ranks, prediction, model, opts, link, source, warnings,
-                mode, run.sharding.mode, fits)
+                mode, run.sharding.mode, fits, ring)
 
 
 def _good_enough(prediction: Prediction) -> bool:

@@ -43,6 +43,16 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.4g}"
 
 
+def _ring(plan) -> str:
+    """The ring's bandwidth and where it comes from: the network (plan.link_gbps) or the
+    GPUs' link inside a node (PCIe/NVLink from specs), whichever is slower."""
+    ring = plan.ring_gbps or plan.link_gbps
+    if ring == plan.link_gbps:
+        return f"{ring:g} Gbit/s (plan.link_gbps, the network between nodes)"
+    return (f"{ring:g} Gbit/s (the slowest link of the ring: GPUs inside a node over "
+            f"PCIe/NVLink from specs; network {plan.link_gbps:g} Gbit/s, plan.link_gbps)")
+
+
 def _header(plan: Plan) -> List[str]:
     pred, model = plan.prediction, plan.model
     model_line = (f"model: {model.param_count / 1e6:.2f} M parameters, "
@@ -104,7 +114,7 @@ def _summary(plan: Plan) -> List[str]:
     return [
         "",
         f"all-reduce: ring over {pred.world_size} ranks, {plan.model.gradient_bytes / 1e6:.1f} MB "
-        f"fp32 gradients, {plan.link_gbps:g} Gbit/s (plan.link_gbps), {opts.latency_us:g} us "
+        f"fp32 gradients, {_ring(plan)}, {opts.latency_us:g} us "
         f"latency (plan.latency_us) = {_ms(pred.allreduce_s)} ms; {exposed}",
         "",
         f"{'':<24} {'step ms':>9} {'compute ms':>10} {'all-reduce ms':>13} {'samples/s':>12}",

@@ -13,15 +13,11 @@ as exposed (an upper bound: FSDP2 prefetches the next unit's all-gather during c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from hetseq_hpc.balance.memory import (
-    GATHERED_WEIGHT_COPIES,
     MEMORY_HEADROOM,
     PARAM_BYTES,
-    SHARDED_STATE_COPIES,
-    STATIC_PARAM_COPIES,
-    UNIT_COPIES,
     model_state_bytes,
     replica_fits,
 )
@@ -59,34 +55,42 @@ def fsdp_traffic_factor(passes: int) -> float:
 
 def mode_fits(memory_bytes: Sequence[float], param_count: int, unit_params: int,
               activation_bytes_per_sample: float, ddp_step_s: float, allreduce_s: float,
-              passes: int, offload: bool = False,
-              gathered_weights: bool = True) -> List[ModeFit]:
+              passes: int, offload: bool = False, gathered_weights: bool = True,
+              root_params: Optional[int] = None) -> List[ModeFit]:
     """:class:`ModeFit` of DDP and of FSDP on ranks with ``memory_bytes`` budgets.
 
     Args:
         memory_bytes: each rank's memory budget (before the headroom), bytes.
-        param_count: the model's parameters; unit_params: those of its largest FSDP unit.
+        param_count: the model's parameters; unit_params: those of its largest FSDP block
+            (a sharding unit; 0: none).
         activation_bytes_per_sample: one sample's activations, bytes.
         ddp_step_s: the predicted DDP step; allreduce_s: its full ring all-reduce, seconds.
         passes: forward/backward passes per step (the largest accumulation count).
         offload: ``sharding.cpu_offload`` (the shards live in CPU memory).
         gathered_weights: validation gathers the whole weights (a task that decodes); False:
             it runs on the shards (:func:`hetseq_hpc.balance.memory.model_state_bytes`).
+        root_params: those of its FSDP root unit (outside every block); None = not known
+            (everything outside the largest block).
+
+    The largest model that fits scales this model's state, linear in its parameters at its
+    shape (the root's and the largest block's shares of the parameters kept).
     """
     world = len(memory_bytes)
     room = min(memory_bytes) * MEMORY_HEADROOM - activation_bytes_per_sample
-    param_bytes = float(param_count) * PARAM_BYTES
-    unit_share = unit_params / max(param_count, 1)
-    ddp = model_state_bytes(param_bytes)
-    fsdp = model_state_bytes(param_bytes, "fsdp", world, float(unit_params) * PARAM_BYTES,
-                             offload, gathered_weights)
-    gathered = max(UNIT_COPIES * unit_share,
-                   float(GATHERED_WEIGHT_COPIES) if gathered_weights else 0.0)
-    per_param_fsdp = PARAM_BYTES * ((0.0 if offload else SHARDED_STATE_COPIES / world) + gathered)
+    count = max(int(param_count), 1)
+
+    def fsdp_bytes(scale: float) -> float:  # bytes of the fsdp state at this shape, x scale
+        root = None if root_params is None else float(root_params) * scale
+        return model_state_bytes(float(param_count) * scale, "fsdp", world,
+                                 float(unit_params) * scale, offload, gathered_weights, root)
+
+    ddp = model_state_bytes(float(param_count) * PARAM_BYTES)
+    fsdp = fsdp_bytes(PARAM_BYTES)
+    per_param_fsdp = fsdp_bytes(PARAM_BYTES / count) or PARAM_BYTES
     extra = (fsdp_traffic_factor(passes) - 1.0) * allreduce_s
     return [
         ModeFit("ddp", ddp, ddp <= room, ddp_step_s,
-                max(int(room // (PARAM_BYTES * STATIC_PARAM_COPIES)), 0)),
+                max(int(room // model_state_bytes(PARAM_BYTES)), 0)),
         ModeFit("fsdp", fsdp, fsdp <= room, ddp_step_s + extra,
                 max(int(room // per_param_fsdp), 0)),
     ]

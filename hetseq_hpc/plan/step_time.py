@@ -59,6 +59,26 @@ def ring_allreduce_s(gradient_bytes: float, world_size: int, link_gbps: float,
     return 2.0 * (n - 1) / n * gradient_bytes / bandwidth + 2.0 * (n - 1) * latency_s
 
 
+def ring_link_gbps(groups: Sequence[Tuple[int, int, float]], network_gbps: float) -> float:
+    """The slowest link of the all-reduce ring, Gbit/s: the ring visits the ranks of each node
+    in turn, so its hops are links INSIDE a node (each partition's ``intra_gbps``, where a node
+    holds more than one rank) and, with more than one node, one hop per node over the network
+    (``network_gbps``); every hop carries the same bytes at once, so the slowest bounds the
+    ring (Patarasuk & Yuan, JPDC 69(2) 2009, sec. 3; NCCL's rings are built the same way).
+
+    Args:
+        groups: per partition ``(nodes, ranks_per_node, intra_gbps)``.
+        network_gbps: the network between nodes (``plan.link_gbps``).
+
+    Returns:
+        the bottleneck, Gbit/s (``network_gbps`` when there is no link at all: one rank).
+    """
+    links = [float(intra) for nodes, per_node, intra in groups if nodes >= 1 and per_node > 1]
+    if sum(int(nodes) for nodes, _, _ in groups) > 1:
+        links.append(float(network_gbps))
+    return min(links) if links else float(network_gbps)
+
+
 def rank_curves(throughputs: Sequence[float],
                 curves: Optional[Sequence[CostCurve]] = None) -> List[CostCurve]:
     """The cost curves, or each throughput's proportional curve (:meth:`CostCurve.from_throughput`)."""
@@ -193,7 +213,7 @@ def predict(throughputs: Sequence[float], global_batch_size: int, caps: Sequence
         global_batch_size: samples per optimizer step.
         caps: micro-batch cap per rank (memory).
         gradient_bytes: bytes all-reduced per step.
-        link_gbps: bandwidth per rank, Gbit/s.
+        link_gbps: bandwidth of the ring's slowest link, Gbit/s (:func:`ring_link_gbps`).
         latency_s: latency per ring step, seconds.
         overlap: ``"ddp"`` (DDP's bucketed overlap, :func:`ddp_exposed_allreduce_s`) or a fixed
             share of the all-reduce hidden behind compute, [0, 1] (0 = a lower bound).

@@ -13,8 +13,14 @@ where the checkpoint cost is one write of the model and its AdamW state
 every ``trainer.checkpoint_every`` steps and at the end. When the job would start comes from
 Slurm: the caller passes ``estimate_start(cluster) -> StartEstimate``
 (:func:`hetseq_hpc.launch.test_only.test_only_start`, ``sbatch --test-only`` on the het-job
-script the launcher would submit; the planner never imports a launcher). A mix Slurm gives no
-start time for keeps its run time, no finish time, and says so: nothing is guessed.
+script the launcher would submit; the planner never imports a launcher), asked with the time
+limit the mix needs (:func:`asked_time_min`: the predicted run time plus a margin, capped by
+``cluster.timeout_min``), because backfill places a job by its time limit: asked with the
+configured limit, a short mix would be estimated as late as a long one. A mix Slurm gives no
+start time for keeps its run time, no finish time, and says so: nothing is guessed. A mix
+predicted to run longer than ``cluster.timeout_min`` (``over_limit``) is listed, after the mixes
+that fit, and never picked: it would hit the limit and need a requeue, whose cost (a second
+wait in the queue) nothing here can predict.
 
 :func:`rank_mixes` returns the :class:`WhenTable`, sorted by expected finish; its
 :meth:`WhenTable.pick` is what ``cluster.choose=finish_first|cheapest`` submits. Rendering:
@@ -34,6 +40,24 @@ from hetseq_hpc.errors import ConfigError, HetseqError
 #: checkpoint bytes per parameter: the fp32 weights (4) and AdamW's two fp32 moments
 #: ``exp_avg``/``exp_avg_sq`` (8) (torch.optim.AdamW's state)
 CHECKPOINT_BYTES_PER_PARAM = 12
+#: ``sbatch --test-only`` asks for the predicted run time plus this share of it ...
+TIME_MARGIN = 0.25
+#: ... and at least this many seconds more (the spec model's held-out errors reach tens of
+#: per cent, docs/planner-accuracy.md; start-up on a cold node varies by minutes)
+TIME_MARGIN_MIN_S = 300.0
+
+
+def asked_time_min(run_s: float, limit_min: int) -> int:
+    """The time limit, minutes, a mix is asked about with ``sbatch --test-only``:
+    ``ceil((run_s + max(TIME_MARGIN x run_s, TIME_MARGIN_MIN_S)) / 60)``, at least 1 and at
+    most ``limit_min`` (``cluster.timeout_min``, which the job is submitted with).
+
+    Slurm's backfill scheduler starts a job early only where its time limit fits before the
+    next reserved start (https://slurm.schedmd.com/sched_config.html#OPT_bf_window, "backfill"),
+    so the limit asked about decides the estimate.
+    """
+    wanted = run_s + max(TIME_MARGIN * run_s, TIME_MARGIN_MIN_S)
+    return int(max(1, min(int(limit_min), math.ceil(wanted / 60.0))))
 
 
 @dataclass(frozen=True)
@@ -62,7 +86,8 @@ class MixRow:
     step_s: float = 0.0  # predicted step time (balanced split)
     startup_s: float = 0.0
     checkpoint_s: float = 0.0
-    over_limit: bool = False  # the predicted run is longer than cluster.timeout_min
+    over_limit: bool = False  # the predicted run is longer than cluster.timeout_min: not picked
+    asked_min: int = 0  # time limit (minutes) sbatch --test-only was asked with (asked_time_min)
     problem: str = ""  # why it cannot run (the planner or sbatch refused it); '' = it can
     start: Optional[StartEstimate] = None
 
@@ -112,25 +137,38 @@ class WhenTable:
         (GPU-hours break ties); ``cheapest`` = fewest GPU-hours among the mixes that can run
         (expected finish breaks ties; a mix without an estimate sorts last there).
 
+        A mix predicted to run longer than ``cluster.timeout_min`` is never picked (it would
+        hit the limit and wait in the queue again for its requeue).
+
         Raises:
-            ConfigError: no mix can run, or (finish_first) Slurm gave no start estimate for any.
+            ConfigError: no mix can run, every one runs past ``cluster.timeout_min``, or
+                (finish_first) Slurm gave no start estimate for any.
         """
         runnable = [r for r in self.rows if not r.problem]
         if not runnable:
             first = self.rows[0].problem if self.rows else "no mixes"
             raise ConfigError(f"cluster.choose={choose}: no mix of the partitions can run (first: "
                               f"{first}): fix that, or set cluster.choose=none")
+        fits = [r for r in runnable if not r.over_limit]
+        if not fits:
+            short = min(runnable, key=lambda r: r.run_s)
+            raise ConfigError(
+                f"cluster.choose={choose}: every mix is predicted to run longer than "
+                f"cluster.timeout_min (the shortest, {short.label}, {short.run_s / 60:.0f} min): "
+                "raise cluster.timeout_min, lower trainer.max_steps, or set cluster.choose=none")
+        runnable = fits
         if choose == "cheapest":
             return min(runnable, key=lambda r: (round(r.gpu_hours, 9), r.finish_epoch is None,
                                                 r.finish_epoch or 0.0))
         if choose != "finish_first":
             raise ConfigError(f"cluster.choose={choose!r} is unknown: use finish_first or cheapest")
-        if not self.estimated:
+        estimated = [r for r in self.estimated if not r.over_limit]
+        if not estimated:
             raise ConfigError(
                 "cluster.choose=finish_first: Slurm gave no start estimate for any mix "
                 f"({runnable[0].start.detail if runnable[0].start else 'not asked'}): ask the "
                 "admins for SchedulerType=sched/backfill, or use cluster.choose=cheapest or none")
-        return min(self.estimated, key=lambda r: (r.finish_epoch, r.gpu_hours))
+        return min(estimated, key=lambda r: (r.finish_epoch, r.gpu_hours))
 
 
 # ------------------------------------------------------------------------------ the mixes
@@ -240,12 +278,14 @@ def predict_mix(run, mix: Dict[str, int]) -> Tuple[MixRow, object, str]:
 
 def _order(row: MixRow) -> tuple:
     """Sort key: estimated finishes first (earliest first), then mixes without an estimate
-    (shortest run first), then mixes that cannot run."""
+    (shortest run first), then mixes predicted to run past ``cluster.timeout_min`` (never
+    picked), then mixes that cannot run."""
     if row.problem:
-        return (2, 0.0, row.label)
+        return (3, 0.0, 0.0, row.label)
+    over = 2 if row.over_limit else 0
     if row.finish_epoch is None:
-        return (1, row.run_s, row.label)
-    return (0, row.finish_epoch, row.gpu_hours)
+        return (over, 1, row.run_s, row.label)
+    return (over, 0, row.finish_epoch, row.gpu_hours)
 
 
 def check_when_cluster(run) -> None:
@@ -267,7 +307,8 @@ def rank_mixes(run, estimate_start: Callable[[object], StartEstimate],
 
     Args:
         run: the RunConfig; ``run.plan`` holds ``startup_s``, ``checkpoint_gb_s``, ``max_mixes``.
-        estimate_start: Slurm's start estimate for a cluster config (never submits).
+        estimate_start: Slurm's start estimate for a cluster config (never submits); it is
+            given the mix's cluster with ``timeout_min`` = :func:`asked_time_min` of the mix.
         now: epoch seconds of the question (default: now); a start before it counts as now.
         mixes: the mixes to rank (default :func:`candidate_mixes` of the configured partitions).
 
@@ -289,7 +330,8 @@ def rank_mixes(run, estimate_start: Callable[[object], StartEstimate],
     asked = time.time() if now is None else now
     for row, restricted, _ in planned:
         if restricted is not None:
-            start = estimate_start(restricted.cluster)
+            row.asked_min = asked_time_min(row.run_s, restricted.cluster.timeout_min)
+            start = estimate_start(replace(restricted.cluster, timeout_min=row.asked_min))
             if start.start_epoch is not None and start.start_epoch < asked:
                 start = replace(start, start_epoch=asked)
             row.start = start

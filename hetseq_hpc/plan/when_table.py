@@ -6,7 +6,8 @@ a CPU-only partition counts one per rank), ``step s`` (predicted step time), ``r
 (start-up + steps x step + checkpoint writes, H:MM:SS), ``start`` (Slurm's expected start,
 ``sbatch --test-only``, local time), ``wait`` (start - now), ``finish`` (start + run),
 ``GPU-h`` (GPUs x run, hours), ``note`` (why a mix has no estimate or cannot run, a run longer
-than ``cluster.timeout_min``, the nodes Slurm named).
+than ``cluster.timeout_min`` (never picked), the nodes Slurm named and the ``--time`` Slurm was
+asked with: the predicted run plus a margin, :func:`hetseq_hpc.plan.when.asked_time_min`).
 """
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ def row_note(row: MixRow, timeout_min: Optional[int] = None) -> str:
         parts.append(row.start.detail)
     if row.over_limit:
         limit = f"cluster.timeout_min={timeout_min}" if timeout_min else "cluster.timeout_min"
-        parts.append(f"run longer than {limit}: it would be requeued (raise the limit)")
+        parts.append(f"run longer than {limit}: not picked (it would hit the limit and be "
+                     "requeued; raise the limit)")
+    elif row.asked_min and row.start is not None:
+        parts.append(f"asked --time={row.asked_min} min")
     return "; ".join(parts)
 
 
@@ -126,6 +130,7 @@ def when_json(table: WhenTable, run=None) -> str:
             "run_s": round(row.run_s, 3) if able else None,
             "start": row.start_epoch if able else None, "finish": row.finish_epoch,
             "gpu_hours": round(row.gpu_hours, 6) if able else None,
+            "asked_time_min": row.asked_min or None, "over_limit": row.over_limit,
             "note": row_note(row, timeout)})
     return json.dumps({"asked_at": table.now, "note": table.note, "mixes": mixes,
                        **_picks(table)})

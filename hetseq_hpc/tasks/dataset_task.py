@@ -2,7 +2,7 @@
 
 The user writes one function (``task.target=my_data:build`` or ``my_data.build``)::
 
-    def build(dropout=0.1, **args):           # task.args.* and task.model.dropout
+    def build(dropout=0.1, **args):           # task.args.*; task.model.dropout if it takes dropout
         return {"train": MyDataset("train"),   # required: len() and [i]
                 "val": MyDataset("val"),       # optional (else task.val_fraction of train)
                 "model": MyModel(dropout),     # an nn.Module, or a function building one
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 import sys
 from typing import Any, Callable, Dict, Optional, Sequence
 
@@ -58,6 +59,38 @@ def resolve_build(target: str, path: Optional[str] = None) -> Callable[..., Any]
                           f"{func!r}: define def {func}(**args) returning {{'train': ..., "
                           "'model': ...}")
     return build
+
+
+def accepts(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn`` takes a keyword argument ``name`` (by name or through ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: pass nothing extra
+        return False
+    return any(p.kind is p.VAR_KEYWORD or (p.name == name and p.kind in (
+        p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)) for p in params)
+
+
+def build_args(build: Callable[..., Any], cfg: Any) -> Dict[str, Any]:
+    """The keyword arguments of ``build``: ``task.args``, plus ``dropout=task.model.dropout``
+    when ``build`` takes a ``dropout`` argument (or ``**kwargs``).
+
+    Raises:
+        ConfigError: ``build`` does not take one of the ``task.args`` keys (one line).
+    """
+    args = dict(getattr(cfg, "args", {}) or {})
+    target = getattr(cfg, "target", None) or getattr(build, "__name__", "build")
+    for key in args:
+        if not accepts(build, key):
+            raise ConfigError(f"task.args.{key} is given but {target!r} takes no argument "
+                              f"{key!r}: add {key}=... to its parameters or drop "
+                              f"+task.args.{key}")
+    if "dropout" not in args and accepts(build, "dropout"):
+        model = getattr(cfg, "model", None) or {}
+        dropout = model.get("dropout", 0.1) if hasattr(model, "get") else 0.1
+        if dropout is not None:
+            args["dropout"] = float(dropout)
+    return args
 
 
 class _LossFnModel(nn.Module):
@@ -102,11 +135,11 @@ class DatasetTask(Task):
     def load(self) -> None:
         """Call ``build`` (under ``torch.manual_seed(seed)``: a model built here is the same on
         every rank) and check what it returned."""
-        args = dict(getattr(self.cfg, "args", {}) or {})
-        args.setdefault("dropout", float((getattr(self.cfg, "model", {}) or {}).get("dropout", 0.1)))
+        build = self._build()
+        args = build_args(build, self.cfg)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            parts = self._build()(**args)
+            parts = build(**args)
         if not isinstance(parts, dict) or "train" not in parts or "model" not in parts:
             got = sorted(parts) if isinstance(parts, dict) else type(parts).__name__
             raise ConfigError(f"task.target={getattr(self.cfg, 'target', '?')!r} returned {got}: "

@@ -9,7 +9,7 @@ tokenizer builds.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 #: BERT's token-type embedding rows (hetseq_hpc.tasks.bert.encoder.TYPE_VOCAB_SIZE)
 BERT_TYPE_VOCAB = 2
@@ -55,4 +55,22 @@ def param_count(task_cfg: Any) -> Optional[int]:
     return None
 
 
-__all__ = ["bert_param_count", "param_count", "translation_param_count"]
+def unit_param_counts(task_cfg: Any) -> Optional[Tuple[int, int]]:
+    """``(root, largest block)`` parameters of a built-in task's model as FSDP2 shards it
+    (:func:`hetseq_hpc.balance.memory.model_bytes`: the blocks are the transformer layers, the
+    root everything else: embeddings, head, final norms); None where :func:`param_count` is."""
+    total = param_count(task_cfg)
+    if total is None:
+        return None
+    model = task_cfg.model
+    if task_cfg.name == "bert":
+        h, i = int(model.hidden_size), int(model.intermediate_size)
+        layers = [4 * h * h + 2 * h * i + 9 * h + i] * int(model.num_layers)
+    else:
+        d, f = int(model.d_model), int(model.ff_size)
+        layers = ([4 * d * d + 2 * d * f + 9 * d + f] * int(model.num_encoder_layers)
+                  + [8 * d * d + 2 * d * f + 15 * d + f] * int(model.num_decoder_layers))
+    return total - sum(layers), max(layers, default=0)
+
+
+__all__ = ["bert_param_count", "param_count", "translation_param_count", "unit_param_counts"]

@@ -6,19 +6,29 @@ allocation can split one global batch over any set of ranks exactly, so nothing 
 trajectory is lost (peers differ: torchrun elastic restarts every worker from the last
 checkpoint; TorchFT continues but lets the global batch shrink with the lost replicas).
 
-When a collective of a training step fails (a peer's socket closed: a killed process or node)
-or times out (``trainer.elastic.timeout_s``: a stopped or stuck peer), every survivor:
+When a collective of the training loop fails (a peer's socket closed: a killed process or
+node) or times out (a stopped or stuck peer: a training step waits ``max(trainer.elastic.
+timeout_s, 3 × the step time)``, :class:`StepTimeout`), every survivor:
 
 1. leaves the broken process group and re-forms the world through the job's store, which the
    launcher serves (:func:`hetseq_hpc.distributed.membership.reform`: a member whose heartbeat
    stopped is left out; new ranks are dense, in the old order);
-2. agrees on the last completed step: a survivor that finished the step (its exchange
+2. agrees on the last completed step and on what of the work after it some survivor did not
+   complete (:mod:`hetseq_hpc.train.phases`: re-balancing decision, validation, the step's
+   row, the checkpoint, the summary): a survivor that finished the step (its exchange
    completed before the peer died) sends its model, optimizer, scheduler and loss-scale state
-   to the others, so every survivor stands at the same step;
+   to those behind, so every survivor stands at the same step and phase;
 3. re-splits the global batch over the survivors from their start-up calibrations (memory caps
    kept; a forced ``balance.allocation`` is for the old world, so the split is computed);
-4. wraps the model in a new DDP on the new group and redoes the interrupted step from its
-   start: gradients zeroed, the step's data positions are a function of the step alone.
+4. wraps the model in a new DDP on the new group and redoes what was interrupted: a step from
+   its start (gradients zeroed, the step's data positions are a function of the step alone),
+   or the validation / checkpoint of the last completed step over the new world (a checkpoint
+   is written atomically: never half-written under its name).
+
+Fewer survivors than ``trainer.elastic.min_ranks``, or a global batch that no longer fits
+them: the new rank 0 checkpoints the last completed step and every survivor stops with
+:class:`~hetseq_hpc.errors.Preempted` (code REQUEUE, exit 3): a Slurm job is requeued and
+resumes from that checkpoint, as after a preemption.
 
 Gradients are summed and divided by the global unit count as in any step, so the trajectory is
 the uninterrupted run's (up to float summation order; dropout masks are drawn per rank and
@@ -32,9 +42,13 @@ task's death (``srun --kill-on-bad-exit=0 --no-kill``).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
-from typing import Any, Dict, List, Optional, Sequence
+import traceback
+from collections import deque
+from datetime import timedelta
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -42,10 +56,80 @@ import torch.distributed as dist
 from hetseq_hpc.balance.agree import RankReport, agree_on_allocation
 from hetseq_hpc.distributed.membership import Heartbeat, Membership, join_generation, reform
 from hetseq_hpc.distributed.rendezvous import Rendezvous, backend_for, leave
-from hetseq_hpc.errors import TooFewRanks
+from hetseq_hpc.env.preemption import REQUEUE
+from hetseq_hpc.errors import AllocationError, Preempted
+from hetseq_hpc.train.checkpoint import save_on_rank0
 from hetseq_hpc.train.parallel import build_parallel
+from hetseq_hpc.train.phases import DONE, PHASE_NAMES, REDO, TRAINED, log_before_stop
 
 log = logging.getLogger(__name__)
+
+
+class StepTimeout:
+    """The collective timeout of a training step (the default group: DDP's gradient
+    all-reduce), ``max(floor_s, factor × T)``: ``T`` is the longest of the last ``window``
+    measured step times and the predicted one (twice the prediction before any step is
+    measured: a first step warms up). A longer wait than that is a stuck peer; a shorter
+    timeout would take an uneven but healthy step (accumulation, a slow device, a big model)
+    for a lost rank.
+
+    Args:
+        floor_s: the least timeout (``trainer.elastic.timeout_s``).
+        factor: the multiple of the step time (3).
+        window: how many measured steps count.
+    """
+
+    def __init__(self, floor_s: float, factor: float = 3.0, window: int = 20):
+        self.floor_s, self.factor = float(floor_s), float(factor)
+        self.predicted_s = 0.0
+        self.recent: Deque[float] = deque(maxlen=window)
+        self.applied: Optional[float] = None
+
+    @property
+    def seconds(self) -> float:
+        """The timeout now, seconds."""
+        longest = max(self.recent) if self.recent else 2.0 * self.predicted_s
+        return max(self.floor_s, self.factor * max(longest, self.predicted_s))
+
+    def predict(self, seconds: float) -> bool:
+        """Set the predicted step time (of a new split); True when the timeout should be
+        applied again (it moved by more than 10 %)."""
+        self.predicted_s = max(0.0, float(seconds))
+        return self.stale()
+
+    def observe(self, seconds: float) -> bool:
+        """Record a measured step time; True when the timeout should be applied again."""
+        self.recent.append(max(0.0, float(seconds)))
+        return self.stale()
+
+    def rescale(self, ratio: float) -> None:
+        """Scale the measured times by ``ratio`` (old over new world size: each survivor
+        now computes a larger share of the same global batch)."""
+        self.recent = deque((x * ratio for x in self.recent), maxlen=self.recent.maxlen)
+
+    def stale(self) -> bool:
+        """Whether the timeout applied differs from :attr:`seconds` by more than 10 %."""
+        return self.applied is None or abs(self.seconds - self.applied) > 0.1 * self.applied
+
+    def apply(self) -> float:
+        """Set :attr:`seconds` as the default process group's timeout (if one exists);
+        returns it."""
+        seconds = self.seconds
+        if dist.is_available() and dist.is_initialized():
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+            log.debug("training-step collective timeout now %.1f s", seconds)
+        self.applied = seconds
+        return seconds
+
+
+def predicted_step_s(allocation: Any) -> float:
+    """The step time an allocation predicts: its slowest rank's samples over its measured
+    samples/s (0 when the split was not computed from measured speeds: forced, or equal)."""
+    rates = list(getattr(allocation, "throughputs", ()) or ())
+    if allocation.source not in ("cost_curve", "throughput", "rebalanced") \
+            or len(rates) != len(allocation.shares) or min(rates, default=0.0) <= 0:
+        return 0.0
+    return max(s.samples / r for s, r in zip(allocation.shares, rates))
 
 
 class ElasticWorld:
@@ -69,27 +153,34 @@ class ElasticWorld:
         self.reports = [RankReport.of(r) for r in reports]
         self.membership = Membership(0, tuple(range(rdv.world.world_size)))
         self.heartbeat = Heartbeat(store, self.member, watch=range(rdv.world.world_size))
-        self.retried_at: Optional[int] = None  # a step redone with nobody lost
+        self.retried_at: Optional[Tuple[int, int]] = None  # (step, phase) redone, nobody lost
+        self.timeout = StepTimeout(self.cfg.timeout_s)
         self.events: List[Dict[str, Any]] = []
 
     def close(self) -> None:
         """Stop the heartbeat (the rank is done)."""
         self.heartbeat.close()
 
-    def recover(self, trainer: Any, error: BaseException, step: int) -> Dict[str, Any]:
-        """Re-form the world after ``error`` in step ``step`` and make ``trainer`` ready to
-        redo it (every survivor calls this); returns the membership event (its
-        ``recovery_s`` is filled in by the caller once the next step completes).
+    def recover(self, trainer: Any, error: BaseException) -> Dict[str, Any]:
+        """Re-form the world after ``error`` (a collective of the training loop failed) and
+        make ``trainer`` ready to redo what was interrupted (every survivor calls this): its
+        ``step`` and ``phase`` (:mod:`hetseq_hpc.train.phases`) are those agreed by the
+        survivors. Returns the membership event (its ``recovery_s`` is filled in by the caller
+        once the next step completes, from ``lost_monotonic``).
 
         Raises:
             RankExcluded: the others went on without this rank.
-            TooFewRanks: fewer than ``trainer.elastic.min_ranks`` survived.
+            Preempted: fewer than ``trainer.elastic.min_ranks`` survived, or the global batch
+                no longer fits them: the last completed step was checkpointed first (code
+                REQUEUE: a Slurm job is requeued and resumes from it).
             the original ``error``: nobody was lost and the same step failed again.
         """
-        detected = time.monotonic()
+        failed = time.monotonic()
+        step, at = trainer.step + (trainer.phase == DONE), (trainer.step, trainer.phase)
         first = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
-        log.warning("step %d: a collective failed (%s: %s); re-forming the world without the "
-                    "lost ranks", step, type(error).__name__, first)
+        log.warning("step %d (%s): a collective failed (%s: %s); re-forming the world without "
+                    "the lost ranks", step, "training" if trainer.phase == DONE else
+                    f"after {PHASE_NAMES[trainer.phase]}", type(error).__name__, first)
         old = self.membership
         with_abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
         if with_abort is not None:
@@ -97,54 +188,104 @@ class ElasticWorld:
                 with_abort()
             except Exception:
                 pass
+        in_step = trainer.phase == DONE
+        if not in_step:  # no asynchronous work in flight (destroying a group waits for it)
+            drop_groups(trainer, error)
         leave()
+        if not in_step:
+            gc.collect()  # the broken groups are destroyed now: their sockets close
         new = reform(self.store, self.heartbeat, self.member, old,
                      stale_s=self.cfg.timeout_s / 2.0, timeout_s=self.run.cluster.collective_timeout_s)
+        self.membership = new  # a failure from here on re-forms from this generation
         lost = [m for m in old.members if m not in new.members]
         if not lost:
-            if self.retried_at == step:
+            if self.retried_at == at:
                 raise error
-            self.retried_at = step
-        if len(new.members) < self.cfg.min_ranks:
-            raise TooFewRanks(f"only {len(new.members)} rank(s) left after losing rank(s) {lost} "
-                              f"at step {step}, fewer than trainer.elastic.min_ranks="
-                              f"{self.cfg.min_ranks}: the run resumes from its last checkpoint "
-                              "when requeued (or run it again with trainer.resume=auto)")
+            self.retried_at = at
         join_generation(self.store, new, self.member, backend_for(self.device),
                         self.cfg.timeout_s)
         world = dataclasses.replace(self.origin, rank=new.rank_of(self.member),
                                     world_size=len(new.members))
-        from datetime import timedelta
-
         rdv = Rendezvous(world=world, cpu_group=dist.new_group(
             backend="gloo", timeout=timedelta(seconds=self.run.cluster.collective_timeout_s)))
-        self.membership = new
-        self._same_state(trainer, rdv)
-        allocation = self._split(rdv, new.members)
-        rejoin(trainer, rdv, [trainer.metas_by_member[m] for m in new.members], allocation)
+        self._agree_progress(trainer, rdv)
         event = {"event": "membership", "step": step, "generation": new.generation,
                  "lost": [{"rank": m, "host": self.reports[m].world.get("node_name", "")}
                           for m in lost],
                  "world_size": len(new.members), "members": list(new.members),
-                 "split": list(allocation.samples), "resumed_at_step": trainer.step + 1,
-                 "detected_monotonic": detected}
+                 "lost_monotonic": min([failed, *(self._last_beat(m) for m in lost)])}
+        if len(new.members) < self.cfg.min_ranks:
+            self._stop(trainer, rdv, event, f"losing rank(s) {lost} ({len(new.members)} left, "
+                       f"fewer than trainer.elastic.min_ranks={self.cfg.min_ranks})")
+        try:
+            allocation = self._split(rdv, new.members)
+        except AllocationError as exc:
+            self._stop(trainer, rdv, event, f"losing rank(s) {lost} (the global batch does not "
+                       f"fit the {len(new.members)} left: {exc})")
+        self.timeout.rescale(len(old.members) / len(new.members))
+        rejoin(trainer, rdv, [trainer.metas_by_member[m] for m in new.members], allocation)
+        self.timeout.predict(predicted_step_s(allocation))
+        self.timeout.apply()  # on the new default group
+        event.update(split=list(allocation.samples), resumed_at_step=trainer.step + 1,
+                     redo=REDO[trainer.phase])
         log.warning("step %d: going on with %d rank(s) (original ranks %s; lost %s), split %s; "
-                    "redoing step %d", step, len(new.members), list(new.members), lost or "none",
-                    allocation.samples, trainer.step + 1)
+                    "redoing %s", step, len(new.members), list(new.members), lost or "none",
+                    allocation.samples, f"step {trainer.step + 1}" if trainer.phase == DONE
+                    else f"step {trainer.step}'s {REDO[trainer.phase]} and what follows")
         return event
 
-    def _same_state(self, trainer: Any, rdv: Rendezvous) -> None:
-        """Every survivor at the most advanced survivor's step (its full state sent)."""
-        steps = rdv.all_gather_objects(int(trainer.step))
-        top = max(steps)
-        if min(steps) == top:
+    def _last_beat(self, member: int) -> float:
+        """When this rank last saw ``member``'s heartbeat move (``time.monotonic()``; now if
+        never)."""
+        seen = getattr(self.heartbeat, "_seen", {})  # membership.Heartbeat's observer record
+        last = seen.get(member)
+        return float(last[1]) if last else time.monotonic()
+
+    def _agree_progress(self, trainer: Any, rdv: Rendezvous) -> None:
+        """Every survivor at the most advanced survivor's step (its full state, step record and
+        row sent to those behind), and at the earliest phase of it some survivor did not
+        complete (:mod:`hetseq_hpc.train.phases`): that phase is redone by all."""
+        marks = rdv.all_gather_objects((int(trainer.step), int(trainer.phase)))
+        top = max(s for s, _ in marks)
+        # a survivor behind never started the work after ``top``: it redoes it from the start
+        trainer.phase = min(p if s == top else TRAINED for s, p in marks)
+        if all(s == top for s, _ in marks):
             return
-        source = steps.index(top)
-        box = [trainer.state_dict() if rdv.world.rank == source else None]
+        source = [s for s, _ in marks].index(top)
+        mine = rdv.world.rank == source
+        box = [(trainer.state_dict(), trainer.history[-1], trainer.last_row) if mine else None]
         dist.broadcast_object_list(box, src=source, group=rdv.cpu_group)
-        if rdv.world.rank != source:
-            trainer.load_state_dict(box[0], f"the state of surviving rank {source}")
+        if trainer.step != top:
+            state, rec, row = box[0]
+            trainer.load_state_dict(state, f"the state of surviving rank {source}")
+            trainer.history.append(rec)
+            trainer.last_row = row
         log.info("step %d was completed by some survivors: all now continue from it", top)
+
+    def _stop(self, trainer: Any, rdv: Rendezvous, event: Dict[str, Any], why: str) -> None:
+        """Checkpoint the last completed step (the new rank 0 writes it, with the step's row
+        and the membership event if missing) and stop with code REQUEUE, as a preemption does:
+        a Slurm job is requeued and resumes from it."""
+        log.warning("step %d: %s: checkpointing step %d and stopping", event["step"], why,
+                    trainer.step)
+        if rdv.world.rank == 0:
+            log_before_stop(trainer, {**event, "stopped": why})
+        save_on_rank0(rdv, trainer.state_dict, trainer.run_dir, trainer.step,
+                      trainer.cfg.keep_checkpoints)
+        raise Preempted(trainer.step, REQUEUE, why, leader=rdv.world.rank == 0)
+
+    def expect(self, allocation: Any) -> None:
+        """A split starts (the first, or a re-formed world's): its predicted step time sets
+        the training-step collective timeout (:class:`StepTimeout`)."""
+        if self.timeout.predict(predicted_step_s(allocation)):
+            self.timeout.apply()
+
+    def observe_step(self, rec: Any) -> None:
+        """After a completed step: its time sets the collective timeout of the next steps
+        (:class:`StepTimeout`)."""
+        longest = max([rec.wall_s, *(s.step_time_s for s in rec.per_rank)])
+        if self.timeout.observe(longest):
+            self.timeout.apply()
 
     def _split(self, rdv: Rendezvous, members: Sequence[int]) -> Any:
         """The same global batch over the survivors, from their start-up calibrations."""
@@ -156,6 +297,20 @@ class ElasticWorld:
             run = dataclasses.replace(run, balance=dataclasses.replace(run.balance,
                                                                        allocation=None))
         return agree_on_allocation(run, [self.reports[m] for m in members], rdv)
+
+
+def drop_groups(trainer: Any, error: BaseException) -> None:
+    """Drop this rank's references to the broken process groups (the DDP wrapper, the gloo
+    group of the rendezvous, the failed step's frames), so that once they are destroyed their
+    sockets close: a survivor still blocked in a collective with this rank (not with the lost
+    one: it finished an earlier phase) fails at once instead of after its timeout. Aborting a
+    gloo group does not unblock its peers; closing its sockets does. Only outside a training
+    step: destroying a group with work in flight (DDP's all-reduce) blocks, GIL held."""
+    if error.__traceback__ is not None:
+        traceback.clear_frames(error.__traceback__)
+    trainer.parallel.module = trainer.parallel.model  # the bare model; rejoin() wraps it again
+    if trainer.rdv is not None:
+        trainer.rdv.cpu_group = None  # the worker holds this Rendezvous too
 
 
 def rejoin(trainer: Any, rdv: Rendezvous, metas: List[Any], allocation: Any) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -36,8 +35,6 @@ from hetseq_hpc.balance.allocation import Allocation
 from hetseq_hpc.config.schema import RunConfig
 from hetseq_hpc.distributed.membership import is_peer_failure
 from hetseq_hpc.distributed.rendezvous import Rendezvous, StepStats
-from hetseq_hpc.env.preemption import REASONS
-from hetseq_hpc.errors import Preempted
 from hetseq_hpc.tasks.contract import check_loss, checked_batch, checked_count
 from hetseq_hpc.train.checkpoint import (
     agree_on_checkpoint,
@@ -47,12 +44,12 @@ from hetseq_hpc.train.checkpoint import (
 )
 from hetseq_hpc.train.ddp_hooks import HookState
 from hetseq_hpc.train.evaluate import evaluate_task
-from hetseq_hpc.train.loggers import first_logged_loss, open_loggers
-from hetseq_hpc.train.metrics import Progress, run_summary, step_row
+from hetseq_hpc.train.loggers import first_logged_loss
+from hetseq_hpc.train.metrics import run_summary
 from hetseq_hpc.train.optim import build_optimizer, step_seed
 from hetseq_hpc.train.parallel import build_parallel, rank_memory
+from hetseq_hpc.train.phases import DONE, StepPhases
 from hetseq_hpc.train.precision import GradientPath
-from hetseq_hpc.train.rebalance_step import maybe_rebalance
 from hetseq_hpc.train.records import RankMeta, StepRecord
 from hetseq_hpc.train.sampler import GlobalBatchSampler
 from hetseq_hpc.train.sharded_checkpoint import load_tensors, save_sharded
@@ -136,6 +133,8 @@ class Trainer:
         self.parallel = parallel or build_parallel(run, task, model, device, sharding)
         self.optimizer, self.scheduler = build_optimizer(model, run)
         self.step = 0  # last completed optimizer step; global batch ``step`` comes next
+        self.phase = DONE  # of ``step``: what of the work after it is done (train/phases.py)
+        self.last_row: Dict[str, Any] = {}  # metrics row of ``step``
         self.history: List[StepRecord] = []
         self._exchanged_at = 0.0  # perf_counter() when the last step's exchange ended
         self.last_val: Optional[Dict[str, float]] = None
@@ -301,70 +300,35 @@ class Trainer:
     def fit(self) -> Dict[str, Any]:
         """Train to ``trainer.max_steps``; returns a summary (final loss, validation, throughput).
 
+        With :attr:`elastic`, a collective that fails anywhere in the loop (a step, the
+        re-balancing decision, validation, a checkpoint, the summary) is recovered from
+        (:mod:`hetseq_hpc.train.phases`): what was interrupted is redone over the survivors.
+
         Raises:
             Preempted: a stop request arrived; every rank stopped after the same step, which
-                was checkpointed.
+                was checkpointed (also: fewer than ``trainer.elastic.min_ranks`` survived).
             FloatingPointError: the loss is not finite.
         """
-        cfg, start = self.cfg, self.step
-        writer = open_loggers(self.run, self.run_dir, start) if self.rank == 0 else None
-        progress = Progress(cfg.max_steps, start, enabled=self.rank == 0)
-        if start >= cfg.max_steps:
+        cfg = self.cfg
+        if self.step >= cfg.max_steps:
             log.info("checkpoint is at step %d >= trainer.max_steps=%d: nothing to train",
-                     start, cfg.max_steps)
-        pending = dict(self.resume_note)  # goes into the first row written
-        step, event = start, None
+                     self.step, cfg.max_steps)
+        phases, summary = StepPhases(self), None
         try:
-            while step < cfg.max_steps:
-                step += 1
+            while summary is None:
                 try:
-                    rec = self.train_step(step)
+                    if phases.more():
+                        phases.advance()
+                    else:
+                        summary = self.summary()
                 except RuntimeError as exc:  # a peer died or hung (torch's DistError too)
                     if self.elastic is None or not is_peer_failure(exc):
                         raise
-                    event = self.elastic.recover(self, exc, step)
-                    step = self.step  # redo the first step not completed by everyone
-                    writer = writer or (open_loggers(self.run, self.run_dir, step)
-                                        if self.rank == 0 else None)
-                    progress.enabled = self.rank == 0
-                    continue
-                if event is not None:  # the row of the membership change, once a step is done
-                    event["recovery_s"] = round(time.monotonic() - event.pop("detected_monotonic"), 3)
-                    if writer is not None:
-                        writer.write({**event, "run_id": self.run_id})
-                    event = None
-                if not math.isfinite(rec.loss):
-                    raise FloatingPointError(
-                        f"loss is {rec.loss} at step {step}: lower optim.lr or raise "
-                        "optim.warmup_steps"
-                    )
-                self.history.append(rec)
-                rec.extra.update(pending)
-                pending = {}
-                row = step_row(rec, self.metas, self.allocation.shares, cfg.global_batch_size,
-                               self.task.tokens_per_sample, self.allocation.samples,
-                               units_per_sample=self.task.units_per_sample)
-                maybe_rebalance(self, rec)
-                is_last = step == cfg.max_steps
-                if (cfg.val_every and step % cfg.val_every == 0) or is_last:
-                    self.last_val = self.evaluate()
-                    rec.extra.update(self.last_val)
-                if writer is not None and (step % cfg.log_every == 0 or is_last or rec.extra):
-                    writer.write({**row, "run_id": self.run_id, **rec.extra})
-                progress.update(step, rec.loss, cfg.global_batch_size / max(rec.wall_s, 1e-9),
-                                extra=(f"val_loss {self.last_val['val_loss']:.4f}"
-                                       if "val_loss" in rec.extra else None))
-                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or is_last \
-                        or rec.stop_code:
-                    self._save(step)
-                if rec.stop_code and not is_last:
-                    # every rank saw the same request in the step's exchange: all stop here
-                    raise Preempted(step, rec.stop_code, REASONS.get(rec.stop_code, "a stop request"))
+                    # re-form, agree on the last completed step and phase, redo from there
+                    phases.recovered(self.elastic.recover(self, exc))
+            phases.flush_events()  # a recovery after the last step (its checkpoint, summary)
         finally:
-            progress.close()
-            if writer is not None:
-                writer.close()
-        summary = self.summary()
+            phases.close()
         if self.rank == 0 and self.history:  # the run's first step, also after a resume
             summary["first_loss"] = first_logged_loss(self.run_dir) or summary["first_loss"]
         return summary
@@ -390,5 +354,5 @@ class Trainer:
         out.update(self.grad_path.summary())
         out["sharding"] = self.parallel.describe()
         out["memory"] = self.rdv.all_gather_objects(  # every rank's, in rank order
-            rank_memory(self.model, self.optimizer, self.device))
+            rank_memory(self.model, self.optimizer, self.device, self.parallel.memory_watch))
         return out

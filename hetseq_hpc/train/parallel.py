@@ -82,6 +82,8 @@ class Replicated:
 
     sharded = False
     mode = "ddp"
+    #: this rank's :class:`~hetseq_hpc.balance.peak.MemoryWatch` (set by the worker), or None
+    memory_watch: Any = None
 
     def __init__(self, model: nn.Module, device: torch.device):
         self.model = model
@@ -317,21 +319,27 @@ class Sharded(Replicated):
 
 
 def rank_memory(model: nn.Module, optimizer: torch.optim.Optimizer,
-                device: torch.device) -> Dict[str, float]:
+                device: torch.device, watch: Any = None) -> Dict[str, float]:
     """What this rank holds and has used, in bytes: ``state_bytes`` (its parameters, as many
     gradient bytes, and its optimizer state: local shards under FSDP), ``peak_rss_bytes`` (the
-    process's peak resident memory: Python and torch's libraries included, ~0.3 GB on CPU) and,
-    on a GPU, ``cuda_peak_bytes`` (``torch.cuda.max_memory_allocated``)."""
-    import resource
+    process's peak resident memory, since the watch's window began where it could reset it:
+    Python and torch's libraries included, ~0.4 GB on CPU),
+    on a GPU ``cuda_peak_bytes`` (``torch.cuda.max_memory_allocated``) and, with ``watch``
+    (:class:`~hetseq_hpc.balance.peak.MemoryWatch`), the measured peak of what the budget
+    bounds next to it: ``measured_peak_bytes``, ``budget_bytes``, ``peak_measure`` (logged)."""
+    import torch.distributed as dist
 
     from hetseq_hpc.balance.memory import local_part as local
+    from hetseq_hpc.balance.peak import peak_resident_bytes
 
     params = sum(local(p).numel() * local(p).element_size() for p in model.parameters())
     moments = sum(local(v).numel() * local(v).element_size()
                   for st in optimizer.state.values() for v in st.values()
                   if isinstance(v, torch.Tensor) and v.dim() > 0)
-    out = {"state_bytes": float(2 * params + moments),
-           "peak_rss_bytes": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024}
+    out: Dict[str, Any] = {"state_bytes": float(2 * params + moments)}
+    if watch is not None:
+        out.update(watch.report(dist.get_rank() if dist.is_initialized() else 0))
+    out["peak_rss_bytes"] = peak_resident_bytes()
     if device.type == "cuda":
         out["cuda_peak_bytes"] = float(torch.cuda.max_memory_allocated(device))
     return out

@@ -1,7 +1,7 @@
 """Tiny Hugging Face models and data made in the test (nothing downloaded): a byte-level BPE
 tokenizer + GPT-2 (causal LM), a WordPiece tokenizer + BERT (masked LM, sequence
-classification), saved with ``save_pretrained`` (safetensors), and text / JSON-lines files of
-CPython's help texts."""
+classification), a WordPiece tokenizer ending each text with ``</s>`` + T5 (seq2seq), saved
+with ``save_pretrained`` (safetensors), and text / JSON-lines files of CPython's help texts."""
 
 from __future__ import annotations
 
@@ -55,8 +55,41 @@ def _wordpiece_tokenizer(texts: List[str]):
                                    cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
 
 
-def make_gpt2(directory: Path, seed: int = 0) -> Path:
-    """A 2-layer, 32-wide GPT-2 with a 300-token byte-level BPE, saved to ``directory``."""
+def _t5_tokenizer(texts: List[str]):
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "</s>", "<unk>"]
+    tok = Tokenizer(models.WordPiece(unk_token="<unk>"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.train_from_iterator(texts, trainers.WordPieceTrainer(
+        vocab_size=300, special_tokens=specials, show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+def make_t5(directory: Path, seed: int = 0) -> Path:
+    """A 2+2-layer, 32-wide T5 (seq2seq) with a 300-token WordPiece vocabulary whose texts end
+    with ``</s>`` (as T5's own tokenizer does), saved to ``directory``."""
+    import torch
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    tok = _t5_tokenizer(help_texts())
+    torch.manual_seed(seed)
+    config = T5Config(vocab_size=len(tok), d_model=32, d_kv=16, d_ff=64, num_layers=2,
+                      num_decoder_layers=2, num_heads=2, pad_token_id=tok.pad_token_id,
+                      eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.pad_token_id)
+    T5ForConditionalGeneration(config).save_pretrained(directory, safe_serialization=True)
+    tok.save_pretrained(directory)
+    return directory
+
+
+def make_gpt2(directory: Path, seed: int = 0, dtype=None) -> Path:
+    """A 2-layer, 32-wide GPT-2 with a 300-token byte-level BPE, saved to ``directory`` (in
+    ``dtype``, e.g. ``torch.bfloat16``; default fp32)."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -64,7 +97,10 @@ def make_gpt2(directory: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     config = GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=2, n_head=2,
                         bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
-    GPT2LMHeadModel(config).save_pretrained(directory, safe_serialization=True)
+    model = GPT2LMHeadModel(config)
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(directory, safe_serialization=True)
     tok.save_pretrained(directory)
     return directory
 
@@ -87,12 +123,18 @@ def make_bert(directory: Path, kind: str = "masked_lm", seed: int = 0) -> Path:
 
 
 def write_text_files(root: Path) -> dict:
-    """``lines.txt`` (one paragraph per line) and ``labelled.jsonl`` (``{"text", "label"}``,
-    label 1 when the paragraph mentions a keyword-ish word)."""
+    """``lines.txt`` (one paragraph per line), ``labelled.jsonl`` (``{"text", "label"}``,
+    label 1 when the paragraph mentions a keyword-ish word) and ``pairs.jsonl``
+    (``{"source", "target"}``: a paragraph and its first 8 words reversed)."""
     texts = help_texts()
     (root / "lines.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    with open(root / "pairs.jsonl", "w", encoding="utf-8") as fh:
+        for text in texts[:400]:
+            target = " ".join(reversed(text.split()[:8]))
+            fh.write(json.dumps({"source": text, "target": target}) + "\n")
     with open(root / "labelled.jsonl", "w", encoding="utf-8") as fh:
         for text in texts[:400]:
             fh.write(json.dumps({"text": text, "label": int("return" in text or "def" in text)})
                      + "\n")
-    return {"txt": root / "lines.txt", "jsonl": root / "labelled.jsonl"}
+    return {"txt": root / "lines.txt", "jsonl": root / "labelled.jsonl",
+            "pairs": root / "pairs.jsonl"}

@@ -2,7 +2,9 @@
 from the saved weights. Tiny models made here with ``save_pretrained`` (nothing downloaded).
 
 For each kind (causal LM on a text file, masked LM on a text file, classification on JSON lines
-with a label column), dropout off, one seed: ``cluster.ranks=1`` (32 rows per step) and
+with a label column, seq2seq (T5) on JSON lines of source/target pairs), dropout off
+(``task.model.dropout=0.0``: the default keeps the model's own), one seed, task=hf's default
+optimizer (optim=finetune) with a larger learning rate: ``cluster.ranks=1`` (32 rows per step) and
 ``cluster.ranks=2 balance.allocation=[24,8] balance.max_micro_batch=5`` (accumulation on both)
 log the same loss at every one of 20 steps, to 1e-5 relative (``assert_same_losses``).
 """
@@ -18,15 +20,15 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.hf_models import make_bert, make_gpt2, write_text_files
+from tests.helpers.hf_models import make_bert, make_gpt2, make_t5, write_text_files
 from tests.helpers.runs import REPO, assert_same_losses, cli_env, losses, read_rows
 
 pytestmark = pytest.mark.slow
 
 STEPS = ["trainer.global_batch_size=32", "trainer.max_steps=20", "optim.schedule_steps=20",
          "trainer.seed=7", "task.model.dropout=0.0", "trainer.val_every=0",
-         "trainer.checkpoint_every=0", "task.model.max_seq_len=32", "optim=finetune",
-         "optim.lr=1e-3", "trainer.plot=false"]
+         "trainer.checkpoint_every=0", "task.model.max_seq_len=32", "optim.lr=1e-3",
+         "trainer.plot=false"]
 UNEVEN = ["cluster.ranks=2", "balance.allocation=[24,8]", "balance.max_micro_batch=5"]
 
 
@@ -36,7 +38,8 @@ def hf_models(tmp_path_factory):
     files = write_text_files(root)
     return {"causal_lm": (make_gpt2(root / "gpt2"), files["txt"]),
             "masked_lm": (make_bert(root / "bert"), files["txt"]),
-            "classification": (make_bert(root / "cls", "classification"), files["jsonl"])}
+            "classification": (make_bert(root / "cls", "classification"), files["jsonl"]),
+            "seq2seq": (make_t5(root / "t5"), files["pairs"])}
 
 
 def run(run_dir: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -47,13 +50,15 @@ def run(run_dir: Path, cache: Path, *overrides: str) -> subprocess.CompletedProc
     return proc
 
 
-@pytest.mark.parametrize("kind", ["causal_lm", "masked_lm", "classification"])
+@pytest.mark.parametrize("kind", ["causal_lm", "masked_lm", "classification", "seq2seq"])
 def test_hf_uneven_ranks_repeat_one_rank(kind, hf_models, tmp_path, token_cache):
     """1 rank x 32 == 2 ranks x [24, 8] at every one of 20 steps; the kind, unit and metric
     reach summary.json."""
     path, data = hf_models[kind]
     task = ["task=hf", f"task.model.path={path}", f"task.data.files=[{data}]"]
     ref, uneven = tmp_path / "ref", tmp_path / "uneven"
+    if kind == "seq2seq":
+        task.append("task.model.max_target_len=16")
     run(ref, token_cache, *task, *STEPS, "cluster.ranks=1")
     run(uneven, token_cache, *task, *STEPS, *UNEVEN)
     assert_same_losses(losses(ref), losses(uneven), range(1, 21))
@@ -111,19 +116,41 @@ def test_dataset_adapter_is_exact_across_24_8(tmp_path, token_cache):
     assert json.loads((ref / "summary.json").read_text())["task"]["name"] == "dataset"
 
 
-@pytest.mark.parametrize("case", ["hub", "column"])
+#: case -> (model kind of hf_models, extra overrides, exit code, text of the one error line)
+REFUSALS = {
+    "hub": (None, [], 2, "downloads nothing"),
+    "column": ("classification", ["task.data.text_field=sentence"], 1, "'sentence'"),
+    "tokenizer": ("bare", [], 2, "no tokenizer"),
+    "mask_token": ("causal_lm", ["task.model.kind=masked_lm"], 2, "no mask token"),
+    "positions": ("causal_lm", ["task.model.max_seq_len=128"], 2, "64 positions"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
 def test_refusals_start_nothing(case, hf_models, tmp_path, token_cache):
-    """A hub name (a ConfigError: exit 2) and a missing column (a DataError: exit 1): one
-    ``error:`` line, no run directory."""
-    path, data = hf_models["classification"]
-    task = (["task=hf", "task.model.path=bert-base-uncased", f"task.data.files=[{data}]"]
-            if case == "hub" else ["task=hf", f"task.model.path={path}",
-                                   f"task.data.files=[{data}]", "task.data.text_field=sentence"])
+    """A hub name, a model dir without a tokenizer, a masked LM whose tokenizer has no mask
+    token, max_seq_len above the model's positions (ConfigErrors: exit 2) and a missing
+    column (a DataError: exit 1): one ``error:`` line, no run directory."""
+    import shutil
+
+    model, extra, code, text = REFUSALS[case]
+    data = hf_models["classification"][1]
+    if model is None:
+        path = "bert-base-uncased"
+    elif model == "bare":
+        path = tmp_path / "bare"
+        path.mkdir()
+        for name in ("config.json", "model.safetensors"):
+            shutil.copy(hf_models["causal_lm"][0] / name, path / name)
+    else:
+        path = hf_models[model][0]
+    task = ["task=hf", f"task.model.path={path}", f"task.data.files=[{data}]",
+            "task.model.max_seq_len=32", *extra]
     cmd = [sys.executable, "-m", "hetseq_hpc", *task, f"hydra.run.dir={tmp_path / 'run'}"]
     proc = subprocess.run(cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True,
                           text=True, timeout=120)
-    assert proc.returncode == (2 if case == "hub" else 1), proc.stderr
+    assert proc.returncode == code, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "error:" in lines[0], proc.stderr
-    assert ("downloads nothing" if case == "hub" else "'sentence'") in lines[0]
+    assert text in lines[0], lines[0]
     assert not (tmp_path / "run").exists()

@@ -22,7 +22,7 @@ from tests.slurm.test_slurm_faults_real import _rank_pid
 COMMON = [*SMALL_MODEL, "task.model.max_seq_len=32", "task.model.dropout=0.0",
           "trainer.global_batch_size=24", "trainer.max_steps=30", "optim.schedule_steps=30",
           "trainer.seed=5", "trainer.val_every=0", "trainer.checkpoint_every=0",
-          "trainer.elastic.timeout_s=6"]
+          "trainer.elastic.timeout_s=12"]  # stale after 6 s: room for a loaded machine
 
 
 def _steps(run_dir: Path) -> int:

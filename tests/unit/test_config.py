@@ -542,3 +542,22 @@ def test_a_saved_config_with_a_group_that_is_not_a_mapping_is_one_line():
 
     with pytest.raises(ConfigError, match=r"precision='bf16' in the saved configuration"):
         migrate_saved({"trainer": {"precision": "fp16"}, "precision": "bf16"})
+
+
+@pytest.mark.parametrize("overrides, names", [
+    (["cluster.ranks=2", "cluster.memory_budgets_gb=[1.0]"],
+     ["cluster.memory_budgets_gb=[1.0]", "1 entries", "one budget (GiB) per rank"]),
+    (["cluster.ranks=2", "cluster.memory_budgets_gb=[1.0,0]"],
+     ["cluster.memory_budgets_gb contains 0", "> 0"]),
+    (["cluster.ranks=2", "cluster.memory_budgets_gb=[1.0,2.0]", "cluster.memory_budget_gb=1"],
+     ["cluster.memory_budgets_gb", "cluster.memory_budget_gb=1.0", "keep one"]),
+])
+def test_per_rank_memory_budgets_are_checked_in_one_line(overrides, names):
+    with pytest.raises(ConfigError) as info:
+        compose_run_config(overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    for name in names:
+        assert name in message, f"{name!r} not in {message!r}"
+    run = compose_run_config(["cluster.ranks=2", "cluster.memory_budgets_gb=[0.5,4]"])
+    assert list(run.cluster.memory_budgets_gb) == [0.5, 4.0]

@@ -1,10 +1,15 @@
 """The GPU spec model against published figures it was NOT fitted on (issue 25).
 
 Fit: the 4 ``role=fit`` rows of hetseq_hpc/plan/data/published_bert.csv (NVIDIA DLE PyTorch BERT
-README, pytorch:21.11, SQuAD, 1 GPU). Held out: every other row (DLE PyTorch 20.06 release,
-Lambda deeplearning-benchmark 2021 and 2024 snapshots, Pollux/Sia traces), URLs in the file and in
-docs/planner-accuracy.md. Classes that miss the 20 % bar are listed in KNOWN_MISSES with their
-measured error, and the test checks they still miss (so the list cannot silently go stale).
+README, pytorch:21.11, SQuAD, 1 GPU). Held out: every ``role=heldout`` row (DLE PyTorch 20.06
+release, Lambda deeplearning-benchmark 2021 and 2024 snapshots, Pollux/Sia traces), URLs in the
+file and in docs/planner-accuracy.md; ``role=republished`` rows repeat a measurement already in
+the file and are not counted.
+
+Each of the issue's bars is a test that asserts the bar. Where the model misses it today the
+test is ``xfail(strict=True)`` with the measured value in its reason: the day the bar is met the
+test passes, strict xfail turns that into a failure, and the marker must go (a miss cannot be
+pinned in place, a fix cannot go unnoticed).
 """
 
 from __future__ import annotations
@@ -15,19 +20,39 @@ import pytest
 
 from hetseq_hpc.errors import ConfigError
 from hetseq_hpc.plan import perf_model as pm
-from hetseq_hpc.plan.gpu_specs import SPEC_TABLE, find_spec, peak_flops, spec_from_probe
+from hetseq_hpc.plan.gpu_specs import (
+    SPEC_TABLE,
+    find_spec,
+    peak_flops,
+    power_clock_factor,
+    spec_from_probe,
+)
 from hetseq_hpc.plan.gpus import GPU_TABLE, lookup_gpu
 
 WITHIN = 0.20
-#: held-out classes whose median |error| is above 20 %: (low, high) bounds of the measured median
-#: |error|, reported in docs/planner-accuracy.md (not hidden, not tuned away)
-KNOWN_MISSES = {
-    "A40 fp16": (0.2, 0.35), "GTX 1080 Ti fp32": (0.3, 0.5), "H100 fp16": (0.25, 0.45),
-    "H100 tf32": (0.2, 0.35), "RTX 2080 Ti fp16": (0.3, 0.55), "RTX 2080 Ti fp32": (0.35, 0.55),
-    "RTX 3090 tf32": (0.2, 0.3), "RTX 4090 fp16": (0.3, 0.45), "RTX 4090 tf32": (0.2, 0.35),
-    "RTX 6000 Ada fp16": (0.2, 0.35), "RTX 6000 Ada tf32": (0.2, 0.35),
-    "RTX A6000 fp16": (0.2, 0.35), "T4 fp32": (0.6, 0.8),
+#: held-out classes whose median |error| misses the issue's 20 % today: the measured median
+#: |error| and why (docs/planner-accuracy.md)
+MISSED = {
+    "A40 fp16": "28 %: under-predicted (-24, -32 %), GA102 fp16 beats its bandwidth rating",
+    "GTX 1080 Ti fp32": "41 %: BERT-large at batch 2 runs far below the fitted fraction (+74 %)",
+    "H100 fp16": "34 %: eager code gets more out of Hopper than its bandwidth rating",
+    "H100 tf32": "28 %: eager code gets more out of Hopper than its bandwidth rating",
+    "RTX 2080 Ti fp16": "43 %: over-predicted (+37, +50 %), 11 GB card at batch 4-20",
+    "RTX 2080 Ti fp32": "44 %: over-predicted (+19, +70 %), BERT-large at batch 2",
+    "RTX 3090 tf32": "23 %: the 2021 snapshot's small batches run slower (+32, +60 %)",
+    "RTX 4090 fp16": "37 %: under-predicted (-34, -39 %); cause not established",
+    "RTX 4090 tf32": "27 %: under-predicted (-23, -31 %); cause not established",
+    "RTX 6000 Ada fp16": "29 %: under-predicted (-27, -32 %); cause not established",
+    "RTX 6000 Ada tf32": "30 %: under-predicted (-26, -34 %); cause not established",
+    "RTX A6000 fp16": "29 %: under-predicted (-24 to -37 %), GA102 fp16 beats its bandwidth rating",
+    "T4 fp32": "29 %: one row (Pollux trace, +29 %) after the 70 W power-limit clock (+69 % before)",
 }
+
+
+def _class_params():
+    return [pytest.param(cls, marks=pytest.mark.xfail(strict=True, reason=MISSED[cls]))
+            if cls in MISSED else cls for cls in sorted(pm.heldout_errors())]
+
 
 #: datasheet peaks, TFLOP/s (dense): (gpu, precision) -> value
 DATASHEET = {
@@ -93,17 +118,47 @@ def test_fit_uses_only_fit_rows_of_one_source():
     assert pm.fit_factors(moved) == pm.FACTORS
 
 
-def test_heldout_median_error_per_class():
-    errors = pm.heldout_errors()
-    for cls, errs in errors.items():
-        median = statistics.median(abs(e) for e in errs)
-        if cls in KNOWN_MISSES:
-            low, high = KNOWN_MISSES[cls]
-            assert low <= median <= high, f"{cls}: {median:.2f} left its documented band"
-        else:
-            assert median <= WITHIN, f"{cls}: median |error| {median:.2f} ({len(errs)} rows)"
-    everything = [abs(e) for errs in errors.values() for e in errs]
-    assert statistics.median(everything) <= WITHIN
+@pytest.mark.parametrize("cls", _class_params())
+def test_heldout_median_abs_error_per_class_is_within_20_percent(cls):
+    errors = pm.heldout_errors()[cls]
+    median = statistics.median(abs(e) for e in errors)
+    assert median <= WITHIN, f"{cls}: median |error| {median:.2f} ({len(errors)} rows)"
+
+
+def test_every_documented_miss_is_a_class_of_the_data():
+    assert set(MISSED) <= set(pm.heldout_errors())
+
+
+def test_overall_median_over_all_heldout_rows():
+    everything = [abs(e) for errs in pm.heldout_errors().values() for e in errs]
+    assert len(everything) == 93 and statistics.median(everything) <= WITHIN
+
+
+def test_republished_rows_are_not_counted_as_held_out():
+    """DLE 20.06's V100 32G FP32 (12 seq/s, batch 8) is the fit row's measurement; Lambda 2024's
+    V100 fp32 42 / 12 seq/s are its 2021 snapshot's. They are kept, marked, and not scored."""
+    rows = pm.published()
+    again = [r for r in rows if r.role == "republished"]
+    assert len(again) == 3 and all(r.gpu.startswith("v100") and r.precision == "fp32"
+                                   for r in again)
+    fit = {(r.gpu, r.precision, r.model, r.batch, r.samples_per_s) for r in rows if r.role == "fit"}
+    heldout = [r for r in rows if r.role == "heldout"]
+    # no held-out row repeats a fit row's GPU, precision, model, batch and figure
+    assert not [r for r in heldout if (r.gpu, r.precision, r.model, r.batch, r.samples_per_s)
+                in fit]
+    assert sum(len(v) for v in pm.heldout_errors().values()) == len(heldout) == 93
+
+
+def test_power_limited_t4_runs_below_its_boost_clock_from_specs_only():
+    t4, v100 = find_spec("t4"), find_spec("v100")
+    # 70 W against 40 SMs x 1590 MHz at the V100's 300 W / (80 SMs x 1530 MHz): cube root
+    need = 300 * 40 * 1590 / (80 * 1530)
+    assert power_clock_factor(t4) == pytest.approx((70 / need) ** (1 / 3))
+    assert 0.7 < power_clock_factor(t4) < 0.8
+    assert power_clock_factor(v100) == 1.0  # the reference itself
+    for key in ("a100", "h100", "rtx4090", "l4", "titanxp"):  # no reference on their process
+        assert power_clock_factor(find_spec(key)) == 1.0
+    assert find_spec("t4").peak_flops("fp32") / 1e12 == pytest.approx(8.1, rel=0.03)  # peak kept
 
 
 def _ratio(gpu_a, prec_a, gpu_b, prec_b, url_part):
@@ -119,25 +174,27 @@ def _ratio(gpu_a, prec_a, gpu_b, prec_b, url_part):
     return out
 
 
-def test_a100_over_v100_ratio_is_a_documented_near_miss():
-    """A100:V100 fp16 over the three held-out sources that publish both: errors -3 %, -15 %
-    (Lambda 2024: A100 80GB SXM4 / V100 16GB, base and large), -24 %, -21 % (Lambda 2021: A100
-    40GB SXM4 / V100 32GB), -26 % (DLE 20.06: A100 40GB / V100 16GB SQuAD): median 21 %, just
-    outside the issue's 20 % (the model rates A100 40GB by its 1555 GB/s; it ran faster)."""
+@pytest.mark.xfail(strict=True, reason="median |error| 20.9 %: errors -3, -15, -24, -21, -26 % "
+                   "(the model rates A100 40GB by its 1555 GB/s; it ran faster)")
+def test_a100_over_v100_ratio_within_20_percent():
+    """A100:V100 fp16 over the three held-out sources that publish both: Lambda 2024 (A100 80GB
+    SXM4 / V100 16GB, base and large), Lambda 2021 (A100 40GB SXM4 / V100 32GB), DLE 20.06
+    (A100 40GB / V100 16GB SQuAD)."""
     pairs = (_ratio("a10080", "fp16", "v10016", "fp16", "4e11f689")
              + _ratio("a10040", "fp16", "v10032", "fp16", "e167f02c")
              + _ratio("a10040", "fp16", "v10016", "fp16", "b2763ae2"))
     errors = [pred / pub - 1 for pred, pub in pairs]
-    assert WITHIN < statistics.median(abs(e) for e in errors) < 0.22, errors
+    assert len(errors) == 5
+    assert statistics.median(abs(e) for e in errors) <= WITHIN, errors
 
 
-def test_v100_over_t4_ratio_is_a_documented_miss():
+def test_v100_over_t4_ratio_within_20_percent():
     """The one published side-by-side T4/V100 training pair (fp32, BERT-base SQuAD, Pollux + Sia
-    traces): published V100/T4 = 2.59; the spec model says 1.93 (-26 %): the 70 W T4 does not
-    hold its 1590 MHz boost clock, which a spec-sheet model cannot know (docs)."""
+    traces): published V100/T4 = 2.59; the spec model with the T4's power-limited clock says
+    2.51 (-3 %; 1.93, -26 %, at the boost clock)."""
     t4 = next(r for r in pm.published() if r.gpu == "t4")
     v100 = next(r for r in pm.published() if "siasosp23" in r.source_url)
     predicted = pm.predicted(v100) / pm.predicted(t4)
     published = v100.samples_per_s / t4.samples_per_s
     assert published == pytest.approx(2.59, abs=0.01)
-    assert -0.30 < predicted / published - 1 < -0.20
+    assert abs(predicted / published - 1) <= WITHIN

@@ -15,7 +15,7 @@ from hetseq_hpc.cli.preflight import check_task_code
 from hetseq_hpc.config import compose_run_config
 from hetseq_hpc.errors import ConfigError, DataError, HetseqError
 from hetseq_hpc.tasks import build_task
-from tests.helpers.hf_models import make_bert, make_gpt2, write_text_files
+from tests.helpers.hf_models import make_bert, make_gpt2, make_t5, write_text_files
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,8 @@ def made(tmp_path_factory):
     root = tmp_path_factory.mktemp("hfu")
     files = write_text_files(root)
     return {"root": root, **files, "gpt2": make_gpt2(root / "gpt2"),
-            "bert": make_bert(root / "bert"), "cls": make_bert(root / "cls", "classification")}
+            "bert": make_bert(root / "bert"), "cls": make_bert(root / "cls", "classification"),
+            "t5": make_t5(root / "t5")}
 
 
 def compose(*overrides: str):
@@ -76,12 +77,13 @@ def test_missing_and_empty_files_are_refused(made, tmp_path):
 
 
 def test_missing_column_names_the_columns_found(made, tmp_path):
-    msg = one_line_error(DataError, f"task.model.path={made['cls']}",
+    msg = one_line_error(DataError, f"task.model.path={made['cls']}", "task.model.max_seq_len=32",
                          f"task.data.files=[{made['jsonl']}]", "task.data.label_field=stars")
     assert "'stars'" in msg and "'text', 'label'" in msg
     csv = tmp_path / "d.csv"
     csv.write_text("sentence,label\nhello,1\n")
-    msg = one_line_error(DataError, f"task.model.path={made['cls']}", f"task.data.files=[{csv}]")
+    msg = one_line_error(DataError, f"task.model.path={made['cls']}", f"task.data.files=[{csv}]",
+                         "task.model.max_seq_len=32")
     assert "no column 'text'" in msg and "'sentence'" in msg
 
 
@@ -214,3 +216,146 @@ def test_custom_task_name_attribute_reaches_the_summary():
     run = SimpleNamespace(task=SimpleNamespace(name="custom"))
     assert task_name(run, Mine()) == "regression" and task_name(run, Plain()) == "custom"
     assert task_name(SimpleNamespace(task=SimpleNamespace(name="bert")), Mine()) == "bert"
+
+
+def test_a_bf16_checkpoint_loads_as_fp32_parameters(made, tmp_path):
+    """transformers 5 loads dtype="auto" by default (a bf16 checkpoint -> bf16 weights); the
+    task asks for fp32 (weights, gradients and optimizer state stay fp32; ranks autocast)."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_gpt2(tmp_path / "bf16", dtype=torch.bfloat16)
+    assert {p.dtype for p in AutoModelForCausalLM.from_pretrained(path).parameters()} == {
+        torch.bfloat16}  # what the library's default would train
+    run = compose(f"task.model.path={path}", f"task.data.files=[{made['txt']}]",
+                  f"task.data.cache_dir={tmp_path}", "task.model.max_seq_len=32")
+    task = build_task(run.task, 0)
+    task.prepare()
+    task.load()
+    assert {p.dtype for p in task.build_model().parameters()} == {torch.float32}
+    fresh = compose(f"task.model.config={path / 'config.json'}", f"task.model.tokenizer={path}",
+                    f"task.data.files=[{made['txt']}]", f"task.data.cache_dir={tmp_path}",
+                    "task.model.max_seq_len=32")
+    task = build_task(fresh.task, 0)
+    task.prepare()
+    task.load()
+    assert {p.dtype for p in task.build_model().parameters()} == {torch.float32}
+
+
+def test_classification_validates_in_one_forward_pass(made):
+    task = task_of(made, "cls", "jsonl")
+    assert task.evaluates_in_fixed_passes()
+    torch.manual_seed(0)
+    model = task.build_model().eval()
+    calls = []
+    model.model.register_forward_hook(lambda *a: calls.append(1))
+    batch = task.make_batch([0, 1, 2], 0, "val")
+    stats = task.evaluate_batch(model, batch, [0, 1, 2])
+    assert len(calls) == 1
+    with torch.no_grad():
+        assert np.isclose(stats["loss_sum"], float(model(**batch)), rtol=1e-6)
+    assert 0 <= stats["correct"] <= 3
+
+
+def test_dropout_default_keeps_the_models_values_and_a_number_sets_all(made, tmp_path):
+    from transformers import AutoConfig
+
+    from hetseq_hpc.tasks.hf.hf_model import dropout_attributes, set_dropout
+
+    saved = tmp_path / "gpt2"
+    shutil.copytree(made["gpt2"], saved)
+    config = json.loads((saved / "config.json").read_text())
+    config.update(attn_pdrop=0.0, resid_pdrop=0.05)
+    (saved / "config.json").write_text(json.dumps(config))
+    run = compose(f"task.model.path={saved}", f"task.data.files=[{made['txt']}]",
+                  f"task.data.cache_dir={tmp_path}", "task.model.max_seq_len=32")
+    assert run.task.model.dropout is None
+    task = build_task(run.task, 0)
+    assert (task.config.attn_pdrop, task.config.resid_pdrop, task.config.embd_pdrop) == (
+        0.0, 0.05, 0.1)  # the model's own values
+    llama = AutoConfig.for_model("llama", attention_dropout=0.0)
+    assert set_dropout(llama, None) == [] and llama.attention_dropout == 0.0
+    for model_type, names in [("gpt_neo", {"resid_dropout", "embed_dropout", "attention_dropout"}),
+                              ("deberta", {"pooler_dropout", "hidden_dropout_prob"}),
+                              ("t5", {"dropout_rate"}), ("llama", {"attention_dropout"}),
+                              ("bart", {"dropout", "activation_dropout", "attention_dropout"})]:
+        cfg = AutoConfig.for_model(model_type)
+        assert names <= set(set_dropout(cfg, 0.3)), model_type
+        assert {getattr(cfg, n) for n in dropout_attributes(cfg)} == {0.3}, model_type
+
+
+def test_task_hf_defaults_to_the_finetune_optimizer_unless_optim_is_given(made):
+    data = [f"task.model.path={made['gpt2']}", f"task.data.files=[{made['txt']}]",
+            "task.model.max_seq_len=32"]
+    finetune = compose_run_config(["optim=finetune"]).optim
+    hf = compose(*data).optim
+    assert (hf.lr, hf.warmup_steps, hf.weight_decay) == (
+        finetune.lr, finetune.warmup_steps, finetune.weight_decay) and hf.lr == 5e-5
+    adamw = compose_run_config(["optim=adamw"]).optim
+    assert compose(*data, "optim=adamw").optim.lr == adamw.lr != 5e-5
+    assert compose(*data, "optim.lr=1e-4").optim.lr == 1e-4
+    assert compose_run_config(["task=bert"]).optim.lr == adamw.lr
+
+
+def test_pre_start_check_refuses_tokenizer_mask_and_positions(made, tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(made["gpt2"] / name, bare / name)
+    data = f"task.data.files=[{made['txt']}]"
+    assert "no tokenizer" in one_line_error(ConfigError, f"task.model.path={bare}", data)
+    msg = one_line_error(ConfigError, f"task.model.path={made['gpt2']}", data,
+                         "task.model.kind=masked_lm")
+    assert "no mask token" in msg
+    msg = one_line_error(ConfigError, f"task.model.path={made['gpt2']}", data,
+                         "task.model.max_seq_len=128")
+    assert "max_seq_len=128" in msg and "64 positions" in msg
+
+
+def test_seq2seq_batch_shifts_the_labels_and_the_loss_is_a_sum(made):
+    task = task_of(made, "t5", "pairs", "task.model.max_target_len=16")
+    assert task.kind == "seq2seq" and task.unit_name == "target tokens"
+    full = task.make_batch([4, 0, 7], 0, "train")
+    part = task.make_batch([0, 7], 0, "train")
+    for key in full:
+        assert torch.equal(full[key][1:], part[key])
+    labels, dec = full["labels"], full["decoder_input_ids"]
+    assert labels.shape == dec.shape == (3, 16) and full["input_ids"].shape == (3, 32)
+    assert (dec[:, 0] == task.config.decoder_start_token_id).all()
+    assert torch.equal(dec[:, 1:], labels[:, :-1].masked_fill(labels[:, :-1] == -100,
+                                                               task.config.pad_token_id))
+    eos = task.tokenizer.eos_token_id
+    assert all(int(row[row != -100][-1]) == eos for row in labels)  # short targets end in </s>
+    assert task.count(full) == int((labels != -100).sum())
+    torch.manual_seed(0)
+    model = task.build_model().eval()
+    with torch.no_grad():
+        total = model(**full)
+        mean = model.model(input_ids=full["input_ids"], attention_mask=full["attention_mask"],
+                           labels=labels).loss  # the model shifts the labels itself
+    assert torch.allclose(total / task.count(full), mean, rtol=1e-5)
+    assert [type(u).__name__ for u in task.sharding_units(model)] == ["T5Block"] * 4
+
+
+def test_seq2seq_needs_its_columns(made):
+    msg = one_line_error(DataError, f"task.model.path={made['t5']}",
+                         f"task.data.files=[{made['jsonl']}]")
+    assert "no column 'source'" in msg and "task.data.source_field" in msg
+
+
+def test_dataset_build_without_dropout_and_unknown_args(tmp_path):
+    run = compose_run_config(["task=dataset", "task.target=tests.helpers.user_dataset:build_plain"])
+    check_task_code(run)
+    task = build_task(run.task, 0)
+    task.load()  # build() takes no arguments: no dropout passed
+    assert task.num_train == 400
+    run = compose_run_config(["task=dataset", "task.target=tests.helpers.user_dataset:build_plain",
+                              "+task.args.n=10"])
+    with pytest.raises(ConfigError) as info:
+        check_task_code(run)
+    assert "task.args.n" in str(info.value) and "\n" not in str(info.value)
+    run = compose_run_config(["task=dataset", "task.target=tests.helpers.user_dataset:build",
+                              "+task.args.n=10"])
+    check_task_code(run)
+    task = build_task(run.task, 0)
+    task.load()
+    assert task.num_train == 10

@@ -11,10 +11,14 @@ future list). Nodes: the BERT scripts name queues gpu@qa-xp-* (TITAN Xp) and gpu
 nodes are planned as TITAN Xp and 8 as 4 + 4, HetSeq's equal split. The README names neither the
 GPUs of the table nor the network: the link is taken as 10 Gbit/s Ethernet (an assumption).
 
-Result (docs/planner-accuracy.md): the spec model predicts every step ~40 % SHORTER than HetSeq
+The all-reduce ring runs inside a node at the GPUs' PCIe 3.0 x16 link (TITAN Xp, P100 PCIe:
+126 Gbit/s, from specs) and only across nodes at the network's speed.
+
+Result (docs/planner-accuracy.md): the spec model predicts every step 39-50 % SHORTER than HetSeq
 measured (it rates a TITAN Xp at 98.6 BERT-base samples/s in fp32; HetSeq's 1-node step implies
-49), so the absolute 15 % target is NOT met; the scaling from 1 to 8 nodes (step(N) / step(1))
-is within 15 %.
+49), and with the 1-node step now free of network time the scaling step(N)/step(1) is 17-22 %
+above HetSeq's at 10 Gbit/s: both of the issue's 15 % bars are missed, so both are strict xfails
+with the measured values.
 """
 
 from __future__ import annotations
@@ -27,17 +31,26 @@ from hetseq_hpc.plan.planner import make_plan
 PUBLISHED_STEP_S = {1: 2.60, 2: 2.69, 4: 2.794, 8: 3.126}
 BERT_BASE = ["task=bert", "task.model.hidden_size=768", "task.model.num_layers=12",
              "task.model.num_heads=12", "task.model.intermediate_size=3072",
-             "task.data.vocab_size=30522", "plan.link_gbps=10"]
+             "task.data.vocab_size=30522"]
+#: the predictions at 10 Gbit/s today (s): error vs HetSeq's README
+MEASURED = {1: "1.30 s vs 2.60 s (-50 %)", 2: "1.64 s vs 2.69 s (-39 %)",
+            4: "1.69 s vs 2.794 s (-40 %)", 8: "1.84 s vs 3.126 s (-41 %)"}
+SCALING = {2: "1.263 vs 1.035 (+22 %)", 4: "1.297 vs 1.075 (+21 %)", 8: "1.412 vs 1.202 (+17 %)"}
 
 
-def _predicted_step_s(nodes: int) -> float:
+def _plan(nodes: int, link_gbps: float = 10):
     parts = (["cluster.partitions.xp.nodes=4", "cluster.partitions.p100.nodes=4"] if nodes == 8
              else [f"cluster.partitions.xp.nodes={nodes}", "~cluster.partitions.p100"])
     run = compose_run_config(["cluster=hetseq_seed", *BERT_BASE, *parts,
+                              f"plan.link_gbps={link_gbps}",
                               f"trainer.global_batch_size={128 * 4 * nodes}"])
     plan = make_plan(run)
     assert all("fp32 (specs" in r.device for r in plan.ranks)
-    return plan.prediction.equal.step_s  # HetSeq splits equally
+    return plan
+
+
+def _predicted_step_s(nodes: int, link_gbps: float = 10) -> float:
+    return _plan(nodes, link_gbps).prediction.equal.step_s  # HetSeq splits equally
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +62,43 @@ def test_hetseq_hardware_plans_from_specs(predicted):
     assert all(step > 0 for step in predicted.values())
 
 
-def test_hetseq_scaling_within_15_percent(predicted):
-    for nodes, published in PUBLISHED_STEP_S.items():
-        ratio = (predicted[nodes] / predicted[1]) / (published / PUBLISHED_STEP_S[1])
-        assert abs(ratio - 1) <= 0.15, (nodes, predicted[nodes], published)
+def test_one_node_all_reduce_runs_over_pcie_not_the_network():
+    """4 GPUs in one node: the ring never leaves the node, so the network's speed is moot."""
+    slow, fast = _plan(1, 1), _plan(1, 100)
+    assert slow.prediction.allreduce_s == pytest.approx(fast.prediction.allreduce_s)
+    assert slow.ring_gbps == pytest.approx(15.75 * 8)  # PCIe 3.0 x16, TITAN Xp spec row
+    # 2 nodes: the 10 Gbit/s hop between them bounds the ring
+    two = _plan(2, 10)
+    assert two.ring_gbps == 10 and two.prediction.allreduce_s > 5 * fast.prediction.allreduce_s
 
 
-def test_hetseq_absolute_step_time_is_a_documented_miss(predicted):
-    for nodes, published in PUBLISHED_STEP_S.items():
-        assert -0.45 < predicted[nodes] / published - 1 < -0.35, (nodes, predicted[nodes])
+def test_scaling_depends_on_the_network():
+    """The scaling check is not vacuous: 1 and 100 Gbit/s predict different 2-node steps."""
+    assert _predicted_step_s(2, 1) > 2 * _predicted_step_s(2, 100)
+
+
+@pytest.mark.parametrize("nodes", [
+    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=f"step(N)/step(1) {SCALING[n]} "
+                 "at 10 Gbit/s: the 1-node step has no network time, N nodes have all of it"))
+    for n in (2, 4, 8)])
+def test_hetseq_scaling_within_15_percent(predicted, nodes):
+    ratio = (predicted[nodes] / predicted[1]) / (PUBLISHED_STEP_S[nodes] / PUBLISHED_STEP_S[1])
+    assert abs(ratio - 1) <= 0.15, (nodes, predicted[nodes])
+
+
+@pytest.mark.parametrize("nodes", [
+    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=f"{MEASURED[n]}: the spec model "
+                 "rates a TITAN Xp at 98.6 BERT-base samples/s in fp32, HetSeq's step implies 49"))
+    for n in PUBLISHED_STEP_S])
+def test_hetseq_absolute_step_time_within_15_percent(predicted, nodes):
+    assert abs(predicted[nodes] / PUBLISHED_STEP_S[nodes] - 1) <= 0.15, predicted[nodes]
+
+
+def test_ring_link_is_the_slowest_hop():
+    from hetseq_hpc.plan.step_time import ring_link_gbps
+
+    assert ring_link_gbps([(1, 4, 126.0)], 10) == 126.0  # one node: inside it only
+    assert ring_link_gbps([(2, 4, 126.0)], 10) == 10  # the network hop bounds it
+    assert ring_link_gbps([(1, 8, 2400.0), (1, 4, 126.0)], 100) == 100
+    assert ring_link_gbps([(2, 1, 126.0)], 25) == 25  # one GPU per node: network only
+    assert ring_link_gbps([(1, 1, 126.0)], 25) == 25  # one rank: nothing to reduce

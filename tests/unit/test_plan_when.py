@@ -187,3 +187,57 @@ def test_choose_and_when_options_are_validated():
 def test_duration_format():
     assert duration(0) == "0:00:00" and duration(3725.4) == "1:02:05"
     assert duration(90000) == "1d 1:00:00" and duration(None) == "-"
+
+
+def test_asked_time_is_the_predicted_run_plus_a_margin_capped_by_the_limit():
+    from hetseq_hpc.plan.when import asked_time_min
+
+    assert asked_time_min(60, 720) == 6  # 1 min + the 5-minute floor of the margin
+    assert asked_time_min(4 * 3600, 720) == 300  # 4 h + 25 %
+    assert asked_time_min(20 * 3600, 720) == 720  # capped by cluster.timeout_min
+    assert asked_time_min(0, 1) == 1
+    seen = []
+
+    def estimate(cluster):
+        seen.append(cluster.timeout_min)
+        return StartEstimate(1e9, "fake")
+
+    run = _run("cluster.timeout_min=600")
+    table, runs = rank_mixes(run, estimate, now=1e9)
+    # Slurm is asked with each mix's own run time + margin, not the configured 600 minutes
+    assert sorted(seen) == sorted(r.asked_min for r in table.rows)
+    assert all(m == asked_time_min(r.run_s, 600) < 600 for m, r in zip(
+        [r.asked_min for r in table.rows], table.rows))
+    # the run that would be submitted keeps the configured limit
+    assert all(r.cluster.timeout_min == 600 for r in runs.values())
+    record = json.loads(when_json(table, run))
+    assert all(m["asked_time_min"] == r.asked_min for m, r in zip(record["mixes"], table.rows))
+    assert "asked --time=" in render_when(table, run)
+
+
+def test_a_mix_over_the_time_limit_is_listed_last_and_never_picked():
+    now = 1_700_000_000.0
+    run = _run()
+    table, _ = rank_mixes(run, _busy_a100(now), now=now)
+    fastest = min(table.rows, key=lambda r: r.finish_epoch)
+    fastest.over_limit = True  # as if its run were longer than cluster.timeout_min
+    from hetseq_hpc.plan.when import _order
+
+    table.rows.sort(key=_order)
+    assert table.rows[-1] is fastest
+    assert table.pick("finish_first") is not fastest
+    assert table.pick("cheapest") is not fastest
+    assert "not picked" in render_when(table, run)
+    for row in table.rows:
+        row.over_limit = True
+    with pytest.raises(ConfigError, match=r"every mix is predicted to run longer than "
+                                          r"cluster.timeout_min.*raise cluster.timeout_min"):
+        table.pick("finish_first")
+
+
+def test_over_limit_comes_from_the_predicted_run_and_the_configured_limit():
+    table, _ = rank_mixes(_run("trainer.max_steps=100000000", "cluster.timeout_min=1"),
+                          lambda c: StartEstimate(1e9, "fake"), now=1e9)
+    assert all(r.over_limit and r.asked_min == 1 for r in table.rows)
+    with pytest.raises(ConfigError, match="every mix is predicted to run longer"):
+        table.pick("cheapest")

@@ -42,32 +42,75 @@ def test_elastic_script_serves_the_store_and_its_step_survives_a_task():
     assert store < srun and lines[store].endswith("&")
     assert "--kill-on-bad-exit=0 --no-kill" in lines[srun]
     assert "export HETSEQ_JOB_TOKEN" in text and "trap 'kill $store_pid" in text
-    assert 'export HETSEQ_STORE="$(hostname):' in text
+    assert '--host auto --nodes 3 ' in lines[store] and "$(hostname)" not in text
+    assert 'export HETSEQ_STORE="$(cat ' in text and "did not start" in text
+    assert "HETSEQ_JOB_TOKEN" not in lines[store]  # the token travels in the environment
     plain = render_sbatch(run.cluster, "/RUN/submitit", "/PYTHON")
     assert "--kill-on-bad-exit=1" in plain and "store_server" not in plain
 
 
-def test_store_server_listens_on_its_address_only(tmp_path):
-    """The job's store binds the address it is given, not every interface (torch's TCPStore
-    alone would), and serves keys under a job's token."""
-    import socket
+def test_store_server_listens_on_its_address_only_and_takes_the_token_from_the_env(tmp_path):
+    """The batch script's store server binds the one address it picks, not every interface
+    (torch's TCPStore alone would), writes ``host:port``, and serves only the token holder;
+    the token is nowhere on its command line nor in its output."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from multiprocessing import AuthenticationError
 
-    import torch.distributed as dist
+    from hetseq_hpc.distributed.auth_store import AuthStoreClient
 
-    from hetseq_hpc.distributed.membership import job_store, serve_job_store
+    token = "9" * 32
+    where = tmp_path / "store.address"
+    env = {**os.environ, "HETSEQ_JOB_TOKEN": token, "HETSEQ_STORE_HOST": "127.0.0.1"}
+    proc = subprocess.Popen([sys.executable, "-m", "hetseq_hpc.distributed.store_server",
+                             "--host", "auto", "--nodes", "1", "--address-file", str(where)],
+                            env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (where.exists() and where.read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.05)
+        host, port = where.read_text().strip().rsplit(":", 1)
+        port = int(port)
+        assert host == "127.0.0.1"
+        listening = [ln.split()[1] for ln in Path("/proc/net/tcp").read_text().splitlines()[1:]
+                     if ln.split()[3] == "0A"]  # LISTEN
+        ours = [a for a in listening if int(a.split(":")[1], 16) == port]
+        assert ours == ["0100007F:" + f"{port:04X}"], ours  # 127.0.0.1 only
+        assert token not in Path(f"/proc/{proc.pid}/cmdline").read_text()
+        from datetime import timedelta
 
-    store, port = serve_job_store("127.0.0.1")
-    listening = [ln.split()[1] for ln in Path("/proc/net/tcp").read_text().splitlines()[1:]
-                 if ln.split()[3] == "0A"]  # LISTEN
-    ours = [a for a in listening if int(a.split(":")[1], 16) == port]
-    assert ours == ["0100007F:" + f"{port:04X}"], ours  # 127.0.0.1 only
-    client = job_store(10, {"HETSEQ_STORE": f"127.0.0.1:{port}", "HETSEQ_JOB_TOKEN": "t1"})
-    client.set("x", "1")
-    other = dist.TCPStore("127.0.0.1", port, is_master=False)
-    assert other.check(["job/t1/x"]) and not other.check(["x"])
-    with pytest.raises(OSError):  # the port is taken on that address
-        socket.create_server(("127.0.0.1", port))
-    del store
+        AuthStoreClient(host, port, token, timedelta(seconds=5)).set("x", "1")
+        with pytest.raises(AuthenticationError):
+            AuthStoreClient(host, port, "0" * 32, timedelta(seconds=5))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and token not in err, err
+    proc = subprocess.run([sys.executable, "-m", "hetseq_hpc.distributed.store_server", "--host",
+                           "127.0.0.1", "--address-file", str(where)], capture_output=True,
+                          text=True, timeout=60,
+                          env={k: v for k, v in os.environ.items() if k != "HETSEQ_JOB_TOKEN"})
+    assert proc.returncode == 2 and "HETSEQ_JOB_TOKEN" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_store_host_is_reachable_from_other_nodes_or_refused():
+    """``--host auto``: the first non-loopback address of ``hostname -I`` (IPv4 first), an
+    explicit HETSEQ_STORE_HOST, 127.0.0.1 for a one-node job; a loopback address for a job
+    over several nodes is refused with the fix (Debian's $(hostname) is 127.0.1.1)."""
+    from hetseq_hpc.distributed.store_server import store_host
+    from hetseq_hpc.errors import LaunchError
+
+    assert store_host(3, {}, ["fd00::2", "192.0.2.2", "10.0.0.5"]) == "192.0.2.2"
+    assert store_host(3, {}, ["fe80::1", "fd00::2"]) == "fd00::2"
+    assert store_host(3, {"HETSEQ_STORE_HOST": "10.1.1.1"}, ["192.0.2.2"]) == "10.1.1.1"
+    assert store_host(1, {}, []) == "127.0.0.1"
+    with pytest.raises(LaunchError, match=r"cannot reach: set HETSEQ_STORE_HOST"):
+        store_host(2, {}, ["127.0.1.1"])
+    with pytest.raises(LaunchError, match=r"127\.0\.1\.1"):
+        store_host(2, {"HETSEQ_STORE_HOST": "127.0.1.1"}, ["192.0.2.2"])
 
 
 @pytest.mark.parametrize("bad", ["a100\nq", "a100\n#SBATCH --qos=high", "`id`", "a'b"])

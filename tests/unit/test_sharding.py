@@ -11,6 +11,7 @@ from torch import nn
 from hetseq_hpc.balance.memory import (
     STATIC_PARAM_COPIES,
     memory_cap,
+    model_bytes,
     model_state_bytes,
     replica_fits,
 )
@@ -57,18 +58,60 @@ def test_default_units_are_the_blocks_of_the_builtin_models():
 def test_model_state_bytes_replicated_and_sharded():
     p = 4e9  # a 1 B-parameter model in fp32
     assert model_state_bytes(p) == STATIC_PARAM_COPIES * p
-    # the shard, plus the whole weights gathered for validation (more than 2 units here)
-    assert model_state_bytes(p, "fsdp", 8, largest_unit_bytes=1e8) == 4 * p / 8 + p
-    assert model_state_bytes(p, "fsdp", 8, 1e8, offload=True) == p
-    # validation on the shards (a task that evaluates in fixed passes): never the whole weights
-    assert model_state_bytes(p, "fsdp", 8, 1e8, gathered_weights=False) == 4 * p / 8 + 2e8
-    # a model whose root unit (embeddings) is most of it: 2 x that unit
-    assert model_state_bytes(p, "fsdp", 8, largest_unit_bytes=0.8 * p) == 4 * p / 8 + 1.6 * p
+    # the shard, plus the whole weights gathered for validation (more than 2 x root + 3 blocks)
+    assert model_state_bytes(p, "fsdp", 8, 1e8, root_bytes=1e8) == 4 * p / 8 + p
+    assert model_state_bytes(p, "fsdp", 8, 1e8, offload=True, root_bytes=1e8) == p
+    # validation on the shards: FSDP2's peak in training, the root (kept gathered through
+    # forward and backward) and its gradient, a block, its gradient and the next one prefetched
+    assert model_state_bytes(p, "fsdp", 8, 1e8, gathered_weights=False, root_bytes=2e8) == \
+        pytest.approx(4 * p / 8 + 2 * 2e8 + 3 * 1e8)
+    # a model whose root unit (embeddings) is most of it: 2 x that unit, 3 x its block
+    assert model_state_bytes(p, "fsdp", 8, 0.1 * p, root_bytes=0.8 * p) == \
+        pytest.approx(4 * p / 8 + 1.6 * p + 0.3 * p)
+    # never more than every weight and gradient whole; no unit: the root is the whole model
+    assert model_state_bytes(p, "fsdp", 8, 0.5 * p, root_bytes=0.5 * p) == 4 * p / 8 + 2 * p
+    assert model_state_bytes(p, "fsdp", 8, 0.0, root_bytes=p) == 4 * p / 8 + 2 * p
+    # root not known: everything outside the largest block (an upper bound)
+    assert model_state_bytes(p, "fsdp", 8, 0.1 * p, gathered_weights=False) == \
+        pytest.approx(4 * p / 8 + 2 * p)
     # a 16 GiB T4 cannot hold the replica, a shard over 8 ranks leaves room for activations
     t4 = 16 * 2**30
     assert not replica_fits(t4, p)
     assert memory_cap(t4, p, 2**26) == 0
-    assert memory_cap(t4, p, 2**26, static_bytes=model_state_bytes(p, "fsdp", 8, 1e8)) > 50
+    assert memory_cap(t4, p, 2**26,
+                      static_bytes=model_state_bytes(p, "fsdp", 8, 1e8, root_bytes=1e8)) > 50
+
+
+def test_model_bytes_root_and_largest_block_match_the_size_formulas():
+    """The runtime reads the root unit and the largest block from the built model
+    (:func:`model_bytes`); the pre-flight check computes them from the configuration alone
+    (:func:`unit_param_counts`): the same figures for BERT and translation."""
+    from hetseq_hpc.tasks import build_task
+    from hetseq_hpc.tasks.bert.mlm_model import BertMaskedLM
+    from hetseq_hpc.tasks.sizes import unit_param_counts
+    from hetseq_hpc.tasks.translation.transformer import TranslationTransformer
+
+    run = compose_run_config(["task.model.num_layers=3", "task.model.hidden_size=32",
+                              "task.model.num_heads=2", "task.model.intermediate_size=64"])
+    with torch.device("meta"):
+        bert = BertMaskedLM(run.task.model, run.task.data.vocab_size)
+    sizes = model_bytes(build_task(run.task, 0), bert)
+    root, block = unit_param_counts(run.task)
+    assert (sizes.root, sizes.block) == (4.0 * root, 4.0 * block)
+    assert sizes.total == sum(4.0 * p.numel() for p in bert.parameters())
+    tr = compose_run_config(["task=translation", "task.model.num_encoder_layers=2",
+                             "task.model.num_decoder_layers=1", "task.model.d_model=32",
+                             "task.model.ff_size=64", "task.model.num_heads=2"]).task
+    with torch.device("meta"):
+        model = TranslationTransformer(tr.model, tr.data.vocab_size)
+
+    class Units:  # the translation task's units are the default ones
+        sharding_units = staticmethod(default_sharding_units)
+
+    sizes = model_bytes(Units(), model)
+    root, block = unit_param_counts(tr)
+    assert (sizes.root, sizes.block) == (4.0 * root, 4.0 * block)
+    assert model_bytes(object(), nn.Linear(3, 2)) == (32.0, 32.0, 0.0)  # no units: all root
 
 
 def test_sharding_config_values_and_old_keys():
@@ -152,8 +195,9 @@ def test_plan_of_a_local_mix_too_small_for_a_replica_picks_and_shows_fsdp():
     from hetseq_hpc.plan.render import headline_json, render
 
     # the planner builds BERT with the configured vocabulary (8192): the root unit (embeddings)
-    # is most of this small model, so a shard needs ~8.8 MiB of the 12 MiB budget
-    run = compose_run_config(["cluster.ranks=2", "cluster.memory_budget_gb=0.012",
+    # is most of this small model (2.2 of 2.4 MB), kept gathered with its gradient, so a shard
+    # needs ~9.6 MB of the 13 MiB budget; a replica 12.2 MB, with no room for activations
+    run = compose_run_config(["cluster.ranks=2", "cluster.memory_budget_gb=0.013",
                               "sharding.mode=auto", "task.model.hidden_size=64",
                               "task.model.num_layers=2", "task.model.num_heads=2",
                               "task.model.intermediate_size=128", "task.model.max_seq_len=64"])
@@ -167,3 +211,67 @@ def test_plan_of_a_local_mix_too_small_for_a_replica_picks_and_shows_fsdp():
     import json
 
     assert json.loads(headline_json(plan))["modes"]["fsdp"]["fits"] is True
+
+
+def test_preflight_counts_the_whole_weights_only_where_the_task_decodes(task_data_files):
+    """The pre-flight check asks the task's own rule (Task.evaluates_in_fixed_passes), as the
+    runtime and the planner do: translation without BLEU validates on the shards and is not
+    refused for the whole weights it would never gather; with BLEU (greedy decoding) it is."""
+    from hetseq_hpc.balance.memory import PARAM_BYTES
+    from hetseq_hpc.cli.preflight import check_model_fits, evaluates_in_fixed_passes
+    from hetseq_hpc.tasks.sizes import param_count, unit_param_counts
+    from tests.helpers.tasks import task_overrides
+
+    task = [*task_overrides("translation", task_data_files), "task.model.num_encoder_layers=4",
+            "task.model.num_decoder_layers=4"]
+    base = compose_run_config([*task, "cluster.ranks=2", "sharding.mode=fsdp"])
+    count = param_count(base.task)
+    root, block = unit_param_counts(base.task)
+    args = (count * PARAM_BYTES, "fsdp", 2, block * PARAM_BYTES)
+    on_shards = model_state_bytes(*args, gathered_weights=False, root_bytes=root * PARAM_BYTES)
+    whole = model_state_bytes(*args, gathered_weights=True, root_bytes=root * PARAM_BYTES)
+    assert on_shards < whole  # this shape gathers less in training than the whole weights
+    budget = f"cluster.memory_budget_gb={(on_shards + whole) / 2 / 2**30:.9f}"
+    fixed = compose_run_config([*task, "cluster.ranks=2", "sharding.mode=fsdp", budget,
+                                "task.data.bleu_samples=0"])
+    assert evaluates_in_fixed_passes(fixed.task)
+    check_model_fits(fixed)  # fits: validation runs on the shards
+    decoding = compose_run_config([*task, "cluster.ranks=2", "sharding.mode=fsdp", budget])
+    assert not evaluates_in_fixed_passes(decoding.task)
+    with pytest.raises(ConfigError, match="the whole weights gathered for validation"):
+        check_model_fits(decoding)
+
+
+def test_per_rank_budgets_place_each_rank_and_the_preflight_names_the_small_one():
+    from hetseq_hpc.balance.placement import plan_placements
+    from hetseq_hpc.cli.preflight import check_model_fits, rank_memory_limits
+
+    small = ["task.model.hidden_size=64", "task.model.num_layers=2", "task.model.num_heads=2",
+             "task.model.intermediate_size=128", "task.model.max_seq_len=64"]
+    run = compose_run_config([*small, "cluster.ranks=2", "cluster.memory_budgets_gb=[0.008,4]"])
+    assert [p.memory_budget_gb for p in plan_placements(run, cores=2)] == [0.008, 4.0]
+    assert [w for w, *_ in rank_memory_limits(run)] == ["rank 0", "rank 1"]
+    with pytest.raises(ConfigError, match=r"rank 0 may use .*memory_budgets_gb\[0\]=0.008"):
+        check_model_fits(run)  # DDP: a replica does not fit the small rank
+    check_model_fits(compose_run_config([*small, "cluster.ranks=2", "sharding.mode=fsdp",
+                                         "cluster.memory_budgets_gb=[0.02,4]"]))
+
+
+def test_memory_watch_measures_the_growth_from_the_placed_model(caplog):
+    """On the CPU the watch measures the resident set's growth over its baseline, with the
+    peak reset when the window begins: what was freed before it does not count."""
+    import logging
+
+    from hetseq_hpc.balance.peak import MemoryWatch
+
+    watch = MemoryWatch(torch.device("cpu"), 2**30).begin()
+    before = torch.ones(50 * 2**20)  # 200 MiB, freed before the window
+    del before
+    watch.start_window()
+    kept = torch.ones(10 * 2**20)  # 40 MiB in the window
+    with caplog.at_level(logging.INFO, logger="hetseq_hpc.balance.peak"):
+        report = watch.report(3)
+    assert kept.numel() == 10 * 2**20
+    assert 40 * 2**20 <= report["measured_peak_bytes"] < 150 * 2**20, report
+    assert report["budget_bytes"] == 2**30 and report["peak_measure"] == "rss_growth"
+    assert "rank 3 memory: measured peak" in caplog.text and "of its budget 1024.00 MiB" in caplog.text

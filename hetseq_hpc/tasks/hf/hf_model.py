@@ -12,7 +12,8 @@ Nothing is downloaded: ``HF_HUB_OFFLINE`` is set and every ``from_pretrained`` g
 from __future__ import annotations
 
 import os
-from typing import Any, List, Tuple
+import re
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -21,17 +22,21 @@ from torch import nn
 from hetseq_hpc.errors import ConfigError
 
 IGNORE_INDEX = -100
-#: config attributes that hold a dropout probability, set from ``task.model.dropout``
-DROPOUT_ATTRIBUTES = ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout",
-                      "resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout",
-                      "dropout", "attention_dropout", "activation_dropout", "hidden_dropout",
-                      "embed_dropout", "classif_dropout", "seq_classif_dropout",
-                      "dropout_rate", "emb_dropout", "mlp_dropout")
+#: a config attribute holds a dropout probability when its name ends in one of these (BERT's
+#: hidden_dropout_prob, GPT-2's resid_pdrop, T5's dropout_rate, GPT-Neo's resid_dropout,
+#: DeBERTa's pooler_dropout, Llama's attention_dropout, ...) and its value is a float
+DROPOUT_SUFFIXES = ("dropout", "_pdrop", "dropout_prob", "dropout_rate", "dropout_p")
+#: set even while None (BERT-style heads fall back to hidden_dropout_prob when it is None)
+DROPOUT_NONE_OK = ("classifier_dropout",)
+#: files of which a tokenizer directory holds at least one (tokenizer.json for a fast one)
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "spiece.model", "tokenizer.model",
+                   "sentencepiece.bpe.model", "merges.txt")
 #: architecture suffix -> kind, for ``task.model.kind=auto``
 ARCH_KINDS = (("ForCausalLM", "causal_lm"), ("LMHeadModel", "causal_lm"),
               ("ForMaskedLM", "masked_lm"), ("ForPreTraining", "masked_lm"),
-              ("ForSequenceClassification", "classification"))
-KINDS = ("causal_lm", "masked_lm", "classification")
+              ("ForSequenceClassification", "classification"),
+              ("ForConditionalGeneration", "seq2seq"))
+KINDS = ("causal_lm", "masked_lm", "classification", "seq2seq")
 
 
 def offline() -> None:
@@ -47,7 +52,8 @@ def _config_source(model_cfg: Any) -> str:
 
 def load_hf_config(model_cfg: Any) -> Any:
     """The ``PretrainedConfig`` of ``task.model.path`` or ``task.model.config`` (a directory or
-    a ``config.json``), with every dropout attribute it has set to ``task.model.dropout``.
+    a ``config.json``), with every dropout attribute it has set to ``task.model.dropout``
+    (None: the model's own values are kept).
 
     Raises:
         ConfigError: the config cannot be read (one line with the reason).
@@ -72,19 +78,39 @@ def load_hf_config(model_cfg: Any) -> Any:
         raise ConfigError(f"model config {source!r} cannot be read ({type(exc).__name__}: "
                           f"{str(exc).splitlines()[0] if str(exc) else ''}): give a "
                           "config.json written by save_pretrained") from None
-    set_dropout(config, float(model_cfg.dropout))
+    set_dropout(config, model_cfg.dropout)
     return config
 
 
-def set_dropout(config: Any, dropout: float) -> List[str]:
-    """Set every attribute of :data:`DROPOUT_ATTRIBUTES` that ``config`` has (and is not None)
-    to ``dropout``; returns their names."""
-    wired = []
-    for name in DROPOUT_ATTRIBUTES:
-        if getattr(config, name, None) is not None or (name == "classifier_dropout"
-                                                       and hasattr(config, name)):
-            setattr(config, name, dropout)
-            wired.append(name)
+def dropout_attributes(config: Any) -> List[str]:
+    """Names of the dropout probabilities of ``config`` (:data:`DROPOUT_SUFFIXES`, float
+    values; ``classifier_dropout`` also when None), nested configs (``text_config``, an
+    encoder-decoder's ``encoder``/``decoder``) as ``name.attribute``."""
+    from transformers import PretrainedConfig
+
+    names = []
+    for name, value in sorted(vars(config).items()):
+        if isinstance(value, PretrainedConfig):
+            names += [f"{name}.{inner}" for inner in dropout_attributes(value)]
+        elif name.lower().endswith(DROPOUT_SUFFIXES) and (
+                (isinstance(value, (float, int)) and not isinstance(value, bool))
+                or (value is None and name in DROPOUT_NONE_OK)):
+            names.append(name)
+    return names
+
+
+def set_dropout(config: Any, dropout: Optional[float]) -> List[str]:
+    """Set every dropout probability of ``config`` (:func:`dropout_attributes`) to
+    ``dropout``; None leaves the model's own values. Returns the names set."""
+    if dropout is None:
+        return []
+    wired = dropout_attributes(config)
+    for name in wired:
+        target = config
+        *outer, leaf = name.split(".")
+        for part in outer:
+            target = getattr(target, part)
+        setattr(target, leaf, float(dropout))
     return wired
 
 
@@ -117,6 +143,11 @@ def load_tokenizer(model_cfg: Any) -> Any:
     source = model_cfg.tokenizer or _config_source(model_cfg)
     if os.path.isfile(source):
         source = os.path.dirname(source)
+    if not any(os.path.isfile(os.path.join(source, name)) for name in TOKENIZER_FILES):
+        # transformers 5 would build an EMPTY tokenizer from the config's model type
+        raise ConfigError(f"no tokenizer in {source!r} (none of {', '.join(TOKENIZER_FILES[:3])}"
+                          ", ...): save one there (tokenizer.save_pretrained) or set "
+                          "task.model.tokenizer=<dir>")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, use_fast=True)
     except Exception as exc:
@@ -132,17 +163,32 @@ def load_tokenizer(model_cfg: Any) -> Any:
 def build_hf_model(model_cfg: Any, config: Any, kind: str) -> nn.Module:
     """The transformers model: ``from_pretrained`` (safetensors, local) for ``task.model.path``,
     ``from_config`` (random init, the caller seeds torch) for ``task.model.config``. A
-    classification head missing from the checkpoint is initialised fresh."""
+    classification head missing from the checkpoint is initialised fresh. Parameters are fp32
+    always (:func:`fp32_kwargs`)."""
     offline()
     import transformers
 
     cls = {"causal_lm": transformers.AutoModelForCausalLM,
            "masked_lm": transformers.AutoModelForMaskedLM,
-           "classification": transformers.AutoModelForSequenceClassification}[kind]
+           "classification": transformers.AutoModelForSequenceClassification,
+           "seq2seq": transformers.AutoModelForSeq2SeqLM}[kind]
+    fp32 = fp32_kwargs()
     if model_cfg.path is None:
-        return cls.from_config(config)
+        return cls.from_config(config, **fp32)
     return cls.from_pretrained(model_cfg.path, config=config, local_files_only=True,
-                               use_safetensors=True, ignore_mismatched_sizes=kind == "classification")
+                               use_safetensors=True, ignore_mismatched_sizes=kind == "classification",
+                               **fp32)
+
+
+def fp32_kwargs() -> Dict[str, Any]:
+    """The keyword that makes ``from_pretrained``/``from_config`` build fp32 parameters whatever
+    dtype the checkpoint or ``config.dtype`` holds (transformers 5 defaults to ``dtype="auto"``:
+    a bf16 checkpoint would train bf16 weights, gradients and AdamW state; the ranks autocast
+    instead). ``dtype=`` from transformers 4.56 on, ``torch_dtype=`` before."""
+    import transformers
+
+    major, minor = (int(p) for p in re.findall(r"\d+", transformers.__version__)[:2])
+    return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": torch.float32}
 
 
 class SummedLossModel(nn.Module):
@@ -151,7 +197,8 @@ class SummedLossModel(nn.Module):
 
     Shapes: ``input_ids``, ``attention_mask``: ``(B, T)`` int64. ``labels``: ``(B, T)`` for
     language models, already aligned with the logits (causal LM: ``labels[:, t]`` is the token
-    after position ``t``), or ``(B,)`` class ids for classification.
+    after position ``t``), ``(B,)`` class ids for classification, or ``(B, T')`` target ids for
+    seq2seq, which also passes ``decoder_input_ids`` ``(B, T')`` (the labels shifted right).
     """
 
     def __init__(self, model: nn.Module, kind: str):
@@ -159,16 +206,21 @@ class SummedLossModel(nn.Module):
         self.model = model
         self.kind = kind
 
-    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """The model's logits: ``(B, T, vocab)`` (LM) or ``(B, classes)``."""
-        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               decoder_input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The model's logits: ``(B, T, vocab)`` (LM, seq2seq: ``T'``) or ``(B, classes)``."""
+        extra = {} if decoder_input_ids is None else {"decoder_input_ids": decoder_input_ids}
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                labels: torch.Tensor) -> torch.Tensor:
-        """0-dim SUM of the per-unit cross-entropy (never the model's mean ``labels=`` loss)."""
-        logits = self.logits(input_ids, attention_mask)
-        return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(),
+                labels: torch.Tensor, decoder_input_ids: Optional[torch.Tensor] = None,
+                return_logits: bool = False) -> Any:
+        """0-dim SUM of the per-unit cross-entropy (never the model's mean ``labels=`` loss);
+        ``(loss, logits)`` with ``return_logits`` (validation: accuracy from the same pass)."""
+        logits = self.logits(input_ids, attention_mask, decoder_input_ids)
+        loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(),
                                ignore_index=IGNORE_INDEX, reduction="sum")
+        return (loss, logits) if return_logits else loss
 
 
 def no_split_units(model: nn.Module) -> List[nn.Module]:

@@ -15,10 +15,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from hetseq_hpc.errors import ConfigError
 from hetseq_hpc.tasks.base import Task
 from hetseq_hpc.tasks.bert.mlm_data import cache_root
 from hetseq_hpc.tasks.hf.hf_cache import build_hf_cache, hf_cache_key, open_hf_cache
+from hetseq_hpc.tasks.hf.hf_checks import check_model_fits_kind
 from hetseq_hpc.tasks.hf.hf_model import (
     IGNORE_INDEX,
     SummedLossModel,
@@ -30,14 +30,22 @@ from hetseq_hpc.tasks.hf.hf_model import (
     set_dropout,
     special_ids,
 )
+from hetseq_hpc.tasks.hf.hf_seq2seq import (
+    build_seq2seq_cache,
+    decoder_start_id,
+    open_seq2seq_cache,
+    seq2seq_batch,
+    seq2seq_cache_key,
+)
 
 SPLIT_CODES = {"train": 0, "val": 1}
 UNIT_NAMES = {"causal_lm": "predicted tokens", "masked_lm": "masked tokens",
-              "classification": "samples"}
+              "classification": "samples", "seq2seq": "target tokens"}
 
 
 class HfTask(Task):
-    """A transformers causal LM, masked LM or sequence classifier (``task.model.kind``).
+    """A transformers causal LM, masked LM, sequence classifier or encoder-decoder (seq2seq),
+    by ``task.model.kind``.
 
     Args:
         cfg: the ``task`` group (:class:`~hetseq_hpc.config.hf_tasks.HfTaskConfig`).
@@ -57,16 +65,14 @@ class HfTask(Task):
         self.unit_name = UNIT_NAMES[self.kind]
         self.tokenizer = load_tokenizer(cfg.model)
         self.seq_len = int(cfg.model.max_seq_len)
-        if self.kind == "masked_lm" and self.tokenizer.mask_token_id is None:
-            raise ConfigError(f"the tokenizer of {cfg.model.tokenizer or cfg.model.path or cfg.model.config!r} "
-                              "has no mask token: task.model.kind=masked_lm needs one")
-        limit = getattr(self.config, "max_position_embeddings", None) or getattr(
-            self.config, "n_positions", None)
-        if limit and self.seq_len > int(limit):
-            raise ConfigError(f"task.model.max_seq_len={self.seq_len} exceeds the model's "
-                              f"{limit} positions: use task.model.max_seq_len<={limit}")
-        key = hf_cache_key(cfg.data, self.tokenizer.backend_tokenizer.to_str(), self.kind,
-                           self.seq_len)
+        check_model_fits_kind(cfg.model, self.config, self.kind, self.tokenizer)
+        tokenizer_json = self.tokenizer.backend_tokenizer.to_str()
+        if self.kind == "seq2seq":
+            self.target_len = int(cfg.model.max_target_len or self.seq_len)
+            self.decoder_start = decoder_start_id(self.config)
+            key = seq2seq_cache_key(cfg.data, tokenizer_json, self.seq_len, self.target_len)
+        else:
+            key = hf_cache_key(cfg.data, tokenizer_json, self.kind, self.seq_len)
         self.directory = cache_root(cfg.data.cache_dir) / key
         self._meta: Optional[dict] = None
         self._arrays: Dict[str, np.ndarray] = {}
@@ -75,11 +81,16 @@ class HfTask(Task):
     # ------------------------------------------------------------------ data
     def prepare(self) -> None:
         """Tokenise the files into the cache (rank 0; streamed, all cores, atomic)."""
+        if self.kind == "seq2seq":
+            build_seq2seq_cache(self.cfg.data, self.tokenizer, self.seq_len, self.target_len,
+                                self.directory)
+            return
         build_hf_cache(self.cfg.data, self.tokenizer, self.kind, self.seq_len, self.directory)
 
     def load(self) -> None:
         """Memory-map the cache; a fixed permutation (seed 0) picks the validation rows."""
-        self._meta, self._arrays = open_hf_cache(self.directory)
+        self._meta, self._arrays = (open_seq2seq_cache if self.kind == "seq2seq"
+                                    else open_hf_cache)(self.directory)
         n = int(self._arrays["tokens"].shape[0])
         n_val = min(n - 1, max(1, round(n * self.cfg.data.val_fraction)))
         order = np.random.default_rng(0).permutation(n)
@@ -110,6 +121,8 @@ class HfTask(Task):
         """Mean loss units per row: ``T - 1`` (packed causal LM), ``mask_prob x tokens``
         (masked LM), 1 (classification)."""
         meta = self.meta
+        if self.kind == "seq2seq":
+            return float(meta["target_tokens"] / max(meta["texts"], 1))
         tokens = meta["tokens"] / max(meta["texts"], 1) if not meta["packed"] else self.seq_len
         tokens = min(tokens, self.seq_len)
         if self.kind == "causal_lm":
@@ -120,8 +133,8 @@ class HfTask(Task):
 
     @property
     def tokens_per_sample(self) -> float:
-        """Tokens per row, ``T``."""
-        return float(self.seq_len)
+        """Tokens per row, ``T`` (seq2seq: source + target widths)."""
+        return float(self.seq_len + (self.target_len if self.kind == "seq2seq" else 0))
 
     @property
     def data_summary(self) -> Dict[str, Any]:
@@ -140,6 +153,11 @@ class HfTask(Task):
         ``split`` and the seed."""
         index = self.train_index if split == "train" else self.val_index
         rows = index[np.asarray(positions, dtype=np.int64).reshape(-1)]
+        if self.kind == "seq2seq":
+            pad = getattr(self.config, "pad_token_id", None)
+            batch = seq2seq_batch(self._arrays, rows, int(self.meta["pad_id"] if pad is None
+                                                          else pad), self.decoder_start)
+            return {k: torch.from_numpy(v) for k, v in batch.items()}
         ids = np.asarray(self._arrays["tokens"][rows], dtype=np.int64)
         if self.meta["packed"]:
             lengths = np.full(len(rows), self.seq_len, dtype=np.int64)
@@ -195,7 +213,7 @@ class HfTask(Task):
                 config.label2id = {name: i for i, name in config.id2label.items()}
             if getattr(config, "pad_token_id", None) is None:
                 config.pad_token_id = int(self.meta["pad_id"])
-        set_dropout(config, float(self.cfg.model.dropout))
+        set_dropout(config, self.cfg.model.dropout)
         return SummedLossModel(build_hf_model(self.cfg.model, config, self.kind), self.kind)
 
     def sharding_units(self, model: nn.Module) -> List[nn.Module]:
@@ -207,18 +225,18 @@ class HfTask(Task):
     @torch.no_grad()
     def evaluate_batch(self, model: nn.Module, batch: Dict[str, torch.Tensor],
                        positions: Sequence[int]) -> Dict[str, float]:
-        """Loss sum and units; for classification also the correct predictions."""
+        """Loss sum and units; for classification also the correct predictions, from the
+        same forward pass (``return_logits=True``)."""
         if self.kind != "classification":
             return super().evaluate_batch(model, batch, positions)
-        loss = float(model(**batch))
-        logits = model.logits(batch["input_ids"], batch["attention_mask"])
-        return {"loss_sum": loss, "units": float(len(positions)),
+        loss, logits = model(**batch, return_logits=True)
+        return {"loss_sum": float(loss), "units": float(len(positions)),
                 "correct": float((logits.argmax(-1) == batch["labels"]).sum())}
 
     def evaluates_in_fixed_passes(self) -> bool:
-        """True for language models (one forward per batch); classification also calls
-        ``model.logits`` for the accuracy, so it is False there."""
-        return self.kind != "classification"
+        """True: every kind runs exactly one forward per validation batch (classification
+        takes its logits from that pass), so an FSDP run validates on the shards."""
+        return True
 
     def finalize_metrics(self, sums: Dict[str, float]) -> Dict[str, float]:
         """``val_loss`` and ``val_ppl`` (LM) or ``val_accuracy`` (classification)."""

@@ -1,0 +1,230 @@
+"""A rank's measured peak of what its memory budget bounds, to print next to the budget.
+
+The budget (:func:`hetseq_hpc.balance.memory.memory_budget_bytes`) bounds the model state this
+rank holds (a replica, or a shard plus the units FSDP gathers), the activations and the
+optimizer state. :class:`MemoryWatch` measures the tensors torch allocates for that, from when
+the model is placed (sharded or moved; after the task-contract check, which runs on the CPU
+model before sharding under FSDP), calibration and training included:
+
+- on a GPU, ``torch.cuda.max_memory_allocated`` (every tensor this process allocated on the
+  device; the caching allocator's reserved slack is not counted);
+- on the CPU with an emulated budget (``memory_budget_gb``: the case the budget is set for),
+  torch keeps no allocator statistics, so the allocations are read from torch's profiler
+  (``profile_memory=True``: every tensor allocation and free, in order) for the first
+  :data:`PROFILED_STEPS` optimizer steps (the profiler's record grows with the run, and the
+  steps repeat the same pattern; a validation later in the run is not covered): the peak
+  of their running sum plus the model's tensors at the window's start (parameters, buffers).
+  Tensors of other threads (gloo's own buffers) are not seen; Python objects are not
+  tensors and not counted;
+- on the CPU without a budget, the GROWTH of the resident set (``VmHWM``, reset by ``5`` into
+  ``/proc/self/clear_refs`` when the window begins, minus the resident set just before the
+  model was built; freed heap returned with glibc's ``malloc_trim`` first): an upper bound
+  that also counts modules imported later and the allocator's slack (tens of MB).
+  ``peak_measure`` says which (``rss_growth_since_start`` where the peak could not be reset).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import resource
+import sys
+from typing import Any, Dict, Iterator, Optional
+
+log = logging.getLogger(__name__)
+
+_MIB = 2.0**20
+#: optimizer steps (calibration's timed one included) the CPU allocations are recorded for
+PROFILED_STEPS = 6
+
+
+def trim_heap() -> None:
+    """Give freed heap memory back to the system (glibc ``malloc_trim``; nothing elsewhere),
+    so the resident set counts memory in use."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _status_kib(key: str) -> Optional[float]:
+    """A ``/proc/self/status`` figure in KiB (``VmRSS``, ``VmHWM``), None where there is none."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith(key + ":"):
+                    return float(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def resident_bytes() -> float:
+    """This process's resident memory now (``VmRSS``; else its peak, ``ru_maxrss``)."""
+    kib = _status_kib("VmRSS")
+    if kib is None:
+        kib = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return kib * 1024.0
+
+
+def peak_resident_bytes() -> float:
+    """This process's peak resident memory since it started or since :func:`reset_peak_resident`
+    (``VmHWM``; else ``ru_maxrss``)."""
+    kib = _status_kib("VmHWM")
+    if kib is None:
+        kib = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return kib * 1024.0
+
+
+def reset_peak_resident() -> bool:
+    """Reset this process's peak resident memory to the current resident set (Linux >= 4.0:
+    ``5`` into ``/proc/self/clear_refs``); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence file descriptor 2 for the duration (the profiler's start/stop lines)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w", encoding="ascii") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+class CpuAllocations:
+    """torch's own record of its CPU tensor allocations (the profiler's memory events), from
+    construction to :meth:`stop`, or to the end of the ``steps``-th optimizer step (a global
+    step hook: this process's only optimizer)."""
+
+    def __init__(self, steps: int = PROFILED_STEPS):
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+        from torch.profiler import ProfilerActivity, profile
+
+        self.peak: Optional[float] = None
+        self.steps_left = int(steps)
+        self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with _quiet_stderr():
+            self.profiler.start()
+        self.hook = register_optimizer_step_post_hook(self._after_step)
+
+    def _after_step(self, *_: Any) -> None:
+        self.steps_left -= 1
+        if self.steps_left <= 0:
+            self.stop()
+
+    def stop(self) -> float:
+        """Stop recording (once); the peak of the allocations' running sum, bytes."""
+        if self.peak is None:
+            self.hook.remove()
+            with _quiet_stderr():
+                self.profiler.stop()
+            events = sorted((e.start_ns(), e.nbytes())
+                            for e in self.profiler.profiler.kineto_results.events()
+                            if e.name() == "[memory]" and e.device_type().name == "CPU")
+            running = peak = 0
+            for _, nbytes in events:
+                running += nbytes
+                peak = max(peak, running)
+            self.peak = float(peak)
+            self.profiler = None  # its record may be large
+        return self.peak
+
+
+def tensor_bytes(model: Any) -> float:
+    """Bytes of a model's tensors on this rank: parameters (local shards under FSDP), their
+    gradients and its buffers."""
+    def nbytes(t: Any) -> float:
+        local = getattr(t, "to_local", None)
+        t = local() if callable(local) else t
+        return float(t.numel() * t.element_size())
+
+    params = list(model.parameters())
+    return (sum(nbytes(p) for p in params) + sum(nbytes(p.grad) for p in params
+                                                  if p.grad is not None)
+            + sum(nbytes(b) for b in model.buffers()))
+
+
+class MemoryWatch:
+    """The measured peak of one rank (see the module docstring for what is measured).
+
+    Args:
+        device: the rank's device.
+        budget_bytes: its memory budget, before the headroom
+            (:func:`~hetseq_hpc.balance.memory.memory_budget_bytes`).
+        emulated: the budget is configured (``memory_budget_gb``): on the CPU, record torch's
+            allocations; else the resident set's growth.
+    """
+
+    def __init__(self, device: Any, budget_bytes: float, emulated: bool = False):
+        self.device = device
+        self.budget_bytes = float(budget_bytes)
+        self.cuda = getattr(device, "type", "cpu") == "cuda"
+        self.emulated = bool(emulated) and not self.cuda
+        self.baseline = 0.0
+        self.allocations: Optional[CpuAllocations] = None
+        self.method = "cuda_max_memory_allocated" if self.cuda else "rss_growth"
+
+    def begin(self) -> MemoryWatch:
+        """Just before the model is built: the resident set the model's growth starts from."""
+        if not self.cuda:
+            trim_heap()
+            self.baseline = resident_bytes()
+        return self
+
+    def start_window(self, model: Any = None) -> None:
+        """Once ``model`` is placed: measure the peak from here (the task-contract check and
+        the CPU build of a model about to be sharded are left out)."""
+        if self.cuda:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        if self.emulated and model is not None:
+            try:
+                self.allocations = CpuAllocations()
+                self.baseline = tensor_bytes(model)
+                self.method = f"torch_cpu_allocations_first_{PROFILED_STEPS}_steps"
+                return
+            except Exception as exc:  # no profiler: the resident set's growth instead
+                log.warning("memory watch: torch's profiler did not start (%s): measuring the "
+                            "resident set's growth instead", exc)
+                self.allocations = None
+        trim_heap()
+        if not reset_peak_resident():
+            self.method = "rss_growth_since_start"
+
+    def peak_bytes(self) -> float:
+        """The measured peak (bytes)."""
+        if self.cuda:
+            import torch
+
+            return float(torch.cuda.max_memory_allocated(self.device))
+        if self.allocations is not None:
+            return self.baseline + self.allocations.stop()
+        return max(peak_resident_bytes() - self.baseline, 0.0)
+
+    def report(self, rank: int) -> Dict[str, Any]:
+        """``budget_bytes``, ``measured_peak_bytes`` and ``peak_measure`` (how it was measured),
+        logged on one line (the rank's log)."""
+        peak = self.peak_bytes()
+        log.info("rank %d memory: measured peak %.2f MiB (%s) of its budget %.2f MiB (%.0f%%)",
+                 rank, peak / _MIB, self.method, self.budget_bytes / _MIB,
+                 100.0 * peak / max(self.budget_bytes, 1.0))
+        return {"budget_bytes": self.budget_bytes, "measured_peak_bytes": peak,
+                "peak_measure": self.method}
+
+
+__all__ = ["PROFILED_STEPS", "CpuAllocations", "MemoryWatch", "peak_resident_bytes", "reset_peak_resident", "resident_bytes",
+           "tensor_bytes", "trim_heap"]

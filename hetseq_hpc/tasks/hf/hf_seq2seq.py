@@ -1,0 +1,200 @@
+"""``task=hf`` with ``task.model.kind=seq2seq``: (source, target) pairs for an encoder-decoder
+(``AutoModelForSeq2SeqLM``: T5, BART, ...), tokenised into a memory-mapped cache, and the
+row-wise batches.
+
+The pairs come from JSON lines / CSV files with the columns ``task.data.source_field`` and
+``task.data.target_field``. Both are tokenised with the tokenizer's special tokens (T5: ``</s>``
+at the end), truncated to ``task.model.max_seq_len`` (source) and ``task.model.max_target_len``
+(target) and padded. The cache folder holds ``source.npy``/``target.npy`` (``(N, T)`` int32),
+``source_len.npy``/``target_len.npy`` (``(N,)`` int32) and ``meta.json`` last (the completion
+marker); every file is atomic and a lock makes a second builder wait for the first.
+
+A batch is ``input_ids``/``attention_mask`` (the source), ``labels`` (the target, ``-100`` on
+padding) and ``decoder_input_ids``: the labels shifted right by one with
+``config.decoder_start_token_id`` in front and the pad id for ``-100``, as the model's own
+``shift_tokens_right`` builds them when it is given ``labels=``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+import numpy as np
+
+from hetseq_hpc.errors import ConfigError, DataError
+from hetseq_hpc.files.atomic import atomic_write_text, remove_stale_temps
+from hetseq_hpc.tasks.hf.hf_records import records
+from hetseq_hpc.tasks.npy_cache import open_npy_cache, save_npy
+
+log = logging.getLogger(__name__)
+
+#: bump when the layout changes, so old caches are not reused
+SEQ2SEQ_CACHE_FORMAT = 1
+IGNORE_INDEX = -100
+ARRAYS = ("source", "target", "source_len", "target_len")
+
+
+def seq2seq_cache_key(data_cfg: Any, tokenizer_json: str, source_len: int,
+                      target_len: int) -> str:
+    """Folder name for (files with their sizes and mtimes, tokenizer, widths, columns)."""
+    h = hashlib.sha256(f"{SEQ2SEQ_CACHE_FORMAT}|seq2seq|{source_len}|{target_len}|"
+                       f"{data_cfg.source_field}|{data_cfg.target_field}".encode())
+    for path in data_cfg.files:
+        st = os.stat(path)
+        h.update(f"|{path}|{st.st_size}|{st.st_mtime_ns}".encode())
+    h.update(hashlib.sha256(tokenizer_json.encode()).digest())
+    return "hf-s2s-" + h.hexdigest()[:20]
+
+
+def decoder_start_id(config: Any) -> int:
+    """``config.decoder_start_token_id`` (T5: the pad id; BART: ``</s>``).
+
+    Raises:
+        ConfigError: the config has none (one line with the fix).
+    """
+    value = getattr(config, "decoder_start_token_id", None)
+    if value is None:
+        raise ConfigError("the model's config has no decoder_start_token_id: task.model.kind="
+                          "seq2seq needs it (set it in config.json, e.g. the pad id for T5)")
+    return int(value)
+
+
+def _encoder(tokenizer: Any, width: int):
+    """A copy of the Rust tokenizer that truncates to ``width`` and does not pad."""
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    backend.no_padding()
+    backend.enable_truncation(width)
+    return backend
+
+
+def _pairs(data_cfg: Any, size: int):
+    """Batches ``(sources, targets)`` of up to ``size`` records over all files.
+
+    Raises:
+        DataError: a target is not text (one line naming the file and record).
+    """
+    sources: List[str] = []
+    targets: List[str] = []
+    for path in data_cfg.files:
+        for number, (source, target) in enumerate(
+                records(path, data_cfg.source_field, data_cfg.target_field), 1):
+            if not isinstance(target, str):
+                raise DataError(f"data file {path!r} record {number}: "
+                                f"{data_cfg.target_field!r} is a {type(target).__name__}, not "
+                                "text: store the target as a string")
+            sources.append(source)
+            targets.append(target)
+            if len(sources) >= size:
+                yield sources, targets
+                sources, targets = [], []
+    if sources:
+        yield sources, targets
+
+
+def _block(encodings: list, width: int, pad_id: int) -> Tuple[np.ndarray, np.ndarray]:
+    block = np.full((len(encodings), width), pad_id, dtype=np.int32)
+    size = np.empty(len(encodings), dtype=np.int32)
+    for i, enc in enumerate(encodings):
+        ids = enc.ids[:width]
+        block[i, :len(ids)] = ids
+        size[i] = len(ids)
+    return block, size
+
+
+def build_seq2seq_cache(data_cfg: Any, tokenizer: Any, source_len: int, target_len: int,
+                        directory: Path) -> Path:
+    """Tokenise the (source, target) pairs of ``data_cfg.files`` into ``directory`` unless its
+    ``meta.json`` exists (rank 0, in ``prepare``).
+
+    Raises:
+        DataError: a file cannot be read or lacks a column; fewer than 2 pairs.
+    """
+    meta_path = directory / "meta.json"
+    if meta_path.is_file():
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if meta_path.is_file():
+            return directory
+        remove_stale_temps([directory])
+        _build(data_cfg, tokenizer, source_len, target_len, directory)
+    return directory
+
+
+def _build(data_cfg: Any, tokenizer: Any, source_len: int, target_len: int,
+           directory: Path) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+    started = time.monotonic()
+    pad_id = tokenizer.pad_token_id
+    pad_id = int(pad_id if pad_id is not None else (tokenizer.eos_token_id or 0))
+    src_enc, tgt_enc = _encoder(tokenizer, source_len), _encoder(tokenizer, target_len)
+    parts: Dict[str, List[np.ndarray]] = {name: [] for name in ARRAYS}
+    texts = 0
+    for sources, targets in _pairs(data_cfg, data_cfg.encode_batch):
+        for name, encoder, width, batch in (("source", src_enc, source_len, sources),
+                                            ("target", tgt_enc, target_len, targets)):
+            block, size = _block(encoder.encode_batch(batch, add_special_tokens=True), width,
+                                 pad_id)
+            parts[name].append(block)
+            parts[f"{name}_len"].append(size)
+        texts += len(sources)
+    if texts < 2:
+        raise DataError(f"task.data.files give {texts} (source, target) pair(s): need at "
+                        "least 2; add records")
+    arrays = {name: np.concatenate(parts[name]) for name in ARRAYS}
+    if not arrays["target_len"].all():
+        row = int(np.flatnonzero(arrays["target_len"] == 0)[0])
+        raise DataError(f"task.data.files: pair {row + 1} has an empty target "
+                        f"({data_cfg.target_field!r}): fill it in or drop the record")
+    for name in ARRAYS:
+        save_npy(directory / f"{name}.npy", arrays[name])
+    seconds = time.monotonic() - started
+    meta = {"format": SEQ2SEQ_CACHE_FORMAT, "kind": "seq2seq", "packed": False,
+            "seq_len": source_len, "target_len": target_len, "rows": texts, "texts": texts,
+            "tokens": int(arrays["source_len"].sum()),
+            "target_tokens": int(arrays["target_len"].sum()), "pad_id": pad_id,
+            "label_names": None, "files": list(data_cfg.files), "seconds": round(seconds, 3)}
+    atomic_write_text(directory / "meta.json", json.dumps(meta, indent=1), durable=True)
+    log.info("tokenised %d (source, target) pairs into %d x %d + %d x %d in %.1f s -> %s",
+             texts, texts, source_len, texts, target_len, seconds, directory)
+
+
+def open_seq2seq_cache(directory: Path) -> Tuple[dict, Dict[str, np.ndarray]]:
+    """``(meta, arrays)`` of a finished cache, memory-mapped; ``arrays["tokens"]`` is the
+    source (as the other kinds name their rows).
+
+    Raises:
+        DataError: missing or damaged (the message says to delete the folder).
+    """
+    meta, arrays = open_npy_cache(directory, list(ARRAYS), "hf seq2seq cache")
+    arrays["tokens"] = arrays["source"]
+    return meta, arrays
+
+
+def seq2seq_batch(arrays: Dict[str, np.ndarray], rows: np.ndarray, pad_id: int,
+                  start_id: int) -> Dict[str, np.ndarray]:
+    """The batch of cache ``rows``: ``input_ids``, ``attention_mask`` ``(B, S)``, ``labels``
+    and ``decoder_input_ids`` ``(B, T)``, all int64; row ``i`` depends only on ``rows[i]``."""
+    source = np.asarray(arrays["source"][rows], dtype=np.int64)
+    target = np.asarray(arrays["target"][rows], dtype=np.int64)
+    src_len = np.asarray(arrays["source_len"][rows], dtype=np.int64)
+    tgt_len = np.asarray(arrays["target_len"][rows], dtype=np.int64)
+    mask = np.arange(source.shape[1])[None, :] < src_len[:, None]
+    labels = np.where(np.arange(target.shape[1])[None, :] < tgt_len[:, None], target,
+                      IGNORE_INDEX)
+    decoder = np.empty_like(labels)
+    decoder[:, 0] = start_id
+    decoder[:, 1:] = labels[:, :-1]
+    decoder[decoder == IGNORE_INDEX] = pad_id
+    return {"input_ids": source, "attention_mask": mask.astype(np.int64), "labels": labels,
+            "decoder_input_ids": decoder}

@@ -1,0 +1,160 @@
+"""One optimizer step and the work after it, in phases that an in-job recovery can redo
+(:class:`hetseq_hpc.train.loop.Trainer`, :mod:`hetseq_hpc.train.elastic`).
+
+After step ``k`` is trained every rank goes through the same phases, each of which may hold a
+collective: the online re-balancing decision, validation (when due), the step's row in
+``metrics.jsonl`` (rank 0), the checkpoint (when due). ``trainer.phase`` says which phase of
+``trainer.step`` was completed last; a recovery (:meth:`ElasticWorld.recover
+<hetseq_hpc.train.elastic.ElasticWorld.recover>`) agrees on the most advanced step and on the
+earliest phase of it that a survivor did not complete, and the survivors redo the phases from
+there over the new world: a validation or checkpoint of the last completed step is redone, its
+row is written once (rank 0 may have changed: the new one reads the file).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Dict, List, Optional
+
+from hetseq_hpc.env.preemption import REASONS
+from hetseq_hpc.errors import Preempted
+from hetseq_hpc.train.loggers import open_loggers
+from hetseq_hpc.train.metrics import Progress, read_metrics, step_row
+from hetseq_hpc.train.rebalance_step import maybe_rebalance
+
+#: phases of ``trainer.step`` completed (in order); DONE: nothing left, the next step may start
+TRAINED, REBALANCED, EVALUATED, LOGGED, DONE = range(5)
+PHASE_NAMES = ("trained", "rebalanced", "evaluated", "logged", "done")
+#: what is redone first from each phase (a recovery's ``redo``)
+REDO = ("re-balancing decision", "validation", "row", "checkpoint", "step")
+
+
+def logged_steps(run_dir: Any) -> set:
+    """The steps that have a training row in ``metrics.jsonl`` (empty if there is none)."""
+    try:
+        rows = read_metrics(run_dir)
+    except Exception:  # no file yet, or unreadable: the row is written (again)
+        return set()
+    return {r.get("step") for r in rows if "loss" in r and r.get("event") is None}
+
+
+def log_before_stop(trainer: Any, event: Dict[str, Any]) -> None:
+    """Rank 0 of survivors that stop (too few of them): the row of ``trainer.step`` if no
+    rank 0 wrote it yet, then the membership ``event`` (its ``recovery_s`` absent)."""
+    writer = open_loggers(trainer.run, trainer.run_dir, trainer.step)
+    try:
+        if trainer.history and trainer.step not in logged_steps(trainer.run_dir):
+            rec = trainer.history[-1]
+            writer.write({**trainer.last_row, "run_id": trainer.run_id, **rec.extra})
+        writer.write({k: v for k, v in event.items() if k != "lost_monotonic"}
+                     | {"run_id": trainer.run_id})
+    finally:
+        writer.close()
+
+
+class StepPhases:
+    """Rank-local driver of :meth:`Trainer.fit <hetseq_hpc.train.loop.Trainer.fit>`: rank 0's
+    loggers and progress line, the resume note for the first row, and the membership events
+    waiting for the next completed step."""
+
+    def __init__(self, trainer: Any):
+        self.t = trainer
+        cfg = trainer.cfg
+        self.writer = open_loggers(trainer.run, trainer.run_dir, trainer.step) \
+            if trainer.rank == 0 else None
+        self.progress = Progress(cfg.max_steps, trainer.step, enabled=trainer.rank == 0)
+        self.pending: Dict[str, Any] = dict(trainer.resume_note)  # goes into the first row
+        self.events: List[Dict[str, Any]] = []
+        self.check_logged: Optional[int] = None  # after a recovery: row of this step written?
+        if trainer.elastic is not None:
+            trainer.elastic.expect(trainer.allocation)  # the step's collective timeout
+
+    def more(self) -> bool:
+        """Whether a step or a phase of the last one is left to do."""
+        return self.t.step < self.t.cfg.max_steps or self.t.phase < DONE
+
+    def advance(self) -> None:
+        """Train the next step if the last one is done, then do the phases of ``trainer.step``
+        not done yet.
+
+        Raises:
+            Preempted: a stop request was seen in the step's exchange (after its checkpoint).
+            FloatingPointError: the loss is not finite.
+            RuntimeError: a collective failed (a peer lost: the caller recovers).
+        """
+        t, cfg = self.t, self.t.cfg
+        if t.phase == DONE:
+            rec = t.train_step(t.step + 1)
+            t.phase = TRAINED
+            if not math.isfinite(rec.loss):
+                raise FloatingPointError(f"loss is {rec.loss} at step {rec.step}: lower optim.lr "
+                                         "or raise optim.warmup_steps")
+            t.history.append(rec)
+            rec.extra.update(self.pending)
+            self.pending = {}
+            # with the split that ran the step (a re-balance below may change it)
+            t.last_row = step_row(rec, t.metas, t.allocation.shares, cfg.global_batch_size,
+                                  t.task.tokens_per_sample, t.allocation.samples,
+                                  units_per_sample=t.task.units_per_sample)
+            if t.elastic is not None:
+                t.elastic.observe_step(rec)
+            self.flush_events()  # the next completed step after a recovery
+        rec, step = t.history[-1], t.step
+        is_last = step == cfg.max_steps
+        if t.phase < REBALANCED:
+            maybe_rebalance(t, rec)
+            t.phase = REBALANCED
+        if t.phase < EVALUATED:
+            if (cfg.val_every and step % cfg.val_every == 0) or is_last:
+                t.last_val = t.evaluate()
+                rec.extra.update(t.last_val)
+            t.phase = EVALUATED
+        if t.phase < LOGGED:
+            self._log(rec, step, is_last)
+            t.phase = LOGGED
+        if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or is_last or rec.stop_code:
+            t._save(step)
+        t.phase = DONE
+        if rec.stop_code and not is_last:
+            # every rank saw the same request in the step's exchange: all stop here
+            raise Preempted(step, rec.stop_code, REASONS.get(rec.stop_code, "a stop request"))
+
+    def _log(self, rec: Any, step: int, is_last: bool) -> None:
+        cfg = self.t.cfg
+        due = step % cfg.log_every == 0 or is_last or rec.extra
+        if due and self.writer is not None and self.check_logged == step:
+            due = step not in logged_steps(self.t.run_dir)  # by a rank 0 before the recovery?
+        self.check_logged = None
+        if self.writer is not None and due:
+            self.writer.write({**self.t.last_row, "run_id": self.t.run_id, **rec.extra})
+        self.progress.update(step, rec.loss, cfg.global_batch_size / max(rec.wall_s, 1e-9),
+                             extra=(f"val_loss {self.t.last_val['val_loss']:.4f}"
+                                    if "val_loss" in rec.extra else None))
+
+    def recovered(self, event: Dict[str, Any]) -> None:
+        """After a recovery: keep its event for the next completed step; the new rank 0 opens
+        the loggers at the agreed step (a row cut off by a lost rank 0 is dropped)."""
+        t = self.t
+        self.events.append(event)
+        if self.writer is not None:
+            self.writer.close()
+        self.writer = open_loggers(t.run, t.run_dir, t.step) if t.rank == 0 else None
+        self.check_logged = t.step if t.phase < LOGGED else None
+        self.progress.enabled = t.rank == 0
+
+    def flush_events(self) -> None:
+        """Write the membership rows waiting for a completed step, with ``recovery_s``: seconds
+        from the loss (the lost rank's last heartbeat, or the failed collective) to now."""
+        now = time.monotonic()
+        for event in self.events:
+            event["recovery_s"] = round(now - event.pop("lost_monotonic"), 3)
+            if self.writer is not None:
+                self.writer.write({**event, "run_id": self.t.run_id})
+        self.events = []
+
+    def close(self) -> None:
+        """Close the progress line and rank 0's loggers."""
+        self.progress.close()
+        if self.writer is not None:
+            self.writer.close()
