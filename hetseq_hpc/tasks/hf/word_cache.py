@@ -241,13 +241,10 @@ def worker_encode(texts: List[str]) -> Tuple[np.ndarray, np.ndarray, int]:
 
 
 def prepare_workers() -> int:
-    """Processes for :func:`encode_stream`: the cores this process may use (at most 8), or
-    ``HETSEQ_PREPARE_WORKERS``."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    return max(1, int(os.environ.get("HETSEQ_PREPARE_WORKERS", min(cores, 8))))
+    """Processes for :func:`encode_stream`: 1 (this process) unless ``HETSEQ_PREPARE_WORKERS``
+    asks for more. Forked workers are opt-in: a prepare inside a training job forks a process
+    that already runs threads (torch, tokenizers), and one such run hung (2026-11-26)."""
+    return max(1, int(os.environ.get("HETSEQ_PREPARE_WORKERS", "1") or 1))
 
 
 def encode_stream(batches: Iterable[List[str]], tokenizer_json: str, mode: str,
