@@ -32,7 +32,7 @@ import operator
 import os
 import time
 from pathlib import Path
-from typing import Any, BinaryIO, Dict, List, Optional, Tuple
+from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -148,6 +148,13 @@ def build_hf_cache(data_cfg: Any, tokenizer: Any, kind: str, seq_len: int,
         DataError: a file cannot be read or lacks a column; fewer than 2 rows result; a
             classification label set with fewer than 2 classes.
     """
+    return build_once(directory, lambda: _build(data_cfg, tokenizer, kind, seq_len, directory))
+
+
+def build_once(directory: Path, build: Callable[[], None]) -> Path:
+    """Run ``build`` (which writes ``directory/meta.json`` last) unless that file exists, under
+    an exclusive ``flock`` on ``directory/.lock`` so that concurrent preparers build it once;
+    stale temporary files of an interrupted build are removed first. Returns ``directory``."""
     meta_path = directory / "meta.json"
     if meta_path.is_file():
         return directory
@@ -157,7 +164,7 @@ def build_hf_cache(data_cfg: Any, tokenizer: Any, kind: str, seq_len: int,
         if meta_path.is_file():
             return directory
         remove_stale_temps([directory])
-        _build(data_cfg, tokenizer, kind, seq_len, directory)
+        build()
     return directory
 
 

@@ -17,7 +17,6 @@ padding) and ``decoder_input_ids``: the labels shifted right by one with
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -29,7 +28,8 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 
 from hetseq_hpc.errors import ConfigError, DataError
-from hetseq_hpc.files.atomic import atomic_write_text, remove_stale_temps
+from hetseq_hpc.files.atomic import atomic_write_text
+from hetseq_hpc.tasks.hf.hf_cache import build_once
 from hetseq_hpc.tasks.hf.hf_records import records
 from hetseq_hpc.tasks.npy_cache import open_npy_cache, save_npy
 
@@ -118,17 +118,8 @@ def build_seq2seq_cache(data_cfg: Any, tokenizer: Any, source_len: int, target_l
     Raises:
         DataError: a file cannot be read or lacks a column; fewer than 2 pairs.
     """
-    meta_path = directory / "meta.json"
-    if meta_path.is_file():
-        return directory
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if meta_path.is_file():
-            return directory
-        remove_stale_temps([directory])
-        _build(data_cfg, tokenizer, source_len, target_len, directory)
-    return directory
+    return build_once(directory,
+                      lambda: _build(data_cfg, tokenizer, source_len, target_len, directory))
 
 
 def _build(data_cfg: Any, tokenizer: Any, source_len: int, target_len: int,
