@@ -74,6 +74,7 @@ from hetseq_hpc.train.task_summary import (
     examples_model,
     finish_task_summary,
     record_inexact,
+    seeded_model,
 )
 
 log = logging.getLogger("hetseq_hpc.worker")
@@ -151,17 +152,13 @@ def calibrate_rank(model: torch.nn.Module, parallel: Any, task: Any, run: RunCon
 
 def elastic_store(run: RunConfig, world: Any, env: Dict[str, str]) -> Any:
     """The job's store for in-job recovery (:mod:`hetseq_hpc.train.elastic`), or None: off by
-    ``trainer.elastic.enabled=false``, without a store from the launcher (Slurm), for FSDP
-    (a lost rank takes its shard) and for one rank."""
+    ``trainer.elastic.enabled=false``, without a store from the launcher (Slurm) and for one
+    rank. Under FSDP a recovery reloads the last checkpoint
+    (:mod:`hetseq_hpc.train.elastic_sharded`)."""
     from hetseq_hpc.distributed.membership import job_store
 
     cfg = run.trainer.elastic
     if not cfg.enabled or world.world_size < 2:
-        return None
-    if run.sharding.mode != "none":
-        log.info("trainer.elastic: off under sharding.mode=%s (a lost rank takes its shard with "
-                 "it: the run ends, a requeue resumes from the last checkpoint)",
-                 run.sharding.mode)
         return None
     store = job_store(run.cluster.collective_timeout_s, env)
     if store is None and world.is_master:
@@ -275,8 +272,9 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
             rebalancer = Rebalancer(caps=[s.max_micro_batch for s in allocation.shares],
                                     threshold=run.balance.rebalance_threshold,
                                     curves=report_curves(reports))
-        elastic = (ElasticWorld(run, job, rdv, reports, device)
-                   if job is not None and not parallel.sharded else None)
+        elastic = (ElasticWorld(run, job, rdv, reports, device,
+                                rebuild=lambda: seeded_model(task, run.trainer.seed))
+                   if job is not None else None)
         if elastic is not None:
             live["elastic"] = elastic
         trainer = Trainer(run, run_dir_path, rdv, task, model, device, allocation, metas,

@@ -154,6 +154,13 @@ class Heartbeat:
                     out.append(m)
         return out
 
+    def last_beat(self, member: int) -> Optional[float]:
+        """When this process last saw ``member``'s heartbeat counter move
+        (``time.monotonic()`` seconds), or None if it never read it."""
+        with self._lock:
+            seen = self._seen.get(int(member))
+        return None if seen is None else float(seen[1])
+
     def close(self) -> None:
         """Stop beating (the rank is leaving)."""
         self._stop.set()

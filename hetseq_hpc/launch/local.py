@@ -161,7 +161,7 @@ class ElasticJob:
             serve_job_store,
         )
 
-        if not run.trainer.elastic.enabled or run.sharding.mode != "none" or len(envs) < 2:
+        if not run.trainer.elastic.enabled or len(envs) < 2:
             return None
         token = job_token()
         store, port = serve_job_store("127.0.0.1", token=token)

@@ -138,10 +138,10 @@ class HetseqJobFunction:
 
 # ------------------------------------------------------------------------------ launch
 def elastic_job(run: RunConfig) -> bool:
-    """Whether the job recovers from a lost rank in-job (``trainer.elastic.enabled``, DDP, more
-    than one rank): its script then serves the job's store and its step survives a task."""
-    return bool(run.trainer.elastic.enabled and run.sharding.mode == "none"
-                and run.cluster.world_size > 1)
+    """Whether the job recovers from a lost rank in-job (``trainer.elastic.enabled``, more than
+    one rank; under FSDP by reloading the last checkpoint): its script then serves the job's
+    store and its step survives a task."""
+    return bool(run.trainer.elastic.enabled and run.cluster.world_size > 1)
 
 
 def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:

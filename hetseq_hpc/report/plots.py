@@ -11,7 +11,7 @@ lines (``hetseq-hpc report`` prints it).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional, Union
+from typing import Any, List, Optional, Union
 
 from hetseq_hpc.errors import ConfigError, HetseqError
 from hetseq_hpc.files.user_input import describe, number, output_problem
@@ -138,6 +138,15 @@ def plot_run(run_dir: Union[str, Path], out_path: Optional[Union[str, Path]] = N
     return out
 
 
+def _reloaded(reloaded: Any, redone: Any) -> str:
+    """The report's note on an FSDP recovery (a membership row's ``reloaded``), or ''."""
+    if not isinstance(reloaded, dict):
+        return ""
+    start = (f"reloaded the step-{reloaded.get('step')} checkpoint" if reloaded.get("checkpoint")
+             else "no checkpoint yet: restarted from the seeded start model")
+    return f" (FSDP: {start}, {redone} step(s) trained again)"
+
+
 def membership_events(run_dir: Union[str, Path]) -> List[dict]:
     """The ``event: membership`` rows of a run (a lost rank survived in-job,
     :mod:`hetseq_hpc.train.elastic`), in order."""
@@ -182,7 +191,8 @@ def text_summary(run_dir: Union[str, Path]) -> str:
         lost = [x.get("rank") for x in ev.get("lost") or [] if isinstance(x, dict)]
         lines.append(f"  lost rank(s) {lost} at step {ev.get('step')}: went on with "
                      f"{ev.get('world_size')} rank(s), split {ev.get('split')}, "
-                     f"{ev.get('recovery_s')} s to the next completed step")
+                     f"{ev.get('recovery_s')} s to the next completed step"
+                     + _reloaded(ev.get("reloaded"), ev.get("steps_redone")))
     for rank in last["ranks"]:
         times = [r2.get("compute_time_s") for row in rows for r2 in row["ranks"]
                  if r2.get("rank") == rank["rank"]]

@@ -34,7 +34,10 @@ Gradients are summed and divided by the global unit count as in any step, so the
 the uninterrupted run's (up to float summation order; dropout masks are drawn per rank and
 step, so with dropout on the masks of a moved sample differ, as with any re-balancing).
 
-Not covered: FSDP (a lost rank takes its shard; it ends the run as before). On Slurm the batch
+FSDP (``sharding.mode=fsdp``): a lost rank takes its shard with it, so steps 2 and 4 are
+replaced by a reload of the last checkpoint over the new world
+(:mod:`hetseq_hpc.train.elastic_sharded`): the steps since it are trained again, the
+membership row says so (``reloaded``, ``steps_redone``). On Slurm the batch
 script serves the store (:func:`hetseq_hpc.launch.sbatch.store_lines`) and its step survives a
 task's death (``srun --kill-on-bad-exit=0 --no-kill``).
 """
@@ -48,7 +51,7 @@ import time
 import traceback
 from collections import deque
 from datetime import timedelta
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -59,6 +62,8 @@ from hetseq_hpc.distributed.rendezvous import Rendezvous, backend_for, leave
 from hetseq_hpc.env.preemption import REQUEUE
 from hetseq_hpc.errors import AllocationError, Preempted
 from hetseq_hpc.train.checkpoint import save_on_rank0
+from hetseq_hpc.train.checkpoint_files import list_checkpoints, step_of
+from hetseq_hpc.train.elastic_sharded import reload_sharded
 from hetseq_hpc.train.parallel import build_parallel
 from hetseq_hpc.train.phases import DONE, PHASE_NAMES, REDO, TRAINED, log_before_stop
 
@@ -142,11 +147,13 @@ class ElasticWorld:
         rdv: the rendezvous of generation 0; reports: every rank's start-up
             :class:`~hetseq_hpc.balance.agree.RankReport`, by original rank.
         device: this rank's device.
+        rebuild: under FSDP, a fresh seeded model on the CPU (the start-up model before
+            sharding) for :func:`~hetseq_hpc.train.elastic_sharded.reload_sharded`.
     """
 
     def __init__(self, run: Any, store: Any, rdv: Rendezvous, reports: Sequence[Any],
-                 device: torch.device):
-        self.run, self.store, self.device = run, store, device
+                 device: torch.device, rebuild: Optional[Callable[[], Any]] = None):
+        self.run, self.store, self.device, self.rebuild = run, store, device, rebuild
         self.cfg = run.trainer.elastic
         self.member = rdv.world.rank
         self.origin = rdv.world
@@ -188,7 +195,7 @@ class ElasticWorld:
                 with_abort()
             except Exception:
                 pass
-        in_step = trainer.phase == DONE
+        in_step, sharded = trainer.phase == DONE, trainer.parallel.sharded
         if not in_step:  # no asynchronous work in flight (destroying a group waits for it)
             drop_groups(trainer, error)
         leave()
@@ -208,7 +215,10 @@ class ElasticWorld:
                                     world_size=len(new.members))
         rdv = Rendezvous(world=world, cpu_group=dist.new_group(
             backend="gloo", timeout=timedelta(seconds=self.run.cluster.collective_timeout_s)))
-        self._agree_progress(trainer, rdv)
+        if sharded:  # the lost shard is gone: the survivors go back to the last checkpoint
+            trainer.phase = DONE
+        else:
+            self._agree_progress(trainer, rdv)
         event = {"event": "membership", "step": step, "generation": new.generation,
                  "lost": [{"rank": m, "host": self.reports[m].world.get("node_name", "")}
                           for m in lost],
@@ -223,7 +233,11 @@ class ElasticWorld:
             self._stop(trainer, rdv, event, f"losing rank(s) {lost} (the global batch does not "
                        f"fit the {len(new.members)} left: {exc})")
         self.timeout.rescale(len(old.members) / len(new.members))
-        rejoin(trainer, rdv, [trainer.metas_by_member[m] for m in new.members], allocation)
+        metas = [trainer.metas_by_member[m] for m in new.members]
+        if sharded:
+            event.update(reload_sharded(trainer, rdv, metas, allocation, self._rebuild))
+        else:
+            rejoin(trainer, rdv, metas, allocation)
         self.timeout.predict(predicted_step_s(allocation))
         self.timeout.apply()  # on the new default group
         event.update(split=list(allocation.samples), resumed_at_step=trainer.step + 1,
@@ -237,9 +251,18 @@ class ElasticWorld:
     def _last_beat(self, member: int) -> float:
         """When this rank last saw ``member``'s heartbeat move (``time.monotonic()``; now if
         never)."""
-        seen = getattr(self.heartbeat, "_seen", {})  # membership.Heartbeat's observer record
-        last = seen.get(member)
-        return float(last[1]) if last else time.monotonic()
+        last = self.heartbeat.last_beat(member)
+        return time.monotonic() if last is None else last
+
+    def _rebuild(self) -> Any:
+        """A fresh seeded model for :func:`reload_sharded`.
+
+        Raises:
+            RuntimeError: no ``rebuild`` was given (a programming error of the caller).
+        """
+        if self.rebuild is None:
+            raise RuntimeError("ElasticWorld(rebuild=...) is needed to recover an FSDP run")
+        return self.rebuild()
 
     def _agree_progress(self, trainer: Any, rdv: Rendezvous) -> None:
         """Every survivor at the most advanced survivor's step (its full state, step record and
@@ -265,7 +288,17 @@ class ElasticWorld:
     def _stop(self, trainer: Any, rdv: Rendezvous, event: Dict[str, Any], why: str) -> None:
         """Checkpoint the last completed step (the new rank 0 writes it, with the step's row
         and the membership event if missing) and stop with code REQUEUE, as a preemption does:
-        a Slurm job is requeued and resumes from it."""
+        a Slurm job is requeued and resumes from it. Under FSDP the lost shard is gone: no
+        checkpoint is written, the requeue resumes from the last one on disk."""
+        if trainer.parallel.sharded:
+            found = list_checkpoints(trainer.run_dir)
+            step = step_of(found[-1]) if found else 0
+            log.warning("step %d: %s: stopping (sharding.mode=fsdp: the lost shard is gone, "
+                        "a requeue resumes from the last checkpoint, step %d)", event["step"],
+                        why, step)
+            if rdv.world.rank == 0:
+                log_before_stop(trainer, {**event, "stopped": why})
+            raise Preempted(step, REQUEUE, why, leader=rdv.world.rank == 0)
         log.warning("step %d: %s: checkpointing step %d and stopping", event["step"], why,
                     trainer.step)
         if rdv.world.rank == 0:

@@ -140,6 +140,7 @@ class Trainer:
         self.last_val: Optional[Dict[str, float]] = None
         self.resume_note: Dict[str, Any] = {}
         self.run_id = ""  # this run's id (train/run_history.py), decided by _resume()
+        self.resumed_from: Optional[str] = None  # the checkpoint the run started from
         self._resume()
         self.parallel.start(self.grad_path, self.hook_state)
 
@@ -201,6 +202,7 @@ class Trainer:
         if path is None:
             return
         self.load_state_dict(state, path)
+        self.resumed_from = path
         if skipped:  # recorded in the first metrics.jsonl row
             self.resume_note = {"resume_fallback": {"bad": skipped, "used": path}}
         log.info("resumed from %s at step %d (allocation now %s on %d ranks)", path, self.step,

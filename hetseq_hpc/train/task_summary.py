@@ -24,6 +24,13 @@ log = logging.getLogger(__name__)
 N_EXAMPLES = 3
 
 
+def seeded_model(task: Any, seed: int) -> nn.Module:
+    """``torch.manual_seed(seed)``, then ``task.build_model()``: the run's start-up model (on
+    the CPU, not placed), the same on every call."""
+    torch.manual_seed(seed)
+    return task.build_model()
+
+
 def build_checked_model(task: Any, run: Any, device: torch.device,
                         place: Optional[Callable[[nn.Module], nn.Module]] = None
                         ) -> Tuple[nn.Module, Dict[str, Any]]:
@@ -42,8 +49,7 @@ def build_checked_model(task: Any, run: Any, device: torch.device,
         ConfigError: the model has BatchNorm and ``trainer.allow_inexact_batchnorm`` is false
             (one line naming the layer and the fixes).
     """
-    torch.manual_seed(run.trainer.seed)
-    model = task.build_model()
+    model = seeded_model(task, run.trainer.seed)
     inexact = check_no_batchnorm(model, run.trainer.allow_inexact_batchnorm)
     if place is None:
         model = model.to(device)
@@ -128,5 +134,11 @@ def finish_task_summary(summary: Dict[str, Any], task: Any, model: Optional[nn.M
             summary["examples"] = [list(r) for r in rows]
 
 
-__all__ = ["N_EXAMPLES", "build_checked_model", "examples_model", "finish_task_summary",
-           "record_inexact"]
+__all__ = [
+    "N_EXAMPLES",
+    "build_checked_model",
+    "examples_model",
+    "finish_task_summary",
+    "record_inexact",
+    "seeded_model",
+]

@@ -200,3 +200,33 @@ def test_too_few_survivors_checkpoint_and_stop_for_a_requeue(reference, tmp_path
     assert sorted(losses(run_dir)) == list(range(1, state["step"] + 1))
     _finish(_start(run_dir, token_cache, "cluster.ranks=3", "trainer.resume=auto"))
     _same_trajectory(reference, run_dir)
+
+
+@pytest.mark.parametrize(("victim", "kill_at", "reloaded"), [(0, 12, 10), (1, 5, 0)])
+def test_fsdp_a_lost_rank_reloads_the_last_checkpoint_in_job(victim, kill_at, reloaded,
+                                                            reference, tmp_path, token_cache):
+    """``sharding.mode=fsdp``: a lost rank takes its shard, so the survivors reload the last
+    checkpoint (step 10, written by all 3; before it: the seeded start model, step 0)
+    re-sharded over 2 ranks and train the steps since it again, in-job: exit 0, every step
+    logged once with the uninterrupted (DDP) run's loss, and the membership row says what was
+    reloaded and how many steps were redone. Rank 0 as a victim: it wrote the rows and the
+    checkpoint."""
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, token_cache, "cluster.ranks=3", "sharding.mode=fsdp",
+                  "trainer.checkpoint_every=10")
+    _at_step(run_dir, proc, kill_at)
+    os.kill(worker_pids(run_dir)[victim], signal.SIGKILL)
+    out = _finish(proc)
+    _same_trajectory(reference, run_dir)
+    steps = [r["step"] for r in read_rows(run_dir) if "loss" in r]
+    assert steps == list(range(1, 31)), f"steps logged: {steps}"
+    (event,) = _events(run_dir)
+    assert [x["rank"] for x in event["lost"]] == [victim] and event["world_size"] == 2
+    assert event["reloaded"]["step"] == reloaded, event
+    assert event["steps_redone"] >= kill_at - reloaded, event
+    assert event["resumed_at_step"] == reloaded + 1 and event["recovery_s"] > 0
+    assert "re-sharded it over 2 rank(s)" in out
+    assert _last_checkpoint(run_dir)["step"] == 30
+    report = hetseq("report", str(run_dir), token_cache=token_cache)
+    said = f"reloaded the step-{reloaded} checkpoint" if reloaded else "no checkpoint yet"
+    assert f"(FSDP: {said}" in report.stdout + report.stderr

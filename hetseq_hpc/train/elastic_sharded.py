@@ -1,0 +1,100 @@
+"""In-job recovery of an FSDP run (``sharding.mode=fsdp``, :mod:`hetseq_hpc.train.elastic`).
+
+Under FSDP a lost rank takes its shard of the parameters, gradients and optimizer state with
+it: the survivors cannot hand each other the missing state as data-parallel survivors do. So,
+after re-forming the world, they
+
+1. drop the broken FSDP model and optimizer, build the model again (seeded as at start-up, on
+   the CPU) and shard it over the new world (:func:`~hetseq_hpc.train.parallel.build_parallel`);
+2. load the newest checkpoint of this run (full or sharded; DCP reshards a sharded one onto the
+   new world size), else the checkpoint the run started from, else nothing: the seeded model
+   at step 0 is the run's own start;
+3. continue from that step with the same global batch split over the survivors. The steps
+   after the checkpoint are trained again; their data positions and dropout seeds are functions
+   of the step, so the trajectory is the uninterrupted run's. ``metrics.jsonl`` drops the
+   rows written after the checkpoint (the new rank 0 opens it at the checkpoint's step) and
+   gets them again; the membership row says ``reloaded`` (checkpoint, step) and
+   ``steps_redone``.
+
+The cost is the steps since the last checkpoint (``trainer.checkpoint_every``), not a requeue.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from typing import Any, Callable, Dict, List, Optional
+
+from torch import nn
+
+from hetseq_hpc.train.checkpoint import agree_on_checkpoint, choose_checkpoint
+from hetseq_hpc.train.optim import build_optimizer
+from hetseq_hpc.train.parallel import build_parallel
+from hetseq_hpc.train.phases import DONE
+
+log = logging.getLogger(__name__)
+
+
+def reload_sharded(trainer: Any, rdv: Any, metas: List[Any], allocation: Any,
+                   rebuild: Callable[[], nn.Module]) -> Dict[str, Any]:
+    """Go on in a re-formed world from the last checkpoint (every survivor calls this, after
+    :func:`~hetseq_hpc.distributed.membership.join_generation`; collectives over ``rdv``).
+
+    Args:
+        trainer: the :class:`~hetseq_hpc.train.loop.Trainer` whose FSDP model lost a shard.
+        rdv: the new world's rendezvous; metas: the survivors' rank facts (new rank order);
+        allocation: the global batch split over the survivors.
+        rebuild: a fresh, seeded model on the CPU (the start-up model before it was sharded).
+
+    Returns:
+        ``{"reloaded": {"checkpoint": path or None, "step": s}, "steps_redone": n}`` for the
+        membership event; ``trainer.step`` is ``s`` and ``trainer.phase`` DONE afterwards.
+
+    Raises:
+        CheckpointError: the newest checkpoint does not verify (the run cannot go on in-job;
+            one line naming it, as a resume would).
+    """
+    watch = getattr(trainer.parallel, "memory_watch", None)
+    was = trainer.step
+    # the broken model and optimizer hold DTensors of the old group: gone before the new ones
+    trainer.parallel = trainer.model = trainer.optimizer = trainer.scheduler = None
+    gc.collect()
+    trainer.rdv, trainer.world, trainer.rank = rdv, rdv.world, rdv.world.rank
+    trainer.metas, trainer.allocation, trainer.rebalancer = metas, allocation, None
+    trainer.parallel = build_parallel(trainer.run, trainer.task, rebuild(), trainer.device, "fsdp")
+    trainer.parallel.memory_watch = watch
+    trainer.model = trainer.parallel.model
+    trainer.optimizer, trainer.scheduler = build_optimizer(trainer.model, trainer.run)
+    trainer.reset_gradient_path()
+    path, state = _checkpoint(trainer, rdv)
+    if state is not None:
+        trainer.load_state_dict(state, path)
+    else:
+        trainer.step = 0  # the seeded model is the run's start
+    trainer.phase = DONE
+    trainer.history = [r for r in trainer.history if r.step <= trainer.step]
+    trainer.last_row = {}
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.parallel.start(trainer.grad_path, trainer.hook_state)
+    log.warning("sharding.mode=fsdp: the lost rank's shard is gone: reloaded %s and re-sharded "
+                "it over %d rank(s); steps %d-%d are trained again", path or "the seeded start "
+                "model (no checkpoint yet)", rdv.world.world_size, trainer.step + 1, was)
+    if trainer.on_allocation is not None:
+        trainer.on_allocation(allocation, {"members": list(trainer.elastic.membership.members)})
+    return {"reloaded": {"checkpoint": path, "step": trainer.step},
+            "steps_redone": max(0, was - trainer.step)}
+
+
+def _checkpoint(trainer: Any, rdv: Any) -> tuple:
+    """``(path, state)`` of the newest checkpoint of this run, else of the checkpoint the run
+    started from (``trainer.resumed_from``), else ``(None, None)``."""
+    path, state, _ = agree_on_checkpoint(rdv, "auto", trainer.run_dir)
+    if path is not None:
+        return path, state
+    start: Optional[str] = getattr(trainer, "resumed_from", None)
+    if start is None:
+        return None, None
+    return start, choose_checkpoint(start, trainer.run_dir).state
+
+
+__all__ = ["reload_sharded"]
