@@ -376,5 +376,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
 
 
+def exit_process(code: int) -> None:
+    """End the worker process with ``code``. A failed rank (code 1) skips the interpreter's
+    teardown (logs flushed first, ``os._exit``): objects of a broken process group (DDP's
+    reducer, a gloo pair with work pending on a stopped peer) can block their destructors,
+    and a rank that reported its failure but never exits leaves its launcher waiting."""
+    if code != 1:
+        sys.exit(code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -23,7 +23,7 @@ from hetseq_hpc.errors import LaunchError
 log = logging.getLogger(__name__)
 
 NONE, TERMINATE, REQUEUE = 0, 1, 2
-REASONS = {TERMINATE: "SIGTERM (cancel, requeue or node shutdown)",
+REASONS = {TERMINATE: "SIGTERM (cancel, requeue or node shutdown) or a lost launcher (SIGHUP)",
            REQUEUE: "SIGUSR2 (time limit near, or preemption)"}
 
 
@@ -51,10 +51,19 @@ class StopRequest:
         log.warning("caught SIGTERM: will checkpoint after this step and stop")
         self.code = max(self.code, TERMINATE)
 
+    def _on_hup(self, signum, frame) -> None:
+        if self.code < TERMINATE:  # the first of possibly several (one per launcher thread)
+            log.warning("caught SIGHUP (the launcher is gone): will checkpoint after this step "
+                        "and stop")
+        self.code = max(self.code, TERMINATE)
+
     def install(self) -> StopRequest:
-        """Install the handlers (main thread only); returns self."""
+        """Install the handlers (main thread only); returns self. SIGHUP is the local
+        launcher's parent-death signal (:func:`hetseq_hpc.launch.local._die_with_parent`):
+        like a first SIGTERM, however often it comes."""
         signal.signal(signal.SIGUSR2, self._on_usr2)
         signal.signal(signal.SIGTERM, self._on_term)
+        signal.signal(signal.SIGHUP, self._on_hup)
         return self
 
 

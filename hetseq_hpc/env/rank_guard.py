@@ -6,7 +6,7 @@
   rank's log; a peer disconnection's traceback goes to the log only, with one warning line on
   the console.
 * :func:`watch_launcher`: the last resort when the local launcher is SIGKILLed. The rank also
-  gets a parent-death SIGTERM (``prctl``), which makes it checkpoint after its current step; if
+  gets a parent-death SIGHUP (``prctl``), which makes it checkpoint after its current step; if
   it is still alive :data:`ORPHAN_GRACE_S` after its launcher died (stuck in a collective or a
   rendezvous), the watchdog ends the process.
 """

@@ -12,7 +12,7 @@ The ranks die with their launcher: they run in their own process group (a termin
 reaches only the launcher), and the launcher sends every rank SIGTERM, once, when it stops for
 any reason (an error, Ctrl-C, SIGTERM or SIGHUP): the ranks checkpoint after their current step
 (SIGKILL after :data:`TERM_GRACE_S`). Each rank also gets a parent-death signal
-(Linux ``prctl(PR_SET_PDEATHSIG, SIGTERM)``), so a SIGKILLed launcher still stops them, with a
+(Linux ``prctl(PR_SET_PDEATHSIG, SIGHUP)``), so a SIGKILLed launcher still stops them, with a
 watchdog in the worker as the last resort (:func:`hetseq_hpc.env.rank_guard.watch_launcher`).
 """
 
@@ -121,8 +121,15 @@ def _is_stopped(pid: int) -> bool:
 
 
 def _die_with_parent(parent_pid: int) -> Optional[Callable[[], None]]:
-    """A ``preexec_fn`` that makes the child receive SIGTERM when this process dies (Linux
-    ``prctl(PR_SET_PDEATHSIG)``), or None where prctl does not exist."""
+    """A ``preexec_fn`` that makes the child receive SIGHUP when this process dies (Linux
+    ``prctl(PR_SET_PDEATHSIG)``), or None where prctl does not exist.
+
+    SIGHUP, not SIGTERM: the kernel sends the parent-death signal when the parent *thread*
+    ends (prctl(2)), and a SIGKILLed multi-threaded launcher (an elastic run's job store
+    serves from threads) ends thread by thread, so a rank may get it several times. The
+    worker takes any number of SIGHUPs as one stop request
+    (:class:`~hetseq_hpc.env.preemption.StopRequest`), while a second SIGTERM would end it at
+    once, before its checkpoint."""
     path = ctypes.util.find_library("c")
     try:
         prctl = ctypes.CDLL(path, use_errno=True).prctl if path else None
@@ -132,9 +139,9 @@ def _die_with_parent(parent_pid: int) -> Optional[Callable[[], None]]:
         return None
 
     def setup() -> None:  # runs in the child between fork and exec
-        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGHUP), 0, 0, 0)
         if os.getppid() != parent_pid:  # the launcher died before prctl took effect
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGHUP)
 
     return setup
 

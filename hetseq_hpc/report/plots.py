@@ -189,6 +189,10 @@ def text_summary(run_dir: Union[str, Path]) -> str:
                      f"{move.get('to')}")
     for ev in membership_events(run_dir):
         lost = [x.get("rank") for x in ev.get("lost") or [] if isinstance(x, dict)]
+        if ev.get("stopped"):  # too few survivors: they checkpointed and stopped for a requeue
+            lines.append(f"  lost rank(s) {lost} at step {ev.get('step')}: stopped "
+                         f"({ev['stopped']}) after a checkpoint, for a requeue")
+            continue
         lines.append(f"  lost rank(s) {lost} at step {ev.get('step')}: went on with "
                      f"{ev.get('world_size')} rank(s), split {ev.get('split')}, "
                      f"{ev.get('recovery_s')} s to the next completed step"

@@ -31,10 +31,19 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def _records_a_stop(row: Dict[str, Any]) -> bool:
+    """Whether ``row`` is the membership row of survivors that stopped (too few left,
+    :mod:`hetseq_hpc.train.elastic`): its ``step`` is the step in progress when the rank was
+    lost, after the checkpoint the requeued job resumes from, yet it is that job's history
+    (kept on resume, or the run would lose the record of why it stopped)."""
+    return row.get("event") == "membership" and bool(row.get("stopped"))
+
+
 class MetricsWriter:
     """Appends rows to ``<run dir>/metrics.jsonl``, flushed after every row so a crash loses
     nothing already logged. On resume, rows of steps after the checkpoint are dropped first,
-    so the file reads as one uninterrupted run."""
+    so the file reads as one uninterrupted run (a membership row that records a stop is kept:
+    :func:`_records_a_stop`)."""
 
     def __init__(self, path: Path, resume_step: int = 0):
         self.path = Path(path)
@@ -47,7 +56,7 @@ class MetricsWriter:
         # drops cut-off, damaged and non-row lines: what a resumed run appends must read back
         keep = [line for _, line, row in _parse(self.path, strict=False)
                 if isinstance(row, dict) and isinstance(row.get("step", 0), int)
-                and row.get("step", 0) <= step]
+                and (row.get("step", 0) <= step or _records_a_stop(row))]
         atomic_write_text(self.path, "".join(line + "\n" for line in keep))
 
     def write(self, row: Dict[str, Any]) -> None:

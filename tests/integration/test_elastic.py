@@ -200,6 +200,9 @@ def test_too_few_survivors_checkpoint_and_stop_for_a_requeue(reference, tmp_path
     assert sorted(losses(run_dir)) == list(range(1, state["step"] + 1))
     _finish(_start(run_dir, token_cache, "cluster.ranks=3", "trainer.resume=auto"))
     _same_trajectory(reference, run_dir)
+    (kept,) = _events(run_dir)  # the resumed run keeps the row that says why it stopped
+    report = hetseq("report", str(run_dir), token_cache=token_cache)
+    assert f"lost rank(s) [1] at step {kept['step']}: stopped (" in report.stdout, report.stdout
 
 
 @pytest.mark.parametrize(("victim", "kill_at", "reloaded"), [(0, 12, 10), (1, 5, 0)])

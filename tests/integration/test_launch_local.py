@@ -95,13 +95,11 @@ def test_sigterm_to_launcher_checkpoints_and_stops_the_ranks(tmp_path, token_cac
 
 @pytest.mark.slow
 def test_sigkill_to_launcher_stops_the_ranks_within_seconds(tmp_path, token_cache):
-    """SIGKILL cannot be caught: the ranks' parent-death signal (prctl) makes them checkpoint
-    and exit on their own.
-
-    KNOWN GAP (issue 24): an elastic run's job store lives in the launcher, and once it is gone
-    a rank that reaches for it before its checkpoint can fail instead (seen once under load), so
-    this test runs without in-job recovery; the elastic case is a follow-up."""
-    with _launcher(tmp_path, token_cache, *LONG_RUN, "trainer.elastic.enabled=false") as proc:
+    """SIGKILL cannot be caught: the ranks' parent-death signal (prctl, SIGHUP) makes them
+    checkpoint and exit on their own, also in an elastic run (the default), whose launcher
+    serves the job store from threads: the kernel sends the signal once per launcher thread
+    that ends, and a repeated SIGTERM used to end a rank before its checkpoint (2 runs in 3)."""
+    with _launcher(tmp_path, token_cache, *LONG_RUN) as proc:
         wait_rows(tmp_path, 3, proc)
         assert set(_ranks_of(tmp_path)) == {0, 1}
         os.kill(proc.pid, signal.SIGKILL)

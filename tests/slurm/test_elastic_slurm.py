@@ -2,27 +2,45 @@
 the project's test cluster: the batch script serves the job's store on the batch host, the
 step runs with ``--kill-on-bad-exit=0 --no-kill``, and ``kill -9`` of one task's process leaves
 the other two to finish every step with the uninterrupted trajectory (a 3-rank local run of the
-same job: the trajectory does not depend on where the ranks run). No requeue happens."""
+same job: the trajectory does not depend on where the ranks run). No requeue happens, unless
+the lost rank leaves fewer than ``trainer.elastic.min_ranks``: then the survivors checkpoint
+and requeue the job, which resumes from that checkpoint, as after a preemption."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Dict
 
 import pytest
 
+from hetseq_hpc.env.preemption import REQUEUE
+from hetseq_hpc.launch.failures import STOP_RECORD
 from tests.helpers.runs import REPO, SMALL_MODEL, cli_env, losses, read_rows
+from tests.helpers.slurm import squeue_state
 from tests.slurm.test_slurm_faults_real import _rank_pid
 
 COMMON = [*SMALL_MODEL, "task.model.max_seq_len=32", "task.model.dropout=0.0",
           "trainer.global_batch_size=24", "trainer.max_steps=30", "optim.schedule_steps=30",
           "trainer.seed=5", "trainer.val_every=0", "trainer.checkpoint_every=0",
           "trainer.elastic.timeout_s=12"]  # stale after 6 s: room for a loaded machine
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, token_cache) -> Dict[int, float]:
+    """step -> loss of an uninterrupted 3-rank local run of the same job."""
+    ref = tmp_path_factory.mktemp("ref")
+    done = subprocess.run([sys.executable, "-m", "hetseq_hpc", *COMMON, "cluster.ranks=3",
+                           f"hydra.run.dir={ref}"], cwd=REPO, env=cli_env(token_cache),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return losses(ref)
 
 
 def _steps(run_dir: Path) -> int:
@@ -32,12 +50,8 @@ def _steps(run_dir: Path) -> int:
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_kill_9_one_task_of_a_het_job_and_it_finishes_the_same(tmp_path, token_cache):
-    ref = tmp_path / "ref"
-    done = subprocess.run([sys.executable, "-m", "hetseq_hpc", *COMMON, "cluster.ranks=3",
-                           f"hydra.run.dir={ref}"], cwd=REPO, env=cli_env(token_cache),
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_kill_9_one_task_of_a_het_job_and_it_finishes_the_same(tmp_path, token_cache,
+                                                                reference):
     run_dir = tmp_path / "job"
     proc = subprocess.Popen([sys.executable, "-m", "hetseq_hpc", "cluster=testcluster",
                              "cluster.wait=true", *COMMON, f"hydra.run.dir={run_dir}"],
@@ -57,7 +71,7 @@ def test_kill_9_one_task_of_a_het_job_and_it_finishes_the_same(tmp_path, token_c
         job = json.loads((run_dir / "job.json").read_text())["job_id"]
         subprocess.run(["scancel", str(job)], capture_output=True)
     assert proc.returncode == 0, stderr[-3000:]
-    got, want = losses(run_dir), losses(ref)
+    got, want = losses(run_dir), reference
     assert sorted(got) == list(range(1, 31))
     worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
     assert worst <= 1e-6, f"largest relative difference {worst:.2e}"
@@ -65,3 +79,78 @@ def test_kill_9_one_task_of_a_het_job_and_it_finishes_the_same(tmp_path, token_c
     assert [x["rank"] for x in event["lost"]] == [1] and event["world_size"] == 2
     assert "SLURM_RESTART_COUNT" not in (run_dir / "logs" / "rank0.log").read_text()
     assert json.loads((run_dir / "summary.json").read_text())["lost_ranks"] == [1]
+
+
+def _poke_while_pending(job: str) -> None:
+    """A requeued job waits for its EligibleTime, and the test cluster's backfill only wakes on
+    a change (scripts/test-cluster.sh): touch the job while it is PENDING."""
+    if squeue_state(job) == "PENDING":
+        subprocess.run(["scontrol", "update", f"jobid={job}", "comment=poke"],
+                       capture_output=True)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [1, 0])
+def test_too_few_left_in_a_het_job_checkpoint_requeue_and_finish_the_same(
+        victim, tmp_path, token_cache, reference):
+    """``trainer.elastic.min_ranks=3``: ``kill -9`` of one task after step 10 leaves too few,
+    so the survivors' rank 0 (the original rank 1 when rank 0 is the one killed) checkpoints
+    the last completed step, writes the membership row that says why it stopped and requeues
+    the het job; the requeued job resumes from that checkpoint on 3 fresh ranks and finishes
+    all 30 steps (exit 0) with the uninterrupted run's losses."""
+    run_dir, err = tmp_path / "job", tmp_path / "cli.err"
+    overrides = [o for o in COMMON if not o.startswith("trainer.checkpoint_every=")]
+    with err.open("w") as sink:  # a file: a pipe could fill up while the test polls
+        proc = subprocess.Popen([sys.executable, "-m", "hetseq_hpc", "cluster=testcluster",
+                                 "cluster.wait=true", *overrides, "trainer.checkpoint_every=8",
+                                 "trainer.keep_checkpoints=10", "trainer.elastic.min_ranks=3",
+                                 f"hydra.run.dir={run_dir}"], cwd=REPO, env=cli_env(token_cache),
+                                stdout=subprocess.DEVNULL, stderr=sink)
+    job = ""
+    try:
+        deadline = time.monotonic() + 300  # a guard against hangs, not a speed check
+        while _steps(run_dir) < 10:
+            assert proc.poll() is None, err.read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        job = json.loads((run_dir / "job.json").read_text())["job_id"]
+        os.kill(_rank_pid(run_dir / "submitit", victim), signal.SIGKILL)
+        deadline = time.monotonic() + 600  # the requeued job waits for its EligibleTime too
+        while proc.poll() is None:
+            assert time.monotonic() < deadline, f"job {job} still {squeue_state(job)}"
+            _poke_while_pending(job)
+            time.sleep(1)
+        shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True,
+                               text=True).stdout
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if job:
+            subprocess.run(["scancel", job], capture_output=True)
+    assert proc.returncode == 0, err.read_text()[-3000:]
+    # the survivors stopped after a checkpoint of their last completed step, and said why
+    stop = json.loads((run_dir / STOP_RECORD).read_text())
+    assert stop["job_id"] == job and stop["code"] == REQUEUE and stop["requeued"], stop
+    assert stop["restarts"] == 0 and stop["step"] >= 10, stop
+    step = stop["step"]
+    assert (run_dir / "checkpoints" / f"step_{step:08d}.pt").is_file()
+    rows = read_rows(run_dir)
+    (at,) = [i for i, r in enumerate(rows) if r.get("event") == "membership"]
+    event = rows[at]
+    assert [x["rank"] for x in event["lost"]] == [victim] and event["world_size"] == 2, event
+    assert "fewer than trainer.elastic.min_ranks=3" in event["stopped"], event
+    assert [r["step"] for r in rows[:at]] == list(range(1, step + 1))
+    # ... and the job was requeued by the survivors' rank 0, and resumed from that checkpoint
+    logs = {p.name: p.read_text() for p in (run_dir / "logs").glob("rank*.log")}
+    leader = f"rank{1 if victim == 0 else 0}.log"
+    assert f"checkpointing step {step} and stopping" in logs[leader]
+    assert f"requeued job {job} (restart 1 of" in logs[leader]
+    assert re.findall(r"Restarts=(\d+)", shown) and \
+        set(re.findall(r"Restarts=(\d+)", shown)) == {"1"}, shown
+    assert re.search(rf"resumed from \S*step_{step:08d}\.pt at step {step} ", logs["rank0.log"])
+    assert [r["step"] for r in rows[at + 1:]] == list(range(step + 1, 31))
+    got = losses(run_dir)
+    assert sorted(got) == list(range(1, 31))
+    worst = max(abs(got[s] - reference[s]) / abs(reference[s]) for s in reference)
+    assert worst <= 1e-6, f"largest relative difference {worst:.2e}"

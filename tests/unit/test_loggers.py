@@ -52,6 +52,29 @@ def test_resume_cuts_every_logger_back_to_the_checkpoint(tmp_path):
     assert "reallocation/text_summary" in acc.Tags()["tensors"]
 
 
+def test_resume_keeps_the_membership_row_of_survivors_that_stopped(tmp_path):
+    """Survivors too few to go on (``trainer.elastic.min_ranks``) checkpoint step 3 and write a
+    membership row for step 4, the step in progress, which records the stop; the requeued job
+    resumes from step 3 and keeps that row (it was dropped as a row after the checkpoint), but
+    not an in-job recovery's row of a step it trains again."""
+    first = RunLoggers(tmp_path, ["jsonl"])
+    for step in range(1, 4):
+        first.write(_row(step, 10.0 - step))
+    stop = {"event": "membership", "step": 4, "lost": [{"rank": 1, "host": "n3"}],
+            "world_size": 2, "stopped": "losing rank(s) [1] (2 left, fewer than "
+                                        "trainer.elastic.min_ranks=3)"}
+    first.write(stop)
+    first.write({"event": "membership", "step": 5, "lost": [{"rank": 2, "host": "n4"}],
+                 "world_size": 2, "split": [12, 12]})
+    first.close()
+    second = RunLoggers(tmp_path, ["jsonl"], resume_step=3)
+    second.write(_row(4, 6.0, ranks=3))
+    second.close()
+    rows = read_rows(tmp_path)
+    assert [r.get("event", r["step"]) for r in rows] == [1, 2, 3, "membership", 4]
+    assert rows[3] == stop
+
+
 def test_wandb_without_the_package_is_skipped_with_a_warning(tmp_path, caplog):
     pytest.importorskip("tensorboard")
     if __import__("importlib").util.find_spec("wandb") is not None:
