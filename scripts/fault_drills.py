@@ -138,14 +138,16 @@ def drill_dead_rank(tmp: Path, cache: Path) -> dict:
 
 
 def _lose_a_rank(tmp: Path, cache: Path, name: str, victim: int, how: int, *overrides: str,
-                 delay_s: float = 0.0) -> dict:
+                 delay_s: float = 0.0, checkpoint_every: int = 0) -> dict:
     """3 ranks, 30 steps; at step 10 ``how`` (SIGKILL / SIGSTOP) hits rank ``victim``: with
     in-job recovery (the default) the run finishes. Reports seconds from the signal to the next
     completed step (from metrics.jsonl's row times) and the steps lost (re-done steps beyond
-    the interrupted one; 0 = the survivors went on from where the run was)."""
+    the interrupted one; 0 = the survivors went on from where the run was; under FSDP the
+    steps since the reloaded checkpoint, ``steps_redone``)."""
     run_dir = tmp / name
     proc = _start(run_dir, cache, "cluster.ranks=3", "trainer.max_steps=30",
-                  "trainer.checkpoint_every=0", "task.model.dropout=0.0", *overrides)
+                  f"trainer.checkpoint_every={checkpoint_every}", "task.model.dropout=0.0",
+                  *overrides)
     _wait_rows(run_dir, 10, proc)
     time.sleep(delay_s)
     pids = {}
@@ -162,6 +164,8 @@ def _lose_a_rank(tmp: Path, cache: Path, name: str, victim: int, how: int, *over
     after = [r["time"] for r in steps if r["time"] > t_signal]
     event = next((r for r in rows if r.get("event") == "membership"), {})
     lost = max(0, done_before - event.get("resumed_at_step", done_before + 1) + 1) if event else None
+    if event and "steps_redone" in event:  # FSDP: back to the last checkpoint
+        lost = event["steps_redone"]
     return {"ok": proc.returncode == 0 and len({r["step"] for r in steps}) == 30 and bool(event),
             "seconds": round(min(after) - t_signal, 2) if after else None,
             "steps_lost": lost, "exit": proc.returncode,
@@ -185,6 +189,13 @@ def drill_elastic_kill_in_checkpoint(tmp: Path, cache: Path) -> dict:
     every step: the kill lands in a checkpoint or a validation, which the others redo."""
     return _lose_a_rank(tmp, cache, "elastic_kill_ckpt", 1, signal.SIGKILL,
                         "trainer.val_every=1", "trainer.checkpoint_every=1", delay_s=0.015)
+
+
+def drill_elastic_fsdp_kill(tmp: Path, cache: Path) -> dict:
+    """kill -9 of rank 1 at step 10 of an FSDP run checkpointing every 5 steps: the survivors
+    reload the last checkpoint re-sharded over 2 ranks and train the steps since it again."""
+    return _lose_a_rank(tmp, cache, "elastic_fsdp", 1, signal.SIGKILL, "sharding.mode=fsdp",
+                        checkpoint_every=5)
 
 
 def drill_elastic_sigstop(tmp: Path, cache: Path) -> dict:
@@ -268,6 +279,7 @@ DRILLS: Dict[str, Callable[[Path, Path], dict]] = {
     "elastic_kill_rank0": drill_elastic_kill_rank0,
     "elastic_kill_in_checkpoint": drill_elastic_kill_in_checkpoint,
     "elastic_sigstop": drill_elastic_sigstop,
+    "elastic_fsdp_kill": drill_elastic_fsdp_kill,
     "flipped_bytes": drill_flipped_bytes,
     "payload_checkpoint": drill_payload_checkpoint,
     "second_run_same_dir": drill_second_run_same_dir,
