@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 #: margin on measured activation memory for temporaries the hooks do not see
 ACTIVATION_SAFETY = 1.5
+#: samples of the first, untimed pass whose saved bytes cap the warm-up pass's micro-batch
+PROBE_SAMPLES = 2
 #: the small timed micro-batch is the calibration micro-batch divided by this
 LOW_SIZE_DIVISOR = 4
 #: most passes a rank times while slower ranks still calibrate (``wait_for_peers``)
@@ -133,6 +135,23 @@ def fastest_per_size(sizes: Sequence[int], times_s: Sequence[float]) -> Tuple[Li
     return ordered, [best[n] for n in ordered]
 
 
+def probe_activation_bytes(run: Callable[[int], None], saved: Dict[int, int],
+                           micro_batch: int) -> Optional[Tuple[float, float]]:
+    """Run passes of 1 and :data:`PROBE_SAMPLES` samples (``run(n)`` records the pass's saved
+    tensor bytes in ``saved[n]``); returns ``(bytes per sample, fixed bytes)`` of the saved
+    activations, the slope and intercept of the two (the slope at least the larger pass's
+    bytes over its samples when the two do not grow: never zero), or None when
+    ``micro_batch`` is too small to need a cap."""
+    if micro_batch <= PROBE_SAMPLES:
+        return None
+    run(1)
+    run(PROBE_SAMPLES)
+    slope = (saved[PROBE_SAMPLES] - saved[1]) / (PROBE_SAMPLES - 1)
+    if slope <= 0:
+        return saved[PROBE_SAMPLES] / PROBE_SAMPLES, 0.0
+    return float(slope), float(max(saved[1] - slope, 0.0))
+
+
 def done_within(done: Callable[[], bool], seconds: float) -> bool:
     """True as soon as ``done()`` is; False if it is still False after ``seconds`` (polled
     every millisecond)."""
@@ -188,7 +207,10 @@ def calibrate(
     """Measure memory per sample, then time ``steps`` forward+backward passes at two sizes and
     fit the cost curve ``t(m) = a + c m`` (:func:`hetseq_hpc.balance.curves.fit_curve`).
 
-    Passes: one untimed pass at ``micro_batch`` (warm-up; saved activations, an upper bound
+    Passes: untimed probes of 1 and :data:`PROBE_SAMPLES` samples
+    (:func:`probe_activation_bytes`: their saved bytes lower ``micro_batch`` to the memory cap
+    first), one untimed pass at
+    ``micro_batch`` (warm-up; saved activations, an upper bound
     of the per-sample memory that sets a safe size for the timed passes), then the timed
     passes of :func:`timed_sizes` (the first small one also counts its saved activations: the
     difference is the per-sample memory), then (``step_fixed``) the per-step fixed cost
@@ -226,6 +248,15 @@ def calibrate(
         saved.setdefault(n, count)
 
     model.train()
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # small probes first (1 and 2 samples): their saved bytes cap the warm-up, which must not
+    # overrun a small budget either
+    probe_per_sample = probe_activation_bytes(run, saved, int(micro_batch))
+    if probe_per_sample is not None:  # the cap's own formula (below), from the probes' slope
+        micro_batch = max(1, min(int(micro_batch), memory_cap(
+            memory_budget_bytes, param_bytes, probe_per_sample[0] * ACTIVATION_SAFETY,
+            max_micro_batch, static_bytes)))
+    model.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base_alloc = torch.cuda.memory_allocated(device)
@@ -234,7 +265,6 @@ def calibrate(
     peak_per_sample = 0.0
     if device.type == "cuda":
         peak_per_sample = (torch.cuda.max_memory_allocated(device) - base_alloc) / micro_batch
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     # every saved byte counted as per-sample: an upper bound, so this cap is a safe one
     upper = max(saved[micro_batch] / micro_batch, peak_per_sample) * ACTIVATION_SAFETY
     sizes = timed_sizes(micro_batch, steps,
@@ -264,6 +294,8 @@ def calibrate(
     small = min(sizes)
     if micro_batch > small:
         per_sample = max(saved[micro_batch] - saved[small], 0) / (micro_batch - small)
+    elif probe_per_sample is not None:  # one size only (a tight budget): the probes' slope
+        per_sample = probe_per_sample[0]
     else:
         per_sample = float(saved[micro_batch]) / micro_batch
     per_sample = max(per_sample, peak_per_sample) * ACTIVATION_SAFETY

@@ -93,6 +93,30 @@ def test_fastest_per_size_ignores_one_off_stalls():
 
 
 # --------------------------------------------------------------------------- a real calibration
+def test_the_warm_up_pass_is_capped_by_a_small_probe_first():
+    """A budget too small for the calibration micro-batch: the probes' saved bytes (1 and 2
+    samples) cap the warm-up pass too, so no pass of calibration runs far above the cap."""
+    torch.manual_seed(0)
+    model = Tiny()
+    seen = []
+
+    def make_batch(n):
+        seen.append(n)
+        return {"x": torch.randn(n, 32), "y": torch.randn(n, 1)}
+
+    probe = {}
+    calibrate(model, lambda n: probe.setdefault(n, make_batch(n)), torch.device("cpu"), 2, 1,
+              2**30)
+    seen.clear()
+    per_sample = 1.5 * sum(v.numel() * 4 for v in probe[2].values()) / 2  # a rough guide
+    static = 1000.0
+    budget = (static + 6 * max(per_sample, 1.0) * 8) / 0.9
+    cal = calibrate(model, make_batch, torch.device("cpu"), 4096, 3, budget,
+                    static_bytes=static)
+    assert seen[:2] == [1, 2] and max(seen[2:]) < 4096, seen  # the warm-up was capped too
+    assert cal.max_micro_batch < 4096
+
+
 def test_calibration_fits_two_sizes_and_times_the_optimizer():
     torch.manual_seed(0)
     model = Tiny()
@@ -106,13 +130,14 @@ def test_calibration_fits_two_sizes_and_times_the_optimizer():
     cal = calibrate(model, make_batch, torch.device("cpu"), 16, 3, 2**30)
     sizes = [n for n, _ in cal.timings]
     assert sizes == [16, 4, 16]
-    assert seen == [16, 16, 4, 16]  # one warm-up pass, then the timed ones
+    assert seen == [1, 2, 16, 16, 4, 16]  # probes of 1 and 2, one warm-up pass, the timed ones
     assert all(t > 0 for _, t in cal.timings)
     assert cal.per_sample_s > 0 and cal.overhead_s >= 0 and cal.step_fixed_s > 0
     assert cal.samples_per_s == pytest.approx(16 / (cal.overhead_s + 16 * cal.per_sample_s))
     assert cal.max_micro_batch >= 16 and cal.activation_bytes_per_sample > 0
-    # no more forward+backward work than the one-size calibration (1 + 3 passes of 16, one of 1)
-    assert len(seen) <= 1 + 3 + 1 and sum(seen) <= 16 * 4 + 1
+    # no more forward+backward work than the one-size calibration (1 + 3 passes of 16, one of
+    # 1) and the probe
+    assert len(seen) <= 2 + 1 + 3 + 1 and sum(seen) <= 3 + 16 * 4 + 1
     # the model is untouched (the optimizer ran on copies) and holds no gradients
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())
@@ -153,7 +178,7 @@ def test_a_rank_done_early_times_more_passes_until_its_peers_are_done():
     # from where its own passes stopped, and every pass joins the fit's data
     asked = []
     passes = []
-    peers = _Peers(lambda: len(passes) >= 3 + 3 + 1)  # warm-up + 3 own passes + 3 more
+    peers = _Peers(lambda: len(passes) >= 2 + 3 + 3 + 1)  # probes, warm-up, 3 own, 3 more
 
     def wait_for_peers():
         asked.append(len(passes))
@@ -165,7 +190,7 @@ def test_a_rank_done_early_times_more_passes_until_its_peers_are_done():
 
     cal = calibrate(Tiny(), make_batch, torch.device("cpu"), 16, 3, 2**30,
                     wait_for_peers=wait_for_peers)
-    assert asked == [4], "asked once, after the warm-up and its own three passes"
+    assert asked == [6], "asked once, after the probes, the warm-up and its own three passes"
     assert [n for n, _ in cal.timings] == [16, 4, 16, 4, 16, 4]
     assert peers.waited == 1, "it leaves calibration only through the barrier's wait"
     assert cal.overhead_s >= 0 and cal.per_sample_s > 0
