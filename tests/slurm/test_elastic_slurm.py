@@ -50,11 +50,17 @@ def _steps(run_dir: Path) -> int:
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_kill_9_one_task_of_a_het_job_and_it_finishes_the_same(tmp_path, token_cache,
+@pytest.mark.parametrize("sharding", ["none", "fsdp"])
+def test_kill_9_one_task_of_a_het_job_and_it_finishes_the_same(sharding, tmp_path, token_cache,
                                                                 reference):
+    """DDP: the survivors go on from the interrupted step. FSDP: the lost task took its shard,
+    so the survivors reload the step-5 checkpoint re-sharded over 2 ranks, in-job."""
     run_dir = tmp_path / "job"
+    common = list(COMMON) if sharding == "none" else [
+        *(o for o in COMMON if not o.startswith("trainer.checkpoint_every=")),
+        "sharding.mode=fsdp", "trainer.checkpoint_every=5", "trainer.keep_checkpoints=10"]
     proc = subprocess.Popen([sys.executable, "-m", "hetseq_hpc", "cluster=testcluster",
-                             "cluster.wait=true", *COMMON, f"hydra.run.dir={run_dir}"],
+                             "cluster.wait=true", *common, f"hydra.run.dir={run_dir}"],
                             cwd=REPO, env=cli_env(token_cache), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -77,6 +83,8 @@ def test_kill_9_one_task_of_a_het_job_and_it_finishes_the_same(tmp_path, token_c
     assert worst <= 1e-6, f"largest relative difference {worst:.2e}"
     (event,) = [r for r in read_rows(run_dir) if r.get("event") == "membership"]
     assert [x["rank"] for x in event["lost"]] == [1] and event["world_size"] == 2
+    if sharding == "fsdp":
+        assert event["reloaded"]["step"] >= 5 and event["reloaded"]["checkpoint"], event
     assert "SLURM_RESTART_COUNT" not in (run_dir / "logs" / "rank0.log").read_text()
     assert json.loads((run_dir / "summary.json").read_text())["lost_ranks"] == [1]
 
