@@ -178,6 +178,19 @@ class Membership:
         return self.members.index(member)
 
 
+def recovering_key(generation: int, member: int) -> str:
+    """The key by which original rank ``member`` says it is re-forming into ``generation``
+    (:func:`announce_recovery`)."""
+    return f"g{int(generation)}/recovering/{int(member)}"
+
+
+def announce_recovery(store: Any, old: Membership, me: int) -> None:
+    """Say, before tearing the broken group down, that this rank is alive and re-forming:
+    :func:`reform` then waits up to half its ``timeout_s`` for it rather than leaving it out
+    after ``stale_s`` without a heartbeat (a lost rank never says it)."""
+    store.set(recovering_key(old.generation + 1, me), "1")
+
+
 def reform(store: Any, heartbeat: Heartbeat, me: int, old: Membership, stale_s: float,
            timeout_s: float) -> Membership:
     """Agree with the other survivors on the next world (see the module docstring).
@@ -198,7 +211,13 @@ def reform(store: Any, heartbeat: Heartbeat, me: int, old: Membership, stale_s: 
     key = f"g{gen}/members"
     while True:
         joined = [m for m in old.members if store.check([f"g{gen}/join/{m}"])]
-        lost = heartbeat.stale([m for m in old.members if m not in joined], stale_s)
+        waiting = [m for m in old.members if m not in joined]
+        # a member that said it is recovering is alive and on its way (tearing its group down
+        # can hold the GIL, and with it its heartbeat thread): it gets half of timeout_s
+        # (left out before the deadline if it dies on the way), not stale_s
+        coming = [m for m in waiting if store.check([recovering_key(gen, m)])]
+        lost = heartbeat.stale([m for m in waiting if m not in coming], stale_s) + \
+            heartbeat.stale(coming, max(stale_s, timeout_s / 2.0))
         if len(joined) + len(lost) == len(old.members):
             proposal = json.dumps(sorted(joined))
             winner = store.compare_set(key, "", proposal)

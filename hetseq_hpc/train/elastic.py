@@ -57,7 +57,13 @@ import torch
 import torch.distributed as dist
 
 from hetseq_hpc.balance.agree import RankReport, agree_on_allocation
-from hetseq_hpc.distributed.membership import Heartbeat, Membership, join_generation, reform
+from hetseq_hpc.distributed.membership import (
+    Heartbeat,
+    Membership,
+    announce_recovery,
+    join_generation,
+    reform,
+)
 from hetseq_hpc.distributed.rendezvous import Rendezvous, backend_for, leave
 from hetseq_hpc.env.preemption import REQUEUE
 from hetseq_hpc.errors import AllocationError, Preempted
@@ -189,6 +195,7 @@ class ElasticWorld:
                     "the lost ranks", step, "training" if trainer.phase == DONE else
                     f"after {PHASE_NAMES[trainer.phase]}", type(error).__name__, first)
         old = self.membership
+        announce_recovery(self.store, old, self.member)  # alive, even if tearing down is slow
         with_abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
         if with_abort is not None:
             try:
