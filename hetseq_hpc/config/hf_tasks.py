@@ -9,6 +9,7 @@ files are checked by :func:`hetseq_hpc.tasks.hf.hf_checks.check_hf_task` (before
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -18,8 +19,10 @@ from hetseq_hpc.errors import ConfigError
 
 #: task.model.kind values (``auto`` = from ``config.architectures``)
 HF_KINDS = ("auto", "causal_lm", "masked_lm", "classification", "seq2seq")
-#: data file suffixes task=hf reads (stdlib readers: no pyarrow)
-HF_DATA_SUFFIXES = (".txt", ".text", ".jsonl", ".json", ".csv", ".tsv")
+#: data file suffixes task=hf reads (stdlib readers; .parquet with the optional pyarrow)
+HF_DATA_SUFFIXES = (".txt", ".text", ".jsonl", ".json", ".csv", ".tsv", ".parquet")
+#: of those, the binary formats: not probed as UTF-8 text (their reader checks them)
+HF_BINARY_SUFFIXES = (".parquet",)
 
 
 def _not_local(key: str, value: str) -> ConfigError:
@@ -60,12 +63,14 @@ def check_data_file(path: str) -> str:
     """The absolute path of one ``task.data.files`` entry.
 
     Raises:
-        ConfigError: missing, not a file, empty, or of an unknown format. One line.
+        ConfigError: missing, not a file, empty, of an unknown format, or ``.parquet`` while
+            pyarrow is not installed (looked up, not imported). One line.
     """
     full = os.path.abspath(os.path.expanduser(path))
     if not os.path.exists(full):
         raise ConfigError(f"task.data.files: {path!r} does not exist: give existing local files "
-                          "(.txt, .jsonl, .csv), e.g. task.data.files=[/data/train.jsonl]")
+                          "(.txt, .jsonl, .csv, .parquet), e.g. "
+                          "task.data.files=[/data/train.jsonl]")
     if not os.path.isfile(full):
         raise ConfigError(f"task.data.files: {path!r} is not a file: list the files themselves")
     if os.path.getsize(full) == 0:
@@ -73,11 +78,12 @@ def check_data_file(path: str) -> str:
                           "text, or drop it from the list")
     suffix = os.path.splitext(full)[1].lower()
     if suffix not in HF_DATA_SUFFIXES:
-        hint = (" (Parquet needs pyarrow, not used here: convert it to JSON lines, e.g. "
-                "pandas.read_parquet(f).to_json(out, orient='records', lines=True))"
-                if suffix == ".parquet" else "")
         raise ConfigError(f"task.data.files: {path!r} has suffix {suffix or '(none)'!r}: use "
-                          f"one of {', '.join(HF_DATA_SUFFIXES)}{hint}")
+                          f"one of {', '.join(HF_DATA_SUFFIXES)}")
+    if suffix == ".parquet" and importlib.util.find_spec("pyarrow") is None:
+        raise ConfigError(f"task.data.files: {path!r} is Parquet, which needs pyarrow: pip "
+                          "install 'hetseq-hpc[parquet]' (or convert it to JSON lines: one "
+                          "{\"text\": ...} object per line)")
     return full
 
 
@@ -142,13 +148,14 @@ class HfModelConfig:
 class HfDataConfig:
     """The user's local files and how they become samples."""
 
-    # .txt (one sample per line; packed for LM), .jsonl/.json (JSON lines), .csv/.tsv
+    # .txt (one sample per line; packed for LM), .jsonl/.json (JSON lines), .csv/.tsv,
+    # .parquet (needs pyarrow: pip install 'hetseq-hpc[parquet]')
     files: List[str] = field(default_factory=list)
-    # the text column of JSON lines / CSV files
+    # the text column of JSON lines / CSV / Parquet files
     text_field: str = "text"
     # the label column (classification): integers 0..K-1, or strings (sorted into 0..K-1)
     label_field: str = "label"
-    # seq2seq: the input and the output text columns of JSON lines / CSV files
+    # seq2seq: the input and the output text columns of JSON lines / CSV / Parquet files
     source_field: str = "source"
     target_field: str = "target"
     # LM: join the texts and cut rows of exactly max_seq_len tokens (true), or one padded row
@@ -186,7 +193,7 @@ class HfTaskConfig:
     def __post_init__(self) -> None:
         self.model.check_paths()
         require(bool(self.data.files), "task.data.files is empty: list your local files, e.g. "
-                "task.data.files=[/data/train.jsonl] (.txt, .jsonl, .csv)")
+                "task.data.files=[/data/train.jsonl] (.txt, .jsonl, .csv, .parquet)")
         self.data.files = [check_data_file(str(f)) for f in self.data.files]
 
 

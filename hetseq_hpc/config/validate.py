@@ -9,6 +9,7 @@ import os
 from typing import TYPE_CHECKING, List
 
 from hetseq_hpc.config.cluster import visible_gpu_count
+from hetseq_hpc.config.hf_tasks import HF_BINARY_SUFFIXES, HfTaskConfig
 from hetseq_hpc.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -142,7 +143,7 @@ def _data_files(run: RunConfig) -> List[str]:
 def validate_run_config(run: RunConfig) -> None:
     """Cross-group checks: world size against the global batch, a forced allocation and
     ``grad_combine=adasum``, per-rank cluster settings, logger packages installed, data files
-    exist and hold text.
+    exist and hold text (``task=hf``'s Parquet files are binary: their reader checks them).
 
     Raises:
         ConfigError: with the offending values and the fix, in one line.
@@ -184,8 +185,10 @@ def validate_run_config(run: RunConfig) -> None:
             f"{run.comm.grad_combine} are DDP hooks; use comm.grad_compression=none "
             "comm.grad_combine=sum, or sharding.mode=none")
     check_logger_packages(list(trainer.loggers))
+    binary = HF_BINARY_SUFFIXES if isinstance(run.task, HfTaskConfig) else ()
     for path in expand_data_files(_data_files(run)):
-        check_text_file(path)
+        if not path.lower().endswith(binary):
+            check_text_file(path)
     if run.optim.schedule_steps is not None and run.optim.schedule_steps < trainer.max_steps:
         raise ConfigError(
             f"optim.schedule_steps={run.optim.schedule_steps} is below trainer.max_steps="

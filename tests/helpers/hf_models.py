@@ -138,3 +138,16 @@ def write_text_files(root: Path) -> dict:
                      + "\n")
     return {"txt": root / "lines.txt", "jsonl": root / "labelled.jsonl",
             "pairs": root / "pairs.jsonl"}
+
+
+def jsonl_to_parquet(source: Path, out: Path, row_group_size: int = 64) -> Path:
+    """Write the JSON-lines file ``source`` as the Parquet file ``out`` (same records, same
+    order, columns in the first record's key order) in row groups of ``row_group_size`` rows;
+    returns ``out``. Needs pyarrow."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [json.loads(line) for line in source.read_text(encoding="utf-8").splitlines()
+            if line.strip()]
+    pq.write_table(pa.Table.from_pylist(rows), out, row_group_size=row_group_size)
+    return out

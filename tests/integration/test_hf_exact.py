@@ -7,6 +7,8 @@ with a label column, seq2seq (T5) on JSON lines of source/target pairs), dropout
 optimizer (optim=finetune) with a larger learning rate: ``cluster.ranks=1`` (32 rows per step) and
 ``cluster.ranks=2 balance.allocation=[24,8] balance.max_micro_batch=5`` (accumulation on both)
 log the same loss at every one of 20 steps, to 1e-5 relative (``assert_same_losses``).
+Classification on a Parquet file (several row groups) logs the same losses as on the same
+records as JSON lines (1 rank).
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.hf_models import make_bert, make_gpt2, make_t5, write_text_files
+from tests.helpers.hf_models import (
+    jsonl_to_parquet,
+    make_bert,
+    make_gpt2,
+    make_t5,
+    write_text_files,
+)
 from tests.helpers.runs import REPO, assert_same_losses, cli_env, losses, read_rows
 
 pytestmark = pytest.mark.slow
@@ -67,6 +75,20 @@ def test_hf_uneven_ranks_repeat_one_rank(kind, hf_models, tmp_path, token_cache)
     assert summary["exact"] is True
     metric = "val_accuracy" if kind == "classification" else "val_ppl"
     assert metric in read_rows(ref)[-1]
+
+
+def test_parquet_trains_like_the_same_json_lines(hf_models, tmp_path, token_cache):
+    """task=hf classification on a Parquet file (row groups of 50 of its 400 records) logs the
+    same loss at each of 8 steps as on the same records given as JSON lines (1 rank)."""
+    path, data = hf_models["classification"]
+    parquet = jsonl_to_parquet(data, tmp_path / "labelled.parquet", row_group_size=50)
+    short = [*STEPS, "cluster.ranks=1", "trainer.max_steps=8", "optim.schedule_steps=8"]
+    for name, files in (("jsonl", data), ("parquet", parquet)):
+        run(tmp_path / name, token_cache, "task=hf", f"task.model.path={path}",
+            f"task.data.files=[{files}]", *short)
+    assert_same_losses(losses(tmp_path / "jsonl"), losses(tmp_path / "parquet"), range(1, 9))
+    summary = json.loads((tmp_path / "parquet" / "summary.json").read_text())
+    assert summary["task"]["data"]["kind"] == "classification" and summary["exact"] is True
 
 
 def test_finetuning_starts_from_the_saved_weights(hf_models, tmp_path, token_cache):

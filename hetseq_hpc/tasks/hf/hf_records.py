@@ -1,8 +1,11 @@
-"""The user's local files as records, read with the standard library (no pyarrow/``datasets``).
+"""The user's local files as records, read with the standard library (no ``datasets``), and
+Parquet with ``pyarrow`` when it is installed (:mod:`hetseq_hpc.tasks.hf.hf_parquet`).
 
 Formats, by suffix: ``.txt``/``.text`` (one sample per non-empty line, the text column only),
 ``.jsonl``/``.json`` (JSON lines: one object per line), ``.csv`` and ``.tsv`` (a header row
-names the columns). Each file is streamed: memory holds one record at a time.
+names the columns), ``.parquet`` (the named columns). Each file is streamed: memory holds one
+record at a time (one record batch of :data:`~hetseq_hpc.tasks.hf.hf_parquet.BATCH_ROWS` rows
+for Parquet).
 """
 
 from __future__ import annotations
@@ -13,14 +16,16 @@ import os
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from hetseq_hpc.errors import DataError
+from hetseq_hpc.tasks.hf.hf_parquet import parquet_columns, parquet_rows
 
 #: suffix -> format
 FORMATS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".csv": "csv",
-           ".tsv": "tsv"}
+           ".tsv": "tsv", ".parquet": "parquet"}
 
 
 def file_format(path: str) -> str:
-    """``"text"``, ``"json"``, ``"csv"`` or ``"tsv"`` from the suffix of ``path``.
+    """``"text"``, ``"json"``, ``"csv"``, ``"tsv"`` or ``"parquet"`` from the suffix of
+    ``path``.
 
     Raises:
         DataError: an unknown suffix (one line naming the accepted ones).
@@ -37,14 +42,17 @@ def _csv_reader(fh, fmt: str):
 
 def columns(path: str) -> List[str]:
     """The column names of ``path`` (a text file has the one column ``"text"``): the CSV
-    header, or the keys of the first JSON object.
+    header, the keys of the first JSON object, or the Parquet schema's names.
 
     Raises:
-        DataError: the file is empty or its first record is not a JSON object / CSV header.
+        DataError: the file is empty or its first record is not a JSON object / CSV header;
+            a Parquet file without pyarrow installed, unreadable, or of 0 rows.
     """
     fmt = file_format(path)
     if fmt == "text":
         return ["text"]
+    if fmt == "parquet":
+        return parquet_columns(path)
     with open(path, encoding="utf-8", newline="") as fh:
         if fmt in ("csv", "tsv"):
             names = _csv_reader(fh, fmt).fieldnames
@@ -86,7 +94,7 @@ def check_columns(paths: Sequence[str], wanted: Sequence[Tuple[str, str]]) -> No
             if name not in found:
                 if file_format(path) == "text":
                     raise DataError(f"data file {path!r} is plain text (one column, the text): "
-                                    f"{key}={name!r} needs JSON lines or CSV with that column")
+                                    f"{key}={name!r} needs JSON lines, CSV or Parquet with that column")
                 raise DataError(f"data file {path!r} has no column {name!r} ({key}); its "
                                 f"columns are {', '.join(map(repr, found))}: set {key}=<one of "
                                 "them>")
@@ -99,9 +107,17 @@ def records(path: str, text_field: str, label_field: Optional[str]
 
     Raises:
         DataError: a record lacks the column, a text is not a string, or the file is not
-            UTF-8 / not readable (one line naming the file and line).
+            UTF-8 / not readable (one line naming the file and line); a Parquet file lacks
+            the column (the line names the columns it has), holds no rows, or pyarrow is
+            not installed.
     """
     fmt = file_format(path)
+    if fmt == "parquet":
+        fields = [text_field] + ([label_field] if label_field else [])
+        for number, row in parquet_rows(path, fields):
+            yield _field(row, text_field, path, number), (
+                _field(row, label_field, path, number, text=False) if label_field else None)
+        return
     try:
         with open(path, encoding="utf-8", newline="" if fmt in ("csv", "tsv") else None) as fh:
             if fmt == "text":

@@ -2,7 +2,7 @@
 (``AutoModelForSeq2SeqLM``: T5, BART, ...), tokenised into a memory-mapped cache, and the
 row-wise batches.
 
-The pairs come from JSON lines / CSV files with the columns ``task.data.source_field`` and
+The pairs come from JSON lines / CSV / Parquet files with the columns ``task.data.source_field`` and
 ``task.data.target_field``. Both are tokenised with the tokenizer's special tokens (T5: ``</s>``
 at the end), truncated to ``task.model.max_seq_len`` (source) and ``task.model.max_target_len``
 (target) and padded. The cache folder holds ``source.npy``/``target.npy`` (``(N, T)`` int32),
