@@ -197,6 +197,9 @@ class PartitionConfig:
     # memory budget per rank in GiB for the micro-batch cap (emulates a small-memory GPU);
     # null = cluster.memory_budget_gb, else the device's free memory
     memory_budget_gb: Optional[float] = None
+    # the planner's link between two ranks of one node in Gbit/s (PCIe, NVLink); null = the
+    # GPU class's spec row (hetseq-hpc plan), e.g. 128 for PCIe 3.0 x16 behind one switch
+    intra_node_gbps: Optional[float] = None
     # more sbatch options for this component, e.g. {exclude: "n7"}
     extra_sbatch: Dict[str, str] = field(default_factory=dict)
 
@@ -237,6 +240,9 @@ class PartitionConfig:
             0.0 < self.emulate_speed <= 1.0,
             f"{where}.emulate_speed={self.emulate_speed} is invalid: it must be in (0, 1]",
         )
+        require(self.intra_node_gbps is None or self.intra_node_gbps > 0,
+                f"{where}.intra_node_gbps={self.intra_node_gbps} is invalid: give the link "
+                "between two GPUs of a node in Gbit/s (> 0), or null for the GPU's spec")
         if self.memory_budget_gb is not None:
             require(
                 self.memory_budget_gb > 0,

@@ -74,11 +74,14 @@ def intra_node_gbps(gpu_type: Optional[str]) -> float:
 
 def ring_gbps_of(run, network_gbps: float) -> float:
     """The all-reduce ring's slowest link for ``run``'s cluster
-    (:func:`hetseq_hpc.plan.step_time.ring_link_gbps`): traffic inside a node at the GPUs' link,
-    only cross-node hops at ``network_gbps``. cluster=local: ``network_gbps`` (loopback)."""
+    (:func:`hetseq_hpc.plan.step_time.ring_link_gbps`): traffic inside a node at the GPUs' link
+    (a partition's ``intra_node_gbps``, else its GPU's spec), only cross-node hops at
+    ``network_gbps``. cluster=local: ``network_gbps`` (loopback)."""
     if run.cluster.is_local:
         return float(network_gbps)
-    groups = [(int(p.nodes), int(p.ranks_per_node_effective), intra_node_gbps(p.gpu_type))
+    groups = [(int(p.nodes), int(p.ranks_per_node_effective),
+               float(p.intra_node_gbps) if getattr(p, "intra_node_gbps", None)
+               else intra_node_gbps(p.gpu_type))
               for p in run.cluster.partitions.values()]
     return ring_link_gbps(groups, network_gbps)
 

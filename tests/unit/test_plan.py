@@ -311,3 +311,23 @@ def test_a_probe_that_matches_no_partition_or_misses_a_cpu_one_is_refused(tmp_pa
     cpu = "+cluster.partitions.cpus={partition: cpus, nodes: 1}"
     with pytest.raises(ConfigError, match="CPU-only partition"):
         make_plan(compose_run_config(["cluster=mixed", cpu, *SMALL_MODEL, f"plan.probe={probe}"]))
+
+
+def test_a_partition_can_set_its_own_intra_node_link():
+    """``cluster.partitions.NAME.intra_node_gbps`` overrides the GPU's spec row for the ring's
+    links inside a node (a PCIe switch slower than the spec's, NVLink the spec lacks); the
+    value is validated like the other partition fields."""
+    from hetseq_hpc.config.compose import compose_run_config
+    from hetseq_hpc.plan.planner import intra_node_gbps, ring_gbps_of
+
+    base = ["task=bert", "cluster=mixed"]
+    run = compose_run_config(base)
+    names = list(run.cluster.partitions)
+    slow = [f"cluster.partitions.{n}.intra_node_gbps=1" for n in names]
+    assert ring_gbps_of(compose_run_config([*base, *slow]), 1000.0) == pytest.approx(1.0)
+    default = ring_gbps_of(run, 1000.0)
+    specs = [intra_node_gbps(p.gpu_type) for p in run.cluster.partitions.values()
+             if p.ranks_per_node_effective > 1]
+    assert default == pytest.approx(min([*specs, 1000.0]))
+    with pytest.raises(ConfigError, match=rf"cluster\.partitions\.{names[0]}\.intra_node_gbps"):
+        compose_run_config([*base, f"cluster.partitions.{names[0]}.intra_node_gbps=0"])
