@@ -52,7 +52,7 @@ from hetseq_hpc.env.emulation import emulate_speed, exempt_communication_threads
 from hetseq_hpc.env.emulation import record as record_emulation
 from hetseq_hpc.env.hardware import DeviceProbe, probe
 from hetseq_hpc.env.preemption import REQUEUE, StopRequest, requeue_job
-from hetseq_hpc.env.rank_guard import report_failure, watch_launcher
+from hetseq_hpc.env.rank_guard import FAILED, exit_process, report_failure, watch_launcher
 from hetseq_hpc.env.startup import BACKGROUND_IMPORTS, PhaseClock, prefetch_imports
 from hetseq_hpc.env.world import WorldInfo
 from hetseq_hpc.errors import Preempted, RankExcluded, exit_code
@@ -365,28 +365,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             handle_preempted(exc, run)
         return 3
     except RankExcluded as exc:  # the job went on without this rank: not a failure
+        FAILED.append(exc)  # see FAILED
         log.warning("rank %d: %s", rank, exc)
         return exit_code(exc)
     except BaseException as exc:  # every failure is reported, then re-signalled
         if isinstance(exc, KeyboardInterrupt):
             return 130
+        FAILED.append(exc)  # see FAILED
         one_line = report_failure(exc, rank, RunDir(run_dir).error_file(rank))
         if not logging.getLogger().handlers:
             print(f"rank {rank}: {type(exc).__name__}: {one_line}", file=sys.stderr)
         return 1
-
-
-def exit_process(code: int) -> None:
-    """End the worker process with ``code``. A failed rank (code 1) skips the interpreter's
-    teardown (logs flushed first, ``os._exit``): objects of a broken process group (DDP's
-    reducer, a gloo pair with work pending on a stopped peer) can block their destructors,
-    and a rank that reported its failure but never exits leaves its launcher waiting."""
-    if code != 1:
-        sys.exit(code)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,15 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import sys
 import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 from hetseq_hpc.errors import HetseqError
 from hetseq_hpc.files.atomic import atomic_write_json
@@ -104,5 +106,53 @@ def watch_launcher(env=None, grace_s: float = ORPHAN_GRACE_S) -> Optional[thread
     return thread
 
 
-__all__ = ["LAUNCHER_PID_ENV", "ORPHAN_GRACE_S", "PEER_MARKERS", "is_peer_error", "report_failure",
-           "watch_launcher"]
+#: the errors of a failed or left-out rank, kept referenced until the process ends: freeing
+#: their tracebacks would free the training objects, and a DDP reducer freed while a broken
+#: gloo group still runs its comm hook's callback deadlocks (the reducer's destructor joins
+#: gloo's thread holding the GIL, and that thread waits for the GIL; seen with a stopped
+#: peer: the rank reported its failure and never exited, its watchdog thread stuck too)
+FAILED: List[BaseException] = []
+
+
+def exit_process(code: int) -> None:
+    """End the worker process with ``code``. A failed or left-out rank (an error in
+    :data:`FAILED`) skips the interpreter's teardown (logs flushed first, ``os._exit``): a rank
+    that reported its failure but never exits would leave its launcher waiting."""
+    if not FAILED:
+        sys.exit(code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def exit_at_shutdown(error: BaseException, code: int) -> None:
+    """For a rank whose entry point is not :func:`exit_process` (submitit's, under Slurm):
+    keep ``error`` referenced (:data:`FAILED`) and end the process with ``code`` from an
+    ``atexit`` hook, before the interpreter frees the training objects. Only in submitit's
+    job process (``python -m submitit.core._submit``): called in-process elsewhere (a test),
+    it keeps the error and leaves the process alone."""
+    FAILED.append(error)
+    if os.path.basename(sys.argv[0] if sys.argv else "") != "_submit.py":
+        return
+
+    def end() -> None:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    atexit.register(end)
+
+
+__all__ = [
+    "FAILED",
+    "LAUNCHER_PID_ENV",
+    "ORPHAN_GRACE_S",
+    "PEER_MARKERS",
+    "exit_at_shutdown",
+    "exit_process",
+    "is_peer_error",
+    "report_failure",
+    "watch_launcher",
+]

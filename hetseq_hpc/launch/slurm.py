@@ -33,7 +33,7 @@ from submitit.slurm.slurm import SlurmExecutor
 
 from hetseq_hpc.config import RunConfig, SlurmClusterConfig, load_run_config, save_run_config
 from hetseq_hpc.env.preemption import REQUEUE
-from hetseq_hpc.env.rank_guard import report_failure
+from hetseq_hpc.env.rank_guard import exit_at_shutdown, report_failure
 from hetseq_hpc.errors import ConfigError, LaunchError, Preempted, RankExcluded
 from hetseq_hpc.files.atomic import atomic_write_text
 from hetseq_hpc.launch.failures import (
@@ -126,9 +126,11 @@ class HetseqJobFunction:
             handle_preempted(exc, run)
             raise SystemExit(3) from None
         except RankExcluded as exc:  # the others went on without this rank: not a failure
+            exit_at_shutdown(exc, 0)  # no teardown of its broken group (rank_guard.FAILED)
             log.warning("rank %d: %s", rank, exc)
             return {EXCLUDED_RESULT: True, "rank": rank}
         except Exception as exc:
+            exit_at_shutdown(exc, 1)
             report_failure(exc, rank, RunDir(self.run_dir).error_file(rank))
             note_stopped(RunDir(self.run_dir).error_file(rank), watch.stopped_s)
             raise
