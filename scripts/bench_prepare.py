@@ -21,8 +21,10 @@ Usage: ``python scripts/bench_prepare.py --corpus-mb 1024 [--keep DIR]``.
 byte-level BPE tokenizer (30k tokens) is trained here on the first 20 MB of the corpus and saved
 with a config-only model (``task.model.config``: nothing downloaded, no weights), then
 ``hetseq-hpc prepare task=hf`` tokenises the corpus (one text per line, packed rows) with the
-word cache of ``hetseq_hpc.tasks.hf.word_cache`` (one process per core; ``--plain``: the
-Rust ``encode_batch_fast`` on all cores, the path before it). The JSON line adds ``path``,
+word cache of ``hetseq_hpc.tokenizing`` with the product's default worker count (one spawned
+process per core, at most 8, for files of 8 MB or more; ``HETSEQ_PREPARE_WORKERS`` in the
+environment overrides it as for ``prepare``; ``--plain``: the Rust ``encode_batch_fast`` on
+all cores, the path before it). The JSON line adds ``path``,
 ``tokens``, ``tokens_per_s`` and ``tokens_per_s_per_core`` (per core used) and the machine
 (``cpu``). Peak RSS is the largest single process (``prepare`` or one of its workers).
 """
@@ -66,9 +68,6 @@ def build_corpus(path: Path, target_mb: float) -> int:
 
 
 def main() -> int:
-    # the figures in docs/benchmarks.md used one forked worker per core; the product's default
-    # is 1 (forked workers are opt-in, see hetseq_hpc.tasks.hf.word_cache.prepare_workers)
-    os.environ.setdefault("HETSEQ_PREPARE_WORKERS", str(min(len(os.sched_getaffinity(0)), 8)))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus-mb", type=float, default=1024.0,
                         help="corpus size in MB (10^6 bytes); default 1024")

@@ -22,7 +22,7 @@ from tokenizers import (  # noqa: E402
     trainers,
 )
 
-from hetseq_hpc.tasks.hf.word_cache import WordCache, fast_mode  # noqa: E402
+from hetseq_hpc.tokenizing.word_cache import WordCache, fast_mode  # noqa: E402
 
 BASE = [
     "The quick brown fox, jumped over the lazy dog's back! (twice)",

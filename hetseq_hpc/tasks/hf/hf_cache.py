@@ -10,9 +10,11 @@ rows ``lengths.npy`` (``(N,)`` int32), for classification ``labels.npy`` (``(N,)
 Texts are encoded ``task.data.encode_batch`` at a time by the Rust tokenizer's
 ``encode_batch_fast`` on all cores (``TOKENIZERS_PARALLELISM=true``). Packed text whose
 tokenizer provably never joins across whitespace (BERT WordPiece, GPT-2 byte-level BPE) is
-encoded word by word through a bounded cache in one process per core instead
-(:mod:`hetseq_hpc.tasks.hf.word_cache`: the same ids, several times faster;
-``HETSEQ_PREPARE_FAST=0`` turns it off). Two layouts:
+encoded word by word through a bounded cache instead (:mod:`hetseq_hpc.tokenizing`: the same
+ids, several times faster; ``HETSEQ_PREPARE_FAST=0`` turns it off), in one spawned process
+per core (at most 8) when the files hold 8 MB or more, else in this process
+(``HETSEQ_PREPARE_WORKERS=N`` overrides: :func:`hetseq_hpc.tokenizing.pool.prepare_workers`).
+Two layouts:
 
 - packed (language models, ``task.data.pack=true``): the texts' tokens joined by the
   tokenizer's separator (``[SEP]``/EOS) and cut into rows of exactly ``T`` tokens (masked LM
@@ -40,8 +42,9 @@ from hetseq_hpc.errors import DataError
 from hetseq_hpc.files.atomic import atomic_write, atomic_write_text, remove_stale_temps
 from hetseq_hpc.tasks.bert.mlm_data import NPY_HEADER_BYTES, npy_header
 from hetseq_hpc.tasks.hf.hf_records import records
-from hetseq_hpc.tasks.hf.word_cache import encode_stream, fast_mode, prepare_workers
 from hetseq_hpc.tasks.npy_cache import open_npy_cache, save_npy
+from hetseq_hpc.tokenizing.pool import encode_stream, prepare_workers
+from hetseq_hpc.tokenizing.word_cache import fast_mode
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +203,7 @@ def _build(data_cfg: Any, tokenizer: Any, kind: str, seq_len: int, directory: Pa
     eos_id = _special(tokenizer, "eos")
     pad_id = _special(tokenizer, "pad")
     pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
-    workers = prepare_workers()
+    workers = prepare_workers(sum(os.path.getsize(path) for path in data_cfg.files))
     lengths: List[np.ndarray] = []
     raw_labels: List[object] = []
     stats = {"texts": 0, "tokens": 0, "bytes": 0}

@@ -26,15 +26,13 @@ added tokens containing whitespace) gets ``None``: the caller uses the plain pat
 
 from __future__ import annotations
 
-import collections
 import itertools
 import json
-import multiprocessing
 import os
 import re
 from array import array
 from operator import attrgetter
-from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -216,65 +214,3 @@ _ids = attrgetter("ids")
 def _int32_bytes(ids: List[int]) -> bytes:
     """``ids`` as native int32 bytes."""
     return array("i", ids).tobytes()
-
-
-# --- worker processes -------------------------------------------------------------------------
-
-_WORKER: Optional[WordCache] = None
-
-
-def worker_init(tokenizer_json: str, mode: str, capacity: int) -> None:
-    """Process-pool initializer: one single-threaded tokenizer and cache per process."""
-    global _WORKER
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    from tokenizers import Tokenizer
-
-    _WORKER = WordCache(Tokenizer.from_str(tokenizer_json), mode, capacity)
-
-
-def worker_encode(texts: List[str]) -> Tuple[np.ndarray, np.ndarray, int]:
-    """``(ids, ends, utf-8 bytes)`` of a batch, in a pool process (see :func:`worker_init`)."""
-    if _WORKER is None:
-        raise RuntimeError("worker_encode called before worker_init")
-    flat, ends = _WORKER.encode(texts)
-    return flat, ends, len("".join(texts).encode("utf-8"))
-
-
-def prepare_workers() -> int:
-    """Processes for :func:`encode_stream`: 1 (this process) unless ``HETSEQ_PREPARE_WORKERS``
-    asks for more. Forked workers are opt-in: a prepare inside a training job forks a process
-    that already runs threads (torch, tokenizers), and one such run hung (2026-11-26)."""
-    return max(1, int(os.environ.get("HETSEQ_PREPARE_WORKERS", "1") or 1))
-
-
-def encode_stream(batches: Iterable[List[str]], tokenizer_json: str, mode: str,
-                  workers: int, capacity: int = CACHE_PIECES
-                  ) -> Iterator[Tuple[int, np.ndarray, np.ndarray, int]]:
-    """``(texts, ids, ends, utf-8 bytes)`` of every batch, in order (see
-    :meth:`WordCache.encode`).
-
-    With ``workers > 1`` the batches are encoded by that many forked processes, each with its
-    own cache; at most ``2 * workers`` batches are in flight, so memory stays bounded
-    whatever the corpus size. One worker encodes here, in this process.
-    """
-    if workers <= 1:
-        from tokenizers import Tokenizer
-
-        cache = WordCache(Tokenizer.from_str(tokenizer_json), mode, capacity)
-        for texts in batches:
-            flat, ends = cache.encode(texts)
-            yield len(texts), flat, ends, len("".join(texts).encode("utf-8"))
-        return
-    methods = multiprocessing.get_all_start_methods()
-    # fork: no re-import of the (torch-importing) package in the workers; they use no threads
-    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-    pending: Deque[Tuple[int, Any]] = collections.deque()
-    with ctx.Pool(workers, worker_init, (tokenizer_json, mode, capacity)) as pool:
-        for texts in batches:
-            pending.append((len(texts), pool.apply_async(worker_encode, (texts,))))
-            if len(pending) >= 2 * workers:
-                count, job = pending.popleft()
-                yield (count, *job.get())
-        while pending:
-            count, job = pending.popleft()
-            yield (count, *job.get())
