@@ -109,10 +109,12 @@ def test_a_model_ddp_refuses_trains_sharded_auto_chooses_and_export(tmp_path, ru
         for rank, m in enumerate(memory):
             assert m["peak_measure"].startswith("torch_cpu_allocations"), m
             # KNOWN GAP (issue 22, left open): calibration's warm-up is capped now (probes of
-            # 1 and 2 samples first), but at this tiny budget the memory model itself is short:
-            # forced to micro-batch 1 the small rank peaked at 14.1 MiB of 13.3 (the state
-            # formula says 8.3 MB), and each sample took ~1.2 MiB where calibration counts 0.8
-            # (saved tensors x 1.5). A gross bound here; the exact one is reported below.
+            # 1 and 2 samples first), but at this tiny budget the peak is not held, and not
+            # even measured steadily: forced to micro-batch 1 (balance.allocation=[1,31]),
+            # identical runs of the small rank peaked at 14.1 to 24.8 MiB of 13.3 (the
+            # profiler's running sum of CPU allocations; the state formula says 8.3 MB);
+            # leaving out calibration's optimizer timing (its shard copies) did not settle it.
+            # A gross bound here; the exact one is reported below.
             assert m["state_bytes"] < m["measured_peak_bytes"] <= 1.5 * m["budget_bytes"], \
                 (rank, m)
             if m["measured_peak_bytes"] > m["budget_bytes"]:
