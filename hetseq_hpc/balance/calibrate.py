@@ -43,8 +43,9 @@ log = logging.getLogger(__name__)
 
 #: margin on measured activation memory for temporaries the hooks do not see
 ACTIVATION_SAFETY = 1.5
-#: samples of the first, untimed pass whose saved bytes cap the warm-up pass's micro-batch
-PROBE_SAMPLES = 2
+#: samples of the two untimed probe passes whose saved bytes cap the warm-up pass's
+#: micro-batch (2, not 1: BatchNorm refuses one sample per channel in training)
+PROBE_SAMPLES = (2, 4)
 #: the small timed micro-batch is the calibration micro-batch divided by this
 LOW_SIZE_DIVISOR = 4
 #: most passes a rank times while slower ranks still calibrate (``wait_for_peers``)
@@ -137,19 +138,20 @@ def fastest_per_size(sizes: Sequence[int], times_s: Sequence[float]) -> Tuple[Li
 
 def probe_activation_bytes(run: Callable[[int], None], saved: Dict[int, int],
                            micro_batch: int) -> Optional[Tuple[float, float]]:
-    """Run passes of 1 and :data:`PROBE_SAMPLES` samples (``run(n)`` records the pass's saved
+    """Run passes of the :data:`PROBE_SAMPLES` sizes (``run(n)`` records the pass's saved
     tensor bytes in ``saved[n]``); returns ``(bytes per sample, fixed bytes)`` of the saved
-    activations, the slope and intercept of the two (the slope at least the larger pass's
-    bytes over its samples when the two do not grow: never zero), or None when
-    ``micro_batch`` is too small to need a cap."""
-    if micro_batch <= PROBE_SAMPLES:
+    activations, the slope and intercept of the two (the larger pass's bytes over its
+    samples when they do not grow: never zero), or None when ``micro_batch`` is too small to
+    need a cap."""
+    small, large = PROBE_SAMPLES
+    if micro_batch <= large:
         return None
-    run(1)
-    run(PROBE_SAMPLES)
-    slope = (saved[PROBE_SAMPLES] - saved[1]) / (PROBE_SAMPLES - 1)
+    run(small)
+    run(large)
+    slope = (saved[large] - saved[small]) / (large - small)
     if slope <= 0:
-        return saved[PROBE_SAMPLES] / PROBE_SAMPLES, 0.0
-    return float(slope), float(max(saved[1] - slope, 0.0))
+        return saved[large] / large, 0.0
+    return float(slope), float(max(saved[small] - small * slope, 0.0))
 
 
 def done_within(done: Callable[[], bool], seconds: float) -> bool:
@@ -207,7 +209,7 @@ def calibrate(
     """Measure memory per sample, then time ``steps`` forward+backward passes at two sizes and
     fit the cost curve ``t(m) = a + c m`` (:func:`hetseq_hpc.balance.curves.fit_curve`).
 
-    Passes: untimed probes of 1 and :data:`PROBE_SAMPLES` samples
+    Passes: untimed probes of :data:`PROBE_SAMPLES` samples
     (:func:`probe_activation_bytes`: their saved bytes lower ``micro_batch`` to the memory cap
     first), one untimed pass at
     ``micro_batch`` (warm-up; saved activations, an upper bound
@@ -249,7 +251,7 @@ def calibrate(
 
     model.train()
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    # small probes first (1 and 2 samples): their saved bytes cap the warm-up, which must not
+    # small probes first (2 and 4 samples): their saved bytes cap the warm-up, which must not
     # overrun a small budget either
     probe_per_sample = probe_activation_bytes(run, saved, int(micro_batch))
     if probe_per_sample is not None:  # the cap's own formula (below), from the probes' slope

@@ -111,11 +111,14 @@ def test_kill_9_a_rank_at_step_10_and_the_run_finishes_the_same(victim, referenc
     assert (run_dir / "ranks.png").is_file()
 
 
-def test_a_stopped_rank_is_left_out_then_ended(reference, tmp_path, token_cache):
+@pytest.mark.parametrize("extra", [(), ("balance.rebalance_every=1",)])
+def test_a_stopped_rank_is_left_out_then_ended(extra, reference, tmp_path, token_cache):
     """SIGSTOP (a hung process): the others time out after ``trainer.elastic.timeout_s``, go on
-    without it, and the launcher ends the stopped process."""
+    without it, and the launcher ends the stopped process. With a re-balancing decision after
+    every step the stop may land in that decision's collective, which waits the step's
+    timeout too (it waited ``cluster.collective_timeout_s``, 300 s, once in CI)."""
     run_dir = tmp_path / "run"
-    proc = _start(run_dir, token_cache, "cluster.ranks=3")
+    proc = _start(run_dir, token_cache, "cluster.ranks=3", *extra)
     _at_step(run_dir, proc, 10)
     pid = worker_pids(run_dir)[2]
     os.kill(pid, signal.SIGSTOP)

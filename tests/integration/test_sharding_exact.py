@@ -109,7 +109,7 @@ def test_a_model_ddp_refuses_trains_sharded_auto_chooses_and_export(tmp_path, ru
         for rank, m in enumerate(memory):
             assert m["peak_measure"].startswith("torch_cpu_allocations"), m
             # KNOWN GAP (issue 22, left open): calibration's warm-up is capped now (probes of
-            # 1 and 2 samples first), but at this tiny budget the peak is not held, and not
+            # 2 and 4 samples first), but at this tiny budget the peak is not held, and not
             # even measured steadily: forced to micro-batch 1 (balance.allocation=[1,31]),
             # identical runs of the small rank peaked at 14.1 to 24.8 MiB of 13.3 (the
             # profiler's running sum of CPU allocations; the state formula says 8.3 MB);

@@ -94,7 +94,7 @@ def test_fastest_per_size_ignores_one_off_stalls():
 
 # --------------------------------------------------------------------------- a real calibration
 def test_the_warm_up_pass_is_capped_by_a_small_probe_first():
-    """A budget too small for the calibration micro-batch: the probes' saved bytes (1 and 2
+    """A budget too small for the calibration micro-batch: the probes' saved bytes (2 and 4
     samples) cap the warm-up pass too, so no pass of calibration runs far above the cap."""
     torch.manual_seed(0)
     model = Tiny()
@@ -113,7 +113,7 @@ def test_the_warm_up_pass_is_capped_by_a_small_probe_first():
     budget = (static + 6 * max(per_sample, 1.0) * 8) / 0.9
     cal = calibrate(model, make_batch, torch.device("cpu"), 4096, 3, budget,
                     static_bytes=static)
-    assert seen[:2] == [1, 2] and max(seen[2:]) < 4096, seen  # the warm-up was capped too
+    assert seen[:2] == [2, 4] and max(seen[2:]) < 4096, seen  # the warm-up was capped too
     assert cal.max_micro_batch < 4096
 
 
@@ -130,14 +130,14 @@ def test_calibration_fits_two_sizes_and_times_the_optimizer():
     cal = calibrate(model, make_batch, torch.device("cpu"), 16, 3, 2**30)
     sizes = [n for n, _ in cal.timings]
     assert sizes == [16, 4, 16]
-    assert seen == [1, 2, 16, 16, 4, 16]  # probes of 1 and 2, one warm-up pass, the timed ones
+    assert seen == [2, 4, 16, 16, 4, 16]  # probes of 2 and 4, one warm-up pass, the timed ones
     assert all(t > 0 for _, t in cal.timings)
     assert cal.per_sample_s > 0 and cal.overhead_s >= 0 and cal.step_fixed_s > 0
     assert cal.samples_per_s == pytest.approx(16 / (cal.overhead_s + 16 * cal.per_sample_s))
     assert cal.max_micro_batch >= 16 and cal.activation_bytes_per_sample > 0
     # no more forward+backward work than the one-size calibration (1 + 3 passes of 16, one of
     # 1) and the probe
-    assert len(seen) <= 2 + 1 + 3 + 1 and sum(seen) <= 3 + 16 * 4 + 1
+    assert len(seen) <= 2 + 1 + 3 + 1 and sum(seen) <= 6 + 16 * 4 + 1
     # the model is untouched (the optimizer ran on copies) and holds no gradients
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())
