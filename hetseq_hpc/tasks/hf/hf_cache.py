@@ -55,15 +55,22 @@ _IDS = operator.attrgetter("ids")
 HF_CACHE_FORMAT = 1
 
 
-def hf_cache_key(data_cfg: Any, tokenizer_json: str, kind: str, seq_len: int) -> str:
-    """Folder name for (files with their sizes and mtimes, tokenizer, kind, T, options)."""
-    h = hashlib.sha256(f"{HF_CACHE_FORMAT}|{kind}|{seq_len}|{data_cfg.pack}|"
-                       f"{data_cfg.text_field}|{data_cfg.label_field}".encode())
-    for path in data_cfg.files:
+def cache_digest(head: str, files: Any, tokenizer_json: str) -> str:
+    """Hex SHA-256 of ``head`` (the cache's format and options), each of ``files`` with its
+    size and mtime (so a rewritten file gives a new cache) and the tokenizer's JSON."""
+    h = hashlib.sha256(head.encode())
+    for path in files:
         st = os.stat(path)
         h.update(f"|{path}|{st.st_size}|{st.st_mtime_ns}".encode())
     h.update(hashlib.sha256(tokenizer_json.encode()).digest())
-    return "hf-" + h.hexdigest()[:20]
+    return h.hexdigest()
+
+
+def hf_cache_key(data_cfg: Any, tokenizer_json: str, kind: str, seq_len: int) -> str:
+    """Folder name for (files with their sizes and mtimes, tokenizer, kind, T, options)."""
+    return "hf-" + cache_digest(f"{HF_CACHE_FORMAT}|{kind}|{seq_len}|{data_cfg.pack}|"
+                                f"{data_cfg.text_field}|{data_cfg.label_field}",
+                                data_cfg.files, tokenizer_json)[:20]
 
 
 def is_packed(kind: str, data_cfg: Any) -> bool:

@@ -17,7 +17,6 @@ padding) and ``decoder_input_ids``: the labels shifted right by one with
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -29,7 +28,7 @@ import numpy as np
 
 from hetseq_hpc.errors import ConfigError, DataError
 from hetseq_hpc.files.atomic import atomic_write_text
-from hetseq_hpc.tasks.hf.hf_cache import build_once
+from hetseq_hpc.tasks.hf.hf_cache import build_once, cache_digest
 from hetseq_hpc.tasks.hf.hf_records import records
 from hetseq_hpc.tasks.npy_cache import open_npy_cache, save_npy
 
@@ -44,13 +43,9 @@ ARRAYS = ("source", "target", "source_len", "target_len")
 def seq2seq_cache_key(data_cfg: Any, tokenizer_json: str, source_len: int,
                       target_len: int) -> str:
     """Folder name for (files with their sizes and mtimes, tokenizer, widths, columns)."""
-    h = hashlib.sha256(f"{SEQ2SEQ_CACHE_FORMAT}|seq2seq|{source_len}|{target_len}|"
-                       f"{data_cfg.source_field}|{data_cfg.target_field}".encode())
-    for path in data_cfg.files:
-        st = os.stat(path)
-        h.update(f"|{path}|{st.st_size}|{st.st_mtime_ns}".encode())
-    h.update(hashlib.sha256(tokenizer_json.encode()).digest())
-    return "hf-s2s-" + h.hexdigest()[:20]
+    return "hf-s2s-" + cache_digest(f"{SEQ2SEQ_CACHE_FORMAT}|seq2seq|{source_len}|{target_len}|"
+                                    f"{data_cfg.source_field}|{data_cfg.target_field}",
+                                    data_cfg.files, tokenizer_json)[:20]
 
 
 def decoder_start_id(config: Any) -> int:
