@@ -133,7 +133,7 @@ def calibrate_rank(model: torch.nn.Module, parallel: Any, task: Any, run: RunCon
     def make(n: int) -> Any:
         return checked_batch(task, list(range(min(n, task.num_train))), 0, "train")
 
-    args = (make, device, calibration_micro_batch(run, world.world_size),
+    args = (make, device, calibration_micro_batch(run, world.world_size, device.type),
             run.balance.calibration_steps, budget, run.balance.max_micro_batch, autocast)
     if not parallel.sharded:
         return calibrate(model, *args, wait_for_peers=rdv.post_barrier, static_bytes=static)

@@ -3,7 +3,10 @@
 # tool's `run`; DEVELOPERS' brief: run it the first time a session has a GPU, and put the
 # figures and the device in docs/benchmarks.md). Never part of the tests or CI.
 #
-#   bash scripts/gpu_check.sh            # writes $OUT/gpu_check.json (+ logs) and prints it
+#   bash scripts/gpu_check.sh            # writes $OUT/gpu_check.json + $OUT/gpu_check_logs.tgz
+#
+# The device tool brings back at most 8 files from $OUT, so the logs, summaries and probe file
+# are written to a work folder and come back as one tarball.
 #
 # What it runs (each step's exit code is recorded; one failing step does not stop the others):
 #   1. the device: nvidia-smi, and hetseq-hpc's pynvml probe (`hetseq-hpc probe task=bert`);
@@ -11,7 +14,10 @@
 #      (precision=<p>; fp16 with the job-wide loss scale), one rank per GPU;
 #   3. the FSDP2 path on the GPU (sharding.mode=fsdp, NCCL), with activation checkpointing;
 #   4. BERT-base (768 hidden, 12 layers, 12 heads, sequence 128) in bf16: samples/s and MFU
-#      against the GPU's dense bf16 peak (hetseq_hpc/plan/gpus.py).
+#      against the GPU's dense bf16 peak (hetseq_hpc/plan/gpus.py);
+#   5. the tests that need CUDA (tests/gpu: pynvml probe, exact accumulation and FSDP = DDP in
+#      fp32 on the GPU, bf16/fp16 against fp32).
+# STEPS (default 30) sets the small runs' steps; a dry run on a CPU: STEPS=3 BERT_STEPS=2.
 #
 # The GPU machine has PyTorch but not every dependency of hetseq_hpc (hydra-core, omegaconf,
 # antlr4-python3-runtime, submitit, django ...), and cannot download: build them HERE first,
@@ -23,8 +29,11 @@
 #   pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3   # an sdist: build it here
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/gpu-check}
-mkdir -p "$OUT"
+FINAL=${OUT:-/tmp/gpu-check}
+OUT=$(mktemp -d /tmp/gpu-check-work.XXXX)
+mkdir -p "$FINAL"
+STEPS=${STEPS:-30}
+BERT_STEPS=${BERT_STEPS:-40}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 HETSEQ_CACHE=${HETSEQ_CACHE:-/tmp/hetseq-cache}
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -46,18 +55,19 @@ step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember the exit c
 step smi nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
 step probe "$PY" -m hetseq_hpc probe task=bert $SMALL --out "$OUT/probe.json"
 for p in fp32 bf16 fp16; do
-  step "train_$p" "$PY" -m hetseq_hpc $SMALL precision=$p trainer.max_steps=30 \
+  step "train_$p" "$PY" -m hetseq_hpc $SMALL precision=$p trainer.max_steps=$STEPS \
     hydra.run.dir=/tmp/gpu-check-runs/$p
   cp /tmp/gpu-check-runs/$p/summary.json "$OUT/summary_$p.json" 2>/dev/null
 done
 step fsdp "$PY" -m hetseq_hpc $SMALL sharding.mode=fsdp sharding.activation_checkpointing=true \
-  trainer.max_steps=30 hydra.run.dir=/tmp/gpu-check-runs/fsdp
+  trainer.max_steps=$STEPS hydra.run.dir=/tmp/gpu-check-runs/fsdp
 cp /tmp/gpu-check-runs/fsdp/summary.json "$OUT/summary_fsdp.json" 2>/dev/null
 step bert_base "$PY" -m hetseq_hpc task.model.hidden_size=768 task.model.num_layers=12 \
   task.model.num_heads=12 task.model.intermediate_size=3072 task.model.max_seq_len=128 \
-  precision=bf16 trainer.global_batch_size=256 trainer.max_steps=40 trainer.val_every=0 \
+  precision=bf16 trainer.global_batch_size=256 trainer.max_steps=$BERT_STEPS trainer.val_every=0 \
   trainer.plot=false hydra.run.dir=/tmp/gpu-check-runs/bert_base
 cp /tmp/gpu-check-runs/bert_base/summary.json "$OUT/summary_bert_base.json" 2>/dev/null
+step tests_cuda timeout 300 "$PY" -m pytest tests/gpu -q -rA -p no:cacheprovider
 
 rcs=""
 for k in "${!RC[@]}"; do rcs="$rcs\"$k\": ${RC[$k]}, "; done
@@ -79,16 +89,7 @@ try:
 
     from hetseq_hpc.plan.gpus import lookup_gpu, peak_tflops
 
-    name = torch.cuda.get_device_name(0)  # e.g. "NVIDIA H100 80GB HBM3": try the words too
-    gpu = None
-    for candidate in [name, *name.split()]:
-        try:
-            gpu = lookup_gpu(candidate, "gpu_check")
-            break
-        except Exception:
-            continue
-    if gpu is None:
-        raise LookupError(f"{name!r} is not in the planner's GPU table")
+    gpu = lookup_gpu(torch.cuda.get_device_name(0), "gpu_check")  # the NVML product name
     peak = peak_tflops(gpu, "bf16")
     achieved = (result.get("bert_base") or {}).get("train_tflops_per_s")
     if achieved:
@@ -99,3 +100,5 @@ except Exception as exc:  # an unknown GPU name: the figures above still stand
 (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
 print(json.dumps(result))
 EOF
+cp "$OUT/gpu_check.json" "$FINAL/gpu_check.json"
+tar czf "$FINAL/gpu_check_logs.tgz" -C "$OUT" .

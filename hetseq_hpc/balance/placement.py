@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "CALIBRATION_MICRO_BATCH_MAX",
+    "CALIBRATION_MICRO_BATCH_MAX_CUDA",
     "RankPlacement",
     "calibration_micro_batch",
     "cpu_threads",
@@ -34,8 +35,14 @@ __all__ = [
     "plan_placements",
 ]
 
-#: largest default calibration micro-batch (balance.calibration_micro_batch unset)
+#: largest default calibration micro-batch on a CPU (balance.calibration_micro_batch unset)
 CALIBRATION_MICRO_BATCH_MAX = 16
+#: the same on a GPU. At 16 samples a GPU is bound by kernel launches, not by the samples:
+#: measured on an H100 (docs/benchmarks.md, 2026-11-27), BERT-base in bf16 timed
+#: t(16) = 37 ms and t(4) = 32 ms against t(256) = 80 ms in training, so the curve through
+#: 16 and 4 predicted 427 samples/s where the run trained at 3188. Calibrating near the
+#: rank's real share measures the regime it will train in (lowered to the memory cap first).
+CALIBRATION_MICRO_BATCH_MAX_CUDA = 256
 
 
 @dataclass(frozen=True)
@@ -93,14 +100,17 @@ def cpu_threads(cores: int, ranks_on_node: int, configured: Optional[int] = None
     return max(1, int(cores) // ranks)
 
 
-def calibration_micro_batch(run: RunConfig, world_size: int) -> int:
+def calibration_micro_batch(run: RunConfig, world_size: int, device_type: str = "cpu") -> int:
     """Micro-batch timed while calibrating: ``balance.calibration_micro_batch``, else the global
     batch (``trainer.global_batch_size``) / world size, capped at
-    :data:`CALIBRATION_MICRO_BATCH_MAX`, at least 1."""
+    :data:`CALIBRATION_MICRO_BATCH_MAX` on a CPU and :data:`CALIBRATION_MICRO_BATCH_MAX_CUDA`
+    on a GPU (``device_type="cuda"``), at least 1. Calibration lowers it further to the
+    rank's memory cap."""
     if run.balance.calibration_micro_batch:
         return int(run.balance.calibration_micro_batch)
     share = run.trainer.global_batch_size // max(int(world_size), 1)
-    return max(1, min(CALIBRATION_MICRO_BATCH_MAX, share))
+    most = CALIBRATION_MICRO_BATCH_MAX_CUDA if device_type == "cuda" else CALIBRATION_MICRO_BATCH_MAX
+    return max(1, min(most, share))
 
 
 def placement_for(run: RunConfig, rank: int, *, het_group: Optional[int] = None,

@@ -103,7 +103,7 @@ def rank_memory_limits(run: Any) -> List[Tuple[str, float, str, str]]:
     from hetseq_hpc.config.validate import planned_world_size
     from hetseq_hpc.env.hardware import read_meminfo
     from hetseq_hpc.env.memcg import cgroup_memory_room
-    from hetseq_hpc.plan.gpus import GPU_TABLE, normalise_gpu_type
+    from hetseq_hpc.plan.gpus import known_gpu
 
     cluster = run.cluster
     if cluster.is_local:
@@ -132,7 +132,7 @@ def rank_memory_limits(run: Any) -> List[Tuple[str, float, str, str]]:
     for key, part in cluster.partitions.items():
         where, ranks = f"a rank of partition {key}", part.ranks_per_node_effective
         budget = part.memory_budget_gb or cluster.memory_budget_gb
-        gpu = GPU_TABLE.get(normalise_gpu_type(part.gpu_type)) if part.gpu_type else None
+        gpu = known_gpu(part.gpu_type) if part.gpu_type else None
         if budget:
             name = ("cluster.partitions." + key if part.memory_budget_gb else "cluster")
             limits.append((where, budget * 2**30, f"{name}.memory_budget_gb={budget:g}",

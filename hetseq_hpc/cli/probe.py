@@ -76,7 +76,7 @@ def probe_devices(run: Any) -> List[Dict[str, Any]]:
         precision, autocast = precision_context(placement, device, dev)  # as a run would train
         cal = calibrate(
             model, lambda n: task.make_batch(list(range(min(n, task.num_train))), 0, "train"),
-            device, calibration_micro_batch(run, world), run.balance.calibration_steps,
+            device, calibration_micro_batch(run, world, device.type), run.balance.calibration_steps,
             budget, run.balance.max_micro_batch, autocast)
         log.info("%s: %.1f samples/s, micro-batch cap %d", dev.label, cal.samples_per_s,
                  cal.max_micro_batch)

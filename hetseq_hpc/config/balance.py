@@ -28,7 +28,8 @@ class BalanceConfig:
     # calibration micro-batch and a quarter of it; the fastest of each size fits the cost curve
     # (a rank done before the slowest one times more of them while it waits, at most 16)
     calibration_steps: int = 4
-    # micro-batch used while calibrating; null = global batch / world size (at most 16)
+    # micro-batch used while calibrating; null = global batch / world size (at most 16 on a CPU,
+    # 256 on a GPU, where fewer samples time the kernel launches, not the samples)
     calibration_micro_batch: Optional[int] = None
     # every N steps ranks refit their cost curves from measured step times and may re-balance;
     # 0 = never; null = every 10 steps when the split is measured, never with balance.allocation
@@ -53,7 +54,7 @@ class BalanceConfig:
             require(
                 self.calibration_micro_batch >= 1,
                 f"balance.calibration_micro_batch={self.calibration_micro_batch} is invalid: use "
-                ">= 1, or null for global batch / world size (at most 16)",
+                ">= 1, or null for global batch / world size (at most 16 on a CPU, 256 on a GPU)",
             )
         require(
             self.calibration_steps >= 1,

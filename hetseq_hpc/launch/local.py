@@ -38,7 +38,7 @@ from hetseq_hpc.config.validate import visible_gpu_count
 from hetseq_hpc.env.memcg import oom_evidence, oom_kill_counts
 from hetseq_hpc.env.rank_guard import LAUNCHER_PID_ENV
 from hetseq_hpc.env.world import free_port
-from hetseq_hpc.errors import LaunchError
+from hetseq_hpc.errors import ConfigError, LaunchError
 from hetseq_hpc.launch.failures import first_failure, read_error_file, signal_reason
 from hetseq_hpc.rundir.lock import lock_run_dir
 from hetseq_hpc.rundir.paths import RunDir
@@ -58,6 +58,27 @@ STOPPED_REASON = ("it was stopped (SIGSTOP or Ctrl-Z) and did not answer; its pe
 PR_SET_PDEATHSIG = 1
 
 
+def check_ranks_fit_gpus(run: RunConfig, gpus: Optional[int] = None) -> None:
+    """Refuse more local ranks than visible GPUs, before anything starts: every rank would be
+    on CUDA and NCCL refuses two ranks of one group on one GPU (on an H100, 2026-11-27: "NCCL
+    error ... invalid usage" at the rendezvous, after both ranks had started).
+
+    Args:
+        run: the validated run configuration (``cluster=local``).
+        gpus: visible GPUs; None = :func:`~hetseq_hpc.config.validate.visible_gpu_count`.
+
+    Raises:
+        ConfigError: ``cluster.ranks`` exceeds the visible GPUs; one line with both fixes.
+    """
+    gpus = visible_gpu_count() if gpus is None else gpus
+    world = planned_world_size(run)
+    if gpus and world > gpus:
+        raise ConfigError(
+            f"cluster.ranks={world} on a machine with {gpus} visible GPU(s): NCCL cannot run two "
+            f"ranks on one GPU; use cluster.ranks={gpus} (or leave it unset: one rank per GPU), "
+            f"or hide the GPUs (CUDA_VISIBLE_DEVICES= ) to run {world} ranks on the CPU")
+
+
 def rank_environments(run: RunConfig, config_path: Path) -> List[Dict[str, str]]:
     """The environment of every rank: the parent's environment plus the torch variables
     (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
@@ -67,9 +88,6 @@ def rank_environments(run: RunConfig, config_path: Path) -> List[Dict[str, str]]
     cluster = run.cluster
     world = planned_world_size(run)
     port = cluster.master_port or free_port()
-    gpus = visible_gpu_count()
-    if gpus and world > gpus:
-        log.warning("%d ranks on %d GPUs: ranks share GPUs", world, gpus)
     envs = []
     for rank in range(world):
         env = dict(os.environ)
@@ -283,10 +301,12 @@ def launch_local(run: RunConfig, run_dir: Path, poll_s: float = POLL_S) -> Dict:
     current step (they checkpoint) and raise :class:`LauncherStopped`, a ``KeyboardInterrupt``.
 
     Raises:
+        ConfigError: more ranks than visible GPUs (:func:`check_ranks_fit_gpus`); nothing started.
         LaunchError: the run directory is in use by another run, or a rank failed; the others
             were stopped; the message names the rank whose own error came first, the reason and
             its log file.
     """
+    check_ranks_fit_gpus(run)
     run_dir = Path(run_dir).resolve()
     with lock_run_dir(run_dir) as lock, _stop_on_signals():
         return _launch(run, run_dir, poll_s, lock.child_env(), (lock.fd,))

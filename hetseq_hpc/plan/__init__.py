@@ -19,11 +19,11 @@ Nothing here imports :mod:`hetseq_hpc.config` at import time (it imports
 from hetseq_hpc.balance.memory import param_memory_cap as memory_cap
 from hetseq_hpc.config.plan import PlanConfig, register_plan_config
 from hetseq_hpc.plan.command import compose_plan_run, plan_command, plan_overrides
+from hetseq_hpc.plan.gpu_specs import normalise_gpu_type
 from hetseq_hpc.plan.gpus import (
     GPU_TABLE,
     GpuClass,
     lookup_gpu,
-    normalise_gpu_type,
     runtime_precision,
 )
 from hetseq_hpc.plan.inputs import (

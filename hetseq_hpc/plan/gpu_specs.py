@@ -296,6 +296,16 @@ SPEC_TABLE: Dict[str, GpuSpec] = {
     "h200": H200,
 }
 
+#: product names as NVML reports them (pynvml, nvidia-smi: "NVIDIA H100 80GB HBM3", "Tesla
+#: V100-SXM2-32GB"), normalised, where they differ from a GRES name above: what a probe reads
+PRODUCT_NAMES: Dict[str, GpuSpec] = {
+    "h10080gbhbm3": H100_SXM, "a100sxm440": A100_40, "a100sxm480": A100_80,
+    "a100pcie40": A100_40, "a10080gbpcie": A100_80_PCIE, "v100sxm216": V100_16,
+    "v100sxm232": V100_32, "v100pcie16": V100_PCIE, "v100pcie32": V100_PCIE,
+    "p100pcie16": P100_PCIE, "p100pcie12": P100_PCIE, "p100sxm216": P100_SXM2,
+    "rtx6000adageneration": RTX_6000_ADA,
+}
+
 
 def normalise_gpu_type(gpu_type: str) -> str:
     """``"A100_80GB"`` -> ``"a10080"``: lower case, without ``nvidia``/``geforce``, separators
@@ -311,8 +321,9 @@ def normalise_gpu_type(gpu_type: str) -> str:
 
 
 def find_spec(gpu_type: str) -> Optional[GpuSpec]:
-    """The spec row of a GRES type or product name, or None."""
-    return SPEC_TABLE.get(normalise_gpu_type(gpu_type))
+    """The spec row of a GRES type or an NVML product name (:data:`PRODUCT_NAMES`), or None."""
+    key = normalise_gpu_type(gpu_type)
+    return SPEC_TABLE.get(key) or PRODUCT_NAMES.get(key)
 
 
 def spec_from_probe(probe: Mapping[str, Any]) -> Optional[GpuSpec]:

@@ -8,10 +8,10 @@ factors fitted on one published source, validated on held-out ones: ``docs/plann
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 from hetseq_hpc.errors import ConfigError
-from hetseq_hpc.plan.gpu_specs import SPEC_TABLE, GpuSpec, normalise_gpu_type
+from hetseq_hpc.plan.gpu_specs import SPEC_TABLE, GpuSpec, find_spec
 
 
 @dataclass(frozen=True)
@@ -52,13 +52,20 @@ def gpu_class(spec: GpuSpec) -> GpuClass:
 GPU_TABLE: Dict[str, GpuClass] = {key: gpu_class(spec) for key, spec in SPEC_TABLE.items()}
 
 
+def known_gpu(gpu_type: str) -> Optional[GpuClass]:
+    """The GPU class of a GRES type or an NVML product name, or None when no row has it."""
+    spec = find_spec(gpu_type)
+    return gpu_class(spec) if spec is not None else None
+
+
 def lookup_gpu(gpu_type: str, where: str) -> GpuClass:
-    """The GPU class of a GRES type; ``where`` names the config key in errors.
+    """The GPU class of a GRES type, or of a product name as NVML reports it
+    (``"NVIDIA H100 80GB HBM3"``); ``where`` names the config key in errors.
 
     Raises:
         ConfigError: the type is not in the spec table (one line naming the known ones).
     """
-    entry = GPU_TABLE.get(normalise_gpu_type(gpu_type))
+    entry = known_gpu(gpu_type)
     if entry is None:
         known = ", ".join(sorted(GPU_TABLE))
         raise ConfigError(

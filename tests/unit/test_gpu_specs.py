@@ -91,6 +91,28 @@ def test_unknown_gpu_is_one_line_naming_the_known_ones_and_the_fix():
     assert "\n" not in text and "k80" in text and "titanxp" in text and "plan.probe=" in text
 
 
+@pytest.mark.parametrize("nvml_name, key", [
+    ("NVIDIA H100 80GB HBM3", "h100sxm"),  # read by pynvml on the lent H100, 2026-11-27
+    ("NVIDIA H100 PCIe", "h100pcie"), ("NVIDIA H200", "h200"),
+    ("NVIDIA A100-SXM4-40GB", "a10040"), ("NVIDIA A100-SXM4-80GB", "a10080"),
+    ("NVIDIA A100-PCIE-40GB", "a100pcie"), ("NVIDIA A100 80GB PCIe", "a10080pcie"),
+    ("Tesla V100-SXM2-16GB", "v100sxm2"), ("Tesla V100-SXM2-32GB", "v10032"),
+    ("Tesla V100-PCIE-16GB", "v100pcie"), ("Tesla T4", "t4"), ("Tesla P100-PCIE-16GB", "p100"),
+    ("Tesla P100-SXM2-16GB", "p100sxm2"), ("NVIDIA TITAN Xp", "titanxp"),
+    ("NVIDIA GeForce RTX 3090", "rtx3090"), ("NVIDIA GeForce RTX 2080 Ti", "rtx2080ti"),
+    ("NVIDIA RTX A6000", "rtxa6000"), ("NVIDIA RTX 6000 Ada Generation", "rtx6000ada"),
+    ("NVIDIA L40S", "l40s"), ("NVIDIA A10", "a10"), ("Quadro RTX 8000", "quadrortx8000"),
+])
+def test_product_names_as_nvml_reports_them_find_their_row(nvml_name, key):
+    """A probe reads the NVML product name; the planner (and its bandwidth for a probed GPU)
+    must find the same row as the GRES name."""
+    assert find_spec(nvml_name) is SPEC_TABLE[key]
+    assert lookup_gpu(nvml_name, "gpu").spec is SPEC_TABLE[key]
+    probe = {"kind": "cuda", "name": nvml_name, "sm_count": SPEC_TABLE[key].sm_count,
+             "sm_clock_mhz": 1500, "compute_capability": list(SPEC_TABLE[key].capability)}
+    assert spec_from_probe(probe).bandwidth_gbs == SPEC_TABLE[key].bandwidth_gbs
+
+
 def test_a_probed_gpu_in_no_table_gets_a_peak_from_its_facts():
     probe = {"kind": "cuda", "name": "NVIDIA Future GPU", "sm_count": 100, "sm_clock_mhz": 2000,
              "compute_capability": [9, 5], "memory_total_bytes": 96 * 2**30}

@@ -138,6 +138,17 @@ def test_calibration_micro_batch(batch, configured, world, expected):
     assert calibration_micro_batch(run, world) == expected
 
 
+@pytest.mark.parametrize("batch, configured, expected", [(512, None, 256), (256, None, 128),
+                                                         (1024, 8, 8), (2, None, 1)])
+def test_calibration_micro_batch_on_a_gpu_is_the_share_up_to_256(batch, configured, expected):
+    """On a GPU the default is the rank's share up to 256: at 16 samples a GPU times its kernel
+    launches (measured on an H100, docs/benchmarks.md)."""
+    run = SimpleNamespace(trainer=TrainerConfig(global_batch_size=batch),
+                          balance=BalanceConfig(calibration_micro_batch=configured))
+    assert calibration_micro_batch(run, 2, "cuda") == expected
+    assert calibration_micro_batch(run, 2, "cpu") == (configured or min(16, max(1, batch // 2)))
+
+
 def test_thread_and_quota_formulas():
     assert cpu_threads(16, 4) == 4 and cpu_threads(16, 4, configured=2) == 2
     assert cpu_threads(2, 3, warn=False) == 1
