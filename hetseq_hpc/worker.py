@@ -224,10 +224,10 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
             if mode == "fsdp":  # on the whole CPU model, before sharding: never whole on the device
                 check_before_training(task, bare, run, torch.device("cpu"), rdv, early)
             chosen["parallel"] = build_parallel(run, task, bare, device, mode)
-            chosen["static"] = model_state_bytes(
-                param_bytes, mode, world.world_size, sizes.block,
-                run.sharding.cpu_offload and device.type == "cuda",
+            chosen["static_for"] = lambda n: model_state_bytes(
+                param_bytes, mode, n, sizes.block, run.sharding.cpu_offload and device.type == "cuda",
                 gathered_weights=not task.evaluates_in_fixed_passes(), root_bytes=sizes.root)
+            chosen["static"] = chosen["static_for"](world.world_size)
             return chosen["parallel"].model
 
         early: Dict[str, Any] = {}  # the FSDP contract check's record, if it was skipped
@@ -273,7 +273,8 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
                                     threshold=run.balance.rebalance_threshold,
                                     curves=report_curves(reports))
         elastic = (ElasticWorld(run, job, rdv, reports, device,
-                                rebuild=lambda: seeded_model(task, run.trainer.seed))
+                                rebuild=lambda: seeded_model(task, run.trainer.seed),
+                                static_for=chosen["static_for"] if parallel.sharded else None)
                    if job is not None else None)
         if elastic is not None:
             live["elastic"] = elastic

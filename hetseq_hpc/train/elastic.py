@@ -69,7 +69,7 @@ from hetseq_hpc.env.preemption import REQUEUE
 from hetseq_hpc.errors import AllocationError, Preempted
 from hetseq_hpc.train.checkpoint import save_on_rank0
 from hetseq_hpc.train.checkpoint_files import list_checkpoints, step_of
-from hetseq_hpc.train.elastic_sharded import reload_sharded
+from hetseq_hpc.train.elastic_sharded import reload_sharded, reports_for_world
 from hetseq_hpc.train.parallel import build_parallel
 from hetseq_hpc.train.phases import DONE, PHASE_NAMES, REDO, TRAINED, log_before_stop
 
@@ -155,11 +155,16 @@ class ElasticWorld:
         device: this rank's device.
         rebuild: under FSDP, a fresh seeded model on the CPU (the start-up model before
             sharding) for :func:`~hetseq_hpc.train.elastic_sharded.reload_sharded`.
+        static_for: under FSDP, ``world size -> bytes`` of model state a rank holds
+            (:func:`~hetseq_hpc.balance.memory.model_state_bytes`): the survivors' micro-batch
+            caps are recomputed for it (:func:`~hetseq_hpc.train.elastic_sharded.reports_for_world`).
     """
 
     def __init__(self, run: Any, store: Any, rdv: Rendezvous, reports: Sequence[Any],
-                 device: torch.device, rebuild: Optional[Callable[[], Any]] = None):
+                 device: torch.device, rebuild: Optional[Callable[[], Any]] = None,
+                 static_for: Optional[Callable[[int], float]] = None):
         self.run, self.store, self.device, self.rebuild = run, store, device, rebuild
+        self.static_for = static_for  # FSDP: a rank's model state at a world size, bytes
         self.cfg = run.trainer.elastic
         self.member = rdv.world.rank
         self.origin = rdv.world
@@ -328,7 +333,8 @@ class ElasticWorld:
             self.timeout.apply()
 
     def _split(self, rdv: Rendezvous, members: Sequence[int]) -> Any:
-        """The same global batch over the survivors, from their start-up calibrations."""
+        """The same global batch over the survivors, from their start-up calibrations (under
+        FSDP with the micro-batch caps of the larger shards, :func:`reports_for_world`)."""
         run = self.run
         if run.balance.allocation is not None:
             log.warning("balance.allocation=%s was for %d ranks: the split over the %d survivors "
@@ -336,7 +342,11 @@ class ElasticWorld:
                         len(self.reports), len(members))
             run = dataclasses.replace(run, balance=dataclasses.replace(run.balance,
                                                                        allocation=None))
-        return agree_on_allocation(run, [self.reports[m] for m in members], rdv)
+        reports = [self.reports[m] for m in members]
+        if self.static_for is not None:  # FSDP: each survivor's shard is larger now
+            reports = reports_for_world(reports, self.static_for(len(members)),
+                                        run.balance.max_micro_batch)
+        return agree_on_allocation(run, reports, rdv)
 
 
 def drop_groups(trainer: Any, error: BaseException) -> None:

@@ -21,12 +21,14 @@ The cost is the steps since the last checkpoint (``trainer.checkpoint_every``), 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from torch import nn
 
+from hetseq_hpc.balance.memory import micro_batch_cap
 from hetseq_hpc.train.checkpoint import agree_on_checkpoint, choose_checkpoint
 from hetseq_hpc.train.optim import build_optimizer
 from hetseq_hpc.train.parallel import build_parallel
@@ -85,6 +87,39 @@ def reload_sharded(trainer: Any, rdv: Any, metas: List[Any], allocation: Any,
             "steps_redone": max(0, was - trainer.step)}
 
 
+def reports_for_world(reports: Sequence[Any], static_bytes: float,
+                      limit: Optional[int] = None) -> List[Any]:
+    """The survivors' start-up reports with each micro-batch cap recomputed for the model state
+    a rank holds in the smaller world: a shard of ``1 / world`` grows when ranks are lost, and
+    the start-up cap (``(budget - static) / activation bytes per sample``) would overrun the
+    budget. Each cap only ever goes down; a cap of 0 makes the split refuse (the survivors then
+    checkpoint and stop for a requeue, as when the batch no longer fits).
+
+    Args:
+        reports: :class:`~hetseq_hpc.balance.agree.RankReport` of the survivors (new order).
+        static_bytes: bytes of model state one rank holds at its peak in the new world
+            (:func:`~hetseq_hpc.balance.memory.model_state_bytes` with the new world size).
+        limit: ``balance.max_micro_batch``.
+
+    Returns:
+        New reports (the given ones are not changed); ``calibration.static_bytes`` is
+        ``static_bytes`` and ``calibration.max_micro_batch`` the lower of the two caps.
+    """
+    out = []
+    for report in reports:
+        cal = dict(report.calibration)
+        cap = micro_batch_cap(float(cal["memory_budget_bytes"]), static_bytes,
+                              float(cal["activation_bytes_per_sample"]), limit)
+        if cap < int(cal["max_micro_batch"]):
+            log.info("rank %s: micro-batch cap %d -> %d for its larger shard (%.1f MiB of "
+                     "model state)", report.world.get("rank", "?"), int(cal["max_micro_batch"]),
+                     cap, static_bytes / 2**20)
+        cal["max_micro_batch"] = min(int(cal["max_micro_batch"]), cap)
+        cal["static_bytes"] = float(static_bytes)
+        out.append(dataclasses.replace(report, calibration=cal))
+    return out
+
+
 def _checkpoint(trainer: Any, rdv: Any) -> tuple:
     """``(path, state)`` of the newest checkpoint of this run, else of the checkpoint the run
     started from (``trainer.resumed_from``), else ``(None, None)``."""
@@ -97,4 +132,4 @@ def _checkpoint(trainer: Any, rdv: Any) -> tuple:
     return start, choose_checkpoint(start, trainer.run_dir).state
 
 
-__all__ = ["reload_sharded"]
+__all__ = ["reload_sharded", "reports_for_world"]

@@ -236,3 +236,27 @@ def test_fsdp_a_lost_rank_reloads_the_last_checkpoint_in_job(victim, kill_at, re
     report = hetseq("report", str(run_dir), token_cache=token_cache)
     said = f"reloaded the step-{reloaded} checkpoint" if reloaded else "no checkpoint yet"
     assert f"(FSDP: {said}" in report.stdout + report.stderr
+
+
+def test_fsdp_survivors_take_micro_batch_caps_of_their_larger_shards(reference, tmp_path,
+                                                                     token_cache):
+    """``sharding.mode=fsdp`` under a tight per-rank budget (``cluster.memory_budget_gb``): on 3
+    ranks a share fits one micro-batch; the 2 survivors of a loss hold half the state each
+    instead of a third, so their caps are recomputed (lower) and the same global batch is split
+    with gradient accumulation, on the uninterrupted run's trajectory."""
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, token_cache, "cluster.ranks=3", "sharding.mode=fsdp",
+                  "trainer.checkpoint_every=10", "cluster.memory_budget_gb=0.0114")
+    _at_step(run_dir, proc, 12)
+    start = json.loads((run_dir / "allocation.json").read_text())["allocation"]["shares"]
+    os.kill(worker_pids(run_dir)[1], signal.SIGKILL)
+    _finish(proc)
+    _same_trajectory(reference, run_dir)
+    after = json.loads((run_dir / "allocation.json").read_text())["allocation"]["shares"]
+    assert len(start) == 3 and len(after) == 2
+    assert all(s["micro_batch"] <= s["max_micro_batch"] for s in start + after)
+    assert max(s["max_micro_batch"] for s in after) < min(s["max_micro_batch"] for s in start), \
+        (start, after)
+    assert any(s["accum_steps"] > 1 for s in after), after
+    (event,) = _events(run_dir)
+    assert event["split"] == [s["samples"] for s in after] and sum(event["split"]) == 24
