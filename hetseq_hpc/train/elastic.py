@@ -71,6 +71,7 @@ from hetseq_hpc.train.checkpoint import save_on_rank0
 from hetseq_hpc.train.checkpoint_files import list_checkpoints, step_of
 from hetseq_hpc.train.elastic_sharded import reload_sharded, reports_for_world
 from hetseq_hpc.train.parallel import build_parallel
+from hetseq_hpc.train.phase_timeout import PhaseTimeouts
 from hetseq_hpc.train.phases import DONE, PHASE_NAMES, REDO, TRAINED, log_before_stop
 
 log = logging.getLogger(__name__)
@@ -173,6 +174,7 @@ class ElasticWorld:
         self.heartbeat = Heartbeat(store, self.member, watch=range(rdv.world.world_size))
         self.retried_at: Optional[Tuple[int, int]] = None  # (step, phase) redone, nobody lost
         self.timeout = StepTimeout(self.cfg.timeout_s)
+        self.phase_timeouts = PhaseTimeouts(run.cluster.collective_timeout_s)  # validation, ...
         self.events: List[Dict[str, Any]] = []
 
     def close(self) -> None:

@@ -21,6 +21,7 @@ from hetseq_hpc.env.preemption import REASONS
 from hetseq_hpc.errors import Preempted
 from hetseq_hpc.train.loggers import open_loggers
 from hetseq_hpc.train.metrics import Progress, read_metrics, step_row
+from hetseq_hpc.train.phase_timeout import phase_timeout
 from hetseq_hpc.train.rebalance_step import maybe_rebalance
 
 #: phases of ``trainer.step`` completed (in order); DONE: nothing left, the next step may start
@@ -107,14 +108,16 @@ class StepPhases:
             t.phase = REBALANCED
         if t.phase < EVALUATED:
             if (cfg.val_every and step % cfg.val_every == 0) or is_last:
-                t.last_val = t.evaluate()
+                with phase_timeout(t, "validation"):
+                    t.last_val = t.evaluate()
                 rec.extra.update(t.last_val)
             t.phase = EVALUATED
         if t.phase < LOGGED:
             self._log(rec, step, is_last)
             t.phase = LOGGED
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or is_last or rec.stop_code:
-            t._save(step)
+            with phase_timeout(t, "checkpoint"):
+                t._save(step)
         t.phase = DONE
         if rec.stop_code and not is_last:
             # every rank saw the same request in the step's exchange: all stop here

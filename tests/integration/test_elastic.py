@@ -129,6 +129,31 @@ def test_a_stopped_rank_is_left_out_then_ended(extra, reference, tmp_path, token
     assert not Path(f"/proc/{pid}").exists(), "the stopped rank was not ended"
 
 
+def test_a_rank_stopped_during_validation_is_noticed_from_the_phase_time(reference, tmp_path,
+                                                                         token_cache):
+    """SIGSTOP during validation or a checkpoint (both after every step), with
+    ``cluster.collective_timeout_s=600``: the survivors' collectives of those phases wait a
+    multiple of the phase's measured duration (hetseq_hpc/train/phase_timeout.py), not 600 s,
+    so the run goes on without the stopped rank in seconds and finishes the same trajectory."""
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, token_cache, "cluster.ranks=3", "trainer.val_every=1",
+                  "trainer.checkpoint_every=1", "trainer.keep_checkpoints=2",
+                  "cluster.collective_timeout_s=600")
+    _at_step(run_dir, proc, 10)
+    times = {r["step"]: r["time"] for r in read_rows(run_dir) if "loss" in r}
+    time.sleep(max(0.0, times[10] + 1.4 * (times[10] - times[9]) - time.time()))
+    pid = worker_pids(run_dir)[2]
+    os.kill(pid, signal.SIGSTOP)
+    _finish(proc)  # within its 300 s guard: a wait of collective_timeout_s would fail it
+    _same_trajectory(reference, run_dir)
+    (event,) = _events(run_dir)
+    assert [x["rank"] for x in event["lost"]] == [2]
+    assert event["redo"] in ("validation", "checkpoint", "row"), \
+        f"the stop did not land after a step: {event}"
+    assert 0 < event["recovery_s"] < 120, event  # 600 s would mean the long timeout was waited
+    assert not Path(f"/proc/{pid}").exists(), "the stopped rank was not ended"
+
+
 def test_two_ranks_lost_one_after_the_other_from_4(reference, tmp_path, token_cache):
     """4 ranks (the trajectory does not depend on the world size), rank 3 killed at step 8,
     rank 1 at step 18: two membership changes, 2 survivors finish."""

@@ -1,0 +1,93 @@
+"""Collective timeouts of the phases after a training step: validation and the checkpoint.
+
+With in-job recovery (``trainer.elastic``) a rank that hangs -- SIGSTOP, a stuck driver -- is
+noticed when a collective with it times out. Inside a training step that timeout follows the
+step time (:class:`~hetseq_hpc.train.elastic.StepTimeout`). Validation and checkpoints take
+their own time (a validation pass over the whole validation set; rank 0 writing the state or
+every rank its shards), so they get their own: the first time a phase runs it waits up to
+``cluster.collective_timeout_s`` (nothing measured yet: a slow first checkpoint must not look
+like a lost rank), after that :data:`FACTOR` times the longest of its last :data:`WINDOW`
+durations on this rank, and never less than the training step's timeout. A rank stopped
+during its second validation is thus noticed within seconds, not after
+``cluster.collective_timeout_s``.
+
+Both groups a phase uses get the timeout -- the rendezvous's gloo group (the gathers and
+broadcasts of validation sums, checkpoint decisions, shard digests) and the default group
+(FSDP's all-gathers in a validation forward pass, DCP's collectives) -- and get their own back
+afterwards (``cluster.collective_timeout_s``, the step's timeout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from datetime import timedelta
+from typing import Any, Deque, Dict, Iterator, Optional
+
+#: a phase's timeout is this many times its longest recent duration
+FACTOR = 3.0
+#: how many recent durations of a phase count
+WINDOW = 5
+
+
+class PhaseTimeouts:
+    """Measured durations of each phase (this rank's wall time, seconds) and the timeout they
+    give (:meth:`seconds`).
+
+    Args:
+        first_s: the timeout of a phase never measured (``cluster.collective_timeout_s``).
+    """
+
+    def __init__(self, first_s: float):
+        self.first_s = float(first_s)
+        self.durations: Dict[str, Deque[float]] = {}
+
+    def seconds(self, phase: str, step_timeout_s: float) -> float:
+        """The timeout of ``phase`` now: ``first_s`` until it was measured once, then
+        ``max(step_timeout_s, FACTOR x longest recent duration)``."""
+        seen = self.durations.get(phase)
+        if not seen:
+            return self.first_s
+        return max(float(step_timeout_s), FACTOR * max(seen))
+
+    def record(self, phase: str, seconds: float) -> None:
+        """A completed ``phase`` took ``seconds`` on this rank."""
+        self.durations.setdefault(phase, deque(maxlen=WINDOW)).append(max(0.0, float(seconds)))
+
+
+def _set(seconds: float, group: Optional[Any] = None) -> None:
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    with contextlib.suppress(Exception):  # a broken group: the recovery replaces it
+        _set_pg_timeout(timedelta(seconds=seconds), group)
+
+
+@contextlib.contextmanager
+def phase_timeout(trainer: Any, phase: str) -> Iterator[None]:
+    """Inside the block the collectives of ``phase`` (``"validation"``, ``"checkpoint"``) time
+    out after :meth:`PhaseTimeouts.seconds` (nothing changes without in-job recovery); the
+    block's duration is recorded when it completes (not when it fails: a failed phase is
+    redone after the recovery, and its time says nothing about the phase)."""
+    elastic = getattr(trainer, "elastic", None)
+    group = getattr(trainer.rdv, "cpu_group", None)
+    if elastic is None or group is None:
+        yield
+        return
+    timeouts: PhaseTimeouts = elastic.phase_timeouts
+    seconds = timeouts.seconds(phase, elastic.timeout.seconds)
+    _set(seconds, group)
+    _set(seconds)  # the default group
+    start = time.monotonic()
+    try:
+        yield
+        timeouts.record(phase, time.monotonic() - start)
+    finally:
+        after = getattr(trainer.rdv, "cpu_group", None)  # None: dropped by a recovery
+        if after is not None:
+            _set(trainer.run.cluster.collective_timeout_s, after)
+        with contextlib.suppress(Exception):
+            elastic.timeout.apply()  # the step's timeout on the default group again
+
+
+__all__ = ["FACTOR", "WINDOW", "PhaseTimeouts", "phase_timeout"]
