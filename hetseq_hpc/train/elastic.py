@@ -223,6 +223,7 @@ class ElasticWorld:
             if self.retried_at == at:
                 raise error
             self.retried_at = at
+            self.phase_timeouts.forget()  # a slow phase, not a hang: the redo waits longer
         join_generation(self.store, new, self.member, backend_for(self.device),
                         self.cfg.timeout_s)
         world = dataclasses.replace(self.origin, rank=new.rank_of(self.member),

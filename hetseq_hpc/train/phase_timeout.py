@@ -51,6 +51,11 @@ class PhaseTimeouts:
             return self.first_s
         return max(float(step_timeout_s), FACTOR * max(seen))
 
+    def forget(self) -> None:
+        """Drop every measurement: after a timeout that lost nobody (a phase slower than its
+        past, not a hung rank) the redone phase waits ``first_s`` again."""
+        self.durations.clear()
+
     def record(self, phase: str, seconds: float) -> None:
         """A completed ``phase`` took ``seconds`` on this rank."""
         self.durations.setdefault(phase, deque(maxlen=WINDOW)).append(max(0.0, float(seconds)))

@@ -24,3 +24,10 @@ def test_only_the_recent_durations_count():
     for _ in range(WINDOW):
         timeouts.record("checkpoint", 1.0)
     assert timeouts.seconds("checkpoint", 1.0) == FACTOR * 1.0
+
+
+def test_forget_makes_the_next_phase_wait_the_long_timeout_again():
+    timeouts = PhaseTimeouts(300)
+    timeouts.record("validation", 1.0)
+    timeouts.forget()
+    assert timeouts.seconds("validation", 8.0) == 300
