@@ -31,11 +31,13 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterable, Mapping, Optional
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence
 
 from hetseq_hpc.env.rank_guard import PEER_MARKERS, is_peer_error
+from hetseq_hpc.errors import EXIT_CODES, Preempted
 from hetseq_hpc.files.atomic import atomic_write_json
 from hetseq_hpc.rundir.paths import RunDir
+from hetseq_hpc.train.metrics import read_metrics
 
 #: rank 0's record of a clean stop after a checkpoint in a SLURM job (relative to the run dir)
 STOP_RECORD = Path("logs") / "stop.json"
@@ -234,6 +236,30 @@ def memory_estimate_gb(run_dir: Path, rank: int) -> Optional[float]:
         return None
 
 
+def survivors_stopped(codes: Mapping[int, int], tolerated: Callable[[int], bool]) -> bool:
+    """Whether an elastic run ended with lost ranks (``tolerated`` exit codes: a signal, left
+    out) and survivors that stopped after a checkpoint (exit 3: fewer than
+    ``trainer.elastic.min_ranks`` left, or the batch no longer fit them), and nothing else."""
+    stop = dict(EXIT_CODES)[Preempted]
+    return stop in codes.values() and all(tolerated(c) or c == stop for c in codes.values())
+
+
+def too_few_message(run_dir: Path, lost: Sequence[int], reasons: Sequence[str]) -> str:
+    """One line for :func:`survivors_stopped`: who was lost and why, why the survivors stopped
+    (the membership row's ``stopped``), and the fix."""
+    why = "the survivors could not go on"
+    try:
+        rows = [r for r in read_metrics(run_dir) if r.get("event") == "membership"]
+        why = next((r["stopped"] for r in reversed(rows) if r.get("stopped")), why)
+    except Exception:  # no readable metrics: the generic words
+        pass
+    who = "; ".join(f"rank {r}: {reason}" for r, reason in zip(lost, reasons))
+    return (f"rank(s) {list(lost)} were lost ({who}); the others stopped after checkpointing their "
+            f"last completed step: {why}; resume with trainer.resume=auto (a Slurm job is "
+            f"requeued and resumes by itself); see {RunDir(run_dir).rank_log(lost[0])}")
+
+
 __all__ = ["PEER_MARKERS", "STOP_GAP_S", "STOP_RECORD", "StopWatch", "error_line",
            "first_failure", "is_peer_error", "memory_estimate_gb", "note_stopped", "pick_failure",
-           "read_error_file", "read_stop_record", "signal_reason", "write_stop_record"]
+           "read_error_file", "read_stop_record", "signal_reason", "survivors_stopped",
+           "too_few_message", "write_stop_record"]

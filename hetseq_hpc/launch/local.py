@@ -39,7 +39,13 @@ from hetseq_hpc.env.memcg import oom_evidence, oom_kill_counts
 from hetseq_hpc.env.rank_guard import LAUNCHER_PID_ENV
 from hetseq_hpc.env.world import free_port
 from hetseq_hpc.errors import ConfigError, LaunchError
-from hetseq_hpc.launch.failures import first_failure, read_error_file, signal_reason
+from hetseq_hpc.launch.failures import (
+    first_failure,
+    read_error_file,
+    signal_reason,
+    survivors_stopped,
+    too_few_message,
+)
 from hetseq_hpc.rundir.lock import lock_run_dir
 from hetseq_hpc.rundir.paths import RunDir
 
@@ -341,6 +347,10 @@ def _launch(run: RunConfig, run_dir: Path, poll_s: float, lock_env: Dict[str, st
             if len(lost) == len(procs):
                 raise LaunchError(f"every rank was lost ({_failure_reason(run_dir, 0, codes[0])}"
                                   f"); see {RunDir(run_dir).rank_log(0)}")
+        elif job is not None and survivors_stopped(codes, job.tolerated):
+            lost = sorted(r for r, c in codes.items() if job.tolerated(c))
+            raise LaunchError(too_few_message(run_dir, lost, [
+                _failure_reason(run_dir, r, codes[r], procs[r].pid, oom_before) for r in lost]))
         elif any(c != 0 for c in codes.values()):
             errors = {r: read_error_file(RunDir(run_dir).error_file(r)) for r in range(len(procs))}
             stopped = [r for r, p in enumerate(procs) if r not in codes and _is_stopped(p.pid)]
