@@ -69,6 +69,7 @@ from hetseq_hpc.train.loop import RankMeta, Trainer
 from hetseq_hpc.train.metrics import measured_step_sync
 from hetseq_hpc.train.parallel import build_parallel
 from hetseq_hpc.train.precision import autocast_factory, resolve_precision
+from hetseq_hpc.train.run_end import after_training, write_summary_if_missing
 from hetseq_hpc.train.task_summary import (
     build_checked_model,
     examples_model,
@@ -291,8 +292,9 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
                      [f"{s.micro_batch}x{s.accum_steps}" for s in allocation.shares], path)
         summary = trainer.fit()
         master = trainer.rank == 0  # of the current world (rank 0 may have been lost)
-        finish_task_summary(summary, task, examples_model(task, trainer.parallel, master),
-                            task_info, master)
+        examples = after_training(elastic, lambda: examples_model(task, trainer.parallel, master),
+                                  "gathering the weights for the examples", None)
+        finish_task_summary(summary, task, examples, task_info, master)
         final: Dict[str, Any] = {}  # what plans read from a finished run (plan.probe)
         if rebalancer is not None and all(rebalancer.fitted):  # the refitted curves
             final["fitted_curves"] = [c.to_dict() for c in rebalancer.fitted]
@@ -308,7 +310,9 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
             elastic.close()
         if master:
             atomic_write_json(RunDir(run_dir_path).summary, summary)
-        trainer.rdv.barrier()
+        if not after_training(elastic, lambda: trainer.rdv.barrier() or True, "the final barrier",
+                              False) and not master:
+            write_summary_if_missing(run_dir_path, summary)  # rank 0 may be the one lost
         if master and run.trainer.plot:  # after the barrier: no rank waits for it
             draw_plot(summary, run_dir_path)
     return summary

@@ -9,12 +9,16 @@ Both train the small BERT of :data:`~tests.helpers.runs.SMALL_MODEL` (its sizes 
   for testing launchers and error reports;
 * :class:`OverflowBert` puts inf into the scaled loss that backward sees (the logged loss stays
   finite) on rank ``+task.args.overflow_rank`` at optimizer step
-  ``+task.args.overflow_step``: an fp16 overflow on one rank, for testing the loss scale.
+  ``+task.args.overflow_step``: an fp16 overflow on one rank, for testing the loss scale;
+* :class:`SlowExamplesBert` makes rank 0 take ``+task.args.examples_s`` seconds over its
+  example predictions after the last step (the other ranks wait at the final barrier): a window
+  in which a test loses a rank after the training has completed.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import fields
 from typing import Callable, List
 
@@ -80,3 +84,9 @@ class OverflowBert(_Bert):
         path = precision.GradientPath
         path.backward = overflowing_backward(path.backward, int(self.args["overflow_rank"]),
                                              int(self.args["overflow_step"]))
+
+
+class SlowExamplesBert(_Bert):
+    def examples(self, model, n: int = 3):
+        time.sleep(float(self.args["examples_s"]))
+        return []

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from hetseq_hpc.train.checkpoint import list_checkpoints, load_checkpoint
+from tests.helpers.fault_tasks import fault_task
 from tests.helpers.runs import (
     REPO,
     SMALL_MODEL,
@@ -289,3 +290,28 @@ def test_fsdp_survivors_take_micro_batch_caps_of_their_larger_shards(reference, 
     assert any(s["accum_steps"] > 1 for s in after), after
     (event,) = _events(run_dir)
     assert event["split"] == [s["samples"] for s in after] and sum(event["split"]) == 24
+
+
+@pytest.mark.parametrize("victim", [2, 0])
+def test_a_rank_lost_after_the_last_step_does_not_fail_the_finished_run(victim, tmp_path,
+                                                                        token_cache):
+    """Rank 0 spends 4 s on its examples after step 30 (tests/helpers/fault_tasks.py) while the
+    others wait at the final barrier; a rank killed then (2, or rank 0 itself) is logged and the
+    run ends with exit 0, its last checkpoint at step 30 and a summary.json (written by the
+    survivors when rank 0 was the one lost)."""
+    run_dir = tmp_path / "run"
+    common = [o for o in COMMON if not o.startswith("task.model.")]  # task=custom's own
+    cmd = [sys.executable, "-m", "hetseq_hpc", *common,
+           *fault_task("SlowExamplesBert", examples_s=4), "cluster.ranks=3",
+           "trainer.plot=false", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(token_cache), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _at_step(run_dir, proc, 30)
+    time.sleep(1.5)  # rank 0 in its examples, the others at the barrier
+    os.kill(worker_pids(run_dir)[victim], signal.SIGKILL)
+    out = _finish(proc)
+    assert "a rank was lost after the last step" in "".join(
+        p.read_text() for p in (run_dir / "logs").glob("rank*.log")), out[-3000:]
+    assert _last_checkpoint(run_dir)["step"] == 30
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_step"] == 30 and summary["steps_run"] == 30
