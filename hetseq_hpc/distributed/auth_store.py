@@ -4,10 +4,9 @@ torch's ``TCPStore`` has no authentication (any process that reaches its port ca
 write every key) and its server listens on every interface. This store is served instead:
 
 * :class:`AuthStoreServer` listens on ONE address (the socket is bound to the host it is
-  given). Each connection first passes the stdlib's HMAC challenge-response
-  (``multiprocessing.connection.deliver_challenge`` / ``answer_challenge``, the handshake of
-  ``multiprocessing.connection.Listener(authkey=...)``; https://docs.python.org/3/library/multiprocessing.html#multiprocessing-auth-keys)
-  with the token as key, in its own thread and within :data:`HANDSHAKE_S` seconds, so a client
+  given). Each connection first passes a mutual HMAC-SHA256 challenge-response with the
+  token as key (:mod:`hetseq_hpc.distributed.handshake`; not the stdlib's, which is HMAC-MD5
+  on Python 3.11), in its own thread and within :data:`HANDSHAKE_S` seconds, so a client
   that stalls blocks nobody. A client without the token is disconnected before it can send a
   single request. Keys live in a dict guarded by a ``threading.Condition``.
 * :class:`AuthStoreClient` is a ``torch.distributed.Store`` subclass, so it serves
@@ -30,10 +29,12 @@ import time
 from collections import defaultdict, deque
 from datetime import timedelta
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
+from multiprocessing.connection import Client, Connection
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch.distributed as dist
+
+from hetseq_hpc.distributed.handshake import client_handshake, server_handshake
 
 log = logging.getLogger(__name__)
 
@@ -164,8 +165,7 @@ class AuthStoreServer:
         _recv_timeout(sock, HANDSHAKE_S)
         conn = Connection(sock.detach())
         try:
-            deliver_challenge(conn, self._authkey)
-            answer_challenge(conn, self._authkey)
+            server_handshake(conn, self._authkey)
         except (AuthenticationError, OSError, EOFError, ValueError):
             log.warning("job store: refused a client from %s (it does not hold the job's token)",
                         peer[0])
@@ -295,7 +295,7 @@ class AuthStoreClient(dist.Store):
         deadline = time.monotonic() + max(self._timeout_s, 1.0)
         while True:
             try:
-                conn = Client(self._address, authkey=self._authkey)
+                conn = Client(self._address)
                 break
             except (TimeoutError, ConnectionRefusedError) as exc:
                 if time.monotonic() > deadline:
@@ -303,6 +303,7 @@ class AuthStoreClient(dist.Store):
                         f"the job's store at {self._where} does not answer ({type(exc).__name__})"
                         ": its launcher is gone or the address is wrong") from None
                 time.sleep(0.1)
+        client_handshake(conn, self._authkey)  # closes the connection if it fails
         self._local.conn = conn
         return conn
 

@@ -20,6 +20,7 @@ import pytest
 import torch.distributed as dist
 
 from hetseq_hpc.distributed.auth_store import AuthStoreClient, AuthStoreServer, pack, unpack
+from hetseq_hpc.distributed.handshake import GREETING, REFUSED
 from hetseq_hpc.distributed.membership import excluded_key, job_store, serve_job_store
 from hetseq_hpc.errors import LaunchError
 
@@ -74,15 +75,36 @@ def test_a_client_without_the_token_is_refused_and_reads_nothing(server, token):
                 break
             received += chunk
         assert b"job/secret" not in received  # only the challenge and its failure came back
-    # the stdlib client with no key gets the challenge, its failure, then the connection ends
+    # the stdlib client with no key gets the challenge, its refusal, then the connection ends
     conn = Client(("127.0.0.1", server.port))
     conn.send_bytes(pack([b"get", b"job/secret", b"1"]))
     replies = []
     with pytest.raises((EOFError, OSError)):
         for _ in range(5):
             replies.append(conn.recv_bytes())
-    assert replies and all(r.startswith((b"#CHALLENGE#", b"#FAILURE#")) for r in replies)
+    assert replies and all(r.startswith((GREETING, REFUSED)) for r in replies)
+    # the stdlib's own handshake with the right key is another protocol: refused too
+    with pytest.raises((AuthenticationError, AssertionError, EOFError, OSError)):  # 3.11: assert
+        Client(("127.0.0.1", server.port), authkey=TOKEN.encode()).send_bytes(b"x")
     assert good.get("job/secret") == b"v" and good.list_keys() == ["job/secret"]
+
+
+def test_the_handshake_needs_no_md5_as_under_fips(server, monkeypatch):
+    """Python 3.11's stdlib handshake is HMAC-MD5, which FIPS-mode OpenSSL refuses; the store's
+    own is HMAC-SHA256 and works with MD5 refused (simulated: hmac.new refuses "md5")."""
+    import hmac
+
+    real = hmac.new
+
+    def no_md5(key, msg=None, digestmod=None):
+        if str(getattr(digestmod, "__name__", digestmod)).lower().endswith("md5"):
+            raise ValueError("[digital envelope routines] unsupported (FIPS)")
+        return real(key, msg, digestmod)
+
+    monkeypatch.setattr(hmac, "new", no_md5)
+    client = AuthStoreClient("127.0.0.1", server.port, TOKEN, timedelta(seconds=5))
+    client.set("k", "v")
+    assert client.get("k") == b"v"
 
 
 def test_a_client_that_stalls_the_handshake_blocks_nobody(server):
