@@ -7,6 +7,10 @@ pick itself.
 The candidates: a100 1 node, v100 1 node, both (``cluster=testcluster`` with v100 at 1 node:
 three mixes, so that the whole test stays near 90 s: a 1-minute blocker, then tiny BERT jobs of
 4 steps). Predicted and actual start and finish of each are printed (``pytest -s``).
+
+A second test makes the run time decide: with v100 busy, the a100 + v100 mix waits but is
+predicted minutes faster over 2000 BERT-base steps, so it is picked over a100 alone, which
+starts at once (the jobs are not run to the end there: they would take hours on CPU nodes).
 """
 
 from __future__ import annotations
@@ -138,3 +142,55 @@ def test_plan_when_pick_finishes_first_and_choose_submits_it(tmp_path, token_cac
         actual
     for label in ("a100:1", "a100:1+v100:1"):  # they waited for the blocker, as Slurm said
         assert actual[label][1] >= actual["v100:1"][1]
+
+
+#: BERT-base for 2000 steps: the run time (minutes), not the queue, decides the pick
+BASE = ["task.model.hidden_size=768", "task.model.num_layers=12", "task.model.num_heads=12",
+        "task.model.intermediate_size=3072", "task.model.max_seq_len=128",
+        "trainer.global_batch_size=256", "trainer.max_steps=2000", "trainer.val_every=0",
+        "cluster.partitions.v100.nodes=1", "plan.startup_s=10", "cluster.timeout_min=600"]
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_plan_when_picks_a_mix_that_waits_when_its_run_is_enough_shorter(tmp_path, token_cache):
+    """With partition v100 busy for a minute, a100 alone starts now but the a100 + v100 mix,
+    predicted minutes faster on 2000 BERT-base steps, finishes first even after waiting: the
+    pick is decided by start estimate + run time, not by who starts first. ``cheapest`` stays
+    a100 alone. ``cluster.choose=finish_first`` submits the waiting mix (cancelled at once:
+    2000 BERT-base steps would take hours on these CPU nodes)."""
+    blocker = subprocess.run(
+        ["sbatch", "--parsable", "-p", "v100", "-N2", "--exclusive", f"--time={BLOCK_MIN}",
+         "-o", str(tmp_path / "blocker.out"), "--wrap", f"sleep {BLOCK_SLEEP_S}"],
+        capture_output=True, text=True, timeout=60)
+    assert blocker.returncode == 0, blocker.stderr
+    blocker_id, submitted = blocker.stdout.strip().split(";")[0], []
+    try:
+        deadline = time.monotonic() + 60
+        while squeue_state(blocker_id) != "RUNNING":
+            assert time.monotonic() < deadline, "the blocker job did not start"
+            time.sleep(0.5)
+        cmd = [sys.executable, "-m", "hetseq_hpc", "cluster=testcluster", *BASE]
+        plan = subprocess.run([*cmd[:3], "plan", "--when", *cmd[3:]], cwd=REPO,
+                              env=cli_env(token_cache), capture_output=True, text=True,
+                              timeout=300)
+        assert_ok(plan)
+        table = json.loads(plan.stdout.strip().splitlines()[-1])
+        rows = {m["label"]: m for m in table["mixes"]}
+        both, alone, asked = rows["a100:1+v100:1"], rows["a100:1"], table["asked_at"]
+        assert alone["start"] - asked < 10 and both["start"] - asked > 20, plan.stdout
+        assert both["run_s"] < alone["run_s"] and both["finish"] < alone["finish"], plan.stdout
+        assert table["finish_first"] == "a100:1+v100:1" and table["cheapest"] == "a100:1"
+        assert next(iter(rows)) == "a100:1+v100:1", plan.stdout  # sorted by expected finish
+
+        run_dir = tmp_path / "chosen"
+        chosen = subprocess.run([*cmd, "cluster.choose=finish_first", f"hydra.run.dir={run_dir}"],
+                                cwd=REPO, env=cli_env(token_cache), capture_output=True,
+                                text=True, timeout=300)
+        assert_ok(chosen)
+        info = json.loads((run_dir / "job.json").read_text())
+        submitted.append(str(info["job_id"]))
+        assert re.search(r"cluster.choose=finish_first: submitting a100:1\+v100:1 ", chosen.stdout)
+        assert sorted(info["partitions"]) == ["a100", "v100"]
+    finally:
+        subprocess.run(["scancel", blocker_id, *submitted], capture_output=True)
