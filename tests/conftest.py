@@ -2,7 +2,8 @@
 
 Layout: ``unit/`` (in-process: no subprocess, no second process, no Slurm), ``integration/``
 (real worker processes over gloo, the CLI in a subprocess, the local launcher, faults in real
-runs), ``slurm/`` (the real Slurm test cluster, marked ``slurm``). Helpers that are not
+runs), ``slurm/`` (the real Slurm test cluster, marked ``slurm``), ``gpu/`` (CUDA only: skipped
+without a GPU, run by ``scripts/gpu_check.sh`` on a lent one). Helpers that are not
 fixtures live in ``tests/helpers/`` and are imported as ``tests.helpers.<module>``."""
 
 from __future__ import annotations
