@@ -65,6 +65,7 @@ from hetseq_hpc.tasks.contract import checked_batch
 from hetseq_hpc.tasks.prepare_wait import prepare_on_rank0
 from hetseq_hpc.train.contract_check import check_before_training
 from hetseq_hpc.train.elastic import ElasticWorld
+from hetseq_hpc.train.fsdp_accumulation import agree_on_accumulation
 from hetseq_hpc.train.loop import RankMeta, Trainer
 from hetseq_hpc.train.metrics import measured_step_sync
 from hetseq_hpc.train.parallel import build_parallel
@@ -253,6 +254,7 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
             emulation=emulation.to_dict(), placement=placement.to_dict(),
         ).to_dict())]
         allocation = agree_on_allocation(run, reports, rdv)
+        agree_on_accumulation(run.sharding, parallel, allocation, reports, rdv)  # FSDP only
         clock.mark("allocation")
 
         live: Dict[str, Any] = {}  # the elastic world, once there is one

@@ -13,9 +13,16 @@
     ``--budget-gb``; BERT models of ``--ladder`` layers are tried in each mode (2 steps each);
     the largest that trains is the measured figure, printed next to the planner's
     ``largest_params`` for the same mix (``hetseq-hpc plan ... sharding.mode=...``).
+(d) FSDP with gradient accumulation (``--micro`` samples per pass: 16 / micro passes per step
+    on each rank), the parameters kept gathered between micro-batches against resharded
+    (``sharding.between_micro_batches=keep_unsharded`` / ``reshard``) in ``--pairs``
+    interleaved pairs; median ratio kept / resharded step, and each rank's measured peak
+    (torch's CPU allocations in the first steps, under an emulated 1 GiB budget).
+    ``--only-accumulation`` runs (d) alone.
 
     python scripts/bench_sharding.py [--pairs 4] [--steps 20] [--budget-gb 0.03]
-                                     [--ladder 1,2,4,8,16] [--out DIR]
+                                     [--ladder 1,2,4,8,16] [--micro 4] [--only-accumulation]
+                                     [--out DIR]
 
 Last line: one JSON object. The machine is printed; rerun on another before trusting a figure.
 """
@@ -87,6 +94,37 @@ def throughput_pairs(root: Path, args) -> dict:
             "peak_rss_mb_fsdp": [round(m["peak_rss_bytes"] / 2**20) for m in memory["fsdp"]]}
 
 
+def accumulation_pairs(root: Path, args) -> dict:
+    """(d): interleaved pairs of FSDP runs with accumulation, kept gathered against resharded."""
+    ratios, steps, peaks = [], {}, {}
+    modes = ("keep_unsharded", "reshard")
+    for i in range(args.pairs):
+        for mode in (modes if i % 2 == 0 else modes[::-1]):
+            run_dir = root / f"accum{i}-{mode}"
+            proc = train(run_dir, *model_args(args.hidden, args.layers), "sharding.mode=fsdp",
+                         f"sharding.between_micro_batches={mode}",
+                         f"balance.max_micro_batch={args.micro}",
+                         f"trainer.max_steps={args.steps}", "trainer.global_batch_size=32",
+                         "balance.allocation=[16,16]",  # an emulated budget: torch's own peak
+                         "cluster.memory_budget_gb=1")
+            if proc.returncode != 0:
+                raise SystemExit(f"FSDP {mode} run failed:\n{proc.stderr[-2000:]}")
+            summary = json.loads((run_dir / "summary.json").read_text())
+            used = summary["sharding"].get("between_micro_batches")
+            if used != mode:  # e.g. a worker that never decides (an older checkout)
+                raise SystemExit(f"asked for {mode}, the run used {used}")
+            steps[mode] = step_median(run_dir, warmup=6)  # after the profiled steps
+            peaks[mode] = [round(m["measured_peak_bytes"] / 2**20, 2) for m in summary["memory"]]
+        ratios.append(steps["keep_unsharded"] / steps["reshard"])
+        print(f"  pair {i + 1}/{args.pairs}: step resharded {steps['reshard'] * 1e3:.1f} ms, "
+              f"kept gathered {steps['keep_unsharded'] * 1e3:.1f} ms, ratio {ratios[-1]:.3f}",
+              flush=True)
+    return {"passes_per_step": 16 // args.micro,
+            "kept_step_over_resharded": round(statistics.median(ratios), 4),
+            "ratio_pairs": [round(r, 4) for r in ratios],
+            "peak_mib_kept": peaks["keep_unsharded"], "peak_mib_resharded": peaks["reshard"]}
+
+
 def param_count(hidden: int, layers: int) -> int:
     """Parameters of the BERT model with these settings (built on the meta device)."""
     import torch
@@ -142,17 +180,27 @@ def main() -> None:
     parser.add_argument("--budget-gb", type=float, default=0.03)
     parser.add_argument("--ladder", type=lambda s: [int(x) for x in s.split(",")],
                         default=[1, 2, 4, 8, 16])
+    parser.add_argument("--micro", type=int, default=4, help="(d): samples per pass")
+    parser.add_argument("--only-accumulation", action="store_true", help="run (d) alone")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     machine = f"{hetero._cpu_model()}, {os.cpu_count()} CPUs, {platform.platform()}"
     print(f"machine: {machine}", flush=True)
     root = args.out or Path(tempfile.mkdtemp(prefix="bench-sharding-"))
     started = time.monotonic()
+    print(f"(d) {args.pairs} interleaved FSDP pairs with accumulation ({16 // args.micro} "
+          "passes per step), kept gathered / resharded between micro-batches ...", flush=True)
+    accumulation = accumulation_pairs(root, args)
+    if args.only_accumulation:
+        print(json.dumps({"accumulation": accumulation, "machine": machine,
+                          "seconds": round(time.monotonic() - started)}))
+        return
     print(f"(a)+(b) {args.pairs} interleaved DDP/FSDP pairs, hidden {args.hidden}, "
           f"{args.layers} layers, {args.steps} steps ...", flush=True)
     result = throughput_pairs(root, args)
     print(f"(c) largest model under {args.budget_gb} GiB per rank ...", flush=True)
     result["largest"] = largest_that_trains(root, args)
+    result["accumulation"] = accumulation
     result.update(machine=machine, seconds=round(time.monotonic() - started))
     print(json.dumps(result))
 

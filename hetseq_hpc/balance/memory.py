@@ -7,8 +7,9 @@
   / activation bytes per sample)``, via :func:`micro_batch_cap`;
 * :func:`param_memory_cap`: the same from a parameter count (the planner, fp32 parameters);
 * :func:`model_state_bytes`: what the model state takes on a rank, replicated (DDP) or
-  sharded (FSDP2: the shard plus FSDP2's gathered units at their peak), and
-  :func:`replica_fits` (``sharding.mode=auto``);
+  sharded (FSDP2: the shard plus FSDP2's gathered units at their peak, or, with
+  ``keep_gathered``, the whole weights kept between micro-batches: :func:`kept_gathered_bytes`),
+  and :func:`replica_fits` (``sharding.mode=auto``);
 * :func:`model_bytes`: the parameter bytes of a model, of its FSDP root unit and of its
   largest block (the task's sharding units), as :func:`model_state_bytes` takes them.
 """
@@ -36,6 +37,11 @@ BLOCK_COPIES = 3
 MAX_GATHERED_COPIES = 2
 #: validation and the task-contract check gather the whole weights once (no gradients)
 GATHERED_WEIGHT_COPIES = 1
+#: parameters kept gathered between the micro-batches of a step
+#: (``sharding.between_micro_batches``): next to every weight, whole, the gradients FSDP2 holds
+#: whole before their reduce-scatter: the root unit's (to the end of the backward pass) and a
+#: block's, with the previous block's reduce-scatter still in flight
+KEPT_BLOCK_GRADIENT_COPIES = 2
 #: share of a rank's planned memory that ``sharding.mode=auto`` keeps free for activations
 #: when it asks whether a full replica fits
 AUTO_ACTIVATION_SHARE = 0.1
@@ -85,7 +91,7 @@ def micro_batch_cap(
 def model_state_bytes(param_bytes: float, mode: str = "ddp", world_size: int = 1,
                       block_bytes: float = 0.0, offload: bool = False,
                       gathered_weights: bool = True,
-                      root_bytes: Optional[float] = None) -> float:
+                      root_bytes: Optional[float] = None, keep_gathered: bool = False) -> float:
     """Bytes of model state one rank holds at its peak (before activations): the ONE formula
     the runtime (worker, calibration), the planner and the pre-flight check share.
 
@@ -103,7 +109,8 @@ def model_state_bytes(param_bytes: float, mode: str = "ddp", world_size: int = 1
     a data-dependent number of forward passes
     (:meth:`hetseq_hpc.tasks.base.Task.evaluates_in_fixed_passes` is False: decoding). The
     contract check runs on the CPU model before sharding and the examples on a CPU copy, so
-    neither counts.
+    neither counts. With ``keep_gathered`` (the parameters stay gathered between the
+    micro-batches of a step) the gathered part is :func:`kept_gathered_bytes` instead.
 
     Args:
         param_bytes: the model's parameter bytes.
@@ -115,12 +122,15 @@ def model_state_bytes(param_bytes: float, mode: str = "ddp", world_size: int = 1
             task is not known).
         root_bytes: parameter bytes of the root unit; None = not known: everything outside
             the largest block (an upper bound).
+        keep_gathered: the whole weights stay gathered through a step's micro-batches.
     """
     if mode != "fsdp":
         return float(param_bytes) * STATIC_PARAM_COPIES
     shard = 0.0 if offload else float(param_bytes) * SHARDED_STATE_COPIES / max(int(world_size), 1)
     whole = GATHERED_WEIGHT_COPIES * float(param_bytes) if gathered_weights else 0.0
-    return shard + max(gathered_bytes(param_bytes, block_bytes, root_bytes), whole)
+    held = (kept_gathered_bytes if keep_gathered else gathered_bytes)(param_bytes, block_bytes,
+                                                                      root_bytes)
+    return shard + max(held, whole)
 
 
 def gathered_bytes(param_bytes: float, block_bytes: float = 0.0,
@@ -131,6 +141,19 @@ def gathered_bytes(param_bytes: float, block_bytes: float = 0.0,
     param, block = float(param_bytes), float(block_bytes)
     root = max(param - block, 0.0) if root_bytes is None else float(root_bytes)
     return min(ROOT_COPIES * root + BLOCK_COPIES * block, MAX_GATHERED_COPIES * param)
+
+
+def kept_gathered_bytes(param_bytes: float, block_bytes: float = 0.0,
+                        root_bytes: Optional[float] = None) -> float:
+    """What FSDP2 holds unsharded when the parameters stay gathered between the micro-batches
+    of a step: ``GATHERED_WEIGHT_COPIES x param_bytes`` (every weight) plus the gradients
+    before their reduce-scatter, ``root + KEPT_BLOCK_GRADIENT_COPIES x block``; at most
+    ``MAX_GATHERED_COPIES x param_bytes``. Bytes in and out; ``root_bytes`` None:
+    ``param_bytes - block_bytes``."""
+    param, block = float(param_bytes), float(block_bytes)
+    root = max(param - block, 0.0) if root_bytes is None else float(root_bytes)
+    return min(GATHERED_WEIGHT_COPIES * param + root + KEPT_BLOCK_GRADIENT_COPIES * block,
+               MAX_GATHERED_COPIES * param)
 
 
 def memory_cap(memory_budget_bytes: float, param_bytes: float, activation_bytes_per_sample: float,
@@ -162,10 +185,17 @@ class ModelBytes(NamedTuple):
 def model_bytes(task: Any, model: Any) -> ModelBytes:
     """:class:`ModelBytes` of ``model``: the units are ``task.sharding_units(model)``, the
     root unit everything outside them (the whole model when there are none)."""
+    units = list(task.sharding_units(model)) if hasattr(task, "sharding_units") else []
+    return unit_bytes(model, units)
+
+
+def unit_bytes(model: Any, units: Any) -> ModelBytes:
+    """:class:`ModelBytes` of ``model`` sharded into ``units`` (modules inside it) plus the
+    root unit (everything outside them); read before sharding (a DTensor counts whole too)."""
     def size(params: Any) -> float:
         return float(sum(p.numel() * p.element_size() for p in params))
 
-    units = list(task.sharding_units(model)) if hasattr(task, "sharding_units") else []
+    units = list(units)
     in_units = {id(p) for u in units for p in u.parameters()}
     root = size(p for p in model.parameters() if id(p) not in in_units)
     return ModelBytes(size(model.parameters()), root,
@@ -191,6 +221,7 @@ __all__ = [
     "AUTO_ACTIVATION_SHARE",
     "BLOCK_COPIES",
     "GATHERED_WEIGHT_COPIES",
+    "KEPT_BLOCK_GRADIENT_COPIES",
     "MAX_GATHERED_COPIES",
     "MEMORY_HEADROOM",
     "PARAM_BYTES",
@@ -199,6 +230,7 @@ __all__ = [
     "STATIC_PARAM_COPIES",
     "ModelBytes",
     "gathered_bytes",
+    "kept_gathered_bytes",
     "local_part",
     "memory_budget_bytes",
     "memory_cap",
@@ -207,4 +239,5 @@ __all__ = [
     "model_state_bytes",
     "param_memory_cap",
     "replica_fits",
+    "unit_bytes",
 ]

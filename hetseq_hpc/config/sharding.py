@@ -14,6 +14,8 @@ from hetseq_hpc.config.common import require
 SHARDING_MODES = ("none", "fsdp", "auto")
 #: what sharding.checkpoint accepts
 CHECKPOINT_LAYOUTS = ("sharded", "full")
+#: what sharding.between_micro_batches accepts
+BETWEEN_MICRO_BATCHES = ("auto", "keep_unsharded", "reshard")
 
 
 @dataclass
@@ -35,6 +37,13 @@ class ShardingConfig:
     # under DDP); full = gathered to rank 0 into one file, as DDP writes (needs the whole model
     # and optimizer state in rank 0's CPU memory)
     checkpoint: str = "sharded"
+    # FSDP with gradient accumulation (several micro-batches per step): keep_unsharded = the
+    # parameters stay gathered from the step's first forward to its last backward (each unit is
+    # all-gathered once per step instead of twice per micro-batch; the rank holds the whole
+    # weights meanwhile); reshard = gathered again in every forward and backward (least
+    # memory); auto = keep_unsharded when the whole weights fit beside every rank's shard and
+    # micro-batch in its memory budget (hetseq_hpc/train/fsdp_accumulation.py), else reshard
+    between_micro_batches: str = "auto"
 
     def __post_init__(self) -> None:
         require(self.mode in SHARDING_MODES, f"sharding.mode={self.mode!r} is unknown: use "
@@ -42,3 +51,6 @@ class ShardingConfig:
         require(self.checkpoint in CHECKPOINT_LAYOUTS, f"sharding.checkpoint={self.checkpoint!r}"
                 f" is unknown: use {' or '.join(CHECKPOINT_LAYOUTS)} (e.g. "
                 "sharding.checkpoint=sharded)")
+        require(self.between_micro_batches in BETWEEN_MICRO_BATCHES,
+                f"sharding.between_micro_batches={self.between_micro_batches!r} is unknown: use "
+                f"{', '.join(BETWEEN_MICRO_BATCHES)} (e.g. sharding.between_micro_batches=auto)")

@@ -17,7 +17,15 @@ The training loop talks to one of two strategies through the same methods, so ev
   (its first sample, loss x 0: gradient unchanged). Every pass reduce-scatters its gradients
   (a SUM, so the shards that accumulate over the passes are exactly the step's sum; with sync
   off FSDP would keep the whole model's unsharded gradient between passes, a full replica's
-  worth of memory). The global gradient norm is computed over the shards
+  worth of memory beside the weights, to save a reduce-scatter per pass that costs as much
+  as one of the all-gathers saved below). Between the passes of a step the parameters are
+  either gathered again (``reshard``: each unit all-gathered in every forward and again in
+  every backward) or kept gathered from the step's first forward to its last backward
+  (``keep_unsharded``: ``set_reshard_after_forward(False)``, and
+  ``set_reshard_after_backward(True)`` on the last pass only; one all-gather per unit per step,
+  the whole weights held meanwhile): a job-wide choice, since every all-gather is a
+  collective (:mod:`hetseq_hpc.train.fsdp_accumulation`). The weights do not change within
+  a step, so both compute the same. The global gradient norm is computed over the shards
   (``clip_grad_norm_`` on DTensors). Parameters are all-gathered in fp32 on every rank (one
   job-wide dtype: ranks cannot all-gather in different dtypes); each rank computes in its own
   precision under autocast, as in DDP.
@@ -167,10 +175,17 @@ class Sharded(Replicated):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+        from hetseq_hpc.balance.memory import unit_bytes
+
         super().__init__(model, device)
         offload = CPUOffloadPolicy() if cpu_offload and device.type == "cuda" else OffloadPolicy()
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         self.units = list(units)
+        self.sizes = unit_bytes(model, self.units)  # whole, root and largest unit, in bytes
+        #: between the passes of a step: ``reshard`` or ``keep_unsharded`` (the same on every
+        #: rank: :func:`hetseq_hpc.train.fsdp_accumulation.agree_on_accumulation`)
+        self.between_micro_batches = "reshard"
+        self._passes = 1  # of the current step (pass_sizes)
         for unit in self.units:
             fully_shard(unit, mesh=mesh, offload_policy=offload)
         fully_shard(model, mesh=mesh, offload_policy=offload)
@@ -190,12 +205,26 @@ class Sharded(Replicated):
     def pass_sizes(self, share: Any, all_shares: Sequence[Any]) -> Tuple[List[int], int]:
         """The job's largest accumulation count of passes on every rank
         (:func:`equal_pass_sizes`): FSDP gathers parameters in every pass, on every rank."""
-        passes = max(len(s.micro_sizes) for s in all_shares)
-        return equal_pass_sizes(share.samples, passes)
+        self._passes = max(len(s.micro_sizes) for s in all_shares)
+        return equal_pass_sizes(share.samples, self._passes)
 
-    def sync(self, last: bool) -> contextlib.AbstractContextManager:
-        """Reduce-scatter in every pass (the memory of the shards only; see the module doc)."""
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def sync(self, last: bool) -> Iterator[None]:
+        """Around a pass's forward: reduce-scatter in every pass (the memory of the shards
+        only; see the module doc). Under ``keep_unsharded``, in a step of several passes, the
+        units stay gathered after this forward and, unless ``last``, after its backward too
+        (the next pass gathers nothing); the last backward reshards them for the optimizer."""
+        if self.between_micro_batches != "keep_unsharded" or self._passes < 2:
+            yield
+            return
+        for module in self.fsdp_modules:
+            module.set_reshard_after_forward(False, recurse=False)
+            module.set_reshard_after_backward(last, recurse=False)
+        try:
+            yield
+        finally:  # read in the forward only: the default again for validation
+            for module in self.fsdp_modules:
+                module.set_reshard_after_forward(module is not self.model, recurse=False)
 
     def grad_norm(self, max_norm: float, grads: List[torch.Tensor]) -> float:
         """The global norm over every rank's shards (a collective), clipped to ``max_norm``
@@ -315,7 +344,7 @@ class Sharded(Replicated):
 
     def describe(self) -> Dict[str, Any]:
         return {"mode": self.mode, "units": len(self.units), "all_gather_dtype": "fp32",
-                "cpu_offload": self.offload}
+                "cpu_offload": self.offload, "between_micro_batches": self.between_micro_batches}
 
 
 def rank_memory(model: nn.Module, optimizer: torch.optim.Optimizer,

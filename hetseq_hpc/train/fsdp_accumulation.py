@@ -1,0 +1,100 @@
+"""Gradient accumulation under FSDP without resharding between micro-batches
+(``sharding.between_micro_batches``; the mechanism is :meth:`hetseq_hpc.train.parallel.Sharded.sync`).
+
+With accumulation every rank runs the job's largest number of passes ``K`` per step. Resharded
+(``reshard``), FSDP2 all-gathers each unit in every forward and again in every backward:
+``2 K`` all-gathers per unit per step, and the rank never holds more than a few units whole.
+Kept gathered (``keep_unsharded``), each unit is all-gathered once, in the step's first
+forward, and resharded after its last backward: ``1`` all-gather per unit per step, while the
+rank holds every weight whole (:func:`~hetseq_hpc.balance.memory.kept_gathered_bytes`).
+
+What is NOT skipped: the reduce-scatter of every pass. Skipping it until the last pass
+(``set_requires_gradient_sync(False)``) would keep the whole model's unsharded gradient
+beside the whole weights (one more copy of the model) to save ``K - 1`` reduce-scatters,
+each moving what one of the ``2 K - 1`` saved all-gathers moves; the per-pass SUM into the
+shards is also what keeps the step exact, as before.
+
+Memory rule: rank ``i`` fits when its shard of the state plus the kept-gathered bytes
+(:func:`~hetseq_hpc.balance.memory.model_state_bytes` with ``keep_gathered``) plus its
+calibrated activation bytes per sample times its largest pass's samples is within its
+calibrated budget (the same headroom as its micro-batch cap). Whether a forward all-gathers is
+a collective, so the choice is job-wide: every rank says whether it fits (one small
+all-gather of booleans at start-up, after the allocation) and ``auto`` keeps the parameters
+gathered only when all say yes. A re-formed world after a lost rank (in-job recovery)
+rebuilds the sharded model, which reshards again (the safe default).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+from hetseq_hpc.balance.agree import RankReport
+from hetseq_hpc.balance.memory import model_state_bytes
+from hetseq_hpc.train.parallel import equal_pass_sizes
+
+log = logging.getLogger(__name__)
+
+
+def keep_unsharded_fits(state_bytes: float, budget_bytes: float,
+                        activation_bytes_per_sample: float, pass_samples: int) -> bool:
+    """Whether a rank holds the kept-gathered model state (``state_bytes``: its shard plus the
+    whole weights and the gradients before their reduce-scatter) and the activations of its
+    largest pass (``pass_samples`` x ``activation_bytes_per_sample``) within ``budget_bytes``
+    (its calibrated budget, headroom applied). Bytes and samples in."""
+    need = float(state_bytes) + float(activation_bytes_per_sample) * int(pass_samples)
+    return need <= float(budget_bytes)
+
+
+def agree_on_accumulation(sharding: Any, parallel: Any, allocation: Any,
+                          reports: Sequence[Any], rdv: Any) -> str:
+    """Decide, on every rank alike, what FSDP does between the micro-batches of a step, and set
+    it on ``parallel`` (``Sharded.between_micro_batches``, in ``summary.json``'s ``sharding``).
+
+    Args:
+        sharding: the ``sharding`` group (:class:`~hetseq_hpc.config.sharding.ShardingConfig`);
+            its ``between_micro_batches`` is ``auto``, ``keep_unsharded`` or ``reshard``.
+        parallel: the strategy (:func:`~hetseq_hpc.train.parallel.build_parallel`); DDP:
+            nothing to decide.
+        allocation: the agreed :class:`~hetseq_hpc.balance.allocation.Allocation`.
+        reports: every rank's :class:`~hetseq_hpc.balance.agree.RankReport` (rank order;
+            ``calibration`` has ``memory_budget_bytes`` and ``activation_bytes_per_sample``).
+        rdv: the joined rendezvous (one all-gather when there is a choice to make).
+
+    Returns:
+        ``keep_unsharded``, ``reshard``, ``one_pass`` (no accumulation: nothing between
+        passes) or ``ddp`` (not sharded).
+    """
+    if not getattr(parallel, "sharded", False):
+        return "ddp"
+    setting = str(sharding.between_micro_batches)
+    passes = max(len(s.micro_sizes) for s in allocation.shares)
+    chosen = "one_pass" if passes < 2 else setting
+    if chosen in ("auto", "keep_unsharded"):
+        rank = rdv.world.rank
+        sizes = parallel.sizes
+        state = model_state_bytes(sizes.total, "fsdp", rdv.world.world_size, sizes.block,
+                                  parallel.offload, gathered_weights=False,
+                                  root_bytes=sizes.root, keep_gathered=True)
+        cal = RankReport.of(reports[rank]).calibration
+        largest = equal_pass_sizes(allocation.shares[rank].samples, passes)[0][0]
+        fits = rdv.all_gather_objects(keep_unsharded_fits(
+            state, cal["memory_budget_bytes"], cal["activation_bytes_per_sample"], largest))
+        short = [r for r, ok in enumerate(fits) if not ok]
+        if chosen == "auto":
+            chosen = "reshard" if short else "keep_unsharded"
+        if rank == 0:
+            whole = f"the whole weights ({sizes.total / 2**20:.1f} MiB)"
+            why = (f"{whole} fit beside every rank's shard and largest micro-batch" if not short
+                   else f"{whole} do not fit rank(s) {short} beside the shard and micro-batch")
+            if short and chosen == "keep_unsharded":  # forced: the user's call
+                log.warning("sharding.between_micro_batches=keep_unsharded although %s: "
+                            "they may run out of memory; sharding.between_micro_batches=auto "
+                            "reshards instead", why)
+            log.info("sharding.between_micro_batches=%s -> %s, %d passes per step (%s)",
+                     setting, chosen, passes, why)
+    parallel.between_micro_batches = chosen
+    return chosen
+
+
+__all__ = ["agree_on_accumulation", "keep_unsharded_fits"]

@@ -1,0 +1,192 @@
+"""FSDP gradient accumulation without resharding between micro-batches (issue 22,
+hetseq_hpc.train.fsdp_accumulation and Sharded.sync): the memory rule, the job-wide decision
+and, on a one-rank FSDP2 world, the mechanism. The 2-rank runs are in
+tests/integration/test_fsdp_accumulation.py."""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from hetseq_hpc.balance.memory import (
+    ModelBytes,
+    gathered_bytes,
+    kept_gathered_bytes,
+    model_state_bytes,
+)
+from hetseq_hpc.config import compose_run_config
+from hetseq_hpc.distributed.rendezvous import single_process_rendezvous
+from hetseq_hpc.errors import ConfigError
+from hetseq_hpc.train.fsdp_accumulation import agree_on_accumulation, keep_unsharded_fits
+from hetseq_hpc.train.parallel import Sharded
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MiB = 2.0**20
+
+
+def test_kept_gathered_bytes_hold_every_weight_and_the_gradients_in_flight():
+    p = 400 * MiB
+    # every weight whole, the root's gradient and two blocks' gradients before the reduce-scatter
+    assert kept_gathered_bytes(p, 10 * MiB, 50 * MiB) == p + 50 * MiB + 2 * 10 * MiB
+    assert kept_gathered_bytes(p, 10 * MiB, 50 * MiB) > gathered_bytes(p, 10 * MiB, 50 * MiB)
+    # never more than every weight and every gradient whole; no units: the root is everything
+    assert kept_gathered_bytes(p, 0.0, p) == 2 * p
+    assert kept_gathered_bytes(p, 10 * MiB) == 2 * p  # root unknown: all outside the block
+    state = model_state_bytes(p, "fsdp", 4, 10 * MiB, root_bytes=50 * MiB, keep_gathered=True)
+    assert state == p * 4 / 4 + p + 50 * MiB + 20 * MiB
+    # validation's whole weights are inside the kept bytes already
+    assert state == model_state_bytes(p, "fsdp", 4, 10 * MiB, gathered_weights=False,
+                                      root_bytes=50 * MiB, keep_gathered=True)
+    # offloaded shards: only the gathered bytes are on the device
+    assert model_state_bytes(p, "fsdp", 4, 10 * MiB, offload=True, root_bytes=50 * MiB,
+                             keep_gathered=True) == p + 70 * MiB
+    assert model_state_bytes(p, keep_gathered=True) == model_state_bytes(p)  # DDP: no change
+
+
+def test_keep_unsharded_fits_the_state_and_the_largest_pass_in_the_budget():
+    assert keep_unsharded_fits(60 * MiB, 100 * MiB, 10 * MiB, 4)  # 60 + 40 = 100: fits
+    assert not keep_unsharded_fits(60 * MiB, 100 * MiB, 10 * MiB, 5)
+    assert not keep_unsharded_fits(120 * MiB, 100 * MiB, 0.0, 1)
+
+
+class _Rdv:
+    """Two ranks: this one (rank 0) and another whose verdict is ``other``."""
+
+    def __init__(self, other: bool, rank: int = 0):
+        self.world = SimpleNamespace(rank=rank, world_size=2)
+        self.other, self.gathered = other, []
+
+    def all_gather_objects(self, obj):
+        self.gathered.append(obj)
+        return [obj, self.other]
+
+
+def _share(samples, micro_sizes):
+    return SimpleNamespace(samples=samples, micro_sizes=micro_sizes)
+
+
+def _report(budget_mib, per_sample_mib):
+    return {"probe": {}, "calibration": {"memory_budget_bytes": budget_mib * MiB,
+                                         "activation_bytes_per_sample": per_sample_mib * MiB}}
+
+
+def _cfg(setting):
+    return SimpleNamespace(between_micro_batches=setting)
+
+
+def _sharded():
+    # 40 MiB model: root 8, largest block 4 -> on 2 ranks kept: shard 80 + 40 + 8 + 8 = 136 MiB
+    return SimpleNamespace(sharded=True, offload=False,
+                           sizes=ModelBytes(40 * MiB, 8 * MiB, 4 * MiB),
+                           between_micro_batches="reshard")
+
+
+# [24, 8] in 5 and 2 passes: every rank runs 5; rank 0's largest pass has 5 samples
+ACCUMULATING = SimpleNamespace(shares=[_share(24, [5, 5, 5, 5, 4]), _share(8, [4, 4])])
+
+
+@pytest.mark.parametrize("setting, budget, other, expected", [
+    ("auto", 136 + 5 * 2, True, "keep_unsharded"),   # exactly fits here, fits the other rank
+    ("auto", 136 + 5 * 2 - 1, True, "reshard"),      # 1 MiB short here
+    ("auto", 1000, False, "reshard"),                # fits here, not on the other rank
+    ("keep_unsharded", 1000, False, "keep_unsharded"),  # forced (with a warning)
+])
+def test_every_rank_must_fit_for_auto_to_keep_the_weights_gathered(setting, budget, other,
+                                                                   expected, caplog):
+    parallel, rdv = _sharded(), _Rdv(other)
+    reports = [_report(budget, 2), _report(1000, 2)]
+    caplog.set_level("INFO")
+    assert agree_on_accumulation(_cfg(setting), parallel, ACCUMULATING, reports, rdv) == expected
+    assert parallel.between_micro_batches == expected
+    assert len(rdv.gathered) == 1  # one all-gather of this rank's verdict
+    assert f"sharding.between_micro_batches={setting} -> {expected}, 5 passes" in caplog.text
+    if not other:
+        assert "do not fit rank(s) [1]" in caplog.text
+    assert ("may run out of memory" in caplog.text) == (setting == "keep_unsharded")
+
+
+def test_nothing_to_decide_without_accumulation_under_reshard_or_ddp():
+    single = SimpleNamespace(shares=[_share(24, [24]), _share(8, [8])])
+    rdv = _Rdv(True)
+    parallel = _sharded()
+    assert agree_on_accumulation(_cfg("auto"), parallel, single, [], rdv) == "one_pass"
+    assert parallel.between_micro_batches == "one_pass"
+    assert agree_on_accumulation(_cfg("reshard"), _sharded(), ACCUMULATING, [], rdv) == "reshard"
+    assert agree_on_accumulation(_cfg("auto"), SimpleNamespace(sharded=False), ACCUMULATING, [],
+                                 rdv) == "ddp"
+    assert rdv.gathered == []  # the same on every rank without a collective
+
+
+def test_config_values():
+    assert compose_run_config([]).sharding.between_micro_batches == "auto"
+    run = compose_run_config(["sharding=fsdp", "sharding.between_micro_batches=reshard"])
+    assert run.sharding.between_micro_batches == "reshard"
+    with pytest.raises(ConfigError, match=r"sharding\.between_micro_batches='never' is unknown: "
+                                          r"use auto, keep_unsharded, reshard"):
+        compose_run_config(["sharding.between_micro_batches=never"])
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(4, 8), nn.ReLU()),
+                                     nn.Sequential(nn.Linear(8, 4), nn.ReLU())])
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).sum()
+
+
+def _accumulate(strategy, model, xs, seen):
+    shares = [_share(len(xs), [1] * len(xs))]
+    strategy.pass_sizes(shares[0], shares)
+    for j, x in enumerate(xs):
+        last = j == len(xs) - 1
+        with strategy.sync(last):
+            loss = model(x)
+        loss.backward()
+        seen.append(isinstance(model.blocks[0][0].weight, DTensor))
+    return {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+            for n, p in model.named_parameters()}
+
+
+def test_the_weights_stay_gathered_between_passes_and_the_gradients_are_the_same():
+    """One-rank FSDP2: under ``keep_unsharded`` the units' parameters stay gathered (plain
+    tensors) after every pass but the last, which reshards them (DTensors again, for the
+    optimizer); the accumulated gradients equal plain autograd's and resharding's."""
+    torch.manual_seed(0)
+    plain = _Net()
+    xs = [torch.randn(3, 4) for _ in range(3)]
+    with single_process_rendezvous():
+        grads, seen = {}, {}
+        for mode in ("plain", "reshard", "keep_unsharded"):
+            model = _Net()
+            model.load_state_dict(plain.state_dict())
+            if mode == "plain":  # autograd's own accumulation on the whole model
+                strategy = SimpleNamespace(pass_sizes=lambda *a: None, module=model,
+                                           sync=lambda last: contextlib.nullcontext())
+            else:
+                strategy = Sharded(model, list(model.blocks), torch.device("cpu"))
+                strategy.between_micro_batches = mode
+                assert strategy.sizes.block == 4 * (8 * 4 + 8)
+            seen[mode] = []
+            grads[mode] = _accumulate(strategy, strategy.module, xs, seen[mode])
+            if mode == "keep_unsharded":
+                assert strategy.describe()["between_micro_batches"] == "keep_unsharded"
+                # the default again outside a step: validation reshards each unit after forward
+                with torch.no_grad():
+                    model(xs[0])
+                assert isinstance(model.blocks[0][0].weight, DTensor)
+        assert seen["reshard"] == [True, True, True]
+        assert seen["keep_unsharded"] == [False, False, True]
+        for name in grads["plain"]:
+            assert torch.allclose(grads["plain"][name], grads["keep_unsharded"][name], atol=1e-6)
+            assert torch.equal(grads["reshard"][name], grads["keep_unsharded"][name])
