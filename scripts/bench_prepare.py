@@ -15,7 +15,14 @@ largest RSS any process of it reached). The last line is JSON::
     {"corpus_mb": ..., "seconds": ..., "mb_per_s": ..., "cores": ..., "cores_available": ...,
      "peak_rss_mb": ..., "rows": ..., "vocab_size": ...}
 
-Usage: ``python scripts/bench_prepare.py --corpus-mb 1024 [--keep DIR]``.
+Usage: ``python scripts/bench_prepare.py --corpus-mb 1024 [--keep DIR] [--plain]``.
+
+``task=bert`` trains its WordPiece tokenizer on the corpus (one pass), then encodes and packs
+the corpus (a second pass) with the word cache of ``hetseq_hpc.tokenizing`` and the product's
+default worker count, as ``task=hf`` below; ``--plain`` (``HETSEQ_PREPARE_FAST=0``) packs with
+the tokenizer's ``encode_batch`` in the prepare process instead, the path before it (the same
+rows, byte for byte). The JSON line adds ``path`` and the load average before the run
+(``load``).
 
 ``--task hf --tokenizer wordpiece|bpe`` measures ``task=hf`` instead: a BERT WordPiece or a
 byte-level BPE tokenizer (30k tokens) is trained here on the first 20 MB of the corpus and saved
@@ -78,8 +85,8 @@ def main() -> int:
     parser.add_argument("--tokenizer", choices=["wordpiece", "bpe"], default="wordpiece",
                         help="--task hf: BERT WordPiece or byte-level BPE")
     parser.add_argument("--plain", action="store_true",
-                        help="--task hf: the plain tokenizer path (HETSEQ_PREPARE_FAST=0), not "
-                             "the word cache; to compare the two on the same machine")
+                        help="the plain tokenizer path (HETSEQ_PREPARE_FAST=0), not the word "
+                             "cache; to compare the two on the same machine")
     args = parser.parse_args()
     root = Path(args.keep or tempfile.mkdtemp(prefix="bench-prepare-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -168,6 +175,7 @@ def run(root: Path, corpus_mb: float, seq_len: int, task: str = "bert",
             model = hf_model_dir(root, corpus, tokenizer)
         cmd[4] = "task=hf"
         cmd += [f"task.model.config={model}", f"task.model.tokenizer={model}"]
+    load = round(os.getloadavg()[0], 2)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()
     proc = subprocess.run(cmd, env=env)
@@ -187,11 +195,11 @@ def run(root: Path, corpus_mb: float, seq_len: int, task: str = "bert",
         "peak_rss_mb": round(max(after.ru_maxrss,
                                  resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024, 1),
         "rows": meta.get("rows"), "vocab_size": meta.get("vocab_size"),
-        "task": task, "cpu": cpu_name(),
+        "task": task, "cpu": cpu_name(), "path": "plain" if plain else "word cache",
+        "load": load,
     }
     if task == "hf":
-        result.update(tokenizer=tokenizer, path="plain" if plain else "word cache",
-                      tokens=meta.get("tokens"),
+        result.update(tokenizer=tokenizer, tokens=meta.get("tokens"),
                       tokens_per_s=round(meta.get("tokens", 0) / wall),
                       tokens_per_s_per_core=round(meta.get("tokens", 0) / max(cpu, 1e-9)),
                       mb_per_s_per_core=round(size / 1e6 / max(cpu, 1e-9), 2))

@@ -26,7 +26,7 @@ from typing import Any, Deque, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from hetseq_hpc.errors import ConfigError
+from hetseq_hpc.errors import ConfigError, DataError
 from hetseq_hpc.tokenizing.word_cache import CACHE_PIECES, WordCache
 
 #: input files smaller than this (bytes, all files together) are encoded in this process
@@ -131,12 +131,16 @@ def encode_stream(batches: Iterable[List[str]], tokenizer_json: str, mode: str,
 
 def _result(job: Any, procs: List[Any]) -> Tuple[np.ndarray, np.ndarray, int]:
     """The job's result; raises instead of waiting forever when a worker died (a pool would
-    start a new one and never finish the lost batch)."""
+    start a new one and never finish the lost batch).
+
+    Raises:
+        DataError: a worker process died (one line with the fix; a ``RuntimeError`` too).
+    """
     while not job.ready():
         job.wait(_POLL_S)
         dead = [p for p in procs if p.exitcode is not None]
         if dead and not job.ready():
-            raise RuntimeError(f"a prepare worker process died (exit code {dead[0].exitcode}; "
+            raise DataError(f"a prepare worker process died (exit code {dead[0].exitcode}; "
                                "-9 is usually out of memory): rerun, or set "
                                "HETSEQ_PREPARE_WORKERS=1 to encode in one process")
     return job.get()

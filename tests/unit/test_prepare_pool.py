@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers  # noqa: E402
 
-from hetseq_hpc.errors import ConfigError  # noqa: E402
+from hetseq_hpc.errors import ConfigError, DataError  # noqa: E402
 from hetseq_hpc.tasks.hf.hf_cache import build_hf_cache  # noqa: E402
 from hetseq_hpc.tokenizing import pool  # noqa: E402
 from tests.helpers.corpus import pydoc_text  # noqa: E402
@@ -141,6 +141,6 @@ def test_a_dead_worker_is_an_error_not_a_hang(monkeypatch):
 
     monkeypatch.setattr(pool, "_POLL_S", 0.01)
     alive, killed = SimpleNamespace(exitcode=None), SimpleNamespace(exitcode=-9)
-    with pytest.raises(RuntimeError, match=r"prepare worker process died \(exit code -9") as info:
+    with pytest.raises(DataError, match=r"prepare worker process died \(exit code -9") as info:
         pool._result(Lost(), [alive, killed])
     assert "\n" not in str(info.value) and Lost.waits == 1

@@ -3,7 +3,8 @@
 The corpus is tokenised once, documents are joined with ``[SEP]``, and the stream is cut
 into rows ``[CLS] t_1 ... t_{T-2} [SEP]`` of exactly ``T = max_seq_len`` tokens (no padding).
 The rows live in one ``int32`` array on disk (``tokens.npy``), memory-mapped by every rank.
-Building it streams (:func:`build_packed_text`): bounded memory, all cores, atomic.
+Building it streams (:func:`build_packed_text`): bounded memory, all cores (the word cache of
+:mod:`hetseq_hpc.tokenizing` in spawned workers, :mod:`.mlm_encode`), atomic.
 
 Masking follows BERT (Devlin et al., 2019, section 3.1): each non-special token is selected
 with probability ``mask_prob``; a selected token becomes ``[MASK]`` 80% of the time, a random
@@ -13,6 +14,7 @@ sample is masked the same way whichever rank, world size or allocation processes
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import io
@@ -30,8 +32,10 @@ import torch
 
 from hetseq_hpc.errors import DataError
 from hetseq_hpc.files.atomic import atomic_write, atomic_write_text, remove_stale_temps
+from hetseq_hpc.tasks.bert.mlm_encode import fast_encoding, packed_streams
 from hetseq_hpc.tasks.bert.text_corpus import Corpus
 from hetseq_hpc.tasks.bert.tokenizer import SPECIAL_TOKENS, load_tokenizer, train_tokenizer
+from hetseq_hpc.tokenizing.pool import prepare_workers
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +171,18 @@ def _batches(segments: Iterable[Tuple[str, bool]], progress) -> Iterator[List[Tu
         progress.update(size)
 
 
+def _pack_plain(tokenizer, batches: Iterable[List[Tuple[str, bool]]], rows: RowWriter) -> None:
+    """The plain path: every piece through ``encode_batch`` (all cores, in this process)."""
+    open_doc = False  # the current document has tokens (it ends with a [SEP])
+    for batch in batches:
+        texts = [text for text, _ in batch]
+        for (_, end), enc in zip(batch, tokenizer.encode_batch(texts, add_special_tokens=False)):
+            open_doc = open_doc or bool(enc.ids)
+            if enc.ids or (end and open_doc):
+                rows.add(enc.ids, end=end and open_doc)
+            open_doc = open_doc and not end
+
+
 def _progress(total: int, desc: str, show: bool):
     from tqdm import tqdm
 
@@ -179,16 +195,23 @@ def build_packed_text(corpus: Corpus, vocab_size: int, seq_len: int, directory: 
     """Tokenise ``corpus`` into ``directory`` (``tokenizer.json``, ``tokens.npy``, then
     ``meta.json``) unless ``meta.json`` is already there.
 
-    Streaming: documents are read chunk by chunk, encoded in batches on all cores
-    (``encode_batch``), and full rows are appended to the temporary ``tokens.npy`` whose
-    header is written last; memory stays bounded whatever the corpus size. Atomic: every file
-    goes through :mod:`hetseq_hpc.files.atomic` and ``meta.json`` (the completion marker every reader
+    Streaming: documents are read chunk by chunk, encoded in batches on all cores, and full
+    rows are appended to the temporary ``tokens.npy`` whose header is written last; memory
+    stays bounded whatever the corpus size. Encoding goes through the word cache of
+    :mod:`hetseq_hpc.tokenizing` (:mod:`hetseq_hpc.tasks.bert.mlm_encode`: one spawned process
+    per core, at most 8, for 8 MB or more, else this process; ``HETSEQ_PREPARE_WORKERS=N``
+    sets the count), or with ``HETSEQ_PREPARE_FAST=0`` through ``encode_batch`` (the plain
+    path); the rows are the same, byte for byte. Atomic: every file goes through
+    :mod:`hetseq_hpc.files.atomic` and ``meta.json`` (the completion marker every reader
     checks) comes last, so an interrupted build leaves nothing a later run trusts; a lock file
-    makes concurrent builders wait for the first one. ``show_progress``: progress bars (default:
-    when stderr is a terminal).
+    makes concurrent builders wait for the first one. ``show_progress``: progress bars
+    (default: when stderr is a terminal).
 
     Raises:
         DataError: the corpus is too small for one training row, or a file is not UTF-8.
+        ConfigError: ``HETSEQ_PREPARE_WORKERS`` is not a whole number >= 1 (before training).
+        DataError: a prepare worker process died (killed, out of memory): one line, and
+            nothing of the build is kept.
     """
     meta_path = directory / "meta.json"
     if meta_path.is_file():
@@ -210,23 +233,26 @@ def _build(corpus: Corpus, vocab_size: int, seq_len: int, directory: Path,
     total = corpus.size_bytes
     log.info("preparing %s (%.1f MB): training the tokenizer, then packing rows of %d tokens "
              "into %s", corpus.name, total / 1e6, seq_len, directory)
+    workers = prepare_workers(total)  # a bad HETSEQ_PREPARE_WORKERS fails before training
     tokenizer = train_tokenizer(corpus.documents(), vocab_size, directory / "tokenizer.json",
                                 show_progress=show_progress)
+    trained = time.monotonic()
+    mode = fast_encoding(tokenizer)
     writer_rows = [0]
 
     def write(fh: BinaryIO) -> None:
         fh.write(b"\0" * NPY_HEADER_BYTES)
         rows = RowWriter(fh, seq_len)
         with _progress(total, "packing", show_progress) as bar:
-            open_doc = False  # the current document has tokens (it ends with a [SEP])
-            for batch in _batches(corpus.segments(), bar):
-                texts = [text for text, _ in batch]
-                for (_, end), enc in zip(batch, tokenizer.encode_batch(texts,
-                                                                       add_special_tokens=False)):
-                    open_doc = open_doc or bool(enc.ids)
-                    if enc.ids or (end and open_doc):
-                        rows.add(enc.ids, end=end and open_doc)
-                    open_doc = open_doc and not end
+            if mode is not None:  # the word cache: the same ids, several times faster
+                log.info("tokenising with the %s word cache on %d process(es)", mode, workers)
+                with contextlib.closing(packed_streams(_batches(corpus.segments(), bar),
+                                                       tokenizer.to_str(), mode, workers,
+                                                       SEP_ID)) as streams:
+                    for stream in streams:
+                        rows.add(stream, end=False)
+            else:
+                _pack_plain(tokenizer, _batches(corpus.segments(), bar), rows)
         rows.flush()
         if rows.rows == 0:
             raise DataError(
@@ -245,8 +271,10 @@ def _build(corpus: Corpus, vocab_size: int, seq_len: int, directory: Path,
     meta = {"corpus": corpus.name, "fingerprint": corpus.fingerprint, "rows": writer_rows[0],
             "seq_len": seq_len, "vocab_size": tokenizer.get_vocab_size(), "format": CACHE_FORMAT}
     atomic_write_text(directory / "meta.json", json.dumps(meta, indent=1), durable=True)
-    log.info("packed %s: %d rows x %d tokens, vocabulary %d, in %.0f s -> %s", corpus.name,
-             writer_rows[0], seq_len, meta["vocab_size"], time.monotonic() - started, directory)
+    now = time.monotonic()
+    log.info("packed %s: %d rows x %d tokens, vocabulary %d, in %.0f s (tokenizer %.1f s, "
+             "packing %.1f s) -> %s", corpus.name, writer_rows[0], seq_len, meta["vocab_size"],
+             now - started, trained - started, now - trained, directory)
     return directory
 
 
