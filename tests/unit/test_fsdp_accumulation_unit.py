@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hetseq_hpc.balance.memory import (
@@ -24,6 +23,7 @@ from hetseq_hpc.distributed.rendezvous import single_process_rendezvous
 from hetseq_hpc.errors import ConfigError
 from hetseq_hpc.train.fsdp_accumulation import agree_on_accumulation, keep_unsharded_fits
 from hetseq_hpc.train.parallel import Sharded
+from tests.helpers.nets import TwoBlockNet
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -132,17 +132,7 @@ def test_config_values():
         compose_run_config(["sharding.between_micro_batches=never"])
 
 
-class _Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(4, 8), nn.ReLU()),
-                                     nn.Sequential(nn.Linear(8, 4), nn.ReLU())])
-        self.head = nn.Linear(4, 1)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x).sum()
+_Net = TwoBlockNet
 
 
 def _accumulate(strategy, model, xs, seen):

@@ -20,6 +20,7 @@ from hetseq_hpc.distributed.rendezvous import single_process_rendezvous
 from hetseq_hpc.errors import ConfigError
 from hetseq_hpc.tasks.base import default_sharding_units
 from hetseq_hpc.train.parallel import Replicated, Sharded, equal_pass_sizes
+from tests.helpers.nets import TwoBlockNet
 
 
 @pytest.mark.parametrize("samples, passes, expected", [
@@ -124,17 +125,7 @@ def test_sharding_config_values_and_old_keys():
         compose_run_config(["sharding.mode=fsdp", "comm.grad_combine=adasum", "cluster.ranks=2"])
 
 
-class _Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(4, 8), nn.ReLU()),
-                                     nn.Sequential(nn.Linear(8, 4), nn.ReLU())])
-        self.head = nn.Linear(4, 1)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x).sum()
+_Net = TwoBlockNet
 
 
 def test_sharded_checkpoint_state_has_the_replicated_layout_on_one_rank():
