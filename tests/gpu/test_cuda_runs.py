@@ -79,3 +79,18 @@ def test_mixed_precision_tracks_fp32_on_cuda(tmp_path, token_cache, precision):
     a, b = losses(ref), losses(low)
     assert all(torch.isfinite(torch.tensor(v)) for v in b.values())
     assert abs(a[20] - b[20]) / a[20] <= 0.05, (a[20], b[20])
+
+
+def test_fsdp_accumulation_kept_gathered_matches_ddp_on_cuda(tmp_path, token_cache):
+    """FSDP2 on a CUDA rank with 4 accumulation passes per step: the parameters kept gathered
+    between the passes (``sharding.between_micro_batches=keep_unsharded``) and resharded
+    (``reshard``) both log the DDP run's loss at every one of 20 steps."""
+    ddp, kept, resharded = tmp_path / "ddp", tmp_path / "kept", tmp_path / "reshard"
+    split = [*EXACT, "balance.max_micro_batch=8"]
+    assert_ok(hetseq(*split, f"hydra.run.dir={ddp}", token_cache=token_cache))
+    for run_dir, mode in ((kept, "keep_unsharded"), (resharded, "reshard")):
+        assert_ok(hetseq(*split, "sharding.mode=fsdp", f"sharding.between_micro_batches={mode}",
+                         f"hydra.run.dir={run_dir}", token_cache=token_cache))
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["sharding"]["between_micro_batches"] == mode, summary["sharding"]
+        assert_same_losses(losses(ddp), losses(run_dir), range(1, 21))
