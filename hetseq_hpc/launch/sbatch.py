@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 import shlex
 from pathlib import Path
-from typing import Any, List
+from typing import Any, List, Optional
 
 from hetseq_hpc.config.schema import PartitionConfig, SlurmClusterConfig
 from hetseq_hpc.errors import ConfigError
@@ -135,8 +135,28 @@ def store_lines(python: str, folder: str, nodes: int = 1) -> List[str]:
     ]
 
 
+def survived_lines(srun: str, run_dir: str) -> List[str]:
+    """The step of an elastic job and its exit code: ``srun`` fails when a task was lost
+    (killed, its node gone) even though the survivors finished the run, so the script exits 0
+    when the run's ``summary.json`` was written after the script started (a whole run done in
+    this job; rank 0, or the survivors when it was lost, write it at the very end), else with
+    srun's code: Slurm then records COMPLETED, and ``--dependency=afterok`` chains go on."""
+    summary = shlex.quote(f"{run_dir}/summary.json")
+    return [
+        "started=$(date +%s)",
+        f"{srun} && exit 0",
+        "status=$?",
+        f"if [ -f {summary} ] && [ \"$(stat -c %Y {summary})\" -ge \"$started\" ]; then",
+        f'  echo "hetseq-hpc: srun exited $status (a task was lost), but the others finished the '
+        f'run: {summary}" >&2',
+        "  exit 0",
+        "fi",
+        'exit "$status"',
+    ]
+
+
 def render_sbatch(cluster: SlurmClusterConfig, folder: str, python: str,
-                  elastic: bool = False) -> str:
+                  elastic: bool = False, run_dir: Optional[str] = None) -> str:
     """The complete sbatch script.
 
     Args:
@@ -146,6 +166,8 @@ def render_sbatch(cluster: SlurmClusterConfig, folder: str, python: str,
         elastic: in-job recovery from a lost rank (``trainer.elastic`` of a DDP run): the
             script serves the job's store (:func:`store_lines`) and the step survives a
             task's death (:func:`srun_command`).
+        run_dir: the run directory (elastic only): the script exits 0 when the survivors of a
+            lost task finished the run there (:func:`survived_lines`).
 
     Raises:
         ConfigError: an environment variable name in ``cluster.env`` is unsafe, or a value
@@ -190,8 +212,10 @@ def render_sbatch(cluster: SlurmClusterConfig, folder: str, python: str,
               f"  cp {hand} {mine}", "fi"]
     if elastic:
         lines += store_lines(python, folder, sum(int(p.nodes) for p in cluster.partitions.values()))
-    lines += ["", "# one step over all het components, one task per rank",
-              srun_command(cluster, folder, python, elastic), ""]
+    srun = srun_command(cluster, folder, python, elastic)
+    lines += ["", "# one step over all het components, one task per rank"]
+    lines += survived_lines(srun, _clean("run_dir", run_dir)) if elastic and run_dir else [srun]
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -211,4 +235,4 @@ def save_hand_submission(folder: Path, function: Any) -> Path:
 
 
 __all__ = ["HAND_PICKLE", "PREEMPT_SIGNAL", "component_options", "render_sbatch",
-           "save_hand_submission", "srun_command", "store_lines"]
+           "save_hand_submission", "srun_command", "store_lines", "survived_lines"]

@@ -72,18 +72,19 @@ class HetSlurmExecutor(SlurmExecutor):
     job_class = HetSlurmJob
 
     def __init__(self, folder: Path, cluster: SlurmClusterConfig, python: Optional[str] = None,
-                 elastic: bool = False):
+                 elastic: bool = False, run_dir: Optional[str] = None):
         if "%" in str(folder):
             raise ConfigError(f"cluster.folder={str(folder)!r} must not hold '%' patterns: give a "
                               "plain directory")
         super().__init__(folder, max_num_timeout=cluster.max_num_timeout, python=python)
         self.cluster = cluster
-        self.elastic = elastic
+        self.elastic, self.run_dir = elastic, run_dir
         self.python_path = python or sys.executable
         self.update_parameters(time=cluster.timeout_min, job_name=cluster.job_name)
 
     def _make_submission_file_text(self, command: str, uid: str) -> str:
-        return render_sbatch(self.cluster, str(self.folder), self.python_path, self.elastic)
+        return render_sbatch(self.cluster, str(self.folder), self.python_path, self.elastic,
+                             self.run_dir)
 
     def _num_tasks(self) -> int:
         return self.cluster.world_size
@@ -161,7 +162,8 @@ def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
     run_dir = Path(run_dir).resolve()
     folder = Path(cluster.folder or run_dir / "submitit").expanduser().resolve()
     elastic = elastic_job(run)
-    script = render_sbatch(cluster, str(folder), sys.executable, elastic)  # refuses unsafe values
+    script = render_sbatch(cluster, str(folder), sys.executable, elastic,
+                           str(run_dir))  # refuses unsafe values
     if not cluster.dry_run:
         require_slurm()
         check_partitions(cluster, partition_inventory())
@@ -181,7 +183,7 @@ def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
                   f"submit it by hand with: sbatch {path}")
             return {"dry_run": True, "sbatch": str(path), "config": str(config_path)}
         folder.mkdir(parents=True, exist_ok=True)
-    executor = HetSlurmExecutor(folder, cluster, elastic=elastic)
+    executor = HetSlurmExecutor(folder, cluster, elastic=elastic, run_dir=str(run_dir))
     try:
         job = executor.submit(HetseqJobFunction(str(config_path), str(run_dir)))
     except submitit_utils.FailedJobError as exc:

@@ -51,6 +51,10 @@ TERMINAL_STATES = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "
 FAILURE_GRACE_S = 5.0
 #: seconds results may take to land on a shared filesystem after the job ended
 SETTLE_S = 5.0
+#: seconds a job whose survivors finished may take to end by itself (its lost task is dead,
+#: srun returns, the batch script exits 0: COMPLETED) before it is cancelled (a stopped task
+#: the others left out would hold the step until the time limit)
+SELF_END_GRACE_S = 20.0
 _FOLD_ORDER = ["FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "TIMEOUT", "DEADLINE",
                "CANCELLED", "PREEMPTED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "PENDING",
                "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "COMPLETED"]
@@ -303,6 +307,10 @@ def wait_for_job(job: HetSlurmJob, run_dir: Path, num_tasks: int, poll_s: float 
             return survivors[min(survivors)]
         survived = finished_without_lost(outcomes, num_tasks)
         if survived is not None:  # in-job recovery: the survivors finished without them
+            ends_by = time.monotonic() + SELF_END_GRACE_S
+            while (job.watcher.get_state(job.job_id, mode="force") not in TERMINAL_STATES
+                   and time.monotonic() < ends_by):
+                time.sleep(poll_s)
             if job.watcher.get_state(job.job_id, mode="force") not in TERMINAL_STATES:
                 # a stopped rank the others left out would hold the step until the time limit
                 cancel_job(job.job_id)

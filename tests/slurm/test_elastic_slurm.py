@@ -75,7 +75,8 @@ def test_kill_9_one_task_of_a_het_job_and_it_finishes_the_same(sharding, tmp_pat
         if proc.poll() is None:
             proc.kill()
         job = json.loads((run_dir / "job.json").read_text())["job_id"]
-        subprocess.run(["scancel", str(job)], capture_output=True)
+        if proc.returncode != 0:  # a finished job ends by itself (its state is checked below)
+            subprocess.run(["scancel", str(job)], capture_output=True)
     assert proc.returncode == 0, stderr[-3000:]
     got, want = losses(run_dir), reference
     assert sorted(got) == list(range(1, 31))
@@ -87,6 +88,66 @@ def test_kill_9_one_task_of_a_het_job_and_it_finishes_the_same(sharding, tmp_pat
         assert event["reloaded"]["step"] >= 5 and event["reloaded"]["checkpoint"], event
     assert "SLURM_RESTART_COUNT" not in (run_dir / "logs" / "rank0.log").read_text()
     assert json.loads((run_dir / "summary.json").read_text())["lost_ranks"] == [1]
+    deadline = time.monotonic() + 120  # the batch script ends after the results are in
+    while squeue_state(str(job)) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+        assert time.monotonic() < deadline, squeue_state(str(job))
+        time.sleep(0.5)
+    # srun failed (a task was lost), the run finished: Slurm records COMPLETED (afterok holds)
+    assert squeue_state(str(job)) == "COMPLETED"
+
+
+def _task_pid(run_dir: Path, task: int) -> int:
+    """pid of the worker of Slurm task ``task`` started by a hand-written template for
+    ``run_dir`` (``python -m hetseq_hpc.worker --run-dir RUN_DIR``, ``SLURM_PROCID=task``)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"hetseq_hpc.worker" in argv and str(run_dir).encode() in argv \
+                and f"SLURM_PROCID={task}".encode() in env:
+            return int(entry.name)
+    raise AssertionError(f"no worker of task {task} for {run_dir}")
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_the_handwritten_template_survives_a_lost_task_too(tmp_path, token_cache, reference):
+    """slurm/hetjob.sbatch submitted by hand serves the job's store as the generated script does
+    (ELASTIC=1, the default): ``kill -9`` of task 1 at step 10 and the job completes all 30
+    steps on the uninterrupted trajectory."""
+    run_dir = tmp_path / "job"
+    done = subprocess.run([sys.executable, "-m", "hetseq_hpc", "cluster=testcluster",
+                           "cluster.dry_run=true", *COMMON, f"hydra.run.dir={run_dir}"],
+                          cwd=REPO, env=cli_env(token_cache), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    env = dict(cli_env(token_cache), RUN_DIR=str(run_dir), PYTHON=sys.executable)
+    out = subprocess.run(["sbatch", "--parsable", str(REPO / "slurm" / "hetjob.sbatch")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    job = out.stdout.strip().split(";")[0]
+    try:
+        deadline = time.monotonic() + 300  # a guard against hangs, not a speed check
+        while _steps(run_dir) < 10:
+            assert squeue_state(job) in ("PENDING", "RUNNING"), squeue_state(job)
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        os.kill(_task_pid(run_dir, 1), signal.SIGKILL)
+        while squeue_state(job) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+            assert time.monotonic() < deadline + 300, f"job {job} did not end"
+            time.sleep(1)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+    log = (tmp_path / f"hetseq-{job}.out").read_text()
+    assert squeue_state(job) == "COMPLETED", log[-3000:]
+    got, want = losses(run_dir), reference
+    assert sorted(got) == list(range(1, 31))
+    assert max(abs(got[s] - want[s]) / abs(want[s]) for s in want) <= 1e-6
+    (event,) = [r for r in read_rows(run_dir) if r.get("event") == "membership"]
+    assert [x["rank"] for x in event["lost"]] == [1] and event["world_size"] == 2
+    assert "trainer.elastic: off" not in (run_dir / "logs" / "rank0.log").read_text()
 
 
 def _poke_while_pending(job: str) -> None:
