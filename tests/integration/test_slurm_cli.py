@@ -19,11 +19,12 @@ def test_dry_run_writes_the_script_and_submits_nothing(tmp_path, token_cache):
     proc = slurm_cli(tmp_path, token_cache, "cluster.dry_run=true")
     assert_ok(proc)
     script = (tmp_path / "job.sbatch").read_text()
-    # a DDP run with trainer.elastic on (the default): the script serves the job's store and
-    # its step survives a task's death
+    # a DDP run with trainer.elastic on (the default): the script serves the job's store, its
+    # step survives a task's death, and it exits 0 when the survivors finished the run
     assert script == render_sbatch(compose_testcluster().cluster, str(tmp_path / "submitit"),
-                                   sys.executable, elastic=True)
+                                   sys.executable, elastic=True, run_dir=str(tmp_path.resolve()))
     assert "--kill-on-bad-exit=0 --no-kill" in script and "store_server" in script
+    assert f"{tmp_path.resolve()}/summary.json" in script
     assert not (tmp_path / "job.json").exists()
     assert (tmp_path / "hetseq_config.yaml").is_file()
 

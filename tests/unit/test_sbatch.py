@@ -47,6 +47,14 @@ def test_elastic_script_serves_the_store_and_its_step_survives_a_task():
     assert "HETSEQ_JOB_TOKEN" not in lines[store]  # the token travels in the environment
     plain = render_sbatch(run.cluster, "/RUN/submitit", "/PYTHON")
     assert "--kill-on-bad-exit=1" in plain and "store_server" not in plain
+    # with the run directory: srun's failure for a lost task is not the job's when the
+    # survivors wrote the run's summary in this job (Slurm: COMPLETED, afterok holds)
+    ended = render_sbatch(run.cluster, "/RUN/submitit", "/PYTHON", elastic=True,
+                          run_dir="/RUN").splitlines()
+    at = next(i for i, ln in enumerate(ended) if ln.startswith("srun "))
+    assert ended[at - 1] == "started=$(date +%s)" and ended[at].endswith(" && exit 0")
+    assert ended[at + 2].startswith("if [ -f /RUN/summary.json ] && [ \"$(stat -c %Y")
+    assert ended[-1] == 'exit "$status"' and ended[at + 4] == "  exit 0"
 
 
 def test_store_server_listens_on_its_address_only_and_takes_the_token_from_the_env(tmp_path):
