@@ -78,4 +78,8 @@ if [ "${CI:-}" = true ]; then
   bash scripts/check_wheel.sh   # the built wheel, installed elsewhere, finds conf/ and trains
 fi
 
-"$VENV/bin/python" -m pytest "$@"
+extra=()
+if [ "${CI:-}" = true ]; then
+  extra=(--durations=30)   # the CI log names the slowest tests (the suite must stay well in 90 min)
+fi
+"$VENV/bin/python" -m pytest ${extra[@]+"${extra[@]}"} "$@"
