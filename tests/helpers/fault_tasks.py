@@ -11,8 +11,9 @@ Both train the small BERT of :data:`~tests.helpers.runs.SMALL_MODEL` (its sizes 
   finite) on rank ``+task.args.overflow_rank`` at optimizer step
   ``+task.args.overflow_step``: an fp16 overflow on one rank, for testing the loss scale;
 * :class:`SlowExamplesBert` makes rank 0 take ``+task.args.examples_s`` seconds over its
-  example predictions after the last step (the other ranks wait at the final barrier): a window
-  in which a test loses a rank after the training has completed.
+  example predictions after the last step (the other ranks wait at the final barrier), first
+  writing the file ``+task.args.marker``: a window in which a test loses a rank after the
+  training has completed.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import fields
+from pathlib import Path
 from typing import Callable, List
 
 from hetseq_hpc.config.tasks import BertDataConfig, BertModelConfig, BertTaskConfig
@@ -88,5 +90,8 @@ class OverflowBert(_Bert):
 
 class SlowExamplesBert(_Bert):
     def examples(self, model, n: int = 3):
+        marker = self.args.get("marker")
+        if marker:  # the test waits for it: the training, its checkpoint and rows are done
+            Path(marker).write_text("examples")
         time.sleep(float(self.args["examples_s"]))
         return []

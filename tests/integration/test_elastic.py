@@ -295,19 +295,24 @@ def test_fsdp_survivors_take_micro_batch_caps_of_their_larger_shards(reference, 
 @pytest.mark.parametrize("victim", [2, 0])
 def test_a_rank_lost_after_the_last_step_does_not_fail_the_finished_run(victim, tmp_path,
                                                                         token_cache):
-    """Rank 0 spends 4 s on its examples after step 30 (tests/helpers/fault_tasks.py) while the
-    others wait at the final barrier; a rank killed then (2, or rank 0 itself) is logged and the
+    """Rank 0 spends 4 s on its examples after step 30 (tests/helpers/fault_tasks.py; it marks
+    their start in a file) while the others wait at the final barrier; a rank killed then (2, or rank 0 itself) is logged and the
     run ends with exit 0, its last checkpoint at step 30 and a summary.json (written by the
     survivors when rank 0 was the one lost)."""
     run_dir = tmp_path / "run"
     common = [o for o in COMMON if not o.startswith("task.model.")]  # task=custom's own
+    marker = tmp_path / "examples.started"
     cmd = [sys.executable, "-m", "hetseq_hpc", *common,
-           *fault_task("SlowExamplesBert", examples_s=4), "cluster.ranks=3",
+           *fault_task("SlowExamplesBert", examples_s=4, marker=marker), "cluster.ranks=3",
            "trainer.plot=false", f"hydra.run.dir={run_dir}"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(token_cache), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    _at_step(run_dir, proc, 30)
-    time.sleep(1.5)  # rank 0 in its examples, the others at the barrier
+    deadline = time.monotonic() + 300  # a guard against hangs, not a speed check
+    while not marker.exists():  # the training, its last checkpoint and rows are done
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "rank 0 never reached its examples"
+        time.sleep(0.05)
+    time.sleep(0.5)  # rank 0 in its examples (4 s), the others at the final barrier
     os.kill(worker_pids(run_dir)[victim], signal.SIGKILL)
     out = _finish(proc)
     assert "a rank was lost after the last step" in "".join(
