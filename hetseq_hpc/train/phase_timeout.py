@@ -1,4 +1,6 @@
-"""Collective timeouts of the phases after a training step: validation and the checkpoint.
+"""Collective timeouts of the phases after a training step: the re-balancing decision
+(:func:`step_timeout`: the step's own timeout), validation and the checkpoint
+(:func:`phase_timeout`).
 
 With in-job recovery (``trainer.elastic``) a rank that hangs -- SIGSTOP, a stuck driver -- is
 noticed when a collective with it times out. Inside a training step that timeout follows the
@@ -69,6 +71,33 @@ def _set(seconds: float, group: Optional[Any] = None) -> None:
 
 
 @contextlib.contextmanager
+def rendezvous_timeout(trainer: Any, seconds: float) -> Iterator[None]:
+    """Inside the block the rendezvous group's collectives (``trainer.rdv.cpu_group``) time out
+    after ``seconds``, then after ``cluster.collective_timeout_s`` again (unless a recovery
+    dropped the group meanwhile)."""
+    _set(seconds, trainer.rdv.cpu_group)
+    try:
+        yield
+    finally:
+        after = getattr(trainer.rdv, "cpu_group", None)  # None: dropped by a recovery
+        if after is not None:
+            _set(trainer.run.cluster.collective_timeout_s, after)
+
+
+@contextlib.contextmanager
+def step_timeout(trainer: Any) -> Iterator[None]:
+    """With in-job recovery, the rendezvous group's collectives wait at most the training
+    step's timeout (:class:`~hetseq_hpc.train.elastic.StepTimeout`) inside the block: a
+    decision right after a step (re-balancing) waits only for the step's skew, so a peer
+    stopped there is noticed as soon as in the step itself."""
+    if getattr(trainer, "elastic", None) is None or getattr(trainer.rdv, "cpu_group", None) is None:
+        yield
+        return
+    with rendezvous_timeout(trainer, trainer.elastic.timeout.seconds):
+        yield
+
+
+@contextlib.contextmanager
 def phase_timeout(trainer: Any, phase: str) -> Iterator[None]:
     """Inside the block the collectives of ``phase`` (``"validation"``, ``"checkpoint"``) time
     out after :meth:`PhaseTimeouts.seconds` (nothing changes without in-job recovery); the
@@ -81,18 +110,16 @@ def phase_timeout(trainer: Any, phase: str) -> Iterator[None]:
         return
     timeouts: PhaseTimeouts = elastic.phase_timeouts
     seconds = timeouts.seconds(phase, elastic.timeout.seconds)
-    _set(seconds, group)
     _set(seconds)  # the default group
     start = time.monotonic()
     try:
-        yield
+        with rendezvous_timeout(trainer, seconds):
+            yield
         timeouts.record(phase, time.monotonic() - start)
     finally:
-        after = getattr(trainer.rdv, "cpu_group", None)  # None: dropped by a recovery
-        if after is not None:
-            _set(trainer.run.cluster.collective_timeout_s, after)
         with contextlib.suppress(Exception):
             elastic.timeout.apply()  # the step's timeout on the default group again
 
 
-__all__ = ["FACTOR", "WINDOW", "PhaseTimeouts", "phase_timeout"]
+__all__ = ["FACTOR", "WINDOW", "PhaseTimeouts", "phase_timeout", "rendezvous_timeout",
+           "step_timeout"]

@@ -2,32 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any
+
+from hetseq_hpc.train.phase_timeout import step_timeout
 
 log = logging.getLogger("hetseq_hpc.train.loop")
-
-
-@contextlib.contextmanager
-def step_timeout(trainer: Any) -> Iterator[None]:
-    """With in-job recovery, the rendezvous group's collectives wait at most the training
-    step's timeout (:class:`~hetseq_hpc.train.elastic.StepTimeout`) inside the block, then
-    ``cluster.collective_timeout_s`` again: a decision right after a step waits only for the
-    step's skew, so a peer stopped there is noticed as soon as in the step itself."""
-    group = getattr(trainer.rdv, "cpu_group", None)
-    if trainer.elastic is None or group is None:
-        yield
-        return
-    from torch.distributed.distributed_c10d import _set_pg_timeout
-
-    _set_pg_timeout(timedelta(seconds=trainer.elastic.timeout.seconds), group)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(Exception):  # a broken group: the recovery replaces it
-            _set_pg_timeout(timedelta(seconds=trainer.run.cluster.collective_timeout_s), group)
 
 
 def maybe_rebalance(trainer: Any, rec: Any) -> None:
