@@ -166,6 +166,7 @@ class ElasticWorld:
                  static_for: Optional[Callable[[int], float]] = None):
         self.run, self.store, self.device, self.rebuild = run, store, device, rebuild
         self.static_for = static_for  # FSDP: a rank's model state at a world size, bytes
+        self.split_reports: List[Any] = []
         self.cfg = run.trainer.elastic
         self.member = rdv.world.rank
         self.origin = rdv.world
@@ -250,7 +251,8 @@ class ElasticWorld:
         self.timeout.rescale(len(old.members) / len(new.members))
         metas = [trainer.metas_by_member[m] for m in new.members]
         if sharded:
-            event.update(reload_sharded(trainer, rdv, metas, allocation, self._rebuild))
+            event.update(reload_sharded(trainer, rdv, metas, allocation, self._rebuild,
+                                        self.split_reports))
         else:
             rejoin(trainer, rdv, metas, allocation)
         self.timeout.predict(predicted_step_s(allocation))
@@ -349,6 +351,7 @@ class ElasticWorld:
         if self.static_for is not None:  # FSDP: each survivor's shard is larger now
             reports = reports_for_world(reports, self.static_for(len(members)),
                                         run.balance.max_micro_batch)
+        self.split_reports = reports  # what the survivors' FSDP accumulation is decided from
         return agree_on_allocation(run, reports, rdv)
 
 

@@ -30,6 +30,7 @@ from torch import nn
 
 from hetseq_hpc.balance.memory import micro_batch_cap
 from hetseq_hpc.train.checkpoint import agree_on_checkpoint, choose_checkpoint
+from hetseq_hpc.train.fsdp_accumulation import agree_on_accumulation
 from hetseq_hpc.train.optim import build_optimizer
 from hetseq_hpc.train.parallel import build_parallel
 from hetseq_hpc.train.phases import DONE
@@ -38,7 +39,8 @@ log = logging.getLogger(__name__)
 
 
 def reload_sharded(trainer: Any, rdv: Any, metas: List[Any], allocation: Any,
-                   rebuild: Callable[[], nn.Module]) -> Dict[str, Any]:
+                   rebuild: Callable[[], nn.Module], reports: Sequence[Any] = ()
+                   ) -> Dict[str, Any]:
     """Go on in a re-formed world from the last checkpoint (every survivor calls this, after
     :func:`~hetseq_hpc.distributed.membership.join_generation`; collectives over ``rdv``).
 
@@ -47,6 +49,11 @@ def reload_sharded(trainer: Any, rdv: Any, metas: List[Any], allocation: Any,
         rdv: the new world's rendezvous; metas: the survivors' rank facts (new rank order);
         allocation: the global batch split over the survivors.
         rebuild: a fresh, seeded model on the CPU (the start-up model before it was sharded).
+        reports: the survivors' :class:`~hetseq_hpc.balance.agree.RankReport` the split was
+            made from (caps for the larger shards, :func:`reports_for_world`): what FSDP does
+            between micro-batches is agreed again from them
+            (:func:`~hetseq_hpc.train.fsdp_accumulation.agree_on_accumulation`; without them
+            the rebuilt model reshards, the safe default).
 
     Returns:
         ``{"reloaded": {"checkpoint": path or None, "step": s}, "steps_redone": n}`` for the
@@ -65,6 +72,8 @@ def reload_sharded(trainer: Any, rdv: Any, metas: List[Any], allocation: Any,
     trainer.metas, trainer.allocation, trainer.rebalancer = metas, allocation, None
     trainer.parallel = build_parallel(trainer.run, trainer.task, rebuild(), trainer.device, "fsdp")
     trainer.parallel.memory_watch = watch
+    if reports:  # every survivor: one small all-gather when there is a choice
+        agree_on_accumulation(trainer.run.sharding, trainer.parallel, allocation, reports, rdv)
     trainer.model = trainer.parallel.model
     trainer.optimizer, trainer.scheduler = build_optimizer(trainer.model, trainer.run)
     trainer.reset_gradient_path()

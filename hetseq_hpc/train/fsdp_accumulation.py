@@ -21,7 +21,8 @@ calibrated budget (the same headroom as its micro-batch cap). Whether a forward 
 a collective, so the choice is job-wide: every rank says whether it fits (one small
 all-gather of booleans at start-up, after the allocation) and ``auto`` keeps the parameters
 gathered only when all say yes. A re-formed world after a lost rank (in-job recovery)
-rebuilds the sharded model, which reshards again (the safe default).
+rebuilds the sharded model and agrees again, from the survivors' caps for their larger shards
+(:func:`~hetseq_hpc.train.elastic_sharded.reload_sharded`).
 """
 
 from __future__ import annotations

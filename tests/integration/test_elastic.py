@@ -268,15 +268,22 @@ def test_fsdp_a_lost_rank_reloads_the_last_checkpoint_in_job(victim, kill_at, re
     assert f"(FSDP: {said}" in report.stdout + report.stderr
 
 
-def test_fsdp_survivors_take_micro_batch_caps_of_their_larger_shards(reference, tmp_path,
-                                                                     token_cache):
+@pytest.mark.parametrize(("between", "agreed"), [("auto", "keep_unsharded"),
+                                                 ("reshard", "reshard")])
+def test_fsdp_survivors_take_micro_batch_caps_of_their_larger_shards(between, agreed, reference,
+                                                                     tmp_path, token_cache):
     """``sharding.mode=fsdp`` under a tight per-rank budget (``cluster.memory_budget_gb``): on 3
     ranks a share fits one micro-batch; the 2 survivors of a loss hold half the state each
     instead of a third, so their caps are recomputed (lower) and the same global batch is split
-    with gradient accumulation, on the uninterrupted run's trajectory."""
+    with gradient accumulation, on the uninterrupted run's trajectory. What FSDP does between
+    the survivors' micro-batches is agreed again for the rebuilt model (it had one pass on 3
+    ranks): ``auto`` keeps the whole weights gathered (they fit beside the larger shard and a
+    micro-batch; a rebuilt model reshards unless agreed), ``reshard`` (forced) reshards, and
+    both stay exact."""
     run_dir = tmp_path / "run"
     proc = _start(run_dir, token_cache, "cluster.ranks=3", "sharding.mode=fsdp",
-                  "trainer.checkpoint_every=10", "cluster.memory_budget_gb=0.0114")
+                  "trainer.checkpoint_every=10", "cluster.memory_budget_gb=0.0114",
+                  f"sharding.between_micro_batches={between}")
     _at_step(run_dir, proc, 12)
     start = json.loads((run_dir / "allocation.json").read_text())["allocation"]["shares"]
     os.kill(worker_pids(run_dir)[1], signal.SIGKILL)
@@ -290,6 +297,8 @@ def test_fsdp_survivors_take_micro_batch_caps_of_their_larger_shards(reference, 
     assert any(s["accum_steps"] > 1 for s in after), after
     (event,) = _events(run_dir)
     assert event["split"] == [s["samples"] for s in after] and sum(event["split"]) == 24
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["sharding"]["between_micro_batches"] == agreed, summary["sharding"]
 
 
 @pytest.mark.parametrize("victim", [2, 0])
