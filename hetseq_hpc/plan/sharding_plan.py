@@ -4,10 +4,15 @@ model (parameters) that fits the mix in each mode.
 
 Memory per rank is the runtime's own formula (:func:`hetseq_hpc.balance.memory.model_state_bytes`
 plus one sample's activations, within ``budget x MEMORY_HEADROOM``). The FSDP step is the DDP
-step plus its extra traffic: with ``K`` passes per step, FSDP moves ``(2K + 1) / 2`` times a
-ring all-reduce's bytes (an all-gather of the parameters in every forward and every backward
-pass, one reduce-scatter of the gradients) where DDP moves one all-reduce; the extra is counted
-as exposed (an upper bound: FSDP2 prefetches the next unit's all-gather during compute).
+step plus its extra traffic, counted in ring all-reduces (an all-gather or a reduce-scatter
+moves half of one): with ``K`` passes per step, resharded between them
+(``sharding.between_micro_batches=reshard``) FSDP all-gathers the parameters in every forward
+and every backward and reduce-scatters the gradients in every pass, ``3K / 2``; kept gathered
+(``keep_unsharded``, :mod:`hetseq_hpc.train.fsdp_accumulation`) it all-gathers once per step,
+``(K + 1) / 2``, but holds the whole weights (:func:`~hetseq_hpc.balance.memory.kept_gathered_bytes`),
+so with ``K >= 2`` the plan shows that as a third row (``fsdp-kept``). DDP moves one
+all-reduce; the extra is counted as exposed (an upper bound: FSDP2 prefetches the next unit's
+all-gather during compute).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ class ModeFit:
     """One data-parallel mode on the planned mix.
 
     Attributes:
-        mode: ``ddp`` or ``fsdp``.
+        mode: ``ddp``, ``fsdp`` (resharded between passes) or ``fsdp-kept`` (kept gathered).
         state_bytes: model state on one rank (bytes; the same on every rank).
         fits: every rank holds it and at least one sample's activations.
         step_s: predicted step time, seconds.
@@ -48,16 +53,21 @@ class ModeFit:
                 "step_time_s": round(self.step_s, 6), "largest_params": self.largest_params}
 
 
-def fsdp_traffic_factor(passes: int) -> float:
-    """FSDP's bytes per step over a ring all-reduce's: ``(2K + 1) / 2`` for ``K`` passes."""
-    return (2 * max(int(passes), 1) + 1) / 2.0
+def fsdp_traffic_factor(passes: int, keep_gathered: bool = False) -> float:
+    """FSDP's bytes per step over a ring all-reduce's for ``K`` passes: ``3K / 2`` resharded
+    between passes, ``(K + 1) / 2`` with the parameters kept gathered (``K >= 2``: a step of
+    one pass is never kept gathered, 1.5 either way)."""
+    k = max(int(passes), 1)
+    return (k + 1) / 2.0 if keep_gathered and k >= 2 else 1.5 * k
 
 
 def mode_fits(memory_bytes: Sequence[float], param_count: int, unit_params: int,
               activation_bytes_per_sample: float, ddp_step_s: float, allreduce_s: float,
               passes: int, offload: bool = False, gathered_weights: bool = True,
               root_params: Optional[int] = None) -> List[ModeFit]:
-    """:class:`ModeFit` of DDP and of FSDP on ranks with ``memory_bytes`` budgets.
+    """:class:`ModeFit` of DDP and of FSDP (and, with ``passes >= 2``, of FSDP with the
+    parameters kept gathered between passes: ``fsdp-kept``) on ranks with ``memory_bytes``
+    budgets.
 
     Args:
         memory_bytes: each rank's memory budget (before the headroom), bytes.
@@ -79,21 +89,26 @@ def mode_fits(memory_bytes: Sequence[float], param_count: int, unit_params: int,
     room = min(memory_bytes) * MEMORY_HEADROOM - activation_bytes_per_sample
     count = max(int(param_count), 1)
 
-    def fsdp_bytes(scale: float) -> float:  # bytes of the fsdp state at this shape, x scale
+    def fsdp_bytes(scale: float, kept: bool = False) -> float:  # fsdp state, x scale
         root = None if root_params is None else float(root_params) * scale
         return model_state_bytes(float(param_count) * scale, "fsdp", world,
-                                 float(unit_params) * scale, offload, gathered_weights, root)
+                                 float(unit_params) * scale, offload, gathered_weights, root,
+                                 keep_gathered=kept)
+
+    def fsdp_fit(name: str, kept: bool) -> ModeFit:
+        state = fsdp_bytes(PARAM_BYTES, kept)
+        per_param = fsdp_bytes(PARAM_BYTES / count, kept) or PARAM_BYTES
+        extra = (fsdp_traffic_factor(passes, kept) - 1.0) * allreduce_s
+        return ModeFit(name, state, state <= room, ddp_step_s + extra,
+                       max(int(room // per_param), 0))
 
     ddp = model_state_bytes(float(param_count) * PARAM_BYTES)
-    fsdp = fsdp_bytes(PARAM_BYTES)
-    per_param_fsdp = fsdp_bytes(PARAM_BYTES / count) or PARAM_BYTES
-    extra = (fsdp_traffic_factor(passes) - 1.0) * allreduce_s
-    return [
-        ModeFit("ddp", ddp, ddp <= room, ddp_step_s,
-                max(int(room // model_state_bytes(PARAM_BYTES)), 0)),
-        ModeFit("fsdp", fsdp, fsdp <= room, ddp_step_s + extra,
-                max(int(room // per_param_fsdp), 0)),
-    ]
+    fits = [ModeFit("ddp", ddp, ddp <= room, ddp_step_s,
+                    max(int(room // model_state_bytes(PARAM_BYTES)), 0)),
+            fsdp_fit("fsdp", False)]
+    if passes >= 2:  # sharding.between_micro_batches=keep_unsharded (auto picks it where it fits)
+        fits.append(fsdp_fit("fsdp-kept", True))
+    return fits
 
 
 def chosen_mode(configured: str, memory_bytes: Sequence[float], param_count: int) -> str:
@@ -109,9 +124,9 @@ def render_fits(fits: Sequence[ModeFit], configured: str, chosen: str) -> List[s
     """The planner's sharding block (one line per mode)."""
     lines = ["", f"sharding (sharding.mode={configured} -> {chosen}): model state per rank, "
              "whether it fits every rank with one sample, step, largest model for this mix",
-             f"{'mode':<6} {'state/rank MB':>14} {'fits':>5} {'step ms':>9} {'largest model':>16}"]
+             f"{'mode':<9} {'state/rank MB':>14} {'fits':>5} {'step ms':>9} {'largest model':>16}"]
     for fit in fits:
-        lines.append(f"{fit.mode:<6} {fit.state_bytes / 1e6:>14,.1f} "
+        lines.append(f"{fit.mode:<9} {fit.state_bytes / 1e6:>14,.1f} "
                      f"{'yes' if fit.fits else 'no':>5} {fit.step_s * 1e3:>9,.1f} "
                      f"{fit.largest_params / 1e6:>13,.1f} M")
     return lines

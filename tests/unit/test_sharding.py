@@ -166,16 +166,32 @@ def test_sharded_checkpoint_state_has_the_replicated_layout_on_one_rank():
 
 def test_planner_modes_for_a_mix_with_a_small_gpu():
     """4 x 16 GiB + 4 x 80 GiB: a 1.3 B-parameter model (BERT-large-like units of 1/24) does
-    not fit the 16 GiB ranks as a replica but fits sharded; FSDP moves (2K+1)/2 all-reduces."""
+    not fit the 16 GiB ranks as a replica but fits sharded. With K passes FSDP moves 3K/2
+    all-reduces resharded between them (2K all-gathers, K reduce-scatters, each half of one) and
+    (K+1)/2 kept gathered (one all-gather), which holds the whole weights (5.2 GB: they fit
+    16 GiB beside the shard)."""
     from hetseq_hpc.plan.sharding_plan import chosen_mode, fsdp_traffic_factor, mode_fits
 
     memory = [16 * 2**30] * 4 + [80 * 2**30] * 4
-    ddp, fsdp = mode_fits(memory, 1_300_000_000, 1_300_000_000 // 24, 2**28, ddp_step_s=1.0,
-                          allreduce_s=0.2, passes=2)
+    ddp, fsdp, kept = mode_fits(memory, 1_300_000_000, 1_300_000_000 // 24, 2**28,
+                                ddp_step_s=1.0, allreduce_s=0.2, passes=2)
     assert (ddp.mode, ddp.fits, fsdp.mode, fsdp.fits) == ("ddp", False, "fsdp", True)
+    assert (kept.mode, kept.fits) == ("fsdp-kept", True)
+    # validation gathers the whole weights anyway (the default): holding them between passes
+    # costs nothing more at the peak; where validation runs on the shards, it does
+    assert kept.state_bytes == fsdp.state_bytes
     assert ddp.largest_params < 1_300_000_000 < fsdp.largest_params
-    assert fsdp.step_s == pytest.approx(1.0 + (fsdp_traffic_factor(2) - 1) * 0.2)
-    assert fsdp_traffic_factor(1) == 1.5
+    _, sharded, sharded_kept = mode_fits(memory, 1_300_000_000, 1_300_000_000 // 24, 2**28,
+                                         1.0, 0.2, passes=2, gathered_weights=False,
+                                         root_params=1_300_000_000 // 24)
+    assert sharded_kept.state_bytes > sharded.state_bytes
+    assert sharded_kept.largest_params < sharded.largest_params
+    assert fsdp.step_s == pytest.approx(1.0 + (3.0 - 1) * 0.2)
+    assert kept.step_s == pytest.approx(1.0 + (1.5 - 1) * 0.2)
+    assert [fsdp_traffic_factor(k) for k in (1, 2, 4)] == [1.5, 3.0, 6.0]
+    assert [fsdp_traffic_factor(k, keep_gathered=True) for k in (1, 2, 4)] == [1.5, 1.5, 2.5]
+    assert [f.mode for f in mode_fits(memory, 10**8, 10**7, 2**20, 1.0, 0.2, passes=1)] == \
+        ["ddp", "fsdp"]  # one pass: nothing kept between passes
     assert chosen_mode("auto", memory, 1_300_000_000) == "fsdp"
     assert chosen_mode("auto", memory, 100_000_000) == "ddp"
     assert chosen_mode("none", memory, 1_300_000_000) == "ddp"
