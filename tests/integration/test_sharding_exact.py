@@ -139,6 +139,22 @@ def test_fsdp_full_checkpoints_resume_on_3_ranks(tmp_path, run_cli):
     assert_same_losses(losses(ref), losses(run), range(1, 11))
 
 
+def test_ddp_checkpoint_resumes_under_fsdp_on_3_ranks(tmp_path, run_cli):
+    """The other direction of a mode change: a DDP run (2 ranks at [24, 8], its one-file
+    checkpoint) resumed at step 5 under ``sharding.mode=fsdp`` on 3 ranks, each rank taking its
+    shard of the whole state as it loads, logs the 1-rank loss at all 10 steps."""
+    task = [*SMALL_MODEL, "task.model.max_seq_len=32"]
+    ref, run = tmp_path / "ref", tmp_path / "ddp_then_fsdp"
+    _ok(run_cli(ref, *task, *STEPS, "cluster.ranks=1", "trainer.max_steps=10", small=False))
+    _ok(run_cli(run, *task, *STEPS, "cluster.ranks=2", "balance.allocation=[24,8]",
+                "trainer.max_steps=5", small=False))
+    _ok(run_cli(run, *task, *STEPS, "sharding.mode=fsdp", "cluster.ranks=3",
+                "balance.allocation=null", "trainer.max_steps=10", small=False))
+    assert json.loads((run / "summary.json").read_text())["sharding"]["mode"] == "fsdp"
+    assert sorted(losses(run)) == list(range(1, 11))
+    assert_same_losses(losses(ref), losses(run), range(1, 11))
+
+
 @pytest.mark.parametrize("name", ["bert", "translation"])
 def test_fsdp_validation_matches_one_rank(name, tmp_path, run_cli, task_data_files):
     """Validation under FSDP: BERT (one forward per batch) on the shards, every rank running as
