@@ -135,20 +135,48 @@ def store_lines(python: str, folder: str, nodes: int = 1) -> List[str]:
     ]
 
 
+#: seconds a step may go on after the run's summary.json was written before the batch script
+#: ends it (``HETSEQ_END_GRACE_S`` in the job's environment overrides): the survivors have
+#: exited by then; a task still there was stopped or hung and left out of the run
+END_GRACE_S = 20
+
+
 def survived_lines(srun: str, run_dir: str) -> List[str]:
-    """The step of an elastic job and its exit code: ``srun`` fails when a task was lost
+    """The step of an elastic job and its exit code. ``srun`` fails when a task was lost
     (killed, its node gone) even though the survivors finished the run, so the script exits 0
     when the run's ``summary.json`` was written after the script started (a whole run done in
     this job; rank 0, or the survivors when it was lost, write it at the very end), else with
-    srun's code: Slurm then records COMPLETED, and ``--dependency=afterok`` chains go on."""
-    summary = shlex.quote(f"{run_dir}/summary.json")
+    srun's code: Slurm then records COMPLETED, and ``--dependency=afterok`` chains go on.
+
+    A task the others left out because it was stopped or hung (SIGSTOP, a stuck driver) never
+    exits, so srun would hold the job until its time limit: srun runs in the background and,
+    :data:`END_GRACE_S` after ``summary.json`` appeared with srun still running, the script
+    ends the step (two SIGINTs within a second: srun's own "terminate the step",
+    https://slurm.schedmd.com/srun.html, signals) and exits 0 as above."""
+    fresh = '[ -f "$summary" ] && [ "$(stat -c %Y "$summary")" -ge "$started" ]'
     return [
+        f"summary={shlex.quote(f'{run_dir}/summary.json')}",
         "started=$(date +%s)",
-        f"{srun} && exit 0",
-        "status=$?",
-        f"if [ -f {summary} ] && [ \"$(stat -c %Y {summary})\" -ge \"$started\" ]; then",
-        f'  echo "hetseq-hpc: srun exited $status (a task was lost), but the others finished the '
-        f'run: {summary}" >&2',
+        f"{srun} &",
+        "srun_pid=$!",
+        "finished_at=",
+        f"grace=${{HETSEQ_END_GRACE_S:-{END_GRACE_S}}}",
+        'while kill -0 "$srun_pid" 2>/dev/null; do',
+        f'  if [ -z "$finished_at" ] && {fresh}; then finished_at=$(date +%s); fi',
+        '  if [ -n "$finished_at" ] && [ $(( $(date +%s) - finished_at )) -ge "$grace" ]; then',
+        '    echo "hetseq-hpc: the run finished ($summary) but a task was still running $grace s '
+        'later (stopped or hung, left out of the run): ending the step" >&2',
+        '    kill -INT "$srun_pid"; sleep 0.3; kill -INT "$srun_pid"',
+        "    break",
+        "  fi",
+        "  sleep 2",
+        "done",
+        "status=0",
+        'wait "$srun_pid" || status=$?',
+        '[ "$status" = 0 ] && exit 0',
+        f"if {fresh}; then",
+        '  echo "hetseq-hpc: srun exited $status (a task was lost), but the others finished the '
+        'run: $summary" >&2',
         "  exit 0",
         "fi",
         'exit "$status"',

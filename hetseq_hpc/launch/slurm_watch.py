@@ -39,6 +39,7 @@ from hetseq_hpc.launch.failures import (
     read_error_file,
     read_stop_record,
 )
+from hetseq_hpc.launch.sbatch import END_GRACE_S
 from hetseq_hpc.rundir.paths import RunDir
 
 log = logging.getLogger(__name__)
@@ -51,10 +52,12 @@ TERMINAL_STATES = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "
 FAILURE_GRACE_S = 5.0
 #: seconds results may take to land on a shared filesystem after the job ended
 SETTLE_S = 5.0
-#: seconds a job whose survivors finished may take to end by itself (its lost task is dead,
-#: srun returns, the batch script exits 0: COMPLETED) before it is cancelled (a stopped task
-#: the others left out would hold the step until the time limit)
-SELF_END_GRACE_S = 20.0
+#: seconds a job whose survivors finished may take to end by itself before it is cancelled:
+#: its lost task is dead (srun returns), or the batch script ends the step of a stopped task
+#: the others left out :data:`~hetseq_hpc.launch.sbatch.END_GRACE_S` after the run's summary
+#: (a script of an older version would hold the step until the time limit); either way it
+#: exits 0: COMPLETED
+SELF_END_GRACE_S = END_GRACE_S + 40.0
 _FOLD_ORDER = ["FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "TIMEOUT", "DEADLINE",
                "CANCELLED", "PREEMPTED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "PENDING",
                "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "COMPLETED"]

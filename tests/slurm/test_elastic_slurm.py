@@ -8,6 +8,7 @@ and requeue the job, which resumes from that checkpoint, as after a preemption."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -223,3 +224,59 @@ def test_too_few_left_in_a_het_job_checkpoint_requeue_and_finish_the_same(
     assert sorted(got) == list(range(1, 31))
     worst = max(abs(got[s] - reference[s]) / abs(reference[s]) for s in reference)
     assert worst <= 1e-6, f"largest relative difference {worst:.2e}"
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["generated", "handwritten"])
+def test_a_stopped_task_does_not_hold_a_finished_job(script, tmp_path, token_cache, reference):
+    """SIGSTOP of task 1 at step 10, submitted without ``cluster.wait`` (nobody watches the
+    job): the other two leave it out and finish all 30 steps on the uninterrupted trajectory;
+    the stopped task would hold srun, and so the job, until its time limit, so the batch script
+    ends the step itself ``HETSEQ_END_GRACE_S`` (20) s after the run's summary.json appeared,
+    and the job ends COMPLETED (``afterok`` chains go on)."""
+    run_dir = tmp_path / "job"
+    overrides = ["cluster=testcluster", *COMMON, f"hydra.run.dir={run_dir}"]
+    if script == "generated":
+        done = subprocess.run([sys.executable, "-m", "hetseq_hpc", *overrides,
+                               "cluster.wait=false"], cwd=REPO, env=cli_env(token_cache),
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        job = json.loads((run_dir / "job.json").read_text())["job_id"]
+    else:
+        done = subprocess.run([sys.executable, "-m", "hetseq_hpc", *overrides,
+                               "cluster.dry_run=true"], cwd=REPO, env=cli_env(token_cache),
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        env = dict(cli_env(token_cache), RUN_DIR=str(run_dir), PYTHON=sys.executable)
+        out = subprocess.run(["sbatch", "--parsable", str(REPO / "slurm" / "hetjob.sbatch")],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        job = out.stdout.strip().split(";")[0]
+    stopped = 0
+    try:
+        deadline = time.monotonic() + 300  # a guard against hangs, not a speed check
+        while _steps(run_dir) < 10:
+            assert squeue_state(job) in ("PENDING", "RUNNING"), squeue_state(job)
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        stopped = (_rank_pid(run_dir / "submitit", 1) if script == "generated"
+                   else _task_pid(run_dir, 1))
+        os.kill(stopped, signal.SIGSTOP)
+        while squeue_state(job) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+            assert time.monotonic() < deadline + 300, f"job {job} still {squeue_state(job)}"
+            time.sleep(1)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+        if stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGKILL)
+    logs = "".join(p.read_text(errors="replace") for p in
+                   [*tmp_path.glob(f"hetseq-{job}.out"), *(run_dir / "submitit").glob(f"{job}_batch.*")])
+    assert squeue_state(job) == "COMPLETED", logs[-3000:]
+    assert "a task was still running 20 s later (stopped or hung, left out of the run): " \
+           "ending the step" in logs, logs[-3000:]
+    got = losses(run_dir)
+    assert sorted(got) == list(range(1, 31))
+    assert max(abs(got[s] - reference[s]) / abs(reference[s]) for s in reference) <= 1e-6
+    assert json.loads((run_dir / "summary.json").read_text())["lost_ranks"] == [1]

@@ -52,9 +52,33 @@ def test_elastic_script_serves_the_store_and_its_step_survives_a_task():
     ended = render_sbatch(run.cluster, "/RUN/submitit", "/PYTHON", elastic=True,
                           run_dir="/RUN").splitlines()
     at = next(i for i, ln in enumerate(ended) if ln.startswith("srun "))
-    assert ended[at - 1] == "started=$(date +%s)" and ended[at].endswith(" && exit 0")
-    assert ended[at + 2].startswith("if [ -f /RUN/summary.json ] && [ \"$(stat -c %Y")
-    assert ended[-1] == 'exit "$status"' and ended[at + 4] == "  exit 0"
+    assert ended[at - 2] == "summary=/RUN/summary.json" and ended[at].endswith(" &")
+    assert ended[at - 1] == "started=$(date +%s)"
+    rest = ended[at:]
+    # a task stopped or hung after the others finished: the script ends the step itself
+    assert "grace=${HETSEQ_END_GRACE_S:-20}" in rest and 'wait "$srun_pid" || status=$?' in rest
+    assert '    kill -INT "$srun_pid"; sleep 0.3; kill -INT "$srun_pid"' in rest
+    check = next(i for i, ln in enumerate(rest) if ln.startswith('if [ -f "$summary" ]'))
+    assert rest[check - 1] == '[ "$status" = 0 ] && exit 0' and rest[check + 2] == "  exit 0"
+    assert ended[-1] == 'exit "$status"'
+
+
+def test_elastic_script_is_valid_bash_for_any_run_directory(tmp_path):
+    """``bash -n`` on the elastic script and the hand templates: a run directory with spaces and
+    both kinds of quotes is quoted once, in a variable, never inside another string (it was
+    inside an ``echo "..."``: a syntax error that ended the job before its step ran)."""
+    import subprocess
+
+    run = compose_testcluster()
+    odd = "/runs/my run's \"dir\" $HOME `x`"
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_sbatch(run.cluster, f"{odd}/submitit", "/PYTHON", elastic=True,
+                                    run_dir=odd))
+    assert "summary='/runs/my run'\"'\"'s \"dir\" $HOME `x`/summary.json'" in script.read_text()
+    repo = Path(__file__).resolve().parents[2]
+    for path in (script, repo / "slurm" / "hetjob.sbatch", repo / "slurm" / "single.sbatch"):
+        checked = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        assert checked.returncode == 0, (path, checked.stderr)
 
 
 def test_store_server_listens_on_its_address_only_and_takes_the_token_from_the_env(tmp_path):
