@@ -1,7 +1,8 @@
-"""``task=hf`` on Parquet files (pyarrow): records streamed by record batches over several row
-groups in file order, only the wanted columns read, the one-line refusals (missing column,
-0 rows, not Parquet, null / non-text values, pyarrow not installed), the cache key following
-the file, and the same token cache as the same records given as JSON lines."""
+"""``task=hf`` on Parquet files (read through ``datasets``; pyarrow for the footer checks):
+records streamed by record batches over several row groups in file order, only the wanted
+columns read, the one-line refusals (missing column, 0 rows, not Parquet, null / non-text
+values, pyarrow not installed), the cache key following the file, and the same token cache as
+the same records given as JSON lines."""
 
 from __future__ import annotations
 
@@ -40,23 +41,32 @@ def one_line(exc_type, fn, *args) -> str:
 
 
 def test_records_stream_by_batches_over_row_groups_in_file_order(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
     texts = [f"text number {i}" for i in range(50)]
     labels = [i % 3 for i in range(50)]
     path = write(tmp_path / "d.parquet", row_group_size=7, label=labels, text=texts,
                  other=[float(i) for i in range(50)])
     assert pq.ParquetFile(path).metadata.num_row_groups == 8
     assert columns(path) == ["label", "text", "other"]
-    seen = []
-    iter_batches = pq.ParquetFile.iter_batches
+    seen, asked = [], []
+    load, iterate = datasets.load_dataset, datasets.IterableDataset.iter
 
-    def spy(self, *args, **kwargs):
-        for batch in iter_batches(self, *args, **kwargs):
-            seen.append((batch.num_rows, set(batch.schema.names)))
-            yield batch
+    def load_spy(*args, **kwargs):
+        asked.append((args[0], kwargs.get("columns"), kwargs.get("batch_size"),
+                      kwargs.get("streaming")))
+        return load(*args, **kwargs)
 
-    monkeypatch.setattr(pq.ParquetFile, "iter_batches", spy)
+    def iter_spy(self, *args, **kwargs):
+        for table in iterate(self, *args, **kwargs):
+            seen.append((table.num_rows, set(table.column_names)))
+            yield table
+
+    monkeypatch.setattr(datasets, "load_dataset", load_spy)
+    monkeypatch.setattr(datasets.IterableDataset, "iter", iter_spy)
     monkeypatch.setattr(hf_parquet, "BATCH_ROWS", 3)
     assert list(records(path, "text", "label")) == list(zip(texts, labels))
+    # read by datasets (streaming), only the wanted columns, 3 rows at a time
+    assert asked == [("parquet", ["text", "label"], 3, True)]
     assert len(seen) >= 17 and all(rows <= 3 for rows, _ in seen)
     assert all(names == {"text", "label"} for _, names in seen)  # "other" is never read
     assert list(records(path, "text", None)) == [(t, None) for t in texts]

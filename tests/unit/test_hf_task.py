@@ -1,6 +1,7 @@
 """``task=hf`` and ``task=dataset`` in-process: the one-line refusals (hub name, ``.bin``-only
-model, missing/empty file, missing column), the summed loss, dropout wiring, row-wise batches,
-random init from a config, FSDP units, and the Dataset adapter. Tiny models made here."""
+model, missing/empty file, missing column, ``datasets`` not installed), the summed loss,
+dropout wiring, row-wise batches, random init from a config, FSDP units, and the Dataset
+adapter. Tiny models made here."""
 
 from __future__ import annotations
 
@@ -85,6 +86,17 @@ def test_missing_column_names_the_columns_found(made, tmp_path):
     msg = one_line_error(DataError, f"task.model.path={made['cls']}", f"task.data.files=[{csv}]",
                          "task.model.max_seq_len=32")
     assert "no column 'text'" in msg and "'sentence'" in msg
+
+
+def test_without_datasets_the_pre_start_check_says_how_to_install_it(made, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "datasets" else real(name, *a))
+    msg = one_line_error(ConfigError, f"task.model.path={made['gpt2']}",
+                         f"task.data.files=[{made['txt']}]")
+    assert "datasets" in msg and "pip install 'hetseq-hpc[hf]'" in msg
 
 
 def test_causal_lm_batch_is_row_wise_and_the_loss_a_sum(made):

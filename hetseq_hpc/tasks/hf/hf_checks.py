@@ -4,6 +4,7 @@ the user's ``build`` function. Each failure is one line; nothing is started or w
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Optional
 
 from hetseq_hpc.errors import ConfigError
@@ -17,13 +18,18 @@ def check_hf_task(task_cfg: Any) -> None:
     ``target_field`` for seq2seq).
 
     Raises:
-        ConfigError: the model config / tokenizer cannot be read, the tokenizer is slow, the
-            kind is unknown, or :func:`check_model_fits_kind` refuses (one line each).
+        ConfigError: Hugging Face ``datasets`` (the data files' reader) is not installed (looked
+            up, not imported: the line says ``pip install 'hetseq-hpc[hf]'``), the model config
+            / tokenizer cannot be read, the tokenizer is slow, the kind is unknown, or
+            :func:`check_model_fits_kind` refuses (one line each).
         DataError: a file lacks a column (names the columns it has) or holds no records.
     """
     from hetseq_hpc.tasks.hf.hf_model import load_hf_config, load_tokenizer, model_kind
-    from hetseq_hpc.tasks.hf.hf_records import check_columns
+    from hetseq_hpc.tasks.hf.hf_records import INSTALL_HINT, check_columns
 
+    if importlib.util.find_spec("datasets") is None:
+        raise ConfigError("task=hf reads task.data.files with Hugging Face datasets, which is "
+                          f"not installed: {INSTALL_HINT}")
     config = load_hf_config(task_cfg.model)
     kind = model_kind(task_cfg.model, config)
     check_model_fits_kind(task_cfg.model, config, kind, load_tokenizer(task_cfg.model))

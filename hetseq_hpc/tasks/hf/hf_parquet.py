@@ -1,9 +1,13 @@
-"""The user's ``.parquet`` files as records, read with ``pyarrow`` (the optional extra
-``pip install 'hetseq-hpc[parquet]'``).
+"""The user's ``.parquet`` files through ``pyarrow`` (in the ``hf`` extra with ``datasets``, or
+alone: ``pip install 'hetseq-hpc[parquet]'``): the footer checks and the reference reader.
 
-Only the wanted columns are read, one record batch (:data:`BATCH_ROWS` rows, within one row
-group) at a time: a large file is never loaded whole. ``pyarrow`` is imported on first use, so
-the other formats work without it.
+:func:`hetseq_hpc.tasks.hf.hf_records.records` reads the rows through ``datasets`` (its
+``parquet`` builder, :data:`BATCH_ROWS` rows at a time); this module reads the footer before
+that (:func:`parquet_columns`: the columns, 0 rows, not Parquet: one line each), and its
+:func:`parquet_rows` is the reader where ``datasets`` refuses a file or a row is bad (it names
+the record). Only the wanted columns are read, one record batch (within one row group) at a
+time: a large file is never loaded whole. ``pyarrow`` is imported on first use, so the other
+formats' checks work without it.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 
 from hetseq_hpc.errors import DataError
 
-#: rows per record batch read from a Parquet file
+#: rows per record batch read from a Parquet file (by ``datasets`` and by :func:`parquet_rows`)
 BATCH_ROWS = 1024
 
 #: the fix printed when pyarrow is missing

@@ -1,26 +1,71 @@
-"""The user's local files as records, read with the standard library (no ``datasets``), and
-Parquet with ``pyarrow`` when it is installed (:mod:`hetseq_hpc.tasks.hf.hf_parquet`).
+"""The user's local files as records, read through Hugging Face ``datasets`` (the ``hf`` extra,
+``pip install 'hetseq-hpc[hf]'``), streaming and offline.
 
 Formats, by suffix: ``.txt``/``.text`` (one sample per non-empty line, the text column only),
 ``.jsonl``/``.json`` (JSON lines: one object per line), ``.csv`` and ``.tsv`` (a header row
-names the columns), ``.parquet`` (the named columns). Each file is streamed: memory holds one
-record at a time (one record batch of :data:`~hetseq_hpc.tasks.hf.hf_parquet.BATCH_ROWS` rows
-for Parquet).
+names the columns), ``.parquet`` (the named columns). :func:`records` reads each file with
+``datasets.load_dataset(<builder>, data_files=[path], split="train", streaming=True)``
+(builders ``text``, ``json``, ``csv``, ``parquet``: only the wanted columns of CSV and Parquet)
+and takes :data:`BATCH_RECORDS` records at a time as Arrow columns: memory holds one batch, no
+Arrow cache is written (the builder's lock files go to a temporary folder, removed after), and
+nothing is looked up online (``HF_DATASETS_OFFLINE=1``, ``HF_HUB_OFFLINE=1`` unless set).
+
+The standard library (``csv``, ``json``; Parquet through ``pyarrow``,
+:mod:`hetseq_hpc.tasks.hf.hf_parquet`) stays the reference these records must equal, byte for
+byte. It reads the header / first JSON line for the cheap column check before anything starts
+(:func:`columns`), and a file, from where ``datasets`` stops, whenever ``datasets`` would read
+it differently or not at all: a CSV header with a duplicate or missing name (a byte-order
+mark), a first JSON line that is not an object, JSON columns of another type than string
+(text) or integer, string, boolean (label) in the first chunk, a file that starts like a
+compressed one, a record with no value (pandas reads an empty CSV cell, a missing one and a
+blank line alike), any error of ``datasets``, or a JSON-lines file of another number of
+records than non-empty lines (pyarrow takes two objects on one line). Bad input gets the same
+one-line :class:`DataError` naming the line as before: no traceback reaches the user. Left: the
+``json`` builder takes a column's type from the first chunk (10 MB) and converts later values
+of another JSON type to it (``"1"``/``true`` after integers read as ``1``; a number as the text
+after strings reads as a string, not refused).
 """
 
 from __future__ import annotations
 
 import csv
+import glob
+import itertools
 import json
+import logging
 import os
+import shutil
+import tempfile
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from hetseq_hpc.errors import DataError
+from hetseq_hpc.tasks.hf import hf_parquet
 from hetseq_hpc.tasks.hf.hf_parquet import parquet_columns, parquet_rows
+
+log = logging.getLogger(__name__)
 
 #: suffix -> format
 FORMATS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".csv": "csv",
            ".tsv": "tsv", ".parquet": "parquet"}
+
+#: records taken from ``datasets`` at a time (Parquet: :data:`hf_parquet.BATCH_ROWS`)
+BATCH_RECORDS = 10_000
+
+#: bytes of a text file the ``text`` builder reads at a time (its default, 10 MB, is slower
+#: here and holds 200 MB more)
+TEXT_CHUNK_BYTES = 256 << 10
+
+#: the fix printed when ``datasets`` is missing
+INSTALL_HINT = "pip install 'hetseq-hpc[hf]'"
+
+#: first bytes that ``datasets`` takes for a compressed file (it would unpack it, where the
+#: standard library reads the bytes as they are): such files go to the standard library
+_COMPRESSED = (b"PK\x03\x04", b"PK\x05\x06", b"PK\x07\x08", b"BZh", b"\x1f\x8b",
+               b"\xfd7zXZ\x00", b"\x04\x22\x4d\x18", b"\x28\xb5\x2f\xfd", b"Rar!")
+
+#: JSON label types read through ``datasets`` as the standard library reads them (a float
+#: column may hold integers read as floats, a mixed one JSON text): others go to the stdlib
+_JSON_LABEL_TYPES = ("int64", "string", "large_string", "bool")
 
 
 def file_format(path: str) -> str:
@@ -42,7 +87,8 @@ def _csv_reader(fh, fmt: str):
 
 def columns(path: str) -> List[str]:
     """The column names of ``path`` (a text file has the one column ``"text"``): the CSV
-    header, the keys of the first JSON object, or the Parquet schema's names.
+    header, the keys of the first JSON object, or the Parquet schema's names. Read with the
+    standard library (pyarrow's footer for Parquet): the first line only.
 
     Raises:
         DataError: the file is empty or its first record is not a JSON object / CSV header;
@@ -103,13 +149,185 @@ def check_columns(paths: Sequence[str], wanted: Sequence[Tuple[str, str]]) -> No
 def records(path: str, text_field: str, label_field: Optional[str]
             ) -> Iterator[Tuple[str, object]]:
     """``(text, label)`` of every record of ``path`` in file order (label None without
-    ``label_field``); empty lines of text and JSON-lines files are skipped.
+    ``label_field``); empty lines of text and JSON-lines files are skipped. Texts are ``str``;
+    labels as stored (JSON: ``int``/``str``/``bool``/...; CSV: ``str``; Parquet: its type).
+
+    Read through ``datasets`` (streaming, :data:`BATCH_RECORDS` records at a time); what it
+    would read differently, or refuses, is read by the standard library (module docstring),
+    so the records are those the standard library reads.
 
     Raises:
-        DataError: a record lacks the column, a text is not a string, or the file is not
-            UTF-8 / not readable (one line naming the file and line); a Parquet file lacks
-            the column (the line names the columns it has), holds no rows, or pyarrow is
-            not installed.
+        DataError: ``datasets`` is not installed (the line says ``pip install
+            'hetseq-hpc[hf]'``); a record lacks the column, a text is not a string, a JSON
+            line is not an object, or the file is not UTF-8 / not readable (one line naming
+            the file and line); a Parquet file lacks the column (the line names the columns
+            it has), holds no rows, or pyarrow is not installed.
+    """
+    fmt = file_format(path)
+    fields = [text_field] + ([label_field] if label_field else [])
+    if not _datasets_reads(path, fmt, fields):
+        yield from _stdlib_records(path, text_field, label_field)
+        return
+    done = 0
+    try:
+        for batch in _datasets_batches(path, fmt, fields):
+            yield from batch
+            done += len(batch)
+    except DataError:
+        raise
+    except Exception as exc:  # whatever it is, the standard library decides
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        log.info("data file %s: datasets stopped after %d records (%s: %s); the standard "
+                 "library reads on", path, done, type(exc).__name__, reason)
+        yield from itertools.islice(_stdlib_records(path, text_field, label_field), done, None)
+        return
+    if fmt == "json":
+        _check_json_count(path, done, text_field, label_field)
+
+
+def _datasets_reads(path: str, fmt: str, fields: Sequence[str]) -> bool:
+    """Whether ``datasets`` reads ``path`` as the standard library does (cheap checks of the
+    first bytes, the CSV header, the first JSON line, the Parquet footer).
+
+    Raises:
+        DataError: the Parquet footer cannot be read or it holds no rows (as before).
+    """
+    if fmt == "parquet":
+        return all(name in parquet_columns(path) for name in fields)
+    try:
+        with open(path, "rb") as fh:
+            if fh.read(8).startswith(_COMPRESSED):
+                return False
+        if fmt == "text":
+            return True
+        with open(path, encoding="utf-8", newline="" if fmt != "json" else None) as fh:
+            if fmt == "json":
+                line = next((line for line in fh if line.strip()), None)
+                return line is not None and isinstance(json.loads(line), dict)
+            header = next(csv.reader(fh, delimiter="\t" if fmt == "tsv" else ","), [])
+            return len(set(header)) == len(header) and all(name in header for name in fields)
+    except (OSError, UnicodeDecodeError, ValueError, csv.Error):
+        return False  # the standard library raises its one-line error
+
+
+def _import_datasets():
+    """``datasets``, offline, its progress bars and logging off.
+
+    Offline: ``HF_DATASETS_OFFLINE=1`` and ``HF_HUB_OFFLINE=1`` unless set, before its import;
+    and, as it reads them when imported (perhaps before this), its ``config`` is set offline
+    too: else ``load_dataset`` of a packaged builder on local files still asks the Hub
+    (its download count, a HEAD request, 3 s timeout per call without a network).
+
+    Raises:
+        DataError: it is not installed (one line: ``pip install 'hetseq-hpc[hf]'``).
+    """
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import datasets
+        import datasets.config
+    except ImportError as exc:
+        raise DataError(f"task=hf reads its data files with Hugging Face datasets, which is not "
+                        f"installed ({exc}): {INSTALL_HINT}") from None
+    datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
+    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
+    datasets.disable_progress_bars()
+    # its errors are ours to report (one line, after the standard library's look)
+    datasets.logging.set_verbosity(logging.CRITICAL)
+    return datasets
+
+
+def _datasets_batches(path: str, fmt: str, fields: Sequence[str]
+                      ) -> Iterator[List[Tuple[str, object]]]:
+    """Lists of ``(text, label)`` read by ``datasets``, a batch at a time; raises (anything)
+    where a record is not what the standard library would give, after the list of the
+    records before it, for :func:`records` to hand over to the standard library."""
+    datasets = _import_datasets()
+    wanted = list(dict.fromkeys(fields))
+    options: Dict[str, object] = {}
+    batch = BATCH_RECORDS
+    if fmt in ("csv", "tsv"):
+        # every value the string the csv module reads; "" (an empty or a missing cell: the
+        # csv module tells them apart, pandas does not) and blank lines come as None
+        options = dict(sep="\t" if fmt == "tsv" else ",", usecols=wanted,
+                       features=datasets.Features({n: datasets.Value("string") for n in wanted}),
+                       keep_default_na=False, na_values=[""], skip_blank_lines=False,
+                       index_col=False)
+    elif fmt == "parquet":
+        batch = hf_parquet.BATCH_ROWS
+        options = dict(columns=wanted, batch_size=batch)
+    elif fmt == "text":
+        options = dict(chunksize=TEXT_CHUNK_BYTES)
+    cache = tempfile.mkdtemp(prefix="hetseq-datasets-")
+    try:
+        ds = datasets.load_dataset("csv" if fmt == "tsv" else fmt,
+                                   data_files=[glob.escape(os.path.abspath(path))],
+                                   split="train", streaming=True, cache_dir=cache, **options)
+        if fmt == "json":
+            _check_json_features(datasets, ds.features, fields)
+        for table in ds.with_format("arrow").iter(batch_size=batch):
+            if fmt == "text":
+                yield [(line, None) for line in table.column("text").to_pylist() if line.strip()]
+                continue
+            texts = table.column(fields[0]).to_pylist()
+            labels = (table.column(fields[1]).to_pylist() if len(fields) > 1
+                      else [None] * len(texts))
+            good = [(text, label) for text, label in zip(texts, labels)
+                    if isinstance(text, str) and (label is not None or len(fields) == 1)]
+            if len(good) < len(texts):  # the records before the first bad one, then stop
+                bad = next(i for i, (text, label) in enumerate(zip(texts, labels))
+                           if not isinstance(text, str) or (label is None and len(fields) > 1))
+                yield good[:bad]
+                raise ValueError(f"record {bad + 1} of a batch has no text or label")
+            yield good
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def _check_json_features(datasets, features, fields: Sequence[str]) -> None:
+    """The types ``datasets`` found in the first chunk of a JSON-lines file are ones it reads
+    as :func:`json.loads` does (a text string; a label integer, string or boolean; not its
+    ``Json`` feature of mixed types, nor a float column that may hold integers).
+
+    Raises:
+        ValueError: another type (the standard library reads the file).
+    """
+    for i, name in enumerate(fields):
+        feature = features.get(name) if features else None
+        dtype = feature.dtype if isinstance(feature, datasets.Value) else None
+        if dtype not in (("string", "large_string") if i == 0 else _JSON_LABEL_TYPES):
+            raise ValueError(f"JSON column {name!r} of type {dtype}")
+
+
+def _check_json_count(path: str, done: int, text_field: str, label_field: Optional[str]
+                      ) -> None:
+    """``datasets`` gave one record per non-empty line (pyarrow takes two objects on one
+    line as two records, where the standard library refuses the line).
+
+    Raises:
+        DataError: the standard library's error for the file; or, should it read the file,
+            that the two readers disagree.
+    """
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = sum(1 for line in fh if line.strip())
+    except (OSError, UnicodeDecodeError):
+        lines = -1
+    if lines == done:
+        return
+    for _ in _stdlib_records(path, text_field, label_field):
+        pass
+    raise DataError(f"data file {path!r}: datasets read {done} records from {lines} JSON "
+                    "lines: check the file (one JSON object per line)")
+
+
+def _stdlib_records(path: str, text_field: str, label_field: Optional[str]
+                    ) -> Iterator[Tuple[str, object]]:
+    """:func:`records` read by the standard library (Parquet: pyarrow): the reference, the
+    diagnosis of bad input, and the reader of what ``datasets`` would read differently.
+
+    Raises:
+        DataError: as :func:`records`.
     """
     fmt = file_format(path)
     if fmt == "parquet":

@@ -1,0 +1,320 @@
+"""``task=hf`` data files read through Hugging Face ``datasets`` give exactly the records the
+standard-library reader gave before (the reference below is a copy of it), so the prepared
+cache is byte-identical: text, JSON lines (int and string labels), CSV and TSV with tricky
+values, every error in the same one line; a seeded fuzz of CSV/TSV/JSON lines; the reader
+stays offline and writes nothing under ``~/.cache``; ``datasets`` is imported lazily and its
+absence is one line saying how to install it."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from hetseq_hpc.errors import DataError
+from hetseq_hpc.tasks.hf import hf_records
+from hetseq_hpc.tasks.hf.hf_records import records
+
+pytest.importorskip("datasets")
+
+
+# --- the reference: the standard-library reader before datasets (text, JSON lines, CSV) ------
+
+def old_records(path, text_field, label_field):
+    fmt = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".csv": "csv",
+           ".tsv": "tsv"}[os.path.splitext(path)[1].lower()]
+    try:
+        with open(path, encoding="utf-8", newline="" if fmt in ("csv", "tsv") else None) as fh:
+            if fmt == "text":
+                for line in fh:
+                    line = line.rstrip("\n")
+                    if line.strip():
+                        yield line, None
+                return
+            if fmt in ("csv", "tsv"):
+                reader = csv.DictReader(fh, delimiter="\t" if fmt == "tsv" else ",")
+                rows = ((n, row) for n, row in enumerate(reader, 2))
+            else:
+                rows = ((n, old_json_object(line, path, n)) for n, line in enumerate(fh, 1)
+                        if line.strip())
+            for number, row in rows:
+                yield old_field(row, text_field, path, number), (
+                    old_field(row, label_field, path, number, text=False)
+                    if label_field else None)
+    except UnicodeDecodeError as exc:
+        raise DataError(f"data file {path!r} is not UTF-8 text ({exc.reason}): convert it "
+                        "(iconv -t utf-8)") from None
+
+
+def old_json_object(line, path, number):
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"data file {path!r} line {number} is not JSON ({exc.msg}): write one "
+                        "JSON object per line (JSON lines)") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"data file {path!r} line {number} is a {type(obj).__name__}, not a "
+                        "JSON object: write one {\"text\": ...} object per line")
+    return obj
+
+
+def old_field(row, name, path, number, text=True):
+    value = row.get(name)
+    if value is None:
+        raise DataError(f"data file {path!r} record {number} has no {name!r} value (columns "
+                        f"{', '.join(map(repr, row))}): fill it in or drop the record")
+    if text and not isinstance(value, str):
+        raise DataError(f"data file {path!r} record {number}: {name!r} is a "
+                        f"{type(value).__name__}, not text: store the text as a string")
+    return value
+
+
+def outcome(reader, path, text_field="text", label_field="label"):
+    """The records, or the one-line DataError (with the type of every label kept)."""
+    try:
+        return [(text, label, type(label).__name__)
+                for text, label in reader(str(path), text_field, label_field)]
+    except DataError as exc:
+        assert "\n" not in str(exc) and "Traceback" not in str(exc)
+        return f"DataError: {exc}"
+
+
+def write(path: Path, content, encoding="utf-8") -> Path:
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        with open(path, "w", encoding=encoding, newline="") as fh:
+            fh.write(content)
+    return path
+
+
+@pytest.fixture
+def only_datasets(monkeypatch):
+    """Fail if the standard library reads a record (the file must go through datasets)."""
+    def refuse(*args):
+        raise AssertionError(f"the standard library read {args[0]}")
+    monkeypatch.setattr(hf_records, "_stdlib_records", refuse)
+
+
+# --- clean files: read by datasets alone, exactly as before ---------------------------------
+
+TEXT = ("\ufefffirst line  \r\nsecond\tline\r\n\n   \n\t\nthird \u00e9\u4e2d\u2028mid\rfourth\n"
+        "\n  indented  \nlast without newline")
+JSONL_INT = ('{"text": "a, b", "label": 1}\n\n   \n{"label": 0, "text": "line\\nbreak \\u00e9"}\r\n'
+             '{"text": "  spaced  ", "label": -3, "extra": {"x": [1]}}\n{"text": "NA", "label": 2}')
+JSONL_STR = ('{"text": "001", "label": "pos"}\n{"text": "1.50", "label": "1"}\n'
+             '{"text": "\\ud83d\\ude00 \\"q\\"", "label": " neg "}\n{"text": "", "label": ""}\n')
+JSONL_BOOL = '{"text": "yes", "label": true}\n{"text": "no", "label": false}\n'
+CSV = ('text,label\n"a, quoted comma",1\n"embedded\nnewline",NA\n"crlf\r\ninside",nan\n'
+       '001,1.50\n1e5,-1\n" spaced ",None\n"say ""hi""",x\nNULL,"0"\n#hash,N/A\nlast,2')
+TSV = ('id\ttext\tlabel\n1\t"tab\tinside"\t"quoted"\n2\ta, comma\tNA\n3\t"multi\nline"\t7\r\n'
+       '4\t"quote""d"\t\u00e9\n')
+
+
+@pytest.mark.parametrize("name,content,label", [
+    ("t.txt", TEXT, None), ("t.text", TEXT, None), ("int.jsonl", JSONL_INT, "label"),
+    ("str.json", JSONL_STR, "label"), ("bool.jsonl", JSONL_BOOL, "label"),
+    ("int.jsonl", JSONL_INT, None), ("t.csv", CSV, "label"), ("t.csv", CSV, None),
+    ("t.tsv", TSV, "label"), ("t.tsv", TSV, None)])
+def test_clean_files_are_read_by_datasets_exactly_as_before(tmp_path, only_datasets, name,
+                                                            content, label):
+    path = write(tmp_path / name, content)
+    expected = outcome(old_records, path, label_field=label)
+    assert isinstance(expected, list) and len(expected) >= 2
+    assert outcome(records, path, label_field=label) == expected
+
+
+def test_text_chunk_boundaries_change_nothing(tmp_path, monkeypatch, only_datasets):
+    # chunks of a few bytes: lines, "\r\n" and "\r" cut at every place
+    monkeypatch.setattr(hf_records, "TEXT_CHUNK_BYTES", 3)
+    for i, content in enumerate([TEXT, "a\r\nb\r\n\r\nc\rd\r\re\n", "x" * 50 + "\r\n" + "y\r" * 9]):
+        path = write(tmp_path / f"c{i}.txt", content)
+        assert outcome(records, path, label_field=None) == outcome(old_records, path,
+                                                                   label_field=None)
+
+
+def test_a_reader_left_early_removes_its_temporary_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    path = write(tmp_path / "t.txt", "one\ntwo\n")
+    reader = records(str(path), "text", None)
+    assert next(reader) == ("one", None)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("hetseq-datasets-")]
+    reader.close()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("hetseq-datasets-")]
+
+
+def test_fixed_expectations_of_the_tricky_values(tmp_path):
+    assert list(records(str(write(tmp_path / "t.txt", TEXT)), "text", None)) == [
+        ("\ufefffirst line  ", None), ("second\tline", None), ("third \u00e9\u4e2d\u2028mid", None),
+        ("fourth", None), ("  indented  ", None), ("last without newline", None)]
+    assert list(records(str(write(tmp_path / "t.csv", CSV)), "text", "label")) == [
+        ("a, quoted comma", "1"), ("embedded\nnewline", "NA"), ("crlf\r\ninside", "nan"),
+        ("001", "1.50"), ("1e5", "-1"), (" spaced ", "None"), ('say "hi"', "x"),
+        ("NULL", "0"), ("#hash", "N/A"), ("last", "2")]
+    assert [label for _, label in records(str(write(tmp_path / "i.jsonl", JSONL_INT)), "text",
+                                          "label")] == [1, 0, -3, 2]
+    mixed = write(tmp_path / "mixed.jsonl", '{"text": "a", "label": 1}\n\n'
+                                            '{"text": "b", "label": "pos"}\n')
+    assert list(records(str(mixed), "text", "label")) == [("a", 1), ("b", "pos")]
+
+
+def test_an_empty_label_cell_and_a_short_row_behave_as_before(tmp_path):
+    # an empty cell is the empty string (as the csv module reads it); a row without the cell
+    # is refused, naming the record
+    empty = write(tmp_path / "e.csv", "text,label\na,1\nb,\nc,2\n")
+    assert outcome(records, empty) == outcome(old_records, empty)
+    assert list(records(str(empty), "text", "label"))[1] == ("b", "")
+    short = write(tmp_path / "s.csv", "text,label\na,1\nb\nc,2\n")
+    msg = outcome(records, short)
+    assert msg == outcome(old_records, short) and "record 3 has no 'label' value" in msg
+
+
+# --- bad input: the same one-line errors -----------------------------------------------------
+
+BAD = [
+    ("notjson.jsonl", '{"text": "a", "label": 1}\n{"text": "b", "label": 2,}\n', "not JSON"),
+    ("list.jsonl", '{"text": "a", "label": 1}\n[1, 2]\n', "is a list, not a JSON object"),
+    ("array.json", '[{"text": "a", "label": 1}]\n', "is a list"),
+    ("bom.jsonl", '\ufeff{"text": "a", "label": 1}\n', "line 1 is not JSON"),
+    ("two.jsonl", '{"text": "a", "label": 1}\n{"text": "b", "label": 1} {"text": "c", '
+                  '"label": 0}\n', "line 2 is not JSON (Extra data)"),
+    ("int.jsonl", '{"text": "a", "label": 1}\n{"text": 5, "label": 2}\n', "'text' is a int"),
+    ("null.jsonl", '{"text": "a", "label": 1}\n{"text": "b", "label": null}\n', "no 'label'"),
+    ("nokey.jsonl", '{"text": "a", "label": 1}\n{"text": "b"}\n', "record 2 has no 'label'"),
+    ("ctrl.jsonl", '{"text": "a\tb", "label": 1}\n', "Invalid control character"),
+    ("latin1.txt", "caf\u00e9\n".encode("latin-1"), "not UTF-8"),
+    ("latin1.jsonl", '{"text": "caf\u00e9", "label": 1}\n'.encode("latin-1"), "not UTF-8"),
+    ("latin1.csv", "text,label\ncaf\u00e9,1\n".encode("latin-1"), "not UTF-8"),
+    ("late.txt", b"ok\n" * 50 + b"\xff\n", "not UTF-8"),
+    ("bomh.csv", "\ufefftext,label\na,1\n", "has no 'text' value"),
+    ("dup.csv", "text,label,text\na,1,b\n", None),
+    ("quote.csv", 'text,label\n"unterminated,1\nb,2\n', "no 'label' value"),
+    ("blank.csv", "label,text\n1,a\n \n2,b\n", "record 3 has no 'text' value"),
+    ("gz.txt", b"\x1f\x8b\x08\x00rest", "not UTF-8"),
+]
+
+
+@pytest.mark.parametrize("name,content,expect", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gives_the_same_one_line_error(tmp_path, name, content, expect):
+    path = write(tmp_path / name, content)
+    label = None if name.endswith(".txt") else "label"
+    new, old = outcome(records, path, label_field=label), outcome(old_records, path,
+                                                                 label_field=label)
+    assert new == old
+    if expect is not None:
+        assert isinstance(new, str) and expect in new, new
+
+
+# --- a seeded fuzz: whatever datasets does with odd input, the records are the old ones ------
+
+PIECES = ["a", "b", " ", ",", '"', "\n", "\r", "\r\n", "\t", "NA", "nan", "None", "1", "-1",
+          "1.50", "001", "#", "\u00e9", "\x00", ";", "'", "\\", "\u2028", "\x85", "", "\n\n"]
+
+
+def test_fuzzed_csv_and_tsv_read_as_the_csv_module_reads_them(tmp_path):
+    rng = random.Random(1234)
+    for case in range(40):
+        sep = rng.choice([",", "\t"])
+        names = rng.sample(["text", "label", "id", "x"], rng.randint(2, 4))
+        if "text" not in names:
+            names[0] = "text"
+        rows = [names] + [["".join(rng.choice(PIECES) for _ in range(rng.randint(1, 4)))
+                           for _ in names] for _ in range(rng.randint(1, 6))]
+        path = tmp_path / f"f{case}.{'tsv' if sep == chr(9) else 'csv'}"
+        with open(path, "w", encoding="utf-8", newline="") as fh:
+            csv.writer(fh, delimiter=sep, lineterminator=rng.choice(["\n", "\r\n"]),
+                       quoting=rng.choice([csv.QUOTE_MINIMAL, csv.QUOTE_ALL])).writerows(rows)
+        if rng.random() < 0.3:  # damage it
+            text = path.read_text(encoding="utf-8")
+            cut = rng.randrange(len(text))
+            write(path, text[:cut] + rng.choice(PIECES) + text[cut:])
+        label = "label" if "label" in names and rng.random() < 0.7 else None
+        assert outcome(records, path, label_field=label) == outcome(
+            old_records, path, label_field=label), path.read_bytes()
+
+
+def test_fuzzed_json_lines_read_as_json_loads_reads_them(tmp_path):
+    rng = random.Random(99)
+    values = [1, 0, -2, 7, "pos", "1", " x ", "", True, None, 2.5, [1], {"a": 1}]
+    for case in range(40):
+        lines = []
+        for _ in range(rng.randint(1, 6)):
+            obj = {"text": rng.choice(["t", "t\u00e9\n", " ", "001"] + [5] * (rng.random() < 0.1))}
+            if rng.random() < 0.9:
+                obj["label"] = rng.choice(values[:4] if case % 2 else values[4:8])
+                if rng.random() < 0.1:
+                    obj["label"] = rng.choice(values)
+            lines.append(json.dumps(obj, ensure_ascii=rng.random() < 0.5))
+            lines += [""] * (rng.random() < 0.2)
+        text = rng.choice(["\n", "\r\n"]).join(lines)
+        if rng.random() < 0.2:
+            cut = rng.randrange(len(text))
+            text = text[:cut] + rng.choice(["}", "{", ",", " ", "\n", '"']) + text[cut:]
+        path = write(tmp_path / f"f{case}.jsonl", text)
+        assert outcome(records, path) == outcome(old_records, path), text
+
+
+# --- offline, nothing cached, imported lazily, one line when missing --------------------------
+
+@pytest.mark.parametrize("datasets_first", [False, True])
+def test_reader_stays_offline_and_writes_nothing_under_home(tmp_path, datasets_first):
+    """In a fresh process with an empty HOME: no connection is tried (not even the Hub's
+    download count, which datasets asks for when it was imported before the offline variables
+    were set), nothing lands under HOME (no ~/.cache, Arrow cache or lock file), and the
+    temporary folder of the builder is gone."""
+    home = tmp_path / "home"
+    home.mkdir()
+    data = tmp_path / "data"
+    data.mkdir()
+    write(data / "t.txt", "one\n\ntwo\n")
+    write(data / "t.jsonl", '{"text": "one", "label": 1}\n{"text": "two", "label": 0}\n')
+    write(data / "t.csv", "text,label\none,1\ntwo,0\n")
+    write(data / "t.tsv", "text\tlabel\none\t1\ntwo\t0\n")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pytest.importorskip("pyarrow").table({"text": ["one", "two"],
+                                                         "label": [1, 0]}), data / "t.parquet")
+    script = textwrap.dedent(f"""
+        import socket, sys
+        tried = []
+        def refuse(*args, **kwargs):
+            tried.append(args[:2])
+            raise OSError("no network in this test")
+        socket.socket.connect = socket.create_connection = socket.getaddrinfo = refuse
+        if {datasets_first!r}:
+            import datasets  # before the offline variables: its config reads them now
+        from hetseq_hpc.tasks.hf.hf_records import records
+        assert ("datasets" in sys.modules) == {datasets_first!r}  # imported lazily
+        for name in ("t.txt", "t.jsonl", "t.csv", "t.tsv", "t.parquet"):
+            label = None if name.endswith(".txt") else "label"
+            got = [t for t, _ in records({str(data)!r} + "/" + name, "text", label)]
+            assert got == ["one", "two"], (name, got)
+        assert "datasets" in sys.modules and not tried, tried
+        print("ok")
+        """)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HF_", "XDG_", "HUGGINGFACE")) and k != "TMPDIR"}
+    env.update(HOME=str(home), TMPDIR=str(tmp_path))
+    if not datasets_first:
+        env.update(HF_DATASETS_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, cwd=str(Path(__file__).resolve().parents[2]), timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    assert list(home.rglob("*")) == []
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("hetseq-datasets-")]
+
+
+def test_without_datasets_one_line_says_how_to_install_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    path = write(tmp_path / "t.txt", "one\ntwo\n")
+    with pytest.raises(DataError) as info:
+        list(records(str(path), "text", None))
+    msg = str(info.value)
+    assert "\n" not in msg and "pip install 'hetseq-hpc[hf]'" in msg and "datasets" in msg
