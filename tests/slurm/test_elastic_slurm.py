@@ -112,13 +112,20 @@ def _task_pid(run_dir: Path, task: int) -> int:
     raise AssertionError(f"no worker of task {task} for {run_dir}")
 
 
-@pytest.mark.slurm
-@pytest.mark.slow
-def test_the_handwritten_template_survives_a_lost_task_too(tmp_path, token_cache, reference):
-    """slurm/hetjob.sbatch submitted by hand serves the job's store as the generated script does
-    (ELASTIC=1, the default): ``kill -9`` of task 1 at step 10 and the job completes all 30
-    steps on the uninterrupted trajectory."""
-    run_dir = tmp_path / "job"
+def _wait_for_step(run_dir: Path, job: str, step: int) -> float:
+    """Wait until ``step`` steps are logged while the job is queued or running (300 s at most:
+    a guard against hangs, not a speed check); the deadline it kept."""
+    deadline = time.monotonic() + 300
+    while _steps(run_dir) < step:
+        assert squeue_state(job) in ("PENDING", "RUNNING"), squeue_state(job)
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    return deadline
+
+
+def _submit_by_hand(run_dir: Path, folder: Path, token_cache) -> str:
+    """Write the run directory (``cluster.dry_run=true``) and submit ``slurm/hetjob.sbatch``
+    for it with ``sbatch`` from ``folder`` (its log: ``folder/hetseq-<job>.out``); the job id."""
     done = subprocess.run([sys.executable, "-m", "hetseq_hpc", "cluster=testcluster",
                            "cluster.dry_run=true", *COMMON, f"hydra.run.dir={run_dir}"],
                           cwd=REPO, env=cli_env(token_cache), capture_output=True, text=True,
@@ -126,15 +133,21 @@ def test_the_handwritten_template_survives_a_lost_task_too(tmp_path, token_cache
     assert done.returncode == 0, done.stderr[-3000:]
     env = dict(cli_env(token_cache), RUN_DIR=str(run_dir), PYTHON=sys.executable)
     out = subprocess.run(["sbatch", "--parsable", str(REPO / "slurm" / "hetjob.sbatch")],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+                         cwd=folder, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    job = out.stdout.strip().split(";")[0]
+    return out.stdout.strip().split(";")[0]
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_the_handwritten_template_survives_a_lost_task_too(tmp_path, token_cache, reference):
+    """slurm/hetjob.sbatch submitted by hand serves the job's store as the generated script does
+    (ELASTIC=1, the default): ``kill -9`` of task 1 at step 10 and the job completes all 30
+    steps on the uninterrupted trajectory."""
+    run_dir = tmp_path / "job"
+    job = _submit_by_hand(run_dir, tmp_path, token_cache)
     try:
-        deadline = time.monotonic() + 300  # a guard against hangs, not a speed check
-        while _steps(run_dir) < 10:
-            assert squeue_state(job) in ("PENDING", "RUNNING"), squeue_state(job)
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        deadline = _wait_for_step(run_dir, job, 10)
         os.kill(_task_pid(run_dir, 1), signal.SIGKILL)
         while squeue_state(job) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
             assert time.monotonic() < deadline + 300, f"job {job} did not end"
@@ -244,22 +257,10 @@ def test_a_stopped_task_does_not_hold_a_finished_job(script, tmp_path, token_cac
         assert done.returncode == 0, done.stderr[-3000:]
         job = json.loads((run_dir / "job.json").read_text())["job_id"]
     else:
-        done = subprocess.run([sys.executable, "-m", "hetseq_hpc", *overrides,
-                               "cluster.dry_run=true"], cwd=REPO, env=cli_env(token_cache),
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
-        env = dict(cli_env(token_cache), RUN_DIR=str(run_dir), PYTHON=sys.executable)
-        out = subprocess.run(["sbatch", "--parsable", str(REPO / "slurm" / "hetjob.sbatch")],
-                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0, out.stderr
-        job = out.stdout.strip().split(";")[0]
+        job = _submit_by_hand(run_dir, tmp_path, token_cache)
     stopped = 0
     try:
-        deadline = time.monotonic() + 300  # a guard against hangs, not a speed check
-        while _steps(run_dir) < 10:
-            assert squeue_state(job) in ("PENDING", "RUNNING"), squeue_state(job)
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        deadline = _wait_for_step(run_dir, job, 10)
         stopped = (_rank_pid(run_dir / "submitit", 1) if script == "generated"
                    else _task_pid(run_dir, 1))
         os.kill(stopped, signal.SIGSTOP)
