@@ -153,16 +153,18 @@ def survived_lines(srun: str, run_dir: str) -> List[str]:
     :data:`END_GRACE_S` after ``summary.json`` appeared with srun still running, the script
     ends the step (two SIGINTs within a second: srun's own "terminate the step",
     https://slurm.schedmd.com/srun.html, signals) and exits 0 as above."""
-    fresh = '[ -f "$summary" ] && [ "$(stat -c %Y "$summary")" -ge "$started" ]'
     return [
         f"summary={shlex.quote(f'{run_dir}/summary.json')}",
         "started=$(date +%s)",
         f"{srun} &",
         "srun_pid=$!",
+        "finished() {  # the run's summary.json, written in this job (by rank 0, or the survivors)",
+        '  [ -f "$summary" ] && [ "$(stat -c %Y "$summary")" -ge "$started" ]',
+        "}",
         "finished_at=",
         f"grace=${{HETSEQ_END_GRACE_S:-{END_GRACE_S}}}",
         'while kill -0 "$srun_pid" 2>/dev/null; do',
-        f'  if [ -z "$finished_at" ] && {fresh}; then finished_at=$(date +%s); fi',
+        '  if [ -z "$finished_at" ] && finished; then finished_at=$(date +%s); fi',
         '  if [ -n "$finished_at" ] && [ $(( $(date +%s) - finished_at )) -ge "$grace" ]; then',
         '    echo "hetseq-hpc: the run finished ($summary) but a task was still running $grace s '
         'later (stopped or hung, left out of the run): ending the step" >&2',
@@ -174,7 +176,7 @@ def survived_lines(srun: str, run_dir: str) -> List[str]:
         "status=0",
         'wait "$srun_pid" || status=$?',
         '[ "$status" = 0 ] && exit 0',
-        f"if {fresh}; then",
+        "if finished; then",
         '  echo "hetseq-hpc: srun exited $status (a task was lost), but the others finished the '
         'run: $summary" >&2',
         "  exit 0",

@@ -58,7 +58,8 @@ def test_elastic_script_serves_the_store_and_its_step_survives_a_task():
     # a task stopped or hung after the others finished: the script ends the step itself
     assert "grace=${HETSEQ_END_GRACE_S:-20}" in rest and 'wait "$srun_pid" || status=$?' in rest
     assert '    kill -INT "$srun_pid"; sleep 0.3; kill -INT "$srun_pid"' in rest
-    check = next(i for i, ln in enumerate(rest) if ln.startswith('if [ -f "$summary" ]'))
+    assert '  [ -f "$summary" ] && [ "$(stat -c %Y "$summary")" -ge "$started" ]' in rest
+    check = rest.index("if finished; then")
     assert rest[check - 1] == '[ "$status" = 0 ] && exit 0' and rest[check + 2] == "  exit 0"
     assert ended[-1] == 'exit "$status"'
 
