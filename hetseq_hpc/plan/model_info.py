@@ -32,6 +32,9 @@ class ModelInfo:
     # validation runs on the shards under FSDP (Task.evaluates_in_fixed_passes); False: the
     # whole weights are gathered for it, and FSDP's memory counts them
     evaluates_sharded: bool = False
+    # parameter tensors (the spec model's fixed cost per pass scales with them,
+    # hetseq_hpc.plan.perf_model.pass_overhead_s); 0 = not known
+    param_tensors: int = 0
 
     @property
     def gradient_bytes(self) -> float:
@@ -162,7 +165,8 @@ def measure_task_model(task_cfg, need_activations: bool,
                      flops_per_sample=task_flops_per_sample(task, model), vocab_size=vocab,
                      notes=notes, largest_unit_params=params(sizes.block),
                      root_params=params(sizes.root),
-                     evaluates_sharded=bool(task.evaluates_in_fixed_passes()))
+                     evaluates_sharded=bool(task.evaluates_in_fixed_passes()),
+                     param_tensors=sum(1 for _ in model.parameters()))
 
     if cpu_calibration is not None:
         from hetseq_hpc.balance.calibrate import calibrate

@@ -1,10 +1,18 @@
 """Achieved training throughput of any GPU from its specifications, with THREE numbers fitted on
 ONE published source and checked on others it was not fitted on.
 
-Model (eager PyTorch training code, the code path hetseq_hpc's trainer is): a GPU is limited by
-its compute or by its memory bandwidth, whichever is slower,
+Model (eager PyTorch training code, the code path hetseq_hpc's trainer is): one forward+backward
+pass of a micro-batch of ``m`` samples costs a fixed time plus a per-sample time,
+
+    t(m) = t0(model) + m x FLOPs per sample / (FLOP/s achieved)
 
     FLOP/s achieved = min(peak(precision) x p x a, bandwidth x I(width))
+
+- ``t0``: the pass's fixed cost (kernel launches, an under-filled GPU at small ``m``), taken as
+  proportional to the model's parameter tensors (each one is a few kernels forward and backward):
+  :data:`PASS_OVERHEAD_S_PER_TENSOR`, from hetseq_hpc's OWN calibration of BERT-base on an H100
+  (docs/benchmarks.md, "On a GPU": t(m) = 31.9 ms + 0.243 ms x m, 202 parameter tensors), a
+  measurement that is neither the fit source nor a held-out one;
 
 - ``peak``: :mod:`hetseq_hpc.plan.gpu_specs` (SMs x FLOP/SM/clock x clock, per precision);
 - ``p``: sustained over boost clock of a power-limited board (T4: 70 W), from its power limit
@@ -15,10 +23,11 @@ its compute or by its memory bandwidth, whichever is slower,
 
 Fit (:func:`fit_factors`, :data:`FACTORS`) on the ``role=fit`` rows of ``data/published_bert.csv``
 only: NVIDIA DeepLearningExamples PyTorch BERT README (pytorch:21.11), SQuAD fine-tuning, 1 GPU:
-A100 80GB mixed 110.5 seq/s and TF32 61.5; V100 32GB mixed 52 and FP32 12. Tensor-core and TF32
-rows are bandwidth-bound (their FLOP per byte agree across A100 and V100: 40.0 and 42.7), the
-V100 fp32 row is compute-bound (CUDA cores): ``I_half`` = median FLOP/byte of the half rows,
-``I_fp32`` = that of the A100 TF32 row, ``a`` = the V100 fp32 row's fraction of peak. Held out:
+A100 80GB mixed 110.5 seq/s and TF32 61.5; V100 32GB mixed 52 and FP32 12. Tensor-core and
+TF32 rows are bandwidth-bound (their FLOP per byte agree across A100 and V100: 50.9 and 53.4
+net of ``t0``), the V100 fp32 row is compute-bound (CUDA cores): ``I_half`` = median FLOP/byte
+of the half rows, ``I_fp32`` = that of the A100 TF32 row, ``a`` = the V100 fp32 row's fraction
+of peak, each read from the row's rate NET of ``t0`` (its published batch is one pass). Held out:
 every ``role=heldout`` row (DLE PyTorch 20.06 release, Lambda's GPU benchmarks 2021 and 2024,
 Pollux/Sia traces): :func:`heldout_errors`, ``docs/planner-accuracy.md``. A ``role=republished``
 row repeats a measurement already in the file (the fit's, or an older snapshot's): kept for the
@@ -47,6 +56,19 @@ DATA_FILE = Path(__file__).with_name("data") / "published_bert.csv"
 #: BERT shapes: model -> (layers, hidden); intermediate = 4 x hidden; WordPiece vocabulary 30522
 BERT_SHAPES = {"base": (12, 768), "large": (24, 1024)}
 BERT_VOCAB = 30522
+#: parameter tensors of the published BERT models (Hugging Face / NVIDIA ``BertForQuestionAnswering``:
+#: 5 embedding tensors, 16 per layer, 2 of the span head; no pooler)
+BERT_PARAM_TENSORS = {"base": 5 + 16 * 12 + 2, "large": 5 + 16 * 24 + 2}
+#: fixed cost of one forward+backward pass per parameter tensor, seconds: hetseq_hpc's own BERT-base
+#: calibration on an NVIDIA H100 80GB HBM3 (docs/benchmarks.md, "On a GPU", 2026-11-27: cost curve
+#: 31.9 ms + 0.243 ms x micro-batch, bf16, sequence 128), over its 202 parameter tensors
+PASS_OVERHEAD_S_PER_TENSOR = 0.0319 / 202
+
+
+def pass_overhead_s(param_tensors: int) -> float:
+    """Fixed time of one eager forward+backward pass of a model with ``param_tensors`` parameter
+    tensors, seconds (:data:`PASS_OVERHEAD_S_PER_TENSOR` x the count; 0 for 0)."""
+    return PASS_OVERHEAD_S_PER_TENSOR * max(int(param_tensors), 0)
 
 
 def bert_flops(model: str, seq_len: int, masked: float, vocab: int = BERT_VOCAB) -> float:
@@ -112,14 +134,35 @@ class Published:
         return bert_flops(self.model, self.seq_len, self.masked)
 
     @property
+    def overhead_s(self) -> float:
+        """The model's fixed time of one pass (:func:`pass_overhead_s`), seconds."""
+        return pass_overhead_s(BERT_PARAM_TENSORS[self.model])
+
+    @property
+    def net_flops_per_s(self) -> float:
+        """Achieved FLOP/s net of the pass's fixed time: ``batch x flops / (batch / rate - t0)``
+        (the published batch taken as one pass; the plain rate when no batch is given).
+
+        Raises:
+            ValueError: the fixed time alone exceeds the published time of the batch.
+        """
+        if not self.batch:
+            return self.samples_per_s * self.flops
+        busy = self.batch / self.samples_per_s - self.overhead_s
+        if busy <= 0:
+            raise ValueError(f"{DATA_FILE.name}: {self.gpu} {self.model} batch {self.batch} at "
+                             f"{self.samples_per_s} samples/s is faster than the pass overhead")
+        return self.batch * self.flops / busy
+
+    @property
     def fraction(self) -> float:
-        """Achieved fraction of the spec peak in this precision."""
-        return self.samples_per_s * self.flops / self.spec.peak_flops(self.precision)
+        """Achieved fraction of the spec peak in this precision, net of the pass's fixed time."""
+        return self.net_flops_per_s / self.spec.peak_flops(self.precision)
 
     @property
     def intensity(self) -> float:
-        """Achieved FLOP per byte of memory bandwidth."""
-        return self.samples_per_s * self.flops / (self.spec.bandwidth_gbs * 1e9)
+        """Achieved FLOP per byte of memory bandwidth, net of the pass's fixed time."""
+        return self.net_flops_per_s / (self.spec.bandwidth_gbs * 1e9)
 
 
 @lru_cache(maxsize=1)
@@ -163,20 +206,27 @@ def achieved_flops(spec: GpuSpec, precision: str) -> Tuple[float, str]:
     return compute, "compute"
 
 
-def predict_samples_per_s(spec: GpuSpec, precision: str, flops_per_sample: float) -> float:
-    """Predicted training samples/s of one GPU: :func:`achieved_flops` / ``flops_per_sample``.
+def predict_samples_per_s(spec: GpuSpec, precision: str, flops_per_sample: float,
+                          micro_batch: int = 0, overhead_s: float = 0.0) -> float:
+    """Predicted training samples/s of one GPU: ``m / (t0 + m x flops_per_sample / FLOP/s)``
+    with :func:`achieved_flops`; the asymptotic rate (no fixed time) when ``micro_batch`` is 0.
 
     Args:
         spec: the GPU (a spec-table row or :func:`hetseq_hpc.plan.gpu_specs.spec_from_probe`).
         precision: ``fp32``, ``tf32``, ``fp16`` or ``bf16``.
         flops_per_sample: training FLOPs of one sample.
+        micro_batch: samples per pass ``m`` (0: the rate without the fixed time).
+        overhead_s: the pass's fixed time ``t0``, seconds (:func:`pass_overhead_s`).
     """
-    return achieved_flops(spec, precision)[0] / flops_per_sample
+    per_sample_s = flops_per_sample / achieved_flops(spec, precision)[0]
+    if micro_batch <= 0:
+        return 1.0 / per_sample_s
+    return micro_batch / (overhead_s + micro_batch * per_sample_s)
 
 
 def predicted(row: Published) -> float:
-    """The model's samples/s for a published row (its GPU, precision and model)."""
-    return predict_samples_per_s(row.spec, row.precision, row.flops)
+    """The model's samples/s for a published row (its GPU, precision, model and batch)."""
+    return predict_samples_per_s(row.spec, row.precision, row.flops, row.batch, row.overhead_s)
 
 
 def gpu_class(row: Published) -> str:

@@ -30,7 +30,7 @@ from hetseq_hpc.plan.inputs import (
     ranks_from_table,
 )
 from hetseq_hpc.plan.model_info import CpuCalibration, ModelInfo, measure_model
-from hetseq_hpc.plan.perf_model import FACTORS, probe_samples_per_s
+from hetseq_hpc.plan.perf_model import FACTORS, pass_overhead_s, probe_samples_per_s
 from hetseq_hpc.plan.sharding_plan import ModeFit, chosen_mode, mode_fits
 from hetseq_hpc.plan.step_time import Prediction, predict, ring_link_gbps
 
@@ -123,15 +123,17 @@ def _table_ranks(run, opts: PlanConfig) -> Tuple[ModelInfo, List[RankSpec], str]
     model = measure_model(run.task, need_activations=True)
     ranks = ranks_from_table(plan_placements(run), model.flops_per_sample, model.param_count,
                              model.activation_bytes_per_sample, opts.mfu, opts.peak,
-                             run.balance.max_micro_batch)
+                             run.balance.max_micro_batch, model.param_tensors)
     precision = ("as the runtime picks (bf16 on compute capability >= 8.0, fp16 on 7.x, else "
                  "fp32; per-partition precision overrides)" if opts.peak == "runtime"
                  else "tensor-core peak everywhere (plan.peak=tensor)")
     source = (f"GPU specs, not a probe: min(peak x {FACTORS['compute_fraction']:.3f}, bandwidth x "
               f"{FACTORS['intensity_half']:.1f} (half) / {FACTORS['intensity_fp32']:.1f} (fp32) "
               f"FLOP/byte), fitted on DLE PyTorch BERT and checked on held-out figures "
-              f"(docs/planner-accuracy.md) / {model.flops_per_sample / 1e9:.2f} GFLOP per sample; "
-              f"precision {precision}; fp32 means fp32, not TF32 (the runtime leaves TF32 off)")
+              f"(docs/planner-accuracy.md) / {model.flops_per_sample / 1e9:.2f} GFLOP per sample, "
+              f"+ {pass_overhead_s(model.param_tensors) * 1e3:.1f} ms per micro-batch "
+              f"({model.param_tensors} parameter tensors); precision {precision}; fp32 means "
+              f"fp32, not TF32 (the runtime leaves TF32 off)")
     return model, ranks, source
 
 
@@ -165,7 +167,8 @@ def _probe_ranks(run, opts: PlanConfig, probe, parts) -> Tuple[ModelInfo, List[R
     places = [pl for pl in plan_placements(run) if pl.partition_key in known]
     table: dict = {}
     for spec in ranks_from_table(places, model.flops_per_sample, model.param_count,
-                                 model.activation_bytes_per_sample, opts.mfu, opts.peak, limit):
+                                 model.activation_bytes_per_sample, opts.mfu, opts.peak, limit,
+                                 model.param_tensors):
         table.setdefault(spec.partition, spec.samples_per_s)
     for part in parts:  # probed GPUs in no spec table: predicted from the probe's own facts
         if found[part.key] is not None and part.key not in table:
@@ -184,9 +187,11 @@ def _probe_ranks(run, opts: PlanConfig, probe, parts) -> Tuple[ModelInfo, List[R
             t = next(r for r in ranks_from_table(
                 [pl for pl in plan_placements(run) if pl.partition_key == part.key],
                 model.flops_per_sample, model.param_count, model.activation_bytes_per_sample,
-                opts.mfu, opts.peak, limit))
+                opts.mfu, opts.peak, limit, model.param_tensors))
+            curve = t.curve and replace(t.curve, per_sample_s=t.curve.per_sample_s / scale)
             specs = [replace(t, rank=len(ranks) + i, samples_per_s=t.samples_per_s * scale,
-                             device=f"{t.device} x{scale:.2f}") for i in range(part.ranks)]
+                             curve=curve, device=f"{t.device} x{scale:.2f}")
+                     for i in range(part.ranks)]
         ranks.extend(specs)
     probed = [k for k in found if found[k] is not None]
     basis = (f"the median of the probed partitions' measured / spec-model ratios "

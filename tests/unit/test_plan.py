@@ -331,3 +331,26 @@ def test_a_partition_can_set_its_own_intra_node_link():
     assert default == pytest.approx(min([*specs, 1000.0]))
     with pytest.raises(ConfigError, match=rf"cluster\.partitions\.{names[0]}\.intra_node_gbps"):
         compose_run_config([*base, f"cluster.partitions.{names[0]}.intra_node_gbps=0"])
+
+
+def test_spec_ranks_pay_a_fixed_time_per_micro_batch():
+    """Ranks from the GPU spec model carry a cost curve: the per-sample time of the spec rate
+    plus the pass's fixed time for this model's parameter tensors, so a plan that needs more
+    gradient-accumulation passes predicts a longer step (docs/planner-accuracy.md)."""
+    from hetseq_hpc.config import compose_run_config
+    from hetseq_hpc.plan.perf_model import pass_overhead_s
+    from hetseq_hpc.plan.planner import make_plan
+
+    base = ["cluster=hetseq_seed", "~cluster.partitions.p100", "cluster.partitions.xp.nodes=1",
+            *SMALL_MODEL, "trainer.global_batch_size=256"]
+    one_pass = make_plan(compose_run_config([*base, "balance.max_micro_batch=64"]))
+    many = make_plan(compose_run_config([*base, "balance.max_micro_batch=8"]))
+    rank = one_pass.ranks[0]
+    assert rank.curve is not None and rank.curve.overhead_s > 0
+    assert rank.curve.overhead_s == pytest.approx(pass_overhead_s(one_pass.model.param_tensors))
+    assert rank.curve.per_sample_s == pytest.approx(1 / rank.samples_per_s)
+    assert "ms per micro-batch" in one_pass.source
+    shares = many.prediction.balanced.allocation.shares
+    assert shares[0].accum_steps == 8 and one_pass.prediction.balanced.allocation.shares[0].accum_steps == 1
+    extra = many.prediction.balanced.step_s - one_pass.prediction.balanced.step_s
+    assert extra == pytest.approx(7 * rank.curve.overhead_s, rel=1e-6)

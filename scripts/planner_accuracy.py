@@ -1,0 +1,111 @@
+"""Print the GPU spec model's accuracy tables (docs/planner-accuracy.md) from the code as it is.
+
+    .venv/bin/python scripts/planner_accuracy.py            # every table
+    .venv/bin/python scripts/planner_accuracy.py --classes  # the per-class table and the bars only
+
+Nothing here is fitted: the factors are :data:`hetseq_hpc.plan.perf_model.FACTORS` (the fit rows
+only); every held-out row is scored with :func:`hetseq_hpc.plan.perf_model.predicted`, and the
+HetSeq step times come from ``plan`` itself (tests/unit/test_plan_hetseq.py asserts the bars).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hetseq_hpc.plan import perf_model as pm
+
+WITHIN = 0.20
+HETSEQ_STEP_S = {1: 2.60, 2: 2.69, 4: 2.794, 8: 3.126}  # HetSeq README at afdb4b0
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:+.0f}%"
+
+
+def rows_table() -> None:
+    print("| role | GPU (spec row) | precision | BERT | batch | published seq/s | predicted | error "
+          "| bound | source |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in pm.published():
+        pred = pm.predicted(r)
+        bound = pm.achieved_flops(r.spec, r.precision)[1]
+        src = r.source_url.split("/")[3] + "@" + r.source_url.split("/blob/")[1].split("/")[0][:8]
+        print(f"| {r.role} | {r.spec.label} | {r.precision} | {r.model} | {r.batch} | "
+              f"{r.samples_per_s:g} | {pred:.1f} | {_pct(pred / r.samples_per_s - 1)} | {bound} "
+              f"| {src} |")
+
+
+def ratio_errors(a, b, pairs):
+    out = []
+    rows = [r for r in pm.published() if r.role == "heldout"]
+    for ga, gb, url in pairs:
+        for x in rows:
+            for y in rows:
+                if (x.gpu, y.gpu) == (ga, gb) and x.precision == y.precision == "fp16" and \
+                        url in x.source_url and url in y.source_url and x.model == y.model and \
+                        x.table.split(",")[-1] == y.table.split(",")[-1]:
+                    out.append((pm.predicted(x) / pm.predicted(y))
+                               / (x.samples_per_s / y.samples_per_s) - 1)
+    return out
+
+
+def classes_table() -> None:
+    errors = pm.heldout_errors()
+    print("| class | held-out rows | median abs error | errors |")
+    print("|---|---|---|---|")
+    ok = 0
+    for cls in sorted(errors):
+        med = statistics.median(abs(e) for e in errors[cls])
+        ok += med <= WITHIN
+        miss = " **miss**" if med > WITHIN else ""
+        print(f"| {cls} | {len(errors[cls])} | {med * 100:.0f}%{miss} | "
+              f"{', '.join(_pct(e) for e in errors[cls])} |")
+    every = [abs(e) for errs in errors.values() for e in errs]
+    print(f"\n{len(every)} held-out rows: median absolute error {statistics.median(every) * 100:.1f} %;"
+          f" classes within 20 %: {ok} of {len(errors)}; factors {pm.FACTORS}, "
+          f"t0 = {pm.PASS_OVERHEAD_S_PER_TENSOR * 1e3:.4f} ms per parameter tensor "
+          f"(base {pm.pass_overhead_s(pm.BERT_PARAM_TENSORS['base']) * 1e3:.1f} ms, "
+          f"large {pm.pass_overhead_s(pm.BERT_PARAM_TENSORS['large']) * 1e3:.1f} ms)")
+    a100 = ratio_errors("a100", "v100", [("a10080", "v10016", "4e11f689"),
+                                         ("a10040", "v10032", "e167f02c"),
+                                         ("a10040", "v10016", "b2763ae2")])
+    print(f"A100:V100 fp16 ratio errors: {', '.join(_pct(e) for e in a100)}; median |error| "
+          f"{statistics.median(abs(e) for e in a100) * 100:.1f} %")
+    t4 = next(r for r in pm.published() if r.gpu == "t4")
+    v100 = next(r for r in pm.published() if "siasosp23" in r.source_url)
+    pred, pub = pm.predicted(v100) / pm.predicted(t4), v100.samples_per_s / t4.samples_per_s
+    print(f"V100:T4 fp32: predicted {pred:.2f} vs published {pub:.2f} ({_pct(pred / pub - 1)})")
+
+
+def hetseq_table() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit"))
+    from test_plan_hetseq import _predicted_step_s  # the test's own plan, not a copy
+
+    steps = {n: _predicted_step_s(n) for n in HETSEQ_STEP_S}
+    print("| nodes | published step s | predicted | error | published step(N)/step(1) | predicted |")
+    print("|---|---|---|---|---|---|")
+    for n, pub in HETSEQ_STEP_S.items():
+        print(f"| {n} | {pub} | {steps[n]:.2f} | {_pct(steps[n] / pub - 1)} | "
+              f"{pub / HETSEQ_STEP_S[1]:.3f} | {steps[n] / steps[1]:.3f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--classes", action="store_true", help="the class table and bars only")
+    args = parser.parse_args()
+    if not args.classes:
+        rows_table()
+        print()
+    classes_table()
+    if not args.classes:
+        print()
+        hetseq_table()
+
+
+if __name__ == "__main__":
+    main()
