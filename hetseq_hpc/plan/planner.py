@@ -137,11 +137,18 @@ def _table_ranks(run, opts: PlanConfig) -> Tuple[ModelInfo, List[RankSpec], str]
     return model, ranks, source
 
 
+def _asymptotic_rate(rank: RankSpec) -> float:
+    """A probed rank's samples/s without the fixed time per pass: ``1 / per_sample_s`` of its
+    cost curve, or its measured samples/s when the probe has no curve."""
+    return 1.0 / rank.curve.per_sample_s if rank.curve else rank.samples_per_s
+
+
 def _probe_ranks(run, opts: PlanConfig, probe, parts) -> Tuple[ModelInfo, List[RankSpec], str]:
     """``plan.probe``: probed partitions use their measurements; a partition the probe lacks
     (a lab that probed its A100s first) comes from the GPU spec model, scaled by what the probe
     showed on this task: the median over the probed GPU partitions of measured / spec-model
-    samples/s (a probed GPU in no spec table is predicted from the probe's own SM count, clock
+    samples/s, both without the fixed time per pass (the probe's cost curve where it has one,
+    :func:`_asymptotic_rate`; the spec ranks add the fixed time back) (a probed GPU in no spec table is predicted from the probe's own SM count, clock
     and capability, :func:`hetseq_hpc.plan.gpu_specs.spec_from_probe`; 1 when no probed
     partition can be predicted). The source line says which partitions came from specs."""
     from hetseq_hpc.balance.placement import plan_placements
@@ -176,7 +183,9 @@ def _probe_ranks(run, opts: PlanConfig, probe, parts) -> Tuple[ModelInfo, List[R
                                        model.flops_per_sample)
             if rate:
                 table[part.key] = rate
-    ratios = [found[k][0].samples_per_s / table[k]
+    # like with like: the probe's per-sample rate (its cost curve, without the fixed time per
+    # pass the spec ranks add back) against the spec model's; its samples/s without a curve
+    ratios = [_asymptotic_rate(found[k][0]) / table[k]
               for k in found if found[k] is not None and k in table]
     scale = statistics.median(ratios) if ratios else 1.0
     ranks: List[RankSpec] = []

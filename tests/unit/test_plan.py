@@ -354,3 +354,25 @@ def test_spec_ranks_pay_a_fixed_time_per_micro_batch():
     assert shares[0].accum_steps == 8 and one_pass.prediction.balanced.allocation.shares[0].accum_steps == 1
     extra = many.prediction.balanced.step_s - one_pass.prediction.balanced.step_s
     assert extra == pytest.approx(7 * rank.curve.overhead_s, rel=1e-6)
+
+
+def test_a_partial_probe_scales_the_spec_model_by_per_sample_rates(tmp_path):
+    """With a cost curve in the probe, the scale compares its per-sample rate (1 / c) with the
+    spec model's, not its samples/s at the calibration's micro-batch (which includes the fixed
+    time per pass the spec ranks charge again)."""
+    from hetseq_hpc.config import compose_run_config
+    from hetseq_hpc.plan.planner import make_plan
+
+    data = _probe(("a100", "a100", 400.0))
+    data["ranks"][0]["calibration"].update(overhead_s=0.01, per_sample_s=1 / 500.0)
+    probe = tmp_path / "probe.json"
+    probe.write_text(json.dumps(data))
+    overrides = ["cluster=mixed", *SMALL_MODEL, "trainer.global_batch_size=256"]
+    table = make_plan(compose_run_config(overrides))
+    partial = make_plan(compose_run_config([*overrides, f"plan.probe={probe}"]))
+    scale = 500.0 / next(r for r in table.ranks if r.partition == "a100").samples_per_s
+    v100 = next(r for r in partial.ranks if r.partition == "v100")
+    spec_v100 = next(r for r in table.ranks if r.partition == "v100")
+    assert v100.samples_per_s == pytest.approx(spec_v100.samples_per_s * scale)
+    assert v100.curve.per_sample_s == pytest.approx(spec_v100.curve.per_sample_s / scale)
+    assert v100.curve.overhead_s == spec_v100.curve.overhead_s > 0
