@@ -20,7 +20,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hetseq_hpc.plan import perf_model as pm
 
 WITHIN = 0.20
-HETSEQ_STEP_S = {1: 2.60, 2: 2.69, 4: 2.794, 8: 3.126}  # HetSeq README at afdb4b0
 
 
 def _pct(x: float) -> str:
@@ -40,20 +39,6 @@ def rows_table() -> None:
               f"| {src} |")
 
 
-def ratio_errors(a, b, pairs):
-    out = []
-    rows = [r for r in pm.published() if r.role == "heldout"]
-    for ga, gb, url in pairs:
-        for x in rows:
-            for y in rows:
-                if (x.gpu, y.gpu) == (ga, gb) and x.precision == y.precision == "fp16" and \
-                        url in x.source_url and url in y.source_url and x.model == y.model and \
-                        x.table.split(",")[-1] == y.table.split(",")[-1]:
-                    out.append((pm.predicted(x) / pm.predicted(y))
-                               / (x.samples_per_s / y.samples_per_s) - 1)
-    return out
-
-
 def classes_table() -> None:
     errors = pm.heldout_errors()
     print("| class | held-out rows | median abs error | errors |")
@@ -71,9 +56,8 @@ def classes_table() -> None:
           f"t0 = {pm.PASS_OVERHEAD_S_PER_TENSOR * 1e3:.4f} ms per parameter tensor "
           f"(base {pm.pass_overhead_s(pm.BERT_PARAM_TENSORS['base']) * 1e3:.1f} ms, "
           f"large {pm.pass_overhead_s(pm.BERT_PARAM_TENSORS['large']) * 1e3:.1f} ms)")
-    a100 = ratio_errors("a100", "v100", [("a10080", "v10016", "4e11f689"),
-                                         ("a10040", "v10032", "e167f02c"),
-                                         ("a10040", "v10016", "b2763ae2")])
+    a100 = [e for a, b, src in pm.A100_V100_PAIRS
+            for e in pm.heldout_ratio_errors(a, b, "fp16", src)]
     print(f"A100:V100 fp16 ratio errors: {', '.join(_pct(e) for e in a100)}; median |error| "
           f"{statistics.median(abs(e) for e in a100) * 100:.1f} %")
     t4 = next(r for r in pm.published() if r.gpu == "t4")
@@ -84,7 +68,9 @@ def classes_table() -> None:
 
 def hetseq_table() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit"))
-    from test_plan_hetseq import _predicted_step_s  # the test's own plan, not a copy
+    # the test's own plan and HetSeq's README figures, not a copy
+    from test_plan_hetseq import PUBLISHED_STEP_S as HETSEQ_STEP_S
+    from test_plan_hetseq import _predicted_step_s
 
     steps = {n: _predicted_step_s(n) for n in HETSEQ_STEP_S}
     print("| nodes | published step s | predicted | error | published step(N)/step(1) | predicted |")

@@ -354,8 +354,8 @@ def ranks_from_table(placements: Sequence[RankPlacement], flops_per_sample: floa
     training (``docs/planner-accuracy.md``) / ``flops_per_sample``; the device label says which
     bound. Cost curve: that per-sample time plus the pass's fixed time
     (:func:`hetseq_hpc.plan.perf_model.pass_overhead_s` of ``param_tensors``) per micro-batch, so
-    gradient accumulation costs what it costs. Memory cap = the runtime's formula on the rank's budget
-    (:func:`hetseq_hpc.balance.placement.memory_budget_bytes`, with the spec memory standing in
+    gradient accumulation costs what it costs. Memory cap = the runtime's formula on the rank's
+    budget (:func:`hetseq_hpc.balance.placement.memory_budget_bytes`, with the spec memory standing in
     for the free GPU memory).
 
     Args:

@@ -246,6 +246,24 @@ def heldout_errors() -> Dict[str, List[float]]:
     return out
 
 
+#: the held-out sources that publish both an A100 and a V100 in fp16: (A100 row, V100 row,
+#: source commit) of Lambda 2024, Lambda 2021 and DLE 20.06 (the issue's A100:V100 bar)
+A100_V100_PAIRS = (("a10080", "v10016", "4e11f689"), ("a10040", "v10032", "e167f02c"),
+                   ("a10040", "v10016", "b2763ae2"))
+
+
+def heldout_ratio_errors(gpu_a: str, gpu_b: str, precision: str, source: str) -> List[float]:
+    """Errors ``predicted ratio / published ratio - 1`` of GPU ``gpu_a`` over ``gpu_b``: one per
+    model size and table that the held-out rows of ``source`` (a part of their URL) publish for
+    both in ``precision``; empty when the source has no such pair."""
+    rows = [r for r in published() if r.role == "heldout" and source in r.source_url
+            and r.precision == precision]
+    return [(predicted(a) / predicted(b)) / (a.samples_per_s / b.samples_per_s) - 1
+            for a in rows if a.gpu == gpu_a for b in rows
+            if b.gpu == gpu_b and a.model == b.model
+            and a.table.split(",")[-1] == b.table.split(",")[-1]]
+
+
 def probe_samples_per_s(probe: Dict[str, Any], partition: str, gpu_type: Optional[str],
                         flops_per_sample: float) -> Optional[float]:
     """The model's samples/s for a probed partition from the probe's own device facts

@@ -148,9 +148,10 @@ def _probe_ranks(run, opts: PlanConfig, probe, parts) -> Tuple[ModelInfo, List[R
     (a lab that probed its A100s first) comes from the GPU spec model, scaled by what the probe
     showed on this task: the median over the probed GPU partitions of measured / spec-model
     samples/s, both without the fixed time per pass (the probe's cost curve where it has one,
-    :func:`_asymptotic_rate`; the spec ranks add the fixed time back) (a probed GPU in no spec table is predicted from the probe's own SM count, clock
-    and capability, :func:`hetseq_hpc.plan.gpu_specs.spec_from_probe`; 1 when no probed
-    partition can be predicted). The source line says which partitions came from specs."""
+    :func:`_asymptotic_rate`; the spec ranks add the fixed time back). A probed GPU in no spec
+    table is predicted from the probe's own SM count, clock and capability
+    (:func:`hetseq_hpc.plan.gpu_specs.spec_from_probe`); the scale is 1 when no probed partition
+    can be predicted. The source line says which partitions came from specs."""
     from hetseq_hpc.balance.placement import plan_placements
 
     limit = run.balance.max_micro_batch

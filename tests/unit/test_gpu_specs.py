@@ -180,28 +180,14 @@ def test_power_limited_t4_runs_below_its_boost_clock_from_specs_only():
     assert find_spec("t4").peak_flops("fp32") / 1e12 == pytest.approx(8.1, rel=0.03)  # peak kept
 
 
-def _ratio(gpu_a, prec_a, gpu_b, prec_b, url_part):
-    """(predicted, published) ratio of two held-out rows of the same source and model size."""
-    out = []
-    rows = [r for r in pm.published() if r.role == "heldout" and url_part in r.source_url]
-    for a in rows:
-        for b in rows:
-            if (a.gpu, a.precision, b.gpu, b.precision) == (gpu_a, prec_a, gpu_b, prec_b) and \
-                    a.model == b.model and a.table.split(",")[-1] == b.table.split(",")[-1]:
-                out.append((pm.predicted(a) / pm.predicted(b), a.samples_per_s / b.samples_per_s))
-    assert out, (gpu_a, gpu_b, url_part)
-    return out
-
-
 def test_a100_over_v100_ratio_within_20_percent():
     """A100:V100 fp16 over the three held-out sources that publish both: Lambda 2024 (A100 80GB
     SXM4 / V100 16GB, base and large), Lambda 2021 (A100 40GB SXM4 / V100 32GB), DLE 20.06
     (A100 40GB / V100 16GB SQuAD). Median |error| 14.4 % (+5, -2, -26, -24, -14 %) with the
     pass's fixed time; 20.9 % without it."""
-    pairs = (_ratio("a10080", "fp16", "v10016", "fp16", "4e11f689")
-             + _ratio("a10040", "fp16", "v10032", "fp16", "e167f02c")
-             + _ratio("a10040", "fp16", "v10016", "fp16", "b2763ae2"))
-    errors = [pred / pub - 1 for pred, pub in pairs]
+    per_source = [pm.heldout_ratio_errors(a, b, "fp16", src) for a, b, src in pm.A100_V100_PAIRS]
+    assert all(per_source), pm.A100_V100_PAIRS  # every source publishes a pair
+    errors = [e for errs in per_source for e in errs]
     assert len(errors) == 5
     assert statistics.median(abs(e) for e in errors) <= WITHIN, errors
 
