@@ -28,14 +28,14 @@ def _pct(x: float) -> str:
 
 def rows_table() -> None:
     print("| role | GPU (spec row) | precision | BERT | batch | published seq/s | predicted | error "
-          "| bound | source |")
+          "| time split | source |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in pm.published():
         pred = pm.predicted(r)
-        bound = pm.achieved_flops(r.spec, r.precision)[1]
+        split = pm.bound_label(r.spec, r.precision, r.flops, r.accesses)
         src = r.source_url.split("/")[3] + "@" + r.source_url.split("/blob/")[1].split("/")[0][:8]
         print(f"| {r.role} | {r.spec.label} | {r.precision} | {r.model} | {r.batch} | "
-              f"{r.samples_per_s:g} | {pred:.1f} | {_pct(pred / r.samples_per_s - 1)} | {bound} "
+              f"{r.samples_per_s:g} | {pred:.1f} | {_pct(pred / r.samples_per_s - 1)} | {split} "
               f"| {src} |")
 
 

@@ -1,8 +1,9 @@
 """GPU classes by GRES type, built from the spec table (:mod:`hetseq_hpc.plan.gpu_specs`): peak
 TFLOP/s per precision and memory, plus the precision a rank trains in there.
 
-Achieved throughput comes from :mod:`hetseq_hpc.plan.perf_model` (spec peak and bandwidth x three
-factors fitted on one published source, validated on held-out ones: ``docs/planner-accuracy.md``).
+Achieved throughput comes from :mod:`hetseq_hpc.plan.perf_model` (matmul time at a fraction of the
+spec peak + memory-bound operations' time at a fraction of the spec bandwidth, two factors fitted
+on one published source, validated on held-out ones: ``docs/planner-accuracy.md``).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from hetseq_hpc.balance.memory import param_memory_cap as memory_cap
 from hetseq_hpc.errors import ConfigError
 from hetseq_hpc.files.user_input import describe, file_problem, number, read_json_file
 from hetseq_hpc.plan.gpus import lookup_gpu, runtime_precision
-from hetseq_hpc.plan.perf_model import achieved_flops, pass_overhead_s
+from hetseq_hpc.plan.perf_model import bound_label, pass_overhead_s, sample_time_s
 from hetseq_hpc.rundir.paths import RunDir
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -345,14 +345,14 @@ def check_gpu_types(partitions: Sequence[PartitionSpec]) -> None:
 def ranks_from_table(placements: Sequence[RankPlacement], flops_per_sample: float,
                      param_count: int, activation_bytes_per_sample: float, mfu: float,
                      peak: str = "runtime", limit: Optional[int] = None,
-                     param_tensors: int = 0) -> List[RankSpec]:
+                     param_tensors: int = 0, accesses_per_sample: float = 0.0) -> List[RankSpec]:
     """Planning inputs of SLURM ranks from the GPU spec model.
 
-    Throughput = :func:`hetseq_hpc.plan.perf_model.achieved_flops` of the rank's GPU in the
-    precision it would train in (its requested ``precision``, :func:`runtime_precision`):
-    ``min(peak x compute fraction, bandwidth x FLOP/byte)``, factors fitted on published BERT
-    training (``docs/planner-accuracy.md``) / ``flops_per_sample``; the device label says which
-    bound. Cost curve: that per-sample time plus the pass's fixed time
+    Per-sample time = :func:`hetseq_hpc.plan.perf_model.sample_time_s` of the rank's GPU in the
+    precision it would train in (its requested ``precision``, :func:`runtime_precision`): the
+    matmuls at a fitted fraction of peak plus the memory-bound operations at a fitted fraction
+    of bandwidth (``docs/planner-accuracy.md``); the device label says how the time splits.
+    Cost curve: that per-sample time plus the pass's fixed time
     (:func:`hetseq_hpc.plan.perf_model.pass_overhead_s` of ``param_tensors``) per micro-batch, so
     gradient accumulation costs what it costs. Memory cap = the runtime's formula on the rank's
     budget (:func:`hetseq_hpc.balance.placement.memory_budget_bytes`, with the spec memory standing in
@@ -366,6 +366,8 @@ def ranks_from_table(placements: Sequence[RankPlacement], flops_per_sample: floa
         mfu: ``plan.mfu`` (unused by the spec model; kept for the signature).
         peak: ``plan.peak``; limit: ``balance.max_micro_batch``.
         param_tensors: the model's parameter tensors (0: no fixed time per pass).
+        accesses_per_sample: element accesses of a sample's memory-bound operations
+            (:attr:`hetseq_hpc.plan.model_info.ModelInfo.accesses_per_sample`).
 
     Raises:
         ConfigError: a partition has no GPU type, or an unknown one.
@@ -381,12 +383,14 @@ def ranks_from_table(placements: Sequence[RankPlacement], flops_per_sample: floa
                               "GPUs: pass plan.probe=RUN_DIR/allocation.json from a run on them")
         gpu = lookup_gpu(place.gres, where)
         precision = runtime_precision(gpu, place.precision, peak)
-        flops, bound = achieved_flops(gpu.spec, precision)
+        per_sample_s = sum(sample_time_s(gpu.spec, precision, flops_per_sample,
+                                         accesses_per_sample))
+        split = bound_label(gpu.spec, precision, flops_per_sample, accesses_per_sample)
         memory = memory_budget_bytes(place, "cuda", gpu.memory_gib * 2**30, place.ranks_on_node)
         cap = memory_cap(memory, param_count, activation_bytes_per_sample, limit)
         out.append(RankSpec(place.rank, place.partition_key,
-                            f"{gpu.label} {precision} (specs, {bound}-bound {flops / 1e12:.1f} TF)",
-                            flops / flops_per_sample, cap,
-                            CostCurve(pass_overhead_s(param_tensors), flops_per_sample / flops),
+                            f"{gpu.label} {precision} (specs, {split})",
+                            1.0 / per_sample_s, cap,
+                            CostCurve(pass_overhead_s(param_tensors), per_sample_s),
                             memory_bytes=memory))
     return out

@@ -35,6 +35,10 @@ class ModelInfo:
     # parameter tensors (the spec model's fixed cost per pass scales with them,
     # hetseq_hpc.plan.perf_model.pass_overhead_s); 0 = not known
     param_tensors: int = 0
+    # element accesses of one sample's memory-bound operations (the spec model's memory term,
+    # hetseq_hpc.plan.perf_model): counted from the architecture for BERT, else from the
+    # measured activations; 0 = not known (matmul time only)
+    accesses_per_sample: float = 0.0
 
     @property
     def gradient_bytes(self) -> float:
@@ -189,4 +193,20 @@ def measure_task_model(task_cfg, need_activations: bool,
             del loss
             saved.append(nbytes)
         info.activation_bytes_per_sample = max(saved[1] - saved[0], 0) * ACTIVATION_SAFETY
+    info.accesses_per_sample = _accesses_per_sample(task_cfg, info.activation_bytes_per_sample)
     return info
+
+
+def _accesses_per_sample(task_cfg, activation_bytes_per_sample: float) -> float:
+    """Element accesses of one sample's memory-bound operations: counted from BERT's shape
+    (:func:`hetseq_hpc.plan.perf_model.transformer_accesses`), else from the measured fp32
+    activations without their safety margin
+    (:func:`hetseq_hpc.plan.perf_model.accesses_from_activations`; 0 when none were measured)."""
+    from hetseq_hpc.balance.calibrate import ACTIVATION_SAFETY
+    from hetseq_hpc.plan.perf_model import accesses_from_activations, transformer_accesses
+
+    if task_cfg.name == "bert":
+        m = task_cfg.model
+        return transformer_accesses(m.num_layers, m.hidden_size, m.num_heads, m.max_seq_len,
+                                    m.intermediate_size)
+    return accesses_from_activations(activation_bytes_per_sample / ACTIVATION_SAFETY)

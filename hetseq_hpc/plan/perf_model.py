@@ -1,37 +1,43 @@
-"""Achieved training throughput of any GPU from its specifications, with THREE numbers fitted on
+"""Achieved training throughput of any GPU from its specifications, with TWO numbers fitted on
 ONE published source and checked on others it was not fitted on.
 
 Model (eager PyTorch training code, the code path hetseq_hpc's trainer is): one forward+backward
-pass of a micro-batch of ``m`` samples costs a fixed time plus a per-sample time,
+pass of a micro-batch of ``m`` samples costs a fixed time plus a per-sample time, and the
+per-sample time is the matmuls' time PLUS the memory-bound operations' time (eager code runs
+them one kernel after another: they add, they do not overlap),
 
-    t(m) = t0(model) + m x FLOPs per sample / (FLOP/s achieved)
-
-    FLOP/s achieved = min(peak(precision) x p x a, bandwidth x I(width))
+    t(m) = t0(model) + m x (FLOPs / (peak(precision) x p x a) + accesses x width / (bandwidth x e))
 
 - ``t0``: the pass's fixed cost (kernel launches, an under-filled GPU at small ``m``), taken as
   proportional to the model's parameter tensors (each one is a few kernels forward and backward):
   :data:`PASS_OVERHEAD_S_PER_TENSOR`, from hetseq_hpc's OWN calibration of BERT-base on an H100
   (docs/benchmarks.md, "On a GPU": t(m) = 31.9 ms + 0.243 ms x m, 202 parameter tensors), a
   measurement that is neither the fit source nor a held-out one;
-
+- ``FLOPs``: training FLOPs of one sample (:func:`bert_flops`, the task's formula);
 - ``peak``: :mod:`hetseq_hpc.plan.gpu_specs` (SMs x FLOP/SM/clock x clock, per precision);
 - ``p``: sustained over boost clock of a power-limited board (T4: 70 W), from its power limit
   and the fit's V100 (:func:`hetseq_hpc.plan.gpu_specs.power_clock_factor`; 1 for most GPUs);
-- ``a``: the fraction of peak a compute-bound step reaches;
-- ``I(width)``: FLOP per byte of memory traffic of the step, ``half`` (fp16/bf16 activations)
-  or ``fp32`` (fp32 and TF32: fp32 activations, twice the bytes).
+- ``accesses``: element reads and writes of one sample's memory-bound (element-wise,
+  normalisation, softmax, dropout) operations, COUNTED from the architecture
+  (:func:`transformer_accesses`), not fitted; ``width``: 2 bytes (fp16/bf16) or 4 (fp32/TF32);
+- ``a``: the fraction of peak the matmuls reach; ``e``: the fraction of the memory bandwidth
+  the memory-bound operations reach (together with how rough the count is).
+
+Why a sum with a count of memory traffic: in eager BERT training the element-wise and
+normalisation kernels are memory-bound and take a large share of the step (Ivanov et al.,
+"Data Movement Is All You Need", MLSys 2021); their bytes grow with ``layers x T x hidden`` and
+``layers x heads x T^2``, while the matmul FLOPs grow with ``hidden^2``, so a model whose memory
+time is proportional to its FLOPs (this module's previous form) rates BERT-large too slow against
+BERT-base (docs/planner-accuracy.md).
 
 Fit (:func:`fit_factors`, :data:`FACTORS`) on the ``role=fit`` rows of ``data/published_bert.csv``
 only: NVIDIA DeepLearningExamples PyTorch BERT README (pytorch:21.11), SQuAD fine-tuning, 1 GPU:
-A100 80GB mixed 110.5 seq/s and TF32 61.5; V100 32GB mixed 52 and FP32 12. Tensor-core and
-TF32 rows are bandwidth-bound (their FLOP per byte agree across A100 and V100: 50.9 and 53.4
-net of ``t0``), the V100 fp32 row is compute-bound (CUDA cores): ``I_half`` = median FLOP/byte
-of the half rows, ``I_fp32`` = that of the A100 TF32 row, ``a`` = the V100 fp32 row's fraction
-of peak, each read from the row's rate NET of ``t0`` (its published batch is one pass). Held out:
-every ``role=heldout`` row (DLE PyTorch 20.06 release, Lambda's GPU benchmarks 2021 and 2024,
-Pollux/Sia traces): :func:`heldout_errors`, ``docs/planner-accuracy.md``. A ``role=republished``
-row repeats a measurement already in the file (the fit's, or an older snapshot's): kept for the
-record, never counted as held out.
+A100 80GB mixed 110.5 seq/s and TF32 61.5; V100 32GB mixed 52 and FP32 12: ``1/a`` and ``1/e``
+by least squares on the relative error of the four per-sample times, each NET of ``t0`` (the
+published batch is one pass). Held out: every ``role=heldout`` row (DLE PyTorch 20.06 release,
+Lambda's GPU benchmarks 2021 and 2024, Pollux/Sia traces): :func:`heldout_errors`,
+``docs/planner-accuracy.md``. A ``role=republished`` row repeats a measurement already in the
+file (the fit's, or an older snapshot's): kept for the record, never counted as held out.
 
 NOT modelled: NVIDIA's fused pre-training scripts (padding removal, fused attention), whose
 sequences/s are not comparable across releases.
@@ -43,7 +49,6 @@ Training FLOPs per sample (:func:`bert_flops`) are the formula hetseq_hpc's BERT
 from __future__ import annotations
 
 import csv
-import statistics
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -53,8 +58,9 @@ from hetseq_hpc.plan.gpu_specs import GpuSpec, find_spec, power_clock_factor, sp
 
 #: the published figures (fit and held-out rows, with their sources)
 DATA_FILE = Path(__file__).with_name("data") / "published_bert.csv"
-#: BERT shapes: model -> (layers, hidden); intermediate = 4 x hidden; WordPiece vocabulary 30522
-BERT_SHAPES = {"base": (12, 768), "large": (24, 1024)}
+#: BERT shapes: model -> (layers, hidden, attention heads); intermediate = 4 x hidden; WordPiece
+#: vocabulary 30522
+BERT_SHAPES = {"base": (12, 768, 12), "large": (24, 1024, 16)}
 BERT_VOCAB = 30522
 #: parameter tensors of the published BERT models (Hugging Face / NVIDIA ``BertForQuestionAnswering``:
 #: 5 embedding tensors, 16 per layer, 2 of the span head; no pooler)
@@ -71,6 +77,53 @@ def pass_overhead_s(param_tensors: int) -> float:
     return PASS_OVERHEAD_S_PER_TENSOR * max(int(param_tensors), 0)
 
 
+#: memory-bound operations of one transformer layer, per tensor they run on (forward): on the
+#: ``T x hidden`` tensors the q/k/v bias adds (3), and after the attention and after the
+#: feed-forward block each a bias add, dropout, residual add and LayerNorm (8); on the
+#: ``T x intermediate`` tensor the bias add and GELU (2); on the ``heads x T x T`` scores the
+#: scale-and-mask, softmax and dropout (3)
+ELEMENTWISE_OPS = {"hidden": 11, "intermediate": 2, "scores": 3}
+#: element accesses of one such operation: read + write forward, twice that backward (the
+#: gradient read and written, the saved input read)
+ACCESSES_PER_OP = 6
+#: bytes of one activation element: fp16/bf16 activations, fp32 (and TF32) activations
+BYTES_PER_ELEMENT = {"half": 2, "fp32": 4}
+#: element accesses per element of saved activations, for a model without a counted
+#: architecture: :func:`transformer_accesses` over the saved-tensor bytes / 4 that
+#: hetseq_hpc's own BERT-base (12 x 768, T = 128, fp32, on the CPU) measures: 1.77e8 / 3.12e7
+ACCESSES_PER_SAVED_ELEMENT = 5.7
+
+
+def transformer_accesses(layers: int, hidden: int, heads: int, seq_len: int,
+                         intermediate: int = 0) -> float:
+    """Element accesses of one training sample's memory-bound operations in a transformer
+    encoder: ``layers x 6 x (11 T h + 2 T i + 3 heads T^2)`` (:data:`ELEMENTWISE_OPS`,
+    :data:`ACCESSES_PER_OP`); embeddings and output heads are not counted.
+
+    Args:
+        layers / hidden / heads: the encoder's shape; seq_len: tokens per sample ``T``.
+        intermediate: feed-forward width ``i`` (0: 4 x hidden).
+    """
+    inter = intermediate or 4 * hidden
+    ops = ELEMENTWISE_OPS
+    per_layer = (ops["hidden"] * seq_len * hidden + ops["intermediate"] * seq_len * inter
+                 + ops["scores"] * heads * seq_len * seq_len)
+    return float(layers * ACCESSES_PER_OP * per_layer)
+
+
+def accesses_from_activations(activation_bytes_fp32: float) -> float:
+    """Element accesses of a sample's memory-bound operations for a model with no counted
+    architecture: :data:`ACCESSES_PER_SAVED_ELEMENT` x its saved activation elements
+    (``activation_bytes_fp32`` / 4, measured in fp32 without a safety margin)."""
+    return ACCESSES_PER_SAVED_ELEMENT * max(activation_bytes_fp32, 0.0) / 4.0
+
+
+def bert_accesses(model: str, seq_len: int) -> float:
+    """:func:`transformer_accesses` of a published BERT (``base`` or ``large``)."""
+    layers, hidden, heads = BERT_SHAPES[model]
+    return transformer_accesses(layers, hidden, heads, seq_len)
+
+
 def bert_flops(model: str, seq_len: int, masked: float, vocab: int = BERT_VOCAB) -> float:
     """Training FLOPs (forward + backward = 3 x forward matmuls) of one BERT sample: the encoder
     ``2 L (4 h^2 + 2 h 4h) T + 4 L T^2 h`` and the MLM head on the masked tokens only
@@ -82,7 +135,7 @@ def bert_flops(model: str, seq_len: int, masked: float, vocab: int = BERT_VOCAB)
         masked: masked (predicted) tokens per sample.
         vocab: vocabulary size ``V``.
     """
-    layers, h = BERT_SHAPES[model]
+    layers, h, _ = BERT_SHAPES[model]
     per_layer = 4 * h * h + 2 * h * 4 * h
     encoder = 2 * layers * per_layer * seq_len + layers * 4 * seq_len * seq_len * h
     return 3.0 * (encoder + 2 * (h * h + h * vocab) * masked)
@@ -139,30 +192,25 @@ class Published:
         return pass_overhead_s(BERT_PARAM_TENSORS[self.model])
 
     @property
-    def net_flops_per_s(self) -> float:
-        """Achieved FLOP/s net of the pass's fixed time: ``batch x flops / (batch / rate - t0)``
-        (the published batch taken as one pass; the plain rate when no batch is given).
+    def accesses(self) -> float:
+        """Element accesses of one sample's memory-bound operations (:func:`bert_accesses`)."""
+        return bert_accesses(self.model, self.seq_len)
+
+    @property
+    def net_sample_s(self) -> float:
+        """Published time of one sample net of the pass's fixed time, seconds: ``1 / rate -
+        t0 / batch`` (the published batch taken as one pass; ``1 / rate`` when no batch is given).
 
         Raises:
             ValueError: the fixed time alone exceeds the published time of the batch.
         """
         if not self.batch:
-            return self.samples_per_s * self.flops
-        busy = self.batch / self.samples_per_s - self.overhead_s
+            return 1.0 / self.samples_per_s
+        busy = 1.0 / self.samples_per_s - self.overhead_s / self.batch
         if busy <= 0:
             raise ValueError(f"{DATA_FILE.name}: {self.gpu} {self.model} batch {self.batch} at "
                              f"{self.samples_per_s} samples/s is faster than the pass overhead")
-        return self.batch * self.flops / busy
-
-    @property
-    def fraction(self) -> float:
-        """Achieved fraction of the spec peak in this precision, net of the pass's fixed time."""
-        return self.net_flops_per_s / self.spec.peak_flops(self.precision)
-
-    @property
-    def intensity(self) -> float:
-        """Achieved FLOP per byte of memory bandwidth, net of the pass's fixed time."""
-        return self.net_flops_per_s / (self.spec.bandwidth_gbs * 1e9)
+        return busy
 
 
 @lru_cache(maxsize=1)
@@ -176,40 +224,70 @@ def published() -> Tuple[Published, ...]:
             r["table"]) for r in reader)
 
 
+def _terms(spec: GpuSpec, precision: str, flops: float, accesses: float) -> Tuple[float, float]:
+    """``(matmul seconds at a = 1, memory seconds at e = 1)`` of one sample: ``flops / (peak x
+    p)`` and ``accesses x width / bandwidth`` (0 without a bandwidth: a probed GPU in no table)."""
+    compute = flops / (spec.peak_flops(precision) * power_clock_factor(spec))
+    memory = (accesses * BYTES_PER_ELEMENT[width(precision)] / (spec.bandwidth_gbs * 1e9)
+              if spec.bandwidth_gbs > 0 else 0.0)
+    return compute, memory
+
+
 def fit_factors(rows: Optional[Tuple[Published, ...]] = None) -> Dict[str, float]:
-    """The three factors from the ``role=fit`` rows (held-out rows are never read):
-    ``compute_fraction`` = median fraction of peak of the fit rows on CUDA cores (``fp32``),
-    ``intensity_half`` / ``intensity_fp32`` = median FLOP per byte of the tensor-core fit rows
-    (fp16/bf16, resp. tf32). See the module docstring for why each row binds where it does."""
+    """The two factors from the ``role=fit`` rows (held-out rows are never read): ``x = 1/a`` and
+    ``y = 1/e`` minimise ``sum((c_i x + d_i y) / s_i - 1)^2`` over the fit rows, with ``c_i`` /
+    ``d_i`` a row's :func:`_terms` and ``s_i`` its :attr:`Published.net_sample_s` (the 2 x 2
+    normal equations, solved exactly).
+
+    Returns:
+        ``compute_fraction`` (``a``, of peak) and ``bandwidth_fraction`` (``e``, of bandwidth).
+
+    Raises:
+        ValueError: the fit rows do not determine both factors.
+    """
     fit = [r for r in (rows if rows is not None else published()) if r.role == "fit"]
-    return {
-        "compute_fraction": statistics.median(r.fraction for r in fit if r.precision == "fp32"),
-        "intensity_half": statistics.median(r.intensity for r in fit if width(r.precision) == "half"),
-        "intensity_fp32": statistics.median(r.intensity for r in fit if r.precision == "tf32"),
-    }
+    cs, ds = [], []
+    for r in fit:
+        c, d = _terms(r.spec, r.precision, r.flops, r.accesses)
+        cs.append(c / r.net_sample_s)
+        ds.append(d / r.net_sample_s)
+    scc, sdd = sum(c * c for c in cs), sum(d * d for d in ds)
+    scd, sc, sd = sum(c * d for c, d in zip(cs, ds)), sum(cs), sum(ds)
+    det = scc * sdd - scd * scd
+    if det <= 0:
+        raise ValueError(f"{DATA_FILE.name}: the fit rows do not determine both factors")
+    x, y = (sc * sdd - sd * scd) / det, (sd * scc - sc * scd) / det
+    if x <= 0 or y <= 0:
+        raise ValueError(f"{DATA_FILE.name}: the fit gives a non-positive factor ({x}, {y})")
+    return {"compute_fraction": 1.0 / x, "bandwidth_fraction": 1.0 / y}
 
 
-#: the fitted factors (:func:`fit_factors`): compute_fraction (of peak), intensity_half and
-#: intensity_fp32 (FLOP per byte of memory bandwidth)
+#: the fitted factors (:func:`fit_factors`): compute_fraction (of peak) and bandwidth_fraction
+#: (of memory bandwidth)
 FACTORS: Dict[str, float] = fit_factors()
 
 
-def achieved_flops(spec: GpuSpec, precision: str) -> Tuple[float, str]:
-    """``(FLOP/s, bound)``: ``min(peak x power_clock_factor x compute_fraction, bandwidth x
-    intensity)`` and which of ``compute`` / ``bandwidth`` binds. A spec without a bandwidth (a
-    probed GPU in no table) is compute-bound."""
-    compute = (spec.peak_flops(precision) * power_clock_factor(spec)
-               * FACTORS["compute_fraction"])
-    memory = spec.bandwidth_gbs * 1e9 * FACTORS[f"intensity_{width(precision)}"]
-    if spec.bandwidth_gbs > 0 and memory < compute:
-        return memory, "bandwidth"
-    return compute, "compute"
+def sample_time_s(spec: GpuSpec, precision: str, flops_per_sample: float,
+                  accesses_per_sample: float) -> Tuple[float, float]:
+    """``(matmul seconds, memory seconds)`` of one sample on ``spec`` in ``precision`` with the
+    fitted factors; their sum is the per-sample time of :func:`predict_samples_per_s`."""
+    compute, memory = _terms(spec, precision, flops_per_sample, accesses_per_sample)
+    return (compute / FACTORS["compute_fraction"], memory / FACTORS["bandwidth_fraction"])
+
+
+def bound_label(spec: GpuSpec, precision: str, flops_per_sample: float,
+                accesses_per_sample: float) -> str:
+    """Where the per-sample time goes, e.g. ``matmul 38 % / memory 62 %``."""
+    compute, memory = sample_time_s(spec, precision, flops_per_sample, accesses_per_sample)
+    share = compute / (compute + memory)
+    return f"matmul {share:.0%} / memory {1 - share:.0%}"
 
 
 def predict_samples_per_s(spec: GpuSpec, precision: str, flops_per_sample: float,
-                          micro_batch: int = 0, overhead_s: float = 0.0) -> float:
-    """Predicted training samples/s of one GPU: ``m / (t0 + m x flops_per_sample / FLOP/s)``
-    with :func:`achieved_flops`; the asymptotic rate (no fixed time) when ``micro_batch`` is 0.
+                          micro_batch: int = 0, overhead_s: float = 0.0,
+                          accesses_per_sample: float = 0.0) -> float:
+    """Predicted training samples/s of one GPU: ``m / (t0 + m x per-sample time)`` with
+    :func:`sample_time_s`; the asymptotic rate (no fixed time) when ``micro_batch`` is 0.
 
     Args:
         spec: the GPU (a spec-table row or :func:`hetseq_hpc.plan.gpu_specs.spec_from_probe`).
@@ -217,8 +295,10 @@ def predict_samples_per_s(spec: GpuSpec, precision: str, flops_per_sample: float
         flops_per_sample: training FLOPs of one sample.
         micro_batch: samples per pass ``m`` (0: the rate without the fixed time).
         overhead_s: the pass's fixed time ``t0``, seconds (:func:`pass_overhead_s`).
+        accesses_per_sample: element accesses of the memory-bound operations
+            (:func:`transformer_accesses`; 0: matmul time only).
     """
-    per_sample_s = flops_per_sample / achieved_flops(spec, precision)[0]
+    per_sample_s = sum(sample_time_s(spec, precision, flops_per_sample, accesses_per_sample))
     if micro_batch <= 0:
         return 1.0 / per_sample_s
     return micro_batch / (overhead_s + micro_batch * per_sample_s)
@@ -226,7 +306,8 @@ def predict_samples_per_s(spec: GpuSpec, precision: str, flops_per_sample: float
 
 def predicted(row: Published) -> float:
     """The model's samples/s for a published row (its GPU, precision, model and batch)."""
-    return predict_samples_per_s(row.spec, row.precision, row.flops, row.batch, row.overhead_s)
+    return predict_samples_per_s(row.spec, row.precision, row.flops, row.batch, row.overhead_s,
+                                 row.accesses)
 
 
 def gpu_class(row: Published) -> str:
@@ -265,7 +346,8 @@ def heldout_ratio_errors(gpu_a: str, gpu_b: str, precision: str, source: str) ->
 
 
 def probe_samples_per_s(probe: Dict[str, Any], partition: str, gpu_type: Optional[str],
-                        flops_per_sample: float) -> Optional[float]:
+                        flops_per_sample: float,
+                        accesses_per_sample: float = 0.0) -> Optional[float]:
     """The model's samples/s for a probed partition from the probe's own device facts
     (:func:`hetseq_hpc.plan.gpu_specs.spec_from_probe`: SMs, max SM clock, compute capability;
     the probe is preferred to any table row) in the precision ``auto`` picks there.
@@ -274,6 +356,7 @@ def probe_samples_per_s(probe: Dict[str, Any], partition: str, gpu_type: Optiona
         probe: a checked probe file (``ranks`` with ``partition``, ``gres`` and ``probe``).
         partition: the Slurm partition; gpu_type: its GRES type (the fallback match).
         flops_per_sample: training FLOPs of one sample.
+        accesses_per_sample: element accesses of its memory-bound operations.
 
     Returns:
         samples/s, or None when the matching probe rank has no GPU facts (a CPU, older probe).
@@ -287,4 +370,5 @@ def probe_samples_per_s(probe: Dict[str, Any], partition: str, gpu_type: Optiona
     if spec is None:
         return None
     precision = resolve_precision("auto", "cuda", spec.capability)[0]
-    return achieved_flops(spec, precision)[0] / flops_per_sample
+    return predict_samples_per_s(spec, precision, flops_per_sample,
+                                 accesses_per_sample=accesses_per_sample)

@@ -123,14 +123,15 @@ def _table_ranks(run, opts: PlanConfig) -> Tuple[ModelInfo, List[RankSpec], str]
     model = measure_model(run.task, need_activations=True)
     ranks = ranks_from_table(plan_placements(run), model.flops_per_sample, model.param_count,
                              model.activation_bytes_per_sample, opts.mfu, opts.peak,
-                             run.balance.max_micro_batch, model.param_tensors)
+                             run.balance.max_micro_batch, model.param_tensors,
+                             model.accesses_per_sample)
     precision = ("as the runtime picks (bf16 on compute capability >= 8.0, fp16 on 7.x, else "
                  "fp32; per-partition precision overrides)" if opts.peak == "runtime"
                  else "tensor-core peak everywhere (plan.peak=tensor)")
-    source = (f"GPU specs, not a probe: min(peak x {FACTORS['compute_fraction']:.3f}, bandwidth x "
-              f"{FACTORS['intensity_half']:.1f} (half) / {FACTORS['intensity_fp32']:.1f} (fp32) "
-              f"FLOP/byte), fitted on DLE PyTorch BERT and checked on held-out figures "
-              f"(docs/planner-accuracy.md) / {model.flops_per_sample / 1e9:.2f} GFLOP per sample, "
+    source = (f"GPU specs, not a probe: {model.flops_per_sample / 1e9:.2f} GFLOP per sample at "
+              f"{FACTORS['compute_fraction']:.3f} of peak + {model.accesses_per_sample / 1e6:.1f} M "
+              f"element accesses at {FACTORS['bandwidth_fraction']:.3f} of bandwidth, fitted on "
+              f"DLE PyTorch BERT and checked on held-out figures (docs/planner-accuracy.md), "
               f"+ {pass_overhead_s(model.param_tensors) * 1e3:.1f} ms per micro-batch "
               f"({model.param_tensors} parameter tensors); precision {precision}; fp32 means "
               f"fp32, not TF32 (the runtime leaves TF32 off)")
@@ -176,12 +177,12 @@ def _probe_ranks(run, opts: PlanConfig, probe, parts) -> Tuple[ModelInfo, List[R
     table: dict = {}
     for spec in ranks_from_table(places, model.flops_per_sample, model.param_count,
                                  model.activation_bytes_per_sample, opts.mfu, opts.peak, limit,
-                                 model.param_tensors):
+                                 model.param_tensors, model.accesses_per_sample):
         table.setdefault(spec.partition, spec.samples_per_s)
     for part in parts:  # probed GPUs in no spec table: predicted from the probe's own facts
         if found[part.key] is not None and part.key not in table:
             rate = probe_samples_per_s(probe, part.partition, part.gpu_type,
-                                       model.flops_per_sample)
+                                       model.flops_per_sample, model.accesses_per_sample)
             if rate:
                 table[part.key] = rate
     # like with like: the probe's per-sample rate (its cost curve, without the fixed time per
@@ -197,7 +198,7 @@ def _probe_ranks(run, opts: PlanConfig, probe, parts) -> Tuple[ModelInfo, List[R
             t = next(r for r in ranks_from_table(
                 [pl for pl in plan_placements(run) if pl.partition_key == part.key],
                 model.flops_per_sample, model.param_count, model.activation_bytes_per_sample,
-                opts.mfu, opts.peak, limit, model.param_tensors))
+                opts.mfu, opts.peak, limit, model.param_tensors, model.accesses_per_sample))
             curve = t.curve and replace(t.curve, per_sample_s=t.curve.per_sample_s / scale)
             specs = [replace(t, rank=len(ranks) + i, samples_per_s=t.samples_per_s * scale,
                              curve=curve, device=f"{t.device} x{scale:.2f}")

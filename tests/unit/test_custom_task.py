@@ -143,3 +143,10 @@ def test_example_task_and_formula_tasks(tmp_path):
     assert info.param_count == sum(p.numel() for p in model.parameters())
     assert info.flops_per_sample == pytest.approx(measure_flops_per_sample(task, model), rel=1e-6)
     assert info.activation_bytes_per_sample > 0
+    # a task with no counted architecture: memory traffic from its measured activations
+    from hetseq_hpc.balance.calibrate import ACTIVATION_SAFETY
+    from hetseq_hpc.plan.perf_model import accesses_from_activations
+
+    assert info.accesses_per_sample == pytest.approx(
+        accesses_from_activations(info.activation_bytes_per_sample / ACTIVATION_SAFETY))
+    assert info.accesses_per_sample > 0

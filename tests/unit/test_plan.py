@@ -177,6 +177,11 @@ def test_planner_uses_the_task_flops_formula():
     expected = build_task(run.task, seed=0).flops_per_sample(model)
     assert plan.measure_model(run.task, need_activations=False).flops_per_sample == expected
     assert expected == pytest.approx(67.822e9, rel=1e-4)  # the figure README prints
+    # the spec model's memory traffic is counted from the same config (12 x 768, 12 heads, T 128)
+    from hetseq_hpc.plan.perf_model import transformer_accesses
+
+    info = plan.measure_model(run.task, need_activations=False)
+    assert info.accesses_per_sample == transformer_accesses(12, 768, 12, 128, 3072)
 
 
 def test_local_plan_from_a_probe_file(tmp_path, capsys):

@@ -15,10 +15,10 @@ The all-reduce ring runs inside a node at the GPUs' PCIe 3.0 x16 link (TITAN Xp,
 126 Gbit/s, from specs) and only across nodes at the network's speed.
 
 Result (docs/planner-accuracy.md, ``scripts/planner_accuracy.py``): the spec model predicts every
-step 40-51 % SHORTER than HetSeq measured (it rates a TITAN Xp at 108.7 BERT-base samples/s in
+step 39-50 % SHORTER than HetSeq measured (it rates a TITAN Xp at 105.5 BERT-base samples/s in
 fp32 plus 31.9 ms per micro-batch; HetSeq's 1-node step implies 49), and with the 1-node step free
-of network time the scaling step(N)/step(1) is 16-23 % above HetSeq's at 10 Gbit/s: both of the
-issue's 15 % bars are missed, so both are strict xfails with the measured values.
+of network time the scaling step(N)/step(1) is 20-22 % above HetSeq's at 2 and 4 nodes at 10
+Gbit/s (+9 % at 8 nodes, within): the missed bars are strict xfails with the measured values.
 """
 
 from __future__ import annotations
@@ -33,9 +33,11 @@ BERT_BASE = ["task=bert", "task.model.hidden_size=768", "task.model.num_layers=1
              "task.model.num_heads=12", "task.model.intermediate_size=3072",
              "task.data.vocab_size=30522"]
 #: the predictions at 10 Gbit/s today (s): error vs HetSeq's README
-MEASURED = {1: "1.28 s vs 2.60 s (-51 %)", 2: "1.62 s vs 2.69 s (-40 %)",
-            4: "1.67 s vs 2.794 s (-40 %)", 8: "1.77 s vs 3.126 s (-43 %)"}
-SCALING = {2: "1.272 vs 1.035 (+23 %)", 4: "1.306 vs 1.075 (+21 %)", 8: "1.390 vs 1.202 (+16 %)"}
+MEASURED = {1: "1.31 s vs 2.60 s (-50 %)", 2: "1.65 s vs 2.69 s (-39 %)",
+            4: "1.69 s vs 2.794 s (-39 %)", 8: "1.72 s vs 3.126 s (-45 %)"}
+#: the scaling step(N)/step(1) predicted vs published where it misses (8 nodes: 1.309 vs 1.202,
+#: +9 %, within)
+SCALING = {2: "1.259 vs 1.035 (+22 %)", 4: "1.292 vs 1.075 (+20 %)"}
 
 
 def _plan(nodes: int, link_gbps: float = 10):
@@ -80,7 +82,7 @@ def test_scaling_depends_on_the_network():
 @pytest.mark.parametrize("nodes", [
     pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=f"step(N)/step(1) {SCALING[n]} "
                  "at 10 Gbit/s: the 1-node step has no network time, N nodes have all of it"))
-    for n in (2, 4, 8)])
+    if n in SCALING else n for n in (2, 4, 8)])
 def test_hetseq_scaling_within_15_percent(predicted, nodes):
     ratio = (predicted[nodes] / predicted[1]) / (PUBLISHED_STEP_S[nodes] / PUBLISHED_STEP_S[1])
     assert abs(ratio - 1) <= 0.15, (nodes, predicted[nodes])
@@ -88,7 +90,7 @@ def test_hetseq_scaling_within_15_percent(predicted, nodes):
 
 @pytest.mark.parametrize("nodes", [
     pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=f"{MEASURED[n]}: the spec model "
-                 "rates a TITAN Xp at 108.7 BERT-base samples/s in fp32, HetSeq's step implies 49"))
+                 "rates a TITAN Xp at 105.5 BERT-base samples/s in fp32, HetSeq's step implies 49"))
     for n in PUBLISHED_STEP_S])
 def test_hetseq_absolute_step_time_within_15_percent(predicted, nodes):
     assert abs(predicted[nodes] / PUBLISHED_STEP_S[nodes] - 1) <= 0.15, predicted[nodes]
