@@ -8,11 +8,13 @@ collective: the online re-balancing decision, validation (when due), the step's 
 <hetseq_hpc.train.elastic.ElasticWorld.recover>`) agrees on the most advanced step and on the
 earliest phase of it that a survivor did not complete, and the survivors redo the phases from
 there over the new world: a validation or checkpoint of the last completed step is redone, its
-row is written once (rank 0 may have changed: the new one reads the file).
+row is written once (rank 0 may have changed: the new one reads the file, also when the
+survivors were past the row: a lost rank 0 may not have written it).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any, Dict, List, Optional
@@ -23,6 +25,8 @@ from hetseq_hpc.train.loggers import open_loggers
 from hetseq_hpc.train.metrics import Progress, read_metrics, step_row
 from hetseq_hpc.train.phase_timeout import phase_timeout
 from hetseq_hpc.train.rebalance_step import maybe_rebalance
+
+log = logging.getLogger(__name__)
 
 #: phases of ``trainer.step`` completed (in order); DONE: nothing left, the next step may start
 TRAINED, REBALANCED, EVALUATED, LOGGED, DONE = range(5)
@@ -123,9 +127,15 @@ class StepPhases:
             # every rank saw the same request in the step's exchange: all stop here
             raise Preempted(step, rec.stop_code, REASONS.get(rec.stop_code, "a stop request"))
 
+    def _row_due(self, rec: Any, step: int) -> bool:
+        """Whether step ``step`` (record ``rec``) gets a row: every ``trainer.log_every`` steps,
+        the last one, and any with extra fields (validation, notes)."""
+        cfg = self.t.cfg
+        return bool(step % cfg.log_every == 0 or step == cfg.max_steps or rec.extra)
+
     def _log(self, rec: Any, step: int, is_last: bool) -> None:
         cfg = self.t.cfg
-        due = step % cfg.log_every == 0 or is_last or rec.extra
+        due = self._row_due(rec, step)
         if due and self.writer is not None and self.check_logged == step:
             due = step not in logged_steps(self.t.run_dir)  # by a rank 0 before the recovery?
         self.check_logged = None
@@ -144,7 +154,23 @@ class StepPhases:
             self.writer.close()
         self.writer = open_loggers(t.run, t.run_dir, t.step) if t.rank == 0 else None
         self.check_logged = t.step if t.phase < LOGGED else None
+        if t.phase >= LOGGED and self.writer is not None:
+            self._write_row_a_lost_rank0_owed()
         self.progress.enabled = t.rank == 0
+
+    def _write_row_a_lost_rank0_owed(self) -> None:
+        """The row of ``trainer.step`` when the survivors are past its phase but the file has
+        none: rank 0 writes a row without a collective, so the other ranks go on to the
+        checkpoint (or the next step) while it writes; a rank 0 lost in between never wrote
+        it. Written once: a row already in the file is not repeated."""
+        t = self.t
+        if not t.history or t.history[-1].step != t.step:
+            return
+        rec = t.history[-1]
+        if self._row_due(rec, t.step) and t.step not in logged_steps(t.run_dir):
+            log.warning("step %d: its row was not in %s (rank 0 was lost before writing it): "
+                        "written now", t.step, "metrics.jsonl")
+            self.writer.write({**t.last_row, "run_id": t.run_id, **rec.extra})
 
     def flush_events(self) -> None:
         """Write the membership rows waiting for a completed step, with ``recovery_s``: seconds

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import shutil
+import time
 
 import pytest
 
@@ -29,6 +30,19 @@ def _row(step: int) -> dict:
                        "samples": 4, "step_time_s": 0.1, "compute_time_s": 0.1}]}
 
 
+def _dir_becomes_a_file(path) -> None:
+    """Replace the TensorBoard folder by a file. Its writer's thread may put a file in it while
+    the tree is being removed ("Directory not empty"): try again until the file stands there."""
+    for _ in range(100):
+        shutil.rmtree(path, ignore_errors=True)
+        try:
+            path.write_text("x\n")
+            return
+        except (IsADirectoryError, FileNotFoundError):
+            time.sleep(0.05)
+    raise AssertionError(f"{path} stayed a folder")
+
+
 def test_loggers_that_break_mid_run_are_dropped_with_one_warning(tmp_path, caplog):
     """After step 1 ``metrics.csv`` becomes a directory and ``tb`` a file: the next write of
     each fails, each gives ONE warning and is dropped (also at close: no second word, no
@@ -37,8 +51,7 @@ def test_loggers_that_break_mid_run_are_dropped_with_one_warning(tmp_path, caplo
     loggers.write(_row(1))
     (tmp_path / CSV_NAME).unlink()
     (tmp_path / CSV_NAME).mkdir()
-    shutil.rmtree(tmp_path / TB_DIR)
-    (tmp_path / TB_DIR).write_text("x\n")
+    _dir_becomes_a_file(tmp_path / TB_DIR)
     with caplog.at_level(logging.WARNING):
         for step in range(2, 6):
             loggers.write(_row(step))
