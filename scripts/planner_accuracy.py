@@ -32,7 +32,7 @@ def rows_table() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in pm.published():
         pred = pm.predicted(r)
-        split = pm.bound_label(r.spec, r.precision, r.flops, r.accesses)
+        split = pm.bound_label(pm.sample_time_s(r.spec, r.precision, r.flops, r.accesses))
         src = r.source_url.split("/")[3] + "@" + r.source_url.split("/blob/")[1].split("/")[0][:8]
         print(f"| {r.role} | {r.spec.label} | {r.precision} | {r.model} | {r.batch} | "
               f"{r.samples_per_s:g} | {pred:.1f} | {_pct(pred / r.samples_per_s - 1)} | {split} "

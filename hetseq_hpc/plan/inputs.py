@@ -383,13 +383,12 @@ def ranks_from_table(placements: Sequence[RankPlacement], flops_per_sample: floa
                               "GPUs: pass plan.probe=RUN_DIR/allocation.json from a run on them")
         gpu = lookup_gpu(place.gres, where)
         precision = runtime_precision(gpu, place.precision, peak)
-        per_sample_s = sum(sample_time_s(gpu.spec, precision, flops_per_sample,
-                                         accesses_per_sample))
-        split = bound_label(gpu.spec, precision, flops_per_sample, accesses_per_sample)
+        times = sample_time_s(gpu.spec, precision, flops_per_sample, accesses_per_sample)
+        per_sample_s = sum(times)
         memory = memory_budget_bytes(place, "cuda", gpu.memory_gib * 2**30, place.ranks_on_node)
         cap = memory_cap(memory, param_count, activation_bytes_per_sample, limit)
         out.append(RankSpec(place.rank, place.partition_key,
-                            f"{gpu.label} {precision} (specs, {split})",
+                            f"{gpu.label} {precision} (specs, {bound_label(times)})",
                             1.0 / per_sample_s, cap,
                             CostCurve(pass_overhead_s(param_tensors), per_sample_s),
                             memory_bytes=memory))

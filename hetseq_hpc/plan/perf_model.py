@@ -275,10 +275,10 @@ def sample_time_s(spec: GpuSpec, precision: str, flops_per_sample: float,
     return (compute / FACTORS["compute_fraction"], memory / FACTORS["bandwidth_fraction"])
 
 
-def bound_label(spec: GpuSpec, precision: str, flops_per_sample: float,
-                accesses_per_sample: float) -> str:
-    """Where the per-sample time goes, e.g. ``matmul 38 % / memory 62 %``."""
-    compute, memory = sample_time_s(spec, precision, flops_per_sample, accesses_per_sample)
+def bound_label(times: Tuple[float, float]) -> str:
+    """Where the per-sample time goes, e.g. ``matmul 38 % / memory 62 %``, from the
+    ``(matmul seconds, memory seconds)`` of :func:`sample_time_s`."""
+    compute, memory = times
     share = compute / (compute + memory)
     return f"matmul {share:.0%} / memory {1 - share:.0%}"
 

@@ -44,6 +44,12 @@ def logged_steps(run_dir: Any) -> set:
     return {r.get("step") for r in rows if "loss" in r and r.get("event") is None}
 
 
+def step_row_of(trainer: Any, rec: Any) -> Dict[str, Any]:
+    """The ``metrics.jsonl`` row of the step ``rec`` recorded: the trainer's ``last_row``, the
+    run id and the record's extra fields (validation, notes)."""
+    return {**trainer.last_row, "run_id": trainer.run_id, **rec.extra}
+
+
 def log_before_stop(trainer: Any, event: Dict[str, Any]) -> None:
     """Rank 0 of survivors that stop (too few of them): the row of ``trainer.step`` if no
     rank 0 wrote it yet, then the membership ``event`` (its ``recovery_s`` absent)."""
@@ -51,7 +57,7 @@ def log_before_stop(trainer: Any, event: Dict[str, Any]) -> None:
     try:
         if trainer.history and trainer.step not in logged_steps(trainer.run_dir):
             rec = trainer.history[-1]
-            writer.write({**trainer.last_row, "run_id": trainer.run_id, **rec.extra})
+            writer.write(step_row_of(trainer, rec))
         writer.write({k: v for k, v in event.items() if k != "lost_monotonic"}
                      | {"run_id": trainer.run_id})
     finally:
@@ -117,7 +123,7 @@ class StepPhases:
                 rec.extra.update(t.last_val)
             t.phase = EVALUATED
         if t.phase < LOGGED:
-            self._log(rec, step, is_last)
+            self._log(rec, step)
             t.phase = LOGGED
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or is_last or rec.stop_code:
             with phase_timeout(t, "checkpoint"):
@@ -133,14 +139,14 @@ class StepPhases:
         cfg = self.t.cfg
         return bool(step % cfg.log_every == 0 or step == cfg.max_steps or rec.extra)
 
-    def _log(self, rec: Any, step: int, is_last: bool) -> None:
+    def _log(self, rec: Any, step: int) -> None:
         cfg = self.t.cfg
         due = self._row_due(rec, step)
         if due and self.writer is not None and self.check_logged == step:
             due = step not in logged_steps(self.t.run_dir)  # by a rank 0 before the recovery?
         self.check_logged = None
         if self.writer is not None and due:
-            self.writer.write({**self.t.last_row, "run_id": self.t.run_id, **rec.extra})
+            self.writer.write(step_row_of(self.t, rec))
         self.progress.update(step, rec.loss, cfg.global_batch_size / max(rec.wall_s, 1e-9),
                              extra=(f"val_loss {self.t.last_val['val_loss']:.4f}"
                                     if "val_loss" in rec.extra else None))
@@ -170,7 +176,7 @@ class StepPhases:
         if self._row_due(rec, t.step) and t.step not in logged_steps(t.run_dir):
             log.warning("step %d: its row was not in %s (rank 0 was lost before writing it): "
                         "written now", t.step, "metrics.jsonl")
-            self.writer.write({**t.last_row, "run_id": t.run_id, **rec.extra})
+            self.writer.write(step_row_of(t, rec))
 
     def flush_events(self) -> None:
         """Write the membership rows waiting for a completed step, with ``recovery_s``: seconds
