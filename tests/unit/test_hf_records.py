@@ -141,6 +141,43 @@ def test_text_chunk_boundaries_change_nothing(tmp_path, monkeypatch, only_datase
                                                                    label_field=None)
 
 
+def test_json_chunk_boundaries_change_nothing(tmp_path, monkeypatch, only_datasets):
+    # JSON lines come through the text builder: chunks of a few bytes cut every line
+    monkeypatch.setattr(hf_records, "TEXT_CHUNK_BYTES", 3)
+    for i, content in enumerate([JSONL_INT, JSONL_STR, JSONL_BOOL]):
+        path = write(tmp_path / f"c{i}.jsonl", content)
+        assert outcome(records, path) == outcome(old_records, path)
+
+
+def test_values_of_another_json_type_after_the_first_10_mb_keep_their_type(tmp_path,
+                                                                          only_datasets):
+    """Regression: ``datasets``' ``json`` builder took a column's type from the first 10 MB
+    chunk and CONVERTED later values to it: a label "1" or true after integer labels read as
+    1, a silently wrong record. Each line is now decoded by json.loads: every label keeps its
+    JSON type, and the file is still read by datasets alone (no fallback)."""
+    head = "".join(json.dumps({"text": "x" * 120 + str(i), "label": i % 3}) + "\n"
+                   for i in range(100_000))
+    assert len(head) > 12 * 10**6  # past the json builder's 10 MB chunk
+    tail = ['{"text": "late string", "label": "1"}', '{"text": "late bool", "label": true}',
+            '{"text": "late float", "label": 1.0}', '{"text": "late list", "label": [1]}',
+            '{"text": "late int", "label": 2}']
+    path = write(tmp_path / "late.jsonl", head + "\n".join(tail) + "\n")
+    got = list(records(str(path), "text", "label"))
+    assert len(got) == 100_005
+    assert got[-5:] == [("late string", "1"), ("late bool", True), ("late float", 1.0),
+                        ("late list", [1]), ("late int", 2)]
+    assert [type(label) for _, label in got[-5:]] == [str, bool, float, list, int]
+    assert got == [(t, lab) for t, lab in old_records(str(path), "text", "label")]
+
+
+def test_a_number_as_the_text_after_the_first_10_mb_is_refused_as_before(tmp_path):
+    head = "".join(json.dumps({"text": "y" * 120, "label": "a"}) + "\n" for _ in range(90_000))
+    path = write(tmp_path / "num.jsonl", head + '{"text": 12345, "label": "a"}\n')
+    expected = outcome(old_records, path)
+    assert expected.startswith("DataError: ") and "record 90001: 'text' is a int" in expected
+    assert outcome(records, path) == expected
+
+
 def test_a_reader_left_early_removes_its_temporary_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     path = write(tmp_path / "t.txt", "one\ntwo\n")

@@ -10,20 +10,24 @@ and takes :data:`BATCH_RECORDS` records at a time as Arrow columns: memory holds
 Arrow cache is written (the builder's lock files go to a temporary folder, removed after), and
 nothing is looked up online (``HF_DATASETS_OFFLINE=1``, ``HF_HUB_OFFLINE=1`` unless set).
 
+JSON lines are streamed by the ``text`` builder (lines split as the standard library splits
+them: universal newlines, ``"\n"`` only) and each line is decoded by :func:`json.loads`, not by
+the ``json`` builder: that one fixes a column's type from the file's first 10 MB chunk and
+converts later values of another JSON type to it (a label ``"1"`` or ``true`` after integer
+labels read as ``1``, a number as the text after strings read as a string), a silently wrong
+record; it also takes two objects on one line as two records. Decoded here, a JSON record is
+the standard library's by construction.
+
 The standard library (``csv``, ``json``; Parquet through ``pyarrow``,
 :mod:`hetseq_hpc.tasks.hf.hf_parquet`) stays the reference these records must equal, byte for
 byte. It reads the header / first JSON line for the cheap column check before anything starts
 (:func:`columns`), and a file, from where ``datasets`` stops, whenever ``datasets`` would read
 it differently or not at all: a CSV header with a duplicate or missing name (a byte-order
-mark), a first JSON line that is not an object, JSON columns of another type than string
-(text) or integer, string, boolean (label) in the first chunk, a file that starts like a
-compressed one, a record with no value (pandas reads an empty CSV cell, a missing one and a
-blank line alike), any error of ``datasets``, or a JSON-lines file of another number of
-records than non-empty lines (pyarrow takes two objects on one line). Bad input gets the same
-one-line :class:`DataError` naming the line as before: no traceback reaches the user. Left: the
-``json`` builder takes a column's type from the first chunk (10 MB) and converts later values
-of another JSON type to it (``"1"``/``true`` after integers read as ``1``; a number as the text
-after strings reads as a string, not refused).
+mark), a first JSON line that is not an object, a file that starts like a compressed one, a
+record with no value (pandas reads an empty CSV cell, a missing one and a blank line alike),
+a JSON line that does not decode to an object with a text string, or any error of
+``datasets``. Bad input gets the same one-line :class:`DataError` naming the line as before:
+no traceback reaches the user.
 """
 
 from __future__ import annotations
@@ -62,11 +66,6 @@ INSTALL_HINT = "pip install 'hetseq-hpc[hf]'"
 #: standard library reads the bytes as they are): such files go to the standard library
 _COMPRESSED = (b"PK\x03\x04", b"PK\x05\x06", b"PK\x07\x08", b"BZh", b"\x1f\x8b",
                b"\xfd7zXZ\x00", b"\x04\x22\x4d\x18", b"\x28\xb5\x2f\xfd", b"Rar!")
-
-#: JSON label types read through ``datasets`` as the standard library reads them (a float
-#: column may hold integers read as floats, a mixed one JSON text): others go to the stdlib
-_JSON_LABEL_TYPES = ("int64", "string", "large_string", "bool")
-
 
 def file_format(path: str) -> str:
     """``"text"``, ``"json"``, ``"csv"``, ``"tsv"`` or ``"parquet"`` from the suffix of
@@ -181,8 +180,6 @@ def records(path: str, text_field: str, label_field: Optional[str]
                  "library reads on", path, done, type(exc).__name__, reason)
         yield from itertools.islice(_stdlib_records(path, text_field, label_field), done, None)
         return
-    if fmt == "json":
-        _check_json_count(path, done, text_field, label_field)
 
 
 def _datasets_reads(path: str, fmt: str, fields: Sequence[str]) -> bool:
@@ -256,18 +253,19 @@ def _datasets_batches(path: str, fmt: str, fields: Sequence[str]
     elif fmt == "parquet":
         batch = hf_parquet.BATCH_ROWS
         options = dict(columns=wanted, batch_size=batch)
-    elif fmt == "text":
+    elif fmt in ("text", "json"):
         options = dict(chunksize=TEXT_CHUNK_BYTES)
+    builder = {"tsv": "csv", "json": "text"}.get(fmt, fmt)
     cache = tempfile.mkdtemp(prefix="hetseq-datasets-")
     try:
-        ds = datasets.load_dataset("csv" if fmt == "tsv" else fmt,
-                                   data_files=[glob.escape(os.path.abspath(path))],
+        ds = datasets.load_dataset(builder, data_files=[glob.escape(os.path.abspath(path))],
                                    split="train", streaming=True, cache_dir=cache, **options)
-        if fmt == "json":
-            _check_json_features(datasets, ds.features, fields)
         for table in ds.with_format("arrow").iter(batch_size=batch):
             if fmt == "text":
                 yield [(line, None) for line in table.column("text").to_pylist() if line.strip()]
+                continue
+            if fmt == "json":
+                yield from _json_lines_batch(table.column("text").to_pylist(), fields)
                 continue
             texts = table.column(fields[0]).to_pylist()
             labels = (table.column(fields[1]).to_pylist() if len(fields) > 1
@@ -284,41 +282,27 @@ def _datasets_batches(path: str, fmt: str, fields: Sequence[str]
         shutil.rmtree(cache, ignore_errors=True)
 
 
-def _check_json_features(datasets, features, fields: Sequence[str]) -> None:
-    """The types ``datasets`` found in the first chunk of a JSON-lines file are ones it reads
-    as :func:`json.loads` does (a text string; a label integer, string or boolean; not its
-    ``Json`` feature of mixed types, nor a float column that may hold integers).
-
-    Raises:
-        ValueError: another type (the standard library reads the file).
-    """
-    for i, name in enumerate(fields):
-        feature = features.get(name) if features else None
-        dtype = feature.dtype if isinstance(feature, datasets.Value) else None
-        if dtype not in (("string", "large_string") if i == 0 else _JSON_LABEL_TYPES):
-            raise ValueError(f"JSON column {name!r} of type {dtype}")
-
-
-def _check_json_count(path: str, done: int, text_field: str, label_field: Optional[str]
-                      ) -> None:
-    """``datasets`` gave one record per non-empty line (pyarrow takes two objects on one
-    line as two records, where the standard library refuses the line).
-
-    Raises:
-        DataError: the standard library's error for the file; or, should it read the file,
-            that the two readers disagree.
-    """
-    try:
-        with open(path, encoding="utf-8") as fh:
-            lines = sum(1 for line in fh if line.strip())
-    except (OSError, UnicodeDecodeError):
-        lines = -1
-    if lines == done:
-        return
-    for _ in _stdlib_records(path, text_field, label_field):
-        pass
-    raise DataError(f"data file {path!r}: datasets read {done} records from {lines} JSON "
-                    "lines: check the file (one JSON object per line)")
+def _json_lines_batch(lines: List[str], fields: Sequence[str]
+                     ) -> Iterator[List[Tuple[str, object]]]:
+    """``(text, label)`` of the non-empty ``lines`` (one JSON object each), decoded by
+    :func:`json.loads` as the standard library reader decodes them: one list, the records
+    before the first line it would refuse (not JSON, not an object, no text string, no label),
+    then ValueError for :func:`records` to hand that line to the standard library."""
+    good: List[Tuple[str, object]] = []
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            obj = None
+        text = obj.get(fields[0]) if isinstance(obj, dict) else None
+        label = obj.get(fields[1]) if len(fields) > 1 and isinstance(obj, dict) else None
+        if not isinstance(text, str) or (len(fields) > 1 and label is None):
+            yield good
+            raise ValueError(f"JSON line {len(good) + 1} of a batch is not a record with a text")
+        good.append((text, label))
+    yield good
 
 
 def _stdlib_records(path: str, text_field: str, label_field: Optional[str]
