@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -70,7 +71,7 @@ def hetseq_table() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit"))
     # the test's own plan and HetSeq's README figures, not a copy
     from test_plan_hetseq import PUBLISHED_STEP_S as HETSEQ_STEP_S
-    from test_plan_hetseq import _predicted_step_s
+    from test_plan_hetseq import _plan, _predicted_step_s, one_node_probe
 
     steps = {n: _predicted_step_s(n) for n in HETSEQ_STEP_S}
     print("| nodes | published step s | predicted | error | published step(N)/step(1) | predicted |")
@@ -78,6 +79,21 @@ def hetseq_table() -> None:
     for n, pub in HETSEQ_STEP_S.items():
         print(f"| {n} | {pub} | {steps[n]:.2f} | {_pct(steps[n] / pub - 1)} | "
               f"{pub / HETSEQ_STEP_S[1]:.3f} | {steps[n] / steps[1]:.3f} |")
+    print()
+    print("With the 1-node figure as the probe of partition xp (plan.probe=; 8 nodes: p100 from "
+          "specs x the xp ratio):")
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = Path(tmp) / "xp_probe.json"
+        rate = one_node_probe(probe)
+        print(f"probe rate = {rate:.3f} x the spec model's per-sample rate")
+        print("| link Gbit/s | " + " | ".join(f"{n} nodes" for n in HETSEQ_STEP_S) + " |")
+        print("|---|" + "---|" * len(HETSEQ_STEP_S))
+        for link in (5, 10, 25, 100):
+            cells = []
+            for n, pub in HETSEQ_STEP_S.items():
+                step = _plan(n, link, str(probe)).prediction.equal.step_s
+                cells.append(f"{step:.3f} s ({_pct(step / pub - 1)})")
+            print(f"| {link} | " + " | ".join(cells) + " |")
 
 
 def main() -> None:

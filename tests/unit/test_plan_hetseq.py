@@ -19,9 +19,18 @@ step 39-50 % SHORTER than HetSeq measured (it rates a TITAN Xp at 105.5 BERT-bas
 fp32 plus 31.9 ms per micro-batch; HetSeq's 1-node step implies 49), and with the 1-node step free
 of network time the scaling step(N)/step(1) is 20-22 % above HetSeq's at 2 and 4 nodes at 10
 Gbit/s (+9 % at 8 nodes, within): the missed bars are strict xfails with the measured values.
+
+With HetSeq's 1-node figure as a probe of the xp partition (the product's partial-probe path:
+``plan.probe=``, p100 at 8 nodes from specs scaled by the xp ratio), the 2-, 4- and 8-node
+steps are predicted within -1 / -3 / -5 %: the all-reduce, overlap and mixed-partition parts of
+the plan agree with HetSeq's scaling, and the from-specs miss is the per-GPU rate alone (HetSeq
+ran at 0.485 of it). The scaling miss from specs follows from it: a step half as long makes the
+same all-reduce twice as large a share.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -40,14 +49,16 @@ MEASURED = {1: "1.31 s vs 2.60 s (-50 %)", 2: "1.65 s vs 2.69 s (-39 %)",
 SCALING = {2: "1.259 vs 1.035 (+22 %)", 4: "1.292 vs 1.075 (+20 %)"}
 
 
-def _plan(nodes: int, link_gbps: float = 10):
+def _plan(nodes: int, link_gbps: float = 10, probe: str = ""):
     parts = (["cluster.partitions.xp.nodes=4", "cluster.partitions.p100.nodes=4"] if nodes == 8
              else [f"cluster.partitions.xp.nodes={nodes}", "~cluster.partitions.p100"])
     run = compose_run_config(["cluster=hetseq_seed", *BERT_BASE, *parts,
                               f"plan.link_gbps={link_gbps}",
-                              f"trainer.global_batch_size={128 * 4 * nodes}"])
+                              f"trainer.global_batch_size={128 * 4 * nodes}",
+                              *([f"plan.probe={probe}"] if probe else [])])
     plan = make_plan(run)
-    assert all("fp32 (specs" in r.device for r in plan.ranks)
+    if not probe:
+        assert all("fp32 (specs" in r.device for r in plan.ranks)
     return plan
 
 
@@ -104,3 +115,52 @@ def test_ring_link_is_the_slowest_hop():
     assert ring_link_gbps([(1, 8, 2400.0), (1, 4, 126.0)], 100) == 100
     assert ring_link_gbps([(2, 1, 126.0)], 25) == 25  # one GPU per node: network only
     assert ring_link_gbps([(1, 1, 126.0)], 25) == 25  # one rank: nothing to reduce
+
+
+def _xp_probe(path, spec, rate: float) -> str:
+    """A probe file of partition xp (the calibration ``hetseq-hpc probe`` writes: the cost
+    curve and the micro-batch cap) whose per-sample time is the spec model's / ``rate``."""
+    per_sample = spec.curve.per_sample_s / rate
+    micro = spec.max_micro_batch
+    calibration = {"samples_per_s": micro / (spec.curve.overhead_s + micro * per_sample),
+                   "max_micro_batch": micro, "overhead_s": spec.curve.overhead_s,
+                   "per_sample_s": per_sample, "step_fixed_s": spec.curve.step_fixed_s}
+    path.write_text(json.dumps({"ranks": [{"rank": 0, "partition": "xp", "gres": "titan_xp",
+                                           "device": "cuda:0 TITAN Xp",
+                                           "calibration": calibration}]}))
+    return str(path)
+
+
+def one_node_probe(path) -> float:
+    """Write to ``path`` the xp probe whose 1-node plan gives HetSeq's 2.60 s (bisection on
+    the rate, 24 halvings); returns the rate (HetSeq's / the spec model's per-sample rate)."""
+    spec = _plan(1).ranks[0]
+    low, high = 0.05, 2.0
+    for _ in range(24):
+        rate = (low + high) / 2
+        step = _plan(1, probe=_xp_probe(path, spec, rate)).prediction.equal.step_s
+        low, high = (rate, high) if step > PUBLISHED_STEP_S[1] else (low, rate)
+    rate = (low + high) / 2
+    _xp_probe(path, spec, rate)
+    return rate
+
+
+def test_with_the_one_node_figure_as_a_probe_the_multi_node_steps_are_within_15_percent(
+        tmp_path):
+    """HetSeq's 1-node step as the measurement of the xp partition: the probe's per-sample
+    time is solved (bisection) so that the 1-node plan gives 2.60 s, then 2 and 4 xp nodes are
+    planned from the probe and 8 nodes (4 xp + 4 p100) with p100 from the spec model scaled by
+    the xp probe's ratio, HetSeq's equal split, 10 Gbit/s between nodes. All within 15 %
+    (today -0.6 / -2.7 / -4.5 %). Not the issue's from-specs bar (that one misses, above): it
+    shows where the miss is. At 1 Gbit/s the same plans miss by far, so the check is not
+    vacuous about the network."""
+    probe = tmp_path / "xp_probe.json"
+    rate = one_node_probe(probe)
+    assert 0.45 < rate < 0.52  # HetSeq's 1-node step implies 49 of the model's 105.5 samples/s
+    eight = _plan(8, probe=str(probe))
+    assert "p100 from GPU specs x 0.48" in eight.source
+    for nodes in (1, 2, 4, 8):
+        step = (eight if nodes == 8 else _plan(nodes, probe=str(probe))).prediction.equal.step_s
+        assert abs(step / PUBLISHED_STEP_S[nodes] - 1) <= 0.15, (nodes, step)
+    slow = _plan(2, link_gbps=1, probe=str(probe)).prediction.equal.step_s
+    assert slow / PUBLISHED_STEP_S[2] - 1 > 0.5, slow
