@@ -55,6 +55,8 @@ def apply_empty_dict_overrides(cfg: DictConfig, overrides: Sequence[str]) -> Non
 
 #: ``[+|++]cluster.partitions.<name>={...}``: a whole partition given on the command line
 _NEW_PARTITION = re.compile(r"\+{0,2}cluster\.partitions\.([^.=]+)=(\{.*\})", re.S)
+#: ``[+|++]cluster.partitions.<name>=<anything else>``: not a partition
+_NOT_A_PARTITION = re.compile(r"\+{0,2}(cluster\.partitions\.[^.=]+)=(.*)", re.S)
 
 
 def split_partition_overrides(overrides: Sequence[str]) -> Tuple[List[str], List[Tuple[str, str]]]:
@@ -65,14 +67,25 @@ def split_partition_overrides(overrides: Sequence[str]) -> Tuple[List[str], List
     PartitionConfig"), so ``+cluster.partitions.xp={gpu_type: titan_xp, nodes: 2}`` is taken
     out before Hydra composes and applied after (:func:`apply_partition_overrides`), with the
     same validation as a partition written in YAML.
+
+    Raises:
+        ConfigError: a partition given a value that is not a ``{...}`` mapping
+            (``+cluster.partitions.xp=5``), a whole partition swept, or given whole and by field.
     """
     rest, parts = [], []
     for override in overrides:
         match = _NEW_PARTITION.fullmatch(override.strip())
         if match:
             parts.append((match.group(1), match.group(2)))
-        else:
-            rest.append(override)
+            continue
+        other = _NOT_A_PARTITION.fullmatch(override.strip())
+        if other:
+            key, value = other.groups()
+            raise ConfigError(f"{key}={value} is not a partition: give its fields in braces, "
+                              f"e.g. +{key}={{gpu_type: t4, nodes: 2, gpus_per_node: 4}} (quote "
+                              "it for the shell), or set one field, e.g. "
+                              f"{key}.nodes=2")
+        rest.append(override)
     for name, text in parts:
         key = f"cluster.partitions.{name}"
         if "},{" in text.replace(" ", ""):

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import hetseq_hpc.config
@@ -496,6 +498,10 @@ def test_a_whole_new_partition_from_the_command_line():
         compose_run_config(["cluster=mixed", "+cluster.partitions.xp={nodez: 2}"])
     with pytest.raises(ConfigError, match=r"cluster=local has no partitions"):
         compose_run_config(["+cluster.partitions.xp={nodes: 2}"])
+    for value in ("5", "abc", "[1,2]", "null", ""):
+        with pytest.raises(ConfigError, match=rf"^cluster\.partitions\.xp={re.escape(value)} is "
+                                              r"not a partition: give its fields in braces"):
+            compose_run_config(["cluster=mixed", f"+cluster.partitions.xp={value}"])
 
 
 def test_a_moved_key_in_a_yaml_file_names_its_new_place(tmp_path):
