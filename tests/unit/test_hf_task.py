@@ -6,6 +6,7 @@ adapter. Tiny models made here."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -185,6 +186,37 @@ def test_string_labels_from_csv_are_sorted_into_ids(made, tmp_path):
     task.load()
     assert task.meta["label_names"] == ["neg", "pos"]
     assert set(np.unique(task._arrays["labels"])) == {0, 1}
+
+
+def test_mixed_type_json_labels_are_refused_in_one_line_or_kept_apart(made, tmp_path):
+    """JSON labels are read with their JSON types (the reader no longer converts a later
+    ``true`` or ``"1"`` to the first chunk's integers), so the label mapping compares class
+    NAMES: ``true`` beside integers, or ``1.0`` beside ``1``, was a KeyError traceback in
+    prepare (``True == 1`` merged them in a set); now one line asks for one type. A digit
+    string beside integers is the same class, as in CSV."""
+    from hetseq_hpc.errors import DataError
+
+    texts = [json.loads(line)["text"] for line in made["jsonl"].read_text().splitlines()[:40]]
+
+    def prepare(labels, name):
+        data = tmp_path / f"{name}.jsonl"
+        data.write_text("".join(json.dumps({"text": t, "label": labels[i % len(labels)]}) + "\n"
+                                for i, t in enumerate(texts)))
+        run = compose(f"task.model.path={made['cls']}", f"task.data.files=[{data}]",
+                      f"task.data.cache_dir={tmp_path / name}", "task.model.max_seq_len=16")
+        task = build_task(run.task, 0)
+        task.prepare()
+        task.load()
+        return task
+
+    for labels, words in (([0, 1, True], "mixes boolean and integer labels (e.g. True and 0)"),
+                          ([1, 0, 1.0], "mixes integer and float labels (e.g. 1 and 1.0)")):
+        with pytest.raises(DataError, match=re.escape(words)) as info:
+            prepare(labels, f"bad{len(words)}")
+        assert "\n" not in str(info.value)
+    task = prepare([0, 1, "1", 2], "digits")
+    assert task.meta["label_names"] == ["0", "1", "2"]
+    assert list(task._arrays["labels"][:4]) == [0, 1, 1, 2]
 
 
 def test_dataset_adapter_rows_counts_and_name(tmp_path):

@@ -283,29 +283,50 @@ def _build(data_cfg: Any, tokenizer: Any, kind: str, seq_len: int, directory: Pa
              seconds, directory)
 
 
+#: JSON label types by Python type (for the mixed-type check of :func:`_label_names`)
+_KINDS = {bool: "boolean", int: "integer", float: "float", str: "string"}
+
+
 def _name(value: object) -> str:
+    """A label's class name: a string stripped, a decimal-digit string as its integer
+    (``" 01"`` -> ``"1"``: CSV integers), anything else (JSON int, float, bool) as ``str``."""
     text = str(value).strip() if isinstance(value, str) else str(value)
-    return str(int(text)) if text.isdigit() else text
+    return str(int(text)) if text.isdecimal() else text
 
 
 def _label_names(raw: List[object]) -> List[str]:
-    """Class names in id order: integers 0..K-1 keep their value, strings are sorted.
+    """Class names in id order: integers 0..K-1 keep their value (JSON integers, or CSV cells
+    that are all decimal digits), anything else is named by :func:`_name` and sorted. Names,
+    not values, are compared: a JSON ``true`` is the class ``"True"``, not ``1``, and ``1.0`` is
+    ``"1.0"`` (Python's ``True == 1 == 1.0`` would merge them in a set), so every label maps to
+    a class.
 
     Raises:
-        DataError: fewer than 2 distinct labels, or integer labels that are not 0..K-1.
+        DataError: fewer than 2 distinct labels, integer labels that are not 0..K-1, or
+            booleans mixed with other labels, or integers with floats (``1`` and
+            ``1.0``: one class or two? the line asks for one type).
     """
-    values = set(raw)
-    if len(values) < 2:
-        raise DataError(f"the label column holds {len(values)} distinct value(s) "
-                        f"({sorted(map(str, values))[:3]}): classification needs at least 2")
-    if all(isinstance(v, str) and v.strip().isdigit() for v in values):  # CSV integers
-        values = {int(v) for v in values}
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        top = max(values)
+    first: Dict[str, object] = {}
+    for value in raw:
+        first.setdefault(_KINDS.get(type(value), type(value).__name__), value)
+    for a, b in (("boolean", None), ("integer", "float")):
+        if a in first and len(first) > 1 and (b is None or b in first):
+            other = next(k for k in first if k != a) if b is None else b
+            raise DataError(f"the label column mixes {a} and {other} labels (e.g. "
+                            f"{first[a]!r} and {first[other]!r}): store every label as one "
+                            "type")
+    integers = all(type(v) is int for v in raw) or all(
+        isinstance(v, str) and v.strip().isdecimal() for v in raw)
+    names = {_name(v) for v in raw}
+    if len(names) < 2:
+        raise DataError(f"the label column holds {len(names)} distinct value(s) "
+                        f"({sorted(names)[:3]}): classification needs at least 2")
+    if integers:
+        values = {int(name) for name in names}
         if min(values) < 0:
             raise DataError(f"integer labels must be >= 0 (found {min(values)}): use 0..K-1")
-        return [str(i) for i in range(top + 1)]
-    return sorted({_name(v) for v in values})
+        return [str(i) for i in range(max(values) + 1)]
+    return sorted(names)
 
 
 def open_hf_cache(directory: Path) -> Tuple[dict, Dict[str, np.ndarray]]:
