@@ -72,8 +72,12 @@ def partition_inventory() -> Dict[str, Dict[str, Any]]:
     except (OSError, subprocess.SubprocessError) as exc:
         raise LaunchError(f"sinfo could not run ({exc}): check the Slurm client setup") from None
     if out.returncode != 0:
-        first = (out.stderr.strip().splitlines() or ["no output"])[0]
-        raise LaunchError(f"sinfo failed ({first}): is slurmctld reachable (scontrol ping)?")
+        lines = out.stderr.strip().splitlines() or ["no output"]
+        # the last error says why (the first of a failed config fetch is a DNS SRV lookup)
+        why = next((line for line in reversed(lines) if "error:" in line or "fatal:" in line),
+                   lines[0])
+        raise LaunchError(f"sinfo failed ({why.strip()}): is slurmctld reachable (scontrol "
+                          "ping)?")
     return parse_inventory(out.stdout)
 
 

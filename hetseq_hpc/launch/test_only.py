@@ -33,7 +33,7 @@ from typing import Dict, Optional, Tuple
 
 from hetseq_hpc.errors import ConfigError, LaunchError
 from hetseq_hpc.launch.sbatch import render_sbatch
-from hetseq_hpc.launch.slurm_checks import require_slurm
+from hetseq_hpc.launch.slurm_checks import check_partitions, partition_inventory, require_slurm
 from hetseq_hpc.plan.when import StartEstimate, WhenTable, check_when_cluster, rank_mixes
 from hetseq_hpc.plan.when_table import clock, render_when, when_json
 
@@ -119,11 +119,14 @@ def plan_when(run) -> Tuple[WhenTable, Dict[str, object]]:
         ``(table, label -> restricted RunConfig)``.
 
     Raises:
-        LaunchError: Slurm's commands are missing or do not answer.
-        ConfigError: the cluster is not a SLURM cluster.
+        LaunchError: Slurm's commands are missing or do not answer (``sinfo`` is asked once
+            first: an unreachable controller is one line, not a refusal per mix).
+        ConfigError: the cluster is not a SLURM cluster, or a configured partition does not
+            exist or cannot hold what it asks for (:func:`check_partitions`, as ``run`` checks).
     """
     check_when_cluster(run)
     require_slurm()
+    check_partitions(run.cluster, partition_inventory())
     return rank_mixes(run, test_only_start)
 
 

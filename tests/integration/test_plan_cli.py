@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -80,6 +81,40 @@ def test_plan_when_needs_a_slurm_cluster_and_slurm():
     # the planner's own module never asks Slurm: it says which command does
     proc = _plan_cli("cluster=mixed", "plan.when=true", timeout=60)
     assert proc.returncode == 2 and "run hetseq-hpc plan --when" in proc.stderr, proc.stderr
+
+
+def _dead_controller_env(tmp_path):
+    """The real Slurm client commands with a slurm.conf whose controller does not listen (a
+    closed port on this host): sinfo fails in about a second with "Unable to contact slurm
+    controller (connect failure)"."""
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=dead\nSlurmctldHost=localhost(127.0.0.1)\n"
+                    "SlurmctldPort=1\nMessageTimeout=2\nNodeName=n1 CPUs=1 State=UNKNOWN\n"
+                    "PartitionName=a100 Nodes=n1 Default=YES State=UP\n")
+    return dict(os.environ, SLURM_CONF=str(conf))
+
+
+@pytest.mark.skipif(shutil.which("sinfo") is None or shutil.which("sbatch") is None,
+                    reason="the Slurm client commands are not installed (scripts/test-cluster.sh "
+                           "installs them)")
+def test_plan_when_with_an_unreachable_controller_is_one_line_before_any_sbatch(tmp_path):
+    """Slurm's commands exist but slurmctld does not answer: sinfo is asked once first, so
+    `plan --when` says so in one line (it printed a table of 17 mixes, each "sbatch refused
+    it: <the same error>", and exit 0), and `run cluster.choose=...` submits nothing and
+    leaves no run directory."""
+    env = _dead_controller_env(tmp_path)
+    proc = _hetseq("plan", "--when", "cluster=mixed", "task=bert", env=env)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert "sinfo failed (" in line and "Unable to contact slurm controller" in line, line
+    assert line.endswith("is slurmctld reachable (scontrol ping)?") and "refused" not in line
+    assert "sbatch" not in proc.stdout
+    run_dir = tmp_path / "run"
+    proc = _hetseq("run", "cluster=mixed", "task=bert", "cluster.choose=finish_first",
+                   f"hydra.run.dir={run_dir}", env=env)
+    assert proc.returncode == 1, proc.stderr
+    assert "Unable to contact slurm controller" in proc.stderr.strip().splitlines()[-1]
+    assert not run_dir.exists()
 
 
 def test_choose_without_slurm_submits_nothing_and_leaves_no_run_dir(tmp_path):
