@@ -29,10 +29,12 @@ def check_resume(run: Any, run_dir: Optional[Path]) -> None:
     :func:`hetseq_hpc.train.state.check_fingerprint`).
 
     Raises:
-        CheckpointError: the file is missing, or the checkpoint was trained with other settings
-            (the ranks' one-line messages; exit code 1 as when a rank finds it).
+        CheckpointError: the file is missing or has no checksum sidecar (not a checkpoint
+            hetseq_hpc wrote, or cut off while saving), or the checkpoint was trained with other
+            settings (the ranks' one-line messages; exit code 1 as when a rank finds it).
     """
     from hetseq_hpc.train.checkpoint import list_checkpoints
+    from hetseq_hpc.train.checkpoint_files import stored_checksum
     from hetseq_hpc.train.state import check_fingerprint, run_fingerprint
 
     resume = run.trainer.resume
@@ -50,6 +52,7 @@ def check_resume(run: Any, run_dir: Optional[Path]) -> None:
             raise CheckpointError(f"trainer.resume={resume} {problem}: give the path of a "
                               "checkpoint (RUN_DIR/checkpoints/step_XXXXXXXX.pt), or "
                               "trainer.resume=auto / never")
+        stored_checksum(path)  # a file hetseq_hpc did not write (no sidecar): refused here
     saved = checkpoint_fingerprint(path)
     if saved is None:
         return

@@ -86,6 +86,25 @@ def _sha256_of(path: Path) -> str:
     return sha.hexdigest()
 
 
+def stored_checksum(path: Path) -> str:
+    """The SHA-256 (hex, lower case) that ``path``'s ``.sha256`` sidecar records; cheap (the
+    checkpoint itself is not read), so a launcher can refuse a wrong ``trainer.resume`` file
+    before anything starts.
+
+    Raises:
+        CheckpointError: the sidecar is missing or unreadable.
+    """
+    sidecar = checksum_path(path)
+    try:
+        return sidecar.read_text(encoding="ascii").split()[0].lower()
+    except (OSError, UnicodeDecodeError, IndexError):
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is corrupt or incomplete: its checksum file "
+            f"{sidecar.name} is missing or unreadable (cut off while saving, or not written by "
+            f"this hetseq_hpc): {FIX}"
+        ) from None
+
+
 def verify_checksum(path: Path) -> None:
     """Check ``path`` against its ``.sha256`` sidecar.
 
@@ -93,14 +112,7 @@ def verify_checksum(path: Path) -> None:
         CheckpointError: the sidecar is missing or unreadable, or the content differs.
     """
     sidecar = checksum_path(path)
-    try:
-        want = sidecar.read_text(encoding="ascii").split()[0].lower()
-    except (OSError, UnicodeDecodeError, IndexError):
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} is corrupt or incomplete: its checksum file "
-            f"{sidecar.name} is missing or unreadable (cut off while saving, or not written by "
-            f"this hetseq_hpc): {FIX}"
-        ) from None
+    want = stored_checksum(path)
     got = _sha256_of(path)
     if got != want:
         raise CheckpointError(

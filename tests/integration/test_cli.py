@@ -164,6 +164,19 @@ def test_missing_resume_file_on_a_new_run_is_caught_before_start(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_a_resume_file_hetseq_did_not_write_is_caught_before_start(tmp_path):
+    """A trainer.resume file without its .sha256 sidecar (a data file, a checkpoint copied
+    without it) is refused before any rank starts or any job is submitted (the ranks refused
+    it after starting, or on the cluster after the queue wait); nothing is created."""
+    wrong = tmp_path / "data.jsonl"
+    wrong.write_text('{"text": "not a checkpoint"}\n')
+    for cluster in ("cluster=local", "cluster=mixed"):
+        line = _one_error_line(hetseq(cluster, f"trainer.resume={wrong}",
+                                      f"hydra.run.dir={tmp_path / 'r'}"), code=1)
+        assert str(wrong) in line and "data.jsonl.sha256 is missing or unreadable" in line
+        assert not (tmp_path / "r").exists()
+
+
 def test_rejected_slurm_attempt_leaves_no_run_directory(tmp_path, token_cache):
     env = cli_env(token_cache)
     env["PATH"] = str(Path(sys.executable).parent)  # no sbatch / sinfo: the launch is refused
