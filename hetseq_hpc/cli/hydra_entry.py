@@ -61,6 +61,9 @@ def precheck_overrides(argv: List[str]) -> None:
     Hydra handles.
     """
     if any(arg.startswith("-") for arg in argv):
+        if any(arg in MULTIRUN_FLAGS for arg in argv) and all(
+                arg in MULTIRUN_FLAGS or not arg.startswith("-") for arg in argv):
+            precheck_sweep([arg for arg in argv if arg not in MULTIRUN_FLAGS])
         return
     overrides = [a for a in argv if not a.lstrip("+~").startswith("hydra.")]
     try:
@@ -76,6 +79,43 @@ def precheck_overrides(argv: List[str]) -> None:
     except HetseqError as exc:  # a bad value (2); a checkpoint that is missing or does not fit (1)
         sys.exit(report_error(exc))
     except HydraException as exc:  # Hydra's parser on a malformed hydra.run.dir override
+        sys.exit(report_error(ConfigError(" ".join(str(exc).split()) or type(exc).__name__)))
+
+
+#: Hydra's flags for a sweep (one job per point)
+MULTIRUN_FLAGS = ("-m", "--multirun")
+#: most configurations :func:`precheck_sweep` composes
+MAX_SWEEP_CHECKS = 64
+
+
+def precheck_sweep(argv: List[str]) -> None:
+    """``-m`` (multirun): compose and validate every value of every swept override (each with
+    the other sweeps at their first value, at most :data:`MAX_SWEEP_CHECKS` configurations: every
+    one is a point of the grid), so that a bad value is one ``hetseq-hpc: error:`` line with
+    exit code 2 naming it, before Hydra starts (it refused the sweep with a multi-line report).
+    Sweeps Hydra cannot enumerate (``interval(...)``, for optimizers) are left to it.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    overrides = [a for a in argv if not a.lstrip("+~").startswith("hydra.")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        values = [list(o.sweep_string_iterator()) if o.is_sweep_override() else None
+                  for o in parsed]
+    except HydraException:
+        return  # Hydra reports what it cannot parse or enumerate
+    firsts = [f"{o.get_key_element()}={v[0]}" if v else text
+              for o, v, text in zip(parsed, values, overrides)]
+    points = [firsts]
+    for i, (override, swept) in enumerate(zip(parsed, values)):
+        for value in (swept or [])[1:]:
+            points.append([*firsts[:i], f"{override.get_key_element()}={value}", *firsts[i + 1:]])
+    try:
+        for point in points[:MAX_SWEEP_CHECKS]:
+            check_task_code(compose_run_config(point))
+    except HetseqError as exc:
+        sys.exit(report_error(exc))
+    except HydraException as exc:
         sys.exit(report_error(ConfigError(" ".join(str(exc).split()) or type(exc).__name__)))
 
 

@@ -125,3 +125,23 @@ def test_cli_binary_data_file_exits_2_and_starts_nothing(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("hetseq-hpc: error: task.data.files") and str(data) in proc.stderr
     _assert_nothing_started(tmp_path)
+
+
+@pytest.mark.parametrize("sweep, words", [
+    (["optim.lr=1e-4,abc"], "optim.lr='abc' is not valid: expected a number"),
+    (["cluster.ranks=range(0,2)"], "cluster.ranks=0 is invalid"),
+    (["task=bert,image", "task.model.hidden_size=8"], "task.model.hidden_size is not a setting"),
+])
+def test_a_bad_value_in_a_sweep_is_one_line_before_any_point_runs(tmp_path, sweep, words):
+    """``-m``: every value of every swept override is composed and validated before Hydra
+    starts (each with the other sweeps at their first value: a point of the grid), so a bad
+    one is one line, exit 2, and no sweep directory is made (Hydra refused it with a
+    multi-line report)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "hetseq_hpc", "-m", *sweep, "trainer.max_steps=2",
+         f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("hetseq-hpc: error: ") and words in line, line
+    assert not (tmp_path / "sweep").exists()
