@@ -73,6 +73,13 @@ class Preempted(HetseqError):
         """Whether the rank with original rank ``procid`` requeues the job and records the stop."""
         return procid == 0 if self.leader is None else bool(self.leader)
 
+    @property
+    def after_lost_rank(self) -> bool:
+        """Whether the stop follows a lost rank (an elastic world fell below its minimum): the
+        rank still holds the broken world's DDP reducer and gloo group, so it must end without
+        the interpreter's teardown (:data:`hetseq_hpc.env.rank_guard.FAILED`)."""
+        return self.leader is not None
+
 
 # ---------------------------------------------------------------------------- exit codes
 # One table from error type to exit code, and the one-line error every command prints:

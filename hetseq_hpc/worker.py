@@ -368,6 +368,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         run_worker(run, str(run_dir))
         return 0
     except Preempted as exc:
+        if exc.after_lost_rank:  # no teardown of the broken world (see FAILED)
+            FAILED.append(exc)
         if run is not None:
             handle_preempted(exc, run)
         return 3

@@ -106,7 +106,8 @@ def watch_launcher(env=None, grace_s: float = ORPHAN_GRACE_S) -> Optional[thread
     return thread
 
 
-#: the errors of a failed or left-out rank, kept referenced until the process ends: freeing
+#: the errors of a failed or left-out rank, or of one stopped after a lost rank (its broken
+#: world's DDP reducer is still referenced), kept referenced until the process ends: freeing
 #: their tracebacks would free the training objects, and a DDP reducer freed while a broken
 #: gloo group still runs its comm hook's callback deadlocks (the reducer's destructor joins
 #: gloo's thread holding the GIL, and that thread waits for the GIL; seen with a stopped
@@ -115,9 +116,10 @@ FAILED: List[BaseException] = []
 
 
 def exit_process(code: int) -> None:
-    """End the worker process with ``code``. A failed or left-out rank (an error in
-    :data:`FAILED`) skips the interpreter's teardown (logs flushed first, ``os._exit``): a rank
-    that reported its failure but never exits would leave its launcher waiting."""
+    """End the worker process with ``code``. A failed or left-out rank, or one stopped after a
+    lost rank (an error in :data:`FAILED`), skips the interpreter's teardown (logs flushed
+    first, ``os._exit``): a rank that reported its failure but never exits would leave its
+    launcher waiting, and one that aborts in it would be reported lost."""
     if not FAILED:
         sys.exit(code)
     logging.shutdown()

@@ -125,6 +125,8 @@ class HetseqJobFunction:
                 write_stop_record(self.run_dir, os.environ.get("SLURM_JOB_ID", ""), exc.step,
                                   exc.code, restarts, limit, requeued)
             handle_preempted(exc, run)
+            if exc.after_lost_rank:  # no teardown of the broken world (rank_guard.FAILED)
+                exit_at_shutdown(exc, 3)
             raise SystemExit(3) from None
         except RankExcluded as exc:  # the others went on without this rank: not a failure
             exit_at_shutdown(exc, 0)  # no teardown of its broken group (rank_guard.FAILED)

@@ -40,3 +40,29 @@ def test_only_a_peer_failure_with_in_job_recovery_is_absorbed(monkeypatch):
     with pytest.raises(ConfigError):
         after_training(object(), bad, "the final barrier", "lost")
     assert after_training(object(), lambda: 7, "x", None) == 7
+
+
+@pytest.mark.parametrize(("leader", "kept"), [(True, True), (False, True), (None, False)])
+def test_a_stop_after_a_lost_rank_ends_without_the_teardown(monkeypatch, tmp_path, leader, kept):
+    """A survivor stopped because too few ranks were left (``leader`` set: an elastic world)
+    still holds the broken world's DDP reducer and gloo group: it ends without the
+    interpreter's teardown (kept in FAILED), which could abort it (SIGABRT, seen once in CI,
+    after its checkpoint) and make the launcher name it lost too. A scheduler's stop
+    (``leader`` None) tears down as before."""
+    import hetseq_hpc.worker as worker
+    from hetseq_hpc.env.preemption import REQUEUE
+    from hetseq_hpc.errors import Preempted
+
+    def stopped(run, run_dir):
+        raise Preempted(11, REQUEUE, "losing rank(s) [1]", leader=leader)
+
+    monkeypatch.setattr(worker, "watch_launcher", lambda: None)
+    monkeypatch.setattr(worker, "load_run_config", lambda path: object())
+    monkeypatch.setattr(worker, "run_worker", stopped)
+    monkeypatch.setattr(worker, "handle_preempted", lambda exc, run: None)
+    before = len(FAILED)
+    try:
+        assert worker.main(["--config", str(tmp_path / "config.yaml")]) == 3
+        assert (len(FAILED) == before + 1) == kept
+    finally:
+        del FAILED[before:]
