@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, List, Tuple
+from typing import Any, List, NoReturn, Tuple
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -53,6 +53,15 @@ def _hydra_main(cfg: DictConfig) -> Any:
     return dispatch_or_exit(run, run_dir, new_dir)
 
 
+def exit_one_line(exc: BaseException) -> NoReturn:
+    """Exit with the one ``hetseq-hpc: error:`` line of a pre-check's error: a
+    :class:`HetseqError` as it is (a bad value 2; a checkpoint that is missing or does not fit
+    1), a Hydra parser error (a malformed override) as a :class:`ConfigError` on one line."""
+    if not isinstance(exc, HetseqError):
+        exc = ConfigError(" ".join(str(exc).split()) or type(exc).__name__)
+    sys.exit(report_error(exc))
+
+
 def precheck_overrides(argv: List[str]) -> None:
     """Compose and validate the config once before Hydra does, so that a bad override (unknown
     key, wrong type, out-of-range value, missing group option) or an unwritable
@@ -76,10 +85,8 @@ def precheck_overrides(argv: List[str]) -> None:
             raise ConfigError(f"hydra.run.dir={run_dir} cannot be created ({problem}): choose a "
                               "writable directory, e.g. hydra.run.dir=runs/my-run")
         check_resume(run, Path(run_dir) if run_dir != "." else None)
-    except HetseqError as exc:  # a bad value (2); a checkpoint that is missing or does not fit (1)
-        sys.exit(report_error(exc))
-    except HydraException as exc:  # Hydra's parser on a malformed hydra.run.dir override
-        sys.exit(report_error(ConfigError(" ".join(str(exc).split()) or type(exc).__name__)))
+    except (HetseqError, HydraException) as exc:
+        exit_one_line(exc)
 
 
 #: Hydra's flags for a sweep (one job per point)
@@ -113,10 +120,8 @@ def precheck_sweep(argv: List[str]) -> None:
     try:
         for point in points[:MAX_SWEEP_CHECKS]:
             check_task_code(compose_run_config(point))
-    except HetseqError as exc:
-        sys.exit(report_error(exc))
-    except HydraException as exc:
-        sys.exit(report_error(ConfigError(" ".join(str(exc).split()) or type(exc).__name__)))
+    except (HetseqError, HydraException) as exc:
+        exit_one_line(exc)
 
 
 def run_with_hydra(argv: List[str]) -> None:

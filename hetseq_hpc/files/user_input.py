@@ -18,6 +18,7 @@ import json
 import math
 import os
 import stat
+import tempfile
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -163,7 +164,8 @@ def output_problem(path: PathLike) -> Optional[str]:
 
 def folder_problem(path: PathLike) -> Optional[str]:
     """Why a folder cannot be created (or written) at ``path``, or None when it can: its
-    nearest existing ancestor must be a writable folder."""
+    nearest existing ancestor must be a writable folder that accepts a new folder (tried: one
+    is created and removed at once; ``os.access`` alone says yes to root on procfs)."""
     existing = Path(path).expanduser().absolute()
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -171,6 +173,10 @@ def folder_problem(path: PathLike) -> Optional[str]:
         return f"{existing} is a file, not a folder"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{existing} is not writable"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".hetseq-check-", dir=existing))
+    except OSError as exc:
+        return f"{existing} refuses a new folder ({exc.strerror or type(exc).__name__})"
     return None
 
 

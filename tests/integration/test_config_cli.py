@@ -118,6 +118,19 @@ def test_cli_unwritable_run_dir_is_one_line(tmp_path):
     assert proc.stderr.count("\n") == 1
 
 
+def test_cli_run_dir_on_a_filesystem_that_refuses_folders_is_one_line(tmp_path):
+    """procfs says it is writable (``os.access`` as root) but takes no new folder: the pre-check
+    tries one (created and removed) instead of trusting the permission bits."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "hetseq_hpc", "hydra.run.dir=/proc/hetseq-run"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("hetseq-hpc: error: hydra.run.dir=/proc/hetseq-run cannot be "
+                                  "created (/proc "), proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
 def test_cli_binary_data_file_exits_2_and_starts_nothing(tmp_path):
     data = tmp_path / "corpus.bin"
     data.write_bytes(bytes(range(256)) * 4)
