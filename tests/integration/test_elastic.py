@@ -223,7 +223,7 @@ def test_too_few_survivors_checkpoint_and_stop_for_a_requeue(reference, tmp_path
     assert "trainer.elastic.min_ranks=3" in stderr and "checkpoint written" in stderr, \
         stderr[-3000:]
     last = stderr.strip().splitlines()[-1]  # the launcher's line: lost, why, the fix
-    assert "rank(s) [1] were lost (rank 1: killed by SIGKILL" in last, last
+    assert "rank(s) [1] were lost (rank 1: killed by SIGKILL" in last, stderr[-4000:]
     assert "fewer than trainer.elastic.min_ranks=3" in last and "trainer.resume=auto" in last
     assert "the other ranks were stopped" not in last, last
     state = _last_checkpoint(run_dir)
