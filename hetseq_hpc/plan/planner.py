@@ -121,12 +121,15 @@ def _table_ranks(run, opts: PlanConfig) -> Tuple[ModelInfo, List[RankSpec], str]
     from hetseq_hpc.balance.placement import plan_placements
 
     model = measure_model(run.task, need_activations=True)
-    ranks = ranks_from_table(plan_placements(run), model.flops_per_sample, model.param_count,
+    placements = plan_placements(run)
+    ranks = ranks_from_table(placements, model.flops_per_sample, model.param_count,
                              model.activation_bytes_per_sample, opts.mfu, opts.peak,
                              run.balance.max_micro_batch, model.param_tensors,
                              model.accesses_per_sample)
-    precision = ("as the runtime picks (bf16 on compute capability >= 8.0, fp16 on 7.x, else "
-                 "fp32; per-partition precision overrides)" if opts.peak == "runtime"
+    requested = sorted({p.precision for p in placements})
+    precision = (f"as the runtime picks from the requested {'/'.join(requested)} (auto: bf16 "
+                 "on compute capability >= 8.0, fp16 on 7.x, else fp32; per rank in the "
+                 "device column)" if opts.peak == "runtime"
                  else "tensor-core peak everywhere (plan.peak=tensor)")
     source = (f"GPU specs, not a probe: {model.flops_per_sample / 1e9:.2f} GFLOP per sample at "
               f"{FACTORS['compute_fraction']:.3f} of peak + {model.accesses_per_sample / 1e6:.1f} M "

@@ -381,3 +381,17 @@ def test_a_partial_probe_scales_the_spec_model_by_per_sample_rates(tmp_path):
     assert v100.samples_per_s == pytest.approx(spec_v100.samples_per_s * scale)
     assert v100.curve.per_sample_s == pytest.approx(spec_v100.curve.per_sample_s / scale)
     assert v100.curve.overhead_s == spec_v100.curve.overhead_s > 0
+
+
+def test_the_spec_plan_says_the_requested_precision_and_each_rank_s():
+    """``precision=fp32`` is planned in fp32 on every GPU, and the source line says fp32 was
+    requested (it described only what ``auto`` picks)."""
+    from hetseq_hpc.config import compose_run_config
+    from hetseq_hpc.plan.planner import make_plan
+
+    result = make_plan(compose_run_config(["cluster=mixed", *SMALL_MODEL, "precision=fp32"]))
+    assert "from the requested fp32 (auto:" in result.source, result.source
+    assert all(" fp32 (specs" in r.device for r in result.ranks), [r.device for r in result.ranks]
+    auto = make_plan(compose_run_config(["cluster=mixed", *SMALL_MODEL]))
+    assert "from the requested auto (auto:" in auto.source
+    assert any(" bf16 (specs" in r.device for r in auto.ranks)
