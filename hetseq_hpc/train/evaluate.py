@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
@@ -31,7 +32,8 @@ def _add(total: Dict[str, float], part: Dict[str, float]) -> None:
 @torch.no_grad()
 def evaluate_task(task: Any, model: nn.Module, rdv: Any, batch_size: int, device: torch.device,
                   autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                  same_passes: bool = False) -> Dict[str, float]:
+                  same_passes: bool = False,
+                  before_gather: Optional[Callable[[float], Any]] = None) -> Dict[str, float]:
     """The task's validation metrics on its whole validation split (every rank calls this).
 
     Args:
@@ -44,6 +46,9 @@ def evaluate_task(task: Any, model: nn.Module, rdv: Any, batch_size: int, device
         same_passes: every rank runs the same number of batches (a sharded FSDP model gathers
             each unit in every forward, a collective): the ranks agree on the largest count and
             a rank with fewer batches runs its first one again, its statistics discarded.
+        before_gather: called with this rank's pass time (seconds) right before the gather
+            of the sums, the one collective of a validation without ``same_passes`` (the
+            first validation's timeout is set there: :mod:`hetseq_hpc.train.phase_timeout`).
 
     Returns:
         ``finalize_metrics`` of the summed statistics; ``{}`` when there is no validation split.
@@ -60,6 +65,7 @@ def evaluate_task(task: Any, model: nn.Module, rdv: Any, batch_size: int, device
     if same_passes:
         passes = max(rdv.all_gather_objects(len(starts)))
         starts += [None] * (passes - len(starts))  # repeats of a batch, not counted
+    began = time.monotonic()
     try:
         for start in starts:
             chunk = (positions[start:start + size] if start is not None else
@@ -72,6 +78,8 @@ def evaluate_task(task: Any, model: nn.Module, rdv: Any, batch_size: int, device
                 _add(sums, part)
     finally:
         model.train(was_training)
+    if before_gather is not None and not same_passes:
+        before_gather(time.monotonic() - began)
     gathered: List[Dict[str, float]] = rdv.all_gather_objects(sums)
     total: Dict[str, float] = {}
     for part in gathered:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
@@ -48,6 +49,7 @@ from hetseq_hpc.train.loggers import first_logged_loss
 from hetseq_hpc.train.metrics import run_summary
 from hetseq_hpc.train.optim import build_optimizer, step_seed
 from hetseq_hpc.train.parallel import build_parallel, rank_memory
+from hetseq_hpc.train.phase_timeout import first_validation_wait
 from hetseq_hpc.train.phases import DONE, StepPhases
 from hetseq_hpc.train.precision import GradientPath
 from hetseq_hpc.train.records import RankMeta, StepRecord
@@ -296,7 +298,8 @@ class Trainer:
         with self.parallel.for_evaluation(fixed) as model:
             return evaluate_task(self.task, model, self.rdv, self.allocation.shares[self.rank]
                                  .micro_batch, self.device, self.autocast,
-                                 same_passes=self.parallel.sharded and fixed)
+                                 same_passes=self.parallel.sharded and fixed,
+                                 before_gather=partial(first_validation_wait, self))
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Dict[str, Any]:

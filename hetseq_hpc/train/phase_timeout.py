@@ -13,6 +13,17 @@ durations on this rank, and never less than the training step's timeout. A rank 
 during its second validation is thus noticed within seconds, not after
 ``cluster.collective_timeout_s``.
 
+The FIRST validation of a replicated model (DDP; FSDP gathered whole) is estimated instead
+(:func:`first_validation_wait`): its one collective, the gather of the sums, comes after the
+whole local pass, so a rank arriving there knows its own pass took ``local_s``; the slowest
+peer's pass, over an equal share of the validation set, should take at most ``local_s`` times
+the largest ratio of a peer's to this rank's measured compute seconds per training sample
+(last :data:`WINDOW` steps, at least 1). The gather waits :data:`FACTOR` times that, never less
+than the step's timeout. A wrong guess costs one re-formation that loses nobody, after which
+the validation is redone waiting ``cluster.collective_timeout_s`` (the phase's measurements are
+forgotten); a decoding validation (translation's BLEU) is slower than training per sample on
+every rank alike, and proportionally less so on a slower GPU, so the ratio errs long.
+
 Both groups a phase uses get the timeout -- the rendezvous's gloo group (the gathers and
 broadcasts of validation sums, checkpoint decisions, shard digests) and the default group
 (FSDP's all-gathers in a validation forward pass, DCP's collectives) -- and get their own back
@@ -22,10 +33,13 @@ afterwards (``cluster.collective_timeout_s``, the step's timeout).
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections import deque
 from datetime import timedelta
-from typing import Any, Deque, Dict, Iterator, Optional
+from typing import Any, Deque, Dict, Iterator, Optional, Sequence
+
+log = logging.getLogger(__name__)
 
 #: a phase's timeout is this many times its longest recent duration
 FACTOR = 3.0
@@ -44,6 +58,7 @@ class PhaseTimeouts:
     def __init__(self, first_s: float):
         self.first_s = float(first_s)
         self.durations: Dict[str, Deque[float]] = {}
+        self.estimate_first = True  # see first_validation_wait; off after forget()
 
     def seconds(self, phase: str, step_timeout_s: float) -> float:
         """The timeout of ``phase`` now: ``first_s`` until it was measured once, then
@@ -55,12 +70,55 @@ class PhaseTimeouts:
 
     def forget(self) -> None:
         """Drop every measurement: after a timeout that lost nobody (a phase slower than its
-        past, not a hung rank) the redone phase waits ``first_s`` again."""
+        past, not a hung rank) the redone phase waits ``first_s`` again, estimated no more
+        (:func:`first_validation_wait`)."""
         self.durations.clear()
+        self.estimate_first = False
 
     def record(self, phase: str, seconds: float) -> None:
         """A completed ``phase`` took ``seconds`` on this rank."""
         self.durations.setdefault(phase, deque(maxlen=WINDOW)).append(max(0.0, float(seconds)))
+
+
+def peer_cost_ratio(history: Sequence[Any], rank: int, world_size: int) -> Optional[float]:
+    """The largest ratio, over the last :data:`WINDOW` steps of this world and its peers, of a
+    peer's compute seconds per training sample to this rank's (at least 1); None without a
+    step of this world (``per_rank`` of ``world_size`` entries) to measure it from."""
+    ratios = []
+    for rec in list(history)[-WINDOW:]:
+        stats = getattr(rec, "per_rank", None) or []
+        if len(stats) != world_size or not 0 <= rank < world_size:
+            continue
+        cost = [s.compute_time_s / s.samples if s.samples else 0.0 for s in stats]
+        if cost[rank] > 0:
+            ratios.append(max(cost) / cost[rank])
+    return max(1.0, *ratios) if ratios else None
+
+
+def first_validation_wait(trainer: Any, local_s: float) -> Optional[float]:
+    """Called by a rank that finished its share of a validation pass in ``local_s`` seconds,
+    right before the gather of the sums: the first validation (nothing measured yet) of an
+    in-job-recovery run waits ``max(step timeout, FACTOR x local_s x peer_cost_ratio)`` there
+    instead of ``cluster.collective_timeout_s`` (see the module docstring). Returns the
+    timeout set, or None when nothing changed (no recovery, a validation measured before, a
+    timeout that lost nobody before (:meth:`PhaseTimeouts.forget`), no step of this world to
+    estimate from, or an estimate not shorter)."""
+    elastic = getattr(trainer, "elastic", None)
+    group = getattr(getattr(trainer, "rdv", None), "cpu_group", None)
+    timeouts = getattr(elastic, "phase_timeouts", None)
+    if (group is None or timeouts is None or not timeouts.estimate_first
+            or timeouts.durations.get("validation")):
+        return None
+    ratio = peer_cost_ratio(trainer.history, trainer.rank, trainer.world.world_size)
+    if ratio is None:
+        return None
+    seconds = max(float(elastic.timeout.seconds), FACTOR * max(0.0, local_s) * ratio)
+    if seconds >= timeouts.first_s:
+        return None
+    _set(seconds, group)
+    log.info("first validation: this rank's share took %.1f s, the slowest peer's should take "
+             "%.1fx that: its gather waits %.1f s", local_s, ratio, seconds)
+    return seconds
 
 
 def _set(seconds: float, group: Optional[Any] = None) -> None:
@@ -121,5 +179,5 @@ def phase_timeout(trainer: Any, phase: str) -> Iterator[None]:
             elastic.timeout.apply()  # the step's timeout on the default group again
 
 
-__all__ = ["FACTOR", "WINDOW", "PhaseTimeouts", "phase_timeout", "rendezvous_timeout",
-           "step_timeout"]
+__all__ = ["FACTOR", "WINDOW", "PhaseTimeouts", "first_validation_wait", "peer_cost_ratio",
+           "phase_timeout", "rendezvous_timeout", "step_timeout"]

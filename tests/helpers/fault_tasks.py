@@ -13,12 +13,16 @@ Both train the small BERT of :data:`~tests.helpers.runs.SMALL_MODEL` (its sizes 
 * :class:`SlowExamplesBert` makes rank 0 take ``+task.args.examples_s`` seconds over its
   example predictions after the last step (the other ranks wait at the final barrier), first
   writing the file ``+task.args.marker``: a window in which a test loses a rank after the
-  training has completed.
+  training has completed;
+* :class:`StoppedInValidationBert` makes rank ``+task.args.stop_rank`` stop itself (SIGSTOP)
+  in its first validation batch: a rank hung in a validation nothing has measured yet;
+  with ``+task.args.sleep_s`` it sleeps that long instead: a slow rank, not a hung one.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -95,3 +99,14 @@ class SlowExamplesBert(_Bert):
             Path(marker).write_text("examples")
         time.sleep(float(self.args["examples_s"]))
         return []
+
+
+class StoppedInValidationBert(_Bert):
+    def evaluate_batch(self, model, batch, positions):
+        if this_rank() == int(self.args["stop_rank"]) and not getattr(self, "_stopped", False):
+            self._stopped = True
+            if "sleep_s" in self.args:
+                time.sleep(float(self.args["sleep_s"]))
+            else:
+                os.kill(os.getpid(), signal.SIGSTOP)
+        return super().evaluate_batch(model, batch, positions)

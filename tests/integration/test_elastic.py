@@ -155,6 +155,55 @@ def test_a_rank_stopped_during_validation_is_noticed_from_the_phase_time(referen
     assert not Path(f"/proc/{pid}").exists(), "the stopped rank was not ended"
 
 
+def _first_validation_fault(run_dir: Path, token_cache: Path, **args) -> str:
+    """Run 3 ranks with validation every 5 steps, ``cluster.collective_timeout_s=600`` and
+    rank 2 stopped or slowed in its first validation (tests/helpers/fault_tasks.py); the
+    uninterrupted trajectory is checked, the output returned."""
+    common = [o for o in COMMON if not o.startswith("task.model.")]  # task=custom's own
+    cmd = [sys.executable, "-m", "hetseq_hpc", *common,
+           *fault_task("StoppedInValidationBert", stop_rank=2, **args),
+           "++task.model.max_seq_len=32", "++task.model.dropout=0.0", "cluster.ranks=3",
+           "trainer.val_every=5", "cluster.collective_timeout_s=600", "trainer.plot=false",
+           f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(token_cache), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return _finish(proc)  # within its 300 s guard: a wait of collective_timeout_s fails it
+
+
+def test_a_rank_stopped_in_the_first_validation_is_noticed_without_the_long_timeout(
+        reference, tmp_path, token_cache):
+    """Rank 2 stops itself (SIGSTOP) in its first validation batch, at step 5, with
+    ``cluster.collective_timeout_s=600``: nothing has measured a validation yet, so the
+    survivors' gather waits an estimate from their own pass and the ranks' measured compute
+    per sample (hetseq_hpc/train/phase_timeout.py), not 600 s; they redo the validation over
+    themselves and finish the uninterrupted trajectory."""
+    run_dir = tmp_path / "run"
+    _first_validation_fault(run_dir, token_cache)
+    _same_trajectory(reference, run_dir)
+    (event,) = _events(run_dir)
+    assert [x["rank"] for x in event["lost"]] == [2] and event["step"] == 5, event
+    assert event["redo"] == "validation", event
+    assert 0 < event["recovery_s"] < 120, event  # 600 s would mean the long timeout was waited
+    logs = (run_dir / "logs" / "rank0.log").read_text()
+    assert "first validation: this rank's share took" in logs
+
+
+def test_a_first_validation_slower_than_its_estimate_is_redone_by_all(reference, tmp_path,
+                                                                     token_cache):
+    """Rank 2 sleeps 20 s in its first validation batch (slow, not hung: its heartbeat goes
+    on), longer than the others' estimate (at least the step's timeout, 8 s): their gather
+    times out, the world re-forms with nobody lost, and the validation is redone by all three
+    waiting the full ``cluster.collective_timeout_s``: the run finishes on the uninterrupted
+    trajectory, 3 ranks to the end."""
+    run_dir = tmp_path / "run"
+    _first_validation_fault(run_dir, token_cache, sleep_s=20)
+    _same_trajectory(reference, run_dir)
+    events = _events(run_dir)
+    assert all(not e["lost"] and e["world_size"] == 3 for e in events), events
+    logs = (run_dir / "logs" / "rank0.log").read_text()
+    assert "first validation: this rank's share took" in logs and "re-forming" in logs
+
+
 def test_two_ranks_lost_one_after_the_other_from_4(reference, tmp_path, token_cache):
     """4 ranks (the trajectory does not depend on the world size), rank 3 killed at step 8,
     rank 1 at step 18: two membership changes, 2 survivors finish."""

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from hetseq_hpc.train.phase_timeout import FACTOR, WINDOW, PhaseTimeouts
+from types import SimpleNamespace
+
+import pytest
+
+from hetseq_hpc.distributed.rendezvous import StepStats
+from hetseq_hpc.train.phase_timeout import (
+    FACTOR,
+    WINDOW,
+    PhaseTimeouts,
+    first_validation_wait,
+    peer_cost_ratio,
+)
 
 
 def test_a_phase_never_measured_waits_the_long_timeout():
@@ -31,3 +42,46 @@ def test_forget_makes_the_next_phase_wait_the_long_timeout_again():
     timeouts.record("validation", 1.0)
     timeouts.forget()
     assert timeouts.seconds("validation", 8.0) == 300
+
+
+
+def _rec(*compute_and_samples):
+    return SimpleNamespace(per_rank=[StepStats(0.0, 1, n, c, c, 0.0)
+                                     for c, n in compute_and_samples])
+
+
+def test_the_peer_ratio_is_the_slowest_peer_per_sample_over_this_rank_at_least_1():
+    history = [_rec((1.0, 10), (1.0, 2)), _rec((1.0, 10), (0.5, 2))]  # rank 1: 5x, then 2.5x
+    assert peer_cost_ratio(history, 0, 2) == pytest.approx(5.0)
+    assert peer_cost_ratio(history, 1, 2) == 1.0  # the slowest itself: never below 1
+    assert peer_cost_ratio(history, 0, 3) is None  # no step of a 3-rank world
+    assert peer_cost_ratio([], 0, 2) is None
+
+
+def _trainer(timeouts, history, step_timeout_s=8.0):
+    return SimpleNamespace(
+        elastic=SimpleNamespace(phase_timeouts=timeouts,
+                                timeout=SimpleNamespace(seconds=step_timeout_s)),
+        rdv=SimpleNamespace(cpu_group=object()), history=history, rank=0,
+        world=SimpleNamespace(world_size=2))
+
+
+def test_the_first_validation_gather_waits_an_estimate_then_the_measured_phase(monkeypatch):
+    import hetseq_hpc.train.phase_timeout as pt
+
+    set_to = []
+    monkeypatch.setattr(pt, "_set", lambda seconds, group=None: set_to.append(seconds))
+    history = [_rec((1.0, 10), (1.0, 2))]  # the peer takes 5x this rank's time per sample
+    timeouts = PhaseTimeouts(600)
+    trainer = _trainer(timeouts, history)
+    assert first_validation_wait(trainer, 4.0) == FACTOR * 4.0 * 5.0 == set_to[-1]
+    assert first_validation_wait(trainer, 0.1) == 8.0  # never below the step's timeout
+    assert first_validation_wait(trainer, 100.0) is None  # not shorter than 600 s: unchanged
+    timeouts.record("validation", 2.0)
+    assert first_validation_wait(trainer, 4.0) is None  # measured: phase_timeout's own rule
+    timeouts.forget()  # a timeout that lost nobody: the redo waits the long timeout
+    assert first_validation_wait(trainer, 4.0) is None
+    no_steps = _trainer(PhaseTimeouts(600), [])
+    assert first_validation_wait(no_steps, 4.0) is None
+    assert first_validation_wait(SimpleNamespace(elastic=None, rdv=None), 4.0) is None
+    assert len(set_to) == 2
