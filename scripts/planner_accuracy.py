@@ -70,28 +70,39 @@ def classes_table() -> None:
 def hetseq_table() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit"))
     # the test's own plan and HetSeq's README figures, not a copy
+    from test_plan_hetseq import (
+        OWN_BERT_BASE,
+        _plan,
+        _predicted_step_s,
+        hetseq_model,
+        one_node_probe,
+    )
     from test_plan_hetseq import PUBLISHED_STEP_S as HETSEQ_STEP_S
-    from test_plan_hetseq import _plan, _predicted_step_s, one_node_probe
 
-    steps = {n: _predicted_step_s(n) for n in HETSEQ_STEP_S}
-    print("| nodes | published step s | predicted | error | published step(N)/step(1) | predicted |")
-    print("|---|---|---|---|---|---|")
+    model = hetseq_model()  # HetSeq's own BERT (examples/hetseq_bert.py), the user's token cache
+    steps = {n: _predicted_step_s(n, model) for n in HETSEQ_STEP_S}
+    own = {n: _predicted_step_s(n, OWN_BERT_BASE) for n in HETSEQ_STEP_S}
+    print("| nodes | published step s | predicted (HetSeq's BERT) | error | published "
+          "step(N)/step(1) | predicted | error | hetseq_hpc's BERT-base: step | error |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for n, pub in HETSEQ_STEP_S.items():
-        print(f"| {n} | {pub} | {steps[n]:.2f} | {_pct(steps[n] / pub - 1)} | "
-              f"{pub / HETSEQ_STEP_S[1]:.3f} | {steps[n] / steps[1]:.3f} |")
+        scale, pub_scale = steps[n] / steps[1], pub / HETSEQ_STEP_S[1]
+        print(f"| {n} | {pub} | {steps[n]:.2f} | {_pct(steps[n] / pub - 1)} | {pub_scale:.3f} | "
+              f"{scale:.3f} | {_pct(scale / pub_scale - 1)} | {own[n]:.2f} | "
+              f"{_pct(own[n] / pub - 1)} |")
     print()
     print("With the 1-node figure as the probe of partition xp (plan.probe=; 8 nodes: p100 from "
-          "specs x the xp ratio):")
+          "specs x the xp ratio), HetSeq's BERT:")
     with tempfile.TemporaryDirectory() as tmp:
         probe = Path(tmp) / "xp_probe.json"
-        rate = one_node_probe(probe)
+        rate = one_node_probe(probe, model)
         print(f"probe rate = {rate:.3f} x the spec model's per-sample rate")
         print("| link Gbit/s | " + " | ".join(f"{n} nodes" for n in HETSEQ_STEP_S) + " |")
         print("|---|" + "---|" * len(HETSEQ_STEP_S))
         for link in (5, 10, 25, 100):
             cells = []
             for n, pub in HETSEQ_STEP_S.items():
-                step = _plan(n, link, str(probe)).prediction.equal.step_s
+                step = _plan(n, model, link, str(probe)).prediction.equal.step_s
                 cells.append(f"{step:.3f} s ({_pct(step / pub - 1)})")
             print(f"| {link} | " + " | ".join(cells) + " |")
 

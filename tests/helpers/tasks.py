@@ -1,5 +1,5 @@
-"""The image, translation and example custom tasks with tiny models and tiny real data, as the
-exactness and Slurm task tests run them."""
+"""The image, translation and example custom tasks (examples/char_lm.py, examples/hetseq_bert.py)
+with tiny models and tiny real data, as the exactness and Slurm task tests run them."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from pathlib import Path
 import numpy as np
 
 #: the metric each task logs at validation
-METRIC = {"image": "val_accuracy", "translation": "val_bleu", "custom": "val_bits_per_char"}
+METRIC = {"image": "val_accuracy", "translation": "val_bleu", "custom": "val_bits_per_char",
+          "hetseq_bert": "val_ppl"}
 #: the name summary.json gives each task: a custom task's own ``name`` class attribute
-SUMMARY_NAME = {"image": "image", "translation": "translation", "custom": "char_lm"}
+SUMMARY_NAME = {"image": "image", "translation": "translation", "custom": "char_lm",
+                "hetseq_bert": "hetseq_bert"}
 
 
 def write_task_data(root: Path) -> dict:
@@ -42,5 +44,10 @@ def task_overrides(name: str, files: dict) -> list:
                 "task.model.num_heads=2", "task.model.ff_size=64", "task.model.max_len=24",
                 "task.data.vocab_size=400", "task.data.max_val_samples=32",
                 "task.data.bleu_samples=8"]
+    if name == "hetseq_bert":  # HetSeq's own BERT code (Python LayerNorm, head on every token)
+        return ["task=custom", "task.target=examples.hetseq_bert.HetSeqBertTask",
+                "+task.args.hidden_size=32", "+task.args.num_layers=1", "+task.args.num_heads=2",
+                "+task.args.intermediate_size=64", "+task.args.max_seq_len=32",
+                "+task.args.vocab_size=1000", "+task.args.data_vocab_size=1000"]
     return ["task=custom", "task.target=examples.char_lm.CharLMTask", "+task.args.seq_len=32",
             "+task.args.hidden=32"]

@@ -1,5 +1,6 @@
 """Exact global-batch semantics for every new task: image, translation and the example custom
-task (BERT: tests/integration/test_training.py). Real worker processes, real gloo, real data.
+tasks, char_lm and HetSeq's own BERT (BERT: tests/integration/test_training.py). Real worker
+processes, real gloo, real data.
 
 For each task, with dropout off and one seed:
 
@@ -45,7 +46,7 @@ def run(run_dir: Path, cache: Path, *overrides: str) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDERR:\n{proc.stderr[-4000:]}"
 
 
-@pytest.mark.parametrize("name", ["image", "translation", "custom"])
+@pytest.mark.parametrize("name", ["image", "translation", "custom", "hetseq_bert"])
 def test_uneven_ranks_and_resume_repeat_one_rank(name, tmp_path, token_cache, task_data_files):
     """1 rank x 32 == 2 ranks x [24, 8] at every one of 20 steps, across a stop at step 10 and
     a resume; the task's own metric and units reach metrics.jsonl and summary.json."""
