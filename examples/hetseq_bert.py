@@ -44,6 +44,7 @@ Options (``+task.args.<name>=<value>``): ``hidden_size`` (768), ``num_layers`` (
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Dict, Optional
 
 import torch
@@ -192,6 +193,22 @@ DEFAULTS: Dict[str, Any] = {"hidden_size": 768, "num_layers": 12, "num_heads": 1
                             "data_vocab_size": 8192, "files": [], "cache_dir": None}
 
 
+def _whole(name: str, value: Any) -> int:
+    """``task.args.<name>`` as an int.
+
+    Raises:
+        ConfigError: ``value`` is not a whole number.
+    """
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not number.is_integer():
+        raise ConfigError(f"task.args.{name}={value!r} is not a whole number: set "
+                          f"+task.args.{name}=<int> (HetSeq's BERT-base: {DEFAULTS[name]})")
+    return int(number)
+
+
 class HetSeqBertTask(BertTask):
     """Masked-language modelling with :class:`HetSeqBertForPreTraining` on hetseq_hpc's BERT
     data; loss units are masked tokens (exact uneven batches, as hetseq_hpc's BERT).
@@ -209,19 +226,29 @@ class HetSeqBertTask(BertTask):
             raise ConfigError(f"task.args.{unknown[0]} is not an option of HetSeqBertTask: use "
                               f"one of {', '.join(sorted(DEFAULTS))}")
         self.args = {**DEFAULTS, **args}
-        a = self.args
-        model = BertModelConfig(hidden_size=int(a["hidden_size"]), num_layers=int(a["num_layers"]),
-                                num_heads=int(a["num_heads"]),
-                                intermediate_size=int(a["intermediate_size"]),
-                                dropout=float(cfg.model.get("dropout", 0.1)),
-                                max_seq_len=int(a["max_seq_len"]))
-        data = BertDataConfig(files=list(a["files"]), vocab_size=int(a["data_vocab_size"]),
-                              cache_dir=a["cache_dir"])
+        sizes = {name: _whole(name, self.args[name]) for name in
+                 ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_seq_len",
+                  "vocab_size", "data_vocab_size")}
+        try:  # hetseq_hpc's BERT config validates the shapes; its messages name task.model.*
+            model = BertModelConfig(dropout=float(cfg.model.get("dropout", 0.1)),
+                                    **{k: sizes[k] for k in ("hidden_size", "num_layers",
+                                                             "num_heads", "intermediate_size",
+                                                             "max_seq_len")})
+            data = BertDataConfig(files=list(self.args["files"]), cache_dir=self.args["cache_dir"],
+                                  vocab_size=sizes["data_vocab_size"])
+        except ConfigError as exc:
+            message = str(exc).replace("task.data.vocab_size", "task.args.data_vocab_size")
+            raise ConfigError(re.sub(r"task\.model\.(?!dropout)", "task.args.", message)) from None
         super().__init__(BertTaskConfig(model=model, data=data), seed)
-        if int(a["vocab_size"]) < self.cfg.data.vocab_size:
-            raise ConfigError(f"task.args.vocab_size={a['vocab_size']} is below the data's "
-                              f"vocabulary ({self.cfg.data.vocab_size}): raise it, or lower "
+        if sizes["vocab_size"] < self.data_vocab_size:
+            raise ConfigError(f"task.args.vocab_size={sizes['vocab_size']} is below the data's "
+                              f"vocabulary ({self.data_vocab_size}): raise it, or lower "
                               "task.args.data_vocab_size")
+
+    @property
+    def data_vocab_size(self) -> int:
+        """The WordPiece vocabulary asked of the tokenizer (``task.args.data_vocab_size``)."""
+        return int(self.cfg.data.vocab_size)
 
     @property
     def data_summary(self) -> Dict[str, Any]:
