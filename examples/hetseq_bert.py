@@ -11,13 +11,15 @@ own BERT in what a step costs, not in what it learns:
 - ``BertLayerNorm`` is the Python one (mean, subtract, square, mean, subtract, sqrt, divide,
   scale, shift: one kernel each), because HetSeq's ``try: import apex`` branch leaves the class
   undefined, so it ran without apex; hetseq_hpc uses the fused ``nn.LayerNorm``;
-- attention scales and masks the scores in two operations; GELU is the scripted
-  ``bias_gelu`` (``x * 0.5 * (1 + erf(x / 1.41421))``).
+- attention scales and masks the scores in two operations; GELU is ``bias_gelu``
+  (``x * 0.5 * (1 + erf(x / 1.41421))``), which HetSeq wraps in ``torch.jit.script``.
 
-This file ports those modules line for line (names kept: ``BertSelfAttention``, ...). Not
-ported: the pooler and next-sentence head (``2 x 768^2`` FLOPs per sample, 0.003 % of one;
-hetseq_hpc's packed text has no sentence pairs), activation checkpointing (HetSeq's BERT runs
-did not turn it on), loading TensorFlow checkpoints. The loss is the SUM over masked tokens
+This file ports those modules' operations in HetSeq's order (``BertSelfAttention``,
+``BertLayerNorm`` and ``bias_gelu`` keep their names; HetSeq's attention-output,
+intermediate and output modules are folded into :class:`BertLayer`). Not ported: the pooler
+and next-sentence head (``2 x 768^2`` FLOPs per sample, 0.003 % of one, and 0.59 M of HetSeq's
+110.1 M parameters; hetseq_hpc's packed text has no sentence pairs), activation checkpointing
+(HetSeq's BERT runs did not turn it on), loading TensorFlow checkpoints. The loss is the SUM over masked tokens
 (hetseq_hpc's contract, which makes uneven batches exact), where HetSeq's is the mean.
 
 Data: hetseq_hpc's own BERT pipeline (:class:`hetseq_hpc.tasks.bert.mlm_task.BertTask`, the
@@ -152,7 +154,8 @@ class HetSeqBertForPreTraining(nn.Module):
                  intermediate: int, max_positions: int, dropout: float):
         super().__init__()
         self.word_embeddings = nn.Embedding(vocab_size, hidden)
-        self.position_embeddings = nn.Embedding(max_positions, hidden)
+        # bert_config.json's max_position_embeddings (512), or more for longer sequences
+        self.position_embeddings = nn.Embedding(max(max_positions, 512), hidden)
         self.token_type_embeddings = nn.Embedding(2, hidden)
         self.embedding_norm = BertLayerNorm(hidden)
         self.dropout = nn.Dropout(dropout)
@@ -209,6 +212,19 @@ def _whole(name: str, value: Any) -> int:
     return int(number)
 
 
+def _dropout(value: Any) -> float:
+    """``task.model.dropout`` as a float (its range is checked by hetseq_hpc's BERT config).
+
+    Raises:
+        ConfigError: ``value`` is not a number.
+    """
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"task.model.dropout={value!r} is not a number: use a value in [0, 1), "
+                          "e.g. task.model.dropout=0.1 (HetSeq's)") from None
+
+
 class HetSeqBertTask(BertTask):
     """Masked-language modelling with :class:`HetSeqBertForPreTraining` on hetseq_hpc's BERT
     data; loss units are masked tokens (exact uneven batches, as hetseq_hpc's BERT).
@@ -229,26 +245,23 @@ class HetSeqBertTask(BertTask):
         sizes = {name: _whole(name, self.args[name]) for name in
                  ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_seq_len",
                   "vocab_size", "data_vocab_size")}
+        if sizes["vocab_size"] < sizes["data_vocab_size"]:
+            raise ConfigError(f"task.args.vocab_size={sizes['vocab_size']} is below the data's "
+                              f"vocabulary ({sizes['data_vocab_size']}): raise it, or lower "
+                              "task.args.data_vocab_size")
+        files = self.args["files"]
+        files = [files] if isinstance(files, str) else list(files or [])
         try:  # hetseq_hpc's BERT config validates the shapes; its messages name task.model.*
-            model = BertModelConfig(dropout=float(cfg.model.get("dropout", 0.1)),
+            model = BertModelConfig(dropout=_dropout(cfg.model.get("dropout", 0.1)),
                                     **{k: sizes[k] for k in ("hidden_size", "num_layers",
                                                              "num_heads", "intermediate_size",
                                                              "max_seq_len")})
-            data = BertDataConfig(files=list(self.args["files"]), cache_dir=self.args["cache_dir"],
+            data = BertDataConfig(files=files, cache_dir=self.args["cache_dir"],
                                   vocab_size=sizes["data_vocab_size"])
         except ConfigError as exc:
             message = str(exc).replace("task.data.vocab_size", "task.args.data_vocab_size")
             raise ConfigError(re.sub(r"task\.model\.(?!dropout)", "task.args.", message)) from None
         super().__init__(BertTaskConfig(model=model, data=data), seed)
-        if sizes["vocab_size"] < self.data_vocab_size:
-            raise ConfigError(f"task.args.vocab_size={sizes['vocab_size']} is below the data's "
-                              f"vocabulary ({self.data_vocab_size}): raise it, or lower "
-                              "task.args.data_vocab_size")
-
-    @property
-    def data_vocab_size(self) -> int:
-        """The WordPiece vocabulary asked of the tokenizer (``task.args.data_vocab_size``)."""
-        return int(self.cfg.data.vocab_size)
 
     @property
     def data_summary(self) -> Dict[str, Any]:

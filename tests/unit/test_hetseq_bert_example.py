@@ -34,6 +34,8 @@ def _task(cache, *overrides: str):
     ("+task.args.hidden_size=abc", "task.args.hidden_size='abc' is not a whole number"),
     ("+task.args.data_vocab_size=10", "task.args.data_vocab_size=10 is too small"),
     ("task.model.dropout=2", "task.model.dropout=2.0 is invalid"),
+    ("task.model.dropout=abc", "task.model.dropout='abc' is not a number"),
+    ("+task.args.vocab_size=500", "task.args.vocab_size=500 is below the data's vocabulary (8192)"),
 ])
 def test_a_bad_option_is_one_line_naming_it(token_cache, override, message):
     with pytest.raises(ConfigError) as info:
