@@ -25,6 +25,9 @@ class ModelInfo:
     activation_bytes_per_sample: float = 0.0  # measured on the CPU (fp32), with safety margin
     cpu_samples_per_s: float = 0.0  # measured on the CPU (cluster=local only)
     vocab_size: int = 0
+    # where vocab_size comes from, as the plan prints it: the config field that sets it, or
+    # "its data" (a task whose data decides its vocabulary)
+    vocab_from: str = "task.data.vocab_size"
     notes: List[str] = field(default_factory=list)
     largest_unit_params: int = 0  # parameters of the largest FSDP block (a sharding unit)
     # parameters of the FSDP root unit (outside every block); None = not known
@@ -167,6 +170,8 @@ def measure_task_model(task_cfg, need_activations: bool,
 
     info = ModelInfo(param_count=count,
                      flops_per_sample=task_flops_per_sample(task, model), vocab_size=vocab,
+                     vocab_from=("task.data.vocab_size" if hasattr(getattr(task_cfg, "data", None),
+                                                                   "vocab_size") else "its data"),
                      notes=notes, largest_unit_params=params(sizes.block),
                      root_params=params(sizes.root),
                      evaluates_sharded=bool(task.evaluates_in_fixed_passes()),

@@ -58,7 +58,7 @@ def _header(plan: Plan) -> List[str]:
     model_line = (f"model: {model.param_count / 1e6:.2f} M parameters, "
                   f"{model.flops_per_sample / 1e9:.3f} GFLOP/sample (training)")
     if model.vocab_size:
-        model_line += f", vocab {model.vocab_size} (task.data.vocab_size)"
+        model_line += f", vocab {model.vocab_size} ({model.vocab_from})"
     if model.activation_bytes_per_sample:
         model_line += (f", activations {model.activation_bytes_per_sample / 2**20:.1f} MiB/sample"
                        " (fp32, this CPU, x1.5 margin)")

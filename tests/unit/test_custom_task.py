@@ -150,3 +150,5 @@ def test_example_task_and_formula_tasks(tmp_path):
     assert info.accesses_per_sample == pytest.approx(
         accesses_from_activations(info.activation_bytes_per_sample / ACTIVATION_SAFETY))
     assert info.accesses_per_sample > 0
+    # its vocabulary comes from its data (a custom task has no task.data.vocab_size to name)
+    assert info.vocab_size == len(task.chars) and info.vocab_from == "its data"
