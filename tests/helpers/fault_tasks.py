@@ -16,7 +16,10 @@ Both train the small BERT of :data:`~tests.helpers.runs.SMALL_MODEL` (its sizes 
   training has completed;
 * :class:`StoppedInValidationBert` makes rank ``+task.args.stop_rank`` stop itself (SIGSTOP)
   in its first validation batch: a rank hung in a validation nothing has measured yet;
-  with ``+task.args.sleep_s`` it sleeps that long instead: a slow rank, not a hung one.
+  with ``+task.args.sleep_s`` it sleeps that long instead: a slow rank, not a hung one; with
+  ``+task.args.when_file=PATH`` it waits for its first validation batch after that file
+  exists (the test creates it): a rank hung in a later, measured validation, wherever the
+  run's clock is when the test decides.
 """
 
 from __future__ import annotations
@@ -103,7 +106,8 @@ class SlowExamplesBert(_Bert):
 
 class StoppedInValidationBert(_Bert):
     def evaluate_batch(self, model, batch, positions):
-        if this_rank() == int(self.args["stop_rank"]) and not getattr(self, "_stopped", False):
+        if (this_rank() == int(self.args["stop_rank"]) and not getattr(self, "_stopped", False)
+                and os.path.exists(self.args.get("when_file", os.devnull))):
             self._stopped = True
             if "sleep_s" in self.args:
                 time.sleep(float(self.args["sleep_s"]))
