@@ -76,6 +76,7 @@ def hetseq_table() -> None:
         _predicted_step_s,
         hetseq_model,
         one_node_probe,
+        same_die_cross_check,
     )
     from test_plan_hetseq import PUBLISHED_STEP_S as HETSEQ_STEP_S
 
@@ -105,6 +106,14 @@ def hetseq_table() -> None:
                 step = _plan(n, model, link, str(probe)).prediction.equal.step_s
                 cells.append(f"{step:.3f} s ({_pct(step / pub - 1)})")
             print(f"| {link} | " + " | ".join(cells) + " |")
+    print()
+    print("The same die (GP102), fp32, published twice (HetSeq's TITAN Xp step; Lambda's held-out "
+          "GTX 1080 Ti BERT-base row):")
+    print("| figure | share of fp32 peak FLOP/s | element accesses per FLOP | spec model's error |")
+    print("|---|---|---|---|")
+    for name, c in same_die_cross_check(model).items():
+        print(f"| {name} | {c['peak_share']:.1%} | {c['accesses_per_flop']:.2e} | "
+              f"{_pct(c['error'])} |")
 
 
 def main() -> None:
