@@ -85,6 +85,10 @@ class PlanConfig:
     checkpoint_gb_s: float = DEFAULT_CHECKPOINT_GB_S
     # most candidate mixes plan.when asks Slurm about (node counts are thinned above it), >= 1
     max_mixes: int = DEFAULT_MAX_MIXES
+    # milliseconds per sample a rank spends building its batches before its passes, added to
+    # every rank rated from GPU specs; null = the task's batch function timed on this machine;
+    # 0 = none (e.g. a loader that runs beside the GPU), >= 0
+    data_ms_per_sample: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.probe is not None and not str(self.probe).strip():
@@ -113,6 +117,11 @@ class PlanConfig:
         mixes = _number("max_mixes", self.max_mixes, lambda x: x >= 1 and float(x).is_integer(),
                         "a whole number >= 1, e.g. plan.max_mixes=32")
         self.max_mixes = int(mixes)
+        if self.data_ms_per_sample is not None:
+            self.data_ms_per_sample = _number(
+                "data_ms_per_sample", self.data_ms_per_sample, lambda x: x >= 0,
+                "milliseconds >= 0, e.g. plan.data_ms_per_sample=0.05, or null to time the "
+                "task's batch function here")
 
     @property
     def latency_s(self) -> float:

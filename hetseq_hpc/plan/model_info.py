@@ -4,14 +4,16 @@ BERT is built from its config alone, on the ``meta`` device when nothing is meas
 no time), else on the CPU, with synthetic token rows masked by the task's own rule. Every other
 task (image, translation, a user's) sizes its model from its data (classes, vocabulary): its
 data is prepared and loaded as a run would, and real training samples are measured. FLOPs come
-from the task's formula, else ``FlopCounterMode`` (:mod:`hetseq_hpc.tasks.flops`).
+from the task's formula, else ``FlopCounterMode`` (:mod:`hetseq_hpc.tasks.flops`). The host
+time of building a batch (the task's own batch function) is timed here (:func:`batch_build_s`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from hetseq_hpc.balance.memory import PARAM_BYTES, model_bytes
 
@@ -42,6 +44,10 @@ class ModelInfo:
     # hetseq_hpc.plan.perf_model): counted from the architecture for BERT, else from the
     # measured activations; 0 = not known (matmul time only)
     accesses_per_sample: float = 0.0
+    # host seconds per training sample of building its batch (the task's make_batch, timed on
+    # this machine: batch_build_s); 0 = none
+    data_s_per_sample: float = 0.0
+    data_from: str = "the task's batch function timed on this machine"
 
     @property
     def gradient_bytes(self) -> float:
@@ -76,6 +82,66 @@ def _synthetic_batch(n: int, seq_len: int, vocab_size: int, mask_prob: float):
         labels.append(y)
     return {"input_ids": torch.from_numpy(np.stack(inputs)),
             "labels": torch.from_numpy(np.stack(labels))}
+
+
+#: samples per timed batch build (:func:`batch_build_s`)
+DATA_TIMING_SAMPLES = 32
+#: timed builds after one untimed one; the fastest counts (noise on a shared host only adds)
+DATA_TIMING_REPEATS = 3
+#: a build slower than this many seconds is not repeated
+DATA_TIMING_BUDGET_S = 2.0
+
+
+def batch_build_s(make: Callable[[int], Dict[str, Any]],
+                  samples: int = DATA_TIMING_SAMPLES) -> float:
+    """Host seconds per sample of building a training batch with ``make`` (``n -> batch``):
+    one build of 2 samples (warm-up; the measurement itself if it takes over a quarter of
+    :data:`DATA_TIMING_BUDGET_S`), then the fastest of :data:`DATA_TIMING_REPEATS` builds of
+    ``samples``, divided by the rows each returned (a small data set may give fewer).
+
+    Each rank builds its batches in its training loop, before its passes and not overlapped
+    with them (:meth:`hetseq_hpc.train.loop.Trainer.train_step`, ``data_time_s`` in
+    metrics.jsonl), so this time adds to every sample's. The runtime's calibration includes it
+    (:func:`hetseq_hpc.balance.calibrate.calibrate` times ``make_batch`` with each pass); the
+    GPU spec model, fitted on published figures whose loaders ran beside the GPU, does not.
+    Measured on the machine that plans, not on the cluster's nodes.
+    """
+    start = time.perf_counter()
+    make(2)
+    if time.perf_counter() - start > DATA_TIMING_BUDGET_S / 4:  # slow: this is measurement enough
+        return (time.perf_counter() - start) / 2
+    best = float("inf")
+    for _ in range(DATA_TIMING_REPEATS):
+        start = time.perf_counter()
+        batch = make(samples)
+        took = time.perf_counter() - start
+        rows = max(int(next(iter(batch.values())).shape[0]), 1) if batch else 1
+        best = min(best, took / rows)
+        if took > DATA_TIMING_BUDGET_S:
+            break
+    return best
+
+
+def _bert_batches(task_cfg) -> Callable[[int], Dict[str, Any]]:
+    """The BERT task's own batch function (:func:`hetseq_hpc.tasks.bert.mlm_data.make_mlm_batch`:
+    masking row by row) on :data:`DATA_TIMING_SAMPLES` random token rows held in memory, for
+    :func:`batch_build_s` without preparing the task's data."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from hetseq_hpc.tasks.bert.mlm_data import SPECIAL_TOKENS, PackedText, make_mlm_batch
+
+    vocab, seq = int(task_cfg.data.vocab_size), int(task_cfg.model.max_seq_len)
+    tokens = np.random.default_rng(0).integers(
+        len(SPECIAL_TOKENS), vocab, size=(DATA_TIMING_SAMPLES, seq)).astype(np.int32)
+    data = PackedText(tokens, vocab, np.arange(len(tokens)), np.arange(0), Path("."))
+
+    def make(n: int):
+        return make_mlm_batch(data, range(min(n, len(tokens))), task_cfg.data.mask_prob, 0, 0,
+                              "train")
+
+    return make
 
 
 def _bert_model(task_cfg, on_meta: bool):
@@ -176,6 +242,8 @@ def measure_task_model(task_cfg, need_activations: bool,
                      root_params=params(sizes.root),
                      evaluates_sharded=bool(task.evaluates_in_fixed_passes()),
                      param_tensors=sum(1 for _ in model.parameters()))
+    info.data_s_per_sample = batch_build_s(_bert_batches(task_cfg) if task_cfg.name == "bert"
+                                           else make)
 
     if cpu_calibration is not None:
         from hetseq_hpc.balance.calibrate import calibrate

@@ -2,7 +2,9 @@
 
 Three sources of per-rank throughput, in this order: ``plan.probe`` (measured calibrations of an
 earlier run), cluster=local (this CPU, calibrated as a local rank would), else the GPU spec
-model (SLURM partitions, :mod:`hetseq_hpc.plan.perf_model`). Starts nothing.
+model (SLURM partitions, :mod:`hetseq_hpc.plan.perf_model`). A rank rated from specs also pays
+the time of building its batches (:func:`with_batch_building`); measured ranks include it.
+Starts nothing.
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ def _local_ranks(run) -> Tuple[ModelInfo, List[RankSpec], str]:
         micro_batch=calibration_micro_batch(run, len(places)),
         steps=run.balance.calibration_steps, threads=first.threads,
         budget_bytes=memory_budget_bytes(first, "cpu", read_meminfo()[1], first.ranks_on_node))
-    model = measure_model(run.task, need_activations=True, cpu_calibration=calib)
+    model = _measured(measure_model(run.task, need_activations=True, cpu_calibration=calib))
     budgets = [memory_budget_bytes(p, "cpu", read_meminfo()[1], p.ranks_on_node) for p in places]
     ranks = [RankSpec(p.rank, "local", f"cpu {p.threads} thr"
                       + (f" @{p.emulate_speed:g}" if p.emulate_speed != 1 else ""),
@@ -116,16 +118,55 @@ def _local_ranks(run) -> Tuple[ModelInfo, List[RankSpec], str]:
     return model, ranks, source
 
 
+def with_batch_building(ranks: List[RankSpec], data_s_per_sample: float) -> List[RankSpec]:
+    """Ranks rated from GPU specs, plus the host time of building their batches: each rank
+    builds its batches before its passes (:func:`hetseq_hpc.plan.model_info.batch_build_s`),
+    so ``data_s_per_sample`` adds to the cost curve's per-sample time and to the rate's
+    (``1 / (1 / samples_per_s + data_s_per_sample)``). Measured ranks (a probe, this CPU)
+    already include it: their calibration times the batch building with each pass."""
+    if data_s_per_sample <= 0:
+        return list(ranks)
+    return [replace(r, samples_per_s=1.0 / (1.0 / r.samples_per_s + data_s_per_sample),
+                    curve=r.curve and replace(r.curve,
+                                              per_sample_s=r.curve.per_sample_s + data_s_per_sample))
+            for r in ranks]
+
+
+def _measured(model: ModelInfo) -> ModelInfo:
+    """``model`` for ranks whose measured calibration already includes the batch building:
+    nothing is added for it."""
+    model.data_s_per_sample, model.data_from = 0.0, "included in the measured calibration"
+    return model
+
+
+def _data_time(model: ModelInfo, opts: PlanConfig) -> ModelInfo:
+    """``model`` with ``plan.data_ms_per_sample`` as its batch-building time where it is set."""
+    if opts.data_ms_per_sample is not None:
+        model.data_s_per_sample = opts.data_ms_per_sample / 1e3
+        model.data_from = "plan.data_ms_per_sample"
+    return model
+
+
+def _data_note(model: ModelInfo) -> str:
+    """The source line's part for :func:`with_batch_building`."""
+    if model.data_s_per_sample <= 0:
+        return "; no time for building batches (plan.data_ms_per_sample=0)" \
+            if model.data_from == "plan.data_ms_per_sample" else ""
+    return (f"; + {model.data_s_per_sample * 1e3:.3f} ms per sample building batches "
+            f"({model.data_from}; each rank builds its batches before its passes; "
+            "plan.data_ms_per_sample= sets it)")
+
+
 def _table_ranks(run, opts: PlanConfig) -> Tuple[ModelInfo, List[RankSpec], str]:
     """SLURM without a probe: the GPU spec model, memory cap from the spec memory."""
     from hetseq_hpc.balance.placement import plan_placements
 
-    model = measure_model(run.task, need_activations=True)
+    model = _data_time(measure_model(run.task, need_activations=True), opts)
     placements = plan_placements(run)
-    ranks = ranks_from_table(placements, model.flops_per_sample, model.param_count,
-                             model.activation_bytes_per_sample, opts.mfu, opts.peak,
-                             run.balance.max_micro_batch, model.param_tensors,
-                             model.accesses_per_sample)
+    ranks = with_batch_building(ranks_from_table(
+        placements, model.flops_per_sample, model.param_count, model.activation_bytes_per_sample,
+        opts.mfu, opts.peak, run.balance.max_micro_batch, model.param_tensors,
+        model.accesses_per_sample), model.data_s_per_sample)
     requested = sorted({p.precision for p in placements})
     precision = (f"as the runtime picks from the requested {'/'.join(requested)} (auto: bf16 "
                  "on compute capability >= 8.0, fp16 on 7.x, else fp32; per rank in the "
@@ -137,7 +178,7 @@ def _table_ranks(run, opts: PlanConfig) -> Tuple[ModelInfo, List[RankSpec], str]
               f"DLE PyTorch BERT and checked on held-out figures (docs/planner-accuracy.md), "
               f"+ {pass_overhead_s(model.param_tensors) * 1e3:.1f} ms per micro-batch "
               f"({model.param_tensors} parameter tensors); precision {precision}; fp32 means "
-              f"fp32, not TF32 (the runtime leaves TF32 off)")
+              f"fp32, not TF32 (the runtime leaves TF32 off){_data_note(model)}")
     return model, ranks, source
 
 
@@ -170,24 +211,25 @@ def _probe_ranks(run, opts: PlanConfig, probe, parts) -> Tuple[ModelInfo, List[R
                 f"plan.probe has no rank of partition {part.partition!r}, a CPU-only partition "
                 "the GPU spec model cannot stand in for: probe it too (hetseq-hpc probe)")
     if not missing:
-        model = measure_model(run.task, need_activations=False)
+        model = _measured(measure_model(run.task, need_activations=False))
         ranks = ranks_from_probe(probe, parts, by_index=run.cluster.is_local, limit=limit)
         return model, ranks, f"measured calibration from {opts.probe}"
     check_gpu_types(missing)
-    model = measure_model(run.task, need_activations=True)
+    model = _data_time(measure_model(run.task, need_activations=True), opts)
     known = {p.key for p in parts if p.gpu_type and find_spec(p.gpu_type)}
     places = [pl for pl in plan_placements(run) if pl.partition_key in known]
     table: dict = {}
-    for spec in ranks_from_table(places, model.flops_per_sample, model.param_count,
-                                 model.activation_bytes_per_sample, opts.mfu, opts.peak, limit,
-                                 model.param_tensors, model.accesses_per_sample):
+    for spec in with_batch_building(ranks_from_table(
+            places, model.flops_per_sample, model.param_count, model.activation_bytes_per_sample,
+            opts.mfu, opts.peak, limit, model.param_tensors, model.accesses_per_sample),
+            model.data_s_per_sample):
         table.setdefault(spec.partition, spec.samples_per_s)
     for part in parts:  # probed GPUs in no spec table: predicted from the probe's own facts
         if found[part.key] is not None and part.key not in table:
             rate = probe_samples_per_s(probe, part.partition, part.gpu_type,
                                        model.flops_per_sample, model.accesses_per_sample)
-            if rate:
-                table[part.key] = rate
+            if rate:  # with the batch building, as the table's ranks
+                table[part.key] = 1.0 / (1.0 / rate + model.data_s_per_sample)
     # like with like: the probe's per-sample rate (its cost curve, without the fixed time per
     # pass the spec ranks add back) against the spec model's; its samples/s without a curve
     ratios = [_asymptotic_rate(found[k][0]) / table[k]
@@ -198,10 +240,11 @@ def _probe_ranks(run, opts: PlanConfig, probe, parts) -> Tuple[ModelInfo, List[R
         if found[part.key] is not None:
             specs = [replace(r, rank=len(ranks) + i) for i, r in enumerate(found[part.key])]
         else:
-            t = next(r for r in ranks_from_table(
+            t = next(r for r in with_batch_building(ranks_from_table(
                 [pl for pl in plan_placements(run) if pl.partition_key == part.key],
                 model.flops_per_sample, model.param_count, model.activation_bytes_per_sample,
-                opts.mfu, opts.peak, limit, model.param_tensors, model.accesses_per_sample))
+                opts.mfu, opts.peak, limit, model.param_tensors, model.accesses_per_sample),
+                model.data_s_per_sample))
             curve = t.curve and replace(t.curve, per_sample_s=t.curve.per_sample_s / scale)
             specs = [replace(t, rank=len(ranks) + i, samples_per_s=t.samples_per_s * scale,
                              curve=curve, device=f"{t.device} x{scale:.2f}")
@@ -212,7 +255,8 @@ def _probe_ranks(run, opts: PlanConfig, probe, parts) -> Tuple[ModelInfo, List[R
              f"{', '.join(f'{r:.3g}' for r in ratios)}" if ratios else
              "no probed partition could be predicted from specs: unscaled")
     source = (f"measured calibration from {opts.probe} for partition(s) {', '.join(probed)}; "
-              f"{', '.join(p.key for p in missing)} from GPU specs x {scale:.3g} ({basis})")
+              f"{', '.join(p.key for p in missing)} from GPU specs x {scale:.3g} ({basis})"
+              f"{_data_note(model)}")
     return model, ranks, source
 
 

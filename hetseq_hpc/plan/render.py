@@ -144,6 +144,8 @@ def headline_json(plan: Plan) -> str:
     """The final output line: :meth:`Prediction.headline` as JSON."""
     headline = plan.prediction.headline()
     headline["sharding"] = plan.sharding
+    # batch building added per sample to the ranks rated from specs (0: none, or no such rank)
+    headline["data_ms_per_sample"] = round(plan.model.data_s_per_sample * 1e3, 6)
     if plan.mode_fits:
         headline["modes"] = {f.mode: f.to_dict() for f in plan.mode_fits}
     return json.dumps(headline)

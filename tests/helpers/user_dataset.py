@@ -65,3 +65,35 @@ def build(dropout: float = 0.1, n: int = 400):
 def build_plain():
     """A ``build`` that takes no arguments at all (no ``dropout``): the model has none."""
     return {**build(0.0), "model": Tagger(0.0)}
+
+
+class FilePerItemSequences(VariableLengthSequences):
+    """:class:`VariableLengthSequences` whose every item first opens ``path`` (a gzip file of
+    about 2 MB) and decompresses all of it, as a loader that reopens its shard per sample does
+    (HetSeq's ``BertH5pyData``): the same items, a slow data path."""
+
+    def __init__(self, n: int, path, offset: int = 0):
+        super().__init__(n, offset)
+        self.path = path
+
+    def __getitem__(self, i: int):
+        import gzip
+
+        with gzip.open(self.path, "rb") as fh:
+            fh.read()
+        return super().__getitem__(i)
+
+
+def build_file_per_item(root: str, dropout: float = 0.1, n: int = 400):
+    """:func:`build` with :class:`FilePerItemSequences`; the shard is written under ``root``."""
+    import gzip
+    from pathlib import Path
+
+    path = Path(root) / "shard.bin.gz"
+    if not path.exists():
+        Path(root).mkdir(parents=True, exist_ok=True)
+        data = np.random.default_rng(0).integers(0, 2**16, size=2**18, dtype=np.int64).tobytes()
+        with gzip.open(path, "wb", compresslevel=1) as fh:
+            fh.write(data)
+    return {**build(dropout, n), "train": FilePerItemSequences(n, path),
+            "val": FilePerItemSequences(40, path, 10_000)}
