@@ -88,7 +88,7 @@ def test_plan_when_pick_finishes_first_and_choose_submits_it(tmp_path, token_cac
         rows = {m["label"]: m for m in table["mixes"]}
         # v100 first; a100:1 and a100:1+v100:1 both wait for the blocker and are predicted to
         # finish within milliseconds of each other (10 s runs): their order is not the point
-        assert list(rows)[0] == "v100:1" and set(rows) == {"v100:1", "a100:1", "a100:1+v100:1"}, \
+        assert next(iter(rows)) == "v100:1" and set(rows) == {"v100:1", "a100:1", "a100:1+v100:1"}, \
             plan.stdout
         assert table["finish_first"] == "v100:1", plan.stdout
         asked = table["asked_at"]
