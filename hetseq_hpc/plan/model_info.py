@@ -65,25 +65,6 @@ class CpuCalibration:
     budget_bytes: float  # memory budget per rank
 
 
-def _synthetic_batch(n: int, seq_len: int, vocab_size: int, mask_prob: float):
-    """``n`` random token rows masked by the task's own :func:`mask_sample`: ``input_ids`` and
-    ``labels`` of shape ``(n, seq_len)``."""
-    import numpy as np
-    import torch
-
-    from hetseq_hpc.tasks.bert.mlm_data import SPECIAL_TOKENS, mask_sample
-
-    rng = np.random.default_rng(0)
-    inputs, labels = [], []
-    for i in range(n):
-        row = rng.integers(len(SPECIAL_TOKENS), vocab_size, size=seq_len)
-        x, y = mask_sample(row, vocab_size, mask_prob, 0, 0, "train", i)
-        inputs.append(x)
-        labels.append(y)
-    return {"input_ids": torch.from_numpy(np.stack(inputs)),
-            "labels": torch.from_numpy(np.stack(labels))}
-
-
 #: samples per timed batch build (:func:`batch_build_s`)
 DATA_TIMING_SAMPLES = 32
 #: timed builds after one untimed one; the fastest counts (noise on a shared host only adds)
@@ -123,9 +104,11 @@ def batch_build_s(make: Callable[[int], Dict[str, Any]],
 
 
 def _bert_batches(task_cfg) -> Callable[[int], Dict[str, Any]]:
-    """The BERT task's own batch function (:func:`hetseq_hpc.tasks.bert.mlm_data.make_mlm_batch`:
-    masking row by row) on :data:`DATA_TIMING_SAMPLES` random token rows held in memory, for
-    :func:`batch_build_s` without preparing the task's data."""
+    """``n -> batch`` for BERT without its data: random token rows (drawn once, at least
+    :data:`DATA_TIMING_SAMPLES` of them, again only when more are asked for; the first rows
+    are the same for every ``n``) masked by the task's own batch function
+    (:func:`hetseq_hpc.tasks.bert.mlm_data.make_mlm_batch`): ``input_ids`` and ``labels`` of
+    shape ``(n, task.model.max_seq_len)``."""
     from pathlib import Path
 
     import numpy as np
@@ -133,13 +116,15 @@ def _bert_batches(task_cfg) -> Callable[[int], Dict[str, Any]]:
     from hetseq_hpc.tasks.bert.mlm_data import SPECIAL_TOKENS, PackedText, make_mlm_batch
 
     vocab, seq = int(task_cfg.data.vocab_size), int(task_cfg.model.max_seq_len)
-    tokens = np.random.default_rng(0).integers(
-        len(SPECIAL_TOKENS), vocab, size=(DATA_TIMING_SAMPLES, seq)).astype(np.int32)
-    data = PackedText(tokens, vocab, np.arange(len(tokens)), np.arange(0), Path("."))
+    drawn: List[PackedText] = []
 
     def make(n: int):
-        return make_mlm_batch(data, range(min(n, len(tokens))), task_cfg.data.mask_prob, 0, 0,
-                              "train")
+        if not drawn or len(drawn[0].tokens) < n:
+            tokens = np.random.default_rng(0).integers(
+                len(SPECIAL_TOKENS), vocab, size=(max(n, DATA_TIMING_SAMPLES), seq))
+            drawn[:] = [PackedText(tokens.astype(np.int32), vocab, np.arange(len(tokens)),
+                                   np.arange(0), Path("."))]
+        return make_mlm_batch(drawn[0], range(n), task_cfg.data.mask_prob, 0, 0, "train")
 
     return make
 
@@ -151,14 +136,10 @@ def _bert_model(task_cfg, on_meta: bool):
 
     from hetseq_hpc.tasks.bert.mlm_model import BertMaskedLM
 
-    vocab, seq = int(task_cfg.data.vocab_size), int(task_cfg.model.max_seq_len)
+    vocab = int(task_cfg.data.vocab_size)
     with torch.device("meta") if on_meta else contextlib.nullcontext():
         model = BertMaskedLM(task_cfg.model, vocab)
-
-    def make(n: int):
-        return _synthetic_batch(n, seq, vocab, task_cfg.data.mask_prob)
-
-    return model, make, vocab, []
+    return model, _bert_batches(task_cfg), vocab, []
 
 
 def _data_model(task):
@@ -186,22 +167,25 @@ _MEASURED: dict = {}
 
 
 def measure_model(task_cfg, need_activations: bool,
-                  cpu_calibration: Optional[CpuCalibration] = None) -> ModelInfo:
+                  cpu_calibration: Optional[CpuCalibration] = None,
+                  time_batches: bool = False) -> ModelInfo:
     """:func:`measure_task_model`, measured once per task configuration in a process (``plan
     --when`` plans many mixes of one model); a CPU calibration (timed) always runs again.
     Returns a copy: callers may change it."""
     from dataclasses import replace
 
     if cpu_calibration is not None:
-        return measure_task_model(task_cfg, need_activations, cpu_calibration)
-    key = (repr(task_cfg), bool(need_activations))
+        return measure_task_model(task_cfg, need_activations, cpu_calibration, time_batches)
+    key = (repr(task_cfg), bool(need_activations), bool(time_batches))
     if key not in _MEASURED:
-        _MEASURED[key] = measure_task_model(task_cfg, need_activations)
+        _MEASURED[key] = measure_task_model(task_cfg, need_activations,
+                                            time_batches=time_batches)
     return replace(_MEASURED[key])
 
 
 def measure_task_model(task_cfg, need_activations: bool,
-                       cpu_calibration: Optional[CpuCalibration] = None) -> ModelInfo:
+                       cpu_calibration: Optional[CpuCalibration] = None,
+                       time_batches: bool = False) -> ModelInfo:
     """Build the task's real model and read its parameter count, its training FLOPs per sample
     (the task's formula, else measured with ``FlopCounterMode``:
     :func:`hetseq_hpc.tasks.flops.task_flops_per_sample`), and, if asked, the activation bytes of
@@ -211,6 +195,8 @@ def measure_task_model(task_cfg, need_activations: bool,
 
     ``cpu_calibration`` instead runs :func:`hetseq_hpc.balance.calibrate.calibrate` (timed
     forward+backward, as a cluster=local rank does) and also sets ``cpu_samples_per_s``.
+    ``time_batches`` also times building a batch (:func:`batch_build_s`: ``data_s_per_sample``,
+    which the GPU spec model's ranks need and measured ranks already include).
 
     Raises:
         ConfigError / DataError: the task's data cannot be found or read.
@@ -242,8 +228,8 @@ def measure_task_model(task_cfg, need_activations: bool,
                      root_params=params(sizes.root),
                      evaluates_sharded=bool(task.evaluates_in_fixed_passes()),
                      param_tensors=sum(1 for _ in model.parameters()))
-    info.data_s_per_sample = batch_build_s(_bert_batches(task_cfg) if task_cfg.name == "bert"
-                                           else make)
+    if time_batches:
+        info.data_s_per_sample = batch_build_s(make)
 
     if cpu_calibration is not None:
         from hetseq_hpc.balance.calibrate import calibrate

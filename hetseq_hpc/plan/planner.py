@@ -105,7 +105,7 @@ def _local_ranks(run) -> Tuple[ModelInfo, List[RankSpec], str]:
         micro_batch=calibration_micro_batch(run, len(places)),
         steps=run.balance.calibration_steps, threads=first.threads,
         budget_bytes=memory_budget_bytes(first, "cpu", read_meminfo()[1], first.ranks_on_node))
-    model = _measured(measure_model(run.task, need_activations=True, cpu_calibration=calib))
+    model = measure_model(run.task, need_activations=True, cpu_calibration=calib)
     budgets = [memory_budget_bytes(p, "cpu", read_meminfo()[1], p.ranks_on_node) for p in places]
     ranks = [RankSpec(p.rank, "local", f"cpu {p.threads} thr"
                       + (f" @{p.emulate_speed:g}" if p.emulate_speed != 1 else ""),
@@ -132,11 +132,15 @@ def with_batch_building(ranks: List[RankSpec], data_s_per_sample: float) -> List
             for r in ranks]
 
 
-def _measured(model: ModelInfo) -> ModelInfo:
-    """``model`` for ranks whose measured calibration already includes the batch building:
-    nothing is added for it."""
-    model.data_s_per_sample, model.data_from = 0.0, "included in the measured calibration"
-    return model
+def _spec_ranks(placements, model: ModelInfo, opts: PlanConfig,
+                limit: Optional[int]) -> List[RankSpec]:
+    """The GPU spec model's ranks for ``placements`` (:func:`ranks_from_table` with ``model``'s
+    figures, ``limit`` = ``balance.max_micro_batch``) with their batch building
+    (:func:`with_batch_building`)."""
+    return with_batch_building(ranks_from_table(
+        placements, model.flops_per_sample, model.param_count, model.activation_bytes_per_sample,
+        opts.mfu, opts.peak, limit, model.param_tensors, model.accesses_per_sample),
+        model.data_s_per_sample)
 
 
 def _data_time(model: ModelInfo, opts: PlanConfig) -> ModelInfo:
@@ -161,12 +165,9 @@ def _table_ranks(run, opts: PlanConfig) -> Tuple[ModelInfo, List[RankSpec], str]
     """SLURM without a probe: the GPU spec model, memory cap from the spec memory."""
     from hetseq_hpc.balance.placement import plan_placements
 
-    model = _data_time(measure_model(run.task, need_activations=True), opts)
+    model = _data_time(measure_model(run.task, need_activations=True, time_batches=True), opts)
     placements = plan_placements(run)
-    ranks = with_batch_building(ranks_from_table(
-        placements, model.flops_per_sample, model.param_count, model.activation_bytes_per_sample,
-        opts.mfu, opts.peak, run.balance.max_micro_batch, model.param_tensors,
-        model.accesses_per_sample), model.data_s_per_sample)
+    ranks = _spec_ranks(placements, model, opts, run.balance.max_micro_batch)
     requested = sorted({p.precision for p in placements})
     precision = (f"as the runtime picks from the requested {'/'.join(requested)} (auto: bf16 "
                  "on compute capability >= 8.0, fp16 on 7.x, else fp32; per rank in the "
@@ -211,18 +212,15 @@ def _probe_ranks(run, opts: PlanConfig, probe, parts) -> Tuple[ModelInfo, List[R
                 f"plan.probe has no rank of partition {part.partition!r}, a CPU-only partition "
                 "the GPU spec model cannot stand in for: probe it too (hetseq-hpc probe)")
     if not missing:
-        model = _measured(measure_model(run.task, need_activations=False))
+        model = measure_model(run.task, need_activations=False)
         ranks = ranks_from_probe(probe, parts, by_index=run.cluster.is_local, limit=limit)
         return model, ranks, f"measured calibration from {opts.probe}"
     check_gpu_types(missing)
-    model = _data_time(measure_model(run.task, need_activations=True), opts)
+    model = _data_time(measure_model(run.task, need_activations=True, time_batches=True), opts)
     known = {p.key for p in parts if p.gpu_type and find_spec(p.gpu_type)}
     places = [pl for pl in plan_placements(run) if pl.partition_key in known]
     table: dict = {}
-    for spec in with_batch_building(ranks_from_table(
-            places, model.flops_per_sample, model.param_count, model.activation_bytes_per_sample,
-            opts.mfu, opts.peak, limit, model.param_tensors, model.accesses_per_sample),
-            model.data_s_per_sample):
+    for spec in _spec_ranks(places, model, opts, limit):
         table.setdefault(spec.partition, spec.samples_per_s)
     for part in parts:  # probed GPUs in no spec table: predicted from the probe's own facts
         if found[part.key] is not None and part.key not in table:
@@ -240,11 +238,8 @@ def _probe_ranks(run, opts: PlanConfig, probe, parts) -> Tuple[ModelInfo, List[R
         if found[part.key] is not None:
             specs = [replace(r, rank=len(ranks) + i) for i, r in enumerate(found[part.key])]
         else:
-            t = next(r for r in with_batch_building(ranks_from_table(
-                [pl for pl in plan_placements(run) if pl.partition_key == part.key],
-                model.flops_per_sample, model.param_count, model.activation_bytes_per_sample,
-                opts.mfu, opts.peak, limit, model.param_tensors, model.accesses_per_sample),
-                model.data_s_per_sample))
+            t = _spec_ranks([pl for pl in plan_placements(run) if pl.partition_key == part.key],
+                            model, opts, limit)[0]
             curve = t.curve and replace(t.curve, per_sample_s=t.curve.per_sample_s / scale)
             specs = [replace(t, rank=len(ranks) + i, samples_per_s=t.samples_per_s * scale,
                              curve=curve, device=f"{t.device} x{scale:.2f}")
