@@ -258,8 +258,9 @@ def measure_task_model(task_cfg, need_activations: bool,
 
 def _accesses_per_sample(task_cfg, activation_bytes_per_sample: float) -> float:
     """Element accesses of one sample's memory-bound operations: counted from BERT's shape
-    (:func:`hetseq_hpc.plan.perf_model.transformer_accesses`), else from the measured fp32
-    activations without their safety margin
+    (:func:`hetseq_hpc.plan.perf_model.transformer_accesses`, with fused attention: the task's
+    encoder calls ``scaled_dot_product_attention``, a fused kernel on a GPU), else from the
+    measured fp32 activations without their safety margin
     (:func:`hetseq_hpc.plan.perf_model.accesses_from_activations`; 0 when none were measured)."""
     from hetseq_hpc.balance.calibrate import ACTIVATION_SAFETY
     from hetseq_hpc.plan.perf_model import accesses_from_activations, transformer_accesses
@@ -267,5 +268,5 @@ def _accesses_per_sample(task_cfg, activation_bytes_per_sample: float) -> float:
     if task_cfg.name == "bert":
         m = task_cfg.model
         return transformer_accesses(m.num_layers, m.hidden_size, m.num_heads, m.max_seq_len,
-                                    m.intermediate_size)
+                                    m.intermediate_size, fused_attention=True)
     return accesses_from_activations(activation_bytes_per_sample / ACTIVATION_SAFETY)

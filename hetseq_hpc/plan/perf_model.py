@@ -83,32 +83,51 @@ def pass_overhead_s(param_tensors: int) -> float:
 #: ``T x intermediate`` tensor the bias add and GELU (2); on the ``heads x T x T`` scores the
 #: scale-and-mask, softmax and dropout (3)
 ELEMENTWISE_OPS = {"hidden": 11, "intermediate": 2, "scores": 3}
+#: element accesses per ``T x hidden`` element of one FUSED attention kernel (PyTorch's
+#: ``scaled_dot_product_attention`` on CUDA: FlashAttention-2 or memory-efficient attention, both
+#: with dropout), which never writes the ``heads x T x T`` scores: forward reads Q, K, V and
+#: writes O (4); backward reads Q, K, V, O, dO and writes dQ, dK, dV (8). Its per-row softmax
+#: statistics (``heads x T``) are left out
+FUSED_ATTENTION_ACCESSES = 12
 #: element accesses of one such operation: read + write forward, twice that backward (the
 #: gradient read and written, the saved input read)
 ACCESSES_PER_OP = 6
 #: bytes of one activation element: fp16/bf16 activations, fp32 (and TF32) activations
 BYTES_PER_ELEMENT = {"half": 2, "fp32": 4}
 #: element accesses per element of saved activations, for a model without a counted
-#: architecture: :func:`transformer_accesses` over the saved-tensor bytes / 4 that
-#: hetseq_hpc's own BERT-base (12 x 768, T = 128, fp32, on the CPU) measures: 1.77e8 / 3.12e7
+#: architecture: :func:`transformer_accesses` (eager attention) over the saved-tensor bytes / 4
+#: that hetseq_hpc's own BERT-base (12 x 768, T = 128, fp32, on the CPU) measures: 1.77e8 /
+#: 3.12e7. Both sides include the scores: on the CPU with dropout, ``scaled_dot_product_attention``
+#: takes its math path, which saves them
 ACCESSES_PER_SAVED_ELEMENT = 5.7
 
 
 def transformer_accesses(layers: int, hidden: int, heads: int, seq_len: int,
-                         intermediate: int = 0) -> float:
+                         intermediate: int = 0, fused_attention: bool = False) -> float:
     """Element accesses of one training sample's memory-bound operations in a transformer
     encoder: ``layers x 6 x (11 T h + 2 T i + 3 heads T^2)`` (:data:`ELEMENTWISE_OPS`,
     :data:`ACCESSES_PER_OP`); embeddings and output heads are not counted.
 
+    With ``fused_attention`` the attention runs as one kernel that never writes its scores, so the
+    three operations on the ``heads x T x T`` scores are replaced by that kernel's own reads and
+    writes, :data:`FUSED_ATTENTION_ACCESSES` ``x T h``: ``layers x (6 (11 T h + 2 T i) + 12 T h)``.
+
     Args:
         layers / hidden / heads: the encoder's shape; seq_len: tokens per sample ``T``.
         intermediate: feed-forward width ``i`` (0: 4 x hidden).
+        fused_attention: the model's attention is a fused kernel (hetseq_hpc's own BERT on a
+            GPU: ``scaled_dot_product_attention``); False for eager attention (the published
+            figures' code, which materialises the scores).
     """
     inter = intermediate or 4 * hidden
     ops = ELEMENTWISE_OPS
-    per_layer = (ops["hidden"] * seq_len * hidden + ops["intermediate"] * seq_len * inter
-                 + ops["scores"] * heads * seq_len * seq_len)
-    return float(layers * ACCESSES_PER_OP * per_layer)
+    per_layer = ACCESSES_PER_OP * (ops["hidden"] * seq_len * hidden
+                                   + ops["intermediate"] * seq_len * inter)
+    if fused_attention:
+        per_layer += FUSED_ATTENTION_ACCESSES * seq_len * hidden
+    else:
+        per_layer += ACCESSES_PER_OP * ops["scores"] * heads * seq_len * seq_len
+    return float(layers * per_layer)
 
 
 def accesses_from_activations(activation_bytes_fp32: float) -> float:

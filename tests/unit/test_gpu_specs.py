@@ -236,6 +236,9 @@ def test_memory_bound_operations_are_counted_from_the_architecture():
     assert pm.transformer_accesses(1, 8, 2, 4, 32) == 6 * (11 * 4 * 8 + 2 * 4 * 32 + 3 * 2 * 4 * 4)
     assert pm.transformer_accesses(2, 8, 2, 4) == 2 * pm.transformer_accesses(1, 8, 2, 4, 32)
     assert pm.bert_accesses("base", 384) == pm.transformer_accesses(12, 768, 12, 384)
+    # a fused attention kernel writes no scores: its Q, K, V, O (and their gradients) instead
+    assert pm.transformer_accesses(1, 8, 2, 4, 32, fused_attention=True) == (
+        6 * (11 * 4 * 8 + 2 * 4 * 32) + 12 * 4 * 8)
     # bytes grow with the width, FLOPs with its square: BERT-large's memory share is smaller
     for key in ("a100", "v100", "rtx4090"):
         spec = find_spec(key)

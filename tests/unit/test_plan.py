@@ -177,11 +177,42 @@ def test_planner_uses_the_task_flops_formula():
     expected = build_task(run.task, seed=0).flops_per_sample(model)
     assert plan.measure_model(run.task, need_activations=False).flops_per_sample == expected
     assert expected == pytest.approx(67.822e9, rel=1e-4)  # the figure README prints
-    # the spec model's memory traffic is counted from the same config (12 x 768, 12 heads, T 128)
+    # the spec model's memory traffic is counted from the same config (12 x 768, 12 heads, T 128),
+    # with the fused attention the task's encoder runs on a GPU (no heads x T x T scores written)
     from hetseq_hpc.plan.perf_model import transformer_accesses
 
     info = plan.measure_model(run.task, need_activations=False)
-    assert info.accesses_per_sample == transformer_accesses(12, 768, 12, 128, 3072)
+    assert info.accesses_per_sample == transformer_accesses(12, 768, 12, 128, 3072,
+                                                            fused_attention=True)
+    assert info.accesses_per_sample < transformer_accesses(12, 768, 12, 128, 3072)
+
+
+def test_bert_attention_is_the_fused_kernel_the_planner_counts(monkeypatch):
+    """The planner counts hetseq_hpc's BERT with fused attention (perf_model.transformer_accesses
+    ``fused_attention=True``) because its encoder calls ``scaled_dot_product_attention``, which
+    on a GPU runs FlashAttention or memory-efficient attention and never writes the scores. If the
+    encoder goes back to eager attention, this fails, and the count must follow it."""
+    import torch
+    import torch.nn.functional as F
+
+    from hetseq_hpc.config.compose import compose_run_config
+    from hetseq_hpc.tasks.bert.mlm_model import BertMaskedLM
+
+    run = compose_run_config(["task=bert"])
+    model = BertMaskedLM(run.task.model, run.task.data.vocab_size).train()
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("dropout_p", 0.0))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counting)
+    ids = torch.randint(0, run.task.data.vocab_size, (2, run.task.model.max_seq_len))
+    with torch.no_grad():
+        model(ids, ids)
+    assert len(calls) == run.task.model.num_layers  # one fused call per layer, dropout inside it
+    assert all(p == run.task.model.dropout for p in calls)
 
 
 def test_local_plan_from_a_probe_file(tmp_path, capsys):

@@ -22,7 +22,7 @@ The all-reduce ring runs inside a node at the GPUs' PCIe 3.0 x16 link (TITAN Xp,
 126 Gbit/s, from specs) and only across nodes at the network's speed.
 
 Result (docs/planner-accuracy.md, ``scripts/planner_accuracy.py``): the spec model predicts every
-step 18-30 % SHORTER than HetSeq measured (hetseq_hpc's own BERT-base: 39-50 %), and the scaling
+step 18-30 % SHORTER than HetSeq measured (hetseq_hpc's own BERT-base: 40-52 %), and the scaling
 step(N)/step(1) is +17 / +15 / +7 % off at 2 / 4 / 8 nodes at 10 Gbit/s: the missed bars are
 strict xfails with the measured values.
 
