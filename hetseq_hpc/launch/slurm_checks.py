@@ -109,53 +109,74 @@ def check_partitions(cluster: SlurmClusterConfig, inventory: Dict[str, Dict[str,
     and allows ``cluster.timeout_min``.
 
     Raises:
-        ConfigError: one line naming the setting, what is missing and what exists.
+        ConfigError: one line naming the setting, what is missing and what exists (the first
+            partition's problem of :func:`partition_problems`).
     """
+    problems = partition_problems(cluster, inventory)
+    if problems:
+        raise ConfigError(next(iter(problems.values())))
+
+
+def partition_problems(cluster: SlurmClusterConfig,
+                       inventory: Dict[str, Dict[str, Any]]) -> Dict[str, str]:
+    """What stops each configured partition from running, in configuration order.
+
+    Args:
+        cluster: the SLURM cluster config (``cluster.partitions``, ``cluster.timeout_min``).
+        inventory: :func:`partition_inventory` (or :func:`parse_inventory` of ``sinfo`` text).
+
+    Returns:
+        ``{partition key: one-line problem naming the setting and the fix}`` for each partition
+        that does not exist, has too few nodes, lacks the GRES type or the CPUs for its ranks, or
+        does not allow ``cluster.timeout_min``; empty when all can run.
+    """
+    problems: Dict[str, str] = {}
     for key, part in cluster.partitions.items():
-        where = f"cluster.partitions.{key}"
-        info = inventory.get(part.partition)
-        if info is None:
-            raise ConfigError(
-                f"{where}.partition={part.partition!r} does not exist on this cluster (sinfo lists "
-                f"{sorted(inventory)}): use one of those"
-            )
-        if info["nodes"] < part.nodes:
-            raise ConfigError(
-                f"{where}.nodes={part.nodes} but partition {part.partition!r} has {info['nodes']} "
-                f"node(s): lower {where}.nodes"
-            )
-        gres: List[str] = info.get("gres", [])
-        if part.gpu_type and not any(_gres_ok(g, part.gpu_type) for g in gres):
-            raise ConfigError(
-                f"{where}.gpu_type={part.gpu_type!r}: partition {part.partition!r} has no "
+        problem = _partition_problem(f"cluster.partitions.{key}", part, cluster.timeout_min,
+                                     inventory.get(part.partition), sorted(inventory))
+        if problem:
+            problems[key] = problem
+    return problems
+
+
+def _partition_problem(where: str, part, timeout_min: int, info: Optional[Dict[str, Any]],
+                       names: List[str]) -> Optional[str]:
+    if info is None:
+        return (f"{where}.partition={part.partition!r} does not exist on this cluster (sinfo "
+                f"lists {names}): use one of those")
+    if info["nodes"] < part.nodes:
+        return (f"{where}.nodes={part.nodes} but partition {part.partition!r} has "
+                f"{info['nodes']} node(s): lower {where}.nodes")
+    gres: List[str] = info.get("gres", [])
+    if part.gpu_type and not any(_gres_ok(g, part.gpu_type) for g in gres):
+        return (f"{where}.gpu_type={part.gpu_type!r}: partition {part.partition!r} has no "
                 f"gpu:{part.gpu_type} GRES (its nodes offer {sorted(set(gres))}): use the GPU "
-                "type sinfo -o '%P %G' shows"
-            )
-        _check_cpus(where, part, info)
-        limit = info.get("max_time_min")
-        if limit is not None and cluster.timeout_min > limit:
-            raise ConfigError(
-                f"cluster.timeout_min={cluster.timeout_min} exceeds partition {part.partition!r}'s "
-                f"time limit of {limit:g} minutes (sinfo %l): use cluster.timeout_min<={int(limit)}"
-            )
+                "type sinfo -o '%P %G' shows")
+    problem = _cpus_problem(where, part, info)
+    if problem:
+        return problem
+    limit = info.get("max_time_min")
+    if limit is not None and timeout_min > limit:
+        return (f"cluster.timeout_min={timeout_min} exceeds partition {part.partition!r}'s "
+                f"time limit of {limit:g} minutes (sinfo %l): use cluster.timeout_min<={int(limit)}")
+    return None
 
 
-def _check_cpus(where: str, part, info: Dict[str, Any]) -> None:
+def _cpus_problem(where: str, part, info: Dict[str, Any]) -> Optional[str]:
     cpus: List[int] = info.get("cpus") or []
     if not cpus:
-        return
+        return None
     need = part.cpus_per_rank * part.ranks_per_node_effective
     gres = info.get("gres") or [""] * len(cpus)
     fitting = sum(1 for c, g in zip(cpus, gres) if c >= need and _gres_ok(g, part.gpu_type))
-    if fitting < part.nodes:
-        per_rank = max(cpus) // max(1, part.ranks_per_node_effective)
-        raise ConfigError(
-            f"{where}.cpus_per_rank={part.cpus_per_rank} needs {need} CPUs per node "
+    if fitting >= part.nodes:
+        return None
+    per_rank = max(cpus) // max(1, part.ranks_per_node_effective)
+    return (f"{where}.cpus_per_rank={part.cpus_per_rank} needs {need} CPUs per node "
             f"({part.ranks_per_node_effective} rank(s) per node) but only {fitting} node(s) of "
             f"partition {part.partition!r} have that many (its nodes have {sorted(set(cpus))} "
-            f"CPUs): use {where}.cpus_per_rank<={max(1, per_rank)}"
-        )
+            f"CPUs): use {where}.cpus_per_rank<={max(1, per_rank)}")
 
 
 __all__ = ["SINFO_FORMAT", "check_partitions", "parse_inventory", "partition_inventory",
-           "require_slurm", "slurm_minutes"]
+           "partition_problems", "require_slurm", "slurm_minutes"]

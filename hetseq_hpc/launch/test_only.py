@@ -33,7 +33,12 @@ from typing import Dict, Optional, Tuple
 
 from hetseq_hpc.errors import ConfigError, LaunchError
 from hetseq_hpc.launch.sbatch import render_sbatch
-from hetseq_hpc.launch.slurm_checks import check_partitions, partition_inventory, require_slurm
+from hetseq_hpc.launch.slurm_checks import (
+    check_partitions,
+    partition_inventory,
+    partition_problems,
+    require_slurm,
+)
 from hetseq_hpc.plan.when import StartEstimate, WhenTable, check_when_cluster, rank_mixes
 from hetseq_hpc.plan.when_table import clock, render_when, when_json
 
@@ -111,9 +116,16 @@ def test_only_start(cluster, python: Optional[str] = None,
     return parse_test_only(f"{proc.stdout}\n{proc.stderr}", proc.returncode)
 
 
-def plan_when(run) -> Tuple[WhenTable, Dict[str, object]]:
+def plan_when(run, strict: bool = False) -> Tuple[WhenTable, Dict[str, object]]:
     """Rank the candidate mixes of ``run`` by expected finish, asking Slurm for each start
     (:func:`hetseq_hpc.plan.when.rank_mixes` with :func:`test_only_start`).
+
+    Args:
+        run: the validated SLURM RunConfig.
+        strict: refuse a configured partition that cannot run (``cluster.choose``, which
+            submits: a typo must not change what is submitted). Otherwise (``plan --when``,
+            which submits nothing) such a partition is left out of every mix and the table's
+            note says which and why, as long as one partition can run.
 
     Returns:
         ``(table, label -> restricted RunConfig)``.
@@ -122,12 +134,19 @@ def plan_when(run) -> Tuple[WhenTable, Dict[str, object]]:
         LaunchError: Slurm's commands are missing or do not answer (``sinfo`` is asked once
             first: an unreachable controller is one line, not a refusal per mix).
         ConfigError: the cluster is not a SLURM cluster, or a configured partition does not
-            exist or cannot hold what it asks for (:func:`check_partitions`, as ``run`` checks).
+            exist or cannot hold what it asks for (:func:`check_partitions`, as ``run`` checks;
+            not strict: only when no partition can run).
     """
     check_when_cluster(run)
     require_slurm()
-    check_partitions(run.cluster, partition_inventory())
-    return rank_mixes(run, test_only_start)
+    inventory = partition_inventory()
+    if strict:
+        check_partitions(run.cluster, inventory)
+        return rank_mixes(run, test_only_start)
+    problems = partition_problems(run.cluster, inventory)
+    if len(problems) == len(run.cluster.partitions):
+        raise ConfigError(next(iter(problems.values())))
+    return rank_mixes(run, test_only_start, left_out=problems)
 
 
 def choose_mix(run, run_dir: Path):
@@ -140,7 +159,7 @@ def choose_mix(run, run_dir: Path):
         LaunchError: Slurm's commands are missing or do not answer.
     """
     choose = run.cluster.choose
-    table, runs = plan_when(run)
+    table, runs = plan_when(run, strict=True)
     print(render_when(table, run))
     row = table.pick(choose)
     if row.label not in runs:  # pragma: no cover - pick() returns rows that can run

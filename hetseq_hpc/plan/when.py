@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from hetseq_hpc.errors import ConfigError, HetseqError
@@ -126,6 +126,9 @@ class WhenTable:
     now: float  # epoch seconds when Slurm was asked
     note: str  # how the mixes were enumerated (and thinned)
     source: str = ""  # where the throughputs came from (the planner's source line)
+    #: partition key -> why it cannot run; in no mix (``plan --when`` only: ``cluster.choose``
+    #: refuses such a cluster)
+    left_out: Dict[str, str] = field(default_factory=dict)
 
     @property
     def estimated(self) -> List[MixRow]:
@@ -301,7 +304,8 @@ def check_when_cluster(run) -> None:
 
 def rank_mixes(run, estimate_start: Callable[[object], StartEstimate],
                now: Optional[float] = None,
-               mixes: Optional[Sequence[Dict[str, int]]] = None) -> Tuple[WhenTable, Dict[str, object]]:
+               mixes: Optional[Sequence[Dict[str, int]]] = None,
+               left_out: Optional[Dict[str, str]] = None) -> Tuple[WhenTable, Dict[str, object]]:
     """Plan every candidate mix of ``run`` (a validated SLURM RunConfig), ask
     ``estimate_start(restricted cluster)`` when each would start, and sort by expected finish.
 
@@ -311,6 +315,9 @@ def rank_mixes(run, estimate_start: Callable[[object], StartEstimate],
             given the mix's cluster with ``timeout_min`` = :func:`asked_time_min` of the mix.
         now: epoch seconds of the question (default: now); a start before it counts as now.
         mixes: the mixes to rank (default :func:`candidate_mixes` of the configured partitions).
+        left_out: partition key -> why it cannot run (``plan --when`` on a cluster where it
+            does not exist or does not fit): no default mix includes it, and the table's note
+            names it with the reason.
 
     Returns:
         ``(table, runs)``: the table, and label -> restricted RunConfig of each mix that can run.
@@ -319,10 +326,13 @@ def rank_mixes(run, estimate_start: Callable[[object], StartEstimate],
         ConfigError: ``run`` is not a SLURM cluster.
     """
     check_when_cluster(run)
-    configured = {k: int(p.nodes) for k, p in run.cluster.partitions.items()}
+    left_out = dict(left_out or {})
+    configured = {k: int(p.nodes) for k, p in run.cluster.partitions.items() if k not in left_out}
     note = f"{len(mixes)} given mix(es)" if mixes is not None else ""
     if mixes is None:
         mixes, note = candidate_mixes(configured, run.plan.max_mixes)
+    for key, why in left_out.items():
+        note += f"; left out partition {key}: {why}"
     rows: List[MixRow] = []
     runs: Dict[str, object] = {}
     planned = [predict_mix(run, mix) for mix in mixes]  # the model is measured once
@@ -341,4 +351,4 @@ def rank_mixes(run, estimate_start: Callable[[object], StartEstimate],
                 runs[row.label] = restricted
         rows.append(row)
     rows.sort(key=_order)
-    return WhenTable(rows, asked, note, source), runs
+    return WhenTable(rows, asked, note, source, left_out), runs

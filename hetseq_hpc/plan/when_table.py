@@ -111,6 +111,10 @@ def render_when(table: WhenTable, run=None) -> str:
                      "off, or no estimate in its answer): the rows are by run time alone and "
                      "their finish is unknown; nothing is guessed")
     picks = _picks(table)
+    if table.left_out:
+        drop = " ".join(f"~cluster.partitions.{k}" for k in table.left_out)
+        lines.append(f"cluster.choose refuses while partition(s) {', '.join(table.left_out)} "
+                     f"cannot run (fix them, or drop them: {drop}); without them")
     lines.append(f"cluster.choose=finish_first would submit: {picks['finish_first'] or 'none (no estimate)'}"
                  f"; cluster.choose=cheapest: {picks['cheapest'] or 'none'}")
     return "\n".join(lines)
@@ -119,7 +123,8 @@ def render_when(table: WhenTable, run=None) -> str:
 def when_json(table: WhenTable, run=None) -> str:
     """One JSON line: ``asked_at`` (epoch s), ``mixes`` (per row: ``mix``, ``label``,
     ``ranks``, ``gpus``, ``step_s``, ``run_s``, ``start``/``finish`` epoch s or null,
-    ``gpu_hours``, ``note``) in table order, and the ``finish_first``/``cheapest`` picks."""
+    ``gpu_hours``, ``note``) in table order, the ``finish_first``/``cheapest`` picks, and
+    ``left_out`` (partition key -> why it cannot run; in no mix)."""
     timeout = getattr(run.cluster, "timeout_min", None) if run is not None else None
     mixes = []
     for row in table.rows:
@@ -133,4 +138,4 @@ def when_json(table: WhenTable, run=None) -> str:
             "asked_time_min": row.asked_min or None, "over_limit": row.over_limit,
             "note": row_note(row, timeout)})
     return json.dumps({"asked_at": table.now, "note": table.note, "mixes": mixes,
-                       **_picks(table)})
+                       **_picks(table), "left_out": table.left_out})

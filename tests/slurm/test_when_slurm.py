@@ -197,3 +197,33 @@ def test_plan_when_picks_a_mix_that_waits_when_its_run_is_enough_shorter(tmp_pat
         assert sorted(info["partitions"]) == ["a100", "v100"]
     finally:
         subprocess.run(["scancel", blocker_id, *submitted], capture_output=True)
+
+
+@pytest.mark.slurm
+def test_plan_when_leaves_out_a_partition_the_cluster_lacks_and_choose_refuses_it(tmp_path,
+                                                                                    token_cache):
+    """A partition that sinfo does not list (``t4`` on the test cluster): ``plan --when`` ranks
+    the mixes of the others and names it with the reason; ``cluster.choose=finish_first``, which
+    would submit, refuses in one line and submits nothing."""
+    t4 = "+cluster.partitions.t4={partition: t4, gpu_type: t4, nodes: 1, gpus_per_node: 1}"
+    plan = subprocess.run([sys.executable, "-m", "hetseq_hpc", "plan", "--when",
+                           "cluster=testcluster", *SHORT, t4], cwd=REPO,
+                          env=cli_env(token_cache), capture_output=True, text=True, timeout=300)
+    assert_ok(plan)
+    table = json.loads(plan.stdout.strip().splitlines()[-1])
+    assert {m["label"] for m in table["mixes"]} == {"a100:1", "v100:1", "a100:1+v100:1"}
+    assert "partition='t4' does not exist on this cluster" in table["left_out"]["t4"]
+    assert "left out partition t4" in plan.stdout and "cluster.choose refuses" in plan.stdout
+
+    before = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True,
+                            text=True).stdout.split()
+    run_dir = tmp_path / "chosen"
+    chosen = slurm_cli(run_dir, token_cache, *SHORT[len(SMALL_MODEL):], t4,
+                       "cluster.choose=finish_first", timeout=300)
+    assert chosen.returncode == 2, chosen.stdout + chosen.stderr
+    error = chosen.stderr.strip().splitlines()
+    assert len(error) == 1 and "partition='t4' does not exist" in error[0], chosen.stderr
+    assert not (run_dir / "job.json").exists()
+    after = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True,
+                           text=True).stdout.split()
+    assert set(after) <= set(before)  # nothing submitted

@@ -119,6 +119,24 @@ def test_rank_mixes_orders_by_finish_and_picks():
     assert record["finish_first"] == first.label and len(record["mixes"]) == 5
 
 
+def test_a_left_out_partition_is_in_no_mix_and_the_table_says_why():
+    """plan --when on a cluster where one partition cannot run: the others are ranked, the note
+    and the JSON name it with its reason, and the picks line says cluster.choose refuses."""
+    now = 1_700_000_000.0
+    why = "cluster.partitions.a100.partition='h100' does not exist on this cluster: use a100"
+    run = _run()
+    table, runs = rank_mixes(run, _busy_a100(now), now=now, left_out={"a100": why})
+    assert [r.label for r in table.rows] == ["v100:2", "v100:1"]
+    assert all("a100" not in r.mix for r in table.rows) and set(runs) == {"v100:2", "v100:1"}
+    assert f"left out partition a100: {why}" in table.note
+    text = render_when(table, run)
+    assert "cluster.choose refuses while partition(s) a100 cannot run" in text
+    assert "~cluster.partitions.a100" in text
+    record = json.loads(when_json(table, run))
+    assert record["left_out"] == {"a100": why} and record["finish_first"] == "v100:2"
+    assert json.loads(when_json(rank_mixes(run, _busy_a100(now), now=now)[0], run))["left_out"] == {}
+
+
 def test_no_estimate_rows_say_so_and_finish_first_refuses():
     run = _run()
     table, _ = rank_mixes(run, lambda c: StartEstimate(None, "sbatch --test-only printed no "

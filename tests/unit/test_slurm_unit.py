@@ -24,6 +24,7 @@ from hetseq_hpc.launch.slurm_checks import (
     check_partitions,
     parse_inventory,
     partition_inventory,
+    partition_problems,
     slurm_minutes,
 )
 from hetseq_hpc.launch.slurm_watch import HetSlurmInfoWatcher, wait_for_job
@@ -114,6 +115,22 @@ def test_precheck_refuses_what_the_cluster_cannot_run(overrides, fragment):
     with pytest.raises(ConfigError) as info:
         check_partitions(run.cluster, parse_inventory(SINFO_TESTCLUSTER))
     assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_partition_problems_lists_every_partition_that_cannot_run():
+    """plan --when leaves out each partition that cannot run, so all of them are named, each in
+    one line; check_partitions (run, cluster.choose) raises the first."""
+    run = compose_run_config(["cluster=testcluster", "cluster.partitions.a100.partition=h100",
+                              "cluster.partitions.v100.nodes=3"])
+    problems = partition_problems(run.cluster, parse_inventory(SINFO_TESTCLUSTER))
+    assert list(problems) == ["a100", "v100"]
+    assert "cluster.partitions.a100.partition='h100' does not exist" in problems["a100"]
+    assert "cluster.partitions.v100.nodes=3 but partition 'v100' has 2" in problems["v100"]
+    assert all("\n" not in p for p in problems.values())
+    with pytest.raises(ConfigError, match="partition='h100' does not exist"):
+        check_partitions(run.cluster, parse_inventory(SINFO_TESTCLUSTER))
+    ok = compose_run_config(["cluster=testcluster"])
+    assert partition_problems(ok.cluster, parse_inventory(SINFO_TESTCLUSTER)) == {}
 
 
 def test_precheck_accepts_the_test_cluster(testcluster):
