@@ -44,6 +44,7 @@ class ModelInfo:
     # hetseq_hpc.plan.perf_model): counted from the architecture for BERT, else from the
     # measured activations; 0 = not known (matmul time only)
     accesses_per_sample: float = 0.0
+    accesses_from: str = ""  # how accesses_per_sample was found, as the plan prints it
     # host seconds per training sample of building its batch (the task's make_batch, timed on
     # this machine: batch_build_s); 0 = none
     data_s_per_sample: float = 0.0
@@ -253,6 +254,8 @@ def measure_task_model(task_cfg, need_activations: bool,
             saved.append(nbytes)
         info.activation_bytes_per_sample = max(saved[1] - saved[0], 0) * ACTIVATION_SAFETY
     info.accesses_per_sample = _accesses_per_sample(task_cfg, info.activation_bytes_per_sample)
+    info.accesses_from = ("counted from the BERT shape, fused attention" if task_cfg.name == "bert"
+                          else "from its saved activations")
     return info
 
 
