@@ -33,12 +33,7 @@ from typing import Dict, Optional, Tuple
 
 from hetseq_hpc.errors import ConfigError, LaunchError
 from hetseq_hpc.launch.sbatch import render_sbatch
-from hetseq_hpc.launch.slurm_checks import (
-    check_partitions,
-    partition_inventory,
-    partition_problems,
-    require_slurm,
-)
+from hetseq_hpc.launch.slurm_checks import partition_inventory, partition_problems, require_slurm
 from hetseq_hpc.plan.when import StartEstimate, WhenTable, check_when_cluster, rank_mixes
 from hetseq_hpc.plan.when_table import clock, render_when, when_json
 
@@ -134,18 +129,14 @@ def plan_when(run, strict: bool = False) -> Tuple[WhenTable, Dict[str, object]]:
         LaunchError: Slurm's commands are missing or do not answer (``sinfo`` is asked once
             first: an unreachable controller is one line, not a refusal per mix).
         ConfigError: the cluster is not a SLURM cluster, or a configured partition does not
-            exist or cannot hold what it asks for (:func:`check_partitions`, as ``run`` checks;
+            exist or cannot hold what it asks for (:func:`partition_problems`, as ``run`` checks;
             not strict: only when no partition can run).
     """
     check_when_cluster(run)
     require_slurm()
-    inventory = partition_inventory()
-    if strict:
-        check_partitions(run.cluster, inventory)
-        return rank_mixes(run, test_only_start)
-    problems = partition_problems(run.cluster, inventory)
-    if len(problems) == len(run.cluster.partitions):
-        raise ConfigError(next(iter(problems.values())))
+    problems = partition_problems(run.cluster, partition_inventory())
+    if problems and (strict or len(problems) == len(run.cluster.partitions)):
+        raise ConfigError(next(iter(problems.values())))  # the first, as check_partitions
     return rank_mixes(run, test_only_start, left_out=problems)
 
 

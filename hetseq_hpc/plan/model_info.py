@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from hetseq_hpc.balance.memory import PARAM_BYTES, model_bytes
 
@@ -44,7 +44,7 @@ class ModelInfo:
     # hetseq_hpc.plan.perf_model): counted from the architecture for BERT, else from the
     # measured activations; 0 = not known (matmul time only)
     accesses_per_sample: float = 0.0
-    accesses_from: str = ""  # how accesses_per_sample was found, as the plan prints it
+    accesses_from: str = "as given"  # how accesses_per_sample was found, as the plan prints it
     # host seconds per training sample of building its batch (the task's make_batch, timed on
     # this machine: batch_build_s); 0 = none
     data_s_per_sample: float = 0.0
@@ -253,14 +253,14 @@ def measure_task_model(task_cfg, need_activations: bool,
             del loss
             saved.append(nbytes)
         info.activation_bytes_per_sample = max(saved[1] - saved[0], 0) * ACTIVATION_SAFETY
-    info.accesses_per_sample = _accesses_per_sample(task_cfg, info.activation_bytes_per_sample)
-    info.accesses_from = ("counted from the BERT shape, fused attention" if task_cfg.name == "bert"
-                          else "from its saved activations")
+    info.accesses_per_sample, info.accesses_from = _accesses_per_sample(
+        task_cfg, info.activation_bytes_per_sample)
     return info
 
 
-def _accesses_per_sample(task_cfg, activation_bytes_per_sample: float) -> float:
-    """Element accesses of one sample's memory-bound operations: counted from BERT's shape
+def _accesses_per_sample(task_cfg, activation_bytes_per_sample: float) -> Tuple[float, str]:
+    """``(element accesses of one sample's memory-bound operations, how they were found)``:
+    counted from BERT's shape
     (:func:`hetseq_hpc.plan.perf_model.transformer_accesses`, with fused attention: the task's
     encoder calls ``scaled_dot_product_attention``, a fused kernel on a GPU), else from the
     measured fp32 activations without their safety margin
@@ -270,6 +270,8 @@ def _accesses_per_sample(task_cfg, activation_bytes_per_sample: float) -> float:
 
     if task_cfg.name == "bert":
         m = task_cfg.model
-        return transformer_accesses(m.num_layers, m.hidden_size, m.num_heads, m.max_seq_len,
-                                    m.intermediate_size, fused_attention=True)
-    return accesses_from_activations(activation_bytes_per_sample / ACTIVATION_SAFETY)
+        return (transformer_accesses(m.num_layers, m.hidden_size, m.num_heads, m.max_seq_len,
+                                     m.intermediate_size, fused_attention=True),
+                "counted from the BERT shape, fused attention")
+    return (accesses_from_activations(activation_bytes_per_sample / ACTIVATION_SAFETY),
+            "from its saved activations")

@@ -175,7 +175,8 @@ def _table_ranks(run, opts: PlanConfig) -> Tuple[ModelInfo, List[RankSpec], str]
                  else "tensor-core peak everywhere (plan.peak=tensor)")
     source = (f"GPU specs, not a probe: {model.flops_per_sample / 1e9:.2f} GFLOP per sample at "
               f"{FACTORS['compute_fraction']:.3f} of peak + {model.accesses_per_sample / 1e6:.1f} M "
-              f"element accesses ({model.accesses_from or 'given'}) at {FACTORS['bandwidth_fraction']:.3f} of bandwidth, fitted on "
+              f"element accesses ({model.accesses_from}) at "
+              f"{FACTORS['bandwidth_fraction']:.3f} of bandwidth, fitted on "
               f"DLE PyTorch BERT and checked on held-out figures (docs/planner-accuracy.md), "
               f"+ {pass_overhead_s(model.param_tensors) * 1e3:.1f} ms per micro-batch "
               f"({model.param_tensors} parameter tensors); precision {precision}; fp32 means "
