@@ -38,8 +38,13 @@ class CharLM(nn.Module):
     def __init__(self, vocab_size: int, hidden: int, layers: int, dropout: float):
         super().__init__()
         self.embed = nn.Embedding(vocab_size, hidden)
-        self.rnn = nn.GRU(hidden, hidden, num_layers=layers, batch_first=True,
-                          dropout=dropout if layers > 1 else 0.0)
+        self.rnn = nn.GRU(
+            hidden,
+            hidden,
+            num_layers=layers,
+            batch_first=True,
+            dropout=dropout if layers > 1 else 0.0,
+        )
         self.drop = nn.Dropout(dropout)
         self.head = nn.Linear(hidden, vocab_size)
 
@@ -69,9 +74,11 @@ class CharLMTask(Task):
         self.val_fraction = float(args.get("val_fraction", 0.05))
         self.dropout = float(cfg.model.get("dropout", 0.0))
         if self.seq_len < 2 or not 0.0 < self.val_fraction < 0.5:
-            raise ConfigError(f"task.args.seq_len={self.seq_len} / task.args.val_fraction="
-                             f"{self.val_fraction} are invalid: use seq_len >= 2 and a fraction "
-                             "in (0, 0.5)")
+            raise ConfigError(
+                f"task.args.seq_len={self.seq_len} / task.args.val_fraction="
+                f"{self.val_fraction} are invalid: use seq_len >= 2 and a fraction "
+                "in (0, 0.5)"
+            )
 
     def load(self) -> None:
         """Read the text (a few hundred kB: no cache needed, so no ``prepare``)."""
@@ -101,11 +108,17 @@ class CharLMTask(Task):
 
     @property
     def data_summary(self) -> Dict[str, object]:
-        return {"source": "pydoc_data.topics", "characters": int(self.windows.size),
-                "vocab_size": len(self.chars), "train_windows": self.num_train,
-                "val_windows": self.num_val}
+        return {
+            "source": "pydoc_data.topics",
+            "characters": int(self.windows.size),
+            "vocab_size": len(self.chars),
+            "train_windows": self.num_train,
+            "val_windows": self.num_val,
+        }
 
-    def make_batch(self, positions: Sequence[int], epoch: int, split: str) -> Dict[str, torch.Tensor]:
+    def make_batch(
+        self, positions: Sequence[int], epoch: int, split: str
+    ) -> Dict[str, torch.Tensor]:
         """``{"inputs", "targets"}``, each ``(len(positions), seq_len)`` int64; nothing random."""
         rows = np.asarray(positions, dtype=np.int64).reshape(-1)
         if split == "val":
@@ -141,6 +154,6 @@ class CharLMTask(Task):
                 nxt = model.logits(ids)[:, -1].argmax(dim=-1, keepdim=True)
                 ids = torch.cat([ids, nxt], dim=1)
             text = "".join(self.chars[j] for j in ids[0].tolist())
-            prompt, more = text[:self.seq_len], text[self.seq_len:]
+            prompt, more = text[: self.seq_len], text[self.seq_len :]
             out.append((repr(prompt[-30:]), repr(more)))
         return out

@@ -113,7 +113,11 @@ class BertSelfAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         q, v = self._split(self.query(hidden)), self._split(self.value(hidden))
-        k = self.key(hidden).view(*hidden.shape[:-1], self.heads, self.head_size).permute(0, 2, 3, 1)
+        k = (
+            self.key(hidden)
+            .view(*hidden.shape[:-1], self.heads, self.head_size)
+            .permute(0, 2, 3, 1)
+        )
         scores = torch.matmul(q, k) / math.sqrt(self.head_size)
         scores = scores + mask
         probs = self.dropout(F.softmax(scores, dim=-1))
@@ -150,8 +154,16 @@ class HetSeqBertForPreTraining(nn.Module):
     does over the ``(B T, vocab)`` logits of every position.
     """
 
-    def __init__(self, vocab_size: int, hidden: int, layers: int, heads: int,
-                 intermediate: int, max_positions: int, dropout: float):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden: int,
+        layers: int,
+        heads: int,
+        intermediate: int,
+        max_positions: int,
+        dropout: float,
+    ):
         super().__init__()
         self.word_embeddings = nn.Embedding(vocab_size, hidden)
         # bert_config.json's max_position_embeddings (512), or more for longer sequences
@@ -159,8 +171,9 @@ class HetSeqBertForPreTraining(nn.Module):
         self.token_type_embeddings = nn.Embedding(2, hidden)
         self.embedding_norm = BertLayerNorm(hidden)
         self.dropout = nn.Dropout(dropout)
-        self.layers = nn.ModuleList(BertLayer(hidden, heads, intermediate, dropout)
-                                    for _ in range(layers))
+        self.layers = nn.ModuleList(
+            BertLayer(hidden, heads, intermediate, dropout) for _ in range(layers)
+        )
         self.transform = LinearGelu(hidden, hidden)
         self.transform_norm = BertLayerNorm(hidden)
         self.decoder_bias = nn.Parameter(torch.zeros(vocab_size))
@@ -176,24 +189,39 @@ class HetSeqBertForPreTraining(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         types = torch.zeros_like(input_ids)  # HetSeq's segment ids; packed text has one segment
-        hidden = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
-                  + self.token_type_embeddings(types))
+        hidden = (
+            self.word_embeddings(input_ids)
+            + self.position_embeddings(positions)
+            + self.token_type_embeddings(types)
+        )
         hidden = self.dropout(self.embedding_norm(hidden))
         # HetSeq's extended attention mask: (1 - mask) * -10000, all zero for unpadded rows
         ones = torch.ones_like(input_ids)
-        mask = ((1.0 - ones[:, None, None, :].to(hidden.dtype)) * -10000.0)
+        mask = (1.0 - ones[:, None, None, :].to(hidden.dtype)) * -10000.0
         for layer in self.layers:
             hidden = layer(hidden, mask)
         hidden = self.transform_norm(self.transform(hidden))
         scores = F.linear(hidden, self.word_embeddings.weight) + self.decoder_bias  # tied
-        return F.cross_entropy(scores.view(-1, scores.shape[-1]).float(), labels.view(-1),
-                               ignore_index=IGNORE_INDEX, reduction="sum")
+        return F.cross_entropy(
+            scores.view(-1, scores.shape[-1]).float(),
+            labels.view(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
 
 
 #: HetSeq's BERT-base (Google's uncased_L-12_H-768_A-12 bert_config.json)
-DEFAULTS: Dict[str, Any] = {"hidden_size": 768, "num_layers": 12, "num_heads": 12,
-                            "intermediate_size": 3072, "max_seq_len": 128, "vocab_size": 30522,
-                            "data_vocab_size": 8192, "files": [], "cache_dir": None}
+DEFAULTS: Dict[str, Any] = {
+    "hidden_size": 768,
+    "num_layers": 12,
+    "num_heads": 12,
+    "intermediate_size": 3072,
+    "max_seq_len": 128,
+    "vocab_size": 30522,
+    "data_vocab_size": 8192,
+    "files": [],
+    "cache_dir": None,
+}
 
 
 def _whole(name: str, value: Any) -> int:
@@ -207,8 +235,10 @@ def _whole(name: str, value: Any) -> int:
     except (TypeError, ValueError):
         number = math.nan
     if not number.is_integer():
-        raise ConfigError(f"task.args.{name}={value!r} is not a whole number: set "
-                          f"+task.args.{name}=<int> (HetSeq's BERT-base: {DEFAULTS[name]})")
+        raise ConfigError(
+            f"task.args.{name}={value!r} is not a whole number: set "
+            f"+task.args.{name}=<int> (HetSeq's BERT-base: {DEFAULTS[name]})"
+        )
     return int(number)
 
 
@@ -221,8 +251,10 @@ def _dropout(value: Any) -> float:
     try:
         return float(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"task.model.dropout={value!r} is not a number: use a value in [0, 1), "
-                          "e.g. task.model.dropout=0.1 (HetSeq's)") from None
+        raise ConfigError(
+            f"task.model.dropout={value!r} is not a number: use a value in [0, 1), "
+            "e.g. task.model.dropout=0.1 (HetSeq's)"
+        ) from None
 
 
 class HetSeqBertTask(BertTask):
@@ -239,25 +271,48 @@ class HetSeqBertTask(BertTask):
         args = dict(cfg.args)
         unknown = sorted(set(args) - set(DEFAULTS))
         if unknown:
-            raise ConfigError(f"task.args.{unknown[0]} is not an option of HetSeqBertTask: use "
-                              f"one of {', '.join(sorted(DEFAULTS))}")
+            raise ConfigError(
+                f"task.args.{unknown[0]} is not an option of HetSeqBertTask: use "
+                f"one of {', '.join(sorted(DEFAULTS))}"
+            )
         self.args = {**DEFAULTS, **args}
-        sizes = {name: _whole(name, self.args[name]) for name in
-                 ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_seq_len",
-                  "vocab_size", "data_vocab_size")}
+        sizes = {
+            name: _whole(name, self.args[name])
+            for name in (
+                "hidden_size",
+                "num_layers",
+                "num_heads",
+                "intermediate_size",
+                "max_seq_len",
+                "vocab_size",
+                "data_vocab_size",
+            )
+        }
         if sizes["vocab_size"] < sizes["data_vocab_size"]:
-            raise ConfigError(f"task.args.vocab_size={sizes['vocab_size']} is below the data's "
-                              f"vocabulary ({sizes['data_vocab_size']}): raise it, or lower "
-                              "task.args.data_vocab_size")
+            raise ConfigError(
+                f"task.args.vocab_size={sizes['vocab_size']} is below the data's "
+                f"vocabulary ({sizes['data_vocab_size']}): raise it, or lower "
+                "task.args.data_vocab_size"
+            )
         files = self.args["files"]
         files = [files] if isinstance(files, str) else list(files or [])
         try:  # hetseq_hpc's BERT config validates the shapes; its messages name task.model.*
-            model = BertModelConfig(dropout=_dropout(cfg.model.get("dropout", 0.1)),
-                                    **{k: sizes[k] for k in ("hidden_size", "num_layers",
-                                                             "num_heads", "intermediate_size",
-                                                             "max_seq_len")})
-            data = BertDataConfig(files=files, cache_dir=self.args["cache_dir"],
-                                  vocab_size=sizes["data_vocab_size"])
+            model = BertModelConfig(
+                dropout=_dropout(cfg.model.get("dropout", 0.1)),
+                **{
+                    k: sizes[k]
+                    for k in (
+                        "hidden_size",
+                        "num_layers",
+                        "num_heads",
+                        "intermediate_size",
+                        "max_seq_len",
+                    )
+                },
+            )
+            data = BertDataConfig(
+                files=files, cache_dir=self.args["cache_dir"], vocab_size=sizes["data_vocab_size"]
+            )
         except ConfigError as exc:
             message = str(exc).replace("task.data.vocab_size", "task.args.data_vocab_size")
             raise ConfigError(re.sub(r"task\.model\.(?!dropout)", "task.args.", message)) from None
@@ -267,17 +322,27 @@ class HetSeqBertTask(BertTask):
     def data_summary(self) -> Dict[str, Any]:
         """The corpus, the tokenizer's vocabulary (the data's) and the model's (HetSeq's), and
         the split sizes, for the log and ``summary.json``."""
-        return {"source": self.corpus.name, "data_vocab_size": int(self.data.vocab_size),
-                "model_vocab_size": int(self.args["vocab_size"]),
-                "seq_len": int(self.data.seq_len), "train_sequences": self.num_train,
-                "val_sequences": self.num_val}
+        return {
+            "source": self.corpus.name,
+            "data_vocab_size": int(self.data.vocab_size),
+            "model_vocab_size": int(self.args["vocab_size"]),
+            "seq_len": int(self.data.seq_len),
+            "train_sequences": self.num_train,
+            "val_sequences": self.num_val,
+        }
 
     def build_model(self) -> HetSeqBertForPreTraining:
         """A freshly initialised HetSeq BERT (seed the RNG first)."""
         m = self.cfg.model
-        return HetSeqBertForPreTraining(int(self.args["vocab_size"]), m.hidden_size, m.num_layers,
-                                        m.num_heads, m.intermediate_size, m.max_seq_len,
-                                        m.dropout)
+        return HetSeqBertForPreTraining(
+            int(self.args["vocab_size"]),
+            m.hidden_size,
+            m.num_layers,
+            m.num_heads,
+            m.intermediate_size,
+            m.max_seq_len,
+            m.dropout,
+        )
 
     def flops_per_sample(self, model: nn.Module) -> Optional[float]:
         """None: counted by ``FlopCounterMode`` on a real batch (the head on every position)."""

@@ -63,8 +63,10 @@ class Preempted(HetseqError):
     """
 
     def __init__(self, step: int, code: int, reason: str, leader: Optional[bool] = None):
-        super().__init__(f"stopped after step {step} on {reason}; checkpoint written, resume with "
-                         "trainer.resume=auto")
+        super().__init__(
+            f"stopped after step {step} on {reason}; checkpoint written, resume with "
+            "trainer.resume=auto"
+        )
         self.step = step
         self.code = code
         self.leader = leader

@@ -81,6 +81,7 @@ from hetseq_hpc.train.task_summary import (
 
 log = logging.getLogger("hetseq_hpc.worker")
 
+
 def pick_device(world: WorldInfo) -> torch.device:
     """``cuda:<local rank % visible GPUs>`` when CUDA is available, else the CPU."""
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
@@ -90,15 +91,20 @@ def pick_device(world: WorldInfo) -> torch.device:
     return torch.device("cpu")
 
 
-def rank_placement(run: RunConfig, world: WorldInfo,
-                   env: Optional[Dict[str, str]] = None) -> RankPlacement:
+def rank_placement(
+    run: RunConfig, world: WorldInfo, env: Optional[Dict[str, str]] = None
+) -> RankPlacement:
     """This rank's placement (:func:`hetseq_hpc.balance.placement.placement_for`) from the config and
     its place in the job: het component, ``SLURM_CPUS_PER_TASK``, ``LOCAL_WORLD_SIZE``."""
     env = os.environ if env is None else env
     local = str(env.get("LOCAL_WORLD_SIZE", ""))
-    return placement_for(run, world.rank, het_group=world.het_group,
-                         local_world_size=int(local) if local.isdigit() and int(local) > 0 else None,
-                         cpus_per_task=world.cpus_per_task)
+    return placement_for(
+        run,
+        world.rank,
+        het_group=world.het_group,
+        local_world_size=int(local) if local.isdigit() and int(local) > 0 else None,
+        cpus_per_task=world.cpus_per_task,
+    )
 
 
 def set_threads(placement: RankPlacement) -> int:
@@ -113,16 +119,25 @@ def precision_context(placement: RankPlacement, device: torch.device, dev: Devic
     :func:`hetseq_hpc.train.precision.resolve_precision`: ``auto`` = bf16 autocast on compute
     capability >= 8.0, fp16 on 7.x, fp32 on older GPUs and the CPU; explicit bf16/fp16 also
     on the CPU (torch's cpu autocast)."""
-    precision, warning = resolve_precision(placement.precision, device.type,
-                                           dev.compute_capability)
+    precision, warning = resolve_precision(placement.precision, device.type, dev.compute_capability)
     if warning:
         log.warning("%s (%s)", warning, dev.name)
     return precision, autocast_factory(precision, device.type)
 
 
-def calibrate_rank(model: torch.nn.Module, parallel: Any, task: Any, run: RunConfig,
-                   world: WorldInfo, device: torch.device, budget: float, autocast: Any, rdv: Any,
-                   static: float, param_bytes: float) -> Any:
+def calibrate_rank(
+    model: torch.nn.Module,
+    parallel: Any,
+    task: Any,
+    run: RunConfig,
+    world: WorldInfo,
+    device: torch.device,
+    budget: float,
+    autocast: Any,
+    rdv: Any,
+    static: float,
+    param_bytes: float,
+) -> Any:
     """This rank's cost curve and micro-batch cap (:func:`hetseq_hpc.balance.calibrate.calibrate`).
 
     DDP: on the whole model; a rank done early times more passes while slower ones go on.
@@ -132,11 +147,19 @@ def calibrate_rank(model: torch.nn.Module, parallel: Any, task: Any, run: RunCon
     the optimizer step's fixed cost is not timed then (a whole-model copy would not fit).
     Otherwise on the shards, the same passes on every rank (each pass waits for the slowest
     rank's all-gathers, so the split comes out even: a warning says so)."""
+
     def make(n: int) -> Any:
         return checked_batch(task, list(range(min(n, task.num_train))), 0, "train")
 
-    args = (make, device, calibration_micro_batch(run, world.world_size, device.type),
-            run.balance.calibration_steps, budget, run.balance.max_micro_batch, autocast)
+    args = (
+        make,
+        device,
+        calibration_micro_batch(run, world.world_size, device.type),
+        run.balance.calibration_steps,
+        budget,
+        run.balance.max_micro_batch,
+        autocast,
+    )
     if not parallel.sharded:
         return calibrate(model, *args, wait_for_peers=rdv.post_barrier, static_bytes=static)
     room = budget * MEMORY_HEADROOM * (1.0 - AUTO_ACTIVATION_SHARE)
@@ -144,11 +167,14 @@ def calibrate_rank(model: torch.nn.Module, parallel: Any, task: Any, run: RunCon
     # the whole weights and gradients fit EVERY rank (ranks' budgets differ on a mix)
     if all(rdv.all_gather_objects(bool(2 * param_bytes + static <= room))):
         with parallel.local_passes() as whole:
-            return calibrate(whole, *args, step_fixed=False, wait_for_peers=rdv.post_barrier,
-                             static_bytes=static)
-    log.warning("sharding.mode=fsdp: the whole weights and gradients do not fit beside the shard "
-                "for calibration: timed on the shards, where every pass waits for the slowest "
-                "rank, so the split is about even; force balance.allocation for a mixed cluster")
+            return calibrate(
+                whole, *args, step_fixed=False, wait_for_peers=rdv.post_barrier, static_bytes=static
+            )
+    log.warning(
+        "sharding.mode=fsdp: the whole weights and gradients do not fit beside the shard "
+        "for calibration: timed on the shards, where every pass waits for the slowest "
+        "rank, so the split is about even; force balance.allocation for a mixed cluster"
+    )
     return calibrate(model, *args, wait_for_peers=None, static_bytes=static)
 
 
@@ -164,12 +190,16 @@ def elastic_store(run: RunConfig, world: Any, env: Dict[str, str]) -> Any:
         return None
     store = job_store(run.cluster.collective_timeout_s, env)
     if store is None and world.is_master:
-        log.info("trainer.elastic: off (no job store: started by hand or by an older script; "
-                 "a lost rank ends the job as before)")
+        log.info(
+            "trainer.elastic: off (no job store: started by hand or by an older script; "
+            "a lost rank ends the job as before)"
+        )
     return store
 
 
-def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+def run_worker(
+    run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = None
+) -> Dict[str, Any]:
     """Run one rank to the end; returns the training summary (same on every rank).
 
     Raises:
@@ -185,20 +215,36 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
     threads = set_threads(placement)
     device = pick_device(world)
     dev = probe(device.index if device.type == "cuda" else None)
-    log.info("rank %d/%d on %s (node %s): %s", world.rank, world.world_size, dev.label,
-             world.node_name, dev.note or "probed")
+    log.info(
+        "rank %d/%d on %s (node %s): %s",
+        world.rank,
+        world.world_size,
+        dev.label,
+        world.node_name,
+        dev.note or "probed",
+    )
     if device.type == "cpu" and (env.get("SLURM_JOB_GPUS") or env.get("CUDA_VISIBLE_DEVICES")):
-        log.warning("GPUs were allocated (CUDA_VISIBLE_DEVICES=%s) but torch has no CUDA here: "
-                    "training on CPU with gloo", env.get("CUDA_VISIBLE_DEVICES"))
+        log.warning(
+            "GPUs were allocated (CUDA_VISIBLE_DEVICES=%s) but torch has no CUDA here: "
+            "training on CPU with gloo",
+            env.get("CUDA_VISIBLE_DEVICES"),
+        )
     stop_request = StopRequest().install()
     emulation = emulate_speed(placement.emulate_speed, threads)
     precision, autocast = precision_context(placement, device, dev)
     task = build_task(run.task, run.trainer.seed)
     clock.mark("probe")
     job = elastic_store(run, world, env)
-    with claim_run_dir(run_dir_path, world.is_master, env), \
-            rendezvous(world, device, run.cluster.collective_timeout_s, job,
-                       run.trainer.elastic.timeout_s if job is not None else None) as rdv:
+    with (
+        claim_run_dir(run_dir_path, world.is_master, env),
+        rendezvous(
+            world,
+            device,
+            run.cluster.collective_timeout_s,
+            job,
+            run.trainer.elastic.timeout_s if job is not None else None,
+        ) as rdv,
+    ):
         clock.mark("rendezvous")
         if emulation.method != "none":  # a slower device, not a slower network
             emulation = exempt_communication_threads(emulation)
@@ -208,13 +254,20 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
         task.load()
         clock.mark("data")
         label = dev.label if emulation.method == "none" else f"{dev.label} @{emulation.speed:g}"
-        meta = RankMeta(rank=world.rank, device=label, node=world.node_name,
-                        het_group=world.het_group, partition=world.partition,
-                        gres=placement.gres, precision=precision)
+        meta = RankMeta(
+            rank=world.rank,
+            device=label,
+            node=world.node_name,
+            het_group=world.het_group,
+            partition=world.partition,
+            gres=placement.gres,
+            precision=precision,
+        )
         if prefetch is not None:
             prefetch.join()  # nothing may import these modules while the thread does
-        budget = memory_budget_bytes(placement, dev.kind, dev.memory_free_bytes,
-                                     placement.ranks_on_node)
+        budget = memory_budget_bytes(
+            placement, dev.kind, dev.memory_free_bytes, placement.ranks_on_node
+        )
         chosen: Dict[str, Any] = {}
 
         def place(bare: torch.nn.Module) -> torch.nn.Module:
@@ -227,8 +280,14 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
                 check_before_training(task, bare, run, torch.device("cpu"), rdv, early)
             chosen["parallel"] = build_parallel(run, task, bare, device, mode)
             chosen["static_for"] = lambda n: model_state_bytes(
-                param_bytes, mode, n, sizes.block, run.sharding.cpu_offload and device.type == "cuda",
-                gathered_weights=not task.evaluates_in_fixed_passes(), root_bytes=sizes.root)
+                param_bytes,
+                mode,
+                n,
+                sizes.block,
+                run.sharding.cpu_offload and device.type == "cuda",
+                gathered_weights=not task.evaluates_in_fixed_passes(),
+                root_bytes=sizes.root,
+            )
             chosen["static"] = chosen["static_for"](world.world_size)
             return chosen["parallel"].model
 
@@ -245,14 +304,35 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
         clock.mark("model")
         watch.start_window(parallel.model)  # from the placed model: calibration, training
         parallel.memory_watch = watch
-        cal = calibrate_rank(model, parallel, task, run, world, device, budget, autocast, rdv,
-                             chosen["static"], chosen["param_bytes"])
+        cal = calibrate_rank(
+            model,
+            parallel,
+            task,
+            run,
+            world,
+            device,
+            budget,
+            autocast,
+            rdv,
+            chosen["static"],
+            chosen["param_bytes"],
+        )
         clock.mark("calibration")
-        reports = [RankReport.of(r) for r in rdv.all_gather_objects(RankReport(
-            world=world.to_dict(), probe=dev.to_dict(), calibration=cal.to_dict(),
-            meta=dict(meta.__dict__), precision=precision, threads=threads,
-            emulation=emulation.to_dict(), placement=placement.to_dict(),
-        ).to_dict())]
+        reports = [
+            RankReport.of(r)
+            for r in rdv.all_gather_objects(
+                RankReport(
+                    world=world.to_dict(),
+                    probe=dev.to_dict(),
+                    calibration=cal.to_dict(),
+                    meta=dict(meta.__dict__),
+                    precision=precision,
+                    threads=threads,
+                    emulation=emulation.to_dict(),
+                    placement=placement.to_dict(),
+                ).to_dict()
+            )
+        ]
         allocation = agree_on_allocation(run, reports, rdv)
         agree_on_accumulation(run.sharding, parallel, allocation, reports, rdv)  # FSDP only
         clock.mark("allocation")
@@ -262,40 +342,78 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
         def on_allocation(new: Allocation, extra: Optional[Dict[str, Any]] = None) -> None:
             if torch.distributed.get_rank() == 0:  # of the current world (it may have re-formed)
                 members = live["elastic"].membership.members if live else range(len(reports))
-                write_allocation_json(run_dir_path, new, [reports[m] for m in members],
-                                      {"startup": clock.to_dict(), **(extra or {})})
+                write_allocation_json(
+                    run_dir_path,
+                    new,
+                    [reports[m] for m in members],
+                    {"startup": clock.to_dict(), **(extra or {})},
+                )
 
         metas = [RankMeta(**r.meta) for r in reports]
         rebalancer = None
         if parallel.sharded and run.balance.rebalance_interval and world.world_size > 1:
-            log.info("sharding.mode=fsdp: online re-balancing is off (every pass waits for the "
-                     "all-gathers, so a rank's step time shows the slowest rank's pace); the "
-                     "calibrated split is kept")
+            log.info(
+                "sharding.mode=fsdp: online re-balancing is off (every pass waits for the "
+                "all-gathers, so a rank's step time shows the slowest rank's pace); the "
+                "calibrated split is kept"
+            )
         elif run.balance.rebalance_interval and world.world_size > 1:
-            rebalancer = Rebalancer(caps=[s.max_micro_batch for s in allocation.shares],
-                                    threshold=run.balance.rebalance_threshold,
-                                    curves=report_curves(reports))
-        elastic = (ElasticWorld(run, job, rdv, reports, device,
-                                rebuild=lambda: seeded_model(task, run.trainer.seed),
-                                static_for=chosen["static_for"] if parallel.sharded else None)
-                   if job is not None else None)
+            rebalancer = Rebalancer(
+                caps=[s.max_micro_batch for s in allocation.shares],
+                threshold=run.balance.rebalance_threshold,
+                curves=report_curves(reports),
+            )
+        elastic = (
+            ElasticWorld(
+                run,
+                job,
+                rdv,
+                reports,
+                device,
+                rebuild=lambda: seeded_model(task, run.trainer.seed),
+                static_for=chosen["static_for"] if parallel.sharded else None,
+            )
+            if job is not None
+            else None
+        )
         if elastic is not None:
             live["elastic"] = elastic
-        trainer = Trainer(run, run_dir_path, rdv, task, model, device, allocation, metas,
-                          autocast=autocast, on_allocation=on_allocation,
-                          stop_request=stop_request, rebalancer=rebalancer, parallel=parallel,
-                          elastic=elastic)
+        trainer = Trainer(
+            run,
+            run_dir_path,
+            rdv,
+            task,
+            model,
+            device,
+            allocation,
+            metas,
+            autocast=autocast,
+            on_allocation=on_allocation,
+            stop_request=stop_request,
+            rebalancer=rebalancer,
+            parallel=parallel,
+            elastic=elastic,
+        )
         if world.is_master:  # after the Trainer chose the run (a new run archives the old one)
             clock.log()
-            path = write_allocation_json(run_dir_path, allocation, reports,
-                                         {"startup": clock.to_dict()})
-            log.info("allocation %s (%s; micro-batch x accumulation %s) -> %s", allocation.samples,
-                     allocation.source,
-                     [f"{s.micro_batch}x{s.accum_steps}" for s in allocation.shares], path)
+            path = write_allocation_json(
+                run_dir_path, allocation, reports, {"startup": clock.to_dict()}
+            )
+            log.info(
+                "allocation %s (%s; micro-batch x accumulation %s) -> %s",
+                allocation.samples,
+                allocation.source,
+                [f"{s.micro_batch}x{s.accum_steps}" for s in allocation.shares],
+                path,
+            )
         summary = trainer.fit()
         master = trainer.rank == 0  # of the current world (rank 0 may have been lost)
-        examples = after_training(elastic, lambda: examples_model(task, trainer.parallel, master),
-                                  "gathering the weights for the examples", None)
+        examples = after_training(
+            elastic,
+            lambda: examples_model(task, trainer.parallel, master),
+            "gathering the weights for the examples",
+            None,
+        )
         finish_task_summary(summary, task, examples, task_info, master)
         final: Dict[str, Any] = {}  # what plans read from a finished run (plan.probe)
         if rebalancer is not None and all(rebalancer.fitted):  # the refitted curves
@@ -307,13 +425,18 @@ def run_worker(run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = Non
             on_allocation(trainer.allocation, final)
         summary["world_size"] = trainer.world.world_size
         if elastic is not None:
-            summary["lost_ranks"] = sorted(set(range(world.world_size))
-                                           - set(elastic.membership.members))
+            summary["lost_ranks"] = sorted(
+                set(range(world.world_size)) - set(elastic.membership.members)
+            )
             elastic.close()
         if master:
             atomic_write_json(RunDir(run_dir_path).summary, summary)
-        if not after_training(elastic, lambda: trainer.rdv.barrier() or True, "the final barrier",
-                              False) and not master:
+        if (
+            not after_training(
+                elastic, lambda: trainer.rdv.barrier() or True, "the final barrier", False
+            )
+            and not master
+        ):
             write_summary_if_missing(run_dir_path, summary)  # rank 0 may be the one lost
         if master and run.trainer.plot:  # after the barrier: no rank waits for it
             draw_plot(summary, run_dir_path)
@@ -329,8 +452,11 @@ def draw_plot(summary: Dict[str, Any], run_dir: Path) -> None:
 
         summary["plot"] = str(plot_run(run_dir))
     except Exception as exc:
-        log.warning("could not draw the run's plot (%s): draw it later with hetseq-hpc report %s",
-                    " ".join(str(exc).split()) or type(exc).__name__, run_dir)
+        log.warning(
+            "could not draw the run's plot (%s): draw it later with hetseq-hpc report %s",
+            " ".join(str(exc).split()) or type(exc).__name__,
+            run_dir,
+        )
         return
     log.info("plot: %s", summary["plot"])
     atomic_write_json(RunDir(run_dir).summary, summary)
@@ -352,8 +478,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     rank's log, stderr and ``logs/rank<N>.error.json``, marked when it is only a peer's
     disconnection: :func:`hetseq_hpc.env.rank_guard.report_failure`). Started by the local
     launcher, the rank also ends itself if that launcher dies (``watch_launcher``)."""
-    parser = argparse.ArgumentParser(prog="python -m hetseq_hpc.worker",
-                                     description="Run one hetseq_hpc rank.")
+    parser = argparse.ArgumentParser(
+        prog="python -m hetseq_hpc.worker", description="Run one hetseq_hpc rank."
+    )
     parser.add_argument("--config", required=True, help=f"the run's {RunDir.CONFIG_NAME}")
     parser.add_argument("--run-dir", help="run directory (default: the config's directory)")
     args = parser.parse_args(argv)

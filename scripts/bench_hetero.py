@@ -76,16 +76,29 @@ from hetseq_hpc.train.metrics import read_metrics
 REPO = Path(__file__).resolve().parent.parent
 GLOBAL_BATCH = 128  # set from --global-batch in main()
 MICRO_BATCH = 32  # the same micro-batch cap everywhere (set from --micro-batch)
-COMMON = ["trainer.val_every=0", "trainer.checkpoint_every=0", "trainer.keep_checkpoints=1",
-          "cluster.threads_per_rank=1"]
+COMMON = [
+    "trainer.val_every=0",
+    "trainer.checkpoint_every=0",
+    "trainer.keep_checkpoints=1",
+    "cluster.threads_per_rank=1",
+]
 
 
 def start_cli(run_dir: Path, *overrides: str) -> subprocess.Popen:
     """Start ``python -m hetseq_hpc`` (not waiting)."""
-    cmd = [sys.executable, "-m", "hetseq_hpc", *COMMON, f"trainer.global_batch_size={GLOBAL_BATCH}",
-           f"balance.max_micro_batch={MICRO_BATCH}", *overrides, f"hydra.run.dir={run_dir}"]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetseq_hpc",
+        *COMMON,
+        f"trainer.global_batch_size={GLOBAL_BATCH}",
+        f"balance.max_micro_batch={MICRO_BATCH}",
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+    ]
+    return subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def finish_cli(proc: subprocess.Popen, run_dir: Path, what: str) -> list:
@@ -118,7 +131,9 @@ def step_times(rows: list, warmup: int) -> list:
 
 def low_quartile(values: list) -> float:
     """25th percentile (inclusive method) of a list of step times."""
-    return statistics.quantiles(values, n=4, method="inclusive")[0] if len(values) > 1 else values[0]
+    return (
+        statistics.quantiles(values, n=4, method="inclusive")[0] if len(values) > 1 else values[0]
+    )
 
 
 def throughput(rows: list, warmup: int) -> float:
@@ -154,8 +169,15 @@ def in_job_rates(rows: list, warmup: int) -> list:
     return [statistics.median(per_rank[i]) for i in sorted(per_rank)]
 
 
-def corunning(root: Path, speeds: tuple, steps: int, warmup: int, alone: dict,
-              batches: dict | None = None, suffix: str = "") -> dict:
+def corunning(
+    root: Path,
+    speeds: tuple,
+    steps: int,
+    warmup: int,
+    alone: dict,
+    batches: dict | None = None,
+    suffix: str = "",
+) -> dict:
     """Rates (samples/s) of single-rank runs at ``speeds`` started together, counting only the
     steps that ended while every one of them was past its warm-up and still running. Each run's
     step is ``batches[speed]`` samples (default: the global batch), in micro-batches of at most
@@ -168,16 +190,26 @@ def corunning(root: Path, speeds: tuple, steps: int, warmup: int, alone: dict,
         n = max(steps, math.ceil(steps * longest / expected[s]) + warmup)
         tag = "-".join(map(str, speeds)) + (f"-b{batches[s]}" if batches[s] != GLOBAL_BATCH else "")
         run_dir = root / f"corun-{tag}{suffix}-{s}"
-        procs[s] = (run_dir, start_cli(run_dir, "cluster.ranks=1", f"cluster.speeds=[{s}]",
-                                       f"trainer.max_steps={n}",
-                                       f"trainer.global_batch_size={batches[s]}"))
+        procs[s] = (
+            run_dir,
+            start_cli(
+                run_dir,
+                "cluster.ranks=1",
+                f"cluster.speeds=[{s}]",
+                f"trainer.max_steps={n}",
+                f"trainer.global_batch_size={batches[s]}",
+            ),
+        )
     rows = {s: finish_cli(p, d, f"co-running at {s}") for s, (d, p) in procs.items()}
     begin = max(r[min(warmup, len(r) - 1)]["time"] for r in rows.values())
     end = min(r[-1]["time"] for r in rows.values())
     out = {}
     for s, r in rows.items():
-        inside = [b["time"] - a["time"] for a, b in itertools.pairwise(r)
-                  if a["time"] >= begin and b["time"] <= end]
+        inside = [
+            b["time"] - a["time"]
+            for a, b in itertools.pairwise(r)
+            if a["time"] >= begin and b["time"] <= end
+        ]
         if len(inside) < 3:  # too little overlap: fall back to the steps after warm-up
             inside = step_times(r, warmup)
         out[s] = batches[s] / statistics.median(inside)
@@ -195,6 +227,7 @@ def best_split_ceiling(points: list, batch: int) -> tuple:
     micro-batch no split gives it; a rank's rate depends on its micro-batch (issue 11), so the
     best any split of this batch can reach is this figure, balancing and synchronisation aside.
     """
+
     def curve(pts):
         (n1, r1), (n2, r2) = pts
         t1, t2 = n1 / r1, n2 / r2
@@ -212,9 +245,22 @@ def plain_ddp_step_times(steps: int, warmup: int) -> list:
     """Step times (s) after ``warmup`` of textbook DDP (scripts/plain_ddp.py) on the same
     model, data and equal split, 2 unthrottled ranks x 1 thread."""
     out = Path(tempfile.mkdtemp()) / "plain.json"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "plain_ddp.py"), "--steps", str(steps),
-                    "--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(MICRO_BATCH),
-                    "--out", str(out)], cwd=REPO, check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "plain_ddp.py"),
+            "--steps",
+            str(steps),
+            "--global-batch",
+            str(GLOBAL_BATCH),
+            "--micro-batch",
+            str(MICRO_BATCH),
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        check=True,
+    )
     return json.loads(out.read_text())[warmup:]
 
 
@@ -225,10 +271,14 @@ def overhead_pairs(root: Path, pairs: int, steps: int, warmup: int) -> list:
     half = GLOBAL_BATCH // 2
     out = []
     for i in range(pairs):
+
         def hetseq(i=i):
-            rows = run_cli(root / f"unthrottled-{i}", "cluster.ranks=2",
-                           f"balance.allocation=[{half},{GLOBAL_BATCH - half}]",
-                           f"trainer.max_steps={steps}")
+            rows = run_cli(
+                root / f"unthrottled-{i}",
+                "cluster.ranks=2",
+                f"balance.allocation=[{half},{GLOBAL_BATCH - half}]",
+                f"trainer.max_steps={steps}",
+            )
             return step_times(rows, warmup)
 
         if i % 2:
@@ -239,10 +289,12 @@ def overhead_pairs(root: Path, pairs: int, steps: int, warmup: int) -> list:
         q_mine, q_ddp = low_quartile(mine), low_quartile(ddp)
         m_mine, m_ddp = statistics.median(mine), statistics.median(ddp)
         out.append((q_mine / q_ddp, m_mine / m_ddp, q_mine, q_ddp))
-        print(f"    pair {i + 1}/{pairs}: step time lower quartile / median: plain DDP "
-              f"{q_ddp * 1000:.1f} / {m_ddp * 1000:.1f} ms, hetseq_hpc {q_mine * 1000:.1f} / "
-              f"{m_mine * 1000:.1f} ms, ratio {q_mine / q_ddp:.4f} / {m_mine / m_ddp:.4f}",
-              flush=True)
+        print(
+            f"    pair {i + 1}/{pairs}: step time lower quartile / median: plain DDP "
+            f"{q_ddp * 1000:.1f} / {m_ddp * 1000:.1f} ms, hetseq_hpc {q_mine * 1000:.1f} / "
+            f"{m_mine * 1000:.1f} ms, ratio {q_mine / q_ddp:.4f} / {m_mine / m_ddp:.4f}",
+            flush=True,
+        )
     return out
 
 
@@ -256,7 +308,7 @@ def recovery(rows: list, at_step: int, ceiling: float) -> int | None:
     """Steps after ``at_step`` until a 4-step window's median runs at >= 0.9 of ``ceiling``."""
     after = [r for r in rows if r["step"] > at_step]
     for i in range(1, len(after) - 2):
-        window = after[i - 1:i + 3]
+        window = after[i - 1 : i + 3]
         if GLOBAL_BATCH / statistics.median(step_times(window, 0)) / ceiling >= 0.9:
             return window[0]["step"] - at_step
     return None
@@ -271,18 +323,35 @@ def one_round(root: Path, r: int, args, alone: dict, steps: list) -> dict:
     got = {}
 
     def co(key: str = "co", batches: dict | None = None, suffix: str = ""):
-        got[key] = corunning(root / f"round{r}", (1.0, args.slow), args.alone_steps,
-                             min(args.warmup, args.alone_steps // 3), alone, batches, suffix)
+        got[key] = corunning(
+            root / f"round{r}",
+            (1.0, args.slow),
+            args.alone_steps,
+            min(args.warmup, args.alone_steps // 3),
+            alone,
+            batches,
+            suffix,
+        )
 
     def equal():
-        rows = run_cli(root / f"round{r}" / "equal", "cluster.ranks=2", speeds,
-                       f"balance.allocation=[{half},{GLOBAL_BATCH - half}]",
-                       f"trainer.max_steps={args.equal_steps}")
+        rows = run_cli(
+            root / f"round{r}" / "equal",
+            "cluster.ranks=2",
+            speeds,
+            f"balance.allocation=[{half},{GLOBAL_BATCH - half}]",
+            f"trainer.max_steps={args.equal_steps}",
+        )
         got["equal"] = throughput(rows, args.warmup)
 
     def auto():
-        rows = run_cli(root / f"round{r}" / "auto", "cluster.ranks=2", speeds,
-                       "balance.rebalance_every=10", "trainer.plot=true", *steps)
+        rows = run_cli(
+            root / f"round{r}" / "auto",
+            "cluster.ranks=2",
+            speeds,
+            "balance.rebalance_every=10",
+            "trainer.plot=true",
+            *steps,
+        )
         got["auto"] = throughput(rows, args.warmup)
         got["balance_error"] = balance_error(rows, args.warmup)
         got["in_job"] = in_job_rates(rows, args.warmup)
@@ -296,45 +365,63 @@ def one_round(root: Path, r: int, args, alone: dict, steps: list) -> dict:
     # two, so that a drift of the VM during the round cancels to first order (the same pair's
     # rates minutes apart differed by -13 % .. +21 % here); (b) alternates before and after
     order = [co, auto, lambda: co("co_after", suffix="-co_after"), equal]
-    for fn in (order if r % 2 == 0 else order[-1:] + order[:-1]):
+    for fn in order if r % 2 == 0 else order[-1:] + order[:-1]:
         fn()
     got["drift"] = {s: got["co_after"][s] / got["co"][s] - 1 for s in (1.0, args.slow)}
     got["co"] = {s: (got["co"][s] + got["co_after"][s]) / 2 for s in (1.0, args.slow)}
     got["ceiling"] = got["co"][1.0] + got["co"][args.slow]
     got["efficiency_corunning"] = got["auto"] / got["ceiling"]
     got["ceiling_at_batch"], got["best_split"] = best_split_ceiling(
-        [((GLOBAL_BATCH, got["co"][s]), (n, got["co_split"][s]))
-         for s, n in zip((1.0, args.slow), got["split"])], GLOBAL_BATCH)
+        [
+            ((GLOBAL_BATCH, got["co"][s]), (n, got["co_split"][s]))
+            for s, n in zip((1.0, args.slow), got["split"])
+        ],
+        GLOBAL_BATCH,
+    )
     got["efficiency_at_batch"] = got["auto"] / got["ceiling_at_batch"]
     got["efficiency_in_job"] = got["auto"] / sum(got["in_job"])
     # how much slower each rank works inside the job than free-running beside the other (lock
     # step; at small batches also its smaller micro-batches)
-    got["in_job_slowdown"] = [got["co"][1.0] / got["in_job"][0] - 1,
-                                got["co"][args.slow] / got["in_job"][1] - 1]
+    got["in_job_slowdown"] = [
+        got["co"][1.0] / got["in_job"][0] - 1,
+        got["co"][args.slow] / got["in_job"][1] - 1,
+    ]
     got["speedup"] = got["auto"] / got["equal"]
     drift = ", ".join(f"{got['drift'][x]:+.0%}" for x in (1.0, args.slow))
-    print(f"    round {r + 1}/{args.rounds}: co-running ceiling {got['ceiling']:.1f} (runs after "
-          f"(c) vs before, per rank: {drift}), equal "
-          f"{got['equal']:.1f}, hetseq_hpc {got['auto']:.1f} samples/s (split "
-          f"{got['first_split']} -> {got['split']}): efficiency {got['efficiency_corunning']:.3f}"
-          f", speedup {got['speedup']:.2f}x, balance error {got['balance_error']:.3f}; in-job "
-          f"rates {[round(x, 1) for x in got['in_job']]} (slower than co-running: "
-          f"{[f'{x:+.0%}' for x in got['in_job_slowdown']]}), efficiency in job "
-          f"{got['efficiency_in_job']:.3f}; co-running on the final shares "
-          f"{[round(got['co_split'][x], 1) for x in (1.0, args.slow)]} -> ceiling at this batch "
-          f"{got['ceiling_at_batch']:.1f} (best split {got['best_split']}): efficiency "
-          f"{got['efficiency_at_batch']:.3f}", flush=True)
+    print(
+        f"    round {r + 1}/{args.rounds}: co-running ceiling {got['ceiling']:.1f} (runs after "
+        f"(c) vs before, per rank: {drift}), equal "
+        f"{got['equal']:.1f}, hetseq_hpc {got['auto']:.1f} samples/s (split "
+        f"{got['first_split']} -> {got['split']}): efficiency {got['efficiency_corunning']:.3f}"
+        f", speedup {got['speedup']:.2f}x, balance error {got['balance_error']:.3f}; in-job "
+        f"rates {[round(x, 1) for x in got['in_job']]} (slower than co-running: "
+        f"{[f'{x:+.0%}' for x in got['in_job_slowdown']]}), efficiency in job "
+        f"{got['efficiency_in_job']:.3f}; co-running on the final shares "
+        f"{[round(got['co_split'][x], 1) for x in (1.0, args.slow)]} -> ceiling at this batch "
+        f"{got['ceiling_at_batch']:.1f} (best split {got['best_split']}): efficiency "
+        f"{got['efficiency_at_batch']:.3f}",
+        flush=True,
+    )
     return got
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--global-batch", type=int, default=128, help="global batch, every scenario")
-    parser.add_argument("--micro-batch", type=int, default=32,
-                        help="micro-batch cap, every scenario (larger ones run slower per sample "
-                             "on CPU)")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="interleaved rounds of (a') co-running, (b) equal, (c) hetseq_hpc")
+    parser.add_argument(
+        "--global-batch", type=int, default=128, help="global batch, every scenario"
+    )
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=32,
+        help="micro-batch cap, every scenario (larger ones run slower per sample on CPU)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="interleaved rounds of (a') co-running, (b) equal, (c) hetseq_hpc",
+    )
     parser.add_argument("--steps", type=int, default=30, help="steps per (c) run")
     parser.add_argument("--equal-steps", type=int, default=16, help="steps per (b) run")
     parser.add_argument("--alone-steps", type=int, default=12, help="steps per standalone run")
@@ -342,7 +429,9 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=8, help="interleaved DDP/hetseq_hpc pairs (d)")
     parser.add_argument("--pair-steps", type=int, default=40, help="steps per run in (d)")
     parser.add_argument("--slow", type=float, default=0.35, help="speed of the slow rank")
-    parser.add_argument("--changed", type=float, default=0.7, help="slow rank's speed after the change")
+    parser.add_argument(
+        "--changed", type=float, default=0.7, help="slow rank's speed after the change"
+    )
     parser.add_argument("--out", type=Path, default=None, help="keep run directories here")
     args = parser.parse_args()
     global GLOBAL_BATCH, MICRO_BATCH
@@ -357,8 +446,12 @@ def main() -> None:
     # (a) standalone throughput at each speed
     alone = {}
     for speed in (1.0, args.slow, args.changed):
-        rows = run_cli(root / f"alone-{speed}", "cluster.ranks=1", f"cluster.speeds=[{speed}]",
-                       f"trainer.max_steps={args.alone_steps}")
+        rows = run_cli(
+            root / f"alone-{speed}",
+            "cluster.ranks=1",
+            f"cluster.speeds=[{speed}]",
+            f"trainer.max_steps={args.alone_steps}",
+        )
         alone[speed] = throughput(rows, alone_warmup)
     ideal = alone[1.0] + alone[args.slow]
     # (a') co-running ceiling, (b) equal split, (c) hetseq_hpc: interleaved rounds
@@ -375,9 +468,20 @@ def main() -> None:
     mid = sorted(range(len(rounds)), key=lambda r: rounds[r]["auto"])[len(rounds) // 2]
     probe = root / f"round{mid}" / "auto" / "allocation.json"
     plan_out = subprocess.run(
-        [sys.executable, "-m", "hetseq_hpc.plan", "cluster.ranks=2", speeds,
-         f"trainer.global_batch_size={GLOBAL_BATCH}", f"balance.max_micro_batch={MICRO_BATCH}",
-         f"plan.probe={probe}"], cwd=REPO, capture_output=True, text=True)
+        [
+            sys.executable,
+            "-m",
+            "hetseq_hpc.plan",
+            "cluster.ranks=2",
+            speeds,
+            f"trainer.global_batch_size={GLOBAL_BATCH}",
+            f"balance.max_micro_batch={MICRO_BATCH}",
+            f"plan.probe={probe}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     predicted = None
     if plan_out.returncode == 0:
         predicted = json.loads(plan_out.stdout.strip().splitlines()[-1])["predicted_samples_per_s"]
@@ -405,9 +509,15 @@ def main() -> None:
             changed["step"] = rows[-1]["step"]
             changed["method"] = emu["method"]
 
-    change_rows = run_cli(root / "change", "cluster.ranks=2", speeds, "balance.rebalance_every=5",
-                          "trainer.plot=true", f"trainer.max_steps={args.steps * 2}",
-                          on_row=maybe_change)
+    change_rows = run_cli(
+        root / "change",
+        "cluster.ranks=2",
+        speeds,
+        "balance.rebalance_every=5",
+        "trainer.plot=true",
+        f"trainer.max_steps={args.steps * 2}",
+        on_row=maybe_change,
+    )
     at = changed.get("step", 10**9)
     recovered = recovery(change_rows, at, co_changed[1.0] + co_changed[args.changed])
     recovered_alone = recovery(change_rows, at, alone[1.0] + alone[args.changed])
@@ -419,16 +529,18 @@ def main() -> None:
         "efficiency_corunning": med("efficiency_corunning"),
         "efficiency_corunning_rounds": [round(g["efficiency_corunning"], 4) for g in rounds],
         "efficiency_equal_corunning": statistics.median(g["equal"] / g["ceiling"] for g in rounds),
-        "ceiling_drift_rounds": [[round(g["drift"][x], 4) for x in (1.0, args.slow)]
-                                 for g in rounds],
+        "ceiling_drift_rounds": [
+            [round(g["drift"][x], 4) for x in (1.0, args.slow)] for g in rounds
+        ],
         "efficiency_at_batch": med("efficiency_at_batch"),
         "efficiency_at_batch_rounds": [round(g["efficiency_at_batch"], 4) for g in rounds],
         "ceiling_at_batch": med("ceiling_at_batch"),
         "best_splits": [g["best_split"] for g in rounds],
         "efficiency_in_job": med("efficiency_in_job"),
         "efficiency_in_job_rounds": [round(g["efficiency_in_job"], 4) for g in rounds],
-        "in_job_slowdown": [round(statistics.median(g["in_job_slowdown"][i] for g in rounds), 4)
-                              for i in (0, 1)],
+        "in_job_slowdown": [
+            round(statistics.median(g["in_job_slowdown"][i] for g in rounds), 4) for i in (0, 1)
+        ],
         "balance_error": med("balance_error"),
         "speedup": med("speedup"),
         "speedup_rounds": [round(g["speedup"], 3) for g in rounds],
@@ -450,44 +562,66 @@ def main() -> None:
     half = GLOBAL_BATCH // 2
     line = "-" * 72
     print(line)
-    print(f"hetseq_hpc heterogeneous benchmark: BERT default model, global batch {GLOBAL_BATCH}, "
-          f"{args.rounds} rounds, medians after {args.warmup} steps; {result['machine']}")
+    print(
+        f"hetseq_hpc heterogeneous benchmark: BERT default model, global batch {GLOBAL_BATCH}, "
+        f"{args.rounds} rounds, medians after {args.warmup} steps; {result['machine']}"
+    )
     print(line)
     print(f"(a) standalone   speed 1.00: {alone[1.0]:7.1f} samples/s   co-running {co[1.0]:7.1f}")
-    print(f"                 speed {args.slow:.2f}: {alone[args.slow]:7.1f} samples/s   co-running "
-          f"{co[args.slow]:7.1f}")
-    print(f"                 sum standalone {ideal:7.1f}, co-running ceiling {ceiling:7.1f} "
-          "(median of rounds)")
-    print(f"(b) equal split  {half}/{GLOBAL_BATCH - half}:       {thr_equal:7.1f} samples/s   "
-          f"efficiency {result['efficiency_equal']:.3f} (co-running "
-          f"{result['efficiency_equal_corunning']:.3f})")
-    print(f"(c) hetseq_hpc   splits {result['splits']} (first -> final per round): "
-          f"{thr_auto:7.1f} samples/s   efficiency {result['efficiency_balanced']:.3f} "
-          f"(co-running {result['efficiency_corunning']:.3f}, rounds "
-          f"{result['efficiency_corunning_rounds']})   speedup {result['speedup']:.2f}x   "
-          f"balance error {result['balance_error']:.3f}")
-    print(f"    against the co-running ceiling AT this global batch (each rank's co-running "
-          f"rate on its final share and on the whole batch, best integer split "
-          f"{result['best_splits']}): {result['ceiling_at_batch']:.1f} samples/s, efficiency "
-          f"{result['efficiency_at_batch']:.3f} (rounds {result['efficiency_at_batch_rounds']})")
-    print(f"    against the ranks' own in-job rates (no waiting, no sync): efficiency "
-          f"{result['efficiency_in_job']:.3f} (rounds {result['efficiency_in_job_rounds']}); "
-          f"in lock-step the ranks computed {result['in_job_slowdown'][0]:+.1%} / "
-          f"{result['in_job_slowdown'][1]:+.1%} slower per sample than co-running free")
+    print(
+        f"                 speed {args.slow:.2f}: {alone[args.slow]:7.1f} samples/s   co-running "
+        f"{co[args.slow]:7.1f}"
+    )
+    print(
+        f"                 sum standalone {ideal:7.1f}, co-running ceiling {ceiling:7.1f} "
+        "(median of rounds)"
+    )
+    print(
+        f"(b) equal split  {half}/{GLOBAL_BATCH - half}:       {thr_equal:7.1f} samples/s   "
+        f"efficiency {result['efficiency_equal']:.3f} (co-running "
+        f"{result['efficiency_equal_corunning']:.3f})"
+    )
+    print(
+        f"(c) hetseq_hpc   splits {result['splits']} (first -> final per round): "
+        f"{thr_auto:7.1f} samples/s   efficiency {result['efficiency_balanced']:.3f} "
+        f"(co-running {result['efficiency_corunning']:.3f}, rounds "
+        f"{result['efficiency_corunning_rounds']})   speedup {result['speedup']:.2f}x   "
+        f"balance error {result['balance_error']:.3f}"
+    )
+    print(
+        f"    against the co-running ceiling AT this global batch (each rank's co-running "
+        f"rate on its final share and on the whole batch, best integer split "
+        f"{result['best_splits']}): {result['ceiling_at_batch']:.1f} samples/s, efficiency "
+        f"{result['efficiency_at_batch']:.3f} (rounds {result['efficiency_at_batch_rounds']})"
+    )
+    print(
+        f"    against the ranks' own in-job rates (no waiting, no sync): efficiency "
+        f"{result['efficiency_in_job']:.3f} (rounds {result['efficiency_in_job_rounds']}); "
+        f"in lock-step the ranks computed {result['in_job_slowdown'][0]:+.1%} / "
+        f"{result['in_job_slowdown'][1]:+.1%} slower per sample than co-running free"
+    )
     if predicted:
-        print(f"    planner predicted {predicted:7.1f} samples/s for (c): "
-              f"{result['planner_error']:+.1%} off the measurement")
-    print(f"(d) unthrottled  hetseq_hpc / plain DDP step time (lower quartile) over {args.pairs} "
-          f"pairs: median {result['overhead_vs_ddp']:+.3f}, quartiles "
-          f"{result['overhead_iqr'][0]:+.3f} .. {result['overhead_iqr'][1]:+.3f}, pairs "
-          f"{result['overhead_pairs']}; by median step time "
-          f"{result['overhead_vs_ddp_median_step']:+.3f}")
-    print(f"scenario 2: slow rank {args.slow} -> {args.changed} at step {changed.get('step')} "
-          f"({changed.get('method')}); re-allocations {[(r['at_step'], r['to']) for r in reallocs]}; "
-          f"back above 0.9 after {recovered} steps (co-running ceiling), {recovered_alone} "
-          "(standalone sum)")
-    print(f"runs in {root}; plots {probe.parent / 'ranks.png'}, {root / 'change' / 'ranks.png'}; "
-          f"{time.time() - started:.0f} s")
+        print(
+            f"    planner predicted {predicted:7.1f} samples/s for (c): "
+            f"{result['planner_error']:+.1%} off the measurement"
+        )
+    print(
+        f"(d) unthrottled  hetseq_hpc / plain DDP step time (lower quartile) over {args.pairs} "
+        f"pairs: median {result['overhead_vs_ddp']:+.3f}, quartiles "
+        f"{result['overhead_iqr'][0]:+.3f} .. {result['overhead_iqr'][1]:+.3f}, pairs "
+        f"{result['overhead_pairs']}; by median step time "
+        f"{result['overhead_vs_ddp_median_step']:+.3f}"
+    )
+    print(
+        f"scenario 2: slow rank {args.slow} -> {args.changed} at step {changed.get('step')} "
+        f"({changed.get('method')}); re-allocations {[(r['at_step'], r['to']) for r in reallocs]}; "
+        f"back above 0.9 after {recovered} steps (co-running ceiling), {recovered_alone} "
+        "(standalone sum)"
+    )
+    print(
+        f"runs in {root}; plots {probe.parent / 'ranks.png'}, {root / 'change' / 'ranks.png'}; "
+        f"{time.time() - started:.0f} s"
+    )
     print(line)
     print(json.dumps(result))
 

@@ -44,8 +44,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_prepare import cpu_name  # the scripts folder is not a package
 
-KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids",
-        "next_sentence_labels")
+KEYS = (
+    "input_ids",
+    "input_mask",
+    "segment_ids",
+    "masked_lm_positions",
+    "masked_lm_ids",
+    "next_sentence_labels",
+)
 SEQ_LEN, MAX_PRED, VOCAB = 128, 20, 30522
 #: samples/s per TITAN Xp: HetSeq's 1-node step (128 per GPU in 2.60 s) and the spec model's
 RATES = {"hetseq_published": 128 / 2.60, "spec_model": 77.0}
@@ -61,15 +67,19 @@ def write_shard(path: Path, samples: int, seed: int = 0) -> dict:
     ids = np.minimum(rng.zipf(1.3, size=(samples, SEQ_LEN)), VOCAB - 1).astype("i4")
     mask = np.ones((samples, SEQ_LEN), "i1")
     seg = np.zeros((samples, SEQ_LEN), "i1")
-    seg[:, SEQ_LEN // 2:] = 1
+    seg[:, SEQ_LEN // 2 :] = 1
     for i in np.nonzero(rng.random(samples) < 0.1)[0]:  # short sequences, zero-padded
         cut = int(rng.integers(10, SEQ_LEN))
         ids[i, cut:], mask[i, cut:], seg[i, cut:] = 0, 0, 0
     pos = np.sort(rng.integers(1, SEQ_LEN - 1, size=(samples, MAX_PRED)), axis=1).astype("i4")
-    data = {"input_ids": (ids, "i4"), "input_mask": (mask, "i1"), "segment_ids": (seg, "i1"),
-            "masked_lm_positions": (pos, "i4"),
-            "masked_lm_ids": (rng.integers(0, VOCAB, size=(samples, MAX_PRED)), "i4"),
-            "next_sentence_labels": (rng.integers(0, 2, size=samples), "i1")}
+    data = {
+        "input_ids": (ids, "i4"),
+        "input_mask": (mask, "i1"),
+        "segment_ids": (seg, "i1"),
+        "masked_lm_positions": (pos, "i4"),
+        "masked_lm_ids": (rng.integers(0, VOCAB, size=(samples, MAX_PRED)), "i4"),
+        "next_sentence_labels": (rng.integers(0, 2, size=samples), "i1"),
+    }
     with h5py.File(path, "w") as f:
         for key in KEYS:
             values, dtype = data[key]
@@ -84,8 +94,9 @@ def hetseq_getitem(path: Path, index: int):
     import torch
 
     with h5py.File(path, "r", libver="latest", swmr=True) as data_file:
-        rows = [torch.from_numpy(np.asarray(data_file[key][index]).astype(np.int64))
-                for key in KEYS]
+        rows = [
+            torch.from_numpy(np.asarray(data_file[key][index]).astype(np.int64)) for key in KEYS
+        ]
     labels = torch.full(rows[0].shape, -1, dtype=torch.long)
     padded = (rows[3] == 0).nonzero()
     n = int(padded[0].item()) if len(padded) else MAX_PRED
@@ -116,8 +127,9 @@ def time_kept_open(path: Path, indices) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples-per-shard", type=int, nargs="+", default=[20_000, 100_000,
-                                                                             400_000])
+    parser.add_argument(
+        "--samples-per-shard", type=int, nargs="+", default=[20_000, 100_000, 400_000]
+    )
     parser.add_argument("--reads", type=int, default=300, help="random samples per timing")
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
@@ -125,8 +137,11 @@ def main() -> int:
         import h5py
         import numpy as np
     except ImportError as exc:
-        print(f"bench_hetseq_data_path: {exc.name} is missing: pip install h5py (it is not a "
-              "dependency of hetseq_hpc)", file=sys.stderr)
+        print(
+            f"bench_hetseq_data_path: {exc.name} is missing: pip install h5py (it is not a "
+            "dependency of hetseq_hpc)",
+            file=sys.stderr,
+        )
         return 2
     print(f"machine: {cpu_name()}, {platform.python_version()}, h5py {h5py.__version__}")
     results = {}
@@ -135,8 +150,10 @@ def main() -> int:
         for samples in args.samples_per_shard:
             path = Path(tmp) / f"shard_{samples}.hdf5"
             chunks = write_shard(path, samples)
-            print(f"shard of {samples} samples: {path.stat().st_size / 1e6:.1f} MB, chunks "
-                  + ", ".join(f"{k} {c}" for k, c in chunks.items()))
+            print(
+                f"shard of {samples} samples: {path.stat().st_size / 1e6:.1f} MB, chunks "
+                + ", ".join(f"{k} {c}" for k, c in chunks.items())
+            )
             hetseq, kept = [], []
             warm = rng.integers(0, samples, size=5)  # imports, first open: not timed
             time_hetseq(path, warm), time_kept_open(path, warm)
@@ -149,13 +166,15 @@ def main() -> int:
                 "hetseq_ms_per_sample": round(ms, 2),
                 "kept_open_ms_per_sample": round(statistics.median(kept) * 1e3, 2),
                 "reps_hetseq_ms": [round(t * 1e3, 2) for t in hetseq],
-                "cores_per_gpu": {name: round(rate * ms / 1e3, 2)
-                                  for name, rate in RATES.items()}}
+                "cores_per_gpu": {name: round(rate * ms / 1e3, 2) for name, rate in RATES.items()},
+            }
             r = results[samples]
-            print(f"  HetSeq's pattern {ms:.2f} ms/sample (reps {r['reps_hetseq_ms']}), file kept "
-                  f"open {r['kept_open_ms_per_sample']:.2f} ms; CPU cores per GPU kept busy by "
-                  f"the data path: {r['cores_per_gpu']['hetseq_published']:.2f} at HetSeq's 49 "
-                  f"samples/s, {r['cores_per_gpu']['spec_model']:.2f} at the spec model's 77")
+            print(
+                f"  HetSeq's pattern {ms:.2f} ms/sample (reps {r['reps_hetseq_ms']}), file kept "
+                f"open {r['kept_open_ms_per_sample']:.2f} ms; CPU cores per GPU kept busy by "
+                f"the data path: {r['cores_per_gpu']['hetseq_published']:.2f} at HetSeq's 49 "
+                f"samples/s, {r['cores_per_gpu']['spec_model']:.2f} at the spec model's 77"
+            )
     print(json.dumps({"machine": cpu_name(), "shards": results}))
     return 0
 

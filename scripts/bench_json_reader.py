@@ -73,16 +73,27 @@ def main() -> int:
             for name, reader in readers.items():
                 seconds, _ = timed(reader, str(path))
                 rates[name].append(mb / seconds)
-                print(f"  {rep + 1}  {name:8s} {seconds:6.2f} s  {mb / seconds:7.1f} MB/s",
-                      flush=True)
+                print(
+                    f"  {rep + 1}  {name:8s} {seconds:6.2f} s  {mb / seconds:7.1f} MB/s", flush=True
+                )
     median = {name: statistics.median(values) for name, values in rates.items()}
     ratio = median["datasets"] / median["stdlib"]
-    print(f"median: datasets {median['datasets']:.1f} MB/s, stdlib {median['stdlib']:.1f} MB/s, "
-          f"ratio {ratio:.2f}")
-    print(json.dumps({"corpus_mb": round(mb, 1), "records": counts["datasets"],
-                      "datasets_mb_per_s": round(median["datasets"], 1),
-                      "stdlib_mb_per_s": round(median["stdlib"], 1), "ratio": round(ratio, 3),
-                      "cpu": cpu_name()}))
+    print(
+        f"median: datasets {median['datasets']:.1f} MB/s, stdlib {median['stdlib']:.1f} MB/s, "
+        f"ratio {ratio:.2f}"
+    )
+    print(
+        json.dumps(
+            {
+                "corpus_mb": round(mb, 1),
+                "records": counts["datasets"],
+                "datasets_mb_per_s": round(median["datasets"], 1),
+                "stdlib_mb_per_s": round(median["stdlib"], 1),
+                "ratio": round(ratio, 3),
+                "cpu": cpu_name(),
+            }
+        )
+    )
     return 0
 
 

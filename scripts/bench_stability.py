@@ -63,8 +63,9 @@ while time.monotonic() < deadline and not os.path.exists({str(stop_file)!r}):
     time.sleep(rng.uniform(2, 10))
 print(f"neighbour busy {{on:.0f}} s", flush=True)
 """
-    return subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
 def scenario_noise(root: Path, steps: int, seed: int) -> dict:
@@ -74,10 +75,22 @@ def scenario_noise(root: Path, steps: int, seed: int) -> dict:
     try:
         run_dir = root / "noise"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "hetseq_hpc", "task=bert", "cluster.ranks=2",
-             f"trainer.max_steps={steps}", "trainer.val_every=0", "trainer.checkpoint_every=0",
-             f"hydra.run.dir={run_dir}"],
-            cwd=hetero.REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            [
+                sys.executable,
+                "-m",
+                "hetseq_hpc",
+                "task=bert",
+                "cluster.ranks=2",
+                f"trainer.max_steps={steps}",
+                "trainer.val_every=0",
+                "trainer.checkpoint_every=0",
+                f"hydra.run.dir={run_dir}",
+            ],
+            cwd=hetero.REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         out = proc.communicate()[0]
     finally:
         stop.touch()
@@ -90,22 +103,35 @@ def scenario_noise(root: Path, steps: int, seed: int) -> dict:
     rows = read_metrics(run_dir)
     batch = sum(r["samples"] for r in rows[0]["ranks"])
     moves = [r["reallocation"] for r in rows if "reallocation" in r]
-    worst = max(abs(r["samples"] / batch - 1 / len(row["ranks"]))
-                for row in rows for r in row["ranks"])
-    return {"reallocations": len(moves), "steps": len(rows),
-            "reallocations_per_1000_steps": round(1000 * len(moves) / max(len(rows), 1), 2),
-            "worst_share_deviation": round(worst, 4),
-            "splits": sorted({tuple(r["samples"] for r in row["ranks"]) for row in rows}),
-            "moves": [(m["at_step"], m["to"]) for m in moves]}
+    worst = max(
+        abs(r["samples"] / batch - 1 / len(row["ranks"])) for row in rows for r in row["ranks"]
+    )
+    return {
+        "reallocations": len(moves),
+        "steps": len(rows),
+        "reallocations_per_1000_steps": round(1000 * len(moves) / max(len(rows), 1), 2),
+        "worst_share_deviation": round(worst, 4),
+        "splits": sorted({tuple(r["samples"] for r in row["ranks"]) for row in rows}),
+        "moves": [(m["at_step"], m["to"]) for m in moves],
+    }
 
 
 def scenario_change(root: Path, steps: int, slow: float, changed: float) -> dict:
     """(b): bench_hetero's speed change (slow rank ``slow`` -> ``changed`` half-way)."""
     hetero.GLOBAL_BATCH, hetero.MICRO_BATCH = 128, 32
     warmup = 4
-    alone = {s: hetero.throughput(hetero.run_cli(root / f"alone-{s}", "cluster.ranks=1",
-                                                 f"cluster.speeds=[{s}]", "trainer.max_steps=12"),
-                                  warmup) for s in (1.0, changed)}
+    alone = {
+        s: hetero.throughput(
+            hetero.run_cli(
+                root / f"alone-{s}",
+                "cluster.ranks=1",
+                f"cluster.speeds=[{s}]",
+                "trainer.max_steps=12",
+            ),
+            warmup,
+        )
+        for s in (1.0, changed)
+    }
     ceiling = hetero.corunning(root, (1.0, changed), 12, warmup, alone)
     seen: dict = {}
 
@@ -118,13 +144,23 @@ def scenario_change(root: Path, steps: int, slow: float, changed: float) -> dict
             set_quota(emu["control"], emulated_cpus(changed, threads))
             seen["step"] = rows[-1]["step"]
 
-    rows = hetero.run_cli(root / "change", "cluster.ranks=2", f"cluster.speeds=[1.0,{slow}]",
-                          f"trainer.max_steps={steps}", on_row=maybe_change)
+    rows = hetero.run_cli(
+        root / "change",
+        "cluster.ranks=2",
+        f"cluster.speeds=[1.0,{slow}]",
+        f"trainer.max_steps={steps}",
+        on_row=maybe_change,
+    )
     at = seen.get("step", 10**9)
-    return {"steps_to_recover": hetero.recovery(rows, at, ceiling[1.0] + ceiling[changed]),
-            "changed_at_step": seen.get("step"),
-            "moves": [(r["reallocation"]["at_step"], r["reallocation"]["to"])
-                      for r in rows if "reallocation" in r]}
+    return {
+        "steps_to_recover": hetero.recovery(rows, at, ceiling[1.0] + ceiling[changed]),
+        "changed_at_step": seen.get("step"),
+        "moves": [
+            (r["reallocation"]["at_step"], r["reallocation"]["to"])
+            for r in rows
+            if "reallocation" in r
+        ],
+    }
 
 
 def main() -> None:
@@ -144,20 +180,32 @@ def main() -> None:
     started = time.time()
     random.seed(args.seed)
     noise = scenario_noise(root, args.steps, args.seed)
-    print(f"(a) {noise['reallocations']} re-allocations in {noise['steps']} steps; splits seen "
-          f"{noise['splits']}; worst share deviation {noise['worst_share_deviation']}", flush=True)
-    change = {} if args.skip_change else scenario_change(root, args.change_steps, args.slow,
-                                                         args.changed)
+    print(
+        f"(a) {noise['reallocations']} re-allocations in {noise['steps']} steps; splits seen "
+        f"{noise['splits']}; worst share deviation {noise['worst_share_deviation']}",
+        flush=True,
+    )
+    change = (
+        {}
+        if args.skip_change
+        else scenario_change(root, args.change_steps, args.slow, args.changed)
+    )
     if change:
-        print(f"(b) speed change at step {change['changed_at_step']}: recovered after "
-              f"{change['steps_to_recover']} steps; moves {change['moves']}", flush=True)
+        print(
+            f"(b) speed change at step {change['changed_at_step']}: recovered after "
+            f"{change['steps_to_recover']} steps; moves {change['moves']}",
+            flush=True,
+        )
     result = {
         "reallocations_per_1000_steps": noise["reallocations_per_1000_steps"],
         "worst_share_deviation": noise["worst_share_deviation"],
         "steps_to_recover": change.get("steps_to_recover"),
-        "noise_steps": noise["steps"], "noise_moves": noise["moves"],
-        "change_moves": change.get("moves"), "machine": machine,
-        "wall_s": round(time.time() - started, 1), "runs": str(root),
+        "noise_steps": noise["steps"],
+        "noise_moves": noise["moves"],
+        "change_moves": change.get("moves"),
+        "machine": machine,
+        "wall_s": round(time.time() - started, 1),
+        "runs": str(root),
     }
     print(json.dumps(result))
 

@@ -35,9 +35,18 @@ REPO = Path(__file__).resolve().parent.parent
 
 def one_run(run_dir: Path, extra: list, timeout_s: float) -> dict:
     """One submission; returns its figures (seconds)."""
-    cmd = [sys.executable, "-m", "hetseq_hpc", "cluster=testcluster", "task=bert",
-           "trainer.max_steps=2", "trainer.val_every=0", "trainer.checkpoint_every=0",
-           *extra, f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetseq_hpc",
+        "cluster=testcluster",
+        "task=bert",
+        "trainer.max_steps=2",
+        "trainer.val_every=0",
+        "trainer.checkpoint_every=0",
+        *extra,
+        f"hydra.run.dir={run_dir}",
+    ]
     started = time.time()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
@@ -55,8 +64,10 @@ def one_run(run_dir: Path, extra: list, timeout_s: float) -> dict:
     phases = json.loads((run_dir / "allocation.json").read_text()).get("startup", {})
     job_id = json.loads((run_dir / "job.json").read_text())["job_id"]
     subprocess.run(["scancel", str(job_id)], capture_output=True)  # the figures are in
-    out = {"command_to_submit_s": submitted - started,
-           "submit_to_first_step_s": first["time"] - submitted}
+    out = {
+        "command_to_submit_s": submitted - started,
+        "submit_to_first_step_s": first["time"] - submitted,
+    }
     if "process_start" in phases:
         out["scheduling_s"] = phases["process_start"] - submitted
     for name, value in phases.get("phases_s", {}).items():
@@ -77,8 +88,11 @@ def main() -> None:
     runs = []
     for i in range(args.repeats):
         runs.append(one_run(root / f"run{i}", args.overrides, args.timeout))
-        print(f"run {i + 1}/{args.repeats}: " + ", ".join(f"{k} {v:.2f}" for k, v in
-                                                         runs[-1].items()), flush=True)
+        print(
+            f"run {i + 1}/{args.repeats}: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in runs[-1].items()),
+            flush=True,
+        )
     keys = list(runs[0])
     result = {k: round(statistics.median(r[k] for r in runs if k in r), 3) for k in keys}
     result["runs"] = runs

@@ -31,9 +31,15 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 REPO = Path(__file__).resolve().parent.parent
-SMALL = ["task.model.hidden_size=64", "task.model.num_layers=2", "task.model.num_heads=2",
-         "task.model.intermediate_size=128", "task.model.max_seq_len=64",
-         "trainer.val_every=0", "optim.warmup_steps=2"]
+SMALL = [
+    "task.model.hidden_size=64",
+    "task.model.num_layers=2",
+    "task.model.num_heads=2",
+    "task.model.intermediate_size=128",
+    "task.model.max_seq_len=64",
+    "trainer.val_every=0",
+    "optim.warmup_steps=2",
+]
 
 
 def _env(cache: Path) -> Dict[str, str]:
@@ -45,14 +51,22 @@ def _env(cache: Path) -> Dict[str, str]:
 
 def _start(run_dir: Path, cache: Path, *overrides: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "hetseq_hpc", *SMALL, *overrides, f"hydra.run.dir={run_dir}"]
-    return subprocess.Popen(cmd, cwd=REPO, env=_env(cache), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=_env(cache),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _run(run_dir: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "hetseq_hpc", *SMALL, *overrides, f"hydra.run.dir={run_dir}"]
-    return subprocess.run(cmd, cwd=REPO, env=_env(cache), capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        cmd, cwd=REPO, env=_env(cache), capture_output=True, text=True, timeout=600
+    )
 
 
 def _rows(run_dir: Path) -> int:
@@ -100,9 +114,13 @@ def drill_sigterm_launcher(tmp: Path, cache: Path) -> dict:
     _, err = proc.communicate(timeout=120)
     seconds = time.monotonic() - t0
     ckpts = sorted((run_dir / "checkpoints").glob("step_*.pt"))
-    return {"ok": bool(ckpts) and not _workers(run_dir), "seconds": round(seconds, 2),
-            "exit": proc.returncode, "checkpoint": ckpts[-1].name if ckpts else None,
-            "said": _said(err)}
+    return {
+        "ok": bool(ckpts) and not _workers(run_dir),
+        "seconds": round(seconds, 2),
+        "exit": proc.returncode,
+        "checkpoint": ckpts[-1].name if ckpts else None,
+        "said": _said(err),
+    }
 
 
 def drill_sigkill_launcher(tmp: Path, cache: Path) -> dict:
@@ -117,37 +135,62 @@ def drill_sigkill_launcher(tmp: Path, cache: Path) -> dict:
     while _workers(run_dir) and time.monotonic() - t0 < 120:
         time.sleep(0.05)
     seconds = time.monotonic() - t0
-    return {"ok": bool(before) and not _workers(run_dir), "seconds": round(seconds, 2),
-            "workers_before": len(before)}
+    return {
+        "ok": bool(before) and not _workers(run_dir),
+        "seconds": round(seconds, 2),
+        "workers_before": len(before),
+    }
 
 
 def drill_dead_rank(tmp: Path, cache: Path) -> dict:
     """SIGKILL one rank without in-job recovery: the others are stopped and the dead rank is
     named."""
     run_dir = tmp / "dead_rank"
-    proc = _start(run_dir, cache, "trainer.max_steps=100000", "trainer.checkpoint_every=0",
-                  "trainer.elastic.enabled=false")
+    proc = _start(
+        run_dir,
+        cache,
+        "trainer.max_steps=100000",
+        "trainer.checkpoint_every=0",
+        "trainer.elastic.enabled=false",
+    )
     _wait_rows(run_dir, 3, proc)
     victims = sorted(_workers(run_dir))
     t0 = time.monotonic()
     os.kill(victims[-1], signal.SIGKILL)
     _, err = proc.communicate(timeout=120)
-    return {"ok": proc.returncode not in (0, None) and "rank" in _said(err),
-            "seconds": round(time.monotonic() - t0, 2), "exit": proc.returncode,
-            "said": _said(err)}
+    return {
+        "ok": proc.returncode not in (0, None) and "rank" in _said(err),
+        "seconds": round(time.monotonic() - t0, 2),
+        "exit": proc.returncode,
+        "said": _said(err),
+    }
 
 
-def _lose_a_rank(tmp: Path, cache: Path, name: str, victim: int, how: int, *overrides: str,
-                 delay_s: float = 0.0, checkpoint_every: int = 0) -> dict:
+def _lose_a_rank(
+    tmp: Path,
+    cache: Path,
+    name: str,
+    victim: int,
+    how: int,
+    *overrides: str,
+    delay_s: float = 0.0,
+    checkpoint_every: int = 0,
+) -> dict:
     """3 ranks, 30 steps; at step 10 ``how`` (SIGKILL / SIGSTOP) hits rank ``victim``: with
     in-job recovery (the default) the run finishes. Reports seconds from the signal to the next
     completed step (from metrics.jsonl's row times) and the steps lost (re-done steps beyond
     the interrupted one; 0 = the survivors went on from where the run was; under FSDP the
     steps since the reloaded checkpoint, ``steps_redone``)."""
     run_dir = tmp / name
-    proc = _start(run_dir, cache, "cluster.ranks=3", "trainer.max_steps=30",
-                  f"trainer.checkpoint_every={checkpoint_every}", "task.model.dropout=0.0",
-                  *overrides)
+    proc = _start(
+        run_dir,
+        cache,
+        "cluster.ranks=3",
+        "trainer.max_steps=30",
+        f"trainer.checkpoint_every={checkpoint_every}",
+        "task.model.dropout=0.0",
+        *overrides,
+    )
     _wait_rows(run_dir, 10, proc)
     time.sleep(delay_s)
     pids = {}
@@ -163,15 +206,21 @@ def _lose_a_rank(tmp: Path, cache: Path, name: str, victim: int, how: int, *over
     steps = [r for r in rows if "loss" in r]
     after = [r["time"] for r in steps if r["time"] > t_signal]
     event = next((r for r in rows if r.get("event") == "membership"), {})
-    lost = max(0, done_before - event.get("resumed_at_step", done_before + 1) + 1) if event else None
+    lost = (
+        max(0, done_before - event.get("resumed_at_step", done_before + 1) + 1) if event else None
+    )
     if event and "steps_redone" in event:  # FSDP: back to the last checkpoint
         lost = event["steps_redone"]
-    return {"ok": proc.returncode == 0 and len({r["step"] for r in steps}) == 30 and bool(event),
-            "seconds": round(min(after) - t_signal, 2) if after else None,
-            "steps_lost": lost, "exit": proc.returncode,
-            "said": f"lost {event.get('lost')} at step {event.get('step')}; went on with "
-                    f"{event.get('world_size')} ranks, split {event.get('split')}"
-                    if event else _said(err)}
+    return {
+        "ok": proc.returncode == 0 and len({r["step"] for r in steps}) == 30 and bool(event),
+        "seconds": round(min(after) - t_signal, 2) if after else None,
+        "steps_lost": lost,
+        "exit": proc.returncode,
+        "said": f"lost {event.get('lost')} at step {event.get('step')}; went on with "
+        f"{event.get('world_size')} ranks, split {event.get('split')}"
+        if event
+        else _said(err),
+    }
 
 
 def drill_elastic_kill_rank1(tmp: Path, cache: Path) -> dict:
@@ -187,15 +236,24 @@ def drill_elastic_kill_rank0(tmp: Path, cache: Path) -> dict:
 def drill_elastic_kill_in_checkpoint(tmp: Path, cache: Path) -> dict:
     """kill -9 of rank 1, 15 ms after step 10's row, with validation and a checkpoint after
     every step: the kill lands in a checkpoint or a validation, which the others redo."""
-    return _lose_a_rank(tmp, cache, "elastic_kill_ckpt", 1, signal.SIGKILL,
-                        "trainer.val_every=1", "trainer.checkpoint_every=1", delay_s=0.015)
+    return _lose_a_rank(
+        tmp,
+        cache,
+        "elastic_kill_ckpt",
+        1,
+        signal.SIGKILL,
+        "trainer.val_every=1",
+        "trainer.checkpoint_every=1",
+        delay_s=0.015,
+    )
 
 
 def drill_elastic_fsdp_kill(tmp: Path, cache: Path) -> dict:
     """kill -9 of rank 1 at step 10 of an FSDP run checkpointing every 5 steps: the survivors
     reload the last checkpoint re-sharded over 2 ranks and train the steps since it again."""
-    return _lose_a_rank(tmp, cache, "elastic_fsdp", 1, signal.SIGKILL, "sharding.mode=fsdp",
-                        checkpoint_every=5)
+    return _lose_a_rank(
+        tmp, cache, "elastic_fsdp", 1, signal.SIGKILL, "sharding.mode=fsdp", checkpoint_every=5
+    )
 
 
 def drill_elastic_sigstop(tmp: Path, cache: Path) -> dict:
@@ -225,9 +283,12 @@ def drill_flipped_bytes(tmp: Path, cache: Path) -> dict:
     fallback = next((r["resume_fallback"] for r in rows if "resume_fallback" in r), None)
     log = (run_dir / "logs" / "rank0.log").read_text()
     line = next((ln for ln in log.splitlines() if newest.name in ln and "WARNING" in ln), "")
-    return {"ok": again.returncode == 0 and fallback is not None,
-            "seconds": round(time.monotonic() - t0, 2), "fallback": fallback,
-            "said": line.split(" - ")[-1].strip()[:300]}
+    return {
+        "ok": again.returncode == 0 and fallback is not None,
+        "seconds": round(time.monotonic() - t0, 2),
+        "fallback": fallback,
+        "said": line.split(" - ")[-1].strip()[:300],
+    }
 
 
 class _Payload:
@@ -248,9 +309,13 @@ def drill_payload_checkpoint(tmp: Path, cache: Path) -> dict:
     (tmp / "payload.pt.sha256").write_text(f"{digest}  payload.pt\n")
     t0 = time.monotonic()
     proc = _run(tmp / "payload_run", cache, "trainer.max_steps=2", f"trainer.resume={bad}")
-    return {"ok": proc.returncode != 0 and not MARKER.exists(),
-            "seconds": round(time.monotonic() - t0, 2), "exit": proc.returncode,
-            "payload_ran": MARKER.exists(), "said": _said(proc.stderr)}
+    return {
+        "ok": proc.returncode != 0 and not MARKER.exists(),
+        "seconds": round(time.monotonic() - t0, 2),
+        "exit": proc.returncode,
+        "payload_ran": MARKER.exists(),
+        "said": _said(proc.stderr),
+    }
 
 
 def drill_second_run_same_dir(tmp: Path, cache: Path) -> dict:
@@ -266,9 +331,13 @@ def drill_second_run_same_dir(tmp: Path, cache: Path) -> dict:
     finally:
         first.send_signal(signal.SIGTERM)
         first.communicate(timeout=120)
-    return {"ok": second.returncode != 0 and alive, "seconds": round(seconds, 2),
-            "exit": second.returncode, "first_run_unharmed": alive,
-            "said": _said(second.stderr)}
+    return {
+        "ok": second.returncode != 0 and alive,
+        "seconds": round(seconds, 2),
+        "exit": second.returncode,
+        "first_run_unharmed": alive,
+        "said": _said(second.stderr),
+    }
 
 
 DRILLS: Dict[str, Callable[[Path, Path], dict]] = {

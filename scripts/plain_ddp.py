@@ -65,7 +65,11 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=32, help="micro-batch (accumulate)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    mp.spawn(worker, args=(free_port(), args.steps, args.global_batch, args.micro_batch, args.out), nprocs=2)
+    mp.spawn(
+        worker,
+        args=(free_port(), args.steps, args.global_batch, args.micro_batch, args.out),
+        nprocs=2,
+    )
 
 
 if __name__ == "__main__":

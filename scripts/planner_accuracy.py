@@ -28,16 +28,20 @@ def _pct(x: float) -> str:
 
 
 def rows_table() -> None:
-    print("| role | GPU (spec row) | precision | BERT | batch | published seq/s | predicted | error "
-          "| time split | source |")
+    print(
+        "| role | GPU (spec row) | precision | BERT | batch | published seq/s | predicted | error "
+        "| time split | source |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in pm.published():
         pred = pm.predicted(r)
         split = pm.bound_label(pm.sample_time_s(r.spec, r.precision, r.flops, r.accesses))
         src = r.source_url.split("/")[3] + "@" + r.source_url.split("/blob/")[1].split("/")[0][:8]
-        print(f"| {r.role} | {r.spec.label} | {r.precision} | {r.model} | {r.batch} | "
-              f"{r.samples_per_s:g} | {pred:.1f} | {_pct(pred / r.samples_per_s - 1)} | {split} "
-              f"| {src} |")
+        print(
+            f"| {r.role} | {r.spec.label} | {r.precision} | {r.model} | {r.batch} | "
+            f"{r.samples_per_s:g} | {pred:.1f} | {_pct(pred / r.samples_per_s - 1)} | {split} "
+            f"| {src} |"
+        )
 
 
 def classes_table() -> None:
@@ -49,18 +53,25 @@ def classes_table() -> None:
         med = statistics.median(abs(e) for e in errors[cls])
         ok += med <= WITHIN
         miss = " **miss**" if med > WITHIN else ""
-        print(f"| {cls} | {len(errors[cls])} | {med * 100:.0f}%{miss} | "
-              f"{', '.join(_pct(e) for e in errors[cls])} |")
+        print(
+            f"| {cls} | {len(errors[cls])} | {med * 100:.0f}%{miss} | "
+            f"{', '.join(_pct(e) for e in errors[cls])} |"
+        )
     every = [abs(e) for errs in errors.values() for e in errs]
-    print(f"\n{len(every)} held-out rows: median absolute error {statistics.median(every) * 100:.1f} %;"
-          f" classes within 20 %: {ok} of {len(errors)}; factors {pm.FACTORS}, "
-          f"t0 = {pm.PASS_OVERHEAD_S_PER_TENSOR * 1e3:.4f} ms per parameter tensor "
-          f"(base {pm.pass_overhead_s(pm.BERT_PARAM_TENSORS['base']) * 1e3:.1f} ms, "
-          f"large {pm.pass_overhead_s(pm.BERT_PARAM_TENSORS['large']) * 1e3:.1f} ms)")
-    a100 = [e for a, b, src in pm.A100_V100_PAIRS
-            for e in pm.heldout_ratio_errors(a, b, "fp16", src)]
-    print(f"A100:V100 fp16 ratio errors: {', '.join(_pct(e) for e in a100)}; median |error| "
-          f"{statistics.median(abs(e) for e in a100) * 100:.1f} %")
+    print(
+        f"\n{len(every)} held-out rows: median absolute error {statistics.median(every) * 100:.1f} %;"
+        f" classes within 20 %: {ok} of {len(errors)}; factors {pm.FACTORS}, "
+        f"t0 = {pm.PASS_OVERHEAD_S_PER_TENSOR * 1e3:.4f} ms per parameter tensor "
+        f"(base {pm.pass_overhead_s(pm.BERT_PARAM_TENSORS['base']) * 1e3:.1f} ms, "
+        f"large {pm.pass_overhead_s(pm.BERT_PARAM_TENSORS['large']) * 1e3:.1f} ms)"
+    )
+    a100 = [
+        e for a, b, src in pm.A100_V100_PAIRS for e in pm.heldout_ratio_errors(a, b, "fp16", src)
+    ]
+    print(
+        f"A100:V100 fp16 ratio errors: {', '.join(_pct(e) for e in a100)}; median |error| "
+        f"{statistics.median(abs(e) for e in a100) * 100:.1f} %"
+    )
     t4 = next(r for r in pm.published() if r.gpu == "t4")
     v100 = next(r for r in pm.published() if "siasosp23" in r.source_url)
     pred, pub = pm.predicted(v100) / pm.predicted(t4), v100.samples_per_s / t4.samples_per_s
@@ -83,17 +94,23 @@ def hetseq_table() -> None:
     model = hetseq_model()  # HetSeq's own BERT (examples/hetseq_bert.py), the user's token cache
     steps = {n: _predicted_step_s(n, model) for n in HETSEQ_STEP_S}
     own = {n: _predicted_step_s(n, OWN_BERT_BASE) for n in HETSEQ_STEP_S}
-    print("| nodes | published step s | predicted (HetSeq's BERT) | error | published "
-          "step(N)/step(1) | predicted | error | hetseq_hpc's BERT-base: step | error |")
+    print(
+        "| nodes | published step s | predicted (HetSeq's BERT) | error | published "
+        "step(N)/step(1) | predicted | error | hetseq_hpc's BERT-base: step | error |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for n, pub in HETSEQ_STEP_S.items():
         scale, pub_scale = steps[n] / steps[1], pub / HETSEQ_STEP_S[1]
-        print(f"| {n} | {pub} | {steps[n]:.2f} | {_pct(steps[n] / pub - 1)} | {pub_scale:.3f} | "
-              f"{scale:.3f} | {_pct(scale / pub_scale - 1)} | {own[n]:.2f} | "
-              f"{_pct(own[n] / pub - 1)} |")
+        print(
+            f"| {n} | {pub} | {steps[n]:.2f} | {_pct(steps[n] / pub - 1)} | {pub_scale:.3f} | "
+            f"{scale:.3f} | {_pct(scale / pub_scale - 1)} | {own[n]:.2f} | "
+            f"{_pct(own[n] / pub - 1)} |"
+        )
     print()
-    print("With the 1-node figure as the probe of partition xp (plan.probe=; 8 nodes: p100 from "
-          "specs x the xp ratio), HetSeq's BERT:")
+    print(
+        "With the 1-node figure as the probe of partition xp (plan.probe=; 8 nodes: p100 from "
+        "specs x the xp ratio), HetSeq's BERT:"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         probe = Path(tmp) / "xp_probe.json"
         rate = one_node_probe(probe, model)
@@ -107,13 +124,17 @@ def hetseq_table() -> None:
                 cells.append(f"{step:.3f} s ({_pct(step / pub - 1)})")
             print(f"| {link} | " + " | ".join(cells) + " |")
     print()
-    print("The same die (GP102), fp32, published twice (HetSeq's TITAN Xp step; Lambda's held-out "
-          "GTX 1080 Ti BERT-base row):")
+    print(
+        "The same die (GP102), fp32, published twice (HetSeq's TITAN Xp step; Lambda's held-out "
+        "GTX 1080 Ti BERT-base row):"
+    )
     print("| figure | share of fp32 peak FLOP/s | element accesses per FLOP | spec model's error |")
     print("|---|---|---|---|")
     for name, c in same_die_cross_check(model).items():
-        print(f"| {name} | {c['peak_share']:.1%} | {c['accesses_per_flop']:.2e} | "
-              f"{_pct(c['error'])} |")
+        print(
+            f"| {name} | {c['peak_share']:.1%} | {c['accesses_per_flop']:.2e} | "
+            f"{_pct(c['error'])} |"
+        )
 
 
 def main() -> None:

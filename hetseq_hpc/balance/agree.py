@@ -67,17 +67,22 @@ def agree_on_allocation(run: Any, reports: Sequence[ReportLike], rdv) -> Allocat
     reports = [RankReport.of(r) for r in reports]
     check_device_kinds([r.probe["kind"] for r in reports])
     caps = [int(r.calibration["max_micro_batch"]) for r in reports]
-    shard_hint = ("shard the model state (sharding.mode=fsdp, or auto), "
-                  if run.sharding.mode == "none" else "use activation checkpointing "
-                  "(sharding.activation_checkpointing=true), ")
+    shard_hint = (
+        "shard the model state (sharding.mode=fsdp, or auto), "
+        if run.sharding.mode == "none"
+        else "use activation checkpointing (sharding.activation_checkpointing=true), "
+    )
     for i, cap in enumerate(caps):
         if cap < 1:
             cal = reports[i].calibration
             key = (reports[i].placement or {}).get("partition_key")
-            knob = (f"cluster.partitions.{key}.memory_budget_gb" if key
-                    else f"cluster.memory_budgets_gb[{i}]"
-                    if getattr(run.cluster, "memory_budgets_gb", None)
-                    else "cluster.memory_budget_gb")
+            knob = (
+                f"cluster.partitions.{key}.memory_budget_gb"
+                if key
+                else f"cluster.memory_budgets_gb[{i}]"
+                if getattr(run.cluster, "memory_budgets_gb", None)
+                else "cluster.memory_budget_gb"
+            )
             raise AllocationError(
                 f"rank {i} ({reports[i].probe['name']}) cannot fit one sample: needs "
                 f"{(cal['static_bytes'] + cal['activation_bytes_per_sample']) / 2**30:.2f} GiB, "
@@ -86,8 +91,13 @@ def agree_on_allocation(run: Any, reports: Sequence[ReportLike], rdv) -> Allocat
                 "memory, shrink task.model, or leave that device out"
             )
     throughputs = [float(r.calibration["samples_per_s"]) for r in reports]
-    allocation = allocate(throughputs, run.trainer.global_batch_size, caps,
-                          forced=run.balance.allocation, curves=report_curves(reports))
+    allocation = allocate(
+        throughputs,
+        run.trainer.global_batch_size,
+        caps,
+        forced=run.balance.allocation,
+        curves=report_curves(reports),
+    )
     rdv.check_agreement(allocation.digest(), "allocation")
     return allocation
 
@@ -106,8 +116,9 @@ def check_device_kinds(kinds: Sequence[str]) -> None:
         )
 
 
-def agree_on_sharding(mode: str, param_bytes: float, memory_budget_bytes: float, rdv,
-                      device_kind: str = "cpu") -> str:
+def agree_on_sharding(
+    mode: str, param_bytes: float, memory_budget_bytes: float, rdv, device_kind: str = "cpu"
+) -> str:
     """The data-parallel mode every rank uses, from ``sharding.mode``: ``none`` -> ``ddp``,
     ``fsdp`` -> ``fsdp``, ``auto`` -> ``ddp`` when a full replica fits every rank's memory
     budget with room for activations (:func:`hetseq_hpc.balance.memory.replica_fits`; DDP is
@@ -128,7 +139,8 @@ def agree_on_sharding(mode: str, param_bytes: float, memory_budget_bytes: float,
     from hetseq_hpc.balance.memory import replica_fits
 
     verdicts = rdv.all_gather_objects(
-        (device_kind, bool(replica_fits(memory_budget_bytes, param_bytes))))
+        (device_kind, bool(replica_fits(memory_budget_bytes, param_bytes)))
+    )
     check_device_kinds([kind for kind, _ in verdicts])
     if mode != "auto":
         return "fsdp" if mode == "fsdp" else "ddp"
@@ -136,9 +148,13 @@ def agree_on_sharding(mode: str, param_bytes: float, memory_budget_bytes: float,
     chosen = "ddp" if all(fits) else "fsdp"
     if rdv.world.rank == 0:
         short = [r for r, ok in enumerate(fits) if not ok]
-        log.info("sharding.mode=auto -> %s (%s)", chosen,
-                 "a full replica fits every rank" if chosen == "ddp" else
-                 f"a full replica does not fit rank(s) {short}")
+        log.info(
+            "sharding.mode=auto -> %s (%s)",
+            chosen,
+            "a full replica fits every rank"
+            if chosen == "ddp"
+            else f"a full replica does not fit rank(s) {short}",
+        )
     return chosen
 
 
@@ -151,17 +167,27 @@ def report_curves(reports: Sequence[ReportLike]) -> Optional[List[CostCurve]]:
     return [CostCurve.from_dict(c) for c in cals]
 
 
-def write_allocation_json(run_dir: Path, allocation: Allocation, reports: Sequence[ReportLike],
-                          extra: Optional[Dict[str, Any]] = None) -> Path:
+def write_allocation_json(
+    run_dir: Path,
+    allocation: Allocation,
+    reports: Sequence[ReportLike],
+    extra: Optional[Dict[str, Any]] = None,
+) -> Path:
     """Rank 0 writes ``allocation.json``: the split, the digest, and every rank's world, probe,
     calibration and placement (het component, partition, GRES)."""
     data = {
         "allocation": allocation.to_dict(),
         "digest": allocation.digest(),
         "ranks": [
-            {**r.meta, "world": r.world, "probe": r.probe, "calibration": r.calibration,
-             "precision": r.precision, "emulation": r.emulation,
-             "share": allocation.to_dict()["shares"][i]}
+            {
+                **r.meta,
+                "world": r.world,
+                "probe": r.probe,
+                "calibration": r.calibration,
+                "precision": r.precision,
+                "emulation": r.emulation,
+                "share": allocation.to_dict()["shares"][i],
+            }
             for i, r in enumerate(RankReport.of(x) for x in reports)
         ],
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -82,8 +82,9 @@ class Allocation:
             if share.rank != i or share.samples < 1 or share.micro_batch < 1:
                 raise AllocationError(f"allocation entry {i} is malformed: {share}")
             if share.micro_batch * share.accum_steps < share.samples:
-                raise AllocationError(f"rank {i}: {share.accum_steps} x {share.micro_batch} < "
-                                      f"{share.samples} samples")
+                raise AllocationError(
+                    f"rank {i}: {share.accum_steps} x {share.micro_batch} < {share.samples} samples"
+                )
 
     @property
     def samples(self) -> List[int]:
@@ -171,8 +172,15 @@ def shares_for(samples: Sequence[int], max_micro: Sequence[int]) -> Tuple[RankSh
             raise AllocationError(f"rank {rank} has a micro-batch cap of {cap}: it must be >= 1")
         accum = max(1, math.ceil(b / cap))
         micro = math.ceil(b / accum)
-        out.append(RankShare(rank=rank, samples=int(b), micro_batch=int(micro),
-                             accum_steps=int(accum), max_micro_batch=int(cap)))
+        out.append(
+            RankShare(
+                rank=rank,
+                samples=int(b),
+                micro_batch=int(micro),
+                accum_steps=int(accum),
+                max_micro_batch=int(cap),
+            )
+        )
     return tuple(out)
 
 
@@ -232,8 +240,8 @@ def allocate(
     )
 
 
-def equal_split(world_size: int, global_batch_size: int, max_micro_batch: Sequence[int]) -> Allocation:
+def equal_split(
+    world_size: int, global_batch_size: int, max_micro_batch: Sequence[int]
+) -> Allocation:
     """The split everyone else uses: the same share for every rank (remainder to low ranks)."""
     return allocate([1.0] * world_size, global_batch_size, max_micro_batch, source="equal")
-
-

@@ -126,7 +126,9 @@ def timed_sizes(micro_batch: int, steps: int, cap: int) -> List[int]:
     return [low if j % 2 else high for j in range(int(steps))]
 
 
-def fastest_per_size(sizes: Sequence[int], times_s: Sequence[float]) -> Tuple[List[int], List[float]]:
+def fastest_per_size(
+    sizes: Sequence[int], times_s: Sequence[float]
+) -> Tuple[List[int], List[float]]:
     """``(sizes, seconds)``: the fastest timing of each distinct micro-batch size, sizes
     ascending (interference only ever adds time, so the minimum is the least disturbed)."""
     best: Dict[int, float] = {}
@@ -136,8 +138,9 @@ def fastest_per_size(sizes: Sequence[int], times_s: Sequence[float]) -> Tuple[Li
     return ordered, [best[n] for n in ordered]
 
 
-def probe_activation_bytes(run: Callable[[int], None], saved: Dict[int, int],
-                           micro_batch: int) -> Optional[Tuple[float, float]]:
+def probe_activation_bytes(
+    run: Callable[[int], None], saved: Dict[int, int], micro_batch: int
+) -> Optional[Tuple[float, float]]:
     """Run passes of the :data:`PROBE_SAMPLES` sizes (``run(n)`` records the pass's saved
     tensor bytes in ``saved[n]``); returns ``(bytes per sample, fixed bytes)`` of the saved
     activations, the slope and intercept of the two (the larger pass's bytes over its
@@ -255,9 +258,19 @@ def calibrate(
     # overrun a small budget either
     probe_per_sample = probe_activation_bytes(run, saved, int(micro_batch))
     if probe_per_sample is not None:  # the cap's own formula (below), from the probes' slope
-        micro_batch = max(1, min(int(micro_batch), memory_cap(
-            memory_budget_bytes, param_bytes, probe_per_sample[0] * ACTIVATION_SAFETY,
-            max_micro_batch, static_bytes)))
+        micro_batch = max(
+            1,
+            min(
+                int(micro_batch),
+                memory_cap(
+                    memory_budget_bytes,
+                    param_bytes,
+                    probe_per_sample[0] * ACTIVATION_SAFETY,
+                    max_micro_batch,
+                    static_bytes,
+                ),
+            ),
+        )
     model.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -269,9 +282,11 @@ def calibrate(
         peak_per_sample = (torch.cuda.max_memory_allocated(device) - base_alloc) / micro_batch
     # every saved byte counted as per-sample: an upper bound, so this cap is a safe one
     upper = max(saved[micro_batch] / micro_batch, peak_per_sample) * ACTIVATION_SAFETY
-    sizes = timed_sizes(micro_batch, steps,
-                        memory_cap(memory_budget_bytes, param_bytes, upper, max_micro_batch,
-                                   static_bytes))
+    sizes = timed_sizes(
+        micro_batch,
+        steps,
+        memory_cap(memory_budget_bytes, param_bytes, upper, max_micro_batch, static_bytes),
+    )
     times = []
 
     def timed(n: int) -> None:
@@ -324,11 +339,19 @@ def calibrate(
         "calibration: timings %s -> t(m) = %.2f ms + %.3f ms x m (residuals %s), step fixed "
         "cost %.1f ms; %.1f samples/s at micro-batch %d",
         ", ".join(f"t({n})={t * 1e3:.1f} ms" for n, t in zip(sizes, times)),
-        curve.overhead_s * 1e3, curve.per_sample_s * 1e3,
-        ", ".join(f"{r:+.1%}" for r in residuals), fixed * 1e3, result.samples_per_s, high,
+        curve.overhead_s * 1e3,
+        curve.per_sample_s * 1e3,
+        ", ".join(f"{r:+.1%}" for r in residuals),
+        fixed * 1e3,
+        result.samples_per_s,
+        high,
     )
     log.info(
         "calibration: %.1f MiB activations/sample, %.0f MiB static, budget %.0f MiB -> "
-        "micro-batch cap %d", per_sample / 2**20, static / 2**20, budget / 2**20, cap,
+        "micro-batch cap %d",
+        per_sample / 2**20,
+        static / 2**20,
+        budget / 2**20,
+        cap,
     )
     return result

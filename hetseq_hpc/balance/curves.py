@@ -54,11 +54,15 @@ class CostCurve:
         for name in ("overhead_s", "per_sample_s", "step_fixed_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
-                raise AllocationError(f"cost curve {name}={value} is invalid: re-run the "
-                                      "calibration (every figure must be finite and >= 0)")
+                raise AllocationError(
+                    f"cost curve {name}={value} is invalid: re-run the "
+                    "calibration (every figure must be finite and >= 0)"
+                )
         if self.per_sample_s <= 0:
-            raise AllocationError(f"cost curve per_sample_s={self.per_sample_s} is invalid: it "
-                                  "must be > 0; re-run the calibration")
+            raise AllocationError(
+                f"cost curve per_sample_s={self.per_sample_s} is invalid: it "
+                "must be > 0; re-run the calibration"
+            )
 
     @classmethod
     def from_throughput(cls, samples_per_s: float) -> CostCurve:
@@ -68,15 +72,19 @@ class CostCurve:
             AllocationError: the rate is not a positive finite number.
         """
         if not (samples_per_s > 0 and math.isfinite(samples_per_s)):
-            raise AllocationError(f"throughput {samples_per_s} is invalid: every rank must "
-                                  "measure > 0 samples/s")
+            raise AllocationError(
+                f"throughput {samples_per_s} is invalid: every rank must measure > 0 samples/s"
+            )
         return cls(0.0, 1.0 / float(samples_per_s), 0.0)
 
     @classmethod
     def from_dict(cls, data: dict) -> CostCurve:
         """Inverse of :meth:`to_dict` (extra keys are ignored)."""
-        return cls(float(data["overhead_s"]), float(data["per_sample_s"]),
-                   float(data.get("step_fixed_s", 0.0)))
+        return cls(
+            float(data["overhead_s"]),
+            float(data["per_sample_s"]),
+            float(data.get("step_fixed_s", 0.0)),
+        )
 
     def to_dict(self) -> dict:
         """Plain dict for JSON."""
@@ -128,7 +136,9 @@ class CostCurve:
         return guess
 
 
-def fit_compute(designs: Sequence[Tuple[float, float]], times_s: Sequence[float]) -> Tuple[float, float]:
+def fit_compute(
+    designs: Sequence[Tuple[float, float]], times_s: Sequence[float]
+) -> Tuple[float, float]:
     """Least-squares ``(a, c)`` of ``time = k a + b c`` over observations ``(k, b) -> time``
     (``k`` micro-batches holding ``b`` samples; one micro-batch of ``m`` is ``(1, m)``).
 
@@ -140,8 +150,10 @@ def fit_compute(designs: Sequence[Tuple[float, float]], times_s: Sequence[float]
         AllocationError: no observation, mismatched lengths, or a time that is not positive.
     """
     if not designs or len(designs) != len(times_s):
-        raise AllocationError(f"{len(times_s)} timings for {len(designs)} designs: give one "
-                              "timing per (micro-batches, samples) pair, at least one")
+        raise AllocationError(
+            f"{len(times_s)} timings for {len(designs)} designs: give one "
+            "timing per (micro-batches, samples) pair, at least one"
+        )
     for t in times_s:
         if not (t > 0 and math.isfinite(t)):
             raise AllocationError(f"a measured time of {t} s is invalid: re-run the calibration")
@@ -159,7 +171,9 @@ def fit_compute(designs: Sequence[Tuple[float, float]], times_s: Sequence[float]
     return 0.0, max(sby / sbb, MIN_PER_SAMPLE_S)
 
 
-def fit_curve(sizes: Sequence[int], times_s: Sequence[float], step_fixed_s: float = 0.0) -> CostCurve:
+def fit_curve(
+    sizes: Sequence[int], times_s: Sequence[float], step_fixed_s: float = 0.0
+) -> CostCurve:
     """A :class:`CostCurve` from single micro-batch timings: ``times_s[j]`` seconds for a
     forward+backward of ``sizes[j]`` samples (:func:`fit_compute`)."""
     a, c = fit_compute([(1, m) for m in sizes], times_s)
@@ -171,8 +185,9 @@ def fit_residuals(curve: CostCurve, sizes: Sequence[int], times_s: Sequence[floa
     return [t / curve.micro_s(m) - 1.0 for m, t in zip(sizes, times_s)]
 
 
-def predicted_step_s(curves: Sequence[CostCurve], samples: Sequence[int],
-                     caps: Sequence[int]) -> float:
+def predicted_step_s(
+    curves: Sequence[CostCurve], samples: Sequence[int], caps: Sequence[int]
+) -> float:
     """``max_i T_i`` of a split (seconds)."""
     return max(curve.step_s(b, cap) for curve, b, cap in zip(curves, samples, caps))
 
@@ -199,8 +214,10 @@ def min_max_split(curves: Sequence[CostCurve], total: int, caps: Sequence[int]) 
     if len(caps) != n:
         raise AllocationError(f"{n} cost curves for {len(caps)} ranks")
     if total < n:
-        raise AllocationError(f"global batch {total} is smaller than {n} ranks x 1 sample(s): "
-                              "raise trainer.global_batch_size or use fewer ranks")
+        raise AllocationError(
+            f"global batch {total} is smaller than {n} ranks x 1 sample(s): "
+            "raise trainer.global_batch_size or use fewer ranks"
+        )
     for rank, cap in enumerate(caps):
         if cap < 1:
             raise AllocationError(f"rank {rank} has a micro-batch cap of {cap}: it must be >= 1")

@@ -51,8 +51,9 @@ MEMORY_HEADROOM = 0.9
 PARAM_BYTES = 4
 
 
-def memory_budget_bytes(placement: RankPlacement, device_kind: str, free_bytes: float,
-                        local_world_size: int) -> float:
+def memory_budget_bytes(
+    placement: RankPlacement, device_kind: str, free_bytes: float, local_world_size: int
+) -> float:
     """Bytes a rank may plan its micro-batch with (before the headroom of
     :func:`memory_cap`): the configured ``memory_budget_gb``; else the free
     GPU memory (``device_kind == "cuda"``); else its share ``free_bytes / local_world_size`` of
@@ -65,7 +66,9 @@ def memory_budget_bytes(placement: RankPlacement, device_kind: str, free_bytes: 
 
 
 def micro_batch_cap(
-    memory_budget_bytes: float, static_bytes: float, bytes_per_sample: float,
+    memory_budget_bytes: float,
+    static_bytes: float,
+    bytes_per_sample: float,
     limit: Optional[int] = None,
 ) -> int:
     """Largest micro-batch that fits: ``floor((budget - static) / per_sample)``, at most ``limit``.
@@ -88,10 +91,16 @@ def micro_batch_cap(
     return max(cap, 0)
 
 
-def model_state_bytes(param_bytes: float, mode: str = "ddp", world_size: int = 1,
-                      block_bytes: float = 0.0, offload: bool = False,
-                      gathered_weights: bool = True,
-                      root_bytes: Optional[float] = None, keep_gathered: bool = False) -> float:
+def model_state_bytes(
+    param_bytes: float,
+    mode: str = "ddp",
+    world_size: int = 1,
+    block_bytes: float = 0.0,
+    offload: bool = False,
+    gathered_weights: bool = True,
+    root_bytes: Optional[float] = None,
+    keep_gathered: bool = False,
+) -> float:
     """Bytes of model state one rank holds at its peak (before activations): the ONE formula
     the runtime (worker, calibration), the planner and the pre-flight check share.
 
@@ -128,13 +137,15 @@ def model_state_bytes(param_bytes: float, mode: str = "ddp", world_size: int = 1
         return float(param_bytes) * STATIC_PARAM_COPIES
     shard = 0.0 if offload else float(param_bytes) * SHARDED_STATE_COPIES / max(int(world_size), 1)
     whole = GATHERED_WEIGHT_COPIES * float(param_bytes) if gathered_weights else 0.0
-    held = (kept_gathered_bytes if keep_gathered else gathered_bytes)(param_bytes, block_bytes,
-                                                                      root_bytes)
+    held = (kept_gathered_bytes if keep_gathered else gathered_bytes)(
+        param_bytes, block_bytes, root_bytes
+    )
     return shard + max(held, whole)
 
 
-def gathered_bytes(param_bytes: float, block_bytes: float = 0.0,
-                   root_bytes: Optional[float] = None) -> float:
+def gathered_bytes(
+    param_bytes: float, block_bytes: float = 0.0, root_bytes: Optional[float] = None
+) -> float:
     """What FSDP2 holds unsharded at the peak of a training step (see
     :func:`model_state_bytes`): ``ROOT_COPIES x root + BLOCK_COPIES x block``, at most
     ``MAX_GATHERED_COPIES x param_bytes``. ``root_bytes`` None: ``param_bytes - block_bytes``."""
@@ -143,8 +154,9 @@ def gathered_bytes(param_bytes: float, block_bytes: float = 0.0,
     return min(ROOT_COPIES * root + BLOCK_COPIES * block, MAX_GATHERED_COPIES * param)
 
 
-def kept_gathered_bytes(param_bytes: float, block_bytes: float = 0.0,
-                        root_bytes: Optional[float] = None) -> float:
+def kept_gathered_bytes(
+    param_bytes: float, block_bytes: float = 0.0, root_bytes: Optional[float] = None
+) -> float:
     """What FSDP2 holds unsharded when the parameters stay gathered between the micro-batches
     of a step: ``GATHERED_WEIGHT_COPIES x param_bytes`` (every weight) plus the gradients
     before their reduce-scatter, ``root + KEPT_BLOCK_GRADIENT_COPIES x block``; at most
@@ -152,19 +164,27 @@ def kept_gathered_bytes(param_bytes: float, block_bytes: float = 0.0,
     ``param_bytes - block_bytes``."""
     param, block = float(param_bytes), float(block_bytes)
     root = max(param - block, 0.0) if root_bytes is None else float(root_bytes)
-    return min(GATHERED_WEIGHT_COPIES * param + root + KEPT_BLOCK_GRADIENT_COPIES * block,
-               MAX_GATHERED_COPIES * param)
+    return min(
+        GATHERED_WEIGHT_COPIES * param + root + KEPT_BLOCK_GRADIENT_COPIES * block,
+        MAX_GATHERED_COPIES * param,
+    )
 
 
-def memory_cap(memory_budget_bytes: float, param_bytes: float, activation_bytes_per_sample: float,
-               limit: Optional[int] = None, static_bytes: Optional[float] = None) -> int:
+def memory_cap(
+    memory_budget_bytes: float,
+    param_bytes: float,
+    activation_bytes_per_sample: float,
+    limit: Optional[int] = None,
+    static_bytes: Optional[float] = None,
+) -> int:
     """Micro-batch cap of a device (the one formula the runtime and the planner share):
     :func:`micro_batch_cap` with budget ``memory x MEMORY_HEADROOM`` and static bytes
     ``static_bytes`` (default :func:`model_state_bytes` of a DDP replica). Bytes in, samples
     out; 0 if not one sample fits."""
     static = model_state_bytes(param_bytes) if static_bytes is None else float(static_bytes)
-    return micro_batch_cap(float(memory_budget_bytes) * MEMORY_HEADROOM, static,
-                           activation_bytes_per_sample, limit)
+    return micro_batch_cap(
+        float(memory_budget_bytes) * MEMORY_HEADROOM, static, activation_bytes_per_sample, limit
+    )
 
 
 def local_part(tensor: Any) -> Any:
@@ -192,14 +212,16 @@ def model_bytes(task: Any, model: Any) -> ModelBytes:
 def unit_bytes(model: Any, units: Any) -> ModelBytes:
     """:class:`ModelBytes` of ``model`` sharded into ``units`` (modules inside it) plus the
     root unit (everything outside them); read before sharding (a DTensor counts whole too)."""
+
     def size(params: Any) -> float:
         return float(sum(p.numel() * p.element_size() for p in params))
 
     units = list(units)
     in_units = {id(p) for u in units for p in u.parameters()}
     root = size(p for p in model.parameters() if id(p) not in in_units)
-    return ModelBytes(size(model.parameters()), root,
-                      max([0.0] + [size(u.parameters()) for u in units]))
+    return ModelBytes(
+        size(model.parameters()), root, max([0.0] + [size(u.parameters()) for u in units])
+    )
 
 
 def replica_fits(memory_budget_bytes: float, param_bytes: float) -> bool:
@@ -209,12 +231,15 @@ def replica_fits(memory_budget_bytes: float, param_bytes: float) -> bool:
     return model_state_bytes(param_bytes) <= room
 
 
-def param_memory_cap(memory_bytes: float, param_count: int, activation_bytes_per_sample: float,
-               limit: Optional[int] = None) -> int:
+def param_memory_cap(
+    memory_bytes: float,
+    param_count: int,
+    activation_bytes_per_sample: float,
+    limit: Optional[int] = None,
+) -> int:
     """Micro-batch cap of a device with ``memory_bytes`` and ``param_count`` fp32 parameters:
     the runtime's own formula, :func:`memory_cap`."""
-    return memory_cap(memory_bytes, PARAM_BYTES * param_count,
-                              activation_bytes_per_sample, limit)
+    return memory_cap(memory_bytes, PARAM_BYTES * param_count, activation_bytes_per_sample, limit)
 
 
 __all__ = [

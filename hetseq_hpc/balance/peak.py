@@ -179,15 +179,18 @@ def running_peak(events: List[Tuple[int, int, int]]) -> int:
 def tensor_bytes(model: Any) -> float:
     """Bytes of a model's tensors on this rank: parameters (local shards under FSDP), their
     gradients and its buffers."""
+
     def nbytes(t: Any) -> float:
         local = getattr(t, "to_local", None)
         t = local() if callable(local) else t
         return float(t.numel() * t.element_size())
 
     params = list(model.parameters())
-    return (sum(nbytes(p) for p in params) + sum(nbytes(p.grad) for p in params
-                                                  if p.grad is not None)
-            + sum(nbytes(b) for b in model.buffers()))
+    return (
+        sum(nbytes(p) for p in params)
+        + sum(nbytes(p.grad) for p in params if p.grad is not None)
+        + sum(nbytes(b) for b in model.buffers())
+    )
 
 
 class MemoryWatch:
@@ -232,8 +235,11 @@ class MemoryWatch:
                 self.method = f"torch_cpu_allocations_first_{PROFILED_STEPS}_steps"
                 return
             except Exception as exc:  # no profiler: the resident set's growth instead
-                log.warning("memory watch: torch's profiler did not start (%s): measuring the "
-                            "resident set's growth instead", exc)
+                log.warning(
+                    "memory watch: torch's profiler did not start (%s): measuring the "
+                    "resident set's growth instead",
+                    exc,
+                )
                 self.allocations = None
         trim_heap()
         if not reset_peak_resident():
@@ -253,13 +259,30 @@ class MemoryWatch:
         """``budget_bytes``, ``measured_peak_bytes`` and ``peak_measure`` (how it was measured),
         logged on one line (the rank's log)."""
         peak = self.peak_bytes()
-        log.info("rank %d memory: measured peak %.2f MiB (%s) of its budget %.2f MiB (%.0f%%)",
-                 rank, peak / _MIB, self.method, self.budget_bytes / _MIB,
-                 100.0 * peak / max(self.budget_bytes, 1.0))
-        return {"budget_bytes": self.budget_bytes, "measured_peak_bytes": peak,
-                "peak_measure": self.method}
+        log.info(
+            "rank %d memory: measured peak %.2f MiB (%s) of its budget %.2f MiB (%.0f%%)",
+            rank,
+            peak / _MIB,
+            self.method,
+            self.budget_bytes / _MIB,
+            100.0 * peak / max(self.budget_bytes, 1.0),
+        )
+        return {
+            "budget_bytes": self.budget_bytes,
+            "measured_peak_bytes": peak,
+            "peak_measure": self.method,
+        }
 
 
-__all__ = ["PROFILED_STEPS", "CpuAllocations", "MemoryWatch", "allocation_events",
-           "peak_resident_bytes", "reset_peak_resident", "resident_bytes", "running_peak",
-           "tensor_bytes", "trim_heap"]
+__all__ = [
+    "PROFILED_STEPS",
+    "CpuAllocations",
+    "MemoryWatch",
+    "allocation_events",
+    "peak_resident_bytes",
+    "reset_peak_resident",
+    "resident_bytes",
+    "running_peak",
+    "tensor_bytes",
+    "trim_heap",
+]

@@ -86,8 +86,9 @@ class RankPlacement:
         return asdict(self)
 
 
-def cpu_threads(cores: int, ranks_on_node: int, configured: Optional[int] = None,
-                warn: bool = True) -> int:
+def cpu_threads(
+    cores: int, ranks_on_node: int, configured: Optional[int] = None, warn: bool = True
+) -> int:
     """Torch CPU threads of a rank: ``configured`` if set, else the node's ``cores`` split evenly
     between its ``ranks_on_node`` ranks, at least 1. More ranks than cores is logged as a
     warning when ``warn`` (the ranks then share cores and each runs slower)."""
@@ -95,8 +96,12 @@ def cpu_threads(cores: int, ranks_on_node: int, configured: Optional[int] = None
         return int(configured)
     ranks = max(int(ranks_on_node), 1)
     if ranks > cores and warn:
-        log.warning("%d ranks on %d CPU core(s): one thread each, ranks share cores; lower "
-                    "cluster.ranks for full speed", ranks, cores)
+        log.warning(
+            "%d ranks on %d CPU core(s): one thread each, ranks share cores; lower "
+            "cluster.ranks for full speed",
+            ranks,
+            cores,
+        )
     return max(1, int(cores) // ranks)
 
 
@@ -109,13 +114,21 @@ def calibration_micro_batch(run: RunConfig, world_size: int, device_type: str = 
     if run.balance.calibration_micro_batch:
         return int(run.balance.calibration_micro_batch)
     share = run.trainer.global_batch_size // max(int(world_size), 1)
-    most = CALIBRATION_MICRO_BATCH_MAX_CUDA if device_type == "cuda" else CALIBRATION_MICRO_BATCH_MAX
+    most = (
+        CALIBRATION_MICRO_BATCH_MAX_CUDA if device_type == "cuda" else CALIBRATION_MICRO_BATCH_MAX
+    )
     return max(1, min(most, share))
 
 
-def placement_for(run: RunConfig, rank: int, *, het_group: Optional[int] = None,
-                  local_world_size: Optional[int] = None, cpus_per_task: Optional[int] = None,
-                  cores: Optional[int] = None) -> RankPlacement:
+def placement_for(
+    run: RunConfig,
+    rank: int,
+    *,
+    het_group: Optional[int] = None,
+    local_world_size: Optional[int] = None,
+    cpus_per_task: Optional[int] = None,
+    cores: Optional[int] = None,
+) -> RankPlacement:
     """Resolve rank ``rank``'s placement from ``run`` (nothing is started or probed).
 
     Args:
@@ -152,15 +165,19 @@ def placement_for(run: RunConfig, rank: int, *, het_group: Optional[int] = None,
         speed = float(part.emulate_speed) if part is not None else 1.0
         on_node = local_world_size or (part.ranks_per_node_effective if part is not None else 1)
         configured = cpus_per_task or (part.cpus_per_rank if part is not None else None)
-        group = het_group if het_group is not None else (
-            list(cluster.partitions).index(key) if key is not None else None)
+        group = (
+            het_group
+            if het_group is not None
+            else (list(cluster.partitions).index(key) if key is not None else None)
+        )
     budget = part.memory_budget_gb if part is not None and part.memory_budget_gb else None
     budgets = list(getattr(cluster, "memory_budgets_gb", None) or [])  # cluster=local only
     budget = budget or (budgets[rank] if rank < len(budgets) else None) or cluster.memory_budget_gb
     return RankPlacement(
         rank=rank,
-        threads=cpu_threads(usable_cores() if cores is None else cores, on_node, configured,
-                            warn=rank == 0),
+        threads=cpu_threads(
+            usable_cores() if cores is None else cores, on_node, configured, warn=rank == 0
+        ),
         emulate_speed=speed,
         memory_budget_gb=float(budget) if budget else None,
         ranks_on_node=int(on_node),
@@ -178,5 +195,6 @@ def plan_placements(run: RunConfig, cores: Optional[int] = None) -> List[RankPla
     ``cores`` (None = this machine's usable cores) only matters where threads are not set by
     the configuration (``cluster=local`` without ``threads_per_rank``).
     """
-    return [placement_for(run, rank, cores=cores)
-            for rank in range(run.cluster.planned_world_size())]
+    return [
+        placement_for(run, rank, cores=cores) for rank in range(run.cluster.planned_world_size())
+    ]

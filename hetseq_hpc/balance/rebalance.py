@@ -122,7 +122,7 @@ def _spread(designs: Sequence[Tuple[float, float]]) -> float:
     """Largest ``|k1 b2 - k2 b1| / (k1 b2 + k2 b1)`` over pairs of designs (0 = parallel)."""
     best = 0.0
     for i, (k1, b1) in enumerate(designs):
-        for k2, b2 in designs[i + 1:]:
+        for k2, b2 in designs[i + 1 :]:
             best = max(best, abs(k1 * b2 - k2 * b1) / (k1 * b2 + k2 * b1))
     return best
 
@@ -149,7 +149,8 @@ class Rebalancer:
 
     def __post_init__(self) -> None:
         self._curves: List[Optional[CostCurve]] = (
-            list(self.curves) if self.curves is not None else [None] * len(self.caps))
+            list(self.curves) if self.curves is not None else [None] * len(self.caps)
+        )
         self._points = [[] for _ in self.caps]
         self._errors: List[float] = [UNKNOWN_ERROR] * len(self.caps)
         self._spread: List[float] = [0.0] * len(self.caps)  # each rank's step-to-step sigma
@@ -166,8 +167,9 @@ class Rebalancer:
         """Add one step's table (its ``samples``, ``compute_time_s`` and ``tail_time_s``)."""
         self._window.append(per_rank)
 
-    def _note_error(self, rank: int, rows: List[StepStats],
-                    used: Optional[List[StepStats]] = None) -> None:
+    def _note_error(
+        self, rank: int, rows: List[StepStats], used: Optional[List[StepStats]] = None
+    ) -> None:
         """Update rank ``rank``'s run-long spread from a window's ``rows`` (the larger of the
         old value and this window's, decaying slowly), and the relative error of the
         measurement taken from ``used`` (default all ``rows``)."""
@@ -204,14 +206,15 @@ class Rebalancer:
             self._points[rank] = [(accum, samples, measured)]
             return CostCurve(0.0, measured / max(samples, 1), tail)
         ratios = [row.compute_time_s / prior.compute_s(row.samples, accum) for row in rows]
-        late = ratios[-len(recent):]
+        late = ratios[-len(recent) :]
         changed = changed and len(recent) == RECENT_STEPS
         used = recent if changed else rows
         measured = statistics.median(row.compute_time_s for row in used)
         self._note_error(rank, rows, used)
         ratio = statistics.median(late if changed else ratios)
-        points = [] if changed else [p for p in self._points[rank]
-                                     if (p[0], p[1]) != (accum, samples)]
+        points = (
+            [] if changed else [p for p in self._points[rank] if (p[0], p[1]) != (accum, samples)]
+        )
         points = [*points, (accum, samples, measured)][-MAX_POINTS:]
         self._points[rank] = points
         designs = [(k, b) for k, b, _ in points]
@@ -220,8 +223,9 @@ class Rebalancer:
             return CostCurve(a, c, tail)
         return prior.scaled(ratio).with_step_fixed(tail)
 
-    def _supported_move(self, curves: List[CostCurve], current: List[int], best: List[int],
-                        step: int) -> Tuple[List[int], bool, float]:
+    def _supported_move(
+        self, curves: List[CostCurve], current: List[int], best: List[int], step: int
+    ) -> Tuple[List[int], bool, float]:
         """The split the measurements support with confidence, whether the move reverses the
         last one, and the gain of that split at the unfavourable end of the intervals.
 
@@ -233,9 +237,12 @@ class Rebalancer:
         point estimate's move when the window is steady, a smaller one (or none) when it is
         noisy, so no rank's share drops below what its curve supports with confidence."""
         direction = [b - c for b, c in zip(best, current)]
-        recent = self._last_move is not None and step - self._last_move_step <= REVERSAL_MEMORY_STEPS
-        agreement = sum(d * (to - frm) for d, frm, to in zip(direction, *self._last_move)) \
-            if recent else 0
+        recent = (
+            self._last_move is not None and step - self._last_move_step <= REVERSAL_MEMORY_STEPS
+        )
+        agreement = (
+            sum(d * (to - frm) for d, frm, to in zip(direction, *self._last_move)) if recent else 0
+        )
         reversal = agreement < 0
         # the split follows the RATIO of the moving ranks' rates, whose relative error is the
         # root sum of squares of theirs: each moves by its share of that bound
@@ -243,13 +250,17 @@ class Rebalancer:
         factor = REVERSAL_FACTOR if reversal else CONTINUATION_FACTOR if agreement > 0 else 1.0
         z = CONFIDENCE_Z * factor / math.sqrt(moving)
         cautious = [
-            curve.scaled(1.0 + z * err) if d > 0 else
-            curve.scaled(max(1.0 - z * err, 0.1)) if d < 0 else curve
+            curve.scaled(1.0 + z * err)
+            if d > 0
+            else curve.scaled(max(1.0 - z * err, 0.1))
+            if d < 0
+            else curve
             for curve, err, d in zip(curves, self._errors, direction)
         ]
         target = min_max_split(cautious, sum(current), list(self.caps))
-        if any((t - c) * d < 0 or (d == 0 and t != c)
-               for t, c, d in zip(target, current, direction)):
+        if any(
+            (t - c) * d < 0 or (d == 0 and t != c) for t, c, d in zip(target, current, direction)
+        ):
             return current, reversal, 0.0  # the cautious optimum points elsewhere: no move
         now = predicted_step_s(cautious, current, self.caps)
         then = predicted_step_s(cautious, target, self.caps)
@@ -270,7 +281,7 @@ class Rebalancer:
         (after the switch to it) all ran more than ``URGENT_FACTOR x threshold`` slower, or all
         faster, than its current curve predicts: decide now, not at the next interval. False
         before every rank has a curve. Pure function of the recorded tables."""
-        window = self._window[self._skip_rows:]
+        window = self._window[self._skip_rows :]
         if len(window) < RECENT_STEPS or any(c is None for c in self._curves):
             return False
         band = URGENT_FACTOR * self.threshold
@@ -284,8 +295,9 @@ class Rebalancer:
                 return True
         return False
 
-    def observe(self, step: int, allocation: Allocation,
-                per_rank: Optional[List[StepStats]] = None) -> Optional[Allocation]:
+    def observe(
+        self, step: int, allocation: Allocation, per_rank: Optional[List[StepStats]] = None
+    ) -> Optional[Allocation]:
         """Decide after ``step``; returns the allocation for step ``step + 1`` if it changes.
 
         ``per_rank`` (this step's table) is recorded first when given. A window of fewer than
@@ -298,27 +310,40 @@ class Rebalancer:
             # an interval that falls one or two steps after an early decision: the median of
             # so few steps is one noisy step; the window keeps filling until the next interval
             return None
-        pending = self._window[self._skip_rows:]
-        if not self.speed_changed(allocation) and sum(
+        pending = self._window[self._skip_rows :]
+        if (
+            not self.speed_changed(allocation)
+            and sum(
                 max(r.compute_time_s + getattr(r, "tail_time_s", 0.0) for r in row)
-                for row in pending) < MIN_WINDOW_S:
+                for row in pending
+            )
+            < MIN_WINDOW_S
+        ):
             return None  # steps too short to time: measure over more of them
         window, self._window = pending, []
         self._follow_up = False
         self._skip_rows = 0
         shares = allocation.shares
-        mine = [[row[rank] for row in window if row[rank].samples == share.samples]
-                for rank, share in enumerate(shares)]
-        changed = any(rows and self._changed(rank, shares[rank].accum_steps, rows)
-                      for rank, rows in enumerate(mine))
+        mine = [
+            [row[rank] for row in window if row[rank].samples == share.samples]
+            for rank, share in enumerate(shares)
+        ]
+        changed = any(
+            rows and self._changed(rank, shares[rank].accum_steps, rows)
+            for rank, rows in enumerate(mine)
+        )
         for rank, rows in enumerate(mine):
             if rows:
                 self._curves[rank] = self._refit(rank, shares[rank].accum_steps, rows, changed)
         if any(c is None for c in self._curves):
             return None
         curves: List[CostCurve] = list(self._curves)
-        busy = [statistics.median(row[r].compute_time_s + getattr(row[r], "tail_time_s", 0.0)
-                                  for row in window) for r in range(len(shares))]
+        busy = [
+            statistics.median(
+                row[r].compute_time_s + getattr(row[r], "tail_time_s", 0.0) for row in window
+            )
+            for r in range(len(shares))
+        ]
         mean = sum(busy) / len(busy)
         straggle = (max(busy) - min(busy)) / mean if mean > 0 else 0.0
         current = list(allocation.samples)
@@ -331,16 +356,32 @@ class Rebalancer:
             return None
         target, reversal, supported_gain = self._supported_move(curves, current, best, step)
         taken = target != current and supported_gain >= self.threshold / 4
-        self.decisions.append({"step": step, "straggle": straggle, "gain": gain,
-                               "from": current, "to": target if taken else best, "best": best,
-                               "supported_gain": supported_gain, "reversal": reversal,
-                               "errors": [round(e, 4) for e in self._errors], "taken": taken})
+        self.decisions.append(
+            {
+                "step": step,
+                "straggle": straggle,
+                "gain": gain,
+                "from": current,
+                "to": target if taken else best,
+                "best": best,
+                "supported_gain": supported_gain,
+                "reversal": reversal,
+                "errors": [round(e, 4) for e in self._errors],
+                "taken": taken,
+            }
+        )
         if not taken:
             return None
         self._follow_up = target != best  # more steps will narrow the interval: look again soon
         best = target
         self._last_move, self._last_move_step = (current, list(best)), step
         self._skip_rows = 1
-        return allocate([c.samples_per_s(cap) for c, cap in zip(curves, self.caps)],
-                        allocation.global_batch_size, list(self.caps), forced=best,
-                        source="rebalanced", step=step + 1, curves=curves)
+        return allocate(
+            [c.samples_per_s(cap) for c, cap in zip(curves, self.caps)],
+            allocation.global_batch_size,
+            list(self.caps),
+            forced=best,
+            source="rebalanced",
+            step=step + 1,
+            curves=curves,
+        )

@@ -42,15 +42,22 @@ def _report(summary: Dict[str, Any], run_dir: Path) -> None:
     val = summary.get("validation") or {}
     log.info(
         "done: %s steps, loss %.4f -> %.4f, validation %s, %.1f samples/s",
-        summary.get("final_step"), summary.get("first_loss") or float("nan"),
+        summary.get("final_step"),
+        summary.get("first_loss") or float("nan"),
         summary.get("final_loss") or float("nan"),
         ", ".join(f"{k[4:] if k.startswith('val_') else k} {v:.4g}" for k, v in val.items())
-        or "n/a", summary.get("samples_per_s") or 0.0,
+        or "n/a",
+        summary.get("samples_per_s") or 0.0,
     )
     for rank in summary.get("ranks", []):
         thr = rank.get("samples_per_compute_s")
-        log.info("  rank %d %-28s %5d samples, %s samples/s", rank["rank"], rank["device"],
-                 rank["samples"], f"{thr:.1f}" if thr else "n/a")
+        log.info(
+            "  rank %d %-28s %5d samples, %s samples/s",
+            rank["rank"],
+            rank["device"],
+            rank["samples"],
+            f"{thr:.1f}" if thr else "n/a",
+        )
     log.info("metrics: %s  allocation: %s", RunDir(run_dir).metrics, RunDir(run_dir).allocation)
     if summary.get("plot"):
         log.info("plot: %s", summary["plot"])
@@ -70,6 +77,9 @@ def dispatch_or_exit(run: RunConfig, run_dir: Path, new_dir: bool = False) -> An
             shutil.rmtree(run_dir, ignore_errors=True)
         sys.exit(report_error(exc))
     except KeyboardInterrupt:
-        print(f"hetseq-hpc: interrupted; the ranks checkpointed after their last step: continue "
-              f"with hydra.run.dir={run_dir} trainer.resume=auto", file=sys.stderr)
+        print(
+            f"hetseq-hpc: interrupted; the ranks checkpointed after their last step: continue "
+            f"with hydra.run.dir={run_dir} trainer.resume=auto",
+            file=sys.stderr,
+        )
         sys.exit(INTERRUPTED)

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Optional
 
 
-def export_command(run_dir: str, out: Optional[str] = None,
-                   checkpoint: Optional[str] = None) -> Path:
+def export_command(
+    run_dir: str, out: Optional[str] = None, checkpoint: Optional[str] = None
+) -> Path:
     """Write the model of ``run_dir``'s checkpoint to ``out``; returns the file written.
 
     Raises:
@@ -34,13 +35,17 @@ def export_command(run_dir: str, out: Optional[str] = None,
 
     folder = Path(run_dir).expanduser()
     if not folder.is_dir():  # read-only is fine: only --out is written
-        raise CheckpointError(f"run directory {str(folder)!r} does not exist or is not a "
-                              "directory: pass the hydra.run.dir of a run that wrote checkpoints")
+        raise CheckpointError(
+            f"run directory {str(folder)!r} does not exist or is not a "
+            "directory: pass the hydra.run.dir of a run that wrote checkpoints"
+        )
     choice = choose_checkpoint(checkpoint or "auto", folder)
     if choice.path is None or choice.state is None:
-        raise CheckpointError(f"run directory {str(folder)!r} has no checkpoint: train first "
-                              "(checkpoints are written every trainer.checkpoint_every steps "
-                              "and at the end)")
+        raise CheckpointError(
+            f"run directory {str(folder)!r} has no checkpoint: train first "
+            "(checkpoints are written every trainer.checkpoint_every steps "
+            "and at the end)"
+        )
     state = choice.state
     if "shards" in state:  # an FSDP run's sharded checkpoint: its model, read whole
         from hetseq_hpc.train.sharded_checkpoint import full_state
@@ -52,8 +57,12 @@ def export_command(run_dir: str, out: Optional[str] = None,
         v = v.detach().contiguous()
         tensors[k] = v.clone() if v.untyped_storage().data_ptr() in seen else v
         seen.add(v.untyped_storage().data_ptr())
-    metadata = {"format": "pt", "step": str(state["step"]), "run_id": str(state.get("run_id", "")),
-                "source": str(choice.path)}
+    metadata = {
+        "format": "pt",
+        "step": str(state["step"]),
+        "run_id": str(state.get("run_id", "")),
+        "source": str(choice.path),
+    }
     target = Path(out).expanduser() if out else folder / "model.safetensors"
     tmp = temp_path_for(target)
     try:
@@ -64,6 +73,7 @@ def export_command(run_dir: str, out: Optional[str] = None,
         os.replace(tmp, target)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise CheckpointError(f"cannot write {str(target)!r} ({exc.strerror or exc}): choose "
-                              "another --out") from None
+        raise CheckpointError(
+            f"cannot write {str(target)!r} ({exc.strerror or exc}): choose another --out"
+        ) from None
     return target

@@ -71,7 +71,8 @@ def precheck_overrides(argv: List[str]) -> None:
     """
     if any(arg.startswith("-") for arg in argv):
         if any(arg in MULTIRUN_FLAGS for arg in argv) and all(
-                arg in MULTIRUN_FLAGS or not arg.startswith("-") for arg in argv):
+            arg in MULTIRUN_FLAGS or not arg.startswith("-") for arg in argv
+        ):
             precheck_sweep([arg for arg in argv if arg not in MULTIRUN_FLAGS])
         return
     overrides = [a for a in argv if not a.lstrip("+~").startswith("hydra.")]
@@ -82,8 +83,10 @@ def precheck_overrides(argv: List[str]) -> None:
         run_dir = run_dir_override(argv)
         problem = run_dir_problem(run_dir)
         if problem:
-            raise ConfigError(f"hydra.run.dir={run_dir} cannot be created ({problem}): choose a "
-                              "writable directory, e.g. hydra.run.dir=runs/my-run")
+            raise ConfigError(
+                f"hydra.run.dir={run_dir} cannot be created ({problem}): choose a "
+                "writable directory, e.g. hydra.run.dir=runs/my-run"
+            )
         check_resume(run, Path(run_dir) if run_dir != "." else None)
     except (HetseqError, HydraException) as exc:
         exit_one_line(exc)
@@ -107,16 +110,19 @@ def precheck_sweep(argv: List[str]) -> None:
     overrides = [a for a in argv if not a.lstrip("+~").startswith("hydra.")]
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
-        values = [list(o.sweep_string_iterator()) if o.is_sweep_override() else None
-                  for o in parsed]
+        values = [
+            list(o.sweep_string_iterator()) if o.is_sweep_override() else None for o in parsed
+        ]
     except HydraException:
         return  # Hydra reports what it cannot parse or enumerate
-    firsts = [f"{o.get_key_element()}={v[0]}" if v else text
-              for o, v, text in zip(parsed, values, overrides)]
+    firsts = [
+        f"{o.get_key_element()}={v[0]}" if v else text
+        for o, v, text in zip(parsed, values, overrides)
+    ]
     points = [firsts]
     for i, (override, swept) in enumerate(zip(parsed, values)):
         for value in (swept or [])[1:]:
-            points.append([*firsts[:i], f"{override.get_key_element()}={value}", *firsts[i + 1:]])
+            points.append([*firsts[:i], f"{override.get_key_element()}={value}", *firsts[i + 1 :]])
     try:
         for point in points[:MAX_SWEEP_CHECKS]:
             check_task_code(compose_run_config(point))

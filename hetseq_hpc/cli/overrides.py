@@ -9,8 +9,7 @@ from hetseq_hpc.errors import ConfigError
 from hetseq_hpc.files.user_input import folder_problem
 
 #: config groups whose options are files in conf/<group>/
-GROUPS = ("task", "cluster", "trainer", "balance", "comm", "precision", "sharding", "optim",
-          "plan")
+GROUPS = ("task", "cluster", "trainer", "balance", "comm", "precision", "sharding", "optim", "plan")
 
 
 def group_options(group: str) -> List[str]:
@@ -31,8 +30,10 @@ def refuse_internal_options(overrides: Sequence[str]) -> None:
         key, _, value = arg.lstrip("+~").partition("=")
         if key in GROUPS and value.strip().endswith("_schema"):
             options = ", ".join(group_options(key))
-            raise ConfigError(f"{key}={value} is an internal schema, not an option: choose one "
-                              f"of {options} (e.g. {key}={group_options(key)[0]})")
+            raise ConfigError(
+                f"{key}={value} is an internal schema, not an option: choose one "
+                f"of {options} (e.g. {key}={group_options(key)[0]})"
+            )
 
 
 def override_key(override: str) -> str:

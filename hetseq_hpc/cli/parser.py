@@ -55,10 +55,19 @@ def _formatter(prog: str) -> argparse.HelpFormatter:
 
 
 def _overrides_parser(sub, name: str, description: str, epilog: str = ""):
-    parser = sub.add_parser(name, help=COMMANDS[name], description=description, epilog=epilog,
-                            formatter_class=_formatter)
-    parser.add_argument("overrides", nargs="*", metavar="OVERRIDE",
-                        help="Hydra overrides: group=option or key=value")
+    parser = sub.add_parser(
+        name,
+        help=COMMANDS[name],
+        description=description,
+        epilog=epilog,
+        formatter_class=_formatter,
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="OVERRIDE",
+        help="Hydra overrides: group=option or key=value",
+    )
     return parser
 
 
@@ -67,44 +76,79 @@ def build_parser() -> argparse.ArgumentParser:
     from hetseq_hpc.cli import probe
 
     parser = argparse.ArgumentParser(
-        prog=PROG, formatter_class=_formatter, epilog=EPILOG,
+        prog=PROG,
+        formatter_class=_formatter,
+        epilog=EPILOG,
         description="Data-parallel PyTorch training across heterogeneous GPU partitions, "
-                    "with per-rank shares proportional to measured throughput.")
+        "with per-rank shares proportional to measured throughput.",
+    )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
-    _overrides_parser(sub, "run", "Train: compose conf/ with the overrides, validate, then start "
-                      "the ranks (cluster=local) or submit one het job (SLURM clusters).",
-                      run_help())
-    plan_parser = _overrides_parser(sub, "plan", "Predict, before submitting, the per-rank "
-                                    "split, step time, samples/s and efficiency (nothing is "
-                                    "launched).", _plan_help())
-    plan_parser.add_argument("--when", action="store_true",
-                             help="time to result: rank the mixes of the partitions by expected "
-                             "finish (Slurm's start estimate, sbatch --test-only, + predicted run "
-                             "time); = plan.when=true; nothing is submitted")
+    _overrides_parser(
+        sub,
+        "run",
+        "Train: compose conf/ with the overrides, validate, then start "
+        "the ranks (cluster=local) or submit one het job (SLURM clusters).",
+        run_help(),
+    )
+    plan_parser = _overrides_parser(
+        sub,
+        "plan",
+        "Predict, before submitting, the per-rank "
+        "split, step time, samples/s and efficiency (nothing is "
+        "launched).",
+        _plan_help(),
+    )
+    plan_parser.add_argument(
+        "--when",
+        action="store_true",
+        help="time to result: rank the mixes of the partitions by expected "
+        "finish (Slurm's start estimate, sbatch --test-only, + predicted run "
+        "time); = plan.when=true; nothing is submitted",
+    )
     probe_parser = _overrides_parser(sub, "probe", probe.DESCRIPTION, probe.EPILOG)
-    probe_parser.add_argument("--out", help="JSON file to write (default: probe-<partition or "
-                              "host>.json in the current directory)")
-    probe_parser.add_argument("--append", action="store_true",
-                              help="add this node's devices to an existing --out file")
-    _overrides_parser(sub, "render", "Write <run dir>/job.sbatch and hetseq_config.yaml, the "
-                      "script `run` would submit, and submit nothing (= cluster.dry_run=true). "
-                      "Submit it by hand with: sbatch <run dir>/job.sbatch")
-    report = sub.add_parser("report", help=COMMANDS["report"], formatter_class=_formatter,
-                            description="Write RUN_DIR/ranks.png (per-rank step time and samples "
-                            "per step) and print a text summary of the run.")
+    probe_parser.add_argument(
+        "--out",
+        help="JSON file to write (default: probe-<partition or "
+        "host>.json in the current directory)",
+    )
+    probe_parser.add_argument(
+        "--append", action="store_true", help="add this node's devices to an existing --out file"
+    )
+    _overrides_parser(
+        sub,
+        "render",
+        "Write <run dir>/job.sbatch and hetseq_config.yaml, the "
+        "script `run` would submit, and submit nothing (= cluster.dry_run=true). "
+        "Submit it by hand with: sbatch <run dir>/job.sbatch",
+    )
+    report = sub.add_parser(
+        "report",
+        help=COMMANDS["report"],
+        formatter_class=_formatter,
+        description="Write RUN_DIR/ranks.png (per-rank step time and samples "
+        "per step) and print a text summary of the run.",
+    )
     report.add_argument("run_dir", help="run directory (holds metrics.jsonl)")
     report.add_argument("--out", help="PNG to write (default RUN_DIR/ranks.png)")
-    export = sub.add_parser("export", help=COMMANDS["export"], formatter_class=_formatter,
-                            description="Write the model of RUN_DIR's newest checkpoint that "
-                            "verifies (full state, also for sharding.mode=fsdp runs) as one "
-                            "safetensors file.")
+    export = sub.add_parser(
+        "export",
+        help=COMMANDS["export"],
+        formatter_class=_formatter,
+        description="Write the model of RUN_DIR's newest checkpoint that "
+        "verifies (full state, also for sharding.mode=fsdp runs) as one "
+        "safetensors file.",
+    )
     export.add_argument("run_dir", help="run directory (holds checkpoints/)")
     export.add_argument("--out", help="file to write (default RUN_DIR/model.safetensors)")
     export.add_argument("--checkpoint", help="a checkpoint file instead of the newest one")
-    _overrides_parser(sub, "prepare", "Build the task's caches (tokenizer, packed token array) "
-                      "on this machine, before any job: on a login node, or with srun. "
-                      "Streams in bounded memory on all cores; safe to interrupt and re-run.")
+    _overrides_parser(
+        sub,
+        "prepare",
+        "Build the task's caches (tokenizer, packed token array) "
+        "on this machine, before any job: on a login node, or with srun. "
+        "Streams in bounded memory on all cores; safe to interrupt and re-run.",
+    )
     return parser
 
 
@@ -130,15 +174,26 @@ def _plan_help() -> str:
 
     doc = plan_command.__doc__ or ""
     start = doc.find("Planner options")
-    return doc[start:doc.find("Cost model")].strip() if start >= 0 else ""
+    return doc[start : doc.find("Cost model")].strip() if start >= 0 else ""
 
 
 #: words people type for a command, and the command they mean (for "did you mean")
-ALIASES: Dict[str, str] = {"train": "run", "start": "run", "submit": "run", "fit": "run",
-                           "dry-run": "render", "sbatch": "render", "plot": "report",
-                           "summary": "report", "predict": "plan", "calibrate": "probe",
-                           "measure": "probe", "tokenize": "prepare", "help": "--help",
-                           "version": "--version"}
+ALIASES: Dict[str, str] = {
+    "train": "run",
+    "start": "run",
+    "submit": "run",
+    "fit": "run",
+    "dry-run": "render",
+    "sbatch": "render",
+    "plot": "report",
+    "summary": "report",
+    "predict": "plan",
+    "calibrate": "probe",
+    "measure": "probe",
+    "tokenize": "prepare",
+    "help": "--help",
+    "version": "--version",
+}
 
 
 def bare_word_problem(argv: Sequence[str]) -> Optional[str]:
@@ -158,10 +213,14 @@ def bare_word_problem(argv: Sequence[str]) -> Optional[str]:
     for word in rest:
         if _is_bare(word):
             if word in COMMANDS:
-                return (f"{word!r} after {command!r} is not an override: give one command, "
-                        f"first (hetseq-hpc {word} OVERRIDES)")
-            return (f"{word!r} is not an override: overrides are key=value or group=option "
-                    f"(e.g. task=bert); see hetseq-hpc {command} --help")
+                return (
+                    f"{word!r} after {command!r} is not an override: give one command, "
+                    f"first (hetseq-hpc {word} OVERRIDES)"
+                )
+            return (
+                f"{word!r} is not an override: overrides are key=value or group=option "
+                f"(e.g. task=bert); see hetseq-hpc {command} --help"
+            )
     return None
 
 
@@ -180,8 +239,10 @@ def _unknown_command(word: str) -> str:
             note = name in ALIASES and name != word.lower()
             guesses[command] = repr(command) + (f" ({name})" if note else "")
     hint = f"did you mean {' or '.join(guesses.values())}? " if guesses else ""
-    return (f"unknown command {word!r}: {hint}commands: {', '.join(COMMANDS)} (or give "
-            "overrides key=value for run); see hetseq-hpc --help")
+    return (
+        f"unknown command {word!r}: {hint}commands: {', '.join(COMMANDS)} (or give "
+        "overrides key=value for run); see hetseq-hpc --help"
+    )
 
 
 def _split(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
@@ -190,10 +251,12 @@ def _split(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
     argv = list(argv)
     if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help", "--version")):
         argv = ["run", *argv]  # the default subcommand
-    if argv[0] in ("run", "render") and any(a.startswith("-") and a not in ("-h", "--help")
-                                            for a in argv[1:]):
-        return argv[:1] + [a for a in argv[1:] if a in ("-h", "--help")], \
-            [a for a in argv[1:] if a not in ("-h", "--help")]
+    if argv[0] in ("run", "render") and any(
+        a.startswith("-") and a not in ("-h", "--help") for a in argv[1:]
+    ):
+        return argv[:1] + [a for a in argv[1:] if a in ("-h", "--help")], [
+            a for a in argv[1:] if a not in ("-h", "--help")
+        ]
     return argv, []
 
 
@@ -219,8 +282,13 @@ def _main(argv: List[str]) -> int:
         args.overrides = migrate_overrides(args.overrides)
     hydra_flags = migrate_overrides(hydra_flags)
     handlers: Dict[str, Callable[[argparse.Namespace, List[str]], int]] = {
-        "run": _run, "render": _render, "plan": _plan, "probe": _probe, "report": _report,
-        "prepare": _prepare, "export": _export,
+        "run": _run,
+        "render": _render,
+        "plan": _plan,
+        "probe": _probe,
+        "report": _report,
+        "prepare": _prepare,
+        "export": _export,
     }
     try:
         return handlers[args.command](args, hydra_flags)

@@ -49,9 +49,11 @@ def check_resume(run: Any, run_dir: Optional[Path]) -> None:
         path = Path(resume).expanduser()
         problem = file_problem(path)
         if problem:
-            raise CheckpointError(f"trainer.resume={resume} {problem}: give the path of a "
-                              "checkpoint (RUN_DIR/checkpoints/step_XXXXXXXX.pt), or "
-                              "trainer.resume=auto / never")
+            raise CheckpointError(
+                f"trainer.resume={resume} {problem}: give the path of a "
+                "checkpoint (RUN_DIR/checkpoints/step_XXXXXXXX.pt), or "
+                "trainer.resume=auto / never"
+            )
         stored_checksum(path)  # a file hetseq_hpc did not write (no sidecar): refused here
     saved = checkpoint_fingerprint(path)
     if saved is None:
@@ -112,12 +114,24 @@ def rank_memory_limits(run: Any) -> List[Tuple[str, float, str, str]]:
     if cluster.is_local:
         fix = "fewer ranks (cluster.ranks) or a bigger cluster.memory_budget_gb"
         if cluster.memory_budgets_gb:
-            return [(f"rank {i}", gb * 2**30, f"cluster.memory_budgets_gb[{i}]={gb:g}",
-                     f"a bigger cluster.memory_budgets_gb[{i}]")
-                    for i, gb in enumerate(cluster.memory_budgets_gb)]
+            return [
+                (
+                    f"rank {i}",
+                    gb * 2**30,
+                    f"cluster.memory_budgets_gb[{i}]={gb:g}",
+                    f"a bigger cluster.memory_budgets_gb[{i}]",
+                )
+                for i, gb in enumerate(cluster.memory_budgets_gb)
+            ]
         if cluster.memory_budget_gb:
-            return [("a rank", cluster.memory_budget_gb * 2**30,
-                     f"cluster.memory_budget_gb={cluster.memory_budget_gb:g}", fix)]
+            return [
+                (
+                    "a rank",
+                    cluster.memory_budget_gb * 2**30,
+                    f"cluster.memory_budget_gb={cluster.memory_budget_gb:g}",
+                    fix,
+                )
+            ]
         if _local_gpus():
             return []
         ranks = planned_world_size(run)
@@ -129,25 +143,47 @@ def rank_memory_limits(run: Any) -> List[Tuple[str, float, str, str]]:
             what = "of RAM available on this machine"
         if not available:
             return []
-        return [("a rank on this machine", available / ranks,
-                 f"{_gib(available)} {what} / {ranks} ranks", fix)]
+        return [
+            (
+                "a rank on this machine",
+                available / ranks,
+                f"{_gib(available)} {what} / {ranks} ranks",
+                fix,
+            )
+        ]
     limits = []
     for key, part in cluster.partitions.items():
         where, ranks = f"a rank of partition {key}", part.ranks_per_node_effective
         budget = part.memory_budget_gb or cluster.memory_budget_gb
         gpu = known_gpu(part.gpu_type) if part.gpu_type else None
         if budget:
-            name = ("cluster.partitions." + key if part.memory_budget_gb else "cluster")
-            limits.append((where, budget * 2**30, f"{name}.memory_budget_gb={budget:g}",
-                           f"a bigger {name}.memory_budget_gb or a partition with more memory"))
+            name = "cluster.partitions." + key if part.memory_budget_gb else "cluster"
+            limits.append(
+                (
+                    where,
+                    budget * 2**30,
+                    f"{name}.memory_budget_gb={budget:g}",
+                    f"a bigger {name}.memory_budget_gb or a partition with more memory",
+                )
+            )
         elif gpu is not None:
-            limits.append((where, gpu.memory_gib * 2**30, f"{gpu.label} GPU memory",
-                           "a partition with bigger GPUs"))
+            limits.append(
+                (
+                    where,
+                    gpu.memory_gib * 2**30,
+                    f"{gpu.label} GPU memory",
+                    "a partition with bigger GPUs",
+                )
+            )
         elif not part.gpu_type:
-            limits.append((where, part.mem_gb * 2**30 / ranks,
-                           f"cluster.partitions.{key}.mem_gb={part.mem_gb:g} / {ranks} ranks "
-                           "per node", f"fewer ranks per node or a bigger cluster.partitions."
-                           f"{key}.mem_gb"))
+            limits.append(
+                (
+                    where,
+                    part.mem_gb * 2**30 / ranks,
+                    f"cluster.partitions.{key}.mem_gb={part.mem_gb:g} / {ranks} ranks per node",
+                    f"fewer ranks per node or a bigger cluster.partitions.{key}.mem_gb",
+                )
+            )
     return limits
 
 
@@ -198,25 +234,39 @@ def check_model_fits(run: Any) -> None:
     offload = bool(run.sharding.cpu_offload) and not run.cluster.is_local  # GPU partitions
     root, block = unit_param_counts(run.task) or (count, 0)
     whole = not evaluates_in_fixed_passes(run.task)
-    shard = model_state_bytes(float(count) * PARAM_BYTES, "fsdp", world, float(block) * PARAM_BYTES,
-                              offload, gathered_weights=whole,
-                              root_bytes=float(root) * PARAM_BYTES)
-    gathered = ("the whole weights gathered for validation" if whole else
-                "the root unit and the largest block gathered")
+    shard = model_state_bytes(
+        float(count) * PARAM_BYTES,
+        "fsdp",
+        world,
+        float(block) * PARAM_BYTES,
+        offload,
+        gathered_weights=whole,
+        root_bytes=float(root) * PARAM_BYTES,
+    )
+    gathered = (
+        "the whole weights gathered for validation"
+        if whole
+        else "the root unit and the largest block gathered"
+    )
     mode = run.sharding.mode
     for where, limit, why, fix in rank_memory_limits(run):
         if mode == "none" and replica > limit:
-            sharded = (f"sharding.mode=fsdp (a shard needs {_gib(shard)} on {world} ranks), "
-                       if shard < limit else "")
+            sharded = (
+                f"sharding.mode=fsdp (a shard needs {_gib(shard)} on {world} ranks), "
+                if shard < limit
+                else ""
+            )
             raise ConfigError(
                 f"task={run.task.name} has about {count:,} parameters: weights, gradients and "
                 f"AdamW state need {_gib(replica)} ({STATIC_PARAM_COPIES} x {PARAM_BYTES} bytes "
                 f"per parameter) but {where} may use {_gib(limit)} ({why}): use {sharded}a "
-                f"smaller task.model (hidden size, layers), {fix}")
+                f"smaller task.model (hidden size, layers), {fix}"
+            )
         if mode != "none" and shard > limit:
             raise ConfigError(
                 f"task={run.task.name} has about {count:,} parameters: even sharded over {world} "
                 f"ranks, weights, gradients and AdamW state need {_gib(shard)} per rank "
                 f"({SHARDED_STATE_COPIES} x {PARAM_BYTES} bytes per parameter / {world}, plus "
                 f"{gathered}) but {where} may use {_gib(limit)} ({why}): use more ranks, a "
-                f"smaller task.model (hidden size, layers), {fix}")
+                f"smaller task.model (hidden size, layers), {fix}"
+            )

@@ -36,9 +36,12 @@ def prepare_command(overrides: Sequence[str]) -> str:
     task = build_task(run.task, run.trainer.seed)
     where = getattr(task, "directory", None)
     if where is not None and (Path(where) / "meta.json").is_file():  # every built-in cache's
-        return (f"task={run.task.name} was already prepared: {where} (nothing to do; delete "
-                "that directory to rebuild it)")
+        return (
+            f"task={run.task.name} was already prepared: {where} (nothing to do; delete "
+            "that directory to rebuild it)"
+        )
     started = time.monotonic()
     prepare_task(task)
-    return (f"prepared task={run.task.name} in {time.monotonic() - started:.1f} s"
-            + (f": {where}" if where else ""))
+    return f"prepared task={run.task.name} in {time.monotonic() - started:.1f} s" + (
+        f": {where}" if where else ""
+    )

@@ -22,9 +22,11 @@ from hetseq_hpc.files.user_input import output_problem, read_json_file
 
 log = logging.getLogger(__name__)
 
-DESCRIPTION = ("Probe this node's devices (pynvml: name, memory, SMs, compute capability, "
-               "clocks) and time the configured task's model on each (a short calibration); "
-               "write a JSON file that plan.probe= reads, and print its path.")
+DESCRIPTION = (
+    "Probe this node's devices (pynvml: name, memory, SMs, compute capability, "
+    "clocks) and time the configured task's model on each (a short calibration); "
+    "write a JSON file that plan.probe= reads, and print its path."
+)
 EPILOG = """A lab probes each partition once, then plans from measurements:
   srun -p a100 -N1 --gres=gpu:1 hetseq-hpc probe task=bert --out lab.json --append
   srun -p v100 -N1 --gres=gpu:1 hetseq-hpc probe task=bert --out lab.json --append
@@ -75,15 +77,31 @@ def probe_devices(run: Any) -> List[Dict[str, Any]]:
         budget = memory_budget_bytes(placement, dev.kind, dev.memory_free_bytes, world)
         precision, autocast = precision_context(placement, device, dev)  # as a run would train
         cal = calibrate(
-            model, lambda n: task.make_batch(list(range(min(n, task.num_train))), 0, "train"),
-            device, calibration_micro_batch(run, world, device.type), run.balance.calibration_steps,
-            budget, run.balance.max_micro_batch, autocast)
-        log.info("%s: %.1f samples/s, micro-batch cap %d", dev.label, cal.samples_per_s,
-                 cal.max_micro_batch)
-        entry = {"device": dev.label, "node": socket.gethostname(), "partition": partition,
-                 "gres": dev.name if dev.kind == "cuda" else None, "probe": dev.to_dict(),
-                 "calibration": cal.to_dict(), "precision": precision,
-                 "threads": int(placement.threads)}
+            model,
+            lambda n: task.make_batch(list(range(min(n, task.num_train))), 0, "train"),
+            device,
+            calibration_micro_batch(run, world, device.type),
+            run.balance.calibration_steps,
+            budget,
+            run.balance.max_micro_batch,
+            autocast,
+        )
+        log.info(
+            "%s: %.1f samples/s, micro-batch cap %d",
+            dev.label,
+            cal.samples_per_s,
+            cal.max_micro_batch,
+        )
+        entry = {
+            "device": dev.label,
+            "node": socket.gethostname(),
+            "partition": partition,
+            "gres": dev.name if dev.kind == "cuda" else None,
+            "probe": dev.to_dict(),
+            "calibration": cal.to_dict(),
+            "precision": precision,
+            "threads": int(placement.threads),
+        }
         copies = world if index is None else 1
         out.extend(dict(entry) for _ in range(copies))
         del model
@@ -110,8 +128,7 @@ def check_out(path: Path, append: bool) -> List[Dict[str, Any]]:
 
     problem = output_problem(path)
     if problem:
-        raise ConfigError(f"--out {path} {problem}: give a writable file, e.g. "
-                          "--out probe.json")
+        raise ConfigError(f"--out {path} {problem}: give a writable file, e.g. --out probe.json")
     if not (append and os.path.lexists(path)):
         return []
     label = f"--append to {path}:"
@@ -119,8 +136,9 @@ def check_out(path: Path, append: bool) -> List[Dict[str, Any]]:
     return list(check_probe(read_json_file(path, label, fix), label, fix)["ranks"])
 
 
-def probe_command(overrides: Sequence[str], out: Optional[str] = None,
-                  append: bool = False) -> Path:
+def probe_command(
+    overrides: Sequence[str], out: Optional[str] = None, append: bool = False
+) -> Path:
     """Probe, write the JSON file and return its path. ``--out`` (and the file ``--append``
     adds to) is checked before anything is probed (:func:`check_out`).
 
@@ -139,11 +157,17 @@ def probe_command(overrides: Sequence[str], out: Optional[str] = None,
     ranks = earlier + probe_devices(run)
     for number, rank in enumerate(ranks):
         rank["rank"] = number
-    data = {"kind": "hetseq_hpc probe", "task": run.task.name, "ranks": ranks,
-            "written_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    data = {
+        "kind": "hetseq_hpc probe",
+        "task": run.task.name,
+        "ranks": ranks,
+        "written_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     try:
         atomic_write_json(path, data)
     except OSError as exc:
-        raise ConfigError(f"--out {path} cannot be written ({exc.strerror or exc}): give a "
-                          "writable file, e.g. --out probe.json") from None
+        raise ConfigError(
+            f"--out {path} cannot be written ({exc.strerror or exc}): give a "
+            "writable file, e.g. --out probe.json"
+        ) from None
     return path

@@ -42,8 +42,9 @@ def saved_config(argv: Sequence[str]) -> Optional[Path]:
     return path if path.is_file() else None
 
 
-def merge_overrides(saved: DictConfig, overrides: Sequence[str],
-                    earlier: Sequence[str] = ()) -> DictConfig:
+def merge_overrides(
+    saved: DictConfig, overrides: Sequence[str], earlier: Sequence[str] = ()
+) -> DictConfig:
     """``saved`` with ``overrides`` applied on top. Hydra parses and types them: they are
     composed onto ``conf/`` after the ``earlier`` run's own overrides (its
     ``.hydra/overrides.yaml``: the same group choices), minus those the new ones replace; then
@@ -60,8 +61,12 @@ def merge_overrides(saved: DictConfig, overrides: Sequence[str],
 
     overrides, partitions = split_partition_overrides(overrides)
     new_keys = [override_key(o) for o in overrides]
-    kept = [o for o in earlier if not override_key(o).startswith("hydra.")
-            and not any(override_key(o) == k or override_key(o).startswith(k + ".") for k in new_keys)]
+    kept = [
+        o
+        for o in earlier
+        if not override_key(o).startswith("hydra.")
+        and not any(override_key(o) == k or override_key(o).startswith(k + ".") for k in new_keys)
+    ]
     fresh = compose_run([*kept, *overrides])
     merged = saved.copy()
     with open_dict(merged):
@@ -75,8 +80,9 @@ def merge_overrides(saved: DictConfig, overrides: Sequence[str],
             value = OverridesParser.create().parse_overrides([f"x={text}"])[0].value()
             saved_part = OmegaConf.select(merged, f"cluster.partitions.{name}", default=None)
             whole = OmegaConf.merge(saved_part, value) if saved_part is not None else value
-            OmegaConf.update(merged, f"cluster.partitions.{name}", whole, merge=False,
-                             force_add=True)
+            OmegaConf.update(
+                merged, f"cluster.partitions.{name}", whole, merge=False, force_add=True
+            )
     return merged
 
 
@@ -107,8 +113,7 @@ def task_module_file(target: str, path: Optional[str]) -> Optional[Path]:
     return None
 
 
-def guard_saved_task(merged: DictConfig, overrides: Sequence[str], run_dir: Path
-                     ) -> Optional[str]:
+def guard_saved_task(merged: DictConfig, overrides: Sequence[str], run_dir: Path) -> Optional[str]:
     """Refuse to import a user task module that only the saved configuration names.
 
     Continuing a run directory (maybe copied or shared by someone else) would import the
@@ -137,7 +142,8 @@ def guard_saved_task(merged: DictConfig, overrides: Sequence[str], run_dir: Path
             f"{run_dir / 'hetseq_config.yaml'} names task.target={target} (code in {shown}), "
             "which is not imported unless you name it: repeat task.target="
             f"{target} task.path={folder} on the command line, or add "
-            "trainer.trust_saved_task=true if you trust that file")
+            "trainer.trust_saved_task=true if you trust that file"
+        )
     return f"{shown} (task.target={target})"
 
 
@@ -146,8 +152,10 @@ def _log_to(run_dir: Path) -> None:
     root = logging.getLogger()
     root.setLevel(logging.INFO)
     formatter = logging.Formatter(LOG_FORMAT)
-    for handler in (logging.StreamHandler(sys.stdout),
-                    logging.FileHandler(run_dir / "cli.log", encoding="utf-8")):
+    for handler in (
+        logging.StreamHandler(sys.stdout),
+        logging.FileHandler(run_dir / "cli.log", encoding="utf-8"),
+    ):
         handler.setFormatter(formatter)
         root.addHandler(handler)
 
@@ -171,8 +179,10 @@ def resume_saved_run(argv: List[str]) -> Optional[int]:
     try:
         saved = OmegaConf.load(path)
     except Exception as exc:
-        raise ConfigError(f"{path} is not valid YAML ({' '.join(str(exc).split())}): fix it, or "
-                          "start over with trainer.resume=never") from None
+        raise ConfigError(
+            f"{path} is not valid YAML ({' '.join(str(exc).split())}): fix it, or "
+            "start over with trainer.resume=never"
+        ) from None
     resume = override_value(overrides, "trainer.resume")
     if (resume if resume is not None else OmegaConf.select(saved, "trainer.resume")) == "never":
         return None  # a new run: nothing of the saved configuration is used (or imported)
@@ -184,8 +194,12 @@ def resume_saved_run(argv: List[str]) -> Optional[int]:
     check_model_fits(run)
     check_resume(run, run_dir)
     _log_to(run_dir)
-    log.info("continuing %s from its saved %s%s", run_dir, path.name,
-             f" with {' '.join(overrides)}" if overrides else "")
+    log.info(
+        "continuing %s from its saved %s%s",
+        run_dir,
+        path.name,
+        f" with {' '.join(overrides)}" if overrides else "",
+    )
     if task_code:
         log.info("task code imported from %s", task_code)
     dispatch_or_exit(run, run_dir)

@@ -44,9 +44,12 @@ def render(argv: List[str]) -> int:
     from hetseq_hpc.config import compose_run_config
 
     refuse_internal_options(argv)
-    overrides = [a for a in argv if not a.startswith("-")
-                 and not a.lstrip("+~").startswith("hydra.")]
+    overrides = [
+        a for a in argv if not a.startswith("-") and not a.lstrip("+~").startswith("hydra.")
+    ]
     if compose_run_config(overrides).cluster.is_local:
-        raise ConfigError("render writes a SLURM job script but cluster=local runs on this "
-                          "machine: pick a SLURM cluster, e.g. cluster=mixed")
+        raise ConfigError(
+            "render writes a SLURM job script but cluster=local runs on this "
+            "machine: pick a SLURM cluster, e.g. cluster=mixed"
+        )
     return run([*argv, "cluster.dry_run=true"])

@@ -19,11 +19,21 @@ log = logging.getLogger(__name__)
 
 #: old key -> new key
 MOVED_KEYS: Dict[str, str] = {
-    **{f"trainer.{name}": f"balance.{name}" for name in (
-        "allocation", "max_micro_batch", "calibration_steps", "calibration_micro_batch",
-        "rebalance_every", "rebalance_threshold")},
-    **{f"trainer.{name}": f"comm.{name}" for name in (
-        "grad_compression", "bucket_cap_mb", "grad_combine")},
+    **{
+        f"trainer.{name}": f"balance.{name}"
+        for name in (
+            "allocation",
+            "max_micro_batch",
+            "calibration_steps",
+            "calibration_micro_batch",
+            "rebalance_every",
+            "rebalance_threshold",
+        )
+    },
+    **{
+        f"trainer.{name}": f"comm.{name}"
+        for name in ("grad_compression", "bucket_cap_mb", "grad_combine")
+    },
     "trainer.precision": "precision.default",
     "trainer.sharding": "sharding.mode",
     "trainer.activation_checkpointing": "sharding.activation_checkpointing",
@@ -88,8 +98,10 @@ def migrate_saved(container: Dict[str, Any]) -> Dict[str, Any]:
         if not isinstance(out.get(new_group) or {}, dict):
             from hetseq_hpc.errors import ConfigError
 
-            raise ConfigError(f"{new_group}={out[new_group]!r} in the saved configuration is not "
-                              f"a group of settings, and {old} belongs in it: fix the file")
+            raise ConfigError(
+                f"{new_group}={out[new_group]!r} in the saved configuration is not "
+                f"a group of settings, and {old} belongs in it: fix the file"
+            )
         target = dict(out.get(new_group) or {})
         target.setdefault(new_name, value)
         out[new_group] = target

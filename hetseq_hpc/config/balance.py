@@ -60,8 +60,10 @@ class BalanceConfig:
             self.calibration_steps >= 1,
             f"balance.calibration_steps={self.calibration_steps} is invalid: use >= 1",
         )
-        require(self.rebalance_every is None or self.rebalance_every >= 0,
-                f"balance.rebalance_every={self.rebalance_every} is invalid: it must be >= 0")
+        require(
+            self.rebalance_every is None or self.rebalance_every >= 0,
+            f"balance.rebalance_every={self.rebalance_every} is invalid: it must be >= 0",
+        )
         require(
             self.rebalance_threshold > 0,
             f"balance.rebalance_threshold={self.rebalance_threshold} is invalid: it must be > 0",

@@ -240,9 +240,11 @@ class PartitionConfig:
             0.0 < self.emulate_speed <= 1.0,
             f"{where}.emulate_speed={self.emulate_speed} is invalid: it must be in (0, 1]",
         )
-        require(self.intra_node_gbps is None or self.intra_node_gbps > 0,
-                f"{where}.intra_node_gbps={self.intra_node_gbps} is invalid: give the link "
-                "between two GPUs of a node in Gbit/s (> 0), or null for the GPU's spec")
+        require(
+            self.intra_node_gbps is None or self.intra_node_gbps > 0,
+            f"{where}.intra_node_gbps={self.intra_node_gbps} is invalid: give the link "
+            "between two GPUs of a node in Gbit/s (> 0), or null for the GPU's spec",
+        )
         if self.memory_budget_gb is not None:
             require(
                 self.memory_budget_gb > 0,

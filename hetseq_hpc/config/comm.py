@@ -31,8 +31,11 @@ class CommConfig:
             f"comm.grad_compression={self.grad_compression!r} is unknown: use none, bf16 or fp16",
         )
         if self.bucket_cap_mb is not None:
-            require(self.bucket_cap_mb > 0, f"comm.bucket_cap_mb={self.bucket_cap_mb} is "
-                    "invalid: use a size > 0 in MiB, or null for DDP's default 25")
+            require(
+                self.bucket_cap_mb > 0,
+                f"comm.bucket_cap_mb={self.bucket_cap_mb} is "
+                "invalid: use a size > 0 in MiB, or null for DDP's default 25",
+            )
         require(
             self.grad_combine in ("sum", "adasum"),
             f"comm.grad_combine={self.grad_combine!r} is unknown: use sum or adasum",

@@ -81,21 +81,30 @@ def split_partition_overrides(overrides: Sequence[str]) -> Tuple[List[str], List
         other = _NOT_A_PARTITION.fullmatch(override.strip())
         if other:
             key, value = other.groups()
-            raise ConfigError(f"{key}={value} is not a partition: give its fields in braces, "
-                              f"e.g. +{key}={{gpu_type: t4, nodes: 2, gpus_per_node: 4}} (quote "
-                              "it for the shell), or set one field, e.g. "
-                              f"{key}.nodes=2")
+            raise ConfigError(
+                f"{key}={value} is not a partition: give its fields in braces, "
+                f"e.g. +{key}={{gpu_type: t4, nodes: 2, gpus_per_node: 4}} (quote "
+                "it for the shell), or set one field, e.g. "
+                f"{key}.nodes=2"
+            )
         rest.append(override)
     for name, text in parts:
         key = f"cluster.partitions.{name}"
         if "},{" in text.replace(" ", ""):
-            raise ConfigError(f"{key}={text} looks like a sweep: a whole partition cannot be "
-                              f"swept; sweep its fields instead, e.g. -m {key}.nodes=1,2")
-        others = [o for o in rest if o.lstrip("+~").startswith(key + ".")
-                  or o.lstrip("+~").split("=")[0] == key]
+            raise ConfigError(
+                f"{key}={text} looks like a sweep: a whole partition cannot be "
+                f"swept; sweep its fields instead, e.g. -m {key}.nodes=1,2"
+            )
+        others = [
+            o
+            for o in rest
+            if o.lstrip("+~").startswith(key + ".") or o.lstrip("+~").split("=")[0] == key
+        ]
         if others:
-            raise ConfigError(f"{key} is given whole ({{...}}) and again by {others[0]}: put "
-                              f"every field into the one value, e.g. +{key}={{nodes: 2, ...}}")
+            raise ConfigError(
+                f"{key} is given whole ({{...}}) and again by {others[0]}: put "
+                f"every field into the one value, e.g. +{key}={{nodes: 2, ...}}"
+            )
     return rest, parts
 
 
@@ -116,23 +125,33 @@ def apply_partition_overrides(cfg: DictConfig, parts: Sequence[Tuple[str, str]])
         key = f"cluster.partitions.{name}"
         node = OmegaConf.select(cfg, "cluster.partitions", default=None)
         if not isinstance(node, DictConfig):
-            raise ConfigError(f"{key}={text} needs a Slurm cluster: cluster=local has no "
-                              "partitions (choose one, e.g. cluster=mixed)")
+            raise ConfigError(
+                f"{key}={text} needs a Slurm cluster: cluster=local has no "
+                "partitions (choose one, e.g. cluster=mixed)"
+            )
         try:
             value = OverridesParser.create().parse_overrides([f"x={text}"])[0].value()
-            base = node[name] if name in node else OmegaConf.structured(
-                PartitionConfig(partition=name))
+            base = (
+                node[name]
+                if name in node
+                else OmegaConf.structured(PartitionConfig(partition=name))
+            )
             merged = OmegaConf.merge(base, value)
         except (HydraException, OmegaConfBaseException, ValueError) as exc:
-            raise ConfigError(f"{key}={text} is not a valid partition "
-                              f"({describe_omegaconf_error(exc)}): give its fields, e.g. "
-                              f"+{key}={{gpu_type: t4, nodes: 2, gpus_per_node: 4}}") from None
+            raise ConfigError(
+                f"{key}={text} is not a valid partition "
+                f"({describe_omegaconf_error(exc)}): give its fields, e.g. "
+                f"+{key}={{gpu_type: t4, nodes: 2, gpus_per_node: 4}}"
+            ) from None
         with open_dict(cfg):
             node[name] = merged
 
 
-def compose_run(overrides: Sequence[str] = (), config_dir: Optional[Union[str, Path]] = None,
-                config_name: str = "config") -> DictConfig:
+def compose_run(
+    overrides: Sequence[str] = (),
+    config_dir: Optional[Union[str, Path]] = None,
+    config_name: str = "config",
+) -> DictConfig:
     """Compose ``<config_dir>/<config_name>.yaml`` (default: the package's ``conf/``) with
     ``overrides``, as ``python -m hetseq_hpc`` would, without starting anything.
 
@@ -165,8 +184,9 @@ def compose_run(overrides: Sequence[str] = (), config_dir: Optional[Union[str, P
     return cfg
 
 
-def compose_run_config(overrides: Sequence[str] = (),
-                       config_dir: Optional[Union[str, Path]] = None) -> RunConfig:
+def compose_run_config(
+    overrides: Sequence[str] = (), config_dir: Optional[Union[str, Path]] = None
+) -> RunConfig:
     """:func:`compose_run`, then :func:`hetseq_hpc.config.to_run_config` (every check runs).
 
     Raises:

@@ -30,7 +30,8 @@ def _not_local(key: str, value: str) -> ConfigError:
         f"{key}={value!r} is not a local directory or file: hetseq_hpc downloads nothing (no "
         "hub names); pass a local directory holding config.json, the tokenizer and *.safetensors "
         "(e.g. written by save_pretrained, or fetched beforehand with huggingface-cli download "
-        "--local-dir DIR)")
+        "--local-dir DIR)"
+    )
 
 
 def check_model_dir(path: str) -> str:
@@ -46,16 +47,22 @@ def check_model_dir(path: str) -> str:
         raise _not_local("task.model.path", path)
     names = os.listdir(full)
     if "config.json" not in names:
-        raise ConfigError(f"task.model.path={path!r} has no config.json: point it at a directory "
-                          "written by save_pretrained (config.json, tokenizer, *.safetensors)")
+        raise ConfigError(
+            f"task.model.path={path!r} has no config.json: point it at a directory "
+            "written by save_pretrained (config.json, tokenizer, *.safetensors)"
+        )
     if not any(n.endswith(".safetensors") for n in names):
         pickles = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth", ".ckpt")))
-        what = (f"has only pickle weights ({', '.join(pickles[:3])})" if pickles
-                else "has no *.safetensors weights")
+        what = (
+            f"has only pickle weights ({', '.join(pickles[:3])})"
+            if pickles
+            else "has no *.safetensors weights"
+        )
         raise ConfigError(
             f"task.model.path={path!r} {what}: hetseq_hpc loads pretrained weights from "
             "safetensors only (a pickle can run code); convert once with model.save_pretrained"
-            "(dir, safe_serialization=True), or use task.model.config=<dir> for a random init")
+            "(dir, safe_serialization=True), or use task.model.config=<dir> for a random init"
+        )
     return full
 
 
@@ -68,22 +75,30 @@ def check_data_file(path: str) -> str:
     """
     full = os.path.abspath(os.path.expanduser(path))
     if not os.path.exists(full):
-        raise ConfigError(f"task.data.files: {path!r} does not exist: give existing local files "
-                          "(.txt, .jsonl, .csv, .parquet), e.g. "
-                          "task.data.files=[/data/train.jsonl]")
+        raise ConfigError(
+            f"task.data.files: {path!r} does not exist: give existing local files "
+            "(.txt, .jsonl, .csv, .parquet), e.g. "
+            "task.data.files=[/data/train.jsonl]"
+        )
     if not os.path.isfile(full):
         raise ConfigError(f"task.data.files: {path!r} is not a file: list the files themselves")
     if os.path.getsize(full) == 0:
-        raise ConfigError(f"task.data.files: {path!r} is empty (0 bytes): give a file with "
-                          "text, or drop it from the list")
+        raise ConfigError(
+            f"task.data.files: {path!r} is empty (0 bytes): give a file with "
+            "text, or drop it from the list"
+        )
     suffix = os.path.splitext(full)[1].lower()
     if suffix not in HF_DATA_SUFFIXES:
-        raise ConfigError(f"task.data.files: {path!r} has suffix {suffix or '(none)'!r}: use "
-                          f"one of {', '.join(HF_DATA_SUFFIXES)}")
+        raise ConfigError(
+            f"task.data.files: {path!r} has suffix {suffix or '(none)'!r}: use "
+            f"one of {', '.join(HF_DATA_SUFFIXES)}"
+        )
     if suffix == ".parquet" and importlib.util.find_spec("pyarrow") is None:
-        raise ConfigError(f"task.data.files: {path!r} is Parquet, which needs pyarrow: pip "
-                          "install 'hetseq-hpc[parquet]' (or convert it to JSON lines: one "
-                          "{\"text\": ...} object per line)")
+        raise ConfigError(
+            f"task.data.files: {path!r} is Parquet, which needs pyarrow: pip "
+            "install 'hetseq-hpc[parquet]' (or convert it to JSON lines: one "
+            '{"text": ...} object per line)'
+        )
     return full
 
 
@@ -110,15 +125,23 @@ class HfModelConfig:
 
     def __post_init__(self) -> None:
         require_finite(self, "task.model")
-        require(self.kind in HF_KINDS,
-                f"task.model.kind={self.kind!r} is unknown: use one of {', '.join(HF_KINDS)}")
-        require(self.dropout is None or 0.0 <= self.dropout < 1.0,
-                f"task.model.dropout={self.dropout} is invalid: it must be in [0, 1)")
-        require(self.max_seq_len >= 4,
-                f"task.model.max_seq_len={self.max_seq_len} is too short: use at least 4 tokens")
-        require(self.max_target_len is None or self.max_target_len >= 2,
-                f"task.model.max_target_len={self.max_target_len} is too short: use at least 2 "
-                "tokens (or null for max_seq_len)")
+        require(
+            self.kind in HF_KINDS,
+            f"task.model.kind={self.kind!r} is unknown: use one of {', '.join(HF_KINDS)}",
+        )
+        require(
+            self.dropout is None or 0.0 <= self.dropout < 1.0,
+            f"task.model.dropout={self.dropout} is invalid: it must be in [0, 1)",
+        )
+        require(
+            self.max_seq_len >= 4,
+            f"task.model.max_seq_len={self.max_seq_len} is too short: use at least 4 tokens",
+        )
+        require(
+            self.max_target_len is None or self.max_target_len >= 2,
+            f"task.model.max_target_len={self.max_target_len} is too short: use at least 2 "
+            "tokens (or null for max_seq_len)",
+        )
 
     def check_paths(self) -> None:
         """Exactly one of ``path``/``config``; they (and ``tokenizer``) must be local.
@@ -127,9 +150,11 @@ class HfModelConfig:
             ConfigError: both or neither given; a path that is not local (a hub name); a
                 ``.bin``-only model directory (:func:`check_model_dir`). One line.
         """
-        require((self.path is None) != (self.config is None),
-                "task.model.path and task.model.config: give exactly one, path=<dir> (pretrained "
-                "weights) or config=<config.json or dir> (random init)")
+        require(
+            (self.path is None) != (self.config is None),
+            "task.model.path and task.model.config: give exactly one, path=<dir> (pretrained "
+            "weights) or config=<config.json or dir> (random init)",
+        )
         if self.path is not None:
             self.path = check_model_dir(self.path)
         if self.config is not None:
@@ -172,12 +197,18 @@ class HfDataConfig:
 
     def __post_init__(self) -> None:
         require_finite(self, "task.data")
-        require(0.0 < self.val_fraction < 0.5,
-                f"task.data.val_fraction={self.val_fraction} is invalid: it must be in (0, 0.5)")
-        require(0.0 < self.mask_prob < 1.0,
-                f"task.data.mask_prob={self.mask_prob} is invalid: it must be in (0, 1)")
-        require(self.encode_batch >= 1,
-                f"task.data.encode_batch={self.encode_batch} is invalid: use >= 1")
+        require(
+            0.0 < self.val_fraction < 0.5,
+            f"task.data.val_fraction={self.val_fraction} is invalid: it must be in (0, 0.5)",
+        )
+        require(
+            0.0 < self.mask_prob < 1.0,
+            f"task.data.mask_prob={self.mask_prob} is invalid: it must be in (0, 1)",
+        )
+        require(
+            self.encode_batch >= 1,
+            f"task.data.encode_batch={self.encode_batch} is invalid: use >= 1",
+        )
 
 
 @dataclass
@@ -192,8 +223,11 @@ class HfTaskConfig:
 
     def __post_init__(self) -> None:
         self.model.check_paths()
-        require(bool(self.data.files), "task.data.files is empty: list your local files, e.g. "
-                "task.data.files=[/data/train.jsonl] (.txt, .jsonl, .csv, .parquet)")
+        require(
+            bool(self.data.files),
+            "task.data.files is empty: list your local files, e.g. "
+            "task.data.files=[/data/train.jsonl] (.txt, .jsonl, .csv, .parquet)",
+        )
         self.data.files = [check_data_file(str(f)) for f in self.data.files]
 
 
@@ -217,12 +251,20 @@ class DatasetTaskConfig:
     val_fraction: float = 0.0
 
     def __post_init__(self) -> None:
-        require(bool(self.target), "task.target is empty: set task.target=<module>:<function> "
-                "returning {'train': dataset, 'model': model, ...} (see docs/tasks.md)")
+        require(
+            bool(self.target),
+            "task.target is empty: set task.target=<module>:<function> "
+            "returning {'train': dataset, 'model': model, ...} (see docs/tasks.md)",
+        )
         if self.path is None:
             self.path = os.getcwd()
         self.path = os.path.abspath(os.path.expanduser(self.path))
-        require(os.path.isdir(self.path), f"task.path={self.path!r} is not a folder: point it at "
-                "the folder that holds your module (or leave it null)")
-        require(0.0 <= self.val_fraction < 0.5,
-                f"task.val_fraction={self.val_fraction} is invalid: it must be in [0, 0.5)")
+        require(
+            os.path.isdir(self.path),
+            f"task.path={self.path!r} is not a folder: point it at "
+            "the folder that holds your module (or leave it null)",
+        )
+        require(
+            0.0 <= self.val_fraction < 0.5,
+            f"task.val_fraction={self.val_fraction} is invalid: it must be in [0, 0.5)",
+        )

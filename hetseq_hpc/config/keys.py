@@ -55,11 +55,15 @@ def unknown_key_message(full_key: str, key: Any, schema: type) -> str:
 
     moved = new_key(full_key)
     if moved is not None:
-        return (f"{full_key} is now {moved}: write {moved} (in a YAML file too; on the command "
-                "line the old key is still rewritten)")
+        return (
+            f"{full_key} is now {moved}: write {moved} (in a YAML file too; on the command "
+            "line the old key is still rewritten)"
+        )
     parent = full_key[: -len(str(key))].rstrip(".") if full_key.endswith(str(key)) else ""
-    return (f"{full_key} is not a setting: {_suggest(key, schema, parent)} "
-            "(fix the spelling or remove it; '+' cannot add settings)")
+    return (
+        f"{full_key} is not a setting: {_suggest(key, schema, parent)} "
+        "(fix the spelling or remove it; '+' cannot add settings)"
+    )
 
 
 def _walk(node: Any, schema: Any, where: str, choose: Dict[str, Optional[type]]) -> None:
@@ -82,8 +86,12 @@ def _walk(node: Any, schema: Any, where: str, choose: Dict[str, Optional[type]])
                 _walk(value, value_type, f"{where}.{key}", choose)
 
 
-def check_known_keys(container: Dict[str, Any], run_schema: type,
-                     task_schemas: Dict[str, type], cluster_schemas: Dict[str, type]) -> None:
+def check_known_keys(
+    container: Dict[str, Any],
+    run_schema: type,
+    task_schemas: Dict[str, type],
+    cluster_schemas: Dict[str, type],
+) -> None:
     """Every key of ``container`` (a plain dict of a whole run) is a field of its schema.
 
     ``task`` and ``cluster`` are checked against the schema their ``name`` selects (an unknown
@@ -92,6 +100,7 @@ def check_known_keys(container: Dict[str, Any], run_schema: type,
     Raises:
         ConfigError: ``<key> is not a setting: did you mean <closest>?`` (difflib).
     """
+
     def pick(group: str, table: Dict[str, type]) -> Optional[type]:
         node = container.get(group)
         name = node.get("name") if isinstance(node, dict) else None
@@ -175,8 +184,9 @@ def describe_omegaconf_error(exc: BaseException) -> str:
         if missing and options is not None and "/" in str(missing):
             group, name = str(missing).rsplit("/", 1)
             choices = ", ".join(o for o in options if not o.endswith("_schema"))
-            return (f"{group}={name} is not an option: choose one of {choices} "
-                    f"(files in conf/{group}/)")
+            return (
+                f"{group}={name} is not an option: choose one of {choices} (files in conf/{group}/)"
+            )
     text = " ".join(str(exc).split()) or type(exc).__name__
     for err in chain:
         if isinstance(err, OmegaConfBaseException) and getattr(err, "full_key", None):
@@ -190,11 +200,15 @@ def _type_message(err: ValidationError, full_key: str, schema: Any, key: Any) ->
     first = str(getattr(err, "msg", err)).strip().splitlines()[0]
     if dataclasses.is_dataclass(schema) and isinstance(key, str) and key in _hints(schema):
         expected = _describe(_hints(schema)[key])
-        return (f"{full_key}={value!r} is not valid: expected {expected}; write e.g. "
-                f"{full_key}={_example(schema, key)}")
+        return (
+            f"{full_key}={value!r} is not valid: expected {expected}; write e.g. "
+            f"{full_key}={_example(schema, key)}"
+        )
     ref = getattr(err, "ref_type", None)
     if isinstance(key, int) and typing.get_origin(_unwrap_optional(ref)) in (list, List):
         inner = typing.get_args(_unwrap_optional(ref))[0]
-        return (f"{full_key}={value!r} is not valid: expected {_describe(inner)} in this list; "
-                f"write e.g. {full_key.rsplit('[', 1)[0]}={_example_value(ref)}")
+        return (
+            f"{full_key}={value!r} is not valid: expected {_describe(inner)} in this list; "
+            f"write e.g. {full_key.rsplit('[', 1)[0]}={_example_value(ref)}"
+        )
     return f"{full_key}={value!r} is not valid ({first}): fix the value"

@@ -92,36 +92,63 @@ class PlanConfig:
 
     def __post_init__(self) -> None:
         if self.probe is not None and not str(self.probe).strip():
-            raise ConfigError("plan.probe is empty: write plan.probe=RUN_DIR/allocation.json, "
-                              "or leave it out to use the GPU spec model")
+            raise ConfigError(
+                "plan.probe is empty: write plan.probe=RUN_DIR/allocation.json, "
+                "or leave it out to use the GPU spec model"
+            )
         if self.link_gbps is not None:
-            self.link_gbps = _number("link_gbps", self.link_gbps, lambda x: x > 0,
-                                     "a bandwidth > 0 in Gbit/s, e.g. plan.link_gbps=100")
-        self.latency_us = _number("latency_us", self.latency_us, lambda x: x >= 0,
-                                  "microseconds >= 0, e.g. plan.latency_us=10")
-        self.mfu = _number("mfu", self.mfu, lambda x: 0 < x <= 1,
-                           "a fraction in (0, 1], e.g. plan.mfu=0.35")
+            self.link_gbps = _number(
+                "link_gbps",
+                self.link_gbps,
+                lambda x: x > 0,
+                "a bandwidth > 0 in Gbit/s, e.g. plan.link_gbps=100",
+            )
+        self.latency_us = _number(
+            "latency_us",
+            self.latency_us,
+            lambda x: x >= 0,
+            "microseconds >= 0, e.g. plan.latency_us=10",
+        )
+        self.mfu = _number(
+            "mfu", self.mfu, lambda x: 0 < x <= 1, "a fraction in (0, 1], e.g. plan.mfu=0.35"
+        )
         if self.overlap != "ddp":
-            self.overlap = _number("overlap", self.overlap, lambda x: 0 <= x <= 1,
-                                   "ddp or a fraction in [0, 1], e.g. plan.overlap=0 for no "
-                                   "overlap at all")
+            self.overlap = _number(
+                "overlap",
+                self.overlap,
+                lambda x: 0 <= x <= 1,
+                "ddp or a fraction in [0, 1], e.g. plan.overlap=0 for no overlap at all",
+            )
         if self.peak not in PEAKS:
             raise ConfigError(f"plan.peak={self.peak!r} is unknown: use runtime or tensor")
         if not isinstance(self.when, bool):
-            raise ConfigError(f"plan.when={self.when!r} is not a boolean: use plan.when=true or "
-                              "plan.when=false")
-        self.startup_s = _number("startup_s", self.startup_s, lambda x: x >= 0,
-                                 "seconds >= 0, e.g. plan.startup_s=90")
-        self.checkpoint_gb_s = _number("checkpoint_gb_s", self.checkpoint_gb_s, lambda x: x > 0,
-                                       "a bandwidth > 0 in GB/s, e.g. plan.checkpoint_gb_s=1")
-        mixes = _number("max_mixes", self.max_mixes, lambda x: x >= 1 and float(x).is_integer(),
-                        "a whole number >= 1, e.g. plan.max_mixes=32")
+            raise ConfigError(
+                f"plan.when={self.when!r} is not a boolean: use plan.when=true or plan.when=false"
+            )
+        self.startup_s = _number(
+            "startup_s", self.startup_s, lambda x: x >= 0, "seconds >= 0, e.g. plan.startup_s=90"
+        )
+        self.checkpoint_gb_s = _number(
+            "checkpoint_gb_s",
+            self.checkpoint_gb_s,
+            lambda x: x > 0,
+            "a bandwidth > 0 in GB/s, e.g. plan.checkpoint_gb_s=1",
+        )
+        mixes = _number(
+            "max_mixes",
+            self.max_mixes,
+            lambda x: x >= 1 and float(x).is_integer(),
+            "a whole number >= 1, e.g. plan.max_mixes=32",
+        )
         self.max_mixes = int(mixes)
         if self.data_ms_per_sample is not None:
             self.data_ms_per_sample = _number(
-                "data_ms_per_sample", self.data_ms_per_sample, lambda x: x >= 0,
+                "data_ms_per_sample",
+                self.data_ms_per_sample,
+                lambda x: x >= 0,
                 "milliseconds >= 0, e.g. plan.data_ms_per_sample=0.05, or null to time the "
-                "task's batch function here")
+                "task's batch function here",
+            )
 
     @property
     def latency_s(self) -> float:

@@ -32,14 +32,21 @@ class PrecisionConfig:
 
     def __post_init__(self) -> None:
         choices = ", ".join(PRECISIONS)
-        require(self.default in PRECISIONS,
-                f"precision.default={self.default!r} is unknown: use {choices}")
+        require(
+            self.default in PRECISIONS,
+            f"precision.default={self.default!r} is unknown: use {choices}",
+        )
         for key, value in self.partitions.items():
-            require(value in PRECISIONS, f"precision.partitions.{key}={value!r} is unknown: use "
-                    f"{choices}")
+            require(
+                value in PRECISIONS,
+                f"precision.partitions.{key}={value!r} is unknown: use {choices}",
+            )
         for value in self.ranks:
-            require(value in PRECISIONS, f"precision.ranks contains {value!r}: use {choices} per "
-                    "rank, e.g. precision.ranks=[bf16,fp16]")
+            require(
+                value in PRECISIONS,
+                f"precision.ranks contains {value!r}: use {choices} per "
+                "rank, e.g. precision.ranks=[bf16,fp16]",
+            )
 
     def for_rank(self, rank: int, partition_key: Optional[str] = None) -> str:
         """The precision rank ``rank`` asks for (``auto``, ``fp32``, ``bf16`` or ``fp16``).
@@ -68,5 +75,8 @@ class PrecisionConfig:
         )
         unknown = sorted(set(self.partitions) - set(partition_keys))
         known = ", ".join(partition_keys) if partition_keys else "none (use precision.ranks)"
-        require(not unknown, f"precision.partitions names {', '.join(unknown)}, not a partition "
-                f"of this cluster: use one of {known}")
+        require(
+            not unknown,
+            f"precision.partitions names {', '.join(unknown)}, not a partition "
+            f"of this cluster: use one of {known}",
+        )

@@ -73,9 +73,14 @@ class RunConfig:
 
 
 #: task name -> schema; the ``name`` field of a task config selects its schema.
-TASK_SCHEMAS: Dict[str, type] = {"bert": BertTaskConfig, "image": ImageTaskConfig,
-                                 "translation": TranslationTaskConfig, "custom": CustomTaskConfig,
-                                 "hf": HfTaskConfig, "dataset": DatasetTaskConfig}
+TASK_SCHEMAS: Dict[str, type] = {
+    "bert": BertTaskConfig,
+    "image": ImageTaskConfig,
+    "translation": TranslationTaskConfig,
+    "custom": CustomTaskConfig,
+    "hf": HfTaskConfig,
+    "dataset": DatasetTaskConfig,
+}
 #: cluster name -> schema, chosen by the ``name`` field (``slurm`` for every SLURM cluster file).
 CLUSTER_SCHEMAS: Dict[str, type] = {"local": LocalClusterConfig, "slurm": SlurmClusterConfig}
 

@@ -46,11 +46,19 @@ class ShardingConfig:
     between_micro_batches: str = "auto"
 
     def __post_init__(self) -> None:
-        require(self.mode in SHARDING_MODES, f"sharding.mode={self.mode!r} is unknown: use "
-                f"{', '.join(SHARDING_MODES)} (e.g. sharding.mode=fsdp)")
-        require(self.checkpoint in CHECKPOINT_LAYOUTS, f"sharding.checkpoint={self.checkpoint!r}"
-                f" is unknown: use {' or '.join(CHECKPOINT_LAYOUTS)} (e.g. "
-                "sharding.checkpoint=sharded)")
-        require(self.between_micro_batches in BETWEEN_MICRO_BATCHES,
-                f"sharding.between_micro_batches={self.between_micro_batches!r} is unknown: use "
-                f"{', '.join(BETWEEN_MICRO_BATCHES)} (e.g. sharding.between_micro_batches=auto)")
+        require(
+            self.mode in SHARDING_MODES,
+            f"sharding.mode={self.mode!r} is unknown: use "
+            f"{', '.join(SHARDING_MODES)} (e.g. sharding.mode=fsdp)",
+        )
+        require(
+            self.checkpoint in CHECKPOINT_LAYOUTS,
+            f"sharding.checkpoint={self.checkpoint!r}"
+            f" is unknown: use {' or '.join(CHECKPOINT_LAYOUTS)} (e.g. "
+            "sharding.checkpoint=sharded)",
+        )
+        require(
+            self.between_micro_batches in BETWEEN_MICRO_BATCHES,
+            f"sharding.between_micro_batches={self.between_micro_batches!r} is unknown: use "
+            f"{', '.join(BETWEEN_MICRO_BATCHES)} (e.g. sharding.between_micro_batches=auto)",
+        )

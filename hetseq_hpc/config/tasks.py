@@ -16,18 +16,18 @@ def _at_least_one(obj, where: str, names) -> None:
 
 
 def _dropout_ok(dropout: float) -> None:
-    require(0.0 <= dropout < 1.0,
-            f"task.model.dropout={dropout} is invalid: it must be in [0, 1)")
+    require(0.0 <= dropout < 1.0, f"task.model.dropout={dropout} is invalid: it must be in [0, 1)")
 
 
 def _val_fraction_ok(fraction: float) -> None:
-    require(0.0 < fraction < 0.5,
-            f"task.data.val_fraction={fraction} is invalid: it must be in (0, 0.5)")
+    require(
+        0.0 < fraction < 0.5,
+        f"task.data.val_fraction={fraction} is invalid: it must be in (0, 0.5)",
+    )
 
 
 def _vocab_ok(vocab_size: int) -> None:
-    require(vocab_size >= 200,
-            f"task.data.vocab_size={vocab_size} is too small: use at least 200")
+    require(vocab_size >= 200, f"task.data.vocab_size={vocab_size} is too small: use at least 200")
 
 
 @dataclass
@@ -49,7 +49,9 @@ class BertModelConfig:
 
     def __post_init__(self) -> None:
         require_finite(self, "task.model")
-        _at_least_one(self, "task.model", ("hidden_size", "num_layers", "num_heads", "intermediate_size"))
+        _at_least_one(
+            self, "task.model", ("hidden_size", "num_layers", "num_heads", "intermediate_size")
+        )
         require(
             self.hidden_size % self.num_heads == 0,
             f"task.model.num_heads={self.num_heads} does not divide task.model.hidden_size="
@@ -192,7 +194,11 @@ class TranslationModelConfig:
 
     def __post_init__(self) -> None:
         require_finite(self, "task.model")
-        _at_least_one(self, "task.model", ("d_model", "num_encoder_layers", "num_decoder_layers", "num_heads", "ff_size"))
+        _at_least_one(
+            self,
+            "task.model",
+            ("d_model", "num_encoder_layers", "num_decoder_layers", "num_heads", "ff_size"),
+        )
         require(
             self.d_model % self.num_heads == 0,
             f"task.model.num_heads={self.num_heads} does not divide task.model.d_model="
@@ -268,12 +274,18 @@ class CustomTaskConfig:
     args: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        require(bool(self.target), "task.target is empty: set task.target=<module>.<Class>, e.g. "
-                "task.target=examples.char_lm.CharLMTask (see docs/tasks.md)")
+        require(
+            bool(self.target),
+            "task.target is empty: set task.target=<module>.<Class>, e.g. "
+            "task.target=examples.char_lm.CharLMTask (see docs/tasks.md)",
+        )
         if self.path is None:
             self.path = os.getcwd()  # recorded, so every rank imports from the same folder
         self.path = os.path.abspath(os.path.expanduser(self.path))
-        require(os.path.isdir(self.path), f"task.path={self.path!r} is not a folder: point it at "
-                "the folder that holds your task's module (or leave it null)")
+        require(
+            os.path.isdir(self.path),
+            f"task.path={self.path!r} is not a folder: point it at "
+            "the folder that holds your task's module (or leave it null)",
+        )
         # the module is imported (and its class checked) by hetseq_hpc.cli.preflight.check_task_code
         # before any rank starts: configuration itself never runs a user's code

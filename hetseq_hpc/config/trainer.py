@@ -30,10 +30,13 @@ class ElasticConfig:
     timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
-        require(self.min_ranks >= 1, f"trainer.elastic.min_ranks={self.min_ranks} is invalid: "
-                "use >= 1")
-        require(self.timeout_s >= 2, f"trainer.elastic.timeout_s={self.timeout_s} is too short: "
-                "use >= 2 (seconds)")
+        require(
+            self.min_ranks >= 1, f"trainer.elastic.min_ranks={self.min_ranks} is invalid: use >= 1"
+        )
+        require(
+            self.timeout_s >= 2,
+            f"trainer.elastic.timeout_s={self.timeout_s} is too short: use >= 2 (seconds)",
+        )
 
 
 @dataclass
@@ -94,8 +97,9 @@ class TrainerConfig:
             f"trainer.seed={self.seed} is out of range: use an integer in 0..{MAX_SEED}",
         )
         require(self.max_steps >= 1, f"trainer.max_steps={self.max_steps} is invalid: use >= 1")
-        require(self.log_every >= 1,
-                f"trainer.log_every={self.log_every} is invalid: it must be >= 1")
+        require(
+            self.log_every >= 1, f"trainer.log_every={self.log_every} is invalid: it must be >= 1"
+        )
         for name in ("val_every", "checkpoint_every"):
             value = getattr(self, name)
             require(value >= 0, f"trainer.{name}={value} is invalid: it must be >= 0")
@@ -108,8 +112,11 @@ class TrainerConfig:
             "trainer.resume is empty: use auto, never, or the path of a checkpoint",
         )
         unknown = [n for n in self.loggers if n not in LOGGER_NAMES]
-        require(not unknown, f"trainer.loggers={list(self.loggers)} has unknown {unknown}: use "
-                f"any of {', '.join(LOGGER_NAMES)}, e.g. trainer.loggers=[jsonl,tensorboard]")
+        require(
+            not unknown,
+            f"trainer.loggers={list(self.loggers)} has unknown {unknown}: use "
+            f"any of {', '.join(LOGGER_NAMES)}, e.g. trainer.loggers=[jsonl,tensorboard]",
+        )
         require(self.grad_clip >= 0, f"trainer.grad_clip={self.grad_clip} is invalid: use >= 0")
 
 

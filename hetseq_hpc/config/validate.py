@@ -15,8 +15,16 @@ from hetseq_hpc.errors import ConfigError
 if TYPE_CHECKING:  # pragma: no cover
     from hetseq_hpc.config.schema import RunConfig
 
-__all__ = ["LOGGER_PACKAGES", "check_grad_combine", "check_logger_packages", "check_text_file",
-           "expand_data_files", "planned_world_size", "validate_run_config", "visible_gpu_count"]
+__all__ = [
+    "LOGGER_PACKAGES",
+    "check_grad_combine",
+    "check_logger_packages",
+    "check_text_file",
+    "expand_data_files",
+    "planned_world_size",
+    "validate_run_config",
+    "visible_gpu_count",
+]
 
 #: bytes of each data file read before any process starts (the rest is checked while loading);
 #: git's binary detection looks at the same first 8000 bytes (xdiff-interface.c, FIRST_FEW_BYTES)
@@ -68,7 +76,9 @@ def check_text_file(path: str, probe_bytes: int = TEXT_PROBE_BYTES) -> None:
             head = fh.read(probe_bytes)
             more = bool(fh.read(1))
     except OSError as exc:
-        raise ConfigError(f"task.data.files: cannot read {path!r} ({exc.strerror}): {fix}") from None
+        raise ConfigError(
+            f"task.data.files: cannot read {path!r} ({exc.strerror}): {fix}"
+        ) from None
     if not head.strip() and not more:
         raise ConfigError(f"task.data.files: {path!r} is empty: {fix}")
     if b"\x00" in head:
@@ -116,7 +126,8 @@ def check_fsdp_available(mode: str) -> None:
         raise ConfigError(
             f"sharding.mode={mode} needs PyTorch's FSDP2 with sum reductions, which torch "
             f"{torch.__version__} lacks: install torch 2.13 (pip install torch==2.13.0), or "
-            "use sharding.mode=none")
+            "use sharding.mode=none"
+        )
 
 
 def check_grad_combine(grad_combine: str, world: int) -> None:
@@ -177,13 +188,15 @@ def validate_run_config(run: RunConfig) -> None:
     check_grad_combine(run.comm.grad_combine, world)
     if run.sharding.mode != "none":
         check_fsdp_available(run.sharding.mode)
-    if run.sharding.mode != "none" and (run.comm.grad_compression != "none"
-                                        or run.comm.grad_combine != "sum"):
+    if run.sharding.mode != "none" and (
+        run.comm.grad_compression != "none" or run.comm.grad_combine != "sum"
+    ):
         raise ConfigError(
             f"sharding.mode={run.sharding.mode} reduce-scatters fp32 gradient SUMS: "
             f"comm.grad_compression={run.comm.grad_compression} and comm.grad_combine="
             f"{run.comm.grad_combine} are DDP hooks; use comm.grad_compression=none "
-            "comm.grad_combine=sum, or sharding.mode=none")
+            "comm.grad_combine=sum, or sharding.mode=none"
+        )
     check_logger_packages(list(trainer.loggers))
     binary = HF_BINARY_SUFFIXES if isinstance(run.task, HfTaskConfig) else ()
     for path in expand_data_files(_data_files(run)):

@@ -72,7 +72,7 @@ def unpack(data: bytes) -> List[bytes]:
         size = struct.unpack_from("!I", view, pos)[0] if pos + 4 <= len(view) else len(view)
         if pos + 4 + size > len(view):
             raise ValueError("a store frame ends inside a field: not from this store")
-        fields.append(bytes(view[pos + 4:pos + 4 + size]))
+        fields.append(bytes(view[pos + 4 : pos + 4 + size]))
         pos += 4 + size
     if pos != len(view):
         raise ValueError("a store frame has bytes after its last field: not from this store")
@@ -158,8 +158,9 @@ class AuthStoreServer:
                 sock, peer = self._sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(sock, peer), name="hetseq-store-conn",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(sock, peer), name="hetseq-store-conn", daemon=True
+            ).start()
 
     def _serve(self, sock: socket.socket, peer: Tuple) -> None:
         _recv_timeout(sock, HANDSHAKE_S)
@@ -167,8 +168,9 @@ class AuthStoreServer:
         try:
             server_handshake(conn, self._authkey)
         except (AuthenticationError, OSError, EOFError, ValueError):
-            log.warning("job store: refused a client from %s (it does not hold the job's token)",
-                        peer[0])
+            log.warning(
+                "job store: refused a client from %s (it does not hold the job's token)", peer[0]
+            )
             conn.close()
             return
         with self._cond:
@@ -195,8 +197,10 @@ class AuthStoreServer:
     # ---------------------------------------------------------------- operations
     def _wait(self, ready: Callable[[], bool], timeout: Optional[float]) -> bool:
         """Wait (holding the condition) until ``ready()`` or ``timeout`` seconds passed."""
-        return self._cond.wait_for(lambda: ready() or self._closed.is_set(),
-                                   timeout) and not self._closed.is_set()
+        return (
+            self._cond.wait_for(lambda: ready() or self._closed.is_set(), timeout)
+            and not self._closed.is_set()
+        )
 
     def _handle(self, request: List[bytes]) -> List[bytes]:
         op, args = request[0].decode(), request[1:]
@@ -257,8 +261,11 @@ class AuthStoreServer:
 def _recv_timeout(sock: socket.socket, seconds: float) -> None:
     """Make blocking reads on ``sock`` fail after ``seconds`` (0: never): ``SO_RCVTIMEO``,
     which survives ``detach`` (``settimeout`` would make the descriptor non-blocking)."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
-                    struct.pack("ll", int(seconds), int((seconds % 1) * 1e6)))
+    sock.setsockopt(
+        socket.SOL_SOCKET,
+        socket.SO_RCVTIMEO,
+        struct.pack("ll", int(seconds), int((seconds % 1) * 1e6)),
+    )
 
 
 class AuthStoreClient(dist.Store):
@@ -279,7 +286,9 @@ class AuthStoreClient(dist.Store):
     and ``DistNetworkError`` when the server is gone.
     """
 
-    def __init__(self, host: str, port: int, token: str, timeout: timedelta = timedelta(seconds=300)):
+    def __init__(
+        self, host: str, port: int, token: str, timeout: timedelta = timedelta(seconds=300)
+    ):
         super().__init__()
         self._address, self._authkey = (host, int(port)), token.encode()
         self._where = f"{host}:{int(port)}"
@@ -301,7 +310,8 @@ class AuthStoreClient(dist.Store):
                 if time.monotonic() > deadline:
                     raise dist.DistNetworkError(
                         f"the job's store at {self._where} does not answer ({type(exc).__name__})"
-                        ": its launcher is gone or the address is wrong") from None
+                        ": its launcher is gone or the address is wrong"
+                    ) from None
                 time.sleep(0.1)
         client_handshake(conn, self._authkey)  # closes the connection if it fails
         self._local.conn = conn
@@ -315,15 +325,21 @@ class AuthStoreClient(dist.Store):
         except (OSError, EOFError, ValueError) as exc:
             self._local.conn = None
             conn.close()
-            raise dist.DistNetworkError(f"the job's store at {self._where} failed during {op} "
-                                        f"({type(exc).__name__}): its launcher is gone") from None
+            raise dist.DistNetworkError(
+                f"the job's store at {self._where} failed during {op} "
+                f"({type(exc).__name__}): its launcher is gone"
+            ) from None
         if reply[0] == _TIMEOUT:
-            raise dist.DistStoreError("timed out waiting for key(s) "
-                                      f"{list(waiting)[:4]} in the job's store ({op}): a peer did "
-                                      "not write them; raise the timeout if it is only slow")
+            raise dist.DistStoreError(
+                "timed out waiting for key(s) "
+                f"{list(waiting)[:4]} in the job's store ({op}): a peer did "
+                "not write them; raise the timeout if it is only slow"
+            )
         if reply[0] != _OK:
-            raise dist.DistStoreError(f"the job's store refused {op}: "
-                                      f"{reply[1].decode(errors='replace') if len(reply) > 1 else ''}")
+            raise dist.DistStoreError(
+                f"the job's store refused {op}: "
+                f"{reply[1].decode(errors='replace') if len(reply) > 1 else ''}"
+            )
         return reply[1:]
 
     def _t(self, timeout: Optional[timedelta] = None) -> bytes:  # a timeout field
@@ -359,8 +375,9 @@ class AuthStoreClient(dist.Store):
 
     def multi_set(self, keys: List[str], values: List) -> None:
         if len(keys) != len(values):
-            raise ValueError(f"multi_set got {len(keys)} keys and {len(values)} values: give "
-                             "one value per key")
+            raise ValueError(
+                f"multi_set got {len(keys)} keys and {len(values)} values: give one value per key"
+            )
         self._call("multi_set", *map(_b, keys), *map(_b, values))
 
     def append(self, key: str, value) -> None:
@@ -373,8 +390,9 @@ class AuthStoreClient(dist.Store):
         self._call("queue_push", _b(key), _b(value))
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:
-        return self._call("queue_pop", _b(key), b"1" if block else b"0", self._t(),
-                          waiting=[key])[0]
+        return self._call("queue_pop", _b(key), b"1" if block else b"0", self._t(), waiting=[key])[
+            0
+        ]
 
     def queue_len(self, key: str) -> int:
         return int(self._call("queue_len", _b(key))[0])
@@ -391,9 +409,9 @@ class AuthStoreClient(dist.Store):
 
     def clone(self) -> AuthStoreClient:
         """A client of the same store with its own connections."""
-        return AuthStoreClient(self._address[0], self._address[1], self._authkey.decode(),
-                               self.timeout)
+        return AuthStoreClient(
+            self._address[0], self._address[1], self._authkey.decode(), self.timeout
+        )
 
 
-__all__ = ["HANDSHAKE_S", "MAX_MESSAGE", "AuthStoreClient", "AuthStoreServer", "pack",
-           "unpack"]
+__all__ = ["HANDSHAKE_S", "MAX_MESSAGE", "AuthStoreClient", "AuthStoreServer", "pack", "unpack"]

@@ -33,7 +33,7 @@ def _mac(key: bytes, role: bytes, nonce: bytes) -> bytes:
 def _nonce(message: bytes) -> bytes:
     if not message.startswith(GREETING) or len(message) != len(GREETING) + NONCE_BYTES:
         raise AuthenticationError("the peer does not speak the job store's handshake")
-    return message[len(GREETING):]
+    return message[len(GREETING) :]
 
 
 def server_handshake(conn: Connection, key: bytes) -> None:

@@ -47,8 +47,9 @@ def loopback_store(world: WorldInfo, timeout_s: float) -> Optional[dist.TCPStore
         return None
     timeout = timedelta(seconds=timeout_s)
     if not world.is_master:
-        return dist.TCPStore(world.master_addr, world.master_port, world.world_size, False,
-                             timeout=timeout)
+        return dist.TCPStore(
+            world.master_addr, world.master_port, world.world_size, False, timeout=timeout
+        )
     family = socket.AF_INET6 if ":" in world.master_addr else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -60,8 +61,15 @@ def loopback_store(world: WorldInfo, timeout_s: float) -> Optional[dist.TCPStore
         raise
     fd = sock.detach()  # the store owns the descriptor from here on
     try:
-        return dist.TCPStore(world.master_addr, world.master_port, world.world_size, True,
-                             timeout=timeout, master_listen_fd=fd, use_libuv=True)
+        return dist.TCPStore(
+            world.master_addr,
+            world.master_port,
+            world.world_size,
+            True,
+            timeout=timeout,
+            master_listen_fd=fd,
+            use_libuv=True,
+        )
     except BaseException:
         with contextlib.suppress(OSError):
             os.close(fd)

@@ -58,8 +58,9 @@ def job_token() -> str:
     return secrets.token_hex(16)
 
 
-def serve_job_store(host: str = "127.0.0.1", port: int = 0,
-                    token: Optional[str] = None) -> Tuple[AuthStoreServer, int]:
+def serve_job_store(
+    host: str = "127.0.0.1", port: int = 0, token: Optional[str] = None
+) -> Tuple[AuthStoreServer, int]:
     """Serve the job's store from THIS process (the launcher, or the batch script's
     :mod:`~hetseq_hpc.distributed.store_server`): an
     :class:`~hetseq_hpc.distributed.auth_store.AuthStoreServer` listening on ``host``'s address
@@ -78,8 +79,10 @@ def serve_job_store(host: str = "127.0.0.1", port: int = 0,
     """
     token = token if token is not None else os.environ.get(TOKEN_ENV, "")
     if not token:
-        raise LaunchError(f"the job's store needs the job's token in {TOKEN_ENV}: the launcher "
-                          "or batch script sets it (export it before starting the store)")
+        raise LaunchError(
+            f"the job's store needs the job's token in {TOKEN_ENV}: the launcher "
+            "or batch script sets it (export it before starting the store)"
+        )
     server = AuthStoreServer(host, port, token)
     return server, server.port
 
@@ -99,17 +102,23 @@ def job_store(timeout_s: float, environ: Optional[Dict[str, str]] = None) -> Opt
         return None
     host, _, port = where.rpartition(":")
     if not host or not port.isdigit() or not token:
-        raise LaunchError(f"{STORE_ENV}={where!r} / {TOKEN_ENV} are malformed: the launcher "
-                          "sets them (host:port and a token); unset them to run without one")
+        raise LaunchError(
+            f"{STORE_ENV}={where!r} / {TOKEN_ENV} are malformed: the launcher "
+            "sets them (host:port and a token); unset them to run without one"
+        )
     try:
         client = AuthStoreClient(host.strip("[]"), int(port), token, timedelta(seconds=timeout_s))
     except AuthenticationError:
-        raise LaunchError(f"the job's store at {where} refused this rank's {TOKEN_ENV}: the rank "
-                          "belongs to another job, or the variable was changed; start the run "
-                          "again") from None
+        raise LaunchError(
+            f"the job's store at {where} refused this rank's {TOKEN_ENV}: the rank "
+            "belongs to another job, or the variable was changed; start the run "
+            "again"
+        ) from None
     except Exception as exc:
-        raise LaunchError(f"the job's store at {where} cannot be reached ({type(exc).__name__}): "
-                          "its launcher is gone; start the run again") from None
+        raise LaunchError(
+            f"the job's store at {where} cannot be reached ({type(exc).__name__}): "
+            "its launcher is gone; start the run again"
+        ) from None
     return dist.PrefixStore(JOB_PREFIX, client)
 
 
@@ -191,8 +200,9 @@ def announce_recovery(store: Any, old: Membership, me: int) -> None:
     store.set(recovering_key(old.generation + 1, me), "1")
 
 
-def reform(store: Any, heartbeat: Heartbeat, me: int, old: Membership, stale_s: float,
-           timeout_s: float) -> Membership:
+def reform(
+    store: Any, heartbeat: Heartbeat, me: int, old: Membership, stale_s: float, timeout_s: float
+) -> Membership:
     """Agree with the other survivors on the next world (see the module docstring).
 
     Args:
@@ -216,8 +226,9 @@ def reform(store: Any, heartbeat: Heartbeat, me: int, old: Membership, stale_s: 
         # can hold the GIL, and with it its heartbeat thread): it gets half of timeout_s
         # (left out before the deadline if it dies on the way), not stale_s
         coming = [m for m in waiting if store.check([recovering_key(gen, m)])]
-        lost = heartbeat.stale([m for m in waiting if m not in coming], stale_s) + \
-            heartbeat.stale(coming, max(stale_s, timeout_s / 2.0))
+        lost = heartbeat.stale([m for m in waiting if m not in coming], stale_s) + heartbeat.stale(
+            coming, max(stale_s, timeout_s / 2.0)
+        )
         if len(joined) + len(lost) == len(old.members):
             proposal = json.dumps(sorted(joined))
             winner = store.compare_set(key, "", proposal)
@@ -226,27 +237,36 @@ def reform(store: Any, heartbeat: Heartbeat, me: int, old: Membership, stale_s: 
             winner = store.get(key)
             break
         if time.monotonic() > deadline:
-            raise LaunchError(f"the surviving ranks could not agree on a new world within "
-                              f"{timeout_s:g} s (joined: {joined}): raise "
-                              "trainer.elastic.timeout_s, or restart from the last checkpoint")
+            raise LaunchError(
+                f"the surviving ranks could not agree on a new world within "
+                f"{timeout_s:g} s (joined: {joined}): raise "
+                "trainer.elastic.timeout_s, or restart from the last checkpoint"
+            )
         time.sleep(0.05)
     members = tuple(json.loads(winner.decode() if isinstance(winner, bytes) else winner))
     if me not in members:
-        raise RankExcluded(f"rank {me} was lost to the others (no heartbeat for {stale_s:g} s) and "
-                       f"the job went on without it as ranks {list(members)}: nothing to do")
+        raise RankExcluded(
+            f"rank {me} was lost to the others (no heartbeat for {stale_s:g} s) and "
+            f"the job went on without it as ranks {list(members)}: nothing to do"
+        )
     for m in old.members:
         if m not in members:
             store.set(f"excluded/{m}", str(gen))
     return Membership(gen, members)
 
 
-def join_generation(store: Any, membership: Membership, me: int, backend: str,
-                    timeout_s: float) -> None:
+def join_generation(
+    store: Any, membership: Membership, me: int, backend: str, timeout_s: float
+) -> None:
     """Initialise the default process group of ``membership`` through the job's store (no
     master rank: any survivor may be gone), with collective timeout ``timeout_s``."""
-    dist.init_process_group(backend=backend, store=dist.PrefixStore(
-        f"g{membership.generation}/pg", store), rank=membership.rank_of(me),
-        world_size=len(membership.members), timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend=backend,
+        store=dist.PrefixStore(f"g{membership.generation}/pg", store),
+        rank=membership.rank_of(me),
+        world_size=len(membership.members),
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 def is_peer_failure(exc: BaseException) -> bool:
@@ -259,5 +279,13 @@ def is_peer_failure(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and any(
-        word in text for word in ("gloo", "nccl", "connection closed", "connection reset",
-                                  "timed out", "broken pipe"))
+        word in text
+        for word in (
+            "gloo",
+            "nccl",
+            "connection closed",
+            "connection reset",
+            "timed out",
+            "broken pipe",
+        )
+    )

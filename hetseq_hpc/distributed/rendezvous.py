@@ -40,8 +40,13 @@ def set_elastic_nccl_env(environ: Optional[MutableMapping[str, str]] = None) -> 
         old = env.get(name)
         if old != value:
             if old is not None:
-                log.warning("%s=%s would end this rank when a peer is lost; in-job recovery "
-                            "(trainer.elastic) sets %s", name, old, value)
+                log.warning(
+                    "%s=%s would end this rank when a peer is lost; in-job recovery "
+                    "(trainer.elastic) sets %s",
+                    name,
+                    old,
+                    value,
+                )
             env[name] = value
             changed[name] = value
     return changed
@@ -94,9 +99,12 @@ class PendingStats:
         """
         self._work.wait()
         kinds = [f.type for f in fields(StepStats)]
-        return [StepStats(*(int(v) if kind == "int" else float(v)
-                            for v, kind in zip(row.tolist(), kinds)))
-                for row in self._gathered]
+        return [
+            StepStats(
+                *(int(v) if kind == "int" else float(v) for v, kind in zip(row.tolist(), kinds))
+            )
+            for row in self._gathered
+        ]
 
 
 class PendingBarrier:
@@ -194,8 +202,13 @@ def backend_for(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
-def join(world: WorldInfo, device: torch.device, timeout_s: int, job: Any = None,
-         step_timeout_s: Optional[float] = None) -> Rendezvous:
+def join(
+    world: WorldInfo,
+    device: torch.device,
+    timeout_s: int,
+    job: Any = None,
+    step_timeout_s: Optional[float] = None,
+) -> Rendezvous:
     """Join the rendezvous at ``tcp://master_addr:master_port``, or through the job's store.
 
     Args:
@@ -231,8 +244,9 @@ def join(world: WorldInfo, device: torch.device, timeout_s: int, job: Any = None
             set_elastic_nccl_env()
     try:
         # a loopback master (cluster=local) gets a store bound to 127.0.0.1 only
-        store = (dist.PrefixStore("g0/pg", job) if job is not None
-                 else loopback_store(world, timeout_s))
+        store = (
+            dist.PrefixStore("g0/pg", job) if job is not None else loopback_store(world, timeout_s)
+        )
         kwargs.update({"store": store} if store is not None else {"init_method": init_method})
         dist.init_process_group(
             backend=backend,
@@ -259,8 +273,13 @@ def leave() -> None:
 
 
 @contextlib.contextmanager
-def rendezvous(world: WorldInfo, device: torch.device, timeout_s: int, job: Any = None,
-               step_timeout_s: Optional[float] = None) -> Iterator[Rendezvous]:
+def rendezvous(
+    world: WorldInfo,
+    device: torch.device,
+    timeout_s: int,
+    job: Any = None,
+    step_timeout_s: Optional[float] = None,
+) -> Iterator[Rendezvous]:
     """Context manager around :func:`join` that always tears the process group down (the
     current one: an elastic world may have re-formed it)."""
     rdv: Optional[Rendezvous] = None
@@ -272,8 +291,9 @@ def rendezvous(world: WorldInfo, device: torch.device, timeout_s: int, job: Any 
 
 
 @contextlib.contextmanager
-def single_process_rendezvous(device: Optional[torch.device] = None,
-                              timeout_s: int = 60) -> Iterator[Rendezvous]:
+def single_process_rendezvous(
+    device: Optional[torch.device] = None, timeout_s: int = 60
+) -> Iterator[Rendezvous]:
     """A real world-size-1 process group on a free loopback port, for running a
     :class:`~hetseq_hpc.train.loop.Trainer` step in-process (tests, notebooks).
 
@@ -284,9 +304,12 @@ def single_process_rendezvous(device: Optional[torch.device] = None,
         LaunchError: a process group already exists in this process, or none could be made.
     """
     if dist.is_initialized():
-        raise LaunchError("a torch.distributed process group already exists in this process: "
-                          "leave it (hetseq_hpc.distributed.rendezvous.leave) before a single-process one")
-    world = WorldInfo(rank=0, local_rank=0, world_size=1, master_addr="127.0.0.1",
-                      master_port=free_port())
+        raise LaunchError(
+            "a torch.distributed process group already exists in this process: "
+            "leave it (hetseq_hpc.distributed.rendezvous.leave) before a single-process one"
+        )
+    world = WorldInfo(
+        rank=0, local_rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port()
+    )
     with rendezvous(world, device or torch.device("cpu"), timeout_s) as rdv:
         yield rdv

@@ -47,8 +47,9 @@ def host_addresses() -> List[str]:
     return out.stdout.split() if out.returncode == 0 else []
 
 
-def store_host(nodes: int, environ: Optional[Dict[str, str]] = None,
-               addresses: Optional[Sequence[str]] = None) -> str:
+def store_host(
+    nodes: int, environ: Optional[Dict[str, str]] = None, addresses: Optional[Sequence[str]] = None
+) -> str:
     """The address the job's store listens on: ``$HETSEQ_STORE_HOST``, else this host's first
     non-loopback address (IPv4 before IPv6; ``addresses`` default :func:`host_addresses`), else
     ``127.0.0.1`` for a one-node job.
@@ -62,14 +63,19 @@ def store_host(nodes: int, environ: Optional[Dict[str, str]] = None,
     env = os.environ if environ is None else environ
     chosen = env.get(HOST_ENV, "").strip()
     if not chosen:
-        usable = [a for a in (host_addresses() if addresses is None else addresses)
-                  if not is_loopback(a) and not _link_local(a)]
+        usable = [
+            a
+            for a in (host_addresses() if addresses is None else addresses)
+            if not is_loopback(a) and not _link_local(a)
+        ]
         usable.sort(key=lambda a: ":" in a)  # IPv4 first, in the order listed
         chosen = usable[0] if usable else "127.0.0.1"
     if is_loopback(chosen) and nodes > 1:
-        raise LaunchError(f"the job's store would listen on the loopback address {chosen}, "
-                          f"which the other {nodes - 1} node(s) cannot reach: set {HOST_ENV} "
-                          "(cluster.env) to an address of the batch host they reach")
+        raise LaunchError(
+            f"the job's store would listen on the loopback address {chosen}, "
+            f"which the other {nodes - 1} node(s) cannot reach: set {HOST_ENV} "
+            "(cluster.env) to an address of the batch host they reach"
+        )
     return chosen
 
 
@@ -83,13 +89,20 @@ def _link_local(addr: str) -> bool:
 def main(argv: Optional[List[str]] = None) -> int:
     """Serve until SIGTERM or the parent's end; exit 0 (2 when no address fits, the address
     cannot be bound or ``HETSEQ_JOB_TOKEN`` is unset: one line on stderr)."""
-    parser = argparse.ArgumentParser(prog="python -m hetseq_hpc.distributed.store_server",
-                                     description="Serve a hetseq_hpc job's store.")
-    parser.add_argument("--host", required=True,
-                        help="the address to listen on (only it), or 'auto' (see --nodes)")
-    parser.add_argument("--nodes", type=int, default=1,
-                        help="nodes the job spans: with --host auto, a loopback address is "
-                             "refused for more than one")
+    parser = argparse.ArgumentParser(
+        prog="python -m hetseq_hpc.distributed.store_server",
+        description="Serve a hetseq_hpc job's store.",
+    )
+    parser.add_argument(
+        "--host", required=True, help="the address to listen on (only it), or 'auto' (see --nodes)"
+    )
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="nodes the job spans: with --host auto, a loopback address is "
+        "refused for more than one",
+    )
     parser.add_argument("--port-file", help="where to write the port")
     parser.add_argument("--address-file", help="where to write host:port")
     args = parser.parse_args(argv)
@@ -100,15 +113,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         host = store_host(args.nodes) if args.host == "auto" else args.host
         store, port = serve_job_store(host)
     except OSError as exc:
-        print(f"hetseq-hpc: error: cannot serve the job's store on {args.host} ({exc}): check "
-              f"the host name, or set {HOST_ENV}", file=sys.stderr)
+        print(
+            f"hetseq-hpc: error: cannot serve the job's store on {args.host} ({exc}): check "
+            f"the host name, or set {HOST_ENV}",
+            file=sys.stderr,
+        )
         return 2
     except LaunchError as exc:
         print(f"hetseq-hpc: error: {exc}", file=sys.stderr)
         return 2
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    print(f"hetseq-hpc: the job's store listens on {where} (clients need {TOKEN_ENV})",
-          file=sys.stderr, flush=True)
+    print(
+        f"hetseq-hpc: the job's store listens on {where} (clients need {TOKEN_ENV})",
+        file=sys.stderr,
+        flush=True,
+    )
     if args.port_file:
         atomic_write_text(args.port_file, f"{port}\n")
     if args.address_file:

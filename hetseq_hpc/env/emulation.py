@@ -94,7 +94,7 @@ def _sweep_stale(root: Path) -> None:
     try:
         for entry in root.iterdir():
             if entry.is_dir() and entry.name.startswith(PREFIX):
-                pid = entry.name[len(PREFIX):]
+                pid = entry.name[len(PREFIX) :]
                 if pid.isdigit() and not Path(f"/proc/{pid}").exists():
                     try:
                         entry.rmdir()
@@ -123,8 +123,9 @@ def _cgroup_v1(speed_cpus: float) -> Emulation:
             pass
 
     atexit.register(leave)
-    return Emulation(speed=0.0, method="cgroup-v1", cpus=speed_cpus,
-                     control=str(group / "cpu.cfs_quota_us"))
+    return Emulation(
+        speed=0.0, method="cgroup-v1", cpus=speed_cpus, control=str(group / "cpu.cfs_quota_us")
+    )
 
 
 def _own_v2_group() -> Optional[Path]:
@@ -175,8 +176,17 @@ while True:
 
 def _duty_cycle(speed: float, note: str) -> Emulation:
     run_s = DUTY_PERIOD_S * speed
-    helper = subprocess.Popen([sys.executable, "-c", _DUTY_SCRIPT, str(os.getpid()), str(run_s),
-                               str(DUTY_PERIOD_S - run_s)], start_new_session=True)
+    helper = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _DUTY_SCRIPT,
+            str(os.getpid()),
+            str(run_s),
+            str(DUTY_PERIOD_S - run_s),
+        ],
+        start_new_session=True,
+    )
 
     def stop() -> None:
         helper.kill()
@@ -204,8 +214,13 @@ def emulate_speed(speed: float, threads: int) -> Emulation:
         try:
             emu = attempt(cpus)
             emu = Emulation(speed=speed, method=emu.method, cpus=cpus, control=emu.control)
-            log.info("emulating speed %.2f: %s quota of %.2f CPU(s) (%s)", speed, emu.method, cpus,
-                     emu.control)
+            log.info(
+                "emulating speed %.2f: %s quota of %.2f CPU(s) (%s)",
+                speed,
+                emu.method,
+                cpus,
+                emu.control,
+            )
             return emu
         except OSError as exc:
             reasons.append(f"{attempt.__name__.lstrip('_')}: {exc}")
@@ -253,8 +268,11 @@ def exempt_communication_threads(emu: Emulation) -> Emulation:
     if emu.method == "none":
         return emu
     if emu.method != "cgroup-v1" or emu.control is None:
-        return replace(emu, note=(emu.note + "; " if emu.note else "") + "communication threads "
-                       f"throttled too ({emu.method} cannot place single threads)")
+        return replace(
+            emu,
+            note=(emu.note + "; " if emu.note else "") + "communication threads "
+            f"throttled too ({emu.method} cannot place single threads)",
+        )
     moved = []
     parent_tasks = CGROUP_V1_CPU / "tasks"  # where _cgroup_v1 took the rank from
     for tid, name in sorted(communication_threads().items()):
@@ -263,12 +281,16 @@ def exempt_communication_threads(emu: Emulation) -> Emulation:
             moved.append(name)
         except OSError as exc:  # e.g. the thread ended; the rest still move
             log.debug("could not move thread %d (%s) out of the quota: %s", tid, name, exc)
-    log.info("emulation: %d communication thread(s) run unthrottled (%s)", len(moved),
-             ", ".join(sorted(set(moved))) or "none found")
+    log.info(
+        "emulation: %d communication thread(s) run unthrottled (%s)",
+        len(moved),
+        ", ".join(sorted(set(moved))) or "none found",
+    )
     return replace(emu, exempt_threads=tuple(moved))
 
 
 def record(emu: Emulation, run_dir: Path, rank: int) -> Path:
     """Write ``logs/rank<N>.emulation.json``."""
-    return atomic_write_text(RunDir(run_dir).emulation_file(rank),
-                             json.dumps(emu.to_dict(), indent=1))
+    return atomic_write_text(
+        RunDir(run_dir).emulation_file(rank), json.dumps(emu.to_dict(), indent=1)
+    )

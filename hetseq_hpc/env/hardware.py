@@ -138,7 +138,9 @@ def _nvml_handle(pynvml, device_index: int):
     if uuid is not None:
         text = str(uuid)
         try:
-            return pynvml.nvmlDeviceGetHandleByUUID(text if text.startswith("GPU-") else f"GPU-{text}")
+            return pynvml.nvmlDeviceGetHandleByUUID(
+                text if text.startswith("GPU-") else f"GPU-{text}"
+            )
         except pynvml.NVMLError:
             pass
     return pynvml.nvmlDeviceGetHandleByIndex(device_index)
@@ -227,5 +229,3 @@ def adamw_kernel(params) -> dict:
     if params and all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params):
         return {"fused": True}
     return {}
-
-

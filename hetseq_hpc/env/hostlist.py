@@ -25,8 +25,10 @@ _SEPARATORS = ", \t\n\r\f\v"
 
 
 def _fail(var: str, expr: str, what: str) -> WorldError:
-    return WorldError(f"{var}={expr!r} {what}: check the variable (scontrol show hostnames "
-                      "expands a valid one), or set MASTER_ADDR")
+    return WorldError(
+        f"{var}={expr!r} {what}: check the variable (scontrol show hostnames "
+        "expands a valid one), or set MASTER_ADDR"
+    )
 
 
 def _split_top_level(expr: str, var: str) -> List[str]:

@@ -97,8 +97,10 @@ def cgroup_memory_room(pid: Union[int, str] = "self", root: Path = CGROUP_ROOT) 
     ``memory.max`` / ``memory.current``); None where no limit is set or readable."""
     room: Optional[int] = None
     for folder in _memory_cgroup_dirs(pid, root):
-        for limit_name, usage_name in (("memory.max", "memory.current"),
-                                       ("memory.limit_in_bytes", "memory.usage_in_bytes")):
+        for limit_name, usage_name in (
+            ("memory.max", "memory.current"),
+            ("memory.limit_in_bytes", "memory.usage_in_bytes"),
+        ):
             limit, usage = _read_int(folder / limit_name), _read_int(folder / usage_name)
             if limit is None or usage is None or limit >= 2**60:  # "max" or v1's "unlimited"
                 continue
@@ -138,9 +140,13 @@ def _names_pid(messages: List[str], pid: int) -> bool:
     return any(pattern.search(m) for m in messages)
 
 
-def oom_evidence(before: Dict[str, int], pid: Optional[int] = None,
-                 after: Optional[Dict[str, int]] = None,
-                 log: Optional[List[str]] = None, read_log: bool = True) -> Optional[str]:
+def oom_evidence(
+    before: Dict[str, int],
+    pid: Optional[int] = None,
+    after: Optional[Dict[str, int]] = None,
+    log: Optional[List[str]] = None,
+    read_log: bool = True,
+) -> Optional[str]:
     """Why we believe the OOM killer ended process ``pid``, or None when nothing says so.
 
     Args:
@@ -160,4 +166,11 @@ def oom_evidence(before: Dict[str, int], pid: Optional[int] = None,
     return None
 
 
-__all__ = ["CGROUP_ROOT", "KMSG", "cgroup_memory_room", "kernel_log", "oom_evidence", "oom_kill_counts"]
+__all__ = [
+    "CGROUP_ROOT",
+    "KMSG",
+    "cgroup_memory_room",
+    "kernel_log",
+    "oom_evidence",
+    "oom_kill_counts",
+]

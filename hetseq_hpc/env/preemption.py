@@ -23,8 +23,10 @@ from hetseq_hpc.errors import LaunchError
 log = logging.getLogger(__name__)
 
 NONE, TERMINATE, REQUEUE = 0, 1, 2
-REASONS = {TERMINATE: "SIGTERM (cancel, requeue or node shutdown) or a lost launcher (SIGHUP)",
-           REQUEUE: "SIGUSR2 (time limit near, or preemption)"}
+REASONS = {
+    TERMINATE: "SIGTERM (cancel, requeue or node shutdown) or a lost launcher (SIGHUP)",
+    REQUEUE: "SIGUSR2 (time limit near, or preemption)",
+}
 
 
 class StopRequest:
@@ -53,8 +55,9 @@ class StopRequest:
 
     def _on_hup(self, signum, frame) -> None:
         if self.code < TERMINATE:  # the first of possibly several (one per launcher thread)
-            log.warning("caught SIGHUP (the launcher is gone): will checkpoint after this step "
-                        "and stop")
+            log.warning(
+                "caught SIGHUP (the launcher is gone): will checkpoint after this step and stop"
+            )
         self.code = max(self.code, TERMINATE)
 
     def install(self) -> StopRequest:
@@ -81,19 +84,30 @@ def requeue_job(env: Optional[Mapping[str, str]] = None, max_requeues: int = 3) 
         return False
     restarts = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
     if restarts >= max_requeues:
-        log.warning("job %s restarted %d times already (cluster.max_num_timeout=%d): not requeued",
-                    job_id, restarts, max_requeues)
+        log.warning(
+            "job %s restarted %d times already (cluster.max_num_timeout=%d): not requeued",
+            job_id,
+            restarts,
+            max_requeues,
+        )
         return False
     try:
-        out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True,
-                             timeout=60)
+        out = subprocess.run(
+            ["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60
+        )
     except (OSError, subprocess.SubprocessError) as exc:
-        raise LaunchError(f"scontrol requeue {job_id} could not run ({exc}): requeue by hand") from None
+        raise LaunchError(
+            f"scontrol requeue {job_id} could not run ({exc}): requeue by hand"
+        ) from None
     if out.returncode < 0:
         # the requeue itself signals every process of the job, scontrol included (seen on Slurm
         # 22.05: killed by SIGTERM, no output): the request went through
-        log.warning("scontrol requeue %s was stopped by signal %d along with the job: the "
-                    "requeue was accepted", job_id, -out.returncode)
+        log.warning(
+            "scontrol requeue %s was stopped by signal %d along with the job: the "
+            "requeue was accepted",
+            job_id,
+            -out.returncode,
+        )
     elif out.returncode != 0:
         raise LaunchError(f"scontrol requeue {job_id} failed: {out.stderr.strip()}")
     log.warning("requeued job %s (restart %d of at most %d)", job_id, restarts + 1, max_requeues)

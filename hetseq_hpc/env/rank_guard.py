@@ -37,9 +37,15 @@ WATCH_EVERY_S = 0.5
 
 #: error text of a rank that only saw a peer go away (lower case; matched in the error line)
 PEER_MARKERS = (
-    "connection closed by peer", "connection reset by peer", "broken pipe",
-    "nccl communicator was aborted", "remote process exited", "econnreset", "socket closed",
-    "timed out waiting", "connection refused",
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "nccl communicator was aborted",
+    "remote process exited",
+    "econnreset",
+    "socket closed",
+    "timed out waiting",
+    "connection refused",
 )
 
 
@@ -47,7 +53,6 @@ def is_peer_error(text: object) -> bool:
     """True if ``text`` (an error line or ``"Type: message"``) is a peer's disconnection."""
     low = str(text).lower()
     return any(marker in low for marker in PEER_MARKERS)
-
 
 
 def _log_to_files_only(level: int, message: str) -> None:
@@ -68,16 +73,28 @@ def report_failure(exc: BaseException, rank: int, path: Path) -> str:
     peer = is_peer_error(f"{type(exc).__name__}: {text}")
     if peer:
         _log_to_files_only(logging.ERROR, f"rank {rank} failed:\n{traceback.format_exc()}")
-        log.warning("rank %d stopped: a peer disconnected (%s: %s); traceback in this rank's log",
-                    rank, type(exc).__name__, one_line)
+        log.warning(
+            "rank %d stopped: a peer disconnected (%s: %s); traceback in this rank's log",
+            rank,
+            type(exc).__name__,
+            one_line,
+        )
     else:
         if not isinstance(exc, HetseqError):
             log.error("rank %d failed:\n%s", rank, traceback.format_exc())
         log.error("rank %d: %s: %s", rank, type(exc).__name__, one_line)
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(path, {"rank": rank, "type": type(exc).__name__, "message": one_line,
-                                 "time": time.time(), "peer": peer})
+        atomic_write_json(
+            path,
+            {
+                "rank": rank,
+                "type": type(exc).__name__,
+                "message": one_line,
+                "time": time.time(),
+                "peer": peer,
+            },
+        )
     except OSError:
         pass
     return one_line

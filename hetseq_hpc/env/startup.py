@@ -55,12 +55,17 @@ class PhaseClock:
 
     def to_dict(self) -> Dict[str, Any]:
         """``{"process_start", "phases_s", "allocated"}`` for ``allocation.json``."""
-        return {"process_start": self.process_start, "phases_s": dict(self.phases_s),
-                "allocated": self._last}
+        return {
+            "process_start": self.process_start,
+            "phases_s": dict(self.phases_s),
+            "allocated": self._last,
+        }
 
     def log(self) -> None:
         """One log line with every phase."""
-        log.info("start-up phases: %s", ", ".join(f"{k} {v:.2f} s" for k, v in self.phases_s.items()))
+        log.info(
+            "start-up phases: %s", ", ".join(f"{k} {v:.2f} s" for k, v in self.phases_s.items())
+        )
 
 
 def prefetch_imports(names: Sequence[str]) -> Optional[threading.Thread]:

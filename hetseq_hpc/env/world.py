@@ -69,7 +69,9 @@ def _int_var(env: Mapping[str, str], name: str, *, minimum: int = 0, hint: str =
     try:
         value = int(raw)
     except ValueError:
-        raise WorldError(f"{name}={raw!r} is not an integer: {hint or 'fix the variable'}") from None
+        raise WorldError(
+            f"{name}={raw!r} is not an integer: {hint or 'fix the variable'}"
+        ) from None
     if value < minimum:
         raise WorldError(f"{name}={value} must be >= {minimum}: {hint or 'fix the variable'}")
     return value
@@ -205,10 +207,16 @@ class WorldInfo:
             raise WorldError(f"RANK={rank} is not below WORLD_SIZE={world}: {hint}")
         local_rank = _int_var(env, "LOCAL_RANK", hint=hint) if env.get("LOCAL_RANK") else 0
         het_hint = "HETSEQ_HET_GROUP/HETSEQ_HET_SIZE describe the het component; fix or unset them"
-        het_group = (_int_var(env, "HETSEQ_HET_GROUP", hint=het_hint)
-                     if env.get("HETSEQ_HET_GROUP") else None)
-        het_size = (_int_var(env, "HETSEQ_HET_SIZE", minimum=1, hint=het_hint)
-                    if env.get("HETSEQ_HET_SIZE") else 1)
+        het_group = (
+            _int_var(env, "HETSEQ_HET_GROUP", hint=het_hint)
+            if env.get("HETSEQ_HET_GROUP")
+            else None
+        )
+        het_size = (
+            _int_var(env, "HETSEQ_HET_SIZE", minimum=1, hint=het_hint)
+            if env.get("HETSEQ_HET_SIZE")
+            else 1
+        )
         return cls(
             rank=rank,
             local_rank=local_rank,
@@ -289,8 +297,13 @@ class WorldInfo:
         for k in range(het_size):
             name = hv["ntasks"].format(k=k)
             counts.append(
-                _int_var(env, name, minimum=1, hint="start the step with srun --het-group=0-"
-                         f"{het_size - 1} so that every component takes part")
+                _int_var(
+                    env,
+                    name,
+                    minimum=1,
+                    hint="start the step with srun --het-group=0-"
+                    f"{het_size - 1} so that every component takes part",
+                )
             )
         if sum(counts) != world:
             raise WorldError(

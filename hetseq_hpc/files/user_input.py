@@ -112,8 +112,9 @@ def loads_strict(text: str) -> Any:
         ValueError: not JSON, or one of those numbers (the message says which).
         RecursionError: nested deeper than the interpreter's recursion limit.
     """
-    return json.loads(text, parse_int=_parse_int, parse_float=_parse_float,
-                      parse_constant=_parse_constant)
+    return json.loads(
+        text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant
+    )
 
 
 def read_json_file(path: PathLike, label: str, fix: str) -> Any:
@@ -138,8 +139,10 @@ def read_json_file(path: PathLike, label: str, fix: str) -> Any:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{label} is not UTF-8 text (byte {exc.start} is "
-                          f"{data[exc.start]:#04x}; binary data?): {fix}") from None
+        raise ConfigError(
+            f"{label} is not UTF-8 text (byte {exc.start} is "
+            f"{data[exc.start]:#04x}; binary data?): {fix}"
+        ) from None
     try:
         return loads_strict(text)
     except RecursionError:
@@ -180,8 +183,9 @@ def folder_problem(path: PathLike) -> Optional[str]:
     return None
 
 
-def number(value: Any, where: str, fix: str, low: float, high: float,
-           integer: bool = False) -> Union[int, float]:
+def number(
+    value: Any, where: str, fix: str, low: float, high: float, integer: bool = False
+) -> Union[int, float]:
     """``value`` as a number in ``[low, high]`` (an integer if ``integer``).
 
     Raises:

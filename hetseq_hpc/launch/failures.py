@@ -46,8 +46,10 @@ STOP_RECORD = Path("logs") / "stop.json"
 #: fail is longer than this
 STOP_GAP_S = 5.0
 #: a Python exception line: ``pkg.module.NameError: message`` at column 0
-_EXC_LINE = re.compile(r"[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Preempted|Failure)"
-                       r"(?::.*)?\Z")
+_EXC_LINE = re.compile(
+    r"[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Preempted|Failure)"
+    r"(?::.*)?\Z"
+)
 
 
 def error_line(trace: object) -> str:
@@ -84,8 +86,12 @@ def read_error_file(path: Path) -> Optional[Dict]:
         return None
 
 
-def first_failure(codes: Mapping[int, int], errors: Mapping[int, Optional[Dict]],
-                  stopped: Iterable[int] = (), silent: Iterable[int] = ()) -> int:
+def first_failure(
+    codes: Mapping[int, int],
+    errors: Mapping[int, Optional[Dict]],
+    stopped: Iterable[int] = (),
+    silent: Iterable[int] = (),
+) -> int:
     """The rank to blame (local launcher and SLURM).
 
     Args:
@@ -106,8 +112,12 @@ def first_failure(codes: Mapping[int, int], errors: Mapping[int, Optional[Dict]]
         ValueError: no rank failed.
     """
     stopped, silent = set(stopped), set(silent)
-    failed = sorted(set(r for r, c in codes.items() if c not in (None, 0)) |
-                    set(r for r, e in errors.items() if e) | stopped | silent)
+    failed = sorted(
+        set(r for r, c in codes.items() if c not in (None, 0))
+        | set(r for r, e in errors.items() if e)
+        | stopped
+        | silent
+    )
     if not failed:
         raise ValueError("no rank failed")
 
@@ -135,8 +145,7 @@ class StopWatch:
     file's ``stopped_s`` (:func:`note_stopped`) tells the launcher which rank they waited for.
     """
 
-    def __init__(self, gap_s: float = STOP_GAP_S, tick_s: float = 0.5,
-                 clock: Any = time.monotonic):
+    def __init__(self, gap_s: float = STOP_GAP_S, tick_s: float = 0.5, clock: Any = time.monotonic):
         self.gap_s, self.tick_s = gap_s, tick_s
         self.stopped_s = 0.0
         self._clock = clock
@@ -177,17 +186,33 @@ def note_stopped(path: Path, stopped_s: float) -> None:
         pass
 
 
-def write_stop_record(run_dir: Path, job_id: str, step: int, code: int, restarts: int,
-                      max_requeues: int, requeued: bool) -> None:
+def write_stop_record(
+    run_dir: Path,
+    job_id: str,
+    step: int,
+    code: int,
+    restarts: int,
+    max_requeues: int,
+    requeued: bool,
+) -> None:
     """Rank 0 of a SLURM job that stopped after writing the checkpoint of ``step`` records it
     in ``<run dir>/logs/stop.json`` (``code``: :mod:`hetseq_hpc.env.preemption`'s TERMINATE or
     REQUEUE; ``requeued``: the job was requeued and will go on by itself). Never raises."""
     try:
         path = Path(run_dir) / STOP_RECORD
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(path, {"job_id": str(job_id), "step": int(step), "code": int(code),
-                                 "restarts": int(restarts), "max_requeues": int(max_requeues),
-                                 "requeued": bool(requeued), "time": time.time()})
+        atomic_write_json(
+            path,
+            {
+                "job_id": str(job_id),
+                "step": int(step),
+                "code": int(code),
+                "restarts": int(restarts),
+                "max_requeues": int(max_requeues),
+                "requeued": bool(requeued),
+                "time": time.time(),
+            },
+        )
     except OSError:
         pass
 
@@ -217,8 +242,10 @@ def signal_reason(code: int, run_dir: Path, rank: int, oom: Optional[str] = None
     reason = f"killed by {name}: out of memory (the kernel's OOM killer: {oom})"
     estimate = memory_estimate_gb(run_dir, rank)
     if estimate is not None:
-        reason += (f"; the rank was planned to use about {estimate:.2f} GiB (allocation.json: "
-                   "static + activations x micro-batch)")
+        reason += (
+            f"; the rank was planned to use about {estimate:.2f} GiB (allocation.json: "
+            "static + activations x micro-batch)"
+        )
     return reason + ": lower cluster.memory_budget_gb, shrink task.model or balance.max_micro_batch"
 
 
@@ -230,7 +257,8 @@ def memory_estimate_gb(run_dir: Path, rank: int) -> Optional[float]:
         entry = data["ranks"][rank]
         cal, share = entry["calibration"], entry["share"]
         total = float(cal["static_bytes"]) + float(cal["activation_bytes_per_sample"]) * int(
-            share["micro_batch"])
+            share["micro_batch"]
+        )
         return total / 2**30
     except (OSError, ValueError, KeyError, IndexError, TypeError):
         return None
@@ -254,12 +282,28 @@ def too_few_message(run_dir: Path, lost: Sequence[int], reasons: Sequence[str]) 
     except Exception:  # no readable metrics: the generic words
         pass
     who = "; ".join(f"rank {r}: {reason}" for r, reason in zip(lost, reasons))
-    return (f"rank(s) {list(lost)} were lost ({who}); the others stopped after checkpointing their "
-            f"last completed step: {why}; resume with trainer.resume=auto (a Slurm job is "
-            f"requeued and resumes by itself); see {RunDir(run_dir).rank_log(lost[0])}")
+    return (
+        f"rank(s) {list(lost)} were lost ({who}); the others stopped after checkpointing their "
+        f"last completed step: {why}; resume with trainer.resume=auto (a Slurm job is "
+        f"requeued and resumes by itself); see {RunDir(run_dir).rank_log(lost[0])}"
+    )
 
 
-__all__ = ["PEER_MARKERS", "STOP_GAP_S", "STOP_RECORD", "StopWatch", "error_line",
-           "first_failure", "is_peer_error", "memory_estimate_gb", "note_stopped", "pick_failure",
-           "read_error_file", "read_stop_record", "signal_reason", "survivors_stopped",
-           "too_few_message", "write_stop_record"]
+__all__ = [
+    "PEER_MARKERS",
+    "STOP_GAP_S",
+    "STOP_RECORD",
+    "StopWatch",
+    "error_line",
+    "first_failure",
+    "is_peer_error",
+    "memory_estimate_gb",
+    "note_stopped",
+    "pick_failure",
+    "read_error_file",
+    "read_stop_record",
+    "signal_reason",
+    "survivors_stopped",
+    "too_few_message",
+    "write_stop_record",
+]

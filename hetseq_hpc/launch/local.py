@@ -58,8 +58,9 @@ TERM_GRACE_S = 10.0
 #: seconds the other ranks get to exit (and write their own error) after a rank failed
 FAILURE_GRACE_S = 3.0
 #: reason given for a rank found stopped while its peers failed waiting for it
-STOPPED_REASON = ("it was stopped (SIGSTOP or Ctrl-Z) and did not answer; its peers timed out "
-                  "waiting for it")
+STOPPED_REASON = (
+    "it was stopped (SIGSTOP or Ctrl-Z) and did not answer; its peers timed out waiting for it"
+)
 #: ``prctl`` option that sends a signal to a process when its parent dies (linux/prctl.h)
 PR_SET_PDEATHSIG = 1
 
@@ -82,7 +83,8 @@ def check_ranks_fit_gpus(run: RunConfig, gpus: Optional[int] = None) -> None:
         raise ConfigError(
             f"cluster.ranks={world} on a machine with {gpus} visible GPU(s): NCCL cannot run two "
             f"ranks on one GPU; use cluster.ranks={gpus} (or leave it unset: one rank per GPU), "
-            f"or hide the GPUs (CUDA_VISIBLE_DEVICES= ) to run {world} ranks on the CPU")
+            f"or hide the GPUs (CUDA_VISIBLE_DEVICES= ) to run {world} ranks on the CPU"
+        )
 
 
 def rank_environments(run: RunConfig, config_path: Path) -> List[Dict[str, str]]:
@@ -97,19 +99,21 @@ def rank_environments(run: RunConfig, config_path: Path) -> List[Dict[str, str]]
     envs = []
     for rank in range(world):
         env = dict(os.environ)
-        env.update({
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": str(placement_for(run, rank, local_world_size=world).threads),
-            "PYTHONUNBUFFERED": "1",
-            # Ctrl-C reaches the launcher, which stops the ranks with SIGTERM: they checkpoint
-            # after the current step instead of dying inside a collective
-            "HETSEQ_IGNORE_SIGINT": "1",
-        })
+        env.update(
+            {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": str(placement_for(run, rank, local_world_size=world).threads),
+                "PYTHONUNBUFFERED": "1",
+                # Ctrl-C reaches the launcher, which stops the ranks with SIGTERM: they checkpoint
+                # after the current step instead of dying inside a collective
+                "HETSEQ_IGNORE_SIGINT": "1",
+            }
+        )
         envs.append(env)
     return envs
 
@@ -254,13 +258,21 @@ def _start(cmd: List[str], envs: List[Dict[str, str]], pass_fds: tuple) -> List[
     procs: List[subprocess.Popen] = []
     for env in envs:
         group = procs[0].pid if procs and procs[0].poll() is None else 0
-        procs.append(subprocess.Popen(cmd, env=env, process_group=group, preexec_fn=preexec,
-                                      pass_fds=pass_fds))
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, process_group=group, preexec_fn=preexec, pass_fds=pass_fds
+            )
+        )
     return procs
 
 
-def _failure_reason(run_dir: Path, rank: int, code: Optional[int], pid: Optional[int] = None,
-                    oom_before: Optional[Dict[str, int]] = None) -> str:
+def _failure_reason(
+    run_dir: Path,
+    rank: int,
+    code: Optional[int],
+    pid: Optional[int] = None,
+    oom_before: Optional[Dict[str, int]] = None,
+) -> str:
     """The words for a failed rank: its own error, else its signal. A SIGKILL is called out of
     memory only with the kernel's word for it (:func:`hetseq_hpc.env.memcg.oom_evidence`: the
     cgroup's OOM-kill count since ``oom_before``, or the kernel log naming ``pid``)."""
@@ -273,8 +285,9 @@ def _failure_reason(run_dir: Path, rank: int, code: Optional[int], pid: Optional
     return f"exit code {code}"
 
 
-def _watch(procs: List[subprocess.Popen], poll_s: float,
-           job: Optional[ElasticJob] = None) -> Dict[int, int]:
+def _watch(
+    procs: List[subprocess.Popen], poll_s: float, job: Optional[ElasticJob] = None
+) -> Dict[int, int]:
     """Wait until every rank exited, or a rank failed and the others had
     :data:`FAILURE_GRACE_S` to exit on their own; returns rank -> exit code of the ranks that
     exited by themselves (before anyone stopped them). With ``job`` (in-job recovery), a rank
@@ -289,8 +302,9 @@ def _watch(procs: List[subprocess.Popen], poll_s: float,
                 codes[rank] = code
         if job is not None:
             job.end_excluded(procs, codes)
-        if failed_at is None and any(c != 0 and not (job and job.tolerated(c))
-                                     for c in codes.values()):
+        if failed_at is None and any(
+            c != 0 and not (job and job.tolerated(c)) for c in codes.values()
+        ):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
             break
@@ -318,8 +332,9 @@ def launch_local(run: RunConfig, run_dir: Path, poll_s: float = POLL_S) -> Dict:
         return _launch(run, run_dir, poll_s, lock.child_env(), (lock.fd,))
 
 
-def _launch(run: RunConfig, run_dir: Path, poll_s: float, lock_env: Dict[str, str],
-            pass_fds: tuple) -> Dict:
+def _launch(
+    run: RunConfig, run_dir: Path, poll_s: float, lock_env: Dict[str, str], pass_fds: tuple
+) -> Dict:
     config_path = save_run_config(run, RunDir(run_dir).config)
     for stale in (run_dir / "logs").glob("rank*.error.json"):
         stale.unlink()
@@ -329,10 +344,21 @@ def _launch(run: RunConfig, run_dir: Path, poll_s: float, lock_env: Dict[str, st
         env[LAUNCHER_PID_ENV] = str(os.getpid())
         if Path("/sys/class/net/lo").exists():  # gloo's pair sockets on loopback only, too
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    log.info("starting %d rank(s) on this machine (%s threads each); run directory %s",
-             len(envs), envs[0].get("OMP_NUM_THREADS", "?"), run_dir)
-    cmd = [sys.executable, "-m", "hetseq_hpc.worker", "--config", str(config_path),
-           "--run-dir", str(run_dir)]
+    log.info(
+        "starting %d rank(s) on this machine (%s threads each); run directory %s",
+        len(envs),
+        envs[0].get("OMP_NUM_THREADS", "?"),
+        run_dir,
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetseq_hpc.worker",
+        "--config",
+        str(config_path),
+        "--run-dir",
+        str(run_dir),
+    ]
     procs: List[subprocess.Popen] = []
     oom_before = oom_kill_counts()  # the ranks inherit this cgroup: did the OOM killer act?
     job = ElasticJob.serve(run, envs)
@@ -342,23 +368,33 @@ def _launch(run: RunConfig, run_dir: Path, poll_s: float, lock_env: Dict[str, st
         if job is not None and codes and all(job.tolerated(c) or c == 0 for c in codes.values()):
             lost = sorted(r for r, c in codes.items() if c != 0)
             if lost:
-                log.warning("rank(s) %s were lost; the others finished the run without them",
-                            lost)
+                log.warning("rank(s) %s were lost; the others finished the run without them", lost)
             if len(lost) == len(procs):
-                raise LaunchError(f"every rank was lost ({_failure_reason(run_dir, 0, codes[0])}"
-                                  f"); see {RunDir(run_dir).rank_log(0)}")
+                raise LaunchError(
+                    f"every rank was lost ({_failure_reason(run_dir, 0, codes[0])}"
+                    f"); see {RunDir(run_dir).rank_log(0)}"
+                )
         elif job is not None and survivors_stopped(codes, job.tolerated):
             lost = sorted(r for r, c in codes.items() if job.tolerated(c))
-            raise LaunchError(too_few_message(run_dir, lost, [
-                _failure_reason(run_dir, r, codes[r], procs[r].pid, oom_before) for r in lost]))
+            raise LaunchError(
+                too_few_message(
+                    run_dir,
+                    lost,
+                    [_failure_reason(run_dir, r, codes[r], procs[r].pid, oom_before) for r in lost],
+                )
+            )
         elif any(c != 0 for c in codes.values()):
             errors = {r: read_error_file(RunDir(run_dir).error_file(r)) for r in range(len(procs))}
             stopped = [r for r, p in enumerate(procs) if r not in codes and _is_stopped(p.pid)]
             _stop(procs)
             failed = first_failure(codes, errors, stopped)
-            reason = (STOPPED_REASON if failed in stopped and errors.get(failed) is None
-                      else _failure_reason(run_dir, failed, codes.get(failed), procs[failed].pid,
-                                        oom_before))
+            reason = (
+                STOPPED_REASON
+                if failed in stopped and errors.get(failed) is None
+                else _failure_reason(
+                    run_dir, failed, codes.get(failed), procs[failed].pid, oom_before
+                )
+            )
             raise LaunchError(
                 f"rank {failed} failed ({reason}); the other ranks were stopped; see "
                 f"{RunDir(run_dir).rank_log(failed)}"

@@ -49,8 +49,10 @@ def _clean(where: str, value: object) -> str:
     """
     text = str(value)
     if _CONTROL.search(text):
-        raise ConfigError(f"{where}={text!r} holds a newline or control character, which is not "
-                          "allowed in an sbatch script: remove it")
+        raise ConfigError(
+            f"{where}={text!r} holds a newline or control character, which is not "
+            "allowed in an sbatch script: remove it"
+        )
     return text
 
 
@@ -64,7 +66,9 @@ def _mem(mem_gb: float) -> str:
     return f"{int(mem_gb)}G" if float(mem_gb).is_integer() else f"{int(mem_gb * 1024)}M"
 
 
-def component_options(part: PartitionConfig, timeout_min: int, where: str = "partition") -> List[str]:
+def component_options(
+    part: PartitionConfig, timeout_min: int, where: str = "partition"
+) -> List[str]:
     """``#SBATCH`` options of one het component (one partition); every value shell-quoted.
 
     Raises:
@@ -88,23 +92,28 @@ def component_options(part: PartitionConfig, timeout_min: int, where: str = "par
     for key, value in part.extra_sbatch.items():
         flag = _clean(f"{where}.extra_sbatch key", key).replace("_", "-")
         if not re.fullmatch(r"[A-Za-z][A-Za-z0-9-]*", flag):
-            raise ConfigError(f"{where}.extra_sbatch key {key!r} is not an sbatch option name: "
-                              "use letters, digits and '-' (e.g. exclude)")
+            raise ConfigError(
+                f"{where}.extra_sbatch key {key!r} is not an sbatch option name: "
+                "use letters, digits and '-' (e.g. exclude)"
+            )
         opts.append(_opt(flag, value, f"{where}.extra_sbatch.{key}"))
     return opts
 
 
-def srun_command(cluster: SlurmClusterConfig, folder: str, python: str,
-                 elastic: bool = False) -> str:
+def srun_command(
+    cluster: SlurmClusterConfig, folder: str, python: str, elastic: bool = False
+) -> str:
     """The one step over every component; each task runs submitit's entry point. With
     ``elastic`` (in-job recovery) the step survives a task's death: ``--kill-on-bad-exit=0``
     (a task that exits non-zero does not end the step) and ``--no-kill`` (nor does a lost
     node), https://slurm.schedmd.com/srun.html."""
     k = len(cluster.partitions)
     het = [f"--het-group=0-{k - 1}"] if k > 1 else []
-    inner = ('exec "$0" -u -m submitit.core._submit "$1" '
-             '>>"$1/${SLURM_JOB_ID}_${SLURM_PROCID}_log.out" '
-             '2>>"$1/${SLURM_JOB_ID}_${SLURM_PROCID}_log.err"')
+    inner = (
+        'exec "$0" -u -m submitit.core._submit "$1" '
+        '>>"$1/${SLURM_JOB_ID}_${SLURM_PROCID}_log.out" '
+        '2>>"$1/${SLURM_JOB_ID}_${SLURM_PROCID}_log.err"'
+    )
     survive = ["--kill-on-bad-exit=0", "--no-kill"] if elastic else ["--kill-on-bad-exit=1"]
     parts = ["srun", "--unbuffered", *het, *survive, "bash", "-c", inner, python, folder]
     return " ".join(shlex.quote(p) for p in parts)
@@ -119,7 +128,8 @@ def store_lines(python: str, folder: str, nodes: int = 1) -> List[str]:
     does not start."""
     where = shlex.quote(folder) + '/"${SLURM_JOB_ID}_store.address"'
     return [
-        "", "# in-job recovery (trainer.elastic): the job's store, here on the batch host, in no rank",
+        "",
+        "# in-job recovery (trainer.elastic): the job's store, here on the batch host, in no rank",
         'HETSEQ_JOB_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d " \\n")',
         "export HETSEQ_JOB_TOKEN",
         f"rm -f {where}",
@@ -130,7 +140,7 @@ def store_lines(python: str, folder: str, nodes: int = 1) -> List[str]:
         f"for _ in $(seq 1 600); do [ -s {where} ] && break; kill -0 $store_pid 2>/dev/null || break; "
         "sleep 0.1; done",
         f"if [ ! -s {where} ]; then echo \"hetseq-hpc: error: the job's store did not start "
-        f"(its error is above)\" >&2; exit 1; fi",
+        f'(its error is above)" >&2; exit 1; fi',
         f'export HETSEQ_STORE="$(cat {where})"',
     ]
 
@@ -185,8 +195,13 @@ def survived_lines(srun: str, run_dir: str) -> List[str]:
     ]
 
 
-def render_sbatch(cluster: SlurmClusterConfig, folder: str, python: str,
-                  elastic: bool = False, run_dir: Optional[str] = None) -> str:
+def render_sbatch(
+    cluster: SlurmClusterConfig,
+    folder: str,
+    python: str,
+    elastic: bool = False,
+    run_dir: Optional[str] = None,
+) -> str:
     """The complete sbatch script.
 
     Args:
@@ -223,23 +238,32 @@ def render_sbatch(cluster: SlurmClusterConfig, folder: str, python: str,
         if index:
             lines.append("#SBATCH hetjob")
         opts = component_options(part, cluster.timeout_min, where)
-        lines.append(f"# het component {index}: {key} = partition {_clean(where, part.partition)}, "
-                     f"{_clean(where, part.gpu_type or 'CPU')}, {int(part.nodes)} node(s) x "
-                     f"{int(part.ranks_per_node_effective)} rank(s)")
+        lines.append(
+            f"# het component {index}: {key} = partition {_clean(where, part.partition)}, "
+            f"{_clean(where, part.gpu_type or 'CPU')}, {int(part.nodes)} node(s) x "
+            f"{int(part.ranks_per_node_effective)} rank(s)"
+        )
         lines.extend(f"#SBATCH {opt}" for opt in opts)
     # cluster.env first, so that cluster.setup sees it
     lines += ["", "# environment (cluster.env)", "export SUBMITIT_EXECUTOR=slurm"]
     for name, value in cluster.env.items():
         if not _ENV_NAME.match(str(name)):
-            raise ConfigError(f"cluster.env key {name!r} is not a variable name: use [A-Za-z_][A-Za-z0-9_]*")
+            raise ConfigError(
+                f"cluster.env key {name!r} is not a variable name: use [A-Za-z_][A-Za-z0-9_]*"
+            )
         lines.append(f"export {name}={shlex.quote(str(value))}")
     lines += ["", "# setup (cluster.setup)"]
     lines += list(cluster.setup)
     hand = shlex.quote(f"{folder}/{HAND_PICKLE}")
     mine = shlex.quote(folder) + '/"${SLURM_JOB_ID}_submitted.pkl"'
-    lines += ["", "# submitted by hand (sbatch job.sbatch after hetseq-hpc render): run the job "
-              "function saved with this script", f"if [ -e {hand} ] && [ ! -e {mine} ]; then",
-              f"  cp {hand} {mine}", "fi"]
+    lines += [
+        "",
+        "# submitted by hand (sbatch job.sbatch after hetseq-hpc render): run the job "
+        "function saved with this script",
+        f"if [ -e {hand} ] && [ ! -e {mine} ]; then",
+        f"  cp {hand} {mine}",
+        "fi",
+    ]
     if elastic:
         lines += store_lines(python, folder, sum(int(p.nodes) for p in cluster.partitions.values()))
     srun = srun_command(cluster, folder, python, elastic)
@@ -260,9 +284,18 @@ def save_hand_submission(folder: Path, function: Any) -> Path:
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    return atomic_write(folder / HAND_PICKLE,
-                        lambda fh: cloudpickle.dump(DelayedSubmission(function), fh))
+    return atomic_write(
+        folder / HAND_PICKLE, lambda fh: cloudpickle.dump(DelayedSubmission(function), fh)
+    )
 
 
-__all__ = ["HAND_PICKLE", "PREEMPT_SIGNAL", "component_options", "render_sbatch",
-           "save_hand_submission", "srun_command", "store_lines", "survived_lines"]
+__all__ = [
+    "HAND_PICKLE",
+    "PREEMPT_SIGNAL",
+    "component_options",
+    "render_sbatch",
+    "save_hand_submission",
+    "srun_command",
+    "store_lines",
+    "survived_lines",
+]

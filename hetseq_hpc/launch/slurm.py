@@ -60,6 +60,7 @@ from hetseq_hpc.rundir.paths import RunDir
 
 log = logging.getLogger(__name__)
 
+
 class HetSlurmExecutor(SlurmExecutor):
     """submitit's Slurm executor for one het job over the partitions of a cluster config.
 
@@ -71,11 +72,18 @@ class HetSlurmExecutor(SlurmExecutor):
 
     job_class = HetSlurmJob
 
-    def __init__(self, folder: Path, cluster: SlurmClusterConfig, python: Optional[str] = None,
-                 elastic: bool = False, run_dir: Optional[str] = None):
+    def __init__(
+        self,
+        folder: Path,
+        cluster: SlurmClusterConfig,
+        python: Optional[str] = None,
+        elastic: bool = False,
+        run_dir: Optional[str] = None,
+    ):
         if "%" in str(folder):
-            raise ConfigError(f"cluster.folder={str(folder)!r} must not hold '%' patterns: give a "
-                              "plain directory")
+            raise ConfigError(
+                f"cluster.folder={str(folder)!r} must not hold '%' patterns: give a plain directory"
+            )
         super().__init__(folder, max_num_timeout=cluster.max_num_timeout, python=python)
         self.cluster = cluster
         self.elastic, self.run_dir = elastic, run_dir
@@ -83,8 +91,9 @@ class HetSlurmExecutor(SlurmExecutor):
         self.update_parameters(time=cluster.timeout_min, job_name=cluster.job_name)
 
     def _make_submission_file_text(self, command: str, uid: str) -> str:
-        return render_sbatch(self.cluster, str(self.folder), self.python_path, self.elastic,
-                             self.run_dir)
+        return render_sbatch(
+            self.cluster, str(self.folder), self.python_path, self.elastic, self.run_dir
+        )
 
     def _num_tasks(self) -> int:
         return self.cluster.world_size
@@ -122,8 +131,15 @@ class HetseqJobFunction:
                 restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
                 limit = run.cluster.max_requeues
                 requeued = exc.code == REQUEUE and restarts < limit
-                write_stop_record(self.run_dir, os.environ.get("SLURM_JOB_ID", ""), exc.step,
-                                  exc.code, restarts, limit, requeued)
+                write_stop_record(
+                    self.run_dir,
+                    os.environ.get("SLURM_JOB_ID", ""),
+                    exc.step,
+                    exc.code,
+                    restarts,
+                    limit,
+                    requeued,
+                )
             handle_preempted(exc, run)
             if exc.after_lost_rank:  # no teardown of the broken world (rank_guard.FAILED)
                 exit_at_shutdown(exc, 3)
@@ -164,8 +180,9 @@ def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
     run_dir = Path(run_dir).resolve()
     folder = Path(cluster.folder or run_dir / "submitit").expanduser().resolve()
     elastic = elastic_job(run)
-    script = render_sbatch(cluster, str(folder), sys.executable, elastic,
-                           str(run_dir))  # refuses unsafe values
+    script = render_sbatch(
+        cluster, str(folder), sys.executable, elastic, str(run_dir)
+    )  # refuses unsafe values
     if not cluster.dry_run:
         require_slurm()
         check_partitions(cluster, partition_inventory())
@@ -180,9 +197,11 @@ def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
             path = run_dir / "job.sbatch"
             save_hand_submission(folder, HetseqJobFunction(str(config_path), str(run_dir)))
             atomic_write_text(path, script)
-            print(f"dry run: wrote {path} ({cluster.world_size} ranks over "
-                  f"{len(cluster.partitions)} het component(s)); nothing was submitted; "
-                  f"submit it by hand with: sbatch {path}")
+            print(
+                f"dry run: wrote {path} ({cluster.world_size} ranks over "
+                f"{len(cluster.partitions)} het component(s)); nothing was submitted; "
+                f"submit it by hand with: sbatch {path}"
+            )
             return {"dry_run": True, "sbatch": str(path), "config": str(config_path)}
         folder.mkdir(parents=True, exist_ok=True)
     executor = HetSlurmExecutor(folder, cluster, elastic=elastic, run_dir=str(run_dir))
@@ -190,17 +209,24 @@ def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
         job = executor.submit(HetseqJobFunction(str(config_path), str(run_dir)))
     except submitit_utils.FailedJobError as exc:
         first = error_line(str(exc))
-        raise LaunchError(f"sbatch refused the job ({first}): fix the value sbatch names "
-                          "(partition limits, account, paths), or inspect it with "
-                          "cluster.dry_run=true") from None
+        raise LaunchError(
+            f"sbatch refused the job ({first}): fix the value sbatch names "
+            "(partition limits, account, paths), or inspect it with "
+            "cluster.dry_run=true"
+        ) from None
     info = {
-        "job_id": job.job_id, "folder": str(folder), "run_dir": str(run_dir),
-        "ranks": cluster.world_size, "partitions": list(cluster.partitions),
+        "job_id": job.job_id,
+        "folder": str(folder),
+        "run_dir": str(run_dir),
+        "ranks": cluster.world_size,
+        "partitions": list(cluster.partitions),
         "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     atomic_write_text(run_dir / "job.json", json.dumps(info, indent=2))
-    print(f"submitted het job {job.job_id}: {cluster.world_size} ranks over "
-          f"{', '.join(cluster.partitions)}")
+    print(
+        f"submitted het job {job.job_id}: {cluster.world_size} ranks over "
+        f"{', '.join(cluster.partitions)}"
+    )
     print(f"  follow:  tail -f {run_dir / 'logs' / 'rank0.log'}   (squeue -j {job.job_id})")
     print(f"  metrics: {run_dir / 'metrics.jsonl'}")
     print(f"  cancel:  scancel {job.job_id}")
@@ -215,12 +241,25 @@ def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
 def job_from_run_dir(run_dir: Path) -> Tuple[HetSlurmJob, int]:
     """Re-attach to the job a run directory's ``job.json`` names: ``(job, ranks)``."""
     info = json.loads((Path(run_dir) / "job.json").read_text())
-    job = HetSlurmJob(folder=info["folder"], job_id=str(info["job_id"]),
-                      tasks=list(range(int(info["ranks"]))))
+    job = HetSlurmJob(
+        folder=info["folder"], job_id=str(info["job_id"]), tasks=list(range(int(info["ranks"])))
+    )
     return job, int(info["ranks"])
 
 
-__all__ = ["TERMINAL_STATES", "HetSlurmExecutor", "HetSlurmInfoWatcher", "HetSlurmJob",
-           "HetseqJobFunction", "check_partitions", "fold_states", "job_from_run_dir",
-           "launch_slurm", "partition_inventory", "pick_failure", "require_slurm",
-           "task_outcomes", "wait_for_job"]
+__all__ = [
+    "TERMINAL_STATES",
+    "HetSlurmExecutor",
+    "HetSlurmInfoWatcher",
+    "HetSlurmJob",
+    "HetseqJobFunction",
+    "check_partitions",
+    "fold_states",
+    "job_from_run_dir",
+    "launch_slurm",
+    "partition_inventory",
+    "pick_failure",
+    "require_slurm",
+    "task_outcomes",
+    "wait_for_job",
+]

@@ -67,17 +67,18 @@ def partition_inventory() -> Dict[str, Dict[str, Any]]:
         LaunchError: sinfo fails (controller down, no config).
     """
     try:
-        out = subprocess.run(["sinfo", "-h", "-N", "-o", SINFO_FORMAT], capture_output=True,
-                             text=True, timeout=60)
+        out = subprocess.run(
+            ["sinfo", "-h", "-N", "-o", SINFO_FORMAT], capture_output=True, text=True, timeout=60
+        )
     except (OSError, subprocess.SubprocessError) as exc:
         raise LaunchError(f"sinfo could not run ({exc}): check the Slurm client setup") from None
     if out.returncode != 0:
         lines = out.stderr.strip().splitlines() or ["no output"]
         # the last error says why (the first of a failed config fetch is a DNS SRV lookup)
-        why = next((line for line in reversed(lines) if "error:" in line or "fatal:" in line),
-                   lines[0])
-        raise LaunchError(f"sinfo failed ({why.strip()}): is slurmctld reachable (scontrol "
-                          "ping)?")
+        why = next(
+            (line for line in reversed(lines) if "error:" in line or "fatal:" in line), lines[0]
+        )
+        raise LaunchError(f"sinfo failed ({why.strip()}): is slurmctld reachable (scontrol ping)?")
     return parse_inventory(out.stdout)
 
 
@@ -91,8 +92,9 @@ def parse_inventory(text: str) -> Dict[str, Dict[str, Any]]:
             continue
         seen.add((fields[0], fields[1]))
         name, _node, gres, cpus, limit = fields
-        entry = inventory.setdefault(name, {"nodes": 0, "gres": [], "cpus": [],
-                                            "max_time_min": slurm_minutes(limit)})
+        entry = inventory.setdefault(
+            name, {"nodes": 0, "gres": [], "cpus": [], "max_time_min": slurm_minutes(limit)}
+        )
         entry["nodes"] += 1
         entry["gres"].append(gres)
         digits = re.match(r"[0-9]+", cpus)
@@ -117,8 +119,9 @@ def check_partitions(cluster: SlurmClusterConfig, inventory: Dict[str, Dict[str,
         raise ConfigError(next(iter(problems.values())))
 
 
-def partition_problems(cluster: SlurmClusterConfig,
-                       inventory: Dict[str, Dict[str, Any]]) -> Dict[str, str]:
+def partition_problems(
+    cluster: SlurmClusterConfig, inventory: Dict[str, Dict[str, Any]]
+) -> Dict[str, str]:
     """What stops each configured partition from running, in configuration order.
 
     Args:
@@ -132,33 +135,47 @@ def partition_problems(cluster: SlurmClusterConfig,
     """
     problems: Dict[str, str] = {}
     for key, part in cluster.partitions.items():
-        problem = _partition_problem(f"cluster.partitions.{key}", part, cluster.timeout_min,
-                                     inventory.get(part.partition), sorted(inventory))
+        problem = _partition_problem(
+            f"cluster.partitions.{key}",
+            part,
+            cluster.timeout_min,
+            inventory.get(part.partition),
+            sorted(inventory),
+        )
         if problem:
             problems[key] = problem
     return problems
 
 
-def _partition_problem(where: str, part, timeout_min: int, info: Optional[Dict[str, Any]],
-                       names: List[str]) -> Optional[str]:
+def _partition_problem(
+    where: str, part, timeout_min: int, info: Optional[Dict[str, Any]], names: List[str]
+) -> Optional[str]:
     if info is None:
-        return (f"{where}.partition={part.partition!r} does not exist on this cluster (sinfo "
-                f"lists {names}): use one of those")
+        return (
+            f"{where}.partition={part.partition!r} does not exist on this cluster (sinfo "
+            f"lists {names}): use one of those"
+        )
     if info["nodes"] < part.nodes:
-        return (f"{where}.nodes={part.nodes} but partition {part.partition!r} has "
-                f"{info['nodes']} node(s): lower {where}.nodes")
+        return (
+            f"{where}.nodes={part.nodes} but partition {part.partition!r} has "
+            f"{info['nodes']} node(s): lower {where}.nodes"
+        )
     gres: List[str] = info.get("gres", [])
     if part.gpu_type and not any(_gres_ok(g, part.gpu_type) for g in gres):
-        return (f"{where}.gpu_type={part.gpu_type!r}: partition {part.partition!r} has no "
-                f"gpu:{part.gpu_type} GRES (its nodes offer {sorted(set(gres))}): use the GPU "
-                "type sinfo -o '%P %G' shows")
+        return (
+            f"{where}.gpu_type={part.gpu_type!r}: partition {part.partition!r} has no "
+            f"gpu:{part.gpu_type} GRES (its nodes offer {sorted(set(gres))}): use the GPU "
+            "type sinfo -o '%P %G' shows"
+        )
     problem = _cpus_problem(where, part, info)
     if problem:
         return problem
     limit = info.get("max_time_min")
     if limit is not None and timeout_min > limit:
-        return (f"cluster.timeout_min={timeout_min} exceeds partition {part.partition!r}'s "
-                f"time limit of {limit:g} minutes (sinfo %l): use cluster.timeout_min<={int(limit)}")
+        return (
+            f"cluster.timeout_min={timeout_min} exceeds partition {part.partition!r}'s "
+            f"time limit of {limit:g} minutes (sinfo %l): use cluster.timeout_min<={int(limit)}"
+        )
     return None
 
 
@@ -172,11 +189,20 @@ def _cpus_problem(where: str, part, info: Dict[str, Any]) -> Optional[str]:
     if fitting >= part.nodes:
         return None
     per_rank = max(cpus) // max(1, part.ranks_per_node_effective)
-    return (f"{where}.cpus_per_rank={part.cpus_per_rank} needs {need} CPUs per node "
-            f"({part.ranks_per_node_effective} rank(s) per node) but only {fitting} node(s) of "
-            f"partition {part.partition!r} have that many (its nodes have {sorted(set(cpus))} "
-            f"CPUs): use {where}.cpus_per_rank<={max(1, per_rank)}")
+    return (
+        f"{where}.cpus_per_rank={part.cpus_per_rank} needs {need} CPUs per node "
+        f"({part.ranks_per_node_effective} rank(s) per node) but only {fitting} node(s) of "
+        f"partition {part.partition!r} have that many (its nodes have {sorted(set(cpus))} "
+        f"CPUs): use {where}.cpus_per_rank<={max(1, per_rank)}"
+    )
 
 
-__all__ = ["SINFO_FORMAT", "check_partitions", "parse_inventory", "partition_inventory",
-           "partition_problems", "require_slurm", "slurm_minutes"]
+__all__ = [
+    "SINFO_FORMAT",
+    "check_partitions",
+    "parse_inventory",
+    "partition_inventory",
+    "partition_problems",
+    "require_slurm",
+    "slurm_minutes",
+]

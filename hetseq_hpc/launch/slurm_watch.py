@@ -45,8 +45,19 @@ from hetseq_hpc.rundir.paths import RunDir
 log = logging.getLogger(__name__)
 
 #: Slurm states after which a job will not produce more results
-TERMINAL_STATES = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-                   "BOOT_FAIL", "DEADLINE", "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}
+TERMINAL_STATES = {
+    "COMPLETED",
+    "CANCELLED",
+    "FAILED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+    "SPECIAL_EXIT",
+    "REVOKED",
+}
 #: precedence when folding component states into one (first match wins)
 #: seconds the other ranks get to leave their result or error after a rank failed
 FAILURE_GRACE_S = 5.0
@@ -58,9 +69,25 @@ SETTLE_S = 5.0
 #: (a script of an older version would hold the step until the time limit); either way it
 #: exits 0: COMPLETED
 SELF_END_GRACE_S = END_GRACE_S + 40.0
-_FOLD_ORDER = ["FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "TIMEOUT", "DEADLINE",
-               "CANCELLED", "PREEMPTED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "PENDING",
-               "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "COMPLETED"]
+_FOLD_ORDER = [
+    "FAILED",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "TIMEOUT",
+    "DEADLINE",
+    "CANCELLED",
+    "PREEMPTED",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "PENDING",
+    "CONFIGURING",
+    "RUNNING",
+    "COMPLETING",
+    "SUSPENDED",
+    "COMPLETED",
+]
 
 
 def fold_states(states: List[str]) -> str:
@@ -94,7 +121,9 @@ class HetSlurmInfoWatcher(SlurmInfoWatcher):
                 continue
             job, state = line.strip().split("|", 1)
             per_job.setdefault(job.split("+")[0], []).append(state)
-        return {job: {"State": fold_states(states), "JobID": job} for job, states in per_job.items()}
+        return {
+            job: {"State": fold_states(states), "JobID": job} for job, states in per_job.items()
+        }
 
     def update(self) -> None:
         """Refresh every registered job's state (squeue, then sacct for jobs squeue forgot)."""
@@ -119,8 +148,12 @@ class HetSlurmInfoWatcher(SlurmInfoWatcher):
 
     def _sacct(self, jobs: List[str]) -> Dict[str, Dict[str, str]]:
         try:
-            out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(jobs)],
-                                 capture_output=True, text=True, timeout=60)
+            out = subprocess.run(
+                ["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(jobs)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
         except (OSError, subprocess.SubprocessError):
             return {}
         if out.returncode != 0:
@@ -158,7 +191,8 @@ class RequeueLimitReached(Preempted):
         self.args = (
             f"stopped after step {step} with a checkpoint: requeue limit (cluster.max_num_timeout="
             f"{max_requeues}) reached; continue with: hetseq-hpc "
-            f"{shlex.quote(f'hydra.run.dir={run_dir}')} trainer.resume=auto",)
+            f"{shlex.quote(f'hydra.run.dir={run_dir}')} trainer.resume=auto",
+        )
 
 
 #: the result of a rank the others left out (``RankExcluded``): it ended quietly, exit 0
@@ -198,8 +232,9 @@ def _rank_errors(run_dir: Path, traces: Dict[int, str], num_tasks: int) -> Dict[
     return errors
 
 
-def failure_message(job_id: str, folder: Path, run_dir: Path, num_tasks: int,
-                    outcomes: Dict[int, Tuple[str, Any]]) -> str:
+def failure_message(
+    job_id: str, folder: Path, run_dir: Path, num_tasks: int, outcomes: Dict[int, Tuple[str, Any]]
+) -> str:
     """The one-line report of a failed job: the rank whose own error came first
     (:func:`~hetseq_hpc.launch.failures.first_failure`; ranks without a result or an error of
     their own count as killed or stopped), its error line and its log file."""
@@ -210,25 +245,32 @@ def failure_message(job_id: str, folder: Path, run_dir: Path, num_tasks: int,
     log_err = folder / f"{job_id}_{rank}_log.err"
     stopped_s = float(errors.get(rank, {}).get("stopped_s") or 0)
     if stopped_s > 0 and is_peer_error(f"{errors[rank].get('type')}: {errors[rank]['message']}"):
-        reason = (f"it was stopped for {stopped_s:.0f} s (SIGSTOP, Ctrl-Z, a frozen node) and did "
-                  "not answer; its peers timed out waiting for it")
+        reason = (
+            f"it was stopped for {stopped_s:.0f} s (SIGSTOP, Ctrl-Z, a frozen node) and did "
+            "not answer; its peers timed out waiting for it"
+        )
     elif rank in traces:
         reason = error_line(traces[rank])
     elif rank in errors:
         reason = f"{errors[rank].get('type', 'Error')}: {errors[rank]['message']}"
     else:
-        reason = ("it ended without an error of its own (killed by a signal: scancel, kill -9, "
-                  "the kernel's OOM killer; or stopped), and its peers lost it")
-    return (f"job {job_id}: rank {rank} failed: {reason} (log: {log_err}; "
-            f"{RunDir(run_dir).rank_log(rank)})")
+        reason = (
+            "it ended without an error of its own (killed by a signal: scancel, kill -9, "
+            "the kernel's OOM killer; or stopped), and its peers lost it"
+        )
+    return (
+        f"job {job_id}: rank {rank} failed: {reason} (log: {log_err}; "
+        f"{RunDir(run_dir).rank_log(rank)})"
+    )
 
 
 def _accounted(run_dir: Path, num_tasks: int, outcomes: Dict[int, Tuple[str, Any]]) -> bool:
     return all(r in outcomes or RunDir(run_dir).error_file(r).is_file() for r in range(num_tasks))
 
 
-def finished_without_lost(outcomes: Dict[int, Tuple[str, Any]],
-                          num_tasks: int) -> Optional[Dict[str, Any]]:
+def finished_without_lost(
+    outcomes: Dict[int, Tuple[str, Any]], num_tasks: int
+) -> Optional[Dict[str, Any]]:
     """The summary of a run whose surviving ranks all returned after losing some
     (``lost_ranks`` in their summary, :mod:`hetseq_hpc.train.elastic`; a rank the others left
     out returns :data:`EXCLUDED_RESULT`, no summary), else None."""
@@ -242,9 +284,15 @@ def finished_without_lost(outcomes: Dict[int, Tuple[str, Any]],
     return None
 
 
-def wait_for_job(job: HetSlurmJob, run_dir: Path, num_tasks: int, poll_s: float = 1.0,
-                 stream: bool = False, timeout_s: Optional[float] = None,
-                 elastic: bool = False) -> Dict[str, Any]:
+def wait_for_job(
+    job: HetSlurmJob,
+    run_dir: Path,
+    num_tasks: int,
+    poll_s: float = 1.0,
+    stream: bool = False,
+    timeout_s: Optional[float] = None,
+    elastic: bool = False,
+) -> Dict[str, Any]:
     """Wait until every rank returned, a rank failed, or Slurm ended the job.
 
     Args:
@@ -283,36 +331,50 @@ def wait_for_job(job: HetSlurmJob, run_dir: Path, num_tasks: int, poll_s: float 
                 sys.stderr.flush()
         outcomes = task_outcomes(folder, job.job_id, num_tasks)
         if any(o[0] == "error" for o in outcomes.values()) or any(
-                RunDir(run_dir).error_file(r).is_file() for r in range(num_tasks)):
+            RunDir(run_dir).error_file(r).is_file() for r in range(num_tasks)
+        ):
             # let the other ranks' results and errors land, then pick the cause
             failed_at = time.monotonic()
-            while (not _accounted(run_dir, num_tasks, outcomes)
-                   and time.monotonic() - failed_at < FAILURE_GRACE_S):
+            while (
+                not _accounted(run_dir, num_tasks, outcomes)
+                and time.monotonic() - failed_at < FAILURE_GRACE_S
+            ):
                 time.sleep(poll_s)
                 outcomes = task_outcomes(folder, job.job_id, num_tasks)
             message = failure_message(job.job_id, folder, run_dir, num_tasks, outcomes)
             traces = {r: str(o[1]) for r, o in outcomes.items() if o[0] == "error"}
-            too_few = any(e.get("type") == "TooFewRanks"
-                          for e in _rank_errors(run_dir, traces, num_tasks).values())
-            if elastic and not too_few and job.watcher.get_state(job.job_id, mode="force") not in TERMINAL_STATES:
+            too_few = any(
+                e.get("type") == "TooFewRanks"
+                for e in _rank_errors(run_dir, traces, num_tasks).values()
+            )
+            if (
+                elastic
+                and not too_few
+                and job.watcher.get_state(job.job_id, mode="force") not in TERMINAL_STATES
+            ):
                 # in-job recovery would let the others go on without a rank that failed by its
                 # own error (a bug, bad data): the job fails instead (TooFewRanks: the survivors
                 # checkpoint and end by themselves)
-                log.warning("job %s: a rank failed by its own error: cancelling the job",
-                            job.job_id)
+                log.warning(
+                    "job %s: a rank failed by its own error: cancelling the job", job.job_id
+                )
                 cancel_job(job.job_id)
             raise LaunchError(message)
         if len(outcomes) == num_tasks:
             survivors = _summaries(outcomes)
             if not survivors:
-                raise LaunchError(f"job {job.job_id}: every rank was left out by the others: see "
-                                  f"{Path(run_dir) / 'logs'}")
+                raise LaunchError(
+                    f"job {job.job_id}: every rank was left out by the others: see "
+                    f"{Path(run_dir) / 'logs'}"
+                )
             return survivors[min(survivors)]
         survived = finished_without_lost(outcomes, num_tasks)
         if survived is not None:  # in-job recovery: the survivors finished without them
             ends_by = time.monotonic() + SELF_END_GRACE_S
-            while (job.watcher.get_state(job.job_id, mode="force") not in TERMINAL_STATES
-                   and time.monotonic() < ends_by):
+            while (
+                job.watcher.get_state(job.job_id, mode="force") not in TERMINAL_STATES
+                and time.monotonic() < ends_by
+            ):
                 time.sleep(poll_s)
             if job.watcher.get_state(job.job_id, mode="force") not in TERMINAL_STATES:
                 # a stopped rank the others left out would hold the step until the time limit
@@ -325,15 +387,18 @@ def wait_for_job(job: HetSlurmJob, run_dir: Path, num_tasks: int, poll_s: float 
             if time.monotonic() - ended_at > SETTLE_S:
                 stop = read_stop_record(run_dir, job.job_id)
                 if stop is not None and stop.get("code") == REQUEUE and not stop.get("requeued"):
-                    raise RequeueLimitReached(stop["step"], int(stop.get("max_requeues", 0)),
-                                              Path(run_dir))
+                    raise RequeueLimitReached(
+                        stop["step"], int(stop.get("max_requeues", 0)), Path(run_dir)
+                    )
                 raise LaunchError(
                     f"job {job.job_id} ended {state} before every rank finished ({len(outcomes)}/"
                     f"{num_tasks} results): see {folder} and {Path(run_dir) / 'logs'}"
                 )
         if timeout_s is not None and time.monotonic() - start > timeout_s:
-            raise LaunchError(f"job {job.job_id} still {state} after {timeout_s:.0f} s: "
-                              f"scancel {job.job_id} to stop it")
+            raise LaunchError(
+                f"job {job.job_id} still {state} after {timeout_s:.0f} s: "
+                f"scancel {job.job_id} to stop it"
+            )
         time.sleep(poll_s)
 
 

@@ -41,8 +41,10 @@ from hetseq_hpc.plan.when_table import clock, render_when, when_json
 TEST_ONLY_TIMEOUT_S = 60
 #: Slurm's time format for its output (``SLURM_TIME_FORMAT=standard``: ISO 8601, local time)
 SLURM_TIME = "%Y-%m-%dT%H:%M:%S"
-_START = re.compile(r"Job (\d+) to start at (\S+) using (\d+) processors? on (?:nodes )?(\S+)"
-                    r"(?: in partition (\S+))?")
+_START = re.compile(
+    r"Job (\d+) to start at (\S+) using (\d+) processors? on (?:nodes )?(\S+)"
+    r"(?: in partition (\S+))?"
+)
 #: where ``cluster.choose`` records the table it chose from, in the run directory
 WHEN_FILE = "when.json"
 
@@ -62,8 +64,9 @@ def parse_test_only(output: str, returncode: int = 0) -> StartEstimate:
     """
     text = output.strip()
     if returncode != 0:
-        errors = [line.split("error:", 1)[1].strip() for line in text.splitlines()
-                  if "error:" in line]
+        errors = [
+            line.split("error:", 1)[1].strip() for line in text.splitlines() if "error:" in line
+        ]
         why = errors[-1] if errors else (text.splitlines()[-1].strip() if text else "")
         return StartEstimate(None, why or f"sbatch exited {returncode}", refused=True)
     starts = []
@@ -81,8 +84,9 @@ def parse_test_only(output: str, returncode: int = 0) -> StartEstimate:
     return StartEstimate(epoch, "; ".join(w for _, w in starts))
 
 
-def test_only_start(cluster, python: Optional[str] = None,
-                    folder: Optional[str] = None) -> StartEstimate:
+def test_only_start(
+    cluster, python: Optional[str] = None, folder: Optional[str] = None
+) -> StartEstimate:
     """``sbatch --test-only`` on the het-job script the launcher would submit for ``cluster``
     (a validated SLURM cluster config): Slurm's expected start. Submits nothing.
 
@@ -99,15 +103,24 @@ def test_only_start(cluster, python: Optional[str] = None,
     with tempfile.TemporaryDirectory(prefix="hetseq-when-") as tmp:
         where = folder or cluster.folder or os.path.join(tmp, "submitit")
         script = Path(tmp) / "job.sbatch"
-        script.write_text(render_sbatch(cluster, str(Path(where).expanduser()),
-                                        python or sys.executable))
+        script.write_text(
+            render_sbatch(cluster, str(Path(where).expanduser()), python or sys.executable)
+        )
         env = dict(os.environ, SLURM_TIME_FORMAT="standard")
         try:
-            proc = subprocess.run(["sbatch", "--test-only", str(script)], cwd=tmp, env=env,
-                                  capture_output=True, text=True, timeout=TEST_ONLY_TIMEOUT_S)
+            proc = subprocess.run(
+                ["sbatch", "--test-only", str(script)],
+                cwd=tmp,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=TEST_ONLY_TIMEOUT_S,
+            )
         except (OSError, subprocess.TimeoutExpired) as exc:
-            raise LaunchError(f"sbatch --test-only failed ({type(exc).__name__}: {exc}): check "
-                              "that slurmctld answers (scontrol ping)") from None
+            raise LaunchError(
+                f"sbatch --test-only failed ({type(exc).__name__}: {exc}): check "
+                "that slurmctld answers (scontrol ping)"
+            ) from None
     return parse_test_only(f"{proc.stdout}\n{proc.stderr}", proc.returncode)
 
 
@@ -154,8 +167,9 @@ def choose_mix(run, run_dir: Path):
     print(render_when(table, run))
     row = table.pick(choose)
     if row.label not in runs:  # pragma: no cover - pick() returns rows that can run
-        raise ConfigError(f"cluster.choose={choose} picked {row.label}, which cannot run: "
-                          "set cluster.choose=none")
+        raise ConfigError(
+            f"cluster.choose={choose} picked {row.label}, which cannot run: set cluster.choose=none"
+        )
     record = json.loads(when_json(table, run))
     record.update(choose=choose, chosen=row.label)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
@@ -163,9 +177,11 @@ def choose_mix(run, run_dir: Path):
 
     atomic_write_text(Path(run_dir) / WHEN_FILE, json.dumps(record, indent=2))
     finish = clock(row.finish_epoch) if row.finish_epoch is not None else "unknown"
-    print(f"cluster.choose={choose}: submitting {row.label} ({row.ranks} ranks, expected finish "
-          f"{finish}, {row.gpu_hours:.3g} GPU-h); saved with cluster.choose=none so a resume "
-          "keeps this mix")
+    print(
+        f"cluster.choose={choose}: submitting {row.label} ({row.ranks} ranks, expected finish "
+        f"{finish}, {row.gpu_hours:.3g} GPU-h); saved with cluster.choose=none so a resume "
+        "keeps this mix"
+    )
     sys.stdout.flush()
     return runs[row.label]
 

@@ -71,12 +71,14 @@ def plan_overrides(argv: Sequence[str]) -> List[str]:
     overrides: List[str] = []
     for arg in argv:
         if arg.startswith("-"):
-            raise ConfigError(f"{arg!r} is not an option: pass Hydra overrides (key=value) and "
-                              "plan.KEY=VALUE options; see --help")
+            raise ConfigError(
+                f"{arg!r} is not an option: pass Hydra overrides (key=value) and "
+                "plan.KEY=VALUE options; see --help"
+            )
         key = arg.lstrip("+~").partition("=")[0]
         if key.startswith("hydra."):
             continue
-        if key.startswith("plan.") and key[len("plan."):] not in plan_keys():
+        if key.startswith("plan.") and key[len("plan.") :] not in plan_keys():
             known = ", ".join(f"plan.{k}" for k in plan_keys())
             raise ConfigError(f"{key} is not a planner option: use one of {known}")
         overrides.append(arg)
@@ -105,9 +107,11 @@ def plan_command(argv: Optional[Sequence[str]] = None) -> int:
     try:
         run = compose_plan_run(argv)
         if run.plan.when:  # the planner never imports a launcher: sbatch --test-only is the CLI's
-            raise ConfigError("plan.when=true asks Slurm for start estimates, which this module "
-                              "does not: run hetseq-hpc plan --when (python -m hetseq_hpc plan "
-                              "--when)")
+            raise ConfigError(
+                "plan.when=true asks Slurm for start estimates, which this module "
+                "does not: run hetseq-hpc plan --when (python -m hetseq_hpc plan "
+                "--when)"
+            )
         plan = make_plan(run)
     except ConfigError as exc:
         return report_error(exc, PROG)

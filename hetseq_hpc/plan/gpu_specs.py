@@ -93,13 +93,21 @@ def arch_for(capability: Tuple[int, int]) -> Arch:
         return ARCHS[cap]
     older = [c for c in ARCHS if c <= cap]
     if not older:
-        raise ConfigError(f"compute capability {cap[0]}.{cap[1]} is older than Pascal (6.0), "
-                          "which the planner has no rates for: measure it with plan.probe=")
+        raise ConfigError(
+            f"compute capability {cap[0]}.{cap[1]} is older than Pascal (6.0), "
+            "which the planner has no rates for: measure it with plan.probe="
+        )
     return ARCHS[max(older)]
 
 
-def peak_flops(capability: Tuple[int, int], sm_count: int, clock_mhz: float, precision: str,
-               geforce: bool = False, tensor_mhz: Optional[float] = None) -> float:
+def peak_flops(
+    capability: Tuple[int, int],
+    sm_count: int,
+    clock_mhz: float,
+    precision: str,
+    geforce: bool = False,
+    tensor_mhz: Optional[float] = None,
+) -> float:
     """Peak FLOP/s from the facts the probe reads.
 
     Args:
@@ -117,8 +125,9 @@ def peak_flops(capability: Tuple[int, int], sm_count: int, clock_mhz: float, pre
         ConfigError: unknown precision, or a capability older than Pascal.
     """
     if precision not in PEAK_PRECISIONS:
-        raise ConfigError(f"precision {precision!r} has no peak: use one of "
-                          f"{', '.join(PEAK_PRECISIONS)}")
+        raise ConfigError(
+            f"precision {precision!r} has no peak: use one of {', '.join(PEAK_PRECISIONS)}"
+        )
     arch = arch_for(capability)
     fp32 = sm_count * arch.fp32_lanes * 2 * clock_mhz * 1e6
     tensor_clock = (tensor_mhz or clock_mhz) * 1e6
@@ -170,8 +179,9 @@ class GpuSpec:
 
     def peak_flops(self, precision: str) -> float:
         """Peak FLOP/s in ``precision`` (:func:`peak_flops` on this row's facts)."""
-        return peak_flops(self.capability, self.sm_count, self.boost_mhz, precision,
-                          self.geforce, self.tensor_mhz)
+        return peak_flops(
+            self.capability, self.sm_count, self.boost_mhz, precision, self.geforce, self.tensor_mhz
+        )
 
     @property
     def tensor_dtype(self) -> str:
@@ -184,8 +194,10 @@ _A100 = "NVIDIA A100 datasheet + whitepaper (108 SMs, 1410 MHz; 1555/2039 GB/s S
 _TU = "NVIDIA Turing architecture whitepaper, Appendix A"
 _GA102 = "NVIDIA Ampere GA102 whitepaper"
 _AD = "NVIDIA Ada Lovelace architecture whitepaper"
-_H100 = ("NVIDIA H100 datasheet + whitepaper (SXM5 132 SMs, 1980 MHz, 3352 GB/s, tensor peaks at "
-         "1830 MHz; PCIe 114 SMs, 1755 MHz, 2000 GB/s, tensor peaks at 1620 MHz)")
+_H100 = (
+    "NVIDIA H100 datasheet + whitepaper (SXM5 132 SMs, 1980 MHz, 3352 GB/s, tensor peaks at "
+    "1830 MHz; PCIe 114 SMs, 1755 MHz, 2000 GB/s, tensor peaks at 1620 MHz)"
+)
 
 
 #: link between the GPUs of one node -> Gbit/s one way per GPU: PCIe x16 raw rate (gen3 8 GT/s,
@@ -194,8 +206,13 @@ _H100 = ("NVIDIA H100 datasheet + whitepaper (SXM5 132 SMs, 1980 MHz, 3352 GB/s,
 #: the Pascal, Volta, Ampere and Hopper whitepapers). PCIe peer traffic through a CPU root port
 #: runs slower than this (an upper bound).
 GPU_LINK_GBPS: Dict[str, float] = {
-    "pcie3": 15.75 * 8, "pcie4": 31.5 * 8, "pcie5": 63.0 * 8,
-    "nvlink1": 80.0 * 8, "nvlink2": 150.0 * 8, "nvlink3": 300.0 * 8, "nvlink4": 450.0 * 8,
+    "pcie3": 15.75 * 8,
+    "pcie4": 31.5 * 8,
+    "pcie5": 63.0 * 8,
+    "nvlink1": 80.0 * 8,
+    "nvlink2": 150.0 * 8,
+    "nvlink3": 300.0 * 8,
+    "nvlink4": 450.0 * 8,
 }
 
 #: the power-limit reference: the fit source's V100 SXM2 (:mod:`hetseq_hpc.plan.perf_model`),
@@ -224,28 +241,82 @@ def power_clock_factor(spec: GpuSpec) -> float:
     return 1.0 if need <= spec.tdp_w else (spec.tdp_w / need) ** (1.0 / 3.0)
 
 
-def _row(label: str, cc: Tuple[int, int], sms: int, mhz: float, gib: float, gbs: float,
-         source: str, geforce: bool = False, tensor_mhz: Optional[float] = None,
-         link: str = "pcie3", tdp_w: float = 0.0) -> GpuSpec:
+def _row(
+    label: str,
+    cc: Tuple[int, int],
+    sms: int,
+    mhz: float,
+    gib: float,
+    gbs: float,
+    source: str,
+    geforce: bool = False,
+    tensor_mhz: Optional[float] = None,
+    link: str = "pcie3",
+    tdp_w: float = 0.0,
+) -> GpuSpec:
     return GpuSpec(label, cc, sms, mhz, gib, gbs, source, geforce, tensor_mhz, link, tdp_w)
 
 
-P100_PCIE = _row("P100 PCIe 16GB", (6, 0), 56, 1303, 16, 732,
-                 "NVIDIA Tesla P100 PCIe datasheet + Pascal GP100 whitepaper")
-P100_SXM2 = _row("P100 SXM2 16GB", (6, 0), 56, 1480, 16, 732,
-                 "NVIDIA Tesla P100 SXM2 datasheet + Pascal GP100 whitepaper", link="nvlink1")
-TITAN_XP = _row("TITAN Xp 12GB", (6, 1), 30, 1582, 12, 547.7,
-                "NVIDIA TITAN Xp product page (3840 CUDA cores, 1582 MHz, 547.7 GB/s)")
-GTX_1080TI = _row("GTX 1080 Ti 11GB", (6, 1), 28, 1582, 11, 484,
-                  "NVIDIA GeForce GTX 1080 Ti product page (3584 cores, 1582 MHz)", geforce=True)
+P100_PCIE = _row(
+    "P100 PCIe 16GB",
+    (6, 0),
+    56,
+    1303,
+    16,
+    732,
+    "NVIDIA Tesla P100 PCIe datasheet + Pascal GP100 whitepaper",
+)
+P100_SXM2 = _row(
+    "P100 SXM2 16GB",
+    (6, 0),
+    56,
+    1480,
+    16,
+    732,
+    "NVIDIA Tesla P100 SXM2 datasheet + Pascal GP100 whitepaper",
+    link="nvlink1",
+)
+TITAN_XP = _row(
+    "TITAN Xp 12GB",
+    (6, 1),
+    30,
+    1582,
+    12,
+    547.7,
+    "NVIDIA TITAN Xp product page (3840 CUDA cores, 1582 MHz, 547.7 GB/s)",
+)
+GTX_1080TI = _row(
+    "GTX 1080 Ti 11GB",
+    (6, 1),
+    28,
+    1582,
+    11,
+    484,
+    "NVIDIA GeForce GTX 1080 Ti product page (3584 cores, 1582 MHz)",
+    geforce=True,
+)
 V100_16 = _row("V100 16GB", (7, 0), 80, 1530, 16, 900, _V100, link="nvlink2", tdp_w=300)
 V100_32 = _row("V100 32GB", (7, 0), 80, 1530, 32, 900, _V100, link="nvlink2", tdp_w=300)
-V100_PCIE = _row("V100 PCIe 16GB", (7, 0), 80, 1380, 16, 900,
-                 "NVIDIA Tesla V100 datasheet (PCIe: 1380 MHz, 14 TF fp32, 112 TF tensor, 250 W)",
-                 tdp_w=250)
-T4 = _row("T4 16GB", (7, 5), 40, 1590, 16, 320,
-          "NVIDIA T4 datasheet + Turing whitepaper (40 SMs, 1590 MHz, 65 TF fp16, 8.1 TF fp32, "
-          "70 W)", tdp_w=70)
+V100_PCIE = _row(
+    "V100 PCIe 16GB",
+    (7, 0),
+    80,
+    1380,
+    16,
+    900,
+    "NVIDIA Tesla V100 datasheet (PCIe: 1380 MHz, 14 TF fp32, 112 TF tensor, 250 W)",
+    tdp_w=250,
+)
+T4 = _row(
+    "T4 16GB",
+    (7, 5),
+    40,
+    1590,
+    16,
+    320,
+    "NVIDIA T4 datasheet + Turing whitepaper (40 SMs, 1590 MHz, 65 TF fp16, 8.1 TF fp32, 70 W)",
+    tdp_w=70,
+)
 # board power (tdp_w): TITAN RTX 280 W, Quadro RTX 6000/8000 260 W (295 W with VirtualLink),
 # RTX 2080 Ti 250 W (Turing whitepaper Appendix A, the boards' datasheets)
 TITAN_RTX = _row("TITAN RTX 24GB", (7, 5), 72, 1770, 24, 672, _TU, tdp_w=280)
@@ -255,54 +326,148 @@ RTX_2080TI = _row("RTX 2080 Ti 11GB", (7, 5), 68, 1545, 11, 616, _TU, geforce=Tr
 A100_40 = _row("A100 40GB", (8, 0), 108, 1410, 40, 1555, _A100, link="nvlink3")
 A100_80 = _row("A100 80GB", (8, 0), 108, 1410, 80, 2039, _A100, link="nvlink3")
 A100_80_PCIE = _row("A100 80GB PCIe", (8, 0), 108, 1410, 80, 1935, _A100, link="pcie4")
-A10 = _row("A10 24GB", (8, 6), 72, 1695, 24, 600,
-           "NVIDIA A10 datasheet (125 TF bf16 dense, 31.2 TF fp32) + GA102 whitepaper",
-           link="pcie4")
-A40 = _row("A40 48GB", (8, 6), 84, 1740, 48, 696,
-           "NVIDIA A40 datasheet (149.7 TF bf16 dense, 37.4 TF fp32) + GA102 whitepaper",
-           link="pcie4")
-RTX_A6000 = _row("RTX A6000 48GB", (8, 6), 84, 1800, 48, 768,
-                 "NVIDIA RTX A6000 datasheet (154.8 TF tensor dense, 38.7 TF fp32)",
-                 link="pcie4")
+A10 = _row(
+    "A10 24GB",
+    (8, 6),
+    72,
+    1695,
+    24,
+    600,
+    "NVIDIA A10 datasheet (125 TF bf16 dense, 31.2 TF fp32) + GA102 whitepaper",
+    link="pcie4",
+)
+A40 = _row(
+    "A40 48GB",
+    (8, 6),
+    84,
+    1740,
+    48,
+    696,
+    "NVIDIA A40 datasheet (149.7 TF bf16 dense, 37.4 TF fp32) + GA102 whitepaper",
+    link="pcie4",
+)
+RTX_A6000 = _row(
+    "RTX A6000 48GB",
+    (8, 6),
+    84,
+    1800,
+    48,
+    768,
+    "NVIDIA RTX A6000 datasheet (154.8 TF tensor dense, 38.7 TF fp32)",
+    link="pcie4",
+)
 RTX_3090 = _row("RTX 3090 24GB", (8, 6), 82, 1695, 24, 936, _GA102, geforce=True, link="pcie4")
 RTX_4090 = _row("RTX 4090 24GB", (8, 9), 128, 2520, 24, 1008, _AD, geforce=True, link="pcie4")
-RTX_6000_ADA = _row("RTX 6000 Ada 48GB", (8, 9), 142, 2505, 48, 960,
-                    "NVIDIA RTX 6000 Ada datasheet + Ada whitepaper", link="pcie4")
-L4 = _row("L4 24GB", (8, 9), 58, 2040, 24, 300,
-          "NVIDIA L4 datasheet (121 TF bf16 dense, 30.3 TF fp32) + Ada whitepaper", link="pcie4")
-L40S = _row("L40S 48GB", (8, 9), 142, 2520, 48, 864,
-            "NVIDIA L40S datasheet (362 TF bf16 dense, 91.6 TF fp32)", link="pcie4")
-H100_SXM = _row("H100 SXM 80GB", (9, 0), 132, 1980, 80, 3352, _H100, tensor_mhz=1830,
-                link="nvlink4")
-H100_PCIE = _row("H100 PCIe 80GB", (9, 0), 114, 1755, 80, 2000, _H100, tensor_mhz=1620,
-                 link="pcie5")
-H200 = _row("H200 141GB", (9, 0), 132, 1980, 141, 4800,
-            "NVIDIA H200 datasheet (GH100 as H100 SXM; 141 GB HBM3e, 4.8 TB/s)", tensor_mhz=1830,
-            link="nvlink4")
+RTX_6000_ADA = _row(
+    "RTX 6000 Ada 48GB",
+    (8, 9),
+    142,
+    2505,
+    48,
+    960,
+    "NVIDIA RTX 6000 Ada datasheet + Ada whitepaper",
+    link="pcie4",
+)
+L4 = _row(
+    "L4 24GB",
+    (8, 9),
+    58,
+    2040,
+    24,
+    300,
+    "NVIDIA L4 datasheet (121 TF bf16 dense, 30.3 TF fp32) + Ada whitepaper",
+    link="pcie4",
+)
+L40S = _row(
+    "L40S 48GB",
+    (8, 9),
+    142,
+    2520,
+    48,
+    864,
+    "NVIDIA L40S datasheet (362 TF bf16 dense, 91.6 TF fp32)",
+    link="pcie4",
+)
+H100_SXM = _row(
+    "H100 SXM 80GB", (9, 0), 132, 1980, 80, 3352, _H100, tensor_mhz=1830, link="nvlink4"
+)
+H100_PCIE = _row(
+    "H100 PCIe 80GB", (9, 0), 114, 1755, 80, 2000, _H100, tensor_mhz=1620, link="pcie5"
+)
+H200 = _row(
+    "H200 141GB",
+    (9, 0),
+    132,
+    1980,
+    141,
+    4800,
+    "NVIDIA H200 datasheet (GH100 as H100 SXM; 141 GB HBM3e, 4.8 TB/s)",
+    tensor_mhz=1830,
+    link="nvlink4",
+)
 
 #: GRES type, normalised (:func:`normalise_gpu_type`) -> spec row
 SPEC_TABLE: Dict[str, GpuSpec] = {
-    "p100": P100_PCIE, "p100pcie": P100_PCIE, "p10016": P100_PCIE, "p100sxm2": P100_SXM2,
-    "titanxp": TITAN_XP, "xp": TITAN_XP, "gtx1080ti": GTX_1080TI, "1080ti": GTX_1080TI,
-    "v100": V100_16, "v10016": V100_16, "v10032": V100_32, "v100sxm2": V100_16,
-    "v100pcie": V100_PCIE, "t4": T4, "titanrtx": TITAN_RTX, "rtx2080ti": RTX_2080TI,
-    "2080ti": RTX_2080TI, "quadrortx8000": QUADRO_RTX8000, "rtx8000": QUADRO_RTX8000,
-    "quadrortx6000": QUADRO_RTX6000, "rtx6000": QUADRO_RTX6000,
-    "a100": A100_40, "a10040": A100_40, "a10080": A100_80, "a100pcie": A100_40,
-    "a10040pcie": A100_40, "a10080pcie": A100_80_PCIE, "a10": A10, "a40": A40,
-    "rtxa6000": RTX_A6000, "a6000": RTX_A6000, "rtx3090": RTX_3090, "3090": RTX_3090,
-    "rtx4090": RTX_4090, "4090": RTX_4090, "rtx6000ada": RTX_6000_ADA, "l4": L4, "l40s": L40S,
-    "h100": H100_SXM, "h100sxm": H100_SXM, "h10080": H100_SXM, "h100pcie": H100_PCIE,
+    "p100": P100_PCIE,
+    "p100pcie": P100_PCIE,
+    "p10016": P100_PCIE,
+    "p100sxm2": P100_SXM2,
+    "titanxp": TITAN_XP,
+    "xp": TITAN_XP,
+    "gtx1080ti": GTX_1080TI,
+    "1080ti": GTX_1080TI,
+    "v100": V100_16,
+    "v10016": V100_16,
+    "v10032": V100_32,
+    "v100sxm2": V100_16,
+    "v100pcie": V100_PCIE,
+    "t4": T4,
+    "titanrtx": TITAN_RTX,
+    "rtx2080ti": RTX_2080TI,
+    "2080ti": RTX_2080TI,
+    "quadrortx8000": QUADRO_RTX8000,
+    "rtx8000": QUADRO_RTX8000,
+    "quadrortx6000": QUADRO_RTX6000,
+    "rtx6000": QUADRO_RTX6000,
+    "a100": A100_40,
+    "a10040": A100_40,
+    "a10080": A100_80,
+    "a100pcie": A100_40,
+    "a10040pcie": A100_40,
+    "a10080pcie": A100_80_PCIE,
+    "a10": A10,
+    "a40": A40,
+    "rtxa6000": RTX_A6000,
+    "a6000": RTX_A6000,
+    "rtx3090": RTX_3090,
+    "3090": RTX_3090,
+    "rtx4090": RTX_4090,
+    "4090": RTX_4090,
+    "rtx6000ada": RTX_6000_ADA,
+    "l4": L4,
+    "l40s": L40S,
+    "h100": H100_SXM,
+    "h100sxm": H100_SXM,
+    "h10080": H100_SXM,
+    "h100pcie": H100_PCIE,
     "h200": H200,
 }
 
 #: product names as NVML reports them (pynvml, nvidia-smi: "NVIDIA H100 80GB HBM3", "Tesla
 #: V100-SXM2-32GB"), normalised, where they differ from a GRES name above: what a probe reads
 PRODUCT_NAMES: Dict[str, GpuSpec] = {
-    "h10080gbhbm3": H100_SXM, "a100sxm440": A100_40, "a100sxm480": A100_80,
-    "a100pcie40": A100_40, "a10080gbpcie": A100_80_PCIE, "v100sxm216": V100_16,
-    "v100sxm232": V100_32, "v100pcie16": V100_PCIE, "v100pcie32": V100_PCIE,
-    "p100pcie16": P100_PCIE, "p100pcie12": P100_PCIE, "p100sxm216": P100_SXM2,
+    "h10080gbhbm3": H100_SXM,
+    "a100sxm440": A100_40,
+    "a100sxm480": A100_80,
+    "a100pcie40": A100_40,
+    "a10080gbpcie": A100_80_PCIE,
+    "v100sxm216": V100_16,
+    "v100sxm232": V100_32,
+    "v100pcie16": V100_PCIE,
+    "v100pcie32": V100_PCIE,
+    "p100pcie16": P100_PCIE,
+    "p100pcie12": P100_PCIE,
+    "p100sxm216": P100_SXM2,
     "rtx6000adageneration": RTX_6000_ADA,
 }
 
@@ -333,15 +498,36 @@ def spec_from_probe(probe: Mapping[str, Any]) -> Optional[GpuSpec]:
     the name. None for a CPU probe or one without SMs, clock or capability."""
     if not probe or probe.get("kind") != "cuda":
         return None
-    sms, mhz, cap = probe.get("sm_count"), probe.get("sm_clock_mhz"), probe.get("compute_capability")
+    sms, mhz, cap = (
+        probe.get("sm_count"),
+        probe.get("sm_clock_mhz"),
+        probe.get("compute_capability"),
+    )
     if not (sms and mhz and cap):
         return None
     name = str(probe.get("name") or "GPU").replace("NVIDIA ", "")
     known = find_spec(name)
     lowered = name.lower()
-    geforce = known.geforce if known else ("geforce" in lowered or lowered.startswith(
-        ("rtx 20", "rtx 30", "rtx 40", "rtx 50", "gtx")))
-    memory = float(probe.get("memory_total_bytes") or 0) / 2**30 or (known.memory_gib if known else 0)
-    return GpuSpec(name, (int(cap[0]), int(cap[1])), int(sms), float(mhz), memory,
-                   known.bandwidth_gbs if known else 0.0, "pynvml probe (SMs, max SM clock, "
-                   "compute capability)", geforce, None, known.gpu_link if known else "pcie3")
+    geforce = (
+        known.geforce
+        if known
+        else (
+            "geforce" in lowered
+            or lowered.startswith(("rtx 20", "rtx 30", "rtx 40", "rtx 50", "gtx"))
+        )
+    )
+    memory = float(probe.get("memory_total_bytes") or 0) / 2**30 or (
+        known.memory_gib if known else 0
+    )
+    return GpuSpec(
+        name,
+        (int(cap[0]), int(cap[1])),
+        int(sms),
+        float(mhz),
+        memory,
+        known.bandwidth_gbs if known else 0.0,
+        "pynvml probe (SMs, max SM clock, compute capability)",
+        geforce,
+        None,
+        known.gpu_link if known else "pcie3",
+    )

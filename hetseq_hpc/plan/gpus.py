@@ -45,8 +45,16 @@ class GpuClass:
 def gpu_class(spec: GpuSpec) -> GpuClass:
     """The :class:`GpuClass` of a spec row (or of a probe's facts, ``spec_from_probe``)."""
     dtype = spec.tensor_dtype
-    return GpuClass(spec.label, spec.capability, round(spec.peak_flops(dtype) / 1e12, 1), dtype,
-                    round(spec.peak_flops("fp32") / 1e12, 1), spec.memory_gib, spec.source, spec)
+    return GpuClass(
+        spec.label,
+        spec.capability,
+        round(spec.peak_flops(dtype) / 1e12, 1),
+        dtype,
+        round(spec.peak_flops("fp32") / 1e12, 1),
+        spec.memory_gib,
+        spec.source,
+        spec,
+    )
 
 
 #: GRES type (normalised by :func:`normalise_gpu_type`) -> GPU class

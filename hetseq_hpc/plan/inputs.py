@@ -57,8 +57,10 @@ def partitions_of(run) -> List[PartitionSpec]:
     cluster = run.cluster
     if cluster.is_local:
         return [PartitionSpec("local", "local", None, cluster.planned_world_size())]
-    return [PartitionSpec(key, part.partition, part.gpu_type, part.num_ranks)
-            for key, part in cluster.partitions.items()]
+    return [
+        PartitionSpec(key, part.partition, part.gpu_type, part.num_ranks)
+        for key, part in cluster.partitions.items()
+    ]
 
 
 def probe_file(path: str) -> Path:
@@ -73,8 +75,10 @@ def probe_file(path: str) -> Path:
     problem = file_problem(file)
     if problem:
         shown = repr(path) if file == Path(path) else f"{path!r} ({file})"
-        raise ConfigError(f"plan.probe={shown} {problem}: pass the allocation.json of an "
-                          "earlier run (or its run directory), or a file hetseq-hpc probe wrote")
+        raise ConfigError(
+            f"plan.probe={shown} {problem}: pass the allocation.json of an "
+            "earlier run (or its run directory), or a file hetseq-hpc probe wrote"
+        )
     return file
 
 
@@ -114,19 +118,21 @@ def _check_figures(figures: Any, where: str, fix: str) -> None:
             number(figures[key], f"{where}.{key}", fix, low, high, integer)
     act = figures.get("activation_bytes_per_sample")
     if act is not None and 0 < act < 1:
-        raise ConfigError(f"{where}.activation_bytes_per_sample={act:g} is below one byte: "
-                          f"{fix}")
+        raise ConfigError(f"{where}.activation_bytes_per_sample={act:g} is below one byte: {fix}")
 
 
 def _check_curve(curve: Any, where: str, fix: str) -> None:
     _check_figures(curve, where, fix)
     missing = [k for k in _CURVE_KEYS if curve.get(k) is None]
     if missing:
-        raise ConfigError(f"{where} has no {' or '.join(missing)} (a cost curve needs "
-                          f"{', '.join(_CURVE_KEYS)}): {fix}")
+        raise ConfigError(
+            f"{where} has no {' or '.join(missing)} (a cost curve needs "
+            f"{', '.join(_CURVE_KEYS)}): {fix}"
+        )
     if curve["per_sample_s"] < MIN_PER_SAMPLE_S:
-        raise ConfigError(f"{where}.per_sample_s={curve['per_sample_s']:g} is below "
-                          f"{MIN_PER_SAMPLE_S:g} s: {fix}")
+        raise ConfigError(
+            f"{where}.per_sample_s={curve['per_sample_s']:g} is below {MIN_PER_SAMPLE_S:g} s: {fix}"
+        )
 
 
 def _check_curves(curves: Any, where: str, fix: str) -> None:
@@ -138,8 +144,9 @@ def _check_curves(curves: Any, where: str, fix: str) -> None:
         _check_curve(curve, f"{where}[{i}]", fix)
 
 
-def check_probe(data: Any, label: str = "plan.probe", fix: str = _WRITTEN_BY_A_RUN
-                ) -> Dict[str, Any]:
+def check_probe(
+    data: Any, label: str = "plan.probe", fix: str = _WRITTEN_BY_A_RUN
+) -> Dict[str, Any]:
     """Check the shape of a parsed probe file (a run's ``allocation.json`` or what
     ``hetseq-hpc probe`` writes) before anything reads it: an object with a non-empty
     ``ranks`` list of objects; their ``partition``/``gres``/``device`` strings or null; every
@@ -151,8 +158,9 @@ def check_probe(data: Any, label: str = "plan.probe", fix: str = _WRITTEN_BY_A_R
         ConfigError: one line naming ``label`` and the offending key, ending with ``fix``.
     """
     if not isinstance(data, dict):
-        raise ConfigError(f"{label} holds {describe(data)}, not an object with a 'ranks' list: "
-                          f"{fix}")
+        raise ConfigError(
+            f"{label} holds {describe(data)}, not an object with a 'ranks' list: {fix}"
+        )
     ranks = data.get("ranks")
     if not isinstance(ranks, list) or not ranks:
         raise ConfigError(f"{label} has no 'ranks' list: {fix}")
@@ -162,11 +170,9 @@ def check_probe(data: Any, label: str = "plan.probe", fix: str = _WRITTEN_BY_A_R
             raise ConfigError(f"{where} is {describe(rank)}, not an object: {fix}")
         for key in ("partition", "gres", "device"):
             if rank.get(key) is not None and not isinstance(rank[key], str):
-                raise ConfigError(f"{where}.{key} is {describe(rank[key])}, not a string: "
-                                  f"{fix}")
+                raise ConfigError(f"{where}.{key} is {describe(rank[key])}, not a string: {fix}")
         if rank.get("probe") is not None and not isinstance(rank["probe"], dict):
-            raise ConfigError(f"{where}.probe is {describe(rank['probe'])}, not an object: "
-                              f"{fix}")
+            raise ConfigError(f"{where}.probe is {describe(rank['probe'])}, not an object: {fix}")
         cal = rank.get("calibration")
         if cal is not None:
             _check_figures(cal, f"{where}.calibration", fix)
@@ -176,17 +182,16 @@ def check_probe(data: Any, label: str = "plan.probe", fix: str = _WRITTEN_BY_A_R
     allocation = data.get("allocation")
     if allocation is not None:
         if not isinstance(allocation, dict):
-            raise ConfigError(f"{label} allocation is {describe(allocation)}, not an object: "
-                              f"{fix}")
+            raise ConfigError(f"{label} allocation is {describe(allocation)}, not an object: {fix}")
         _check_curves(allocation.get("curves"), f"{label} allocation.curves", fix)
     measured = data.get("measured_step")
     if measured is not None:
         if not isinstance(measured, dict):
-            raise ConfigError(f"{label} measured_step is {describe(measured)}, not an object: "
-                              f"{fix}")
+            raise ConfigError(
+                f"{label} measured_step is {describe(measured)}, not an object: {fix}"
+            )
         if measured.get("sync_s") is not None:
-            number(measured["sync_s"], f"{label} measured_step.sync_s", fix,
-                   -1e6, 1e6)
+            number(measured["sync_s"], f"{label} measured_step.sync_s", fix, -1e6, 1e6)
     return data
 
 
@@ -195,13 +200,19 @@ def _probe_cap(rank: Dict[str, Any], limit: Optional[int], where: str) -> int:
     keys = ("memory_budget_bytes", "static_bytes", "activation_bytes_per_sample")
     if all(k in cal for k in keys):
         # memory_budget_bytes already has the headroom applied (hetseq_hpc.balance.calibrate)
-        return micro_batch_cap(float(cal["memory_budget_bytes"]), float(cal["static_bytes"]),
-                               float(cal["activation_bytes_per_sample"]), limit)
+        return micro_batch_cap(
+            float(cal["memory_budget_bytes"]),
+            float(cal["static_bytes"]),
+            float(cal["activation_bytes_per_sample"]),
+            limit,
+        )
     if "max_micro_batch" in cal:
         cap = int(cal["max_micro_batch"])
         return min(cap, int(limit)) if limit is not None else cap
-    raise ConfigError(f"{where} has no calibration memory figures (memory_budget_bytes, "
-                      f"static_bytes, activation_bytes_per_sample): {_WRITTEN_BY_A_RUN}")
+    raise ConfigError(
+        f"{where} has no calibration memory figures (memory_budget_bytes, "
+        f"static_bytes, activation_bytes_per_sample): {_WRITTEN_BY_A_RUN}"
+    )
 
 
 def _probe_memory(rank: Dict[str, Any]) -> float:
@@ -216,11 +227,13 @@ def _probe_throughput(rank: Dict[str, Any], where: str) -> float:
     try:
         value = float((rank.get("calibration") or {})["samples_per_s"])
     except (KeyError, TypeError, ValueError):
-        raise ConfigError(f"{where} has no calibration.samples_per_s: {_WRITTEN_BY_A_RUN}"
-                          ) from None
+        raise ConfigError(
+            f"{where} has no calibration.samples_per_s: {_WRITTEN_BY_A_RUN}"
+        ) from None
     if not (value > 0 and math.isfinite(value)):
-        raise ConfigError(f"{where} has calibration.samples_per_s={value}: it must be > 0; "
-                          "re-run the probe job")
+        raise ConfigError(
+            f"{where} has calibration.samples_per_s={value}: it must be > 0; re-run the probe job"
+        )
     return value
 
 
@@ -252,8 +265,12 @@ def probe_sync_s(probe: Dict[str, Any], world_size: int) -> Optional[float]:
 def _median_curve(curves: List[Optional[CostCurve]]) -> Optional[CostCurve]:
     if not curves or any(c is None for c in curves):
         return None
-    return CostCurve(*(statistics.median(getattr(c, k) for c in curves)
-                       for k in ("overhead_s", "per_sample_s", "step_fixed_s")))
+    return CostCurve(
+        *(
+            statistics.median(getattr(c, k) for c in curves)
+            for k in ("overhead_s", "per_sample_s", "step_fixed_s")
+        )
+    )
 
 
 def _probe_label(rank: Dict[str, Any]) -> str:
@@ -263,8 +280,12 @@ def _probe_label(rank: Dict[str, Any]) -> str:
     return f"{rank.get('device') or probe.get('name') or 'device'} (probe)"
 
 
-def ranks_from_probe(probe: Dict[str, Any], partitions: Sequence[PartitionSpec],
-                     by_index: bool = False, limit: Optional[int] = None) -> List[RankSpec]:
+def ranks_from_probe(
+    probe: Dict[str, Any],
+    partitions: Sequence[PartitionSpec],
+    by_index: bool = False,
+    limit: Optional[int] = None,
+) -> List[RankSpec]:
     """Planning inputs from an earlier run's ``allocation.json`` (its measured calibrations).
 
     Args:
@@ -283,15 +304,24 @@ def ranks_from_probe(probe: Dict[str, Any], partitions: Sequence[PartitionSpec],
     if by_index:
         total = sum(p.ranks for p in partitions)
         if len(probe_ranks) < total:
-            raise ConfigError(f"plan.probe has {len(probe_ranks)} ranks but the plan needs "
-                              f"{total}: probe with at least as many ranks, or lower cluster.ranks")
+            raise ConfigError(
+                f"plan.probe has {len(probe_ranks)} ranks but the plan needs "
+                f"{total}: probe with at least as many ranks, or lower cluster.ranks"
+            )
         part = partitions[0]
         for i in range(total):
             where = f"plan.probe rank {i}"
-            out.append(RankSpec(i, part.key, _probe_label(probe_ranks[i]),
-                                _probe_throughput(probe_ranks[i], where),
-                                _probe_cap(probe_ranks[i], limit, where), probe_curve(probe, i),
-                                _probe_memory(probe_ranks[i])))
+            out.append(
+                RankSpec(
+                    i,
+                    part.key,
+                    _probe_label(probe_ranks[i]),
+                    _probe_throughput(probe_ranks[i], where),
+                    _probe_cap(probe_ranks[i], limit, where),
+                    probe_curve(probe, i),
+                    _probe_memory(probe_ranks[i]),
+                )
+            )
         return out
     for part in partitions:
         specs = probe_partition_ranks(probe, part, len(out), limit)
@@ -306,8 +336,9 @@ def ranks_from_probe(probe: Dict[str, Any], partitions: Sequence[PartitionSpec],
     return out
 
 
-def probe_partition_ranks(probe: Dict[str, Any], part: PartitionSpec, first_rank: int,
-                          limit: Optional[int] = None) -> Optional[List[RankSpec]]:
+def probe_partition_ranks(
+    probe: Dict[str, Any], part: PartitionSpec, first_rank: int, limit: Optional[int] = None
+) -> Optional[List[RankSpec]]:
     """The ranks of partition ``part`` from a probe (its ranks of the same Slurm partition,
     else of the same GRES type; the median throughput, the smallest cap), numbered from
     ``first_rank``; None when the probe has no such rank.
@@ -327,8 +358,10 @@ def probe_partition_ranks(probe: Dict[str, Any], part: PartitionSpec, first_rank
     label = _probe_label(matched[0])
     curve = _median_curve([probe_curve(probe, probe_ranks.index(r)) for r in matched])
     memory = min(_probe_memory(r) for r in matched)
-    return [RankSpec(first_rank + i, part.key, label, throughput, cap, curve, memory)
-            for i in range(part.ranks)]
+    return [
+        RankSpec(first_rank + i, part.key, label, throughput, cap, curve, memory)
+        for i in range(part.ranks)
+    ]
 
 
 def check_gpu_types(partitions: Sequence[PartitionSpec]) -> None:
@@ -342,10 +375,17 @@ def check_gpu_types(partitions: Sequence[PartitionSpec]) -> None:
             lookup_gpu(part.gpu_type, f"cluster.partitions.{part.key}.gpu_type")
 
 
-def ranks_from_table(placements: Sequence[RankPlacement], flops_per_sample: float,
-                     param_count: int, activation_bytes_per_sample: float, mfu: float,
-                     peak: str = "runtime", limit: Optional[int] = None,
-                     param_tensors: int = 0, accesses_per_sample: float = 0.0) -> List[RankSpec]:
+def ranks_from_table(
+    placements: Sequence[RankPlacement],
+    flops_per_sample: float,
+    param_count: int,
+    activation_bytes_per_sample: float,
+    mfu: float,
+    peak: str = "runtime",
+    limit: Optional[int] = None,
+    param_tensors: int = 0,
+    accesses_per_sample: float = 0.0,
+) -> List[RankSpec]:
     """Planning inputs of SLURM ranks from the GPU spec model.
 
     Per-sample time = :func:`hetseq_hpc.plan.perf_model.sample_time_s` of the rank's GPU in the
@@ -379,17 +419,25 @@ def ranks_from_table(placements: Sequence[RankPlacement], flops_per_sample: floa
     for place in placements:
         where = f"cluster.partitions.{place.partition_key}.gpu_type"
         if not place.gres:
-            raise ConfigError(f"{where} is null (CPU-only nodes) and the spec model has only "
-                              "GPUs: pass plan.probe=RUN_DIR/allocation.json from a run on them")
+            raise ConfigError(
+                f"{where} is null (CPU-only nodes) and the spec model has only "
+                "GPUs: pass plan.probe=RUN_DIR/allocation.json from a run on them"
+            )
         gpu = lookup_gpu(place.gres, where)
         precision = runtime_precision(gpu, place.precision, peak)
         times = sample_time_s(gpu.spec, precision, flops_per_sample, accesses_per_sample)
         per_sample_s = sum(times)
         memory = memory_budget_bytes(place, "cuda", gpu.memory_gib * 2**30, place.ranks_on_node)
         cap = memory_cap(memory, param_count, activation_bytes_per_sample, limit)
-        out.append(RankSpec(place.rank, place.partition_key,
-                            f"{gpu.label} {precision} (specs, {bound_label(times)})",
-                            1.0 / per_sample_s, cap,
-                            CostCurve(pass_overhead_s(param_tensors), per_sample_s),
-                            memory_bytes=memory))
+        out.append(
+            RankSpec(
+                place.rank,
+                place.partition_key,
+                f"{gpu.label} {precision} (specs, {bound_label(times)})",
+                1.0 / per_sample_s,
+                cap,
+                CostCurve(pass_overhead_s(param_tensors), per_sample_s),
+                memory_bytes=memory,
+            )
+        )
     return out

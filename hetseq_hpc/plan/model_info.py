@@ -74,8 +74,9 @@ DATA_TIMING_REPEATS = 3
 DATA_TIMING_BUDGET_S = 2.0
 
 
-def batch_build_s(make: Callable[[int], Dict[str, Any]],
-                  samples: int = DATA_TIMING_SAMPLES) -> float:
+def batch_build_s(
+    make: Callable[[int], Dict[str, Any]], samples: int = DATA_TIMING_SAMPLES
+) -> float:
     """Host seconds per sample of building a training batch with ``make`` (``n -> batch``):
     one build of 2 samples (warm-up; the measurement itself if it takes over a quarter of
     :data:`DATA_TIMING_BUDGET_S`), then the fastest of :data:`DATA_TIMING_REPEATS` builds of
@@ -122,9 +123,13 @@ def _bert_batches(task_cfg) -> Callable[[int], Dict[str, Any]]:
     def make(n: int):
         if not drawn or len(drawn[0].tokens) < n:
             tokens = np.random.default_rng(0).integers(
-                len(SPECIAL_TOKENS), vocab, size=(max(n, DATA_TIMING_SAMPLES), seq))
-            drawn[:] = [PackedText(tokens.astype(np.int32), vocab, np.arange(len(tokens)),
-                                   np.arange(0), Path("."))]
+                len(SPECIAL_TOKENS), vocab, size=(max(n, DATA_TIMING_SAMPLES), seq)
+            )
+            drawn[:] = [
+                PackedText(
+                    tokens.astype(np.int32), vocab, np.arange(len(tokens)), np.arange(0), Path(".")
+                )
+            ]
         return make_mlm_batch(drawn[0], range(n), task_cfg.data.mask_prob, 0, 0, "train")
 
     return make
@@ -167,9 +172,12 @@ def _data_model(task):
 _MEASURED: dict = {}
 
 
-def measure_model(task_cfg, need_activations: bool,
-                  cpu_calibration: Optional[CpuCalibration] = None,
-                  time_batches: bool = False) -> ModelInfo:
+def measure_model(
+    task_cfg,
+    need_activations: bool,
+    cpu_calibration: Optional[CpuCalibration] = None,
+    time_batches: bool = False,
+) -> ModelInfo:
     """:func:`measure_task_model`, measured once per task configuration in a process (``plan
     --when`` plans many mixes of one model); a CPU calibration (timed) always runs again.
     Returns a copy: callers may change it."""
@@ -179,14 +187,16 @@ def measure_model(task_cfg, need_activations: bool,
         return measure_task_model(task_cfg, need_activations, cpu_calibration, time_batches)
     key = (repr(task_cfg), bool(need_activations), bool(time_batches))
     if key not in _MEASURED:
-        _MEASURED[key] = measure_task_model(task_cfg, need_activations,
-                                            time_batches=time_batches)
+        _MEASURED[key] = measure_task_model(task_cfg, need_activations, time_batches=time_batches)
     return replace(_MEASURED[key])
 
 
-def measure_task_model(task_cfg, need_activations: bool,
-                       cpu_calibration: Optional[CpuCalibration] = None,
-                       time_batches: bool = False) -> ModelInfo:
+def measure_task_model(
+    task_cfg,
+    need_activations: bool,
+    cpu_calibration: Optional[CpuCalibration] = None,
+    time_batches: bool = False,
+) -> ModelInfo:
     """Build the task's real model and read its parameter count, its training FLOPs per sample
     (the task's formula, else measured with ``FlopCounterMode``:
     :func:`hetseq_hpc.tasks.flops.task_flops_per_sample`), and, if asked, the activation bytes of
@@ -221,14 +231,21 @@ def measure_task_model(task_cfg, need_activations: bool,
     def params(nbytes: float) -> int:
         return round(count * nbytes / max(sizes.total, 1))
 
-    info = ModelInfo(param_count=count,
-                     flops_per_sample=task_flops_per_sample(task, model), vocab_size=vocab,
-                     vocab_from=("task.data.vocab_size" if hasattr(getattr(task_cfg, "data", None),
-                                                                   "vocab_size") else "its data"),
-                     notes=notes, largest_unit_params=params(sizes.block),
-                     root_params=params(sizes.root),
-                     evaluates_sharded=bool(task.evaluates_in_fixed_passes()),
-                     param_tensors=sum(1 for _ in model.parameters()))
+    info = ModelInfo(
+        param_count=count,
+        flops_per_sample=task_flops_per_sample(task, model),
+        vocab_size=vocab,
+        vocab_from=(
+            "task.data.vocab_size"
+            if hasattr(getattr(task_cfg, "data", None), "vocab_size")
+            else "its data"
+        ),
+        notes=notes,
+        largest_unit_params=params(sizes.block),
+        root_params=params(sizes.root),
+        evaluates_sharded=bool(task.evaluates_in_fixed_passes()),
+        param_tensors=sum(1 for _ in model.parameters()),
+    )
     if time_batches:
         info.data_s_per_sample = batch_build_s(make)
 
@@ -238,8 +255,14 @@ def measure_task_model(task_cfg, need_activations: bool,
         threads = torch.get_num_threads()
         torch.set_num_threads(cpu_calibration.threads)
         try:
-            cal = calibrate(model, make, torch.device("cpu"), cpu_calibration.micro_batch,
-                            cpu_calibration.steps, cpu_calibration.budget_bytes)
+            cal = calibrate(
+                model,
+                make,
+                torch.device("cpu"),
+                cpu_calibration.micro_batch,
+                cpu_calibration.steps,
+                cpu_calibration.budget_bytes,
+            )
         finally:
             torch.set_num_threads(threads)
         info.cpu_samples_per_s = cal.samples_per_s
@@ -254,7 +277,8 @@ def measure_task_model(task_cfg, need_activations: bool,
             saved.append(nbytes)
         info.activation_bytes_per_sample = max(saved[1] - saved[0], 0) * ACTIVATION_SAFETY
     info.accesses_per_sample, info.accesses_from = _accesses_per_sample(
-        task_cfg, info.activation_bytes_per_sample)
+        task_cfg, info.activation_bytes_per_sample
+    )
     return info
 
 
@@ -270,8 +294,18 @@ def _accesses_per_sample(task_cfg, activation_bytes_per_sample: float) -> Tuple[
 
     if task_cfg.name == "bert":
         m = task_cfg.model
-        return (transformer_accesses(m.num_layers, m.hidden_size, m.num_heads, m.max_seq_len,
-                                     m.intermediate_size, fused_attention=True),
-                "counted from the BERT shape, fused attention")
-    return (accesses_from_activations(activation_bytes_per_sample / ACTIVATION_SAFETY),
-            "from its saved activations")
+        return (
+            transformer_accesses(
+                m.num_layers,
+                m.hidden_size,
+                m.num_heads,
+                m.max_seq_len,
+                m.intermediate_size,
+                fused_attention=True,
+            ),
+            "counted from the BERT shape, fused attention",
+        )
+    return (
+        accesses_from_activations(activation_bytes_per_sample / ACTIVATION_SAFETY),
+        "from its saved activations",
+    )

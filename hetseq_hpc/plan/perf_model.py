@@ -102,8 +102,14 @@ BYTES_PER_ELEMENT = {"half": 2, "fp32": 4}
 ACCESSES_PER_SAVED_ELEMENT = 5.7
 
 
-def transformer_accesses(layers: int, hidden: int, heads: int, seq_len: int,
-                         intermediate: int = 0, fused_attention: bool = False) -> float:
+def transformer_accesses(
+    layers: int,
+    hidden: int,
+    heads: int,
+    seq_len: int,
+    intermediate: int = 0,
+    fused_attention: bool = False,
+) -> float:
     """Element accesses of one training sample's memory-bound operations in a transformer
     encoder: ``layers x 6 x (11 T h + 2 T i + 3 heads T^2)`` (:data:`ELEMENTWISE_OPS`,
     :data:`ACCESSES_PER_OP`); embeddings and output heads are not counted.
@@ -121,8 +127,9 @@ def transformer_accesses(layers: int, hidden: int, heads: int, seq_len: int,
     """
     inter = intermediate or 4 * hidden
     ops = ELEMENTWISE_OPS
-    per_layer = ACCESSES_PER_OP * (ops["hidden"] * seq_len * hidden
-                                   + ops["intermediate"] * seq_len * inter)
+    per_layer = ACCESSES_PER_OP * (
+        ops["hidden"] * seq_len * hidden + ops["intermediate"] * seq_len * inter
+    )
     if fused_attention:
         per_layer += FUSED_ATTENTION_ACCESSES * seq_len * hidden
     else:
@@ -227,8 +234,10 @@ class Published:
             return 1.0 / self.samples_per_s
         busy = 1.0 / self.samples_per_s - self.overhead_s / self.batch
         if busy <= 0:
-            raise ValueError(f"{DATA_FILE.name}: {self.gpu} {self.model} batch {self.batch} at "
-                             f"{self.samples_per_s} samples/s is faster than the pass overhead")
+            raise ValueError(
+                f"{DATA_FILE.name}: {self.gpu} {self.model} batch {self.batch} at "
+                f"{self.samples_per_s} samples/s is faster than the pass overhead"
+            )
         return busy
 
 
@@ -237,18 +246,33 @@ def published() -> Tuple[Published, ...]:
     """Every row of :data:`DATA_FILE` (fit and held-out), in file order."""
     with DATA_FILE.open(newline="") as fh:
         reader = csv.DictReader(line for line in fh if not line.startswith("#"))
-        return tuple(Published(
-            r["role"], r["gpu"], r["precision"], r["model"], r["workload"], int(r["seq_len"]),
-            int(r["masked"]), int(r["batch"] or 0), float(r["samples_per_s"]), r["source_url"],
-            r["table"]) for r in reader)
+        return tuple(
+            Published(
+                r["role"],
+                r["gpu"],
+                r["precision"],
+                r["model"],
+                r["workload"],
+                int(r["seq_len"]),
+                int(r["masked"]),
+                int(r["batch"] or 0),
+                float(r["samples_per_s"]),
+                r["source_url"],
+                r["table"],
+            )
+            for r in reader
+        )
 
 
 def _terms(spec: GpuSpec, precision: str, flops: float, accesses: float) -> Tuple[float, float]:
     """``(matmul seconds at a = 1, memory seconds at e = 1)`` of one sample: ``flops / (peak x
     p)`` and ``accesses x width / bandwidth`` (0 without a bandwidth: a probed GPU in no table)."""
     compute = flops / (spec.peak_flops(precision) * power_clock_factor(spec))
-    memory = (accesses * BYTES_PER_ELEMENT[width(precision)] / (spec.bandwidth_gbs * 1e9)
-              if spec.bandwidth_gbs > 0 else 0.0)
+    memory = (
+        accesses * BYTES_PER_ELEMENT[width(precision)] / (spec.bandwidth_gbs * 1e9)
+        if spec.bandwidth_gbs > 0
+        else 0.0
+    )
     return compute, memory
 
 
@@ -286,8 +310,9 @@ def fit_factors(rows: Optional[Tuple[Published, ...]] = None) -> Dict[str, float
 FACTORS: Dict[str, float] = fit_factors()
 
 
-def sample_time_s(spec: GpuSpec, precision: str, flops_per_sample: float,
-                  accesses_per_sample: float) -> Tuple[float, float]:
+def sample_time_s(
+    spec: GpuSpec, precision: str, flops_per_sample: float, accesses_per_sample: float
+) -> Tuple[float, float]:
     """``(matmul seconds, memory seconds)`` of one sample on ``spec`` in ``precision`` with the
     fitted factors; their sum is the per-sample time of :func:`predict_samples_per_s`."""
     compute, memory = _terms(spec, precision, flops_per_sample, accesses_per_sample)
@@ -302,9 +327,14 @@ def bound_label(times: Tuple[float, float]) -> str:
     return f"matmul {share:.0%} / memory {1 - share:.0%}"
 
 
-def predict_samples_per_s(spec: GpuSpec, precision: str, flops_per_sample: float,
-                          micro_batch: int = 0, overhead_s: float = 0.0,
-                          accesses_per_sample: float = 0.0) -> float:
+def predict_samples_per_s(
+    spec: GpuSpec,
+    precision: str,
+    flops_per_sample: float,
+    micro_batch: int = 0,
+    overhead_s: float = 0.0,
+    accesses_per_sample: float = 0.0,
+) -> float:
     """Predicted training samples/s of one GPU: ``m / (t0 + m x per-sample time)`` with
     :func:`sample_time_s`; the asymptotic rate (no fixed time) when ``micro_batch`` is 0.
 
@@ -325,15 +355,19 @@ def predict_samples_per_s(spec: GpuSpec, precision: str, flops_per_sample: float
 
 def predicted(row: Published) -> float:
     """The model's samples/s for a published row (its GPU, precision, model and batch)."""
-    return predict_samples_per_s(row.spec, row.precision, row.flops, row.batch, row.overhead_s,
-                                 row.accesses)
+    return predict_samples_per_s(
+        row.spec, row.precision, row.flops, row.batch, row.overhead_s, row.accesses
+    )
 
 
 def gpu_class(row: Published) -> str:
     """The class a row is scored in: GPU family (label without memory or form factor) x
     precision, e.g. ``A100 tf32``, ``RTX 3090 fp16``."""
-    family = " ".join(w for w in row.spec.label.split()
-                      if not w.endswith("GB") and w not in ("PCIe", "SXM", "SXM2"))
+    family = " ".join(
+        w
+        for w in row.spec.label.split()
+        if not w.endswith("GB") and w not in ("PCIe", "SXM", "SXM2")
+    )
     return f"{family} {row.precision}"
 
 
@@ -348,25 +382,40 @@ def heldout_errors() -> Dict[str, List[float]]:
 
 #: the held-out sources that publish both an A100 and a V100 in fp16: (A100 row, V100 row,
 #: source commit) of Lambda 2024, Lambda 2021 and DLE 20.06 (the issue's A100:V100 bar)
-A100_V100_PAIRS = (("a10080", "v10016", "4e11f689"), ("a10040", "v10032", "e167f02c"),
-                   ("a10040", "v10016", "b2763ae2"))
+A100_V100_PAIRS = (
+    ("a10080", "v10016", "4e11f689"),
+    ("a10040", "v10032", "e167f02c"),
+    ("a10040", "v10016", "b2763ae2"),
+)
 
 
 def heldout_ratio_errors(gpu_a: str, gpu_b: str, precision: str, source: str) -> List[float]:
     """Errors ``predicted ratio / published ratio - 1`` of GPU ``gpu_a`` over ``gpu_b``: one per
     model size and table that the held-out rows of ``source`` (a part of their URL) publish for
     both in ``precision``; empty when the source has no such pair."""
-    rows = [r for r in published() if r.role == "heldout" and source in r.source_url
-            and r.precision == precision]
-    return [(predicted(a) / predicted(b)) / (a.samples_per_s / b.samples_per_s) - 1
-            for a in rows if a.gpu == gpu_a for b in rows
-            if b.gpu == gpu_b and a.model == b.model
-            and a.table.split(",")[-1] == b.table.split(",")[-1]]
+    rows = [
+        r
+        for r in published()
+        if r.role == "heldout" and source in r.source_url and r.precision == precision
+    ]
+    return [
+        (predicted(a) / predicted(b)) / (a.samples_per_s / b.samples_per_s) - 1
+        for a in rows
+        if a.gpu == gpu_a
+        for b in rows
+        if b.gpu == gpu_b
+        and a.model == b.model
+        and a.table.split(",")[-1] == b.table.split(",")[-1]
+    ]
 
 
-def probe_samples_per_s(probe: Dict[str, Any], partition: str, gpu_type: Optional[str],
-                        flops_per_sample: float,
-                        accesses_per_sample: float = 0.0) -> Optional[float]:
+def probe_samples_per_s(
+    probe: Dict[str, Any],
+    partition: str,
+    gpu_type: Optional[str],
+    flops_per_sample: float,
+    accesses_per_sample: float = 0.0,
+) -> Optional[float]:
     """The model's samples/s for a probed partition from the probe's own device facts
     (:func:`hetseq_hpc.plan.gpu_specs.spec_from_probe`: SMs, max SM clock, compute capability;
     the probe is preferred to any table row) in the precision ``auto`` picks there.
@@ -384,10 +433,12 @@ def probe_samples_per_s(probe: Dict[str, Any], partition: str, gpu_type: Optiona
 
     ranks = probe.get("ranks") or []
     matched = [r for r in ranks if r.get("partition") == partition] or [
-        r for r in ranks if gpu_type and r.get("gres") == gpu_type]
+        r for r in ranks if gpu_type and r.get("gres") == gpu_type
+    ]
     spec = spec_from_probe(matched[0].get("probe") or {}) if matched else None
     if spec is None:
         return None
     precision = resolve_precision("auto", "cuda", spec.capability)[0]
-    return predict_samples_per_s(spec, precision, flops_per_sample,
-                                 accesses_per_sample=accesses_per_sample)
+    return predict_samples_per_s(
+        spec, precision, flops_per_sample, accesses_per_sample=accesses_per_sample
+    )

@@ -81,10 +81,16 @@ def ring_gbps_of(run, network_gbps: float) -> float:
     ``network_gbps``. cluster=local: ``network_gbps`` (loopback)."""
     if run.cluster.is_local:
         return float(network_gbps)
-    groups = [(int(p.nodes), int(p.ranks_per_node_effective),
-               float(p.intra_node_gbps) if getattr(p, "intra_node_gbps", None)
-               else intra_node_gbps(p.gpu_type))
-              for p in run.cluster.partitions.values()]
+    groups = [
+        (
+            int(p.nodes),
+            int(p.ranks_per_node_effective),
+            float(p.intra_node_gbps)
+            if getattr(p, "intra_node_gbps", None)
+            else intra_node_gbps(p.gpu_type),
+        )
+        for p in run.cluster.partitions.values()
+    ]
     return ring_link_gbps(groups, network_gbps)
 
 
@@ -103,18 +109,32 @@ def _local_ranks(run) -> Tuple[ModelInfo, List[RankSpec], str]:
     first = places[0]
     calib = CpuCalibration(
         micro_batch=calibration_micro_batch(run, len(places)),
-        steps=run.balance.calibration_steps, threads=first.threads,
-        budget_bytes=memory_budget_bytes(first, "cpu", read_meminfo()[1], first.ranks_on_node))
+        steps=run.balance.calibration_steps,
+        threads=first.threads,
+        budget_bytes=memory_budget_bytes(first, "cpu", read_meminfo()[1], first.ranks_on_node),
+    )
     model = measure_model(run.task, need_activations=True, cpu_calibration=calib)
     budgets = [memory_budget_bytes(p, "cpu", read_meminfo()[1], p.ranks_on_node) for p in places]
-    ranks = [RankSpec(p.rank, "local", f"cpu {p.threads} thr"
-                      + (f" @{p.emulate_speed:g}" if p.emulate_speed != 1 else ""),
-                      model.cpu_samples_per_s * p.emulate_speed,
-                      memory_cap(budget, model.param_count, model.activation_bytes_per_sample,
-                                 run.balance.max_micro_batch),
-                      memory_bytes=budget) for p, budget in zip(places, budgets)]
-    source = (f"measured on this CPU: {model.cpu_samples_per_s:.1f} samples/s at "
-              f"{calib.threads} thread(s), micro-batch {calib.micro_batch}, x cluster.speeds")
+    ranks = [
+        RankSpec(
+            p.rank,
+            "local",
+            f"cpu {p.threads} thr" + (f" @{p.emulate_speed:g}" if p.emulate_speed != 1 else ""),
+            model.cpu_samples_per_s * p.emulate_speed,
+            memory_cap(
+                budget,
+                model.param_count,
+                model.activation_bytes_per_sample,
+                run.balance.max_micro_batch,
+            ),
+            memory_bytes=budget,
+        )
+        for p, budget in zip(places, budgets)
+    ]
+    source = (
+        f"measured on this CPU: {model.cpu_samples_per_s:.1f} samples/s at "
+        f"{calib.threads} thread(s), micro-batch {calib.micro_batch}, x cluster.speeds"
+    )
     return model, ranks, source
 
 
@@ -126,21 +146,37 @@ def with_batch_building(ranks: List[RankSpec], data_s_per_sample: float) -> List
     already include it: their calibration times the batch building with each pass."""
     if data_s_per_sample <= 0:
         return list(ranks)
-    return [replace(r, samples_per_s=1.0 / (1.0 / r.samples_per_s + data_s_per_sample),
-                    curve=r.curve and replace(r.curve,
-                                              per_sample_s=r.curve.per_sample_s + data_s_per_sample))
-            for r in ranks]
+    return [
+        replace(
+            r,
+            samples_per_s=1.0 / (1.0 / r.samples_per_s + data_s_per_sample),
+            curve=r.curve
+            and replace(r.curve, per_sample_s=r.curve.per_sample_s + data_s_per_sample),
+        )
+        for r in ranks
+    ]
 
 
-def _spec_ranks(placements, model: ModelInfo, opts: PlanConfig,
-                limit: Optional[int]) -> List[RankSpec]:
+def _spec_ranks(
+    placements, model: ModelInfo, opts: PlanConfig, limit: Optional[int]
+) -> List[RankSpec]:
     """The GPU spec model's ranks for ``placements`` (:func:`ranks_from_table` with ``model``'s
     figures, ``limit`` = ``balance.max_micro_batch``) with their batch building
     (:func:`with_batch_building`)."""
-    return with_batch_building(ranks_from_table(
-        placements, model.flops_per_sample, model.param_count, model.activation_bytes_per_sample,
-        opts.mfu, opts.peak, limit, model.param_tensors, model.accesses_per_sample),
-        model.data_s_per_sample)
+    return with_batch_building(
+        ranks_from_table(
+            placements,
+            model.flops_per_sample,
+            model.param_count,
+            model.activation_bytes_per_sample,
+            opts.mfu,
+            opts.peak,
+            limit,
+            model.param_tensors,
+            model.accesses_per_sample,
+        ),
+        model.data_s_per_sample,
+    )
 
 
 def _data_time(model: ModelInfo, opts: PlanConfig) -> ModelInfo:
@@ -154,11 +190,16 @@ def _data_time(model: ModelInfo, opts: PlanConfig) -> ModelInfo:
 def _data_note(model: ModelInfo) -> str:
     """The source line's part for :func:`with_batch_building`."""
     if model.data_s_per_sample <= 0:
-        return "; no time for building batches (plan.data_ms_per_sample=0)" \
-            if model.data_from == "plan.data_ms_per_sample" else ""
-    return (f"; + {model.data_s_per_sample * 1e3:.3f} ms per sample building batches "
-            f"({model.data_from}; each rank builds its batches before its passes; "
-            "plan.data_ms_per_sample= sets it)")
+        return (
+            "; no time for building batches (plan.data_ms_per_sample=0)"
+            if model.data_from == "plan.data_ms_per_sample"
+            else ""
+        )
+    return (
+        f"; + {model.data_s_per_sample * 1e3:.3f} ms per sample building batches "
+        f"({model.data_from}; each rank builds its batches before its passes; "
+        "plan.data_ms_per_sample= sets it)"
+    )
 
 
 def _table_ranks(run, opts: PlanConfig) -> Tuple[ModelInfo, List[RankSpec], str]:
@@ -169,18 +210,23 @@ def _table_ranks(run, opts: PlanConfig) -> Tuple[ModelInfo, List[RankSpec], str]
     placements = plan_placements(run)
     ranks = _spec_ranks(placements, model, opts, run.balance.max_micro_batch)
     requested = sorted({p.precision for p in placements})
-    precision = (f"as the runtime picks from the requested {'/'.join(requested)} (auto: bf16 "
-                 "on compute capability >= 8.0, fp16 on 7.x, else fp32; per rank in the "
-                 "device column)" if opts.peak == "runtime"
-                 else "tensor-core peak everywhere (plan.peak=tensor)")
-    source = (f"GPU specs, not a probe: {model.flops_per_sample / 1e9:.2f} GFLOP per sample at "
-              f"{FACTORS['compute_fraction']:.3f} of peak + {model.accesses_per_sample / 1e6:.1f} M "
-              f"element accesses ({model.accesses_from}) at "
-              f"{FACTORS['bandwidth_fraction']:.3f} of bandwidth, fitted on "
-              f"DLE PyTorch BERT and checked on held-out figures (docs/planner-accuracy.md), "
-              f"+ {pass_overhead_s(model.param_tensors) * 1e3:.1f} ms per micro-batch "
-              f"({model.param_tensors} parameter tensors); precision {precision}; fp32 means "
-              f"fp32, not TF32 (the runtime leaves TF32 off){_data_note(model)}")
+    precision = (
+        f"as the runtime picks from the requested {'/'.join(requested)} (auto: bf16 "
+        "on compute capability >= 8.0, fp16 on 7.x, else fp32; per rank in the "
+        "device column)"
+        if opts.peak == "runtime"
+        else "tensor-core peak everywhere (plan.peak=tensor)"
+    )
+    source = (
+        f"GPU specs, not a probe: {model.flops_per_sample / 1e9:.2f} GFLOP per sample at "
+        f"{FACTORS['compute_fraction']:.3f} of peak + {model.accesses_per_sample / 1e6:.1f} M "
+        f"element accesses ({model.accesses_from}) at "
+        f"{FACTORS['bandwidth_fraction']:.3f} of bandwidth, fitted on "
+        f"DLE PyTorch BERT and checked on held-out figures (docs/planner-accuracy.md), "
+        f"+ {pass_overhead_s(model.param_tensors) * 1e3:.1f} ms per micro-batch "
+        f"({model.param_tensors} parameter tensors); precision {precision}; fp32 means "
+        f"fp32, not TF32 (the runtime leaves TF32 off){_data_note(model)}"
+    )
     return model, ranks, source
 
 
@@ -202,8 +248,11 @@ def _probe_ranks(run, opts: PlanConfig, probe, parts) -> Tuple[ModelInfo, List[R
     from hetseq_hpc.balance.placement import plan_placements
 
     limit = run.balance.max_micro_batch
-    found = {} if run.cluster.is_local else {
-        p.key: probe_partition_ranks(probe, p, 0, limit) for p in parts}
+    found = (
+        {}
+        if run.cluster.is_local
+        else {p.key: probe_partition_ranks(probe, p, 0, limit) for p in parts}
+    )
     missing = [p for p in parts if p.key in found and found[p.key] is None]
     if missing and len(missing) == len(parts):  # nothing matched: the old one-line refusal
         ranks_from_probe(probe, parts, limit=limit)
@@ -211,7 +260,8 @@ def _probe_ranks(run, opts: PlanConfig, probe, parts) -> Tuple[ModelInfo, List[R
         if not part.gpu_type:
             raise ConfigError(
                 f"plan.probe has no rank of partition {part.partition!r}, a CPU-only partition "
-                "the GPU spec model cannot stand in for: probe it too (hetseq-hpc probe)")
+                "the GPU spec model cannot stand in for: probe it too (hetseq-hpc probe)"
+            )
     if not missing:
         model = measure_model(run.task, need_activations=False)
         ranks = ranks_from_probe(probe, parts, by_index=run.cluster.is_local, limit=limit)
@@ -225,34 +275,58 @@ def _probe_ranks(run, opts: PlanConfig, probe, parts) -> Tuple[ModelInfo, List[R
         table.setdefault(spec.partition, spec.samples_per_s)
     for part in parts:  # probed GPUs in no spec table: predicted from the probe's own facts
         if found[part.key] is not None and part.key not in table:
-            rate = probe_samples_per_s(probe, part.partition, part.gpu_type,
-                                       model.flops_per_sample, model.accesses_per_sample)
+            rate = probe_samples_per_s(
+                probe,
+                part.partition,
+                part.gpu_type,
+                model.flops_per_sample,
+                model.accesses_per_sample,
+            )
             if rate:  # with the batch building, as the table's ranks
                 table[part.key] = 1.0 / (1.0 / rate + model.data_s_per_sample)
     # like with like: the probe's per-sample rate (its cost curve, without the fixed time per
     # pass the spec ranks add back) against the spec model's; its samples/s without a curve
-    ratios = [_asymptotic_rate(found[k][0]) / table[k]
-              for k in found if found[k] is not None and k in table]
+    ratios = [
+        _asymptotic_rate(found[k][0]) / table[k]
+        for k in found
+        if found[k] is not None and k in table
+    ]
     scale = statistics.median(ratios) if ratios else 1.0
     ranks: List[RankSpec] = []
     for part in parts:
         if found[part.key] is not None:
             specs = [replace(r, rank=len(ranks) + i) for i, r in enumerate(found[part.key])]
         else:
-            t = _spec_ranks([pl for pl in plan_placements(run) if pl.partition_key == part.key],
-                            model, opts, limit)[0]
+            t = _spec_ranks(
+                [pl for pl in plan_placements(run) if pl.partition_key == part.key],
+                model,
+                opts,
+                limit,
+            )[0]
             curve = t.curve and replace(t.curve, per_sample_s=t.curve.per_sample_s / scale)
-            specs = [replace(t, rank=len(ranks) + i, samples_per_s=t.samples_per_s * scale,
-                             curve=curve, device=f"{t.device} x{scale:.2f}")
-                     for i in range(part.ranks)]
+            specs = [
+                replace(
+                    t,
+                    rank=len(ranks) + i,
+                    samples_per_s=t.samples_per_s * scale,
+                    curve=curve,
+                    device=f"{t.device} x{scale:.2f}",
+                )
+                for i in range(part.ranks)
+            ]
         ranks.extend(specs)
     probed = [k for k in found if found[k] is not None]
-    basis = (f"the median of the probed partitions' measured / spec-model ratios "
-             f"{', '.join(f'{r:.3g}' for r in ratios)}" if ratios else
-             "no probed partition could be predicted from specs: unscaled")
-    source = (f"measured calibration from {opts.probe} for partition(s) {', '.join(probed)}; "
-              f"{', '.join(p.key for p in missing)} from GPU specs x {scale:.3g} ({basis})"
-              f"{_data_note(model)}")
+    basis = (
+        f"the median of the probed partitions' measured / spec-model ratios "
+        f"{', '.join(f'{r:.3g}' for r in ratios)}"
+        if ratios
+        else "no probed partition could be predicted from specs: unscaled"
+    )
+    source = (
+        f"measured calibration from {opts.probe} for partition(s) {', '.join(probed)}; "
+        f"{', '.join(p.key for p in missing)} from GPU specs x {scale:.3g} ({basis})"
+        f"{_data_note(model)}"
+    )
     return model, ranks, source
 
 
@@ -287,29 +361,58 @@ def make_plan(run, opts: Optional[PlanConfig] = None) -> Plan:
 
     memory = [r.memory_bytes for r in ranks]
     known = all(m > 0 for m in memory)
-    mode = chosen_mode(run.sharding.mode, memory, model.param_count) if known else \
-        ("fsdp" if run.sharding.mode == "fsdp" else "ddp")
+    mode = (
+        chosen_mode(run.sharding.mode, memory, model.param_count)
+        if known
+        else ("fsdp" if run.sharding.mode == "fsdp" else "ddp")
+    )
     offload = bool(run.sharding.cpu_offload) and not local
     if mode == "fsdp" and known and model.activation_bytes_per_sample > 0:
         # the caps a sharded rank has (the runtime's formula); a probe's own caps stand
         root = None if model.root_params is None else float(model.root_params) * PARAM_BYTES
-        static = model_state_bytes(float(model.param_count) * PARAM_BYTES, "fsdp", len(ranks),
-                                   float(model.largest_unit_params) * PARAM_BYTES, offload,
-                                   gathered_weights=not model.evaluates_sharded, root_bytes=root)
-        ranks = [replace(r, max_micro_batch=device_memory_cap(
-            r.memory_bytes, 0.0, model.activation_bytes_per_sample, run.balance.max_micro_batch,
-            static)) for r in ranks]
+        static = model_state_bytes(
+            float(model.param_count) * PARAM_BYTES,
+            "fsdp",
+            len(ranks),
+            float(model.largest_unit_params) * PARAM_BYTES,
+            offload,
+            gathered_weights=not model.evaluates_sharded,
+            root_bytes=root,
+        )
+        ranks = [
+            replace(
+                r,
+                max_micro_batch=device_memory_cap(
+                    r.memory_bytes,
+                    0.0,
+                    model.activation_bytes_per_sample,
+                    run.balance.max_micro_batch,
+                    static,
+                ),
+            )
+            for r in ranks
+        ]
     for spec in ranks:
         if spec.max_micro_batch < 1:
             raise ConfigError(
                 f"rank {spec.rank} ({spec.partition}, {spec.device}) cannot fit one sample of "
-                f"this model: shrink task.model, shard it (sharding.mode=fsdp), or leave partition {spec.partition!r} out")
+                f"this model: shrink task.model, shard it (sharding.mode=fsdp), or leave partition {spec.partition!r} out"
+            )
     curves = [r.curve for r in ranks] if all(r.curve for r in ranks) else None
 
     def predict_at(batch: int, forced: Optional[List[int]] = None) -> Prediction:
-        return predict([r.samples_per_s for r in ranks], batch, [r.max_micro_batch for r in ranks],
-                       model.gradient_bytes, ring, opts.latency_s, opts.overlap, forced, curves,
-                       measured_sync_s)
+        return predict(
+            [r.samples_per_s for r in ranks],
+            batch,
+            [r.max_micro_batch for r in ranks],
+            model.gradient_bytes,
+            ring,
+            opts.latency_s,
+            opts.overlap,
+            forced,
+            curves,
+            measured_sync_s,
+        )
 
     try:
         prediction = predict_at(run.trainer.global_batch_size, run.balance.allocation)
@@ -320,13 +423,33 @@ def make_plan(run, opts: Optional[PlanConfig] = None) -> Plan:
     fits: List[ModeFit] = []
     if known and model.activation_bytes_per_sample > 0:
         passes = max(len(s.micro_sizes) for s in prediction.balanced.allocation.shares)
-        fits = mode_fits(memory, model.param_count, model.largest_unit_params,
-                         model.activation_bytes_per_sample,
-                         prediction.balanced.step_s, prediction.allreduce_s, passes, offload,
-                         gathered_weights=not model.evaluates_sharded,
-                         root_params=model.root_params)
-    return Plan(run.cluster.name, parts, ranks, prediction, model, opts, link, source, warnings,
-                mode, run.sharding.mode, fits, ring)
+        fits = mode_fits(
+            memory,
+            model.param_count,
+            model.largest_unit_params,
+            model.activation_bytes_per_sample,
+            prediction.balanced.step_s,
+            prediction.allreduce_s,
+            passes,
+            offload,
+            gathered_weights=not model.evaluates_sharded,
+            root_params=model.root_params,
+        )
+    return Plan(
+        run.cluster.name,
+        parts,
+        ranks,
+        prediction,
+        model,
+        opts,
+        link,
+        source,
+        warnings,
+        mode,
+        run.sharding.mode,
+        fits,
+        ring,
+    )
 
 
 def _good_enough(prediction: Prediction) -> bool:
@@ -334,8 +457,9 @@ def _good_enough(prediction: Prediction) -> bool:
     return per_rank >= MIN_SAMPLES_PER_RANK and prediction.efficiency >= MIN_EFFICIENCY
 
 
-def batch_warning(prediction: Prediction,
-                  predict_at: Optional[Callable[[int], Prediction]] = None) -> Optional[str]:
+def batch_warning(
+    prediction: Prediction, predict_at: Optional[Callable[[int], Prediction]] = None
+) -> Optional[str]:
     """One line when the global batch is too small for the mix: fewer than
     :data:`MIN_SAMPLES_PER_RANK` samples per rank on average, or a predicted efficiency below
     :data:`MIN_EFFICIENCY`; else None.
@@ -358,9 +482,11 @@ def batch_warning(prediction: Prediction,
             hint = f"trainer.global_batch_size={candidate} predicts {bigger.efficiency:.2f}"
             break
         candidate *= 2
-    return (f"global batch {batch:,} is small for {world} ranks ({batch / world:.1f} samples per "
-            f"rank, predicted efficiency {prediction.efficiency:.2f}; aim for >= "
-            f"{MIN_SAMPLES_PER_RANK} and >= {MIN_EFFICIENCY:g}): raise it, e.g. {hint}")
+    return (
+        f"global batch {batch:,} is small for {world} ranks ({batch / world:.1f} samples per "
+        f"rank, predicted efficiency {prediction.efficiency:.2f}; aim for >= "
+        f"{MIN_SAMPLES_PER_RANK} and >= {MIN_EFFICIENCY:g}): raise it, e.g. {hint}"
+    )
 
 
 def probe_model_warning(opts: PlanConfig, run) -> Optional[str]:
@@ -383,6 +509,8 @@ def probe_model_warning(opts: PlanConfig, run) -> Optional[str]:
         return None
     diff = sorted(k for k in current if k in probed and probed[k] != current[k])
     if diff:
-        return (f"the probe run used a different model "
-                f"({', '.join(f'{k}={probed[k]}' for k in diff)}): its throughputs may not apply")
+        return (
+            f"the probe run used a different model "
+            f"({', '.join(f'{k}={probed[k]}' for k in diff)}): its throughputs may not apply"
+        )
     return None

@@ -32,8 +32,18 @@ def rank_classes(plan: Plan) -> List[Tuple[str, List[int]]]:
     for spec in plan.ranks:
         b = pred.balanced.allocation.shares[spec.rank]
         e = pred.equal.allocation.shares[spec.rank]
-        key = (spec.partition, spec.device, spec.samples_per_s, spec.max_micro_batch,
-               b.samples, b.micro_batch, b.accum_steps, e.samples, e.micro_batch, e.accum_steps)
+        key = (
+            spec.partition,
+            spec.device,
+            spec.samples_per_s,
+            spec.max_micro_batch,
+            b.samples,
+            b.micro_batch,
+            b.accum_steps,
+            e.samples,
+            e.micro_batch,
+            e.accum_steps,
+        )
         groups.setdefault(key, []).append(spec.rank)
     return [(key[0], ids) for key, ids in groups.items()]
 
@@ -49,19 +59,25 @@ def _ring(plan) -> str:
     ring = plan.ring_gbps or plan.link_gbps
     if ring == plan.link_gbps:
         return f"{ring:g} Gbit/s (plan.link_gbps, the network between nodes)"
-    return (f"{ring:g} Gbit/s (the slowest link of the ring: GPUs inside a node over "
-            f"PCIe/NVLink from specs; network {plan.link_gbps:g} Gbit/s, plan.link_gbps)")
+    return (
+        f"{ring:g} Gbit/s (the slowest link of the ring: GPUs inside a node over "
+        f"PCIe/NVLink from specs; network {plan.link_gbps:g} Gbit/s, plan.link_gbps)"
+    )
 
 
 def _header(plan: Plan) -> List[str]:
     pred, model = plan.prediction, plan.model
-    model_line = (f"model: {model.param_count / 1e6:.2f} M parameters, "
-                  f"{model.flops_per_sample / 1e9:.3f} GFLOP/sample (training)")
+    model_line = (
+        f"model: {model.param_count / 1e6:.2f} M parameters, "
+        f"{model.flops_per_sample / 1e9:.3f} GFLOP/sample (training)"
+    )
     if model.vocab_size:
         model_line += f", vocab {model.vocab_size} ({model.vocab_from})"
     if model.activation_bytes_per_sample:
-        model_line += (f", activations {model.activation_bytes_per_sample / 2**20:.1f} MiB/sample"
-                       " (fp32, this CPU, x1.5 margin)")
+        model_line += (
+            f", activations {model.activation_bytes_per_sample / 2**20:.1f} MiB/sample"
+            " (fp32, this CPU, x1.5 margin)"
+        )
     return [
         f"hetseq_hpc plan: cluster={plan.cluster}, {pred.world_size} ranks in "
         f"{len(plan.partitions)} partition(s), global batch {pred.global_batch_size:,}",
@@ -81,9 +97,11 @@ def _table(plan: Plan) -> List[str]:
     classes = rank_classes(plan)
     part_w = max([len("partition")] + [len(str(part)) for part, _ in classes])
     dev_w = max([len("device")] + [len(plan.ranks[ids[0]].device) for _, ids in classes])
-    head = (f"{'partition':<{part_w}} {'device':<{dev_w}} {'ranks':<12} {'n':>4} "
-            f"{'samples/s':>10} {'cap':>6} | {'samples':>7} {'micro x acc':>11} {'compute':>9} "
-            f"{'busy':>5} | {'equal':>6} {'micro x acc':>11} {'compute':>9}")
+    head = (
+        f"{'partition':<{part_w}} {'device':<{dev_w}} {'ranks':<12} {'n':>4} "
+        f"{'samples/s':>10} {'cap':>6} | {'samples':>7} {'micro x acc':>11} {'compute':>9} "
+        f"{'busy':>5} | {'equal':>6} {'micro x acc':>11} {'compute':>9}"
+    )
     lines = [head, "-" * len(head)]
     previous = None
     for part, ids in classes:
@@ -97,7 +115,8 @@ def _table(plan: Plan) -> List[str]:
             f"{b.samples:>7} {f'{b.micro_batch} x {b.accum_steps}':>11} "
             f"{_ms(bal.compute_s[first]):>9} {bal.compute_s[first] / slowest:>5.0%} | "
             f"{e.samples:>6} {f'{e.micro_batch} x {e.accum_steps}':>11} "
-            f"{_ms(eq.compute_s[first]):>9}")
+            f"{_ms(eq.compute_s[first]):>9}"
+        )
         previous = part
     return lines
 
@@ -107,10 +126,13 @@ def _summary(plan: Plan) -> List[str]:
     bal, eq = pred.balanced, pred.equal
     ideal_compute = pred.global_batch_size / pred.ideal_samples_per_s
     overlap = opts.overlap if opts.overlap == "ddp" else format(opts.overlap, "g")
-    exposed = (f"the probe run measured {_ms(pred.exposed_allreduce_s)} ms per step beyond the "
-               "slowest rank's work (exposed all-reduce, statistics exchange, jitter), used "
-               "instead" if pred.sync_measured else
-               f"overlap {overlap} (plan.overlap) -> {_ms(pred.exposed_allreduce_s)} ms exposed")
+    exposed = (
+        f"the probe run measured {_ms(pred.exposed_allreduce_s)} ms per step beyond the "
+        "slowest rank's work (exposed all-reduce, statistics exchange, jitter), used "
+        "instead"
+        if pred.sync_measured
+        else f"overlap {overlap} (plan.overlap) -> {_ms(pred.exposed_allreduce_s)} ms exposed"
+    )
     return [
         "",
         f"all-reduce: ring over {pred.world_size} ranks, {plan.model.gradient_bytes / 1e6:.1f} MB "
@@ -136,7 +158,11 @@ def render(plan: Plan) -> str:
     """The human-readable table and summary (without the final JSON line). Times in ms."""
     from hetseq_hpc.plan.sharding_plan import render_fits
 
-    fits = render_fits(plan.mode_fits, plan.configured_sharding, plan.sharding) if plan.mode_fits else []
+    fits = (
+        render_fits(plan.mode_fits, plan.configured_sharding, plan.sharding)
+        if plan.mode_fits
+        else []
+    )
     return "\n".join(_header(plan) + _table(plan) + _summary(plan) + fits)
 
 

@@ -49,8 +49,13 @@ class ModeFit:
     largest_params: int
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"mode": self.mode, "state_bytes": round(self.state_bytes), "fits": self.fits,
-                "step_time_s": round(self.step_s, 6), "largest_params": self.largest_params}
+        return {
+            "mode": self.mode,
+            "state_bytes": round(self.state_bytes),
+            "fits": self.fits,
+            "step_time_s": round(self.step_s, 6),
+            "largest_params": self.largest_params,
+        }
 
 
 def fsdp_traffic_factor(passes: int, keep_gathered: bool = False) -> float:
@@ -61,10 +66,18 @@ def fsdp_traffic_factor(passes: int, keep_gathered: bool = False) -> float:
     return (k + 1) / 2.0 if keep_gathered and k >= 2 else 1.5 * k
 
 
-def mode_fits(memory_bytes: Sequence[float], param_count: int, unit_params: int,
-              activation_bytes_per_sample: float, ddp_step_s: float, allreduce_s: float,
-              passes: int, offload: bool = False, gathered_weights: bool = True,
-              root_params: Optional[int] = None) -> List[ModeFit]:
+def mode_fits(
+    memory_bytes: Sequence[float],
+    param_count: int,
+    unit_params: int,
+    activation_bytes_per_sample: float,
+    ddp_step_s: float,
+    allreduce_s: float,
+    passes: int,
+    offload: bool = False,
+    gathered_weights: bool = True,
+    root_params: Optional[int] = None,
+) -> List[ModeFit]:
     """:class:`ModeFit` of DDP and of FSDP (and, with ``passes >= 2``, of FSDP with the
     parameters kept gathered between passes: ``fsdp-kept``) on ranks with ``memory_bytes``
     budgets.
@@ -91,21 +104,32 @@ def mode_fits(memory_bytes: Sequence[float], param_count: int, unit_params: int,
 
     def fsdp_bytes(scale: float, kept: bool = False) -> float:  # fsdp state, x scale
         root = None if root_params is None else float(root_params) * scale
-        return model_state_bytes(float(param_count) * scale, "fsdp", world,
-                                 float(unit_params) * scale, offload, gathered_weights, root,
-                                 keep_gathered=kept)
+        return model_state_bytes(
+            float(param_count) * scale,
+            "fsdp",
+            world,
+            float(unit_params) * scale,
+            offload,
+            gathered_weights,
+            root,
+            keep_gathered=kept,
+        )
 
     def fsdp_fit(name: str, kept: bool) -> ModeFit:
         state = fsdp_bytes(PARAM_BYTES, kept)
         per_param = fsdp_bytes(PARAM_BYTES / count, kept) or PARAM_BYTES
         extra = (fsdp_traffic_factor(passes, kept) - 1.0) * allreduce_s
-        return ModeFit(name, state, state <= room, ddp_step_s + extra,
-                       max(int(room // per_param), 0))
+        return ModeFit(
+            name, state, state <= room, ddp_step_s + extra, max(int(room // per_param), 0)
+        )
 
     ddp = model_state_bytes(float(param_count) * PARAM_BYTES)
-    fits = [ModeFit("ddp", ddp, ddp <= room, ddp_step_s,
-                    max(int(room // model_state_bytes(PARAM_BYTES)), 0)),
-            fsdp_fit("fsdp", False)]
+    fits = [
+        ModeFit(
+            "ddp", ddp, ddp <= room, ddp_step_s, max(int(room // model_state_bytes(PARAM_BYTES)), 0)
+        ),
+        fsdp_fit("fsdp", False),
+    ]
     if passes >= 2:  # sharding.between_micro_batches=keep_unsharded (auto picks it where it fits)
         fits.append(fsdp_fit("fsdp-kept", True))
     return fits
@@ -122,11 +146,16 @@ def chosen_mode(configured: str, memory_bytes: Sequence[float], param_count: int
 
 def render_fits(fits: Sequence[ModeFit], configured: str, chosen: str) -> List[str]:
     """The planner's sharding block (one line per mode)."""
-    lines = ["", f"sharding (sharding.mode={configured} -> {chosen}): model state per rank, "
-             "whether it fits every rank with one sample, step, largest model for this mix",
-             f"{'mode':<9} {'state/rank MB':>14} {'fits':>5} {'step ms':>9} {'largest model':>16}"]
+    lines = [
+        "",
+        f"sharding (sharding.mode={configured} -> {chosen}): model state per rank, "
+        "whether it fits every rank with one sample, step, largest model for this mix",
+        f"{'mode':<9} {'state/rank MB':>14} {'fits':>5} {'step ms':>9} {'largest model':>16}",
+    ]
     for fit in fits:
-        lines.append(f"{fit.mode:<9} {fit.state_bytes / 1e6:>14,.1f} "
-                     f"{'yes' if fit.fits else 'no':>5} {fit.step_s * 1e3:>9,.1f} "
-                     f"{fit.largest_params / 1e6:>13,.1f} M")
+        lines.append(
+            f"{fit.mode:<9} {fit.state_bytes / 1e6:>14,.1f} "
+            f"{'yes' if fit.fits else 'no':>5} {fit.step_s * 1e3:>9,.1f} "
+            f"{fit.largest_params / 1e6:>13,.1f} M"
+        )
     return lines

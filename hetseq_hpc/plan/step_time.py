@@ -47,8 +47,9 @@ def datasheet_throughput(peak_tflops: float, mfu: float, flops_per_sample: float
     return peak_tflops * 1e12 * mfu / flops_per_sample
 
 
-def ring_allreduce_s(gradient_bytes: float, world_size: int, link_gbps: float,
-                     latency_s: float) -> float:
+def ring_allreduce_s(
+    gradient_bytes: float, world_size: int, link_gbps: float, latency_s: float
+) -> float:
     """Time of one ring all-reduce, seconds: ``2 (N-1)/N x bytes / (gbps x 1e9 / 8)
     + 2 (N-1) x latency`` (reduce-scatter then all-gather, 2 (N-1) steps of 1/N of the data;
     Thakur et al., IJHPCA 19(1) 2005; Patarasuk & Yuan, JPDC 69(2) 2009). 0 for one rank."""
@@ -79,21 +80,27 @@ def ring_link_gbps(groups: Sequence[Tuple[int, int, float]], network_gbps: float
     return min(links) if links else float(network_gbps)
 
 
-def rank_curves(throughputs: Sequence[float],
-                curves: Optional[Sequence[CostCurve]] = None) -> List[CostCurve]:
+def rank_curves(
+    throughputs: Sequence[float], curves: Optional[Sequence[CostCurve]] = None
+) -> List[CostCurve]:
     """The cost curves, or each throughput's proportional curve (:meth:`CostCurve.from_throughput`)."""
     if curves is not None:
         return list(curves)
     return [CostCurve.from_throughput(t) for t in throughputs]
 
 
-def compute_times_s(allocation: Allocation, throughputs: Sequence[float],
-                    curves: Optional[Sequence[CostCurve]] = None) -> Tuple[float, ...]:
+def compute_times_s(
+    allocation: Allocation,
+    throughputs: Sequence[float],
+    curves: Optional[Sequence[CostCurve]] = None,
+) -> Tuple[float, ...]:
     """Per-rank busy time of one step until its gradients are ready, seconds:
     ``k_i a_i + c_i b_i + f_i`` of each rank's cost curve (:mod:`hetseq_hpc.balance.curves`, the
     runtime's model), or ``samples_i / throughput_i`` without curves."""
-    return tuple(c.compute_s(s.samples, s.accum_steps) + c.step_fixed_s
-                 for s, c in zip(allocation.shares, rank_curves(throughputs, curves)))
+    return tuple(
+        c.compute_s(s.samples, s.accum_steps) + c.step_fixed_s
+        for s, c in zip(allocation.shares, rank_curves(throughputs, curves))
+    )
 
 
 @dataclass(frozen=True)
@@ -165,9 +172,13 @@ class Prediction:
         }
 
 
-def ddp_exposed_allreduce_s(allocation: Allocation, throughputs: Sequence[float],
-                            allreduce_s: float, gradient_bytes: float,
-                            curves: Optional[Sequence[CostCurve]] = None) -> float:
+def ddp_exposed_allreduce_s(
+    allocation: Allocation,
+    throughputs: Sequence[float],
+    allreduce_s: float,
+    gradient_bytes: float,
+    curves: Optional[Sequence[CostCurve]] = None,
+) -> float:
     """All-reduce time left after the last rank's compute, with DDP's bucketed overlap, seconds.
 
     DDP all-reduces gradients in buckets (``bucket_cap_mb=25``) as the backward pass fills them,
@@ -184,8 +195,10 @@ def ddp_exposed_allreduce_s(allocation: Allocation, throughputs: Sequence[float]
         return 0.0
     k_buckets = max(1, math.ceil(gradient_bytes / DDP_BUCKET_BYTES))
     ends = compute_times_s(allocation, throughputs, curves)
-    backward = [BACKWARD_SHARE * c.micro_s(share.micro_sizes[-1])
-                for share, c in zip(allocation.shares, rank_curves(throughputs, curves))]
+    backward = [
+        BACKWARD_SHARE * c.micro_s(share.micro_sizes[-1])
+        for share, c in zip(allocation.shares, rank_curves(throughputs, curves))
+    ]
     per_bucket = allreduce_s / k_buckets
     finish = float("-inf")
     for k in range(k_buckets):
@@ -194,18 +207,29 @@ def ddp_exposed_allreduce_s(allocation: Allocation, throughputs: Sequence[float]
     return max(0.0, finish - max(ends))
 
 
-def _timed(allocation: Allocation, throughputs: Sequence[float], exposed_s: float,
-           curves: Optional[Sequence[CostCurve]] = None) -> SplitTime:
+def _timed(
+    allocation: Allocation,
+    throughputs: Sequence[float],
+    exposed_s: float,
+    curves: Optional[Sequence[CostCurve]] = None,
+) -> SplitTime:
     compute = compute_times_s(allocation, throughputs, curves)
     step = max(compute) + exposed_s
     return SplitTime(allocation, compute, step, allocation.global_batch_size / step)
 
 
-def predict(throughputs: Sequence[float], global_batch_size: int, caps: Sequence[int],
-            gradient_bytes: float, link_gbps: float, latency_s: float = DEFAULT_LATENCY_US * 1e-6,
-            overlap: Any = DEFAULT_OVERLAP, forced: Optional[Sequence[int]] = None,
-            curves: Optional[Sequence[CostCurve]] = None,
-            measured_sync_s: Optional[float] = None) -> Prediction:
+def predict(
+    throughputs: Sequence[float],
+    global_batch_size: int,
+    caps: Sequence[int],
+    gradient_bytes: float,
+    link_gbps: float,
+    latency_s: float = DEFAULT_LATENCY_US * 1e-6,
+    overlap: Any = DEFAULT_OVERLAP,
+    forced: Optional[Sequence[int]] = None,
+    curves: Optional[Sequence[CostCurve]] = None,
+    measured_sync_s: Optional[float] = None,
+) -> Prediction:
     """Predict the balanced split (the runtime's :func:`allocate`), an equal split and the ideal.
 
     Args:
@@ -230,8 +254,13 @@ def predict(throughputs: Sequence[float], global_batch_size: int, caps: Sequence
     allreduce = ring_allreduce_s(gradient_bytes, len(throughputs), link_gbps, latency_s)
     balanced = allocate(throughputs, global_batch_size, caps, forced=forced, curves=curves)
     equal = equal_split(len(throughputs), global_batch_size, caps)
-    ideal = float(sum(throughputs)) if curves is None else sum(
-        global_batch_size / c.step_s(global_batch_size, cap) for c, cap in zip(curves, caps))
+    ideal = (
+        float(sum(throughputs))
+        if curves is None
+        else sum(
+            global_batch_size / c.step_s(global_batch_size, cap) for c, cap in zip(curves, caps)
+        )
+    )
 
     def exposed(split: Allocation) -> float:
         if measured_sync_s is not None:
@@ -248,7 +277,8 @@ def predict(throughputs: Sequence[float], global_batch_size: int, caps: Sequence
         allreduce_s=allreduce,
         exposed_allreduce_s=exposed(balanced),
         ideal_samples_per_s=ideal,
-        no_overlap_samples_per_s=_timed(balanced, throughputs, max(allreduce, exposed(balanced)),
-                                        curves).samples_per_s,
+        no_overlap_samples_per_s=_timed(
+            balanced, throughputs, max(allreduce, exposed(balanced)), curves
+        ).samples_per_s,
         sync_measured=measured_sync_s is not None,
     )

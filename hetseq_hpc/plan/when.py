@@ -150,19 +150,28 @@ class WhenTable:
         runnable = [r for r in self.rows if not r.problem]
         if not runnable:
             first = self.rows[0].problem if self.rows else "no mixes"
-            raise ConfigError(f"cluster.choose={choose}: no mix of the partitions can run (first: "
-                              f"{first}): fix that, or set cluster.choose=none")
+            raise ConfigError(
+                f"cluster.choose={choose}: no mix of the partitions can run (first: "
+                f"{first}): fix that, or set cluster.choose=none"
+            )
         fits = [r for r in runnable if not r.over_limit]
         if not fits:
             short = min(runnable, key=lambda r: r.run_s)
             raise ConfigError(
                 f"cluster.choose={choose}: every mix is predicted to run longer than "
                 f"cluster.timeout_min (the shortest, {short.label}, {short.run_s / 60:.0f} min): "
-                "raise cluster.timeout_min, lower trainer.max_steps, or set cluster.choose=none")
+                "raise cluster.timeout_min, lower trainer.max_steps, or set cluster.choose=none"
+            )
         runnable = fits
         if choose == "cheapest":
-            return min(runnable, key=lambda r: (round(r.gpu_hours, 9), r.finish_epoch is None,
-                                                r.finish_epoch or 0.0))
+            return min(
+                runnable,
+                key=lambda r: (
+                    round(r.gpu_hours, 9),
+                    r.finish_epoch is None,
+                    r.finish_epoch or 0.0,
+                ),
+            )
         if choose != "finish_first":
             raise ConfigError(f"cluster.choose={choose!r} is unknown: use finish_first or cheapest")
         estimated = [r for r in self.estimated if not r.over_limit]
@@ -170,7 +179,8 @@ class WhenTable:
             raise ConfigError(
                 "cluster.choose=finish_first: Slurm gave no start estimate for any mix "
                 f"({runnable[0].start.detail if runnable[0].start else 'not asked'}): ask the "
-                "admins for SchedulerType=sched/backfill, or use cluster.choose=cheapest or none")
+                "admins for SchedulerType=sched/backfill, or use cluster.choose=cheapest or none"
+            )
         return min(estimated, key=lambda r: (r.finish_epoch, r.gpu_hours))
 
 
@@ -181,15 +191,18 @@ def _thin(nodes: int, level: int) -> List[int]:
     if level == 0:
         return list(range(1, nodes + 1))
     if level == 1:
-        return sorted({2 ** i for i in range(nodes.bit_length()) if 2 ** i <= nodes} | {nodes})
+        return sorted({2**i for i in range(nodes.bit_length()) if 2**i <= nodes} | {nodes})
     if level == 2:
         return sorted({max(1, nodes // 2), nodes})
     return [nodes]
 
 
-_LEVELS = ("every node count", "node counts thinned to powers of two and the configured count",
-           "node counts thinned to half and all of the configured count",
-           "each partition in or out at its configured node count")
+_LEVELS = (
+    "every node count",
+    "node counts thinned to powers of two and the configured count",
+    "node counts thinned to half and all of the configured count",
+    "each partition in or out at its configured node count",
+)
 
 
 def candidate_mixes(partitions: Dict[str, int], max_mixes: int) -> Tuple[List[Dict[str, int]], str]:
@@ -210,8 +223,11 @@ def candidate_mixes(partitions: Dict[str, int], max_mixes: int) -> Tuple[List[Di
         if count <= max_mixes:
             break
     how = _LEVELS[level]
-    mixes = [{k: n for k, n in zip(keys, combo) if n}
-             for combo in itertools.product(*choices) if any(combo)]
+    mixes = [
+        {k: n for k, n in zip(keys, combo) if n}
+        for combo in itertools.product(*choices)
+        if any(combo)
+    ]
     mixes.sort(key=lambda m: (-sum(m.values()), [-m.get(k, 0) for k in keys]))
     cut = len(mixes) > max_mixes
     mixes = mixes[:max_mixes]
@@ -237,13 +253,19 @@ def restrict_run(run, mix: Dict[str, int]):
     parts = run.cluster.partitions
     unknown = [k for k in mix if k not in parts]
     if unknown:
-        raise ConfigError(f"mix names {', '.join(unknown)}, not a partition of the cluster: use "
-                          f"{', '.join(parts)}")
-    cluster = replace(run.cluster, choose="none",
-                      partitions={k: replace(p, nodes=int(mix[k])) for k, p in parts.items()
-                                  if mix.get(k)})
-    precision = replace(run.precision, partitions={k: v for k, v in run.precision.partitions.items()
-                                                   if k in cluster.partitions})
+        raise ConfigError(
+            f"mix names {', '.join(unknown)}, not a partition of the cluster: use "
+            f"{', '.join(parts)}"
+        )
+    cluster = replace(
+        run.cluster,
+        choose="none",
+        partitions={k: replace(p, nodes=int(mix[k])) for k, p in parts.items() if mix.get(k)},
+    )
+    precision = replace(
+        run.precision,
+        partitions={k: v for k, v in run.precision.partitions.items() if k in cluster.partitions},
+    )
     restricted = replace(run, cluster=cluster, precision=precision)
     validate_run_config(restricted)
     return restricted
@@ -258,8 +280,9 @@ def predict_mix(run, mix: Dict[str, int]) -> Tuple[MixRow, object, str]:
     """
     from hetseq_hpc.plan.planner import make_plan
 
-    row = MixRow(mix=dict(mix), steps=int(run.trainer.max_steps),
-                 startup_s=float(run.plan.startup_s))
+    row = MixRow(
+        mix=dict(mix), steps=int(run.trainer.max_steps), startup_s=float(run.plan.startup_s)
+    )
     try:
         restricted = restrict_run(run, mix)
         plan = make_plan(restricted)
@@ -268,13 +291,19 @@ def predict_mix(run, mix: Dict[str, int]) -> Tuple[MixRow, object, str]:
         return row, None, ""
     cluster = restricted.cluster
     row.ranks = cluster.world_size
-    row.gpus = sum(p.nodes * (p.gpus_per_node if p.gpu_type else p.ranks_per_node_effective)
-                   for p in cluster.partitions.values())
+    row.gpus = sum(
+        p.nodes * (p.gpus_per_node if p.gpu_type else p.ranks_per_node_effective)
+        for p in cluster.partitions.values()
+    )
     row.step_s = float(plan.prediction.balanced.step_s)
     every = int(run.trainer.checkpoint_every)
     writes = (row.steps // every if every else 0) + (0 if every and row.steps % every == 0 else 1)
-    row.checkpoint_s = (writes * plan.model.param_count * CHECKPOINT_BYTES_PER_PARAM
-                        / (run.plan.checkpoint_gb_s * 1e9))
+    row.checkpoint_s = (
+        writes
+        * plan.model.param_count
+        * CHECKPOINT_BYTES_PER_PARAM
+        / (run.plan.checkpoint_gb_s * 1e9)
+    )
     row.over_limit = row.run_s > cluster.timeout_min * 60
     return row, restricted, plan.source
 
@@ -298,14 +327,19 @@ def check_when_cluster(run) -> None:
         ConfigError: ``run.cluster`` is local (one line naming it and the fix).
     """
     if run.cluster.is_local or not getattr(run.cluster, "partitions", None):
-        raise ConfigError("plan.when compares mixes of SLURM partitions but this cluster is "
-                          f"{run.cluster.name!r}: pick a SLURM cluster, e.g. cluster=mixed")
+        raise ConfigError(
+            "plan.when compares mixes of SLURM partitions but this cluster is "
+            f"{run.cluster.name!r}: pick a SLURM cluster, e.g. cluster=mixed"
+        )
 
 
-def rank_mixes(run, estimate_start: Callable[[object], StartEstimate],
-               now: Optional[float] = None,
-               mixes: Optional[Sequence[Dict[str, int]]] = None,
-               left_out: Optional[Dict[str, str]] = None) -> Tuple[WhenTable, Dict[str, object]]:
+def rank_mixes(
+    run,
+    estimate_start: Callable[[object], StartEstimate],
+    now: Optional[float] = None,
+    mixes: Optional[Sequence[Dict[str, int]]] = None,
+    left_out: Optional[Dict[str, str]] = None,
+) -> Tuple[WhenTable, Dict[str, object]]:
     """Plan every candidate mix of ``run`` (a validated SLURM RunConfig), ask
     ``estimate_start(restricted cluster)`` when each would start, and sort by expected finish.
 

@@ -19,8 +19,19 @@ from typing import List, Optional
 from hetseq_hpc.errors import ConfigError
 from hetseq_hpc.plan.when import MixRow, WhenTable
 
-HEADER = ("#", "mix", "ranks", "GPUs", "step s", "run", "start (Slurm)", "wait", "finish",
-          "GPU-h", "note")
+HEADER = (
+    "#",
+    "mix",
+    "ranks",
+    "GPUs",
+    "step s",
+    "run",
+    "start (Slurm)",
+    "wait",
+    "finish",
+    "GPU-h",
+    "note",
+)
 
 
 def clock(epoch: Optional[float]) -> str:
@@ -51,8 +62,10 @@ def row_note(row: MixRow, timeout_min: Optional[int] = None) -> str:
         parts.append(row.start.detail)
     if row.over_limit:
         limit = f"cluster.timeout_min={timeout_min}" if timeout_min else "cluster.timeout_min"
-        parts.append(f"run longer than {limit}: not picked (it would hit the limit and be "
-                     "requeued; raise the limit)")
+        parts.append(
+            f"run longer than {limit}: not picked (it would hit the limit and be "
+            "requeued; raise the limit)"
+        )
     elif row.asked_min and row.start is not None:
         parts.append(f"asked --time={row.asked_min} min")
     return "; ".join(parts)
@@ -74,49 +87,68 @@ def render_when(table: WhenTable, run=None) -> str:
     Returns:
         header lines, the table, and the picks of ``cluster.choose``.
     """
-    lines = [f"hetseq-hpc plan --when: {table.note}; Slurm asked at {clock(table.now)} "
-             "(sbatch --test-only: nothing submitted)"]
+    lines = [
+        f"hetseq-hpc plan --when: {table.note}; Slurm asked at {clock(table.now)} "
+        "(sbatch --test-only: nothing submitted)"
+    ]
     timeout = None
     if run is not None:
         opts, trainer = run.plan, run.trainer
         timeout = getattr(run.cluster, "timeout_min", None)
         every = trainer.checkpoint_every
-        lines.append(f"run = start-up {opts.startup_s:g} s (plan.startup_s) + {trainer.max_steps} "
-                     f"steps (trainer.max_steps) x predicted step + a checkpoint "
-                     f"{'every ' + str(every) + ' steps and ' if every else ''}at the end at "
-                     f"{opts.checkpoint_gb_s:g} GB/s (plan.checkpoint_gb_s); finish = Slurm's "
-                     "expected start + run; GPU-h = GPUs x run")
+        lines.append(
+            f"run = start-up {opts.startup_s:g} s (plan.startup_s) + {trainer.max_steps} "
+            f"steps (trainer.max_steps) x predicted step + a checkpoint "
+            f"{'every ' + str(every) + ' steps and ' if every else ''}at the end at "
+            f"{opts.checkpoint_gb_s:g} GB/s (plan.checkpoint_gb_s); finish = Slurm's "
+            "expected start + run; GPU-h = GPUs x run"
+        )
     if table.source:
         lines.append(f"throughput: {table.source}")
     cells: List[tuple] = []
     for index, row in enumerate(table.rows, 1):
         able = not row.problem
         start = row.start_epoch
-        cells.append((
-            str(index), row.label, str(row.ranks) if able else "-", str(row.gpus) if able else "-",
-            f"{row.step_s:.4g}" if able else "-", duration(row.run_s) if able else "-",
-            clock(start) if able else "-",
-            duration(start - table.now) if able and start is not None else "-",
-            clock(row.finish_epoch), f"{row.gpu_hours:.3g}" if able else "-",
-            row_note(row, timeout)))
-    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h)
-              for i, h in enumerate(HEADER)]
+        cells.append(
+            (
+                str(index),
+                row.label,
+                str(row.ranks) if able else "-",
+                str(row.gpus) if able else "-",
+                f"{row.step_s:.4g}" if able else "-",
+                duration(row.run_s) if able else "-",
+                clock(start) if able else "-",
+                duration(start - table.now) if able and start is not None else "-",
+                clock(row.finish_epoch),
+                f"{row.gpu_hours:.3g}" if able else "-",
+                row_note(row, timeout),
+            )
+        )
+    widths = [
+        max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(HEADER)
+    ]
     lines.append("")
     lines.append("  ".join(h.ljust(w) for h, w in zip(HEADER, widths)).rstrip())
     lines.append("-" * (sum(widths) + 2 * (len(widths) - 1)))
     lines += ["  ".join(c.ljust(w) for c, w in zip(cell, widths)).rstrip() for cell in cells]
     lines.append("")
     if not table.estimated and any(not r.problem for r in table.rows):
-        lines.append("Slurm gave no start estimate for any mix (SchedulerType=sched/backfill "
-                     "off, or no estimate in its answer): the rows are by run time alone and "
-                     "their finish is unknown; nothing is guessed")
+        lines.append(
+            "Slurm gave no start estimate for any mix (SchedulerType=sched/backfill "
+            "off, or no estimate in its answer): the rows are by run time alone and "
+            "their finish is unknown; nothing is guessed"
+        )
     picks = _picks(table)
     if table.left_out:
         drop = " ".join(f"~cluster.partitions.{k}" for k in table.left_out)
-        lines.append(f"cluster.choose refuses while partition(s) {', '.join(table.left_out)} "
-                     f"cannot run (fix them, or drop them: {drop}); without them")
-    lines.append(f"cluster.choose=finish_first would submit: {picks['finish_first'] or 'none (no estimate)'}"
-                 f"; cluster.choose=cheapest: {picks['cheapest'] or 'none'}")
+        lines.append(
+            f"cluster.choose refuses while partition(s) {', '.join(table.left_out)} "
+            f"cannot run (fix them, or drop them: {drop}); without them"
+        )
+    lines.append(
+        f"cluster.choose=finish_first would submit: {picks['finish_first'] or 'none (no estimate)'}"
+        f"; cluster.choose=cheapest: {picks['cheapest'] or 'none'}"
+    )
     return "\n".join(lines)
 
 
@@ -129,13 +161,28 @@ def when_json(table: WhenTable, run=None) -> str:
     mixes = []
     for row in table.rows:
         able = not row.problem
-        mixes.append({
-            "mix": row.mix, "label": row.label, "ranks": row.ranks, "gpus": row.gpus,
-            "step_s": round(row.step_s, 6) if able else None,
-            "run_s": round(row.run_s, 3) if able else None,
-            "start": row.start_epoch if able else None, "finish": row.finish_epoch,
-            "gpu_hours": round(row.gpu_hours, 6) if able else None,
-            "asked_time_min": row.asked_min or None, "over_limit": row.over_limit,
-            "note": row_note(row, timeout)})
-    return json.dumps({"asked_at": table.now, "note": table.note, "mixes": mixes,
-                       **_picks(table), "left_out": table.left_out})
+        mixes.append(
+            {
+                "mix": row.mix,
+                "label": row.label,
+                "ranks": row.ranks,
+                "gpus": row.gpus,
+                "step_s": round(row.step_s, 6) if able else None,
+                "run_s": round(row.run_s, 3) if able else None,
+                "start": row.start_epoch if able else None,
+                "finish": row.finish_epoch,
+                "gpu_hours": round(row.gpu_hours, 6) if able else None,
+                "asked_time_min": row.asked_min or None,
+                "over_limit": row.over_limit,
+                "note": row_note(row, timeout),
+            }
+        )
+    return json.dumps(
+        {
+            "asked_at": table.now,
+            "note": table.note,
+            "mixes": mixes,
+            **_picks(table),
+            "left_out": table.left_out,
+        }
+    )

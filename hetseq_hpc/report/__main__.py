@@ -12,8 +12,9 @@ from hetseq_hpc.report.plots import plot_run
 
 def report_command(argv: Optional[List[str]] = None) -> int:
     """``python -m hetseq_hpc.report RUN_DIR [--out FILE]``; exit 0, or the code of :data:`hetseq_hpc.errors.EXIT_CODES` after a one-line error."""
-    parser = argparse.ArgumentParser(prog="python -m hetseq_hpc.report",
-                                     description="Plot per-rank step times of a run.")
+    parser = argparse.ArgumentParser(
+        prog="python -m hetseq_hpc.report", description="Plot per-rank step times of a run."
+    )
     parser.add_argument("run_dir", help="run directory with metrics.jsonl")
     parser.add_argument("--out", help="PNG to write (default RUN_DIR/ranks.png)")
     args = parser.parse_args(argv)

@@ -43,8 +43,9 @@ def _spikes(series: Sequence[float]) -> List[bool]:
     that lasts several steps (a slow rank before re-balancing) is no spike."""
     flags = []
     for i, value in enumerate(series):
-        window = sorted(v for v in series[max(0, i - SPIKE_WINDOW):i + SPIKE_WINDOW + 1]
-                        if v == v)
+        window = sorted(
+            v for v in series[max(0, i - SPIKE_WINDOW) : i + SPIKE_WINDOW + 1] if v == v
+        )
         median = window[len(window) // 2] if window else math.nan
         flags.append(value == value and median > 0 and value > SPIKE_FACTOR * median)
     return flags
@@ -76,11 +77,26 @@ def _clip(ax, xs: List[List[float]], ys: List[List[float]], colours: List[str]) 
         cut = [(a, b) for a, b in zip(x, y) if b == b and b > top]
         hidden += len(cut)
         if cut:
-            ax.plot([a for a, _ in cut], [top] * len(cut), ls="none", marker="^", ms=5,
-                    color=colour, clip_on=False)
-    ax.text(0.99, 0.97, f"{hidden} point(s) above {top:.3g} not shown to scale (^)",
-            transform=ax.transAxes, ha="right", va="top", fontsize=7, color="0.3",
-            bbox={"fc": "white", "ec": "none", "alpha": 0.7})
+            ax.plot(
+                [a for a, _ in cut],
+                [top] * len(cut),
+                ls="none",
+                marker="^",
+                ms=5,
+                color=colour,
+                clip_on=False,
+            )
+    ax.text(
+        0.99,
+        0.97,
+        f"{hidden} point(s) above {top:.3g} not shown to scale (^)",
+        transform=ax.transAxes,
+        ha="right",
+        va="top",
+        fontsize=7,
+        color="0.3",
+        bbox={"fc": "white", "ec": "none", "alpha": 0.7},
+    )
 
 
 def rank_label(rank: dict) -> str:
@@ -95,9 +111,16 @@ def _series(rows: List[dict]) -> Dict[int, Dict[str, list]]:
     for row in rows:
         total = sum(_num(r.get("samples")) for r in row["ranks"])
         for rank in row["ranks"]:
-            s = series.setdefault(int(rank["rank"]), {
-                "step": [], "time": [], "share": [], "label": rank_label(rank),
-                "group": str(rank.get("partition") or "ranks")})
+            s = series.setdefault(
+                int(rank["rank"]),
+                {
+                    "step": [],
+                    "time": [],
+                    "share": [],
+                    "label": rank_label(rank),
+                    "group": str(rank.get("partition") or "ranks"),
+                },
+            )
             s["step"].append(row["step"])
             time_s = rank.get("compute_time_s", rank.get("step_time_s"))
             s["time"].append(_num(time_s))
@@ -113,13 +136,26 @@ def _mark_moves(axes, share_ax, moves: List[dict], first: float, last: float) ->
     for number, move in enumerate(moves, 1):
         at = move["at_step"]
         for ax in lined:
-            ax.axvline(at, color="0.35", ls=":", lw=0.9,
-                       label="re-allocation" if ax is share_ax and number == 1 else None)
+            ax.axvline(
+                at,
+                color="0.35",
+                ls=":",
+                lw=0.9,
+                label="re-allocation" if ax is share_ax and number == 1 else None,
+            )
         if at - previous >= 0.03 * span:
-            share_ax.annotate(str(number), (at, 1.0), xycoords=("data", "axes fraction"),
-                              xytext=(2, -2), textcoords="offset points", ha="left",
-                              va="top", fontsize=7, color="0.25",
-                              bbox={"fc": "white", "ec": "none", "alpha": 0.7, "pad": 0.5})
+            share_ax.annotate(
+                str(number),
+                (at, 1.0),
+                xycoords=("data", "axes fraction"),
+                xytext=(2, -2),
+                textcoords="offset points",
+                ha="left",
+                va="top",
+                fontsize=7,
+                color="0.25",
+                bbox={"fc": "white", "ec": "none", "alpha": 0.7, "pad": 0.5},
+            )
             previous = at
 
 
@@ -132,21 +168,33 @@ def build_figure(rows: List[dict], title: str = "", lost_at: Sequence[int] = ())
 
     series = _series(rows)
     steps = [row["step"] for row in rows]
-    moves = [r["reallocation"] for r in rows if isinstance(r.get("reallocation"), dict)
-             and r["reallocation"].get("at_step") is not None]
-    fig, axes = plt.subplots(4, 1, sharex=True, figsize=(11, 10),
-                             gridspec_kw={"height_ratios": [3, 2, 2.5, 2.5]})
+    moves = [
+        r["reallocation"]
+        for r in rows
+        if isinstance(r.get("reallocation"), dict) and r["reallocation"].get("at_step") is not None
+    ]
+    fig, axes = plt.subplots(
+        4, 1, sharex=True, figsize=(11, 10), gridspec_kw={"height_ratios": [3, 2, 2.5, 2.5]}
+    )
     loss_ax, speed_ax, share_ax, time_ax = axes
     for ax, name in zip(axes, TITLES):
         ax.set_title(name, loc="left", fontsize=10)
         ax.grid(alpha=0.3)
 
-    loss_ax.plot(steps, [_num(r.get("loss")) for r in rows], lw=1.2, color="C0",
-                 label="training loss")
+    loss_ax.plot(
+        steps, [_num(r.get("loss")) for r in rows], lw=1.2, color="C0", label="training loss"
+    )
     val = [(r["step"], _num(r["val_loss"])) for r in rows if r.get("val_loss") is not None]
     if val:
-        loss_ax.plot([s for s, _ in val], [v for _, v in val], "o-", ms=4, lw=1.2,
-                     color="C3", label="validation loss")
+        loss_ax.plot(
+            [s for s, _ in val],
+            [v for _, v in val],
+            "o-",
+            ms=4,
+            lw=1.2,
+            color="C3",
+            label="validation loss",
+        )
     loss_ax.set_ylabel("loss")
 
     speed = [_num(r.get("samples_per_s")) for r in rows]
@@ -165,8 +213,9 @@ def build_figure(rows: List[dict], title: str = "", lost_at: Sequence[int] = ())
             colour = colours.setdefault(s["group"], f"C{len(colours) % 10}")
             alpha = 0.5
         used.append(colour)
-        share_ax.step(s["step"], s["share"], where="post", lw=1.4, color=colour, alpha=alpha,
-                      label=label)
+        share_ax.step(
+            s["step"], s["share"], where="post", lw=1.4, color=colour, alpha=alpha, label=label
+        )
         time_ax.plot(s["step"], s["time"], lw=1.0, color=colour, alpha=alpha, label=label)
     share_ax.set_ylim(0, 1)
     share_ax.set_ylabel("share")
@@ -178,15 +227,25 @@ def build_figure(rows: List[dict], title: str = "", lost_at: Sequence[int] = ())
     _mark_moves(axes, share_ax, moves, min(steps), max(steps))
     for number, at in enumerate(lost_at):
         for ax in axes:
-            ax.axvline(at, color="C3", ls="--", lw=1.0,
-                       label="lost rank(s)" if ax is loss_ax and number == 0 else None)
+            ax.axvline(
+                at,
+                color="C3",
+                ls="--",
+                lw=1.0,
+                label="lost rank(s)" if ax is loss_ax and number == 0 else None,
+            )
 
     for ax in (loss_ax, share_ax):
         if ax.get_legend_handles_labels()[0]:
             label_moves = ax is share_ax and moves
-            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,
-                      title=f"{len(moves)} re-allocation(s)" if label_moves else None,
-                      title_fontsize=8)
+            ax.legend(
+                fontsize=8,
+                loc="upper left",
+                bbox_to_anchor=(1.01, 1.0),
+                frameon=False,
+                title=f"{len(moves)} re-allocation(s)" if label_moves else None,
+                title_fontsize=8,
+            )
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     return fig

@@ -20,8 +20,13 @@ from hetseq_hpc.train.metrics import METRICS_NAME, read_metrics
 
 _FIX = "restore the metrics.jsonl a hetseq_hpc run wrote, or delete that row"
 #: per-rank figures the report reads: (key, integer)
-_RANK_FIGURES = (("micro_batch", True), ("accum_steps", True), ("samples", True),
-                 ("step_time_s", False), ("compute_time_s", False))
+_RANK_FIGURES = (
+    ("micro_batch", True),
+    ("accum_steps", True),
+    ("samples", True),
+    ("step_time_s", False),
+    ("compute_time_s", False),
+)
 #: row figures the report reads (numbers or null)
 _ROW_FIGURES = ("loss", "samples_per_s", "straggle", "val_loss")
 #: largest magnitude of a plotted or printed figure (keeps axis limits finite)
@@ -36,8 +41,9 @@ def _check_row(row: dict, where: str) -> None:
             number(row[key], f"{where} {key}", _FIX, -_MAX_FIGURE, _MAX_FIGURE)
     ranks = row.get("ranks")
     if not isinstance(ranks, list):
-        raise ConfigError(f"{where} ranks is {describe(ranks)}, not a list of per-rank "
-                          f"objects: {_FIX}")
+        raise ConfigError(
+            f"{where} ranks is {describe(ranks)}, not a list of per-rank objects: {_FIX}"
+        )
     for i, rank in enumerate(ranks):
         if not isinstance(rank, dict):
             raise ConfigError(f"{where} ranks[{i}] is {describe(rank)}, not an object: {_FIX}")
@@ -98,8 +104,10 @@ def _png_target(run_dir: Union[str, Path], out_path: Optional[Union[str, Path]])
     formats = FigureCanvasBase.get_supported_filetypes()
     suffix = out.suffix.lstrip(".").lower()
     if suffix and suffix not in formats:
-        raise ConfigError(f"{shown}: matplotlib cannot write .{suffix} files: end the name with "
-                          f"one of {', '.join('.' + f for f in sorted(formats))}")
+        raise ConfigError(
+            f"{shown}: matplotlib cannot write .{suffix} files: end the name with "
+            f"one of {', '.join('.' + f for f in sorted(formats))}"
+        )
     return out
 
 
@@ -124,15 +132,20 @@ def plot_run(run_dir: Union[str, Path], out_path: Optional[Union[str, Path]] = N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig = build_figure(rows, f"run {Path(run_dir).resolve().name}: steps {rows[0]['step']}-"
-                             f"{rows[-1]['step']}, {len(rows[-1]['ranks'])} rank(s)",
-                       [e["step"] for e in membership_events(run_dir)])
+    fig = build_figure(
+        rows,
+        f"run {Path(run_dir).resolve().name}: steps {rows[0]['step']}-"
+        f"{rows[-1]['step']}, {len(rows[-1]['ranks'])} rank(s)",
+        [e["step"] for e in membership_events(run_dir)],
+    )
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, dpi=100)
     except OSError as exc:
-        raise ConfigError(f"{out} cannot be written ({exc.strerror or exc}): give a writable "
-                          "file, e.g. --out ranks.png") from None
+        raise ConfigError(
+            f"{out} cannot be written ({exc.strerror or exc}): give a writable "
+            "file, e.g. --out ranks.png"
+        ) from None
     finally:
         plt.close(fig)
     return out
@@ -142,16 +155,22 @@ def _reloaded(reloaded: Any, redone: Any) -> str:
     """The report's note on an FSDP recovery (a membership row's ``reloaded``), or ''."""
     if not isinstance(reloaded, dict):
         return ""
-    start = (f"reloaded the step-{reloaded.get('step')} checkpoint" if reloaded.get("checkpoint")
-             else "no checkpoint yet: restarted from the seeded start model")
+    start = (
+        f"reloaded the step-{reloaded.get('step')} checkpoint"
+        if reloaded.get("checkpoint")
+        else "no checkpoint yet: restarted from the seeded start model"
+    )
     return f" (FSDP: {start}, {redone} step(s) trained again)"
 
 
 def membership_events(run_dir: Union[str, Path]) -> List[dict]:
     """The ``event: membership`` rows of a run (a lost rank survived in-job,
     :mod:`hetseq_hpc.train.elastic`), in order."""
-    return [r for r in read_metrics(run_dir) if r.get("event") == "membership"
-            and isinstance(r.get("step"), int)]
+    return [
+        r
+        for r in read_metrics(run_dir)
+        if r.get("event") == "membership" and isinstance(r.get("step"), int)
+    ]
 
 
 def _median(values: List[float]) -> Optional[float]:
@@ -177,31 +196,46 @@ def text_summary(run_dir: Union[str, Path]) -> str:
         f"  loss {_fmt(first.get('loss'), '.4f')} -> {_fmt(last.get('loss'), '.4f')}",
     ]
     if vals:
-        lines.append(f"  validation loss {vals[0]['val_loss']:.4f} (step {vals[0]['step']}) -> "
-                     f"{vals[-1]['val_loss']:.4f} (step {vals[-1]['step']})")
+        lines.append(
+            f"  validation loss {vals[0]['val_loss']:.4f} (step {vals[0]['step']}) -> "
+            f"{vals[-1]['val_loss']:.4f} (step {vals[-1]['step']})"
+        )
     speed = _median([r.get("samples_per_s") for r in rows])
     straggle = _median([r.get("straggle") for r in rows])
     if speed is not None:
-        lines.append(f"  median {speed:.1f} samples/s, straggle {straggle or 0.0:.3f} "
-                     "((max - min) / mean per-rank compute time)")
+        lines.append(
+            f"  median {speed:.1f} samples/s, straggle {straggle or 0.0:.3f} "
+            "((max - min) / mean per-rank compute time)"
+        )
     for move in moves:
-        lines.append(f"  re-allocation at step {move.get('at_step')}: {move.get('from')} -> "
-                     f"{move.get('to')}")
+        lines.append(
+            f"  re-allocation at step {move.get('at_step')}: {move.get('from')} -> {move.get('to')}"
+        )
     for ev in membership_events(run_dir):
         lost = [x.get("rank") for x in ev.get("lost") or [] if isinstance(x, dict)]
         if ev.get("stopped"):  # too few survivors: they checkpointed and stopped for a requeue
-            lines.append(f"  lost rank(s) {lost} at step {ev.get('step')}: stopped "
-                         f"({ev['stopped']}) after a checkpoint, for a requeue")
+            lines.append(
+                f"  lost rank(s) {lost} at step {ev.get('step')}: stopped "
+                f"({ev['stopped']}) after a checkpoint, for a requeue"
+            )
             continue
-        lines.append(f"  lost rank(s) {lost} at step {ev.get('step')}: went on with "
-                     f"{ev.get('world_size')} rank(s), split {ev.get('split')}, "
-                     f"{ev.get('recovery_s')} s to the next completed step"
-                     + _reloaded(ev.get("reloaded"), ev.get("steps_redone")))
+        lines.append(
+            f"  lost rank(s) {lost} at step {ev.get('step')}: went on with "
+            f"{ev.get('world_size')} rank(s), split {ev.get('split')}, "
+            f"{ev.get('recovery_s')} s to the next completed step"
+            + _reloaded(ev.get("reloaded"), ev.get("steps_redone"))
+        )
     for rank in last["ranks"]:
-        times = [r2.get("compute_time_s") for row in rows for r2 in row["ranks"]
-                 if r2.get("rank") == rank["rank"]]
+        times = [
+            r2.get("compute_time_s")
+            for row in rows
+            for r2 in row["ranks"]
+            if r2.get("rank") == rank["rank"]
+        ]
         median = _median(times)
-        lines.append(f"  {rank_label(rank)}: {rank.get('micro_batch')} x {rank.get('accum_steps')} "
-                     f"= {rank.get('samples')} samples/step, median compute "
-                     + (f"{median:.3f} s" if median is not None else "n/a"))
+        lines.append(
+            f"  {rank_label(rank)}: {rank.get('micro_batch')} x {rank.get('accum_steps')} "
+            f"= {rank.get('samples')} samples/step, median compute "
+            + (f"{median:.3f} s" if median is not None else "n/a")
+        )
     return "\n".join(lines)

@@ -37,8 +37,17 @@ RUN_FILE = RunDir.RUN_FILE
 #: where an earlier run's records go when a new run starts in the same directory
 PREVIOUS_DIR = "previous"
 #: the records of one run (relative to the run directory), moved together on start-over
-RUN_RECORDS = ("checkpoints", "metrics.jsonl", "metrics.csv", "tb", "summary.json",
-               "allocation.json", "ranks.png", "wandb_id.txt", RUN_FILE)
+RUN_RECORDS = (
+    "checkpoints",
+    "metrics.jsonl",
+    "metrics.csv",
+    "tb",
+    "summary.json",
+    "allocation.json",
+    "ranks.png",
+    "wandb_id.txt",
+    RUN_FILE,
+)
 
 
 def new_run_id() -> str:
@@ -59,8 +68,10 @@ def current_run_id(run_dir: Path) -> Optional[str]:
 
 def write_run_id(run_dir: Path, run_id: str) -> None:
     """Record ``run_id`` as the run directory's current run (atomically)."""
-    atomic_write_json(Path(run_dir) / RUN_FILE,
-                      {"run_id": run_id, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    atomic_write_json(
+        Path(run_dir) / RUN_FILE,
+        {"run_id": run_id, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S")},
+    )
 
 
 def earlier_records(run_dir: Path) -> List[Path]:
@@ -137,11 +148,24 @@ def start_or_continue(run_dir: Path, resumed_run_id: Optional[str]) -> Tuple[str
     run_id = new_run_id()
     write_run_id(run_dir, run_id)
     if archived is not None:
-        log.warning("starting a new run (%s) in %s: the earlier run's records (%s) were moved "
-                    "to %s", run_id, run_dir, ", ".join(sorted(p.name for p in archived.iterdir())),
-                    archived)
+        log.warning(
+            "starting a new run (%s) in %s: the earlier run's records (%s) were moved to %s",
+            run_id,
+            run_dir,
+            ", ".join(sorted(p.name for p in archived.iterdir())),
+            archived,
+        )
     return run_id, archived
 
 
-__all__ = ["PREVIOUS_DIR", "RUN_FILE", "RUN_RECORDS", "archive_earlier_run", "current_run_id",
-           "earlier_records", "new_run_id", "start_or_continue", "write_run_id"]
+__all__ = [
+    "PREVIOUS_DIR",
+    "RUN_FILE",
+    "RUN_RECORDS",
+    "archive_earlier_run",
+    "current_run_id",
+    "earlier_records",
+    "new_run_id",
+    "start_or_continue",
+    "write_run_id",
+]

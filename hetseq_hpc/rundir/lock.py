@@ -84,16 +84,20 @@ def acquire(run_dir: Path) -> RunLock:
         run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
-        raise LaunchError(f"cannot create the run lock {str(path)!r} ({exc.strerror}): make "
-                          "hydra.run.dir writable or choose another one") from None
+        raise LaunchError(
+            f"cannot create the run lock {str(path)!r} ({exc.strerror}): make "
+            "hydra.run.dir writable or choose another one"
+        ) from None
     os.set_inheritable(fd, True)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
         os.close(fd)
         if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise LaunchError(f"cannot lock the run directory {str(run_dir)!r} ({exc.strerror}): "
-                              "use a run directory on a filesystem with locking") from None
+            raise LaunchError(
+                f"cannot lock the run directory {str(run_dir)!r} ({exc.strerror}): "
+                "use a run directory on a filesystem with locking"
+            ) from None
         raise LaunchError(
             f"run directory {str(run_dir)!r} is in use by another run{_holder(path)}: wait for "
             "it to end, or choose another hydra.run.dir"
@@ -132,8 +136,9 @@ def _inherited(run_dir: Path, env: Mapping[str, str]) -> Optional[RunLock]:
 
 
 @contextlib.contextmanager
-def claim_run_dir(run_dir: Path, is_master: bool,
-                  env: Optional[Mapping[str, str]] = None) -> Iterator[Optional[RunLock]]:
+def claim_run_dir(
+    run_dir: Path, is_master: bool, env: Optional[Mapping[str, str]] = None
+) -> Iterator[Optional[RunLock]]:
     """A rank's part of the run-directory lock, for the ``with`` block.
 
     Yields the inherited lock when the launcher passed one (every rank), else the lock

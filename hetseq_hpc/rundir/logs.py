@@ -24,7 +24,9 @@ class _RankFilter(logging.Filter):
         return True
 
 
-def setup_rank_logging(rank: int, run_dir: Optional[Path], level: int = logging.INFO) -> Optional[Path]:
+def setup_rank_logging(
+    rank: int, run_dir: Optional[Path], level: int = logging.INFO
+) -> Optional[Path]:
     """Configure the root logger of a worker process; returns the log file path."""
     root = logging.getLogger()
     for handler in list(root.handlers):

@@ -31,8 +31,9 @@ def build_task(task_cfg, seed: int) -> Task:
 
         return resolve_target(task_cfg.target, task_cfg.path)(task_cfg, seed)
     if task_cfg.name not in BUILTIN:
-        raise ConfigError(f"task={task_cfg.name!r} is unknown: use one of "
-                          f"{', '.join([*BUILTIN, 'custom'])}")
+        raise ConfigError(
+            f"task={task_cfg.name!r} is unknown: use one of {', '.join([*BUILTIN, 'custom'])}"
+        )
     module, cls = BUILTIN[task_cfg.name].split(":")
     return getattr(importlib.import_module(module), cls)(task_cfg, seed)
 

@@ -99,7 +99,9 @@ class Task(abc.ABC):
         return {}
 
     @abc.abstractmethod
-    def make_batch(self, positions: Sequence[int], epoch: int, split: str) -> Dict[str, torch.Tensor]:
+    def make_batch(
+        self, positions: Sequence[int], epoch: int, split: str
+    ) -> Dict[str, torch.Tensor]:
         """The batch of ``positions`` (0-based within ``split``, ``"train"`` or ``"val"``).
 
         Must be a pure function of ``(positions, epoch, split)`` and the seed: row ``i`` of
@@ -143,8 +145,9 @@ class Task(abc.ABC):
 
     # ------------------------------------------------------------------ validation
     @torch.no_grad()
-    def evaluate_batch(self, model: nn.Module, batch: Dict[str, torch.Tensor],
-                       positions: Sequence[int]) -> Dict[str, float]:
+    def evaluate_batch(
+        self, model: nn.Module, batch: Dict[str, torch.Tensor], positions: Sequence[int]
+    ) -> Dict[str, float]:
         """ADDITIVE validation statistics of one batch of validation ``positions``; the
         trainer sums them over batches and ranks, then calls :meth:`finalize_metrics`.
 
@@ -179,6 +182,7 @@ def default_sharding_units(model: nn.Module) -> List[nn.Module]:
     every entry of every ``nn.ModuleList`` that holds parameters (transformer layers), else
     every composite entry (one with parameterised submodules) of every ``nn.Sequential``
     (residual blocks). Outermost first; a block inside a chosen block is not chosen again."""
+
     def has_params(m: nn.Module) -> bool:
         return any(True for _ in m.parameters())
 
@@ -186,8 +190,13 @@ def default_sharding_units(model: nn.Module) -> List[nn.Module]:
     if lists:
         candidates = [e for lst in lists for e in lst if has_params(e)]
     else:
-        candidates = [e for seq in model.modules() if isinstance(seq, nn.Sequential)
-                      for e in seq if any(has_params(c) for c in e.children())]
+        candidates = [
+            e
+            for seq in model.modules()
+            if isinstance(seq, nn.Sequential)
+            for e in seq
+            if any(has_params(c) for c in e.children())
+        ]
     chosen: List[nn.Module] = []
     for unit in candidates:
         if unit is not model and not any(unit is c or _contains(c, unit) for c in chosen):

@@ -22,8 +22,9 @@ def task_label(task: Any) -> str:
 _who = task_label
 
 
-def checked_batch(task: Any, positions: Sequence[int], epoch: int,
-                  split: str) -> Dict[str, torch.Tensor]:
+def checked_batch(
+    task: Any, positions: Sequence[int], epoch: int, split: str
+) -> Dict[str, torch.Tensor]:
     """``task.make_batch(positions, epoch, split)``, checked.
 
     Raises:
@@ -34,18 +35,21 @@ def checked_batch(task: Any, positions: Sequence[int], epoch: int,
     if not isinstance(batch, dict) or not batch:
         raise TaskContractError(
             f"{_who(task)}.make_batch returned {type(batch).__name__}, not a non-empty dict of "
-            "tensors: return {'input_name': tensor, ...} (passed as model(**batch))")
+            "tensors: return {'input_name': tensor, ...} (passed as model(**batch))"
+        )
     n = len(positions)
     for key, value in batch.items():
         if not isinstance(value, torch.Tensor):
             raise TaskContractError(
                 f"{_who(task)}.make_batch gave {key!r} as {type(value).__name__}, not a tensor: "
-                "return only tensors (keep other data on the task)")
+                "return only tensors (keep other data on the task)"
+            )
         if value.dim() == 0 or value.shape[0] != n:
             raise TaskContractError(
                 f"{_who(task)}.make_batch gave {key!r} of shape {tuple(value.shape)} for {n} "
                 f"positions of split {split!r}: the first dimension of every tensor must be "
-                "len(positions), one row per position, in order")
+                "len(positions), one row per position, in order"
+            )
     return batch
 
 
@@ -65,11 +69,13 @@ def checked_count(task: Any, batch: Dict[str, torch.Tensor]) -> int:
     if count < 0 or count != value:
         raise TaskContractError(
             f"{_who(task)}.count returned {value!r}: return the number of loss units in the "
-            "batch as a non-negative int (e.g. int((labels != -100).sum()))")
+            "batch as a non-negative int (e.g. int((labels != -100).sum()))"
+        )
     if count == 0 and rows > 0:
         raise TaskContractError(
             f"{_who(task)}.count returned 0 for a batch of {rows} samples: every sample must "
-            "hold at least one loss unit (the loss is divided by the global unit count)")
+            "hold at least one loss unit (the loss is divided by the global unit count)"
+        )
     return count
 
 
@@ -81,12 +87,16 @@ def check_loss(task: Any, loss: Any) -> torch.Tensor:
     """
     if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point():
         return loss
-    what = (f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}"
-            if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}")
+    what = (
+        f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}"
+        if isinstance(loss, torch.Tensor)
+        else f"a {type(loss).__name__}"
+    )
     raise TaskContractError(
         f"the model of {_who(task)} returned {what} from forward(**batch): return the SUM of "
         "the batch's unit losses as a 0-dim floating tensor, e.g. "
-        "F.cross_entropy(logits, labels, reduction='sum')")
+        "F.cross_entropy(logits, labels, reduction='sum')"
+    )
 
 
 __all__ = ["check_loss", "checked_batch", "checked_count", "task_label"]

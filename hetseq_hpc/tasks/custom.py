@@ -21,9 +21,11 @@ from hetseq_hpc.errors import ConfigError
 
 
 def _public_classes(module) -> List[str]:
-    return sorted(name for name, obj in vars(module).items()
-                  if inspect.isclass(obj) and not name.startswith("_")
-                  and obj.__module__ == module.__name__)
+    return sorted(
+        name
+        for name, obj in vars(module).items()
+        if inspect.isclass(obj) and not name.startswith("_") and obj.__module__ == module.__name__
+    )
 
 
 def _missing_module(target: str, module_name: str, exc: ImportError) -> ConfigError:
@@ -33,8 +35,10 @@ def _missing_module(target: str, module_name: str, exc: ImportError) -> ConfigEr
         return _failed_import(target, module_name, exc)
     if not (module_name == missing or module_name.startswith(missing + ".")):
         # the module exists but itself imports something that is not installed
-        return ConfigError(f"task.target={target!r}: importing {module_name!r} failed at "
-                           f"{_where(exc)} ({exc}): install {missing!r} or fix that import")
+        return ConfigError(
+            f"task.target={target!r}: importing {module_name!r} failed at "
+            f"{_where(exc)} ({exc}): install {missing!r} or fix that import"
+        )
     parts, found = module_name.split("."), None
     for i in range(len(parts) - 1, 0, -1):
         try:
@@ -43,11 +47,16 @@ def _missing_module(target: str, module_name: str, exc: ImportError) -> ConfigEr
             break
         except ImportError:
             continue
-    where = (f"{found!r} exists but has no module {parts[len(found.split('.'))]!r}" if found
-             else f"no module named {parts[0]!r} in task.path, PYTHONPATH or the installed packages")
-    return ConfigError(f"task.target={target!r} cannot be imported: {where}; run from the folder "
-                       "that holds your module, set task.path=<that folder>, or add it to "
-                       "PYTHONPATH")
+    where = (
+        f"{found!r} exists but has no module {parts[len(found.split('.'))]!r}"
+        if found
+        else f"no module named {parts[0]!r} in task.path, PYTHONPATH or the installed packages"
+    )
+    return ConfigError(
+        f"task.target={target!r} cannot be imported: {where}; run from the folder "
+        "that holds your module, set task.path=<that folder>, or add it to "
+        "PYTHONPATH"
+    )
 
 
 def _where(exc: BaseException) -> str:
@@ -56,8 +65,9 @@ def _where(exc: BaseException) -> str:
     (the user's code), else the innermost frame."""
     if isinstance(exc, SyntaxError) and exc.filename:
         return f"{exc.filename}:{exc.lineno}"
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not f.filename.startswith("<frozen")]
+    frames = [
+        f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen")
+    ]
     if not frames:
         return "?"
     roots = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
@@ -70,19 +80,23 @@ def _failed_import(target: str, module_name: str, exc: BaseException) -> ConfigE
     """The one-line error for a module that raised (or exited) while being imported."""
     where = _where(exc)
     if isinstance(exc, SystemExit):
-        return ConfigError(f"task.target={target!r}: module {module_name!r} called "
-                           f"sys.exit({exc.code!r}) while being imported, at {where}: a task "
-                           "module must not exit on import; move that code under "
-                           "'if __name__ == \"__main__\":'")
+        return ConfigError(
+            f"task.target={target!r}: module {module_name!r} called "
+            f"sys.exit({exc.code!r}) while being imported, at {where}: a task "
+            "module must not exit on import; move that code under "
+            "'if __name__ == \"__main__\":'"
+        )
     if isinstance(exc, SyntaxError):
         text = exc.msg
     else:
         lines = str(exc).strip().splitlines()
         text = lines[0] if lines else ""
     what = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-    return ConfigError(f"task.target={target!r}: importing module {module_name!r} failed at "
-                       f"{where} with {what}: fix the module so that it imports cleanly "
-                       f"(check with python -c 'import {module_name}')")
+    return ConfigError(
+        f"task.target={target!r}: importing module {module_name!r} failed at "
+        f"{where} with {what}: fix the module so that it imports cleanly "
+        f"(check with python -c 'import {module_name}')"
+    )
 
 
 def resolve_target(target: str, path: Optional[str] = None) -> type:
@@ -101,10 +115,15 @@ def resolve_target(target: str, path: Optional[str] = None) -> type:
     """
     from hetseq_hpc.tasks.base import Task
 
-    if not target or "." not in target.strip(".") or any(not p.isidentifier()
-                                                         for p in target.split(".")):
-        raise ConfigError(f"task.target={target!r} is not a dotted path: use "
-                          "task.target=<module>.<Class>, e.g. task.target=examples.char_lm.CharLMTask")
+    if (
+        not target
+        or "." not in target.strip(".")
+        or any(not p.isidentifier() for p in target.split("."))
+    ):
+        raise ConfigError(
+            f"task.target={target!r} is not a dotted path: use "
+            "task.target=<module>.<Class>, e.g. task.target=examples.char_lm.CharLMTask"
+        )
     if path and path not in sys.path:
         sys.path.insert(0, path)
     module_name, class_name = target.rsplit(".", 1)
@@ -118,15 +137,22 @@ def resolve_target(target: str, path: Optional[str] = None) -> type:
     if cls is None:
         classes = _public_classes(module)
         close = difflib.get_close_matches(class_name, classes, n=1)
-        hint = f"did you mean {module_name}.{close[0]}?" if close else (
-            f"it defines {', '.join(classes[:8]) or 'no classes'}")
-        raise ConfigError(f"task.target={target!r}: module {module_name!r} "
-                          f"({getattr(module, '__file__', '?')}) has no {class_name!r}: {hint}")
+        hint = (
+            f"did you mean {module_name}.{close[0]}?"
+            if close
+            else (f"it defines {', '.join(classes[:8]) or 'no classes'}")
+        )
+        raise ConfigError(
+            f"task.target={target!r}: module {module_name!r} "
+            f"({getattr(module, '__file__', '?')}) has no {class_name!r}: {hint}"
+        )
     if not (inspect.isclass(cls) and issubclass(cls, Task)):
         kind = "a class" if inspect.isclass(cls) else f"a {type(cls).__name__}, not a class,"
-        raise ConfigError(f"task.target={target!r} is {kind} that does not subclass "
-                          "hetseq_hpc.tasks.Task: write "
-                          f"'class {class_name}(hetseq_hpc.tasks.Task)' (see docs/tasks.md)")
+        raise ConfigError(
+            f"task.target={target!r} is {kind} that does not subclass "
+            "hetseq_hpc.tasks.Task: write "
+            f"'class {class_name}(hetseq_hpc.tasks.Task)' (see docs/tasks.md)"
+        )
     return cls
 
 

@@ -43,8 +43,9 @@ def resolve_build(target: str, path: Optional[str] = None) -> Callable[..., Any]
     if not sep:
         module_name, _, func = target.rpartition(".")
     if not module_name or not func.isidentifier():
-        raise ConfigError(f"task.target={target!r} is not <module>:<function>: e.g. "
-                          "task.target=my_data:build")
+        raise ConfigError(
+            f"task.target={target!r} is not <module>:<function>: e.g. task.target=my_data:build"
+        )
     if path and path not in sys.path:
         sys.path.insert(0, path)
     try:
@@ -55,9 +56,11 @@ def resolve_build(target: str, path: Optional[str] = None) -> Callable[..., Any]
         raise _failed_import(target, module_name, exc) from None
     build = getattr(module, func, None)
     if not callable(build):
-        raise ConfigError(f"task.target={target!r}: module {module_name!r} has no function "
-                          f"{func!r}: define def {func}(**args) returning {{'train': ..., "
-                          "'model': ...}")
+        raise ConfigError(
+            f"task.target={target!r}: module {module_name!r} has no function "
+            f"{func!r}: define def {func}(**args) returning {{'train': ..., "
+            "'model': ...}"
+        )
     return build
 
 
@@ -67,8 +70,11 @@ def accepts(fn: Callable[..., Any], name: str) -> bool:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # a builtin without a signature: pass nothing extra
         return False
-    return any(p.kind is p.VAR_KEYWORD or (p.name == name and p.kind in (
-        p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)) for p in params)
+    return any(
+        p.kind is p.VAR_KEYWORD
+        or (p.name == name and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+        for p in params
+    )
 
 
 def build_args(build: Callable[..., Any], cfg: Any) -> Dict[str, Any]:
@@ -82,9 +88,11 @@ def build_args(build: Callable[..., Any], cfg: Any) -> Dict[str, Any]:
     target = getattr(cfg, "target", None) or getattr(build, "__name__", "build")
     for key in args:
         if not accepts(build, key):
-            raise ConfigError(f"task.args.{key} is given but {target!r} takes no argument "
-                              f"{key!r}: add {key}=... to its parameters or drop "
-                              f"+task.args.{key}")
+            raise ConfigError(
+                f"task.args.{key} is given but {target!r} takes no argument "
+                f"{key!r}: add {key}=... to its parameters or drop "
+                f"+task.args.{key}"
+            )
     if "dropout" not in args and accepts(build, "dropout"):
         model = getattr(cfg, "model", None) or {}
         dropout = model.get("dropout", 0.1) if hasattr(model, "get") else 0.1
@@ -142,8 +150,10 @@ class DatasetTask(Task):
             parts = build(**args)
         if not isinstance(parts, dict) or "train" not in parts or "model" not in parts:
             got = sorted(parts) if isinstance(parts, dict) else type(parts).__name__
-            raise ConfigError(f"task.target={getattr(self.cfg, 'target', '?')!r} returned {got}: "
-                              "return a dict with at least 'train' (a Dataset) and 'model'")
+            raise ConfigError(
+                f"task.target={getattr(self.cfg, 'target', '?')!r} returned {got}: "
+                "return a dict with at least 'train' (a Dataset) and 'model'"
+            )
         train, val = parts["train"], parts.get("val")
         fraction = float(getattr(self.cfg, "val_fraction", 0.0) or 0.0)
         self.train_items, self.val_items = train, val
@@ -173,11 +183,16 @@ class DatasetTask(Task):
 
     @property
     def data_summary(self) -> Dict[str, Any]:
-        return {"target": getattr(self.cfg, "target", None) or getattr(self.build_fn, "__name__", ""),
-                "dataset": type(self.parts["train"]).__name__, "train_items": self.num_train,
-                "val_items": self.num_val}
+        return {
+            "target": getattr(self.cfg, "target", None) or getattr(self.build_fn, "__name__", ""),
+            "dataset": type(self.parts["train"]).__name__,
+            "train_items": self.num_train,
+            "val_items": self.num_val,
+        }
 
-    def make_batch(self, positions: Sequence[int], epoch: int, split: str) -> Dict[str, torch.Tensor]:
+    def make_batch(
+        self, positions: Sequence[int], epoch: int, split: str
+    ) -> Dict[str, torch.Tensor]:
         """``collate_fn([dataset[p] for p in positions])`` (``default_collate`` by default)."""
         if split == "train":
             items = [self.train_items[int(p) + self.train_offset] for p in positions]
@@ -188,9 +203,11 @@ class DatasetTask(Task):
             from torch.utils.data import default_collate as collate
         batch = collate(items)
         if not isinstance(batch, dict):
-            raise TaskContractError(f"collate_fn of {self.cfg.target!r} returned a "
-                                    f"{type(batch).__name__}: return a dict of tensors passed "
-                                    "as model(**batch) (a dataset item should be a dict)")
+            raise TaskContractError(
+                f"collate_fn of {self.cfg.target!r} returned a "
+                f"{type(batch).__name__}: return a dict of tensors passed "
+                "as model(**batch) (a dataset item should be a dict)"
+            )
         return batch
 
     def count(self, batch: Dict[str, torch.Tensor]) -> int:
@@ -210,5 +227,8 @@ class DatasetTask(Task):
 def dataset_task_class(build: Callable[..., Any], name: str = "dataset") -> type:
     """A :class:`DatasetTask` subclass bound to ``build`` (for Python, and for
     ``task=custom task.target=my_module.MyTask`` with ``MyTask = dataset_task_class(build)``)."""
-    return type(f"DatasetTask_{build.__name__}", (DatasetTask,),
-                {"build_fn": staticmethod(build), "name": name})
+    return type(
+        f"DatasetTask_{build.__name__}",
+        (DatasetTask,),
+        {"build_fn": staticmethod(build), "name": name},
+    )

@@ -68,10 +68,13 @@ def check_no_batchnorm(model: nn.Module, allow: bool) -> Optional[Dict[str, obje
             "micro-batch, so uneven batches are not exact; replace it with nn.GroupNorm or "
             f"nn.LayerNorm, or set {OPT_OUT} to accept inexact results"
         )
-    reason = (f"{len(layers)} BatchNorm layer(s), first {name!r} ({kind}): losses depend on "
-              "the per-rank micro-batch split")
-    log.warning("%s=true: training is NOT exact across allocations: %s", OPT_OUT.split("=")[0],
-                reason)
+    reason = (
+        f"{len(layers)} BatchNorm layer(s), first {name!r} ({kind}): losses depend on "
+        "the per-rank micro-batch split"
+    )
+    log.warning(
+        "%s=true: training is NOT exact across allocations: %s", OPT_OUT.split("=")[0], reason
+    )
     return {"exact": False, "reason": reason, "batchnorm_layers": [list(x) for x in layers]}
 
 

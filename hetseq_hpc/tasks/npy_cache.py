@@ -25,8 +25,9 @@ def save_npy(path: Path, array: np.ndarray) -> None:
     atomic_write(path, lambda fh: fh.write(buf.getvalue()), durable=True)
 
 
-def open_npy_cache(directory: Path, names: Sequence[str],
-                   what: str) -> Tuple[dict, Dict[str, np.ndarray]]:
+def open_npy_cache(
+    directory: Path, names: Sequence[str], what: str
+) -> Tuple[dict, Dict[str, np.ndarray]]:
     """Read ``meta.json`` and memory-map ``<name>.npy`` for each name.
 
     Args:
@@ -44,6 +45,8 @@ def open_npy_cache(directory: Path, names: Sequence[str],
         meta = json.loads((directory / "meta.json").read_text())
         arrays = {n: np.load(directory / f"{n}.npy", mmap_mode="r") for n in names}
     except Exception as exc:
-        raise DataError(f"{what} {str(directory)!r} is unreadable ({type(exc).__name__}): delete "
-                        "that directory to rebuild it") from None
+        raise DataError(
+            f"{what} {str(directory)!r} is unreadable ({type(exc).__name__}): delete "
+            "that directory to rebuild it"
+        ) from None
     return meta, arrays

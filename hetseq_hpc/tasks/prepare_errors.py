@@ -58,14 +58,18 @@ def describe_os_error(exc: OSError, cache: Optional[Path] = None) -> str:
     where = f"{str(path)!r}" if path is not None else "the data cache"
     if exc.errno in SPACE_ERRNOS:
         mount = mount_point(path.parent if path is not None else Path.cwd())
-        return (f"no space left on {mount} while preparing the data (writing {where}; its "
-                "unfinished files were removed, nothing half-written is used): free space there, "
-                "or set task.data.cache_dir (or $HETSEQ_CACHE) to a disk with room")
+        return (
+            f"no space left on {mount} while preparing the data (writing {where}; its "
+            "unfinished files were removed, nothing half-written is used): free space there, "
+            "or set task.data.cache_dir (or $HETSEQ_CACHE) to a disk with room"
+        )
     if exc.errno in SHAPE_ERRNOS and path is not None:
         blocker = _blocking_file(path)
         if blocker is not None:
-            return (f"cannot create the data cache {where}: {str(blocker)!r} is a file, not a "
-                    f"directory; {_FIX}")
+            return (
+                f"cannot create the data cache {where}: {str(blocker)!r} is a file, not a "
+                f"directory; {_FIX}"
+            )
     if exc.errno in DENIED_ERRNOS:
         return f"cannot write the data cache {where} ({reason}): make it writable, or {_FIX}"
     return f"preparing the data failed on {where} ({reason}): check that path, or {_FIX}"

@@ -89,8 +89,12 @@ class Heartbeat:
                 os.close(fd)
         except OSError as exc:
             if self.beats == 1:
-                log.warning("cannot write the prepare heartbeat %s (%s): the waiting ranks may "
-                            "give up on rank 0", self.path, exc.strerror)
+                log.warning(
+                    "cannot write the prepare heartbeat %s (%s): the waiting ranks may "
+                    "give up on rank 0",
+                    self.path,
+                    exc.strerror,
+                )
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -111,8 +115,9 @@ class Heartbeat:
             self.path.unlink(missing_ok=True)
 
 
-def prepare_on_rank0(task: Any, rdv: Any, run_dir: Path, timeout_s: float,
-                     poll_s: float = POLL_S) -> None:
+def prepare_on_rank0(
+    task: Any, rdv: Any, run_dir: Path, timeout_s: float, poll_s: float = POLL_S
+) -> None:
     """``task.prepare()`` on rank 0; the other ranks wait for its marker file, then all meet.
 
     Args:
@@ -146,8 +151,11 @@ def prepare_on_rank0(task: Any, rdv: Any, run_dir: Path, timeout_s: float,
         atomic_write_json(marker, {"ok": True})
         took = time.monotonic() - started
         if took > 30:
-            log.info("preparing the data took %.0f s while the other ranks waited: run "
-                     "`hetseq-hpc prepare` with the same overrides before the job next time", took)
+            log.info(
+                "preparing the data took %.0f s while the other ranks waited: run "
+                "`hetseq-hpc prepare` with the same overrides before the job next time",
+                took,
+            )
     else:
         wait_for_rank0(marker, heartbeat, timeout_s, poll_s)
     rdv.barrier()
@@ -163,9 +171,14 @@ def _read(path: Path) -> Optional[bytes]:
         return None
 
 
-def wait_for_rank0(marker: Path, heartbeat: Path, timeout_s: float, poll_s: float = POLL_S,
-                   clock: Callable[[], float] = time.monotonic,
-                   sleep: Callable[[float], None] = time.sleep) -> None:
+def wait_for_rank0(
+    marker: Path,
+    heartbeat: Path,
+    timeout_s: float,
+    poll_s: float = POLL_S,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
     """Wait (a rank other than 0) until ``marker`` says rank 0's ``prepare()`` ended.
 
     Rank 0 is alive while the content (or modification time) of ``heartbeat`` changes; the
@@ -185,8 +198,10 @@ def wait_for_rank0(marker: Path, heartbeat: Path, timeout_s: float, poll_s: floa
             result = None
         if result is not None:
             if not result.get("ok"):
-                raise DataError(f"rank 0 could not prepare the data ({result.get('error')}): "
-                                "see rank 0's log; fix it, or run `hetseq-hpc prepare` first")
+                raise DataError(
+                    f"rank 0 could not prepare the data ({result.get('error')}): "
+                    "see rank 0's log; fix it, or run `hetseq-hpc prepare` first"
+                )
             return
         seen = _read(heartbeat)
         now = clock()
@@ -198,7 +213,8 @@ def wait_for_rank0(marker: Path, heartbeat: Path, timeout_s: float, poll_s: floa
                 f"rank 0 sent no heartbeat for {now - last_change:.0f} s while preparing the "
                 f"data (stopped or hung, or {logs.parent} not shared by every node?): see "
                 f"{logs / 'rank0.log'}; run `hetseq-hpc prepare` with the same overrides before "
-                f"the job, or raise cluster.collective_timeout_s (now {timeout_s:g})")
+                f"the job, or raise cluster.collective_timeout_s (now {timeout_s:g})"
+            )
         if now - last_note >= NOTE_EVERY_S:
             log.info("still waiting for rank 0 to prepare the data (%.0f s)", now - started)
             last_note = now

@@ -15,8 +15,9 @@ from typing import Any, Optional, Tuple
 BERT_TYPE_VOCAB = 2
 
 
-def bert_param_count(hidden: int, layers: int, intermediate: int, max_seq_len: int,
-                     vocab: int) -> int:
+def bert_param_count(
+    hidden: int, layers: int, intermediate: int, max_seq_len: int, vocab: int
+) -> int:
     """Parameters of :class:`hetseq_hpc.tasks.bert.mlm_model.BertMaskedLM` (decoder tied to
     the word embeddings): embeddings, ``layers`` x (attention 4h² + feed-forward 2hI + biases
     and norms), the prediction head's transform and vocabulary bias."""
@@ -27,8 +28,9 @@ def bert_param_count(hidden: int, layers: int, intermediate: int, max_seq_len: i
     return embeddings + int(layers) * layer + head
 
 
-def translation_param_count(d_model: int, encoder_layers: int, decoder_layers: int, ff_size: int,
-                            max_len: int, vocab: int) -> int:
+def translation_param_count(
+    d_model: int, encoder_layers: int, decoder_layers: int, ff_size: int, max_len: int, vocab: int
+) -> int:
     """Parameters of :class:`hetseq_hpc.tasks.translation.transformer.TranslationTransformer`
     (shared embedding and output projection): embeddings, torch's pre-norm encoder layers
     (4d² + 2dF + 9d + F) and decoder layers (8d² + 2dF + 15d + F), two final norms."""
@@ -46,12 +48,22 @@ def param_count(task_cfg: Any) -> Optional[int]:
     name = getattr(task_cfg, "name", None)
     model, data = getattr(task_cfg, "model", None), getattr(task_cfg, "data", None)
     if name == "bert":
-        return bert_param_count(model.hidden_size, model.num_layers, model.intermediate_size,
-                                model.max_seq_len, data.vocab_size)
+        return bert_param_count(
+            model.hidden_size,
+            model.num_layers,
+            model.intermediate_size,
+            model.max_seq_len,
+            data.vocab_size,
+        )
     if name == "translation":
-        return translation_param_count(model.d_model, model.num_encoder_layers,
-                                       model.num_decoder_layers, model.ff_size, model.max_len,
-                                       data.vocab_size)
+        return translation_param_count(
+            model.d_model,
+            model.num_encoder_layers,
+            model.num_decoder_layers,
+            model.ff_size,
+            model.max_len,
+            data.vocab_size,
+        )
     return None
 
 
@@ -68,8 +80,9 @@ def unit_param_counts(task_cfg: Any) -> Optional[Tuple[int, int]]:
         layers = [4 * h * h + 2 * h * i + 9 * h + i] * int(model.num_layers)
     else:
         d, f = int(model.d_model), int(model.ff_size)
-        layers = ([4 * d * d + 2 * d * f + 9 * d + f] * int(model.num_encoder_layers)
-                  + [8 * d * d + 2 * d * f + 15 * d + f] * int(model.num_decoder_layers))
+        layers = [4 * d * d + 2 * d * f + 9 * d + f] * int(model.num_encoder_layers) + [
+            8 * d * d + 2 * d * f + 15 * d + f
+        ] * int(model.num_decoder_layers)
     return total - sum(layers), max(layers, default=0)
 
 

@@ -14,8 +14,9 @@ from typing import Iterator, Tuple
 from hetseq_hpc.errors import DataError
 
 
-def utf8_chunks(path: str, chunk_bytes: int, *, translate_newlines: bool = False
-                ) -> Iterator[Tuple[str, bool]]:
+def utf8_chunks(
+    path: str, chunk_bytes: int, *, translate_newlines: bool = False
+) -> Iterator[Tuple[str, bool]]:
     """The text of the UTF-8 file ``path`` as ``(text, last)``, decoded ``chunk_bytes`` bytes at
     a time (a character split between two reads is completed in the next piece); the final
     piece, possibly empty, has ``last=True``.
@@ -50,5 +51,6 @@ def utf8_chunks(path: str, chunk_bytes: int, *, translate_newlines: bool = False
                 if not raw:
                     return
     except OSError as exc:
-        raise DataError(f"data file {str(path)!r} cannot be read ({exc.strerror}): check "
-                        "it") from None
+        raise DataError(
+            f"data file {str(path)!r} cannot be read ({exc.strerror}): check it"
+        ) from None

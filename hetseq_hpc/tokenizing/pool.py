@@ -83,17 +83,23 @@ def prepare_workers(input_bytes: int) -> int:
     asked = os.environ.get("HETSEQ_PREPARE_WORKERS", "").strip()
     if asked:
         if not asked.isdigit() or int(asked) < 1:
-            raise ConfigError(f"HETSEQ_PREPARE_WORKERS={asked!r} is not a whole number >= 1: "
-                              "set 1 (encode in the prepare process) or the worker count")
+            raise ConfigError(
+                f"HETSEQ_PREPARE_WORKERS={asked!r} is not a whole number >= 1: "
+                "set 1 (encode in the prepare process) or the worker count"
+            )
         return int(asked)
     if input_bytes < PARALLEL_MIN_BYTES:
         return 1
     return max(1, min(available_cores(), MAX_WORKERS))
 
 
-def encode_stream(batches: Iterable[List[str]], tokenizer_json: str, mode: str,
-                  workers: int, capacity: int = CACHE_PIECES
-                  ) -> Iterator[Tuple[int, np.ndarray, np.ndarray, int]]:
+def encode_stream(
+    batches: Iterable[List[str]],
+    tokenizer_json: str,
+    mode: str,
+    workers: int,
+    capacity: int = CACHE_PIECES,
+) -> Iterator[Tuple[int, np.ndarray, np.ndarray, int]]:
     """``(texts, ids, ends, utf-8 bytes)`` of every batch, in order (ids int32, ends int64
     cumulative, as :meth:`WordCache.encode`).
 
@@ -140,9 +146,11 @@ def _result(job: Any, procs: List[Any]) -> Tuple[np.ndarray, np.ndarray, int]:
         job.wait(_POLL_S)
         dead = [p for p in procs if p.exitcode is not None]
         if dead and not job.ready():
-            raise DataError(f"a prepare worker process died (exit code {dead[0].exitcode}; "
-                               "-9 is usually out of memory): rerun, or set "
-                               "HETSEQ_PREPARE_WORKERS=1 to encode in one process")
+            raise DataError(
+                f"a prepare worker process died (exit code {dead[0].exitcode}; "
+                "-9 is usually out of memory): rerun, or set "
+                "HETSEQ_PREPARE_WORKERS=1 to encode in one process"
+            )
     return job.get()
 
 

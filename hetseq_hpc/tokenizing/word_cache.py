@@ -48,8 +48,11 @@ CACHE_PIECES = 400_000
 _WORDS_UNSAFE = "\x00\x0b\x0c\x1c\x1d\x1e\x1f\x85\u180e\u200b\u2060\ufeff"
 #: every whitespace character but the plain space, plus the zero-width ones
 _BYTELEVEL_UNSAFE = "".join(
-    sorted({chr(c) for c in range(0x3001) if chr(c).isspace()} - {" "}
-           | set("\x00\x01\u180e\u200b\u200c\u200d\u2060\ufeff")))
+    sorted(
+        {chr(c) for c in range(0x3001) if chr(c).isspace()} - {" "}
+        | set("\x00\x01\u180e\u200b\u200c\u200d\u2060\ufeff")
+    )
+)
 
 _NORMALIZERS = {"BertNormalizer", "Lowercase", "NFD", "NFC", "StripAccents"}
 _WORD_PRE_TOKENIZERS = {"BertPreTokenizer", "Whitespace", "WhitespaceSplit"}
@@ -85,13 +88,18 @@ def fast_mode(tokenizer_json: str) -> Optional[str]:
         return None
     added = [t.get("content", "") for t in spec.get("added_tokens") or []]
     if pre[0].get("type") in _WORD_PRE_TOKENIZERS:
-        if (all(n.get("type") in _NORMALIZERS for n in normalizers)
-                and not any(ch.isspace() for text in added for ch in text)):
+        if all(n.get("type") in _NORMALIZERS for n in normalizers) and not any(
+            ch.isspace() for text in added for ch in text
+        ):
             return "words"
         return None
-    if (pre[0].get("type") == "ByteLevel" and pre[0].get("use_regex", True)
-            and not pre[0].get("add_prefix_space") and not normalizers
-            and model.get("type") == "BPE"):
+    if (
+        pre[0].get("type") == "ByteLevel"
+        and pre[0].get("use_regex", True)
+        and not pre[0].get("add_prefix_space")
+        and not normalizers
+        and model.get("type") == "BPE"
+    ):
         return "bytelevel"
     return None
 
@@ -116,8 +124,9 @@ class WordCache:
         # bytelevel: an added token splits the text before the regex (spaces around it differ)
         self.markers = []
         if mode == "bytelevel":
-            self.markers += [t["content"] for t in spec.get("added_tokens") or []
-                             if t.get("content")]
+            self.markers += [
+                t["content"] for t in spec.get("added_tokens") or [] if t.get("content")
+            ]
         self.fallbacks = 0
 
     def _plain_indices(self, texts: Sequence[str], joined: str) -> List[int]:
@@ -126,8 +135,11 @@ class WordCache:
         markers = [m for m in self.markers if m in joined]
         if not unsafe and not markers:
             return []
-        return [i for i, text in enumerate(texts)
-                if any(c in text for c in unsafe) or any(m in text for m in markers)]
+        return [
+            i
+            for i, text in enumerate(texts)
+            if any(c in text for c in unsafe) or any(m in text for m in markers)
+        ]
 
     def encode(self, texts: Sequence[str]) -> Tuple[np.ndarray, np.ndarray]:
         """``(ids, ends)``: the texts' ids concatenated (int32) and where each text's ids end
@@ -175,10 +187,12 @@ class WordCache:
         if runs:
             split = split.replace("\x01", " ")
         pieces = list(filter(None, split.split("\n")))
-        spaces = np.fromiter(map(str.count, texts, itertools.repeat(" ")), dtype=np.int64,
-                             count=len(texts))
-        lead = np.fromiter(map(str.startswith, texts, itertools.repeat(" ")), dtype=bool,
-                           count=len(texts))
+        spaces = np.fromiter(
+            map(str.count, texts, itertools.repeat(" ")), dtype=np.int64, count=len(texts)
+        )
+        lead = np.fromiter(
+            map(str.startswith, texts, itertools.repeat(" ")), dtype=bool, count=len(texts)
+        )
         nonempty = np.fromiter(map(bool, texts), dtype=bool, count=len(texts))
         counts = spaces + (nonempty & ~lead)
         for i, size in sizes.items():

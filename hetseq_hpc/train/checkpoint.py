@@ -96,8 +96,11 @@ def _write_error(final: Path, exc: BaseException, seen: Optional[OSError]) -> Ch
             f"hydra.run.dir={final.parent.parent} trainer.resume=auto"
         )
     earlier = [p for p in list_checkpoints(final.parent.parent) if p != final]
-    kept = (f"the earlier checkpoint {earlier[-1].name} is kept" if earlier
-            else "no earlier checkpoint exists")
+    kept = (
+        f"the earlier checkpoint {earlier[-1].name} is kept"
+        if earlier
+        else "no earlier checkpoint exists"
+    )
     if codes & set(_SPACE_ERRNOS):
         return CheckpointError(
             f"no space left on {_mount_point(final.parent)} (writing checkpoint {str(final)!r}; "
@@ -238,8 +241,14 @@ def choose_checkpoint(resume: str, run_dir: Path) -> ResumeChoice:
             continue
         owner = state.get("run_id")
         if current and isinstance(owner, str) and owner and owner != current:
-            log.warning("resume: %s was written by run %s, not by this directory's current run "
-                        "%s (%s): not resumed", path, owner, current, run_dir / "run.json")
+            log.warning(
+                "resume: %s was written by run %s, not by this directory's current run "
+                "%s (%s): not resumed",
+                path,
+                owner,
+                current,
+                run_dir / "run.json",
+            )
             continue
         return ResumeChoice(path, state, skipped)
     if skipped:
@@ -247,8 +256,9 @@ def choose_checkpoint(resume: str, run_dir: Path) -> ResumeChoice:
     return ResumeChoice()
 
 
-def agree_on_checkpoint(rdv: Any, resume: str, run_dir: Path
-                        ) -> Tuple[Optional[str], Optional[Dict[str, Any]], List[str]]:
+def agree_on_checkpoint(
+    rdv: Any, resume: str, run_dir: Path
+) -> Tuple[Optional[str], Optional[Dict[str, Any]], List[str]]:
     """Every rank's view of ``trainer.resume``, decided once.
 
     Rank 0 (under the run lock) removes temp files of killed checkpoint writes and runs
@@ -273,18 +283,25 @@ def agree_on_checkpoint(rdv: Any, resume: str, run_dir: Path
             error = str(exc)
         if choice.skipped:
             _, why = choice.skipped[0]
-            log.warning("resume: %s; resuming from %s instead (the bad file is kept: the next "
-                        "checkpoint moves it to checkpoints/corrupt/)",
-                        why.rsplit(": ", 1)[0], choice.path)  # every reason ends ": <fix>"
+            log.warning(
+                "resume: %s; resuming from %s instead (the bad file is kept: the next "
+                "checkpoint moves it to checkpoints/corrupt/)",
+                why.rsplit(": ", 1)[0],
+                choice.path,
+            )  # every reason ends ": <fix>"
     path, skipped, error = rdv.broadcast_object(
-        (choice.path and str(choice.path), [str(p) for p, _ in choice.skipped], error))
+        (choice.path and str(choice.path), [str(p) for p, _ in choice.skipped], error)
+    )
     if error:
         raise CheckpointError(error)
     if path is None:
         return None, None, []
     # rank 0 has verified every file; the others check the record, shard list and metadata
-    return path, choice.state if rdv.world.rank == 0 else load_checkpoint(
-        Path(path), verify_shards=False), skipped
+    return (
+        path,
+        choice.state if rdv.world.rank == 0 else load_checkpoint(Path(path), verify_shards=False),
+        skipped,
+    )
 
 
 def agree_on_run(rdv: Any, run_dir: Path, state: Optional[Dict[str, Any]]) -> str:
@@ -314,8 +331,9 @@ def agree_on_run(rdv: Any, run_dir: Path, state: Optional[Dict[str, Any]]) -> st
     return run_id
 
 
-def save_on_rank0(rdv: Any, state_fn: Callable[[], Dict[str, Any]], run_dir: Path, step: int,
-                  keep: int) -> None:
+def save_on_rank0(
+    rdv: Any, state_fn: Callable[[], Dict[str, Any]], run_dir: Path, step: int, keep: int
+) -> None:
     """Rank 0 saves ``state_fn()`` as the checkpoint of ``step``; every rank waits for it (one
     broadcast) and raises the same one-line :class:`CheckpointError` if it failed, so no rank
     hangs in a later collective and the console shows one reason."""

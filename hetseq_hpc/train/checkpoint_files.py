@@ -29,8 +29,10 @@ _NAME = re.compile(r"^step_(\d{8})\.pt\Z")
 #: where retention moves checkpoints that fail their checksum
 CORRUPT_DIR = "corrupt"
 #: how every "this checkpoint is bad" message ends
-FIX = ("resume from another checkpoint (trainer.resume=auto skips bad ones), or set "
-       "trainer.resume=never to start over")
+FIX = (
+    "resume from another checkpoint (trainer.resume=auto skips bad ones), or set "
+    "trainer.resume=never to start over"
+)
 
 #: checkpoints already verified by this process: path -> ((size, mtime_ns), run id or "")
 _VERIFIED: Dict[str, Tuple[tuple, str]] = {}
@@ -133,8 +135,9 @@ def stored_state(path: Path) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:
-        raise CheckpointError(f"checkpoint {str(path)!r} is unreadable ({type(exc).__name__}): "
-                              f"{FIX}") from None
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is unreadable ({type(exc).__name__}): {FIX}"
+        ) from None
     return state if isinstance(state, dict) else {}
 
 
@@ -164,9 +167,15 @@ def verified_run_id(path: Path) -> str:
         CheckpointError: the checkpoint does not verify or cannot be read.
     """
     info = Path(path).stat()
-    key = (info.st_size, info.st_mtime_ns, tuple(  # a sharded checkpoint: its files too
-        (f.name, f.stat().st_size, f.stat().st_mtime_ns)
-        for d in shard_dirs(path) for f in sorted(d.iterdir())))
+    key = (
+        info.st_size,
+        info.st_mtime_ns,
+        tuple(  # a sharded checkpoint: its files too
+            (f.name, f.stat().st_size, f.stat().st_mtime_ns)
+            for d in shard_dirs(path)
+            for f in sorted(d.iterdir())
+        ),
+    )
     cached = _VERIFIED.get(str(path))
     if cached is not None and cached[0] == key:
         return cached[1]
@@ -227,13 +236,16 @@ def apply_retention(run_dir: Path, written: Path, keep: int, run_id: Optional[st
             owner = verified_run_id(path)
         except (CheckpointError, OSError) as exc:
             moved = quarantine(path)
-            log.warning("%s; moved to %s (not counted by retention, not deleted)",
-                        str(exc).rsplit(": ", 1)[0], moved)
+            log.warning(
+                "%s; moved to %s (not counted by retention, not deleted)",
+                str(exc).rsplit(": ", 1)[0],
+                moved,
+            )
             continue
         if step_of(path) > written_step or (run_id and owner and owner != run_id):
             continue  # a later step, or another run's file: not ours to delete
         older.append(path)
-    doomed = older[:max(len(older) - (keep - 1), 0)]
+    doomed = older[: max(len(older) - (keep - 1), 0)]
     for path in doomed:
         for shards in shard_dirs(path):
             shutil.rmtree(shards, ignore_errors=True)
@@ -243,7 +255,19 @@ def apply_retention(run_dir: Path, written: Path, keep: int, run_id: Optional[st
     return doomed
 
 
-__all__ = ["CORRUPT_DIR", "FIX", "apply_retention", "checkpoint_dir", "checkpoint_path",
-           "checksum_path", "list_checkpoints", "quarantine", "shard_dirs", "step_of", "stored_run_id",
-           "stored_state",
-           "verified_run_id", "verify_checksum"]
+__all__ = [
+    "CORRUPT_DIR",
+    "FIX",
+    "apply_retention",
+    "checkpoint_dir",
+    "checkpoint_path",
+    "checksum_path",
+    "list_checkpoints",
+    "quarantine",
+    "shard_dirs",
+    "step_of",
+    "stored_run_id",
+    "stored_state",
+    "verified_run_id",
+    "verify_checksum",
+]

@@ -66,13 +66,22 @@ def contract_positions(num_train: int, seed: int, n: int = N_POSITIONS) -> List[
 
 def skipped_record() -> Dict[str, Any]:
     """The ``summary.json`` record of a run with ``trainer.skip_contract_check=true``."""
-    return {"exact": False, "contract_check": "skipped",
-            "reason": f"{OPT_OUT}: the task contract (sum loss, additive count, row-wise "
-                      "make_batch) was not checked"}
+    return {
+        "exact": False,
+        "contract_check": "skipped",
+        "reason": f"{OPT_OUT}: the task contract (sum loss, additive count, row-wise "
+        "make_batch) was not checked",
+    }
 
 
-def check_before_training(task: Any, model: torch.nn.Module, run: Any, device: torch.device,
-                          rdv: Any, info: Dict[str, Any]) -> None:
+def check_before_training(
+    task: Any,
+    model: torch.nn.Module,
+    run: Any,
+    device: torch.device,
+    rdv: Any,
+    info: Dict[str, Any],
+) -> None:
     """The worker's call after the model is built: :func:`check_task_contract`, or with
     ``trainer.skip_contract_check`` a warning and ``exact: false`` plus the reason in ``info``
     (for ``summary.json``, :func:`hetseq_hpc.train.task_summary.record_inexact`).
@@ -84,15 +93,24 @@ def check_before_training(task: Any, model: torch.nn.Module, run: Any, device: t
         from hetseq_hpc.train.task_summary import record_inexact
 
         record = skipped_record()
-        log.warning("%s: training is NOT known to be exact across allocations: %s",
-                    OPT_OUT.split("=")[0], record["reason"])
+        log.warning(
+            "%s: training is NOT known to be exact across allocations: %s",
+            OPT_OUT.split("=")[0],
+            record["reason"],
+        )
         record_inexact(info, record)
         return
     check_task_contract(task, model, device, rdv, run.trainer.seed)
 
 
-def check_task_contract(task: Any, model: torch.nn.Module, device: torch.device, rdv: Any,
-                        seed: int, positions: Optional[Sequence[int]] = None) -> None:
+def check_task_contract(
+    task: Any,
+    model: torch.nn.Module,
+    device: torch.device,
+    rdv: Any,
+    seed: int,
+    positions: Optional[Sequence[int]] = None,
+) -> None:
     """Check checks (a)-(d) of this module on ``positions`` (default
     :func:`contract_positions`). Call it on every rank at the same point (it all-gathers once
     over ``rdv``, a :class:`~hetseq_hpc.distributed.rendezvous.Rendezvous`).
@@ -111,11 +129,11 @@ def check_task_contract(task: Any, model: torch.nn.Module, device: torch.device,
             (``make_batch``, ``count`` or the model's forward), the rank that saw it first and
             the fix. Raised on every rank.
     """
-    positions = list(contract_positions(task.num_train, seed) if positions is None
-                     else positions)
+    positions = list(contract_positions(task.num_train, seed) if positions is None else positions)
     if len(positions) < 2:
-        log.warning("task contract not checked: %d training sample(s), 2 are needed",
-                    len(positions))
+        log.warning(
+            "task contract not checked: %d training sample(s), 2 are needed", len(positions)
+        )
         return
     rank = rdv.world.rank
     with _isolated(model, device):
@@ -132,11 +150,15 @@ def check_task_contract(task: Any, model: torch.nn.Module, device: torch.device,
                 f"{_who(task)}.make_batch depends on the rank: rank {r}'s batch of training "
                 f"positions {positions} differs from rank 0's in {key!r}: build row i from "
                 "positions[i], epoch, split and the task seed only, never from the rank or "
-                "torch's/numpy's global RNG (the trainer reseeds torch per step and rank)")
+                "torch's/numpy's global RNG (the trainer reseeds torch per step and rank)"
+            )
     if rank == 0:
-        log.info("task contract checked on %d training positions: row-wise make_batch, "
-                 "additive count, SUM loss%s", len(positions),
-                 ", same batch on every rank" if len(verdicts) > 1 else "")
+        log.info(
+            "task contract checked on %d training positions: row-wise make_batch, "
+            "additive count, SUM loss%s",
+            len(positions),
+            ", same batch on every rank" if len(verdicts) > 1 else "",
+        )
 
 
 def _check_local(task, model, device, positions, seed, rank) -> Tuple[Optional[str], Any]:
@@ -161,24 +183,32 @@ def _check_local(task, model, device, positions, seed, rank) -> Tuple[Optional[s
 
 def _rows_error(task, full, head, tail, positions, cut) -> Optional[str]:
     """(a): the halves are the matching rows of the full batch."""
-    fix = ("build row i from positions[i], epoch, split and the task seed only (no batch-level "
-           "state, no draws from torch's/numpy's/random's global RNG)")
+    fix = (
+        "build row i from positions[i], epoch, split and the task seed only (no batch-level "
+        "state, no draws from torch's/numpy's/random's global RNG)"
+    )
     for name, half, rows in (("first", head, slice(0, cut)), ("second", tail, slice(cut, None))):
         if set(half) != set(full):
-            return (f"{_who(task)}.make_batch returned keys {sorted(full)} for "
-                    f"{len(positions)} positions but {sorted(half)} for the {name} half of them: "
-                    "return the same keys for every batch")
+            return (
+                f"{_who(task)}.make_batch returned keys {sorted(full)} for "
+                f"{len(positions)} positions but {sorted(half)} for the {name} half of them: "
+                "return the same keys for every batch"
+            )
         for key, value in full.items():
             part = half[key]
             if part.dtype != value.dtype or part.dim() != value.dim():
-                return (f"{_who(task)}.make_batch gave {key!r} as {value.dtype} with "
-                        f"{value.dim()} dims for {len(positions)} positions but {part.dtype} "
-                        f"with {part.dim()} dims for the {name} half: keep dtype and shape fixed")
+                return (
+                    f"{_who(task)}.make_batch gave {key!r} as {value.dtype} with "
+                    f"{value.dim()} dims for {len(positions)} positions but {part.dtype} "
+                    f"with {part.dim()} dims for the {name} half: keep dtype and shape fixed"
+                )
             common = tuple(slice(0, min(a, b)) for a, b in zip(value.shape[1:], part.shape[1:]))
             if not _same(value[(rows, *common)], part[(slice(None), *common)]):
-                return (f"{_who(task)}.make_batch is not row-wise: {key!r} of the {name} half of "
-                        f"training positions {positions} differs from the matching rows of the "
-                        f"batch of all of them: {fix}")
+                return (
+                    f"{_who(task)}.make_batch is not row-wise: {key!r} of the {name} half of "
+                    f"training positions {positions} differs from the matching rows of the "
+                    f"batch of all of them: {fix}"
+                )
     return None
 
 
@@ -188,10 +218,12 @@ def _count_error(task, full, head, tail) -> Optional[str]:
     if total == a + b:
         return None
     rows = next(iter(full.values())).shape[0]
-    return (f"{_who(task)}.count is not additive: {total} for a batch of {rows} samples but "
-            f"{a} + {b} = {a + b} for its two halves: return the number of loss units in the "
-            "batch, e.g. int((labels != -100).sum()) or the number of rows, never a constant "
-            "per batch")
+    return (
+        f"{_who(task)}.count is not additive: {total} for a batch of {rows} samples but "
+        f"{a} + {b} = {a + b} for its two halves: return the number of loss units in the "
+        "batch, e.g. int((labels != -100).sum()) or the number of rows, never a constant "
+        "per batch"
+    )
 
 
 def _loss_error(task, model, device, full, head, tail) -> Optional[str]:
@@ -205,20 +237,27 @@ def _loss_error(task, model, device, full, head, tail) -> Optional[str]:
             losses.append(float(loss.double()))
     total, a, b = losses
     if not all(np.isfinite(losses)):
-        log.warning("task contract: the first batch's loss is not finite (%s); the loss check "
-                    "is skipped", losses)
+        log.warning(
+            "task contract: the first batch's loss is not finite (%s); the loss check is skipped",
+            losses,
+        )
         return None
     if abs(total - (a + b)) <= tol * max(abs(total), abs(a) + abs(b)) + ABS_TOL:
         return None
     rows = next(iter(full.values())).shape[0]
     mean = abs(2 * total - (a + b)) <= 0.05 * max(abs(a) + abs(b), ABS_TOL)
-    what = ("it looks like a MEAN (PyTorch's default reduction='mean')" if mean
-            else "the samples' losses do not add up")
-    return (f"the model of {_who(task)}: forward(**batch) gave a loss of {total:.6g} for "
-            f"{rows} samples but {a:.6g} + {b:.6g} = {a + b:.6g} for its two halves (dropout "
-            f"off), {what}: return the SUM, e.g. F.cross_entropy(logits, labels, "
-            f"reduction='sum'), or set {OPT_OUT} if the samples of a batch interact "
-            "(recorded as inexact)")
+    what = (
+        "it looks like a MEAN (PyTorch's default reduction='mean')"
+        if mean
+        else "the samples' losses do not add up"
+    )
+    return (
+        f"the model of {_who(task)}: forward(**batch) gave a loss of {total:.6g} for "
+        f"{rows} samples but {a:.6g} + {b:.6g} = {a + b:.6g} for its two halves (dropout "
+        f"off), {what}: return the SUM, e.g. F.cross_entropy(logits, labels, "
+        f"reduction='sum'), or set {OPT_OUT} if the samples of a batch interact "
+        "(recorded as inexact)"
+    )
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -241,8 +280,10 @@ def _digest(batch: Dict[str, torch.Tensor]) -> Dict[str, Any]:
             rows = torch.view_as_real(value) if value.is_complex() else value
             rows = torch.nan_to_num(rows.reshape(value.shape[0], -1).double())
             weight = (torch.arange(rows.shape[1], dtype=torch.float64) * 0.6180339887) % 1 + 0.5
-            out[key] = (head, torch.stack([rows.sum(1), rows.abs().sum(1), rows @ weight],
-                                          1).tolist())
+            out[key] = (
+                head,
+                torch.stack([rows.sum(1), rows.abs().sum(1), rows @ weight], 1).tolist(),
+            )
         else:
             out[key] = (head, hashlib.sha256(value.contiguous().numpy().tobytes()).hexdigest())
     return out
@@ -299,6 +340,13 @@ def _isolated(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
         random.setstate(py_state)
 
 
-__all__ = ["ABS_TOL", "N_POSITIONS", "OPT_OUT", "REL_TOL", "check_before_training",
-           "check_task_contract",
-           "contract_positions", "skipped_record"]
+__all__ = [
+    "ABS_TOL",
+    "N_POSITIONS",
+    "OPT_OUT",
+    "REL_TOL",
+    "check_before_training",
+    "check_task_contract",
+    "contract_positions",
+    "skipped_record",
+]

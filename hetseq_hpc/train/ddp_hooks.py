@@ -100,24 +100,30 @@ def no_forward_buffer_sync() -> Dict[str, bool]:
     return {"broadcast_buffers": False}
 
 
-def sum_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def sum_allreduce_hook(
+    state: HookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """All-reduce a bucket with SUM (no division by world size); record when it was ready."""
     buffer = state.bucket_ready(bucket)
     state.bytes_sent += buffer.numel() * buffer.element_size()
-    fut = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=state.process_group,
-                          async_op=True).get_future()
+    fut = dist.all_reduce(
+        buffer, op=dist.ReduceOp.SUM, group=state.process_group, async_op=True
+    ).get_future()
     return fut.then(lambda f: f.value()[0])
 
 
-def compressed_sum_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def compressed_sum_hook(
+    state: HookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """:func:`sum_allreduce_hook` with a ``state.comm_dtype`` payload: cast, SUM all-reduce,
     cast back into the bucket. Non-finite values stay non-finite (the loss scale then skips the
     step on every rank)."""
     buffer = state.bucket_ready(bucket)
     payload = buffer.to(state.comm_dtype)
     state.bytes_sent += payload.numel() * payload.element_size()
-    fut = dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=state.process_group,
-                          async_op=True).get_future()
+    fut = dist.all_reduce(
+        payload, op=dist.ReduceOp.SUM, group=state.process_group, async_op=True
+    ).get_future()
 
     def decompress(f: torch.futures.Future) -> torch.Tensor:
         buffer.copy_(f.value()[0])
@@ -158,16 +164,15 @@ def adasum_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futu
     state.bytes_sent += payload.numel() * payload.element_size()
     world = dist.get_world_size(state.process_group)
     gathered = [torch.empty_like(payload) for _ in range(world)]
-    fut = dist.all_gather(gathered, payload, group=state.process_group,
-                          async_op=True).get_future()
+    fut = dist.all_gather(gathered, payload, group=state.process_group, async_op=True).get_future()
     sizes = [g.numel() for g in bucket.gradients()]
 
     def combine(_: torch.futures.Future) -> torch.Tensor:
         rows = [g.to(torch.float64) for g in gathered]
         start = 0
         for size in sizes:
-            part = adasum_tree([r[start:start + size] for r in rows])
-            buffer[start:start + size].copy_(part)
+            part = adasum_tree([r[start : start + size] for r in rows])
+            buffer[start : start + size].copy_(part)
             start += size
         return buffer
 

@@ -138,8 +138,11 @@ def predicted_step_s(allocation: Any) -> float:
     """The step time an allocation predicts: its slowest rank's samples over its measured
     samples/s (0 when the split was not computed from measured speeds: forced, or equal)."""
     rates = list(getattr(allocation, "throughputs", ()) or ())
-    if allocation.source not in ("cost_curve", "throughput", "rebalanced") \
-            or len(rates) != len(allocation.shares) or min(rates, default=0.0) <= 0:
+    if (
+        allocation.source not in ("cost_curve", "throughput", "rebalanced")
+        or len(rates) != len(allocation.shares)
+        or min(rates, default=0.0) <= 0
+    ):
         return 0.0
     return max(s.samples / r for s, r in zip(allocation.shares, rates))
 
@@ -161,9 +164,16 @@ class ElasticWorld:
             caps are recomputed for it (:func:`~hetseq_hpc.train.elastic_sharded.reports_for_world`).
     """
 
-    def __init__(self, run: Any, store: Any, rdv: Rendezvous, reports: Sequence[Any],
-                 device: torch.device, rebuild: Optional[Callable[[], Any]] = None,
-                 static_for: Optional[Callable[[int], float]] = None):
+    def __init__(
+        self,
+        run: Any,
+        store: Any,
+        rdv: Rendezvous,
+        reports: Sequence[Any],
+        device: torch.device,
+        rebuild: Optional[Callable[[], Any]] = None,
+        static_for: Optional[Callable[[int], float]] = None,
+    ):
         self.run, self.store, self.device, self.rebuild = run, store, device, rebuild
         self.static_for = static_for  # FSDP: a rank's model state at a world size, bytes
         self.split_reports: List[Any] = []
@@ -199,9 +209,14 @@ class ElasticWorld:
         failed = time.monotonic()
         step, at = trainer.step + (trainer.phase == DONE), (trainer.step, trainer.phase)
         first = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
-        log.warning("step %d (%s): a collective failed (%s: %s); re-forming the world without "
-                    "the lost ranks", step, "training" if trainer.phase == DONE else
-                    f"after {PHASE_NAMES[trainer.phase]}", type(error).__name__, first)
+        log.warning(
+            "step %d (%s): a collective failed (%s: %s); re-forming the world without "
+            "the lost ranks",
+            step,
+            "training" if trainer.phase == DONE else f"after {PHASE_NAMES[trainer.phase]}",
+            type(error).__name__,
+            first,
+        )
         old = self.membership
         announce_recovery(self.store, old, self.member)  # alive, even if tearing down is slow
         with_abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
@@ -216,8 +231,14 @@ class ElasticWorld:
         leave()
         if not in_step:
             gc.collect()  # the broken groups are destroyed now: their sockets close
-        new = reform(self.store, self.heartbeat, self.member, old,
-                     stale_s=self.cfg.timeout_s / 2.0, timeout_s=self.run.cluster.collective_timeout_s)
+        new = reform(
+            self.store,
+            self.heartbeat,
+            self.member,
+            old,
+            stale_s=self.cfg.timeout_s / 2.0,
+            timeout_s=self.run.cluster.collective_timeout_s,
+        )
         self.membership = new  # a failure from here on re-forms from this generation
         lost = [m for m in old.members if m not in new.members]
         if not lost:
@@ -225,44 +246,73 @@ class ElasticWorld:
                 raise error
             self.retried_at = at
             self.phase_timeouts.forget()  # a slow phase, not a hang: the redo waits longer
-        join_generation(self.store, new, self.member, backend_for(self.device),
-                        self.cfg.timeout_s)
-        world = dataclasses.replace(self.origin, rank=new.rank_of(self.member),
-                                    world_size=len(new.members))
-        rdv = Rendezvous(world=world, cpu_group=dist.new_group(
-            backend="gloo", timeout=timedelta(seconds=self.run.cluster.collective_timeout_s)))
+        join_generation(self.store, new, self.member, backend_for(self.device), self.cfg.timeout_s)
+        world = dataclasses.replace(
+            self.origin, rank=new.rank_of(self.member), world_size=len(new.members)
+        )
+        rdv = Rendezvous(
+            world=world,
+            cpu_group=dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=self.run.cluster.collective_timeout_s)
+            ),
+        )
         if sharded:  # the lost shard is gone: the survivors go back to the last checkpoint
             trainer.phase = DONE
         else:
             self._agree_progress(trainer, rdv)
-        event = {"event": "membership", "step": step, "generation": new.generation,
-                 "lost": [{"rank": m, "host": self.reports[m].world.get("node_name", "")}
-                          for m in lost],
-                 "world_size": len(new.members), "members": list(new.members),
-                 "lost_monotonic": min([failed, *(self._last_beat(m) for m in lost)])}
+        event = {
+            "event": "membership",
+            "step": step,
+            "generation": new.generation,
+            "lost": [{"rank": m, "host": self.reports[m].world.get("node_name", "")} for m in lost],
+            "world_size": len(new.members),
+            "members": list(new.members),
+            "lost_monotonic": min([failed, *(self._last_beat(m) for m in lost)]),
+        }
         if len(new.members) < self.cfg.min_ranks:
-            self._stop(trainer, rdv, event, f"losing rank(s) {lost} ({len(new.members)} left, "
-                       f"fewer than trainer.elastic.min_ranks={self.cfg.min_ranks})")
+            self._stop(
+                trainer,
+                rdv,
+                event,
+                f"losing rank(s) {lost} ({len(new.members)} left, "
+                f"fewer than trainer.elastic.min_ranks={self.cfg.min_ranks})",
+            )
         try:
             allocation = self._split(rdv, new.members)
         except AllocationError as exc:
-            self._stop(trainer, rdv, event, f"losing rank(s) {lost} (the global batch does not "
-                       f"fit the {len(new.members)} left: {exc})")
+            self._stop(
+                trainer,
+                rdv,
+                event,
+                f"losing rank(s) {lost} (the global batch does not "
+                f"fit the {len(new.members)} left: {exc})",
+            )
         self.timeout.rescale(len(old.members) / len(new.members))
         metas = [trainer.metas_by_member[m] for m in new.members]
         if sharded:
-            event.update(reload_sharded(trainer, rdv, metas, allocation, self._rebuild,
-                                        self.split_reports))
+            event.update(
+                reload_sharded(trainer, rdv, metas, allocation, self._rebuild, self.split_reports)
+            )
         else:
             rejoin(trainer, rdv, metas, allocation)
         self.timeout.predict(predicted_step_s(allocation))
         self.timeout.apply()  # on the new default group
-        event.update(split=list(allocation.samples), resumed_at_step=trainer.step + 1,
-                     redo=REDO[trainer.phase])
-        log.warning("step %d: going on with %d rank(s) (original ranks %s; lost %s), split %s; "
-                    "redoing %s", step, len(new.members), list(new.members), lost or "none",
-                    allocation.samples, f"step {trainer.step + 1}" if trainer.phase == DONE
-                    else f"step {trainer.step}'s {REDO[trainer.phase]} and what follows")
+        event.update(
+            split=list(allocation.samples),
+            resumed_at_step=trainer.step + 1,
+            redo=REDO[trainer.phase],
+        )
+        log.warning(
+            "step %d: going on with %d rank(s) (original ranks %s; lost %s), split %s; redoing %s",
+            step,
+            len(new.members),
+            list(new.members),
+            lost or "none",
+            allocation.samples,
+            f"step {trainer.step + 1}"
+            if trainer.phase == DONE
+            else f"step {trainer.step}'s {REDO[trainer.phase]} and what follows",
+        )
         return event
 
     def _last_beat(self, member: int) -> float:
@@ -310,18 +360,24 @@ class ElasticWorld:
         if trainer.parallel.sharded:
             found = list_checkpoints(trainer.run_dir)
             step = step_of(found[-1]) if found else 0
-            log.warning("step %d: %s: stopping (sharding.mode=fsdp: the lost shard is gone, "
-                        "a requeue resumes from the last checkpoint, step %d)", event["step"],
-                        why, step)
+            log.warning(
+                "step %d: %s: stopping (sharding.mode=fsdp: the lost shard is gone, "
+                "a requeue resumes from the last checkpoint, step %d)",
+                event["step"],
+                why,
+                step,
+            )
             if rdv.world.rank == 0:
                 log_before_stop(trainer, {**event, "stopped": why})
             raise Preempted(step, REQUEUE, why, leader=rdv.world.rank == 0)
-        log.warning("step %d: %s: checkpointing step %d and stopping", event["step"], why,
-                    trainer.step)
+        log.warning(
+            "step %d: %s: checkpointing step %d and stopping", event["step"], why, trainer.step
+        )
         if rdv.world.rank == 0:
             log_before_stop(trainer, {**event, "stopped": why})
-        save_on_rank0(rdv, trainer.state_dict, trainer.run_dir, trainer.step,
-                      trainer.cfg.keep_checkpoints)
+        save_on_rank0(
+            rdv, trainer.state_dict, trainer.run_dir, trainer.step, trainer.cfg.keep_checkpoints
+        )
         raise Preempted(trainer.step, REQUEUE, why, leader=rdv.world.rank == 0)
 
     def expect(self, allocation: Any) -> None:
@@ -342,15 +398,21 @@ class ElasticWorld:
         FSDP with the micro-batch caps of the larger shards, :func:`reports_for_world`)."""
         run = self.run
         if run.balance.allocation is not None:
-            log.warning("balance.allocation=%s was for %d ranks: the split over the %d survivors "
-                        "is computed from their calibrations", list(run.balance.allocation),
-                        len(self.reports), len(members))
-            run = dataclasses.replace(run, balance=dataclasses.replace(run.balance,
-                                                                       allocation=None))
+            log.warning(
+                "balance.allocation=%s was for %d ranks: the split over the %d survivors "
+                "is computed from their calibrations",
+                list(run.balance.allocation),
+                len(self.reports),
+                len(members),
+            )
+            run = dataclasses.replace(
+                run, balance=dataclasses.replace(run.balance, allocation=None)
+            )
         reports = [self.reports[m] for m in members]
         if self.static_for is not None:  # FSDP: each survivor's shard is larger now
-            reports = reports_for_world(reports, self.static_for(len(members)),
-                                        run.balance.max_micro_batch)
+            reports = reports_for_world(
+                reports, self.static_for(len(members)), run.balance.max_micro_batch
+            )
         self.split_reports = reports  # what the survivors' FSDP accumulation is decided from
         return agree_on_allocation(run, reports, rdv)
 
@@ -379,8 +441,9 @@ def rejoin(trainer: Any, rdv: Rendezvous, metas: List[Any], allocation: Any) -> 
     scale = trainer.grad_path.loss_scale.state_dict()
     trainer.reset_gradient_path()
     trainer.grad_path.loss_scale.load_state_dict(scale)
-    trainer.parallel = build_parallel(trainer.run, trainer.task, trainer.parallel.model,
-                                      trainer.device, "ddp")
+    trainer.parallel = build_parallel(
+        trainer.run, trainer.task, trainer.parallel.model, trainer.device, "ddp"
+    )
     trainer.parallel.start(trainer.grad_path, trainer.hook_state)
     if trainer.on_allocation is not None:
         trainer.on_allocation(allocation, {"members": list(trainer.elastic.membership.members)})

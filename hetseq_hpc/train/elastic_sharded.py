@@ -38,9 +38,14 @@ from hetseq_hpc.train.phases import DONE
 log = logging.getLogger(__name__)
 
 
-def reload_sharded(trainer: Any, rdv: Any, metas: List[Any], allocation: Any,
-                   rebuild: Callable[[], nn.Module], reports: Sequence[Any] = ()
-                   ) -> Dict[str, Any]:
+def reload_sharded(
+    trainer: Any,
+    rdv: Any,
+    metas: List[Any],
+    allocation: Any,
+    rebuild: Callable[[], nn.Module],
+    reports: Sequence[Any] = (),
+) -> Dict[str, Any]:
     """Go on in a re-formed world from the last checkpoint (every survivor calls this, after
     :func:`~hetseq_hpc.distributed.membership.join_generation`; collectives over ``rdv``).
 
@@ -87,17 +92,25 @@ def reload_sharded(trainer: Any, rdv: Any, metas: List[Any], allocation: Any,
     trainer.last_row = {}
     trainer.optimizer.zero_grad(set_to_none=True)
     trainer.parallel.start(trainer.grad_path, trainer.hook_state)
-    log.warning("sharding.mode=fsdp: the lost rank's shard is gone: reloaded %s and re-sharded "
-                "it over %d rank(s); steps %d-%d are trained again", path or "the seeded start "
-                "model (no checkpoint yet)", rdv.world.world_size, trainer.step + 1, was)
+    log.warning(
+        "sharding.mode=fsdp: the lost rank's shard is gone: reloaded %s and re-sharded "
+        "it over %d rank(s); steps %d-%d are trained again",
+        path or "the seeded start model (no checkpoint yet)",
+        rdv.world.world_size,
+        trainer.step + 1,
+        was,
+    )
     if trainer.on_allocation is not None:
         trainer.on_allocation(allocation, {"members": list(trainer.elastic.membership.members)})
-    return {"reloaded": {"checkpoint": path, "step": trainer.step},
-            "steps_redone": max(0, was - trainer.step)}
+    return {
+        "reloaded": {"checkpoint": path, "step": trainer.step},
+        "steps_redone": max(0, was - trainer.step),
+    }
 
 
-def reports_for_world(reports: Sequence[Any], static_bytes: float,
-                      limit: Optional[int] = None) -> List[Any]:
+def reports_for_world(
+    reports: Sequence[Any], static_bytes: float, limit: Optional[int] = None
+) -> List[Any]:
     """The survivors' start-up reports with each micro-batch cap recomputed for the model state
     a rank holds in the smaller world: a shard of ``1 / world`` grows when ranks are lost, and
     the start-up cap (``(budget - static) / activation bytes per sample``) would overrun the
@@ -117,12 +130,20 @@ def reports_for_world(reports: Sequence[Any], static_bytes: float,
     out = []
     for report in reports:
         cal = dict(report.calibration)
-        cap = micro_batch_cap(float(cal["memory_budget_bytes"]), static_bytes,
-                              float(cal["activation_bytes_per_sample"]), limit)
+        cap = micro_batch_cap(
+            float(cal["memory_budget_bytes"]),
+            static_bytes,
+            float(cal["activation_bytes_per_sample"]),
+            limit,
+        )
         if cap < int(cal["max_micro_batch"]):
-            log.info("rank %s: micro-batch cap %d -> %d for its larger shard (%.1f MiB of "
-                     "model state)", report.world.get("rank", "?"), int(cal["max_micro_batch"]),
-                     cap, static_bytes / 2**20)
+            log.info(
+                "rank %s: micro-batch cap %d -> %d for its larger shard (%.1f MiB of model state)",
+                report.world.get("rank", "?"),
+                int(cal["max_micro_batch"]),
+                cap,
+                static_bytes / 2**20,
+            )
         cal["max_micro_batch"] = min(int(cal["max_micro_batch"]), cap)
         cal["static_bytes"] = float(static_bytes)
         out.append(dataclasses.replace(report, calibration=cal))

@@ -30,10 +30,16 @@ def _add(total: Dict[str, float], part: Dict[str, float]) -> None:
 
 
 @torch.no_grad()
-def evaluate_task(task: Any, model: nn.Module, rdv: Any, batch_size: int, device: torch.device,
-                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                  same_passes: bool = False,
-                  before_gather: Optional[Callable[[float], Any]] = None) -> Dict[str, float]:
+def evaluate_task(
+    task: Any,
+    model: nn.Module,
+    rdv: Any,
+    batch_size: int,
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    same_passes: bool = False,
+    before_gather: Optional[Callable[[float], Any]] = None,
+) -> Dict[str, float]:
     """The task's validation metrics on its whole validation split (every rank calls this).
 
     Args:
@@ -68,8 +74,13 @@ def evaluate_task(task: Any, model: nn.Module, rdv: Any, batch_size: int, device
     began = time.monotonic()
     try:
         for start in starts:
-            chunk = (positions[start:start + size] if start is not None else
-                     positions[:size] if positions.size else np.arange(1)).tolist()
+            chunk = (
+                positions[start : start + size]
+                if start is not None
+                else positions[:size]
+                if positions.size
+                else np.arange(1)
+            ).tolist()
             batch = checked_batch(task, chunk, 0, "val")
             batch = {k: v.to(device) for k, v in batch.items()}
             with autocast():
@@ -87,7 +98,9 @@ def evaluate_task(task: Any, model: nn.Module, rdv: Any, batch_size: int, device
     return {k: float(v) for k, v in task.finalize_metrics(total).items()}
 
 
-def log_examples(task: Any, model: nn.Module, n: int = 3, header: Optional[str] = None) -> List[Any]:
+def log_examples(
+    task: Any, model: nn.Module, n: int = 3, header: Optional[str] = None
+) -> List[Any]:
     """Write ``task.examples(model, n)`` (e.g. source | reference | translation) to the log,
     after ``header`` if given; returns them. A task without examples logs nothing."""
     examples = getattr(task, "examples", None)

@@ -37,8 +37,9 @@ from hetseq_hpc.train.parallel import equal_pass_sizes
 log = logging.getLogger(__name__)
 
 
-def keep_unsharded_fits(state_bytes: float, budget_bytes: float,
-                        activation_bytes_per_sample: float, pass_samples: int) -> bool:
+def keep_unsharded_fits(
+    state_bytes: float, budget_bytes: float, activation_bytes_per_sample: float, pass_samples: int
+) -> bool:
     """Whether a rank holds the kept-gathered model state (``state_bytes``: its shard plus the
     whole weights and the gradients before their reduce-scatter) and the activations of its
     largest pass (``pass_samples`` x ``activation_bytes_per_sample``) within ``budget_bytes``
@@ -47,8 +48,9 @@ def keep_unsharded_fits(state_bytes: float, budget_bytes: float,
     return need <= float(budget_bytes)
 
 
-def agree_on_accumulation(sharding: Any, parallel: Any, allocation: Any,
-                          reports: Sequence[Any], rdv: Any) -> str:
+def agree_on_accumulation(
+    sharding: Any, parallel: Any, allocation: Any, reports: Sequence[Any], rdv: Any
+) -> str:
     """Decide, on every rank alike, what FSDP does between the micro-batches of a step, and set
     it on ``parallel`` (``Sharded.between_micro_batches``, in ``summary.json``'s ``sharding``).
 
@@ -74,26 +76,47 @@ def agree_on_accumulation(sharding: Any, parallel: Any, allocation: Any,
     if chosen in ("auto", "keep_unsharded"):
         rank = rdv.world.rank
         sizes = parallel.sizes
-        state = model_state_bytes(sizes.total, "fsdp", rdv.world.world_size, sizes.block,
-                                  parallel.offload, gathered_weights=False,
-                                  root_bytes=sizes.root, keep_gathered=True)
+        state = model_state_bytes(
+            sizes.total,
+            "fsdp",
+            rdv.world.world_size,
+            sizes.block,
+            parallel.offload,
+            gathered_weights=False,
+            root_bytes=sizes.root,
+            keep_gathered=True,
+        )
         cal = RankReport.of(reports[rank]).calibration
         largest = equal_pass_sizes(allocation.shares[rank].samples, passes)[0][0]
-        fits = rdv.all_gather_objects(keep_unsharded_fits(
-            state, cal["memory_budget_bytes"], cal["activation_bytes_per_sample"], largest))
+        fits = rdv.all_gather_objects(
+            keep_unsharded_fits(
+                state, cal["memory_budget_bytes"], cal["activation_bytes_per_sample"], largest
+            )
+        )
         short = [r for r, ok in enumerate(fits) if not ok]
         if chosen == "auto":
             chosen = "reshard" if short else "keep_unsharded"
         if rank == 0:
             whole = f"the whole weights ({sizes.total / 2**20:.1f} MiB)"
-            why = (f"{whole} fit beside every rank's shard and largest micro-batch" if not short
-                   else f"{whole} do not fit rank(s) {short} beside the shard and micro-batch")
+            why = (
+                f"{whole} fit beside every rank's shard and largest micro-batch"
+                if not short
+                else f"{whole} do not fit rank(s) {short} beside the shard and micro-batch"
+            )
             if short and chosen == "keep_unsharded":  # forced: the user's call
-                log.warning("sharding.between_micro_batches=keep_unsharded although %s: "
-                            "they may run out of memory; sharding.between_micro_batches=auto "
-                            "reshards instead", why)
-            log.info("sharding.between_micro_batches=%s -> %s, %d passes per step (%s)",
-                     setting, chosen, passes, why)
+                log.warning(
+                    "sharding.between_micro_batches=keep_unsharded although %s: "
+                    "they may run out of memory; sharding.between_micro_batches=auto "
+                    "reshards instead",
+                    why,
+                )
+            log.info(
+                "sharding.between_micro_batches=%s -> %s, %d passes per step (%s)",
+                setting,
+                chosen,
+                passes,
+                why,
+            )
     parallel.between_micro_batches = chosen
     return chosen
 

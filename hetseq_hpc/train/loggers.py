@@ -43,16 +43,33 @@ log = logging.getLogger(__name__)
 CSV_NAME = "metrics.csv"
 TB_DIR = "tb"
 #: global scalars of a row -> TensorBoard tag
-TB_SCALARS = {"loss": "train/loss", "lr": "train/lr", "samples_per_s": "train/samples_per_s",
-              "tokens_per_s": "train/tokens_per_s", "grad_norm": "train/grad_norm",
-              "straggle": "train/straggle", "step_time_s": "train/step_time_s",
-              "val_loss": "val/loss", "val_ppl": "val/ppl"}
+TB_SCALARS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "samples_per_s": "train/samples_per_s",
+    "tokens_per_s": "train/tokens_per_s",
+    "grad_norm": "train/grad_norm",
+    "straggle": "train/straggle",
+    "step_time_s": "train/step_time_s",
+    "val_loss": "val/loss",
+    "val_ppl": "val/ppl",
+}
 #: per-rank fields -> TensorBoard tag prefix (one curve per rank)
-TB_RANK_FIELDS = {"step_time_s": "rank_step_time_s", "compute_time_s": "rank_compute_time_s",
-                  "micro_batch": "rank_micro_batch", "samples": "rank_samples"}
+TB_RANK_FIELDS = {
+    "step_time_s": "rank_step_time_s",
+    "compute_time_s": "rank_compute_time_s",
+    "micro_batch": "rank_micro_batch",
+    "samples": "rank_samples",
+}
 #: per-rank fields copied into CSV columns ``rank<N>_<field>``
-CSV_RANK_FIELDS = ("micro_batch", "accum_steps", "samples", "step_time_s", "compute_time_s",
-                   "data_time_s")
+CSV_RANK_FIELDS = (
+    "micro_batch",
+    "accum_steps",
+    "samples",
+    "step_time_s",
+    "compute_time_s",
+    "data_time_s",
+)
 
 
 def missing_logger_package(name: str) -> Optional[str]:
@@ -139,8 +156,9 @@ def _quiet_tensorboard_threads() -> None:
         return
 
     def hook(args: Any) -> None:
-        if type(args.thread).__name__ == "_AsyncWriterThread" and issubclass(args.exc_type,
-                                                                             Exception):
+        if type(args.thread).__name__ == "_AsyncWriterThread" and issubclass(
+            args.exc_type, Exception
+        ):
             return
         previous(args)
 
@@ -159,8 +177,9 @@ class TensorBoardLogger:
 
         self.path = Path(directory)
         _quiet_tensorboard_threads()
-        self.writer = SummaryWriter(log_dir=str(directory), purge_step=resume_step + 1,
-                                    flush_secs=10)
+        self.writer = SummaryWriter(
+            log_dir=str(directory), purge_step=resume_step + 1, flush_secs=10
+        )
         if config_text and resume_step == 0:
             self.writer.add_text("config", f"```\n{config_text}\n```", 0)
 
@@ -177,8 +196,11 @@ class TensorBoardLogger:
                     self.writer.add_scalar(f"{prefix}/rank{rank['rank']}", float(rank[key]), step)
         move = row.get("reallocation")
         if isinstance(move, dict):
-            self.writer.add_text("reallocation", f"step {move.get('at_step')}: "
-                                 f"{move.get('from')} -> {move.get('to')}", step)
+            self.writer.add_text(
+                "reallocation",
+                f"step {move.get('at_step')}: {move.get('from')} -> {move.get('to')}",
+                step,
+            )
 
     def close(self) -> None:
         """Flush and close the event file."""
@@ -199,14 +221,22 @@ class WandbLogger:
         id_file = Path(run_dir) / "wandb_id.txt"
         run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
         atomic_write_text(id_file, run_id + "\n")
-        self.run = wandb.init(id=run_id, resume="allow", dir=str(run_dir), config=config,
-                              mode=os.environ.get("WANDB_MODE", "offline"),
-                              name=Path(run_dir).name)
+        self.run = wandb.init(
+            id=run_id,
+            resume="allow",
+            dir=str(run_dir),
+            config=config,
+            mode=os.environ.get("WANDB_MODE", "offline"),
+            name=Path(run_dir).name,
+        )
 
     def write(self, row: Dict[str, Any]) -> None:
         """Log the scalars and per-rank figures of one step."""
-        flat = {k: v for k, v in flat_row(_clean(row)).items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        flat = {
+            k: v
+            for k, v in flat_row(_clean(row)).items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"
+        }
         self.run.log(flat, step=int(row["step"]))
 
     def close(self) -> None:
@@ -221,15 +251,20 @@ def logger_fix(name: str, path: Path) -> str:
     wants_dir = name != "csv"
     if path.exists() or path.is_symlink():
         if wants_dir and not path.is_dir():
-            return (f"{path} is not a directory: remove or rename it, or drop {name} from "
-                    "trainer.loggers")
+            return (
+                f"{path} is not a directory: remove or rename it, or drop {name} from "
+                "trainer.loggers"
+            )
         if not wants_dir and path.is_dir():
-            return (f"{path} is a directory: remove or rename it, or drop {name} from "
-                    "trainer.loggers")
+            return (
+                f"{path} is a directory: remove or rename it, or drop {name} from trainer.loggers"
+            )
     blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
-        return (f"{blocker} is a file where a directory is needed: remove or rename it, or drop "
-                f"{name} from trainer.loggers")
+        return (
+            f"{blocker} is a file where a directory is needed: remove or rename it, or drop "
+            f"{name} from trainer.loggers"
+        )
     return f"make {path} writable (or free its disk), or drop {name} from trainer.loggers"
 
 
@@ -251,28 +286,43 @@ class RunLoggers:
         config: the run's configuration as plain data (TensorBoard text, W&B config).
     """
 
-    def __init__(self, run_dir: Path, names: Sequence[str], resume_step: int = 0,
-                 config: Optional[Dict[str, Any]] = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        names: Sequence[str],
+        resume_step: int = 0,
+        config: Optional[Dict[str, Any]] = None,
+    ):
         run_dir = Path(run_dir)
         self.sinks: List[Any] = [MetricsWriter(run_dir / METRICS_NAME, resume_step)]
         wanted = [n for n in dict.fromkeys(names) if n != "jsonl"]
         for name in wanted:
             missing = missing_logger_package(name)
             if missing:
-                log.warning("trainer.loggers has %s but the %s package is not installed: "
-                            "skipping it (pip install %s)", name, missing, missing)
+                log.warning(
+                    "trainer.loggers has %s but the %s package is not installed: "
+                    "skipping it (pip install %s)",
+                    name,
+                    missing,
+                    missing,
+                )
                 continue
             path = {"csv": run_dir / CSV_NAME, "tensorboard": run_dir / TB_DIR}.get(
-                name, run_dir / "wandb")
+                name, run_dir / "wandb"
+            )
             try:
                 self.sinks.append(self._open(name, run_dir, resume_step, config))
             except Exception as exc:
-                log.warning("trainer.loggers: %s cannot write to %s (%s); training goes on "
-                            "without it: %s", name, path, _reason(exc), logger_fix(name, path))
+                log.warning(
+                    "trainer.loggers: %s cannot write to %s (%s); training goes on without it: %s",
+                    name,
+                    path,
+                    _reason(exc),
+                    logger_fix(name, path),
+                )
 
     @staticmethod
-    def _open(name: str, run_dir: Path, resume_step: int,
-              config: Optional[Dict[str, Any]]) -> Any:
+    def _open(name: str, run_dir: Path, resume_step: int, config: Optional[Dict[str, Any]]) -> Any:
         if name == "csv":
             return CsvLogger(run_dir / CSV_NAME, resume_step)
         if name == "tensorboard":
@@ -284,9 +334,14 @@ class RunLoggers:
 
     def _drop(self, sink: Any, doing: str, exc: BaseException) -> None:
         """Warn once about an optional logger that failed, and stop using it."""
-        log.warning("trainer.loggers: %s failed %s %s (%s); no more rows go to it, training "
-                    "goes on: %s", sink.name, doing, sink.path, _reason(exc),
-                    logger_fix(sink.name, sink.path))
+        log.warning(
+            "trainer.loggers: %s failed %s %s (%s); no more rows go to it, training goes on: %s",
+            sink.name,
+            doing,
+            sink.path,
+            _reason(exc),
+            logger_fix(sink.name, sink.path),
+        )
         self.sinks.remove(sink)
         try:  # release what it holds (a TensorBoard writer thread); it already said why
             sink.close()
@@ -342,6 +397,17 @@ def open_loggers(run: Any, run_dir: Path, resume_step: int) -> RunLoggers:
     return RunLoggers(run_dir, run.trainer.loggers, resume_step, config)
 
 
-__all__ = ["CSV_NAME", "LOGGER_NAMES", "TB_DIR", "CsvLogger", "RunLoggers", "TensorBoardLogger",
-           "WandbLogger", "first_logged_loss", "flat_row", "logger_fix", "missing_logger_package",
-           "open_loggers"]
+__all__ = [
+    "CSV_NAME",
+    "LOGGER_NAMES",
+    "TB_DIR",
+    "CsvLogger",
+    "RunLoggers",
+    "TensorBoardLogger",
+    "WandbLogger",
+    "first_logged_loss",
+    "flat_row",
+    "logger_fix",
+    "missing_logger_package",
+    "open_loggers",
+]

@@ -128,7 +128,10 @@ class Trainer:
         self.on_allocation = on_allocation
         self.stop_request = stop_request
         digest = getattr(task, "data_fingerprint", lambda: None)()  # may differ per prepare
-        self.fingerprint = {**run_fingerprint(run), **({"data.fingerprint": digest} if digest else {})}
+        self.fingerprint = {
+            **run_fingerprint(run),
+            **({"data.fingerprint": digest} if digest else {}),
+        }
         self.sampler = GlobalBatchSampler(task.num_train, self.cfg.global_batch_size, self.cfg.seed)
         self.reset_gradient_path()
         # DDP or FSDP2 (train/parallel.py); FSDP shards the model in place, before the optimizer
@@ -150,8 +153,12 @@ class Trainer:
         """The gradient path and hook state of this world (loss scale normaliser: the
         expected units of a global batch)."""
         self.grad_path = GradientPath(
-            self.run.comm, [m.precision for m in self.metas], self.rank, self.world.world_size,
-            self.cfg.global_batch_size * float(getattr(self.task, "units_per_sample", 1.0)))
+            self.run.comm,
+            [m.precision for m in self.metas],
+            self.rank,
+            self.world.world_size,
+            self.cfg.global_batch_size * float(getattr(self.task, "units_per_sample", 1.0)),
+        )
         self.hook_state = HookState()
 
     # ------------------------------------------------------------------ state
@@ -161,8 +168,14 @@ class Trainer:
         the allocation and rank facts (informative: a resume may use another world), the
         run's :func:`~hetseq_hpc.train.state.run_fingerprint` and this process's RNG states.
         ``tensors=False``: without the model and optimizer (a sharded checkpoint's record)."""
-        full = {"model": self.parallel.model_state(),  # full, also under FSDP (gathered)
-                "optimizer": self.parallel.optimizer_state(self.optimizer)} if tensors else {}
+        full = (
+            {
+                "model": self.parallel.model_state(),  # full, also under FSDP (gathered)
+                "optimizer": self.parallel.optimizer_state(self.optimizer),
+            }
+            if tensors
+            else {}
+        )
         return {
             **full,
             "scheduler": self.scheduler.state_dict(),
@@ -189,8 +202,9 @@ class Trainer:
                 naming ``source``.
         """
         require_entries(state, source)
-        check_fingerprint(state.get("config"), self.fingerprint, source,
-                          self.cfg.allow_resume_mismatch)
+        check_fingerprint(
+            state.get("config"), self.fingerprint, source, self.cfg.allow_resume_mismatch
+        )
         load_tensors(self.parallel, self.optimizer, state, source)
         self.scheduler.load_state_dict(state["scheduler"])
         self.grad_path.loss_scale.load_state_dict(state.get("loss_scale") or {})
@@ -207,8 +221,13 @@ class Trainer:
         self.resumed_from = path
         if skipped:  # recorded in the first metrics.jsonl row
             self.resume_note = {"resume_fallback": {"bad": skipped, "used": path}}
-        log.info("resumed from %s at step %d (allocation now %s on %d ranks)", path, self.step,
-                 self.allocation.samples, self.world.world_size)
+        log.info(
+            "resumed from %s at step %d (allocation now %s on %d ranks)",
+            path,
+            self.step,
+            self.allocation.samples,
+            self.world.world_size,
+        )
 
     # ------------------------------------------------------------------ one step
     def _compute_seconds(self, t0: float, start_event) -> float:
@@ -242,9 +261,12 @@ class Trainer:
 
         def stats() -> StepStats:
             return StepStats(
-                loss_sum=loss_sum.item(), count=count, samples=share.samples,
+                loss_sum=loss_sum.item(),
+                count=count,
+                samples=share.samples,
                 compute_time_s=self._compute_seconds(t0, start_event),
-                step_time_s=time.perf_counter() - t0, data_time_s=data_s,
+                step_time_s=time.perf_counter() - t0,
+                data_time_s=data_s,
                 stop_code=self.stop_request.code if self.stop_request is not None else 0,
                 tail_time_s=t0 - self._exchanged_at if self._exchanged_at else 0.0,
             )
@@ -284,10 +306,16 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         self.step = step
         return StepRecord(
-            step=step, epoch=epoch, loss=sum(s.loss_sum for s in table) / global_count, lr=lr,
-            grad_norm=grad_norm, per_rank=table, wall_s=time.perf_counter() - t0,
+            step=step,
+            epoch=epoch,
+            loss=sum(s.loss_sum for s in table) / global_count,
+            lr=lr,
+            grad_norm=grad_norm,
+            per_rank=table,
+            wall_s=time.perf_counter() - t0,
             stop_code=max(s.stop_code for s in table),
-            grad_path=self.grad_path.row(self.hook_state), ended_s=time.perf_counter(),
+            grad_path=self.grad_path.row(self.hook_state),
+            ended_s=time.perf_counter(),
         )
 
     # ------------------------------------------------------------------ validation
@@ -296,10 +324,16 @@ class Trainer:
         under FSDP on the shards if the task evaluates in fixed passes, else gathered whole."""
         fixed = self.task.evaluates_in_fixed_passes()
         with self.parallel.for_evaluation(fixed) as model:
-            return evaluate_task(self.task, model, self.rdv, self.allocation.shares[self.rank]
-                                 .micro_batch, self.device, self.autocast,
-                                 same_passes=self.parallel.sharded and fixed,
-                                 before_gather=partial(first_validation_wait, self))
+            return evaluate_task(
+                self.task,
+                model,
+                self.rdv,
+                self.allocation.shares[self.rank].micro_batch,
+                self.device,
+                self.autocast,
+                same_passes=self.parallel.sharded and fixed,
+                before_gather=partial(first_validation_wait, self),
+            )
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Dict[str, Any]:
@@ -316,8 +350,11 @@ class Trainer:
         """
         cfg = self.cfg
         if self.step >= cfg.max_steps:
-            log.info("checkpoint is at step %d >= trainer.max_steps=%d: nothing to train",
-                     self.step, cfg.max_steps)
+            log.info(
+                "checkpoint is at step %d >= trainer.max_steps=%d: nothing to train",
+                self.step,
+                cfg.max_steps,
+            )
         phases, summary = StepPhases(self), None
         try:
             while summary is None:
@@ -344,20 +381,36 @@ class Trainer:
         (:func:`~hetseq_hpc.train.sharded_checkpoint.save_sharded`). Collectives either way."""
         keep, sharded = self.cfg.keep_checkpoints, self.parallel.sharded
         if sharded and self.run.sharding.checkpoint == "sharded":
-            save_sharded(self.rdv, self.parallel.model, self.optimizer,
-                         self.state_dict(tensors=False), self.run_dir, step, keep)
+            save_sharded(
+                self.rdv,
+                self.parallel.model,
+                self.optimizer,
+                self.state_dict(tensors=False),
+                self.run_dir,
+                step,
+                keep,
+            )
             return
         state = self.state_dict() if sharded else None  # FSDP: gathered by every rank now
-        save_on_rank0(self.rdv, (lambda: state) if sharded else self.state_dict, self.run_dir, step, keep)
+        save_on_rank0(
+            self.rdv, (lambda: state) if sharded else self.state_dict, self.run_dir, step, keep
+        )
 
     def summary(self) -> Dict[str, Any]:
         """Final figures (see :func:`~hetseq_hpc.train.metrics.run_summary`), with the ranks'
         precisions and the gradient combine (:meth:`GradientPath.summary`), the sharding mode and
         every rank's memory (:func:`~hetseq_hpc.train.parallel.rank_memory`; a collective)."""
-        out = run_summary(self.history, self.metas, self.cfg.global_batch_size, self.step,
-                          self.last_val, self.allocation.samples)
+        out = run_summary(
+            self.history,
+            self.metas,
+            self.cfg.global_batch_size,
+            self.step,
+            self.last_val,
+            self.allocation.samples,
+        )
         out.update(self.grad_path.summary())
         out["sharding"] = self.parallel.describe()
         out["memory"] = self.rdv.all_gather_objects(  # every rank's, in rank order
-            rank_memory(self.model, self.optimizer, self.device, self.parallel.memory_watch))
+            rank_memory(self.model, self.optimizer, self.device, self.parallel.memory_watch)
+        )
         return out

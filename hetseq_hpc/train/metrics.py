@@ -54,9 +54,13 @@ class MetricsWriter:
 
     def _truncate_after(self, step: int) -> None:
         # drops cut-off, damaged and non-row lines: what a resumed run appends must read back
-        keep = [line for _, line, row in _parse(self.path, strict=False)
-                if isinstance(row, dict) and isinstance(row.get("step", 0), int)
-                and (row.get("step", 0) <= step or _records_a_stop(row))]
+        keep = [
+            line
+            for _, line, row in _parse(self.path, strict=False)
+            if isinstance(row, dict)
+            and isinstance(row.get("step", 0), int)
+            and (row.get("step", 0) <= step or _records_a_stop(row))
+        ]
         atomic_write_text(self.path, "".join(line + "\n" for line in keep))
 
     def write(self, row: Dict[str, Any]) -> None:
@@ -83,8 +87,10 @@ def _parse(path: Path, strict: bool) -> Iterator[Tuple[int, str, Optional[Dict[s
             if strict and isinstance(exc, RecursionError):
                 raise  # read_metrics names it
             if strict and number < len(lines):
-                raise HetseqError(f"{path} line {number} is not JSON: the run may have been cut "
-                                  "off mid-write; delete that line") from None
+                raise HetseqError(
+                    f"{path} line {number} is not JSON: the run may have been cut "
+                    "off mid-write; delete that line"
+                ) from None
             yield number, line, None
 
 
@@ -112,58 +118,92 @@ def read_metrics(run_dir: Union[str, Path]) -> List[Dict[str, Any]]:
     try:
         parsed = list(_parse(path, strict=True))
     except UnicodeDecodeError as exc:
-        line = exc.object[:exc.start].count(b"\n") + 1
-        raise ConfigError(f"{path} line {line} is not UTF-8 text (binary data?): restore the file "
-                          "a hetseq_hpc run wrote, or delete that line") from None
+        line = exc.object[: exc.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path} line {line} is not UTF-8 text (binary data?): restore the file "
+            "a hetseq_hpc run wrote, or delete that line"
+        ) from None
     except RecursionError:
-        raise ConfigError(f"{path} has a row nested too deeply to be read: restore the file a "
-                          "hetseq_hpc run wrote, or delete that row") from None
+        raise ConfigError(
+            f"{path} has a row nested too deeply to be read: restore the file a "
+            "hetseq_hpc run wrote, or delete that row"
+        ) from None
     except OSError as exc:
         raise ConfigError(f"{path} cannot be read ({exc.strerror or exc}): {fix}") from None
     except HetseqError as exc:  # a damaged line before the last (_parse)
         raise ConfigError(str(exc)) from None
     for number, _, row in parsed:
         if row is not None and not isinstance(row, dict):
-            raise ConfigError(f"{path} line {number} is {describe(row)}, not a JSON object: "
-                              "restore the file a hetseq_hpc run wrote, or delete that line")
+            raise ConfigError(
+                f"{path} line {number} is {describe(row)}, not a JSON object: "
+                "restore the file a hetseq_hpc run wrote, or delete that line"
+            )
     return [row for _, _, row in parsed if row is not None]
 
 
-def step_row(rec: Any, metas: List[Any], shares: List[Any], global_batch_size: int,
-             tokens_per_sample: float, allocation: List[int],
-             units_per_sample: Optional[float] = None) -> Dict[str, Any]:
+def step_row(
+    rec: Any,
+    metas: List[Any],
+    shares: List[Any],
+    global_batch_size: int,
+    tokens_per_sample: float,
+    allocation: List[int],
+    units_per_sample: Optional[float] = None,
+) -> Dict[str, Any]:
     """The ``metrics.jsonl`` row of step record ``rec`` (:class:`~hetseq_hpc.train.loop.StepRecord`):
     global figures plus one entry per rank (its :class:`~hetseq_hpc.train.loop.RankMeta`,
     :class:`~hetseq_hpc.balance.allocation.RankShare` and :class:`~hetseq_hpc.distributed.rendezvous.StepStats`)."""
     samples_per_s = global_batch_size / max(rec.wall_s, 1e-9)
-    ranks = [{
-        "rank": meta.rank, "device": meta.device, "node": meta.node, "het_group": meta.het_group,
-        "partition": meta.partition, "gres": meta.gres,
-        "precision": getattr(meta, "precision", None), "micro_batch": share.micro_batch,
-        "accum_steps": share.accum_steps, "samples": int(stats.samples),
-        "step_time_s": round(stats.step_time_s, 6),
-        "compute_time_s": round(stats.compute_time_s, 6),
-        "data_time_s": round(stats.data_time_s, 6),
-        "tail_time_s": round(stats.tail_time_s, 6),
-    } for meta, stats, share in zip(metas, rec.per_rank, shares)]
+    ranks = [
+        {
+            "rank": meta.rank,
+            "device": meta.device,
+            "node": meta.node,
+            "het_group": meta.het_group,
+            "partition": meta.partition,
+            "gres": meta.gres,
+            "precision": getattr(meta, "precision", None),
+            "micro_batch": share.micro_batch,
+            "accum_steps": share.accum_steps,
+            "samples": int(stats.samples),
+            "step_time_s": round(stats.step_time_s, 6),
+            "compute_time_s": round(stats.compute_time_s, 6),
+            "data_time_s": round(stats.data_time_s, 6),
+            "tail_time_s": round(stats.tail_time_s, 6),
+        }
+        for meta, stats, share in zip(metas, rec.per_rank, shares)
+    ]
     compute = [r["compute_time_s"] for r in ranks]
     mean = sum(compute) / len(compute)
     return {
-        "step": rec.step, "time": time.time(), "epoch": rec.epoch, "loss": rec.loss, "lr": rec.lr,
-        "grad_norm": rec.grad_norm, "samples_per_s": samples_per_s,
-        "tokens_per_s": samples_per_s * tokens_per_sample, "step_time_s": rec.wall_s,
+        "step": rec.step,
+        "time": time.time(),
+        "epoch": rec.epoch,
+        "loss": rec.loss,
+        "lr": rec.lr,
+        "grad_norm": rec.grad_norm,
+        "samples_per_s": samples_per_s,
+        "tokens_per_s": samples_per_s * tokens_per_sample,
+        "step_time_s": rec.wall_s,
         # the task's loss units per second (masked tokens, images, target tokens ...)
-        "units_per_s": samples_per_s * (tokens_per_sample if units_per_sample is None
-                                        else units_per_sample),
+        "units_per_s": samples_per_s
+        * (tokens_per_sample if units_per_sample is None else units_per_sample),
         "straggle": (max(compute) - min(compute)) / mean if mean > 0 else 0.0,
-        "allocation": allocation, "ranks": ranks,
+        "allocation": allocation,
+        "ranks": ranks,
         # loss scale / skipped step / payload bytes (train.precision.GradientPath.row)
         **getattr(rec, "grad_path", {}),
     }
 
 
-def run_summary(history: List[Any], metas: List[Any], global_batch_size: int, step: int,
-                validation: Optional[Dict[str, float]], allocation: List[int]) -> Dict[str, Any]:
+def run_summary(
+    history: List[Any],
+    metas: List[Any],
+    global_batch_size: int,
+    step: int,
+    validation: Optional[Dict[str, float]],
+    allocation: List[int],
+) -> Dict[str, Any]:
     """A run's final figures from its step records (``history``, this run's steps only): first
     and final loss, ``validation``, throughput, and each rank's measured samples per compute
     second (what a re-balance or the next allocation would use)."""
@@ -171,10 +211,15 @@ def run_summary(history: List[Any], metas: List[Any], global_batch_size: int, st
     for r, meta in enumerate(metas):
         samples = sum(rec.per_rank[r].samples for rec in history)
         compute = sum(rec.per_rank[r].compute_time_s for rec in history)
-        per_rank.append({
-            "rank": r, "device": meta.device, "partition": meta.partition, "samples": int(samples),
-            "samples_per_compute_s": samples / compute if compute > 0 else None,
-        })
+        per_rank.append(
+            {
+                "rank": r,
+                "device": meta.device,
+                "partition": meta.partition,
+                "samples": int(samples),
+                "samples_per_compute_s": samples / compute if compute > 0 else None,
+            }
+        )
     wall = sum(rec.wall_s for rec in history)
     return {
         "steps_run": len(history),
@@ -188,8 +233,9 @@ def run_summary(history: List[Any], metas: List[Any], global_batch_size: int, st
     }
 
 
-def measured_step_sync(history: List[Any], samples: List[int], min_steps: int = 3
-                       ) -> Optional[Dict[str, Any]]:
+def measured_step_sync(
+    history: List[Any], samples: List[int], min_steps: int = 3
+) -> Optional[Dict[str, Any]]:
     """What a step cost beyond the ranks' own work, measured over the steps run with the split
     ``samples`` (the first step after a switch to it left out: new shapes warm up).
 
@@ -205,8 +251,11 @@ def measured_step_sync(history: List[Any], samples: List[int], min_steps: int = 
     """
     walls, busy = [], []
     for prev, rec in itertools.pairwise(history):
-        if [s.samples for s in prev.per_rank] != list(samples) or \
-                [s.samples for s in rec.per_rank] != list(samples) or not prev.ended_s:
+        if (
+            [s.samples for s in prev.per_rank] != list(samples)
+            or [s.samples for s in rec.per_rank] != list(samples)
+            or not prev.ended_s
+        ):
             continue
         walls.append(rec.ended_s - prev.ended_s)
         busy.append([s.compute_time_s + getattr(s, "tail_time_s", 0.0) for s in rec.per_rank])
@@ -214,9 +263,13 @@ def measured_step_sync(history: List[Any], samples: List[int], min_steps: int = 
         return None
     busy_s = [statistics.median(row[i] for row in busy) for i in range(len(samples))]
     step_s = statistics.median(walls)
-    return {"steps": len(walls), "samples": list(samples), "step_s": round(step_s, 6),
-            "busy_s": [round(b, 6) for b in busy_s],
-            "sync_s": round(max(0.0, step_s - max(busy_s)), 6)}
+    return {
+        "steps": len(walls),
+        "samples": list(samples),
+        "step_s": round(step_s, 6),
+        "busy_s": [round(b, 6) for b in busy_s],
+        "sync_s": round(max(0.0, step_s - max(busy_s)), 6),
+    }
 
 
 class Progress:
@@ -232,7 +285,9 @@ class Progress:
 
             self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
 
-    def update(self, step: int, loss: float, samples_per_s: float, extra: Optional[str] = None) -> None:
+    def update(
+        self, step: int, loss: float, samples_per_s: float, extra: Optional[str] = None
+    ) -> None:
         """Report step ``step``."""
         if not self.enabled:
             return
@@ -242,7 +297,11 @@ class Progress:
         elif step % self.every == 0 or step == self.total or step == 1:
             log.info(
                 "step %d/%d loss %.4f %.1f samples/s%s",
-                step, self.total, loss, samples_per_s, f" {extra}" if extra else "",
+                step,
+                self.total,
+                loss,
+                samples_per_s,
+                f" {extra}" if extra else "",
             )
 
     def close(self) -> None:

@@ -22,11 +22,14 @@ def _warmup_linear(step: int, *, num_warmup_steps: int, num_training_steps: int)
     """LR factor: 0 -> 1 over the warm-up, then linear to 0 at ``num_training_steps``."""
     if step < num_warmup_steps:
         return float(step) / float(max(1, num_warmup_steps))
-    return max(0.0, float(num_training_steps - step) / float(max(1, num_training_steps - num_warmup_steps)))
+    return max(
+        0.0, float(num_training_steps - step) / float(max(1, num_training_steps - num_warmup_steps))
+    )
 
 
-def _warmup_cosine(step: int, *, num_warmup_steps: int, num_training_steps: int,
-                   num_cycles: float = 0.5) -> float:
+def _warmup_cosine(
+    step: int, *, num_warmup_steps: int, num_training_steps: int, num_cycles: float = 0.5
+) -> float:
     """LR factor: 0 -> 1 over the warm-up, then half a cosine (``num_cycles`` 0.5) to 0 at
     ``num_training_steps`` (Loshchilov & Hutter 2017, SGDR, without restarts)."""
     if step < num_warmup_steps:
@@ -42,8 +45,9 @@ def _warmup_constant(step: int, *, num_warmup_steps: int) -> float:
     return 1.0
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int,
-                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """``LambdaLR`` for ``schedule`` in ``{"linear", "cosine", "constant"}``, with a linear
     warm-up over ``warmup_steps`` optimizer steps; linear and cosine reach 0 at ``total_steps``.
 
@@ -53,10 +57,15 @@ def build_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_step
     Raises ``KeyError`` for another schedule name (the config validates it first).
     """
     factor = {
-        "linear": functools.partial(_warmup_linear, num_warmup_steps=warmup_steps,
-                                    num_training_steps=total_steps),
-        "cosine": functools.partial(_warmup_cosine, num_warmup_steps=warmup_steps,
-                                    num_training_steps=total_steps, num_cycles=0.5),
+        "linear": functools.partial(
+            _warmup_linear, num_warmup_steps=warmup_steps, num_training_steps=total_steps
+        ),
+        "cosine": functools.partial(
+            _warmup_cosine,
+            num_warmup_steps=warmup_steps,
+            num_training_steps=total_steps,
+            num_cycles=0.5,
+        ),
         "constant": functools.partial(_warmup_constant, num_warmup_steps=warmup_steps),
     }[schedule]
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
@@ -70,10 +79,16 @@ def build_optimizer(model: nn.Module, run: RunConfig):
         (no_decay if param.ndim < 2 or "LayerNorm" in name else decay).append(param)
     optim = run.optim
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": optim.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, **adamw_kernel(decay + no_decay),
+        [
+            {"params": decay, "weight_decay": optim.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=optim.lr,
+        betas=tuple(optim.betas),
+        eps=optim.eps,
+        **adamw_kernel(decay + no_decay),
     )
-    scheduler = build_scheduler(optimizer, optim.schedule, optim.warmup_steps,
-                                optim.schedule_steps or run.trainer.max_steps)
+    scheduler = build_scheduler(
+        optimizer, optim.schedule, optim.warmup_steps, optim.schedule_steps or run.trainer.max_steps
+    )
     return optimizer, scheduler

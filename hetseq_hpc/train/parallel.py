@@ -106,10 +106,13 @@ class Replicated:
 
         from hetseq_hpc.train.ddp_hooks import no_forward_buffer_sync
 
-        self.module = DDP(self.model,
-                          device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                          gradient_as_bucket_view=True, **no_forward_buffer_sync(),
-                          **grad_path.ddp_kwargs())
+        self.module = DDP(
+            self.model,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            gradient_as_bucket_view=True,
+            **no_forward_buffer_sync(),
+            **grad_path.ddp_kwargs(),
+        )
         self.module.register_comm_hook(hook_state, grad_path.comm_hook(hook_state))
 
     def pass_sizes(self, share: Any, all_shares: Sequence[Any]) -> Tuple[List[int], int]:
@@ -123,8 +126,9 @@ class Replicated:
     def grad_norm(self, max_norm: float, grads: List[torch.Tensor]) -> float:
         """Clip the global gradient norm to ``max_norm`` (0 = no clipping); returns the norm."""
         if max_norm > 0:
-            return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm,
-                                                        foreach=True))
+            return float(
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
+            )
         return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
 
     def model_state(self) -> Dict[str, Any]:
@@ -169,8 +173,13 @@ class Sharded(Replicated):
     sharded = True
     mode = "fsdp"
 
-    def __init__(self, model: nn.Module, units: Sequence[nn.Module], device: torch.device,
-                 cpu_offload: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        units: Sequence[nn.Module],
+        device: torch.device,
+        cpu_offload: bool = False,
+    ):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
@@ -194,10 +203,13 @@ class Sharded(Replicated):
             module.set_force_sum_reduction_for_comms(True)
             module.set_gradient_divide_factor(1.0)
         self.offload = cpu_offload and device.type == "cuda"
-        log.info("FSDP2: %d units + root over all ranks; parameters all-gathered in fp32 on "
-                 "every rank (one job-wide dtype; each rank computes in its own precision under "
-                 "autocast)%s", len(self.units), "; sharded state offloaded to CPU"
-                 if self.offload else "")
+        log.info(
+            "FSDP2: %d units + root over all ranks; parameters all-gathered in fp32 on "
+            "every rank (one job-wide dtype; each rank computes in its own precision under "
+            "autocast)%s",
+            len(self.units),
+            "; sharded state offloaded to CPU" if self.offload else "",
+        )
 
     def start(self, grad_path: Any = None, hook_state: Any = None) -> None:
         """Nothing to wrap: the model was sharded in place (no comm hook runs under FSDP)."""
@@ -229,9 +241,9 @@ class Sharded(Replicated):
     def grad_norm(self, max_norm: float, grads: List[torch.Tensor]) -> float:
         """The global norm over every rank's shards (a collective), clipped to ``max_norm``
         (0 = measured only: the clip factor is 1 exactly)."""
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                              max_norm if max_norm > 0 else float("inf"),
-                                              foreach=True)
+        norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), max_norm if max_norm > 0 else float("inf"), foreach=True
+        )
         full = getattr(norm, "full_tensor", None)
         return float(full() if callable(full) else norm)
 
@@ -252,10 +264,12 @@ class Sharded(Replicated):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         missing, unexpected = set_model_state_dict(
-            self.model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+            self.model, state, options=StateDictOptions(full_state_dict=True, strict=False)
+        )
         if missing or unexpected:
-            raise RuntimeError(f"missing keys {list(missing)[:3]}, unexpected keys "
-                               f"{list(unexpected)[:3]}")
+            raise RuntimeError(
+                f"missing keys {list(missing)[:3]}, unexpected keys {list(unexpected)[:3]}"
+            )
 
     def _fqns(self, optimizer: torch.optim.Optimizer) -> List[str]:
         names = {id(p): n for n, p in self.model.named_parameters()}
@@ -286,10 +300,13 @@ class Sharded(Replicated):
         # which it skips while any gradient is set (only at resume, before any backward pass)
         optimizer.zero_grad(set_to_none=True)
         groups = [{**g, "params": [fqns[i] for i in g["params"]]} for g in state["param_groups"]]
-        named = {"state": {fqns[int(i)]: v for i, v in state["state"].items()},
-                 "param_groups": groups}
-        set_optimizer_state_dict(self.model, optimizer, named,
-                                 options=StateDictOptions(full_state_dict=True))
+        named = {
+            "state": {fqns[int(i)]: v for i, v in state["state"].items()},
+            "param_groups": groups,
+        }
+        set_optimizer_state_dict(
+            self.model, optimizer, named, options=StateDictOptions(full_state_dict=True)
+        )
 
     @contextlib.contextmanager
     def unsharded(self) -> Iterator[nn.Module]:
@@ -343,12 +360,18 @@ class Sharded(Replicated):
                 module.reshard()
 
     def describe(self) -> Dict[str, Any]:
-        return {"mode": self.mode, "units": len(self.units), "all_gather_dtype": "fp32",
-                "cpu_offload": self.offload, "between_micro_batches": self.between_micro_batches}
+        return {
+            "mode": self.mode,
+            "units": len(self.units),
+            "all_gather_dtype": "fp32",
+            "cpu_offload": self.offload,
+            "between_micro_batches": self.between_micro_batches,
+        }
 
 
-def rank_memory(model: nn.Module, optimizer: torch.optim.Optimizer,
-                device: torch.device, watch: Any = None) -> Dict[str, float]:
+def rank_memory(
+    model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, watch: Any = None
+) -> Dict[str, float]:
     """What this rank holds and has used, in bytes: ``state_bytes`` (its parameters, as many
     gradient bytes, and its optimizer state: local shards under FSDP), ``peak_rss_bytes`` (the
     process's peak resident memory, since the watch's window began where it could reset it:
@@ -362,9 +385,12 @@ def rank_memory(model: nn.Module, optimizer: torch.optim.Optimizer,
     from hetseq_hpc.balance.peak import peak_resident_bytes
 
     params = sum(local(p).numel() * local(p).element_size() for p in model.parameters())
-    moments = sum(local(v).numel() * local(v).element_size()
-                  for st in optimizer.state.values() for v in st.values()
-                  if isinstance(v, torch.Tensor) and v.dim() > 0)
+    moments = sum(
+        local(v).numel() * local(v).element_size()
+        for st in optimizer.state.values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
     out: Dict[str, Any] = {"state_bytes": float(2 * params + moments)}
     if watch is not None:
         out.update(watch.report(dist.get_rank() if dist.is_initialized() else 0))
@@ -374,8 +400,9 @@ def rank_memory(model: nn.Module, optimizer: torch.optim.Optimizer,
     return out
 
 
-def build_parallel(run: Any, task: Any, model: nn.Module, device: torch.device,
-                   mode: str) -> Replicated:
+def build_parallel(
+    run: Any, task: Any, model: nn.Module, device: torch.device, mode: str
+) -> Replicated:
     """The strategy for ``mode`` (``ddp`` or ``fsdp``, as decided for ``sharding.mode``), with
     ``sharding.activation_checkpointing`` applied to the task's sharding units first. ``ddp``
     moves the model to ``device``; ``fsdp`` shards it onto ``device`` (a collective: every
@@ -383,13 +410,21 @@ def build_parallel(run: Any, task: Any, model: nn.Module, device: torch.device,
     units = list(task.sharding_units(model)) if hasattr(task, "sharding_units") else []
     if run.sharding.activation_checkpointing:
         if not units:
-            log.warning("sharding.activation_checkpointing=true, but the task names no sharding "
-                        "units: nothing is recomputed")
+            log.warning(
+                "sharding.activation_checkpointing=true, but the task names no sharding "
+                "units: nothing is recomputed"
+            )
         activation_checkpointing(units)
     if mode == "fsdp":
         return Sharded(model, units, device, run.sharding.cpu_offload)
     return Replicated(model.to(device), device)
 
 
-__all__ = ["Replicated", "Sharded", "activation_checkpointing", "build_parallel",
-           "equal_pass_sizes", "rank_memory"]
+__all__ = [
+    "Replicated",
+    "Sharded",
+    "activation_checkpointing",
+    "build_parallel",
+    "equal_pass_sizes",
+    "rank_memory",
+]

@@ -106,8 +106,12 @@ def first_validation_wait(trainer: Any, local_s: float) -> Optional[float]:
     elastic = getattr(trainer, "elastic", None)
     group = getattr(getattr(trainer, "rdv", None), "cpu_group", None)
     timeouts = getattr(elastic, "phase_timeouts", None)
-    if (group is None or timeouts is None or not timeouts.estimate_first
-            or timeouts.durations.get("validation")):
+    if (
+        group is None
+        or timeouts is None
+        or not timeouts.estimate_first
+        or timeouts.durations.get("validation")
+    ):
         return None
     ratio = peer_cost_ratio(trainer.history, trainer.rank, trainer.world.world_size)
     if ratio is None:
@@ -116,8 +120,13 @@ def first_validation_wait(trainer: Any, local_s: float) -> Optional[float]:
     if seconds >= timeouts.first_s:
         return None
     _set(seconds, group)
-    log.info("first validation: this rank's share took %.1f s, the slowest peer's should take "
-             "%.1fx that: its gather waits %.1f s", local_s, ratio, seconds)
+    log.info(
+        "first validation: this rank's share took %.1f s, the slowest peer's should take "
+        "%.1fx that: its gather waits %.1f s",
+        local_s,
+        ratio,
+        seconds,
+    )
     return seconds
 
 
@@ -179,5 +188,13 @@ def phase_timeout(trainer: Any, phase: str) -> Iterator[None]:
             elastic.timeout.apply()  # the step's timeout on the default group again
 
 
-__all__ = ["FACTOR", "WINDOW", "PhaseTimeouts", "first_validation_wait", "peer_cost_ratio",
-           "phase_timeout", "rendezvous_timeout", "step_timeout"]
+__all__ = [
+    "FACTOR",
+    "WINDOW",
+    "PhaseTimeouts",
+    "first_validation_wait",
+    "peer_cost_ratio",
+    "phase_timeout",
+    "rendezvous_timeout",
+    "step_timeout",
+]

@@ -58,8 +58,9 @@ def log_before_stop(trainer: Any, event: Dict[str, Any]) -> None:
         if trainer.history and trainer.step not in logged_steps(trainer.run_dir):
             rec = trainer.history[-1]
             writer.write(step_row_of(trainer, rec))
-        writer.write({k: v for k, v in event.items() if k != "lost_monotonic"}
-                     | {"run_id": trainer.run_id})
+        writer.write(
+            {k: v for k, v in event.items() if k != "lost_monotonic"} | {"run_id": trainer.run_id}
+        )
     finally:
         writer.close()
 
@@ -72,8 +73,9 @@ class StepPhases:
     def __init__(self, trainer: Any):
         self.t = trainer
         cfg = trainer.cfg
-        self.writer = open_loggers(trainer.run, trainer.run_dir, trainer.step) \
-            if trainer.rank == 0 else None
+        self.writer = (
+            open_loggers(trainer.run, trainer.run_dir, trainer.step) if trainer.rank == 0 else None
+        )
         self.progress = Progress(cfg.max_steps, trainer.step, enabled=trainer.rank == 0)
         self.pending: Dict[str, Any] = dict(trainer.resume_note)  # goes into the first row
         self.events: List[Dict[str, Any]] = []
@@ -99,15 +101,23 @@ class StepPhases:
             rec = t.train_step(t.step + 1)
             t.phase = TRAINED
             if not math.isfinite(rec.loss):
-                raise FloatingPointError(f"loss is {rec.loss} at step {rec.step}: lower optim.lr "
-                                         "or raise optim.warmup_steps")
+                raise FloatingPointError(
+                    f"loss is {rec.loss} at step {rec.step}: lower optim.lr "
+                    "or raise optim.warmup_steps"
+                )
             t.history.append(rec)
             rec.extra.update(self.pending)
             self.pending = {}
             # with the split that ran the step (a re-balance below may change it)
-            t.last_row = step_row(rec, t.metas, t.allocation.shares, cfg.global_batch_size,
-                                  t.task.tokens_per_sample, t.allocation.samples,
-                                  units_per_sample=t.task.units_per_sample)
+            t.last_row = step_row(
+                rec,
+                t.metas,
+                t.allocation.shares,
+                cfg.global_batch_size,
+                t.task.tokens_per_sample,
+                t.allocation.samples,
+                units_per_sample=t.task.units_per_sample,
+            )
             if t.elastic is not None:
                 t.elastic.observe_step(rec)
             self.flush_events()  # the next completed step after a recovery
@@ -147,9 +157,14 @@ class StepPhases:
         self.check_logged = None
         if self.writer is not None and due:
             self.writer.write(step_row_of(self.t, rec))
-        self.progress.update(step, rec.loss, cfg.global_batch_size / max(rec.wall_s, 1e-9),
-                             extra=(f"val_loss {self.t.last_val['val_loss']:.4f}"
-                                    if "val_loss" in rec.extra else None))
+        self.progress.update(
+            step,
+            rec.loss,
+            cfg.global_batch_size / max(rec.wall_s, 1e-9),
+            extra=(
+                f"val_loss {self.t.last_val['val_loss']:.4f}" if "val_loss" in rec.extra else None
+            ),
+        )
 
     def recovered(self, event: Dict[str, Any]) -> None:
         """After a recovery: keep its event for the next completed step; the new rank 0 opens
@@ -174,8 +189,11 @@ class StepPhases:
             return
         rec = t.history[-1]
         if self._row_due(rec, t.step) and t.step not in logged_steps(t.run_dir):
-            log.warning("step %d: its row was not in %s (rank 0 was lost before writing it): "
-                        "written now", t.step, "metrics.jsonl")
+            log.warning(
+                "step %d: its row was not in %s (rank 0 was lost before writing it): written now",
+                t.step,
+                "metrics.jsonl",
+            )
             self.writer.write(step_row_of(t, rec))
 
     def flush_events(self) -> None:

@@ -49,8 +49,9 @@ BACKOFF_FACTOR = 0.5
 GROWTH_INTERVAL = 2000
 
 
-def resolve_precision(requested: str, device_type: str,
-                      capability: Optional[Tuple[int, int]] = None) -> Tuple[str, Optional[str]]:
+def resolve_precision(
+    requested: str, device_type: str, capability: Optional[Tuple[int, int]] = None
+) -> Tuple[str, Optional[str]]:
     """``(precision, warning)``: what a rank asked to run in ``requested`` trains in.
 
     Args:
@@ -69,8 +70,10 @@ def resolve_precision(requested: str, device_type: str,
         return ("fp16" if cuda and cap >= (7, 0) else "fp32"), None
     if requested == "bf16" and cuda and cap < (8, 0):
         fallback = "fp16" if cap >= (7, 0) else "fp32"
-        return fallback, (f"precision bf16 needs compute capability >= 8.0, this GPU has "
-                          f"{cap[0]}.{cap[1]}: training in {fallback}")
+        return fallback, (
+            f"precision bf16 needs compute capability >= 8.0, this GPU has "
+            f"{cap[0]}.{cap[1]}: training in {fallback}"
+        )
     if requested not in PRECISIONS:
         raise ConfigError(f"precision {requested!r} is unknown: use auto, fp32, bf16 or fp16")
     return requested, None
@@ -104,9 +107,11 @@ def check_adasum_world(world_size: int) -> None:
         ConfigError: ``world_size`` is not a power of two (one line).
     """
     if not is_power_of_two(int(world_size)):
-        raise ConfigError(f"comm.grad_combine=adasum needs a power-of-two number of ranks, "
-                          f"this run has {world_size}: use 2, 4, 8 ... ranks, or "
-                          "comm.grad_combine=sum")
+        raise ConfigError(
+            f"comm.grad_combine=adasum needs a power-of-two number of ranks, "
+            f"this run has {world_size}: use 2, 4, 8 ... ranks, or "
+            "comm.grad_combine=sum"
+        )
 
 
 @dataclass
@@ -149,9 +154,12 @@ class LossScale:
 
     def state_dict(self) -> Dict[str, Any]:
         """Plain data for the checkpoint."""
-        return {"enabled": self.enabled, "scale": float(self.scale),
-                "growth_tracker": int(self.growth_tracker),
-                "skipped_steps": int(self.skipped_steps)}
+        return {
+            "enabled": self.enabled,
+            "scale": float(self.scale),
+            "growth_tracker": int(self.growth_tracker),
+            "skipped_steps": int(self.skipped_steps),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict`; a checkpoint of a run without a scale leaves the
@@ -173,8 +181,14 @@ class GradientPath:
         ConfigError: ``grad_combine=adasum`` on a world that is not a power of two.
     """
 
-    def __init__(self, comm_cfg: Any, precisions: Sequence[Optional[str]], rank: int,
-                 world_size: int, expected_units: float):
+    def __init__(
+        self,
+        comm_cfg: Any,
+        precisions: Sequence[Optional[str]],
+        rank: int,
+        world_size: int,
+        expected_units: float,
+    ):
         self.combine = comm_cfg.grad_combine
         self.compression = comm_cfg.grad_compression
         self.bucket_cap_mb = comm_cfg.bucket_cap_mb
@@ -188,12 +202,17 @@ class GradientPath:
         if self.combine == "adasum":
             check_adasum_world(world_size)
             if rank == 0:
-                log.warning("comm.grad_combine=adasum: each rank's own mean gradient is "
-                            "combined by Adasum (Maleki et al. 2020); this is NOT the exact "
-                            "global-batch update")
+                log.warning(
+                    "comm.grad_combine=adasum: each rank's own mean gradient is "
+                    "combined by Adasum (Maleki et al. 2020); this is NOT the exact "
+                    "global-batch update"
+                )
         if self.loss_scale.enabled and rank == 0:
-            log.info("precisions %s: one job-wide dynamic loss scale (init %g)", self.precisions,
-                     self.loss_scale.scale)
+            log.info(
+                "precisions %s: one job-wide dynamic loss scale (init %g)",
+                self.precisions,
+                self.loss_scale.scale,
+            )
 
     # --------------------------------------------------------------- DDP wiring
     def ddp_kwargs(self) -> Dict[str, Any]:
@@ -213,8 +232,9 @@ class GradientPath:
         return ddp_hooks.sum_allreduce_hook
 
     # --------------------------------------------------------------- one step
-    def backward(self, loss: torch.Tensor, step: int, state: Any = None,
-                 local_units: int = 0) -> None:
+    def backward(
+        self, loss: torch.Tensor, step: int, state: Any = None, local_units: int = 0
+    ) -> None:
         """``loss.backward()``, on ``loss x S / U`` when the scale is in use: the SUM loss's
         gradients are ~U times a mean loss's (``U`` = expected loss units of the global batch),
         so the job-wide constant ``1 / U`` (the same on every rank: the sum stays exact) brings
@@ -244,31 +264,46 @@ class GradientPath:
         norm is not finite); updates the scale. Always True without a scale."""
         self.last_skipped = self.loss_scale.update(not math.isfinite(grad_norm))
         if self.last_skipped:
-            log.warning("rank %d: step %d skipped: summed gradient not finite at loss scale %g; "
-                        "scale now %g (%d skipped so far)", self.rank, step, self._used_scale,
-                        self.loss_scale.scale, self.loss_scale.skipped_steps)
+            log.warning(
+                "rank %d: step %d skipped: summed gradient not finite at loss scale %g; "
+                "scale now %g (%d skipped so far)",
+                self.rank,
+                step,
+                self._used_scale,
+                self.loss_scale.scale,
+                self.loss_scale.skipped_steps,
+            )
         return not self.last_skipped
 
     def row(self, state: Any = None) -> Dict[str, Any]:
         """The step's fields for ``metrics.jsonl`` (empty on the plain fp32/bf16 sum path)."""
         out: Dict[str, Any] = {}
         if self.loss_scale.enabled:
-            out.update(loss_scale=self._used_scale, step_skipped=self.last_skipped,
-                       skipped_steps=self.loss_scale.skipped_steps)
+            out.update(
+                loss_scale=self._used_scale,
+                step_skipped=self.last_skipped,
+                skipped_steps=self.loss_scale.skipped_steps,
+            )
         if state is not None and (self.compression != "none" or self.combine != "sum"):
             out["allreduce_bytes"] = int(state.bytes_sent)
         return out
 
     def summary(self) -> Dict[str, Any]:
         """What ``summary.json`` records about precision and the gradient combine."""
-        out: Dict[str, Any] = {"precisions": list(self.precisions),
-                               "grad_compression": self.compression, "grad_combine": self.combine,
-                               "exact_global_batch_update": self.combine == "sum"}
+        out: Dict[str, Any] = {
+            "precisions": list(self.precisions),
+            "grad_compression": self.compression,
+            "grad_combine": self.combine,
+            "exact_global_batch_update": self.combine == "sum",
+        }
         if self.combine == "adasum":
-            out["grad_combine_note"] = ("Adasum of each rank's own mean gradient (Maleki et al. "
-                                        "2020), per parameter tensor: not the exact global-batch "
-                                        "update")
+            out["grad_combine_note"] = (
+                "Adasum of each rank's own mean gradient (Maleki et al. "
+                "2020), per parameter tensor: not the exact global-batch "
+                "update"
+            )
         if self.loss_scale.enabled:
-            out.update(loss_scale=self.loss_scale.scale,
-                       skipped_steps=self.loss_scale.skipped_steps)
+            out.update(
+                loss_scale=self.loss_scale.scale, skipped_steps=self.loss_scale.skipped_steps
+            )
         return out

@@ -30,19 +30,29 @@ def maybe_rebalance(trainer: Any, rec: Any) -> None:
         return
     new = trainer.rebalancer.observe(rec.step, trainer.allocation)
     with step_timeout(trainer):
-        trainer.rdv.check_agreement(new.digest() if new else "unchanged",
-                                    f"re-balancing decision at step {rec.step}")
+        trainer.rdv.check_agreement(
+            new.digest() if new else "unchanged", f"re-balancing decision at step {rec.step}"
+        )
     if new is None:
         return
     why = trainer.rebalancer.decisions[-1]
-    log.info("step %d: straggle %.2f -> re-balancing %s -> %s from step %d (predicted gain "
-             "%.1f %%, %.1f %% at the cautious end of the rates' intervals)", rec.step,
-             why["straggle"], trainer.allocation.samples, new.samples, rec.step + 1,
-             100 * why["gain"], 100 * why.get("supported_gain", why["gain"]))
-    rec.extra["reallocation"] = {"from": trainer.allocation.samples, "to": new.samples,
-                                 "at_step": rec.step + 1,
-                                 **{k: why[k] for k in ("gain", "supported_gain", "errors")
-                                    if k in why}}
+    log.info(
+        "step %d: straggle %.2f -> re-balancing %s -> %s from step %d (predicted gain "
+        "%.1f %%, %.1f %% at the cautious end of the rates' intervals)",
+        rec.step,
+        why["straggle"],
+        trainer.allocation.samples,
+        new.samples,
+        rec.step + 1,
+        100 * why["gain"],
+        100 * why.get("supported_gain", why["gain"]),
+    )
+    rec.extra["reallocation"] = {
+        "from": trainer.allocation.samples,
+        "to": new.samples,
+        "at_step": rec.step + 1,
+        **{k: why[k] for k in ("gain", "supported_gain", "errors") if k in why},
+    }
     trainer.allocation = new
     if trainer.on_allocation is not None:
         trainer.on_allocation(new)

@@ -31,8 +31,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def after_training(elastic: Optional[Any], collective: Callable[[], T], what: str,
-                   lost: T) -> T:
+def after_training(elastic: Optional[Any], collective: Callable[[], T], what: str, lost: T) -> T:
     """Run ``collective`` (one of the collectives after the last step) and return its result;
     with in-job recovery (``elastic`` not None), a peer's failure there means a rank was lost
     after the training had completed: logged, the error kept (:data:`FAILED`), and ``lost``
@@ -47,8 +46,12 @@ def after_training(elastic: Optional[Any], collective: Callable[[], T], what: st
         if elastic is None or not is_peer_failure(exc):
             raise
         first = " ".join(str(exc).split())[:200] or type(exc).__name__
-        log.warning("a rank was lost after the last step (%s failed: %s): the training and its "
-                    "last checkpoint are complete; finishing without it", what, first)
+        log.warning(
+            "a rank was lost after the last step (%s failed: %s): the training and its "
+            "last checkpoint are complete; finishing without it",
+            what,
+            first,
+        )
         FAILED.append(exc)
         return lost
 
@@ -61,7 +64,9 @@ def write_summary_if_missing(run_dir: Path, summary: Dict[str, Any]) -> bool:
     try:
         there = json.loads(path.read_text())
         if (there.get("final_step"), there.get("final_loss")) == (
-                summary.get("final_step"), summary.get("final_loss")):
+            summary.get("final_step"),
+            summary.get("final_loss"),
+        ):
             return False
     except (OSError, ValueError, AttributeError):  # missing, cut off or not an object
         pass

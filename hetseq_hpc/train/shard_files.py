@@ -47,15 +47,29 @@ _DIR = re.compile(r"^step_(\d{8})\.([0-9a-f]{8,32})\.shards\Z")
 _DATA = re.compile(r"^__\d+_\d+\.distcp\Z")
 _DCP = "torch.distributed.checkpoint"
 #: the only classes a DCP ``.metadata`` may construct
-ALLOWED_GLOBALS = frozenset({
-    *((f"{_DCP}.metadata", name) for name in (
-        "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
-    (f"{_DCP}.filesystem", "_StorageInfo"),
-    ("torch", "Size"), ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-})
+ALLOWED_GLOBALS = frozenset(
+    {
+        *(
+            (f"{_DCP}.metadata", name)
+            for name in (
+                "Metadata",
+                "TensorStorageMetadata",
+                "ChunkStorageMetadata",
+                "TensorProperties",
+                "MetadataIndex",
+                "StorageMeta",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        (f"{_DCP}.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+    }
+)
 
 
 def shard_dir_name(step: int, token: str) -> str:
@@ -109,26 +123,33 @@ def read_metadata_safely(directory: Path) -> Any:
     try:
         metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
     except OSError as exc:
-        raise CheckpointError(f"sharded checkpoint {str(directory)!r} has no readable "
-                              f"{METADATA} ({exc.strerror or exc}): {FIX}") from None
+        raise CheckpointError(
+            f"sharded checkpoint {str(directory)!r} has no readable "
+            f"{METADATA} ({exc.strerror or exc}): {FIX}"
+        ) from None
     except Exception as exc:  # the refusal, or a damaged pickle
         raise CheckpointError(
             f"sharded checkpoint {str(path)!r} is refused as untrusted: its metadata is not "
             f"plain DCP metadata ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; "
-            f"nothing was built from it): {FIX}") from None
+            f"nothing was built from it): {FIX}"
+        ) from None
     bad = None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
         bad = "it is not a DCP Metadata object"
     else:
-        kinds = {type(v).__name__ for v in metadata.state_dict_metadata.values()
-                 if not isinstance(v, TensorStorageMetadata)}
+        kinds = {
+            type(v).__name__
+            for v in metadata.state_dict_metadata.values()
+            if not isinstance(v, TensorStorageMetadata)
+        }
         files = {getattr(info, "relative_path", None) for info in metadata.storage_data.values()}
         if kinds:
             bad = f"it lists non-tensor entries ({', '.join(sorted(kinds))})"
         elif any(not isinstance(f, str) or not _DATA.match(f) for f in files):
             bad = "it names data files outside the directory or not written by DCP"
-        elif any(getattr(info, "transform_descriptors", None)
-                 for info in metadata.storage_data.values()):
+        elif any(
+            getattr(info, "transform_descriptors", None) for info in metadata.storage_data.values()
+        ):
             bad = "it asks for storage transforms"
     if bad:
         raise CheckpointError(f"sharded checkpoint {str(path)!r} is refused: {bad}: {FIX}")
@@ -156,8 +177,9 @@ def shard_dir_of(record_path: Path, state: Dict[str, Any]) -> Path:
     entry = state.get("shards")
     name = entry.get("dir") if isinstance(entry, dict) else None
     if not isinstance(name, str) or not is_shard_dir_name(name):
-        raise CheckpointError(f"checkpoint {str(record_path)!r} names no valid shard directory "
-                              f"({name!r}): {FIX}")
+        raise CheckpointError(
+            f"checkpoint {str(record_path)!r} names no valid shard directory ({name!r}): {FIX}"
+        )
     return Path(record_path).parent / name
 
 
@@ -179,40 +201,50 @@ def verify_shards(record_path: Path, state: Dict[str, Any], full: bool = True) -
     try:
         text = manifest.read_text(encoding="ascii")
     except (OSError, UnicodeDecodeError):
-        raise CheckpointError(f"sharded checkpoint {str(directory)!r} is incomplete: its "
-                              f"{MANIFEST} is missing or unreadable: {FIX}") from None
+        raise CheckpointError(
+            f"sharded checkpoint {str(directory)!r} is incomplete: its "
+            f"{MANIFEST} is missing or unreadable: {FIX}"
+        ) from None
     want = str(state["shards"].get("manifest_sha256", ""))
     if hashlib.sha256(text.encode("ascii")).hexdigest() != want:
-        raise CheckpointError(f"sharded checkpoint {str(manifest)!r} is corrupt: it differs "
-                              f"from the checksum in {Path(record_path).name}: {FIX}")
+        raise CheckpointError(
+            f"sharded checkpoint {str(manifest)!r} is corrupt: it differs "
+            f"from the checksum in {Path(record_path).name}: {FIX}"
+        )
     listed: Dict[str, str] = {}
     for line in text.splitlines():
         digest, _, name = line.partition("  ")
         if name != METADATA and not _DATA.match(name):
-            raise CheckpointError(f"sharded checkpoint {str(manifest)!r} lists {name!r}, not a "
-                                  f"DCP file: {FIX}")
+            raise CheckpointError(
+                f"sharded checkpoint {str(manifest)!r} lists {name!r}, not a DCP file: {FIX}"
+            )
         listed[name] = digest
     if METADATA not in listed:
-        raise CheckpointError(f"sharded checkpoint {str(manifest)!r} does not list "
-                              f"{METADATA}: {FIX}")
+        raise CheckpointError(
+            f"sharded checkpoint {str(manifest)!r} does not list {METADATA}: {FIX}"
+        )
     for name, digest in listed.items():
         if not full and name != METADATA:
             continue
         try:
             got = sha256_file(directory / name)
         except OSError:
-            raise CheckpointError(f"sharded checkpoint {str(directory)!r} is incomplete: "
-                                  f"{name} is missing: {FIX}") from None
+            raise CheckpointError(
+                f"sharded checkpoint {str(directory)!r} is incomplete: {name} is missing: {FIX}"
+            ) from None
         if got != digest:
             raise CheckpointError(
                 f"sharded checkpoint file {str(directory / name)!r} is corrupt: its SHA-256 "
-                f"{got[:16]}... differs from {digest[:16]}... in {MANIFEST}: {FIX}")
+                f"{got[:16]}... differs from {digest[:16]}... in {MANIFEST}: {FIX}"
+            )
     metadata = read_metadata_safely(directory)
     used = {info.relative_path for info in metadata.storage_data.values()}
     unlisted = sorted(used - set(listed))
     if unlisted:
-        raise CheckpointError(f"sharded checkpoint {str(directory)!r} reads {unlisted[0]}, "
-                              f"which {MANIFEST} does not list: {FIX}")
+        raise CheckpointError(
+            f"sharded checkpoint {str(directory)!r} reads {unlisted[0]}, "
+            f"which {MANIFEST} does not list: {FIX}"
+        )
     return directory
 
 

@@ -54,8 +54,9 @@ def _options() -> Any:
     return StateDictOptions(full_state_dict=False)
 
 
-def shard_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
-                ) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
+def shard_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
     """This rank's shards: ``({"model": {fqn: DTensor}, "optim": {fqn: {name: tensor}}},
     param_groups)`` (parameter names in the groups' ``params``). Only tensors go to DCP (it
     would pickle anything else); the groups go to the record."""
@@ -69,8 +70,15 @@ def shard_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     return tensors, optim["param_groups"]
 
 
-def save_sharded(rdv: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 record: Dict[str, Any], run_dir: Path, step: int, keep: int) -> Path:
+def save_sharded(
+    rdv: Any,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    record: Dict[str, Any],
+    run_dir: Path,
+    step: int,
+    keep: int,
+) -> Path:
     """Write the checkpoint of ``step`` sharded (a collective: EVERY rank calls it).
 
     Args:
@@ -97,8 +105,7 @@ def save_sharded(rdv: Any, model: torch.nn.Module, optimizer: torch.optim.Optimi
         import torch.distributed.checkpoint as dcp
 
         tensors, groups = shard_state(model, optimizer)
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True,
-                                                              thread_count=1))
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, thread_count=1))
         digests = {p.name: sha256_file(p) for p in rank_files(tmp, rank)}
     except Exception as exc:  # DCP wraps a rank's OSError in its own exception type
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -111,19 +118,31 @@ def save_sharded(rdv: Any, model: torch.nn.Module, optimizer: torch.optim.Optimi
                 raise OSError(failed)
             manifest = {k: v for d, _ in gathered for k, v in d.items()}
             manifest[METADATA] = sha256_file(tmp / METADATA)
-            record = dict(record, model={}, optimizer={"param_groups": groups},
-                          shards={"dir": name, "manifest_sha256": write_manifest(tmp, manifest),
-                                  "world_size": rdv.world.world_size})
+            record = dict(
+                record,
+                model={},
+                optimizer={"param_groups": groups},
+                shards={
+                    "dir": name,
+                    "manifest_sha256": write_manifest(tmp, manifest),
+                    "world_size": rdv.world.world_size,
+                },
+            )
             os.replace(tmp, final)
             _fsync_dir(folder)
             path = save_checkpoint(record, run_dir, step, keep)
             sweep_orphans(folder, referenced_shard_dirs(run_dir))
         except (OSError, CheckpointError) as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            error = str(exc) if isinstance(exc, CheckpointError) else (
-                f"could not write sharded checkpoint {str(final)!r} ({exc}; earlier checkpoints "
-                "are kept): free disk space or fix permissions, then continue with "
-                f"hetseq-hpc hydra.run.dir={run_dir} trainer.resume=auto")
+            error = (
+                str(exc)
+                if isinstance(exc, CheckpointError)
+                else (
+                    f"could not write sharded checkpoint {str(final)!r} ({exc}; earlier checkpoints "
+                    "are kept): free disk space or fix permissions, then continue with "
+                    f"hetseq-hpc hydra.run.dir={run_dir} trainer.resume=auto"
+                )
+            )
     path, error = rdv.broadcast_object((path and str(path), error))
     if error:
         raise CheckpointError(error)
@@ -139,11 +158,18 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def _model_keys(metadata: Any) -> set:
-    return {key[len("model."):] for key in metadata.state_dict_metadata if key.startswith("model.")}
+    return {
+        key[len("model.") :] for key in metadata.state_dict_metadata if key.startswith("model.")
+    }
 
 
-def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path,
-                 param_groups: List[Dict[str, Any]], source: str) -> None:
+def load_sharded(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    directory: Path,
+    param_groups: List[Dict[str, Any]],
+    source: str,
+) -> None:
     """Load a sharded checkpoint into this rank's FSDP2 shards (a collective: EVERY rank calls
     it); DCP reads the pieces each shard needs, whatever world size wrote them.
 
@@ -166,17 +192,27 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, direc
     optimizer.zero_grad(set_to_none=True)
     optim = get_optimizer_state_dict(model, optimizer, options=_options())["state"]
     saved = {key for key in metadata.state_dict_metadata if key.startswith("optim.")}
-    optim = {fqn: v for fqn, v in optim.items()  # parameters that never had a gradient
-             if all(f"optim.{fqn}.{k}" in saved for k in v)}
+    optim = {
+        fqn: v
+        for fqn, v in optim.items()  # parameters that never had a gradient
+        if all(f"optim.{fqn}.{k}" in saved for k in v)
+    }
     tensors = {"model": model_sd, "optim": optim}
     try:
-        dcp.load(tensors, storage_reader=safe_reader(directory),
-                 planner=DefaultLoadPlanner(allow_partial_load=True))
+        dcp.load(
+            tensors,
+            storage_reader=safe_reader(directory),
+            planner=DefaultLoadPlanner(allow_partial_load=True),
+        )
     except Exception as exc:
         raise _different(source, exc) from None
     set_model_state_dict(model, tensors["model"], options=_options())
-    set_optimizer_state_dict(model, optimizer, {"state": tensors["optim"],
-                                                "param_groups": param_groups}, options=_options())
+    set_optimizer_state_dict(
+        model,
+        optimizer,
+        {"state": tensors["optim"], "param_groups": param_groups},
+        options=_options(),
+    )
 
 
 def _same_model(wanted: set, saved: set, source: str) -> None:
@@ -185,18 +221,22 @@ def _same_model(wanted: set, saved: set, source: str) -> None:
         raise CheckpointError(
             f"checkpoint {source!r} holds a different model (missing keys {missing[:3]}, "
             f"unexpected keys {unexpected[:3]}): use the task.model settings it was trained with, "
-            "or a new run directory")
+            "or a new run directory"
+        )
 
 
 def _different(source: str, exc: BaseException) -> CheckpointError:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return CheckpointError(f"checkpoint {source!r} could not be loaded into this model "
-                           f"({first[:200]}): use the task.model settings it was trained with, "
-                           "or a new run directory")
+    return CheckpointError(
+        f"checkpoint {source!r} could not be loaded into this model "
+        f"({first[:200]}): use the task.model settings it was trained with, "
+        "or a new run directory"
+    )
 
 
-def full_state(directory: Path, param_groups: List[Dict[str, Any]],
-               optimizer: bool = True) -> Dict[str, Any]:
+def full_state(
+    directory: Path, param_groups: List[Dict[str, Any]], optimizer: bool = True
+) -> Dict[str, Any]:
     """The whole model and optimizer state of a sharded checkpoint on the CPU, in a full
     checkpoint's layout (``{"model": {fqn: tensor}, "optimizer": Optimizer.state_dict()
     layout}``), read by THIS process alone (no collective): a DDP resume, ``export``
@@ -213,8 +253,10 @@ def full_state(directory: Path, param_groups: List[Dict[str, Any]],
     for key, meta in metadata.state_dict_metadata.items():
         path = paths.get(key) or tuple(key.split(".", 1))
         if not all(isinstance(p, (str, int)) for p in path) or len(path) < 2:
-            raise CheckpointError(f"sharded checkpoint {str(directory)!r} is refused: entry "
-                                  f"{key!r} has no valid place: resume from another checkpoint")
+            raise CheckpointError(
+                f"sharded checkpoint {str(directory)!r} is refused: entry "
+                f"{key!r} has no valid place: resume from another checkpoint"
+            )
         if path[0] != "model" and not optimizer:
             continue
         node = nested
@@ -230,9 +272,15 @@ def full_state(directory: Path, param_groups: List[Dict[str, Any]],
     order = [fqn for group in param_groups for fqn in group["params"]]
     index = {fqn: i for i, fqn in enumerate(order)}
     optim = nested.get("optim", {})
-    return {"model": nested.get("model", {}), "optimizer": {
-        "state": {index[fqn]: optim[fqn] for fqn in order if fqn in optim},
-        "param_groups": [{**g, "params": [index[f] for f in g["params"]]} for g in param_groups]}}
+    return {
+        "model": nested.get("model", {}),
+        "optimizer": {
+            "state": {index[fqn]: optim[fqn] for fqn in order if fqn in optim},
+            "param_groups": [
+                {**g, "params": [index[f] for f in g["params"]]} for g in param_groups
+            ],
+        },
+    }
 
 
 def with_full_tensors(record: Dict[str, Any], record_path: Path) -> Dict[str, Any]:
@@ -244,8 +292,9 @@ def with_full_tensors(record: Dict[str, Any], record_path: Path) -> Dict[str, An
     return dict(record, **full_state(directory, record["optimizer"]["param_groups"]))
 
 
-def load_tensors(parallel: Any, optimizer: torch.optim.Optimizer, state: Dict[str, Any],
-                 source: str) -> None:
+def load_tensors(
+    parallel: Any, optimizer: torch.optim.Optimizer, state: Dict[str, Any], source: str
+) -> None:
     """Load a checkpoint's model and optimizer state through ``parallel``
     (:mod:`hetseq_hpc.train.parallel`): a sharded checkpoint into FSDP shards with
     :func:`load_sharded`; otherwise the full state (a sharded one made whole by
@@ -255,8 +304,13 @@ def load_tensors(parallel: Any, optimizer: torch.optim.Optimizer, state: Dict[st
         CheckpointError: the checkpoint holds another model; one line naming ``source``.
     """
     if "shards" in state and parallel.sharded:  # each rank reads what its shard needs
-        load_sharded(parallel.model, optimizer, shard_dir_of(Path(source), state),
-                     state["optimizer"]["param_groups"], source)
+        load_sharded(
+            parallel.model,
+            optimizer,
+            shard_dir_of(Path(source), state),
+            state["optimizer"]["param_groups"],
+            source,
+        )
         return
     state = with_full_tensors(state, Path(source))
     try:
@@ -264,5 +318,6 @@ def load_tensors(parallel: Any, optimizer: torch.optim.Optimizer, state: Dict[st
     except RuntimeError as exc:
         raise CheckpointError(
             f"checkpoint {source!r} holds a different model ({str(exc).splitlines()[0]}): use "
-            "the task.model settings it was trained with, or a new run directory") from None
+            "the task.model settings it was trained with, or a new run directory"
+        ) from None
     parallel.load_optimizer_state(optimizer, state["optimizer"])

@@ -23,9 +23,11 @@ log = logging.getLogger(__name__)
 def capture_rng() -> Dict[str, Any]:
     """This process's torch, NumPy and ``random`` generator states as plain data."""
     name, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"torch": torch.get_rng_state(),
-            "numpy": [str(name), [int(k) for k in keys], int(pos), int(has_gauss), float(gauss)],
-            "python": random.getstate()}
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": [str(name), [int(k) for k in keys], int(pos), int(has_gauss), float(gauss)],
+        "python": random.getstate(),
+    }
 
 
 def restore_rng(rng: Dict[str, Any]) -> None:
@@ -53,8 +55,11 @@ def run_fingerprint(run: Any) -> Dict[str, Any]:
     ``task.name``, the model's shape (every scalar of ``task.model`` except dropout), the
     vocabulary size, ``trainer.seed`` and ``trainer.global_batch_size``. The world size and
     the allocation may change on resume (results stay exact)."""
-    out: Dict[str, Any] = {"task.name": run.task.name, "trainer.seed": run.trainer.seed,
-                           "trainer.global_batch_size": run.trainer.global_batch_size}
+    out: Dict[str, Any] = {
+        "task.name": run.task.name,
+        "trainer.seed": run.trainer.seed,
+        "trainer.global_batch_size": run.trainer.global_batch_size,
+    }
     out.update(_fields(getattr(run.task, "model", None), "task.model", skip=("dropout",)))
     data = getattr(run.task, "data", None)
     if hasattr(data, "vocab_size"):
@@ -62,8 +67,9 @@ def run_fingerprint(run: Any) -> Dict[str, Any]:
     return out
 
 
-def check_fingerprint(saved: Optional[Dict[str, Any]], current: Dict[str, Any], source: str,
-                      allow_mismatch: bool) -> List[str]:
+def check_fingerprint(
+    saved: Optional[Dict[str, Any]], current: Dict[str, Any], source: str, allow_mismatch: bool
+) -> List[str]:
     """Compare a checkpoint's :func:`run_fingerprint` with this run's.
 
     Returns:
@@ -81,13 +87,21 @@ def check_fingerprint(saved: Optional[Dict[str, Any]], current: Dict[str, Any], 
     then = ", ".join(f"{k}={saved.get(k)}" for k in keys)
     now = ", ".join(f"{k}={current.get(k)}" for k in keys)
     if not allow_mismatch:
-        fix = ("the same values" if "data.fingerprint" not in keys else
-               "the data cache the checkpoint was trained with (task.data.cache_dir / "
-               "HETSEQ_CACHE: a tokenizer trained again assigns other token ids)")
+        fix = (
+            "the same values"
+            if "data.fingerprint" not in keys
+            else "the data cache the checkpoint was trained with (task.data.cache_dir / "
+            "HETSEQ_CACHE: a tokenizer trained again assigns other token ids)"
+        )
         raise CheckpointError(
             f"checkpoint {source!r} was trained with {then}; this run has {now}: use {fix}, "
             "a new hydra.run.dir, or trainer.allow_resume_mismatch=true"
         )
-    log.warning("resuming from %s although it was trained with %s (this run: %s): "
-                "trainer.allow_resume_mismatch=true", source, then, now)
+    log.warning(
+        "resuming from %s although it was trained with %s (this run: %s): "
+        "trainer.allow_resume_mismatch=true",
+        source,
+        then,
+        now,
+    )
     return keys

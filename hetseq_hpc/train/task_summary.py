@@ -31,9 +31,12 @@ def seeded_model(task: Any, seed: int) -> nn.Module:
     return task.build_model()
 
 
-def build_checked_model(task: Any, run: Any, device: torch.device,
-                        place: Optional[Callable[[nn.Module], nn.Module]] = None
-                        ) -> Tuple[nn.Module, Dict[str, Any]]:
+def build_checked_model(
+    task: Any,
+    run: Any,
+    device: torch.device,
+    place: Optional[Callable[[nn.Module], nn.Module]] = None,
+) -> Tuple[nn.Module, Dict[str, Any]]:
     """``torch.manual_seed(trainer.seed)``; ``task.build_model()``; BatchNorm check; FLOPs.
 
     ``place`` (the worker's: DDP moves the model to the device, FSDP shards it there) receives
@@ -61,11 +64,14 @@ def build_checked_model(task: Any, run: Any, device: torch.device,
     if data:
         log.info("task=%s data: %s", name, data)
     info = {
-        "name": name, "class": f"{type(task).__module__}.{type(task).__qualname__}",
+        "name": name,
+        "class": f"{type(task).__module__}.{type(task).__qualname__}",
         "unit": getattr(task, "unit_name", "samples"),
         "units_per_sample": float(task.units_per_sample),
-        "flops_per_sample": flops, "data": data,
-        "exact": inexact is None, "inexact": inexact,
+        "flops_per_sample": flops,
+        "data": data,
+        "exact": inexact is None,
+        "inexact": inexact,
     }
     torch.manual_seed(run.trainer.seed)  # the FLOPs pass must not move the seeded RNG
     return model, info
@@ -112,16 +118,22 @@ def examples_model(task: Any, parallel: Any, is_master: bool) -> Optional[nn.Mod
     return copy
 
 
-def finish_task_summary(summary: Dict[str, Any], task: Any, model: Optional[nn.Module],
-                        info: Dict[str, Any], is_master: bool) -> None:
+def finish_task_summary(
+    summary: Dict[str, Any],
+    task: Any,
+    model: Optional[nn.Module],
+    info: Dict[str, Any],
+    is_master: bool,
+) -> None:
     """Add ``task`` (name, class, unit, FLOPs per sample, achieved training TFLOP/s, data),
     ``exact`` and ``inexact`` (BatchNorm opt-out, skipped contract check) to ``summary``; on
     rank 0 log the task's example predictions with ``model`` (:func:`examples_model`; None:
     none) and add them as ``examples``."""
     summary["task"] = {k: v for k, v in info.items() if k not in ("exact", "inexact")}
     if summary.get("samples_per_s"):  # model FLOPs actually done, for MFU against a peak
-        summary["task"]["train_tflops_per_s"] = (summary["samples_per_s"]
-                                                 * info["flops_per_sample"] / 1e12)
+        summary["task"]["train_tflops_per_s"] = (
+            summary["samples_per_s"] * info["flops_per_sample"] / 1e12
+        )
     summary["exact"] = info["exact"]
     if info["inexact"] is not None:
         summary["inexact"] = info["inexact"]

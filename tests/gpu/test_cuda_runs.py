@@ -20,12 +20,21 @@ import torch
 
 from tests.helpers.runs import SMALL_MODEL, assert_ok, assert_same_losses, hetseq, losses
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs CUDA (runs on a lent GPU: scripts/gpu_check.sh)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (runs on a lent GPU: scripts/gpu_check.sh)"
+)
 
-EXACT = [*SMALL_MODEL, "task.model.dropout=0.0", "trainer.val_every=0", "trainer.seed=7",
-         "trainer.plot=false", "cluster.ranks=1", "trainer.global_batch_size=32",
-         "trainer.max_steps=20", "precision=fp32"]
+EXACT = [
+    *SMALL_MODEL,
+    "task.model.dropout=0.0",
+    "trainer.val_every=0",
+    "trainer.seed=7",
+    "trainer.plot=false",
+    "cluster.ranks=1",
+    "trainer.global_batch_size=32",
+    "trainer.max_steps=20",
+    "precision=fp32",
+]
 
 
 def test_probe_reads_the_gpu_through_pynvml_needs_cuda(tmp_path, token_cache):
@@ -50,8 +59,11 @@ def test_accumulation_is_exact_on_cuda_fp32(tmp_path, token_cache):
     four accumulation passes log the same loss at every one of 20 steps."""
     whole, split = tmp_path / "whole", tmp_path / "split"
     assert_ok(hetseq(*EXACT, f"hydra.run.dir={whole}", token_cache=token_cache))
-    assert_ok(hetseq(*EXACT, "balance.max_micro_batch=8", f"hydra.run.dir={split}",
-                     token_cache=token_cache))
+    assert_ok(
+        hetseq(
+            *EXACT, "balance.max_micro_batch=8", f"hydra.run.dir={split}", token_cache=token_cache
+        )
+    )
     summary = json.loads((whole / "summary.json").read_text())
     assert "cuda" in json.dumps(summary).lower(), "the run did not train on the GPU"
     assert_same_losses(losses(whole), losses(split), range(1, 21))
@@ -62,8 +74,15 @@ def test_fsdp_matches_ddp_on_cuda_fp32(tmp_path, token_cache):
     at every one of 20 steps."""
     ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
     assert_ok(hetseq(*EXACT, f"hydra.run.dir={ddp}", token_cache=token_cache))
-    assert_ok(hetseq(*EXACT, "sharding.mode=fsdp", "sharding.activation_checkpointing=true",
-                     f"hydra.run.dir={fsdp}", token_cache=token_cache))
+    assert_ok(
+        hetseq(
+            *EXACT,
+            "sharding.mode=fsdp",
+            "sharding.activation_checkpointing=true",
+            f"hydra.run.dir={fsdp}",
+            token_cache=token_cache,
+        )
+    )
     assert_same_losses(losses(ddp), losses(fsdp), range(1, 21))
 
 
@@ -74,8 +93,9 @@ def test_mixed_precision_tracks_fp32_on_cuda(tmp_path, token_cache, precision):
     ref, low = tmp_path / "fp32", tmp_path / precision
     assert_ok(hetseq(*EXACT, f"hydra.run.dir={ref}", token_cache=token_cache))
     args = [a for a in EXACT if not a.startswith("precision=")]
-    assert_ok(hetseq(*args, f"precision={precision}", f"hydra.run.dir={low}",
-                     token_cache=token_cache))
+    assert_ok(
+        hetseq(*args, f"precision={precision}", f"hydra.run.dir={low}", token_cache=token_cache)
+    )
     a, b = losses(ref), losses(low)
     assert all(torch.isfinite(torch.tensor(v)) for v in b.values())
     assert abs(a[20] - b[20]) / a[20] <= 0.05, (a[20], b[20])
@@ -89,8 +109,15 @@ def test_fsdp_accumulation_kept_gathered_matches_ddp_on_cuda(tmp_path, token_cac
     split = [*EXACT, "balance.max_micro_batch=8"]
     assert_ok(hetseq(*split, f"hydra.run.dir={ddp}", token_cache=token_cache))
     for run_dir, mode in ((kept, "keep_unsharded"), (resharded, "reshard")):
-        assert_ok(hetseq(*split, "sharding.mode=fsdp", f"sharding.between_micro_batches={mode}",
-                         f"hydra.run.dir={run_dir}", token_cache=token_cache))
+        assert_ok(
+            hetseq(
+                *split,
+                "sharding.mode=fsdp",
+                f"sharding.between_micro_batches={mode}",
+                f"hydra.run.dir={run_dir}",
+                token_cache=token_cache,
+            )
+        )
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["sharding"]["between_micro_batches"] == mode, summary["sharding"]
         assert_same_losses(losses(ddp), losses(run_dir), range(1, 21))

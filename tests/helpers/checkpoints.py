@@ -41,8 +41,12 @@ def flip_middle(path: Path, n: int = 64) -> bytes:
 
 def small_state(step: int, size: int = 16) -> dict:
     """A checkpoint state of ``step`` with a model of ``size`` floats."""
-    return {"model": {"w": torch.full((size,), float(step))}, "optimizer": {}, "scheduler": {},
-            "step": step}
+    return {
+        "model": {"w": torch.full((size,), float(step))},
+        "optimizer": {},
+        "scheduler": {},
+        "step": step,
+    }
 
 
 def plant_corrupt(run_dir: Path, source_step: int, step: int) -> bytes:

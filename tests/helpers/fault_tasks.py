@@ -39,9 +39,13 @@ from tests.helpers.runs import REPO, SMALL_MODEL
 
 def fault_task(cls: str, **args) -> List[str]:
     """Overrides that train the small BERT as this module's task ``cls`` with ``args``."""
-    return ["task=custom", f"task.target={__name__}.{cls}", f"task.path={REPO}",
-            *(f"+{override}" for override in SMALL_MODEL),
-            *(f"+task.args.{name}={value}" for name, value in args.items())]
+    return [
+        "task=custom",
+        f"task.target={__name__}.{cls}",
+        f"task.path={REPO}",
+        *(f"+{override}" for override in SMALL_MODEL),
+        *(f"+task.args.{name}={value}" for name, value in args.items()),
+    ]
 
 
 def fail_on_rank(rank: int) -> List[str]:
@@ -64,8 +68,9 @@ class _Bert(BertTask):
 
     def __init__(self, cfg, seed: int):
         model = {f.name: cfg.model[f.name] for f in fields(BertModelConfig) if f.name in cfg.model}
-        super().__init__(BertTaskConfig(model=BertModelConfig(**model), data=BertDataConfig()),
-                         seed)
+        super().__init__(
+            BertTaskConfig(model=BertModelConfig(**model), data=BertDataConfig()), seed
+        )
         self.args = dict(cfg.args)
 
 
@@ -91,8 +96,9 @@ class OverflowBert(_Bert):
     def load(self) -> None:
         super().load()
         path = precision.GradientPath
-        path.backward = overflowing_backward(path.backward, int(self.args["overflow_rank"]),
-                                             int(self.args["overflow_step"]))
+        path.backward = overflowing_backward(
+            path.backward, int(self.args["overflow_rank"]), int(self.args["overflow_step"])
+        )
 
 
 class SlowExamplesBert(_Bert):
@@ -106,8 +112,11 @@ class SlowExamplesBert(_Bert):
 
 class StoppedInValidationBert(_Bert):
     def evaluate_batch(self, model, batch, positions):
-        if (this_rank() == int(self.args["stop_rank"]) and not getattr(self, "_stopped", False)
-                and os.path.exists(self.args.get("when_file", os.devnull))):
+        if (
+            this_rank() == int(self.args["stop_rank"])
+            and not getattr(self, "_stopped", False)
+            and os.path.exists(self.args.get("when_file", os.devnull))
+        ):
             self._stopped = True
             if "sleep_s" in self.args:
                 time.sleep(float(self.args["sleep_s"]))

@@ -30,12 +30,22 @@ def _bpe_tokenizer(texts: List[str]):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
-                                   bos_token="<|endoftext|>", unk_token="<|endoftext|>",
-                                   pad_token="<|endoftext|>")
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        bos_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
 
 
 def _wordpiece_tokenizer(texts: List[str]):
@@ -46,13 +56,23 @@ def _wordpiece_tokenizer(texts: List[str]):
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.train_from_iterator(texts, trainers.WordPieceTrainer(
-        vocab_size=400, special_tokens=specials, show_progress=False))
+    tok.train_from_iterator(
+        texts,
+        trainers.WordPieceTrainer(vocab_size=400, special_tokens=specials, show_progress=False),
+    )
     tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
-        special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
-                                   cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B [SEP]",
+        special_tokens=[("[CLS]", 2), ("[SEP]", 3)],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+    )
 
 
 def _t5_tokenizer(texts: List[str]):
@@ -63,12 +83,16 @@ def _t5_tokenizer(texts: List[str]):
     tok = Tokenizer(models.WordPiece(unk_token="<unk>"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.train_from_iterator(texts, trainers.WordPieceTrainer(
-        vocab_size=300, special_tokens=specials, show_progress=False))
+    tok.train_from_iterator(
+        texts,
+        trainers.WordPieceTrainer(vocab_size=300, special_tokens=specials, show_progress=False),
+    )
     tok.post_processor = processors.TemplateProcessing(
-        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
-                                   unk_token="<unk>")
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
 
 
 def make_t5(directory: Path, seed: int = 0) -> Path:
@@ -79,9 +103,18 @@ def make_t5(directory: Path, seed: int = 0) -> Path:
 
     tok = _t5_tokenizer(help_texts())
     torch.manual_seed(seed)
-    config = T5Config(vocab_size=len(tok), d_model=32, d_kv=16, d_ff=64, num_layers=2,
-                      num_decoder_layers=2, num_heads=2, pad_token_id=tok.pad_token_id,
-                      eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.pad_token_id)
+    config = T5Config(
+        vocab_size=len(tok),
+        d_model=32,
+        d_kv=16,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=2,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        decoder_start_token_id=tok.pad_token_id,
+    )
     T5ForConditionalGeneration(config).save_pretrained(directory, safe_serialization=True)
     tok.save_pretrained(directory)
     return directory
@@ -95,8 +128,15 @@ def make_gpt2(directory: Path, seed: int = 0, dtype=None) -> Path:
 
     tok = _bpe_tokenizer(help_texts())
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=2, n_head=2,
-                        bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+    config = GPT2Config(
+        vocab_size=len(tok),
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     model = GPT2LMHeadModel(config)
     if dtype is not None:
         model = model.to(dtype)
@@ -113,9 +153,16 @@ def make_bert(directory: Path, kind: str = "masked_lm", seed: int = 0) -> Path:
 
     tok = _wordpiece_tokenizer(help_texts())
     torch.manual_seed(seed)
-    config = BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2,
-                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=64,
-                        pad_token_id=tok.pad_token_id, num_labels=2)
+    config = BertConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        pad_token_id=tok.pad_token_id,
+        num_labels=2,
+    )
     cls = BertForMaskedLM if kind == "masked_lm" else BertForSequenceClassification
     cls(config).save_pretrained(directory, safe_serialization=True)
     tok.save_pretrained(directory)
@@ -134,10 +181,14 @@ def write_text_files(root: Path) -> dict:
             fh.write(json.dumps({"source": text, "target": target}) + "\n")
     with open(root / "labelled.jsonl", "w", encoding="utf-8") as fh:
         for text in texts[:400]:
-            fh.write(json.dumps({"text": text, "label": int("return" in text or "def" in text)})
-                     + "\n")
-    return {"txt": root / "lines.txt", "jsonl": root / "labelled.jsonl",
-            "pairs": root / "pairs.jsonl"}
+            fh.write(
+                json.dumps({"text": text, "label": int("return" in text or "def" in text)}) + "\n"
+            )
+    return {
+        "txt": root / "lines.txt",
+        "jsonl": root / "labelled.jsonl",
+        "pairs": root / "pairs.jsonl",
+    }
 
 
 def jsonl_to_parquet(source: Path, out: Path, row_group_size: int = 64) -> Path:
@@ -147,7 +198,8 @@ def jsonl_to_parquet(source: Path, out: Path, row_group_size: int = 64) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [json.loads(line) for line in source.read_text(encoding="utf-8").splitlines()
-            if line.strip()]
+    rows = [
+        json.loads(line) for line in source.read_text(encoding="utf-8").splitlines() if line.strip()
+    ]
     pq.write_table(pa.Table.from_pylist(rows), out, row_group_size=row_group_size)
     return out

@@ -30,5 +30,4 @@ def csv_rows(run_dir: Path):
 
 def logger_warnings(text: str, path: Path) -> list:
     """The lines of ``text`` in which ``trainer.loggers`` warns about ``path``."""
-    return [line for line in text.splitlines()
-            if "trainer.loggers:" in line and str(path) in line]
+    return [line for line in text.splitlines() if "trainer.loggers:" in line and str(path) in line]

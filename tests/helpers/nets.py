@@ -11,8 +11,9 @@ class TwoBlockNet(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(4, 8), nn.ReLU()),
-                                     nn.Sequential(nn.Linear(8, 4), nn.ReLU())])
+        self.blocks = nn.ModuleList(
+            [nn.Sequential(nn.Linear(4, 8), nn.ReLU()), nn.Sequential(nn.Linear(8, 4), nn.ReLU())]
+        )
         self.head = nn.Linear(4, 1)
 
     def forward(self, x):

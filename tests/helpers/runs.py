@@ -40,14 +40,21 @@ def cli_env(token_cache: Path) -> Dict[str, str]:
 def hetseq(*args: str, token_cache: Path | None = None, cwd: Path = REPO, env=None, timeout=600):
     """``python -m hetseq_hpc ARGS`` -> CompletedProcess (text)."""
     env = env or (cli_env(token_cache) if token_cache else None)
-    return subprocess.run([sys.executable, "-m", "hetseq_hpc", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "hetseq_hpc", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def assert_ok(proc) -> None:
     """``proc`` exited 0 (else its output's tails)."""
-    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\n" \
-                                 f"STDERR:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-3000:]}"
+    )
 
 
 def read_rows(run_dir: Path) -> List[dict]:
@@ -68,7 +75,9 @@ def assert_same_losses(a: dict, b: dict, steps) -> None:
         assert rel <= REL_TOL, f"step {step}: {a[step]} vs {b[step]} (relative {rel:.2e})"
 
 
-def wait_rows(run_dir: Path, n: int, proc: Optional[subprocess.Popen] = None, timeout_s: float = 300) -> None:
+def wait_rows(
+    run_dir: Path, n: int, proc: Optional[subprocess.Popen] = None, timeout_s: float = 300
+) -> None:
     """Wait until ``run_dir/metrics.jsonl`` has ``n`` rows (or ``proc`` ended, or the timeout:
     a guard against hangs, not a speed check)."""
     metrics = Path(run_dir) / "metrics.jsonl"

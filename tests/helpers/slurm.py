@@ -32,30 +32,47 @@ def compose_testcluster(*overrides: str):
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return to_run_config(compose(config_name="config",
-                                     overrides=["cluster=testcluster", *overrides]))
+        return to_run_config(
+            compose(config_name="config", overrides=["cluster=testcluster", *overrides])
+        )
 
 
-def slurm_cli(run_dir: Path, token_cache: Path, *overrides: str, timeout: float = 600,
-              multirun=False):
+def slurm_cli(
+    run_dir: Path, token_cache: Path, *overrides: str, timeout: float = 600, multirun=False
+):
     """``python -m hetseq_hpc cluster=testcluster`` with the small model."""
-    cmd = [sys.executable, "-m", "hetseq_hpc", *(["-m"] if multirun else []), "cluster=testcluster",
-           *SMALL_MODEL, *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetseq_hpc",
+        *(["-m"] if multirun else []),
+        "cluster=testcluster",
+        *SMALL_MODEL,
+        *overrides,
+    ]
     cmd.append(f"hydra.sweep.dir={run_dir}" if multirun else f"hydra.run.dir={run_dir}")
-    return subprocess.run(cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def squeue_state(job_id: str) -> str:
-    out = subprocess.run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%i|%T"],
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%i|%T"], capture_output=True, text=True
+    ).stdout
     return fold_states([line.split("|")[1] for line in out.splitlines() if "|" in line])
 
 
 def sbatch_and_wait(args, cwd: Path, env: dict, timeout_s: float) -> str:
     """``sbatch --parsable ARGS``, then wait until the job ended (a guard against hangs)."""
-    out = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, env=env, capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        ["sbatch", "--parsable", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     job_id = out.stdout.strip().split(";")[0]
     deadline = time.monotonic() + timeout_s

@@ -37,8 +37,10 @@ def assert_model_contract(task, n: int):
     assert task.flops_per_sample(model) > 0
     with torch.no_grad():
         loss = model(**task.make_batch(list(range(n)), 0, "train"))
-        halves = [model(**task.make_batch(list(range(a, b)), 0, "train"))
-                  for a, b in ((0, n // 2), (n // 2, n))]
+        halves = [
+            model(**task.make_batch(list(range(a, b)), 0, "train"))
+            for a, b in ((0, n // 2), (n // 2, n))
+        ]
     assert loss.dim() == 0 and loss.dtype == torch.float32
     assert float(loss) == pytest.approx(float(halves[0] + halves[1]), rel=1e-5, abs=1e-5)
     return model

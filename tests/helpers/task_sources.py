@@ -7,7 +7,7 @@ from pathlib import Path
 
 #: the data of both regression tasks below: y = x . w + noise, 224 train and 32 val samples,
 #: one loss unit per sample
-REGRESSION_DATA = '''
+REGRESSION_DATA = """
     def load(self):
         g = torch.Generator().manual_seed(0)
         self.x = torch.randn(256, 4, generator=g)
@@ -22,7 +22,7 @@ REGRESSION_DATA = '''
 
     def count(self, batch):
         return int(batch["y"].shape[0])
-'''
+"""
 
 #: ``breaches.py``: a correct regression task and three that break the task contract
 BREACHES = '''

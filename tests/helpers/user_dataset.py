@@ -33,8 +33,8 @@ def collate(items):
     ids = torch.zeros(len(items), WIDTH, dtype=torch.int64)
     tags = torch.full((len(items), WIDTH), -100, dtype=torch.int64)
     for row, item in enumerate(items):
-        ids[row, :len(item["ids"])] = item["ids"]
-        tags[row, :len(item["tags"])] = item["tags"]
+        ids[row, : len(item["ids"])] = item["ids"]
+        tags[row, : len(item["tags"])] = item["tags"]
     return {"ids": ids, "tags": tags}
 
 
@@ -52,14 +52,20 @@ class Tagger(nn.Module):
 
 def loss_fn(model, batch):
     logits = model(batch["ids"])
-    return F.cross_entropy(logits.flatten(0, 1), batch["tags"].flatten(), ignore_index=-100,
-                           reduction="sum")
+    return F.cross_entropy(
+        logits.flatten(0, 1), batch["tags"].flatten(), ignore_index=-100, reduction="sum"
+    )
 
 
 def build(dropout: float = 0.1, n: int = 400):
-    return {"train": VariableLengthSequences(n), "val": VariableLengthSequences(40, 10_000),
-            "model": Tagger(dropout), "collate_fn": collate, "loss_fn": loss_fn,
-            "count": lambda batch: int((batch["tags"] != -100).sum())}
+    return {
+        "train": VariableLengthSequences(n),
+        "val": VariableLengthSequences(40, 10_000),
+        "model": Tagger(dropout),
+        "collate_fn": collate,
+        "loss_fn": loss_fn,
+        "count": lambda batch: int((batch["tags"] != -100).sum()),
+    }
 
 
 def build_plain():
@@ -95,5 +101,8 @@ def build_file_per_item(root: str, dropout: float = 0.1, n: int = 400):
         data = np.random.default_rng(0).integers(0, 2**16, size=2**18, dtype=np.int64).tobytes()
         with gzip.open(path, "wb", compresslevel=1) as fh:
             fh.write(data)
-    return {**build(dropout, n), "train": FilePerItemSequences(n, path),
-            "val": FilePerItemSequences(40, path, 10_000)}
+    return {
+        **build(dropout, n),
+        "train": FilePerItemSequences(n, path),
+        "val": FilePerItemSequences(40, path, 10_000),
+    }

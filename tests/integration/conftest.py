@@ -18,10 +18,17 @@ def run_cli(token_cache):
     ``python -m hetseq_hpc`` with the small model."""
 
     def _run(run_dir: Path, *overrides: str, timeout: float = 600, small: bool = True):
-        cmd = [sys.executable, "-m", "hetseq_hpc", *(SMALL_MODEL if small else []), *overrides,
-               f"hydra.run.dir={run_dir}"]
-        return subprocess.run(cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True,
-                              text=True, timeout=timeout)
+        cmd = [
+            sys.executable,
+            "-m",
+            "hetseq_hpc",
+            *(SMALL_MODEL if small else []),
+            *overrides,
+            f"hydra.run.dir={run_dir}",
+        ]
+        return subprocess.run(
+            cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True, text=True, timeout=timeout
+        )
 
     return _run
 
@@ -37,8 +44,11 @@ def tmpfs(tmp_path):
         where = where or tmp_path / f"tmpfs{len(mounts)}"
         where.mkdir(parents=True)
         options = f"ro,size={size}" if readonly else f"size={size}"
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs (needs root): {proc.stderr.strip()}")
         mounts.append(where)

@@ -30,8 +30,12 @@ from hetseq_hpc.train.ddp_hooks import (
 )
 from tests.helpers.runs import read_rows
 
-HOOKS = {"adasum": adasum_hook, "sum": sum_allreduce_hook, "bf16": compressed_sum_hook,
-         "fp16": compressed_sum_hook}
+HOOKS = {
+    "adasum": adasum_hook,
+    "sum": sum_allreduce_hook,
+    "bf16": compressed_sum_hook,
+    "fp16": compressed_sum_hook,
+}
 
 
 class Dot(nn.Module):
@@ -45,8 +49,9 @@ class Dot(nn.Module):
 
 
 def _worker(rank, world, port, hook, grads, units, out):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     try:
         model = Dot()
         ddp = DDP(model, gradient_as_bucket_view=True)
@@ -56,8 +61,7 @@ def _worker(rank, world, port, hook, grads, units, out):
         ddp.register_comm_hook(state, HOOKS[hook])
         u, v = grads[rank]
         ddp(torch.tensor(u, dtype=torch.float32), torch.tensor(v, dtype=torch.float32)).backward()
-        result = {"w": model.w.grad.tolist(), "b": model.b.grad.tolist(),
-                  "bytes": state.bytes_sent}
+        result = {"w": model.w.grad.tolist(), "b": model.b.grad.tolist(), "bytes": state.bytes_sent}
         gathered = [None] * world
         dist.all_gather_object(gathered, result)  # every rank must hold the same combination
         if rank == 0:
@@ -71,8 +75,9 @@ def _combine(hook, grads, units):
     world = len(grads)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.pt")
-        mp.spawn(_worker, args=(world, free_port(), hook, grads, units, out), nprocs=world,
-                 join=True)
+        mp.spawn(
+            _worker, args=(world, free_port(), hook, grads, units, out), nprocs=world, join=True
+        )
         results = torch.load(out)
     assert all(r == results[0] for r in results), "ranks disagree on the combined gradient"
     return results[0]
@@ -95,8 +100,9 @@ def ref_adasum(vectors):
 
 
 def _close(got, want, tol=1e-6):
-    assert len(got) == len(want) and all(math.isclose(g, w, rel_tol=tol, abs_tol=tol)
-                                          for g, w in zip(got, want)), (got, want)
+    assert len(got) == len(want) and all(
+        math.isclose(g, w, rel_tol=tol, abs_tol=tol) for g, w in zip(got, want)
+    ), (got, want)
 
 
 def test_adasum_two_ranks_matches_hand_values_per_tensor():
@@ -111,8 +117,12 @@ def test_adasum_two_ranks_matches_hand_values_per_tensor():
 
 
 def test_adasum_four_ranks_matches_the_reference():
-    grads = [([1.0, 2.0, -1.0], [0.5, 1.0]), ([3.0, -1.0, 0.0], [1.0, -2.0]),
-             ([0.0, 1.0, 4.0], [2.0, 2.0]), ([-2.0, 0.5, 1.0], [0.0, 0.0])]
+    grads = [
+        ([1.0, 2.0, -1.0], [0.5, 1.0]),
+        ([3.0, -1.0, 0.0], [1.0, -2.0]),
+        ([0.0, 1.0, 4.0], [2.0, 2.0]),
+        ([-2.0, 0.5, 1.0], [0.0, 0.0]),
+    ]
     units = [1, 2, 4, 3]
     got = _combine("adasum", grads, units)
     means = [([x / n for x in u], [y / n for y in v]) for (u, v), n in zip(grads, units)]
@@ -137,8 +147,14 @@ def test_compressed_sum_keeps_the_sum_in_half_the_bytes():
 
 @pytest.mark.slow
 def test_adasum_run_says_it_is_not_the_exact_update(tmp_path, run_cli):
-    proc = run_cli(tmp_path, "cluster.ranks=2", "comm.grad_combine=adasum",
-                   "trainer.max_steps=3", "trainer.val_every=0", "trainer.checkpoint_every=0")
+    proc = run_cli(
+        tmp_path,
+        "cluster.ranks=2",
+        "comm.grad_combine=adasum",
+        "trainer.max_steps=3",
+        "trainer.val_every=0",
+        "trainer.checkpoint_every=0",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["grad_combine"] == "adasum" and summary["exact_global_batch_update"] is False

@@ -26,6 +26,7 @@ def test_worker_and_bert_model_do_not_import_transformers():
         build_scheduler(optimizer, "cosine", 3, 10)
         print("transformers" in sys.modules)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.split()
     assert out == ["[]", "False"]

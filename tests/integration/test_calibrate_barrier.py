@@ -34,8 +34,10 @@ def test_calibration_waits_for_peers_over_a_real_barrier():
     fast_batches = ctx.Value("i", 0)  # make_batch calls of rank 0: warm-up, own, extra passes
     slow_posted = ctx.Value("i", 0)  # 1 once rank 1 is done with its own passes
     port = free_port()
-    procs = [ctx.Process(target=_barrier_rank, args=(r, port, out, fast_batches, slow_posted))
-             for r in range(2)]
+    procs = [
+        ctx.Process(target=_barrier_rank, args=(r, port, out, fast_batches, slow_posted))
+        for r in range(2)
+    ]
     for proc in procs:
         proc.start()
     got = dict(out.get(timeout=GUARD_S) for _ in procs)
@@ -54,8 +56,13 @@ def test_calibration_waits_for_peers_over_a_real_barrier():
 
 
 def _barrier_rank(rank, port, out, fast_batches, slow_posted):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=timedelta(seconds=GUARD_S))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=GUARD_S),
+    )
     try:
         torch.set_num_threads(1)
 
@@ -75,8 +82,9 @@ def _barrier_rank(rank, port, out, fast_batches, slow_posted):
                 slow_posted.value = 1
             return PendingBarrier(dist.barrier(async_op=True))
 
-        cal = calibrate(Tiny(), make_batch, torch.device("cpu"), 8, STEPS, 2**30,
-                        wait_for_peers=wait_for_peers)
+        cal = calibrate(
+            Tiny(), make_batch, torch.device("cpu"), 8, STEPS, 2**30, wait_for_peers=wait_for_peers
+        )
         out.put((rank, {"timings": cal.timings, "left_after_slow_posted": slow_posted.value == 1}))
     finally:
         dist.destroy_process_group()

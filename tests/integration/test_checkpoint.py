@@ -33,14 +33,20 @@ from tests.helpers.runs import (
     wait_rows,
 )
 
-QUICK = [*SMALL_MODEL, "cluster.ranks=1", "trainer.val_every=0", "balance.calibration_steps=1",
-         "trainer.global_batch_size=16"]
+QUICK = [
+    *SMALL_MODEL,
+    "cluster.ranks=1",
+    "trainer.val_every=0",
+    "balance.calibration_steps=1",
+    "trainer.global_batch_size=16",
+]
 
 
 def _cli(run_dir: Path, token_cache: Path, *overrides: str, timeout: float = 600):
     cmd = [sys.executable, "-m", "hetseq_hpc", *QUICK, *overrides, f"hydra.run.dir={run_dir}"]
-    return subprocess.run(cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _error_line(proc: subprocess.CompletedProcess) -> str:
@@ -79,23 +85,41 @@ def test_disk_full_keeps_the_previous_checkpoint(small_tmpfs):
 
 # ----------------------------------------------------------------------------- run lock
 def test_run_lock_is_exclusive_inherited_and_dies_with_its_holder(tmp_path):
-    probe = ("import sys; from hetseq_hpc.rundir.lock import claim_run_dir\n"
-             "with claim_run_dir(sys.argv[1], True) as lock: print('ok', lock.owned)")
+    probe = (
+        "import sys; from hetseq_hpc.rundir.lock import claim_run_dir\n"
+        "with claim_run_dir(sys.argv[1], True) as lock: print('ok', lock.owned)"
+    )
     with lock_run_dir(tmp_path) as lock:
-        other = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], cwd=REPO,
-                               capture_output=True, text=True)
+        other = subprocess.run(
+            [sys.executable, "-c", probe, str(tmp_path)], cwd=REPO, capture_output=True, text=True
+        )
         assert other.returncode == 1 and "is in use by another run" in other.stderr
         assert f"held by pid={os.getpid()} host=" in other.stderr
-        child = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], cwd=REPO,
-                               capture_output=True, text=True, pass_fds=(lock.fd,),
-                               env={**os.environ, **lock.child_env()})
+        child = subprocess.run(
+            [sys.executable, "-c", probe, str(tmp_path)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            pass_fds=(lock.fd,),
+            env={**os.environ, **lock.child_env()},
+        )
         assert child.stdout.strip() == "ok False", child.stderr  # the launcher's own rank
         with claim_run_dir(tmp_path, False, {}) as none:  # other ranks take nothing
             assert none is None
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from hetseq_hpc.rundir.lock import acquire\n"
-        "acquire(sys.argv[1]); print('held', flush=True); time.sleep(600)"), str(tmp_path)],
-        cwd=REPO, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time; from hetseq_hpc.rundir.lock import acquire\n"
+                "acquire(sys.argv[1]); print('held', flush=True); time.sleep(600)"
+            ),
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(LaunchError, match=f"held by pid={holder.pid} "):
@@ -130,19 +154,30 @@ def test_auto_resume_falls_back_past_a_corrupt_latest(base_run, tmp_path, token_
     damaged = flip_middle(bad)
     stale = bad.with_name(".step_00000003.pt.999.tmp")
     stale.write_bytes(b"left by a killed writer")
-    proc = _cli(run_dir, token_cache, "trainer.max_steps=3", "trainer.checkpoint_every=0",
-                "trainer.keep_checkpoints=3", "trainer.resume=auto")
+    proc = _cli(
+        run_dir,
+        token_cache,
+        "trainer.max_steps=3",
+        "trainer.checkpoint_every=0",
+        "trainer.keep_checkpoints=3",
+        "trainer.resume=auto",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     kept = bad.parent / "corrupt" / bad.name  # moved aside by retention (issue 26), not deleted
     assert kept.read_bytes() == damaged, "the bad checkpoint must stay for inspection"
     assert not stale.exists()
-    said = [line for line in (run_dir / "logs" / "rank0.log").read_text().splitlines()
-            if "resuming from" in line]
+    said = [
+        line
+        for line in (run_dir / "logs" / "rank0.log").read_text().splitlines()
+        if "resuming from" in line
+    ]
     assert len(said) == 1 and str(bad) in said[0] and "step_00000001.pt" in said[0], said
     rows = read_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert rows[1]["resume_fallback"] == {"bad": [str(bad)],
-                                          "used": str(checkpoint_path(run_dir, 1))}
+    assert rows[1]["resume_fallback"] == {
+        "bad": [str(bad)],
+        "used": str(checkpoint_path(run_dir, 1)),
+    }
     assert "resume_fallback" not in rows[2]
 
 
@@ -181,27 +216,46 @@ def test_resume_with_another_seed_is_refused(base_run, tmp_path, token_cache):
 def test_disk_full_during_a_real_run_is_one_line(small_tmpfs, token_cache):
     disk = small_tmpfs("7m")  # room for one ~4.3 MB checkpoint of the small model, not two
     run_dir = disk / "run"
-    proc = _cli(run_dir, token_cache, "trainer.max_steps=2", "trainer.checkpoint_every=1",
-                "trainer.keep_checkpoints=1")
+    proc = _cli(
+        run_dir,
+        token_cache,
+        "trainer.max_steps=2",
+        "trainer.checkpoint_every=1",
+        "trainer.keep_checkpoints=1",
+    )
     last = _error_line(proc)
     assert f"no space left on {disk}" in last and "free space or move hydra.run.dir" in last
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
-        "step_00000001.pt", "step_00000001.pt.sha256"]
+        "step_00000001.pt",
+        "step_00000001.pt.sha256",
+    ]
     assert load_checkpoint(checkpoint_path(run_dir, 1))["step"] == 1
 
 
 @pytest.mark.slow
 def test_second_run_in_a_busy_run_dir_fails_fast(tmp_path, token_cache):
     first = subprocess.Popen(
-        [sys.executable, "-m", "hetseq_hpc", *QUICK, "trainer.max_steps=100000",
-         "optim.schedule_steps=100000", "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path}"],
-        cwd=REPO, env=cli_env(token_cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
-        preexec_fn=sigint_as_in_a_terminal)
+        [
+            sys.executable,
+            "-m",
+            "hetseq_hpc",
+            *QUICK,
+            "trainer.max_steps=100000",
+            "optim.schedule_steps=100000",
+            "trainer.checkpoint_every=0",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        cwd=REPO,
+        env=cli_env(token_cache),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=sigint_as_in_a_terminal,
+    )
     try:
         wait_rows(tmp_path, 2, first)
-        second = _cli(tmp_path, token_cache, "trainer.max_steps=5", "trainer.seed=3",
-                      timeout=300)
+        second = _cli(tmp_path, token_cache, "trainer.max_steps=5", "trainer.seed=3", timeout=300)
         os.killpg(first.pid, signal.SIGINT)  # Ctrl-C: checkpoint after the current step
         first.communicate(timeout=120)
     finally:

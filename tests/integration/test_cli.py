@@ -52,16 +52,22 @@ def test_version_is_hetseq_hpc_s():
 
 def test_help_into_a_closed_pipe_ends_quietly():
     """`hetseq-hpc --help | head -0`: the reader is gone before anything is written."""
-    proc = subprocess.Popen([sys.executable, "-m", "hetseq_hpc", "--help"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hetseq_hpc", "--help"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     proc.stdout.close()
     err = proc.stderr.read().decode()
     proc.wait(timeout=60)
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
 
 
-@pytest.mark.parametrize("args", [["task=bert_schema"], ["plan", "cluster=slurm_schema"],
-                                  ["run", "trainer=trainer_schema"]])
+@pytest.mark.parametrize(
+    "args",
+    [["task=bert_schema"], ["plan", "cluster=slurm_schema"], ["run", "trainer=trainer_schema"]],
+)
 def test_internal_schema_is_not_an_option(tmp_path, args):
     line = _one_error_line(hetseq(*args, f"hydra.run.dir={tmp_path / 'r'}"))
     assert "internal schema" in line
@@ -80,24 +86,41 @@ def test_plan_subcommand_prints_the_plan():
 
 @pytest.mark.slow
 def test_probe_writes_json_that_plan_reads(tmp_path, token_cache):
-    proc = hetseq("probe", "task=bert", *SMALL_MODEL, "balance.calibration_steps=1",
-                  token_cache=token_cache, cwd=tmp_path)
+    proc = hetseq(
+        "probe",
+        "task=bert",
+        *SMALL_MODEL,
+        "balance.calibration_steps=1",
+        token_cache=token_cache,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     path = Path(proc.stdout.strip().splitlines()[-1])
     assert path.parent == tmp_path and path.name.startswith("probe-")
     data = json.loads(path.read_text())
     assert data["ranks"] and data["ranks"][0]["calibration"]["samples_per_s"] > 0
     assert data["ranks"][0]["probe"]["kind"] == "cpu"
-    proc = hetseq("plan", "cluster=local", "cluster.ranks=2", *SMALL_MODEL,
-                  f"plan.probe={path}", token_cache=token_cache)
+    proc = hetseq(
+        "plan",
+        "cluster=local",
+        "cluster.ranks=2",
+        *SMALL_MODEL,
+        f"plan.probe={path}",
+        token_cache=token_cache,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "probe" in proc.stdout
 
 
 def test_render_writes_a_job_script_and_its_log_folder(tmp_path, token_cache):
     run_dir = tmp_path / "r"
-    proc = hetseq("render", "cluster=testcluster", "task=bert", f"hydra.run.dir={run_dir}",
-                  token_cache=token_cache)
+    proc = hetseq(
+        "render",
+        "cluster=testcluster",
+        "task=bert",
+        f"hydra.run.dir={run_dir}",
+        token_cache=token_cache,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     script = (run_dir / "job.sbatch").read_text()
     assert (run_dir / "submitit").is_dir()  # sbatch does not create its --output folder
@@ -110,9 +133,14 @@ def test_render_writes_a_job_script_and_its_log_folder(tmp_path, token_cache):
 def test_render_with_a_partition_given_on_the_command_line(tmp_path, token_cache):
     """Through Hydra's own entry point: the new partition is a het component of the script."""
     run_dir = tmp_path / "r"
-    proc = hetseq("render", "cluster=testcluster", "task=bert", f"hydra.run.dir={run_dir}",
-                  "+cluster.partitions.extra={partition: debug, nodes: 1, cpus_per_rank: 1}",
-                  token_cache=token_cache)
+    proc = hetseq(
+        "render",
+        "cluster=testcluster",
+        "task=bert",
+        f"hydra.run.dir={run_dir}",
+        "+cluster.partitions.extra={partition: debug, nodes: 1, cpus_per_rank: 1}",
+        token_cache=token_cache,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     saved = (run_dir / "hetseq_config.yaml").read_text()
     assert "extra:" in saved and "partition: debug" in saved
@@ -136,9 +164,15 @@ def test_resume_uses_the_saved_configuration_and_checks_before_writing(tmp_path,
     run_dir = tmp_path / "run"
     proc = run_cli(run_dir, "cluster.ranks=2", "trainer.max_steps=3", "trainer.val_every=0")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = {name: (run_dir / name).read_bytes()
-               for name in ("hetseq_config.yaml", "allocation.json", ".hydra/overrides.yaml",
-                            ".hydra/config.yaml")}
+    records = {
+        name: (run_dir / name).read_bytes()
+        for name in (
+            "hetseq_config.yaml",
+            "allocation.json",
+            ".hydra/overrides.yaml",
+            ".hydra/config.yaml",
+        )
+    }
     # a model override that does not fit the checkpoint: refused, nothing rewritten
     bad = run_cli(run_dir, "task.model.hidden_size=32", small=False)
     line = _one_error_line(bad, code=1)
@@ -158,8 +192,9 @@ def test_resume_uses_the_saved_configuration_and_checks_before_writing(tmp_path,
 
 
 def test_missing_resume_file_on_a_new_run_is_caught_before_start(tmp_path):
-    line = _one_error_line(hetseq(f"trainer.resume={tmp_path / 'x.pt'}",
-                                  f"hydra.run.dir={tmp_path / 'r'}"), code=1)
+    line = _one_error_line(
+        hetseq(f"trainer.resume={tmp_path / 'x.pt'}", f"hydra.run.dir={tmp_path / 'r'}"), code=1
+    )
     assert "trainer.resume=" in line and "does not exist" in line
     assert not (tmp_path / "r").exists()
 
@@ -171,8 +206,9 @@ def test_a_resume_file_hetseq_did_not_write_is_caught_before_start(tmp_path):
     wrong = tmp_path / "data.jsonl"
     wrong.write_text('{"text": "not a checkpoint"}\n')
     for cluster in ("cluster=local", "cluster=mixed"):
-        line = _one_error_line(hetseq(cluster, f"trainer.resume={wrong}",
-                                      f"hydra.run.dir={tmp_path / 'r'}"), code=1)
+        line = _one_error_line(
+            hetseq(cluster, f"trainer.resume={wrong}", f"hydra.run.dir={tmp_path / 'r'}"), code=1
+        )
         assert str(wrong) in line and "data.jsonl.sha256 is missing or unreadable" in line
         assert not (tmp_path / "r").exists()
 

@@ -29,11 +29,27 @@ def user_dir(tmp_path) -> Path:
 
 
 def _cli(tmp_path: Path, user_dir: Path, target: str, *overrides: str, timeout: float = 300):
-    cmd = [sys.executable, "-m", "hetseq_hpc", "task=custom", f"task.target={target}",
-           f"task.path={user_dir}", "trainer.max_steps=2", "trainer.global_batch_size=32",
-           "trainer.val_every=0", *overrides, f"hydra.run.dir={tmp_path / 'run'}"]
-    return subprocess.run(cmd, cwd=tmp_path, env=cli_env(tmp_path / "cache"), capture_output=True,
-                          text=True, timeout=timeout)
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetseq_hpc",
+        "task=custom",
+        f"task.target={target}",
+        f"task.path={user_dir}",
+        "trainer.max_steps=2",
+        "trainer.global_batch_size=32",
+        "trainer.val_every=0",
+        *overrides,
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    return subprocess.run(
+        cmd,
+        cwd=tmp_path,
+        env=cli_env(tmp_path / "cache"),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _metrics_rows(run_dir: Path) -> int:
@@ -43,14 +59,29 @@ def _metrics_rows(run_dir: Path) -> int:
 
 # ------------------------------------------------------------------ breaches, real 2-rank runs
 @pytest.mark.slow
-@pytest.mark.parametrize("target, member, pattern", [
-    ("breaches.MeanLoss", "forward", r"the model of task breaches\.MeanLoss: forward\(\*\*batch\) "
-     r"gave a loss of .* MEAN .* return the SUM, e\.g\. F\.cross_entropy\(.*reduction='sum'\)"),
-    ("breaches.CountOne", "count", r"task breaches\.CountOne\.count is not additive: 1 for a "
-     r"batch of 8 samples but 1 \+ 1 = 2 .* return the number of loss units"),
-    ("breaches.RankRows", "make_batch", r"task breaches\.RankRows\.make_batch depends on the "
-     r"rank: rank 1's batch of training positions \[.*\] differs from rank 0's in 'x'"),
-])
+@pytest.mark.parametrize(
+    "target, member, pattern",
+    [
+        (
+            "breaches.MeanLoss",
+            "forward",
+            r"the model of task breaches\.MeanLoss: forward\(\*\*batch\) "
+            r"gave a loss of .* MEAN .* return the SUM, e\.g\. F\.cross_entropy\(.*reduction='sum'\)",
+        ),
+        (
+            "breaches.CountOne",
+            "count",
+            r"task breaches\.CountOne\.count is not additive: 1 for a "
+            r"batch of 8 samples but 1 \+ 1 = 2 .* return the number of loss units",
+        ),
+        (
+            "breaches.RankRows",
+            "make_batch",
+            r"task breaches\.RankRows\.make_batch depends on the "
+            r"rank: rank 1's batch of training positions \[.*\] differs from rank 0's in 'x'",
+        ),
+    ],
+)
 def test_contract_breach_is_refused_before_step_1(tmp_path, user_dir, target, member, pattern):
     proc = _cli(tmp_path, user_dir, target, "cluster.ranks=2", "balance.allocation=[24,8]")
     assert proc.returncode == 1, proc.stderr[-3000:]
@@ -62,8 +93,13 @@ def test_contract_breach_is_refused_before_step_1(tmp_path, user_dir, target, me
 
 @pytest.mark.slow
 def test_skip_contract_check_trains_and_records_inexactness(tmp_path, user_dir):
-    proc = _cli(tmp_path, user_dir, "breaches.MeanLoss", "cluster.ranks=1",
-                "trainer.skip_contract_check=true")
+    proc = _cli(
+        tmp_path,
+        user_dir,
+        "breaches.MeanLoss",
+        "cluster.ranks=1",
+        "trainer.skip_contract_check=true",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["exact"] is False
@@ -81,37 +117,65 @@ def test_the_check_changes_nothing_training_uses(tmp_path, user_dir):
     found = {}
     for skip in ("false", "true"):
         (tmp_path / skip).mkdir()
-        proc = _cli(tmp_path / skip, user_dir, "breaches.Regression", "cluster.ranks=1",
-                    "task.model.dropout=0.5",
-                    f"trainer.skip_contract_check={skip}")
+        proc = _cli(
+            tmp_path / skip,
+            user_dir,
+            "breaches.Regression",
+            "cluster.ranks=1",
+            "task.model.dropout=0.5",
+            f"trainer.skip_contract_check={skip}",
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         found[skip] = losses(tmp_path / skip / "run")
     assert len(found["false"]) == 2 and found["false"] == found["true"]
-    assert "task contract checked on 8 training positions" in (
-        tmp_path / "false" / "run" / "logs" / "rank0.log").read_text()
+    assert (
+        "task contract checked on 8 training positions"
+        in (tmp_path / "false" / "run" / "logs" / "rank0.log").read_text()
+    )
 
 
 # ------------------------------------------------------------------ guarded import of a task module
-@pytest.mark.parametrize("source, pattern", [
-    ("import sys\nsys.exit(0)\n",
-     r"module 'broken' called sys\.exit\(0\) while being imported, at .*broken\.py:2: a task "
-     r"module must not exit on import"),
-    ("raise SystemExit\n", r"called sys\.exit\(None\) while being imported, at .*broken\.py:1"),
-    ("x = 1\ndef f(:\n    pass\n",
-     r"importing module 'broken' failed at .*broken\.py:2 with SyntaxError"),
-    ("def check():\n    raise ValueError('no data\\nsecond line')\n\n\ncheck()\n",
-     r"importing module 'broken' failed at .*broken\.py:2 with ValueError: no data: fix the "
-     r"module"),
-])
+@pytest.mark.parametrize(
+    "source, pattern",
+    [
+        (
+            "import sys\nsys.exit(0)\n",
+            r"module 'broken' called sys\.exit\(0\) while being imported, at .*broken\.py:2: a task "
+            r"module must not exit on import",
+        ),
+        ("raise SystemExit\n", r"called sys\.exit\(None\) while being imported, at .*broken\.py:1"),
+        (
+            "x = 1\ndef f(:\n    pass\n",
+            r"importing module 'broken' failed at .*broken\.py:2 with SyntaxError",
+        ),
+        (
+            "def check():\n    raise ValueError('no data\\nsecond line')\n\n\ncheck()\n",
+            r"importing module 'broken' failed at .*broken\.py:2 with ValueError: no data: fix the "
+            r"module",
+        ),
+    ],
+)
 def test_task_module_failing_at_import_is_one_line_and_exit_2(tmp_path, source, pattern):
     folder = tmp_path / "code"
     folder.mkdir()
     (folder / "broken.py").write_text(source)
     proc = subprocess.run(
-        [sys.executable, "-m", "hetseq_hpc", "task=custom", "task.target=broken.Task",
-         f"task.path={folder}", "cluster.ranks=1", f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=tmp_path, env=cli_env(tmp_path / "cache"), capture_output=True, text=True,
-        timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "hetseq_hpc",
+            "task=custom",
+            "task.target=broken.Task",
+            f"task.path={folder}",
+            "cluster.ranks=1",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=tmp_path,
+        env=cli_env(tmp_path / "cache"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]

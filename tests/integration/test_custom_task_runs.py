@@ -20,11 +20,27 @@ def user_dir(tmp_path) -> Path:
 
 
 def _cli(tmp_path: Path, user_dir: Path, *overrides: str):
-    cmd = [sys.executable, "-m", "hetseq_hpc", "task=custom", "task.target=my_tasks.Regression",
-           f"task.path={user_dir}", "cluster.ranks=1", "trainer.max_steps=3",
-           "trainer.global_batch_size=16", *overrides, f"hydra.run.dir={tmp_path / 'run'}"]
-    return subprocess.run(cmd, cwd=tmp_path, env=cli_env(tmp_path / "cache"), capture_output=True,
-                          text=True, timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetseq_hpc",
+        "task=custom",
+        "task.target=my_tasks.Regression",
+        f"task.path={user_dir}",
+        "cluster.ranks=1",
+        "trainer.max_steps=3",
+        "trainer.global_batch_size=16",
+        *overrides,
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    return subprocess.run(
+        cmd,
+        cwd=tmp_path,
+        env=cli_env(tmp_path / "cache"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.slow
@@ -39,8 +55,9 @@ def test_batchnorm_is_refused_in_one_line_before_training(tmp_path, user_dir):
 
 @pytest.mark.slow
 def test_batchnorm_opt_out_trains_and_records_inexactness(tmp_path, user_dir):
-    proc = _cli(tmp_path, user_dir, "+task.args.batchnorm=true",
-                "trainer.allow_inexact_batchnorm=true")
+    proc = _cli(
+        tmp_path, user_dir, "+task.args.batchnorm=true", "trainer.allow_inexact_batchnorm=true"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["exact"] is False

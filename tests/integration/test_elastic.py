@@ -34,17 +34,32 @@ from tests.helpers.runs import (
 
 pytestmark = pytest.mark.slow
 
-COMMON = [*SMALL_MODEL, "task.model.max_seq_len=32", "task.model.dropout=0.0",
-          "trainer.global_batch_size=24", "trainer.max_steps=30", "optim.schedule_steps=30",
-          "trainer.seed=5", "trainer.val_every=0", "trainer.checkpoint_every=0",
-          "trainer.elastic.timeout_s=8"]  # stale after 4 s: room for a loaded CI machine
+COMMON = [
+    *SMALL_MODEL,
+    "task.model.max_seq_len=32",
+    "task.model.dropout=0.0",
+    "trainer.global_batch_size=24",
+    "trainer.max_steps=30",
+    "optim.schedule_steps=30",
+    "trainer.seed=5",
+    "trainer.val_every=0",
+    "trainer.checkpoint_every=0",
+    "trainer.elastic.timeout_s=8",
+]  # stale after 4 s: room for a loaded CI machine
 TOL = 1e-6
 
 
 def _start(run_dir: Path, token_cache: Path, *overrides: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "hetseq_hpc", *COMMON, *overrides, f"hydra.run.dir={run_dir}"]
-    return subprocess.Popen(cmd, cwd=REPO, env=cli_env(token_cache), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=cli_env(token_cache),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _step_rows(run_dir: Path) -> int:
@@ -89,8 +104,9 @@ def _events(run_dir: Path) -> list:
 
 
 @pytest.mark.parametrize("victim", [1, 0])
-def test_kill_9_a_rank_at_step_10_and_the_run_finishes_the_same(victim, reference, tmp_path,
-                                                                  token_cache):
+def test_kill_9_a_rank_at_step_10_and_the_run_finishes_the_same(
+    victim, reference, tmp_path, token_cache
+):
     """``kill -9`` of rank 1, or of rank 0 (which writes the metrics and checkpoints: the
     store lives in the launcher, and the lowest survivor takes rank 0 over)."""
     run_dir = tmp_path / "run"
@@ -107,8 +123,10 @@ def test_kill_9_a_rank_at_step_10_and_the_run_finishes_the_same(victim, referenc
     assert f"rank(s) [{victim}] were lost" in out
     report = hetseq("report", str(run_dir), token_cache=token_cache)
     assert report.returncode == 0, report.stderr[-2000:]
-    assert f"lost rank(s) [{victim}] at step {event['step']}: went on with 2 rank(s)" \
+    assert (
+        f"lost rank(s) [{victim}] at step {event['step']}: went on with 2 rank(s)"
         in report.stdout + report.stderr
+    )
     assert (run_dir / "ranks.png").is_file()
 
 
@@ -130,8 +148,9 @@ def test_a_stopped_rank_is_left_out_then_ended(extra, reference, tmp_path, token
     assert not Path(f"/proc/{pid}").exists(), "the stopped rank was not ended"
 
 
-def test_a_rank_stopped_during_validation_is_noticed_from_the_phase_time(reference, tmp_path,
-                                                                         token_cache):
+def test_a_rank_stopped_during_validation_is_noticed_from_the_phase_time(
+    reference, tmp_path, token_cache
+):
     """Rank 2 stops itself (SIGSTOP) in a validation after step 10, with validation and a
     checkpoint after every step and ``cluster.collective_timeout_s=600``: the survivors'
     collectives of that phase wait a multiple of its measured duration
@@ -140,9 +159,14 @@ def test_a_rank_stopped_during_validation_is_noticed_from_the_phase_time(referen
     first validation batch after the test creates a file: a SIGSTOP sent from here at a
     guessed time landed inside a training step on a loaded CI machine.)"""
     run_dir, flag = tmp_path / "run", tmp_path / "stop-now"
-    proc = _fault_run(run_dir, token_cache, {"stop_rank": 2, "when_file": flag},
-                      "trainer.val_every=1", "trainer.checkpoint_every=1",
-                      "trainer.keep_checkpoints=2")
+    proc = _fault_run(
+        run_dir,
+        token_cache,
+        {"stop_rank": 2, "when_file": flag},
+        "trainer.val_every=1",
+        "trainer.checkpoint_every=1",
+        "trainer.keep_checkpoints=2",
+    )
     _at_step(run_dir, proc, 10)
     pid = worker_pids(run_dir)[2]
     flag.touch()
@@ -159,13 +183,29 @@ def _fault_run(run_dir: Path, token_cache: Path, args: dict, *overrides: str) ->
     """Start 3 ranks of COMMON's run with ``cluster.collective_timeout_s=600`` as the fault
     task StoppedInValidationBert with ``args`` (tests/helpers/fault_tasks.py)."""
     common = [o for o in COMMON if not o.startswith("task.model.")]  # task=custom's own
-    cmd = [sys.executable, "-m", "hetseq_hpc", *common,
-           *fault_task("StoppedInValidationBert", **args),
-           "++task.model.max_seq_len=32", "++task.model.dropout=0.0", "cluster.ranks=3",
-           "cluster.collective_timeout_s=600", "trainer.plot=false", *overrides,
-           f"hydra.run.dir={run_dir}"]
-    return subprocess.Popen(cmd, cwd=REPO, env=cli_env(token_cache), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetseq_hpc",
+        *common,
+        *fault_task("StoppedInValidationBert", **args),
+        "++task.model.max_seq_len=32",
+        "++task.model.dropout=0.0",
+        "cluster.ranks=3",
+        "cluster.collective_timeout_s=600",
+        "trainer.plot=false",
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+    ]
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=cli_env(token_cache),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _first_validation_fault(run_dir: Path, token_cache: Path, **args) -> str:
@@ -177,7 +217,8 @@ def _first_validation_fault(run_dir: Path, token_cache: Path, **args) -> str:
 
 
 def test_a_rank_stopped_in_the_first_validation_is_noticed_without_the_long_timeout(
-        reference, tmp_path, token_cache):
+    reference, tmp_path, token_cache
+):
     """Rank 2 stops itself (SIGSTOP) in its first validation batch, at step 5, with
     ``cluster.collective_timeout_s=600``: nothing has measured a validation yet, so the
     survivors' gather waits an estimate from their own pass and the ranks' measured compute
@@ -194,8 +235,9 @@ def test_a_rank_stopped_in_the_first_validation_is_noticed_without_the_long_time
     assert "first validation: this rank's share took" in logs
 
 
-def test_a_first_validation_slower_than_its_estimate_is_redone_by_all(reference, tmp_path,
-                                                                     token_cache):
+def test_a_first_validation_slower_than_its_estimate_is_redone_by_all(
+    reference, tmp_path, token_cache
+):
     """Rank 2 sleeps 20 s in its first validation batch (slow, not hung: its heartbeat goes
     on), longer than the others' estimate (at least the step's timeout, 8 s): their gather
     times out, the world re-forms with nobody lost, and the validation is redone by all three
@@ -236,16 +278,23 @@ def _last_checkpoint(run_dir: Path) -> dict:
 
 
 @pytest.mark.parametrize("victim", [1, 0])
-def test_a_rank_lost_during_validation_or_a_checkpoint_is_survived(victim, reference, tmp_path,
-                                                                   token_cache):
+def test_a_rank_lost_during_validation_or_a_checkpoint_is_survived(
+    victim, reference, tmp_path, token_cache
+):
     """Validation and a checkpoint after every step (validation takes most of a step's time):
     the kill, 1.4 step periods after step 10's training ended, lands in the validation of step
     11 (or a checkpoint). The survivors redo that
     over the new world: same losses, every step logged once, exit 0, a last checkpoint that
     verifies. Rank 0 as the victim: it writes the rows and the checkpoints."""
     run_dir = tmp_path / "run"
-    proc = _start(run_dir, token_cache, "cluster.ranks=3", "trainer.val_every=1",
-                  "trainer.checkpoint_every=1", "trainer.keep_checkpoints=2")
+    proc = _start(
+        run_dir,
+        token_cache,
+        "cluster.ranks=3",
+        "trainer.val_every=1",
+        "trainer.checkpoint_every=1",
+        "trainer.keep_checkpoints=2",
+    )
     _at_step(run_dir, proc, 10)
     times = {r["step"]: r["time"] for r in read_rows(run_dir) if "loss" in r}
     # a row's time is its training's end: step 11 trained at about +1 period, then validated
@@ -258,8 +307,9 @@ def test_a_rank_lost_during_validation_or_a_checkpoint_is_survived(victim, refer
     assert all("val_loss" in r for r in read_rows(run_dir) if "loss" in r)
     (event,) = _events(run_dir)
     assert [x["rank"] for x in event["lost"]] == [victim] and event["world_size"] == 2
-    assert event["redo"] in ("validation", "checkpoint", "row"), \
+    assert event["redo"] in ("validation", "checkpoint", "row"), (
         f"the kill did not land after a step: {event}"
+    )
     assert event["recovery_s"] > 0
     assert _last_checkpoint(run_dir)["step"] == 30
 
@@ -275,8 +325,9 @@ def test_too_few_survivors_checkpoint_and_stop_for_a_requeue(reference, tmp_path
     os.kill(worker_pids(run_dir)[1], signal.SIGKILL)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode != 0, stderr[-3000:]
-    assert "trainer.elastic.min_ranks=3" in stderr and "checkpoint written" in stderr, \
-        stderr[-3000:]
+    assert "trainer.elastic.min_ranks=3" in stderr and "checkpoint written" in stderr, stderr[
+        -3000:
+    ]
     last = stderr.strip().splitlines()[-1]  # the launcher's line: lost, why, the fix
     assert "rank(s) [1] were lost (rank 1: killed by SIGKILL" in last, stderr[-4000:]
     assert "fewer than trainer.elastic.min_ranks=3" in last and "trainer.resume=auto" in last
@@ -294,8 +345,9 @@ def test_too_few_survivors_checkpoint_and_stop_for_a_requeue(reference, tmp_path
 
 
 @pytest.mark.parametrize(("victim", "kill_at", "reloaded"), [(0, 12, 10), (1, 5, 0)])
-def test_fsdp_a_lost_rank_reloads_the_last_checkpoint_in_job(victim, kill_at, reloaded,
-                                                            reference, tmp_path, token_cache):
+def test_fsdp_a_lost_rank_reloads_the_last_checkpoint_in_job(
+    victim, kill_at, reloaded, reference, tmp_path, token_cache
+):
     """``sharding.mode=fsdp``: a lost rank takes its shard, so the survivors reload the last
     checkpoint (step 10, written by all 3; before it: the seeded start model, step 0)
     re-sharded over 2 ranks and train the steps since it again, in-job: exit 0, every step
@@ -303,8 +355,9 @@ def test_fsdp_a_lost_rank_reloads_the_last_checkpoint_in_job(victim, kill_at, re
     reloaded and how many steps were redone. Rank 0 as a victim: it wrote the rows and the
     checkpoint."""
     run_dir = tmp_path / "run"
-    proc = _start(run_dir, token_cache, "cluster.ranks=3", "sharding.mode=fsdp",
-                  "trainer.checkpoint_every=10")
+    proc = _start(
+        run_dir, token_cache, "cluster.ranks=3", "sharding.mode=fsdp", "trainer.checkpoint_every=10"
+    )
     _at_step(run_dir, proc, kill_at)
     os.kill(worker_pids(run_dir)[victim], signal.SIGKILL)
     out = _finish(proc)
@@ -323,10 +376,12 @@ def test_fsdp_a_lost_rank_reloads_the_last_checkpoint_in_job(victim, kill_at, re
     assert f"(FSDP: {said}" in report.stdout + report.stderr
 
 
-@pytest.mark.parametrize(("between", "agreed"), [("auto", "keep_unsharded"),
-                                                 ("reshard", "reshard")])
-def test_fsdp_survivors_take_micro_batch_caps_of_their_larger_shards(between, agreed, reference,
-                                                                     tmp_path, token_cache):
+@pytest.mark.parametrize(
+    ("between", "agreed"), [("auto", "keep_unsharded"), ("reshard", "reshard")]
+)
+def test_fsdp_survivors_take_micro_batch_caps_of_their_larger_shards(
+    between, agreed, reference, tmp_path, token_cache
+):
     """``sharding.mode=fsdp`` under a tight per-rank budget (``cluster.memory_budget_gb``): on 3
     ranks a share fits one micro-batch; the 2 survivors of a loss hold half the state each
     instead of a third, so their caps are recomputed (lower) and the same global batch is split
@@ -336,9 +391,15 @@ def test_fsdp_survivors_take_micro_batch_caps_of_their_larger_shards(between, ag
     micro-batch; a rebuilt model reshards unless agreed), ``reshard`` (forced) reshards, and
     both stay exact."""
     run_dir = tmp_path / "run"
-    proc = _start(run_dir, token_cache, "cluster.ranks=3", "sharding.mode=fsdp",
-                  "trainer.checkpoint_every=10", "cluster.memory_budget_gb=0.0114",
-                  f"sharding.between_micro_batches={between}")
+    proc = _start(
+        run_dir,
+        token_cache,
+        "cluster.ranks=3",
+        "sharding.mode=fsdp",
+        "trainer.checkpoint_every=10",
+        "cluster.memory_budget_gb=0.0114",
+        f"sharding.between_micro_batches={between}",
+    )
     _at_step(run_dir, proc, 12)
     start = json.loads((run_dir / "allocation.json").read_text())["allocation"]["shares"]
     os.kill(worker_pids(run_dir)[1], signal.SIGKILL)
@@ -347,8 +408,10 @@ def test_fsdp_survivors_take_micro_batch_caps_of_their_larger_shards(between, ag
     after = json.loads((run_dir / "allocation.json").read_text())["allocation"]["shares"]
     assert len(start) == 3 and len(after) == 2
     assert all(s["micro_batch"] <= s["max_micro_batch"] for s in start + after)
-    assert max(s["max_micro_batch"] for s in after) < min(s["max_micro_batch"] for s in start), \
-        (start, after)
+    assert max(s["max_micro_batch"] for s in after) < min(s["max_micro_batch"] for s in start), (
+        start,
+        after,
+    )
     assert any(s["accum_steps"] > 1 for s in after), after
     (event,) = _events(run_dir)
     assert event["split"] == [s["samples"] for s in after] and sum(event["split"]) == 24
@@ -357,8 +420,9 @@ def test_fsdp_survivors_take_micro_batch_caps_of_their_larger_shards(between, ag
 
 
 @pytest.mark.parametrize("victim", [2, 0])
-def test_a_rank_lost_after_the_last_step_does_not_fail_the_finished_run(victim, tmp_path,
-                                                                        token_cache):
+def test_a_rank_lost_after_the_last_step_does_not_fail_the_finished_run(
+    victim, tmp_path, token_cache
+):
     """Rank 0 spends 4 s on its examples after step 30 (tests/helpers/fault_tasks.py; it marks
     their start in a file) while the others wait at the final barrier; a rank killed then (2, or rank 0 itself) is logged and the
     run ends with exit 0, its last checkpoint at step 30 and a summary.json (written by the
@@ -366,11 +430,25 @@ def test_a_rank_lost_after_the_last_step_does_not_fail_the_finished_run(victim, 
     run_dir = tmp_path / "run"
     common = [o for o in COMMON if not o.startswith("task.model.")]  # task=custom's own
     marker = tmp_path / "examples.started"
-    cmd = [sys.executable, "-m", "hetseq_hpc", *common,
-           *fault_task("SlowExamplesBert", examples_s=4, marker=marker), "cluster.ranks=3",
-           "trainer.plot=false", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(token_cache), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetseq_hpc",
+        *common,
+        *fault_task("SlowExamplesBert", examples_s=4, marker=marker),
+        "cluster.ranks=3",
+        "trainer.plot=false",
+        f"hydra.run.dir={run_dir}",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=cli_env(token_cache),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 300  # a guard against hangs, not a speed check
     while not marker.exists():  # the training, its last checkpoint and rows are done
         assert proc.poll() is None, proc.communicate()[1][-3000:]
@@ -380,7 +458,8 @@ def test_a_rank_lost_after_the_last_step_does_not_fail_the_finished_run(victim, 
     os.kill(worker_pids(run_dir)[victim], signal.SIGKILL)
     out = _finish(proc)
     assert "a rank was lost after the last step" in "".join(
-        p.read_text() for p in (run_dir / "logs").glob("rank*.log")), out[-3000:]
+        p.read_text() for p in (run_dir / "logs").glob("rank*.log")
+    ), out[-3000:]
     assert _last_checkpoint(run_dir)["step"] == 30
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_step"] == 30 and summary["steps_run"] == 30

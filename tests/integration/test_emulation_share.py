@@ -40,8 +40,13 @@ print(json.dumps({"share": share, "method": emu.method, "throttled": throttled})
 
 
 def _share(speed: float, mode: str = "auto") -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, str(speed), mode], capture_output=True,
-                         text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(speed), mode],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -76,8 +81,13 @@ def test_duty_cycle_fallback_slows_too():
 def test_no_stale_cgroups_are_left_behind():
     _share(0.5)
     if CGROUP_V1_CPU.is_dir():
-        left = [p.name for p in CGROUP_V1_CPU.iterdir() if p.name.startswith("hetseq-")
-                and p.name[7:].isdigit() and not Path(f"/proc/{p.name[7:]}").exists()]
+        left = [
+            p.name
+            for p in CGROUP_V1_CPU.iterdir()
+            if p.name.startswith("hetseq-")
+            and p.name[7:].isdigit()
+            and not Path(f"/proc/{p.name[7:]}").exists()
+        ]
         assert not left, left
 
 
@@ -102,8 +112,9 @@ with single_process_rendezvous():
 def test_communication_threads_run_outside_the_quota():
     """A slower device, not a slower network: after a real gloo rendezvous, gloo's and the
     store's threads leave the throttled cgroup; the main (compute) thread stays in it."""
-    out = subprocess.run([sys.executable, "-c", COMM_CHILD], capture_output=True, text=True,
-                         timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", COMM_CHILD], capture_output=True, text=True, timeout=60, check=True
+    )
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert any(name.startswith("gloo") or name.startswith("pt_gloo") for name in got["comm"]), got
     assert got["main_in_group"], got

@@ -15,17 +15,23 @@ from tests.helpers.runs import REPO, cli_env
 
 
 def _ok(proc) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\n" \
-                                 f"STDERR:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-3000:]}"
+    )
 
 
 def test_prepare_on_an_existing_cache_says_already_prepared_and_where(tmp_path):
     env = cli_env(tmp_path / "cache")
 
     def prepare():
-        return subprocess.run([sys.executable, "-m", "hetseq_hpc", "prepare",
-                               "task.model.max_seq_len=32"], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=600)
+        return subprocess.run(
+            [sys.executable, "-m", "hetseq_hpc", "prepare", "task.model.max_seq_len=32"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
 
     first = prepare()
     _ok(first)
@@ -33,16 +39,29 @@ def test_prepare_on_an_existing_cache_says_already_prepared_and_where(tmp_path):
     again = prepare()
     _ok(again)
     where = next((tmp_path / "cache").rglob("meta.json")).parent
-    assert again.stdout.strip() == (f"task=bert was already prepared: {where} (nothing to do; "
-                                    "delete that directory to rebuild it)")
+    assert again.stdout.strip() == (
+        f"task=bert was already prepared: {where} (nothing to do; "
+        "delete that directory to rebuild it)"
+    )
 
 
 def test_a_model_too_big_for_the_machine_is_refused_before_anything_starts(tmp_path, token_cache):
     run_dir = tmp_path / "run"
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "hetseq_hpc", "task.model.hidden_size=1000000",
-                           f"hydra.run.dir={run_dir}"], cwd=REPO, env=cli_env(token_cache),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hetseq_hpc",
+            "task.model.hidden_size=1000000",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=REPO,
+        env=cli_env(token_cache),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     took = time.monotonic() - started
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
@@ -53,8 +72,13 @@ def test_a_model_too_big_for_the_machine_is_refused_before_anything_starts(tmp_p
 
 
 def test_resuming_a_forced_allocation_on_another_rank_count_suggests_null(tmp_path, run_cli):
-    first = run_cli(tmp_path, "cluster.ranks=2", "balance.allocation=[20,12]",
-                    "trainer.max_steps=2", "trainer.val_every=0")
+    first = run_cli(
+        tmp_path,
+        "cluster.ranks=2",
+        "balance.allocation=[20,12]",
+        "trainer.max_steps=2",
+        "trainer.val_every=0",
+    )
     _ok(first)
     again = run_cli(tmp_path, "cluster.ranks=3", "trainer.max_steps=4")
     assert again.returncode == 2, again.stderr[-3000:]
@@ -68,9 +92,16 @@ def test_resuming_a_forced_allocation_on_another_rank_count_suggests_null(tmp_pa
 def test_a_short_two_rank_run_draws_its_plot_and_says_where(tmp_path, run_cli):
     """The default trainer.plot=true: ranks.png with the four panels, its path logged by the
     command line and kept in summary.json."""
-    proc = run_cli(tmp_path, "cluster.ranks=2", "cluster.speeds=[1.0,0.5]",
-                   "trainer.global_batch_size=32", "trainer.max_steps=20", "trainer.val_every=5",
-                   "balance.allocation=[16,16]", "balance.rebalance_every=2")
+    proc = run_cli(
+        tmp_path,
+        "cluster.ranks=2",
+        "cluster.speeds=[1.0,0.5]",
+        "trainer.global_batch_size=32",
+        "trainer.max_steps=20",
+        "trainer.val_every=5",
+        "balance.allocation=[16,16]",
+        "balance.rebalance_every=2",
+    )
     _ok(proc)
     png = tmp_path / "ranks.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

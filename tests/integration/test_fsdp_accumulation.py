@@ -25,11 +25,23 @@ from tests.helpers.runs import SMALL_MODEL, assert_ok, assert_same_losses, losse
 
 pytestmark = pytest.mark.slow
 
-STEPS = ["trainer.global_batch_size=32", "optim.schedule_steps=20", "trainer.checkpoint_every=0",
-         "trainer.seed=7", "task.model.dropout=0.0", "trainer.val_every=0",
-         "trainer.max_steps=20", "task.model.max_seq_len=32"]
-FSDP_ACCUMULATING = ["sharding.mode=fsdp", "cluster.ranks=2", "balance.allocation=[24,8]",
-                     "balance.max_micro_batch=5", "sharding.activation_checkpointing=true"]
+STEPS = [
+    "trainer.global_batch_size=32",
+    "optim.schedule_steps=20",
+    "trainer.checkpoint_every=0",
+    "trainer.seed=7",
+    "task.model.dropout=0.0",
+    "trainer.val_every=0",
+    "trainer.max_steps=20",
+    "task.model.max_seq_len=32",
+]
+FSDP_ACCUMULATING = [
+    "sharding.mode=fsdp",
+    "cluster.ranks=2",
+    "balance.allocation=[24,8]",
+    "balance.max_micro_batch=5",
+    "sharding.activation_checkpointing=true",
+]
 
 
 def test_fsdp_accumulation_kept_gathered_or_resharded_logs_the_one_rank_loss(tmp_path, run_cli):
@@ -40,16 +52,25 @@ def test_fsdp_accumulation_kept_gathered_or_resharded_logs_the_one_rank_loss(tmp
     runs = {}
     for setting, expected in (("auto", "keep_unsharded"), ("reshard", "reshard")):
         run = tmp_path / setting
-        assert_ok(run_cli(run, *SMALL_MODEL, *STEPS, *FSDP_ACCUMULATING,
-                          f"sharding.between_micro_batches={setting}", small=False))
+        assert_ok(
+            run_cli(
+                run,
+                *SMALL_MODEL,
+                *STEPS,
+                *FSDP_ACCUMULATING,
+                f"sharding.between_micro_batches={setting}",
+                small=False,
+            )
+        )
         summary = json.loads((run / "summary.json").read_text())
         assert summary["sharding"]["mode"] == "fsdp"
         assert summary["sharding"]["between_micro_batches"] == expected
         assert summary["exact"] is True
         log = (run / "logs" / "rank0.log").read_text()
         if setting == "auto":
-            assert "sharding.between_micro_batches=auto -> keep_unsharded, 5 passes per step" \
-                in log, log[-3000:]
+            assert (
+                "sharding.between_micro_batches=auto -> keep_unsharded, 5 passes per step" in log
+            ), log[-3000:]
         runs[setting] = losses(run)
         assert_same_losses(reference, runs[setting], range(1, 21))
     # the same weights are gathered either way: the same computation

@@ -33,10 +33,18 @@ from tests.helpers.runs import REPO, assert_same_losses, cli_env, losses, read_r
 
 pytestmark = pytest.mark.slow
 
-STEPS = ["trainer.global_batch_size=32", "trainer.max_steps=20", "optim.schedule_steps=20",
-         "trainer.seed=7", "task.model.dropout=0.0", "trainer.val_every=0",
-         "trainer.checkpoint_every=0", "task.model.max_seq_len=32", "optim.lr=1e-3",
-         "trainer.plot=false"]
+STEPS = [
+    "trainer.global_batch_size=32",
+    "trainer.max_steps=20",
+    "optim.schedule_steps=20",
+    "trainer.seed=7",
+    "task.model.dropout=0.0",
+    "trainer.val_every=0",
+    "trainer.checkpoint_every=0",
+    "task.model.max_seq_len=32",
+    "optim.lr=1e-3",
+    "trainer.plot=false",
+]
 UNEVEN = ["cluster.ranks=2", "balance.allocation=[24,8]", "balance.max_micro_batch=5"]
 
 
@@ -44,16 +52,19 @@ UNEVEN = ["cluster.ranks=2", "balance.allocation=[24,8]", "balance.max_micro_bat
 def hf_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     files = write_text_files(root)
-    return {"causal_lm": (make_gpt2(root / "gpt2"), files["txt"]),
-            "masked_lm": (make_bert(root / "bert"), files["txt"]),
-            "classification": (make_bert(root / "cls", "classification"), files["jsonl"]),
-            "seq2seq": (make_t5(root / "t5"), files["pairs"])}
+    return {
+        "causal_lm": (make_gpt2(root / "gpt2"), files["txt"]),
+        "masked_lm": (make_bert(root / "bert"), files["txt"]),
+        "classification": (make_bert(root / "cls", "classification"), files["jsonl"]),
+        "seq2seq": (make_t5(root / "t5"), files["pairs"]),
+    }
 
 
 def run(run_dir: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "hetseq_hpc", *overrides, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(cmd, cwd=REPO, env=cli_env(cache), capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=cli_env(cache), capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDERR:\n{proc.stderr[-4000:]}"
     return proc
 
@@ -84,8 +95,14 @@ def test_parquet_trains_like_the_same_json_lines(hf_models, tmp_path, token_cach
     parquet = jsonl_to_parquet(data, tmp_path / "labelled.parquet", row_group_size=50)
     short = [*STEPS, "cluster.ranks=1", "trainer.max_steps=8", "optim.schedule_steps=8"]
     for name, files in (("jsonl", data), ("parquet", parquet)):
-        run(tmp_path / name, token_cache, "task=hf", f"task.model.path={path}",
-            f"task.data.files=[{files}]", *short)
+        run(
+            tmp_path / name,
+            token_cache,
+            "task=hf",
+            f"task.model.path={path}",
+            f"task.data.files=[{files}]",
+            *short,
+        )
     assert_same_losses(losses(tmp_path / "jsonl"), losses(tmp_path / "parquet"), range(1, 9))
     summary = json.loads((tmp_path / "parquet" / "summary.json").read_text())
     assert summary["task"]["data"]["kind"] == "classification" and summary["exact"] is True
@@ -102,8 +119,7 @@ def test_finetuning_starts_from_the_saved_weights(hf_models, tmp_path, token_cac
 
     path, data = hf_models["causal_lm"]
     task_args = ["task=hf", f"task.model.path={path}", f"task.data.files=[{data}]"]
-    run(tmp_path / "run", token_cache, *task_args, *STEPS, "cluster.ranks=1",
-        "trainer.max_steps=1")
+    run(tmp_path / "run", token_cache, *task_args, *STEPS, "cluster.ranks=1", "trainer.max_steps=1")
     step1 = losses(tmp_path / "run")[1]
 
     cfg = compose_run_config([*task_args, *STEPS, f"task.data.cache_dir={token_cache}"])
@@ -115,13 +131,16 @@ def test_finetuning_starts_from_the_saved_weights(hf_models, tmp_path, token_cac
     saved = GPT2LMHeadModel.from_pretrained(path).eval()
     with torch.no_grad():
         logits = saved(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        direct = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
-                                                   reduction="sum") / task.count(batch)
+        direct = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), batch["labels"].flatten(), reduction="sum"
+        ) / task.count(batch)
         torch.manual_seed(123)
         fresh = GPT2LMHeadModel(saved.config).eval()
         fresh_loss = torch.nn.functional.cross_entropy(
-            fresh(input_ids=batch["input_ids"]).logits.flatten(0, 1), batch["labels"].flatten(),
-            reduction="sum") / task.count(batch)
+            fresh(input_ids=batch["input_ids"]).logits.flatten(0, 1),
+            batch["labels"].flatten(),
+            reduction="sum",
+        ) / task.count(batch)
     assert np.isclose(step1, float(direct), rtol=1e-5), (step1, float(direct))
     assert abs(float(fresh_loss) - step1) > 1e-3
 
@@ -166,11 +185,17 @@ def test_refusals_start_nothing(case, hf_models, tmp_path, token_cache):
             shutil.copy(hf_models["causal_lm"][0] / name, path / name)
     else:
         path = hf_models[model][0]
-    task = ["task=hf", f"task.model.path={path}", f"task.data.files=[{data}]",
-            "task.model.max_seq_len=32", *extra]
+    task = [
+        "task=hf",
+        f"task.model.path={path}",
+        f"task.data.files=[{data}]",
+        "task.model.max_seq_len=32",
+        *extra,
+    ]
     cmd = [sys.executable, "-m", "hetseq_hpc", *task, f"hydra.run.dir={tmp_path / 'run'}"]
-    proc = subprocess.run(cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == code, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "error:" in lines[0], proc.stderr

@@ -21,8 +21,13 @@ from tests.helpers.runs import REPO, SMALL_MODEL, cli_env, wait_rows
 #: (the ranks of LONG_RUN would train for hours if nothing stopped them)
 GONE_GUARD_S = 120
 
-LONG_RUN = ["cluster.ranks=2", "trainer.max_steps=100000", "optim.schedule_steps=100000",
-            "trainer.val_every=0", "trainer.checkpoint_every=0"]
+LONG_RUN = [
+    "cluster.ranks=2",
+    "trainer.max_steps=100000",
+    "optim.schedule_steps=100000",
+    "trainer.val_every=0",
+    "trainer.checkpoint_every=0",
+]
 
 
 # ------------------------------------------------------------------ helpers
@@ -32,8 +37,10 @@ def _processes():
         if entry.name.isdigit():
             try:
                 argv = (entry / "cmdline").read_bytes().split(b"\0")
-                environ = dict(item.partition(b"=")[::2]
-                               for item in (entry / "environ").read_bytes().split(b"\0"))
+                environ = dict(
+                    item.partition(b"=")[::2]
+                    for item in (entry / "environ").read_bytes().split(b"\0")
+                )
                 state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
             except (OSError, IndexError):
                 continue
@@ -42,9 +49,14 @@ def _processes():
 
 def _ranks_of(run_dir: Path) -> dict:
     """rank -> pid of the live worker processes of ``run_dir`` (zombies count as gone)."""
-    return {int(env[b"RANK"]): pid for pid, argv, env, state in _processes()
-            if state != "Z" and b"hetseq_hpc.worker" in argv and b"RANK" in env
-            and str(run_dir).encode() in b" ".join(argv)}
+    return {
+        int(env[b"RANK"]): pid
+        for pid, argv, env, state in _processes()
+        if state != "Z"
+        and b"hetseq_hpc.worker" in argv
+        and b"RANK" in env
+        and str(run_dir).encode() in b" ".join(argv)
+    }
 
 
 def _wait_gone(run_dir: Path, timeout_s: float = GONE_GUARD_S) -> None:
@@ -62,10 +74,23 @@ def _wait_gone(run_dir: Path, timeout_s: float = GONE_GUARD_S) -> None:
 @contextlib.contextmanager
 def _launcher(run_dir: Path, token_cache: Path, *overrides: str, small: bool = True):
     """The CLI running in the background (its own session); killed with its group on exit."""
-    cmd = [sys.executable, "-m", "hetseq_hpc", *(SMALL_MODEL if small else []), *overrides,
-           f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(token_cache), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetseq_hpc",
+        *(SMALL_MODEL if small else []),
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=cli_env(token_cache),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         yield proc
     finally:
@@ -114,8 +139,14 @@ def test_failing_rank_is_named_and_peers_tracebacks_stay_in_their_logs(tmp_path,
     """Rank 1 fails on its own (the test task of fail_on_rank(1) raises in its load()); rank 0
     only sees it disconnect. Rank 1 is named with its reason, and rank 0's traceback is in its
     log, not on the console."""
-    with _launcher(tmp_path, token_cache, *fail_on_rank(1), "cluster.ranks=2",
-                   "trainer.max_steps=5", small=False) as proc:
+    with _launcher(
+        tmp_path,
+        token_cache,
+        *fail_on_rank(1),
+        "cluster.ranks=2",
+        "trainer.max_steps=5",
+        small=False,
+    ) as proc:
         _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 1
     last = stderr.strip().splitlines()[-1]
@@ -129,8 +160,13 @@ def test_failing_rank_is_named_and_peers_tracebacks_stay_in_their_logs(tmp_path,
 def test_stopped_rank_is_named_not_the_peer_that_timed_out(tmp_path, token_cache):
     """SIGSTOP on rank 1 without in-job recovery: rank 0 times out in a collective and exits
     first. The old launcher blamed rank 0 (the first to exit); the cause is the stopped rank 1."""
-    with _launcher(tmp_path, token_cache, *LONG_RUN, "cluster.collective_timeout_s=10",
-                   "trainer.elastic.enabled=false") as proc:
+    with _launcher(
+        tmp_path,
+        token_cache,
+        *LONG_RUN,
+        "cluster.collective_timeout_s=10",
+        "trainer.elastic.enabled=false",
+    ) as proc:
         wait_rows(tmp_path, 2, proc)
         os.kill(_ranks_of(tmp_path)[1], signal.SIGSTOP)
         _, stderr = proc.communicate(timeout=180)

@@ -11,14 +11,20 @@ from tests.helpers.runs import read_rows
 
 
 @pytest.mark.slow
-def test_training_run_logs_to_tensorboard_and_csv_and_resumes_without_duplicates(
-        tmp_path, run_cli):
+def test_training_run_logs_to_tensorboard_and_csv_and_resumes_without_duplicates(tmp_path, run_cli):
     """2 ranks, 5 steps, checkpoints at 2 and 4; the step-5 checkpoint is then removed (as if
     the run died after logging step 5), and `hetseq-hpc hydra.run.dir=...` alone continues it
     from its saved configuration to step 6: every step once in jsonl, CSV and TensorBoard."""
     run_dir = tmp_path / "run"
-    proc = run_cli(run_dir, "cluster.ranks=2", "trainer.max_steps=5", "trainer.val_every=0",
-                   "trainer.checkpoint_every=2", "trainer.keep_checkpoints=3", LOGGERS)
+    proc = run_cli(
+        run_dir,
+        "cluster.ranks=2",
+        "trainer.max_steps=5",
+        "trainer.val_every=0",
+        "trainer.checkpoint_every=2",
+        "trainer.keep_checkpoints=3",
+        LOGGERS,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     acc = events(run_dir)
     assert scalar_steps(acc, "train/loss") == [1, 2, 3, 4, 5]

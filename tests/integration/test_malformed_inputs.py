@@ -22,18 +22,29 @@ from tests.helpers.runs import REPO
 PLAN_ERROR = "hetseq-hpc plan: error: "
 ERROR = "hetseq-hpc: error: "
 #: a local plan of 2 ranks from a probe file (as tests/unit/test_plan.py plans one)
-PLAN = ["plan", "cluster.ranks=2", "cluster.speeds=[1.0,0.5]", "trainer.global_batch_size=30",
-        "balance.max_micro_batch=16"]
+PLAN = [
+    "plan",
+    "cluster.ranks=2",
+    "cluster.speeds=[1.0,0.5]",
+    "trainer.global_batch_size=30",
+    "balance.max_micro_batch=16",
+]
 
 
 def _hetseq(*args: str, cwd: Path = REPO, timeout: float = 120) -> subprocess.CompletedProcess:
     """``python -m hetseq_hpc ARGS`` (a FIFO that were opened would hang it: the timeout)."""
-    return subprocess.run([sys.executable, "-m", "hetseq_hpc", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "hetseq_hpc", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
-def _refused(proc: subprocess.CompletedProcess, *words: str, code: int = 2,
-             prefix: str = ERROR) -> str:
+def _refused(
+    proc: subprocess.CompletedProcess, *words: str, code: int = 2, prefix: str = ERROR
+) -> str:
     """The one error line of ``proc``: exit ``code``, no traceback, containing ``words``."""
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.returncode == code, proc.stderr[-2000:]
@@ -45,9 +56,16 @@ def _refused(proc: subprocess.CompletedProcess, *words: str, code: int = 2,
 
 
 def _good_probe() -> dict:
-    return {"ranks": [{"rank": r, "device": f"cpu @{s}",
-                       "calibration": {"samples_per_s": t, "max_micro_batch": 16}}
-                      for r, (s, t) in enumerate(((1.0, 60.0), (0.5, 30.0)))]}
+    return {
+        "ranks": [
+            {
+                "rank": r,
+                "device": f"cpu @{s}",
+                "calibration": {"samples_per_s": t, "max_micro_batch": 16},
+            }
+            for r, (s, t) in enumerate(((1.0, 60.0), (0.5, 30.0)))
+        ]
+    }
 
 
 def _probe_with(**change) -> str:
@@ -64,18 +82,26 @@ PLAN_CASES = {
     "top-level list": (json.dumps([_good_probe()]), ["holds a list", "'ranks' list"]),
     "ranks are ints": (json.dumps({"ranks": [1, 2]}), ["ranks[0] is a number, not an object"]),
     "ranks a string": (json.dumps({"ranks": "ab"}), ["has no 'ranks' list"]),
-    "curve without keys": (json.dumps({**_good_probe(), "fitted_curves": [{"per_sample_s": 0.1}]}),
-                           ["fitted_curves[0] has no overhead_s"]),
-    "calibration curve without overhead": (_probe_with(per_sample_s=0.01),
-                                           ["ranks[0].calibration has no overhead_s"]),
-    "1e308 samples/s": (_probe_with(samples_per_s=1e308),
-                        ["calibration.samples_per_s=1e+308 is out of range"]),
+    "curve without keys": (
+        json.dumps({**_good_probe(), "fitted_curves": [{"per_sample_s": 0.1}]}),
+        ["fitted_curves[0] has no overhead_s"],
+    ),
+    "calibration curve without overhead": (
+        _probe_with(per_sample_s=0.01),
+        ["ranks[0].calibration has no overhead_s"],
+    ),
+    "1e308 samples/s": (
+        _probe_with(samples_per_s=1e308),
+        ["calibration.samples_per_s=1e+308 is out of range"],
+    ),
     "1e308 micro-batch": (_probe_with(max_micro_batch=1e308), ["max_micro_batch=1e+308"]),
     "Infinity": (GOOD.replace("60.0", "Infinity"), ["Infinity is not a JSON number"]),
     "1e400": (GOOD.replace("60.0", "1e400"), ["1e400 overflows a float"]),
     "10**400 as an integer": (GOOD.replace("60.0", str(10**400)), ["has 401 digits"]),
-    "string sync_s": (json.dumps({**_good_probe(), "measured_step": {"sync_s": "x"}}),
-                      ["measured_step.sync_s is a string"]),
+    "string sync_s": (
+        json.dumps({**_good_probe(), "measured_step": {"sync_s": "x"}}),
+        ["measured_step.sync_s is a string"],
+    ),
     "100 000-deep nesting": ("[" * 100_000 + "]" * 100_000, ["nested too deeply"]),
     "binary bytes": ("\udcff\udcfe garbage", ["not UTF-8 text"]),
 }
@@ -95,9 +121,15 @@ def test_plan_accepts_the_largest_figures_a_probe_may_hold(tmp_path):
     """The bounds that refuse 1e308 leave room for any real device: the extremes still plan."""
     data = _good_probe()
     data["ranks"][0]["calibration"].update(
-        samples_per_s=1e15, per_sample_s=1e-12, overhead_s=1e6, step_fixed_s=1e6,
-        memory_budget_bytes=1e18, static_bytes=0, activation_bytes_per_sample=1,
-        max_micro_batch=2**31)
+        samples_per_s=1e15,
+        per_sample_s=1e-12,
+        overhead_s=1e6,
+        step_fixed_s=1e6,
+        memory_budget_bytes=1e18,
+        static_bytes=0,
+        activation_bytes_per_sample=1,
+        max_micro_batch=2**31,
+    )
     data["ranks"][1]["calibration"].update(samples_per_s=1e-6, max_micro_batch=2**31)
     data["measured_step"] = {"sync_s": 1e6}
     probe = tmp_path / "probe.json"
@@ -112,10 +144,12 @@ def test_plan_probe_names_what_the_path_is(tmp_path):
     fifo = tmp_path / "probe.fifo"
     os.mkfifo(fifo)
     (tmp_path / "run" / "allocation.json").mkdir(parents=True)
-    for path, words in ((fifo, "is not a regular file (a FIFO)"),
-                        ("/dev/zero", "is not a regular file (a character device)"),
-                        (tmp_path / "run", "allocation.json) is a directory, not a file"),
-                        (tmp_path / "none.json", "does not exist")):
+    for path, words in (
+        (fifo, "is not a regular file (a FIFO)"),
+        ("/dev/zero", "is not a regular file (a character device)"),
+        (tmp_path / "run", "allocation.json) is a directory, not a file"),
+        (tmp_path / "none.json", "does not exist"),
+    ):
         proc = _hetseq(*PLAN, f"plan.probe={path}", timeout=60)
         _refused(proc, str(path), words, "pass the allocation.json", prefix=PLAN_ERROR)
 
@@ -126,10 +160,12 @@ def test_probe_out_that_cannot_be_written_is_refused_before_probing(tmp_path):
     afile.write_text("x")
     fifo = tmp_path / "out.fifo"
     os.mkfifo(fifo)
-    for out, words in ((tmp_path, "is a directory, not a file"),
-                       (afile / "probe.json", f"cannot be created ({afile} is a file"),
-                       (fifo, "is not a regular file (a FIFO)"),
-                       ("/dev/null", "is not a regular file (a character device)")):
+    for out, words in (
+        (tmp_path, "is a directory, not a file"),
+        (afile / "probe.json", f"cannot be created ({afile} is a file"),
+        (fifo, "is not a regular file (a FIFO)"),
+        ("/dev/null", "is not a regular file (a character device)"),
+    ):
         proc = _hetseq("probe", "--out", str(out), timeout=60)
         _refused(proc, f"--out {out} ", words, "give a writable file")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "out.fifo"]
@@ -169,10 +205,17 @@ def test_probe_append_onto_a_file_of_the_wrong_shape(tmp_path, case):
 
 # ---------------------------------------------------------------------------------- report
 def _row(n: int, **change) -> dict:
-    rank = {"rank": 0, "device": "cpu", "partition": "local", "micro_batch": 4,
-            "accum_steps": 1, "samples": 4, "step_time_s": 0.11, "compute_time_s": 0.1}
-    row = {"step": n, "loss": 2.0 / n, "samples_per_s": 40.0, "allocation": [4],
-           "ranks": [rank]}
+    rank = {
+        "rank": 0,
+        "device": "cpu",
+        "partition": "local",
+        "micro_batch": 4,
+        "accum_steps": 1,
+        "samples": 4,
+        "step_time_s": 0.11,
+        "compute_time_s": 0.1,
+    }
+    row = {"step": n, "loss": 2.0 / n, "samples_per_s": 40.0, "allocation": [4], "ranks": [rank]}
     row.update(change)
     return row
 
@@ -180,14 +223,21 @@ def _row(n: int, **change) -> dict:
 def _metrics(run_dir: Path, rows) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "metrics.jsonl"
-    path.write_bytes(b"".join(r if isinstance(r, bytes) else json.dumps(r).encode() + b"\n"
-                              for r in rows))
+    path.write_bytes(
+        b"".join(r if isinstance(r, bytes) else json.dumps(r).encode() + b"\n" for r in rows)
+    )
     return path
 
 
 REPORT_CASES = {
-    "string rank": ([_row(1, ranks=[{"rank": "zero"}]), _row(2)], "row 1 ranks[0].rank is a string"),
-    "fractional rank": ([_row(1), _row(2, ranks=[{"rank": 0.5}])], "ranks[0].rank=0.5 is not a whole"),
+    "string rank": (
+        [_row(1, ranks=[{"rank": "zero"}]), _row(2)],
+        "row 1 ranks[0].rank is a string",
+    ),
+    "fractional rank": (
+        [_row(1), _row(2, ranks=[{"rank": 0.5}])],
+        "ranks[0].rank=0.5 is not a whole",
+    ),
     "string ranks": ([_row(1, ranks="abc"), _row(2)], "row 1 ranks is a string, not a list"),
     "int entries in ranks": ([_row(1, ranks=[1]), _row(2)], "ranks[0] is a number, not an object"),
     "string step": ([_row(1, step="x"), _row(2)], "row 1 step is a string"),
@@ -195,8 +245,10 @@ REPORT_CASES = {
     "list row": ([[1, 2], _row(1)], "line 1 is a list, not a JSON object"),
     "binary bytes": ([b"\xff\xfe\x00\x01\x89PNG\n", _row(1)], "line 1 is not UTF-8 text"),
     "deep nesting": ([b"[" * 100_000 + b"]" * 100_000 + b"\n", _row(1)], "nested too deeply"),
-    "reallocation.to an int": ([_row(1, reallocation={"to": 3, "at_step": 2}), _row(2)],
-                               "reallocation.to is a number"),
+    "reallocation.to an int": (
+        [_row(1, reallocation={"to": 3, "at_step": 2}), _row(2)],
+        "reallocation.to is a number",
+    ),
 }
 
 
@@ -222,12 +274,14 @@ def test_report_out_that_cannot_be_written(tmp_path):
     _metrics(tmp_path / "run", [_row(1), _row(2)])
     afile = tmp_path / "afile"
     afile.write_text("x")
-    for out, words in ((tmp_path, "is a directory, not a file"),
-                       (afile / "x.png", f"cannot be created ({afile} is a file"),
-                       (tmp_path / "x.xyz", "matplotlib cannot write .xyz files"),
-                       # /proc takes no new folder, whoever runs this (root included, for
-                       # whom os.access says it is writable): refused before the write
-                       ("/proc/hetseq-no-such/x.png", "cannot be created (/proc ")):
+    for out, words in (
+        (tmp_path, "is a directory, not a file"),
+        (afile / "x.png", f"cannot be created ({afile} is a file"),
+        (tmp_path / "x.xyz", "matplotlib cannot write .xyz files"),
+        # /proc takes no new folder, whoever runs this (root included, for
+        # whom os.access says it is writable): refused before the write
+        ("/proc/hetseq-no-such/x.png", "cannot be created (/proc "),
+    ):
         proc = _hetseq("report", str(tmp_path / "run"), "--out", str(out), timeout=60)
         _refused(proc, str(out), words, "--out")
     assert not (tmp_path / "run" / "ranks.png").exists()
@@ -239,25 +293,29 @@ def test_report_names_what_the_path_is(tmp_path):
     (tmp_path / "fifo").mkdir()
     os.mkfifo(tmp_path / "fifo" / "metrics.jsonl")
     (tmp_path / "dir" / "metrics.jsonl").mkdir(parents=True)
-    for run_dir, words in ((tmp_path / "fifo", "metrics.jsonl is not a regular file (a FIFO)"),
-                           (tmp_path / "dir", "metrics.jsonl is a directory, not a file"),
-                           ("/dev/zero", "/dev/zero is not a run directory (it is a character "
-                                         "device)"),
-                           (tmp_path / "none", "metrics.jsonl does not exist")):
+    for run_dir, words in (
+        (tmp_path / "fifo", "metrics.jsonl is not a regular file (a FIFO)"),
+        (tmp_path / "dir", "metrics.jsonl is a directory, not a file"),
+        ("/dev/zero", "/dev/zero is not a run directory (it is a character device)"),
+        (tmp_path / "none", "metrics.jsonl does not exist"),
+    ):
         proc = _hetseq("report", str(run_dir), timeout=60)
         line = _refused(proc, words, "pass the run directory")
         assert ("does not exist" in line) == (run_dir == tmp_path / "none")
 
 
 # ---------------------------------------------------------------------------------- commands
-@pytest.mark.parametrize("argv, words", [
-    (["trian", "task=bert"], ["unknown command 'trian'", "did you mean 'run' (train)?"]),
-    (["pln"], ["unknown command 'pln'", "did you mean 'plan'?"]),
-    (["foo"], ["unknown command 'foo': commands: run, plan"]),
-    (["task=bert", "trian"], ["'trian' is not an override", "hetseq-hpc run --help"]),
-    (["plan", "trian"], ["'trian' is not an override", "hetseq-hpc plan --help"]),
-    (["task=bert", "plan"], ["'plan' after 'run' is not an override", "hetseq-hpc plan"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["trian", "task=bert"], ["unknown command 'trian'", "did you mean 'run' (train)?"]),
+        (["pln"], ["unknown command 'pln'", "did you mean 'plan'?"]),
+        (["foo"], ["unknown command 'foo': commands: run, plan"]),
+        (["task=bert", "trian"], ["'trian' is not an override", "hetseq-hpc run --help"]),
+        (["plan", "trian"], ["'trian' is not an override", "hetseq-hpc plan --help"]),
+        (["task=bert", "plan"], ["'plan' after 'run' is not an override", "hetseq-hpc plan"]),
+    ],
+)
 def test_an_unknown_command_is_named_not_hydras_missing_equal(argv, words, tmp_path):
     proc = _hetseq(*argv, cwd=tmp_path, timeout=60)
     line = _refused(proc, *words)

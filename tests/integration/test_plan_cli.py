@@ -15,8 +15,13 @@ from tests.helpers.runs import REPO
 
 
 def _plan_cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "hetseq_hpc.plan", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "hetseq_hpc.plan", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_cli_mixed_prints_table_and_json():
@@ -35,20 +40,24 @@ def test_cli_mixed_prints_table_and_json():
 
 
 def test_unknown_gpu_type_is_one_line_and_exit_2():
-    proc = _plan_cli("cluster=mixed", "task=bert", "cluster.partitions.t4.gpu_type=k80",
-                     timeout=60)
+    proc = _plan_cli("cluster=mixed", "task=bert", "cluster.partitions.t4.gpu_type=k80", timeout=60)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
-    assert "k80" in lines[0] and "a100" in lines[0] and lines[0].startswith("hetseq-hpc plan: error:")
+    assert (
+        "k80" in lines[0] and "a100" in lines[0] and lines[0].startswith("hetseq-hpc plan: error:")
+    )
     assert proc.stdout == ""
 
 
-@pytest.mark.parametrize("option, key", [
-    ("plan.link_gbps=0", "plan.link_gbps"),
-    ("plan.overlap=half", "plan.overlap"),
-    ("plan.probe={tmp}/no-such-run/allocation.json", "plan.probe"),
-])
+@pytest.mark.parametrize(
+    "option, key",
+    [
+        ("plan.link_gbps=0", "plan.link_gbps"),
+        ("plan.overlap=half", "plan.overlap"),
+        ("plan.probe={tmp}/no-such-run/allocation.json", "plan.probe"),
+    ],
+)
 def test_bad_plan_option_is_one_line_and_exit_2(tmp_path, option, key):
     proc = _plan_cli("cluster=mixed", "task=bert", option.format(tmp=tmp_path), timeout=60)
     assert proc.returncode == 2, proc.stdout
@@ -60,8 +69,14 @@ def test_bad_plan_option_is_one_line_and_exit_2(tmp_path, option, key):
 
 # ------------------------------------------------------------------ time to result (plan --when)
 def _hetseq(*args, env=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "hetseq_hpc", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "hetseq_hpc", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _no_slurm_env():
@@ -88,15 +103,18 @@ def _dead_controller_env(tmp_path):
     closed port on this host): sinfo fails in about a second with "Unable to contact slurm
     controller (connect failure)"."""
     conf = tmp_path / "slurm.conf"
-    conf.write_text("ClusterName=dead\nSlurmctldHost=localhost(127.0.0.1)\n"
-                    "SlurmctldPort=1\nMessageTimeout=2\nNodeName=n1 CPUs=1 State=UNKNOWN\n"
-                    "PartitionName=a100 Nodes=n1 Default=YES State=UP\n")
+    conf.write_text(
+        "ClusterName=dead\nSlurmctldHost=localhost(127.0.0.1)\n"
+        "SlurmctldPort=1\nMessageTimeout=2\nNodeName=n1 CPUs=1 State=UNKNOWN\n"
+        "PartitionName=a100 Nodes=n1 Default=YES State=UP\n"
+    )
     return dict(os.environ, SLURM_CONF=str(conf))
 
 
-@pytest.mark.skipif(shutil.which("sinfo") is None or shutil.which("sbatch") is None,
-                    reason="the Slurm client commands are not installed (scripts/test-cluster.sh "
-                           "installs them)")
+@pytest.mark.skipif(
+    shutil.which("sinfo") is None or shutil.which("sbatch") is None,
+    reason="the Slurm client commands are not installed (scripts/test-cluster.sh installs them)",
+)
 def test_plan_when_with_an_unreachable_controller_is_one_line_before_any_sbatch(tmp_path):
     """Slurm's commands exist but slurmctld does not answer: sinfo is asked once first, so
     `plan --when` says so in one line (it printed a table of 17 mixes, each "sbatch refused
@@ -110,8 +128,14 @@ def test_plan_when_with_an_unreachable_controller_is_one_line_before_any_sbatch(
     assert line.endswith("is slurmctld reachable (scontrol ping)?") and "refused" not in line
     assert "sbatch" not in proc.stdout
     run_dir = tmp_path / "run"
-    proc = _hetseq("run", "cluster=mixed", "task=bert", "cluster.choose=finish_first",
-                   f"hydra.run.dir={run_dir}", env=env)
+    proc = _hetseq(
+        "run",
+        "cluster=mixed",
+        "task=bert",
+        "cluster.choose=finish_first",
+        f"hydra.run.dir={run_dir}",
+        env=env,
+    )
     assert proc.returncode == 1, proc.stderr
     assert "Unable to contact slurm controller" in proc.stderr.strip().splitlines()[-1]
     assert not run_dir.exists()
@@ -119,11 +143,20 @@ def test_plan_when_with_an_unreachable_controller_is_one_line_before_any_sbatch(
 
 def test_choose_without_slurm_submits_nothing_and_leaves_no_run_dir(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _hetseq("run", "cluster=mixed", "task=bert", "cluster.choose=finish_first",
-                   f"hydra.run.dir={run_dir}", env=_no_slurm_env())
+    proc = _hetseq(
+        "run",
+        "cluster=mixed",
+        "task=bert",
+        "cluster.choose=finish_first",
+        f"hydra.run.dir={run_dir}",
+        env=_no_slurm_env(),
+    )
     assert proc.returncode == 1, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith("hetseq-hpc: error: Slurm is not "
-                                                          "available here"), proc.stderr
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith("hetseq-hpc: error: Slurm is not available here")
+    ), proc.stderr
     assert not run_dir.exists()
 
 
@@ -138,14 +171,17 @@ def test_test_only_asks_sbatch_with_the_launchers_script(tmp_path, monkeypatch):
     seen = tmp_path / "seen"
     fake = tmp_path / "bin" / "sbatch"
     fake.parent.mkdir()
-    fake.write_text(f"#!/bin/sh\necho \"$1 $SLURM_TIME_FORMAT\" > {seen}.args\ncp \"$2\" {seen}.sh\n"
-                    "echo 'sbatch: Job 5 to start at 2026-11-25T04:48:32 using 3 processors on "
-                    "n[1,3-4]' >&2\n")
+    fake.write_text(
+        f'#!/bin/sh\necho "$1 $SLURM_TIME_FORMAT" > {seen}.args\ncp "$2" {seen}.sh\n'
+        "echo 'sbatch: Job 5 to start at 2026-11-25T04:48:32 using 3 processors on "
+        "n[1,3-4]' >&2\n"
+    )
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
     cluster = compose_run_config(["cluster=testcluster", "cluster.folder=/shared/sub"]).cluster
     est = test_only_start(cluster, python="/usr/bin/python3")
     assert (tmp_path / "seen.args").read_text().split() == ["--test-only", "standard"]
-    assert (tmp_path / "seen.sh").read_text() == render_sbatch(cluster, "/shared/sub",
-                                                               "/usr/bin/python3")
+    assert (tmp_path / "seen.sh").read_text() == render_sbatch(
+        cluster, "/shared/sub", "/usr/bin/python3"
+    )
     assert est.start_epoch is not None and "n[1,3-4]" in est.detail and not est.refused

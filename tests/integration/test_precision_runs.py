@@ -35,18 +35,35 @@ MIXED_REL_TOL = 2.5e-4
 #: (8.35 -> 7.67 here, 8.9 % of the final loss) is then off by at most u of itself: 3.5e-4.
 #: Measured: 1.9e-6 (bf16), 7.5e-8 (fp16), at 712,768 instead of 1,425,536 bytes per rank/step.
 COMPRESSION_REL_TOL = 3.5e-4
-EXACT = ["task.model.dropout=0.0", "trainer.val_every=0", "trainer.seed=7",
-         "trainer.global_batch_size=32"]
-MIXED = ["cluster.ranks=2", "balance.allocation=[24,8]", "balance.max_micro_batch=5",
-         "precision.ranks=[bf16,fp16]", "trainer.checkpoint_every=10"]
+EXACT = [
+    "task.model.dropout=0.0",
+    "trainer.val_every=0",
+    "trainer.seed=7",
+    "trainer.global_batch_size=32",
+]
+MIXED = [
+    "cluster.ranks=2",
+    "balance.allocation=[24,8]",
+    "balance.max_micro_batch=5",
+    "precision.ranks=[bf16,fp16]",
+    "trainer.checkpoint_every=10",
+]
 
 
 # ---------------------------------------------------------------- end to end
 def _run(run_dir: Path, token_cache: Path, *overrides: str, task=tuple(SMALL_MODEL)) -> None:
-    cmd = [sys.executable, "-m", "hetseq_hpc", *task, *EXACT, *overrides,
-           f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True,
-                          text=True, timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetseq_hpc",
+        *task,
+        *EXACT,
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDERR:\n{proc.stderr[-4000:]}"
 
 
@@ -91,8 +108,9 @@ def test_overflow_on_one_rank_skips_the_step_everywhere_and_resume_is_exact(tmp_
     for rank in (0, 1):  # each rank decided the skip itself, from the all-reduced gradient
         log_text = (whole / "logs" / f"rank{rank}.log").read_text()
         assert f"rank {rank}: step 5 skipped" in log_text and "scale now 32768" in log_text
-    _run(resumed, token_cache, *MIXED, "trainer.max_steps=10", "optim.schedule_steps=20",
-         task=inject)
+    _run(
+        resumed, token_cache, *MIXED, "trainer.max_steps=10", "optim.schedule_steps=20", task=inject
+    )
     _run(resumed, token_cache, *MIXED, "trainer.max_steps=20", task=inject)
     again = {r["step"]: r for r in read_rows(resumed)}
     assert sorted(again) == list(range(1, 21))
@@ -104,11 +122,16 @@ def test_overflow_on_one_rank_skips_the_step_everywhere_and_resume_is_exact(tmp_
 
 @pytest.mark.slow
 def test_bf16_compressed_allreduce_stays_within_tolerance_of_none(tmp_path, token_cache):
-    plain = ["cluster.ranks=2", "balance.allocation=[24,8]", "balance.max_micro_batch=5",
-             "trainer.max_steps=20"]
+    plain = [
+        "cluster.ranks=2",
+        "balance.allocation=[24,8]",
+        "balance.max_micro_batch=5",
+        "trainer.max_steps=20",
+    ]
     _run(tmp_path / "none", token_cache, *plain)
-    _run(tmp_path / "bf16", token_cache, *plain, "comm.grad_compression=bf16",
-         "comm.bucket_cap_mb=1")
+    _run(
+        tmp_path / "bf16", token_cache, *plain, "comm.grad_compression=bf16", "comm.bucket_cap_mb=1"
+    )
     ref, got = losses(tmp_path / "none"), losses(tmp_path / "bf16")
     for step in range(1, 21):
         rel = abs(got[step] - ref[step]) / abs(ref[step])

@@ -13,9 +13,22 @@ from tests.helpers.runs import REPO, SMALL_MODEL, cli_env
 def test_prepare_subcommand_builds_the_cache_a_run_then_uses(tmp_path):
     path = write_corpus(tmp_path, pydoc_text())
     env = cli_env(tmp_path / "cache")
-    proc = subprocess.run([sys.executable, "-m", "hetseq_hpc", "prepare", "task=bert",
-                           f"task.data.files=[{path}]", *SMALL_MODEL], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hetseq_hpc",
+            "prepare",
+            "task=bert",
+            f"task.data.files=[{path}]",
+            *SMALL_MODEL,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     metas = list((tmp_path / "cache").glob("*/meta.json"))
     assert len(metas) == 1 and str(metas[0].parent) in proc.stdout

@@ -32,7 +32,7 @@ import pytest
 from tests.helpers.runs import REPO, SMALL_MODEL, cli_env, read_rows
 
 #: a tiny regression task whose prepare() records its pid, then sleeps task.args.prepare_s
-SLOW_TASK = '''
+SLOW_TASK = """
 import os
 import time
 
@@ -76,7 +76,7 @@ class Net(nn.Module):
 
     def forward(self, x, y):
         return ((self.lin(x).squeeze(1) - y) ** 2).sum()
-'''
+"""
 
 
 def _slow_task_dir(tmp_path: Path) -> Path:
@@ -87,10 +87,21 @@ def _slow_task_dir(tmp_path: Path) -> Path:
 
 
 def _slow_run_cmd(folder: Path, run_dir: Path, prepare_s: float, timeout_s: int) -> List[str]:
-    return [sys.executable, "-m", "hetseq_hpc", "task=custom", "task.target=slow_task.SlowPrepare",
-            f"task.path={folder}", f"+task.args.prepare_s={prepare_s}", "cluster.ranks=2",
-            f"cluster.collective_timeout_s={timeout_s}", "trainer.max_steps=2",
-            "trainer.global_batch_size=16", "trainer.val_every=0", f"hydra.run.dir={run_dir}"]
+    return [
+        sys.executable,
+        "-m",
+        "hetseq_hpc",
+        "task=custom",
+        "task.target=slow_task.SlowPrepare",
+        f"task.path={folder}",
+        f"+task.args.prepare_s={prepare_s}",
+        "cluster.ranks=2",
+        f"cluster.collective_timeout_s={timeout_s}",
+        "trainer.max_steps=2",
+        "trainer.global_batch_size=16",
+        "trainer.val_every=0",
+        f"hydra.run.dir={run_dir}",
+    ]
 
 
 def _workers_of(run_dir: Path) -> List[int]:
@@ -117,9 +128,14 @@ def test_a_stopped_rank0_while_preparing_ends_the_run_with_a_named_error(tmp_pat
     """SIGSTOP rank 0 inside prepare(): rank 1 names rank 0's heartbeat within the timeout, the
     launcher stops every rank (the stopped one with SIGKILL) and exits non-zero."""
     folder, run_dir, timeout_s = _slow_task_dir(tmp_path), tmp_path / "run", 10
-    proc = subprocess.Popen(_slow_run_cmd(folder, run_dir, 600, timeout_s), cwd=tmp_path,
-                            env=cli_env(tmp_path / "cache"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _slow_run_cmd(folder, run_dir, 600, timeout_s),
+        cwd=tmp_path,
+        env=cli_env(tmp_path / "cache"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     rank0 = None
     try:
         deadline = time.monotonic() + 300  # startup on a loaded machine; a guard, not a check
@@ -149,9 +165,14 @@ def test_waiting_ranks_outlive_a_prepare_longer_than_the_collective_timeout(tmp_
     """Rank 0 prepares for 15 s (a slow custom task) while the other rank waits on the marker
     file and rank 0's heartbeat, not in a gloo barrier with the 10 s timeout."""
     folder, run_dir = _slow_task_dir(tmp_path), tmp_path / "run"
-    proc = subprocess.run(_slow_run_cmd(folder, run_dir, 15, 10), cwd=tmp_path,
-                          env=cli_env(tmp_path / "cache"), capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        _slow_run_cmd(folder, run_dir, 15, 10),
+        cwd=tmp_path,
+        env=cli_env(tmp_path / "cache"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in read_rows(run_dir)] == [1, 2]
     assert not list((run_dir / "logs").glob(".prepared-*"))
@@ -165,12 +186,29 @@ def _peak_rss_mb_of_prepare(tmp_path: Path, data: Path, cache: Path) -> tuple:
         "import resource, subprocess, sys\n"
         "p = subprocess.run(sys.argv[1:])\n"
         "print('PEAK_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, flush=True)\n"
-        "sys.exit(p.returncode)\n")
-    cmd = [sys.executable, "-c", script, sys.executable, "-m", "hetseq_hpc", "prepare",
-           "task=bert", f"task.data.files=[{data}]", f"task.data.cache_dir={cache}",
-           "task.model.max_seq_len=64"]
-    proc = subprocess.run(cmd, cwd=REPO, env=cli_env(tmp_path / "unused"), capture_output=True,
-                          text=True, timeout=1200)
+        "sys.exit(p.returncode)\n"
+    )
+    cmd = [
+        sys.executable,
+        "-c",
+        script,
+        sys.executable,
+        "-m",
+        "hetseq_hpc",
+        "prepare",
+        "task=bert",
+        f"task.data.files=[{data}]",
+        f"task.data.cache_dir={cache}",
+        "task.model.max_seq_len=64",
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        env=cli_env(tmp_path / "unused"),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     peak = [int(ln.split()[1]) for ln in proc.stdout.splitlines() if ln.startswith("PEAK_KB")]
     return proc, peak[0] / 1024 if peak else None
 
@@ -198,9 +236,14 @@ def test_prepare_of_a_file_without_newline_stays_in_bounded_memory(tmp_path):
 
 
 def _prepare_cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hetseq_hpc", "prepare", "task=bert",
-                           *SMALL_MODEL, *overrides], cwd=REPO, env=cli_env(tmp_path / "default"),
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "hetseq_hpc", "prepare", "task=bert", *SMALL_MODEL, *overrides],
+        cwd=REPO,
+        env=cli_env(tmp_path / "default"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _one_error_line(proc: subprocess.CompletedProcess) -> str:
@@ -224,9 +267,13 @@ def test_a_file_in_place_of_the_cache_dir_is_one_line(tmp_path):
 def _mount(kind: str, target: Path, *options: str) -> None:
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("mounting a test filesystem needs root and mount(8)")
-    proc = subprocess.run(["mount", *options, target.as_posix()] if kind == "bind" else
-                          ["mount", "-t", kind, *options, kind, target.as_posix()],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["mount", *options, target.as_posix()]
+        if kind == "bind"
+        else ["mount", "-t", kind, *options, kind, target.as_posix()],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a {kind} here ({proc.stderr.strip()}): needs CAP_SYS_ADMIN")
 
@@ -241,16 +288,18 @@ def test_a_read_only_cache_dir_is_one_line(tmp_path):
     cache.mkdir()
     _mount("bind", cache, "--bind", cache.as_posix())
     try:
-        remount = subprocess.run(["mount", "-o", "remount,bind,ro", cache.as_posix()],
-                                 capture_output=True, text=True)
+        remount = subprocess.run(
+            ["mount", "-o", "remount,bind,ro", cache.as_posix()], capture_output=True, text=True
+        )
         if remount.returncode != 0:
             pytest.skip(f"cannot make a read-only bind mount ({remount.stderr.strip()})")
         line = _one_error_line(_prepare_cli(tmp_path, f"task.data.cache_dir={cache}"))
     finally:
         _umount(cache)
     assert f"cannot write the data cache '{cache}/" in line and "Read-only file system" in line
-    assert line.endswith("make it writable, or set task.data.cache_dir (or $HETSEQ_CACHE) to a "
-                         "writable directory")
+    assert line.endswith(
+        "make it writable, or set task.data.cache_dir (or $HETSEQ_CACHE) to a writable directory"
+    )
     assert list(cache.iterdir()) == []
 
 
@@ -265,15 +314,21 @@ def test_a_full_disk_while_preparing_is_one_line_and_leaves_no_trusted_cache(tmp
     cache.mkdir()
     _mount("tmpfs", cache, "-o", "size=2m")
     try:
-        line = _one_error_line(_prepare_cli(tmp_path, f"task.data.cache_dir={cache}",
-                                            f"task.data.files=[{data}]",
-                                            "task.model.max_seq_len=16"))
+        line = _one_error_line(
+            _prepare_cli(
+                tmp_path,
+                f"task.data.cache_dir={cache}",
+                f"task.data.files=[{data}]",
+                "task.model.max_seq_len=16",
+            )
+        )
         left = [p for p in cache.rglob("*") if p.is_file()]
     finally:
         _umount(cache)
     assert f"no space left on {cache} while preparing the data" in line, line
-    assert line.endswith("free space there, or set task.data.cache_dir (or $HETSEQ_CACHE) to a "
-                         "disk with room")
+    assert line.endswith(
+        "free space there, or set task.data.cache_dir (or $HETSEQ_CACHE) to a disk with room"
+    )
     assert not [p for p in left if p.name == "meta.json" or p.name.endswith(".tmp")], left
 
 
@@ -284,5 +339,7 @@ def test_an_existing_cache_is_reported_as_already_prepared(tmp_path):
     again = _prepare_cli(tmp_path, f"task.data.cache_dir={cache}")
     assert again.returncode == 0, again.stderr[-3000:]
     where = next(cache.glob("*/meta.json")).parent
-    assert again.stdout.strip() == (f"task=bert was already prepared: {where} (nothing to do; "
-                                    "delete that directory to rebuild it)")
+    assert again.stdout.strip() == (
+        f"task=bert was already prepared: {where} (nothing to do; "
+        "delete that directory to rebuild it)"
+    )

@@ -14,8 +14,9 @@ from hetseq_hpc.errors import AllocationError
 
 
 def _two_rank_worker(rank: int, port: int, out: str) -> None:
-    world = WorldInfo(rank=rank, local_rank=rank, world_size=2, master_addr="127.0.0.1",
-                      master_port=port)
+    world = WorldInfo(
+        rank=rank, local_rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port
+    )
     with rendezvous(world, torch.device("cpu"), 60) as rdv:
         table = rdv.exchange_step_stats(StepStats(1.5 + rank, 3 + rank, 2, 0.1, 0.2, 0.05, rank))
         rdv.check_agreement("same", "allocation")
@@ -34,8 +35,12 @@ def test_exchange_and_agreement_on_two_ranks(tmp_path):
     out = str(tmp_path / "result.pt")
     mp.spawn(_two_rank_worker, args=(free_port(), out), nprocs=2, join=True)
     result = torch.load(out)
-    assert result["table"] == [[1.5, 3, 2, 0.1, 0.2, 0.05, 0, 0.0],
-                               [2.5, 4, 2, 0.1, 0.2, 0.05, 1, 0.0]]
-    assert "ranks disagree on the allocation (digest rank 0: digest0, rank 1: digest1)" in \
-        result["error"]
+    assert result["table"] == [
+        [1.5, 3, 2, 0.1, 0.2, 0.05, 0, 0.0],
+        [2.5, 4, 2, 0.1, 0.2, 0.05, 1, 0.0],
+    ]
+    assert (
+        "ranks disagree on the allocation (digest rank 0: digest0, rank 1: digest1)"
+        in result["error"]
+    )
     assert "\n" not in result["error"] and "install the same hetseq_hpc" in result["error"]

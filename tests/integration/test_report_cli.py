@@ -15,8 +15,13 @@ from tests.helpers.runs import REPO
 def test_missing_metrics_is_one_line_error(tmp_path):
     with pytest.raises(HetseqError, match=r"metrics\.jsonl does not exist"):
         plot_run(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "hetseq_hpc.report", str(tmp_path)], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hetseq_hpc.report", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2  # bad input, as `hetseq-hpc report` (errors.EXIT_CODES)
     assert len(proc.stderr.strip().splitlines()) == 1
     assert proc.stderr.startswith("hetseq-report: error:")

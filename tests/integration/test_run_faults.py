@@ -30,14 +30,24 @@ from hetseq_hpc.train.loggers import CSV_NAME, TB_DIR
 from tests.helpers.loggers import LOGGERS, logger_warnings
 from tests.helpers.runs import SMALL_MODEL, hetseq, read_rows
 
-TWO_RANKS = ["cluster.ranks=2", "trainer.val_every=0", "balance.calibration_steps=1",
-             "trainer.global_batch_size=16"]
+TWO_RANKS = [
+    "cluster.ranks=2",
+    "trainer.val_every=0",
+    "balance.calibration_steps=1",
+    "trainer.global_batch_size=16",
+]
 
 
-def _cli(run_dir: Path, token_cache: Path, *overrides: str, small: bool = True,
-         timeout: float = 600) -> subprocess.CompletedProcess:
-    return hetseq(*(SMALL_MODEL if small else []), *overrides, f"hydra.run.dir={run_dir}",
-                  token_cache=token_cache, timeout=timeout)
+def _cli(
+    run_dir: Path, token_cache: Path, *overrides: str, small: bool = True, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    return hetseq(
+        *(SMALL_MODEL if small else []),
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+        token_cache=token_cache,
+        timeout=timeout,
+    )
 
 
 def _ok(proc: subprocess.CompletedProcess) -> str:
@@ -49,8 +59,9 @@ def _ok(proc: subprocess.CompletedProcess) -> str:
 def _refused(proc: subprocess.CompletedProcess, run_dir: Path) -> str:
     """The one error line of a run refused before anything started."""
     assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stderr[-3000:]}"
-    assert proc.stderr.startswith("hetseq-hpc: error:") and proc.stderr.count("\n") == 1, \
+    assert proc.stderr.startswith("hetseq-hpc: error:") and proc.stderr.count("\n") == 1, (
         proc.stderr
+    )
     assert not run_dir.exists(), "refused before Hydra created the run directory"
     return proc.stderr.strip()
 
@@ -69,8 +80,16 @@ def test_loggers_blocked_at_resume_warn_once_and_the_run_goes_on(tmp_path, token
     resume keeps the run's records in place): rank 0 used to fail with 0 new rows. Now each
     logger gives one warning with its path and the fix, and steps 3-4 reach metrics.jsonl."""
     run_dir = tmp_path / "run"
-    _ok(_cli(run_dir, token_cache, *TWO_RANKS, "trainer.max_steps=2",
-             "trainer.checkpoint_every=2", LOGGERS))
+    _ok(
+        _cli(
+            run_dir,
+            token_cache,
+            *TWO_RANKS,
+            "trainer.max_steps=2",
+            "trainer.checkpoint_every=2",
+            LOGGERS,
+        )
+    )
     shutil.rmtree(run_dir / TB_DIR)
     (run_dir / TB_DIR).write_text("a file where TensorBoard's directory should be\n")
     (run_dir / CSV_NAME).unlink()
@@ -79,8 +98,10 @@ def test_loggers_blocked_at_resume_warn_once_and_the_run_goes_on(tmp_path, token
     out = _ok(_cli(run_dir, token_cache, "trainer.max_steps=4", small=False))
     assert [r["step"] for r in read_rows(run_dir)] == [1, 2, 3, 4]
     tb, csv_dir = run_dir / TB_DIR, run_dir / CSV_NAME
-    for path, words in ((tb, "is not a directory: remove or rename it"),
-                        (csv_dir, "is a directory: remove or rename it")):
+    for path, words in (
+        (tb, "is not a directory: remove or rename it"),
+        (csv_dir, "is a directory: remove or rename it"),
+    ):
         lines = logger_warnings(out, path)
         assert len(lines) == 1, out[-3000:]
         assert words in lines[0] and "training goes on" in lines[0], lines[0]
@@ -90,8 +111,9 @@ def test_loggers_blocked_at_resume_warn_once_and_the_run_goes_on(tmp_path, token
 
 
 @pytest.mark.slow
-def test_read_only_tensorboard_dir_and_csv_directory_on_a_fresh_run(tmp_path, token_cache,
-                                                                    ro_tmpfs):
+def test_read_only_tensorboard_dir_and_csv_directory_on_a_fresh_run(
+    tmp_path, token_cache, ro_tmpfs
+):
     """``tb/`` on a read-only filesystem and ``metrics.csv`` an (empty) directory, at the start
     of a fresh run: both are dropped with one warning each; 3 steps in metrics.jsonl."""
     run_dir = tmp_path / "run"
@@ -110,9 +132,19 @@ def test_wandb_without_the_package_is_refused_before_any_process(tmp_path):
     if importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed here: the unit test below covers the refusal")
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "hetseq_hpc", "trainer.loggers=[jsonl,wandb]",
-                           f"hydra.run.dir={run_dir}"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hetseq_hpc",
+            "trainer.loggers=[jsonl,wandb]",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     line = _refused(proc, run_dir)
     assert "wandb package is not installed" in line and "pip install wandb" in line
     assert line.endswith("(trainer.loggers=[jsonl])"), line
@@ -120,9 +152,20 @@ def test_wandb_without_the_package_is_refused_before_any_process(tmp_path):
 
 def test_adasum_on_three_local_ranks_is_refused_before_any_process(tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "hetseq_hpc", "cluster.ranks=3",
-                           "comm.grad_combine=adasum", f"hydra.run.dir={run_dir}"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hetseq_hpc",
+            "cluster.ranks=3",
+            "comm.grad_combine=adasum",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     line = _refused(proc, run_dir)
     assert "comm.grad_combine=adasum needs a power-of-two number of ranks" in line
     assert "plans 3: use 2 or 4 ranks" in line and line.endswith("comm.grad_combine=sum")
@@ -130,14 +173,20 @@ def test_adasum_on_three_local_ranks_is_refused_before_any_process(tmp_path):
 
 @pytest.mark.slow
 def test_directory_at_a_checkpoint_name_stops_a_real_run_with_the_right_advice(
-        tmp_path, token_cache):
+    tmp_path, token_cache
+):
     """Steps 1-2 checkpointed; a directory then sits at step 4's checkpoint name. The resumed
     run trains steps 3-4 and stops at the save with one line naming the directory and the fix
     (it said "free disk space or fix permissions" before)."""
     run_dir = tmp_path / "run"
-    quick = [*SMALL_MODEL, "cluster.ranks=1", "trainer.val_every=0",
-             "balance.calibration_steps=1", "trainer.global_batch_size=16",
-             "trainer.checkpoint_every=2"]
+    quick = [
+        *SMALL_MODEL,
+        "cluster.ranks=1",
+        "trainer.val_every=0",
+        "balance.calibration_steps=1",
+        "trainer.global_batch_size=16",
+        "trainer.checkpoint_every=2",
+    ]
     _ok(_cli(run_dir, token_cache, *quick, "trainer.max_steps=2", small=False))
     blocker = checkpoint_path(run_dir, 4)
     blocker.mkdir()

@@ -22,14 +22,25 @@ from hetseq_hpc.train.checkpoint import (
 from tests.helpers.checkpoints import plant_corrupt
 from tests.helpers.runs import SMALL_MODEL, hetseq, read_rows
 
-QUICK = [*SMALL_MODEL, "cluster.ranks=1", "trainer.val_every=0", "balance.calibration_steps=1",
-         "trainer.global_batch_size=16"]
+QUICK = [
+    *SMALL_MODEL,
+    "cluster.ranks=1",
+    "trainer.val_every=0",
+    "balance.calibration_steps=1",
+    "trainer.global_batch_size=16",
+]
 
 
-def _cli(run_dir: Path, token_cache: Path, *overrides: str, quick: bool = True,
-         timeout: float = 600) -> subprocess.CompletedProcess:
-    return hetseq(*(QUICK if quick else []), *overrides, f"hydra.run.dir={run_dir}",
-                  token_cache=token_cache, timeout=timeout)
+def _cli(
+    run_dir: Path, token_cache: Path, *overrides: str, quick: bool = True, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    return hetseq(
+        *(QUICK if quick else []),
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+        token_cache=token_cache,
+        timeout=timeout,
+    )
 
 
 def _ok(proc: subprocess.CompletedProcess) -> None:
@@ -42,14 +53,27 @@ def test_starting_over_keeps_both_runs_apart(tmp_path, token_cache):
     """Case 1: an old run to step 4, then trainer.resume=never to step 2, then resume=auto
     continues the NEW run (not the old run's higher step), and the old run is intact."""
     run_dir = tmp_path / "run"
-    _ok(_cli(run_dir, token_cache, "trainer.max_steps=4", "trainer.checkpoint_every=1",
-             "trainer.keep_checkpoints=5"))
+    _ok(
+        _cli(
+            run_dir,
+            token_cache,
+            "trainer.max_steps=4",
+            "trainer.checkpoint_every=1",
+            "trainer.keep_checkpoints=5",
+        )
+    )
     old_id = current_run_id(run_dir)
     old_rows = (run_dir / "metrics.jsonl").read_text()
     old_ckpt = checkpoint_path(run_dir, 4).read_bytes()
 
-    proc = _cli(run_dir, token_cache, "trainer.max_steps=2", "trainer.checkpoint_every=1",
-                "trainer.keep_checkpoints=1", "trainer.resume=never")
+    proc = _cli(
+        run_dir,
+        token_cache,
+        "trainer.max_steps=2",
+        "trainer.checkpoint_every=1",
+        "trainer.keep_checkpoints=1",
+        "trainer.resume=never",
+    )
     _ok(proc)
     archived = run_dir / "previous" / old_id
     assert str(archived) in (run_dir / "logs" / "rank0.log").read_text()
@@ -75,8 +99,15 @@ def test_keep_one_with_a_corrupt_newer_checkpoint_leaves_a_resumable_run(tmp_pat
     """Case 2 as a user meets it: keep_checkpoints=1 and a corrupt step 20; the resumed run
     falls back, trains, keeps its own new checkpoint, and the directory resumes again."""
     run_dir = tmp_path / "run"
-    _ok(_cli(run_dir, token_cache, "trainer.max_steps=2", "trainer.checkpoint_every=1",
-             "trainer.keep_checkpoints=2"))
+    _ok(
+        _cli(
+            run_dir,
+            token_cache,
+            "trainer.max_steps=2",
+            "trainer.checkpoint_every=1",
+            "trainer.keep_checkpoints=2",
+        )
+    )
     damaged = plant_corrupt(run_dir, 2, 20)
     _ok(_cli(run_dir, token_cache, "trainer.max_steps=3", "trainer.keep_checkpoints=1"))
     assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000003.pt"]
@@ -112,8 +143,18 @@ def test_a_saved_task_module_is_imported_only_when_named(tmp_path, token_cache):
     marker = code / "IMPORTED"
     task = ["task=custom", "task.target=marker_task.MarkerTask", f"task.path={code}"]
     first = tmp_path / "first"
-    _ok(_cli(first, token_cache, *task, "trainer.max_steps=1", "cluster.ranks=1",
-             "trainer.global_batch_size=8", "trainer.val_every=0", quick=False))
+    _ok(
+        _cli(
+            first,
+            token_cache,
+            *task,
+            "trainer.max_steps=1",
+            "cluster.ranks=1",
+            "trainer.global_batch_size=8",
+            "trainer.val_every=0",
+            quick=False,
+        )
+    )
     copied = tmp_path / "copied"
     shutil.copytree(first, copied, ignore=shutil.ignore_patterns(".hetseq.lock"))
 
@@ -126,13 +167,15 @@ def test_a_saved_task_module_is_imported_only_when_named(tmp_path, token_cache):
     assert "trainer.trust_saved_task=true" in last and "task.target=marker_task.MarkerTask" in last
     assert not marker.exists(), "the saved task module was imported"
 
-    proc = _cli(copied, token_cache, "trainer.max_steps=1", "trainer.resume=never",
-                "trainer.val_every=0")
+    proc = _cli(
+        copied, token_cache, "trainer.max_steps=1", "trainer.resume=never", "trainer.val_every=0"
+    )
     _ok(proc)
     assert not marker.exists(), "resume=never imported the saved task module"
 
-    proc = _cli(first, token_cache, "trainer.max_steps=2", "trainer.trust_saved_task=true",
-                quick=False)
+    proc = _cli(
+        first, token_cache, "trainer.max_steps=2", "trainer.trust_saved_task=true", quick=False
+    )
     _ok(proc)
     assert marker.exists()
     assert str(code / "marker_task.py") in proc.stdout

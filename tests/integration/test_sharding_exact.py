@@ -33,10 +33,21 @@ from tests.helpers.tasks import task_overrides
 
 pytestmark = pytest.mark.slow
 
-STEPS = ["trainer.global_batch_size=32", "optim.schedule_steps=20", "trainer.checkpoint_every=5",
-         "trainer.seed=7", "task.model.dropout=0.0", "trainer.val_every=0"]
-FSDP_UNEVEN = ["sharding.mode=fsdp", "cluster.ranks=2", "balance.allocation=[24,8]",
-               "balance.max_micro_batch=5", "sharding.activation_checkpointing=true"]
+STEPS = [
+    "trainer.global_batch_size=32",
+    "optim.schedule_steps=20",
+    "trainer.checkpoint_every=5",
+    "trainer.seed=7",
+    "task.model.dropout=0.0",
+    "trainer.val_every=0",
+]
+FSDP_UNEVEN = [
+    "sharding.mode=fsdp",
+    "cluster.ranks=2",
+    "balance.allocation=[24,8]",
+    "balance.max_micro_batch=5",
+    "sharding.activation_checkpointing=true",
+]
 
 
 def _ok(proc) -> None:
@@ -44,10 +55,14 @@ def _ok(proc) -> None:
 
 
 @pytest.mark.parametrize("name", ["bert", "image", "translation", "custom"])
-def test_fsdp_uneven_then_3_ranks_then_ddp_repeat_one_rank(name, tmp_path, run_cli,
-                                                          task_data_files):
-    task = [*SMALL_MODEL, "task.model.max_seq_len=32"] if name == "bert" else \
-        task_overrides(name, task_data_files)
+def test_fsdp_uneven_then_3_ranks_then_ddp_repeat_one_rank(
+    name, tmp_path, run_cli, task_data_files
+):
+    task = (
+        [*SMALL_MODEL, "task.model.max_seq_len=32"]
+        if name == "bert"
+        else task_overrides(name, task_data_files)
+    )
     ref, run = tmp_path / "ref", tmp_path / "sharded"
     _ok(run_cli(ref, *task, *STEPS, "cluster.ranks=1", "trainer.max_steps=20", small=False))
     _ok(run_cli(run, *task, *STEPS, *FSDP_UNEVEN, "trainer.max_steps=10", small=False))
@@ -57,11 +72,29 @@ def test_fsdp_uneven_then_3_ranks_then_ddp_repeat_one_rank(name, tmp_path, run_c
     shards = sorted((run / "checkpoints").glob("step_00000010.*.shards"))
     assert len(shards) == 1 and len(list(shards[0].glob("__*_*.distcp"))) == 2
     assert summary["exact"] is True
-    _ok(run_cli(run, *task, *STEPS, "sharding.mode=fsdp", "cluster.ranks=3",
-                "balance.allocation=null",
-                "trainer.max_steps=15", small=False))
-    _ok(run_cli(run, *task, *STEPS, "sharding.mode=none", "cluster.ranks=2",
-                "trainer.max_steps=20", small=False))
+    _ok(
+        run_cli(
+            run,
+            *task,
+            *STEPS,
+            "sharding.mode=fsdp",
+            "cluster.ranks=3",
+            "balance.allocation=null",
+            "trainer.max_steps=15",
+            small=False,
+        )
+    )
+    _ok(
+        run_cli(
+            run,
+            *task,
+            *STEPS,
+            "sharding.mode=none",
+            "cluster.ranks=2",
+            "trainer.max_steps=20",
+            small=False,
+        )
+    )
     resumed = losses(run)
     assert sorted(resumed) == list(range(1, 21))
     assert_same_losses(losses(ref), resumed, range(1, 21))
@@ -72,9 +105,14 @@ def test_fsdp_uneven_then_3_ranks_then_ddp_repeat_one_rank(name, tmp_path, run_c
 #: a model whose state outweighs one sample's activations (short rows, small vocabulary):
 #: ~681 k parameters, a replica with AdamW 13.6 MB, a shard on 2 ranks with FSDP2's gathered
 #: units (root x 2 + block x 3) 8.3 MB, ~0.8 MiB of activations per sample
-MIXED_MODEL = ["task.model.hidden_size=128", "task.model.num_layers=4", "task.model.num_heads=2",
-               "task.model.intermediate_size=256", "task.model.max_seq_len=16",
-               "task.data.vocab_size=1024"]
+MIXED_MODEL = [
+    "task.model.hidden_size=128",
+    "task.model.num_layers=4",
+    "task.model.num_heads=2",
+    "task.model.intermediate_size=256",
+    "task.model.max_seq_len=16",
+    "task.data.vocab_size=1024",
+]
 
 
 def test_a_model_ddp_refuses_trains_sharded_auto_chooses_and_export(tmp_path, run_cli):
@@ -95,12 +133,16 @@ def test_a_model_ddp_refuses_trains_sharded_auto_chooses_and_export(tmp_path, ru
     last = refused.stderr.strip().splitlines()[-1]
     assert last.startswith("hetseq-hpc: error:") and "sharding.mode=fsdp" in last, last
     assert "memory_budgets_gb[0]" in last, last  # the small rank, named
-    for name, extra in (("fsdp", ["sharding.mode=fsdp", *mixed]),
-                        ("auto_tight", ["sharding.mode=auto", *mixed]),
-                        ("auto_roomy", ["sharding.mode=auto"])):
+    for name, extra in (
+        ("fsdp", ["sharding.mode=fsdp", *mixed]),
+        ("auto_tight", ["sharding.mode=auto", *mixed]),
+        ("auto_roomy", ["sharding.mode=auto"]),
+    ):
         _ok(run_cli(tmp_path / name, *common, *extra, small=False))
-    summaries = {d: json.loads((tmp_path / d / "summary.json").read_text())
-                 for d in ("fsdp", "auto_tight", "auto_roomy")}
+    summaries = {
+        d: json.loads((tmp_path / d / "summary.json").read_text())
+        for d in ("fsdp", "auto_tight", "auto_roomy")
+    }
     assert [s["sharding"]["mode"] for s in summaries.values()] == ["fsdp", "fsdp", "ddp"]
     for name in ("fsdp", "auto_tight"):
         memory = summaries[name]["memory"]
@@ -130,12 +172,31 @@ def test_fsdp_full_checkpoints_resume_on_3_ranks(tmp_path, run_cli):
     task = [*SMALL_MODEL, "task.model.max_seq_len=32"]
     ref, run = tmp_path / "ref", tmp_path / "full"
     _ok(run_cli(ref, *task, *STEPS, "cluster.ranks=1", "trainer.max_steps=10", small=False))
-    _ok(run_cli(run, *task, *STEPS, *FSDP_UNEVEN, "sharding.checkpoint=full",
-                "trainer.max_steps=5", small=False))
+    _ok(
+        run_cli(
+            run,
+            *task,
+            *STEPS,
+            *FSDP_UNEVEN,
+            "sharding.checkpoint=full",
+            "trainer.max_steps=5",
+            small=False,
+        )
+    )
     assert not list((run / "checkpoints").glob("*.shards"))
     assert load_checkpoint(run / "checkpoints" / "step_00000005.pt")["model"]
-    _ok(run_cli(run, *task, *STEPS, "sharding.mode=fsdp", "cluster.ranks=3",
-                "balance.allocation=null", "trainer.max_steps=10", small=False))
+    _ok(
+        run_cli(
+            run,
+            *task,
+            *STEPS,
+            "sharding.mode=fsdp",
+            "cluster.ranks=3",
+            "balance.allocation=null",
+            "trainer.max_steps=10",
+            small=False,
+        )
+    )
     assert_same_losses(losses(ref), losses(run), range(1, 11))
 
 
@@ -146,10 +207,29 @@ def test_ddp_checkpoint_resumes_under_fsdp_on_3_ranks(tmp_path, run_cli):
     task = [*SMALL_MODEL, "task.model.max_seq_len=32"]
     ref, run = tmp_path / "ref", tmp_path / "ddp_then_fsdp"
     _ok(run_cli(ref, *task, *STEPS, "cluster.ranks=1", "trainer.max_steps=10", small=False))
-    _ok(run_cli(run, *task, *STEPS, "cluster.ranks=2", "balance.allocation=[24,8]",
-                "trainer.max_steps=5", small=False))
-    _ok(run_cli(run, *task, *STEPS, "sharding.mode=fsdp", "cluster.ranks=3",
-                "balance.allocation=null", "trainer.max_steps=10", small=False))
+    _ok(
+        run_cli(
+            run,
+            *task,
+            *STEPS,
+            "cluster.ranks=2",
+            "balance.allocation=[24,8]",
+            "trainer.max_steps=5",
+            small=False,
+        )
+    )
+    _ok(
+        run_cli(
+            run,
+            *task,
+            *STEPS,
+            "sharding.mode=fsdp",
+            "cluster.ranks=3",
+            "balance.allocation=null",
+            "trainer.max_steps=10",
+            small=False,
+        )
+    )
     assert json.loads((run / "summary.json").read_text())["sharding"]["mode"] == "fsdp"
     assert sorted(losses(run)) == list(range(1, 11))
     assert_same_losses(losses(ref), losses(run), range(1, 11))
@@ -161,14 +241,23 @@ def test_fsdp_validation_matches_one_rank(name, tmp_path, run_cli, task_data_fil
     many batches (2 ranks at [24, 8] have different micro-batches); translation with BLEU
     (greedy decoding, a data-dependent number of passes) on the weights gathered whole. The
     metrics equal the 1-rank run's, and translation's examples come from rank 0's CPU copy."""
-    task = [*SMALL_MODEL, "task.model.max_seq_len=32"] if name == "bert" else \
-        task_overrides(name, task_data_files)
+    task = (
+        [*SMALL_MODEL, "task.model.max_seq_len=32"]
+        if name == "bert"
+        else task_overrides(name, task_data_files)
+    )
     common = [*task, *STEPS, "trainer.val_every=5", "trainer.max_steps=10"]
     ref, run = tmp_path / "ref", tmp_path / "sharded"
     _ok(run_cli(ref, *common, "cluster.ranks=1", small=False))
     _ok(run_cli(run, *common, *FSDP_UNEVEN, small=False))
-    rows = {d: [r for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
-                if "val_loss" in r] for d in (ref, run)}
+    rows = {
+        d: [
+            r
+            for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+            if "val_loss" in r
+        ]
+        for d in (ref, run)
+    }
     assert [r["step"] for r in rows[run]] == [5, 10]
     for a, b in zip(rows[ref], rows[run]):
         for key in (k for k in a if k.startswith("val_")):

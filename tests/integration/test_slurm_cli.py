@@ -21,8 +21,13 @@ def test_dry_run_writes_the_script_and_submits_nothing(tmp_path, token_cache):
     script = (tmp_path / "job.sbatch").read_text()
     # a DDP run with trainer.elastic on (the default): the script serves the job's store, its
     # step survives a task's death, and it exits 0 when the survivors finished the run
-    assert script == render_sbatch(compose_testcluster().cluster, str(tmp_path / "submitit"),
-                                   sys.executable, elastic=True, run_dir=str(tmp_path.resolve()))
+    assert script == render_sbatch(
+        compose_testcluster().cluster,
+        str(tmp_path / "submitit"),
+        sys.executable,
+        elastic=True,
+        run_dir=str(tmp_path.resolve()),
+    )
     assert "--kill-on-bad-exit=0 --no-kill" in script and "store_server" in script
     assert f"{tmp_path.resolve()}/summary.json" in script
     assert not (tmp_path / "job.json").exists()
@@ -31,8 +36,9 @@ def test_dry_run_writes_the_script_and_submits_nothing(tmp_path, token_cache):
 
 @pytest.mark.parametrize("bad", ["a100;rm -rf ~", "a100$(id)", "a100 b"])
 def test_unsafe_partition_name_is_rejected(tmp_path, token_cache, bad):
-    proc = slurm_cli(tmp_path, token_cache, f"cluster.partitions.a100.partition='{bad}'",
-                     "cluster.dry_run=true")
+    proc = slurm_cli(
+        tmp_path, token_cache, f"cluster.partitions.a100.partition='{bad}'", "cluster.dry_run=true"
+    )
     assert proc.returncode == 2, proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("hetseq-hpc: error: cluster.partitions.a100.partition=")
@@ -42,9 +48,14 @@ def test_unsafe_partition_name_is_rejected(tmp_path, token_cache, bad):
 def test_missing_slurm_says_what_and_suggests_local(tmp_path, token_cache):
     env = cli_env(token_cache)
     env["PATH"] = str(Path(sys.executable).parent)  # python only: no sbatch, srun, sinfo
-    proc = subprocess.run([sys.executable, "-m", "hetseq_hpc", "cluster=testcluster",
-                           f"hydra.run.dir={tmp_path}"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hetseq_hpc", "cluster=testcluster", f"hydra.run.dir={tmp_path}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1
     line = proc.stderr.strip().splitlines()[-1]
     assert "sbatch" in line and "cluster=local" in line, line

@@ -20,8 +20,9 @@ def test_submission_through_the_real_executor(tmp_path, monkeypatch):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     sbatch = bin_dir / "sbatch"
-    sbatch.write_text(f"#!/bin/sh\ncp \"$1\" {tmp_path / 'submitted.sh'}\n"
-                      "echo 'Submitted batch job 4242'\n")
+    sbatch.write_text(
+        f"#!/bin/sh\ncp \"$1\" {tmp_path / 'submitted.sh'}\necho 'Submitted batch job 4242'\n"
+    )
     sbatch.chmod(sbatch.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     run = compose_run_config(["cluster=testcluster"])

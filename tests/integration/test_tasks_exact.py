@@ -34,15 +34,22 @@ from tests.helpers.tasks import METRIC, SUMMARY_NAME, task_overrides
 
 pytestmark = pytest.mark.slow
 
-STEPS = ["trainer.global_batch_size=32", "optim.schedule_steps=20", "trainer.checkpoint_every=10",
-         "trainer.seed=7", "task.model.dropout=0.0", "trainer.val_every=0"]
+STEPS = [
+    "trainer.global_batch_size=32",
+    "optim.schedule_steps=20",
+    "trainer.checkpoint_every=10",
+    "trainer.seed=7",
+    "task.model.dropout=0.0",
+    "trainer.val_every=0",
+]
 UNEVEN = ["cluster.ranks=2", "balance.allocation=[24,8]", "balance.max_micro_batch=5"]
 
 
 def run(run_dir: Path, cache: Path, *overrides: str) -> None:
     cmd = [sys.executable, "-m", "hetseq_hpc", *overrides, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(cmd, cwd=REPO, env=cli_env(cache), capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=cli_env(cache), capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDERR:\n{proc.stderr[-4000:]}"
 
 
@@ -55,8 +62,7 @@ def test_uneven_ranks_and_resume_repeat_one_rank(name, tmp_path, token_cache, ta
     run(ref, token_cache, *task, *STEPS, "cluster.ranks=1", "trainer.max_steps=20")
     run(uneven, token_cache, *task, *STEPS, *UNEVEN, "trainer.max_steps=10")
     assert max(losses(uneven)) == 10
-    run(uneven, token_cache, *task, *STEPS, *UNEVEN, "trainer.max_steps=20",
-        "trainer.resume=auto")
+    run(uneven, token_cache, *task, *STEPS, *UNEVEN, "trainer.max_steps=20", "trainer.resume=auto")
     shares = json.loads((uneven / "allocation.json").read_text())["allocation"]["shares"]
     assert [s["samples"] for s in shares] == [24, 8]
     assert [s["accum_steps"] for s in shares] == [5, 2]

@@ -43,19 +43,35 @@ def _ok(proc: subprocess.CompletedProcess) -> None:
 def reference_run(tmp_path_factory, token_cache):
     """An uninterrupted 20-step run on ONE rank, global batch 32 (shared by two tests)."""
     run_dir = tmp_path_factory.mktemp("ref")
-    cmd = [sys.executable, "-m", "hetseq_hpc", *SMALL_MODEL, *EXACT, "cluster.ranks=1",
-           "trainer.global_batch_size=32", "trainer.max_steps=20", "trainer.checkpoint_every=10",
-           f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True, text=True,
-                          timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetseq_hpc",
+        *SMALL_MODEL,
+        *EXACT,
+        "cluster.ranks=1",
+        "trainer.global_batch_size=32",
+        "trainer.max_steps=20",
+        "trainer.checkpoint_every=10",
+        f"hydra.run.dir={run_dir}",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True, text=True, timeout=600
+    )
     _ok(proc)
     return run_dir
 
 
 def test_main_job_end_to_end(tmp_path, run_cli):
     """Default local cluster (2 ranks): loss falls, and every promised artefact is written."""
-    proc = run_cli(tmp_path, "trainer.max_steps=12", "optim.warmup_steps=2", "optim.lr=3e-3",
-                   "trainer.val_every=6", "trainer.checkpoint_every=6")
+    proc = run_cli(
+        tmp_path,
+        "trainer.max_steps=12",
+        "optim.warmup_steps=2",
+        "optim.lr=3e-3",
+        "trainer.val_every=6",
+        "trainer.checkpoint_every=6",
+    )
     _ok(proc)
     rows = read_rows(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 13))
@@ -74,8 +90,12 @@ def test_main_job_end_to_end(tmp_path, run_cli):
     assert len({r["probe"]["kind"] for r in alloc["ranks"]}) == 1
     assert all(r["calibration"]["samples_per_s"] > 0 for r in alloc["ranks"])
     ckpts = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert ckpts == ["step_00000006.pt", "step_00000006.pt.sha256", "step_00000012.pt",
-                     "step_00000012.pt.sha256"]  # each with its SHA-256 sidecar, no temp file
+    assert ckpts == [
+        "step_00000006.pt",
+        "step_00000006.pt.sha256",
+        "step_00000012.pt",
+        "step_00000012.pt.sha256",
+    ]  # each with its SHA-256 sidecar, no temp file
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["final_step"] == 12 and summary["validation"]["val_loss"] > 0
     assert (tmp_path / "logs" / "rank1.log").is_file()
@@ -84,9 +104,15 @@ def test_main_job_end_to_end(tmp_path, run_cli):
 def test_one_rank_equals_uneven_two_ranks(tmp_path, run_cli, reference_run):
     """1 rank x 32 and 2 ranks x [24, 8] (with gradient accumulation on both) log the same loss
     at every one of 20 steps: one update == one step on the whole global batch."""
-    proc = run_cli(tmp_path, *EXACT, "cluster.ranks=2", "trainer.global_batch_size=32",
-                   "balance.allocation=[24,8]", "balance.max_micro_batch=5",
-                   "trainer.max_steps=20")
+    proc = run_cli(
+        tmp_path,
+        *EXACT,
+        "cluster.ranks=2",
+        "trainer.global_batch_size=32",
+        "balance.allocation=[24,8]",
+        "balance.max_micro_batch=5",
+        "trainer.max_steps=20",
+    )
     _ok(proc)
     alloc = json.loads((tmp_path / "allocation.json").read_text())["allocation"]
     assert [s["samples"] for s in alloc["shares"]] == [24, 8]
@@ -97,12 +123,14 @@ def test_one_rank_equals_uneven_two_ranks(tmp_path, run_cli, reference_run):
 def test_resume_repeats_uninterrupted_run(tmp_path, run_cli, reference_run):
     """Stopped after step 10 and resumed with trainer.resume=auto -- on a different hardware
     mix (2 ranks instead of 1) -- the run logs the same losses for steps 11-20."""
-    first = run_cli(tmp_path, *EXACT, "cluster.ranks=2", "trainer.max_steps=10",
-                    "optim.schedule_steps=20")
+    first = run_cli(
+        tmp_path, *EXACT, "cluster.ranks=2", "trainer.max_steps=10", "optim.schedule_steps=20"
+    )
     _ok(first)
     assert max(losses(tmp_path)) == 10
-    second = run_cli(tmp_path, *EXACT, "cluster.ranks=2", "trainer.max_steps=20",
-                     "trainer.resume=auto")
+    second = run_cli(
+        tmp_path, *EXACT, "cluster.ranks=2", "trainer.max_steps=20", "trainer.resume=auto"
+    )
     _ok(second)
     resumed = losses(tmp_path)
     assert sorted(resumed) == list(range(1, 21)), "metrics.jsonl should read as one run"
@@ -119,7 +147,9 @@ def test_corrupt_checkpoint_is_reported_and_kept(tmp_path, run_cli):
     proc = run_cli(tmp_path, "trainer.max_steps=6", "trainer.resume=auto")
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("hetseq-hpc: error:") and "step_00000004.pt" in last and "corrupt" in last
+    assert (
+        last.startswith("hetseq-hpc: error:") and "step_00000004.pt" in last and "corrupt" in last
+    )
     assert bad.read_bytes() == b"PK\x03\x04 definitely not a torch checkpoint"
     assert not (tmp_path / "metrics.jsonl").exists()
 
@@ -130,11 +160,26 @@ def test_dead_rank_stops_the_job_with_a_clear_error(tmp_path, token_cache):
     (which would wait in a collective) and reports which rank died and why, instead of hanging. A 0.03 GiB rank on a machine with
     GiBs free, killed by the user, is not called out of memory (its cgroup counter did not move;
     the kernel log, where readable, does not name the process)."""
-    cmd = [sys.executable, "-m", "hetseq_hpc", *SMALL_MODEL, "cluster.ranks=2",
-           "trainer.max_steps=100000", "trainer.val_every=0", "trainer.checkpoint_every=0",
-           "trainer.elastic.enabled=false", f"hydra.run.dir={tmp_path}"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(token_cache), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetseq_hpc",
+        *SMALL_MODEL,
+        "cluster.ranks=2",
+        "trainer.max_steps=100000",
+        "trainer.val_every=0",
+        "trainer.checkpoint_every=0",
+        "trainer.elastic.enabled=false",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=cli_env(token_cache),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_rows(tmp_path, 2, proc)
         pids = worker_pids(tmp_path)
@@ -154,12 +199,19 @@ def test_dead_rank_stops_the_job_with_a_clear_error(tmp_path, token_cache):
 
 
 def test_rebalancing_keeps_exact_semantics_and_switches_all_ranks_together(
-        tmp_path, run_cli, reference_run):
+    tmp_path, run_cli, reference_run
+):
     """Start badly split ([28, 4] on equal ranks) with re-balancing every 2 steps: the
     allocation changes mid-run, every rank switches at the same step, and the losses still
     equal the 1-rank run at every step."""
-    proc = run_cli(tmp_path, *EXACT, "cluster.ranks=2", "balance.allocation=[28,4]",
-                   "balance.rebalance_every=2", "trainer.max_steps=20")
+    proc = run_cli(
+        tmp_path,
+        *EXACT,
+        "cluster.ranks=2",
+        "balance.allocation=[28,4]",
+        "balance.rebalance_every=2",
+        "trainer.max_steps=20",
+    )
     _ok(proc)
     rows = read_rows(tmp_path)
     moves = [r for r in rows if "reallocation" in r]
@@ -189,12 +241,28 @@ def test_ctrl_c_checkpoints_and_resumes(tmp_path, token_cache):
     """Ctrl-C (SIGINT to the whole foreground process group, as a terminal sends it): the
     workers ignore it, the launcher stops them with SIGTERM, they checkpoint after their current
     step, and the run continues from there with trainer.resume=auto."""
-    cmd = [sys.executable, "-m", "hetseq_hpc", *SMALL_MODEL, "cluster.ranks=2",
-           "trainer.max_steps=100000", "optim.schedule_steps=100000", "trainer.val_every=0",
-           "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path}"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(token_cache), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            preexec_fn=sigint_as_in_a_terminal)
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetseq_hpc",
+        *SMALL_MODEL,
+        "cluster.ranks=2",
+        "trainer.max_steps=100000",
+        "optim.schedule_steps=100000",
+        "trainer.val_every=0",
+        "trainer.checkpoint_every=0",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=cli_env(token_cache),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=sigint_as_in_a_terminal,
+    )
     try:
         wait_rows(tmp_path, 3, proc)
         os.killpg(proc.pid, signal.SIGINT)
@@ -209,9 +277,23 @@ def test_ctrl_c_checkpoints_and_resumes(tmp_path, token_cache):
     stopped_at = int(ckpts[-1].stem.split("_")[1])
     assert stopped_at >= 3 and max(losses(tmp_path)) == stopped_at
     resumed = subprocess.run(
-        [sys.executable, "-m", "hetseq_hpc", *SMALL_MODEL, "cluster.ranks=2",
-         f"trainer.max_steps={stopped_at + 2}", "optim.schedule_steps=100000",
-         "trainer.val_every=0", "trainer.resume=auto", f"hydra.run.dir={tmp_path}"],
-        cwd=REPO, env=cli_env(token_cache), capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "hetseq_hpc",
+            *SMALL_MODEL,
+            "cluster.ranks=2",
+            f"trainer.max_steps={stopped_at + 2}",
+            "optim.schedule_steps=100000",
+            "trainer.val_every=0",
+            "trainer.resume=auto",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        cwd=REPO,
+        env=cli_env(token_cache),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     _ok(resumed)
     assert sorted(losses(tmp_path)) == list(range(1, stopped_at + 3))

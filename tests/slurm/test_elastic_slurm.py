@@ -27,19 +27,32 @@ from tests.helpers.runs import REPO, SMALL_MODEL, cli_env, losses, read_rows
 from tests.helpers.slurm import squeue_state
 from tests.slurm.test_slurm_faults_real import _rank_pid
 
-COMMON = [*SMALL_MODEL, "task.model.max_seq_len=32", "task.model.dropout=0.0",
-          "trainer.global_batch_size=24", "trainer.max_steps=30", "optim.schedule_steps=30",
-          "trainer.seed=5", "trainer.val_every=0", "trainer.checkpoint_every=0",
-          "trainer.elastic.timeout_s=12"]  # stale after 6 s: room for a loaded machine
+COMMON = [
+    *SMALL_MODEL,
+    "task.model.max_seq_len=32",
+    "task.model.dropout=0.0",
+    "trainer.global_batch_size=24",
+    "trainer.max_steps=30",
+    "optim.schedule_steps=30",
+    "trainer.seed=5",
+    "trainer.val_every=0",
+    "trainer.checkpoint_every=0",
+    "trainer.elastic.timeout_s=12",
+]  # stale after 6 s: room for a loaded machine
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, token_cache) -> Dict[int, float]:
     """step -> loss of an uninterrupted 3-rank local run of the same job."""
     ref = tmp_path_factory.mktemp("ref")
-    done = subprocess.run([sys.executable, "-m", "hetseq_hpc", *COMMON, "cluster.ranks=3",
-                           f"hydra.run.dir={ref}"], cwd=REPO, env=cli_env(token_cache),
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "hetseq_hpc", *COMMON, "cluster.ranks=3", f"hydra.run.dir={ref}"],
+        cwd=REPO,
+        env=cli_env(token_cache),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return losses(ref)
 
@@ -52,18 +65,38 @@ def _steps(run_dir: Path) -> int:
 @pytest.mark.slurm
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["none", "fsdp"])
-def test_kill_9_one_task_of_a_het_job_and_it_finishes_the_same(sharding, tmp_path, token_cache,
-                                                                reference):
+def test_kill_9_one_task_of_a_het_job_and_it_finishes_the_same(
+    sharding, tmp_path, token_cache, reference
+):
     """DDP: the survivors go on from the interrupted step. FSDP: the lost task took its shard,
     so the survivors reload the step-5 checkpoint re-sharded over 2 ranks, in-job."""
     run_dir = tmp_path / "job"
-    common = list(COMMON) if sharding == "none" else [
-        *(o for o in COMMON if not o.startswith("trainer.checkpoint_every=")),
-        "sharding.mode=fsdp", "trainer.checkpoint_every=5", "trainer.keep_checkpoints=10"]
-    proc = subprocess.Popen([sys.executable, "-m", "hetseq_hpc", "cluster=testcluster",
-                             "cluster.wait=true", *common, f"hydra.run.dir={run_dir}"],
-                            cwd=REPO, env=cli_env(token_cache), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    common = (
+        list(COMMON)
+        if sharding == "none"
+        else [
+            *(o for o in COMMON if not o.startswith("trainer.checkpoint_every=")),
+            "sharding.mode=fsdp",
+            "trainer.checkpoint_every=5",
+            "trainer.keep_checkpoints=10",
+        ]
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hetseq_hpc",
+            "cluster=testcluster",
+            "cluster.wait=true",
+            *common,
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=REPO,
+        env=cli_env(token_cache),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 300  # a guard against hangs, not a speed check
         while _steps(run_dir) < 10:
@@ -106,8 +139,11 @@ def _task_pid(run_dir: Path, task: int) -> int:
             env = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"hetseq_hpc.worker" in argv and str(run_dir).encode() in argv \
-                and f"SLURM_PROCID={task}".encode() in env:
+        if (
+            b"hetseq_hpc.worker" in argv
+            and str(run_dir).encode() in argv
+            and f"SLURM_PROCID={task}".encode() in env
+        ):
             return int(entry.name)
     raise AssertionError(f"no worker of task {task} for {run_dir}")
 
@@ -126,14 +162,32 @@ def _wait_for_step(run_dir: Path, job: str, step: int) -> float:
 def _submit_by_hand(run_dir: Path, folder: Path, token_cache) -> str:
     """Write the run directory (``cluster.dry_run=true``) and submit ``slurm/hetjob.sbatch``
     for it with ``sbatch`` from ``folder`` (its log: ``folder/hetseq-<job>.out``); the job id."""
-    done = subprocess.run([sys.executable, "-m", "hetseq_hpc", "cluster=testcluster",
-                           "cluster.dry_run=true", *COMMON, f"hydra.run.dir={run_dir}"],
-                          cwd=REPO, env=cli_env(token_cache), capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hetseq_hpc",
+            "cluster=testcluster",
+            "cluster.dry_run=true",
+            *COMMON,
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=REPO,
+        env=cli_env(token_cache),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     env = dict(cli_env(token_cache), RUN_DIR=str(run_dir), PYTHON=sys.executable)
-    out = subprocess.run(["sbatch", "--parsable", str(REPO / "slurm" / "hetjob.sbatch")],
-                         cwd=folder, env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["sbatch", "--parsable", str(REPO / "slurm" / "hetjob.sbatch")],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().split(";")[0]
 
@@ -168,15 +222,15 @@ def _poke_while_pending(job: str) -> None:
     """A requeued job waits for its EligibleTime, and the test cluster's backfill only wakes on
     a change (scripts/test-cluster.sh): touch the job while it is PENDING."""
     if squeue_state(job) == "PENDING":
-        subprocess.run(["scontrol", "update", f"jobid={job}", "comment=poke"],
-                       capture_output=True)
+        subprocess.run(["scontrol", "update", f"jobid={job}", "comment=poke"], capture_output=True)
 
 
 @pytest.mark.slurm
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0])
 def test_too_few_left_in_a_het_job_checkpoint_requeue_and_finish_the_same(
-        victim, tmp_path, token_cache, reference):
+    victim, tmp_path, token_cache, reference
+):
     """``trainer.elastic.min_ranks=3``: ``kill -9`` of one task after step 10 leaves too few,
     so the survivors' rank 0 (the original rank 1 when rank 0 is the one killed) checkpoints
     the last completed step, writes the membership row that says why it stopped and requeues
@@ -185,11 +239,24 @@ def test_too_few_left_in_a_het_job_checkpoint_requeue_and_finish_the_same(
     run_dir, err = tmp_path / "job", tmp_path / "cli.err"
     overrides = [o for o in COMMON if not o.startswith("trainer.checkpoint_every=")]
     with err.open("w") as sink:  # a file: a pipe could fill up while the test polls
-        proc = subprocess.Popen([sys.executable, "-m", "hetseq_hpc", "cluster=testcluster",
-                                 "cluster.wait=true", *overrides, "trainer.checkpoint_every=8",
-                                 "trainer.keep_checkpoints=10", "trainer.elastic.min_ranks=3",
-                                 f"hydra.run.dir={run_dir}"], cwd=REPO, env=cli_env(token_cache),
-                                stdout=subprocess.DEVNULL, stderr=sink)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hetseq_hpc",
+                "cluster=testcluster",
+                "cluster.wait=true",
+                *overrides,
+                "trainer.checkpoint_every=8",
+                "trainer.keep_checkpoints=10",
+                "trainer.elastic.min_ranks=3",
+                f"hydra.run.dir={run_dir}",
+            ],
+            cwd=REPO,
+            env=cli_env(token_cache),
+            stdout=subprocess.DEVNULL,
+            stderr=sink,
+        )
     job = ""
     try:
         deadline = time.monotonic() + 300  # a guard against hangs, not a speed check
@@ -204,8 +271,9 @@ def test_too_few_left_in_a_het_job_checkpoint_requeue_and_finish_the_same(
             assert time.monotonic() < deadline, f"job {job} still {squeue_state(job)}"
             _poke_while_pending(job)
             time.sleep(1)
-        shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True,
-                               text=True).stdout
+        shown = subprocess.run(
+            ["scontrol", "show", "job", job], capture_output=True, text=True
+        ).stdout
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -229,10 +297,11 @@ def test_too_few_left_in_a_het_job_checkpoint_requeue_and_finish_the_same(
     leader = f"rank{1 if victim == 0 else 0}.log"
     assert f"checkpointing step {step} and stopping" in logs[leader]
     assert f"requeued job {job} (restart 1 of" in logs[leader]
-    assert re.findall(r"Restarts=(\d+)", shown) and \
-        set(re.findall(r"Restarts=(\d+)", shown)) == {"1"}, shown
+    assert re.findall(r"Restarts=(\d+)", shown) and set(re.findall(r"Restarts=(\d+)", shown)) == {
+        "1"
+    }, shown
     assert re.search(rf"resumed from \S*step_{step:08d}\.pt at step {step} ", logs["rank0.log"])
-    assert [r["step"] for r in rows[at + 1:]] == list(range(step + 1, 31))
+    assert [r["step"] for r in rows[at + 1 :]] == list(range(step + 1, 31))
     got = losses(run_dir)
     assert sorted(got) == list(range(1, 31))
     worst = max(abs(got[s] - reference[s]) / abs(reference[s]) for s in reference)
@@ -251,9 +320,14 @@ def test_a_stopped_task_does_not_hold_a_finished_job(script, tmp_path, token_cac
     run_dir = tmp_path / "job"
     overrides = ["cluster=testcluster", *COMMON, f"hydra.run.dir={run_dir}"]
     if script == "generated":
-        done = subprocess.run([sys.executable, "-m", "hetseq_hpc", *overrides,
-                               "cluster.wait=false"], cwd=REPO, env=cli_env(token_cache),
-                              capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-m", "hetseq_hpc", *overrides, "cluster.wait=false"],
+            cwd=REPO,
+            env=cli_env(token_cache),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         job = json.loads((run_dir / "job.json").read_text())["job_id"]
     else:
@@ -261,8 +335,9 @@ def test_a_stopped_task_does_not_hold_a_finished_job(script, tmp_path, token_cac
     stopped = 0
     try:
         deadline = _wait_for_step(run_dir, job, 10)
-        stopped = (_rank_pid(run_dir / "submitit", 1) if script == "generated"
-                   else _task_pid(run_dir, 1))
+        stopped = (
+            _rank_pid(run_dir / "submitit", 1) if script == "generated" else _task_pid(run_dir, 1)
+        )
         os.kill(stopped, signal.SIGSTOP)
         while squeue_state(job) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
             assert time.monotonic() < deadline + 300, f"job {job} still {squeue_state(job)}"
@@ -272,11 +347,18 @@ def test_a_stopped_task_does_not_hold_a_finished_job(script, tmp_path, token_cac
         if stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(stopped, signal.SIGKILL)
-    logs = "".join(p.read_text(errors="replace") for p in
-                   [*tmp_path.glob(f"hetseq-{job}.out"), *(run_dir / "submitit").glob(f"{job}_batch.*")])
+    logs = "".join(
+        p.read_text(errors="replace")
+        for p in [
+            *tmp_path.glob(f"hetseq-{job}.out"),
+            *(run_dir / "submitit").glob(f"{job}_batch.*"),
+        ]
+    )
     assert squeue_state(job) == "COMPLETED", logs[-3000:]
-    assert "a task was still running 20 s later (stopped or hung, left out of the run): " \
-           "ending the step" in logs, logs[-3000:]
+    assert (
+        "a task was still running 20 s later (stopped or hung, left out of the run): "
+        "ending the step" in logs
+    ), logs[-3000:]
     got = losses(run_dir)
     assert sorted(got) == list(range(1, 31))
     assert max(abs(got[s] - reference[s]) / abs(reference[s]) for s in reference) <= 1e-6

@@ -21,12 +21,25 @@ def test_hf_causal_lm_runs_as_a_het_job(tmp_path, token_cache):
     files = write_text_files(tmp_path)
     model = make_gpt2(tmp_path / "gpt2")
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "hetseq_hpc", "cluster=testcluster", "cluster.wait=true",
-           "task=hf", f"task.model.path={model}", f"task.data.files=[{files['txt']}]",
-           "task.model.max_seq_len=32", "optim=finetune", "trainer.max_steps=6",
-           "trainer.val_every=0", "trainer.global_batch_size=24", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True,
-                          text=True, timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetseq_hpc",
+        "cluster=testcluster",
+        "cluster.wait=true",
+        "task=hf",
+        f"task.model.path={model}",
+        f"task.data.files=[{files['txt']}]",
+        "task.model.max_seq_len=32",
+        "optim=finetune",
+        "trainer.max_steps=6",
+        "trainer.val_every=0",
+        "trainer.global_batch_size=24",
+        f"hydra.run.dir={run_dir}",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, f"STDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-3000:]}"
     rows = read_rows(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 7))

@@ -17,9 +17,16 @@ def test_rendered_job_script_submitted_by_hand_completes(tmp_path, token_cache):
     """`hetseq-hpc render` then `sbatch <run dir>/job.sbatch` by hand, from another folder:
     the job runs all 3 ranks to the end (its log folder exists, its job function is there)."""
     run_dir = tmp_path / "run"
-    proc = hetseq("render", "cluster=testcluster", "task=bert", *SMALL_MODEL,
-                  "trainer.max_steps=4", "trainer.val_every=0", f"hydra.run.dir={run_dir}",
-                  token_cache=token_cache)
+    proc = hetseq(
+        "render",
+        "cluster=testcluster",
+        "task=bert",
+        *SMALL_MODEL,
+        "trainer.max_steps=4",
+        "trainer.val_every=0",
+        f"hydra.run.dir={run_dir}",
+        token_cache=token_cache,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"sbatch {run_dir / 'job.sbatch'}" in proc.stdout
     elsewhere = tmp_path / "elsewhere"

@@ -31,8 +31,15 @@ EXACT = ["task.model.dropout=0.0", "trainer.val_every=0", "trainer.seed=3"]
 def test_het_job_across_partitions(tmp_path, token_cache):
     """3 ranks over a100 (1 node) + v100 (2 nodes): finishes, loss falls, every rank's
     partition/GRES recorded, and the master is rank 0's node by NAME."""
-    proc = slurm_cli(tmp_path, token_cache, "cluster.wait=true", "trainer.max_steps=16",
-                     "optim.warmup_steps=2", "optim.lr=3e-3", "trainer.val_every=8")
+    proc = slurm_cli(
+        tmp_path,
+        token_cache,
+        "cluster.wait=true",
+        "trainer.max_steps=16",
+        "optim.warmup_steps=2",
+        "optim.lr=3e-3",
+        "trainer.val_every=8",
+    )
     assert_ok(proc)
     assert re.search(r"submitted het job \d+: 3 ranks over a100, v100", proc.stdout)
     alloc = json.loads((tmp_path / "allocation.json").read_text())
@@ -70,7 +77,9 @@ def test_handwritten_template_runs(tmp_path, token_cache):
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_sweep_submits_one_job_per_point(tmp_path, token_cache):
-    proc = slurm_cli(tmp_path, token_cache, "optim.lr=1e-3,3e-3", "trainer.max_steps=4", multirun=True)
+    proc = slurm_cli(
+        tmp_path, token_cache, "optim.lr=1e-3,3e-3", "trainer.max_steps=4", multirun=True
+    )
     assert_ok(proc)
     ids = re.findall(r"submitted het job (\d+)", proc.stdout)
     assert len(ids) == 2 and len(set(ids)) == 2, proc.stdout
@@ -103,8 +112,9 @@ def test_requeue_checkpoints_and_resumes_exactly(tmp_path, token_cache):
         assert state not in ("FAILED", "CANCELLED", "TIMEOUT"), state
         assert time.monotonic() < deadline, f"requeued job stuck in {state}"
         if state == "PENDING":  # the test cluster's backfill only wakes on a change: poke it
-            subprocess.run(["scontrol", "update", f"jobid={job_id}", "comment=poke"],
-                           capture_output=True)
+            subprocess.run(
+                ["scontrol", "update", f"jobid={job_id}", "comment=poke"], capture_output=True
+            )
         time.sleep(1)
     log0 = (run_dir / "logs" / "rank0.log").read_text()
     assert "caught SIGUSR2" in log0 and f"requeued job {job_id}" in log0
@@ -113,10 +123,23 @@ def test_requeue_checkpoints_and_resumes_exactly(tmp_path, token_cache):
     het = losses(run_dir)
     assert sorted(het) == list(range(1, steps + 1))
     ref_dir = tmp_path / "ref"
-    ref = subprocess.run([sys.executable, "-m", "hetseq_hpc", *SMALL_MODEL, *EXACT,
-                          "cluster.ranks=1", f"trainer.max_steps={steps}",
-                          f"hydra.run.dir={ref_dir}"], cwd=REPO, env=cli_env(token_cache),
-                         capture_output=True, text=True, timeout=600)
+    ref = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hetseq_hpc",
+            *SMALL_MODEL,
+            *EXACT,
+            "cluster.ranks=1",
+            f"trainer.max_steps={steps}",
+            f"hydra.run.dir={ref_dir}",
+        ],
+        cwd=REPO,
+        env=cli_env(token_cache),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert_ok(ref)
     want = losses(ref_dir)
     for step in range(1, steps + 1):
@@ -126,11 +149,25 @@ def test_requeue_checkpoints_and_resumes_exactly(tmp_path, token_cache):
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_cancelled_job_is_an_error_within_seconds(tmp_path, token_cache):
-    cmd = [sys.executable, "-m", "hetseq_hpc", "cluster=testcluster", *SMALL_MODEL,
-           "cluster.wait=true", "trainer.max_steps=100000", "trainer.val_every=0",
-           f"hydra.run.dir={tmp_path}"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=cli_env(token_cache), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetseq_hpc",
+        "cluster=testcluster",
+        *SMALL_MODEL,
+        "cluster.wait=true",
+        "trainer.max_steps=100000",
+        "trainer.val_every=0",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=cli_env(token_cache),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_rows(tmp_path, 2)
         job_id = json.loads((tmp_path / "job.json").read_text())["job_id"]
@@ -148,33 +185,53 @@ def test_cancelled_job_is_an_error_within_seconds(tmp_path, token_cache):
 @pytest.mark.slow
 def test_failing_rank_is_named_with_its_reason(tmp_path, token_cache):
     """Rank 2 fails on its own (the test task of fail_on_rank(2) raises in its load())."""
-    cmd = [sys.executable, "-m", "hetseq_hpc", "cluster=testcluster", *fail_on_rank(2),
-           "cluster.wait=true", "trainer.max_steps=5", f"hydra.run.dir={tmp_path}"]
-    proc = subprocess.run(cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True,
-                          text=True, timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetseq_hpc",
+        "cluster=testcluster",
+        *fail_on_rank(2),
+        "cluster.wait=true",
+        "trainer.max_steps=5",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 1
     line = proc.stderr.strip().splitlines()[-1]
     assert "rank 2 failed" in line and "injected failure on rank 2" in line, line
 
 
 @pytest.mark.slurm
-@pytest.mark.parametrize("override, named", [
-    ("cluster.partitions.a100.partition=h100", "cluster.partitions.a100.partition='h100' does not exist"),
-    ("cluster.partitions.a100.gpu_type=t4", "cluster.partitions.a100.gpu_type='t4'"),
-    ("cluster.partitions.v100.nodes=3", "cluster.partitions.v100.nodes=3"),
-    ("cluster.partitions.a100.cpus_per_rank=8", "cluster.partitions.a100.cpus_per_rank=8 needs 8 CPUs"),
-])
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        (
+            "cluster.partitions.a100.partition=h100",
+            "cluster.partitions.a100.partition='h100' does not exist",
+        ),
+        ("cluster.partitions.a100.gpu_type=t4", "cluster.partitions.a100.gpu_type='t4'"),
+        ("cluster.partitions.v100.nodes=3", "cluster.partitions.v100.nodes=3"),
+        (
+            "cluster.partitions.a100.cpus_per_rank=8",
+            "cluster.partitions.a100.cpus_per_rank=8 needs 8 CPUs",
+        ),
+    ],
+)
 def test_presubmission_checks_submit_nothing(tmp_path, token_cache, override, named):
     """sinfo says the partition is missing, lacks the GRES type or the nodes: one line, exit 2,
     and no job reaches the queue."""
-    before = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True,
-                            text=True).stdout.split()
+    before = subprocess.run(
+        ["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True, text=True
+    ).stdout.split()
     proc = slurm_cli(tmp_path, token_cache, override)
     assert proc.returncode == 2, proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("hetseq-hpc: error:") and named in line, line
-    after = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True,
-                           text=True).stdout.split()
+    after = subprocess.run(
+        ["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True, text=True
+    ).stdout.split()
     # only jobs that were not there before count: earlier tests' finished jobs leave squeue
     # MinJobAge (300 s) after they end, possibly during this test
     assert set(after) - set(before) == set(), "a job reached the queue"
@@ -186,13 +243,22 @@ def test_presubmission_checks_submit_nothing(tmp_path, token_cache, override, na
 def test_run_dir_with_spaces_and_quotes_completes(tmp_path, token_cache):
     """A run directory (hence submitit folder) with a space and both quote characters: the
     #SBATCH --output/--error paths and the srun line are quoted, and the job runs to the end."""
-    run_dir = tmp_path / "my run's \"dir\""
+    run_dir = tmp_path / 'my run\'s "dir"'
     quoted = str(run_dir).replace("\\", "\\\\").replace("'", "\\'")  # Hydra's grammar
-    cmd = [sys.executable, "-m", "hetseq_hpc", "cluster=testcluster", *SMALL_MODEL,
-           "cluster.wait=true", "trainer.max_steps=3", "trainer.val_every=0",
-           f"hydra.run.dir='{quoted}'"]
-    proc = subprocess.run(cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True,
-                          text=True, timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetseq_hpc",
+        "cluster=testcluster",
+        *SMALL_MODEL,
+        "cluster.wait=true",
+        "trainer.max_steps=3",
+        "trainer.val_every=0",
+        f"hydra.run.dir='{quoted}'",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True, text=True, timeout=600
+    )
     assert_ok(proc)
     assert [r["step"] for r in read_rows(run_dir)] == [1, 2, 3]
     job_id = json.loads((run_dir / "job.json").read_text())["job_id"]
@@ -206,11 +272,24 @@ def test_worker_in_batch_script_without_srun_refuses_at_once(tmp_path, token_cac
     run_dir = tmp_path / "run"
     assert_ok(slurm_cli(run_dir, token_cache, "cluster.dry_run=true", "trainer.max_steps=2"))
     out_file = tmp_path / "batch.out"
-    wrap = (f"{sys.executable} -m hetseq_hpc.worker --config {run_dir / 'hetseq_config.yaml'} "
-            f"--run-dir {run_dir}")
-    job_id = sbatch_and_wait(["--partition=v100", "--nodes=1", "--ntasks-per-node=1",
-                              "--ntasks=1", f"--output={out_file}", "--wrap", wrap],
-                             tmp_path, cli_env(token_cache), 120)
+    wrap = (
+        f"{sys.executable} -m hetseq_hpc.worker --config {run_dir / 'hetseq_config.yaml'} "
+        f"--run-dir {run_dir}"
+    )
+    job_id = sbatch_and_wait(
+        [
+            "--partition=v100",
+            "--nodes=1",
+            "--ntasks-per-node=1",
+            "--ntasks=1",
+            f"--output={out_file}",
+            "--wrap",
+            wrap,
+        ],
+        tmp_path,
+        cli_env(token_cache),
+        120,
+    )
     assert squeue_state(job_id) == "FAILED"
     text = out_file.read_text()
     assert "SLURM_STEP_ID" in text and "launch it with srun" in text, text[-2000:]
@@ -220,19 +299,24 @@ def test_worker_in_batch_script_without_srun_refuses_at_once(tmp_path, token_cac
 def test_timeout_above_partition_max_time_submits_nothing(tmp_path, token_cache):
     """v100's MaxTime is 1 day (scripts/test-cluster.sh): 2000 minutes are refused before
     anything is submitted, by what the real sinfo reports."""
-    limit = subprocess.run(["sinfo", "-h", "-p", "v100", "-o", "%l"], capture_output=True,
-                           text=True).stdout.split()
+    limit = subprocess.run(
+        ["sinfo", "-h", "-p", "v100", "-o", "%l"], capture_output=True, text=True
+    ).stdout.split()
     if not limit or limit[0] in ("infinite", "UNLIMITED"):
-        pytest.skip("this test cluster's v100 has no MaxTime: it was started by an older "
-                    "scripts/test-cluster.sh; restart it")
-    before = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True,
-                            text=True).stdout.split()
+        pytest.skip(
+            "this test cluster's v100 has no MaxTime: it was started by an older "
+            "scripts/test-cluster.sh; restart it"
+        )
+    before = subprocess.run(
+        ["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True, text=True
+    ).stdout.split()
     proc = slurm_cli(tmp_path, token_cache, "cluster.timeout_min=2000")
     assert proc.returncode == 2, proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert "cluster.timeout_min=2000 exceeds partition 'v100'" in line, line
-    after = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True,
-                           text=True).stdout.split()
+    after = subprocess.run(
+        ["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True, text=True
+    ).stdout.split()
     # only jobs that were not there before count: earlier tests' finished jobs leave squeue
     # MinJobAge (300 s) after they end, possibly during this test
     assert set(after) - set(before) == set(), "a job reached the queue"

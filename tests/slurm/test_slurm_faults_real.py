@@ -22,11 +22,27 @@ from tests.helpers.runs import REPO, SMALL_MODEL, cli_env, wait_rows
 
 # ------------------------------------------------------------------ against the real cluster
 def _start(run_dir: Path, token_cache: Path, *overrides: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "hetseq_hpc", "cluster=testcluster", *SMALL_MODEL,
-           "cluster.wait=true", "trainer.max_steps=100000", "optim.schedule_steps=100000",
-           "trainer.val_every=0", *overrides, f"hydra.run.dir={run_dir}"]
-    return subprocess.Popen(cmd, cwd=REPO, env=cli_env(token_cache), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetseq_hpc",
+        "cluster=testcluster",
+        *SMALL_MODEL,
+        "cluster.wait=true",
+        "trainer.max_steps=100000",
+        "optim.schedule_steps=100000",
+        "trainer.val_every=0",
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+    ]
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=cli_env(token_cache),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _rank_pid(folder: Path, rank: int) -> int:
@@ -40,26 +56,33 @@ def _rank_pid(folder: Path, rank: int) -> int:
             env = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if (b"submitit.core._submit" in argv and str(folder).encode() in argv
-                and f"SLURM_PROCID={rank}".encode() in env):
+        if (
+            b"submitit.core._submit" in argv
+            and str(folder).encode() in argv
+            and f"SLURM_PROCID={rank}".encode() in env
+        ):
             return int(entry.name)
     raise AssertionError(f"no process of rank {rank} for {folder}")
 
 
 @pytest.mark.slurm
 @pytest.mark.slow
-@pytest.mark.parametrize("signum, words", [
-    (signal.SIGKILL, "it ended without an error of its own"),
-    (signal.SIGSTOP, "it was stopped for"),
-])
+@pytest.mark.parametrize(
+    "signum, words",
+    [
+        (signal.SIGKILL, "it ended without an error of its own"),
+        (signal.SIGSTOP, "it was stopped for"),
+    ],
+)
 def test_killed_or_stopped_rank_1_is_named(tmp_path, token_cache, signum, words):
     """Without in-job recovery (``trainer.elastic.enabled=false``; with it:
     tests/slurm/test_elastic_slurm.py), 3 ranks (a100 + 2 x v100); rank 1 gets SIGKILL or
     SIGSTOP mid-run: the one-line error
     names rank 1 (it named rank 0, the first peer to complain), within the collective timeout
     and Slurm's clean-up (a bound against hangs, not a speed check)."""
-    proc = _start(tmp_path, token_cache, "cluster.collective_timeout_s=20",
-                  "trainer.elastic.enabled=false")
+    proc = _start(
+        tmp_path, token_cache, "cluster.collective_timeout_s=20", "trainer.elastic.enabled=false"
+    )
     try:
         wait_rows(tmp_path, 2, proc)
         os.kill(_rank_pid(tmp_path / "submitit", 1), signum)
@@ -92,7 +115,9 @@ def test_exhausted_requeues_end_with_the_command_that_continues(tmp_path, token_
     assert proc.returncode == 3, stderr[-3000:]
     line = stderr.strip().splitlines()[-1]
     stop = json.loads((tmp_path / STOP_RECORD).read_text())
-    assert line == (f"hetseq-hpc: stopped after step {stop['step']} with a checkpoint: requeue "
-                    "limit (cluster.max_num_timeout=0) reached; continue with: hetseq-hpc "
-                    f"hydra.run.dir={tmp_path} trainer.resume=auto")
+    assert line == (
+        f"hetseq-hpc: stopped after step {stop['step']} with a checkpoint: requeue "
+        "limit (cluster.max_num_timeout=0) reached; continue with: hetseq-hpc "
+        f"hydra.run.dir={tmp_path} trainer.resume=auto"
+    )
     assert (tmp_path / "checkpoints" / f"step_{stop['step']:08d}.pt").is_file()

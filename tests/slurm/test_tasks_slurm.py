@@ -20,11 +20,21 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 @pytest.mark.parametrize("name", ["image", "translation", "custom"])
 def test_task_runs_as_a_het_job(name, tmp_path, token_cache, task_data_files):
-    cmd = [sys.executable, "-m", "hetseq_hpc", "cluster=testcluster", "cluster.wait=true",
-           *task_overrides(name, task_data_files), "trainer.max_steps=6", "trainer.val_every=0",
-           "trainer.global_batch_size=24", f"hydra.run.dir={tmp_path}"]
-    proc = subprocess.run(cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True,
-                          text=True, timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetseq_hpc",
+        "cluster=testcluster",
+        "cluster.wait=true",
+        *task_overrides(name, task_data_files),
+        "trainer.max_steps=6",
+        "trainer.val_every=0",
+        "trainer.global_batch_size=24",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, f"STDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-3000:]}"
     rows = read_rows(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 7))

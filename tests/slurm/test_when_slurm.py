@@ -29,17 +29,27 @@ from tests.helpers.slurm import slurm_cli, squeue_state
 
 #: the blocker's limit (minutes; Slurm's smallest) and how long it really sleeps (seconds)
 BLOCK_MIN, BLOCK_SLEEP_S = 1, 55
-SHORT = [*SMALL_MODEL, "cluster.partitions.v100.nodes=1", "trainer.max_steps=4",
-         "optim.warmup_steps=1", "trainer.val_every=0", "plan.startup_s=10",
-         "cluster.timeout_min=5"]
+SHORT = [
+    *SMALL_MODEL,
+    "cluster.partitions.v100.nodes=1",
+    "trainer.max_steps=4",
+    "optim.warmup_steps=1",
+    "trainer.val_every=0",
+    "plan.startup_s=10",
+    "cluster.timeout_min=5",
+]
 
 
 def _times(job_id: str):
     """``(state, start, end)`` of a (het) job from squeue, epoch seconds: the latest start and
     end of its components (jobs stay listed for MinJobAge)."""
     env = dict(os.environ, SLURM_TIME_FORMAT="standard")
-    out = subprocess.run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T|%S|%e"],
-                         capture_output=True, text=True, env=env).stdout
+    out = subprocess.run(
+        ["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T|%S|%e"],
+        capture_output=True,
+        text=True,
+        env=env,
+    ).stdout
     rows = [line.split("|") for line in out.splitlines() if line.count("|") == 2]
 
     def epoch(text):
@@ -50,8 +60,11 @@ def _times(job_id: str):
 
     starts = [epoch(r[1]) for r in rows]
     ends = [epoch(r[2]) for r in rows]
-    return (squeue_state(job_id), max(starts) if None not in starts and starts else None,
-            max(ends) if None not in ends and ends else None)
+    return (
+        squeue_state(job_id),
+        max(starts) if None not in starts and starts else None,
+        max(ends) if None not in ends and ends else None,
+    )
 
 
 def _mix_overrides(mix):
@@ -68,9 +81,23 @@ def _clock(epoch):
 @pytest.mark.slow
 def test_plan_when_pick_finishes_first_and_choose_submits_it(tmp_path, token_cache):
     blocker = subprocess.run(
-        ["sbatch", "--parsable", "-p", "a100", "-N2", "--exclusive", f"--time={BLOCK_MIN}",
-         "-o", str(tmp_path / "blocker.out"), "--wrap", f"sleep {BLOCK_SLEEP_S}"],
-        capture_output=True, text=True, timeout=60)
+        [
+            "sbatch",
+            "--parsable",
+            "-p",
+            "a100",
+            "-N2",
+            "--exclusive",
+            f"--time={BLOCK_MIN}",
+            "-o",
+            str(tmp_path / "blocker.out"),
+            "--wrap",
+            f"sleep {BLOCK_SLEEP_S}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert blocker.returncode == 0, blocker.stderr
     blocker_id = blocker.stdout.strip().split(";")[0]
     jobs = {}
@@ -79,17 +106,24 @@ def test_plan_when_pick_finishes_first_and_choose_submits_it(tmp_path, token_cac
         while squeue_state(blocker_id) != "RUNNING":
             assert time.monotonic() < deadline, "the blocker job did not start"
             time.sleep(0.5)
-        plan = subprocess.run([sys.executable, "-m", "hetseq_hpc", "plan", "--when",
-                               "cluster=testcluster", *SHORT], cwd=REPO,
-                              env=cli_env(token_cache), capture_output=True, text=True,
-                              timeout=300)
+        plan = subprocess.run(
+            [sys.executable, "-m", "hetseq_hpc", "plan", "--when", "cluster=testcluster", *SHORT],
+            cwd=REPO,
+            env=cli_env(token_cache),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert_ok(plan)
         table = json.loads(plan.stdout.strip().splitlines()[-1])
         rows = {m["label"]: m for m in table["mixes"]}
         # v100 first; a100:1 and a100:1+v100:1 both wait for the blocker and are predicted to
         # finish within milliseconds of each other (10 s runs): their order is not the point
-        assert next(iter(rows)) == "v100:1" and set(rows) == {"v100:1", "a100:1", "a100:1+v100:1"}, \
-            plan.stdout
+        assert next(iter(rows)) == "v100:1" and set(rows) == {
+            "v100:1",
+            "a100:1",
+            "a100:1+v100:1",
+        }, plan.stdout
         assert table["finish_first"] == "v100:1", plan.stdout
         asked = table["asked_at"]
         assert rows["v100:1"]["start"] - asked < 10  # v100 is free: now
@@ -99,8 +133,9 @@ def test_plan_when_pick_finishes_first_and_choose_submits_it(tmp_path, token_cac
         assert "no start estimate" not in plan.stdout
 
         # cluster.choose=finish_first submits the pick; the others are submitted as they are
-        chosen = slurm_cli(tmp_path / "chosen", token_cache, *SHORT,
-                           "cluster.choose=finish_first", timeout=300)
+        chosen = slurm_cli(
+            tmp_path / "chosen", token_cache, *SHORT, "cluster.choose=finish_first", timeout=300
+        )
         assert_ok(chosen)
         assert re.search(r"cluster.choose=finish_first: submitting v100:1 ", chosen.stdout)
         assert re.search(r"submitted het job \d+: 1 ranks over v100", chosen.stdout)
@@ -135,23 +170,35 @@ def test_plan_when_pick_finishes_first_and_choose_submits_it(tmp_path, token_cac
     print("\nmix            predicted start/finish    actual start/finish   state")
     for label in rows:
         row, (state, start, end) = rows[label], actual[label]
-        print(f"{label:14s} {_clock(row['start'])} / {_clock(row['finish'])}   "
-              f"{_clock(start)} / {_clock(end)}   {state}")
+        print(
+            f"{label:14s} {_clock(row['start'])} / {_clock(row['finish'])}   "
+            f"{_clock(start)} / {_clock(end)}   {state}"
+        )
     assert all(state == "COMPLETED" for state, _, _ in actual.values()), actual
     for label, run_dir in dirs.items():  # each candidate really trained its 4 steps
         assert [r["step"] for r in read_rows(run_dir)] == [1, 2, 3, 4], label
     first_end = actual["v100:1"][2]
-    assert all(first_end < end for label, (_, _, end) in actual.items() if label != "v100:1"), \
+    assert all(first_end < end for label, (_, _, end) in actual.items() if label != "v100:1"), (
         actual
+    )
     for label in ("a100:1", "a100:1+v100:1"):  # they waited for the blocker, as Slurm said
         assert actual[label][1] >= actual["v100:1"][1]
 
 
 #: BERT-base for 2000 steps: the run time (minutes), not the queue, decides the pick
-BASE = ["task.model.hidden_size=768", "task.model.num_layers=12", "task.model.num_heads=12",
-        "task.model.intermediate_size=3072", "task.model.max_seq_len=128",
-        "trainer.global_batch_size=256", "trainer.max_steps=2000", "trainer.val_every=0",
-        "cluster.partitions.v100.nodes=1", "plan.startup_s=10", "cluster.timeout_min=600"]
+BASE = [
+    "task.model.hidden_size=768",
+    "task.model.num_layers=12",
+    "task.model.num_heads=12",
+    "task.model.intermediate_size=3072",
+    "task.model.max_seq_len=128",
+    "trainer.global_batch_size=256",
+    "trainer.max_steps=2000",
+    "trainer.val_every=0",
+    "cluster.partitions.v100.nodes=1",
+    "plan.startup_s=10",
+    "cluster.timeout_min=600",
+]
 
 
 @pytest.mark.slurm
@@ -163,9 +210,23 @@ def test_plan_when_picks_a_mix_that_waits_when_its_run_is_enough_shorter(tmp_pat
     a100 alone. ``cluster.choose=finish_first`` submits the waiting mix (cancelled at once:
     2000 BERT-base steps would take hours on these CPU nodes)."""
     blocker = subprocess.run(
-        ["sbatch", "--parsable", "-p", "v100", "-N2", "--exclusive", f"--time={BLOCK_MIN}",
-         "-o", str(tmp_path / "blocker.out"), "--wrap", f"sleep {BLOCK_SLEEP_S}"],
-        capture_output=True, text=True, timeout=60)
+        [
+            "sbatch",
+            "--parsable",
+            "-p",
+            "v100",
+            "-N2",
+            "--exclusive",
+            f"--time={BLOCK_MIN}",
+            "-o",
+            str(tmp_path / "blocker.out"),
+            "--wrap",
+            f"sleep {BLOCK_SLEEP_S}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert blocker.returncode == 0, blocker.stderr
     blocker_id, submitted = blocker.stdout.strip().split(";")[0], []
     try:
@@ -174,9 +235,14 @@ def test_plan_when_picks_a_mix_that_waits_when_its_run_is_enough_shorter(tmp_pat
             assert time.monotonic() < deadline, "the blocker job did not start"
             time.sleep(0.5)
         cmd = [sys.executable, "-m", "hetseq_hpc", "cluster=testcluster", *BASE]
-        plan = subprocess.run([*cmd[:3], "plan", "--when", *cmd[3:]], cwd=REPO,
-                              env=cli_env(token_cache), capture_output=True, text=True,
-                              timeout=300)
+        plan = subprocess.run(
+            [*cmd[:3], "plan", "--when", *cmd[3:]],
+            cwd=REPO,
+            env=cli_env(token_cache),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert_ok(plan)
         table = json.loads(plan.stdout.strip().splitlines()[-1])
         rows = {m["label"]: m for m in table["mixes"]}
@@ -187,9 +253,14 @@ def test_plan_when_picks_a_mix_that_waits_when_its_run_is_enough_shorter(tmp_pat
         assert next(iter(rows)) == "a100:1+v100:1", plan.stdout  # sorted by expected finish
 
         run_dir = tmp_path / "chosen"
-        chosen = subprocess.run([*cmd, "cluster.choose=finish_first", f"hydra.run.dir={run_dir}"],
-                                cwd=REPO, env=cli_env(token_cache), capture_output=True,
-                                text=True, timeout=300)
+        chosen = subprocess.run(
+            [*cmd, "cluster.choose=finish_first", f"hydra.run.dir={run_dir}"],
+            cwd=REPO,
+            env=cli_env(token_cache),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert_ok(chosen)
         info = json.loads((run_dir / "job.json").read_text())
         submitted.append(str(info["job_id"]))
@@ -200,30 +271,44 @@ def test_plan_when_picks_a_mix_that_waits_when_its_run_is_enough_shorter(tmp_pat
 
 
 @pytest.mark.slurm
-def test_plan_when_leaves_out_a_partition_the_cluster_lacks_and_choose_refuses_it(tmp_path,
-                                                                                    token_cache):
+def test_plan_when_leaves_out_a_partition_the_cluster_lacks_and_choose_refuses_it(
+    tmp_path, token_cache
+):
     """A partition that sinfo does not list (``t4`` on the test cluster): ``plan --when`` ranks
     the mixes of the others and names it with the reason; ``cluster.choose=finish_first``, which
     would submit, refuses in one line and submits nothing."""
     t4 = "+cluster.partitions.t4={partition: t4, gpu_type: t4, nodes: 1, gpus_per_node: 1}"
-    plan = subprocess.run([sys.executable, "-m", "hetseq_hpc", "plan", "--when",
-                           "cluster=testcluster", *SHORT, t4], cwd=REPO,
-                          env=cli_env(token_cache), capture_output=True, text=True, timeout=300)
+    plan = subprocess.run(
+        [sys.executable, "-m", "hetseq_hpc", "plan", "--when", "cluster=testcluster", *SHORT, t4],
+        cwd=REPO,
+        env=cli_env(token_cache),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert_ok(plan)
     table = json.loads(plan.stdout.strip().splitlines()[-1])
     assert {m["label"] for m in table["mixes"]} == {"a100:1", "v100:1", "a100:1+v100:1"}
     assert "partition='t4' does not exist on this cluster" in table["left_out"]["t4"]
     assert "left out partition t4" in plan.stdout and "cluster.choose refuses" in plan.stdout
 
-    before = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True,
-                            text=True).stdout.split()
+    before = subprocess.run(
+        ["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True, text=True
+    ).stdout.split()
     run_dir = tmp_path / "chosen"
-    chosen = slurm_cli(run_dir, token_cache, *SHORT[len(SMALL_MODEL):], t4,
-                       "cluster.choose=finish_first", timeout=300)
+    chosen = slurm_cli(
+        run_dir,
+        token_cache,
+        *SHORT[len(SMALL_MODEL) :],
+        t4,
+        "cluster.choose=finish_first",
+        timeout=300,
+    )
     assert chosen.returncode == 2, chosen.stdout + chosen.stderr
     error = chosen.stderr.strip().splitlines()
     assert len(error) == 1 and "partition='t4' does not exist" in error[0], chosen.stderr
     assert not (run_dir / "job.json").exists()
-    after = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True,
-                           text=True).stdout.split()
+    after = subprocess.run(
+        ["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True, text=True
+    ).stdout.split()
     assert set(after) <= set(before)  # nothing submitted

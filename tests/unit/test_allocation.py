@@ -347,8 +347,10 @@ def test_micro_batch_cap(budget, static, per_sample, limit, cap):
 
 
 def test_micro_batch_cap_feeds_allocate():
-    caps = [micro_batch_cap(80 * GiB, 2 * GiB, 1 * GiB, 32),
-            micro_batch_cap(16 * GiB, 2 * GiB, 1 * GiB)]
+    caps = [
+        micro_batch_cap(80 * GiB, 2 * GiB, 1 * GiB, 32),
+        micro_batch_cap(16 * GiB, 2 * GiB, 1 * GiB),
+    ]
     assert caps == [32, 14]
     alloc = allocate([3.0, 1.0], 96, caps)
     check_allocation(alloc, 96, caps)
@@ -373,18 +375,26 @@ def test_exact_proportional_split_is_found(weights, total, exact):
 
 def _report(cap: int, placement: dict) -> dict:
     """One rank's report as the worker gathers it (a CPU rank that fits ``cap`` samples)."""
-    return {"probe": {"kind": "cpu", "name": "cpu"}, "placement": placement,
-            "calibration": {"max_micro_batch": cap, "samples_per_s": 10.0,
-                            "static_bytes": 2 * GiB, "activation_bytes_per_sample": 0.5 * GiB,
-                            "memory_budget_bytes": 1 * GiB}}
+    return {
+        "probe": {"kind": "cpu", "name": "cpu"},
+        "placement": placement,
+        "calibration": {
+            "max_micro_batch": cap,
+            "samples_per_s": 10.0,
+            "static_bytes": 2 * GiB,
+            "activation_bytes_per_sample": 0.5 * GiB,
+            "memory_budget_bytes": 1 * GiB,
+        },
+    }
 
 
 @pytest.mark.parametrize(
     "placement, knob",
     [
         pytest.param({"partition_key": None}, "cluster.memory_budget_gb", id="local"),
-        pytest.param({"partition_key": "t4"}, "cluster.partitions.t4.memory_budget_gb",
-                     id="partition"),
+        pytest.param(
+            {"partition_key": "t4"}, "cluster.partitions.t4.memory_budget_gb", id="partition"
+        ),
     ],
 )
 def test_cannot_fit_one_sample_names_the_memory_budget_knob(placement, knob):
@@ -393,8 +403,9 @@ def test_cannot_fit_one_sample_names_the_memory_budget_knob(placement, knob):
 
     run = compose_run_config(["cluster.ranks=2"])
     with pytest.raises(AllocationError) as info:
-        agree_on_allocation(run, [_report(4, {"partition_key": None}), _report(0, placement)],
-                            rdv=None)
+        agree_on_allocation(
+            run, [_report(4, {"partition_key": None}), _report(0, placement)], rdv=None
+        )
     message = str(info.value)
     assert message.startswith("rank 1 (cpu) cannot fit one sample: needs 2.50 GiB, has 1.00 GiB")
     assert f"raise {knob}" in message and "\n" not in message
@@ -404,8 +415,14 @@ def test_cannot_fit_one_sample_names_the_memory_budget_knob(placement, knob):
 def _curve_case(rng: random.Random):
     """(curves, global batch, caps): world 1..8, micro-batch overheads from none to dominant."""
     n = rng.randint(1, 8)
-    curves = [CostCurve(rng.choice([0.0, 10 ** rng.uniform(-4, -1)]), 10 ** rng.uniform(-4, -1),
-                        rng.choice([0.0, 10 ** rng.uniform(-3, 0)])) for _ in range(n)]
+    curves = [
+        CostCurve(
+            rng.choice([0.0, 10 ** rng.uniform(-4, -1)]),
+            10 ** rng.uniform(-4, -1),
+            rng.choice([0.0, 10 ** rng.uniform(-3, 0)]),
+        )
+        for _ in range(n)
+    ]
     caps = [rng.randint(1, 64) for _ in range(n)]
     return curves, rng.randint(n, n * rng.choice([1, 4, 32, 128])), caps
 
@@ -456,13 +473,17 @@ def test_cost_curve_allocation_is_optimal_on_small_cases():
     for _ in range(150):
         n = rng.randint(1, 3)
         batch = rng.randint(n, 24)
-        curves = [CostCurve(rng.uniform(0, 0.05), rng.uniform(1e-3, 0.05), rng.uniform(0, 0.1))
-                  for _ in range(n)]
+        curves = [
+            CostCurve(rng.uniform(0, 0.05), rng.uniform(1e-3, 0.05), rng.uniform(0, 0.1))
+            for _ in range(n)
+        ]
         caps = [rng.randint(1, 12) for _ in range(n)]
         got = min_max_split(curves, batch, caps)
-        best = min(predicted_step_s(curves, split, caps)
-                   for split in itertools.product(range(1, batch + 1), repeat=n)
-                   if sum(split) == batch)
+        best = min(
+            predicted_step_s(curves, split, caps)
+            for split in itertools.product(range(1, batch + 1), repeat=n)
+            if sum(split) == batch
+        )
         assert predicted_step_s(curves, got, caps) == best
 
 
@@ -473,8 +494,10 @@ def test_cost_curve_never_worse_than_the_proportional_split():
     for _ in range(500):
         curves, batch, caps = _curve_case(rng)
         got = predicted_step_s(curves, min_max_split(curves, batch, caps), caps)
-        for weights in ([c.samples_per_s(cap) for c, cap in zip(curves, caps)],
-                        [1.0 / c.per_sample_s for c in curves]):
+        for weights in (
+            [c.samples_per_s(cap) for c, cap in zip(curves, caps)],
+            [1.0 / c.per_sample_s for c in curves],
+        ):
             proportional = proportional_counts(weights, batch)
             assert got <= predicted_step_s(curves, proportional, caps) * (1 + 1e-12)
 

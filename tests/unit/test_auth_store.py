@@ -146,9 +146,13 @@ def test_store_operations(server):
 def test_waits_time_out_with_a_message_without_token_or_value(server):
     c = AuthStoreClient("127.0.0.1", server.port, TOKEN, timedelta(seconds=0.5))
     c.set("present", "secret-value")
-    for call in (lambda: c.get("missing"), lambda: c.wait(["present", "missing"]),
-                 lambda: c.wait(["missing"], timedelta(seconds=0.2)),
-                 lambda: c.multi_get(["missing"]), lambda: c.queue_pop("q")):
+    for call in (
+        lambda: c.get("missing"),
+        lambda: c.wait(["present", "missing"]),
+        lambda: c.wait(["missing"], timedelta(seconds=0.2)),
+        lambda: c.multi_get(["missing"]),
+        lambda: c.queue_pop("q"),
+    ):
         start = time.monotonic()
         with pytest.raises(dist.DistStoreError, match="timed out waiting") as info:
             call()
@@ -191,12 +195,24 @@ _RANK = textwrap.dedent("""
 
 def test_a_gloo_process_group_forms_and_all_reduces_over_the_store():
     srv, port = serve_job_store("127.0.0.1", token=TOKEN)
-    env = {**os.environ, "HETSEQ_STORE": f"127.0.0.1:{port}", "HETSEQ_JOB_TOKEN": TOKEN,
-           "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "HETSEQ_STORE": f"127.0.0.1:{port}",
+        "HETSEQ_JOB_TOKEN": TOKEN,
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+    }
     try:
-        procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), "3"], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for r in range(3)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", _RANK, str(r), "3"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for r in range(3)
+        ]
         outs = [p.communicate(timeout=120)[0] for p in procs]
     finally:
         srv.close()

@@ -18,8 +18,9 @@ from hetseq_hpc.train.optim import build_scheduler
 
 transformers = pytest.importorskip("transformers")
 
-CFG = BertModelConfig(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, dropout=0.1,
-                      max_seq_len=32)
+CFG = BertModelConfig(
+    hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, dropout=0.1, max_seq_len=32
+)
 VOCAB = 300
 
 
@@ -28,11 +29,20 @@ class HFWrapped(nn.Module):
 
     def __init__(self, cfg: BertModelConfig, vocab_size: int):
         super().__init__()
-        self.mlm = transformers.BertForMaskedLM(transformers.BertConfig(
-            vocab_size=vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_heads, intermediate_size=cfg.intermediate_size,
-            hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout,
-            max_position_embeddings=cfg.max_seq_len, type_vocab_size=2, pad_token_id=PAD_ID))
+        self.mlm = transformers.BertForMaskedLM(
+            transformers.BertConfig(
+                vocab_size=vocab_size,
+                hidden_size=cfg.hidden_size,
+                num_hidden_layers=cfg.num_layers,
+                num_attention_heads=cfg.num_heads,
+                intermediate_size=cfg.intermediate_size,
+                hidden_dropout_prob=cfg.dropout,
+                attention_probs_dropout_prob=cfg.dropout,
+                max_position_embeddings=cfg.max_seq_len,
+                type_vocab_size=2,
+                pad_token_id=PAD_ID,
+            )
+        )
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         hidden = self.mlm.bert(input_ids=input_ids).last_hidden_state
@@ -53,10 +63,12 @@ def test_state_dict_layout_is_transformers():
     """Same keys in the same order, same shapes, same parameter order (the optimizer's state
     is indexed by it), same ties: old checkpoints load with strict=True."""
     native, ref = BertMaskedLM(CFG, VOCAB), HFWrapped(CFG, VOCAB)
-    assert [(k, v.shape) for k, v in native.state_dict().items()] == \
-        [(k, v.shape) for k, v in ref.state_dict().items()]
-    assert [(k, p.shape) for k, p in native.named_parameters()] == \
-        [(k, p.shape) for k, p in ref.named_parameters()]
+    assert [(k, v.shape) for k, v in native.state_dict().items()] == [
+        (k, v.shape) for k, v in ref.state_dict().items()
+    ]
+    assert [(k, p.shape) for k, p in native.named_parameters()] == [
+        (k, p.shape) for k, p in ref.named_parameters()
+    ]
     assert not any("pooler" in k for k in native.state_dict())
     pred = native.mlm.cls.predictions
     assert pred.decoder.weight is native.mlm.bert.embeddings.word_embeddings.weight
@@ -103,8 +115,9 @@ def test_same_weights_same_loss_and_gradients(train):
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0.0)
     ref_params = dict(ref.named_parameters())
     for key, param in native.named_parameters():
-        torch.testing.assert_close(param.grad, ref_params[key].grad, rtol=1e-4, atol=1e-7,
-                                   msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(
+            param.grad, ref_params[key].grad, rtol=1e-4, atol=1e-7, msg=lambda m, k=key: f"{k}: {m}"
+        )
 
 
 def test_meta_device_model_has_the_flops_formula():
@@ -120,8 +133,10 @@ def _optimizer(lr: float = 1e-3) -> torch.optim.Optimizer:
     return torch.optim.AdamW([nn.Parameter(torch.zeros(2))], lr=lr)
 
 
-@pytest.mark.parametrize("schedule,hf_name", [("linear", "linear"), ("cosine", "cosine"),
-                                              ("constant", "constant_with_warmup")])
+@pytest.mark.parametrize(
+    "schedule,hf_name",
+    [("linear", "linear"), ("cosine", "cosine"), ("constant", "constant_with_warmup")],
+)
 def test_schedules_match_transformers_every_step(schedule, hf_name):
     """warm-up 3, total 10, run past the end: the same LR at every step, and a transformers
     scheduler's state_dict (old checkpoints) resumes into ours with the same LRs."""

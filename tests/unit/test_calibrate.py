@@ -105,14 +105,12 @@ def test_the_warm_up_pass_is_capped_by_a_small_probe_first():
         return {"x": torch.randn(n, 32), "y": torch.randn(n, 1)}
 
     probe = {}
-    calibrate(model, lambda n: probe.setdefault(n, make_batch(n)), torch.device("cpu"), 2, 1,
-              2**30)
+    calibrate(model, lambda n: probe.setdefault(n, make_batch(n)), torch.device("cpu"), 2, 1, 2**30)
     seen.clear()
     per_sample = 1.5 * sum(v.numel() * 4 for v in probe[2].values()) / 2  # a rough guide
     static = 1000.0
     budget = (static + 6 * max(per_sample, 1.0) * 8) / 0.9
-    cal = calibrate(model, make_batch, torch.device("cpu"), 4096, 3, budget,
-                    static_bytes=static)
+    cal = calibrate(model, make_batch, torch.device("cpu"), 4096, 3, budget, static_bytes=static)
     assert seen[:2] == [2, 4] and max(seen[2:]) < 4096, seen  # the warm-up was capped too
     assert cal.max_micro_batch < 4096
 
@@ -143,8 +141,9 @@ def test_calibration_fits_two_sizes_and_times_the_optimizer():
     assert all(p.grad is None for p in model.parameters())
     data = cal.to_dict()
     assert {"overhead_s", "per_sample_s", "step_fixed_s", "timings"} <= set(data)
-    assert CostCurve.from_dict(data) == CostCurve(cal.overhead_s, cal.per_sample_s,
-                                                  cal.step_fixed_s)
+    assert CostCurve.from_dict(data) == CostCurve(
+        cal.overhead_s, cal.per_sample_s, cal.step_fixed_s
+    )
 
 
 def test_calibration_times_within_the_memory_cap():
@@ -188,8 +187,9 @@ def test_a_rank_done_early_times_more_passes_until_its_peers_are_done():
         passes.append(n)
         return batches(n)
 
-    cal = calibrate(Tiny(), make_batch, torch.device("cpu"), 16, 3, 2**30,
-                    wait_for_peers=wait_for_peers)
+    cal = calibrate(
+        Tiny(), make_batch, torch.device("cpu"), 16, 3, 2**30, wait_for_peers=wait_for_peers
+    )
     assert asked == [6], "asked once, after the probes, the warm-up and its own three passes"
     assert [n for n, _ in cal.timings] == [16, 4, 16, 4, 16, 4]
     assert peers.waited == 1, "it leaves calibration only through the barrier's wait"
@@ -198,8 +198,15 @@ def test_a_rank_done_early_times_more_passes_until_its_peers_are_done():
 
 def test_the_last_rank_to_finish_times_no_extra_pass():
     # every rank is done by the time it asks (or within the grace period): no pass is added
-    cal = calibrate(Tiny(), batches, torch.device("cpu"), 16, 2, 2**30,
-                    wait_for_peers=lambda: _Peers(lambda: True))
+    cal = calibrate(
+        Tiny(),
+        batches,
+        torch.device("cpu"),
+        16,
+        2,
+        2**30,
+        wait_for_peers=lambda: _Peers(lambda: True),
+    )
     assert [n for n, _ in cal.timings] == [16, 4]
 
 
@@ -214,16 +221,24 @@ def test_peers_done_within_the_grace_period_cost_no_extra_pass():
         posted = time.perf_counter()
         return _Peers(lambda: time.perf_counter() - posted >= PEER_GRACE_S / 4)
 
-    cal = calibrate(Tiny(), batches, torch.device("cpu"), 16, 2, 2**30,
-                    wait_for_peers=wait_for_peers)
+    cal = calibrate(
+        Tiny(), batches, torch.device("cpu"), 16, 2, 2**30, wait_for_peers=wait_for_peers
+    )
     assert [n for n, _ in cal.timings] == [16, 4]
 
 
 def test_extra_passes_are_bounded_when_peers_never_finish():
     from hetseq_hpc.balance.calibrate import MAX_EXTRA_PASSES
 
-    cal = calibrate(Tiny(), batches, torch.device("cpu"), 8, 2, 2**30,
-                    wait_for_peers=lambda: _Peers(lambda: False))
+    cal = calibrate(
+        Tiny(),
+        batches,
+        torch.device("cpu"),
+        8,
+        2,
+        2**30,
+        wait_for_peers=lambda: _Peers(lambda: False),
+    )
     assert len(cal.timings) == 2 + MAX_EXTRA_PASSES
     assert {n for n, _ in cal.timings} == {8, 2}
 

@@ -53,8 +53,9 @@ def test_flipped_bytes_and_missing_model_are_named(tmp_path):
         load_checkpoint(path)
     assert f"checkpoint {str(path)!r} is corrupt: its SHA-256" in str(err.value)
     no_model = checkpoint_path(tmp_path, 2)
-    write_with_checksum(no_model, {"optimizer": {}, "scheduler": {}, "step": 2,
-                                   "format_version": 2})
+    write_with_checksum(
+        no_model, {"optimizer": {}, "scheduler": {}, "step": 2, "format_version": 2}
+    )
     with pytest.raises(CheckpointError, match="has no model entry"):
         load_checkpoint(no_model)
 

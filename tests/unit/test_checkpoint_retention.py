@@ -22,8 +22,12 @@ from tests.helpers.checkpoints import plant_corrupt
 
 
 def _state(step: int, run_id: str = "") -> dict:
-    state = {"model": {"w": torch.full((8,), float(step))}, "optimizer": {}, "scheduler": {},
-             "step": step}
+    state = {
+        "model": {"w": torch.full((8,), float(step))},
+        "optimizer": {},
+        "scheduler": {},
+        "step": step,
+    }
     if run_id:
         state["run_id"] = run_id
     return state
@@ -52,7 +56,10 @@ def test_retention_never_deletes_a_later_step_or_another_runs_checkpoint(tmp_pat
     save_checkpoint(_state(2, "mine"), tmp_path, 2, keep=5)
     save_checkpoint(_state(3, "mine"), tmp_path, 3, keep=1)  # deletes only step 2
     assert [p.name for p in list_checkpoints(tmp_path)] == [
-        "step_00000001.pt", "step_00000003.pt", "step_00000009.pt"]
+        "step_00000001.pt",
+        "step_00000003.pt",
+        "step_00000009.pt",
+    ]
 
 
 def test_auto_resume_never_picks_another_runs_checkpoint(tmp_path):

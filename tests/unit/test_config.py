@@ -68,22 +68,51 @@ def test_defaults_without_overrides(compose_cfg):
     "overrides, getter, value",
     [
         pytest.param(["cluster.ranks=3"], lambda r: r.cluster.ranks, 3, id="cluster.ranks"),
-        pytest.param(["cluster.ranks=2", "trainer.global_batch_size=64"],
-                     lambda r: r.trainer.global_batch_size, 64, id="global_batch_size"),
-        pytest.param(["cluster.ranks=2", "balance.allocation=[24,8]"],
-                     lambda r: r.balance.allocation, [24, 8], id="allocation"),
-        pytest.param(["cluster.ranks=2", "trainer.max_steps=7"],
-                     lambda r: r.trainer.max_steps, 7, id="max_steps"),
-        pytest.param(["cluster.ranks=2", "trainer.seed=1234"],
-                     lambda r: r.trainer.seed, 1234, id="seed"),
-        pytest.param(["cluster.ranks=2", "trainer.resume=never"],
-                     lambda r: r.trainer.resume, "never", id="resume-never"),
-        pytest.param(["cluster.ranks=2", "trainer.resume=/tmp/ckpt/step_10.pt"],
-                     lambda r: r.trainer.resume, "/tmp/ckpt/step_10.pt", id="resume-path"),
-        pytest.param(["cluster.ranks=2", "task.model.dropout=0.0"],
-                     lambda r: r.task.model.dropout, 0.0, id="dropout-0"),
-        pytest.param(["cluster.ranks=2", "task.model.dropout=0.25"],
-                     lambda r: r.task.model.dropout, 0.25, id="dropout-0.25"),
+        pytest.param(
+            ["cluster.ranks=2", "trainer.global_batch_size=64"],
+            lambda r: r.trainer.global_batch_size,
+            64,
+            id="global_batch_size",
+        ),
+        pytest.param(
+            ["cluster.ranks=2", "balance.allocation=[24,8]"],
+            lambda r: r.balance.allocation,
+            [24, 8],
+            id="allocation",
+        ),
+        pytest.param(
+            ["cluster.ranks=2", "trainer.max_steps=7"],
+            lambda r: r.trainer.max_steps,
+            7,
+            id="max_steps",
+        ),
+        pytest.param(
+            ["cluster.ranks=2", "trainer.seed=1234"], lambda r: r.trainer.seed, 1234, id="seed"
+        ),
+        pytest.param(
+            ["cluster.ranks=2", "trainer.resume=never"],
+            lambda r: r.trainer.resume,
+            "never",
+            id="resume-never",
+        ),
+        pytest.param(
+            ["cluster.ranks=2", "trainer.resume=/tmp/ckpt/step_10.pt"],
+            lambda r: r.trainer.resume,
+            "/tmp/ckpt/step_10.pt",
+            id="resume-path",
+        ),
+        pytest.param(
+            ["cluster.ranks=2", "task.model.dropout=0.0"],
+            lambda r: r.task.model.dropout,
+            0.0,
+            id="dropout-0",
+        ),
+        pytest.param(
+            ["cluster.ranks=2", "task.model.dropout=0.25"],
+            lambda r: r.task.model.dropout,
+            0.25,
+            id="dropout-0.25",
+        ),
     ],
 )
 def test_overrides(run_config, overrides, getter, value):
@@ -91,8 +120,9 @@ def test_overrides(run_config, overrides, getter, value):
 
 
 def test_allocation_override_with_matching_world(run_config):
-    run = run_config("cluster.ranks=3", "trainer.global_batch_size=12",
-                     "balance.allocation=[6,4,2]")
+    run = run_config(
+        "cluster.ranks=3", "trainer.global_batch_size=12", "balance.allocation=[6,4,2]"
+    )
     assert run.balance.allocation == [6, 4, 2]
     assert hetseq_hpc.config.planned_world_size(run) == 3
 
@@ -110,32 +140,59 @@ def test_existing_data_files_are_accepted(run_config, tmp_path):
     [
         pytest.param(["cluster.ranks=0"], ["cluster.ranks=0"], id="ranks-0"),
         pytest.param(["cluster.ranks=-1"], ["cluster.ranks=-1"], id="ranks-negative"),
-        pytest.param(["cluster.ranks=2", "trainer.global_batch_size=1"],
-                     ["trainer.global_batch_size=1", "world size 2"], id="batch-below-world"),
-        pytest.param(["cluster.ranks=2", "balance.allocation=[20,8]"],
-                     ["balance.allocation", "28", "32"], id="allocation-wrong-sum"),
-        pytest.param(["cluster.ranks=2", "balance.allocation=[16,8,8]"],
-                     ["balance.allocation", "3 entries", "world size is 2"],
-                     id="allocation-wrong-length"),
-        pytest.param(["cluster.ranks=2", "balance.allocation=[32,0]"],
-                     ["balance.allocation"], id="allocation-zero-entry"),
-        pytest.param(["cluster.ranks=2", "task.data.files=[/nonexistent/*.txt]"],
-                     ["task.data.files", "/nonexistent/*.txt"], id="missing-data-file"),
-        pytest.param(["cluster.ranks=2", "task.model.num_heads=3"],
-                     ["task.model.num_heads=3", "128"], id="heads-do-not-divide-hidden"),
-        pytest.param(["cluster.ranks=2", "task.model.dropout=1.0"],
-                     ["task.model.dropout"], id="dropout-1"),
+        pytest.param(
+            ["cluster.ranks=2", "trainer.global_batch_size=1"],
+            ["trainer.global_batch_size=1", "world size 2"],
+            id="batch-below-world",
+        ),
+        pytest.param(
+            ["cluster.ranks=2", "balance.allocation=[20,8]"],
+            ["balance.allocation", "28", "32"],
+            id="allocation-wrong-sum",
+        ),
+        pytest.param(
+            ["cluster.ranks=2", "balance.allocation=[16,8,8]"],
+            ["balance.allocation", "3 entries", "world size is 2"],
+            id="allocation-wrong-length",
+        ),
+        pytest.param(
+            ["cluster.ranks=2", "balance.allocation=[32,0]"],
+            ["balance.allocation"],
+            id="allocation-zero-entry",
+        ),
+        pytest.param(
+            ["cluster.ranks=2", "task.data.files=[/nonexistent/*.txt]"],
+            ["task.data.files", "/nonexistent/*.txt"],
+            id="missing-data-file",
+        ),
+        pytest.param(
+            ["cluster.ranks=2", "task.model.num_heads=3"],
+            ["task.model.num_heads=3", "128"],
+            id="heads-do-not-divide-hidden",
+        ),
+        pytest.param(
+            ["cluster.ranks=2", "task.model.dropout=1.0"], ["task.model.dropout"], id="dropout-1"
+        ),
         pytest.param(["cluster.ranks=2", "optim.lr=0"], ["optim.lr"], id="lr-0"),
-        pytest.param(["cluster.ranks=2", "precision.default=fp8"],
-                     ["precision.default", "fp8"], id="precision-fp8"),
-        pytest.param(["cluster.ranks=2", "trainer.max_steps=0"], ["trainer.max_steps"],
-                     id="max-steps-0"),
-        pytest.param(["cluster.ranks=2", "trainer.resume=''"], ["trainer.resume"],
-                     id="resume-empty"),
-        pytest.param(["cluster.ranks=2", "cluster.speeds=[1.0]"], ["cluster.speeds"],
-                     id="speeds-length"),
-        pytest.param(["cluster.ranks=2", "optim.schedule_steps=10"], ["optim.schedule_steps"],
-                     id="schedule-shorter-than-run"),
+        pytest.param(
+            ["cluster.ranks=2", "precision.default=fp8"],
+            ["precision.default", "fp8"],
+            id="precision-fp8",
+        ),
+        pytest.param(
+            ["cluster.ranks=2", "trainer.max_steps=0"], ["trainer.max_steps"], id="max-steps-0"
+        ),
+        pytest.param(
+            ["cluster.ranks=2", "trainer.resume=''"], ["trainer.resume"], id="resume-empty"
+        ),
+        pytest.param(
+            ["cluster.ranks=2", "cluster.speeds=[1.0]"], ["cluster.speeds"], id="speeds-length"
+        ),
+        pytest.param(
+            ["cluster.ranks=2", "optim.schedule_steps=10"],
+            ["optim.schedule_steps"],
+            id="schedule-shorter-than-run",
+        ),
     ],
 )
 def test_config_errors(run_config, overrides, names):
@@ -162,23 +219,39 @@ def test_unknown_task_name_in_plain_dict():
 
 
 def test_plain_dict_is_accepted():
-    run = to_run_config({"task": {"name": "bert"}, "cluster": {"name": "local", "ranks": 2},
-                         "trainer": {"allocation": [20, 12]}})
+    run = to_run_config(
+        {
+            "task": {"name": "bert"},
+            "cluster": {"name": "local", "ranks": 2},
+            "trainer": {"allocation": [20, 12]},
+        }
+    )
     assert run.balance.allocation == [20, 12]
     assert run.task.model.hidden_size == 128
 
 
 def test_type_error_names_the_key():
     with pytest.raises(ConfigError) as info:
-        to_run_config({"task": {"name": "bert"}, "cluster": {"name": "local", "ranks": 2},
-                       "trainer": {"global_batch_size": "abc"}})
+        to_run_config(
+            {
+                "task": {"name": "bert"},
+                "cluster": {"name": "local", "ranks": 2},
+                "trainer": {"global_batch_size": "abc"},
+            }
+        )
     assert "trainer.global_batch_size" in str(info.value)
 
 
 # --------------------------------------------------------------------------- save / load
 def test_save_load_round_trip(run_config, tmp_path):
-    run = run_config("cluster.ranks=2", "balance.allocation=[24,8]", "trainer.max_steps=9",
-                     "trainer.seed=5", "task.model.dropout=0.0", "trainer.resume=never")
+    run = run_config(
+        "cluster.ranks=2",
+        "balance.allocation=[24,8]",
+        "trainer.max_steps=9",
+        "trainer.seed=5",
+        "task.model.dropout=0.0",
+        "trainer.resume=never",
+    )
     path = save_run_config(run, tmp_path / "run" / "hetseq_config.yaml")
     assert path.is_file()
     assert [p.name for p in path.parent.iterdir()] == ["hetseq_config.yaml"]  # no .tmp left
@@ -231,8 +304,10 @@ def test_load_invalid_yaml(tmp_path, text):
         pytest.param("", id="empty"),
         pytest.param("- 1\n- 2\n", id="a-list"),
         pytest.param("task: {name: bert}\ncluster: {name: local, ranks: 0}\n", id="bad-value"),
-        pytest.param("task: {name: bert}\ncluster: {name: local, ranks: 2}\ntrainer: {foo: 1}\n",
-                     id="unknown-key"),
+        pytest.param(
+            "task: {name: bert}\ncluster: {name: local, ranks: 2}\ntrainer: {foo: 1}\n",
+            id="unknown-key",
+        ),
     ],
 )
 def test_load_valid_yaml_invalid_config(tmp_path, text):
@@ -254,8 +329,15 @@ def test_cluster_field_is_typed_with_the_base_schema(run_config):
     assert local.planned_world_size() == 3
     assert slurm.planned_world_size() == slurm.world_size == 4 + 8 + 4
     assert slurm.memory_budget_gb is None and slurm.collective_timeout_s == 600
-    assert [slurm.partition_of_rank(r) for r in (0, 3, 4, 11, 12, 15, 16)] == \
-        ["a100", "a100", "v100", "v100", "t4", "t4", None]
+    assert [slurm.partition_of_rank(r) for r in (0, 3, 4, 11, 12, 15, 16)] == [
+        "a100",
+        "a100",
+        "v100",
+        "v100",
+        "t4",
+        "t4",
+        None,
+    ]
 
 
 # --------------------------------------------------------------------------- issue 8: sbatch values
@@ -270,9 +352,16 @@ def test_sbatch_values_are_anchored_at_the_true_end(value):
 
 def test_trailing_newline_in_job_name_is_rejected(run_config):
     with pytest.raises(ConfigError, match=r"cluster\.job_name"):
-        to_run_config({"task": {"name": "bert"},
-                       "cluster": {"name": "slurm", "job_name": "hetseq\n",
-                                   "partitions": {"a100": {"partition": "a100"}}}})
+        to_run_config(
+            {
+                "task": {"name": "bert"},
+                "cluster": {
+                    "name": "slurm",
+                    "job_name": "hetseq\n",
+                    "partitions": {"a100": {"partition": "a100"}},
+                },
+            }
+        )
 
 
 EVIL_CLUSTER = """\
@@ -295,7 +384,9 @@ def test_partition_key_with_a_newline_is_rejected_through_hydra(tmp_path):
     shutil.copytree(hetseq_hpc.config.CONF_DIR, conf)
     (conf / "cluster" / "evil.yaml").write_text(EVIL_CLUSTER)
     cfg = compose_run(["cluster=evil"], config_dir=conf)
-    assert "a100\necho pwned > /tmp/hetseq-pwned" in cfg.cluster.partitions  # the YAML really has it
+    assert (
+        "a100\necho pwned > /tmp/hetseq-pwned" in cfg.cluster.partitions
+    )  # the YAML really has it
     with pytest.raises(ConfigError) as info:
         to_run_config(cfg)
     message = str(info.value)
@@ -304,8 +395,10 @@ def test_partition_key_with_a_newline_is_rejected_through_hydra(tmp_path):
 
 def test_partition_key_with_a_newline_is_rejected_from_a_saved_config(tmp_path):
     path = tmp_path / "hetseq_config.yaml"
-    path.write_text('task: {name: bert}\ncluster:\n  name: slurm\n  partitions:\n'
-                    '    "a100\\necho pwned":\n      partition: a100\n')
+    path.write_text(
+        "task: {name: bert}\ncluster:\n  name: slurm\n  partitions:\n"
+        '    "a100\\necho pwned":\n      partition: a100\n'
+    )
     with pytest.raises(ConfigError, match=r"cluster\.partitions key"):
         load_run_config(path)
 
@@ -319,10 +412,14 @@ def test_partition_key_with_a_newline_is_rejected_from_a_saved_config(tmp_path):
         pytest.param(["+trainr.max_steps=5"], "did you mean trainer?", id="plus-group-typo"),
         pytest.param(["+optim.learning_rate=1"], "the keys of optim are name, lr", id="no-match"),
         pytest.param(["+cluster.rank=3"], "did you mean cluster.ranks?", id="plus-cluster"),
-        pytest.param(["cluster=mixed", "+cluster.partitions.a100.gpu_typ=x"],
-                     "did you mean cluster.partitions.a100.gpu_type?", id="plus-partition"),
-        pytest.param(["+task.model.hidden=64"], "did you mean task.model.hidden_size?",
-                     id="plus-nested"),
+        pytest.param(
+            ["cluster=mixed", "+cluster.partitions.a100.gpu_typ=x"],
+            "did you mean cluster.partitions.a100.gpu_type?",
+            id="plus-partition",
+        ),
+        pytest.param(
+            ["+task.model.hidden=64"], "did you mean task.model.hidden_size?", id="plus-nested"
+        ),
     ],
 )
 def test_unknown_keys_are_errors_with_a_suggestion(run_config, overrides, expected):
@@ -349,28 +446,50 @@ def test_empty_partitions_override_is_an_error(run_config, compose_cfg):
         pytest.param(["trainer.seed=-1"], ["trainer.seed=-1", "0..4294967295"], id="seed-negative"),
         pytest.param(["trainer.seed=4294967296"], ["trainer.seed=4294967296"], id="seed-2^32"),
         pytest.param(["trainer.seed=18446744073709551616"], ["trainer.seed="], id="seed-2^64"),
-        pytest.param(["balance.calibration_micro_batch=-4"], ["balance.calibration_micro_batch=-4"],
-                     id="calibration-micro-batch-negative"),
-        pytest.param(["balance.calibration_micro_batch=0"], ["balance.calibration_micro_batch=0"],
-                     id="calibration-micro-batch-0"),
+        pytest.param(
+            ["balance.calibration_micro_batch=-4"],
+            ["balance.calibration_micro_batch=-4"],
+            id="calibration-micro-batch-negative",
+        ),
+        pytest.param(
+            ["balance.calibration_micro_batch=0"],
+            ["balance.calibration_micro_batch=0"],
+            id="calibration-micro-batch-0",
+        ),
         pytest.param(["optim.lr=inf"], ["optim.lr=inf", "finite"], id="lr-inf"),
         pytest.param(["optim.lr=nan"], ["optim.lr=nan", "finite"], id="lr-nan"),
         pytest.param(["optim.weight_decay=inf"], ["optim.weight_decay"], id="weight-decay-inf"),
         pytest.param(["optim.eps=nan"], ["optim.eps"], id="eps-nan"),
         pytest.param(["trainer.grad_clip=inf"], ["trainer.grad_clip"], id="grad-clip-inf"),
-        pytest.param(["balance.rebalance_threshold=nan"], ["balance.rebalance_threshold"],
-                     id="rebalance-threshold-nan"),
+        pytest.param(
+            ["balance.rebalance_threshold=nan"],
+            ["balance.rebalance_threshold"],
+            id="rebalance-threshold-nan",
+        ),
         pytest.param(["cluster.speeds=[1.0,nan]"], ["cluster.speeds"], id="speeds-nan"),
-        pytest.param(["cluster.memory_budget_gb=inf"], ["cluster.memory_budget_gb"],
-                     id="memory-budget-inf"),
-        pytest.param(["cluster=mixed", "cluster.partitions.a100.memory_budget_gb=inf"],
-                     ["cluster.partitions.a100.memory_budget_gb"], id="partition-budget-inf"),
-        pytest.param(["cluster=mixed", "cluster.partitions.v100.emulate_speed=nan"],
-                     ["cluster.partitions.v100.emulate_speed"], id="partition-speed-nan"),
-        pytest.param(["cluster=mixed", "cluster.max_num_timeout=-1"],
-                     ["cluster.max_num_timeout=-1"], id="max-num-timeout-negative"),
-        pytest.param(["cluster=mixed", "cluster.timeout_min=525601"],
-                     ["cluster.timeout_min=525601", "525600"], id="timeout-min-absurd"),
+        pytest.param(
+            ["cluster.memory_budget_gb=inf"], ["cluster.memory_budget_gb"], id="memory-budget-inf"
+        ),
+        pytest.param(
+            ["cluster=mixed", "cluster.partitions.a100.memory_budget_gb=inf"],
+            ["cluster.partitions.a100.memory_budget_gb"],
+            id="partition-budget-inf",
+        ),
+        pytest.param(
+            ["cluster=mixed", "cluster.partitions.v100.emulate_speed=nan"],
+            ["cluster.partitions.v100.emulate_speed"],
+            id="partition-speed-nan",
+        ),
+        pytest.param(
+            ["cluster=mixed", "cluster.max_num_timeout=-1"],
+            ["cluster.max_num_timeout=-1"],
+            id="max-num-timeout-negative",
+        ),
+        pytest.param(
+            ["cluster=mixed", "cluster.timeout_min=525601"],
+            ["cluster.timeout_min=525601", "525600"],
+            id="timeout-min-absurd",
+        ),
     ],
 )
 def test_range_errors(run_config, overrides, names):
@@ -383,11 +502,16 @@ def test_range_errors(run_config, overrides, names):
 
 
 def test_range_edges_are_accepted(run_config):
-    run = run_config("cluster.ranks=2", "trainer.seed=4294967295",
-                     "balance.calibration_micro_batch=1")
+    run = run_config(
+        "cluster.ranks=2", "trainer.seed=4294967295", "balance.calibration_micro_batch=1"
+    )
     assert run.trainer.seed == 2**32 - 1 and run.balance.calibration_micro_batch == 1
-    assert run_config("cluster=mixed", "cluster.max_num_timeout=0",
-                      "cluster.timeout_min=525600").cluster.timeout_min == 525600
+    assert (
+        run_config(
+            "cluster=mixed", "cluster.max_num_timeout=0", "cluster.timeout_min=525600"
+        ).cluster.timeout_min
+        == 525600
+    )
 
 
 # --------------------------------------------------------------------------- issue 8: data files
@@ -430,13 +554,16 @@ def test_multibyte_character_cut_by_the_probe_is_fine(tmp_path):
         check_text_file(str(path), probe_bytes=probe)
 
 
-@pytest.mark.parametrize("overrides,interval", [
-    ([], 10),                                              # measured split: re-balanced
-    (["balance.allocation=[24,8]", "cluster.ranks=2"], 0),  # the user's split is kept
-    (["balance.rebalance_every=3"], 3),
-    (["balance.rebalance_every=0"], 0),
-    (["balance.allocation=[24,8]", "cluster.ranks=2", "balance.rebalance_every=5"], 5),
-])
+@pytest.mark.parametrize(
+    "overrides,interval",
+    [
+        ([], 10),  # measured split: re-balanced
+        (["balance.allocation=[24,8]", "cluster.ranks=2"], 0),  # the user's split is kept
+        (["balance.rebalance_every=3"], 3),
+        (["balance.rebalance_every=0"], 0),
+        (["balance.allocation=[24,8]", "cluster.ranks=2", "balance.rebalance_every=5"], 5),
+    ],
+)
 def test_rebalance_interval_defaults_to_on_for_a_measured_split(run_config, overrides, interval):
     assert run_config(*overrides).balance.rebalance_interval == interval
 
@@ -455,20 +582,43 @@ def test_keys_that_moved_between_groups_keep_working(tmp_path):
     from hetseq_hpc.config import load_run_config, save_run_config
     from hetseq_hpc.config.aliases import migrate_overrides
 
-    assert migrate_overrides(["trainer.allocation=[24,8]", "+trainer.grad_combine=sum",
-                              "cluster.partitions.v100.precision=fp16", "trainer.max_steps=3",
-                              "precision.partitions.t4=fp32"]) == [
-        "balance.allocation=[24,8]", "+comm.grad_combine=sum",
-        "++precision.partitions.v100=fp16", "trainer.max_steps=3",
-        "++precision.partitions.t4=fp32"]
-    run = compose_run_config(["cluster=mixed", "balance.allocation=null",
-                              "precision.partitions.v100=fp16", "comm.bucket_cap_mb=10"])
+    assert migrate_overrides(
+        [
+            "trainer.allocation=[24,8]",
+            "+trainer.grad_combine=sum",
+            "cluster.partitions.v100.precision=fp16",
+            "trainer.max_steps=3",
+            "precision.partitions.t4=fp32",
+        ]
+    ) == [
+        "balance.allocation=[24,8]",
+        "+comm.grad_combine=sum",
+        "++precision.partitions.v100=fp16",
+        "trainer.max_steps=3",
+        "++precision.partitions.t4=fp32",
+    ]
+    run = compose_run_config(
+        [
+            "cluster=mixed",
+            "balance.allocation=null",
+            "precision.partitions.v100=fp16",
+            "comm.bucket_cap_mb=10",
+        ]
+    )
     saved = OmegaConf.to_container(OmegaConf.structured(run))
     # the shape an older version wrote: everything under trainer, precision in the cluster
-    saved["trainer"].update(allocation=None, max_micro_batch=8, calibration_steps=4,
-                            calibration_micro_batch=None, rebalance_every=5,
-                            rebalance_threshold=0.1, precision="bf16", grad_compression="none",
-                            bucket_cap_mb=10.0, grad_combine="sum")
+    saved["trainer"].update(
+        allocation=None,
+        max_micro_batch=8,
+        calibration_steps=4,
+        calibration_micro_batch=None,
+        rebalance_every=5,
+        rebalance_threshold=0.1,
+        precision="bf16",
+        grad_compression="none",
+        bucket_cap_mb=10.0,
+        grad_combine="sum",
+    )
     saved["cluster"]["partitions"]["v100"]["precision"] = "fp16"
     saved["cluster"]["partitions"]["t4"]["precision"] = None
     for group in ("balance", "comm", "precision"):
@@ -485,9 +635,13 @@ def test_keys_that_moved_between_groups_keep_working(tmp_path):
 def test_a_whole_new_partition_from_the_command_line():
     """``+cluster.partitions.xp={...}`` adds a partition (Hydra alone refuses a dict there),
     validated as in YAML; a partition already there is merged into."""
-    run = compose_run_config(["cluster=mixed",
-                              "+cluster.partitions.xp={gpu_type: t4, nodes: 2, gpus_per_node: 4}",
-                              "cluster.partitions.t4={nodes: 3}"])
+    run = compose_run_config(
+        [
+            "cluster=mixed",
+            "+cluster.partitions.xp={gpu_type: t4, nodes: 2, gpus_per_node: 4}",
+            "cluster.partitions.t4={nodes: 3}",
+        ]
+    )
     assert list(run.cluster.partitions) == ["a100", "v100", "t4", "xp"]
     xp = run.cluster.partitions["xp"]
     assert (xp.partition, xp.gpu_type, xp.nodes, xp.gpus_per_node) == ("xp", "t4", 2, 4)
@@ -499,8 +653,11 @@ def test_a_whole_new_partition_from_the_command_line():
     with pytest.raises(ConfigError, match=r"cluster=local has no partitions"):
         compose_run_config(["+cluster.partitions.xp={nodes: 2}"])
     for value in ("5", "abc", "[1,2]", "null", ""):
-        with pytest.raises(ConfigError, match=rf"^cluster\.partitions\.xp={re.escape(value)} is "
-                                              r"not a partition: give its fields in braces"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"^cluster\.partitions\.xp={re.escape(value)} is "
+            r"not a partition: give its fields in braces",
+        ):
             compose_run_config(["cluster=mixed", f"+cluster.partitions.xp={value}"])
 
 
@@ -512,18 +669,32 @@ def test_a_moved_key_in_a_yaml_file_names_its_new_place(tmp_path):
     conf = tmp_path / "conf"
     shutil.copytree(CONF_DIR, conf)
     mixed = conf / "cluster" / "mixed.yaml"
-    mixed.write_text(mixed.read_text().replace("    partition: a100\n",
-                                               "    partition: a100\n    precision: fp16\n", 1))
-    with pytest.raises(ConfigError, match=r"cluster\.partitions\.a100\.precision is now "
-                                          r"precision\.partitions\.a100"):
+    mixed.write_text(
+        mixed.read_text().replace(
+            "    partition: a100\n", "    partition: a100\n    precision: fp16\n", 1
+        )
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"cluster\.partitions\.a100\.precision is now "
+        r"precision\.partitions\.a100",
+    ):
         compose_run_config(["cluster=mixed"], config_dir=conf)
 
 
 def test_a_whole_partition_and_its_fields_cannot_be_mixed_or_swept():
-    with pytest.raises(ConfigError, match=r"given whole .* and again by "
-                                          r"cluster\.partitions\.xp\.nodes=3"):
-        compose_run_config(["cluster=mixed", "+cluster.partitions.xp={gpu_type: t4}",
-                            "cluster.partitions.xp.nodes=3"])
+    with pytest.raises(
+        ConfigError,
+        match=r"given whole .* and again by "
+        r"cluster\.partitions\.xp\.nodes=3",
+    ):
+        compose_run_config(
+            [
+                "cluster=mixed",
+                "+cluster.partitions.xp={gpu_type: t4}",
+                "cluster.partitions.xp.nodes=3",
+            ]
+        )
     with pytest.raises(ConfigError, match=r"cannot be swept"):
         compose_run_config(["cluster=mixed", "+cluster.partitions.xp={nodes: 1},{nodes: 2}"])
 
@@ -535,8 +706,9 @@ def test_resume_merges_a_whole_partition_into_the_saved_one():
 
     from hetseq_hpc.cli.resume import merge_overrides
 
-    first = compose_run_config(["cluster=mixed",
-                                "+cluster.partitions.xp={gpu_type: t4, nodes: 2, gpus_per_node: 4}"])
+    first = compose_run_config(
+        ["cluster=mixed", "+cluster.partitions.xp={gpu_type: t4, nodes: 2, gpus_per_node: 4}"]
+    )
     saved = OmegaConf.structured(first)
     merged = merge_overrides(saved, ["+cluster.partitions.xp={nodes: 3}"], ["cluster=mixed"])
     xp = merged.cluster.partitions.xp
@@ -550,14 +722,27 @@ def test_a_saved_config_with_a_group_that_is_not_a_mapping_is_one_line():
         migrate_saved({"trainer": {"precision": "fp16"}, "precision": "bf16"})
 
 
-@pytest.mark.parametrize("overrides, names", [
-    (["cluster.ranks=2", "cluster.memory_budgets_gb=[1.0]"],
-     ["cluster.memory_budgets_gb=[1.0]", "1 entries", "one budget (GiB) per rank"]),
-    (["cluster.ranks=2", "cluster.memory_budgets_gb=[1.0,0]"],
-     ["cluster.memory_budgets_gb contains 0", "> 0"]),
-    (["cluster.ranks=2", "cluster.memory_budgets_gb=[1.0,2.0]", "cluster.memory_budget_gb=1"],
-     ["cluster.memory_budgets_gb", "cluster.memory_budget_gb=1.0", "keep one"]),
-])
+@pytest.mark.parametrize(
+    "overrides, names",
+    [
+        (
+            ["cluster.ranks=2", "cluster.memory_budgets_gb=[1.0]"],
+            ["cluster.memory_budgets_gb=[1.0]", "1 entries", "one budget (GiB) per rank"],
+        ),
+        (
+            ["cluster.ranks=2", "cluster.memory_budgets_gb=[1.0,0]"],
+            ["cluster.memory_budgets_gb contains 0", "> 0"],
+        ),
+        (
+            [
+                "cluster.ranks=2",
+                "cluster.memory_budgets_gb=[1.0,2.0]",
+                "cluster.memory_budget_gb=1",
+            ],
+            ["cluster.memory_budgets_gb", "cluster.memory_budget_gb=1.0", "keep one"],
+        ),
+    ],
+)
 def test_per_rank_memory_budgets_are_checked_in_one_line(overrides, names):
     with pytest.raises(ConfigError) as info:
         compose_run_config(overrides)

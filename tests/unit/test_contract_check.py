@@ -57,8 +57,10 @@ def test_check_restores_rng_and_modes_and_refuses_breaches_in_one_line(user_dir)
     assert torch.equal(states[0], torch.get_rng_state())
     assert np.array_equal(states[1], np.random.get_state()[1]) and states[2] == random.getstate()
     assert model.training and model.body[2].training and not model.body[0].training
-    for target, member in (("breaches.MeanLoss", r"forward\(\*\*batch\)"),
-                           ("breaches.CountOne", "count is not additive")):
+    for target, member in (
+        ("breaches.MeanLoss", r"forward\(\*\*batch\)"),
+        ("breaches.CountOne", "count is not additive"),
+    ):
         with pytest.raises(TaskContractError, match=member) as info:
             _check(*_built(user_dir, target))
         assert "\n" not in str(info.value)
@@ -73,8 +75,11 @@ def test_make_batch_from_the_global_rng_is_refused_on_one_rank(user_dir):
         return {"x": batch["x"] + torch.randn_like(batch["x"]), "y": batch["y"]}
 
     task.make_batch = noisy
-    with pytest.raises(TaskContractError, match=r"make_batch is not row-wise: 'x' of the first "
-                       r"half .* global RNG"):
+    with pytest.raises(
+        TaskContractError,
+        match=r"make_batch is not row-wise: 'x' of the first "
+        r"half .* global RNG",
+    ):
         _check(task, model)
 
 
@@ -87,8 +92,14 @@ def test_positions_are_the_start_of_the_first_global_batch():
 
 
 def test_inexact_records_merge():
-    info = {"exact": False, "inexact": {"exact": False, "reason": "BatchNorm",
-                                        "batchnorm_layers": [["a", "BatchNorm1d"]]}}
+    info = {
+        "exact": False,
+        "inexact": {
+            "exact": False,
+            "reason": "BatchNorm",
+            "batchnorm_layers": [["a", "BatchNorm1d"]],
+        },
+    }
     record_inexact(info, {"exact": False, "reason": "skipped", "contract_check": "skipped"})
     assert info["inexact"]["reason"] == "BatchNorm; skipped"
     assert info["inexact"]["batchnorm_layers"] and info["inexact"]["contract_check"] == "skipped"
@@ -110,11 +121,20 @@ def data_files(tmp_path_factory) -> dict:
 
     root = tmp_path_factory.mktemp("contract-data")
     digits = load_digits()
-    np.savez(root / "digits.npz", images=(digits.images * 16).clip(0, 255).astype(np.uint8),
-             labels=digits.target)
-    pairs = sorted({p for f in site_package_catalogs() if "django" in str(f)
-                    for p in read_mo(f) if 0 < len(p[0]) <= 60 and 0 < len(p[1]) <= 60
-                    and p[0] != p[1]})[:200]
+    np.savez(
+        root / "digits.npz",
+        images=(digits.images * 16).clip(0, 255).astype(np.uint8),
+        labels=digits.target,
+    )
+    pairs = sorted(
+        {
+            p
+            for f in site_package_catalogs()
+            if "django" in str(f)
+            for p in read_mo(f)
+            if 0 < len(p[0]) <= 60 and 0 < len(p[1]) <= 60 and p[0] != p[1]
+        }
+    )[:200]
     (root / "pairs.tsv").write_text("".join(f"{de}\t{en}\n" for de, en in pairs), encoding="utf-8")
     text = "\n\n".join(topics[k] for k in sorted(topics)[:40])
     (root / "text.txt").write_text(text, encoding="utf-8")
@@ -123,19 +143,42 @@ def data_files(tmp_path_factory) -> dict:
 
 def _builtin(name: str, root: Path, cache: Path) -> list:
     if name == "bert":
-        return ["task=bert", *SMALL_MODEL, f"task.data.files=[{root / 'text.txt'}]",
-                "task.data.vocab_size=500", f"task.data.cache_dir={cache}"]
+        return [
+            "task=bert",
+            *SMALL_MODEL,
+            f"task.data.files=[{root / 'text.txt'}]",
+            "task.data.vocab_size=500",
+            f"task.data.cache_dir={cache}",
+        ]
     if name == "image":
-        return ["task=image", f"task.data.path={root / 'digits.npz'}", "task.model.width=8",
-                "task.model.num_stages=2", "task.model.groups=4", f"task.data.cache_dir={cache}"]
+        return [
+            "task=image",
+            f"task.data.path={root / 'digits.npz'}",
+            "task.model.width=8",
+            "task.model.num_stages=2",
+            "task.model.groups=4",
+            f"task.data.cache_dir={cache}",
+        ]
     if name == "translation":
-        return ["task=translation", f"task.data.files=[{root / 'pairs.tsv'}]",
-                "task.model.d_model=32", "task.model.num_encoder_layers=1",
-                "task.model.num_decoder_layers=1", "task.model.num_heads=2",
-                "task.model.ff_size=64", "task.model.max_len=24", "task.data.vocab_size=300",
-                f"task.data.cache_dir={cache}"]
-    return ["task=custom", "task.target=examples.char_lm.CharLMTask", "+task.args.seq_len=32",
-            "+task.args.hidden=32", f"task.path={REPO}"]
+        return [
+            "task=translation",
+            f"task.data.files=[{root / 'pairs.tsv'}]",
+            "task.model.d_model=32",
+            "task.model.num_encoder_layers=1",
+            "task.model.num_decoder_layers=1",
+            "task.model.num_heads=2",
+            "task.model.ff_size=64",
+            "task.model.max_len=24",
+            "task.data.vocab_size=300",
+            f"task.data.cache_dir={cache}",
+        ]
+    return [
+        "task=custom",
+        "task.target=examples.char_lm.CharLMTask",
+        "+task.args.seq_len=32",
+        "+task.args.hidden=32",
+        f"task.path={REPO}",
+    ]
 
 
 @pytest.mark.parametrize("name", ["bert", "image", "translation", "char_lm"])

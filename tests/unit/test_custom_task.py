@@ -29,8 +29,9 @@ def user_dir(tmp_path) -> Path:
 
 
 def custom_run(user_dir: Path, *overrides: str):
-    return compose_run_config(["task=custom", "task.target=my_tasks.Regression",
-                               f"task.path={user_dir}", *overrides])
+    return compose_run_config(
+        ["task=custom", "task.target=my_tasks.Regression", f"task.path={user_dir}", *overrides]
+    )
 
 
 class Toy(Task):
@@ -69,16 +70,23 @@ def test_contract_errors_are_one_line_each():
             return 2.5
 
     cases = [
-        (lambda: checked_batch(WrongRows(None, 0), [0, 1], 0, "train"),
-         r"'x' of shape \(3, 2\) for 2 positions .* first dimension of every tensor"),
-        (lambda: checked_count(NoUnits(None, 0), {"x": torch.ones(4, 2)}),
-         r"count returned 0 for a batch of 4 samples"),
-        (lambda: checked_count(FloatUnits(None, 0), {"x": torch.ones(4, 2)}),
-         r"count returned 2.5: return the number of loss units"),
-        (lambda: check_loss(toy, torch.ones(3)),
-         r"returned a tensor of shape \(3,\) .* 0-dim floating tensor"),
-        (lambda: check_loss(toy, torch.tensor(3)),
-         r"dtype torch.int64 .* 0-dim floating tensor"),
+        (
+            lambda: checked_batch(WrongRows(None, 0), [0, 1], 0, "train"),
+            r"'x' of shape \(3, 2\) for 2 positions .* first dimension of every tensor",
+        ),
+        (
+            lambda: checked_count(NoUnits(None, 0), {"x": torch.ones(4, 2)}),
+            r"count returned 0 for a batch of 4 samples",
+        ),
+        (
+            lambda: checked_count(FloatUnits(None, 0), {"x": torch.ones(4, 2)}),
+            r"count returned 2.5: return the number of loss units",
+        ),
+        (
+            lambda: check_loss(toy, torch.ones(3)),
+            r"returned a tensor of shape \(3,\) .* 0-dim floating tensor",
+        ),
+        (lambda: check_loss(toy, torch.tensor(3)), r"dtype torch.int64 .* 0-dim floating tensor"),
         (lambda: check_loss(toy, 1.5), r"returned a float from forward"),
     ]
     for call, pattern in cases:
@@ -92,8 +100,11 @@ def test_import_errors_name_the_path_and_what_was_found(user_dir):
     cases = [
         ("nonexistent_pkg.mod.Task", r"no module named 'nonexistent_pkg' in task.path"),
         ("examples.no_such_file.Task", r"'examples' exists but has no module 'no_such_file'"),
-        ("examples.char_lm.CharLmTask", r"has no 'CharLmTask': did you mean "
-                                        r"examples.char_lm.CharLMTask\?"),
+        (
+            "examples.char_lm.CharLmTask",
+            r"has no 'CharLmTask': did you mean "
+            r"examples.char_lm.CharLMTask\?",
+        ),
         ("my_tasks.NotATask", r"is a class that does not subclass hetseq_hpc.tasks.Task"),
         ("Regression", r"is not a dotted path"),
     ]
@@ -119,14 +130,22 @@ def test_custom_task_is_built_with_its_config_and_seed(user_dir):
     assert task.flops_per_sample(model) is None
     assert task_flops_per_sample(task, model) == 176.0
     assert all(p.grad is None for p in model.parameters())
-    metrics = task.finalize_metrics(task.evaluate_batch(model, task.make_batch([0, 1], 0, "val"),
-                                                        [0, 1]))
+    metrics = task.finalize_metrics(
+        task.evaluate_batch(model, task.make_batch([0, 1], 0, "val"), [0, 1])
+    )
     assert set(metrics) == {"val_loss", "val_ppl"}  # the default metrics
 
 
 def test_example_task_and_formula_tasks(tmp_path):
-    run = compose_run_config(["task=custom", f"task.target={EXAMPLE}", "+task.args.seq_len=16",
-                              "+task.args.hidden=16", f"task.path={REPO}"])
+    run = compose_run_config(
+        [
+            "task=custom",
+            f"task.target={EXAMPLE}",
+            "+task.args.seq_len=16",
+            "+task.args.hidden=16",
+            f"task.path={REPO}",
+        ]
+    )
     task = build_task(run.task, 0)
     task.load()
     batch = task.make_batch([0, 1, 2], 0, "train")
@@ -148,7 +167,8 @@ def test_example_task_and_formula_tasks(tmp_path):
     from hetseq_hpc.plan.perf_model import accesses_from_activations
 
     assert info.accesses_per_sample == pytest.approx(
-        accesses_from_activations(info.activation_bytes_per_sample / ACTIVATION_SAFETY))
+        accesses_from_activations(info.activation_bytes_per_sample / ACTIVATION_SAFETY)
+    )
     assert info.accesses_per_sample > 0
     # its vocabulary comes from its data (a custom task has no task.data.vocab_size to name)
     assert info.vocab_size == len(task.chars) and info.vocab_from == "its data"

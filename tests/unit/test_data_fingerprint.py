@@ -23,8 +23,9 @@ def test_other_prepared_data_is_refused_with_the_cache_as_the_fix():
     # the pre-flight check (no data prepared) and checkpoints from before the fingerprint
     assert check_fingerprint(saved, {"task.name": "bert"}, "ck", False) == []
     assert check_fingerprint({"task.name": "bert"}, saved, "ck", False) == []
-    assert check_fingerprint(saved, {"task.name": "bert", "data.fingerprint": "b"}, "ck",
-                             True) == ["data.fingerprint"]
+    assert check_fingerprint(saved, {"task.name": "bert", "data.fingerprint": "b"}, "ck", True) == [
+        "data.fingerprint"
+    ]
 
 
 def test_bert_data_fingerprint_is_the_tokenizer_digest(tmp_path):

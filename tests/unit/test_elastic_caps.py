@@ -17,9 +17,16 @@ MIB = 2**20
 
 def _report(rank: int, budget: float, per_sample: float, static: float, limit=None) -> RankReport:
     cap = micro_batch_cap(budget, static, per_sample, limit)
-    return RankReport(probe={}, world={"rank": rank}, calibration={
-        "memory_budget_bytes": budget, "activation_bytes_per_sample": per_sample,
-        "static_bytes": static, "max_micro_batch": cap})
+    return RankReport(
+        probe={},
+        world={"rank": rank},
+        calibration={
+            "memory_budget_bytes": budget,
+            "activation_bytes_per_sample": per_sample,
+            "static_bytes": static,
+            "max_micro_batch": cap,
+        },
+    )
 
 
 def test_caps_shrink_by_what_the_larger_shard_takes():

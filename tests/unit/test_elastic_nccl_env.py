@@ -35,8 +35,7 @@ def _join_env(monkeypatch, job):
     monkeypatch.setattr(rendezvous.dist, "init_process_group", fake_init)
     monkeypatch.setattr(rendezvous.dist, "new_group", lambda **kwargs: "cpu-group")
     monkeypatch.setattr(rendezvous.dist, "PrefixStore", lambda prefix, store: ("prefix", store))
-    world = WorldInfo(rank=0, local_rank=0, world_size=2, master_addr="10.0.0.1",
-                      master_port=29500)
+    world = WorldInfo(rank=0, local_rank=0, world_size=2, master_addr="10.0.0.1", master_port=29500)
     rendezvous.join(world, torch.device("cuda", 0), 30, job=job)
     return seen
 

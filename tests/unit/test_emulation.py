@@ -17,7 +17,8 @@ def test_exempt_needs_per_thread_cgroups():
     """Under the duty cycle or cgroup v2 no single thread can leave: said, not pretended."""
     from hetseq_hpc.env.emulation import Emulation, exempt_communication_threads
 
-    emu = exempt_communication_threads(Emulation(speed=0.5, method="cgroup-v2", cpus=0.5,
-                                                 control="/nonexistent/cpu.max"))
+    emu = exempt_communication_threads(
+        Emulation(speed=0.5, method="cgroup-v2", cpus=0.5, control="/nonexistent/cpu.max")
+    )
     assert emu.exempt_threads == () and "throttled too" in emu.note
     assert exempt_communication_threads(emulate_speed(1.0, 1)).method == "none"

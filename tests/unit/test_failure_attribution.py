@@ -38,10 +38,16 @@ def test_genuine_error_wins_over_an_earlier_peer_disconnect(tmp_path):
     The old launcher named rank 0 (first to exit); the cause is rank 1."""
     logs = tmp_path / "logs"
     errors = {
-        0: _error_file(logs, 0, "DistBackendError",
-                       "[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4", 1.0),
-        1: _error_file(logs, 1, "DataError", "train file data.txt is empty: give a file with text",
-                       2.0),
+        0: _error_file(
+            logs,
+            0,
+            "DistBackendError",
+            "[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4",
+            1.0,
+        ),
+        1: _error_file(
+            logs, 1, "DataError", "train file data.txt is empty: give a file with text", 2.0
+        ),
     }
     assert first_failure({0: 1}, errors) == 1
     assert first_failure({0: 1, 1: 1}, errors) == 1
@@ -54,25 +60,34 @@ def test_foreign_signal_wins_over_peer_disconnect_and_time_orders_genuine_errors
     late = {"type": "OSError", "message": "cache dir unwritable", "time": 9.0}
     assert first_failure({0: 1, 1: 1}, {0: late, 1: early}) == 1
     assert first_failure({0: 1}, {0: None, 1: None}) == 0
-    timed_out = {"type": "DistBackendError", "time": 3.0,
-                 "message": "Timed out waiting 10000ms for recv operation to complete"}
+    timed_out = {
+        "type": "DistBackendError",
+        "time": 3.0,
+        "message": "Timed out waiting 10000ms for recv operation to complete",
+    }
     assert first_failure({0: 1}, {0: timed_out, 1: None}, stopped=[1]) == 1
     with pytest.raises(ValueError):
         first_failure({0: 0}, {0: None})
 
 
 def test_oom_reason_gives_the_planned_memory_only_on_evidence(tmp_path):
-    alloc = {"ranks": [
-        {"calibration": {"static_bytes": 2**30, "activation_bytes_per_sample": 2**28},
-         "share": {"micro_batch": 4}},
-    ]}
+    alloc = {
+        "ranks": [
+            {
+                "calibration": {"static_bytes": 2**30, "activation_bytes_per_sample": 2**28},
+                "share": {"micro_batch": 4},
+            },
+        ]
+    }
     (tmp_path / "allocation.json").write_text(json.dumps(alloc))
     assert memory_estimate_gb(tmp_path, 0) == pytest.approx(2.0)
     # issue 27: out of memory only on evidence (the cgroup's oom_kill count, the kernel log)
     reason = signal_reason(-signal.SIGKILL, tmp_path, 0, oom="memory.events oom_kill 0 -> 1")
     assert "out of memory" in reason and "2.00 GiB" in reason and "\n" not in reason
     unknown = signal_reason(-signal.SIGKILL, tmp_path, 0)
-    assert "out of memory" not in unknown and "by a user, the scheduler, or the OOM killer" in unknown
+    assert (
+        "out of memory" not in unknown and "by a user, the scheduler, or the OOM killer" in unknown
+    )
     assert signal_reason(-signal.SIGSEGV, tmp_path, 0) == "killed by signal SIGSEGV"
 
 

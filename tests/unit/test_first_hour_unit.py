@@ -22,14 +22,22 @@ NOT_OOM = "killed by SIGKILL (by a user, the scheduler, or the OOM killer)"
 
 # ------------------------------------------------------------------ kill -9 is not OOM
 def test_a_sigkill_is_called_oom_only_with_the_kernels_evidence(tmp_path):
-    alloc = {"ranks": [{"calibration": {"static_bytes": 2**30, "activation_bytes_per_sample": 2**28},
-                        "share": {"micro_batch": 4}}]}
+    alloc = {
+        "ranks": [
+            {
+                "calibration": {"static_bytes": 2**30, "activation_bytes_per_sample": 2**28},
+                "share": {"micro_batch": 4},
+            }
+        ]
+    }
     (tmp_path / "allocation.json").write_text(json.dumps(alloc))
     assert signal_reason(-signal.SIGKILL, tmp_path, 0) == NOT_OOM
     oom = signal_reason(-signal.SIGKILL, tmp_path, 0, oom="the kernel log names pid 7")
     assert "out of memory" in oom and "the kernel log names pid 7" in oom and "2.00 GiB" in oom
-    assert oom.endswith("lower cluster.memory_budget_gb, shrink task.model or "
-                        "balance.max_micro_batch") and "\n" not in oom
+    assert (
+        oom.endswith("lower cluster.memory_budget_gb, shrink task.model or balance.max_micro_batch")
+        and "\n" not in oom
+    )
     assert signal_reason(-signal.SIGSEGV, tmp_path, 0) == "killed by signal SIGSEGV"
 
 
@@ -70,11 +78,15 @@ def _fake_cgroup_root(tmp_path: Path, files: dict) -> Path:
 def test_cgroup_counters_and_room_are_read_from_this_process_cgroup(tmp_path):
     from hetseq_hpc.env.memcg import cgroup_memory_room, oom_kill_counts
 
-    root = _fake_cgroup_root(tmp_path, {
-        "memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n",
-        "memory.events": "low 0\nhigh 0\nmax 0\noom 1\noom_kill 5\n",
-        "memory.limit_in_bytes": str(4 * 2**30), "memory.usage_in_bytes": str(2**30),
-    })
+    root = _fake_cgroup_root(
+        tmp_path,
+        {
+            "memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n",
+            "memory.events": "low 0\nhigh 0\nmax 0\noom 1\noom_kill 5\n",
+            "memory.limit_in_bytes": str(4 * 2**30),
+            "memory.usage_in_bytes": str(2**30),
+        },
+    )
     counts = oom_kill_counts(root=root)
     assert counts and set(counts.values()) <= {3, 5}
     assert cgroup_memory_room(root=root) == 3 * 2**30
@@ -101,8 +113,9 @@ def test_plan_prints_every_device_label_whole(cluster):
 # ------------------------------------------------------------------ forced allocation, new world
 def test_a_forced_allocation_of_another_length_suggests_null():
     with pytest.raises(ConfigError) as err:
-        compose_run_config(["cluster.ranks=3", "trainer.global_batch_size=32",
-                            "balance.allocation=[20,12]"])
+        compose_run_config(
+            ["cluster.ranks=3", "trainer.global_batch_size=32", "balance.allocation=[20,12]"]
+        )
     line = str(err.value)
     assert "\n" not in line and "world size is 3" in line
     assert "balance.allocation=null" in line and "balance.allocation=[11,11,10]" in line
@@ -116,10 +129,17 @@ def test_param_count_formulas_match_the_real_models():
     from hetseq_hpc.tasks.sizes import param_count
     from hetseq_hpc.tasks.translation.transformer import TranslationTransformer
 
-    for overrides in ([], ["task.model.num_layers=3", "task.model.hidden_size=96",
-                           "task.model.intermediate_size=200"], ["task=translation"],
-                      ["task=translation", "task.model.num_encoder_layers=1",
-                       "task.model.d_model=64"], ["task=image"]):
+    for overrides in (
+        [],
+        [
+            "task.model.num_layers=3",
+            "task.model.hidden_size=96",
+            "task.model.intermediate_size=200",
+        ],
+        ["task=translation"],
+        ["task=translation", "task.model.num_encoder_layers=1", "task.model.d_model=64"],
+        ["task=image"],
+    ):
         cfg = compose_run_config(overrides).task
         with torch.device("meta"):
             if cfg.name == "bert":
@@ -147,8 +167,9 @@ def test_a_model_too_big_for_a_rank_is_refused_from_its_parameter_count():
     with pytest.raises(ConfigError, match="partition a100 may use 40 GiB"):
         check_model_fits(compose_run_config(["cluster=mixed", "task.model.hidden_size=100000"]))
     with pytest.raises(ConfigError, match=r"cluster\.partitions\.a100\.memory_budget_gb=0\.01"):
-        check_model_fits(compose_run_config(["cluster=mixed",
-                                             "cluster.partitions.a100.memory_budget_gb=0.01"]))
+        check_model_fits(
+            compose_run_config(["cluster=mixed", "cluster.partitions.a100.memory_budget_gb=0.01"])
+        )
 
 
 # ------------------------------------------------------------------ the waited Slurm job's summary
@@ -157,10 +178,18 @@ def test_a_waited_slurm_job_prints_the_summary_line(monkeypatch, tmp_path, caplo
     from hetseq_hpc.cli.dispatch import dispatch
     from tests.helpers.slurm import compose_testcluster
 
-    summary = {"final_step": 3, "first_loss": 9.0, "final_loss": 8.5, "samples_per_s": 12.0,
-               "validation": {"val_loss": 8.4}, "ranks": [], "plot": str(tmp_path / "ranks.png")}
-    monkeypatch.setattr(slurm, "launch_slurm", lambda run, run_dir: {"job_id": "1",
-                                                                      "summary": summary})
+    summary = {
+        "final_step": 3,
+        "first_loss": 9.0,
+        "final_loss": 8.5,
+        "samples_per_s": 12.0,
+        "validation": {"val_loss": 8.4},
+        "ranks": [],
+        "plot": str(tmp_path / "ranks.png"),
+    }
+    monkeypatch.setattr(
+        slurm, "launch_slurm", lambda run, run_dir: {"job_id": "1", "summary": summary}
+    )
     with caplog.at_level(logging.INFO, logger="hetseq_hpc"):
         dispatch(compose_testcluster("cluster.wait=true"), tmp_path)
     text = caplog.text
@@ -179,14 +208,26 @@ def metrics_rows(steps: int = 30, spike_at: int = 17) -> list:
     slow step (``spike_at``)."""
     alloc, rows = [16, 16], []
     for step in range(1, steps + 1):
-        row = {"step": step, "loss": 9.0 - 0.1 * step, "samples_per_s": 40.0 + step % 3,
-               "allocation": list(alloc), "ranks": []}
+        row = {
+            "step": step,
+            "loss": 9.0 - 0.1 * step,
+            "samples_per_s": 40.0 + step % 3,
+            "allocation": list(alloc),
+            "ranks": [],
+        }
         for rank, (device, speed) in enumerate([("cpu", 40.0), ("cpu @0.5", 20.0)]):
             slow = 30.0 if step == spike_at else 1.0
-            row["ranks"].append({"rank": rank, "device": device, "partition": None,
-                                 "micro_batch": alloc[rank], "accum_steps": 1,
-                                 "samples": alloc[rank],
-                                 "compute_time_s": slow * alloc[rank] / speed})
+            row["ranks"].append(
+                {
+                    "rank": rank,
+                    "device": device,
+                    "partition": None,
+                    "micro_batch": alloc[rank],
+                    "accum_steps": 1,
+                    "samples": alloc[rank],
+                    "compute_time_s": slow * alloc[rank] / speed,
+                }
+            )
         if step % 5 == 0:
             row["val_loss"] = 9.2 - 0.1 * step
         if step in (6, 11):

@@ -41,11 +41,16 @@ def test_kept_gathered_bytes_hold_every_weight_and_the_gradients_in_flight():
     state = model_state_bytes(p, "fsdp", 4, 10 * MiB, root_bytes=50 * MiB, keep_gathered=True)
     assert state == p * 4 / 4 + p + 50 * MiB + 20 * MiB
     # validation's whole weights are inside the kept bytes already
-    assert state == model_state_bytes(p, "fsdp", 4, 10 * MiB, gathered_weights=False,
-                                      root_bytes=50 * MiB, keep_gathered=True)
+    assert state == model_state_bytes(
+        p, "fsdp", 4, 10 * MiB, gathered_weights=False, root_bytes=50 * MiB, keep_gathered=True
+    )
     # offloaded shards: only the gathered bytes are on the device
-    assert model_state_bytes(p, "fsdp", 4, 10 * MiB, offload=True, root_bytes=50 * MiB,
-                             keep_gathered=True) == p + 70 * MiB
+    assert (
+        model_state_bytes(
+            p, "fsdp", 4, 10 * MiB, offload=True, root_bytes=50 * MiB, keep_gathered=True
+        )
+        == p + 70 * MiB
+    )
     assert model_state_bytes(p, keep_gathered=True) == model_state_bytes(p)  # DDP: no change
 
 
@@ -72,8 +77,13 @@ def _share(samples, micro_sizes):
 
 
 def _report(budget_mib, per_sample_mib):
-    return {"probe": {}, "calibration": {"memory_budget_bytes": budget_mib * MiB,
-                                         "activation_bytes_per_sample": per_sample_mib * MiB}}
+    return {
+        "probe": {},
+        "calibration": {
+            "memory_budget_bytes": budget_mib * MiB,
+            "activation_bytes_per_sample": per_sample_mib * MiB,
+        },
+    }
 
 
 def _cfg(setting):
@@ -82,23 +92,30 @@ def _cfg(setting):
 
 def _sharded():
     # 40 MiB model: root 8, largest block 4 -> on 2 ranks kept: shard 80 + 40 + 8 + 8 = 136 MiB
-    return SimpleNamespace(sharded=True, offload=False,
-                           sizes=ModelBytes(40 * MiB, 8 * MiB, 4 * MiB),
-                           between_micro_batches="reshard")
+    return SimpleNamespace(
+        sharded=True,
+        offload=False,
+        sizes=ModelBytes(40 * MiB, 8 * MiB, 4 * MiB),
+        between_micro_batches="reshard",
+    )
 
 
 # [24, 8] in 5 and 2 passes: every rank runs 5; rank 0's largest pass has 5 samples
 ACCUMULATING = SimpleNamespace(shares=[_share(24, [5, 5, 5, 5, 4]), _share(8, [4, 4])])
 
 
-@pytest.mark.parametrize("setting, budget, other, expected", [
-    ("auto", 136 + 5 * 2, True, "keep_unsharded"),   # exactly fits here, fits the other rank
-    ("auto", 136 + 5 * 2 - 1, True, "reshard"),      # 1 MiB short here
-    ("auto", 1000, False, "reshard"),                # fits here, not on the other rank
-    ("keep_unsharded", 1000, False, "keep_unsharded"),  # forced (with a warning)
-])
-def test_every_rank_must_fit_for_auto_to_keep_the_weights_gathered(setting, budget, other,
-                                                                   expected, caplog):
+@pytest.mark.parametrize(
+    "setting, budget, other, expected",
+    [
+        ("auto", 136 + 5 * 2, True, "keep_unsharded"),  # exactly fits here, fits the other rank
+        ("auto", 136 + 5 * 2 - 1, True, "reshard"),  # 1 MiB short here
+        ("auto", 1000, False, "reshard"),  # fits here, not on the other rank
+        ("keep_unsharded", 1000, False, "keep_unsharded"),  # forced (with a warning)
+    ],
+)
+def test_every_rank_must_fit_for_auto_to_keep_the_weights_gathered(
+    setting, budget, other, expected, caplog
+):
     parallel, rdv = _sharded(), _Rdv(other)
     reports = [_report(budget, 2), _report(1000, 2)]
     caplog.set_level("INFO")
@@ -118,8 +135,10 @@ def test_nothing_to_decide_without_accumulation_under_reshard_or_ddp():
     assert agree_on_accumulation(_cfg("auto"), parallel, single, [], rdv) == "one_pass"
     assert parallel.between_micro_batches == "one_pass"
     assert agree_on_accumulation(_cfg("reshard"), _sharded(), ACCUMULATING, [], rdv) == "reshard"
-    assert agree_on_accumulation(_cfg("auto"), SimpleNamespace(sharded=False), ACCUMULATING, [],
-                                 rdv) == "ddp"
+    assert (
+        agree_on_accumulation(_cfg("auto"), SimpleNamespace(sharded=False), ACCUMULATING, [], rdv)
+        == "ddp"
+    )
     assert rdv.gathered == []  # the same on every rank without a collective
 
 
@@ -127,8 +146,11 @@ def test_config_values():
     assert compose_run_config([]).sharding.between_micro_batches == "auto"
     run = compose_run_config(["sharding=fsdp", "sharding.between_micro_batches=reshard"])
     assert run.sharding.between_micro_batches == "reshard"
-    with pytest.raises(ConfigError, match=r"sharding\.between_micro_batches='never' is unknown: "
-                                          r"use auto, keep_unsharded, reshard"):
+    with pytest.raises(
+        ConfigError,
+        match=r"sharding\.between_micro_batches='never' is unknown: "
+        r"use auto, keep_unsharded, reshard",
+    ):
         compose_run_config(["sharding.between_micro_batches=never"])
 
 
@@ -144,8 +166,10 @@ def _accumulate(strategy, model, xs, seen):
             loss = model(x)
         loss.backward()
         seen.append(isinstance(model.blocks[0][0].weight, DTensor))
-    return {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-            for n, p in model.named_parameters()}
+    return {
+        n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+        for n, p in model.named_parameters()
+    }
 
 
 def test_the_weights_stay_gathered_between_passes_and_the_gradients_are_the_same():
@@ -161,8 +185,11 @@ def test_the_weights_stay_gathered_between_passes_and_the_gradients_are_the_same
             model = _Net()
             model.load_state_dict(plain.state_dict())
             if mode == "plain":  # autograd's own accumulation on the whole model
-                strategy = SimpleNamespace(pass_sizes=lambda *a: None, module=model,
-                                           sync=lambda last: contextlib.nullcontext())
+                strategy = SimpleNamespace(
+                    pass_sizes=lambda *a: None,
+                    module=model,
+                    sync=lambda last: contextlib.nullcontext(),
+                )
             else:
                 strategy = Sharded(model, list(model.blocks), torch.device("cpu"))
                 strategy.between_micro_batches = mode

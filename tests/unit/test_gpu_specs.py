@@ -34,7 +34,7 @@ WITHIN = 0.20
 #: |error| and why (docs/planner-accuracy.md)
 MISSED = {
     "A40 tf32": "26 %: over-predicted (+25, +28 %); its published TF32 runs slower than the RTX "
-                "A6000's (62 vs 94-101 seq/s, the same GA102) while its fp16 is within 12 %",
+    "A6000's (62 vs 94-101 seq/s, the same GA102) while its fp16 is within 12 %",
     "GTX 1080 Ti fp32": "23 %: BERT-large at batch 2 runs far below the model (+39 %; base -7 %)",
     "RTX 4090 fp16": "32 %: under-predicted (-32, -32 %); cause not established",
     "RTX 4090 tf32": "27 %: under-predicted (-26, -27 %); cause not established",
@@ -43,21 +43,45 @@ MISSED = {
 
 
 def _class_params():
-    return [pytest.param(cls, marks=pytest.mark.xfail(strict=True, reason=MISSED[cls]))
-            if cls in MISSED else cls for cls in sorted(pm.heldout_errors())]
+    return [
+        pytest.param(cls, marks=pytest.mark.xfail(strict=True, reason=MISSED[cls]))
+        if cls in MISSED
+        else cls
+        for cls in sorted(pm.heldout_errors())
+    ]
 
 
 #: datasheet peaks, TFLOP/s (dense): (gpu, precision) -> value
 DATASHEET = {
-    ("v100", "fp16"): 125.0, ("v100", "fp32"): 15.7, ("t4", "fp16"): 65.0, ("t4", "fp32"): 8.1,
-    ("a100", "bf16"): 312.0, ("a100", "fp32"): 19.5, ("a100", "tf32"): 156.0,
-    ("a10", "bf16"): 125.0, ("a10", "fp32"): 31.2, ("a40", "bf16"): 149.7, ("a40", "fp32"): 37.4,
-    ("rtxa6000", "bf16"): 154.8, ("rtxa6000", "fp32"): 38.7, ("l4", "bf16"): 121.0,
-    ("l4", "fp32"): 30.3, ("h100", "bf16"): 989.0, ("h100", "fp32"): 67.0,
-    ("h200", "bf16"): 989.0, ("h200", "fp32"): 67.0, ("l40s", "bf16"): 362.0,
-    ("l40s", "fp32"): 91.6, ("titanxp", "fp32"): 12.15, ("p100", "fp32"): 9.3,
-    ("rtx3090", "fp16"): 71.0, ("rtx3090", "fp32"): 35.6, ("rtx4090", "fp16"): 165.2,
-    ("rtx4090", "fp32"): 82.6, ("titanrtx", "fp16"): 130.0, ("rtx2080ti", "fp32"): 13.4,
+    ("v100", "fp16"): 125.0,
+    ("v100", "fp32"): 15.7,
+    ("t4", "fp16"): 65.0,
+    ("t4", "fp32"): 8.1,
+    ("a100", "bf16"): 312.0,
+    ("a100", "fp32"): 19.5,
+    ("a100", "tf32"): 156.0,
+    ("a10", "bf16"): 125.0,
+    ("a10", "fp32"): 31.2,
+    ("a40", "bf16"): 149.7,
+    ("a40", "fp32"): 37.4,
+    ("rtxa6000", "bf16"): 154.8,
+    ("rtxa6000", "fp32"): 38.7,
+    ("l4", "bf16"): 121.0,
+    ("l4", "fp32"): 30.3,
+    ("h100", "bf16"): 989.0,
+    ("h100", "fp32"): 67.0,
+    ("h200", "bf16"): 989.0,
+    ("h200", "fp32"): 67.0,
+    ("l40s", "bf16"): 362.0,
+    ("l40s", "fp32"): 91.6,
+    ("titanxp", "fp32"): 12.15,
+    ("p100", "fp32"): 9.3,
+    ("rtx3090", "fp16"): 71.0,
+    ("rtx3090", "fp32"): 35.6,
+    ("rtx4090", "fp16"): 165.2,
+    ("rtx4090", "fp32"): 82.6,
+    ("titanrtx", "fp16"): 130.0,
+    ("rtx2080ti", "fp32"): 13.4,
 }
 
 
@@ -69,9 +93,26 @@ def test_peaks_from_specs_equal_the_datasheet(key, precision):
 
 
 def test_spec_table_covers_the_issue_list_and_every_row_names_its_source():
-    for key in ("p100", "v10016", "v10032", "t4", "titanxp", "titanrtx", "rtx2080ti", "rtx3090",
-                "rtx4090", "a10", "a40", "a10040", "a10080", "l4", "l40s", "h100", "h200",
-                "rtxa6000"):
+    for key in (
+        "p100",
+        "v10016",
+        "v10032",
+        "t4",
+        "titanxp",
+        "titanrtx",
+        "rtx2080ti",
+        "rtx3090",
+        "rtx4090",
+        "a10",
+        "a40",
+        "a10040",
+        "a10080",
+        "l4",
+        "l40s",
+        "h100",
+        "h200",
+        "rtxa6000",
+    ):
         assert key in SPEC_TABLE and key in GPU_TABLE, key
     assert all("NVIDIA" in s.source for s in SPEC_TABLE.values())
     assert lookup_gpu("TITAN_Xp", "x").fp32_tflops == pytest.approx(12.1, abs=0.1)
@@ -84,31 +125,56 @@ def test_unknown_gpu_is_one_line_naming_the_known_ones_and_the_fix():
     assert "\n" not in text and "k80" in text and "titanxp" in text and "plan.probe=" in text
 
 
-@pytest.mark.parametrize("nvml_name, key", [
-    ("NVIDIA H100 80GB HBM3", "h100sxm"),  # read by pynvml on the lent H100, 2026-11-27
-    ("NVIDIA H100 PCIe", "h100pcie"), ("NVIDIA H200", "h200"),
-    ("NVIDIA A100-SXM4-40GB", "a10040"), ("NVIDIA A100-SXM4-80GB", "a10080"),
-    ("NVIDIA A100-PCIE-40GB", "a100pcie"), ("NVIDIA A100 80GB PCIe", "a10080pcie"),
-    ("Tesla V100-SXM2-16GB", "v100sxm2"), ("Tesla V100-SXM2-32GB", "v10032"),
-    ("Tesla V100-PCIE-16GB", "v100pcie"), ("Tesla T4", "t4"), ("Tesla P100-PCIE-16GB", "p100"),
-    ("Tesla P100-SXM2-16GB", "p100sxm2"), ("NVIDIA TITAN Xp", "titanxp"),
-    ("NVIDIA GeForce RTX 3090", "rtx3090"), ("NVIDIA GeForce RTX 2080 Ti", "rtx2080ti"),
-    ("NVIDIA RTX A6000", "rtxa6000"), ("NVIDIA RTX 6000 Ada Generation", "rtx6000ada"),
-    ("NVIDIA L40S", "l40s"), ("NVIDIA A10", "a10"), ("Quadro RTX 8000", "quadrortx8000"),
-])
+@pytest.mark.parametrize(
+    "nvml_name, key",
+    [
+        ("NVIDIA H100 80GB HBM3", "h100sxm"),  # read by pynvml on the lent H100, 2026-11-27
+        ("NVIDIA H100 PCIe", "h100pcie"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA A100-SXM4-40GB", "a10040"),
+        ("NVIDIA A100-SXM4-80GB", "a10080"),
+        ("NVIDIA A100-PCIE-40GB", "a100pcie"),
+        ("NVIDIA A100 80GB PCIe", "a10080pcie"),
+        ("Tesla V100-SXM2-16GB", "v100sxm2"),
+        ("Tesla V100-SXM2-32GB", "v10032"),
+        ("Tesla V100-PCIE-16GB", "v100pcie"),
+        ("Tesla T4", "t4"),
+        ("Tesla P100-PCIE-16GB", "p100"),
+        ("Tesla P100-SXM2-16GB", "p100sxm2"),
+        ("NVIDIA TITAN Xp", "titanxp"),
+        ("NVIDIA GeForce RTX 3090", "rtx3090"),
+        ("NVIDIA GeForce RTX 2080 Ti", "rtx2080ti"),
+        ("NVIDIA RTX A6000", "rtxa6000"),
+        ("NVIDIA RTX 6000 Ada Generation", "rtx6000ada"),
+        ("NVIDIA L40S", "l40s"),
+        ("NVIDIA A10", "a10"),
+        ("Quadro RTX 8000", "quadrortx8000"),
+    ],
+)
 def test_product_names_as_nvml_reports_them_find_their_row(nvml_name, key):
     """A probe reads the NVML product name; the planner (and its bandwidth for a probed GPU)
     must find the same row as the GRES name."""
     assert find_spec(nvml_name) is SPEC_TABLE[key]
     assert lookup_gpu(nvml_name, "gpu").spec is SPEC_TABLE[key]
-    probe = {"kind": "cuda", "name": nvml_name, "sm_count": SPEC_TABLE[key].sm_count,
-             "sm_clock_mhz": 1500, "compute_capability": list(SPEC_TABLE[key].capability)}
+    probe = {
+        "kind": "cuda",
+        "name": nvml_name,
+        "sm_count": SPEC_TABLE[key].sm_count,
+        "sm_clock_mhz": 1500,
+        "compute_capability": list(SPEC_TABLE[key].capability),
+    }
     assert spec_from_probe(probe).bandwidth_gbs == SPEC_TABLE[key].bandwidth_gbs
 
 
 def test_a_probed_gpu_in_no_table_gets_a_peak_from_its_facts():
-    probe = {"kind": "cuda", "name": "NVIDIA Future GPU", "sm_count": 100, "sm_clock_mhz": 2000,
-             "compute_capability": [9, 5], "memory_total_bytes": 96 * 2**30}
+    probe = {
+        "kind": "cuda",
+        "name": "NVIDIA Future GPU",
+        "sm_count": 100,
+        "sm_clock_mhz": 2000,
+        "compute_capability": [9, 5],
+        "memory_total_bytes": 96 * 2**30,
+    }
     spec = spec_from_probe(probe)
     assert spec is not None and spec.memory_gib == 96 and "probe" in spec.source
     # rated as the newest known architecture (Hopper): 128 fp32 lanes, 4096 tensor FLOP/clk/SM
@@ -128,8 +194,10 @@ def test_fit_uses_only_fit_rows_of_one_source():
     assert heldout and all(r.source_url.startswith("https://github.com/") for r in heldout)
     assert not {r.source_url for r in heldout} & {r.source_url for r in fit}
     # changing a held-out figure cannot move the factors
-    moved = tuple(r if r.role == "fit" else pm.Published(**{**r.__dict__, "samples_per_s": 1.0})
-                  for r in pm.published())
+    moved = tuple(
+        r if r.role == "fit" else pm.Published(**{**r.__dict__, "samples_per_s": 1.0})
+        for r in pm.published()
+    )
     assert pm.fit_factors(moved) == pm.FACTORS
 
 
@@ -154,13 +222,15 @@ def test_republished_rows_are_not_counted_as_held_out():
     V100 fp32 42 / 12 seq/s are its 2021 snapshot's. They are kept, marked, and not scored."""
     rows = pm.published()
     again = [r for r in rows if r.role == "republished"]
-    assert len(again) == 3 and all(r.gpu.startswith("v100") and r.precision == "fp32"
-                                   for r in again)
+    assert len(again) == 3 and all(
+        r.gpu.startswith("v100") and r.precision == "fp32" for r in again
+    )
     fit = {(r.gpu, r.precision, r.model, r.batch, r.samples_per_s) for r in rows if r.role == "fit"}
     heldout = [r for r in rows if r.role == "heldout"]
     # no held-out row repeats a fit row's GPU, precision, model, batch and figure
-    assert not [r for r in heldout if (r.gpu, r.precision, r.model, r.batch, r.samples_per_s)
-                in fit]
+    assert not [
+        r for r in heldout if (r.gpu, r.precision, r.model, r.batch, r.samples_per_s) in fit
+    ]
     assert sum(len(v) for v in pm.heldout_errors().values()) == len(heldout) == 93
 
 
@@ -238,14 +308,17 @@ def test_memory_bound_operations_are_counted_from_the_architecture():
     assert pm.bert_accesses("base", 384) == pm.transformer_accesses(12, 768, 12, 384)
     # a fused attention kernel writes no scores: its Q, K, V, O (and their gradients) instead
     assert pm.transformer_accesses(1, 8, 2, 4, 32, fused_attention=True) == (
-        6 * (11 * 4 * 8 + 2 * 4 * 32) + 12 * 4 * 8)
+        6 * (11 * 4 * 8 + 2 * 4 * 32) + 12 * 4 * 8
+    )
     # bytes grow with the width, FLOPs with its square: BERT-large's memory share is smaller
     for key in ("a100", "v100", "rtx4090"):
         spec = find_spec(key)
-        base = pm.sample_time_s(spec, "fp16", pm.bert_flops("base", 384, 0),
-                                pm.bert_accesses("base", 384))
-        large = pm.sample_time_s(spec, "fp16", pm.bert_flops("large", 384, 0),
-                                 pm.bert_accesses("large", 384))
+        base = pm.sample_time_s(
+            spec, "fp16", pm.bert_flops("base", 384, 0), pm.bert_accesses("base", 384)
+        )
+        large = pm.sample_time_s(
+            spec, "fp16", pm.bert_flops("large", 384, 0), pm.bert_accesses("large", 384)
+        )
         assert large[1] / sum(large) < base[1] / sum(base)
     # half precision moves half the bytes; no bandwidth (a probed GPU in no table): matmuls only
     a100 = find_spec("a100")

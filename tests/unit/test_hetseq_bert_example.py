@@ -17,26 +17,51 @@ from hetseq_hpc.tasks.contract import checked_batch, checked_count
 from hetseq_hpc.tasks.flops import measure_flops_per_sample, task_flops_per_sample
 from tests.helpers.runs import REPO
 
-TINY = ["+task.args.hidden_size=32", "+task.args.num_layers=1", "+task.args.num_heads=2",
-        "+task.args.intermediate_size=64", "+task.args.max_seq_len=32",
-        "+task.args.vocab_size=1000", "+task.args.data_vocab_size=1000"]
+TINY = [
+    "+task.args.hidden_size=32",
+    "+task.args.num_layers=1",
+    "+task.args.num_heads=2",
+    "+task.args.intermediate_size=64",
+    "+task.args.max_seq_len=32",
+    "+task.args.vocab_size=1000",
+    "+task.args.data_vocab_size=1000",
+]
 
 
 def _task(cache, *overrides: str):
-    run = compose_run_config(["task=custom", "task.target=examples.hetseq_bert.HetSeqBertTask",
-                              f"task.path={REPO}", f"+task.args.cache_dir={cache}", *overrides])
+    run = compose_run_config(
+        [
+            "task=custom",
+            "task.target=examples.hetseq_bert.HetSeqBertTask",
+            f"task.path={REPO}",
+            f"+task.args.cache_dir={cache}",
+            *overrides,
+        ]
+    )
     return build_task(run.task, seed=0)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("+task.args.hiden_size=64", "task.args.hiden_size is not an option of HetSeqBertTask: use one"),
-    ("+task.args.num_heads=5", "task.args.num_heads=5 does not divide task.args.hidden_size=768"),
-    ("+task.args.hidden_size=abc", "task.args.hidden_size='abc' is not a whole number"),
-    ("+task.args.data_vocab_size=10", "task.args.data_vocab_size=10 is too small"),
-    ("task.model.dropout=2", "task.model.dropout=2.0 is invalid"),
-    ("task.model.dropout=abc", "task.model.dropout='abc' is not a number"),
-    ("+task.args.vocab_size=500", "task.args.vocab_size=500 is below the data's vocabulary (8192)"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "+task.args.hiden_size=64",
+            "task.args.hiden_size is not an option of HetSeqBertTask: use one",
+        ),
+        (
+            "+task.args.num_heads=5",
+            "task.args.num_heads=5 does not divide task.args.hidden_size=768",
+        ),
+        ("+task.args.hidden_size=abc", "task.args.hidden_size='abc' is not a whole number"),
+        ("+task.args.data_vocab_size=10", "task.args.data_vocab_size=10 is too small"),
+        ("task.model.dropout=2", "task.model.dropout=2.0 is invalid"),
+        ("task.model.dropout=abc", "task.model.dropout='abc' is not a number"),
+        (
+            "+task.args.vocab_size=500",
+            "task.args.vocab_size=500 is below the data's vocabulary (8192)",
+        ),
+    ],
+)
 def test_a_bad_option_is_one_line_naming_it(token_cache, override, message):
     with pytest.raises(ConfigError) as info:
         _task(token_cache, override)
@@ -56,8 +81,10 @@ def test_the_loss_is_a_sum_over_masked_tokens(loaded):
     """Two halves' losses add up to the whole batch's, and the count is the masked tokens."""
     task, model = loaded
     batch = checked_batch(task, list(range(6)), 0, "train")
-    halves = [checked_batch(task, list(range(3)), 0, "train"),
-              checked_batch(task, list(range(3, 6)), 0, "train")]
+    halves = [
+        checked_batch(task, list(range(3)), 0, "train"),
+        checked_batch(task, list(range(3, 6)), 0, "train"),
+    ]
     with torch.no_grad():
         whole = model(**batch)
         parts = sum(model(**h) for h in halves)

@@ -44,16 +44,22 @@ def test_records_stream_by_batches_over_row_groups_in_file_order(tmp_path, monke
     datasets = pytest.importorskip("datasets")
     texts = [f"text number {i}" for i in range(50)]
     labels = [i % 3 for i in range(50)]
-    path = write(tmp_path / "d.parquet", row_group_size=7, label=labels, text=texts,
-                 other=[float(i) for i in range(50)])
+    path = write(
+        tmp_path / "d.parquet",
+        row_group_size=7,
+        label=labels,
+        text=texts,
+        other=[float(i) for i in range(50)],
+    )
     assert pq.ParquetFile(path).metadata.num_row_groups == 8
     assert columns(path) == ["label", "text", "other"]
     seen, asked = [], []
     load, iterate = datasets.load_dataset, datasets.IterableDataset.iter
 
     def load_spy(*args, **kwargs):
-        asked.append((args[0], kwargs.get("columns"), kwargs.get("batch_size"),
-                      kwargs.get("streaming")))
+        asked.append(
+            (args[0], kwargs.get("columns"), kwargs.get("batch_size"), kwargs.get("streaming"))
+        )
         return load(*args, **kwargs)
 
     def iter_spy(self, *args, **kwargs):
@@ -98,15 +104,17 @@ def test_null_and_non_text_values_name_the_record(tmp_path):
     msg = one_line(DataError, lambda: list(records(path, "text", "label")))
     assert "record 2 has no 'text' value" in msg
     path = write(tmp_path / "i.parquet", text=[1, 2], label=[0, 1])
-    assert "'text' is a int, not text" in one_line(DataError,
-                                                   lambda: list(records(path, "text", None)))
+    assert "'text' is a int, not text" in one_line(
+        DataError, lambda: list(records(path, "text", None))
+    )
 
 
 def test_without_pyarrow_one_line_says_how_to_install_it(tmp_path, monkeypatch):
     path = write(tmp_path / "d.parquet", text=["a", "b"])
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "pyarrow" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "pyarrow" else real(name, *a)
+    )
     msg = one_line(ConfigError, check_data_file, path)
     assert "needs pyarrow" in msg and "pip install 'hetseq-hpc[parquet]'" in msg
     assert "JSON lines" in msg
@@ -130,14 +138,25 @@ def made(tmp_path_factory):
     root = tmp_path_factory.mktemp("hfpq")
     files = write_text_files(root)
     parquet = jsonl_to_parquet(files["jsonl"], root / "labelled.parquet", row_group_size=64)
-    return {"root": root, "jsonl": files["jsonl"], "parquet": parquet,
-            "cls": make_bert(root / "cls", "classification")}
+    return {
+        "root": root,
+        "jsonl": files["jsonl"],
+        "parquet": parquet,
+        "cls": make_bert(root / "cls", "classification"),
+    }
 
 
 def classification_task(made, data: str, *extra: str):
-    run = compose_run_config(["task=hf", f"task.model.path={made['cls']}",
-                              f"task.data.files=[{made[data]}]", "task.model.max_seq_len=32",
-                              f"task.data.cache_dir={made['root'] / 'cache'}", *extra])
+    run = compose_run_config(
+        [
+            "task=hf",
+            f"task.model.path={made['cls']}",
+            f"task.data.files=[{made[data]}]",
+            "task.model.max_seq_len=32",
+            f"task.data.cache_dir={made['root'] / 'cache'}",
+            *extra,
+        ]
+    )
     check_task_code(run)
     return run
 

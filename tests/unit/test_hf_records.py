@@ -28,9 +28,16 @@ pytest.importorskip("datasets")
 
 # --- the reference: the standard-library reader before datasets (text, JSON lines, CSV) ------
 
+
 def old_records(path, text_field, label_field):
-    fmt = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".csv": "csv",
-           ".tsv": "tsv"}[os.path.splitext(path)[1].lower()]
+    fmt = {
+        ".txt": "text",
+        ".text": "text",
+        ".jsonl": "json",
+        ".json": "json",
+        ".csv": "csv",
+        ".tsv": "tsv",
+    }[os.path.splitext(path)[1].lower()]
     try:
         with open(path, encoding="utf-8", newline="" if fmt in ("csv", "tsv") else None) as fh:
             if fmt == "text":
@@ -43,45 +50,64 @@ def old_records(path, text_field, label_field):
                 reader = csv.DictReader(fh, delimiter="\t" if fmt == "tsv" else ",")
                 rows = ((n, row) for n, row in enumerate(reader, 2))
             else:
-                rows = ((n, old_json_object(line, path, n)) for n, line in enumerate(fh, 1)
-                        if line.strip())
+                rows = (
+                    (n, old_json_object(line, path, n))
+                    for n, line in enumerate(fh, 1)
+                    if line.strip()
+                )
             for number, row in rows:
-                yield old_field(row, text_field, path, number), (
-                    old_field(row, label_field, path, number, text=False)
-                    if label_field else None)
+                yield (
+                    old_field(row, text_field, path, number),
+                    (
+                        old_field(row, label_field, path, number, text=False)
+                        if label_field
+                        else None
+                    ),
+                )
     except UnicodeDecodeError as exc:
-        raise DataError(f"data file {path!r} is not UTF-8 text ({exc.reason}): convert it "
-                        "(iconv -t utf-8)") from None
+        raise DataError(
+            f"data file {path!r} is not UTF-8 text ({exc.reason}): convert it (iconv -t utf-8)"
+        ) from None
 
 
 def old_json_object(line, path, number):
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise DataError(f"data file {path!r} line {number} is not JSON ({exc.msg}): write one "
-                        "JSON object per line (JSON lines)") from None
+        raise DataError(
+            f"data file {path!r} line {number} is not JSON ({exc.msg}): write one "
+            "JSON object per line (JSON lines)"
+        ) from None
     if not isinstance(obj, dict):
-        raise DataError(f"data file {path!r} line {number} is a {type(obj).__name__}, not a "
-                        "JSON object: write one {\"text\": ...} object per line")
+        raise DataError(
+            f"data file {path!r} line {number} is a {type(obj).__name__}, not a "
+            'JSON object: write one {"text": ...} object per line'
+        )
     return obj
 
 
 def old_field(row, name, path, number, text=True):
     value = row.get(name)
     if value is None:
-        raise DataError(f"data file {path!r} record {number} has no {name!r} value (columns "
-                        f"{', '.join(map(repr, row))}): fill it in or drop the record")
+        raise DataError(
+            f"data file {path!r} record {number} has no {name!r} value (columns "
+            f"{', '.join(map(repr, row))}): fill it in or drop the record"
+        )
     if text and not isinstance(value, str):
-        raise DataError(f"data file {path!r} record {number}: {name!r} is a "
-                        f"{type(value).__name__}, not text: store the text as a string")
+        raise DataError(
+            f"data file {path!r} record {number}: {name!r} is a "
+            f"{type(value).__name__}, not text: store the text as a string"
+        )
     return value
 
 
 def outcome(reader, path, text_field="text", label_field="label"):
     """The records, or the one-line DataError (with the type of every label kept)."""
     try:
-        return [(text, label, type(label).__name__)
-                for text, label in reader(str(path), text_field, label_field)]
+        return [
+            (text, label, type(label).__name__)
+            for text, label in reader(str(path), text_field, label_field)
+        ]
     except DataError as exc:
         assert "\n" not in str(exc) and "Traceback" not in str(exc)
         return f"DataError: {exc}"
@@ -99,33 +125,56 @@ def write(path: Path, content, encoding="utf-8") -> Path:
 @pytest.fixture
 def only_datasets(monkeypatch):
     """Fail if the standard library reads a record (the file must go through datasets)."""
+
     def refuse(*args):
         raise AssertionError(f"the standard library read {args[0]}")
+
     monkeypatch.setattr(hf_records, "_stdlib_records", refuse)
 
 
 # --- clean files: read by datasets alone, exactly as before ---------------------------------
 
-TEXT = ("\ufefffirst line  \r\nsecond\tline\r\n\n   \n\t\nthird \u00e9\u4e2d\u2028mid\rfourth\n"
-        "\n  indented  \nlast without newline")
-JSONL_INT = ('{"text": "a, b", "label": 1}\n\n   \n{"label": 0, "text": "line\\nbreak \\u00e9"}\r\n'
-             '{"text": "  spaced  ", "label": -3, "extra": {"x": [1]}}\n{"text": "NA", "label": 2}')
-JSONL_STR = ('{"text": "001", "label": "pos"}\n{"text": "1.50", "label": "1"}\n'
-             '{"text": "\\ud83d\\ude00 \\"q\\"", "label": " neg "}\n{"text": "", "label": ""}\n')
+TEXT = (
+    "\ufefffirst line  \r\nsecond\tline\r\n\n   \n\t\nthird \u00e9\u4e2d\u2028mid\rfourth\n"
+    "\n  indented  \nlast without newline"
+)
+JSONL_INT = (
+    '{"text": "a, b", "label": 1}\n\n   \n{"label": 0, "text": "line\\nbreak \\u00e9"}\r\n'
+    '{"text": "  spaced  ", "label": -3, "extra": {"x": [1]}}\n{"text": "NA", "label": 2}'
+)
+JSONL_STR = (
+    '{"text": "001", "label": "pos"}\n{"text": "1.50", "label": "1"}\n'
+    '{"text": "\\ud83d\\ude00 \\"q\\"", "label": " neg "}\n{"text": "", "label": ""}\n'
+)
 JSONL_BOOL = '{"text": "yes", "label": true}\n{"text": "no", "label": false}\n'
-CSV = ('text,label\n"a, quoted comma",1\n"embedded\nnewline",NA\n"crlf\r\ninside",nan\n'
-       '001,1.50\n1e5,-1\n" spaced ",None\n"say ""hi""",x\nNULL,"0"\n#hash,N/A\nlast,2')
-TSV = ('id\ttext\tlabel\n1\t"tab\tinside"\t"quoted"\n2\ta, comma\tNA\n3\t"multi\nline"\t7\r\n'
-       '4\t"quote""d"\t\u00e9\n')
+CSV = (
+    'text,label\n"a, quoted comma",1\n"embedded\nnewline",NA\n"crlf\r\ninside",nan\n'
+    '001,1.50\n1e5,-1\n" spaced ",None\n"say ""hi""",x\nNULL,"0"\n#hash,N/A\nlast,2'
+)
+TSV = (
+    'id\ttext\tlabel\n1\t"tab\tinside"\t"quoted"\n2\ta, comma\tNA\n3\t"multi\nline"\t7\r\n'
+    '4\t"quote""d"\t\u00e9\n'
+)
 
 
-@pytest.mark.parametrize("name,content,label", [
-    ("t.txt", TEXT, None), ("t.text", TEXT, None), ("int.jsonl", JSONL_INT, "label"),
-    ("str.json", JSONL_STR, "label"), ("bool.jsonl", JSONL_BOOL, "label"),
-    ("int.jsonl", JSONL_INT, None), ("t.csv", CSV, "label"), ("t.csv", CSV, None),
-    ("t.tsv", TSV, "label"), ("t.tsv", TSV, None)])
-def test_clean_files_are_read_by_datasets_exactly_as_before(tmp_path, only_datasets, name,
-                                                            content, label):
+@pytest.mark.parametrize(
+    "name,content,label",
+    [
+        ("t.txt", TEXT, None),
+        ("t.text", TEXT, None),
+        ("int.jsonl", JSONL_INT, "label"),
+        ("str.json", JSONL_STR, "label"),
+        ("bool.jsonl", JSONL_BOOL, "label"),
+        ("int.jsonl", JSONL_INT, None),
+        ("t.csv", CSV, "label"),
+        ("t.csv", CSV, None),
+        ("t.tsv", TSV, "label"),
+        ("t.tsv", TSV, None),
+    ],
+)
+def test_clean_files_are_read_by_datasets_exactly_as_before(
+    tmp_path, only_datasets, name, content, label
+):
     path = write(tmp_path / name, content)
     expected = outcome(old_records, path, label_field=label)
     assert isinstance(expected, list) and len(expected) >= 2
@@ -137,8 +186,9 @@ def test_text_chunk_boundaries_change_nothing(tmp_path, monkeypatch, only_datase
     monkeypatch.setattr(hf_records, "TEXT_CHUNK_BYTES", 3)
     for i, content in enumerate([TEXT, "a\r\nb\r\n\r\nc\rd\r\re\n", "x" * 50 + "\r\n" + "y\r" * 9]):
         path = write(tmp_path / f"c{i}.txt", content)
-        assert outcome(records, path, label_field=None) == outcome(old_records, path,
-                                                                   label_field=None)
+        assert outcome(records, path, label_field=None) == outcome(
+            old_records, path, label_field=None
+        )
 
 
 def test_json_chunk_boundaries_change_nothing(tmp_path, monkeypatch, only_datasets):
@@ -149,23 +199,32 @@ def test_json_chunk_boundaries_change_nothing(tmp_path, monkeypatch, only_datase
         assert outcome(records, path) == outcome(old_records, path)
 
 
-def test_values_of_another_json_type_after_the_first_10_mb_keep_their_type(tmp_path,
-                                                                          only_datasets):
+def test_values_of_another_json_type_after_the_first_10_mb_keep_their_type(tmp_path, only_datasets):
     """Regression: ``datasets``' ``json`` builder took a column's type from the first 10 MB
     chunk and CONVERTED later values to it: a label "1" or true after integer labels read as
     1, a silently wrong record. Each line is now decoded by json.loads: every label keeps its
     JSON type, and the file is still read by datasets alone (no fallback)."""
-    head = "".join(json.dumps({"text": "x" * 120 + str(i), "label": i % 3}) + "\n"
-                   for i in range(100_000))
+    head = "".join(
+        json.dumps({"text": "x" * 120 + str(i), "label": i % 3}) + "\n" for i in range(100_000)
+    )
     assert len(head) > 12 * 10**6  # past the json builder's 10 MB chunk
-    tail = ['{"text": "late string", "label": "1"}', '{"text": "late bool", "label": true}',
-            '{"text": "late float", "label": 1.0}', '{"text": "late list", "label": [1]}',
-            '{"text": "late int", "label": 2}']
+    tail = [
+        '{"text": "late string", "label": "1"}',
+        '{"text": "late bool", "label": true}',
+        '{"text": "late float", "label": 1.0}',
+        '{"text": "late list", "label": [1]}',
+        '{"text": "late int", "label": 2}',
+    ]
     path = write(tmp_path / "late.jsonl", head + "\n".join(tail) + "\n")
     got = list(records(str(path), "text", "label"))
     assert len(got) == 100_005
-    assert got[-5:] == [("late string", "1"), ("late bool", True), ("late float", 1.0),
-                        ("late list", [1]), ("late int", 2)]
+    assert got[-5:] == [
+        ("late string", "1"),
+        ("late bool", True),
+        ("late float", 1.0),
+        ("late list", [1]),
+        ("late int", 2),
+    ]
     assert [type(label) for _, label in got[-5:]] == [str, bool, float, list, int]
     assert got == [(t, lab) for t, lab in old_records(str(path), "text", "label")]
 
@@ -190,16 +249,31 @@ def test_a_reader_left_early_removes_its_temporary_folder(tmp_path, monkeypatch)
 
 def test_fixed_expectations_of_the_tricky_values(tmp_path):
     assert list(records(str(write(tmp_path / "t.txt", TEXT)), "text", None)) == [
-        ("\ufefffirst line  ", None), ("second\tline", None), ("third \u00e9\u4e2d\u2028mid", None),
-        ("fourth", None), ("  indented  ", None), ("last without newline", None)]
+        ("\ufefffirst line  ", None),
+        ("second\tline", None),
+        ("third \u00e9\u4e2d\u2028mid", None),
+        ("fourth", None),
+        ("  indented  ", None),
+        ("last without newline", None),
+    ]
     assert list(records(str(write(tmp_path / "t.csv", CSV)), "text", "label")) == [
-        ("a, quoted comma", "1"), ("embedded\nnewline", "NA"), ("crlf\r\ninside", "nan"),
-        ("001", "1.50"), ("1e5", "-1"), (" spaced ", "None"), ('say "hi"', "x"),
-        ("NULL", "0"), ("#hash", "N/A"), ("last", "2")]
-    assert [label for _, label in records(str(write(tmp_path / "i.jsonl", JSONL_INT)), "text",
-                                          "label")] == [1, 0, -3, 2]
-    mixed = write(tmp_path / "mixed.jsonl", '{"text": "a", "label": 1}\n\n'
-                                            '{"text": "b", "label": "pos"}\n')
+        ("a, quoted comma", "1"),
+        ("embedded\nnewline", "NA"),
+        ("crlf\r\ninside", "nan"),
+        ("001", "1.50"),
+        ("1e5", "-1"),
+        (" spaced ", "None"),
+        ('say "hi"', "x"),
+        ("NULL", "0"),
+        ("#hash", "N/A"),
+        ("last", "2"),
+    ]
+    assert [
+        label for _, label in records(str(write(tmp_path / "i.jsonl", JSONL_INT)), "text", "label")
+    ] == [1, 0, -3, 2]
+    mixed = write(
+        tmp_path / "mixed.jsonl", '{"text": "a", "label": 1}\n\n{"text": "b", "label": "pos"}\n'
+    )
     assert list(records(str(mixed), "text", "label")) == [("a", 1), ("b", "pos")]
 
 
@@ -221,8 +295,11 @@ BAD = [
     ("list.jsonl", '{"text": "a", "label": 1}\n[1, 2]\n', "is a list, not a JSON object"),
     ("array.json", '[{"text": "a", "label": 1}]\n', "is a list"),
     ("bom.jsonl", '\ufeff{"text": "a", "label": 1}\n', "line 1 is not JSON"),
-    ("two.jsonl", '{"text": "a", "label": 1}\n{"text": "b", "label": 1} {"text": "c", '
-                  '"label": 0}\n', "line 2 is not JSON (Extra data)"),
+    (
+        "two.jsonl",
+        '{"text": "a", "label": 1}\n{"text": "b", "label": 1} {"text": "c", "label": 0}\n',
+        "line 2 is not JSON (Extra data)",
+    ),
     ("int.jsonl", '{"text": "a", "label": 1}\n{"text": 5, "label": 2}\n', "'text' is a int"),
     ("null.jsonl", '{"text": "a", "label": 1}\n{"text": "b", "label": null}\n', "no 'label'"),
     ("nokey.jsonl", '{"text": "a", "label": 1}\n{"text": "b"}\n', "record 2 has no 'label'"),
@@ -243,8 +320,10 @@ BAD = [
 def test_bad_input_gives_the_same_one_line_error(tmp_path, name, content, expect):
     path = write(tmp_path / name, content)
     label = None if name.endswith(".txt") else "label"
-    new, old = outcome(records, path, label_field=label), outcome(old_records, path,
-                                                                 label_field=label)
+    new, old = (
+        outcome(records, path, label_field=label),
+        outcome(old_records, path, label_field=label),
+    )
     assert new == old
     if expect is not None:
         assert isinstance(new, str) and expect in new, new
@@ -252,8 +331,34 @@ def test_bad_input_gives_the_same_one_line_error(tmp_path, name, content, expect
 
 # --- a seeded fuzz: whatever datasets does with odd input, the records are the old ones ------
 
-PIECES = ["a", "b", " ", ",", '"', "\n", "\r", "\r\n", "\t", "NA", "nan", "None", "1", "-1",
-          "1.50", "001", "#", "\u00e9", "\x00", ";", "'", "\\", "\u2028", "\x85", "", "\n\n"]
+PIECES = [
+    "a",
+    "b",
+    " ",
+    ",",
+    '"',
+    "\n",
+    "\r",
+    "\r\n",
+    "\t",
+    "NA",
+    "nan",
+    "None",
+    "1",
+    "-1",
+    "1.50",
+    "001",
+    "#",
+    "\u00e9",
+    "\x00",
+    ";",
+    "'",
+    "\\",
+    "\u2028",
+    "\x85",
+    "",
+    "\n\n",
+]
 
 
 def test_fuzzed_csv_and_tsv_read_as_the_csv_module_reads_them(tmp_path):
@@ -263,19 +368,26 @@ def test_fuzzed_csv_and_tsv_read_as_the_csv_module_reads_them(tmp_path):
         names = rng.sample(["text", "label", "id", "x"], rng.randint(2, 4))
         if "text" not in names:
             names[0] = "text"
-        rows = [names] + [["".join(rng.choice(PIECES) for _ in range(rng.randint(1, 4)))
-                           for _ in names] for _ in range(rng.randint(1, 6))]
+        rows = [names] + [
+            ["".join(rng.choice(PIECES) for _ in range(rng.randint(1, 4))) for _ in names]
+            for _ in range(rng.randint(1, 6))
+        ]
         path = tmp_path / f"f{case}.{'tsv' if sep == chr(9) else 'csv'}"
         with open(path, "w", encoding="utf-8", newline="") as fh:
-            csv.writer(fh, delimiter=sep, lineterminator=rng.choice(["\n", "\r\n"]),
-                       quoting=rng.choice([csv.QUOTE_MINIMAL, csv.QUOTE_ALL])).writerows(rows)
+            csv.writer(
+                fh,
+                delimiter=sep,
+                lineterminator=rng.choice(["\n", "\r\n"]),
+                quoting=rng.choice([csv.QUOTE_MINIMAL, csv.QUOTE_ALL]),
+            ).writerows(rows)
         if rng.random() < 0.3:  # damage it
             text = path.read_text(encoding="utf-8")
             cut = rng.randrange(len(text))
             write(path, text[:cut] + rng.choice(PIECES) + text[cut:])
         label = "label" if "label" in names and rng.random() < 0.7 else None
         assert outcome(records, path, label_field=label) == outcome(
-            old_records, path, label_field=label), path.read_bytes()
+            old_records, path, label_field=label
+        ), path.read_bytes()
 
 
 def test_fuzzed_json_lines_read_as_json_loads_reads_them(tmp_path):
@@ -301,6 +413,7 @@ def test_fuzzed_json_lines_read_as_json_loads_reads_them(tmp_path):
 
 # --- offline, nothing cached, imported lazily, one line when missing --------------------------
 
+
 @pytest.mark.parametrize("datasets_first", [False, True])
 def test_reader_stays_offline_and_writes_nothing_under_home(tmp_path, datasets_first):
     """In a fresh process with an empty HOME: no connection is tried (not even the Hub's
@@ -316,8 +429,10 @@ def test_reader_stays_offline_and_writes_nothing_under_home(tmp_path, datasets_f
     write(data / "t.csv", "text,label\none,1\ntwo,0\n")
     write(data / "t.tsv", "text\tlabel\none\t1\ntwo\t0\n")
     pq = pytest.importorskip("pyarrow.parquet")
-    pq.write_table(pytest.importorskip("pyarrow").table({"text": ["one", "two"],
-                                                         "label": [1, 0]}), data / "t.parquet")
+    pq.write_table(
+        pytest.importorskip("pyarrow").table({"text": ["one", "two"], "label": [1, 0]}),
+        data / "t.parquet",
+    )
     script = textwrap.dedent(f"""
         import socket, sys
         tried = []
@@ -336,13 +451,22 @@ def test_reader_stays_offline_and_writes_nothing_under_home(tmp_path, datasets_f
         assert "datasets" in sys.modules and not tried, tried
         print("ok")
         """)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("HF_", "XDG_", "HUGGINGFACE")) and k != "TMPDIR"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("HF_", "XDG_", "HUGGINGFACE")) and k != "TMPDIR"
+    }
     env.update(HOME=str(home), TMPDIR=str(tmp_path))
     if not datasets_first:
         env.update(HF_DATASETS_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, cwd=str(Path(__file__).resolve().parents[2]), timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=str(Path(__file__).resolve().parents[2]),
+        timeout=300,
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
     assert list(home.rglob("*")) == []
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("hetseq-datasets-")]

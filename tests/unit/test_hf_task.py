@@ -24,9 +24,14 @@ from tests.helpers.hf_models import make_bert, make_gpt2, make_t5, write_text_fi
 def made(tmp_path_factory):
     root = tmp_path_factory.mktemp("hfu")
     files = write_text_files(root)
-    return {"root": root, **files, "gpt2": make_gpt2(root / "gpt2"),
-            "bert": make_bert(root / "bert"), "cls": make_bert(root / "cls", "classification"),
-            "t5": make_t5(root / "t5")}
+    return {
+        "root": root,
+        **files,
+        "gpt2": make_gpt2(root / "gpt2"),
+        "bert": make_bert(root / "bert"),
+        "cls": make_bert(root / "cls", "classification"),
+        "t5": make_t5(root / "t5"),
+    }
 
 
 def compose(*overrides: str):
@@ -44,9 +49,14 @@ def one_line_error(exc_type, *overrides: str) -> str:
 
 
 def task_of(made, model: str, data: str, *extra: str):
-    run = compose(f"task.model.path={made[model]}", f"task.data.files=[{made[data]}]",
-                  f"task.data.cache_dir={made['root'] / 'cache'}", "task.model.max_seq_len=32",
-                  "task.model.dropout=0.0", *extra)
+    run = compose(
+        f"task.model.path={made[model]}",
+        f"task.data.files=[{made[data]}]",
+        f"task.data.cache_dir={made['root'] / 'cache'}",
+        "task.model.max_seq_len=32",
+        "task.model.dropout=0.0",
+        *extra,
+    )
     task = build_task(run.task, 3)
     task.prepare()
     task.load()
@@ -54,8 +64,9 @@ def task_of(made, model: str, data: str, *extra: str):
 
 
 def test_hub_name_is_refused_in_one_line_saying_nothing_is_downloaded(made):
-    msg = one_line_error(ConfigError, "task.model.path=openai-community/gpt2",
-                         f"task.data.files=[{made['txt']}]")
+    msg = one_line_error(
+        ConfigError, "task.model.path=openai-community/gpt2", f"task.data.files=[{made['txt']}]"
+    )
     assert "downloads nothing" in msg and "local directory" in msg
 
 
@@ -64,28 +75,43 @@ def test_bin_only_model_dir_is_refused(made, tmp_path):
     model.mkdir()
     shutil.copy(made["gpt2"] / "config.json", model / "config.json")
     (model / "pytorch_model.bin").write_bytes(b"\0")
-    msg = one_line_error(ConfigError, f"task.model.path={model}", f"task.data.files=[{made['txt']}]")
+    msg = one_line_error(
+        ConfigError, f"task.model.path={model}", f"task.data.files=[{made['txt']}]"
+    )
     assert "pytorch_model.bin" in msg and "safetensors" in msg
 
 
 def test_missing_and_empty_files_are_refused(made, tmp_path):
-    msg = one_line_error(ConfigError, f"task.model.path={made['gpt2']}",
-                         f"task.data.files=[{tmp_path / 'nope.txt'}]")
+    msg = one_line_error(
+        ConfigError, f"task.model.path={made['gpt2']}", f"task.data.files=[{tmp_path / 'nope.txt'}]"
+    )
     assert "does not exist" in msg
     (tmp_path / "empty.jsonl").write_text("")
-    msg = one_line_error(ConfigError, f"task.model.path={made['gpt2']}",
-                         f"task.data.files=[{tmp_path / 'empty.jsonl'}]")
+    msg = one_line_error(
+        ConfigError,
+        f"task.model.path={made['gpt2']}",
+        f"task.data.files=[{tmp_path / 'empty.jsonl'}]",
+    )
     assert "is empty" in msg
 
 
 def test_missing_column_names_the_columns_found(made, tmp_path):
-    msg = one_line_error(DataError, f"task.model.path={made['cls']}", "task.model.max_seq_len=32",
-                         f"task.data.files=[{made['jsonl']}]", "task.data.label_field=stars")
+    msg = one_line_error(
+        DataError,
+        f"task.model.path={made['cls']}",
+        "task.model.max_seq_len=32",
+        f"task.data.files=[{made['jsonl']}]",
+        "task.data.label_field=stars",
+    )
     assert "'stars'" in msg and "'text', 'label'" in msg
     csv = tmp_path / "d.csv"
     csv.write_text("sentence,label\nhello,1\n")
-    msg = one_line_error(DataError, f"task.model.path={made['cls']}", f"task.data.files=[{csv}]",
-                         "task.model.max_seq_len=32")
+    msg = one_line_error(
+        DataError,
+        f"task.model.path={made['cls']}",
+        f"task.data.files=[{csv}]",
+        "task.model.max_seq_len=32",
+    )
     assert "no column 'text'" in msg and "'sentence'" in msg
 
 
@@ -93,10 +119,12 @@ def test_without_datasets_the_pre_start_check_says_how_to_install_it(made, monke
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "datasets" else real(name, *a))
-    msg = one_line_error(ConfigError, f"task.model.path={made['gpt2']}",
-                         f"task.data.files=[{made['txt']}]")
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "datasets" else real(name, *a)
+    )
+    msg = one_line_error(
+        ConfigError, f"task.model.path={made['gpt2']}", f"task.data.files=[{made['txt']}]"
+    )
     assert "datasets" in msg and "pip install 'hetseq-hpc[hf]'" in msg
 
 
@@ -124,7 +152,9 @@ def test_masked_lm_masking_is_deterministic_and_spares_special_tokens(made):
     task = task_of(made, "bert", "txt")
     a = task.make_batch([0, 7], 2, "train")
     b = task.make_batch([7], 2, "train")
-    assert torch.equal(a["input_ids"][1:], b["input_ids"]) and torch.equal(a["labels"][1:], b["labels"])
+    assert torch.equal(a["input_ids"][1:], b["input_ids"]) and torch.equal(
+        a["labels"][1:], b["labels"]
+    )
     assert not torch.equal(a["labels"], task.make_batch([0, 7], 3, "train")["labels"])
     tok = task.tokenizer
     assert (a["input_ids"][:, 0] == tok.cls_token_id).all()  # rows framed [CLS] .. [SEP]
@@ -154,10 +184,15 @@ def tok_pad(task):
 
 
 def test_dropout_is_wired_into_the_config_and_random_init_from_config(made, tmp_path):
-    run = compose(f"task.model.config={made['gpt2'] / 'config.json'}",
-                  f"task.model.tokenizer={made['gpt2']}", f"task.data.files=[{made['txt']}]",
-                  f"task.data.cache_dir={tmp_path}", "task.model.max_seq_len=32",
-                  "task.model.dropout=0.25", "task.model.kind=causal_lm")
+    run = compose(
+        f"task.model.config={made['gpt2'] / 'config.json'}",
+        f"task.model.tokenizer={made['gpt2']}",
+        f"task.data.files=[{made['txt']}]",
+        f"task.data.cache_dir={tmp_path}",
+        "task.model.max_seq_len=32",
+        "task.model.dropout=0.25",
+        "task.model.kind=causal_lm",
+    )
     task = build_task(run.task, 0)
     assert {task.config.resid_pdrop, task.config.embd_pdrop, task.config.attn_pdrop} == {0.25}
     task.prepare()
@@ -175,12 +210,20 @@ def test_dropout_is_wired_into_the_config_and_random_init_from_config(made, tmp_
 
 def test_string_labels_from_csv_are_sorted_into_ids(made, tmp_path):
     csv = tmp_path / "s.csv"
-    rows = "".join(f"\"{t}\",{'pos' if i % 3 else 'neg'}\n" for i, t in enumerate(
-        json.loads(line)["text"].replace('"', "'") for line in
-        made["jsonl"].read_text().splitlines()[:60]))
+    rows = "".join(
+        f'"{t}",{"pos" if i % 3 else "neg"}\n'
+        for i, t in enumerate(
+            json.loads(line)["text"].replace('"', "'")
+            for line in made["jsonl"].read_text().splitlines()[:60]
+        )
+    )
     csv.write_text("text,label\n" + rows)
-    run = compose(f"task.model.path={made['cls']}", f"task.data.files=[{csv}]",
-                  f"task.data.cache_dir={tmp_path}", "task.model.max_seq_len=16")
+    run = compose(
+        f"task.model.path={made['cls']}",
+        f"task.data.files=[{csv}]",
+        f"task.data.cache_dir={tmp_path}",
+        "task.model.max_seq_len=16",
+    )
     task = build_task(run.task, 0)
     task.prepare()
     task.load()
@@ -200,17 +243,27 @@ def test_mixed_type_json_labels_are_refused_in_one_line_or_kept_apart(made, tmp_
 
     def prepare(labels, name):
         data = tmp_path / f"{name}.jsonl"
-        data.write_text("".join(json.dumps({"text": t, "label": labels[i % len(labels)]}) + "\n"
-                                for i, t in enumerate(texts)))
-        run = compose(f"task.model.path={made['cls']}", f"task.data.files=[{data}]",
-                      f"task.data.cache_dir={tmp_path / name}", "task.model.max_seq_len=16")
+        data.write_text(
+            "".join(
+                json.dumps({"text": t, "label": labels[i % len(labels)]}) + "\n"
+                for i, t in enumerate(texts)
+            )
+        )
+        run = compose(
+            f"task.model.path={made['cls']}",
+            f"task.data.files=[{data}]",
+            f"task.data.cache_dir={tmp_path / name}",
+            "task.model.max_seq_len=16",
+        )
         task = build_task(run.task, 0)
         task.prepare()
         task.load()
         return task
 
-    for labels, words in (([0, 1, True], "mixes boolean and integer labels (e.g. True and 0)"),
-                          ([1, 0, 1.0], "mixes integer and float labels (e.g. 1 and 1.0)")):
+    for labels, words in (
+        ([0, 1, True], "mixes boolean and integer labels (e.g. True and 0)"),
+        ([1, 0, 1.0], "mixes integer and float labels (e.g. 1 and 1.0)"),
+    ):
         with pytest.raises(DataError, match=re.escape(words)) as info:
             prepare(labels, f"bad{len(words)}")
         assert "\n" not in str(info.value)
@@ -269,16 +322,25 @@ def test_a_bf16_checkpoint_loads_as_fp32_parameters(made, tmp_path):
 
     path = make_gpt2(tmp_path / "bf16", dtype=torch.bfloat16)
     assert {p.dtype for p in AutoModelForCausalLM.from_pretrained(path).parameters()} == {
-        torch.bfloat16}  # what the library's default would train
-    run = compose(f"task.model.path={path}", f"task.data.files=[{made['txt']}]",
-                  f"task.data.cache_dir={tmp_path}", "task.model.max_seq_len=32")
+        torch.bfloat16
+    }  # what the library's default would train
+    run = compose(
+        f"task.model.path={path}",
+        f"task.data.files=[{made['txt']}]",
+        f"task.data.cache_dir={tmp_path}",
+        "task.model.max_seq_len=32",
+    )
     task = build_task(run.task, 0)
     task.prepare()
     task.load()
     assert {p.dtype for p in task.build_model().parameters()} == {torch.float32}
-    fresh = compose(f"task.model.config={path / 'config.json'}", f"task.model.tokenizer={path}",
-                    f"task.data.files=[{made['txt']}]", f"task.data.cache_dir={tmp_path}",
-                    "task.model.max_seq_len=32")
+    fresh = compose(
+        f"task.model.config={path / 'config.json'}",
+        f"task.model.tokenizer={path}",
+        f"task.data.files=[{made['txt']}]",
+        f"task.data.cache_dir={tmp_path}",
+        "task.model.max_seq_len=32",
+    )
     task = build_task(fresh.task, 0)
     task.prepare()
     task.load()
@@ -310,30 +372,46 @@ def test_dropout_default_keeps_the_models_values_and_a_number_sets_all(made, tmp
     config = json.loads((saved / "config.json").read_text())
     config.update(attn_pdrop=0.0, resid_pdrop=0.05)
     (saved / "config.json").write_text(json.dumps(config))
-    run = compose(f"task.model.path={saved}", f"task.data.files=[{made['txt']}]",
-                  f"task.data.cache_dir={tmp_path}", "task.model.max_seq_len=32")
+    run = compose(
+        f"task.model.path={saved}",
+        f"task.data.files=[{made['txt']}]",
+        f"task.data.cache_dir={tmp_path}",
+        "task.model.max_seq_len=32",
+    )
     assert run.task.model.dropout is None
     task = build_task(run.task, 0)
     assert (task.config.attn_pdrop, task.config.resid_pdrop, task.config.embd_pdrop) == (
-        0.0, 0.05, 0.1)  # the model's own values
+        0.0,
+        0.05,
+        0.1,
+    )  # the model's own values
     llama = AutoConfig.for_model("llama", attention_dropout=0.0)
     assert set_dropout(llama, None) == [] and llama.attention_dropout == 0.0
-    for model_type, names in [("gpt_neo", {"resid_dropout", "embed_dropout", "attention_dropout"}),
-                              ("deberta", {"pooler_dropout", "hidden_dropout_prob"}),
-                              ("t5", {"dropout_rate"}), ("llama", {"attention_dropout"}),
-                              ("bart", {"dropout", "activation_dropout", "attention_dropout"})]:
+    for model_type, names in [
+        ("gpt_neo", {"resid_dropout", "embed_dropout", "attention_dropout"}),
+        ("deberta", {"pooler_dropout", "hidden_dropout_prob"}),
+        ("t5", {"dropout_rate"}),
+        ("llama", {"attention_dropout"}),
+        ("bart", {"dropout", "activation_dropout", "attention_dropout"}),
+    ]:
         cfg = AutoConfig.for_model(model_type)
         assert names <= set(set_dropout(cfg, 0.3)), model_type
         assert {getattr(cfg, n) for n in dropout_attributes(cfg)} == {0.3}, model_type
 
 
 def test_task_hf_defaults_to_the_finetune_optimizer_unless_optim_is_given(made):
-    data = [f"task.model.path={made['gpt2']}", f"task.data.files=[{made['txt']}]",
-            "task.model.max_seq_len=32"]
+    data = [
+        f"task.model.path={made['gpt2']}",
+        f"task.data.files=[{made['txt']}]",
+        "task.model.max_seq_len=32",
+    ]
     finetune = compose_run_config(["optim=finetune"]).optim
     hf = compose(*data).optim
     assert (hf.lr, hf.warmup_steps, hf.weight_decay) == (
-        finetune.lr, finetune.warmup_steps, finetune.weight_decay) and hf.lr == 5e-5
+        finetune.lr,
+        finetune.warmup_steps,
+        finetune.weight_decay,
+    ) and hf.lr == 5e-5
     adamw = compose_run_config(["optim=adamw"]).optim
     assert compose(*data, "optim=adamw").optim.lr == adamw.lr != 5e-5
     assert compose(*data, "optim.lr=1e-4").optim.lr == 1e-4
@@ -347,11 +425,13 @@ def test_pre_start_check_refuses_tokenizer_mask_and_positions(made, tmp_path):
         shutil.copy(made["gpt2"] / name, bare / name)
     data = f"task.data.files=[{made['txt']}]"
     assert "no tokenizer" in one_line_error(ConfigError, f"task.model.path={bare}", data)
-    msg = one_line_error(ConfigError, f"task.model.path={made['gpt2']}", data,
-                         "task.model.kind=masked_lm")
+    msg = one_line_error(
+        ConfigError, f"task.model.path={made['gpt2']}", data, "task.model.kind=masked_lm"
+    )
     assert "no mask token" in msg
-    msg = one_line_error(ConfigError, f"task.model.path={made['gpt2']}", data,
-                         "task.model.max_seq_len=128")
+    msg = one_line_error(
+        ConfigError, f"task.model.path={made['gpt2']}", data, "task.model.max_seq_len=128"
+    )
     assert "max_seq_len=128" in msg and "64 positions" in msg
 
 
@@ -365,8 +445,9 @@ def test_seq2seq_batch_shifts_the_labels_and_the_loss_is_a_sum(made):
     labels, dec = full["labels"], full["decoder_input_ids"]
     assert labels.shape == dec.shape == (3, 16) and full["input_ids"].shape == (3, 32)
     assert (dec[:, 0] == task.config.decoder_start_token_id).all()
-    assert torch.equal(dec[:, 1:], labels[:, :-1].masked_fill(labels[:, :-1] == -100,
-                                                               task.config.pad_token_id))
+    assert torch.equal(
+        dec[:, 1:], labels[:, :-1].masked_fill(labels[:, :-1] == -100, task.config.pad_token_id)
+    )
     eos = task.tokenizer.eos_token_id
     assert all(int(row[row != -100][-1]) == eos for row in labels)  # short targets end in </s>
     assert task.count(full) == int((labels != -100).sum())
@@ -374,15 +455,17 @@ def test_seq2seq_batch_shifts_the_labels_and_the_loss_is_a_sum(made):
     model = task.build_model().eval()
     with torch.no_grad():
         total = model(**full)
-        mean = model.model(input_ids=full["input_ids"], attention_mask=full["attention_mask"],
-                           labels=labels).loss  # the model shifts the labels itself
+        mean = model.model(
+            input_ids=full["input_ids"], attention_mask=full["attention_mask"], labels=labels
+        ).loss  # the model shifts the labels itself
     assert torch.allclose(total / task.count(full), mean, rtol=1e-5)
     assert [type(u).__name__ for u in task.sharding_units(model)] == ["T5Block"] * 4
 
 
 def test_seq2seq_needs_its_columns(made):
-    msg = one_line_error(DataError, f"task.model.path={made['t5']}",
-                         f"task.data.files=[{made['jsonl']}]")
+    msg = one_line_error(
+        DataError, f"task.model.path={made['t5']}", f"task.data.files=[{made['jsonl']}]"
+    )
     assert "no column 'source'" in msg and "task.data.source_field" in msg
 
 
@@ -392,13 +475,15 @@ def test_dataset_build_without_dropout_and_unknown_args(tmp_path):
     task = build_task(run.task, 0)
     task.load()  # build() takes no arguments: no dropout passed
     assert task.num_train == 400
-    run = compose_run_config(["task=dataset", "task.target=tests.helpers.user_dataset:build_plain",
-                              "+task.args.n=10"])
+    run = compose_run_config(
+        ["task=dataset", "task.target=tests.helpers.user_dataset:build_plain", "+task.args.n=10"]
+    )
     with pytest.raises(ConfigError) as info:
         check_task_code(run)
     assert "task.args.n" in str(info.value) and "\n" not in str(info.value)
-    run = compose_run_config(["task=dataset", "task.target=tests.helpers.user_dataset:build",
-                              "+task.args.n=10"])
+    run = compose_run_config(
+        ["task=dataset", "task.target=tests.helpers.user_dataset:build", "+task.args.n=10"]
+    )
     check_task_code(run)
     task = build_task(run.task, 0)
     task.load()

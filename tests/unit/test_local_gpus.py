@@ -24,8 +24,10 @@ def test_more_ranks_than_gpus_is_one_line_with_the_fixes_fake_gpu_count():
     assert "cluster.ranks=1" in text and "CUDA_VISIBLE_DEVICES" in text
 
 
-@pytest.mark.parametrize("overrides, gpus", [(["cluster.ranks=2"], 0), (["cluster.ranks=2"], 2),
-                                             (["cluster.ranks=1"], 1), ([], 4)])
+@pytest.mark.parametrize(
+    "overrides, gpus",
+    [(["cluster.ranks=2"], 0), (["cluster.ranks=2"], 2), (["cluster.ranks=1"], 1), ([], 4)],
+)
 def test_ranks_within_the_gpus_or_no_gpu_at_all_pass_fake_gpu_count(overrides, gpus, monkeypatch):
     monkeypatch.setattr("hetseq_hpc.config.cluster.visible_gpu_count", lambda: gpus)
     local.check_ranks_fit_gpus(compose_run_config(overrides), gpus=gpus)

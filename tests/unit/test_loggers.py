@@ -17,11 +17,26 @@ from tests.helpers.runs import read_rows
 
 
 def _row(step: int, loss: float, ranks: int = 2) -> dict:
-    return {"step": step, "loss": loss, "lr": 1e-3, "samples_per_s": 100.0, "straggle": 0.1,
-            "allocation": [8] * ranks,
-            "ranks": [{"rank": r, "device": "cpu", "micro_batch": 8, "accum_steps": 1,
-                       "samples": 8, "step_time_s": 0.1 * (r + 1), "compute_time_s": 0.09}
-                      for r in range(ranks)]}
+    return {
+        "step": step,
+        "loss": loss,
+        "lr": 1e-3,
+        "samples_per_s": 100.0,
+        "straggle": 0.1,
+        "allocation": [8] * ranks,
+        "ranks": [
+            {
+                "rank": r,
+                "device": "cpu",
+                "micro_batch": 8,
+                "accum_steps": 1,
+                "samples": 8,
+                "step_time_s": 0.1 * (r + 1),
+                "compute_time_s": 0.09,
+            }
+            for r in range(ranks)
+        ],
+    }
 
 
 def test_resume_cuts_every_logger_back_to_the_checkpoint(tmp_path):
@@ -33,15 +48,27 @@ def test_resume_cuts_every_logger_back_to_the_checkpoint(tmp_path):
     first.close()
     second = RunLoggers(tmp_path, ["jsonl", "csv", "tensorboard"], resume_step=3)
     for step in range(4, 7):
-        second.write({**_row(step, 100.0 + step, ranks=3),
-                      **({"val_loss": 5.0, "reallocation": {"from": [8, 8, 8], "to": [12, 6, 6],
-                                                            "at_step": 6}} if step == 5 else {})})
+        second.write(
+            {
+                **_row(step, 100.0 + step, ranks=3),
+                **(
+                    {
+                        "val_loss": 5.0,
+                        "reallocation": {"from": [8, 8, 8], "to": [12, 6, 6], "at_step": 6},
+                    }
+                    if step == 5
+                    else {}
+                ),
+            }
+        )
     second.close()
     assert [r["step"] for r in read_rows(tmp_path)] == list(range(1, 7))
     rows = csv_rows(tmp_path)
     assert [int(r["step"]) for r in rows] == list(range(1, 7))
     assert [float(r["loss"]) for r in rows] == [9, 8, 7, 104, 105, 106]
-    assert rows[0]["rank2_step_time_s"] == "" and float(rows[4]["rank2_step_time_s"]) == pytest.approx(0.3)
+    assert rows[0]["rank2_step_time_s"] == "" and float(
+        rows[4]["rank2_step_time_s"]
+    ) == pytest.approx(0.3)
     acc = events(tmp_path)
     assert scalar_steps(acc, "train/loss") == list(range(1, 7))
     assert [e.value for e in acc.Scalars("train/loss")] == [9, 8, 7, 104, 105, 106]
@@ -60,12 +87,23 @@ def test_resume_keeps_the_membership_row_of_survivors_that_stopped(tmp_path):
     first = RunLoggers(tmp_path, ["jsonl"])
     for step in range(1, 4):
         first.write(_row(step, 10.0 - step))
-    stop = {"event": "membership", "step": 4, "lost": [{"rank": 1, "host": "n3"}],
-            "world_size": 2, "stopped": "losing rank(s) [1] (2 left, fewer than "
-                                        "trainer.elastic.min_ranks=3)"}
+    stop = {
+        "event": "membership",
+        "step": 4,
+        "lost": [{"rank": 1, "host": "n3"}],
+        "world_size": 2,
+        "stopped": "losing rank(s) [1] (2 left, fewer than trainer.elastic.min_ranks=3)",
+    }
     first.write(stop)
-    first.write({"event": "membership", "step": 5, "lost": [{"rank": 2, "host": "n4"}],
-                 "world_size": 2, "split": [12, 12]})
+    first.write(
+        {
+            "event": "membership",
+            "step": 5,
+            "lost": [{"rank": 2, "host": "n4"}],
+            "world_size": 2,
+            "split": [12, 12],
+        }
+    )
     first.close()
     second = RunLoggers(tmp_path, ["jsonl"], resume_step=3)
     second.write(_row(4, 6.0, ranks=3))

@@ -16,18 +16,32 @@ class MyBatchNorm(nn.BatchNorm2d):
     """A user subclass: still BatchNorm."""
 
 
-@pytest.mark.parametrize("layer", [
-    nn.BatchNorm1d(4), nn.BatchNorm2d(4), nn.BatchNorm3d(4), nn.SyncBatchNorm(4),
-    nn.LazyBatchNorm1d(), nn.LazyBatchNorm2d(), nn.LazyBatchNorm3d(), MyBatchNorm(4),
-])
+@pytest.mark.parametrize(
+    "layer",
+    [
+        nn.BatchNorm1d(4),
+        nn.BatchNorm2d(4),
+        nn.BatchNorm3d(4),
+        nn.SyncBatchNorm(4),
+        nn.LazyBatchNorm1d(),
+        nn.LazyBatchNorm2d(),
+        nn.LazyBatchNorm3d(),
+        MyBatchNorm(4),
+    ],
+)
 def test_every_batchnorm_kind_is_found(layer):
     model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(layer))
     assert find_batchnorm(model) == [("1.0", type(layer).__name__)]
 
 
 def test_per_sample_norms_are_not_batchnorm():
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4), nn.InstanceNorm2d(4),
-                          nn.LayerNorm(4), nn.LocalResponseNorm(2))
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        nn.GroupNorm(2, 4),
+        nn.InstanceNorm2d(4),
+        nn.LayerNorm(4),
+        nn.LocalResponseNorm(2),
+    )
     assert find_batchnorm(model) == []
     assert check_no_batchnorm(model, allow=False) is None
 

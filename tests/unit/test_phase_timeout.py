@@ -44,10 +44,10 @@ def test_forget_makes_the_next_phase_wait_the_long_timeout_again():
     assert timeouts.seconds("validation", 8.0) == 300
 
 
-
 def _rec(*compute_and_samples):
-    return SimpleNamespace(per_rank=[StepStats(0.0, 1, n, c, c, 0.0)
-                                     for c, n in compute_and_samples])
+    return SimpleNamespace(
+        per_rank=[StepStats(0.0, 1, n, c, c, 0.0) for c, n in compute_and_samples]
+    )
 
 
 def test_the_peer_ratio_is_the_slowest_peer_per_sample_over_this_rank_at_least_1():
@@ -60,10 +60,14 @@ def test_the_peer_ratio_is_the_slowest_peer_per_sample_over_this_rank_at_least_1
 
 def _trainer(timeouts, history, step_timeout_s=8.0):
     return SimpleNamespace(
-        elastic=SimpleNamespace(phase_timeouts=timeouts,
-                                timeout=SimpleNamespace(seconds=step_timeout_s)),
-        rdv=SimpleNamespace(cpu_group=object()), history=history, rank=0,
-        world=SimpleNamespace(world_size=2))
+        elastic=SimpleNamespace(
+            phase_timeouts=timeouts, timeout=SimpleNamespace(seconds=step_timeout_s)
+        ),
+        rdv=SimpleNamespace(cpu_group=object()),
+        history=history,
+        rank=0,
+        world=SimpleNamespace(world_size=2),
+    )
 
 
 def test_the_first_validation_gather_waits_an_estimate_then_the_measured_phase(monkeypatch):

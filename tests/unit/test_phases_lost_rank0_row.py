@@ -16,9 +16,20 @@ from hetseq_hpc.train.phases import EVALUATED, LOGGED, StepPhases
 def _trainer(run_dir, step: int, phase: int, rank: int = 0):
     run = compose_run_config(["task=bert", "trainer.max_steps=30", "trainer.log_every=1"])
     rec = SimpleNamespace(step=step, loss=4.5, extra={"val_loss": 4.75})
-    return SimpleNamespace(run=run, cfg=run.trainer, run_dir=run_dir, step=step, phase=phase,
-                           rank=rank, history=[rec], last_row={"step": step, "loss": 4.5},
-                           run_id="run-1", resume_note={}, elastic=None, last_val={})
+    return SimpleNamespace(
+        run=run,
+        cfg=run.trainer,
+        run_dir=run_dir,
+        step=step,
+        phase=phase,
+        rank=rank,
+        history=[rec],
+        last_row={"step": step, "loss": 4.5},
+        run_id="run-1",
+        resume_note={},
+        elastic=None,
+        last_val={},
+    )
 
 
 def _rows_before(run_dir, last: int) -> None:

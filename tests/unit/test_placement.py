@@ -25,8 +25,16 @@ from hetseq_hpc.env.world import WorldInfo
 from hetseq_hpc.launch.local import rank_environments
 from hetseq_hpc.worker import rank_placement
 
-TORCH_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-              "MASTER_PORT", "OMP_NUM_THREADS", "PYTHONUNBUFFERED"}
+TORCH_VARS = {
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMP_NUM_THREADS",
+    "PYTHONUNBUFFERED",
+}
 #: the values the local launcher used to pass to the worker through the environment
 GONE = {"HETSEQ_THREADS", "HETSEQ_EMULATE_SPEED", "HETSEQ_MEMORY_BUDGET_GB"}
 
@@ -60,22 +68,36 @@ def test_more_local_ranks_than_cores_get_one_thread_and_a_warning(caplog):
 
 
 def test_local_speeds_budget_and_precision_per_rank():
-    run = _run("cluster.ranks=3", "cluster.speeds=[1.0,0.5,0.25]", "cluster.memory_budget_gb=2",
-               "precision.default=fp32")
+    run = _run(
+        "cluster.ranks=3",
+        "cluster.speeds=[1.0,0.5,0.25]",
+        "cluster.memory_budget_gb=2",
+        "precision.default=fp32",
+    )
     placements = plan_placements(run, cores=6)
     assert [p.emulate_speed for p in placements] == [1.0, 0.5, 0.25]
     assert [p.emulated_cpus for p in placements] == [2.0, 1.0, 0.5]
     assert {p.memory_budget_gb for p in placements} == {2.0}
     assert {p.precision for p in placements} == {"fp32"}
-    assert {(p.partition_key, p.partition, p.gres, p.het_group) for p in placements} == \
-        {(None, None, None, None)}
+    assert {(p.partition_key, p.partition, p.gres, p.het_group) for p in placements} == {
+        (None, None, None, None)
+    }
 
 
 def test_local_defaults_are_full_speed_and_no_budget():
     placement = placement_for(_run("cluster.ranks=2"), 0, cores=2)
-    assert placement == RankPlacement(rank=0, threads=1, emulate_speed=1.0, memory_budget_gb=None,
-                                      ranks_on_node=2, partition_key=None, partition=None,
-                                      gres=None, precision="auto", het_group=None)
+    assert placement == RankPlacement(
+        rank=0,
+        threads=1,
+        emulate_speed=1.0,
+        memory_budget_gb=None,
+        ranks_on_node=2,
+        partition_key=None,
+        partition=None,
+        gres=None,
+        precision="auto",
+        het_group=None,
+    )
 
 
 # --------------------------------------------------------------------------- SLURM
@@ -96,8 +118,12 @@ def test_slurm_placements_follow_srun_rank_order():
 
 
 def test_slurm_cpus_per_task_and_memory_budgets():
-    run = _run("cluster=mixed", "cluster.memory_budget_gb=40",
-               "cluster.partitions.t4.memory_budget_gb=15", "cluster.partitions.v100.emulate_speed=0.5")
+    run = _run(
+        "cluster=mixed",
+        "cluster.memory_budget_gb=40",
+        "cluster.partitions.t4.memory_budget_gb=15",
+        "cluster.partitions.v100.emulate_speed=0.5",
+    )
     assert placement_for(run, 0, het_group=0, cpus_per_task=2, cores=64).threads == 2
     assert placement_for(run, 0, het_group=0).memory_budget_gb == 40.0  # the cluster's
     assert placement_for(run, 0, het_group=2).memory_budget_gb == 15.0  # the partition's wins
@@ -107,13 +133,29 @@ def test_slurm_cpus_per_task_and_memory_budgets():
 
 def test_worker_resolves_its_placement_from_its_world():
     run = _run("cluster=testcluster")
-    world = WorldInfo(rank=2, local_rank=0, world_size=3, master_addr="n1", master_port=29500,
-                      source="slurm", het_group=1, het_size=2, partition="v100", cpus_per_task=1)
+    world = WorldInfo(
+        rank=2,
+        local_rank=0,
+        world_size=3,
+        master_addr="n1",
+        master_port=29500,
+        source="slurm",
+        het_group=1,
+        het_size=2,
+        partition="v100",
+        cpus_per_task=1,
+    )
     placement = rank_placement(run, world, env={})
     assert (placement.partition_key, placement.gres, placement.threads) == ("v100", "v100", 1)
     local = _run("cluster.ranks=2", "cluster.speeds=[1.0,0.35]")
-    world = WorldInfo(rank=1, local_rank=1, world_size=2, master_addr="127.0.0.1",
-                      master_port=29500, source="torch")
+    world = WorldInfo(
+        rank=1,
+        local_rank=1,
+        world_size=2,
+        master_addr="127.0.0.1",
+        master_port=29500,
+        source="torch",
+    )
     placement = rank_placement(local, world, env={"LOCAL_WORLD_SIZE": "2"})
     assert placement.emulate_speed == 0.35 and placement.ranks_on_node == 2
 
@@ -133,18 +175,23 @@ def test_memory_budget_bytes():
     [(32, None, 2, 16), (64, None, 2, 16), (12, None, 3, 4), (3, None, 4, 1), (32, 5, 2, 5)],
 )
 def test_calibration_micro_batch(batch, configured, world, expected):
-    run = SimpleNamespace(trainer=TrainerConfig(global_batch_size=batch),
-                          balance=BalanceConfig(calibration_micro_batch=configured))
+    run = SimpleNamespace(
+        trainer=TrainerConfig(global_batch_size=batch),
+        balance=BalanceConfig(calibration_micro_batch=configured),
+    )
     assert calibration_micro_batch(run, world) == expected
 
 
-@pytest.mark.parametrize("batch, configured, expected", [(512, None, 256), (256, None, 128),
-                                                         (1024, 8, 8), (2, None, 1)])
+@pytest.mark.parametrize(
+    "batch, configured, expected", [(512, None, 256), (256, None, 128), (1024, 8, 8), (2, None, 1)]
+)
 def test_calibration_micro_batch_on_a_gpu_is_the_share_up_to_256(batch, configured, expected):
     """On a GPU the default is the rank's share up to 256: at 16 samples a GPU times its kernel
     launches (measured on an H100, docs/benchmarks.md)."""
-    run = SimpleNamespace(trainer=TrainerConfig(global_batch_size=batch),
-                          balance=BalanceConfig(calibration_micro_batch=configured))
+    run = SimpleNamespace(
+        trainer=TrainerConfig(global_batch_size=batch),
+        balance=BalanceConfig(calibration_micro_batch=configured),
+    )
     assert calibration_micro_batch(run, 2, "cuda") == expected
     assert calibration_micro_batch(run, 2, "cpu") == (configured or min(16, max(1, batch // 2)))
 
@@ -160,14 +207,26 @@ def test_thread_and_quota_formulas():
 def test_local_rank_environments_carry_only_torch_variables(tmp_path, monkeypatch):
     for name in GONE:
         monkeypatch.delenv(name, raising=False)
-    run = _run("cluster.ranks=3", "cluster.speeds=[1.0,0.5,0.25]", "cluster.memory_budget_gb=1",
-               "cluster.master_port=29555", "cluster.threads_per_rank=2")
+    run = _run(
+        "cluster.ranks=3",
+        "cluster.speeds=[1.0,0.5,0.25]",
+        "cluster.memory_budget_gb=1",
+        "cluster.master_port=29555",
+        "cluster.threads_per_rank=2",
+    )
     envs = rank_environments(run, tmp_path / "hetseq_config.yaml")
     assert len(envs) == 3
     for rank, env in enumerate(envs):
         assert set(env) >= TORCH_VARS
-        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == \
-            (str(rank), str(rank), "3", "3")
-        assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["OMP_NUM_THREADS"]) == \
-            ("127.0.0.1", "29555", "2")
+        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (
+            str(rank),
+            str(rank),
+            "3",
+            "3",
+        )
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["OMP_NUM_THREADS"]) == (
+            "127.0.0.1",
+            "29555",
+            "2",
+        )
         assert not GONE & set(env), "the worker resolves speed, threads and budget itself"

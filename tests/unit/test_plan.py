@@ -12,29 +12,51 @@ from hetseq_hpc import plan
 from hetseq_hpc.errors import ConfigError
 from tests.helpers.runs import SMALL_MODEL
 
-BERT_BASE = ["task.model.hidden_size=768", "task.model.num_layers=12", "task.model.num_heads=12",
-             "task.model.intermediate_size=3072"]
+BERT_BASE = [
+    "task.model.hidden_size=768",
+    "task.model.num_layers=12",
+    "task.model.num_heads=12",
+    "task.model.intermediate_size=3072",
+]
 
 
 def _probe(*ranks):
     """A probe-like allocation.json: (partition, gres, samples/s) per rank."""
-    return {"ranks": [{"rank": i, "partition": p, "gres": g, "device": f"cuda:0 {g}",
-                       "calibration": {"samples_per_s": t, "max_micro_batch": 64}}
-                      for i, (p, g, t) in enumerate(ranks)]}
+    return {
+        "ranks": [
+            {
+                "rank": i,
+                "partition": p,
+                "gres": g,
+                "device": f"cuda:0 {g}",
+                "calibration": {"samples_per_s": t, "max_micro_batch": 64},
+            }
+            for i, (p, g, t) in enumerate(ranks)
+        ]
+    }
 
 
 def test_prediction_matches_a_hand_calculation():
     # two partitions: "fast" = 1 rank at 300 samples/s, "slow" = 2 ranks at 100 samples/s
-    parts = [plan.PartitionSpec("fast", "fast", "a100", 1),
-             plan.PartitionSpec("slow", "slow", "t4", 2)]
+    parts = [
+        plan.PartitionSpec("fast", "fast", "a100", 1),
+        plan.PartitionSpec("slow", "slow", "t4", 2),
+    ]
     probe = _probe(("fast", "a100", 300.0), ("slow", "t4", 90.0), ("slow", "t4", 110.0))
     ranks = plan.ranks_from_probe(probe, parts)
     assert [r.samples_per_s for r in ranks] == [300.0, 100.0, 100.0]  # median of 90 and 110
     assert [r.partition for r in ranks] == ["fast", "slow", "slow"]
 
     grad_bytes, gbps, latency = 10e6, 8.0, 10e-6  # 10 MB of gradients over 1 GB/s links
-    pred = plan.predict([r.samples_per_s for r in ranks], 50, [r.max_micro_batch for r in ranks],
-                        grad_bytes, gbps, latency, overlap=0.0)
+    pred = plan.predict(
+        [r.samples_per_s for r in ranks],
+        50,
+        [r.max_micro_batch for r in ranks],
+        grad_bytes,
+        gbps,
+        latency,
+        overlap=0.0,
+    )
     # by hand: ring all-reduce, N = 3: 2 * 2/3 * 10e6 B / 1e9 B/s + 2 * 2 * 10 us
     allreduce = 2 * 2 / 3 * 10e6 / 1e9 + 4 * 10e-6  # = 0.013333 + 0.00004 = 0.0133733 s
     assert pred.allreduce_s == pytest.approx(allreduce)
@@ -82,10 +104,19 @@ def test_cost_model_pieces_by_hand():
 
 
 def test_planner_options_are_stripped_and_checked():
-    argv = ["cluster=mixed", "plan.mfu=0.5", "plan.link_gbps=200", "hydra.run.dir=x",
-            "plan.overlap=0.25"]
-    assert plan.plan_overrides(argv) == ["cluster=mixed", "plan.mfu=0.5", "plan.link_gbps=200",
-                                         "plan.overlap=0.25"]
+    argv = [
+        "cluster=mixed",
+        "plan.mfu=0.5",
+        "plan.link_gbps=200",
+        "hydra.run.dir=x",
+        "plan.overlap=0.25",
+    ]
+    assert plan.plan_overrides(argv) == [
+        "cluster=mixed",
+        "plan.mfu=0.5",
+        "plan.link_gbps=200",
+        "plan.overlap=0.25",
+    ]
     opts = plan.compose_plan_run(argv).plan
     assert (opts.mfu, opts.link_gbps, opts.overlap) == (0.5, 200.0, 0.25)
     for bad in ("plan.mfu=0", "plan.mfu=abc", "plan.overlap=1.5", "plan.nope=1", "plan.probe="):
@@ -95,8 +126,9 @@ def test_planner_options_are_stripped_and_checked():
 
 def test_campus64_bert_base_meets_the_targets(capsys):
     # in-process (the subprocess path is covered above); the model is built on the CPU
-    code = plan.plan_command(["cluster=campus64", "task=bert", "trainer.global_batch_size=65536",
-                      *BERT_BASE])
+    code = plan.plan_command(
+        ["cluster=campus64", "task=bert", "trainer.global_batch_size=65536", *BERT_BASE]
+    )
     out = capsys.readouterr().out
     assert code == 0
     head = json.loads(out.strip().splitlines()[-1])
@@ -182,8 +214,9 @@ def test_planner_uses_the_task_flops_formula():
     from hetseq_hpc.plan.perf_model import transformer_accesses
 
     info = plan.measure_model(run.task, need_activations=False)
-    assert info.accesses_per_sample == transformer_accesses(12, 768, 12, 128, 3072,
-                                                            fused_attention=True)
+    assert info.accesses_per_sample == transformer_accesses(
+        12, 768, 12, 128, 3072, fused_attention=True
+    )
     assert info.accesses_per_sample < transformer_accesses(12, 768, 12, 128, 3072)
 
 
@@ -219,13 +252,29 @@ def test_local_plan_from_a_probe_file(tmp_path, capsys):
     """cluster=local with plan.probe (as scripts/bench_hetero.py runs it): rank i takes probe
     rank i; 60 and 30 samples/s split a batch of 30 as 20 + 10."""
     probe = tmp_path / "probe.json"
-    probe.write_text(json.dumps({"ranks": [
-        {"rank": r, "device": f"cpu @{s}",
-         "calibration": {"samples_per_s": t, "max_micro_batch": 16}}
-        for r, (s, t) in enumerate(((1.0, 60.0), (0.5, 30.0)))]}))
-    code = plan.plan_command(["cluster.ranks=2", "cluster.speeds=[1.0,0.5]",
-                      "trainer.global_batch_size=30", "balance.max_micro_batch=16",
-                      f"plan.probe={probe}"])
+    probe.write_text(
+        json.dumps(
+            {
+                "ranks": [
+                    {
+                        "rank": r,
+                        "device": f"cpu @{s}",
+                        "calibration": {"samples_per_s": t, "max_micro_batch": 16},
+                    }
+                    for r, (s, t) in enumerate(((1.0, 60.0), (0.5, 30.0)))
+                ]
+            }
+        )
+    )
+    code = plan.plan_command(
+        [
+            "cluster.ranks=2",
+            "cluster.speeds=[1.0,0.5]",
+            "trainer.global_batch_size=30",
+            "balance.max_micro_batch=16",
+            f"plan.probe={probe}",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "cpu @0.5 (probe)" in out
@@ -239,16 +288,23 @@ def test_local_plan_calibrates_this_cpu_as_a_rank_would():
     placement (threads, calibration micro-batch, memory budget), x cluster.speeds."""
     from hetseq_hpc.balance.placement import calibration_micro_batch, plan_placements
 
-    run = plan.compose_plan_run(["cluster.ranks=2", "cluster.speeds=[1.0,0.5]",
-                                 "trainer.global_batch_size=24", "balance.calibration_steps=1",
-                                 *SMALL_MODEL])
+    run = plan.compose_plan_run(
+        [
+            "cluster.ranks=2",
+            "cluster.speeds=[1.0,0.5]",
+            "trainer.global_batch_size=24",
+            "balance.calibration_steps=1",
+            *SMALL_MODEL,
+        ]
+    )
     result = plan.make_plan(run)
     threads = plan_placements(run)[0].threads
     assert [r.device for r in result.ranks] == [f"cpu {threads} thr", f"cpu {threads} thr @0.5"]
     fast, slow = (r.samples_per_s for r in result.ranks)
     assert fast > 0 and slow == pytest.approx(fast / 2)
-    assert result.source.endswith(f"at {threads} thread(s), micro-batch "
-                                  f"{calibration_micro_batch(run, 2)}, x cluster.speeds")
+    assert result.source.endswith(
+        f"at {threads} thread(s), micro-batch {calibration_micro_batch(run, 2)}, x cluster.speeds"
+    )
     assert result.prediction.balanced.allocation.samples == [16, 8]
     assert f"cpu {threads} thr @0.5" in plan.render(result)
 
@@ -275,8 +331,7 @@ def test_probe_cost_curves_prefer_the_latest_fit(tmp_path):
     from hetseq_hpc.balance.curves import CostCurve
 
     probe = _probe(("a", "a100", 300.0), ("b", "t4", 100.0))
-    probe["ranks"][0]["calibration"].update(overhead_s=0.01, per_sample_s=0.003,
-                                            step_fixed_s=0.02)
+    probe["ranks"][0]["calibration"].update(overhead_s=0.01, per_sample_s=0.003, step_fixed_s=0.02)
     parts = [plan.PartitionSpec("a", "a", "a100", 1), plan.PartitionSpec("b", "b", "t4", 1)]
     # rank 1 has no fit: no curves for the plan (samples/s are used)
     ranks = plan.ranks_from_probe(probe, parts)
@@ -291,13 +346,24 @@ def test_a_probe_runs_measured_step_sync_replaces_the_all_reduce_model(tmp_path,
     the predicted step is max busy + that figure; a probe of another world size keeps the
     all-reduce model."""
     probe = tmp_path / "probe.json"
-    data = {"ranks": [{"rank": r, "device": f"cpu @{s}",
-                       "calibration": {"samples_per_s": t, "max_micro_batch": 16}}
-                      for r, (s, t) in enumerate(((1.0, 60.0), (0.5, 30.0)))],
-            "measured_step": {"steps": 20, "sync_s": 0.05}}
+    data = {
+        "ranks": [
+            {
+                "rank": r,
+                "device": f"cpu @{s}",
+                "calibration": {"samples_per_s": t, "max_micro_batch": 16},
+            }
+            for r, (s, t) in enumerate(((1.0, 60.0), (0.5, 30.0)))
+        ],
+        "measured_step": {"steps": 20, "sync_s": 0.05},
+    }
     probe.write_text(json.dumps(data))
-    args = ["cluster.speeds=[1.0,0.5]", "trainer.global_batch_size=30",
-            "balance.max_micro_batch=16", f"plan.probe={probe}"]
+    args = [
+        "cluster.speeds=[1.0,0.5]",
+        "trainer.global_batch_size=30",
+        "balance.max_micro_batch=16",
+        f"plan.probe={probe}",
+    ]
     assert plan.plan_command(["cluster.ranks=2", *args]) == 0
     out = capsys.readouterr().out
     head = json.loads(out.strip().splitlines()[-1])
@@ -362,8 +428,11 @@ def test_a_partition_can_set_its_own_intra_node_link():
     slow = [f"cluster.partitions.{n}.intra_node_gbps=1" for n in names]
     assert ring_gbps_of(compose_run_config([*base, *slow]), 1000.0) == pytest.approx(1.0)
     default = ring_gbps_of(run, 1000.0)
-    specs = [intra_node_gbps(p.gpu_type) for p in run.cluster.partitions.values()
-             if p.ranks_per_node_effective > 1]
+    specs = [
+        intra_node_gbps(p.gpu_type)
+        for p in run.cluster.partitions.values()
+        if p.ranks_per_node_effective > 1
+    ]
     assert default == pytest.approx(min([*specs, 1000.0]))
     with pytest.raises(ConfigError, match=rf"cluster\.partitions\.{names[0]}\.intra_node_gbps"):
         compose_run_config([*base, f"cluster.partitions.{names[0]}.intra_node_gbps=0"])
@@ -377,8 +446,13 @@ def test_spec_ranks_pay_a_fixed_time_per_micro_batch():
     from hetseq_hpc.plan.perf_model import pass_overhead_s
     from hetseq_hpc.plan.planner import make_plan
 
-    base = ["cluster=hetseq_seed", "~cluster.partitions.p100", "cluster.partitions.xp.nodes=1",
-            *SMALL_MODEL, "trainer.global_batch_size=256"]
+    base = [
+        "cluster=hetseq_seed",
+        "~cluster.partitions.p100",
+        "cluster.partitions.xp.nodes=1",
+        *SMALL_MODEL,
+        "trainer.global_batch_size=256",
+    ]
     one_pass = make_plan(compose_run_config([*base, "balance.max_micro_batch=64"]))
     many = make_plan(compose_run_config([*base, "balance.max_micro_batch=8"]))
     rank = one_pass.ranks[0]
@@ -387,7 +461,10 @@ def test_spec_ranks_pay_a_fixed_time_per_micro_batch():
     assert rank.curve.per_sample_s == pytest.approx(1 / rank.samples_per_s)
     assert "ms per micro-batch" in one_pass.source
     shares = many.prediction.balanced.allocation.shares
-    assert shares[0].accum_steps == 8 and one_pass.prediction.balanced.allocation.shares[0].accum_steps == 1
+    assert (
+        shares[0].accum_steps == 8
+        and one_pass.prediction.balanced.allocation.shares[0].accum_steps == 1
+    )
     extra = many.prediction.balanced.step_s - one_pass.prediction.balanced.step_s
     assert extra == pytest.approx(7 * rank.curve.overhead_s, rel=1e-6)
 

@@ -75,18 +75,32 @@ def test_spec_ranks_pay_the_given_batch_time():
 def test_plan_times_the_tasks_batch_function_by_default():
     plan = _plan()
     assert plan.model.data_s_per_sample > 0
-    timed = re.search(r"\+ ([0-9.]+) ms per sample building batches \(the task's batch "
-                      r"function timed on this machine", plan.source)
-    assert timed and float(timed.group(1)) == pytest.approx(plan.model.data_s_per_sample * 1e3,
-                                                            abs=1e-3), plan.source
+    timed = re.search(
+        r"\+ ([0-9.]+) ms per sample building batches \(the task's batch "
+        r"function timed on this machine",
+        plan.source,
+    )
+    assert timed and float(timed.group(1)) == pytest.approx(
+        plan.model.data_s_per_sample * 1e3, abs=1e-3
+    ), plan.source
 
 
 def test_measured_ranks_already_include_it():
     """A probe or this CPU's calibration times the batch building with each pass: no spec rank,
     nothing added (the same ranks with the option at 0 and at 50 ms)."""
-    ranks = [make_plan(compose_run_config(["task=bert", "cluster.ranks=2", "trainer.max_steps=2",
-                                           f"plan.data_ms_per_sample={ms}"])).ranks
-             for ms in (0, 50)]
+    ranks = [
+        make_plan(
+            compose_run_config(
+                [
+                    "task=bert",
+                    "cluster.ranks=2",
+                    "trainer.max_steps=2",
+                    f"plan.data_ms_per_sample={ms}",
+                ]
+            )
+        ).ranks
+        for ms in (0, 50)
+    ]
     assert [r.curve for r in ranks[0]] == [r.curve for r in ranks[1]]
     assert with_batch_building(ranks[0], 0.0) == ranks[0]
     local = make_plan(compose_run_config(["task=bert", "cluster.ranks=2", "trainer.max_steps=2"]))
@@ -100,9 +114,15 @@ def test_a_data_path_that_reopens_its_file_per_item_shows_in_the_plan(tmp_path):
     about 200x here; the check asks for 10x."""
     base = ["cluster=mixed", "task=dataset", "trainer.global_batch_size=256"]
     fast = make_plan(compose_run_config([*base, "task.target=tests.helpers.user_dataset:build"]))
-    slow = make_plan(compose_run_config([
-        *base, "task.target=tests.helpers.user_dataset:build_file_per_item",
-        f"+task.args.root={tmp_path}"]))
+    slow = make_plan(
+        compose_run_config(
+            [
+                *base,
+                "task.target=tests.helpers.user_dataset:build_file_per_item",
+                f"+task.args.root={tmp_path}",
+            ]
+        )
+    )
     assert slow.model.data_s_per_sample > 10 * fast.model.data_s_per_sample
     assert slow.prediction.balanced.step_s > fast.prediction.balanced.step_s
 
@@ -111,5 +131,6 @@ def test_a_data_path_that_reopens_its_file_per_item_shows_in_the_plan(tmp_path):
 def test_a_bad_data_time_is_one_line_naming_the_key(value):
     with pytest.raises(ConfigError, match=r"^plan\.data_ms_per_sample=") as err:
         compose_run_config(["task=bert", f"plan.data_ms_per_sample={value}"])
-    assert "\n" not in str(err.value) and ("milliseconds >= 0" in str(err.value)
-                                           or "expected a number" in str(err.value))
+    assert "\n" not in str(err.value) and (
+        "milliseconds >= 0" in str(err.value) or "expected a number" in str(err.value)
+    )

@@ -53,12 +53,21 @@ from hetseq_hpc.plan.planner import make_plan
 REPO = Path(__file__).resolve().parents[2]
 PUBLISHED_STEP_S = {1: 2.60, 2: 2.69, 4: 2.794, 8: 3.126}
 #: hetseq_hpc's own BERT-base (masked-LM head on the masked tokens, fused LayerNorm)
-OWN_BERT_BASE = ["task=bert", "task.model.hidden_size=768", "task.model.num_layers=12",
-                 "task.model.num_heads=12", "task.model.intermediate_size=3072",
-                 "task.data.vocab_size=30522"]
+OWN_BERT_BASE = [
+    "task=bert",
+    "task.model.hidden_size=768",
+    "task.model.num_layers=12",
+    "task.model.num_heads=12",
+    "task.model.intermediate_size=3072",
+    "task.data.vocab_size=30522",
+]
 #: the predictions at 10 Gbit/s today (s): error vs HetSeq's README
-MEASURED = {1: "1.82 s vs 2.60 s (-30 %)", 2: "2.20 s vs 2.69 s (-18 %)",
-            4: "2.25 s vs 2.794 s (-20 %)", 8: "2.34 s vs 3.126 s (-25 %)"}
+MEASURED = {
+    1: "1.82 s vs 2.60 s (-30 %)",
+    2: "2.20 s vs 2.69 s (-18 %)",
+    4: "2.25 s vs 2.794 s (-20 %)",
+    8: "2.34 s vs 3.126 s (-25 %)",
+}
 #: the scaling step(N)/step(1) predicted vs published where it misses (8 nodes: 1.287 vs 1.202,
 #: +7 %, within)
 SCALING = {2: "1.214 vs 1.035 (+17 %)", 4: "1.238 vs 1.075 (+15.2 %)"}
@@ -67,8 +76,12 @@ SCALING = {2: "1.214 vs 1.035 (+17 %)", 4: "1.238 vs 1.075 (+15.2 %)"}
 def hetseq_model(cache_dir: Optional[Path] = None) -> list:
     """Overrides that plan HetSeq's own BERT-base (examples/hetseq_bert.py) with hetseq_hpc's
     token cache in ``cache_dir`` (None: the user's cache)."""
-    return ["task=custom", "task.target=examples.hetseq_bert.HetSeqBertTask", f"task.path={REPO}",
-            *([f"+task.args.cache_dir={cache_dir}"] if cache_dir else [])]
+    return [
+        "task=custom",
+        "task.target=examples.hetseq_bert.HetSeqBertTask",
+        f"task.path={REPO}",
+        *([f"+task.args.cache_dir={cache_dir}"] if cache_dir else []),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -77,14 +90,23 @@ def model(tmp_path_factory) -> list:
 
 
 def _plan(nodes: int, model: list, link_gbps: float = 10, probe: str = ""):
-    parts = (["cluster.partitions.xp.nodes=4", "cluster.partitions.p100.nodes=4"] if nodes == 8
-             else [f"cluster.partitions.xp.nodes={nodes}", "~cluster.partitions.p100"])
-    run = compose_run_config(["cluster=hetseq_seed", *model, *parts,
-                              f"plan.link_gbps={link_gbps}",
-                              f"trainer.global_batch_size={128 * 4 * nodes}",
-                              # HetSeq's loader ran in 4 worker processes per GPU, beside it
-                              "plan.data_ms_per_sample=0",
-                              *([f"plan.probe={probe}"] if probe else [])])
+    parts = (
+        ["cluster.partitions.xp.nodes=4", "cluster.partitions.p100.nodes=4"]
+        if nodes == 8
+        else [f"cluster.partitions.xp.nodes={nodes}", "~cluster.partitions.p100"]
+    )
+    run = compose_run_config(
+        [
+            "cluster=hetseq_seed",
+            *model,
+            *parts,
+            f"plan.link_gbps={link_gbps}",
+            f"trainer.global_batch_size={128 * 4 * nodes}",
+            # HetSeq's loader ran in 4 worker processes per GPU, beside it
+            "plan.data_ms_per_sample=0",
+            *([f"plan.probe={probe}"] if probe else []),
+        ]
+    )
     plan = make_plan(run)
     if not probe:
         assert all("fp32 (specs" in r.device for r in plan.ranks)
@@ -128,27 +150,50 @@ def test_hetseq_model_costs_what_its_code_does(model):
     from hetseq_hpc.plan.model_info import measure_model
     from hetseq_hpc.plan.perf_model import bert_accesses, bert_flops
 
-    theirs = measure_model(compose_run_config(["cluster=hetseq_seed", *model]).task,
-                           need_activations=True)
+    theirs = measure_model(
+        compose_run_config(["cluster=hetseq_seed", *model]).task, need_activations=True
+    )
     assert theirs.flops_per_sample == pytest.approx(bert_flops("base", 128, 128), rel=0.01)
     assert theirs.accesses_per_sample > 1.5 * bert_accesses("base", 128)
     ours = _plan(1, OWN_BERT_BASE).prediction.equal.step_s
     assert ours < 0.8 * _plan(1, model).prediction.equal.step_s
 
 
-@pytest.mark.parametrize("nodes", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=f"step(N)/step(1) {SCALING[n]} "
-                 "at 10 Gbit/s: the 1-node step has no network time, N nodes have all of it"))
-    if n in SCALING else n for n in (2, 4, 8)])
+@pytest.mark.parametrize(
+    "nodes",
+    [
+        pytest.param(
+            n,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason=f"step(N)/step(1) {SCALING[n]} "
+                "at 10 Gbit/s: the 1-node step has no network time, N nodes have all of it",
+            ),
+        )
+        if n in SCALING
+        else n
+        for n in (2, 4, 8)
+    ],
+)
 def test_hetseq_scaling_within_15_percent(predicted, nodes):
     ratio = (predicted[nodes] / predicted[1]) / (PUBLISHED_STEP_S[nodes] / PUBLISHED_STEP_S[1])
     assert abs(ratio - 1) <= 0.15, (nodes, predicted[nodes])
 
 
-@pytest.mark.parametrize("nodes", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=f"{MEASURED[n]}: the spec model "
-                 "rates a TITAN Xp at 77 samples/s of HetSeq's BERT-base in fp32, HetSeq's step implies 49"))
-    for n in PUBLISHED_STEP_S])
+@pytest.mark.parametrize(
+    "nodes",
+    [
+        pytest.param(
+            n,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason=f"{MEASURED[n]}: the spec model "
+                "rates a TITAN Xp at 77 samples/s of HetSeq's BERT-base in fp32, HetSeq's step implies 49",
+            ),
+        )
+        for n in PUBLISHED_STEP_S
+    ],
+)
 def test_hetseq_absolute_step_time_within_15_percent(predicted, nodes):
     assert abs(predicted[nodes] / PUBLISHED_STEP_S[nodes] - 1) <= 0.15, predicted[nodes]
 
@@ -168,12 +213,28 @@ def _xp_probe(path, spec, rate: float) -> str:
     curve and the micro-batch cap) whose per-sample time is the spec model's / ``rate``."""
     per_sample = spec.curve.per_sample_s / rate
     micro = spec.max_micro_batch
-    calibration = {"samples_per_s": micro / (spec.curve.overhead_s + micro * per_sample),
-                   "max_micro_batch": micro, "overhead_s": spec.curve.overhead_s,
-                   "per_sample_s": per_sample, "step_fixed_s": spec.curve.step_fixed_s}
-    path.write_text(json.dumps({"ranks": [{"rank": 0, "partition": "xp", "gres": "titan_xp",
-                                           "device": "cuda:0 TITAN Xp",
-                                           "calibration": calibration}]}))
+    calibration = {
+        "samples_per_s": micro / (spec.curve.overhead_s + micro * per_sample),
+        "max_micro_batch": micro,
+        "overhead_s": spec.curve.overhead_s,
+        "per_sample_s": per_sample,
+        "step_fixed_s": spec.curve.step_fixed_s,
+    }
+    path.write_text(
+        json.dumps(
+            {
+                "ranks": [
+                    {
+                        "rank": 0,
+                        "partition": "xp",
+                        "gres": "titan_xp",
+                        "device": "cuda:0 TITAN Xp",
+                        "calibration": calibration,
+                    }
+                ]
+            }
+        )
+    )
     return str(path)
 
 
@@ -192,7 +253,8 @@ def one_node_probe(path, model: list) -> float:
 
 
 def test_with_the_one_node_figure_as_a_probe_the_multi_node_steps_are_within_15_percent(
-        tmp_path, model):
+    tmp_path, model
+):
     """HetSeq's 1-node step as the measurement of the xp partition: the probe's per-sample
     time is solved (bisection) so that the 1-node plan gives 2.60 s, then 2 and 4 xp nodes are
     planned from the probe and 8 nodes (4 xp + 4 p100) with p100 from the spec model scaled by
@@ -207,7 +269,9 @@ def test_with_the_one_node_figure_as_a_probe_the_multi_node_steps_are_within_15_
     scale = re.search(r"p100 from GPU specs x ([0-9.]+)", eight.source)
     assert scale and float(scale.group(1)) == pytest.approx(rate, rel=0.01), eight.source
     for nodes in (1, 2, 4, 8):
-        step = (eight if nodes == 8 else _plan(nodes, model, probe=str(probe))).prediction.equal.step_s
+        step = (
+            eight if nodes == 8 else _plan(nodes, model, probe=str(probe))
+        ).prediction.equal.step_s
         assert abs(step / PUBLISHED_STEP_S[nodes] - 1) <= 0.15, (nodes, step)
     slow = _plan(2, model, link_gbps=1, probe=str(probe)).prediction.equal.step_s
     assert slow / PUBLISHED_STEP_S[2] - 1 > 0.5, slow
@@ -223,20 +287,31 @@ def same_die_cross_check(model: list) -> dict:
     from hetseq_hpc.plan.model_info import measure_model
     from hetseq_hpc.plan.perf_model import predicted, published
 
-    row = next(r for r in published() if r.role == "heldout" and r.gpu == "gtx1080ti"
-               and r.precision == "fp32" and r.model == "base")
-    theirs = measure_model(compose_run_config(["cluster=hetseq_seed", *model]).task,
-                           need_activations=True)
+    row = next(
+        r
+        for r in published()
+        if r.role == "heldout"
+        and r.gpu == "gtx1080ti"
+        and r.precision == "fp32"
+        and r.model == "base"
+    )
+    theirs = measure_model(
+        compose_run_config(["cluster=hetseq_seed", *model]).task, need_activations=True
+    )
     hetseq_rate = 128 / PUBLISHED_STEP_S[1]  # samples/s per GPU: 128 per GPU per 2.60 s step
     predicted_rate = 128 / _predicted_step_s(1, model)
     xp = find_spec("titan_xp").peak_flops("fp32")
     return {
-        "hetseq": {"peak_share": hetseq_rate * theirs.flops_per_sample / xp,
-                   "accesses_per_flop": theirs.accesses_per_sample / theirs.flops_per_sample,
-                   "error": predicted_rate / hetseq_rate - 1},
-        "lambda": {"peak_share": row.samples_per_s * row.flops / row.spec.peak_flops("fp32"),
-                   "accesses_per_flop": row.accesses / row.flops,
-                   "error": predicted(row) / row.samples_per_s - 1},
+        "hetseq": {
+            "peak_share": hetseq_rate * theirs.flops_per_sample / xp,
+            "accesses_per_flop": theirs.accesses_per_sample / theirs.flops_per_sample,
+            "error": predicted_rate / hetseq_rate - 1,
+        },
+        "lambda": {
+            "peak_share": row.samples_per_s * row.flops / row.spec.peak_flops("fp32"),
+            "accesses_per_flop": row.accesses / row.flops,
+            "error": predicted(row) / row.samples_per_s - 1,
+        },
     }
 
 
@@ -251,4 +326,3 @@ def test_hetseq_and_lambda_disagree_on_the_same_die(model):
     assert hetseq["accesses_per_flop"] == pytest.approx(lam["accesses_per_flop"], rel=0.10)
     assert lam["peak_share"] / hetseq["peak_share"] > 1.4
     assert -0.15 < lam["error"] < 0 and hetseq["error"] > 0.35
-

@@ -21,8 +21,10 @@ from tests.helpers.runs import SMALL_MODEL
 # ``sbatch --test-only`` on the het-job script the launcher renders (a100 1 node + v100 2 nodes),
 # on a plain job, and on a job asking for more nodes than the partition has (exit status 1).
 GOLDEN_HET = "sbatch: Job 5 to start at 2026-11-25T04:48:32 using 3 processors on n[1,3-4]\n"
-GOLDEN_ONE = ("sbatch: Job 25 to start at 2026-11-25T04:49:17 using 1 processors on nodes n3 "
-              "in partition v100\n")
+GOLDEN_ONE = (
+    "sbatch: Job 25 to start at 2026-11-25T04:49:17 using 1 processors on nodes n3 "
+    "in partition v100\n"
+)
 GOLDEN_REFUSED = "allocation failure: Requested node configuration is not available\n"
 
 
@@ -45,8 +47,11 @@ def test_parse_takes_the_latest_start_of_several_lines():
 
 
 def test_parse_no_estimate_is_said_not_guessed():
-    for text in ("", "sbatch: some other message\n",
-                 "sbatch: Job 9 to start at Unknown using 1 processors on nodes n1\n"):
+    for text in (
+        "",
+        "sbatch: some other message\n",
+        "sbatch: Job 9 to start at Unknown using 1 processors on nodes n1\n",
+    ):
         est = parse_test_only(text)
         assert est.start_epoch is None and not est.refused, text
         assert "no start time" in est.detail or "not a date" in est.detail
@@ -77,15 +82,25 @@ def test_candidate_mixes_every_count_then_thinned_and_said():
 def _run(*overrides):
     from hetseq_hpc.config import compose_run_config
 
-    return compose_run_config(["cluster=testcluster", *SMALL_MODEL, "trainer.max_steps=200",
-                               "trainer.checkpoint_every=100", "plan.startup_s=30", *overrides])
+    return compose_run_config(
+        [
+            "cluster=testcluster",
+            *SMALL_MODEL,
+            "trainer.max_steps=200",
+            "trainer.checkpoint_every=100",
+            "plan.startup_s=30",
+            *overrides,
+        ]
+    )
 
 
 def _busy_a100(now):
     """A fake Slurm: partition a100 busy for 10 minutes, v100 free."""
+
     def estimate(cluster):
         late = "a100" in cluster.partitions
         return StartEstimate(now + (600 if late else -5), "fake")
+
     return estimate
 
 
@@ -134,21 +149,29 @@ def test_a_left_out_partition_is_in_no_mix_and_the_table_says_why():
     assert "~cluster.partitions.a100" in text
     record = json.loads(when_json(table, run))
     assert record["left_out"] == {"a100": why} and record["finish_first"] == "v100:2"
-    assert json.loads(when_json(rank_mixes(run, _busy_a100(now), now=now)[0], run))["left_out"] == {}
+    assert (
+        json.loads(when_json(rank_mixes(run, _busy_a100(now), now=now)[0], run))["left_out"] == {}
+    )
 
 
 def test_no_estimate_rows_say_so_and_finish_first_refuses():
     run = _run()
-    table, _ = rank_mixes(run, lambda c: StartEstimate(None, "sbatch --test-only printed no "
-                                                             "start time: nothing"), now=1e9)
+    table, _ = rank_mixes(
+        run,
+        lambda c: StartEstimate(None, "sbatch --test-only printed no start time: nothing"),
+        now=1e9,
+    )
     assert all(r.finish_epoch is None for r in table.rows)
     runs = [r.run_s for r in table.rows]
     assert runs == sorted(runs)  # by run time alone
     text = render_when(table, run)
     assert text.count("no start estimate from Slurm") == 5
     assert "Slurm gave no start estimate for any mix" in text and "nothing is guessed" in text
-    with pytest.raises(ConfigError, match=r"cluster.choose=finish_first: Slurm gave no start "
-                                          r"estimate.*sched/backfill.*cheapest"):
+    with pytest.raises(
+        ConfigError,
+        match=r"cluster.choose=finish_first: Slurm gave no start "
+        r"estimate.*sched/backfill.*cheapest",
+    ):
         table.pick("finish_first")
     assert table.pick("cheapest").gpus == 1
     assert json.loads(when_json(table, run))["finish_first"] is None
@@ -168,12 +191,17 @@ def test_refused_and_unplannable_mixes_go_last():
     run = _run("balance.allocation=[11,11,10]", "trainer.global_batch_size=32")
     table, runs = rank_mixes(run, estimate, now=1e9)
     assert list(runs) == ["a100:1+v100:2"] and table.rows[0].label == "a100:1+v100:2"
-    assert all(r.problem.startswith("cannot run: balance.allocation=[11, 11, 10] has 3 entries")
-               for r in table.rows[1:])
+    assert all(
+        r.problem.startswith("cannot run: balance.allocation=[11, 11, 10] has 3 entries")
+        for r in table.rows[1:]
+    )
     assert table.pick("finish_first").label == "a100:1+v100:2"
     table, runs = rank_mixes(run, lambda c: StartEstimate(None, "no", True), now=1e9)
-    with pytest.raises(ConfigError, match=r"cluster.choose=cheapest: no mix of the "
-                                          r"partitions can run"):
+    with pytest.raises(
+        ConfigError,
+        match=r"cluster.choose=cheapest: no mix of the "
+        r"partitions can run",
+    ):
         table.pick("cheapest")
 
 
@@ -188,8 +216,11 @@ def test_restrict_run_keeps_only_the_chosen_partitions_precision():
 
 
 def test_choose_and_when_options_are_validated():
-    with pytest.raises(ConfigError, match=r"cluster.choose='fastest' is unknown: use none, "
-                                          r"finish_first or cheapest"):
+    with pytest.raises(
+        ConfigError,
+        match=r"cluster.choose='fastest' is unknown: use none, "
+        r"finish_first or cheapest",
+    ):
         _run("cluster.choose=fastest")
     with pytest.raises(ConfigError, match=r"plan.max_mixes=0 is out of range"):
         _run("plan.max_mixes=0")
@@ -224,8 +255,10 @@ def test_asked_time_is_the_predicted_run_plus_a_margin_capped_by_the_limit():
     table, runs = rank_mixes(run, estimate, now=1e9)
     # Slurm is asked with each mix's own run time + margin, not the configured 600 minutes
     assert sorted(seen) == sorted(r.asked_min for r in table.rows)
-    assert all(m == asked_time_min(r.run_s, 600) < 600 for m, r in zip(
-        [r.asked_min for r in table.rows], table.rows))
+    assert all(
+        m == asked_time_min(r.run_s, 600) < 600
+        for m, r in zip([r.asked_min for r in table.rows], table.rows)
+    )
     # the run that would be submitted keeps the configured limit
     assert all(r.cluster.timeout_min == 600 for r in runs.values())
     record = json.loads(when_json(table, run))
@@ -248,14 +281,20 @@ def test_a_mix_over_the_time_limit_is_listed_last_and_never_picked():
     assert "not picked" in render_when(table, run)
     for row in table.rows:
         row.over_limit = True
-    with pytest.raises(ConfigError, match=r"every mix is predicted to run longer than "
-                                          r"cluster.timeout_min.*raise cluster.timeout_min"):
+    with pytest.raises(
+        ConfigError,
+        match=r"every mix is predicted to run longer than "
+        r"cluster.timeout_min.*raise cluster.timeout_min",
+    ):
         table.pick("finish_first")
 
 
 def test_over_limit_comes_from_the_predicted_run_and_the_configured_limit():
-    table, _ = rank_mixes(_run("trainer.max_steps=100000000", "cluster.timeout_min=1"),
-                          lambda c: StartEstimate(1e9, "fake"), now=1e9)
+    table, _ = rank_mixes(
+        _run("trainer.max_steps=100000000", "cluster.timeout_min=1"),
+        lambda c: StartEstimate(1e9, "fake"),
+        now=1e9,
+    )
     assert all(r.over_limit and r.asked_min == 1 for r in table.rows)
     with pytest.raises(ConfigError, match="every mix is predicted to run longer"):
         table.pick("cheapest")

@@ -70,8 +70,9 @@ def test_scale_is_absent_without_fp16(tmp_path):
 def test_injected_overflow_names_one_rank_and_step(monkeypatch):
     """The test task's overflow (tests/helpers/fault_tasks.py, rank 1 at step 5): only that
     rank's backward of that step gets a non-finite gradient, and its loss scale skips it."""
-    monkeypatch.setattr(GradientPath, "backward",
-                        overflowing_backward(GradientPath.backward, rank=1, step=5))
+    monkeypatch.setattr(
+        GradientPath, "backward", overflowing_backward(GradientPath.backward, rank=1, step=5)
+    )
     cfg = compose_run_config(["precision.default=bf16"]).comm
     for rank, step, overflow in ((1, 5, True), (0, 5, False), (1, 6, False)):
         path = GradientPath(cfg, ["bf16", "fp16"], rank, 2, 300.0)
@@ -92,8 +93,9 @@ def test_adasum_refuses_a_world_that_is_not_a_power_of_two():
 def test_per_rank_and_per_partition_precision_overrides():
     run = compose_run_config(["cluster.ranks=2", "precision.ranks=[bf16,fp16]"])
     assert [placement_for(run, r, cores=2).precision for r in (0, 1)] == ["bf16", "fp16"]
-    run = compose_run_config(["cluster=mixed", "precision.default=fp32",
-                              "precision.partitions.v100=fp16"])
+    run = compose_run_config(
+        ["cluster=mixed", "precision.default=fp32", "precision.partitions.v100=fp16"]
+    )
     first_v100 = run.cluster.partitions["a100"].num_ranks  # srun numbers a100's ranks first
     assert placement_for(run, 0, cores=8).precision == "fp32"  # a100: precision.default
     assert placement_for(run, first_v100, cores=8).precision == "fp16"
@@ -107,8 +109,9 @@ def test_per_rank_and_per_partition_precision_overrides():
 
 def test_old_precision_keys_still_work_and_name_their_new_place():
     """Precision has one source (the precision group); the three old places are rewritten."""
-    run = compose_run_config(["cluster=mixed", "trainer.precision=fp32",
-                              "cluster.partitions.v100.precision=fp16"])
+    run = compose_run_config(
+        ["cluster=mixed", "trainer.precision=fp32", "cluster.partitions.v100.precision=fp16"]
+    )
     assert run.precision.default == "fp32" and run.precision.partitions == {"v100": "fp16"}
     run = compose_run_config(["cluster.ranks=2", "cluster.precisions=[bf16,fp16]"])
     assert run.precision.ranks == ["bf16", "fp16"]

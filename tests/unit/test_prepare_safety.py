@@ -40,7 +40,10 @@ class _FakeClock:
 def test_a_silent_heartbeat_fails_the_wait_after_the_timeout(tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
-    marker, beat = prepare_wait.marker_path(tmp_path, "t"), prepare_wait.heartbeat_path(tmp_path, "t")
+    marker, beat = (
+        prepare_wait.marker_path(tmp_path, "t"),
+        prepare_wait.heartbeat_path(tmp_path, "t"),
+    )
     beat.write_text("1\n")
     clock = _FakeClock()
     with pytest.raises(DataError) as info:
@@ -53,7 +56,10 @@ def test_a_silent_heartbeat_fails_the_wait_after_the_timeout(tmp_path):
 
 def test_a_live_heartbeat_is_waited_for_past_the_timeout(tmp_path):
     (tmp_path / "logs").mkdir()
-    marker, beat = prepare_wait.marker_path(tmp_path, "t"), prepare_wait.heartbeat_path(tmp_path, "t")
+    marker, beat = (
+        prepare_wait.marker_path(tmp_path, "t"),
+        prepare_wait.heartbeat_path(tmp_path, "t"),
+    )
     heart = prepare_wait.Heartbeat(beat, 1.0)
     heart.path.parent.mkdir(exist_ok=True)
     clock = _FakeClock()
@@ -95,8 +101,14 @@ def test_long_blocks_are_cut_at_whitespace_with_the_tokens_of_the_whole(tmp_path
     from pydoc_data import topics
 
     words = [w for w in " ".join(sorted(topics.topics.values())).split() if len(w) < 40][:6000]
-    text = (" ".join(words[:3000]) + "\n\n" + "\t".join(words[3000:3400]) + "\n \n\n"
-            + "\n".join(words[3400:6000]) + "  \n\n\n\n end of the file ")
+    text = (
+        " ".join(words[:3000])
+        + "\n\n"
+        + "\t".join(words[3000:3400])
+        + "\n \n\n"
+        + "\n".join(words[3400:6000])
+        + "  \n\n\n\n end of the file "
+    )
     path = tmp_path / "long.txt"
     path.write_text(text, encoding="utf-8")
     corpus = load_corpus([str(path)])
@@ -120,7 +132,11 @@ def test_a_block_without_whitespace_is_cut_at_the_limit(tmp_path, monkeypatch):
     path = tmp_path / "word.txt"
     path.write_text("x" * 250 + "\n\nshort", encoding="utf-8")
     assert [(len(t), end) for t, end in load_corpus([str(path)]).segments()] == [
-        (100, False), (100, False), (50, True), (5, True)]
+        (100, False),
+        (100, False),
+        (50, True),
+        (5, True),
+    ]
 
 
 def test_translation_lines_are_those_of_splitlines_whatever_the_chunks(tmp_path, monkeypatch):
@@ -168,6 +184,9 @@ def test_prepare_task_turns_os_errors_into_one_line(tmp_path):
         def prepare(self):
             raise OSError(28, "No space left on device")
 
-    with pytest.raises(DataError, match=r"^no space left on /\S* while preparing the data "
-                                        r"\(writing '.*cache'"):
+    with pytest.raises(
+        DataError,
+        match=r"^no space left on /\S* while preparing the data "
+        r"\(writing '.*cache'",
+    ):
         prepare_task(Task())

@@ -28,9 +28,17 @@ def simulate(per_sample_s, steps, noise=0.05, start=(16, 16), change=None, seed=
         if change and step == change[0]:
             truth = list(change[1])
         history.append(alloc.samples)
-        table = [StepStats(loss_sum=0.0, count=b, samples=b, step_time_s=0.0, data_time_s=0.0,
-                           compute_time_s=b * t * (1 + rng.uniform(-noise, noise)))
-                 for b, t in zip(alloc.samples, truth)]
+        table = [
+            StepStats(
+                loss_sum=0.0,
+                count=b,
+                samples=b,
+                step_time_s=0.0,
+                data_time_s=0.0,
+                compute_time_s=b * t * (1 + rng.uniform(-noise, noise)),
+            )
+            for b, t in zip(alloc.samples, truth)
+        ]
         reb.record(table)
         if step % EVERY == 0:
             new = reb.observe(step, alloc)
@@ -77,10 +85,18 @@ def test_three_ranks_and_determinism():
 
 
 def _table(samples, accum, truth, tail, rng, noise):
-    return [StepStats(loss_sum=0.0, count=b, samples=b, step_time_s=0.0, data_time_s=0.0,
-                      compute_time_s=c.compute_s(b, k) * (1 + rng.uniform(-noise, noise)),
-                      tail_time_s=t)
-            for b, k, c, t in zip(samples, accum, truth, tail)]
+    return [
+        StepStats(
+            loss_sum=0.0,
+            count=b,
+            samples=b,
+            step_time_s=0.0,
+            data_time_s=0.0,
+            compute_time_s=c.compute_s(b, k) * (1 + rng.uniform(-noise, noise)),
+            tail_time_s=t,
+        )
+        for b, k, c, t in zip(samples, accum, truth, tail)
+    ]
 
 
 def test_step_change_is_corrected_in_one_move():
@@ -100,8 +116,16 @@ def test_step_change_is_corrected_in_one_move():
     for step in range(1, 101):
         now = truth if step < 40 else faster
         history.append(alloc.samples)
-        reb.record(_table(alloc.samples, [s.accum_steps for s in alloc.shares], now,
-                          [c.step_fixed_s for c in now], rng, 0.03))
+        reb.record(
+            _table(
+                alloc.samples,
+                [s.accum_steps for s in alloc.shares],
+                now,
+                [c.step_fixed_s for c in now],
+                rng,
+                0.03,
+            )
+        )
         if reb.due(step, EVERY, alloc):  # the loop's schedule (train/loop.py)
             new = reb.observe(step, alloc)
             if new is not None:
@@ -122,8 +146,16 @@ def test_prior_curves_leave_a_good_split_alone():
     reb = Rebalancer(caps=caps, threshold=0.1, curves=truth)
     alloc = allocate([1.0, 1.0], 128, caps, curves=truth)
     for step in range(1, 61):
-        reb.record(_table(alloc.samples, [s.accum_steps for s in alloc.shares], truth,
-                          [c.step_fixed_s for c in truth], rng, 0.05))
+        reb.record(
+            _table(
+                alloc.samples,
+                [s.accum_steps for s in alloc.shares],
+                truth,
+                [c.step_fixed_s for c in truth],
+                rng,
+                0.05,
+            )
+        )
         if step % EVERY == 0:
             assert reb.observe(step, alloc) is None
 
@@ -141,8 +173,9 @@ def test_a_short_burst_at_the_end_of_a_window_is_not_a_speed_change():
         rng = random.Random(11)
         for step in range(1, 11):
             now = [truth[0].scaled(1.5), truth[1]] if step > 10 - slow_steps else truth
-            reb.record(_table(alloc.samples, accum, now, [c.step_fixed_s for c in truth],
-                              rng, 0.02))
+            reb.record(
+                _table(alloc.samples, accum, now, [c.step_fixed_s for c in truth], rng, 0.02)
+            )
         return reb.observe(10, alloc)
 
     assert window(2) is None
@@ -162,8 +195,16 @@ def _run_with_urgent_checks(truth_at, steps, every, noise, seed):
     for step in range(1, steps + 1):
         now = truth_at(step)
         history.append(alloc.samples)
-        reb.record(_table(alloc.samples, [s.accum_steps for s in alloc.shares], now,
-                          [c.step_fixed_s for c in now], rng, noise))
+        reb.record(
+            _table(
+                alloc.samples,
+                [s.accum_steps for s in alloc.shares],
+                now,
+                [c.step_fixed_s for c in now],
+                rng,
+                noise,
+            )
+        )
         if step % every == 0 or reb.speed_changed(alloc):
             decided.append(step)
             new = reb.observe(step, alloc)
@@ -177,13 +218,16 @@ def test_a_speed_change_is_acted_on_before_the_next_interval():
     three steps later (not at step 20), moves once to the new optimum, and stays."""
     truth = [CostCurve(0.02, 0.01, 0.03), CostCurve(0.15, 0.03, 0.09)]
     faster = [truth[0], CostCurve(0.075, 0.015, 0.05)]
-    history, decided = _run_with_urgent_checks(lambda s: truth if s < 12 else faster, 60,
-                                               every=10, noise=0.03, seed=2)
+    history, decided = _run_with_urgent_checks(
+        lambda s: truth if s < 12 else faster, 60, every=10, noise=0.03, seed=2
+    )
     moves = _switches(history)
     assert moves == [15], (moves, decided)
     target = min_max_split(faster, 128, [32, 32])
-    assert predicted_step_s(faster, history[-1], [32, 32]) <= \
-        predicted_step_s(faster, target, [32, 32]) * 1.03, (history[-1], target)
+    assert (
+        predicted_step_s(faster, history[-1], [32, 32])
+        <= predicted_step_s(faster, target, [32, 32]) * 1.03
+    ), (history[-1], target)
 
 
 def test_noise_inside_twice_the_threshold_never_forces_an_early_decision():
@@ -191,8 +235,7 @@ def test_noise_inside_twice_the_threshold_never_forces_an_early_decision():
     intervals."""
     truth = [CostCurve(0.02, 0.01, 0.03), CostCurve(0.15, 0.03, 0.09)]
     for seed in range(10):
-        _, decided = _run_with_urgent_checks(lambda s: truth, 200, every=10, noise=0.12,
-                                             seed=seed)
+        _, decided = _run_with_urgent_checks(lambda s: truth, 200, every=10, noise=0.12, seed=seed)
         assert all(s % 10 == 0 for s in decided), (seed, decided)
 
 

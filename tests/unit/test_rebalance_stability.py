@@ -45,10 +45,13 @@ def neighbour(seed: int):
 def drive(speeds, steps: int, seed: int, sigma: float = 0.06):
     """Run the loop's schedule; returns (moves, worst |share - 1/2|, efficiency per step)."""
     rng = random.Random(seed)
-    curves = [CostCurve(A * (1 + rng.gauss(0, 0.05)), C * (1 + rng.gauss(0, 0.05)) / speeds(0)[r],
-                        F) for r in range(2)]
-    alloc = allocate([c.samples_per_s(cap) for c, cap in zip(curves, CAPS)], G, list(CAPS),
-                     curves=curves)
+    curves = [
+        CostCurve(A * (1 + rng.gauss(0, 0.05)), C * (1 + rng.gauss(0, 0.05)) / speeds(0)[r], F)
+        for r in range(2)
+    ]
+    alloc = allocate(
+        [c.samples_per_s(cap) for c, cap in zip(curves, CAPS)], G, list(CAPS), curves=curves
+    )
     reb = Rebalancer(caps=list(CAPS), threshold=0.1, curves=curves)
     moves, worst, efficiency = 0, 0.0, []
     for step in range(1, steps + 1):
@@ -56,13 +59,24 @@ def drive(speeds, steps: int, seed: int, sigma: float = 0.06):
         table = []
         for r, share in enumerate(alloc.shares):
             t = (share.accum_steps * A + C * share.samples) / sp[r] * rng.lognormvariate(0, sigma)
-            table.append(StepStats(loss_sum=0.0, count=1, samples=share.samples, compute_time_s=t,
-                                   step_time_s=t, data_time_s=0.0, stop_code=0,
-                                   tail_time_s=F * rng.lognormvariate(0, sigma)))
+            table.append(
+                StepStats(
+                    loss_sum=0.0,
+                    count=1,
+                    samples=share.samples,
+                    compute_time_s=t,
+                    step_time_s=t,
+                    data_time_s=0.0,
+                    stop_code=0,
+                    tail_time_s=F * rng.lognormvariate(0, sigma),
+                )
+            )
         truth = [CostCurve(A / sp[r], C / sp[r], F) for r in range(2)]
         best = min_max_split(truth, G, list(CAPS))
-        efficiency.append(predicted_step_s(truth, best, list(CAPS))
-                          / predicted_step_s(truth, alloc.samples, list(CAPS)))
+        efficiency.append(
+            predicted_step_s(truth, best, list(CAPS))
+            / predicted_step_s(truth, alloc.samples, list(CAPS))
+        )
         reb.record(table)
         if reb.due(step, EVERY, alloc):
             new = reb.observe(step, alloc)
@@ -97,7 +111,8 @@ def test_the_error_of_a_window_shrinks_with_steps_and_grows_with_spread():
     assert relative_spread([0.1, 0.1]) == 0.0 and relative_error([0.1]) == 0.5
     # three quiet steps do not prove a quiet device: the run-long spread is the floor
     assert relative_error([0.1, 0.1, 0.1], floor_sigma=0.06) == pytest.approx(
-        1.2533 * 0.06 / 3 ** 0.5)
+        1.2533 * 0.06 / 3**0.5
+    )
 
 
 def test_a_reversal_needs_more_evidence_than_the_move_it_undoes():

@@ -16,15 +16,34 @@ def _write_metrics(run_dir, steps=12, realloc_at=6):
     alloc = [20, 8, 4]
     rows = []
     for step in range(1, steps + 1):
-        row = {"step": step, "loss": 8.0 - 0.1 * step, "samples_per_s": 300.0,
-               "step_time_s": 0.1, "allocation": list(alloc), "ranks": []}
+        row = {
+            "step": step,
+            "loss": 8.0 - 0.1 * step,
+            "samples_per_s": 300.0,
+            "step_time_s": 0.1,
+            "allocation": list(alloc),
+            "ranks": [],
+        }
         for rank, (device, part, speed) in enumerate(
-                [("cuda:0 A100", "a100", 400.0), ("cuda:0 V100", "v100", 150.0),
-                 ("cuda:0 T4", "t4", 60.0)]):
+            [
+                ("cuda:0 A100", "a100", 400.0),
+                ("cuda:0 V100", "v100", 150.0),
+                ("cuda:0 T4", "t4", 60.0),
+            ]
+        ):
             b = alloc[rank]
-            row["ranks"].append({"rank": rank, "device": device, "partition": part,
-                                 "micro_batch": b, "accum_steps": 1, "samples": b,
-                                 "step_time_s": b / speed + 0.01, "compute_time_s": b / speed})
+            row["ranks"].append(
+                {
+                    "rank": rank,
+                    "device": device,
+                    "partition": part,
+                    "micro_batch": b,
+                    "accum_steps": 1,
+                    "samples": b,
+                    "step_time_s": b / speed + 0.01,
+                    "compute_time_s": b / speed,
+                }
+            )
         if step == realloc_at:
             row["reallocation"] = {"from": list(alloc), "to": [19, 9, 4], "at_step": step + 1}
             alloc = [19, 9, 4]

@@ -25,9 +25,23 @@ from tests.helpers.runs import read_rows
 
 
 def _row(step: int) -> dict:
-    return {"step": step, "loss": 1.0 / step, "lr": 1e-3, "samples_per_s": 10.0,
-            "ranks": [{"rank": 0, "device": "cpu", "micro_batch": 4, "accum_steps": 1,
-                       "samples": 4, "step_time_s": 0.1, "compute_time_s": 0.1}]}
+    return {
+        "step": step,
+        "loss": 1.0 / step,
+        "lr": 1e-3,
+        "samples_per_s": 10.0,
+        "ranks": [
+            {
+                "rank": 0,
+                "device": "cpu",
+                "micro_batch": 4,
+                "accum_steps": 1,
+                "samples": 4,
+                "step_time_s": 0.1,
+                "compute_time_s": 0.1,
+            }
+        ],
+    }
 
 
 def _dir_becomes_a_file(path) -> None:
@@ -65,25 +79,32 @@ def test_loggers_that_break_mid_run_are_dropped_with_one_warning(tmp_path, caplo
 def test_missing_logger_package_is_a_config_error(monkeypatch):
     real = importlib.util.find_spec
     missing = ("wandb", "tensorboard")
-    monkeypatch.setattr(config_validate.importlib.util, "find_spec",
-                        lambda name, *a: None if name in missing else real(name, *a))
+    monkeypatch.setattr(
+        config_validate.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name in missing else real(name, *a),
+    )
     for loggers, name in (("[jsonl,csv,wandb]", "wandb"), ("[tensorboard]", "tensorboard")):
-        with pytest.raises(ConfigError, match=f"has {name} but the {name} package is not "
-                                              f"installed here: pip install {name}"):
+        with pytest.raises(
+            ConfigError,
+            match=f"has {name} but the {name} package is not installed here: pip install {name}",
+        ):
             compose_run_config([f"trainer.loggers={loggers}"])
     assert compose_run_config(["trainer.loggers=[jsonl,csv]"]).trainer.loggers == ["jsonl", "csv"]
 
 
-@pytest.mark.parametrize("overrides, world", [
-    (["cluster=testcluster"], 3),  # a100: 1 node x 1 GPU + v100: 2 nodes x 1 GPU
-    (["cluster.ranks=6"], 6),
-])
+@pytest.mark.parametrize(
+    "overrides, world",
+    [
+        (["cluster=testcluster"], 3),  # a100: 1 node x 1 GPU + v100: 2 nodes x 1 GPU
+        (["cluster.ranks=6"], 6),
+    ],
+)
 def test_adasum_world_size_is_checked_in_validation(overrides, world):
     with pytest.raises(ConfigError, match=f"this run plans {world}:"):
         compose_run_config([*overrides, "comm.grad_combine=adasum"])
     for ok in (["cluster.ranks=1"], ["cluster.ranks=4"]):
-        assert compose_run_config([*ok, "comm.grad_combine=adasum"]).comm.grad_combine \
-            == "adasum"
+        assert compose_run_config([*ok, "comm.grad_combine=adasum"]).comm.grad_combine == "adasum"
 
 
 # ------------------------------------------------------------------ checkpoint path in the way

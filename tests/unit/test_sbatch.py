@@ -42,15 +42,16 @@ def test_elastic_script_serves_the_store_and_its_step_survives_a_task():
     assert store < srun and lines[store].endswith("&")
     assert "--kill-on-bad-exit=0 --no-kill" in lines[srun]
     assert "export HETSEQ_JOB_TOKEN" in text and "trap 'kill $store_pid" in text
-    assert '--host auto --nodes 3 ' in lines[store] and "$(hostname)" not in text
+    assert "--host auto --nodes 3 " in lines[store] and "$(hostname)" not in text
     assert 'export HETSEQ_STORE="$(cat ' in text and "did not start" in text
     assert "HETSEQ_JOB_TOKEN" not in lines[store]  # the token travels in the environment
     plain = render_sbatch(run.cluster, "/RUN/submitit", "/PYTHON")
     assert "--kill-on-bad-exit=1" in plain and "store_server" not in plain
     # with the run directory: srun's failure for a lost task is not the job's when the
     # survivors wrote the run's summary in this job (Slurm: COMPLETED, afterok holds)
-    ended = render_sbatch(run.cluster, "/RUN/submitit", "/PYTHON", elastic=True,
-                          run_dir="/RUN").splitlines()
+    ended = render_sbatch(
+        run.cluster, "/RUN/submitit", "/PYTHON", elastic=True, run_dir="/RUN"
+    ).splitlines()
     at = next(i for i, ln in enumerate(ended) if ln.startswith("srun "))
     assert ended[at - 2] == "summary=/RUN/summary.json" and ended[at].endswith(" &")
     assert ended[at - 1] == "started=$(date +%s)"
@@ -71,10 +72,11 @@ def test_elastic_script_is_valid_bash_for_any_run_directory(tmp_path):
     import subprocess
 
     run = compose_testcluster()
-    odd = "/runs/my run's \"dir\" $HOME `x`"
+    odd = '/runs/my run\'s "dir" $HOME `x`'
     script = tmp_path / "job.sbatch"
-    script.write_text(render_sbatch(run.cluster, f"{odd}/submitit", "/PYTHON", elastic=True,
-                                    run_dir=odd))
+    script.write_text(
+        render_sbatch(run.cluster, f"{odd}/submitit", "/PYTHON", elastic=True, run_dir=odd)
+    )
     assert "summary='/runs/my run'\"'\"'s \"dir\" $HOME `x`/summary.json'" in script.read_text()
     repo = Path(__file__).resolve().parents[2]
     for path in (script, repo / "slurm" / "hetjob.sbatch", repo / "slurm" / "single.sbatch"):
@@ -97,9 +99,22 @@ def test_store_server_listens_on_its_address_only_and_takes_the_token_from_the_e
     token = "9" * 32
     where = tmp_path / "store.address"
     env = {**os.environ, "HETSEQ_JOB_TOKEN": token, "HETSEQ_STORE_HOST": "127.0.0.1"}
-    proc = subprocess.Popen([sys.executable, "-m", "hetseq_hpc.distributed.store_server",
-                             "--host", "auto", "--nodes", "1", "--address-file", str(where)],
-                            env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hetseq_hpc.distributed.store_server",
+            "--host",
+            "auto",
+            "--nodes",
+            "1",
+            "--address-file",
+            str(where),
+        ],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while not (where.exists() and where.read_text().strip()):
@@ -108,8 +123,11 @@ def test_store_server_listens_on_its_address_only_and_takes_the_token_from_the_e
         host, port = where.read_text().strip().rsplit(":", 1)
         port = int(port)
         assert host == "127.0.0.1"
-        listening = [ln.split()[1] for ln in Path("/proc/net/tcp").read_text().splitlines()[1:]
-                     if ln.split()[3] == "0A"]  # LISTEN
+        listening = [
+            ln.split()[1]
+            for ln in Path("/proc/net/tcp").read_text().splitlines()[1:]
+            if ln.split()[3] == "0A"
+        ]  # LISTEN
         ours = [a for a in listening if int(a.split(":")[1], 16) == port]
         assert ours == ["0100007F:" + f"{port:04X}"], ours  # 127.0.0.1 only
         assert token not in Path(f"/proc/{proc.pid}/cmdline").read_text()
@@ -122,10 +140,21 @@ def test_store_server_listens_on_its_address_only_and_takes_the_token_from_the_e
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0 and token not in err, err
-    proc = subprocess.run([sys.executable, "-m", "hetseq_hpc.distributed.store_server", "--host",
-                           "127.0.0.1", "--address-file", str(where)], capture_output=True,
-                          text=True, timeout=60,
-                          env={k: v for k, v in os.environ.items() if k != "HETSEQ_JOB_TOKEN"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hetseq_hpc.distributed.store_server",
+            "--host",
+            "127.0.0.1",
+            "--address-file",
+            str(where),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "HETSEQ_JOB_TOKEN"},
+    )
     assert proc.returncode == 2 and "HETSEQ_JOB_TOKEN" in proc.stderr.strip().splitlines()[-1]
 
 
@@ -159,7 +188,13 @@ def test_sbatch_values_with_newlines_or_quotes_are_rejected(bad):
 
 def test_watcher_folds_het_components():
     watcher = HetSlurmInfoWatcher()
-    info = watcher.read_info("12+0|RUNNING\n12+1|PENDING\n13+0|COMPLETED\n13+1|CANCELLED\n"
-                             "14+0|COMPLETED\n14+1|COMPLETED\n15|FAILED\n")
+    info = watcher.read_info(
+        "12+0|RUNNING\n12+1|PENDING\n13+0|COMPLETED\n13+1|CANCELLED\n"
+        "14+0|COMPLETED\n14+1|COMPLETED\n15|FAILED\n"
+    )
     assert {k: v["State"] for k, v in info.items()} == {
-        "12": "PENDING", "13": "CANCELLED", "14": "COMPLETED", "15": "FAILED"}
+        "12": "PENDING",
+        "13": "CANCELLED",
+        "14": "COMPLETED",
+        "15": "FAILED",
+    }

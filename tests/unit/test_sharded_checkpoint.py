@@ -60,8 +60,11 @@ def _save(rdv, run_dir, step, keep=5):
 def _rewrite_consistently(record_path, state, shards):
     """What an attacker with write access does after changing files in the shard directory:
     a matching SHA256SUMS, a record naming its digest, a matching record checksum."""
-    lines = "".join(f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n"
-                    for p in sorted(shards.iterdir()) if p.name != MANIFEST)
+    lines = "".join(
+        f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n"
+        for p in sorted(shards.iterdir())
+        if p.name != MANIFEST
+    )
     (shards / MANIFEST).write_text(lines)
     state["shards"]["manifest_sha256"] = hashlib.sha256(lines.encode()).hexdigest()
     write_with_checksum(record_path, state)
@@ -139,8 +142,9 @@ def test_metadata_that_reaches_outside_or_holds_objects_is_refused(tmp_path, rdv
     _rewrite_consistently(path, state, shards)
     with pytest.raises(CheckpointError) as err:
         load_checkpoint(path)
-    assert ("outside the directory" if change == "outside" else "refused as untrusted") \
-        in str(err.value)
+    assert ("outside the directory" if change == "outside" else "refused as untrusted") in str(
+        err.value
+    )
 
 
 def test_retention_quarantine_and_orphans_take_the_shard_directory(tmp_path, rdv):
@@ -148,8 +152,14 @@ def test_retention_quarantine_and_orphans_take_the_shard_directory(tmp_path, rdv
         _save(rdv, tmp_path, step, keep=2)
     folder = checkpoint_path(tmp_path, 1).parent
     names = sorted(p.name.split(".")[0] + p.suffix for p in folder.iterdir())
-    assert names == ["step_00000002.pt", "step_00000002.sha256", "step_00000002.shards",
-                     "step_00000003.pt", "step_00000003.sha256", "step_00000003.shards"]
+    assert names == [
+        "step_00000002.pt",
+        "step_00000002.sha256",
+        "step_00000002.shards",
+        "step_00000003.pt",
+        "step_00000003.sha256",
+        "step_00000003.shards",
+    ]
     # a write cut off before its record: a temp directory and a directory no record names
     (folder / ".step_00000004.0123456789abcdef.shards.tmp").mkdir()
     (folder / "step_00000004.0123456789abcdef.shards").mkdir()

@@ -23,12 +23,15 @@ from hetseq_hpc.train.parallel import Replicated, Sharded, equal_pass_sizes
 from tests.helpers.nets import TwoBlockNet
 
 
-@pytest.mark.parametrize("samples, passes, expected", [
-    (24, 5, ([5, 5, 5, 5, 4], 0)),   # more passes than its own split: smaller micro-batches
-    (8, 5, ([2, 2, 2, 1, 1], 0)),
-    (3, 5, ([1, 1, 1], 2)),          # fewer samples than passes: two zero-weight passes
-    (7, 1, ([7], 0)),
-])
+@pytest.mark.parametrize(
+    "samples, passes, expected",
+    [
+        (24, 5, ([5, 5, 5, 5, 4], 0)),  # more passes than its own split: smaller micro-batches
+        (8, 5, ([2, 2, 2, 1, 1], 0)),
+        (3, 5, ([1, 1, 1], 2)),  # fewer samples than passes: two zero-weight passes
+        (7, 1, ([7], 0)),
+    ],
+)
 def test_every_rank_runs_the_jobs_largest_number_of_passes(samples, passes, expected):
     sizes, padding = equal_pass_sizes(samples, passes)
     assert (sizes, padding) == expected and sum(sizes) == samples
@@ -44,12 +47,14 @@ def test_default_units_are_the_blocks_of_the_builtin_models():
     bert = BertMaskedLM(run.task.model, 100)
     units = default_sharding_units(bert)
     assert len(units) == 3 and all(type(u).__name__ == "BertLayer" for u in units)
-    image = compose_run_config(["task=image", "task.model.num_stages=2",
-                                "task.model.blocks_per_stage=2"]).task.model
+    image = compose_run_config(
+        ["task=image", "task.model.num_stages=2", "task.model.blocks_per_stage=2"]
+    ).task.model
     units = default_sharding_units(ResNetClassifier(image, 3, 10))
     assert len(units) == 4 and all(isinstance(u, BasicBlock) for u in units)
-    cfg = compose_run_config(["task=translation", "task.model.num_encoder_layers=2",
-                              "task.model.num_decoder_layers=3"]).task.model
+    cfg = compose_run_config(
+        ["task=translation", "task.model.num_encoder_layers=2", "task.model.num_decoder_layers=3"]
+    ).task.model
     units = default_sharding_units(TranslationTransformer(cfg, 50))
     assert [type(u).__name__ for u in units].count("TransformerDecoderLayer") == 3
     assert len(units) == 5
@@ -64,23 +69,28 @@ def test_model_state_bytes_replicated_and_sharded():
     assert model_state_bytes(p, "fsdp", 8, 1e8, offload=True, root_bytes=1e8) == p
     # validation on the shards: FSDP2's peak in training, the root (kept gathered through
     # forward and backward) and its gradient, a block, its gradient and the next one prefetched
-    assert model_state_bytes(p, "fsdp", 8, 1e8, gathered_weights=False, root_bytes=2e8) == \
-        pytest.approx(4 * p / 8 + 2 * 2e8 + 3 * 1e8)
+    assert model_state_bytes(
+        p, "fsdp", 8, 1e8, gathered_weights=False, root_bytes=2e8
+    ) == pytest.approx(4 * p / 8 + 2 * 2e8 + 3 * 1e8)
     # a model whose root unit (embeddings) is most of it: 2 x that unit, 3 x its block
-    assert model_state_bytes(p, "fsdp", 8, 0.1 * p, root_bytes=0.8 * p) == \
-        pytest.approx(4 * p / 8 + 1.6 * p + 0.3 * p)
+    assert model_state_bytes(p, "fsdp", 8, 0.1 * p, root_bytes=0.8 * p) == pytest.approx(
+        4 * p / 8 + 1.6 * p + 0.3 * p
+    )
     # never more than every weight and gradient whole; no unit: the root is the whole model
     assert model_state_bytes(p, "fsdp", 8, 0.5 * p, root_bytes=0.5 * p) == 4 * p / 8 + 2 * p
     assert model_state_bytes(p, "fsdp", 8, 0.0, root_bytes=p) == 4 * p / 8 + 2 * p
     # root not known: everything outside the largest block (an upper bound)
-    assert model_state_bytes(p, "fsdp", 8, 0.1 * p, gathered_weights=False) == \
-        pytest.approx(4 * p / 8 + 2 * p)
+    assert model_state_bytes(p, "fsdp", 8, 0.1 * p, gathered_weights=False) == pytest.approx(
+        4 * p / 8 + 2 * p
+    )
     # a 16 GiB T4 cannot hold the replica, a shard over 8 ranks leaves room for activations
     t4 = 16 * 2**30
     assert not replica_fits(t4, p)
     assert memory_cap(t4, p, 2**26) == 0
-    assert memory_cap(t4, p, 2**26,
-                      static_bytes=model_state_bytes(p, "fsdp", 8, 1e8, root_bytes=1e8)) > 50
+    assert (
+        memory_cap(t4, p, 2**26, static_bytes=model_state_bytes(p, "fsdp", 8, 1e8, root_bytes=1e8))
+        > 50
+    )
 
 
 def test_model_bytes_root_and_largest_block_match_the_size_formulas():
@@ -92,17 +102,30 @@ def test_model_bytes_root_and_largest_block_match_the_size_formulas():
     from hetseq_hpc.tasks.sizes import unit_param_counts
     from hetseq_hpc.tasks.translation.transformer import TranslationTransformer
 
-    run = compose_run_config(["task.model.num_layers=3", "task.model.hidden_size=32",
-                              "task.model.num_heads=2", "task.model.intermediate_size=64"])
+    run = compose_run_config(
+        [
+            "task.model.num_layers=3",
+            "task.model.hidden_size=32",
+            "task.model.num_heads=2",
+            "task.model.intermediate_size=64",
+        ]
+    )
     with torch.device("meta"):
         bert = BertMaskedLM(run.task.model, run.task.data.vocab_size)
     sizes = model_bytes(build_task(run.task, 0), bert)
     root, block = unit_param_counts(run.task)
     assert (sizes.root, sizes.block) == (4.0 * root, 4.0 * block)
     assert sizes.total == sum(4.0 * p.numel() for p in bert.parameters())
-    tr = compose_run_config(["task=translation", "task.model.num_encoder_layers=2",
-                             "task.model.num_decoder_layers=1", "task.model.d_model=32",
-                             "task.model.ff_size=64", "task.model.num_heads=2"]).task
+    tr = compose_run_config(
+        [
+            "task=translation",
+            "task.model.num_encoder_layers=2",
+            "task.model.num_decoder_layers=1",
+            "task.model.d_model=32",
+            "task.model.ff_size=64",
+            "task.model.num_heads=2",
+        ]
+    ).task
     with torch.device("meta"):
         model = TranslationTransformer(tr.model, tr.data.vocab_size)
 
@@ -141,8 +164,12 @@ def test_sharded_checkpoint_state_has_the_replicated_layout_on_one_rank():
         shard = Sharded(sharded, list(sharded.blocks), torch.device("cpu"))
         states = []
         for strategy, model in ((replica, plain), (shard, sharded)):
-            opt = torch.optim.AdamW([{"params": list(model.parameters())[:2]},
-                                     {"params": list(model.parameters())[2:], "lr": 0.5}])
+            opt = torch.optim.AdamW(
+                [
+                    {"params": list(model.parameters())[:2]},
+                    {"params": list(model.parameters())[2:], "lr": 0.5},
+                ]
+            )
             model(x).backward()
             opt.step()
             states.append((strategy.model_state(), strategy.optimizer_state(opt)))
@@ -154,13 +181,18 @@ def test_sharded_checkpoint_state_has_the_replicated_layout_on_one_rank():
         for i in o1["state"]:
             assert torch.allclose(o1["state"][i]["exp_avg"], o2["state"][i]["exp_avg"], atol=1e-6)
         # and back: the DDP-layout state loads into the sharded model and its optimizer
-        opt = torch.optim.AdamW([{"params": list(sharded.parameters())[:2]},
-                                 {"params": list(sharded.parameters())[2:], "lr": 0.5}])
+        opt = torch.optim.AdamW(
+            [
+                {"params": list(sharded.parameters())[:2]},
+                {"params": list(sharded.parameters())[2:], "lr": 0.5},
+            ]
+        )
         shard.load_model_state(m1)
         shard.load_optimizer_state(opt, o1)
         back = shard.optimizer_state(opt)
-        assert [(g["params"], g["lr"], list(g["betas"])) for g in back["param_groups"]] == \
-            [(g["params"], g["lr"], list(g["betas"])) for g in o1["param_groups"]]
+        assert [(g["params"], g["lr"], list(g["betas"])) for g in back["param_groups"]] == [
+            (g["params"], g["lr"], list(g["betas"])) for g in o1["param_groups"]
+        ]
         assert torch.allclose(back["state"][4]["exp_avg_sq"], o1["state"][4]["exp_avg_sq"])
 
 
@@ -173,25 +205,36 @@ def test_planner_modes_for_a_mix_with_a_small_gpu():
     from hetseq_hpc.plan.sharding_plan import chosen_mode, fsdp_traffic_factor, mode_fits
 
     memory = [16 * 2**30] * 4 + [80 * 2**30] * 4
-    ddp, fsdp, kept = mode_fits(memory, 1_300_000_000, 1_300_000_000 // 24, 2**28,
-                                ddp_step_s=1.0, allreduce_s=0.2, passes=2)
+    ddp, fsdp, kept = mode_fits(
+        memory, 1_300_000_000, 1_300_000_000 // 24, 2**28, ddp_step_s=1.0, allreduce_s=0.2, passes=2
+    )
     assert (ddp.mode, ddp.fits, fsdp.mode, fsdp.fits) == ("ddp", False, "fsdp", True)
     assert (kept.mode, kept.fits) == ("fsdp-kept", True)
     # validation gathers the whole weights anyway (the default): holding them between passes
     # costs nothing more at the peak; where validation runs on the shards, it does
     assert kept.state_bytes == fsdp.state_bytes
     assert ddp.largest_params < 1_300_000_000 < fsdp.largest_params
-    _, sharded, sharded_kept = mode_fits(memory, 1_300_000_000, 1_300_000_000 // 24, 2**28,
-                                         1.0, 0.2, passes=2, gathered_weights=False,
-                                         root_params=1_300_000_000 // 24)
+    _, sharded, sharded_kept = mode_fits(
+        memory,
+        1_300_000_000,
+        1_300_000_000 // 24,
+        2**28,
+        1.0,
+        0.2,
+        passes=2,
+        gathered_weights=False,
+        root_params=1_300_000_000 // 24,
+    )
     assert sharded_kept.state_bytes > sharded.state_bytes
     assert sharded_kept.largest_params < sharded.largest_params
     assert fsdp.step_s == pytest.approx(1.0 + (3.0 - 1) * 0.2)
     assert kept.step_s == pytest.approx(1.0 + (1.5 - 1) * 0.2)
     assert [fsdp_traffic_factor(k) for k in (1, 2, 4)] == [1.5, 3.0, 6.0]
     assert [fsdp_traffic_factor(k, keep_gathered=True) for k in (1, 2, 4)] == [1.5, 1.5, 2.5]
-    assert [f.mode for f in mode_fits(memory, 10**8, 10**7, 2**20, 1.0, 0.2, passes=1)] == \
-        ["ddp", "fsdp"]  # one pass: nothing kept between passes
+    assert [f.mode for f in mode_fits(memory, 10**8, 10**7, 2**20, 1.0, 0.2, passes=1)] == [
+        "ddp",
+        "fsdp",
+    ]  # one pass: nothing kept between passes
     assert chosen_mode("auto", memory, 1_300_000_000) == "fsdp"
     assert chosen_mode("auto", memory, 100_000_000) == "ddp"
     assert chosen_mode("none", memory, 1_300_000_000) == "ddp"
@@ -204,10 +247,18 @@ def test_plan_of_a_local_mix_too_small_for_a_replica_picks_and_shows_fsdp():
     # the planner builds BERT with the configured vocabulary (8192): the root unit (embeddings)
     # is most of this small model (2.2 of 2.4 MB), kept gathered with its gradient, so a shard
     # needs ~9.6 MB of the 13 MiB budget; a replica 12.2 MB, with no room for activations
-    run = compose_run_config(["cluster.ranks=2", "cluster.memory_budget_gb=0.013",
-                              "sharding.mode=auto", "task.model.hidden_size=64",
-                              "task.model.num_layers=2", "task.model.num_heads=2",
-                              "task.model.intermediate_size=128", "task.model.max_seq_len=64"])
+    run = compose_run_config(
+        [
+            "cluster.ranks=2",
+            "cluster.memory_budget_gb=0.013",
+            "sharding.mode=auto",
+            "task.model.hidden_size=64",
+            "task.model.num_layers=2",
+            "task.model.num_heads=2",
+            "task.model.intermediate_size=128",
+            "task.model.max_seq_len=64",
+        ]
+    )
     plan = make_plan(run)
     assert plan.sharding == "fsdp"
     fits = {f.mode: f for f in plan.mode_fits}
@@ -229,8 +280,11 @@ def test_preflight_counts_the_whole_weights_only_where_the_task_decodes(task_dat
     from hetseq_hpc.tasks.sizes import param_count, unit_param_counts
     from tests.helpers.tasks import task_overrides
 
-    task = [*task_overrides("translation", task_data_files), "task.model.num_encoder_layers=4",
-            "task.model.num_decoder_layers=4"]
+    task = [
+        *task_overrides("translation", task_data_files),
+        "task.model.num_encoder_layers=4",
+        "task.model.num_decoder_layers=4",
+    ]
     base = compose_run_config([*task, "cluster.ranks=2", "sharding.mode=fsdp"])
     count = param_count(base.task)
     root, block = unit_param_counts(base.task)
@@ -239,8 +293,9 @@ def test_preflight_counts_the_whole_weights_only_where_the_task_decodes(task_dat
     whole = model_state_bytes(*args, gathered_weights=True, root_bytes=root * PARAM_BYTES)
     assert on_shards < whole  # this shape gathers less in training than the whole weights
     budget = f"cluster.memory_budget_gb={(on_shards + whole) / 2 / 2**30:.9f}"
-    fixed = compose_run_config([*task, "cluster.ranks=2", "sharding.mode=fsdp", budget,
-                                "task.data.bleu_samples=0"])
+    fixed = compose_run_config(
+        [*task, "cluster.ranks=2", "sharding.mode=fsdp", budget, "task.data.bleu_samples=0"]
+    )
     assert evaluates_in_fixed_passes(fixed.task)
     check_model_fits(fixed)  # fits: validation runs on the shards
     decoding = compose_run_config([*task, "cluster.ranks=2", "sharding.mode=fsdp", budget])
@@ -253,15 +308,23 @@ def test_per_rank_budgets_place_each_rank_and_the_preflight_names_the_small_one(
     from hetseq_hpc.balance.placement import plan_placements
     from hetseq_hpc.cli.preflight import check_model_fits, rank_memory_limits
 
-    small = ["task.model.hidden_size=64", "task.model.num_layers=2", "task.model.num_heads=2",
-             "task.model.intermediate_size=128", "task.model.max_seq_len=64"]
+    small = [
+        "task.model.hidden_size=64",
+        "task.model.num_layers=2",
+        "task.model.num_heads=2",
+        "task.model.intermediate_size=128",
+        "task.model.max_seq_len=64",
+    ]
     run = compose_run_config([*small, "cluster.ranks=2", "cluster.memory_budgets_gb=[0.008,4]"])
     assert [p.memory_budget_gb for p in plan_placements(run, cores=2)] == [0.008, 4.0]
     assert [w for w, *_ in rank_memory_limits(run)] == ["rank 0", "rank 1"]
     with pytest.raises(ConfigError, match=r"rank 0 may use .*memory_budgets_gb\[0\]=0.008"):
         check_model_fits(run)  # DDP: a replica does not fit the small rank
-    check_model_fits(compose_run_config([*small, "cluster.ranks=2", "sharding.mode=fsdp",
-                                         "cluster.memory_budgets_gb=[0.02,4]"]))
+    check_model_fits(
+        compose_run_config(
+            [*small, "cluster.ranks=2", "sharding.mode=fsdp", "cluster.memory_budgets_gb=[0.02,4]"]
+        )
+    )
 
 
 def test_memory_watch_measures_the_growth_from_the_placed_model(caplog):
@@ -281,7 +344,9 @@ def test_memory_watch_measures_the_growth_from_the_placed_model(caplog):
     assert kept.numel() == 10 * 2**20
     assert 40 * 2**20 <= report["measured_peak_bytes"] < 150 * 2**20, report
     assert report["budget_bytes"] == 2**30 and report["peak_measure"] == "rss_growth"
-    assert "rank 3 memory: measured peak" in caplog.text and "of its budget 1024.00 MiB" in caplog.text
+    assert (
+        "rank 3 memory: measured peak" in caplog.text and "of its budget 1024.00 MiB" in caplog.text
+    )
 
 
 def test_running_peak_takes_off_a_block_whose_free_was_missed_when_its_address_returns():

@@ -43,13 +43,13 @@ def test_an_excluded_slurm_rank_ends_quietly(tmp_path, monkeypatch, caplog):
 
 
 def _result(job_dir, rank, result):
-    submitit_utils.cloudpickle_dump(("success", result),
-                                    job_dir / "submitit" / f"77_{rank}_result.pkl")
+    submitit_utils.cloudpickle_dump(
+        ("success", result), job_dir / "submitit" / f"77_{rank}_result.pkl"
+    )
 
 
 @pytest.mark.parametrize("excluded", [0, 2])
-def test_a_job_with_an_excluded_rank_returns_the_survivors_summary(job_dir, monkeypatch,
-                                                                   excluded):
+def test_a_job_with_an_excluded_rank_returns_the_survivors_summary(job_dir, monkeypatch, excluded):
     cancels = []
     monkeypatch.setattr(slurm_watch, "cancel_job", cancels.append)
     survivors = [r for r in range(3) if r != excluded]

@@ -31,17 +31,23 @@ from hetseq_hpc.launch.slurm import HetseqJobFunction, launch_slurm
 from hetseq_hpc.launch.slurm_watch import RequeueLimitReached, wait_for_job
 
 #: what ranks of a 3-rank job on the test cluster wrote when rank 1 was SIGKILLed (recorded)
-RESET = ("RuntimeError: Got the following error when running the callback: RuntimeError: "
-         "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
-         "[127.0.0.1]:37768: Connection reset by peer. This is typically caused by a remote "
-         "worker hanging or bugs in the application.")
-CLOSED = ("RuntimeError: Got the following error when running the callback: RuntimeError: "
-          "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
-          "closed by peer [127.0.0.1]:58774. This is typically caused by a remote worker crashing.")
+RESET = (
+    "RuntimeError: Got the following error when running the callback: RuntimeError: "
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+    "[127.0.0.1]:37768: Connection reset by peer. This is typically caused by a remote "
+    "worker hanging or bugs in the application."
+)
+CLOSED = (
+    "RuntimeError: Got the following error when running the callback: RuntimeError: "
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+    "closed by peer [127.0.0.1]:58774. This is typically caused by a remote worker crashing."
+)
 #: ... and when rank 1 was SIGSTOPped (cluster.collective_timeout_s=20)
-TIMEOUT = ("RuntimeError: Got the following error when running the callback: RuntimeError: "
-           "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
-           "Timed out waiting 20000ms for recv operation to complete")
+TIMEOUT = (
+    "RuntimeError: Got the following error when running the callback: RuntimeError: "
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
+    "Timed out waiting 20000ms for recv operation to complete"
+)
 OWN = "hetseq_hpc.errors.DataError: train file /d/empty.txt is empty: give a text file"
 
 
@@ -55,20 +61,25 @@ class _Job:
 
 
 def _trace(line: str) -> str:
-    return f"Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n{line}\n"
+    return f'Traceback (most recent call last):\n  File "x.py", line 1, in f\n{line}\n'
 
 
-def _rank_left(run_dir: Path, rank: int, line: str, when: float, peer: bool,
-               result: bool = True, **extra) -> None:
+def _rank_left(
+    run_dir: Path, rank: int, line: str, when: float, peer: bool, result: bool = True, **extra
+) -> None:
     """What a failed rank leaves: its error file (rank_guard.report_failure) and its result."""
     kind, _, message = line.partition(": ")
     kind = kind.rsplit(".", 1)[-1]  # type(exc).__name__
     (run_dir / "logs").mkdir(exist_ok=True)
-    (run_dir / "logs" / f"rank{rank}.error.json").write_text(json.dumps(
-        {"rank": rank, "type": kind, "message": message, "time": when, "peer": peer, **extra}))
+    (run_dir / "logs" / f"rank{rank}.error.json").write_text(
+        json.dumps(
+            {"rank": rank, "type": kind, "message": message, "time": when, "peer": peer, **extra}
+        )
+    )
     if result:
-        submitit_utils.cloudpickle_dump(("error", _trace(line)),
-                                        run_dir / "submitit" / f"77_{rank}_result.pkl")
+        submitit_utils.cloudpickle_dump(
+            ("error", _trace(line)), run_dir / "submitit" / f"77_{rank}_result.pkl"
+        )
 
 
 @pytest.fixture
@@ -95,8 +106,9 @@ def test_killed_rank_is_named_not_the_first_peer_complaint(job_dir):
     _rank_left(job_dir, 0, RESET, 100.0, peer=True)
     _rank_left(job_dir, 2, CLOSED, 100.3, peer=True)
     message = _failure(job_dir)
-    assert message.startswith("job 77: rank 1 failed: it ended without an error of its own"), \
+    assert message.startswith("job 77: rank 1 failed: it ended without an error of its own"), (
         message
+    )
     assert "killed by a signal" in message and "77_1_log.err" in message
 
 
@@ -128,8 +140,12 @@ def test_only_peer_complaints_name_the_earliest(job_dir):
 
 
 def test_first_failure_orders_silent_and_stopped_ranks():
-    peer = {"type": "RuntimeError", "message": "Connection closed by peer", "peer": True,
-            "time": 1.0}
+    peer = {
+        "type": "RuntimeError",
+        "message": "Connection closed by peer",
+        "peer": True,
+        "time": 1.0,
+    }
     own = {"type": "DataError", "message": "bad file", "peer": False, "time": 9.0}
     assert first_failure({}, {0: peer, 2: peer}, silent=[1]) == 1
     assert first_failure({}, {0: peer, 1: own, 2: peer}, silent=[]) == 1
@@ -185,7 +201,10 @@ def test_slurm_rank0_records_a_stop_with_its_requeues_used_up(tmp_path, monkeypa
     assert info.value.code == 3
     stop = read_stop_record(tmp_path, "41")
     assert stop is not None and (stop["step"], stop["requeued"], stop["max_requeues"]) == (
-        12, False, 1)
+        12,
+        False,
+        1,
+    )
     assert read_stop_record(tmp_path, "42") is None, "another job's record is not this job's"
 
 
@@ -206,14 +225,18 @@ def test_exhausted_requeues_are_a_clean_stop_with_the_resume_command(job_dir):
     assert isinstance(info.value, Preempted)
     assert str(info.value) == (
         "stopped after step 40 with a checkpoint: requeue limit (cluster.max_num_timeout=3) "
-        f"reached; continue with: hetseq-hpc hydra.run.dir={job_dir} trainer.resume=auto")
+        f"reached; continue with: hetseq-hpc hydra.run.dir={job_dir} trainer.resume=auto"
+    )
 
 
-@pytest.mark.parametrize("job_id, code, requeued", [
-    ("76", REQUEUE, False),  # an earlier job's record
-    ("77", REQUEUE, True),  # requeued: that attempt's record, the job then died another way
-    ("77", TERMINATE, False),  # scancel: Slurm's state says CANCELLED
-])
+@pytest.mark.parametrize(
+    "job_id, code, requeued",
+    [
+        ("76", REQUEUE, False),  # an earlier job's record
+        ("77", REQUEUE, True),  # requeued: that attempt's record, the job then died another way
+        ("77", TERMINATE, False),  # scancel: Slurm's state says CANCELLED
+    ],
+)
 def test_other_stop_records_do_not_make_a_clean_stop(job_dir, job_id, code, requeued):
     write_stop_record(job_dir, job_id, 40, code, restarts=0, max_requeues=3, requeued=requeued)
     with pytest.raises(LaunchError, match="ended FAILED before every rank finished"):
@@ -230,5 +253,7 @@ def test_cli_exits_3_on_a_clean_stop(tmp_path, monkeypatch, capsys):
     assert info.value.code == 3
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("hetseq-hpc: stopped after step 40")
-    assert f"continue with: hetseq-hpc 'hydra.run.dir={tmp_path / 'my run'}' trainer.resume=auto" \
+    assert (
+        f"continue with: hetseq-hpc 'hydra.run.dir={tmp_path / 'my run'}' trainer.resume=auto"
         in err
+    )

@@ -84,32 +84,59 @@ def test_inventory_from_sinfo(monkeypatch):
     assert inv["debug"]["gres"] == ["(null)"]
 
 
-@pytest.mark.parametrize("answer, fragment", [
-    ((1, "", "slurm_load_partitions: Unable to contact slurm controller"), "Unable to contact"),
-    ((OSError("No such file or directory: 'sinfo'"), "", ""), "could not run"),
-])
+@pytest.mark.parametrize(
+    "answer, fragment",
+    [
+        ((1, "", "slurm_load_partitions: Unable to contact slurm controller"), "Unable to contact"),
+        ((OSError("No such file or directory: 'sinfo'"), "", ""), "could not run"),
+    ],
+)
 def test_sinfo_failure_is_a_launch_error(monkeypatch, answer, fragment):
     _fake(monkeypatch, sinfo=answer)
     with pytest.raises(LaunchError, match=fragment):
         partition_inventory()
 
 
-@pytest.mark.parametrize("text, minutes", [
-    ("infinite", None), ("UNLIMITED", None), ("30", 30), ("30:00", 30), ("1:30:00", 90),
-    ("2-00:00:00", 2880), ("1-12", 2160), ("1-00:30", 1470), ("n/a", None),
-])
+@pytest.mark.parametrize(
+    "text, minutes",
+    [
+        ("infinite", None),
+        ("UNLIMITED", None),
+        ("30", 30),
+        ("30:00", 30),
+        ("1:30:00", 90),
+        ("2-00:00:00", 2880),
+        ("1-12", 2160),
+        ("1-00:30", 1470),
+        ("n/a", None),
+    ],
+)
 def test_slurm_time_strings(text, minutes):
     assert slurm_minutes(text) == minutes
 
 
-@pytest.mark.parametrize("overrides, fragment", [
-    (["cluster.partitions.a100.partition=h100"], "cluster.partitions.a100.partition='h100' does not exist"),
-    (["cluster.partitions.v100.nodes=3"], "cluster.partitions.v100.nodes=3 but partition 'v100' has 2"),
-    (["cluster.partitions.a100.gpu_type=t4"], "cluster.partitions.a100.gpu_type='t4'"),
-    (["cluster.partitions.a100.cpus_per_rank=8"], "cluster.partitions.a100.cpus_per_rank=8 needs 8 CPUs"),
-    (["cluster.partitions.v100.gpus_per_node=2", "cluster.partitions.v100.cpus_per_rank=3"],
-     "cluster.partitions.v100.cpus_per_rank=3 needs 6 CPUs per node (2 rank(s) per node)"),
-])
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (
+            ["cluster.partitions.a100.partition=h100"],
+            "cluster.partitions.a100.partition='h100' does not exist",
+        ),
+        (
+            ["cluster.partitions.v100.nodes=3"],
+            "cluster.partitions.v100.nodes=3 but partition 'v100' has 2",
+        ),
+        (["cluster.partitions.a100.gpu_type=t4"], "cluster.partitions.a100.gpu_type='t4'"),
+        (
+            ["cluster.partitions.a100.cpus_per_rank=8"],
+            "cluster.partitions.a100.cpus_per_rank=8 needs 8 CPUs",
+        ),
+        (
+            ["cluster.partitions.v100.gpus_per_node=2", "cluster.partitions.v100.cpus_per_rank=3"],
+            "cluster.partitions.v100.cpus_per_rank=3 needs 6 CPUs per node (2 rank(s) per node)",
+        ),
+    ],
+)
 def test_precheck_refuses_what_the_cluster_cannot_run(overrides, fragment):
     run = compose_run_config(["cluster=testcluster", *overrides])
     with pytest.raises(ConfigError) as info:
@@ -120,8 +147,13 @@ def test_precheck_refuses_what_the_cluster_cannot_run(overrides, fragment):
 def test_partition_problems_lists_every_partition_that_cannot_run():
     """plan --when leaves out each partition that cannot run, so all of them are named, each in
     one line; check_partitions (run, cluster.choose) raises the first."""
-    run = compose_run_config(["cluster=testcluster", "cluster.partitions.a100.partition=h100",
-                              "cluster.partitions.v100.nodes=3"])
+    run = compose_run_config(
+        [
+            "cluster=testcluster",
+            "cluster.partitions.a100.partition=h100",
+            "cluster.partitions.v100.nodes=3",
+        ]
+    )
     problems = partition_problems(run.cluster, parse_inventory(SINFO_TESTCLUSTER))
     assert list(problems) == ["a100", "v100"]
     assert "cluster.partitions.a100.partition='h100' does not exist" in problems["a100"]
@@ -138,22 +170,35 @@ def test_precheck_accepts_the_test_cluster(testcluster):
 
 
 def test_timeout_above_partition_max_time_is_refused():
-    run = compose_run_config(["cluster=testcluster", "cluster.timeout_min=4000",
-                              "cluster.partitions.a100.partition=gpu",
-                              "cluster.partitions.v100.partition=gpu",
-                              "cluster.partitions.v100.gpu_type=a100"])
-    with pytest.raises(ConfigError, match=r"cluster.timeout_min=4000 exceeds partition 'gpu'.*"
-                                          r"2880 minutes.*cluster.timeout_min<=2880"):
+    run = compose_run_config(
+        [
+            "cluster=testcluster",
+            "cluster.timeout_min=4000",
+            "cluster.partitions.a100.partition=gpu",
+            "cluster.partitions.v100.partition=gpu",
+            "cluster.partitions.v100.gpu_type=a100",
+        ]
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"cluster.timeout_min=4000 exceeds partition 'gpu'.*"
+        r"2880 minutes.*cluster.timeout_min<=2880",
+    ):
         check_partitions(run.cluster, parse_inventory(SINFO_LIMITS))
 
 
 def test_cpus_are_counted_only_on_nodes_with_the_gres():
     """Two 64-CPU nodes and one 128-CPU node: 3 nodes x 100 CPUs do not fit."""
-    run = compose_run_config(["cluster=testcluster", "cluster.partitions.a100.partition=gpu",
-                              "cluster.partitions.a100.cpus_per_rank=100",
-                              "cluster.partitions.a100.nodes=2",
-                              "cluster.partitions.v100.partition=gpu",
-                              "cluster.partitions.v100.gpu_type=a100"])
+    run = compose_run_config(
+        [
+            "cluster=testcluster",
+            "cluster.partitions.a100.partition=gpu",
+            "cluster.partitions.a100.cpus_per_rank=100",
+            "cluster.partitions.a100.nodes=2",
+            "cluster.partitions.v100.partition=gpu",
+            "cluster.partitions.v100.gpu_type=a100",
+        ]
+    )
     with pytest.raises(ConfigError, match="only 1 node"):
         check_partitions(run.cluster, parse_inventory(SINFO_LIMITS))
 
@@ -171,8 +216,9 @@ def test_launch_with_too_many_cpus_submits_nothing(monkeypatch, tmp_path):
 
 # ------------------------------------------------------------------ het-job state folding
 def test_watcher_folds_squeue_rows_of_het_components(monkeypatch):
-    fake = _fake(monkeypatch, squeue=(0, "12+0|RUNNING\n12+1|PENDING\n13+0|COMPLETED\n"
-                                         "13+1|FAILED\n", ""))
+    fake = _fake(
+        monkeypatch, squeue=(0, "12+0|RUNNING\n12+1|PENDING\n13+0|COMPLETED\n13+1|FAILED\n", "")
+    )
     watcher = HetSlurmInfoWatcher(delay_s=0)
     for job in ("12", "13"):
         watcher.register_job(job)
@@ -186,8 +232,9 @@ def test_watcher_folds_squeue_rows_of_het_components(monkeypatch):
 
 def test_watcher_falls_back_to_sacct_for_jobs_squeue_forgot(monkeypatch):
     monkeypatch.setattr(slurm_watch.shutil, "which", lambda cmd: f"/usr/bin/{cmd}")
-    fake = _fake(monkeypatch, squeue=(0, "", ""),
-                 sacct=(0, "21+0|COMPLETED\n21+1|CANCELLED by 0\n", ""))
+    fake = _fake(
+        monkeypatch, squeue=(0, "", ""), sacct=(0, "21+0|COMPLETED\n21+1|CANCELLED by 0\n", "")
+    )
     watcher = HetSlurmInfoWatcher(delay_s=0)
     watcher.register_job("21")
     watcher.update()
@@ -214,12 +261,16 @@ class _Job:
         self.watcher = type("W", (), {"get_state": lambda _s, job_id, mode="": state})()
 
 
-DDP_TRACE = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n"
-             "torch.distributed.DistBackendError: [gloo/pair.cc:534] Connection closed by peer "
-             "[127.0.0.1]:5\nException raised from recvBytes at Utils.hpp:672:\n"
-             "frame #56: /t/ddp_comm_hooks/ddp_hooks.py(53): <lambda>\n")
-OWN_TRACE = ("Traceback (most recent call last):\n  File \"data.py\", line 9, in load\n"
-             "hetseq_hpc.errors.DataError: train file /d/empty.txt is empty: give a text file\n")
+DDP_TRACE = (
+    'Traceback (most recent call last):\n  File "x.py", line 1, in f\n'
+    "torch.distributed.DistBackendError: [gloo/pair.cc:534] Connection closed by peer "
+    "[127.0.0.1]:5\nException raised from recvBytes at Utils.hpp:672:\n"
+    "frame #56: /t/ddp_comm_hooks/ddp_hooks.py(53): <lambda>\n"
+)
+OWN_TRACE = (
+    'Traceback (most recent call last):\n  File "data.py", line 9, in load\n'
+    "hetseq_hpc.errors.DataError: train file /d/empty.txt is empty: give a text file\n"
+)
 
 
 def test_wait_names_the_rank_whose_own_error_is_first(tmp_path):
@@ -279,10 +330,15 @@ def test_newline_partition_key_never_becomes_a_script_line(testcluster, key):
         render_sbatch(cluster, "/RUN/submitit", "/PYTHON")
 
 
-@pytest.mark.parametrize("field, value", [
-    ("partition", "a100\nhostname"), ("account", "x\n#SBATCH --qos=high"), ("gpu_type", "a\nb"),
-    ("constraint", "c\x00d"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("partition", "a100\nhostname"),
+        ("account", "x\n#SBATCH --qos=high"),
+        ("gpu_type", "a\nb"),
+        ("constraint", "c\x00d"),
+    ],
+)
 def test_newline_in_any_partition_value_is_refused(testcluster, field, value):
     cluster = testcluster.cluster
     setattr(cluster.partitions["a100"], field, value)
@@ -309,7 +365,7 @@ def test_bad_extra_sbatch_option_name_is_refused(testcluster):
 
 
 def test_paths_with_spaces_and_quotes_are_quoted(testcluster):
-    folder = "/runs/it's a \"run\"/submitit"
+    folder = '/runs/it\'s a "run"/submitit'
     text = render_sbatch(testcluster.cluster, folder, "/opt/my python/bin/python")
     assert "#SBATCH --output='/runs/it'\"'\"'s a \"run\"/submitit/%j_batch.out'" in text
     srun = text.strip().splitlines()[-1]
@@ -319,19 +375,35 @@ def test_paths_with_spaces_and_quotes_are_quoted(testcluster):
 def test_cluster_env_is_exported_before_setup_runs(testcluster):
     cluster = testcluster.cluster
     cluster.env = {"DATA_ROOT": "/data set"}
-    cluster.setup = ["ls \"$DATA_ROOT\""]
+    cluster.setup = ['ls "$DATA_ROOT"']
     lines = render_sbatch(cluster, "/RUN/submitit", "/PYTHON").splitlines()
-    assert lines.index("export DATA_ROOT='/data set'") < lines.index("ls \"$DATA_ROOT\"")
+    assert lines.index("export DATA_ROOT='/data set'") < lines.index('ls "$DATA_ROOT"')
 
 
 def test_partition_config_values_reach_sbatch_unchanged(testcluster):
-    part = PartitionConfig(partition="gpu", gpu_type="a100", nodes=2, gpus_per_node=4,
-                           cpus_per_rank=8, mem_gb=1.5, account="proj-1", qos="normal")
+    part = PartitionConfig(
+        partition="gpu",
+        gpu_type="a100",
+        nodes=2,
+        gpus_per_node=4,
+        cpus_per_rank=8,
+        mem_gb=1.5,
+        account="proj-1",
+        qos="normal",
+    )
     cluster = testcluster.cluster
     cluster.partitions = {"gpu": part}
     text = render_sbatch(cluster, "/RUN/submitit", "/PYTHON")
-    for opt in ("--partition=gpu", "--nodes=2", "--ntasks-per-node=4", "--cpus-per-task=8",
-                "--mem=1536M", "--gres=gpu:a100:4", "--account=proj-1", "--qos=normal"):
+    for opt in (
+        "--partition=gpu",
+        "--nodes=2",
+        "--ntasks-per-node=4",
+        "--cpus-per-task=8",
+        "--mem=1536M",
+        "--gres=gpu:a100:4",
+        "--account=proj-1",
+        "--qos=normal",
+    ):
         assert f"#SBATCH {opt}\n" in text
     assert json.dumps(text).count("\\n#SBATCH hetjob") == 0
 

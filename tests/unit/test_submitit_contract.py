@@ -32,13 +32,16 @@ def test_submitit_version_is_in_the_tested_range():
     assert (major, minor) == (1, 5), f"submitit {submitit.__version__}: re-run these contracts"
 
 
-@pytest.mark.parametrize("name, params", [
-    ("__init__", ["self", "folder", "max_num_timeout", "max_pickle_size_gb", "python"]),
-    ("_make_submission_file_text", ["self", "command", "uid"]),
-    ("_num_tasks", ["self"]),
-    ("_make_submission_command", ["self", "submission_file_path"]),
-    ("update_parameters", ["self", "kwargs"]),
-])
+@pytest.mark.parametrize(
+    "name, params",
+    [
+        ("__init__", ["self", "folder", "max_num_timeout", "max_pickle_size_gb", "python"]),
+        ("_make_submission_file_text", ["self", "command", "uid"]),
+        ("_num_tasks", ["self"]),
+        ("_make_submission_command", ["self", "submission_file_path"]),
+        ("update_parameters", ["self", "kwargs"]),
+    ],
+)
 def test_executor_override_points(name, params):
     assert _params(getattr(submitit_slurm.SlurmExecutor, name)) == params
 
@@ -47,20 +50,26 @@ def test_executor_uses_job_class_num_tasks_and_submission_text():
     """core.PicklingExecutor._submit_command builds the job from these three hooks."""
     assert submitit_slurm.SlurmExecutor.job_class is submitit_slurm.SlurmJob
     source = inspect.getsource(core.PicklingExecutor._submit_command)
-    for hook in ("self._make_submission_file_text(command,", "self._num_tasks()",
-                 "self.job_class(folder=self.folder, job_id=job_id, tasks=tasks_ids)"):
+    for hook in (
+        "self._make_submission_file_text(command,",
+        "self._num_tasks()",
+        "self.job_class(folder=self.folder, job_id=job_id, tasks=tasks_ids)",
+    ):
         assert hook in source, hook
 
 
-@pytest.mark.parametrize("name, params", [
-    ("__init__", ["self", "delay_s"]),
-    ("_make_command", ["self"]),
-    ("read_info", ["self", "string"]),
-    ("update", ["self"]),
-    ("is_done", ["self", "job_id", "mode"]),
-    ("get_state", ["self", "job_id", "mode"]),
-    ("register_job", ["self", "job_id"]),
-])
+@pytest.mark.parametrize(
+    "name, params",
+    [
+        ("__init__", ["self", "delay_s"]),
+        ("_make_command", ["self"]),
+        ("read_info", ["self", "string"]),
+        ("update", ["self"]),
+        ("is_done", ["self", "job_id", "mode"]),
+        ("get_state", ["self", "job_id", "mode"]),
+        ("register_job", ["self", "job_id"]),
+    ],
+)
 def test_watcher_override_points(name, params):
     assert _params(getattr(submitit_slurm.SlurmInfoWatcher, name)) == params
 

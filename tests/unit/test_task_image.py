@@ -45,8 +45,9 @@ def write_folder(root, per_class=8, size=12, odd_size=None):
 def make_task(tmp_path, path, seed=7, **data):
     cfg = ImageTaskConfig(
         model=ImageModelConfig(width=8, num_stages=2, groups=4, dropout=0.0),
-        data=ImageDataConfig(path=str(path), cache_dir=str(tmp_path / "cache"), val_fraction=0.25,
-                             **data),
+        data=ImageDataConfig(
+            path=str(path), cache_dir=str(tmp_path / "cache"), val_fraction=0.25, **data
+        ),
     )
     task = ImageTask(cfg, seed)
     task.prepare()
@@ -85,8 +86,9 @@ def test_batches_depend_only_on_seed_epoch_position(task, tmp_path):
     assert not torch.equal(whole["images"], other_epoch["images"])
     assert torch.equal(whole["labels"], other_epoch["labels"])
     # validation images are never augmented
-    assert torch.equal(task.make_batch([1, 2], 0, "val")["images"],
-                       task.make_batch([1, 2], 9, "val")["images"])
+    assert torch.equal(
+        task.make_batch([1, 2], 0, "val")["images"], task.make_batch([1, 2], 9, "val")["images"]
+    )
     # a second task object (another rank) with the same seed builds the same batch
     twin = ImageTask(task.cfg, task.seed)
     twin.load()
@@ -140,7 +142,9 @@ def test_bad_paths_and_sizes_are_config_errors(tmp_path):
 
 
 def test_config_checks_name_the_field():
-    with pytest.raises(ConfigError, match=r"^task.model.groups=3 does not divide task.model.width=16"):
+    with pytest.raises(
+        ConfigError, match=r"^task.model.groups=3 does not divide task.model.width=16"
+    ):
         ImageModelConfig(groups=3)
     with pytest.raises(ConfigError, match=r"^task.model.dropout=1.5 is invalid"):
         ImageModelConfig(dropout=1.5)
@@ -148,8 +152,10 @@ def test_config_checks_name_the_field():
         ImageDataConfig(pad=-1)
 
 
-@pytest.mark.skipif(not (FASHION_DIR / "t10k-labels-idx1-ubyte.gz").is_file(),
-                    reason="Debian dataset-fashion-mnist is not installed")
+@pytest.mark.skipif(
+    not (FASHION_DIR / "t10k-labels-idx1-ubyte.gz").is_file(),
+    reason="Debian dataset-fashion-mnist is not installed",
+)
 def test_fashion_mnist_is_the_default_when_installed():
     assert resolve_source(None).kind == "fashion_mnist"
     labels = _read_idx(FASHION_DIR / "t10k-labels-idx1-ubyte.gz", 8)
@@ -165,8 +171,10 @@ def test_fresh_machine_falls_back_to_scikit_learn_digits(tmp_path, monkeypatch):
     monkeypatch.setattr(image_data, "FASHION_DIR", tmp_path / "no-fashion-mnist")
     source = resolve_source(None)
     assert source.kind == "digits"
-    cfg = ImageTaskConfig(model=ImageModelConfig(width=8, num_stages=2, groups=4),
-                          data=ImageDataConfig(cache_dir=str(tmp_path / "cache")))
+    cfg = ImageTaskConfig(
+        model=ImageModelConfig(width=8, num_stages=2, groups=4),
+        data=ImageDataConfig(cache_dir=str(tmp_path / "cache")),
+    )
     task = ImageTask(cfg, 0)
     task.prepare()
     task.load()

@@ -55,10 +55,22 @@ def write_tsv(path):
 
 def make_task(tmp_path, files, **data):
     cfg = TranslationTaskConfig(
-        model=TranslationModelConfig(d_model=32, num_encoder_layers=1, num_decoder_layers=1,
-                                     num_heads=2, ff_size=64, dropout=0.0, max_len=24),
-        data=TranslationDataConfig(files=[str(f) for f in files], vocab_size=200,
-                                   val_fraction=0.2, cache_dir=str(tmp_path / "cache"), **data),
+        model=TranslationModelConfig(
+            d_model=32,
+            num_encoder_layers=1,
+            num_decoder_layers=1,
+            num_heads=2,
+            ff_size=64,
+            dropout=0.0,
+            max_len=24,
+        ),
+        data=TranslationDataConfig(
+            files=[str(f) for f in files],
+            vocab_size=200,
+            val_fraction=0.2,
+            cache_dir=str(tmp_path / "cache"),
+            **data,
+        ),
     )
     task = TranslationTask(cfg, seed=3)
     task.prepare()
@@ -92,8 +104,9 @@ def test_batch_shapes_and_count_before_forward(task):
 
 def test_batches_depend_only_on_position(task):
     assert_split_invariant(task, [6, 1, 3, 0, 7], epoch=0, cut=2)
-    assert torch.equal(task.make_batch([2, 5], 0, "train")["src"],
-                       task.make_batch([2, 5], 4, "train")["src"])  # nothing random
+    assert torch.equal(
+        task.make_batch([2, 5], 0, "train")["src"], task.make_batch([2, 5], 4, "train")["src"]
+    )  # nothing random
 
 
 def test_loss_is_a_zero_dim_sum_over_target_tokens(task):
@@ -148,7 +161,9 @@ def test_parallel_files_and_their_errors(tmp_path):
     task = make_task(tmp_path, [tmp_path / "a.*"])
     assert task.data_summary["pairs_per_source"] == {"parallel": 10}
     # naming either file of a pair selects the pair once
-    assert resolve_sources([str(tmp_path / "a.en")]).parts == (("parallel", str(tmp_path / "a.de")),)
+    assert resolve_sources([str(tmp_path / "a.en")]).parts == (
+        ("parallel", str(tmp_path / "a.de")),
+    )
     (tmp_path / "b.de").write_text("Hallo\n", encoding="utf-8")
     with pytest.raises(ConfigError, match=r"b\.de' has no partner"):
         resolve_sources([str(tmp_path / "b.de")])
@@ -166,10 +181,14 @@ def test_ding_format_keeps_aligned_sentences(tmp_path):
         "Haus {n}; Gebäude {n} :: house; building\n"
         "Das ist gut. | Das ist sehr gut! :: That is good. | That is very good!\n"
         "Nur eine Seite. | Zwei :: Only one side.\n"
-        "Wie geht es dir? [ugs.] :: How are you doing? [coll.]\n", encoding="utf-8")
-    assert read_ding(path) == [("Das ist gut.", "That is good."),
-                               ("Das ist sehr gut!", "That is very good!"),
-                               ("Wie geht es dir?", "How are you doing?")]
+        "Wie geht es dir? [ugs.] :: How are you doing? [coll.]\n",
+        encoding="utf-8",
+    )
+    assert read_ding(path) == [
+        ("Das ist gut.", "That is good."),
+        ("Das ist sehr gut!", "That is very good!"),
+        ("Wie geht es dir?", "How are you doing?"),
+    ]
 
 
 @pytest.mark.skipif(not (SYSTEM_LOCALE / "bash.mo").is_file(), reason="no German bash catalog")
@@ -180,7 +199,9 @@ def test_gettext_catalog_reads_german_english_pairs():
 
 
 def test_config_checks_name_the_field():
-    with pytest.raises(ConfigError, match=r"^task.model.num_heads=3 does not divide task.model.d_model=128"):
+    with pytest.raises(
+        ConfigError, match=r"^task.model.num_heads=3 does not divide task.model.d_model=128"
+    ):
         TranslationModelConfig(num_heads=3)
     with pytest.raises(ConfigError, match=r"^task.model.label_smoothing=1.0 is invalid"):
         TranslationModelConfig(label_smoothing=1.0)

@@ -27,18 +27,34 @@ def make_trainer(tmp_path, token_cache):
     """``make_trainer(rdv, *overrides) -> Trainer`` on one CPU rank, run dir ``tmp_path``."""
 
     def _make(rdv, *overrides: str) -> Trainer:
-        run = compose_run_config([*SMALL_MODEL, "cluster.ranks=1", "task.model.dropout=0.0",
-                                  f"trainer.global_batch_size={B}", "optim.warmup_steps=0",
-                                  f"task.data.cache_dir={token_cache}", "trainer.seed=1",
-                                  *overrides])
+        run = compose_run_config(
+            [
+                *SMALL_MODEL,
+                "cluster.ranks=1",
+                "task.model.dropout=0.0",
+                f"trainer.global_batch_size={B}",
+                "optim.warmup_steps=0",
+                f"task.data.cache_dir={token_cache}",
+                "trainer.seed=1",
+                *overrides,
+            ]
+        )
         task = build_task(run.task, run.trainer.seed)
         task.prepare()
         task.load()
         torch.manual_seed(run.trainer.seed)
         model = task.build_model()
         allocation = allocate([1.0], B, [3])
-        return Trainer(run, tmp_path, rdv, task, model, torch.device("cpu"), allocation,
-                       [RankMeta(rank=0, device="cpu", node="test")])
+        return Trainer(
+            run,
+            tmp_path,
+            rdv,
+            task,
+            model,
+            torch.device("cpu"),
+            allocation,
+            [RankMeta(rank=0, device="cpu", node="test")],
+        )
 
     return _make
 
@@ -59,7 +75,9 @@ def test_one_step_is_the_mean_loss_of_the_global_batch(make_trainer):
     assert stats.count == trainer.task.count(batch) and isinstance(stats.count, int)
     assert rec.loss == pytest.approx(want, rel=1e-6)
     assert stats.loss_sum == pytest.approx(want * stats.count, rel=1e-6)
-    changed = [not torch.equal(a, b) for a, b in zip(before.parameters(), trainer.model.parameters())]
+    changed = [
+        not torch.equal(a, b) for a, b in zip(before.parameters(), trainer.model.parameters())
+    ]
     assert any(changed), "the optimizer did not step"
 
 
@@ -104,9 +122,18 @@ def test_measured_step_sync_is_the_median_wall_beyond_the_slowest_ranks_busy_tim
     from hetseq_hpc.train.metrics import measured_step_sync
 
     def rec(end_s, samples, busy=((0.20, 0.05), (0.25, 0.02))):
-        per_rank = [StepStats(loss_sum=0.0, count=b, samples=b, step_time_s=0.0,
-                              data_time_s=0.0, compute_time_s=c, tail_time_s=t)
-                    for b, (c, t) in zip(samples, busy)]
+        per_rank = [
+            StepStats(
+                loss_sum=0.0,
+                count=b,
+                samples=b,
+                step_time_s=0.0,
+                data_time_s=0.0,
+                compute_time_s=c,
+                tail_time_s=t,
+            )
+            for b, (c, t) in zip(samples, busy)
+        ]
         return SimpleNamespace(per_rank=per_rank, ended_s=end_s)
 
     old = [rec(1.0 * i, [16, 16], ((0.9, 0.0), (0.9, 0.0))) for i in range(1, 4)]
@@ -142,7 +169,7 @@ def test_cpu_ranks_post_their_statistics_when_the_last_bucket_is_ready(make_trai
             kinds = [kind for kind, _, _ in events]
             # three micro-batches: the post comes inside the third (last) backward pass
             assert kinds == ["backward", "backward", "post", "backward"], kinds
-            (_, ready_s, stats), = [e for e in events if e[0] == "post"]
+            ((_, ready_s, stats),) = [e for e in events if e[0] == "post"]
             assert ready_s > 0 and stats.compute_time_s <= stats.step_time_s
             assert rec.per_rank[0].count == stats.count and rec.per_rank[0].samples == B
             events.clear()

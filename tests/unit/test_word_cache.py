@@ -59,7 +59,22 @@ def adversarial(n: int = 400) -> list:
     """The base lines plus random mixtures of their words and separators."""
     rng = random.Random(0)
     words = [w for line in BASE for w in line.replace("\n", " ").split(" ")]
-    seps = [" ", " ", " ", "  ", "   ", "      ", "\t", "\n", "\r\n", "\xa0", "\x1c", "\x85", "\u200b", "\u3000"]
+    seps = [
+        " ",
+        " ",
+        " ",
+        "  ",
+        "   ",
+        "      ",
+        "\t",
+        "\n",
+        "\r\n",
+        "\xa0",
+        "\x1c",
+        "\x85",
+        "\u200b",
+        "\u3000",
+    ]
     out = list(BASE)
     for _ in range(n):
         parts = []
@@ -76,20 +91,32 @@ def wordpiece() -> Tokenizer:
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.train_from_iterator(BASE * 3, trainers.WordPieceTrainer(
-        vocab_size=400, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"],
-        show_progress=False))
+    tok.train_from_iterator(
+        BASE * 3,
+        trainers.WordPieceTrainer(
+            vocab_size=400,
+            special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"],
+            show_progress=False,
+        ),
+    )
     tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
     return tok
 
 
 def bytelevel_bpe() -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(BASE * 3, trainers.BpeTrainer(
-        vocab_size=600, special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.train_from_iterator(
+        BASE * 3,
+        trainers.BpeTrainer(
+            vocab_size=600,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     return tok
 
 
@@ -104,15 +131,17 @@ def plain(tok: Tokenizer, texts: list) -> list:
     return [enc.ids for enc in tok.encode_batch(texts, add_special_tokens=False)]
 
 
-@pytest.mark.parametrize("build,mode", [(wordpiece, "words"), (wordpiece_whitespace, "words"),
-                                        (bytelevel_bpe, "bytelevel")])
+@pytest.mark.parametrize(
+    "build,mode",
+    [(wordpiece, "words"), (wordpiece_whitespace, "words"), (bytelevel_bpe, "bytelevel")],
+)
 def test_fast_path_gives_the_tokenizer_s_ids(build, mode):
     tok = build()
     assert fast_mode(tok.to_str()) == mode
     texts = adversarial()
     cache = WordCache(tok, mode, capacity=50)  # small: the clear-when-full path runs too
     for start in range(0, len(texts), 37):
-        batch = texts[start:start + 37]
+        batch = texts[start : start + 37]
         flat, ends = cache.encode(batch)
         want = plain(tok, batch)
         got = np.split(flat, ends[:-1]) if len(batch) else []
@@ -124,19 +153,22 @@ def test_fast_path_gives_the_tokenizer_s_ids(build, mode):
     assert cache.fallbacks > 0
 
 
-@pytest.mark.parametrize("build,mode,text,falls", [
-    (wordpiece, "words", "odd\x1cwhite", True),
-    (wordpiece, "words", "next\x85line", True),
-    (wordpiece, "words", "zero\u200bwidth", True),
-    (wordpiece, "words", "tabs\tare fine", False),
-    (wordpiece, "words", "plain words here", False),
-    (bytelevel_bpe, "bytelevel", "tabs\there", True),
-    (bytelevel_bpe, "bytelevel", "two  spaces   and three   ", False),
-    (bytelevel_bpe, "bytelevel", "ctrl\x01char", True),
-    (bytelevel_bpe, "bytelevel", "nbsp\xa0here", True),
-    (bytelevel_bpe, "bytelevel", "a<|endoftext|>b", True),
-    (bytelevel_bpe, "bytelevel", " plain words here ", False),
-])
+@pytest.mark.parametrize(
+    "build,mode,text,falls",
+    [
+        (wordpiece, "words", "odd\x1cwhite", True),
+        (wordpiece, "words", "next\x85line", True),
+        (wordpiece, "words", "zero\u200bwidth", True),
+        (wordpiece, "words", "tabs\tare fine", False),
+        (wordpiece, "words", "plain words here", False),
+        (bytelevel_bpe, "bytelevel", "tabs\there", True),
+        (bytelevel_bpe, "bytelevel", "two  spaces   and three   ", False),
+        (bytelevel_bpe, "bytelevel", "ctrl\x01char", True),
+        (bytelevel_bpe, "bytelevel", "nbsp\xa0here", True),
+        (bytelevel_bpe, "bytelevel", "a<|endoftext|>b", True),
+        (bytelevel_bpe, "bytelevel", " plain words here ", False),
+    ],
+)
 def test_fallback_triggers_on_unsafe_text(build, mode, text, falls):
     tok = build()
     cache = WordCache(tok, mode)

@@ -106,31 +106,57 @@ def test_single_process_honours_master_port_and_addr():
     [
         pytest.param(
             TORCH_ENV,
-            dict(rank=1, local_rank=1, world_size=4, master_addr="10.0.0.5", master_port=29500,
-                 source="torch", job_id=None),
+            dict(
+                rank=1,
+                local_rank=1,
+                world_size=4,
+                master_addr="10.0.0.5",
+                master_port=29500,
+                source="torch",
+                job_id=None,
+            ),
             id="torchrun",
         ),
         pytest.param(
             {k: v for k, v in TORCH_ENV.items() if k != "LOCAL_RANK"},
-            dict(rank=1, local_rank=0, world_size=4, master_addr="10.0.0.5", master_port=29500,
-                 source="torch"),
+            dict(
+                rank=1,
+                local_rank=0,
+                world_size=4,
+                master_addr="10.0.0.5",
+                master_port=29500,
+                source="torch",
+            ),
             id="torchrun-no-local-rank",
         ),
         pytest.param(
             {**plain_slurm_env(3, 1, "gpu08", 1), **TORCH_ENV},
-            dict(rank=1, local_rank=1, world_size=4, master_addr="10.0.0.5", master_port=29500,
-                 source="torch", job_id="4242", node_name="gpu08"),
+            dict(
+                rank=1,
+                local_rank=1,
+                world_size=4,
+                master_addr="10.0.0.5",
+                master_port=29500,
+                source="torch",
+                job_id="4242",
+                node_name="gpu08",
+            ),
             id="torch-wins-over-slurm",
         ),
         pytest.param(
             {**het_env(2, "n4", 2, "v100"), **TORCH_ENV, "MASTER_ADDR": "n3"},
-            dict(rank=1, world_size=4, master_addr="n3", source="torch", het_group=None,
-                 het_size=1),
+            dict(
+                rank=1, world_size=4, master_addr="n3", source="torch", het_group=None, het_size=1
+            ),
             id="torch-wins-over-het-slurm",
         ),
         pytest.param(
-            {**TORCH_ENV, "HETSEQ_HET_GROUP": "1", "HETSEQ_HET_SIZE": "2",
-             "HETSEQ_PARTITION": "v100"},
+            {
+                **TORCH_ENV,
+                "HETSEQ_HET_GROUP": "1",
+                "HETSEQ_HET_SIZE": "2",
+                "HETSEQ_PARTITION": "v100",
+            },
             dict(rank=1, het_group=1, het_size=2, partition="v100", source="torch"),
             id="torch-with-hetseq-het-vars",
         ),
@@ -264,8 +290,11 @@ def test_master_port_overrides_derived_port():
 
 
 def test_user_master_addr_wins_in_slurm():
-    for env in (het_env(2, "n4", 2, "v100"), inverse_het_env(0, "n3", 0),
-                plain_slurm_env(1, 1, "gpu07", 0)):
+    for env in (
+        het_env(2, "n4", 2, "v100"),
+        inverse_het_env(0, "n3", 0),
+        plain_slurm_env(1, 1, "gpu07", 0),
+    ):
         world = WorldInfo.from_env({**env, "MASTER_ADDR": "10.1.2.3"})
         assert world.source == "slurm"
         assert world.master_addr == "10.1.2.3"
@@ -287,42 +316,75 @@ def _without(env: dict, *keys: str) -> dict:
 @pytest.mark.parametrize(
     "env, names",
     [
-        pytest.param(_without(TORCH_ENV, "MASTER_ADDR"), ["MASTER_ADDR"],
-                     id="rank-without-master-addr"),
-        pytest.param(_without(TORCH_ENV, "MASTER_PORT"), ["MASTER_PORT"],
-                     id="rank-without-master-port"),
+        pytest.param(
+            _without(TORCH_ENV, "MASTER_ADDR"), ["MASTER_ADDR"], id="rank-without-master-addr"
+        ),
+        pytest.param(
+            _without(TORCH_ENV, "MASTER_PORT"), ["MASTER_PORT"], id="rank-without-master-port"
+        ),
         pytest.param(_without(TORCH_ENV, "RANK"), ["RANK"], id="world-size-without-rank"),
         pytest.param({**TORCH_ENV, "RANK": "one"}, ["RANK"], id="non-integer-rank"),
         pytest.param({**TORCH_ENV, "WORLD_SIZE": "0"}, ["WORLD_SIZE"], id="world-size-zero"),
-        pytest.param({**TORCH_ENV, "MASTER_PORT": "70000"}, ["MASTER_PORT"],
-                     id="master-port-too-large"),
-        pytest.param({**TORCH_ENV, "MASTER_PORT": "http"}, ["MASTER_PORT"],
-                     id="master-port-not-integer"),
-        pytest.param({**TORCH_ENV, "RANK": "4"}, ["RANK", "WORLD_SIZE"],
-                     id="rank-ge-world-size"),
-        pytest.param({**het_env(0, "n1", 0, "a100"), "SLURM_PROCID": "zero"}, ["SLURM_PROCID"],
-                     id="non-integer-slurm-procid"),
-        pytest.param({**plain_slurm_env(0, 0, "gpu07", 0), "SLURM_LOCALID": "x"},
-                     ["SLURM_LOCALID"], id="non-integer-slurm-localid"),
-        pytest.param({**plain_slurm_env(0, 0, "gpu07", 0), "SLURM_PROCID": "4"},
-                     ["SLURM_PROCID", "SLURM_NTASKS"],
-                     id="slurm-procid-ge-ntasks"),
-        pytest.param(_without(plain_slurm_env(0, 0, "gpu07", 0), "SLURM_JOB_ID"),
-                     ["SLURM_JOB_ID", "MASTER_PORT"], id="slurm-no-job-id-no-port"),
-        pytest.param(_without(plain_slurm_env(0, 0, "gpu07", 0),
-                              "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST"),
-                     ["SLURM_JOB_NODELIST", "MASTER_ADDR"], id="slurm-no-nodelist"),
+        pytest.param(
+            {**TORCH_ENV, "MASTER_PORT": "70000"}, ["MASTER_PORT"], id="master-port-too-large"
+        ),
+        pytest.param(
+            {**TORCH_ENV, "MASTER_PORT": "http"}, ["MASTER_PORT"], id="master-port-not-integer"
+        ),
+        pytest.param({**TORCH_ENV, "RANK": "4"}, ["RANK", "WORLD_SIZE"], id="rank-ge-world-size"),
+        pytest.param(
+            {**het_env(0, "n1", 0, "a100"), "SLURM_PROCID": "zero"},
+            ["SLURM_PROCID"],
+            id="non-integer-slurm-procid",
+        ),
+        pytest.param(
+            {**plain_slurm_env(0, 0, "gpu07", 0), "SLURM_LOCALID": "x"},
+            ["SLURM_LOCALID"],
+            id="non-integer-slurm-localid",
+        ),
+        pytest.param(
+            {**plain_slurm_env(0, 0, "gpu07", 0), "SLURM_PROCID": "4"},
+            ["SLURM_PROCID", "SLURM_NTASKS"],
+            id="slurm-procid-ge-ntasks",
+        ),
+        pytest.param(
+            _without(plain_slurm_env(0, 0, "gpu07", 0), "SLURM_JOB_ID"),
+            ["SLURM_JOB_ID", "MASTER_PORT"],
+            id="slurm-no-job-id-no-port",
+        ),
+        pytest.param(
+            _without(
+                plain_slurm_env(0, 0, "gpu07", 0), "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST"
+            ),
+            ["SLURM_JOB_NODELIST", "MASTER_ADDR"],
+            id="slurm-no-nodelist",
+        ),
         # batch-script view of a het job: SLURM_NTASKS is component 0's only
-        pytest.param({**het_env(0, "n1", 0, "a100"), "SLURM_NTASKS": "1"},
-                     ["SLURM_NTASKS", "SLURM_NTASKS_HET_GROUP_"], id="het-ntasks-mismatch"),
-        pytest.param({**het_env(0, "n1", 0, "a100"), "SLURM_NTASKS_HET_GROUP_1": "3"},
-                     ["SLURM_NTASKS", "SLURM_NTASKS_HET_GROUP_"], id="het-groups-sum-too-big"),
-        pytest.param(_without(het_env(0, "n1", 0, "a100"), "SLURM_NTASKS_HET_GROUP_1"),
-                     ["SLURM_NTASKS_HET_GROUP_1"], id="het-missing-group-ntasks"),
-        pytest.param(_without(het_env(0, "n1", 0, "a100"), "SLURM_JOB_NODELIST_HET_GROUP_0"),
-                     ["SLURM_JOB_NODELIST_HET_GROUP_0"], id="het-missing-nodelist-group-0"),
-        pytest.param({**het_env(0, "n1", 0, "a100"), "SLURM_HET_SIZE": "two"},
-                     ["SLURM_HET_SIZE"], id="het-size-not-integer"),
+        pytest.param(
+            {**het_env(0, "n1", 0, "a100"), "SLURM_NTASKS": "1"},
+            ["SLURM_NTASKS", "SLURM_NTASKS_HET_GROUP_"],
+            id="het-ntasks-mismatch",
+        ),
+        pytest.param(
+            {**het_env(0, "n1", 0, "a100"), "SLURM_NTASKS_HET_GROUP_1": "3"},
+            ["SLURM_NTASKS", "SLURM_NTASKS_HET_GROUP_"],
+            id="het-groups-sum-too-big",
+        ),
+        pytest.param(
+            _without(het_env(0, "n1", 0, "a100"), "SLURM_NTASKS_HET_GROUP_1"),
+            ["SLURM_NTASKS_HET_GROUP_1"],
+            id="het-missing-group-ntasks",
+        ),
+        pytest.param(
+            _without(het_env(0, "n1", 0, "a100"), "SLURM_JOB_NODELIST_HET_GROUP_0"),
+            ["SLURM_JOB_NODELIST_HET_GROUP_0"],
+            id="het-missing-nodelist-group-0",
+        ),
+        pytest.param(
+            {**het_env(0, "n1", 0, "a100"), "SLURM_HET_SIZE": "two"},
+            ["SLURM_HET_SIZE"],
+            id="het-size-not-integer",
+        ),
     ],
 )
 def test_from_env_errors(env, names):
@@ -341,8 +403,10 @@ def test_malformed_hetseq_het_variable_is_a_world_error(name):
 
 
 def test_rank_ge_world_size_raises_world_error():
-    for env in ({**TORCH_ENV, "RANK": "4"}, {**plain_slurm_env(0, 0, "gpu07", 0),
-                                               "SLURM_PROCID": "4"}):
+    for env in (
+        {**TORCH_ENV, "RANK": "4"},
+        {**plain_slurm_env(0, 0, "gpu07", 0), "SLURM_PROCID": "4"},
+    ):
         with pytest.raises(WorldError, match="is not below"):
             WorldInfo.from_env(env)
 
@@ -399,10 +463,16 @@ def test_from_env_does_not_mutate_env():
         pytest.param("gpu[07-08]", ["gpu07", "gpu08"], id="zero-padding-2"),
         pytest.param("n[8-10]", ["n8", "n9", "n10"], id="no-padding"),
         pytest.param("a[1-2],b3", ["a1", "a2", "b3"], id="bracket-then-plain"),
-        pytest.param("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"],
-                     id="two-bracket-groups"),
-        pytest.param("n[1,3-4],gpu[08-10]", ["n1", "n3", "n4", "gpu08", "gpu09", "gpu10"],
-                     id="docstring-example"),
+        pytest.param(
+            "rack[1-2]-n[1-2]",
+            ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"],
+            id="two-bracket-groups",
+        ),
+        pytest.param(
+            "n[1,3-4],gpu[08-10]",
+            ["n1", "n3", "n4", "gpu08", "gpu09", "gpu10"],
+            id="docstring-example",
+        ),
         pytest.param("host-a,host-b", ["host-a", "host-b"], id="plain-names"),
         pytest.param("", [], id="empty"),
     ],
@@ -442,15 +512,19 @@ def test_hostlist_whitespace_separates_hosts(expr, hosts):
     assert expand_hostlist(expr) == hosts
 
 
-@pytest.mark.parametrize("expr", ["n[\u00b2-3]", "n[\u0661-\u0663]", "n[1-\uff13]", "n[\u00b9]"],
-                         ids=["superscript", "arabic-indic", "fullwidth", "superscript-single"])
+@pytest.mark.parametrize(
+    "expr",
+    ["n[\u00b2-3]", "n[\u0661-\u0663]", "n[1-\uff13]", "n[\u00b9]"],
+    ids=["superscript", "arabic-indic", "fullwidth", "superscript-single"],
+)
 def test_hostlist_accepts_only_ascii_digits(expr):
     with pytest.raises(WorldError, match="ASCII digits"):
         expand_hostlist(expr, "SLURM_STEP_NODELIST")
 
 
-@pytest.mark.parametrize("expr", ["n[0-99999999999]", "a[0-300]b[0-300]", "n[0-65536]",
-                                  "n[0-40000],m[0-40000]"])
+@pytest.mark.parametrize(
+    "expr", ["n[0-99999999999]", "a[0-300]b[0-300]", "n[0-65536]", "n[0-40000],m[0-40000]"]
+)
 def test_hostlist_past_slurm_limit_is_an_error_before_expanding(expr):
     with pytest.raises(WorldError, match="more than 65536 hosts"):
         expand_hostlist(expr, "SLURM_JOB_NODELIST")
@@ -482,8 +556,11 @@ def test_space_separated_nodelist_gives_first_host_as_master():
 
 
 # --------------------------------------------------------------------------- issue 8: no srun
-@pytest.mark.parametrize("step", [None, "", "4294967294", "batch"],
-                         ids=["unset", "empty", "batch-step-number", "batch-word"])
+@pytest.mark.parametrize(
+    "step",
+    [None, "", "4294967294", "batch"],
+    ids=["unset", "empty", "batch-step-number", "batch-word"],
+)
 def test_worker_in_batch_script_without_srun_is_refused(step):
     """The batch script's environment (measured: SLURM_JOB_ID and SLURM_PROCID=0 set, no
     SLURM_STEP_ID): rank 0 of SLURM_NTASKS would wait forever; refuse with one line."""

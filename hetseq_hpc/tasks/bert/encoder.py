@@ -43,10 +43,14 @@ class BertEmbeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(h, eps=LAYER_NORM_EPS)
         self.dropout = nn.Dropout(cfg.dropout)
         # (1, max_seq_len) buffers as in transformers, not saved in the state_dict
-        self.register_buffer("position_ids", torch.arange(cfg.max_seq_len).expand((1, -1)),
-                             persistent=False)
-        self.register_buffer("token_type_ids", torch.zeros(self.position_ids.size(), dtype=torch.long),
-                             persistent=False)
+        self.register_buffer(
+            "position_ids", torch.arange(cfg.max_seq_len).expand((1, -1)), persistent=False
+        )
+        self.register_buffer(
+            "token_type_ids",
+            torch.zeros(self.position_ids.size(), dtype=torch.long),
+            persistent=False,
+        )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``(B, T)`` ids -> ``(B, T, H)`` embeddings."""
@@ -70,7 +74,7 @@ class BertSelfAttention(nn.Module):
         h = cfg.hidden_size
         self.num_heads = cfg.num_heads
         self.head_size = h // cfg.num_heads
-        self.scaling = self.head_size ** -0.5
+        self.scaling = self.head_size**-0.5
         self.query = nn.Linear(h, h)
         self.key = nn.Linear(h, h)
         self.value = nn.Linear(h, h)
@@ -83,8 +87,14 @@ class BertSelfAttention(nn.Module):
         key = self.key(hidden).view(*shape).transpose(1, 2)
         value = self.value(hidden).view(*shape).transpose(1, 2)
         out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=None, dropout_p=self.dropout.p if self.training else 0.0,
-            scale=self.scaling, is_causal=False)  # (B, heads, T, head_size)
+            query,
+            key,
+            value,
+            attn_mask=None,
+            dropout_p=self.dropout.p if self.training else 0.0,
+            scale=self.scaling,
+            is_causal=False,
+        )  # (B, heads, T, head_size)
         out = out.transpose(1, 2).contiguous()  # (B, T, heads, head_size)
         return out.reshape(*hidden.shape[:-1], -1).contiguous()
 

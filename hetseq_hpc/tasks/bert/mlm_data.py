@@ -102,8 +102,13 @@ def npy_header(rows: int, seq_len: int) -> bytes:
     """The ``.npy`` version-1.0 header of a C-ordered ``(rows, seq_len)`` int32 array."""
     buf = io.BytesIO()
     np.lib.format.write_array_header_1_0(
-        buf, {"descr": np.lib.format.dtype_to_descr(np.dtype(np.int32)),
-              "fortran_order": False, "shape": (int(rows), int(seq_len))})
+        buf,
+        {
+            "descr": np.lib.format.dtype_to_descr(np.dtype(np.int32)),
+            "fortran_order": False,
+            "shape": (int(rows), int(seq_len)),
+        },
+    )
     return buf.getvalue()
 
 
@@ -186,12 +191,24 @@ def _pack_plain(tokenizer, batches: Iterable[List[Tuple[str, bool]]], rows: RowW
 def _progress(total: int, desc: str, show: bool):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not show,
-                dynamic_ncols=True, mininterval=1.0)
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        disable=not show,
+        dynamic_ncols=True,
+        mininterval=1.0,
+    )
 
 
-def build_packed_text(corpus: Corpus, vocab_size: int, seq_len: int, directory: Path,
-                      show_progress: Optional[bool] = None) -> Path:
+def build_packed_text(
+    corpus: Corpus,
+    vocab_size: int,
+    seq_len: int,
+    directory: Path,
+    show_progress: Optional[bool] = None,
+) -> Path:
     """Tokenise ``corpus`` into ``directory`` (``tokenizer.json``, ``tokens.npy``, then
     ``meta.json``) unless ``meta.json`` is already there.
 
@@ -227,15 +244,22 @@ def build_packed_text(corpus: Corpus, vocab_size: int, seq_len: int, directory: 
         return _build(corpus, vocab_size, seq_len, directory, show_progress)
 
 
-def _build(corpus: Corpus, vocab_size: int, seq_len: int, directory: Path,
-           show_progress: bool) -> Path:
+def _build(
+    corpus: Corpus, vocab_size: int, seq_len: int, directory: Path, show_progress: bool
+) -> Path:
     started = time.monotonic()
     total = corpus.size_bytes
-    log.info("preparing %s (%.1f MB): training the tokenizer, then packing rows of %d tokens "
-             "into %s", corpus.name, total / 1e6, seq_len, directory)
+    log.info(
+        "preparing %s (%.1f MB): training the tokenizer, then packing rows of %d tokens into %s",
+        corpus.name,
+        total / 1e6,
+        seq_len,
+        directory,
+    )
     workers = prepare_workers(total)  # a bad HETSEQ_PREPARE_WORKERS fails before training
-    tokenizer = train_tokenizer(corpus.documents(), vocab_size, directory / "tokenizer.json",
-                                show_progress=show_progress)
+    tokenizer = train_tokenizer(
+        corpus.documents(), vocab_size, directory / "tokenizer.json", show_progress=show_progress
+    )
     trained = time.monotonic()
     mode = fast_encoding(tokenizer)
     writer_rows = [0]
@@ -246,9 +270,11 @@ def _build(corpus: Corpus, vocab_size: int, seq_len: int, directory: Path,
         with _progress(total, "packing", show_progress) as bar:
             if mode is not None:  # the word cache: the same ids, several times faster
                 log.info("tokenising with the %s word cache on %d process(es)", mode, workers)
-                with contextlib.closing(packed_streams(_batches(corpus.segments(), bar),
-                                                       tokenizer.to_str(), mode, workers,
-                                                       SEP_ID)) as streams:
+                with contextlib.closing(
+                    packed_streams(
+                        _batches(corpus.segments(), bar), tokenizer.to_str(), mode, workers, SEP_ID
+                    )
+                ) as streams:
                     for stream in streams:
                         rows.add(stream, end=False)
             else:
@@ -261,20 +287,37 @@ def _build(corpus: Corpus, vocab_size: int, seq_len: int, directory: Path,
             )
         header = npy_header(rows.rows, seq_len)
         if len(header) != NPY_HEADER_BYTES:  # pragma: no cover - numpy's padding rule
-            raise DataError(f"numpy wrote a {len(header)}-byte .npy header: delete "
-                            f"{directory} and report this numpy version")
+            raise DataError(
+                f"numpy wrote a {len(header)}-byte .npy header: delete "
+                f"{directory} and report this numpy version"
+            )
         fh.seek(0)
         fh.write(header)
         writer_rows[0] = rows.rows
 
     atomic_write(directory / "tokens.npy", write, durable=True)
-    meta = {"corpus": corpus.name, "fingerprint": corpus.fingerprint, "rows": writer_rows[0],
-            "seq_len": seq_len, "vocab_size": tokenizer.get_vocab_size(), "format": CACHE_FORMAT}
+    meta = {
+        "corpus": corpus.name,
+        "fingerprint": corpus.fingerprint,
+        "rows": writer_rows[0],
+        "seq_len": seq_len,
+        "vocab_size": tokenizer.get_vocab_size(),
+        "format": CACHE_FORMAT,
+    }
     atomic_write_text(directory / "meta.json", json.dumps(meta, indent=1), durable=True)
     now = time.monotonic()
-    log.info("packed %s: %d rows x %d tokens, vocabulary %d, in %.0f s (tokenizer %.1f s, "
-             "packing %.1f s) -> %s", corpus.name, writer_rows[0], seq_len, meta["vocab_size"],
-             now - started, trained - started, now - trained, directory)
+    log.info(
+        "packed %s: %d rows x %d tokens, vocabulary %d, in %.0f s (tokenizer %.1f s, "
+        "packing %.1f s) -> %s",
+        corpus.name,
+        writer_rows[0],
+        seq_len,
+        meta["vocab_size"],
+        now - started,
+        trained - started,
+        now - trained,
+        directory,
+    )
     return directory
 
 
@@ -314,7 +357,13 @@ def load_packed_text(directory: Path, val_fraction: float) -> PackedText:
 
 
 def mask_sample(
-    row: np.ndarray, vocab_size: int, mask_prob: float, seed: int, epoch: int, split: str, index: int
+    row: np.ndarray,
+    vocab_size: int,
+    mask_prob: float,
+    seed: int,
+    epoch: int,
+    split: str,
+    index: int,
 ) -> tuple:
     """Mask one row; a pure function of its arguments.
 
@@ -338,8 +387,9 @@ def mask_sample(
             candidates = np.arange(1, row.shape[0] - 1)
         selected[candidates[rng.integers(candidates.size)]] = True
     action = rng.random(row.shape[0])
-    random_tokens = rng.integers(len(SPECIAL_TOKENS), max(vocab_size, len(SPECIAL_TOKENS) + 1),
-                                 size=row.shape[0])
+    random_tokens = rng.integers(
+        len(SPECIAL_TOKENS), max(vocab_size, len(SPECIAL_TOKENS) + 1), size=row.shape[0]
+    )
     inputs = row.copy()
     inputs[selected & (action < 0.8)] = MASK_ID
     swap = selected & (action >= 0.8) & (action < 0.9)
@@ -358,8 +408,9 @@ def make_mlm_batch(
     """
     inputs, labels = [], []
     for index in rows:
-        x, y = mask_sample(data.tokens[int(index)], data.vocab_size, mask_prob, seed, epoch, split,
-                           int(index))
+        x, y = mask_sample(
+            data.tokens[int(index)], data.vocab_size, mask_prob, seed, epoch, split, int(index)
+        )
         inputs.append(x)
         labels.append(y)
     return {

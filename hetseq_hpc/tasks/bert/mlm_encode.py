@@ -34,8 +34,9 @@ def fast_encoding(tokenizer: Any) -> Optional[str]:
     return fast_mode(tokenizer.to_str())
 
 
-def with_separators(flat: np.ndarray, ends: np.ndarray, doc_ends: np.ndarray, open_doc: bool,
-                    sep_id: int) -> Tuple[np.ndarray, bool]:
+def with_separators(
+    flat: np.ndarray, ends: np.ndarray, doc_ends: np.ndarray, open_doc: bool, sep_id: int
+) -> Tuple[np.ndarray, bool]:
     """One batch's part of the packed stream: the pieces' ids with ``sep_id`` after the last
     piece of every document that has tokens (in this batch, or before it when ``open_doc``).
 
@@ -54,10 +55,12 @@ def with_separators(flat: np.ndarray, ends: np.ndarray, doc_ends: np.ndarray, op
         ValueError: ``ends`` and ``doc_ends`` differ in length.
     """
     if len(ends) != len(doc_ends):
-        raise ValueError(f"{len(ends)} piece ends but {len(doc_ends)} document flags: pass "
-                         "one flag per piece of the batch")
+        raise ValueError(
+            f"{len(ends)} piece ends but {len(doc_ends)} document flags: pass "
+            "one flag per piece of the batch"
+        )
     stop = np.asarray(ends, dtype=np.int64)[np.flatnonzero(doc_ends)]  # where documents end
-    start = np.concatenate([np.zeros(1, dtype=np.int64), stop[:-1]])[:stop.size]
+    start = np.concatenate([np.zeros(1, dtype=np.int64), stop[:-1]])[: stop.size]
     has_tokens = stop > start
     if stop.size:
         has_tokens[0] |= open_doc
@@ -67,8 +70,13 @@ def with_separators(flat: np.ndarray, ends: np.ndarray, doc_ends: np.ndarray, op
     return stream, bool(open_doc or flat.size > tail)
 
 
-def packed_streams(batches: Iterable[List[Tuple[str, bool]]], tokenizer_json: str, mode: str,
-                   workers: int, sep_id: int) -> Iterator[np.ndarray]:
+def packed_streams(
+    batches: Iterable[List[Tuple[str, bool]]],
+    tokenizer_json: str,
+    mode: str,
+    workers: int,
+    sep_id: int,
+) -> Iterator[np.ndarray]:
     """The packed stream of every batch of ``(text, ends_document)`` pieces, in order: int32
     arrays as :func:`with_separators` (a document may run across batches). ``workers``: as
     :func:`hetseq_hpc.tokenizing.pool.encode_stream` (1: in this process); at most

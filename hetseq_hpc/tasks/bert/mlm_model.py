@@ -70,7 +70,12 @@ class BertMaskedLM(nn.Module):
         2 * params * tokens for the encoder, attention scores 4 * T^2 * H per layer, and the
         vocabulary projection on the masked tokens only (Kaplan et al. 2020, eq. 2.2 style)."""
         cfg = self.model_cfg
-        h, layers, inter, vocab = cfg.hidden_size, cfg.num_layers, cfg.intermediate_size, self.vocab_size
+        h, layers, inter, vocab = (
+            cfg.hidden_size,
+            cfg.num_layers,
+            cfg.intermediate_size,
+            self.vocab_size,
+        )
         per_layer = 4 * h * h + 2 * h * inter  # q, k, v, out + two feed-forward matmuls
         encoder = 2 * layers * per_layer * seq_len + layers * 4 * seq_len * seq_len * h
         head = 2 * (h * h + h * vocab) * masked_per_sample

@@ -44,8 +44,9 @@ class BertTask(Task):
 
     def prepare(self) -> None:
         """Train/load the tokenizer and write the packed token cache (rank 0, before the others)."""
-        build_packed_text(self.corpus, self.cfg.data.vocab_size, self.cfg.model.max_seq_len,
-                          self.directory)
+        build_packed_text(
+            self.corpus, self.cfg.data.vocab_size, self.cfg.model.max_seq_len, self.directory
+        )
 
     def load(self) -> None:
         """Memory-map the packed tokens and split train/validation (every rank)."""
@@ -88,7 +89,9 @@ class BertTask(Task):
         """A freshly initialised model (seed the RNG first)."""
         return BertMaskedLM(self.cfg.model, self.data.vocab_size)
 
-    def make_batch(self, positions: Sequence[int], epoch: int, split: str) -> Dict[str, torch.Tensor]:
+    def make_batch(
+        self, positions: Sequence[int], epoch: int, split: str
+    ) -> Dict[str, torch.Tensor]:
         """Masked batch of split positions: ``input_ids``/``labels`` of shape ``(len(positions), T)``."""
         index = self.data.train_index if split == "train" else self.data.val_index
         rows = index[np.asarray(positions, dtype=np.int64)]

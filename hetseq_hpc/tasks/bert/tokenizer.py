@@ -17,8 +17,9 @@ log = logging.getLogger(__name__)
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
-def train_tokenizer(documents: Iterable[str], vocab_size: int, path: Path,
-                    show_progress: bool = False) -> Tokenizer:
+def train_tokenizer(
+    documents: Iterable[str], vocab_size: int, path: Path, show_progress: bool = False
+) -> Tokenizer:
     """Train a lower-casing WordPiece tokenizer and save it atomically to ``path`` (JSON).
 
     ``tokenizers`` streams ``documents`` in batches and counts words on all cores; memory grows

@@ -68,9 +68,15 @@ def cache_digest(head: str, files: Any, tokenizer_json: str) -> str:
 
 def hf_cache_key(data_cfg: Any, tokenizer_json: str, kind: str, seq_len: int) -> str:
     """Folder name for (files with their sizes and mtimes, tokenizer, kind, T, options)."""
-    return "hf-" + cache_digest(f"{HF_CACHE_FORMAT}|{kind}|{seq_len}|{data_cfg.pack}|"
-                                f"{data_cfg.text_field}|{data_cfg.label_field}",
-                                data_cfg.files, tokenizer_json)[:20]
+    return (
+        "hf-"
+        + cache_digest(
+            f"{HF_CACHE_FORMAT}|{kind}|{seq_len}|{data_cfg.pack}|"
+            f"{data_cfg.text_field}|{data_cfg.label_field}",
+            data_cfg.files,
+            tokenizer_json,
+        )[:20]
+    )
 
 
 def is_packed(kind: str, data_cfg: Any) -> bool:
@@ -110,8 +116,11 @@ class _Packer:
         the tokens added (separators not counted)."""
         total = int(flat.size)
         if self.sep:
-            flat = np.insert(flat, np.repeat(ends, len(self.sep)),
-                             np.tile(np.asarray(self.sep, dtype=np.int32), len(ends)))
+            flat = np.insert(
+                flat,
+                np.repeat(ends, len(self.sep)),
+                np.tile(np.asarray(self.sep, dtype=np.int32), len(ends)),
+            )
         self.pending.append(flat)
         return total
 
@@ -123,10 +132,10 @@ class _Packer:
         if full:
             body = stream[:full].reshape(-1, self.content)
             rows = np.empty((body.shape[0], self.out.seq_len), dtype=np.int32)
-            rows[:, :len(self.prefix)] = self.prefix
-            rows[:, len(self.prefix):len(self.prefix) + self.content] = body
+            rows[:, : len(self.prefix)] = self.prefix
+            rows[:, len(self.prefix) : len(self.prefix) + self.content] = body
             if self.suffix:
-                rows[:, -len(self.suffix):] = self.suffix
+                rows[:, -len(self.suffix) :] = self.suffix
             self.out.write(rows)
         self.pending = [stream[full:]]
 
@@ -150,8 +159,7 @@ def _encoder(tokenizer: Any, packed: bool, seq_len: int):
     return backend
 
 
-def build_hf_cache(data_cfg: Any, tokenizer: Any, kind: str, seq_len: int,
-                   directory: Path) -> Path:
+def build_hf_cache(data_cfg: Any, tokenizer: Any, kind: str, seq_len: int, directory: Path) -> Path:
     """Tokenise ``data_cfg.files`` into ``directory`` unless its ``meta.json`` exists.
 
     Raises:
@@ -228,7 +236,8 @@ def _build(data_cfg: Any, tokenizer: Any, kind: str, seq_len: int, directory: Pa
         if mode is not None:  # the word cache: the same ids, several times faster
             log.info("tokenising with the %s word cache on %d process(es)", mode, workers)
             for count, flat, ends, size in encode_stream(
-                    (texts for texts, _ in batches), encoder.to_str(), mode, workers):
+                (texts for texts, _ in batches), encoder.to_str(), mode, workers
+            ):
                 stats["texts"] += count
                 stats["bytes"] += size
                 stats["tokens"] += packer.add_flat(flat, ends)
@@ -246,7 +255,7 @@ def _build(data_cfg: Any, tokenizer: Any, kind: str, seq_len: int, directory: Pa
             size = np.empty(len(encodings), dtype=np.int32)
             for i, enc in enumerate(encodings):
                 ids = enc.ids[:seq_len]
-                block[i, :len(ids)] = ids
+                block[i, : len(ids)] = ids
                 size[i] = len(ids)
             stats["tokens"] += int(size.sum())
             out.write(block)
@@ -254,9 +263,11 @@ def _build(data_cfg: Any, tokenizer: Any, kind: str, seq_len: int, directory: Pa
             raw_labels.extend(labels)
         packer.flush()
         if out.rows < 2:
-            raise DataError(f"task.data.files give {out.rows} sample(s) of {seq_len} tokens "
-                            f"({stats['tokens']} tokens from {stats['texts']} texts): need at "
-                            "least 2; add text or lower task.model.max_seq_len")
+            raise DataError(
+                f"task.data.files give {out.rows} sample(s) of {seq_len} tokens "
+                f"({stats['tokens']} tokens from {stats['texts']} texts): need at "
+                "least 2; add text or lower task.model.max_seq_len"
+            )
         header = npy_header(out.rows, seq_len)
         if len(header) != NPY_HEADER_BYTES:  # pragma: no cover - numpy's padding rule
             raise DataError(f"numpy wrote a {len(header)}-byte .npy header: delete {directory}")
@@ -270,17 +281,36 @@ def _build(data_cfg: Any, tokenizer: Any, kind: str, seq_len: int, directory: Pa
         save_npy(directory / "lengths.npy", np.concatenate(lengths))
     if label_names is not None:
         index = {name: i for i, name in enumerate(label_names)}
-        save_npy(directory / "labels.npy",
-                 np.asarray([index[_name(v)] for v in raw_labels], dtype=np.int64))
+        save_npy(
+            directory / "labels.npy",
+            np.asarray([index[_name(v)] for v in raw_labels], dtype=np.int64),
+        )
     seconds = time.monotonic() - started
-    meta = {"format": HF_CACHE_FORMAT, "kind": kind, "packed": packed, "seq_len": seq_len,
-            "rows": stats["rows"], "texts": stats["texts"], "tokens": stats["tokens"],
-            "bytes": stats["bytes"], "pad_id": int(pad_id), "label_names": label_names,
-            "files": list(data_cfg.files), "seconds": round(seconds, 3)}
+    meta = {
+        "format": HF_CACHE_FORMAT,
+        "kind": kind,
+        "packed": packed,
+        "seq_len": seq_len,
+        "rows": stats["rows"],
+        "texts": stats["texts"],
+        "tokens": stats["tokens"],
+        "bytes": stats["bytes"],
+        "pad_id": int(pad_id),
+        "label_names": label_names,
+        "files": list(data_cfg.files),
+        "seconds": round(seconds, 3),
+    }
     atomic_write_text(directory / "meta.json", json.dumps(meta, indent=1), durable=True)
-    log.info("tokenised %d texts (%.1f MB, %d tokens) into %d rows x %d in %.1f s -> %s",
-             stats["texts"], stats["bytes"] / 1e6, stats["tokens"], stats["rows"], seq_len,
-             seconds, directory)
+    log.info(
+        "tokenised %d texts (%.1f MB, %d tokens) into %d rows x %d in %.1f s -> %s",
+        stats["texts"],
+        stats["bytes"] / 1e6,
+        stats["tokens"],
+        stats["rows"],
+        seq_len,
+        seconds,
+        directory,
+    )
 
 
 #: JSON label types by Python type (for the mixed-type check of :func:`_label_names`)
@@ -312,15 +342,20 @@ def _label_names(raw: List[object]) -> List[str]:
     for a, b in (("boolean", None), ("integer", "float")):
         if a in first and len(first) > 1 and (b is None or b in first):
             other = next(k for k in first if k != a) if b is None else b
-            raise DataError(f"the label column mixes {a} and {other} labels (e.g. "
-                            f"{first[a]!r} and {first[other]!r}): store every label as one "
-                            "type")
+            raise DataError(
+                f"the label column mixes {a} and {other} labels (e.g. "
+                f"{first[a]!r} and {first[other]!r}): store every label as one "
+                "type"
+            )
     integers = all(type(v) is int for v in raw) or all(
-        isinstance(v, str) and v.strip().isdecimal() for v in raw)
+        isinstance(v, str) and v.strip().isdecimal() for v in raw
+    )
     names = {_name(v) for v in raw}
     if len(names) < 2:
-        raise DataError(f"the label column holds {len(names)} distinct value(s) "
-                        f"({sorted(names)[:3]}): classification needs at least 2")
+        raise DataError(
+            f"the label column holds {len(names)} distinct value(s) "
+            f"({sorted(names)[:3]}): classification needs at least 2"
+        )
     if integers:
         values = {int(name) for name in names}
         if min(values) < 0:
@@ -338,8 +373,9 @@ def open_hf_cache(directory: Path) -> Tuple[dict, Dict[str, np.ndarray]]:
     try:
         meta = json.loads((directory / "meta.json").read_text())
     except Exception:
-        raise DataError(f"hf token cache {str(directory)!r} is unreadable: delete that "
-                        "directory to rebuild it") from None
+        raise DataError(
+            f"hf token cache {str(directory)!r} is unreadable: delete that directory to rebuild it"
+        ) from None
     names = ["tokens"] + ([] if meta["packed"] else ["lengths"])
     names += ["labels"] if meta["kind"] == "classification" else []
     return open_npy_cache(directory, names, "hf token cache")

@@ -28,15 +28,19 @@ def check_hf_task(task_cfg: Any) -> None:
     from hetseq_hpc.tasks.hf.hf_records import INSTALL_HINT, check_columns
 
     if importlib.util.find_spec("datasets") is None:
-        raise ConfigError("task=hf reads task.data.files with Hugging Face datasets, which is "
-                          f"not installed: {INSTALL_HINT}")
+        raise ConfigError(
+            "task=hf reads task.data.files with Hugging Face datasets, which is "
+            f"not installed: {INSTALL_HINT}"
+        )
     config = load_hf_config(task_cfg.model)
     kind = model_kind(task_cfg.model, config)
     check_model_fits_kind(task_cfg.model, config, kind, load_tokenizer(task_cfg.model))
     wanted = [(task_cfg.data.text_field, "task.data.text_field")]
     if kind == "seq2seq":
-        wanted = [(task_cfg.data.source_field, "task.data.source_field"),
-                  (task_cfg.data.target_field, "task.data.target_field")]
+        wanted = [
+            (task_cfg.data.source_field, "task.data.source_field"),
+            (task_cfg.data.target_field, "task.data.target_field"),
+        ]
     if kind == "classification":
         wanted.append((task_cfg.data.label_field, "task.data.label_field"))
     check_columns(task_cfg.data.files, wanted)
@@ -67,9 +71,11 @@ def check_model_fits_kind(model_cfg: Any, config: Any, kind: str, tokenizer: Any
     """
     if kind == "masked_lm" and tokenizer.mask_token_id is None:
         source = model_cfg.tokenizer or model_cfg.path or model_cfg.config
-        raise ConfigError(f"the tokenizer of {source!r} has no mask token: "
-                          "task.model.kind=masked_lm needs one (set tokenizer.mask_token and "
-                          "save it) or choose another task.model.kind")
+        raise ConfigError(
+            f"the tokenizer of {source!r} has no mask token: "
+            "task.model.kind=masked_lm needs one (set tokenizer.mask_token and "
+            "save it) or choose another task.model.kind"
+        )
     limit = position_limit(config)
     widths = [("task.model.max_seq_len", int(model_cfg.max_seq_len))]
     if kind == "seq2seq":
@@ -80,8 +86,9 @@ def check_model_fits_kind(model_cfg: Any, config: Any, kind: str, tokenizer: Any
             widths.append(("task.model.max_target_len", int(model_cfg.max_target_len)))
     for key, width in widths:
         if limit and width > limit:
-            raise ConfigError(f"{key}={width} exceeds the model's {limit} positions: use "
-                              f"{key}<={limit}")
+            raise ConfigError(
+                f"{key}={width} exceeds the model's {limit} positions: use {key}<={limit}"
+            )
 
 
 def check_dataset_task(task_cfg: Any) -> None:

@@ -29,13 +29,24 @@ DROPOUT_SUFFIXES = ("dropout", "_pdrop", "dropout_prob", "dropout_rate", "dropou
 #: set even while None (BERT-style heads fall back to hidden_dropout_prob when it is None)
 DROPOUT_NONE_OK = ("classifier_dropout",)
 #: files of which a tokenizer directory holds at least one (tokenizer.json for a fast one)
-TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "spiece.model", "tokenizer.model",
-                   "sentencepiece.bpe.model", "merges.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "tokenizer.model",
+    "sentencepiece.bpe.model",
+    "merges.txt",
+)
 #: architecture suffix -> kind, for ``task.model.kind=auto``
-ARCH_KINDS = (("ForCausalLM", "causal_lm"), ("LMHeadModel", "causal_lm"),
-              ("ForMaskedLM", "masked_lm"), ("ForPreTraining", "masked_lm"),
-              ("ForSequenceClassification", "classification"),
-              ("ForConditionalGeneration", "seq2seq"))
+ARCH_KINDS = (
+    ("ForCausalLM", "causal_lm"),
+    ("LMHeadModel", "causal_lm"),
+    ("ForMaskedLM", "masked_lm"),
+    ("ForPreTraining", "masked_lm"),
+    ("ForSequenceClassification", "classification"),
+    ("ForConditionalGeneration", "seq2seq"),
+)
 KINDS = ("causal_lm", "masked_lm", "classification", "seq2seq")
 
 
@@ -75,9 +86,11 @@ def load_hf_config(model_cfg: Any) -> Any:
         else:
             config = AutoConfig.from_pretrained(source, local_files_only=True)
     except Exception as exc:
-        raise ConfigError(f"model config {source!r} cannot be read ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''}): give a "
-                          "config.json written by save_pretrained") from None
+        raise ConfigError(
+            f"model config {source!r} cannot be read ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}): give a "
+            "config.json written by save_pretrained"
+        ) from None
     set_dropout(config, model_cfg.dropout)
     return config
 
@@ -93,8 +106,9 @@ def dropout_attributes(config: Any) -> List[str]:
         if isinstance(value, PretrainedConfig):
             names += [f"{name}.{inner}" for inner in dropout_attributes(value)]
         elif name.lower().endswith(DROPOUT_SUFFIXES) and (
-                (isinstance(value, (float, int)) and not isinstance(value, bool))
-                or (value is None and name in DROPOUT_NONE_OK)):
+            (isinstance(value, (float, int)) and not isinstance(value, bool))
+            or (value is None and name in DROPOUT_NONE_OK)
+        ):
             names.append(name)
     return names
 
@@ -126,9 +140,11 @@ def model_kind(model_cfg: Any, config: Any) -> str:
         for suffix, kind in ARCH_KINDS:
             if arch.endswith(suffix):
                 return kind
-    raise ConfigError(f"task.model.kind=auto cannot tell the head from config.architectures="
-                      f"{getattr(config, 'architectures', None)}: set task.model.kind="
-                      f"{'|'.join(KINDS)}")
+    raise ConfigError(
+        f"task.model.kind=auto cannot tell the head from config.architectures="
+        f"{getattr(config, 'architectures', None)}: set task.model.kind="
+        f"{'|'.join(KINDS)}"
+    )
 
 
 def load_tokenizer(model_cfg: Any) -> Any:
@@ -145,18 +161,24 @@ def load_tokenizer(model_cfg: Any) -> Any:
         source = os.path.dirname(source)
     if not any(os.path.isfile(os.path.join(source, name)) for name in TOKENIZER_FILES):
         # transformers 5 would build an EMPTY tokenizer from the config's model type
-        raise ConfigError(f"no tokenizer in {source!r} (none of {', '.join(TOKENIZER_FILES[:3])}"
-                          ", ...): save one there (tokenizer.save_pretrained) or set "
-                          "task.model.tokenizer=<dir>")
+        raise ConfigError(
+            f"no tokenizer in {source!r} (none of {', '.join(TOKENIZER_FILES[:3])}"
+            ", ...): save one there (tokenizer.save_pretrained) or set "
+            "task.model.tokenizer=<dir>"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, use_fast=True)
     except Exception as exc:
-        raise ConfigError(f"no tokenizer could be loaded from {source!r} ({type(exc).__name__}):"
-                          " save one there (tokenizer.save_pretrained) or set "
-                          "task.model.tokenizer=<dir>") from None
+        raise ConfigError(
+            f"no tokenizer could be loaded from {source!r} ({type(exc).__name__}):"
+            " save one there (tokenizer.save_pretrained) or set "
+            "task.model.tokenizer=<dir>"
+        ) from None
     if not getattr(tokenizer, "is_fast", False):
-        raise ConfigError(f"the tokenizer in {source!r} is a slow (Python) one: save a fast "
-                          "tokenizer (tokenizer.json) there")
+        raise ConfigError(
+            f"the tokenizer in {source!r} is a slow (Python) one: save a fast "
+            "tokenizer (tokenizer.json) there"
+        )
     return tokenizer
 
 
@@ -168,16 +190,23 @@ def build_hf_model(model_cfg: Any, config: Any, kind: str) -> nn.Module:
     offline()
     import transformers
 
-    cls = {"causal_lm": transformers.AutoModelForCausalLM,
-           "masked_lm": transformers.AutoModelForMaskedLM,
-           "classification": transformers.AutoModelForSequenceClassification,
-           "seq2seq": transformers.AutoModelForSeq2SeqLM}[kind]
+    cls = {
+        "causal_lm": transformers.AutoModelForCausalLM,
+        "masked_lm": transformers.AutoModelForMaskedLM,
+        "classification": transformers.AutoModelForSequenceClassification,
+        "seq2seq": transformers.AutoModelForSeq2SeqLM,
+    }[kind]
     fp32 = fp32_kwargs()
     if model_cfg.path is None:
         return cls.from_config(config, **fp32)
-    return cls.from_pretrained(model_cfg.path, config=config, local_files_only=True,
-                               use_safetensors=True, ignore_mismatched_sizes=kind == "classification",
-                               **fp32)
+    return cls.from_pretrained(
+        model_cfg.path,
+        config=config,
+        local_files_only=True,
+        use_safetensors=True,
+        ignore_mismatched_sizes=kind == "classification",
+        **fp32,
+    )
 
 
 def fp32_kwargs() -> Dict[str, Any]:
@@ -206,20 +235,33 @@ class SummedLossModel(nn.Module):
         self.model = model
         self.kind = kind
 
-    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-               decoder_input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def logits(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        decoder_input_ids: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """The model's logits: ``(B, T, vocab)`` (LM, seq2seq: ``T'``) or ``(B, classes)``."""
         extra = {} if decoder_input_ids is None else {"decoder_input_ids": decoder_input_ids}
         return self.model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                labels: torch.Tensor, decoder_input_ids: Optional[torch.Tensor] = None,
-                return_logits: bool = False) -> Any:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        labels: torch.Tensor,
+        decoder_input_ids: Optional[torch.Tensor] = None,
+        return_logits: bool = False,
+    ) -> Any:
         """0-dim SUM of the per-unit cross-entropy (never the model's mean ``labels=`` loss);
         ``(loss, logits)`` with ``return_logits`` (validation: accuracy from the same pass)."""
         logits = self.logits(input_ids, attention_mask, decoder_input_ids)
-        loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(),
-                               ignore_index=IGNORE_INDEX, reduction="sum")
+        loss = F.cross_entropy(
+            logits.flatten(0, -2).float(),
+            labels.flatten(),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
         return (loss, logits) if return_logits else loss
 
 
@@ -236,8 +278,11 @@ def no_split_units(model: nn.Module) -> List[nn.Module]:
     tied = [set(n) for n in owners.values() if len(n) > 1]
     chosen: List[nn.Module] = []
     for prefix, module in inner.named_modules():
-        if module is inner or type(module).__name__ not in names or any(
-                any(m is module for m in c.modules()) for c in chosen):
+        if (
+            module is inner
+            or type(module).__name__ not in names
+            or any(any(m is module for m in c.modules()) for c in chosen)
+        ):
             continue
         inside = {f"{prefix}.{n}" for n, _ in module.named_parameters(remove_duplicate=False)}
         if any(group & inside and not group <= inside for group in tied):

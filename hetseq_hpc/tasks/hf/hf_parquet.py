@@ -20,8 +20,10 @@ from hetseq_hpc.errors import DataError
 BATCH_ROWS = 1024
 
 #: the fix printed when pyarrow is missing
-INSTALL_HINT = ("pip install 'hetseq-hpc[parquet]' (or convert it to JSON lines: one "
-                "{\"text\": ...} object per line)")
+INSTALL_HINT = (
+    "pip install 'hetseq-hpc[parquet]' (or convert it to JSON lines: one "
+    '{"text": ...} object per line)'
+)
 
 
 def _parquet_file(path: str):
@@ -34,14 +36,17 @@ def _parquet_file(path: str):
         import pyarrow
         import pyarrow.parquet as pq
     except ImportError:
-        raise DataError(f"data file {path!r} is Parquet, which needs pyarrow: "
-                        f"{INSTALL_HINT}") from None
+        raise DataError(
+            f"data file {path!r} is Parquet, which needs pyarrow: {INSTALL_HINT}"
+        ) from None
     try:
         return pq.ParquetFile(path)
     except (pyarrow.ArrowException, OSError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DataError(f"data file {path!r} is not a readable Parquet file ({reason}): "
-                        "check it, or write it again (e.g. pandas.DataFrame.to_parquet)") from None
+        raise DataError(
+            f"data file {path!r} is not a readable Parquet file ({reason}): "
+            "check it, or write it again (e.g. pandas.DataFrame.to_parquet)"
+        ) from None
 
 
 def parquet_columns(path: str) -> List[str]:
@@ -52,8 +57,9 @@ def parquet_columns(path: str) -> List[str]:
     """
     pf = _parquet_file(path)
     if pf.metadata.num_rows == 0:
-        raise DataError(f"data file {path!r} holds no records (a Parquet file of 0 rows): "
-                        "give a file with data")
+        raise DataError(
+            f"data file {path!r} holds no records (a Parquet file of 0 rows): give a file with data"
+        )
     return list(pf.schema_arrow.names)
 
 
@@ -70,9 +76,11 @@ def parquet_rows(path: str, fields: Sequence[str]) -> Iterator[Tuple[int, Dict[s
     wanted = list(dict.fromkeys(fields))
     for name in wanted:
         if name not in found:
-            raise DataError(f"data file {path!r} has no column {name!r}; its columns are "
-                            f"{', '.join(map(repr, found))}: set the task.data.*_field that "
-                            "names it to one of them")
+            raise DataError(
+                f"data file {path!r} has no column {name!r}; its columns are "
+                f"{', '.join(map(repr, found))}: set the task.data.*_field that "
+                "names it to one of them"
+            )
     import pyarrow
 
     pf = _parquet_file(path)
@@ -86,5 +94,7 @@ def parquet_rows(path: str, fields: Sequence[str]) -> Iterator[Tuple[int, Dict[s
                 yield number, dict(zip(names, row))
     except (pyarrow.ArrowException, OSError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DataError(f"data file {path!r} cannot be read after record {number} "
-                        f"({reason}): check it, or write it again") from None
+        raise DataError(
+            f"data file {path!r} cannot be read after record {number} "
+            f"({reason}): check it, or write it again"
+        ) from None

@@ -49,8 +49,15 @@ from hetseq_hpc.tasks.hf.hf_parquet import parquet_columns, parquet_rows
 log = logging.getLogger(__name__)
 
 #: suffix -> format
-FORMATS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".csv": "csv",
-           ".tsv": "tsv", ".parquet": "parquet"}
+FORMATS = {
+    ".txt": "text",
+    ".text": "text",
+    ".jsonl": "json",
+    ".json": "json",
+    ".csv": "csv",
+    ".tsv": "tsv",
+    ".parquet": "parquet",
+}
 
 #: records taken from ``datasets`` at a time (Parquet: :data:`hf_parquet.BATCH_ROWS`)
 BATCH_RECORDS = 10_000
@@ -64,8 +71,18 @@ INSTALL_HINT = "pip install 'hetseq-hpc[hf]'"
 
 #: first bytes that ``datasets`` takes for a compressed file (it would unpack it, where the
 #: standard library reads the bytes as they are): such files go to the standard library
-_COMPRESSED = (b"PK\x03\x04", b"PK\x05\x06", b"PK\x07\x08", b"BZh", b"\x1f\x8b",
-               b"\xfd7zXZ\x00", b"\x04\x22\x4d\x18", b"\x28\xb5\x2f\xfd", b"Rar!")
+_COMPRESSED = (
+    b"PK\x03\x04",
+    b"PK\x05\x06",
+    b"PK\x07\x08",
+    b"BZh",
+    b"\x1f\x8b",
+    b"\xfd7zXZ\x00",
+    b"\x04\x22\x4d\x18",
+    b"\x28\xb5\x2f\xfd",
+    b"Rar!",
+)
+
 
 def file_format(path: str) -> str:
     """``"text"``, ``"json"``, ``"csv"``, ``"tsv"`` or ``"parquet"`` from the suffix of
@@ -102,8 +119,10 @@ def columns(path: str) -> List[str]:
         if fmt in ("csv", "tsv"):
             names = _csv_reader(fh, fmt).fieldnames
             if not names:
-                raise DataError(f"data file {path!r} has no header row: put the column names "
-                                "(e.g. text,label) on the first line")
+                raise DataError(
+                    f"data file {path!r} has no header row: put the column names "
+                    "(e.g. text,label) on the first line"
+                )
             return list(names)
         for number, line in enumerate(fh, 1):
             if line.strip():
@@ -115,11 +134,15 @@ def _json_object(line: str, path: str, number: int) -> Dict[str, object]:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise DataError(f"data file {path!r} line {number} is not JSON ({exc.msg}): write one "
-                        "JSON object per line (JSON lines)") from None
+        raise DataError(
+            f"data file {path!r} line {number} is not JSON ({exc.msg}): write one "
+            "JSON object per line (JSON lines)"
+        ) from None
     if not isinstance(obj, dict):
-        raise DataError(f"data file {path!r} line {number} is a {type(obj).__name__}, not a "
-                        "JSON object: write one {\"text\": ...} object per line")
+        raise DataError(
+            f"data file {path!r} line {number} is a {type(obj).__name__}, not a "
+            'JSON object: write one {"text": ...} object per line'
+        )
     return obj
 
 
@@ -138,15 +161,18 @@ def check_columns(paths: Sequence[str], wanted: Sequence[Tuple[str, str]]) -> No
         for name, key in wanted:
             if name not in found:
                 if file_format(path) == "text":
-                    raise DataError(f"data file {path!r} is plain text (one column, the text): "
-                                    f"{key}={name!r} needs JSON lines, CSV or Parquet with that column")
-                raise DataError(f"data file {path!r} has no column {name!r} ({key}); its "
-                                f"columns are {', '.join(map(repr, found))}: set {key}=<one of "
-                                "them>")
+                    raise DataError(
+                        f"data file {path!r} is plain text (one column, the text): "
+                        f"{key}={name!r} needs JSON lines, CSV or Parquet with that column"
+                    )
+                raise DataError(
+                    f"data file {path!r} has no column {name!r} ({key}); its "
+                    f"columns are {', '.join(map(repr, found))}: set {key}=<one of "
+                    "them>"
+                )
 
 
-def records(path: str, text_field: str, label_field: Optional[str]
-            ) -> Iterator[Tuple[str, object]]:
+def records(path: str, text_field: str, label_field: Optional[str]) -> Iterator[Tuple[str, object]]:
     """``(text, label)`` of every record of ``path`` in file order (label None without
     ``label_field``); empty lines of text and JSON-lines files are skipped. Texts are ``str``;
     labels as stored (JSON: ``int``/``str``/``bool``/...; CSV: ``str``; Parquet: its type).
@@ -176,8 +202,14 @@ def records(path: str, text_field: str, label_field: Optional[str]
         raise
     except Exception as exc:  # whatever it is, the standard library decides
         reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-        log.info("data file %s: datasets stopped after %d records (%s: %s); the standard "
-                 "library reads on", path, done, type(exc).__name__, reason)
+        log.info(
+            "data file %s: datasets stopped after %d records (%s: %s); the standard "
+            "library reads on",
+            path,
+            done,
+            type(exc).__name__,
+            reason,
+        )
         yield from itertools.islice(_stdlib_records(path, text_field, label_field), done, None)
         return
 
@@ -224,8 +256,10 @@ def _import_datasets():
         import datasets
         import datasets.config
     except ImportError as exc:
-        raise DataError(f"task=hf reads its data files with Hugging Face datasets, which is not "
-                        f"installed ({exc}): {INSTALL_HINT}") from None
+        raise DataError(
+            f"task=hf reads its data files with Hugging Face datasets, which is not "
+            f"installed ({exc}): {INSTALL_HINT}"
+        ) from None
     datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
     datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
     datasets.disable_progress_bars()
@@ -234,8 +268,9 @@ def _import_datasets():
     return datasets
 
 
-def _datasets_batches(path: str, fmt: str, fields: Sequence[str]
-                      ) -> Iterator[List[Tuple[str, object]]]:
+def _datasets_batches(
+    path: str, fmt: str, fields: Sequence[str]
+) -> Iterator[List[Tuple[str, object]]]:
     """Lists of ``(text, label)`` read by ``datasets``, a batch at a time; raises (anything)
     where a record is not what the standard library would give, after the list of the
     records before it, for :func:`records` to hand over to the standard library."""
@@ -246,10 +281,15 @@ def _datasets_batches(path: str, fmt: str, fields: Sequence[str]
     if fmt in ("csv", "tsv"):
         # every value the string the csv module reads; "" (an empty or a missing cell: the
         # csv module tells them apart, pandas does not) and blank lines come as None
-        options = dict(sep="\t" if fmt == "tsv" else ",", usecols=wanted,
-                       features=datasets.Features({n: datasets.Value("string") for n in wanted}),
-                       keep_default_na=False, na_values=[""], skip_blank_lines=False,
-                       index_col=False)
+        options = dict(
+            sep="\t" if fmt == "tsv" else ",",
+            usecols=wanted,
+            features=datasets.Features({n: datasets.Value("string") for n in wanted}),
+            keep_default_na=False,
+            na_values=[""],
+            skip_blank_lines=False,
+            index_col=False,
+        )
     elif fmt == "parquet":
         batch = hf_parquet.BATCH_ROWS
         options = dict(columns=wanted, batch_size=batch)
@@ -258,8 +298,14 @@ def _datasets_batches(path: str, fmt: str, fields: Sequence[str]
     builder = {"tsv": "csv", "json": "text"}.get(fmt, fmt)
     cache = tempfile.mkdtemp(prefix="hetseq-datasets-")
     try:
-        ds = datasets.load_dataset(builder, data_files=[glob.escape(os.path.abspath(path))],
-                                   split="train", streaming=True, cache_dir=cache, **options)
+        ds = datasets.load_dataset(
+            builder,
+            data_files=[glob.escape(os.path.abspath(path))],
+            split="train",
+            streaming=True,
+            cache_dir=cache,
+            **options,
+        )
         for table in ds.with_format("arrow").iter(batch_size=batch):
             if fmt == "text":
                 yield [(line, None) for line in table.column("text").to_pylist() if line.strip()]
@@ -268,13 +314,18 @@ def _datasets_batches(path: str, fmt: str, fields: Sequence[str]
                 yield from _json_lines_batch(table.column("text").to_pylist(), fields)
                 continue
             texts = table.column(fields[0]).to_pylist()
-            labels = (table.column(fields[1]).to_pylist() if len(fields) > 1
-                      else [None] * len(texts))
-            good = [(text, label) for text, label in zip(texts, labels)
-                    if isinstance(text, str) and (label is not None or len(fields) == 1)]
+            labels = table.column(fields[1]).to_pylist() if len(fields) > 1 else [None] * len(texts)
+            good = [
+                (text, label)
+                for text, label in zip(texts, labels)
+                if isinstance(text, str) and (label is not None or len(fields) == 1)
+            ]
             if len(good) < len(texts):  # the records before the first bad one, then stop
-                bad = next(i for i, (text, label) in enumerate(zip(texts, labels))
-                           if not isinstance(text, str) or (label is None and len(fields) > 1))
+                bad = next(
+                    i
+                    for i, (text, label) in enumerate(zip(texts, labels))
+                    if not isinstance(text, str) or (label is None and len(fields) > 1)
+                )
                 yield good[:bad]
                 raise ValueError(f"record {bad + 1} of a batch has no text or label")
             yield good
@@ -282,8 +333,9 @@ def _datasets_batches(path: str, fmt: str, fields: Sequence[str]
         shutil.rmtree(cache, ignore_errors=True)
 
 
-def _json_lines_batch(lines: List[str], fields: Sequence[str]
-                     ) -> Iterator[List[Tuple[str, object]]]:
+def _json_lines_batch(
+    lines: List[str], fields: Sequence[str]
+) -> Iterator[List[Tuple[str, object]]]:
     """``(text, label)`` of the non-empty ``lines`` (one JSON object each), decoded by
     :func:`json.loads` as the standard library reader decodes them: one list, the records
     before the first line it would refuse (not JSON, not an object, no text string, no label),
@@ -305,8 +357,9 @@ def _json_lines_batch(lines: List[str], fields: Sequence[str]
     yield good
 
 
-def _stdlib_records(path: str, text_field: str, label_field: Optional[str]
-                    ) -> Iterator[Tuple[str, object]]:
+def _stdlib_records(
+    path: str, text_field: str, label_field: Optional[str]
+) -> Iterator[Tuple[str, object]]:
     """:func:`records` read by the standard library (Parquet: pyarrow): the reference, the
     diagnosis of bad input, and the reader of what ``datasets`` would read differently.
 
@@ -317,8 +370,10 @@ def _stdlib_records(path: str, text_field: str, label_field: Optional[str]
     if fmt == "parquet":
         fields = [text_field] + ([label_field] if label_field else [])
         for number, row in parquet_rows(path, fields):
-            yield _field(row, text_field, path, number), (
-                _field(row, label_field, path, number, text=False) if label_field else None)
+            yield (
+                _field(row, text_field, path, number),
+                (_field(row, label_field, path, number, text=False) if label_field else None),
+            )
         return
     try:
         with open(path, encoding="utf-8", newline="" if fmt in ("csv", "tsv") else None) as fh:
@@ -331,14 +386,18 @@ def _stdlib_records(path: str, text_field: str, label_field: Optional[str]
             if fmt in ("csv", "tsv"):
                 rows = ((n, row) for n, row in enumerate(_csv_reader(fh, fmt), 2))
             else:
-                rows = ((n, _json_object(line, path, n)) for n, line in enumerate(fh, 1)
-                        if line.strip())
+                rows = (
+                    (n, _json_object(line, path, n)) for n, line in enumerate(fh, 1) if line.strip()
+                )
             for number, row in rows:
-                yield _field(row, text_field, path, number), (
-                    _field(row, label_field, path, number, text=False) if label_field else None)
+                yield (
+                    _field(row, text_field, path, number),
+                    (_field(row, label_field, path, number, text=False) if label_field else None),
+                )
     except UnicodeDecodeError as exc:
-        raise DataError(f"data file {path!r} is not UTF-8 text ({exc.reason}): convert it "
-                        "(iconv -t utf-8)") from None
+        raise DataError(
+            f"data file {path!r} is not UTF-8 text ({exc.reason}): convert it (iconv -t utf-8)"
+        ) from None
     except OSError as exc:
         raise DataError(f"data file {path!r} cannot be read ({exc.strerror}): check it") from None
 
@@ -346,9 +405,13 @@ def _stdlib_records(path: str, text_field: str, label_field: Optional[str]
 def _field(row: Dict[str, object], name: str, path: str, number: int, text: bool = True):
     value = row.get(name)
     if value is None:
-        raise DataError(f"data file {path!r} record {number} has no {name!r} value (columns "
-                        f"{', '.join(map(repr, row))}): fill it in or drop the record")
+        raise DataError(
+            f"data file {path!r} record {number} has no {name!r} value (columns "
+            f"{', '.join(map(repr, row))}): fill it in or drop the record"
+        )
     if text and not isinstance(value, str):
-        raise DataError(f"data file {path!r} record {number}: {name!r} is a "
-                        f"{type(value).__name__}, not text: store the text as a string")
+        raise DataError(
+            f"data file {path!r} record {number}: {name!r} is a "
+            f"{type(value).__name__}, not text: store the text as a string"
+        )
     return value

@@ -40,12 +40,17 @@ IGNORE_INDEX = -100
 ARRAYS = ("source", "target", "source_len", "target_len")
 
 
-def seq2seq_cache_key(data_cfg: Any, tokenizer_json: str, source_len: int,
-                      target_len: int) -> str:
+def seq2seq_cache_key(data_cfg: Any, tokenizer_json: str, source_len: int, target_len: int) -> str:
     """Folder name for (files with their sizes and mtimes, tokenizer, widths, columns)."""
-    return "hf-s2s-" + cache_digest(f"{SEQ2SEQ_CACHE_FORMAT}|seq2seq|{source_len}|{target_len}|"
-                                    f"{data_cfg.source_field}|{data_cfg.target_field}",
-                                    data_cfg.files, tokenizer_json)[:20]
+    return (
+        "hf-s2s-"
+        + cache_digest(
+            f"{SEQ2SEQ_CACHE_FORMAT}|seq2seq|{source_len}|{target_len}|"
+            f"{data_cfg.source_field}|{data_cfg.target_field}",
+            data_cfg.files,
+            tokenizer_json,
+        )[:20]
+    )
 
 
 def decoder_start_id(config: Any) -> int:
@@ -56,8 +61,10 @@ def decoder_start_id(config: Any) -> int:
     """
     value = getattr(config, "decoder_start_token_id", None)
     if value is None:
-        raise ConfigError("the model's config has no decoder_start_token_id: task.model.kind="
-                          "seq2seq needs it (set it in config.json, e.g. the pad id for T5)")
+        raise ConfigError(
+            "the model's config has no decoder_start_token_id: task.model.kind="
+            "seq2seq needs it (set it in config.json, e.g. the pad id for T5)"
+        )
     return int(value)
 
 
@@ -81,11 +88,14 @@ def _pairs(data_cfg: Any, size: int):
     targets: List[str] = []
     for path in data_cfg.files:
         for number, (source, target) in enumerate(
-                records(path, data_cfg.source_field, data_cfg.target_field), 1):
+            records(path, data_cfg.source_field, data_cfg.target_field), 1
+        ):
             if not isinstance(target, str):
-                raise DataError(f"data file {path!r} record {number}: "
-                                f"{data_cfg.target_field!r} is a {type(target).__name__}, not "
-                                "text: store the target as a string")
+                raise DataError(
+                    f"data file {path!r} record {number}: "
+                    f"{data_cfg.target_field!r} is a {type(target).__name__}, not "
+                    "text: store the target as a string"
+                )
             sources.append(source)
             targets.append(target)
             if len(sources) >= size:
@@ -100,25 +110,28 @@ def _block(encodings: list, width: int, pad_id: int) -> Tuple[np.ndarray, np.nda
     size = np.empty(len(encodings), dtype=np.int32)
     for i, enc in enumerate(encodings):
         ids = enc.ids[:width]
-        block[i, :len(ids)] = ids
+        block[i, : len(ids)] = ids
         size[i] = len(ids)
     return block, size
 
 
-def build_seq2seq_cache(data_cfg: Any, tokenizer: Any, source_len: int, target_len: int,
-                        directory: Path) -> Path:
+def build_seq2seq_cache(
+    data_cfg: Any, tokenizer: Any, source_len: int, target_len: int, directory: Path
+) -> Path:
     """Tokenise the (source, target) pairs of ``data_cfg.files`` into ``directory`` unless its
     ``meta.json`` exists (rank 0, in ``prepare``).
 
     Raises:
         DataError: a file cannot be read or lacks a column; fewer than 2 pairs.
     """
-    return build_once(directory,
-                      lambda: _build(data_cfg, tokenizer, source_len, target_len, directory))
+    return build_once(
+        directory, lambda: _build(data_cfg, tokenizer, source_len, target_len, directory)
+    )
 
 
-def _build(data_cfg: Any, tokenizer: Any, source_len: int, target_len: int,
-           directory: Path) -> None:
+def _build(
+    data_cfg: Any, tokenizer: Any, source_len: int, target_len: int, directory: Path
+) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "true"
     started = time.monotonic()
     pad_id = tokenizer.pad_token_id
@@ -127,32 +140,56 @@ def _build(data_cfg: Any, tokenizer: Any, source_len: int, target_len: int,
     parts: Dict[str, List[np.ndarray]] = {name: [] for name in ARRAYS}
     texts = 0
     for sources, targets in _pairs(data_cfg, data_cfg.encode_batch):
-        for name, encoder, width, batch in (("source", src_enc, source_len, sources),
-                                            ("target", tgt_enc, target_len, targets)):
-            block, size = _block(encoder.encode_batch(batch, add_special_tokens=True), width,
-                                 pad_id)
+        for name, encoder, width, batch in (
+            ("source", src_enc, source_len, sources),
+            ("target", tgt_enc, target_len, targets),
+        ):
+            block, size = _block(
+                encoder.encode_batch(batch, add_special_tokens=True), width, pad_id
+            )
             parts[name].append(block)
             parts[f"{name}_len"].append(size)
         texts += len(sources)
     if texts < 2:
-        raise DataError(f"task.data.files give {texts} (source, target) pair(s): need at "
-                        "least 2; add records")
+        raise DataError(
+            f"task.data.files give {texts} (source, target) pair(s): need at least 2; add records"
+        )
     arrays = {name: np.concatenate(parts[name]) for name in ARRAYS}
     if not arrays["target_len"].all():
         row = int(np.flatnonzero(arrays["target_len"] == 0)[0])
-        raise DataError(f"task.data.files: pair {row + 1} has an empty target "
-                        f"({data_cfg.target_field!r}): fill it in or drop the record")
+        raise DataError(
+            f"task.data.files: pair {row + 1} has an empty target "
+            f"({data_cfg.target_field!r}): fill it in or drop the record"
+        )
     for name in ARRAYS:
         save_npy(directory / f"{name}.npy", arrays[name])
     seconds = time.monotonic() - started
-    meta = {"format": SEQ2SEQ_CACHE_FORMAT, "kind": "seq2seq", "packed": False,
-            "seq_len": source_len, "target_len": target_len, "rows": texts, "texts": texts,
-            "tokens": int(arrays["source_len"].sum()),
-            "target_tokens": int(arrays["target_len"].sum()), "pad_id": pad_id,
-            "label_names": None, "files": list(data_cfg.files), "seconds": round(seconds, 3)}
+    meta = {
+        "format": SEQ2SEQ_CACHE_FORMAT,
+        "kind": "seq2seq",
+        "packed": False,
+        "seq_len": source_len,
+        "target_len": target_len,
+        "rows": texts,
+        "texts": texts,
+        "tokens": int(arrays["source_len"].sum()),
+        "target_tokens": int(arrays["target_len"].sum()),
+        "pad_id": pad_id,
+        "label_names": None,
+        "files": list(data_cfg.files),
+        "seconds": round(seconds, 3),
+    }
     atomic_write_text(directory / "meta.json", json.dumps(meta, indent=1), durable=True)
-    log.info("tokenised %d (source, target) pairs into %d x %d + %d x %d in %.1f s -> %s",
-             texts, texts, source_len, texts, target_len, seconds, directory)
+    log.info(
+        "tokenised %d (source, target) pairs into %d x %d + %d x %d in %.1f s -> %s",
+        texts,
+        texts,
+        source_len,
+        texts,
+        target_len,
+        seconds,
+        directory,
+    )
 
 
 def open_seq2seq_cache(directory: Path) -> Tuple[dict, Dict[str, np.ndarray]]:
@@ -167,8 +204,9 @@ def open_seq2seq_cache(directory: Path) -> Tuple[dict, Dict[str, np.ndarray]]:
     return meta, arrays
 
 
-def seq2seq_batch(arrays: Dict[str, np.ndarray], rows: np.ndarray, pad_id: int,
-                  start_id: int) -> Dict[str, np.ndarray]:
+def seq2seq_batch(
+    arrays: Dict[str, np.ndarray], rows: np.ndarray, pad_id: int, start_id: int
+) -> Dict[str, np.ndarray]:
     """The batch of cache ``rows``: ``input_ids``, ``attention_mask`` ``(B, S)``, ``labels``
     and ``decoder_input_ids`` ``(B, T)``, all int64; row ``i`` depends only on ``rows[i]``."""
     source = np.asarray(arrays["source"][rows], dtype=np.int64)
@@ -176,11 +214,14 @@ def seq2seq_batch(arrays: Dict[str, np.ndarray], rows: np.ndarray, pad_id: int,
     src_len = np.asarray(arrays["source_len"][rows], dtype=np.int64)
     tgt_len = np.asarray(arrays["target_len"][rows], dtype=np.int64)
     mask = np.arange(source.shape[1])[None, :] < src_len[:, None]
-    labels = np.where(np.arange(target.shape[1])[None, :] < tgt_len[:, None], target,
-                      IGNORE_INDEX)
+    labels = np.where(np.arange(target.shape[1])[None, :] < tgt_len[:, None], target, IGNORE_INDEX)
     decoder = np.empty_like(labels)
     decoder[:, 0] = start_id
     decoder[:, 1:] = labels[:, :-1]
     decoder[decoder == IGNORE_INDEX] = pad_id
-    return {"input_ids": source, "attention_mask": mask.astype(np.int64), "labels": labels,
-            "decoder_input_ids": decoder}
+    return {
+        "input_ids": source,
+        "attention_mask": mask.astype(np.int64),
+        "labels": labels,
+        "decoder_input_ids": decoder,
+    }

@@ -39,8 +39,12 @@ from hetseq_hpc.tasks.hf.hf_seq2seq import (
 )
 
 SPLIT_CODES = {"train": 0, "val": 1}
-UNIT_NAMES = {"causal_lm": "predicted tokens", "masked_lm": "masked tokens",
-              "classification": "samples", "seq2seq": "target tokens"}
+UNIT_NAMES = {
+    "causal_lm": "predicted tokens",
+    "masked_lm": "masked tokens",
+    "classification": "samples",
+    "seq2seq": "target tokens",
+}
 
 
 class HfTask(Task):
@@ -82,15 +86,17 @@ class HfTask(Task):
     def prepare(self) -> None:
         """Tokenise the files into the cache (rank 0; streamed, all cores, atomic)."""
         if self.kind == "seq2seq":
-            build_seq2seq_cache(self.cfg.data, self.tokenizer, self.seq_len, self.target_len,
-                                self.directory)
+            build_seq2seq_cache(
+                self.cfg.data, self.tokenizer, self.seq_len, self.target_len, self.directory
+            )
             return
         build_hf_cache(self.cfg.data, self.tokenizer, self.kind, self.seq_len, self.directory)
 
     def load(self) -> None:
         """Memory-map the cache; a fixed permutation (seed 0) picks the validation rows."""
-        self._meta, self._arrays = (open_seq2seq_cache if self.kind == "seq2seq"
-                                    else open_hf_cache)(self.directory)
+        self._meta, self._arrays = (
+            open_seq2seq_cache if self.kind == "seq2seq" else open_hf_cache
+        )(self.directory)
         n = int(self._arrays["tokens"].shape[0])
         n_val = min(n - 1, max(1, round(n * self.cfg.data.val_fraction)))
         order = np.random.default_rng(0).permutation(n)
@@ -139,15 +145,26 @@ class HfTask(Task):
     @property
     def data_summary(self) -> Dict[str, Any]:
         meta = self.meta
-        out = {"files": meta["files"], "kind": self.kind, "texts": meta["texts"],
-               "tokens": meta["tokens"], "rows": meta["rows"], "seq_len": self.seq_len,
-               "packed": meta["packed"], "train_rows": self.num_train, "val_rows": self.num_val,
-               "model": self.cfg.model.path or self.cfg.model.config, "cache": str(self.directory)}
+        out = {
+            "files": meta["files"],
+            "kind": self.kind,
+            "texts": meta["texts"],
+            "tokens": meta["tokens"],
+            "rows": meta["rows"],
+            "seq_len": self.seq_len,
+            "packed": meta["packed"],
+            "train_rows": self.num_train,
+            "val_rows": self.num_val,
+            "model": self.cfg.model.path or self.cfg.model.config,
+            "cache": str(self.directory),
+        }
         if meta["label_names"]:
             out["labels"] = meta["label_names"]
         return out
 
-    def make_batch(self, positions: Sequence[int], epoch: int, split: str) -> Dict[str, torch.Tensor]:
+    def make_batch(
+        self, positions: Sequence[int], epoch: int, split: str
+    ) -> Dict[str, torch.Tensor]:
         """``input_ids``, ``attention_mask`` ``(B, T)`` int64 and ``labels`` (``(B, T)``, or
         ``(B,)`` for classification); row ``i`` depends only on ``positions[i]``, ``epoch``,
         ``split`` and the seed."""
@@ -155,8 +172,12 @@ class HfTask(Task):
         rows = index[np.asarray(positions, dtype=np.int64).reshape(-1)]
         if self.kind == "seq2seq":
             pad = getattr(self.config, "pad_token_id", None)
-            batch = seq2seq_batch(self._arrays, rows, int(self.meta["pad_id"] if pad is None
-                                                          else pad), self.decoder_start)
+            batch = seq2seq_batch(
+                self._arrays,
+                rows,
+                int(self.meta["pad_id"] if pad is None else pad),
+                self.decoder_start,
+            )
             return {k: torch.from_numpy(v) for k, v in batch.items()}
         ids = np.asarray(self._arrays["tokens"][rows], dtype=np.int64)
         if self.meta["packed"]:
@@ -171,11 +192,13 @@ class HfTask(Task):
             labels[:, :-1] = np.where(mask[:, 1:], ids[:, 1:], IGNORE_INDEX)
         else:
             ids, labels = self._mask(ids, mask, rows, epoch, split)
-        return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(
-            mask.astype(np.int64)), "labels": torch.from_numpy(labels)}
+        return {
+            "input_ids": torch.from_numpy(ids),
+            "attention_mask": torch.from_numpy(mask.astype(np.int64)),
+            "labels": torch.from_numpy(labels),
+        }
 
-    def _mask(self, ids: np.ndarray, mask: np.ndarray, rows: np.ndarray, epoch: int,
-              split: str):
+    def _mask(self, ids: np.ndarray, mask: np.ndarray, rows: np.ndarray, epoch: int, split: str):
         """BERT masking of each row from ``default_rng([seed, epoch, split, row])``: 80%
         ``[MASK]``, 10% a random token, 10% unchanged; at least one token per row."""
         inputs, labels = ids.copy(), np.full_like(ids, IGNORE_INDEX)
@@ -223,15 +246,19 @@ class HfTask(Task):
 
     # ------------------------------------------------------------------ validation
     @torch.no_grad()
-    def evaluate_batch(self, model: nn.Module, batch: Dict[str, torch.Tensor],
-                       positions: Sequence[int]) -> Dict[str, float]:
+    def evaluate_batch(
+        self, model: nn.Module, batch: Dict[str, torch.Tensor], positions: Sequence[int]
+    ) -> Dict[str, float]:
         """Loss sum and units; for classification also the correct predictions, from the
         same forward pass (``return_logits=True``)."""
         if self.kind != "classification":
             return super().evaluate_batch(model, batch, positions)
         loss, logits = model(**batch, return_logits=True)
-        return {"loss_sum": float(loss), "units": float(len(positions)),
-                "correct": float((logits.argmax(-1) == batch["labels"]).sum())}
+        return {
+            "loss_sum": float(loss),
+            "units": float(len(positions)),
+            "correct": float((logits.argmax(-1) == batch["labels"]).sum()),
+        }
 
     def evaluates_in_fixed_passes(self) -> bool:
         """True: every kind runs exactly one forward per validation batch (classification

@@ -46,15 +46,17 @@ class ImageTask(Task):
         super().__init__(cfg, seed)
         self.source = resolve_source(cfg.data.path)
         self.directory = cache_root(cfg.data.cache_dir) / cache_key(
-            self.source, cfg.data.image_size, cfg.data.val_fraction)
+            self.source, cfg.data.image_size, cfg.data.val_fraction
+        )
         self._data: Optional[ImageArrays] = None
         # digits are not mirror-symmetric: no horizontal flips for the scikit-learn fallback
         self.flip = cfg.data.flip and self.source.kind != "digits"
 
     def prepare(self) -> None:
         """Decode the images into the cache (rank 0, before the others load)."""
-        build_image_cache(self.source, self.cfg.data.image_size, self.cfg.data.val_fraction,
-                          self.directory)
+        build_image_cache(
+            self.source, self.cfg.data.image_size, self.cfg.data.val_fraction, self.directory
+        )
 
     def load(self) -> None:
         """Memory-map the cached arrays (every rank) and log the source used."""
@@ -70,9 +72,13 @@ class ImageTask(Task):
     def data_summary(self) -> Dict[str, object]:
         """Which source was used and its size, for the log and ``summary.json``."""
         meta = self.data.meta
-        return {"source": meta["source"], "train_samples": self.num_train,
-                "val_samples": self.num_val, "image_shape": meta["shape"],
-                "num_classes": meta["num_classes"]}
+        return {
+            "source": meta["source"],
+            "train_samples": self.num_train,
+            "val_samples": self.num_val,
+            "image_shape": meta["shape"],
+            "num_classes": meta["num_classes"],
+        }
 
     @property
     def num_train(self) -> int:
@@ -94,12 +100,15 @@ class ImageTask(Task):
         meta = self.data.meta
         return ResNetClassifier(self.cfg.model, int(meta["shape"][0]), int(meta["num_classes"]))
 
-    def make_batch(self, positions: Sequence[int], epoch: int, split: str) -> Dict[str, torch.Tensor]:
+    def make_batch(
+        self, positions: Sequence[int], epoch: int, split: str
+    ) -> Dict[str, torch.Tensor]:
         """``{"images": (B, C, H, W) float32, "labels": (B,) int64}``, B = ``len(positions)``;
         positions are 0-based within ``split`` ("train" or "val"). Training images are augmented
         as a function of (seed, epoch, position) only."""
-        return make_image_batch(self.data, positions, split, self.seed, epoch, self.cfg.data.pad,
-                                self.flip)
+        return make_image_batch(
+            self.data, positions, split, self.seed, epoch, self.cfg.data.pad, self.flip
+        )
 
     def count(self, batch: Dict[str, torch.Tensor]) -> int:
         """Samples in ``batch`` (the loss normaliser's units)."""
@@ -112,16 +121,18 @@ class ImageTask(Task):
 
         net = _unwrap(model)
         param = next(net.parameters())
-        image = torch.zeros((1, *tuple(self.data.meta["shape"])), dtype=param.dtype,
-                            device=param.device)
+        image = torch.zeros(
+            (1, *tuple(self.data.meta["shape"])), dtype=param.dtype, device=param.device
+        )
         counter = FlopCounterMode(display=False)
         with torch.no_grad(), counter:
             net.logits(image)
         return 3.0 * float(counter.get_total_flops())
 
     @torch.no_grad()
-    def evaluate_batch(self, model: nn.Module, batch: Dict[str, torch.Tensor],
-                       positions: Sequence[int]) -> Dict[str, float]:
+    def evaluate_batch(
+        self, model: nn.Module, batch: Dict[str, torch.Tensor], positions: Sequence[int]
+    ) -> Dict[str, float]:
         """Additive validation sums of one batch: ``loss_sum``, ``correct`` (top-1) and
         ``samples``; the caller sums them over batches and ranks, then calls
         :meth:`finalize_metrics`. ``positions`` is unused here (part of the common API)."""
@@ -129,11 +140,16 @@ class ImageTask(Task):
         logits = net.logits(batch["images"]).float()
         loss = torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum")
         correct = (logits.argmax(dim=1) == batch["labels"]).sum()
-        return {"loss_sum": float(loss), "correct": float(correct),
-                "samples": float(batch["labels"].shape[0])}
+        return {
+            "loss_sum": float(loss),
+            "correct": float(correct),
+            "samples": float(batch["labels"].shape[0]),
+        }
 
     def finalize_metrics(self, sums: Dict[str, float]) -> Dict[str, float]:
         """``{"val_loss": mean cross-entropy, "val_accuracy": top-1 in [0, 1]}``."""
         n = max(sums.get("samples", 0.0), 1.0)
-        return {"val_loss": sums.get("loss_sum", 0.0) / n,
-                "val_accuracy": sums.get("correct", 0.0) / n}
+        return {
+            "val_loss": sums.get("loss_sum", 0.0) / n,
+            "val_accuracy": sums.get("correct", 0.0) / n,
+        }

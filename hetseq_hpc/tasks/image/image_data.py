@@ -35,10 +35,19 @@ from hetseq_hpc.tasks.npy_cache import open_npy_cache, save_npy
 log = logging.getLogger(__name__)
 
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
-FASHION_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
-                   "Sneaker", "Bag", "Ankle boot"]
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm",
-                  ".pgm"}
+FASHION_CLASSES = [
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+]
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
 #: bump when the cache layout changes
 CACHE_FORMAT = 1
 SPLIT_CODES = {"train": 0, "val": 1}
@@ -55,8 +64,10 @@ class ImageSource:
     @property
     def description(self) -> str:
         """A one-line human description for the log and summary."""
-        return {"fashion_mnist": "Fashion-MNIST (Debian dataset-fashion-mnist)",
-                "digits": "scikit-learn load_digits()"}.get(self.kind, f"{self.kind} {self.location}")
+        return {
+            "fashion_mnist": "Fashion-MNIST (Debian dataset-fashion-mnist)",
+            "digits": "scikit-learn load_digits()",
+        }.get(self.kind, f"{self.kind} {self.location}")
 
 
 def _stat_digest(paths: Sequence[Path], root: Optional[Path] = None) -> str:
@@ -72,8 +83,11 @@ def _folder_files(root: Path) -> List[Tuple[Path, int]]:
     classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     files = []
     for label, name in enumerate(classes):
-        files += [(p, label) for p in sorted((root / name).rglob("*"))
-                  if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES]
+        files += [
+            (p, label)
+            for p in sorted((root / name).rglob("*"))
+            if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
+        ]
     return files
 
 
@@ -89,13 +103,17 @@ def resolve_source(path: Optional[str]) -> ImageSource:
         if p.is_dir():
             files = _folder_files(p)
             if not files:
-                raise ConfigError(f"task.data.path={path!r} holds no images in class sub-folders: "
-                                  "use <path>/<class>/<image>.png, or an .npz")
+                raise ConfigError(
+                    f"task.data.path={path!r} holds no images in class sub-folders: "
+                    "use <path>/<class>/<image>.png, or an .npz"
+                )
             return ImageSource("folder", str(p), _stat_digest([f for f, _ in files], p))
         if p.is_file() and p.suffix == ".npz":
             return ImageSource("npz", str(p), _stat_digest([p]))
-        raise ConfigError(f"task.data.path={path!r} is neither a folder nor an .npz file: point "
-                          "it at a folder of class sub-folders or at an .npz with images/labels")
+        raise ConfigError(
+            f"task.data.path={path!r} is neither a folder nor an .npz file: point "
+            "it at a folder of class sub-folders or at an .npz with images/labels"
+        )
     fashion = sorted(FASHION_DIR.glob("*-ubyte.gz"))
     if len(fashion) == 4:
         return ImageSource("fashion_mnist", str(FASHION_DIR), _stat_digest(fashion))
@@ -136,15 +154,18 @@ def _read_folder(root: Path, image_size: Optional[int]) -> Tuple[np.ndarray, np.
             with Image.open(path) as img:
                 rgb = img.convert("RGB")
         except OSError as exc:
-            raise DataError(f"image {str(path)!r} cannot be read by Pillow ({exc}): fix or remove "
-                            "it") from None
+            raise DataError(
+                f"image {str(path)!r} cannot be read by Pillow ({exc}): fix or remove it"
+            ) from None
         if image_size:
             rgb = rgb.resize((image_size, image_size), Image.BILINEAR)
         sizes.add(rgb.size)
         arrays.append(np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1))
     if len(sizes) > 1:
-        raise ConfigError(f"task.data.path={str(root)!r} holds images of {len(sizes)} sizes (e.g. "
-                          f"{sorted(sizes)[:2]}): set task.data.image_size=32 to resize them")
+        raise ConfigError(
+            f"task.data.path={str(root)!r} holds images of {len(sizes)} sizes (e.g. "
+            f"{sorted(sizes)[:2]}): set task.data.image_size=32 to resize them"
+        )
     images = np.stack(arrays)
     if (images == images[:, :1]).all():  # grey images stored as RGB: keep one channel
         images = np.ascontiguousarray(images[:, :1])
@@ -157,15 +178,19 @@ def _read_npz(path: Path) -> Tuple[np.ndarray, np.ndarray, list]:
         with np.load(path) as data:
             images, labels = np.asarray(data["images"]), np.asarray(data["labels"])
     except (KeyError, ValueError, OSError) as exc:
-        raise DataError(f"{str(path)!r} is not an .npz with arrays 'images' and 'labels' ({exc}): "
-                        "save it with np.savez(path, images=..., labels=...)") from None
+        raise DataError(
+            f"{str(path)!r} is not an .npz with arrays 'images' and 'labels' ({exc}): "
+            "save it with np.savez(path, images=..., labels=...)"
+        ) from None
     if images.ndim == 3:
         images = images[:, None]
     elif images.ndim == 4 and images.shape[-1] in (1, 3) and images.shape[1] not in (1, 3):
         images = images.transpose(0, 3, 1, 2)
     if images.ndim != 4 or labels.shape != (images.shape[0],) or images.shape[0] < 2:
-        raise DataError(f"{str(path)!r}: images {images.shape} / labels {labels.shape} do not "
-                        "match: need images (N, H, W[, C]) and labels (N,) with N >= 2")
+        raise DataError(
+            f"{str(path)!r}: images {images.shape} / labels {labels.shape} do not "
+            "match: need images (N, H, W[, C]) and labels (N,) with N >= 2"
+        )
     if images.dtype != np.uint8:
         scale = 255.0 if float(images.max(initial=0)) <= 1.0 else 1.0
         images = np.clip(images.astype(np.float64) * scale, 0, 255).round().astype(np.uint8)
@@ -185,9 +210,11 @@ def read_source(source: ImageSource, image_size: Optional[int]) -> Dict[str, obj
         d = Path(source.location)
         for split, prefix in (("", "train"), ("test_", "t10k")):
             out[split + "images"] = _read_idx(d / f"{prefix}-images-idx3-ubyte.gz", 16).reshape(
-                -1, 1, 28, 28)
+                -1, 1, 28, 28
+            )
             out[split + "labels"] = _read_idx(d / f"{prefix}-labels-idx1-ubyte.gz", 8).astype(
-                np.int64)
+                np.int64
+            )
         out["classes"] = FASHION_CLASSES
     elif source.kind == "digits":
         from sklearn.datasets import load_digits
@@ -197,8 +224,9 @@ def read_source(source: ImageSource, image_size: Optional[int]) -> Dict[str, obj
         out["labels"] = digits.target.astype(np.int64)
         out["classes"] = [str(c) for c in digits.target_names]
     elif source.kind == "folder":
-        out["images"], out["labels"], out["classes"] = _read_folder(Path(source.location),
-                                                                    image_size)
+        out["images"], out["labels"], out["classes"] = _read_folder(
+            Path(source.location), image_size
+        )
     else:
         out["images"], out["labels"], out["classes"] = _read_npz(Path(source.location))
     if image_size:
@@ -214,8 +242,9 @@ def cache_key(source: ImageSource, image_size: Optional[int], val_fraction: floa
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-def build_image_cache(source: ImageSource, image_size: Optional[int], val_fraction: float,
-                      directory: Path) -> Path:
+def build_image_cache(
+    source: ImageSource, image_size: Optional[int], val_fraction: float, directory: Path
+) -> Path:
     """Decode ``source`` and write ``{train,val}_{x,y}.npy`` and ``meta.json`` into ``directory``
     (skipped when ``meta.json`` exists; ``meta.json`` is written last, atomically).
 
@@ -242,18 +271,36 @@ def build_image_cache(source: ImageSource, image_size: Optional[int], val_fracti
     pixels = train_x.astype(np.float64) / 255.0
     mean = pixels.mean(axis=(0, 2, 3))
     std = np.maximum(pixels.std(axis=(0, 2, 3)), 1e-3)
-    for name, array in (("train_x", train_x), ("train_y", train_y), ("val_x", val_x),
-                        ("val_y", val_y)):
+    for name, array in (
+        ("train_x", train_x),
+        ("train_y", train_y),
+        ("val_x", val_x),
+        ("val_y", val_y),
+    ):
         save_npy(directory / f"{name}.npy", array)
     num_classes = int(max(train_y.max(), val_y.max())) + 1
-    meta = {"source": source.description, "kind": source.kind, "train": int(train_x.shape[0]),
-            "val": int(val_x.shape[0]), "shape": list(train_x.shape[1:]),
-            "num_classes": num_classes, "classes": list(data["classes"]) or
-            [str(i) for i in range(num_classes)], "mean": mean.tolist(), "std": std.tolist(),
-            "format": CACHE_FORMAT}
+    meta = {
+        "source": source.description,
+        "kind": source.kind,
+        "train": int(train_x.shape[0]),
+        "val": int(val_x.shape[0]),
+        "shape": list(train_x.shape[1:]),
+        "num_classes": num_classes,
+        "classes": list(data["classes"]) or [str(i) for i in range(num_classes)],
+        "mean": mean.tolist(),
+        "std": std.tolist(),
+        "format": CACHE_FORMAT,
+    }
     atomic_write_json(directory / "meta.json", meta, durable=True)
-    log.info("image cache: %s, %d train + %d val images of %s, %d classes -> %s",
-             meta["source"], meta["train"], meta["val"], meta["shape"], num_classes, directory)
+    log.info(
+        "image cache: %s, %d train + %d val images of %s, %d classes -> %s",
+        meta["source"],
+        meta["train"],
+        meta["val"],
+        meta["shape"],
+        num_classes,
+        directory,
+    )
     return directory
 
 
@@ -285,18 +332,27 @@ def load_image_cache(directory: Path, max_val_samples: int) -> ImageArrays:
     Raises:
         DataError: the cache is missing or damaged.
     """
-    meta, arrays = open_npy_cache(directory, ("train_x", "train_y", "val_x", "val_y"),
-                                  "image cache")
-    if arrays["train_x"].shape[0] != meta.get("train") or arrays["val_x"].shape[0] != meta.get("val"):
-        raise DataError(f"image cache {str(directory)!r} does not match its meta.json: delete "
-                        "that directory to rebuild it")
+    meta, arrays = open_npy_cache(
+        directory, ("train_x", "train_y", "val_x", "val_y"), "image cache"
+    )
+    if arrays["train_x"].shape[0] != meta.get("train") or arrays["val_x"].shape[0] != meta.get(
+        "val"
+    ):
+        raise DataError(
+            f"image cache {str(directory)!r} does not match its meta.json: delete "
+            "that directory to rebuild it"
+        )
     if max_val_samples:
-        arrays["val_x"], arrays["val_y"] = (arrays["val_x"][:max_val_samples],
-                                            arrays["val_y"][:max_val_samples])
+        arrays["val_x"], arrays["val_y"] = (
+            arrays["val_x"][:max_val_samples],
+            arrays["val_y"][:max_val_samples],
+        )
     return ImageArrays(meta=meta, **arrays)
 
 
-def augment(image: np.ndarray, pad: int, flip: bool, seed: int, epoch: int, index: int) -> np.ndarray:
+def augment(
+    image: np.ndarray, pad: int, flip: bool, seed: int, epoch: int, index: int
+) -> np.ndarray:
     """Random crop (zero padding ``pad``) and random horizontal flip of one training image.
 
     A pure function of its arguments: ``index`` is the image's row in the training array.
@@ -308,18 +364,25 @@ def augment(image: np.ndarray, pad: int, flip: bool, seed: int, epoch: int, inde
         ``(C, H, W)`` uint8.
     """
     rng = np.random.default_rng([seed, epoch, SPLIT_CODES["train"], int(index)])
-    dy, dx = (rng.integers(0, 2 * pad + 1, size=2) if pad else (0, 0))
+    dy, dx = rng.integers(0, 2 * pad + 1, size=2) if pad else (0, 0)
     mirror = bool(rng.random() < 0.5) and flip
     if pad:
         _, h, w = image.shape
-        image = np.pad(image, ((0, 0), (pad, pad), (pad, pad)))[:, dy:dy + h, dx:dx + w]
+        image = np.pad(image, ((0, 0), (pad, pad), (pad, pad)))[:, dy : dy + h, dx : dx + w]
     if mirror:
         image = image[:, :, ::-1]
     return image
 
 
-def make_image_batch(data: ImageArrays, positions: Sequence[int], split: str, seed: int,
-                     epoch: int, pad: int, flip: bool) -> Dict[str, torch.Tensor]:
+def make_image_batch(
+    data: ImageArrays,
+    positions: Sequence[int],
+    split: str,
+    seed: int,
+    epoch: int,
+    pad: int,
+    flip: bool,
+) -> Dict[str, torch.Tensor]:
     """A normalised batch: ``{"images": (B, C, H, W) float32, "labels": (B,) int64}``;
     training images are augmented, validation images are not."""
     x, y = (data.train_x, data.train_y) if split == "train" else (data.val_x, data.val_y)
@@ -330,8 +393,13 @@ def make_image_batch(data: ImageArrays, positions: Sequence[int], split: str, se
         if split == "train":
             image = augment(image, pad, flip, seed, epoch, int(index))
         images.append(image)
-    stacked = np.stack(images).astype(np.float32) / 255.0 if images else np.zeros(
-        (0, *x.shape[1:]), np.float32)
+    stacked = (
+        np.stack(images).astype(np.float32) / 255.0
+        if images
+        else np.zeros((0, *x.shape[1:]), np.float32)
+    )
     stacked = (stacked - data.mean[:, None, None]) / data.std[:, None, None]
-    return {"images": torch.from_numpy(np.ascontiguousarray(stacked, dtype=np.float32)),
-            "labels": torch.from_numpy(np.asarray(y[rows], dtype=np.int64))}
+    return {
+        "images": torch.from_numpy(np.ascontiguousarray(stacked, dtype=np.float32)),
+        "labels": torch.from_numpy(np.asarray(y[rows], dtype=np.int64)),
+    }

@@ -30,8 +30,9 @@ class BasicBlock(nn.Module):
         self.norm2 = _norm(c_out, groups)
         self.shortcut = nn.Identity()
         if stride != 1 or c_in != c_out:
-            self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False),
-                                          _norm(c_out, groups))
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), _norm(c_out, groups)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Residual block output, same layout as the input."""
@@ -51,11 +52,14 @@ class ResNetClassifier(nn.Module):
     def __init__(self, cfg: ImageModelConfig, in_channels: int, num_classes: int):
         super().__init__()
         width = cfg.width
-        self.stem = nn.Sequential(nn.Conv2d(in_channels, width, 3, padding=1, bias=False),
-                                  _norm(width, cfg.groups), nn.ReLU())
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, width, 3, padding=1, bias=False),
+            _norm(width, cfg.groups),
+            nn.ReLU(),
+        )
         blocks, c_in = [], width
         for stage in range(cfg.num_stages):
-            c_out = width * 2 ** stage
+            c_out = width * 2**stage
             for b in range(cfg.blocks_per_stage):
                 stride = 2 if stage > 0 and b == 0 else 1
                 blocks.append(BasicBlock(c_in, c_out, stride, cfg.groups))

@@ -75,7 +75,11 @@ def read_ding(path: Path) -> List[Pair]:
             for de, en in zip(de_parts, en_parts):
                 de = clean(_NOTES.sub("", de.split(";")[0]))
                 en = clean(_NOTES.sub("", en.split(";")[0]))
-                if len(en.split()) >= 3 and en.endswith(_SENTENCE_END) and de.endswith(_SENTENCE_END):
+                if (
+                    len(en.split()) >= 3
+                    and en.endswith(_SENTENCE_END)
+                    and de.endswith(_SENTENCE_END)
+                ):
                     pairs.append((de, en))
     return pairs
 
@@ -90,8 +94,9 @@ def read_mo(path: Path) -> List[Pair]:
         with open(path, "rb") as fh:
             catalog = gettext.GNUTranslations(fh)._catalog
     except (OSError, ValueError, LookupError, struct.error) as exc:
-        raise DataError(f"gettext catalog {str(path)!r} is unreadable ({exc}): remove it from the "
-                        "sources") from None
+        raise DataError(
+            f"gettext catalog {str(path)!r} is unreadable ({exc}): remove it from the sources"
+        ) from None
     pairs = []
     for key, german in catalog.items():
         if isinstance(key, tuple):  # (msgid, plural index)
@@ -115,8 +120,9 @@ def read_tsv(path: Path) -> List[Pair]:
         if not line.strip():
             continue
         if "\t" not in line:
-            raise DataError(f"{str(path)!r} line {number} has no tab: write 'german<TAB>english' "
-                            "per line")
+            raise DataError(
+                f"{str(path)!r} line {number} has no tab: write 'german<TAB>english' per line"
+            )
         de, en = line.split("\t")[:2]
         pairs.append((clean(de), clean(en)))
     return pairs
@@ -151,8 +157,12 @@ def _read_lines(path: Path) -> List[str]:
     if skipping:
         lines.append("")
     if skipped:
-        log.warning("%s: skipped %d line(s) longer than %d characters (no sentence pair is that "
-                    "long)", path, skipped, MAX_LINE_CHARS)
+        log.warning(
+            "%s: skipped %d line(s) longer than %d characters (no sentence pair is that long)",
+            path,
+            skipped,
+            MAX_LINE_CHARS,
+        )
     return lines
 
 
@@ -188,7 +198,8 @@ class ParallelSource:
         return ", ".join(
             f"{k} ({n} file{'s' * (n != 1)}"
             f"{': ' + ', '.join(sorted(packages[k])) if k in packages else ''})"
-            for k, n in counts.items())
+            for k, n in counts.items()
+        )
 
 
 def _package_of(path: str) -> str:
@@ -217,8 +228,10 @@ def resolve_sources(files: Sequence[str]) -> ParallelSource:
                 continue
             partner = stem + (".en" if suffix == ".de" else ".de")
             if not os.path.isfile(partner):
-                raise ConfigError(f"task.data.files entry {path!r} has no partner {partner!r}: "
-                                  "give line-aligned name.de + name.en, or a .tsv")
+                raise ConfigError(
+                    f"task.data.files entry {path!r} has no partner {partner!r}: "
+                    "give line-aligned name.de + name.en, or a .tsv"
+                )
             if ("parallel", stem + ".de") not in parts:
                 parts.append(("parallel", stem + ".de"))
     else:
@@ -235,7 +248,9 @@ def resolve_sources(files: Sequence[str]) -> ParallelSource:
     h = hashlib.sha256()
     for kind, path in parts:
         st = os.stat(path)
-        h.update(f"{kind}\x00{os.path.abspath(path)}\x00{st.st_size}\x00{st.st_mtime_ns}\n".encode())
+        h.update(
+            f"{kind}\x00{os.path.abspath(path)}\x00{st.st_size}\x00{st.st_mtime_ns}\n".encode()
+        )
     return ParallelSource(parts=tuple(parts), fingerprint=h.hexdigest()[:16])
 
 
@@ -268,8 +283,10 @@ def read_pairs(source: ParallelSource, max_chars: int) -> Tuple[List[Pair], Dict
             de_lines = _read_lines(Path(path))
             en_lines = _read_lines(Path(os.path.splitext(path)[0] + ".en"))
             if len(de_lines) != len(en_lines):
-                raise DataError(f"{path!r} has {len(de_lines)} lines but its .en partner has "
-                                f"{len(en_lines)}: the files must be line-aligned")
+                raise DataError(
+                    f"{path!r} has {len(de_lines)} lines but its .en partner has "
+                    f"{len(en_lines)}: the files must be line-aligned"
+                )
             pairs = [(clean(d), clean(e)) for d, e in zip(de_lines, en_lines)]
         else:
             pairs = read_tsv(Path(path))

@@ -36,11 +36,14 @@ PAD_ID, UNK_ID, BOS_ID, EOS_ID = range(len(SPECIAL_TOKENS))
 CACHE_FORMAT = 1
 
 
-def cache_key(source: ParallelSource, vocab_size: int, max_len: int, max_chars: int,
-              val_fraction: float) -> str:
+def cache_key(
+    source: ParallelSource, vocab_size: int, max_len: int, max_chars: int, val_fraction: float
+) -> str:
     """Directory name for one combination of sources and settings."""
-    text = (f"translation|{CACHE_FORMAT}|{source.fingerprint}|{vocab_size}|{max_len}|"
-            f"{max_chars}|{val_fraction}")
+    text = (
+        f"translation|{CACHE_FORMAT}|{source.fingerprint}|{vocab_size}|{max_len}|"
+        f"{max_chars}|{val_fraction}"
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
@@ -53,8 +56,9 @@ def train_bpe(texts: Sequence[str], vocab_size: int, path: Path) -> Tokenizer:
     tokenizer.normalizer = normalizers.NFKC()
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
     tokenizer.decoder = decoders.Metaspace()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2,
-                                  special_tokens=SPECIAL_TOKENS, show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS, show_progress=False
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     atomic_write_text(path, tokenizer.to_str(), durable=True)
     log.info("trained BPE tokenizer: %d tokens -> %s", tokenizer.get_vocab_size(), path)
@@ -78,8 +82,14 @@ def _encode(tokenizer: Tokenizer, pairs: List[Pair], max_len: int):
     return src[: len(kept)], tgt[: len(kept)], kept
 
 
-def build_translation_cache(source: ParallelSource, vocab_size: int, max_len: int,
-                            max_chars: int, val_fraction: float, directory: Path) -> Path:
+def build_translation_cache(
+    source: ParallelSource,
+    vocab_size: int,
+    max_len: int,
+    max_chars: int,
+    val_fraction: float,
+    directory: Path,
+) -> Path:
     """Write ``tokenizer.json``, ``{train,val}_{src,tgt}.npy``, ``val_pairs.json`` and (last)
     ``meta.json`` into ``directory``; skipped when ``meta.json`` exists.
 
@@ -91,20 +101,27 @@ def build_translation_cache(source: ParallelSource, vocab_size: int, max_len: in
     pairs, per_kind = read_pairs(source, max_chars)
     n = len(pairs)
     if n < 2:
-        raise DataError(f"{source.description} gave {n} usable sentence pair(s): need at least 2; "
-                        "add pairs with task.data.files or raise task.data.max_chars")
+        raise DataError(
+            f"{source.description} gave {n} usable sentence pair(s): need at least 2; "
+            "add pairs with task.data.files or raise task.data.max_chars"
+        )
     n_val = min(n - 1, max(1, round(n * val_fraction)))
     order = np.random.default_rng(0).permutation(n)
-    split = {"train": [pairs[i] for i in np.sort(order[n_val:])],
-             "val": [pairs[i] for i in np.sort(order[:n_val])]}
-    tokenizer = train_bpe([s for p in split["train"] for s in p], vocab_size,
-                          directory / "tokenizer.json")
+    split = {
+        "train": [pairs[i] for i in np.sort(order[n_val:])],
+        "val": [pairs[i] for i in np.sort(order[:n_val])],
+    }
+    tokenizer = train_bpe(
+        [s for p in split["train"] for s in p], vocab_size, directory / "tokenizer.json"
+    )
     counts, units = {}, 0.0
     for name, part in split.items():
         src, tgt, kept = _encode(tokenizer, part, max_len)
         if not kept:
-            raise DataError(f"no {name} pair of {source.description} fits task.model.max_len="
-                            f"{max_len} tokens: raise task.model.max_len")
+            raise DataError(
+                f"no {name} pair of {source.description} fits task.model.max_len="
+                f"{max_len} tokens: raise task.model.max_len"
+            )
         save_npy(directory / f"{name}_src.npy", src)
         save_npy(directory / f"{name}_tgt.npy", tgt)
         counts[name] = len(kept)
@@ -112,14 +129,29 @@ def build_translation_cache(source: ParallelSource, vocab_size: int, max_len: in
             units = float((tgt[:, 1:] != PAD_ID).sum()) / len(kept)
         else:
             atomic_write_json(directory / "val_pairs.json", [part[i] for i in kept], durable=True)
-    meta = {"source": source.description, "pairs_read": n, "pairs_per_source": per_kind,
-            "train": counts["train"], "val": counts["val"], "max_len": max_len,
-            "vocab_size": tokenizer.get_vocab_size(), "target_tokens_per_sample": units,
-            "format": CACHE_FORMAT}
+    meta = {
+        "source": source.description,
+        "pairs_read": n,
+        "pairs_per_source": per_kind,
+        "train": counts["train"],
+        "val": counts["val"],
+        "max_len": max_len,
+        "vocab_size": tokenizer.get_vocab_size(),
+        "target_tokens_per_sample": units,
+        "format": CACHE_FORMAT,
+    }
     atomic_write_json(directory / "meta.json", meta, durable=True)
-    log.info("translation cache: %s; %d pairs read, %d train + %d val fit %d tokens; "
-             "vocabulary %d -> %s", meta["source"], n, counts["train"], counts["val"], max_len,
-             meta["vocab_size"], directory)
+    log.info(
+        "translation cache: %s; %d pairs read, %d train + %d val fit %d tokens; "
+        "vocabulary %d -> %s",
+        meta["source"],
+        n,
+        counts["train"],
+        counts["val"],
+        max_len,
+        meta["vocab_size"],
+        directory,
+    )
     return directory
 
 
@@ -144,17 +176,22 @@ def load_translation_cache(directory: Path, max_val_samples: int) -> Translation
     Raises:
         DataError: the cache is missing or damaged.
     """
-    meta, arrays = open_npy_cache(directory, ("train_src", "train_tgt", "val_src", "val_tgt"),
-                                  "translation cache")
+    meta, arrays = open_npy_cache(
+        directory, ("train_src", "train_tgt", "val_src", "val_tgt"), "translation cache"
+    )
     try:
         tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
         val_pairs = [tuple(p) for p in json.loads((directory / "val_pairs.json").read_text())]
     except Exception as exc:
-        raise DataError(f"translation cache {str(directory)!r} is unreadable "
-                        f"({type(exc).__name__}): delete that directory to rebuild it") from None
+        raise DataError(
+            f"translation cache {str(directory)!r} is unreadable "
+            f"({type(exc).__name__}): delete that directory to rebuild it"
+        ) from None
     if arrays["train_src"].shape[0] != meta.get("train") or len(val_pairs) != meta.get("val"):
-        raise DataError(f"translation cache {str(directory)!r} does not match its meta.json: "
-                        "delete that directory to rebuild it")
+        raise DataError(
+            f"translation cache {str(directory)!r} does not match its meta.json: "
+            "delete that directory to rebuild it"
+        )
     if max_val_samples:
         for name in ("val_src", "val_tgt"):
             arrays[name] = arrays[name][:max_val_samples]
@@ -162,16 +199,18 @@ def load_translation_cache(directory: Path, max_val_samples: int) -> Translation
     return TranslationData(tokenizer=tokenizer, val_pairs=val_pairs, meta=meta, **arrays)
 
 
-def make_translation_batch(data: TranslationData, positions: Sequence[int],
-                           split: str) -> Dict[str, torch.Tensor]:
+def make_translation_batch(
+    data: TranslationData, positions: Sequence[int], split: str
+) -> Dict[str, torch.Tensor]:
     """Teacher-forcing batch of split positions.
 
     Returns:
         ``{"src": (B, L), "tgt_in": (B, L), "tgt_out": (B, L)}`` int64 on the CPU: German ids +
         ``[EOS]``; ``[BOS]`` + English ids; English ids + ``[EOS]``; all padded with ``PAD_ID``.
     """
-    src, tgt = (data.train_src, data.train_tgt) if split == "train" else (data.val_src,
-                                                                           data.val_tgt)
+    src, tgt = (
+        (data.train_src, data.train_tgt) if split == "train" else (data.val_src, data.val_tgt)
+    )
     rows = np.asarray(positions, dtype=np.int64).reshape(-1)
     s = torch.from_numpy(np.asarray(src[rows], dtype=np.int64))
     t = torch.from_numpy(np.asarray(tgt[rows], dtype=np.int64))

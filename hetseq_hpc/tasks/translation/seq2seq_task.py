@@ -45,11 +45,14 @@ def bleu_stats(hypotheses: List[str], references: List[str]) -> Dict[str, float]
     try:
         from sacrebleu.metrics import BLEU
     except ImportError:
-        raise DataError("BLEU needs sacrebleu, which is not installed: pip install sacrebleu, or "
-                        "set task.data.bleu_samples=0") from None
+        raise DataError(
+            "BLEU needs sacrebleu, which is not installed: pip install sacrebleu, or "
+            "set task.data.bleu_samples=0"
+        ) from None
     stats = {"bleu_sys_len": 0.0, "bleu_ref_len": 0.0}
-    stats.update({f"bleu_{kind}_{n + 1}": 0.0 for kind in ("correct", "total")
-                  for n in range(_NGRAMS)})
+    stats.update(
+        {f"bleu_{kind}_{n + 1}": 0.0 for kind in ("correct", "total") for n in range(_NGRAMS)}
+    )
     if not hypotheses:
         return stats
     score = BLEU().corpus_score(hypotheses, [references])
@@ -67,8 +70,15 @@ def bleu_from_stats(sums: Dict[str, float]) -> float:
 
     correct = [int(sums[f"bleu_correct_{n + 1}"]) for n in range(_NGRAMS)]
     total = [int(sums[f"bleu_total_{n + 1}"]) for n in range(_NGRAMS)]
-    return float(BLEU.compute_bleu(correct, total, int(sums["bleu_sys_len"]),
-                                   int(sums["bleu_ref_len"]), smooth_method="exp").score)
+    return float(
+        BLEU.compute_bleu(
+            correct,
+            total,
+            int(sums["bleu_sys_len"]),
+            int(sums["bleu_ref_len"]),
+            smooth_method="exp",
+        ).score
+    )
 
 
 class TranslationTask(Task):
@@ -93,18 +103,26 @@ class TranslationTask(Task):
         if cfg.data.bleu_samples and importlib.util.find_spec("sacrebleu") is None:
             raise ConfigError(
                 f"task.data.bleu_samples={cfg.data.bleu_samples} needs sacrebleu, which is not "
-                "installed: pip install sacrebleu, or set task.data.bleu_samples=0")
+                "installed: pip install sacrebleu, or set task.data.bleu_samples=0"
+            )
         self.source = resolve_sources(cfg.data.files)
         d = cfg.data
         self.directory = cache_root(d.cache_dir) / cache_key(
-            self.source, d.vocab_size, cfg.model.max_len, d.max_chars, d.val_fraction)
+            self.source, d.vocab_size, cfg.model.max_len, d.max_chars, d.val_fraction
+        )
         self._data: Optional[TranslationData] = None
 
     def prepare(self) -> None:
         """Read the pairs, train the tokenizer, write the id cache (rank 0, before the others)."""
         d = self.cfg.data
-        build_translation_cache(self.source, d.vocab_size, self.cfg.model.max_len, d.max_chars,
-                                d.val_fraction, self.directory)
+        build_translation_cache(
+            self.source,
+            d.vocab_size,
+            self.cfg.model.max_len,
+            d.max_chars,
+            d.val_fraction,
+            self.directory,
+        )
 
     def load(self) -> None:
         """Open the cache (every rank) and log which sources and how many pairs are used."""
@@ -120,9 +138,14 @@ class TranslationTask(Task):
     def data_summary(self) -> Dict[str, object]:
         """Sources, pair counts and vocabulary, for the log and ``summary.json``."""
         meta = self.data.meta
-        return {"source": meta["source"], "pairs_per_source": meta["pairs_per_source"],
-                "pairs_read": meta["pairs_read"], "train_pairs": self.num_train,
-                "val_pairs": self.num_val, "vocab_size": meta["vocab_size"]}
+        return {
+            "source": meta["source"],
+            "pairs_per_source": meta["pairs_per_source"],
+            "pairs_read": meta["pairs_read"],
+            "train_pairs": self.num_train,
+            "val_pairs": self.num_val,
+            "vocab_size": meta["vocab_size"],
+        }
 
     @property
     def num_train(self) -> int:
@@ -143,7 +166,9 @@ class TranslationTask(Task):
         """A freshly initialised transformer on the CPU (seed the RNG first)."""
         return TranslationTransformer(self.cfg.model, int(self.data.meta["vocab_size"]))
 
-    def make_batch(self, positions: Sequence[int], epoch: int, split: str) -> Dict[str, torch.Tensor]:
+    def make_batch(
+        self, positions: Sequence[int], epoch: int, split: str
+    ) -> Dict[str, torch.Tensor]:
         """``{"src", "tgt_in", "tgt_out"}``, each ``(len(positions), max_len)`` int64; a row
         depends only on its position (``epoch`` is unused: no randomness)."""
         return make_translation_batch(self.data, positions, split)
@@ -163,8 +188,9 @@ class TranslationTask(Task):
         return [decode_ids(self.data.tokenizer, row) for row in out.tolist()]
 
     @torch.no_grad()
-    def evaluate_batch(self, model: nn.Module, batch: Dict[str, torch.Tensor],
-                       positions: Sequence[int]) -> Dict[str, float]:
+    def evaluate_batch(
+        self, model: nn.Module, batch: Dict[str, torch.Tensor], positions: Sequence[int]
+    ) -> Dict[str, float]:
         """Additive validation sums of one batch of validation ``positions``: ``loss_sum`` and
         ``tokens`` (teacher forcing), plus BLEU statistics (:func:`bleu_stats`) of the greedy
         translations of the positions below ``task.data.bleu_samples`` (with BLEU on, every

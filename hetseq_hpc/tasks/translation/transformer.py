@@ -30,15 +30,18 @@ class TranslationTransformer(nn.Module):
         d = cfg.d_model
         self.cfg = cfg
         self.embed = nn.Embedding(vocab_size, d, padding_idx=PAD_ID)
-        nn.init.normal_(self.embed.weight, std=d ** -0.5)
+        nn.init.normal_(self.embed.weight, std=d**-0.5)
         self.position = nn.Embedding(cfg.max_len + 1, d)
         self.dropout = nn.Dropout(cfg.dropout)
-        enc = nn.TransformerEncoderLayer(d, cfg.num_heads, cfg.ff_size, cfg.dropout,
-                                         batch_first=True, norm_first=True)
-        dec = nn.TransformerDecoderLayer(d, cfg.num_heads, cfg.ff_size, cfg.dropout,
-                                         batch_first=True, norm_first=True)
-        self.encoder = nn.TransformerEncoder(enc, cfg.num_encoder_layers, norm=nn.LayerNorm(d),
-                                             enable_nested_tensor=False)
+        enc = nn.TransformerEncoderLayer(
+            d, cfg.num_heads, cfg.ff_size, cfg.dropout, batch_first=True, norm_first=True
+        )
+        dec = nn.TransformerDecoderLayer(
+            d, cfg.num_heads, cfg.ff_size, cfg.dropout, batch_first=True, norm_first=True
+        )
+        self.encoder = nn.TransformerEncoder(
+            enc, cfg.num_encoder_layers, norm=nn.LayerNorm(d), enable_nested_tensor=False
+        )
         self.decoder = nn.TransformerDecoder(dec, cfg.num_decoder_layers, norm=nn.LayerNorm(d))
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -54,16 +57,27 @@ class TranslationTransformer(nn.Module):
         """``(B, T)`` target prefix ids -> logits ``(B, T, vocab)`` (causal self-attention)."""
         t = tgt_in.shape[1]
         causal = torch.triu(torch.full((t, t), float("-inf"), device=tgt_in.device), diagonal=1)
-        hidden = self.decoder(self._embed(tgt_in), memory, tgt_mask=causal, tgt_is_causal=True,
-                              memory_key_padding_mask=src == PAD_ID)
+        hidden = self.decoder(
+            self._embed(tgt_in),
+            memory,
+            tgt_mask=causal,
+            tgt_is_causal=True,
+            memory_key_padding_mask=src == PAD_ID,
+        )
         return hidden @ self.embed.weight.t()
 
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor
+    ) -> torch.Tensor:
         """0-dim sum of label-smoothed cross-entropy over the non-pad target tokens."""
         logits = self.decode(tgt_in, self.encode(src), src)
         keep = tgt_out != PAD_ID  # (B, T)
-        return F.cross_entropy(logits[keep].float(), tgt_out[keep],
-                               label_smoothing=self.cfg.label_smoothing, reduction="sum")
+        return F.cross_entropy(
+            logits[keep].float(),
+            tgt_out[keep],
+            label_smoothing=self.cfg.label_smoothing,
+            reduction="sum",
+        )
 
     @torch.no_grad()
     def greedy(self, src: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -87,7 +101,11 @@ class TranslationTransformer(nn.Module):
         d, ff, vocab = self.cfg.d_model, self.cfg.ff_size, self.embed.num_embeddings
         s, t = src_len, tgt_len
         enc = self.cfg.num_encoder_layers * (2 * (4 * d * d + 2 * d * ff) * s + 4 * s * s * d)
-        dec_layer = (2 * (4 * d * d + 2 * d * d + 2 * d * ff) * t + 2 * 2 * d * d * s
-                     + 4 * t * t * d + 4 * t * s * d)
+        dec_layer = (
+            2 * (4 * d * d + 2 * d * d + 2 * d * ff) * t
+            + 2 * 2 * d * d * s
+            + 4 * t * t * d
+            + 4 * t * s * d
+        )
         head = 2 * d * vocab * t
         return 3.0 * float(enc + self.cfg.num_decoder_layers * dec_layer + head)
