@@ -1,46 +1,16 @@
 """HetSeq's own BERT pre-training model as a user task: plan (or train) the code HetSeq measured.
 
-HetSeq (Ding, Botzer, Weninger, AAAI 2021) published BERT-base step times for 1-8 nodes of
-4 GPUs (github.com/yifding/hetseq, README.md at afdb4b0, "Performance table"). Its model is
-NVIDIA's older BERT (``hetseq/bert_modeling.py``, MIT licence), which differs from hetseq_hpc's
-own BERT in what a step costs, not in what it learns:
+A port of NVIDIA's older BERT that HetSeq ran (``hetseq/bert_modeling.py``, MIT licence): the
+masked-LM head on every position, the Python LayerNorm, HetSeq's attention and GELU; the loss is
+the SUM over masked tokens. Plan HetSeq's hardware with it (from the folder that holds
+``examples/``)::
 
-- the masked-LM head (transform, tied decoder, bias) runs on EVERY position, and the
-  cross-entropy reads all ``T x vocab`` logits (``ignore_index=-1`` drops the unmasked ones);
-  hetseq_hpc's BERT runs the head on the masked tokens only;
-- ``BertLayerNorm`` is the Python one (mean, subtract, square, mean, subtract, sqrt, divide,
-  scale, shift: one kernel each), because HetSeq's ``try: import apex`` branch leaves the class
-  undefined, so it ran without apex; hetseq_hpc uses the fused ``nn.LayerNorm``;
-- attention scales and masks the scores in two operations; GELU is ``bias_gelu``
-  (``x * 0.5 * (1 + erf(x / 1.41421))``), which HetSeq wraps in ``torch.jit.script``.
-
-This file ports those modules' operations in HetSeq's order (``BertSelfAttention``,
-``BertLayerNorm`` and ``bias_gelu`` keep their names; HetSeq's attention-output,
-intermediate and output modules are folded into :class:`BertLayer`). Not ported: the pooler
-and next-sentence head (``2 x 768^2`` FLOPs per sample, 0.003 % of one, and 0.59 M of HetSeq's
-110.1 M parameters; hetseq_hpc's packed text has no sentence pairs), activation checkpointing
-(HetSeq's BERT runs did not turn it on), loading TensorFlow checkpoints. The loss is the SUM over masked tokens
-(hetseq_hpc's contract, which makes uneven batches exact), where HetSeq's is the mean.
-
-Data: hetseq_hpc's own BERT pipeline (:class:`hetseq_hpc.tasks.bert.mlm_task.BertTask`, the
-embedded corpus or ``+task.args.files``), tokenised with its ``+task.args.data_vocab_size``
-(8192) WordPiece vocabulary; the model's vocabulary is HetSeq's ``vocab_size`` (30522, Google's
-``uncased_L-12_H-768_A-12``), so its head costs what HetSeq's did.
-
-Plan HetSeq's hardware with it (from the folder that holds ``examples/``)::
-
-    python -m hetseq_hpc plan cluster=hetseq_seed task=custom \\
-        task.target=examples.hetseq_bert.HetSeqBertTask trainer.global_batch_size=4096 \\
+    python -m hetseq_hpc plan cluster=hetseq_seed task=custom \
+        task.target=examples.hetseq_bert.HetSeqBertTask trainer.global_batch_size=4096 \
         plan.link_gbps=10
 
-(HetSeq's 8-node run: 32 GPUs x 128 samples; docs/planner-accuracy.md compares the plan with
-HetSeq's published step times.)
-
-Options (``+task.args.<name>=<value>``): ``hidden_size`` (768), ``num_layers`` (12),
-``num_heads`` (12), ``intermediate_size`` (3072), ``max_seq_len`` (128), ``vocab_size``
-(30522), ``data_vocab_size`` (8192), ``files`` (none: the embedded corpus), ``cache_dir``
-(hetseq_hpc's token cache, ``task.data.cache_dir`` of ``task=bert``); dropout is
-``task.model.dropout`` (HetSeq's 0.1).
+What differs from hetseq_hpc's BERT, what is not ported, the data and the options
+(``+task.args.<name>``): docs/design/hetseq-comparison.md, "HetSeq's BERT as a user task".
 """
 
 from __future__ import annotations

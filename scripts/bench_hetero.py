@@ -1,58 +1,10 @@
 #!/usr/bin/env python3
 """Side-by-side benchmark: do a fast and a slow device train at (nearly) the SUM of their speeds?
 
-On this machine (CPU cores) two ranks, one at full speed and one throttled to ~0.35 by a cgroup
-CPU quota (hetseq_hpc.env.emulation), train the BERT task's default model with the same global
-batch. In ONE run it measures:
-
-  (a) each rank's standalone throughput at its speed (1 process, 1 thread), one at a time;
-  (a') the same two single-rank runs at the SAME time: each rank's rate while the other is busy
-      (shared caches and memory bandwidth) -- the machine's real ceiling for co-running ranks;
-  (a'') right after (c), the same pair again, each on the share (c) ended with: with (a') two
-      points of each rank's co-running cost curve, from which the best integer split of the
-      global batch gives the ceiling AT this batch (a rank's rate depends on its micro-batch:
-      (a') credits the slow rank with a micro-batch of the whole global batch, which no split
-      of it can give; measured at batch 32 on the AMD VM: 27 ms/sample co-running on 32
-      samples, 30-32 ms on 7);
-  (b) equal-split DDP -- how every other launcher runs: the same share for every rank;
-  (c) hetseq_hpc's automatic allocation (cost curves calibrated, online re-balancing);
-  (d) plain torch DDP against hetseq_hpc on two unthrottled ranks, the same equal split, in
-      ``--pairs`` interleaved pairs (the price of hetseq_hpc's machinery).
-
-(a'), (b) and (c) run in ``--rounds`` interleaved rounds and every ratio is taken inside a
-round, then the median over rounds is reported with the per-round values: a shared VM drifts by
-25 % over minutes (measured: the same forced split at 138.9 and 175.2 samples/s in two runs a
-minute apart), so a ceiling measured minutes before the run it divides says little. Inside a
-round (a') runs twice, right before (c) and right after (a''), and the ceiling is the mean of
-the two (a drift linear in time cancels; ceiling_drift_rounds gives, per round and rank, the
-second run's rate / the first's - 1); (b) comes last in even rounds, first in odd ones.
-
-A second scenario changes the slow rank's quota mid-run (0.35 -> 0.7 by writing its cgroup's
-cpu.cfs_quota_us) and counts the steps re-balancing needs to get back above 0.9 efficiency
-(against the co-running ceiling of the new pair; the standalone figure is printed too).
-
-Last line: one JSON object with efficiency_equal / efficiency_balanced (against the sum of the
-standalone rates, as before), efficiency_corunning / efficiency_equal_corunning (against the
-co-running ceiling, with ceiling_drift_rounds), efficiency_at_batch (against (a'')'s ceiling at
-this global batch, with ceiling_at_batch and best_splits), efficiency_in_job (against the sum of the ranks' own rates inside (c):
-samples over busy time, no waiting -- what is left is balancing and synchronisation) with
-in_job_slowdown (per rank, co-running rate / in-job rate - 1: how much slower a rank works
-inside the lock-step job than free-running beside the other -- the machine's part of the gap,
-plus smaller micro-batches at small global batches), balance_error (median over steps of the longest wait of a rank -- the
-spread of the ranks' busy times -- as a share of the step), speedup = (c) / (b),
-overhead_vs_ddp (median over pairs of hetseq_hpc step / plain DDP step - 1) with its spread
-(overhead_iqr, overhead_pairs), steps_to_recover and planner_error (the planner, given (c)'s
-allocation.json as its probe, against (c)'s measured samples/s).
-
-The step time of a pair's run is its lower quartile (overhead_vs_ddp; the median-based ratio
-is printed too as overhead_vs_ddp_median_step): two unthrottled ranks fill both cores of a
-2-core machine, so any other process stalls one rank and, through the all-reduce, the step --
-noise that only ever adds time (the reason Python's timeit reports a minimum). The quartile
-keeps every cost the machinery pays on most steps and drops the stalls.
-
-How it measures: a step's time is the wall-clock time between consecutive steps' ends
-(hetseq_hpc: the ``time`` field of metrics.jsonl rows, so logging and metrics writing count;
-plain DDP: its loop), and throughput = global batch / median step time after warm-up.
+Two ranks, one throttled to ~0.35 by a cgroup CPU quota, train the BERT task's default model:
+standalone and co-running ceilings, equal split, hetseq_hpc's allocation, a speed change, and
+plain DDP against hetseq_hpc, in interleaved rounds. Last line: one JSON object.
+What each run measures and every JSON key: docs/benchmarks.md, "How the scripts measure".
 
     python scripts/bench_hetero.py [--global-batch 128] [--rounds 3] [--pairs 8] [--out DIR]
 """

@@ -1,30 +1,11 @@
 #!/usr/bin/env python3
 """What HetSeq's BERT data path costs per sample on a CPU (docs/planner-accuracy.md, HetSeq).
 
-HetSeq (github.com/yifding/hetseq at afdb4b0) trains BERT from NVIDIA's HDF5 shards
-(``hetseq/tasks/tasks.py``: ``BertH5pyData`` per file, ``--num-workers 4`` per GPU).
-``hetseq/data/h5pyDataset.py: BertH5pyData.__getitem__`` OPENS THE FILE FOR EVERY SAMPLE
-(``h5py.File(path, "r", libver='latest', swmr=True)``), reads row ``index`` of six datasets
-and builds the masked-LM labels. NVIDIA's shard writer (DeepLearningExamples
-``create_pretraining_data.py``) stores every dataset with ``compression='gzip'`` and h5py's
-automatic chunk shape, which splits the 128 tokens of a row over many chunks: one row costs
-the decompression of dozens of whole chunks, with no chunk cache kept between samples.
-
-This script writes one shard of that layout (phase-1: sequence 128, 20 masked positions, int32
-token ids drawn Zipf-like, 10 % short sequences) of each ``--samples-per-shard`` size into a
-temporary directory, and times, interleaved over ``--reps`` repetitions, per sample:
-
-* ``hetseq``: HetSeq's access pattern (open per sample, six row reads, the label tensor);
-* ``kept_open``: the same six row reads with the file kept open (h5py's default chunk cache).
-
-The page cache is warm (the file was just written, on local disk): a network file system, as
-HetSeq's ``/scratch365`` was, can only add to these figures. It prints the machine, the chunk
-shapes, the median ms per sample and, for HetSeq's published 1-node rate (49 samples/s per
-TITAN Xp) and the spec model's (77), how many CPU cores per GPU the data path alone keeps busy.
-
-Needs torch, ``h5py`` and ``numpy``: ``.venv/bin/pip install h5py`` into the project's venv
-(h5py and numpy are not dependencies of hetseq_hpc, and neither pulls torch). Nothing is
-downloaded; the shards are removed at the end. Takes about 1.5 minutes.
+Writes one HDF5 shard in NVIDIA's layout per ``--samples-per-shard`` size and times, per
+sample, HetSeq's access pattern (the file opened for every sample) against the same reads with
+the file kept open. Needs ``h5py`` and ``numpy`` in the venv; nothing is downloaded; about
+1.5 minutes. Why HetSeq's path is slow and what is printed:
+docs/design/hetseq-comparison.md, "What HetSeq's data path costs per sample".
 
     .venv/bin/python scripts/bench_hetseq_data_path.py --samples-per-shard 20000 100000 400000
 """

@@ -1,39 +1,12 @@
 """Benchmark ``hetseq-hpc prepare`` on a corpus of real text built offline (not a test).
 
-The corpus: CPython's own ``pydoc_data.topics`` (the ``help()`` texts every CPython carries,
-PSF licence) cut into its blank-line-separated paragraphs, written
-again and again, each copy in a different order (``random.Random(copy).shuffle``) and with the
-copy number in front of every paragraph, until the file reaches ``--corpus-mb``. So the text
-is real English/Python prose, the tokenizer sees a natural vocabulary, and no two copies are
-byte-identical.
-
-Then it runs ``hetseq-hpc prepare task=bert task.data.files=[corpus]`` in a child process with
-a fresh cache and reports the corpus size, the wall time, MB/s, the cores used (CPU seconds of
-the child / wall seconds) and the peak resident memory (``ru_maxrss`` of the child: the
-largest RSS any process of it reached). The last line is JSON::
-
-    {"corpus_mb": ..., "seconds": ..., "mb_per_s": ..., "cores": ..., "cores_available": ...,
-     "peak_rss_mb": ..., "rows": ..., "vocab_size": ...}
+Builds a corpus from CPython's ``pydoc_data.topics`` (shuffled copies) of ``--corpus-mb`` MB,
+runs ``hetseq-hpc prepare`` on it in a child process with a fresh cache, and reports wall time,
+MB/s, cores used and peak RSS; the last line is JSON. ``--task hf --tokenizer wordpiece|bpe``
+measures ``task=hf``; ``--plain`` the path without the word cache. The corpus, the JSON keys and
+each mode: docs/benchmarks.md, "How the scripts measure".
 
 Usage: ``python scripts/bench_prepare.py --corpus-mb 1024 [--keep DIR] [--plain]``.
-
-``task=bert`` trains its WordPiece tokenizer on the corpus (one pass), then encodes and packs
-the corpus (a second pass) with the word cache of ``hetseq_hpc.tokenizing`` and the product's
-default worker count, as ``task=hf`` below; ``--plain`` (``HETSEQ_PREPARE_FAST=0``) packs with
-the tokenizer's ``encode_batch`` in the prepare process instead, the path before it (the same
-rows, byte for byte). The JSON line adds ``path`` and the load average before the run
-(``load``).
-
-``--task hf --tokenizer wordpiece|bpe`` measures ``task=hf`` instead: a BERT WordPiece or a
-byte-level BPE tokenizer (30k tokens) is trained here on the first 20 MB of the corpus and saved
-with a config-only model (``task.model.config``: nothing downloaded, no weights), then
-``hetseq-hpc prepare task=hf`` tokenises the corpus (one text per line, packed rows) with the
-word cache of ``hetseq_hpc.tokenizing`` with the product's default worker count (one spawned
-process per core, at most 8, for files of 8 MB or more; ``HETSEQ_PREPARE_WORKERS`` in the
-environment overrides it as for ``prepare``; ``--plain``: the Rust ``encode_batch_fast`` on
-all cores, the path before it). The JSON line adds ``path``,
-``tokens``, ``tokens_per_s`` and ``tokens_per_s_per_core`` (per core used) and the machine
-(``cpu``). Peak RSS is the largest single process (``prepare`` or one of its workers).
 """
 
 from __future__ import annotations

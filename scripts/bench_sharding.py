@@ -1,30 +1,13 @@
 #!/usr/bin/env python3
 """Sharded (FSDP2) against replicated (DDP) data parallelism, on this machine's CPU cores.
 
-(a) Throughput where both fit: two ranks train the BERT task (``--hidden``, ``--layers``) in
-    ``--pairs`` interleaved pairs of runs, DDP then FSDP (the order alternates), the same
-    global batch and split; the ratio FSDP step / DDP step is taken inside each pair and the
-    median over pairs is reported (a shared VM drifts by minutes: never compare across pairs).
-(b) Memory per rank in both modes: each rank's measured model state (its parameters, as many
-    gradient bytes and its optimizer state -- local shards under FSDP; ``summary.json``
-    ``memory``) against the whole model state / world size, and each process's peak RSS
-    (Python and torch's libraries included: ~0.3 GB on CPU, not the model).
-(c) The largest model that fits an emulated mix: both ranks get ``cluster.memory_budget_gb``
-    ``--budget-gb``; BERT models of ``--ladder`` layers are tried in each mode (2 steps each);
-    the largest that trains is the measured figure, printed next to the planner's
-    ``largest_params`` for the same mix (``hetseq-hpc plan ... sharding.mode=...``).
-(d) FSDP with gradient accumulation (``--micro`` samples per pass: 16 / micro passes per step
-    on each rank), the parameters kept gathered between micro-batches against resharded
-    (``sharding.between_micro_batches=keep_unsharded`` / ``reshard``) in ``--pairs``
-    interleaved pairs; median ratio kept / resharded step, and each rank's measured peak
-    (torch's CPU allocations in the first steps, under an emulated 1 GiB budget).
-    ``--only-accumulation`` runs (d) alone.
+(a) step time where both fit, (b) memory per rank, (c) the largest model under an emulated
+budget, (d) FSDP accumulation kept gathered against resharded. Last line: one JSON object.
+What each part runs: docs/benchmarks.md, "How the scripts measure".
 
     python scripts/bench_sharding.py [--pairs 4] [--steps 20] [--budget-gb 0.03]
                                      [--ladder 1,2,4,8,16] [--micro 4] [--only-accumulation]
                                      [--out DIR]
-
-Last line: one JSON object. The machine is printed; rerun on another before trusting a figure.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 """Fault drills on ``cluster=local``: break a real run on purpose and time what happens.
 
 Each drill starts ``python -m hetseq_hpc`` (2 ranks, a small BERT), injects one fault, and
-prints what the user sees (exit code, the one error line) and how long it took. README's
-"Reliability" table comes from this script; the tests in tests/integration/test_checkpoint.py and
+prints what the user sees (exit code, the one error line) and how long it took. The fault
+drills of docs/benchmarks.md come from this script (what each fault does: docs/running.md); the tests in tests/integration/test_checkpoint.py and
 tests/integration/test_launch_local.py check the same behaviour without timing it.
 
     python scripts/fault_drills.py            # all drills, about 2-4 minutes on 2 cores

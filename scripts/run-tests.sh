@@ -72,6 +72,8 @@ trap stop_cluster EXIT
 # lint first: a style error fails in a second, not after the suite
 "$VENV/bin/python" -m ruff check hetseq_hpc tests scripts examples
 "$VENV/bin/python" -m ruff format --check hetseq_hpc tests scripts examples
+# module docstrings stay short (<= 20 lines); the design essays live in docs/design/
+"$VENV/bin/python" scripts/check_docstrings.py
 # the import-layer contract (pyproject.toml [tool.importlinter]): no package imports one above it
 "$VENV/bin/lint-imports"
 

@@ -1,25 +1,12 @@
-"""The one per-rank cost model: what a micro-batch and an optimizer step cost, and the split of a
-global batch that minimises the predicted step time.
+"""The one per-rank cost model, ``t(m) = a + c * m`` per micro-batch plus a per-step fixed cost
+``f``, and the split of a global batch that minimises the predicted step time
+(:func:`min_max_split`, exact and deterministic).
 
-A rank that processes ``b`` samples as ``k`` micro-batches in one optimizer step is busy
-
-    T(b, k) = k * a + c * b + f        seconds, until its gradients are ready,
-
-with ``t(m) = a + c * m`` the time of one forward+backward micro-batch of ``m`` samples (``a``:
-the fixed cost of a micro-batch -- Python, kernel launches, an under-filled device; ``c``: the
-time per sample) and ``f`` the per-step fixed cost outside the micro-batches (clipping, the
-optimizer step, logging; the all-reduce wait is excluded). With the micro-batch capped by memory
-at ``cap``, the fewest micro-batches are ``k = ceil(b / cap)``, and since ``a >= 0`` they are also
-the fastest: fewer, fuller micro-batches win. The step takes ``max_i T_i`` plus the exposed
-all-reduce; :func:`min_max_split` chooses ``b_i`` (``sum b_i = B``, ``b_i >= 1``) to minimise
-``max_i T_i`` exactly. The linear per-micro-batch model is the one Cannikin (Middleware 2024) and
-LBB (J. Supercomputing 2024) fit per device; calibration prints its residuals so the fit can be
-judged on every run (:mod:`hetseq_hpc.balance.calibrate`).
-
-Used by the runtime allocation (:func:`hetseq_hpc.balance.allocation.allocate`), the online re-balancer
-(:mod:`hetseq_hpc.balance.rebalance`) and the planner (:mod:`hetseq_hpc.plan.step_time`).
-Everything here is deterministic pure Python on the floats it is given: ranks that compute from
-the same gathered floats get the same split and digest.
+Used by the runtime allocation (:func:`hetseq_hpc.balance.allocation.allocate`), the online
+re-balancer (:mod:`hetseq_hpc.balance.rebalance`) and the planner
+(:mod:`hetseq_hpc.plan.step_time`): ranks that compute from the same gathered floats get the
+same split and digest. The model and its sources: docs/design/allocation.md,
+"The cost model and the min-max split".
 """
 
 from __future__ import annotations

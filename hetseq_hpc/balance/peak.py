@@ -1,27 +1,9 @@
 """A rank's measured peak of what its memory budget bounds, to print next to the budget.
 
-The budget (:func:`hetseq_hpc.balance.memory.memory_budget_bytes`) bounds the model state this
-rank holds (a replica, or a shard plus the units FSDP gathers), the activations and the
-optimizer state. :class:`MemoryWatch` measures the tensors torch allocates for that, from when
-the model is placed (sharded or moved; after the task-contract check, which runs on the CPU
-model before sharding under FSDP), calibration and training included:
-
-- on a GPU, ``torch.cuda.max_memory_allocated`` (every tensor this process allocated on the
-  device; the caching allocator's reserved slack is not counted);
-- on the CPU with an emulated budget (``memory_budget_gb``: the case the budget is set for),
-  torch keeps no allocator statistics, so the allocations are read from torch's profiler
-  (``profile_memory=True``: every tensor allocation and free, in order) for the first
-  :data:`PROFILED_STEPS` optimizer steps (the profiler's record grows with the run, and the
-  steps repeat the same pattern; a validation later in the run is not covered): the peak
-  of the bytes allocated and not yet freed (:func:`running_peak`: a block whose free the
-  profiler missed is taken off when its address is handed out again) plus the model's
-  tensors at the window's start (parameters, buffers). Python objects are not tensors and
-  not counted;
-- on the CPU without a budget, the GROWTH of the resident set (``VmHWM``, reset by ``5`` into
-  ``/proc/self/clear_refs`` when the window begins, minus the resident set just before the
-  model was built; freed heap returned with glibc's ``malloc_trim`` first): an upper bound
-  that also counts modules imported later and the allocator's slack (tens of MB).
-  ``peak_measure`` says which (``rss_growth_since_start`` where the peak could not be reset).
+:class:`MemoryWatch` measures it from when the model is placed: ``torch.cuda.max_memory_allocated``
+on a GPU; torch's profiler memory events on a CPU with an emulated budget (:func:`running_peak`);
+else the resident set's growth (an upper bound). ``peak_measure`` says which.
+What each measure counts and misses: docs/design/allocation.md, "A rank's measured memory peak".
 """
 
 from __future__ import annotations

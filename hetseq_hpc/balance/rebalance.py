@@ -1,49 +1,12 @@
 """Online re-balancing with the allocation's own cost model, refitted from measured step times,
 that tells noise from a real speed change by the measurements' own uncertainty.
 
-Every ``balance.rebalance_interval`` steps (``balance.rebalance_every``; by default 10 for a
-measured split, never for a forced ``balance.allocation``) all ranks hold the same table of
-per-rank timings (the loop's per-step all-gather of
-:class:`~hetseq_hpc.distributed.rendezvous.StepStats`), so every rank computes the same decision at the same
-step without another message. For each rank, over the steps since the last decision (the first
-step after a switch is left out: new shapes warm up; fewer than :data:`RECENT_STEPS` of them
-decide nothing and keep accumulating):
-
-* its cost curve (:class:`~hetseq_hpc.balance.curves.CostCurve`, the calibration's fit as a prior)
-  is refitted from the measured forward+backward time of its micro-batches
-  (``compute_time_s`` of ``accum`` micro-batches holding ``samples``, median over the window):
-  when each of the window's last :data:`RECENT_STEPS` steps is off the prediction by more than
-  ``threshold`` in the same direction the device changed speed (or the prior was wrong), and
-  the curve is rescaled by their median ratio, forgetting older windows -- a change a few steps
-  old is seen, one noisy step is not; otherwise the window's point joins the earlier ones and,
-  once two splits different enough were seen, ``a`` and ``c`` are refitted by least squares
-  (:func:`~hetseq_hpc.balance.curves.fit_compute`);
-* its per-step fixed cost ``f`` is the median of its measured ``tail_time_s`` (optimizer step,
-  clipping, logging: the local work between two steps);
-* the global batch is re-split by :func:`~hetseq_hpc.balance.curves.min_max_split`, but a move
-  is sized by what the measurements support (:meth:`Rebalancer._supported_move`): each rank's
-  curve is moved to the unfavourable end of its confidence interval (:data:`CONFIDENCE_Z`
-  standard errors of its window's median, from the window's own spread and the rank's spread
-  over the run, :func:`relative_error`) -- ranks that would gain samples taken as slower, those
-  that would lose them as faster -- and the min-max split of those curves is taken only if it
-  still cuts the step time by ``threshold / 4`` at that end. Noise moves nothing; a clear
-  change moves the split at once, as far as the evidence goes. A move back toward the split
-  the last move left (within :data:`REVERSAL_MEMORY_STEPS`) needs :data:`REVERSAL_FACTOR`
-  times the evidence; a move further the same way :data:`CONTINUATION_FACTOR` times.
-* when some rank's speed changed, every rank is measured over the SAME latest steps, so a
-  neighbour that slows all ranks alike moves no sample;
-* a window shorter than :data:`MIN_WINDOW_S` of busy time decides nothing (steps too short to
-  time are timed over more of them); after a move that stopped short of the point estimate
-  the next decision comes :data:`FOLLOW_UP_STEPS` steps later (:meth:`Rebalancer.due`).
-
-Between two decisions, :meth:`Rebalancer.speed_changed` looks at every step: when each of some
-rank's last :data:`RECENT_STEPS` steps (since the last switch) is off its curve by more than
-:data:`URGENT_FACTOR` x ``threshold`` in the same direction, the decision is taken at once
-instead of at the next interval (every rank sees the same table, so all decide at the same step).
-A sudden speed change is therefore corrected a few steps after it, in one or two moves sized by
-the evidence, not by moving a sample at a time (LBB, J. Supercomputing 2024, moves single
-samples inside its dead band). The global batch, which samples form it and the loss
-normalisation do not change, so the update is still exactly one step on the whole global batch.
+:class:`Rebalancer` decides every ``balance.rebalance_every`` steps (or at once when a rank is
+clearly off its curve, :meth:`Rebalancer.speed_changed`) from the per-step timings every rank
+holds, so all ranks take the same decision at the same step without another message. The
+global batch and its exact semantics never change. How curves are refitted, how a move is
+sized by a confidence bound and when it is taken: docs/design/allocation.md,
+"Online re-balancing".
 """
 
 from __future__ import annotations

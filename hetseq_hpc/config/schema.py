@@ -1,23 +1,12 @@
 """Schema dataclasses of the run configuration, registered in Hydra's ConfigStore.
 
-The YAML files under ``conf/`` only select a schema and override its defaults (Hydra's
-structured-config pattern, https://hydra.cc/docs/tutorials/structured_config/schema/).
-Each dataclass checks its own fields in ``__post_init__``, which runs when the composed
-``DictConfig`` is turned into objects with :func:`hetseq_hpc.config.to_run_config`;
-checks that span groups (an allocation against the world size) live in
-:mod:`hetseq_hpc.config.validate`. Each group's schema has its own module, named after the
-group and read by one part of the package: ``task`` (:mod:`~hetseq_hpc.config.tasks`, the
-tasks), ``cluster`` (:mod:`~hetseq_hpc.config.cluster`, the launchers), ``trainer`` and
-``optim`` (:mod:`~hetseq_hpc.config.trainer`, the training loop), ``balance``
-(:mod:`~hetseq_hpc.config.balance`, :mod:`hetseq_hpc.balance`), ``comm``
-(:mod:`~hetseq_hpc.config.comm`, the gradient path), ``precision``
-(:mod:`~hetseq_hpc.config.rank_precision`, the one source of a rank's precision), ``sharding``
-(:mod:`~hetseq_hpc.config.sharding`, DDP or FSDP2, :mod:`hetseq_hpc.train.parallel`) and ``plan``
-(:mod:`~hetseq_hpc.config.plan`, the planner). This module ties them into :class:`RunConfig`
-and registers them, in one place (:func:`register_configs`). Keys that moved between groups
-keep working through :mod:`hetseq_hpc.config.aliases`.
-
-Units are in the field names: ``*_s`` seconds, ``*_min`` minutes, ``*_gb`` GiB.
+Each group's schema has its own module (``task``, ``cluster``, ``trainer``/``optim``,
+``balance``, ``comm``, ``precision``, ``sharding``, ``plan``) and checks its fields in
+``__post_init__``; this module ties them into :class:`RunConfig` and registers them in one
+place (:func:`register_configs`). Cross-group checks: :mod:`hetseq_hpc.config.validate`; moved
+keys: :mod:`hetseq_hpc.config.aliases`. Units are in the field names: ``*_s`` seconds,
+``*_min`` minutes, ``*_gb`` GiB. Which module reads each group:
+docs/design/configuration.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """Who is still in the job: heartbeats and re-forming the world after a lost rank.
 
-Everything goes through a store that does NOT live in a rank (the local launcher serves it, a
-Slurm batch script runs :mod:`hetseq_hpc.distributed.store_server`; both through
-:func:`serve_job_store`), so losing any rank, rank 0 included, loses nothing the survivors need.
-The store serves only clients that prove they hold the job's token (``HETSEQ_JOB_TOKEN``,
-:mod:`hetseq_hpc.distributed.auth_store`), so another job's ranks, or anyone else who reaches
-the port, can neither read nor write a key. Ranks are named by their ORIGINAL rank (their ``member`` id)
-across generations; generation ``g`` is the ``g``-th world (0 = the one the launcher started).
-
-* Heartbeat (:class:`Heartbeat`): a thread adds 1 to ``hb/<member>`` every
-  :data:`HEARTBEAT_S` seconds. A member whose counter has not moved for ``stale_s`` seconds of
-  the observer's own clock is stale (dead, or stopped by SIGSTOP / a stuck driver): no clock
-  has to agree between hosts.
-* Re-forming (:func:`reform`): each survivor writes ``g<n>/join/<member>``, then waits until
-  every member of the old world has joined or is stale; the first to see that proposes the
-  joined set with ``compare_set`` on ``g<n>/members`` (one winner, which every survivor then
-  reads). New ranks are dense, in the order of the old ones; a member left out (it joined
-  after going stale) gets :class:`~hetseq_hpc.errors.RankExcluded`.
-
-Sources: torch.distributed ``Store`` / ``PrefixStore`` (https://pytorch.org/docs/stable/distributed.html#distributed-key-value-store);
-the rule of redoing the interrupted step over the survivors is in :mod:`hetseq_hpc.train.elastic`.
+Everything goes through a store that does NOT live in a rank (:func:`serve_job_store`; only
+clients holding the job's token, :mod:`hetseq_hpc.distributed.auth_store`), so losing any rank,
+rank 0 included, loses nothing the survivors need. :class:`Heartbeat` marks a member alive;
+:func:`reform` agrees on the next generation's members (dense new ranks, in the old order).
+The protocol: docs/design/elastic-recovery.md, "Membership: heartbeats and re-forming the world".
 """
 
 from __future__ import annotations

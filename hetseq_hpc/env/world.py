@@ -1,29 +1,10 @@
 """Where this process sits in the job: rank, local rank, world size, rendezvous master.
 
-:meth:`WorldInfo.from_env` reads an injectable environment (a ``Mapping``; default
-``os.environ``), in this order of precedence:
-
-1. explicit torch variables ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``
-   (torchrun, and hetseq_hpc's own local launcher), left exactly as given;
-2. SLURM task variables (``SLURM_PROCID`` ...), including heterogeneous jobs;
-3. nothing: a single process on this host.
-
-SLURM roles follow one table (:data:`SLURM_VARIABLES`), as submitit does. For a het job
-(``SLURM_HET_SIZE`` set) the facts are those of Slurm's heterogeneous-job documentation
-(https://slurm.schedmd.com/heterogeneous_jobs.html, "Environment Variables") and were
-checked on a real Slurm 22.05:
-
-* ``SLURM_PROCID`` is global across components, component 0 first;
-* no variable names a task's component: it is found from ``SLURM_PROCID`` and the running
-  sum of ``SLURM_NTASKS_HET_GROUP_<k>``;
-* the master is the FIRST node of ``SLURM_JOB_NODELIST_HET_GROUP_0``, not of
-  ``SLURM_JOB_NODELIST`` (the merged list is sorted by name, ranks follow component order);
-* ``SLURM_JOB_PARTITION`` is unreliable in a multi-component step: the partition comes from
-  ``SLURM_JOB_PARTITION_HET_GROUP_<k>``; likewise ``SLURM_CPUS_PER_TASK`` is absent and
-  ``SLURM_CPUS_PER_TASK_HET_GROUP_<k>`` holds the rank's cores.
-
-The port, unless ``MASTER_PORT`` is set, is derived from the job id so that every rank agrees
-without talking (the idea of Lightning's ``SLURMEnvironment``).
+:meth:`WorldInfo.from_env` reads an injectable environment (default ``os.environ``): explicit
+torch variables first (torchrun, the local launcher), then SLURM task variables
+(:data:`SLURM_VARIABLES`, het jobs included), else a single process; the port is derived from
+the job id unless ``MASTER_PORT`` is set. The het-job facts, checked on a real Slurm 22.05:
+docs/design/slurm-launch.md, "Rank, local rank, world size, master".
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """Which rank caused a failure, and in what words.
 
-When one rank fails, every peer fails a moment later with a disconnection ("Connection closed by
-peer", a reset socket, an aborted NCCL communicator, a collective that timed out): those are the
-effect, not the cause. Launchers therefore name the rank whose OWN error is first:
-
-* a genuine error (any error that is not a peer disconnection), earliest first;
-* else a rank killed by a signal nobody in hetseq_hpc sent (the kernel's OOM killer, ``kill``),
-  or, on SLURM, a rank that left neither a result nor an error of its own (killed or stopped:
-  its peers only saw it go away);
-* else a rank found stopped (SIGSTOP, Ctrl-Z) while its peers timed out waiting for it (the
-  local launcher looks at ``/proc``; on SLURM the rank itself notices, :class:`StopWatch`,
-  and its error file says so);
-* else the earliest peer disconnection.
-
-Both launchers read each rank's OWN error file, ``<run dir>/logs/rank<N>.error.json``
-(:func:`hetseq_hpc.env.rank_guard.report_failure`), and pick with :func:`first_failure`.
-A SLURM job that stopped cleanly after a checkpoint leaves ``logs/stop.json`` from rank 0
-(:func:`write_stop_record`), so that the launcher can tell such a stop from a failure.
-
-The error line of a Python traceback is its last ``module.Name: message`` line, not its last
-line: torch's C++ errors append "Exception raised from ..." and frame lines such as
-``…ddp_hooks.py(53): <lambda>``, which named the wrong rank with a meaningless line before.
+When one rank fails, its peers fail a moment later with a disconnection: the effect, not the
+cause. Both launchers read each rank's OWN error file (``logs/rank<N>.error.json``) and pick the
+rank to name with :func:`first_failure`; :func:`write_stop_record` marks a clean stop after a
+checkpoint. The order of precedence and how a traceback's error line is found:
+docs/design/elastic-recovery.md, "Which rank caused a failure".
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """Render the sbatch script of a heterogeneous job: one het component per partition, one
 ``srun --het-group=0-K`` step that starts one task per rank across all of them.
 
-Syntax from Slurm's heterogeneous-job documentation
-(https://slurm.schedmd.com/heterogeneous_jobs.html): components are separated by
-``#SBATCH hetjob``; options such as ``--job-name``, ``--output`` and ``--error`` propagate from
-the first component, while ``--partition``, ``--nodes``, ``--ntasks-per-node``, ``--mem`` and
-``--gres`` are given for every component. The script runs on the first node of component 0.
-
-Each task's stdout/stderr go to ``<folder>/<job id>_<rank>_log.{out,err}`` by redirection
-inside the step, not by ``srun --output``: in a het step ``%j`` expands to each component's own
-job id and ``%t`` restarts per component (srun's filename patterns,
-https://slurm.schedmd.com/srun.html#SECTION_FILENAME-PATTERN), and a folder holding ``%j`` made
-tasks of component >= 1 fail to launch (measured with submitit 1.5.4 on Slurm 22.05; submitit's
-het-job issue: https://github.com/facebookincubator/submitit/issues/1741). The names are the
-ones submitit's ``JobPaths`` expects (``SLURM_JOB_ID`` is the leader id in every task).
-
-Submitted by hand: ``hetseq-hpc render`` (``cluster.dry_run=true``) also creates the folder
-(sbatch does not create the folder of ``--output``) and saves the job function next to the
-script (:func:`save_hand_submission`); the script copies it to the name submitit's entry point
-waits for when no submitter wrote one, so ``sbatch <run dir>/job.sbatch`` runs the same job.
+Each task's stdout/stderr go to ``<folder>/<job id>_<rank>_log.{out,err}`` by redirection inside
+the step (the names submitit's ``JobPaths`` expects); :func:`save_hand_submission` lets
+``sbatch <run dir>/job.sbatch`` run the same job by hand. Slurm's syntax, why not
+``srun --output`` (submitit's het-job issue #1741) and how a hand submission finds its job:
+docs/design/slurm-launch.md, "The het-job sbatch script".
 """
 
 from __future__ import annotations

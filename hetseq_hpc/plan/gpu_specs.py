@@ -1,33 +1,11 @@
 """NVIDIA GPUs from their specifications: SM count, boost clock, compute capability, memory and
 memory bandwidth, and from these the peak FLOP/s per precision.
 
-Peak = SMs x FLOP per SM per clock (by architecture, :data:`ARCHS`) x clock. The same function
-(:func:`peak_flops`) takes the facts the pynvml probe reads (``sm_count``, ``sm_clock_mhz``,
-``compute_capability``, :class:`hetseq_hpc.env.hardware.DeviceProbe`), so a probed GPU that is in
-no table still gets a peak (:func:`spec_from_probe`); the probe is preferred when present.
-
-Assumptions (stated once, here):
-
-- "fp16"/"bf16" = the tensor-core rate with FP32 ACCUMULATE (what autocast's cuBLAS GEMMs use).
-  GeForce Turing/Ampere/Ada cards run that at HALF the rate of their fp16-accumulate figure
-  (Turing/GA102/AD102 whitepapers' "FP16 Tensor TFLOPS with FP32 Accumulate"): ``geforce=True``
-  halves the tensor and TF32 rates. Quadro/RTX A-series/data-centre parts run it at full rate.
-- Volta/Turing have no bf16: a bf16 peak there is the fp16 one (the runtime falls back to fp16).
-- Pascal has no tensor cores. Its NATIVE fp16 arithmetic (HFMA2, fp16 accumulate) is 2x fp32
-  on GP100 (P100, cc 6.0: 18.7 vs 9.3 TFLOP/s, P100 datasheet) and 1/64 of fp32 on GP102
-  (TITAN Xp, GTX 1080 Ti, cc 6.1: CUDA C Programming Guide, "Arithmetic Instructions"
-  throughput table, 2 vs 128 results per clock per SM); :attr:`Arch.half_native` keeps these.
-  What the planner rates as "fp16" is fp16 storage with FP32 ACCUMULATE (autocast: cuBLAS
-  ``CUBLAS_COMPUTE_32F``, PyTorch's fp32 "opmath" in element-wise kernels), whose arithmetic is
-  fp32 on both: :attr:`Arch.half_vs_fp32` = 1.0 on Pascal. The runtime trains in fp32 there
-  (``auto``) anyway.
-- TF32 (Ampere and later) is a peak the RUNTIME DOES NOT USE: hetseq_hpc leaves PyTorch's default
-  (``torch.backends.cuda.matmul.allow_tf32 = False``), so "fp32" is the CUDA-core fp32 peak on
-  every GPU. ``tf32`` exists to read published figures (NGC containers turn TF32 on).
-- H100/H200: NVIDIA quotes tensor peaks at a lower clock than the fp32 ones (989.4 TFLOP/s
-  dense bf16 = 132 SMs x 4096 x 1830 MHz, while 66.9 TFLOP/s fp32 = 132 x 256 x 1980 MHz); the
-  row's ``tensor_mhz`` keeps that. A probe reads only the maximum SM clock, so a probed Hopper's
-  tensor peak comes out ~8 % above the datasheet's.
+Peak = SMs x FLOP per SM per clock (by architecture, :data:`ARCHS`) x clock
+(:func:`peak_flops`); a probed GPU in no table still gets a peak (:func:`spec_from_probe`).
+The assumptions (tensor-core rates with FP32 accumulate, GeForce halving, Volta/Turing bf16,
+Pascal fp16, TF32 unused by the runtime, Hopper's tensor clock) are stated once:
+docs/design/planner.md, "GPU specifications and peak FLOP/s".
 """
 
 from __future__ import annotations

@@ -1,49 +1,13 @@
 """Achieved training throughput of any GPU from its specifications, with TWO numbers fitted on
 ONE published source and checked on others it was not fitted on.
 
-Model (eager PyTorch training code, the code path hetseq_hpc's trainer is): one forward+backward
-pass of a micro-batch of ``m`` samples costs a fixed time plus a per-sample time, and the
-per-sample time is the matmuls' time PLUS the memory-bound operations' time (eager code runs
-them one kernel after another: they add, they do not overlap),
-
-    t(m) = t0(model) + m x (FLOPs / (peak(precision) x p x a) + accesses x width / (bandwidth x e))
-
-- ``t0``: the pass's fixed cost (kernel launches, an under-filled GPU at small ``m``), taken as
-  proportional to the model's parameter tensors (each one is a few kernels forward and backward):
-  :data:`PASS_OVERHEAD_S_PER_TENSOR`, from hetseq_hpc's OWN calibration of BERT-base on an H100
-  (docs/benchmarks.md, "On a GPU": t(m) = 31.9 ms + 0.243 ms x m, 202 parameter tensors), a
-  measurement that is neither the fit source nor a held-out one;
-- ``FLOPs``: training FLOPs of one sample (:func:`bert_flops`, the task's formula);
-- ``peak``: :mod:`hetseq_hpc.plan.gpu_specs` (SMs x FLOP/SM/clock x clock, per precision);
-- ``p``: sustained over boost clock of a power-limited board (T4: 70 W), from its power limit
-  and the fit's V100 (:func:`hetseq_hpc.plan.gpu_specs.power_clock_factor`; 1 for most GPUs);
-- ``accesses``: element reads and writes of one sample's memory-bound (element-wise,
-  normalisation, softmax, dropout) operations, COUNTED from the architecture
-  (:func:`transformer_accesses`), not fitted; ``width``: 2 bytes (fp16/bf16) or 4 (fp32/TF32);
-- ``a``: the fraction of peak the matmuls reach; ``e``: the fraction of the memory bandwidth
-  the memory-bound operations reach (together with how rough the count is).
-
-Why a sum with a count of memory traffic: in eager BERT training the element-wise and
-normalisation kernels are memory-bound and take a large share of the step (Ivanov et al.,
-"Data Movement Is All You Need", MLSys 2021); their bytes grow with ``layers x T x hidden`` and
-``layers x heads x T^2``, while the matmul FLOPs grow with ``hidden^2``, so a model whose memory
-time is proportional to its FLOPs (this module's previous form) rates BERT-large too slow against
-BERT-base (docs/planner-accuracy.md).
-
-Fit (:func:`fit_factors`, :data:`FACTORS`) on the ``role=fit`` rows of ``data/published_bert.csv``
-only: NVIDIA DeepLearningExamples PyTorch BERT README (pytorch:21.11), SQuAD fine-tuning, 1 GPU:
-A100 80GB mixed 110.5 seq/s and TF32 61.5; V100 32GB mixed 52 and FP32 12: ``1/a`` and ``1/e``
-by least squares on the relative error of the four per-sample times, each NET of ``t0`` (the
-published batch is one pass). Held out: every ``role=heldout`` row (DLE PyTorch 20.06 release,
-Lambda's GPU benchmarks 2021 and 2024, Pollux/Sia traces): :func:`heldout_errors`,
-``docs/planner-accuracy.md``. A ``role=republished`` row repeats a measurement already in the
-file (the fit's, or an older snapshot's): kept for the record, never counted as held out.
-
-NOT modelled: NVIDIA's fused pre-training scripts (padding removal, fused attention), whose
-sequences/s are not comparable across releases.
-
-Training FLOPs per sample (:func:`bert_flops`) are the formula hetseq_hpc's BERT task uses
-(:meth:`hetseq_hpc.tasks.bert.mlm_model.BertMaskedLM.flops_per_sample`).
+A pass of ``m`` samples costs ``t(m) = t0(model) + m x (matmul time + memory-bound time)``, the
+matmul time from the peak (:mod:`hetseq_hpc.plan.gpu_specs`) at fitted fraction ``a``, the
+memory-bound operations' bytes (counted, :func:`transformer_accesses`) at fitted fraction ``e``
+of the bandwidth. :func:`fit_factors` fits them on ``data/published_bert.csv``'s ``role=fit``
+rows; :func:`heldout_errors` checks the others. The model, its terms, the fit and what is not
+modelled: docs/design/planner.md, "Achieved throughput from specifications"; the errors:
+docs/planner-accuracy.md.
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
 """Time to result: which mix of the configured partitions finishes first (``plan.when``).
 
-For a SLURM cluster config, :func:`candidate_mixes` lists the mixes of its partitions (each
-partition in or out, 1 .. its configured node count when in; thinned when there are more than
-``plan.max_mixes``, and the table says how). For each mix, :func:`predict_mix` restricts the
-run to it (:func:`restrict_run`), plans it with the planner (:func:`hetseq_hpc.plan.planner.make_plan`)
-and predicts its run time::
-
-    run_s = plan.startup_s + trainer.max_steps x predicted step time + checkpoint cost
-
-where the checkpoint cost is one write of the model and its AdamW state
-(:data:`CHECKPOINT_BYTES_PER_PARAM` bytes per parameter) at ``plan.checkpoint_gb_s`` GB/s for
-every ``trainer.checkpoint_every`` steps and at the end. When the job would start comes from
-Slurm: the caller passes ``estimate_start(cluster) -> StartEstimate``
-(:func:`hetseq_hpc.launch.test_only.test_only_start`, ``sbatch --test-only`` on the het-job
-script the launcher would submit; the planner never imports a launcher), asked with the time
-limit the mix needs (:func:`asked_time_min`: the predicted run time plus a margin, capped by
-``cluster.timeout_min``), because backfill places a job by its time limit: asked with the
-configured limit, a short mix would be estimated as late as a long one. A mix Slurm gives no
-start time for keeps its run time, no finish time, and says so: nothing is guessed. A mix
-predicted to run longer than ``cluster.timeout_min`` (``over_limit``) is listed, after the mixes
-that fit, and never picked: it would hit the limit and need a requeue, whose cost (a second
-wait in the queue) nothing here can predict.
-
-:func:`rank_mixes` returns the :class:`WhenTable`, sorted by expected finish; its
-:meth:`WhenTable.pick` is what ``cluster.choose=finish_first|cheapest`` submits. Rendering:
-:mod:`hetseq_hpc.plan.when_table`.
+:func:`candidate_mixes` lists the mixes, :func:`predict_mix` plans each and predicts its run
+time (start-up + steps x step + checkpoints), Slurm's ``sbatch --test-only`` (passed in by the
+caller: the planner never imports a launcher) says when it would start, and :func:`rank_mixes`
+returns the :class:`WhenTable` sorted by expected finish, whose :meth:`WhenTable.pick` is what
+``cluster.choose`` submits. Rendering: :mod:`hetseq_hpc.plan.when_table`. The formula and why
+the time limit asked is the mix's own: docs/design/planner.md, "Time to result".
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """Encoding packed text word by word with a cache: the same ids as the tokenizer, 4-6x faster.
 
-For packed rows (``add_special_tokens=False``, texts joined by a separator) a text's ids are
-the concatenation of the ids of its pieces whenever the tokenizer never lets a token cross the
-piece boundaries. Then each distinct piece is encoded once by the Rust tokenizer, kept in a
-bounded dict, and a batch is mapped back with C-level ``map``/``itertools.chain``/
-``np.fromiter``. :func:`fast_mode` decides from the tokenizer's own JSON whether that holds:
-
-- ``"words"``: a whitespace-splitting pre-tokenizer (``BertPreTokenizer``, ``Whitespace``,
-  ``WhitespaceSplit``) after a character-local normalizer (``BertNormalizer``, ``Lowercase``,
-  ``NFD``, ``NFC``, ``StripAccents``, or none): pieces are ``str.split()`` words. A character
-  that Python splits on but the tokenizer does not (``\\x0b``, ``\\x0c``, ``\\x1c``-``\\x1f``,
-  ``\\x85``: control characters that ``BertNormalizer`` deletes) would join two words in the
-  tokenizer, so a text holding one is encoded whole (the plain path).
-- ``"bytelevel"``: GPT-2's ``ByteLevel`` pre-tokenizer (its regex, no prefix space, no
-  normalizer, BPE without dropout): a space belongs to the word after it, so pieces are
-  ``"word"`` then ``" word"``, a run of k spaces before a word gives ``k-1 spaces`` and
-  ``" word"`` (GPT-2's rule for spaces). A text holding any whitespace other than spaces
-  (tabs, newlines), a zero-width/byte-order character, or an added token's text is encoded
-  whole.
-
-Any other tokenizer (SentencePiece ``Metaspace``, Llama-3 ``Split`` regexes, BPE dropout,
-added tokens containing whitespace) gets ``None``: the caller uses the plain path.
+:func:`fast_mode` decides from the tokenizer's own JSON whether a text's ids are the
+concatenation of its pieces' ids (``"words"``, ``"bytelevel"``, or ``None``: the plain path);
+each distinct piece is then encoded once and kept in a bounded dict.
 ``tests/unit/test_word_cache.py`` checks the ids against the plain encode on adversarial text.
+Which tokenizers qualify and which texts are encoded whole: docs/design/data-preparation.md,
+"Encoding packed text word by word".
 """
 
 from __future__ import annotations

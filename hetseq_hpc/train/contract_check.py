@@ -1,28 +1,10 @@
 """The task contract, checked on real data before step 1, on every rank.
 
-A task that breaks the contract (docs/tasks.md) trains without an error but wrongly: a model
-that returns the MEAN loss, a ``count`` that is not the number of loss units, or a
-``make_batch`` whose rows depend on the cut or on the rank make a step with uneven per-rank
-batches differ from one step on the whole global batch. :func:`check_task_contract` takes the
-first few positions of the sampler's first global batch, builds the batch of all of them and of
-its two halves, and checks, with dropout off (``model.eval()``), no autograd, fp32 and no
-autocast:
-
-(a) ``make_batch``: each half's tensors equal the matching rows of the full batch (same keys
-    and dtypes). A task that pads to the longest item of a batch gives widths that differ; then
-    only the region both tensors have is compared (the padding itself is not: the loss check
-    (c) shows whether padding leaks into the loss);
-(b) ``count``: count(full) == count(first half) + count(second half);
-(c) the model's forward: loss(full) == loss(first half) + loss(second half), to
-    :data:`REL_TOL` relative (4 machine epsilons of the loss's dtype when that is more: a model
-    kept in bf16) plus :data:`ABS_TOL` (TF32 matmuls are off during the check);
-(d) across ranks: every rank built the same full batch (a digest of it is all-gathered).
-
-Each batch is built under a different, rank-dependent seed of torch's, numpy's and Python's
-global RNGs, so a ``make_batch`` that draws from them fails (a) even on one rank, and (d) with
-several. Every rank all-gathers its verdict before anyone raises, so all ranks stop together
-with the same line. The RNG states, each module's train/eval flag and the matmul precision are
-restored afterwards: the check changes nothing the training uses.
+:func:`check_task_contract` builds the first positions of the sampler's first global batch
+whole and as two halves and checks (a) ``make_batch`` rows, (b) ``count`` additivity, (c) the
+loss as a SUM, (d) the same batch on every rank; all ranks stop together with the same line,
+and the check changes nothing the training uses. What each check compares and why:
+docs/design/exact-gradients.md, "The task contract, checked before step 1".
 """
 
 from __future__ import annotations

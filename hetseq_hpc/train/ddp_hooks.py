@@ -1,28 +1,10 @@
 """A DDP communication hook that SUMS gradients across ranks and timestamps local compute.
 
-DDP's built-in all-reduce divides by the world size (a mean), which is wrong when ranks hold
-different numbers of samples (PyTorch issues 37359 and 37002); hooks receive buckets not yet
-divided (https://pytorch.org/docs/stable/ddp_comm_hooks.html). With every rank's loss equal to
-its SUM of per-unit losses divided by the GLOBAL unit count, summing gradients gives exactly
-the gradient of the mean loss over the whole global batch.
-
-The hook runs when a bucket's gradients are ready, i.e. as this rank's backward pass reaches
-it; the time of the last call is the end of local compute, before any wait for slower ranks.
-
-Two variants (``comm.grad_compression``, ``comm.grad_combine``):
-
-- :func:`compressed_sum_hook`: the same SUM, with the payload cast to bf16/fp16 (half the
-  bytes) and back. An fp16 payload always comes with the job-wide dynamic loss scale
-  (:mod:`hetseq_hpc.train.precision`), which keeps it in fp16's range: an overflow is inf on
-  every rank and the step is skipped; bf16 has fp32's range.
-- :func:`adasum_hook`: Adasum (Maleki et al., "Scaling Distributed Training with Adaptive
-  Summation", MLSys 2021, arXiv:2006.02924; Horovod ``op=hvd.Adasum``). Each rank contributes
-  its OWN mean gradient (bucket / its unit count); the buckets are all-gathered and every rank
-  combines them by the pairwise rule ``a (+) b = (1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b``
-  in Horovod's recursive-halving order ((0+1)+(2+3))... PER PARAMETER TENSOR, as Horovod's
-  ``FusedPairwiseReduceWithComm`` computes its dot products per tensor, so the result does not
-  depend on how DDP buckets the parameters. A squared norm below 1e-8 keeps coefficient 1
-  (Horovod's guard). Not the exact global-batch gradient.
+:func:`sum_allreduce_hook`: a SUM instead of DDP's mean (wrong for uneven per-rank batches); two
+variants picked by ``comm.grad_compression`` (:func:`compressed_sum_hook`: bf16/fp16 payload)
+and ``comm.grad_combine`` (:func:`adasum_hook`: Adasum, not the exact global-batch gradient).
+Why a sum is exact, when the hook fires, and Adasum's rule: docs/design/exact-gradients.md,
+"The SUM communication hook".
 """
 
 # No "from __future__ import annotations": DDP checks the hook's real annotations.

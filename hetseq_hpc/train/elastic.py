@@ -1,45 +1,14 @@
 """A lost rank does not end the run: the survivors re-form the world, re-split the SAME global
 batch over themselves and redo the interrupted step (``trainer.elastic``).
 
-With data parallelism every survivor holds the whole model and optimizer state, and an
-allocation can split one global batch over any set of ranks exactly, so nothing of the
-trajectory is lost (peers differ: torchrun elastic restarts every worker from the last
-checkpoint; TorchFT continues but lets the global batch shrink with the lost replicas).
-
-When a collective of the training loop fails (a peer's socket closed: a killed process or
-node) or times out (a stopped or stuck peer: a training step waits ``max(trainer.elastic.
-timeout_s, 3 × the step time)``, :class:`StepTimeout`), every survivor:
-
-1. leaves the broken process group and re-forms the world through the job's store, which the
-   launcher serves (:func:`hetseq_hpc.distributed.membership.reform`: a member whose heartbeat
-   stopped is left out; new ranks are dense, in the old order);
-2. agrees on the last completed step and on what of the work after it some survivor did not
-   complete (:mod:`hetseq_hpc.train.phases`: re-balancing decision, validation, the step's
-   row, the checkpoint, the summary): a survivor that finished the step (its exchange
-   completed before the peer died) sends its model, optimizer, scheduler and loss-scale state
-   to those behind, so every survivor stands at the same step and phase;
-3. re-splits the global batch over the survivors from their start-up calibrations (memory caps
-   kept; a forced ``balance.allocation`` is for the old world, so the split is computed);
-4. wraps the model in a new DDP on the new group and redoes what was interrupted: a step from
-   its start (gradients zeroed, the step's data positions are a function of the step alone),
-   or the validation / checkpoint of the last completed step over the new world (a checkpoint
-   is written atomically: never half-written under its name).
-
-Fewer survivors than ``trainer.elastic.min_ranks``, or a global batch that no longer fits
-them: the new rank 0 checkpoints the last completed step and every survivor stops with
-:class:`~hetseq_hpc.errors.Preempted` (code REQUEUE, exit 3): a Slurm job is requeued and
-resumes from that checkpoint, as after a preemption.
-
-Gradients are summed and divided by the global unit count as in any step, so the trajectory is
-the uninterrupted run's (up to float summation order; dropout masks are drawn per rank and
-step, so with dropout on the masks of a moved sample differ, as with any re-balancing).
-
-FSDP (``sharding.mode=fsdp``): a lost rank takes its shard with it, so steps 2 and 4 are
-replaced by a reload of the last checkpoint over the new world
-(:mod:`hetseq_hpc.train.elastic_sharded`): the steps since it are trained again, the
-membership row says so (``reloaded``, ``steps_redone``). On Slurm the batch
-script serves the store (:func:`hetseq_hpc.launch.sbatch.store_lines`) and its step survives a
-task's death (``srun --kill-on-bad-exit=0 --no-kill``).
+A failed or timed-out collective of the loop (:class:`StepTimeout`) makes every survivor leave
+the broken group, re-form through the job's store
+(:func:`hetseq_hpc.distributed.membership.reform`), agree on the last completed step and phase,
+re-split the batch and redo what was interrupted; too few survivors stop with
+:class:`~hetseq_hpc.errors.Preempted` (exit 3) after a checkpoint. FSDP reloads the last
+checkpoint instead (:mod:`hetseq_hpc.train.elastic_sharded`). The four steps, the limits and
+why the trajectory is the uninterrupted run's: docs/design/elastic-recovery.md,
+"Re-forming and redoing the interrupted step".
 """
 
 from __future__ import annotations

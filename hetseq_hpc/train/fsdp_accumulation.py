@@ -1,28 +1,11 @@
 """Gradient accumulation under FSDP without resharding between micro-batches
 (``sharding.between_micro_batches``; the mechanism is :meth:`hetseq_hpc.train.parallel.Sharded.sync`).
 
-With accumulation every rank runs the job's largest number of passes ``K`` per step. Resharded
-(``reshard``), FSDP2 all-gathers each unit in every forward and again in every backward:
-``2 K`` all-gathers per unit per step, and the rank never holds more than a few units whole.
-Kept gathered (``keep_unsharded``), each unit is all-gathered once, in the step's first
-forward, and resharded after its last backward: ``1`` all-gather per unit per step, while the
-rank holds every weight whole (:func:`~hetseq_hpc.balance.memory.kept_gathered_bytes`).
-
-What is NOT skipped: the reduce-scatter of every pass. Skipping it until the last pass
-(``set_requires_gradient_sync(False)``) would keep the whole model's unsharded gradient
-beside the whole weights (one more copy of the model) to save ``K - 1`` reduce-scatters,
-each moving what one of the ``2 K - 1`` saved all-gathers moves; the per-pass SUM into the
-shards is also what keeps the step exact, as before.
-
-Memory rule: rank ``i`` fits when its shard of the state plus the kept-gathered bytes
-(:func:`~hetseq_hpc.balance.memory.model_state_bytes` with ``keep_gathered``) plus its
-calibrated activation bytes per sample times its largest pass's samples is within its
-calibrated budget (the same headroom as its micro-batch cap). Whether a forward all-gathers is
-a collective, so the choice is job-wide: every rank says whether it fits (one small
-all-gather of booleans at start-up, after the allocation) and ``auto`` keeps the parameters
-gathered only when all say yes. A re-formed world after a lost rank (in-job recovery)
-rebuilds the sharded model and agrees again, from the survivors' caps for their larger shards
-(:func:`~hetseq_hpc.train.elastic_sharded.reload_sharded`).
+Kept gathered (``keep_unsharded``), each unit is all-gathered once per step instead of in every
+forward and backward; ``auto`` does so only when every rank says the whole weights fit beside
+its shard and largest pass (one job-wide choice, agreed at start-up and after a re-formation).
+The all-gather counts, what is not skipped and the memory rule:
+docs/design/sharding.md, "Accumulation without resharding between micro-batches".
 """
 
 from __future__ import annotations

@@ -1,26 +1,9 @@
 """Where rank 0's step rows go: ``metrics.jsonl`` always, plus CSV, TensorBoard and W&B.
 
-``trainer.loggers=[jsonl,csv,tensorboard,wandb]`` picks them (``jsonl`` is always on). Every
-logger receives the same row (:func:`hetseq_hpc.train.metrics.step_row` plus validation and
-re-allocation entries) and keeps one record per step:
-
-- ``metrics.csv``: one row per logged step; per-rank figures as ``rank<N>_<field>`` columns (a
-  resume on more ranks rewrites the file with the wider header);
-- ``tb/``: TensorBoard event files through :class:`torch.utils.tensorboard.SummaryWriter`:
-  ``train/*`` (loss, lr, samples/s, tokens/s, gradient norm, straggle), ``val/*``, and the
-  per-rank view (``rank_step_time_s/rank<N>``, ``rank_compute_time_s/rank<N>``,
-  ``rank_micro_batch/rank<N>``, ``rank_samples/rank<N>``); re-allocations as text;
-- W&B (only when ``wandb`` is installed; offline unless ``WANDB_MODE`` says otherwise), one
-  run per run directory (its id is kept in ``wandb_id.txt``).
-
-Metrics never stop a run: an optional logger that cannot open or write (a file where ``tb/``
-should be, a read-only directory, a directory named ``metrics.csv``) logs ONE warning naming
-its path and the fix and is dropped; training and ``metrics.jsonl`` go on.
-
-Resume: the steps after the checkpoint are dropped before anything is appended, as
-:class:`~hetseq_hpc.train.metrics.MetricsWriter` does for ``metrics.jsonl``: the CSV is cut,
-TensorBoard gets ``purge_step`` (its readers drop the old events from that step on), and W&B
-ignores steps it has already seen.
+``trainer.loggers=[jsonl,csv,tensorboard,wandb]`` picks them; every logger gets the same row and
+keeps one record per step. An optional logger that cannot open or write gives ONE warning and
+is dropped (metrics never stop a run); a resume drops the steps after the checkpoint from every
+logger. What each writes: docs/design/metrics.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """The training loop with exact gradients for uneven per-rank batches (DDP, or FSDP2 under
-``sharding.mode=fsdp``: :mod:`hetseq_hpc.train.parallel`, which keeps every rule below).
+``sharding.mode=fsdp``: :mod:`hetseq_hpc.train.parallel`, which keeps every rule of the step).
 
-One optimizer step on rank ``i`` (``b_i`` samples in ``accum_i`` micro-batches):
-
-1. take its slice of global batch ``k`` (:mod:`hetseq_hpc.train.sampler`);
-2. forward+backward every micro-batch on the SUM of its unit losses (masked tokens for BERT);
-   all but the last micro-batch run under ``no_sync``, so each rank all-reduces once per step
-   whatever its accumulation count;
-3. DDP sums the gradients across ranks (:mod:`hetseq_hpc.train.ddp_hooks`);
-4. ranks exchange loss sums, unit counts, timings and stop requests as named ``StepStats``
-   (one small all-gather, posted on CPU ranks when the last gradient bucket is ready);
-5. gradients are divided by the GLOBAL unit count ``sum_i n_i``: the result is exactly the
-   gradient of the mean loss over the whole global batch (PyTorch's DDP averages instead,
-   which is not equivalent for uneven batches: pytorch/pytorch issues 37359 and 37002; HetSeq's
-   ``world_size / sum(sample_size)`` scaling is the same idea for sum-reduced losses);
-6. the global gradient is clipped, then AdamW steps.
-
-Dropout's RNG is re-seeded from ``(seed, step, rank)`` every step and masking is a function of
-``(seed, epoch, sample)``: a run resumed from a checkpoint repeats an uninterrupted one.
+One optimizer step on every rank: its slice of global batch ``k``, forward+backward of every
+micro-batch on the SUM of its unit losses, the gradients summed across ranks and divided by the
+GLOBAL unit count, clipped, then AdamW; checkpoints, validation and metrics between steps.
+The six rules of a step and why they make a resumed run repeat an uninterrupted one:
+docs/design/exact-gradients.md, "The training step".
 """
 
 from __future__ import annotations

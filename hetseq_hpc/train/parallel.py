@@ -1,39 +1,11 @@
 """How the model is spread over the ranks: a full replica per rank (DDP) or a shard (FSDP2).
 
-The training loop talks to one of two strategies through the same methods, so every step keeps
-"one update = one step on the whole global batch" in both modes:
-
-- :class:`Replicated` (``sharding.mode=none``): ``DistributedDataParallel`` with the SUM comm
-  hook (:mod:`hetseq_hpc.train.ddp_hooks`); accumulation under ``no_sync``.
-- :class:`Sharded` (``sharding.mode=fsdp``): PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``,
-  https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html) over every rank, one FSDP
-  unit per :meth:`Task.sharding_units <hetseq_hpc.tasks.base.Task.sharding_units>` entry plus
-  the root. Exactness: FSDP's reduce-scatter AVERAGES over ranks; here it SUMS
-  (``set_gradient_divide_factor(1.0)`` with ``set_force_sum_reduction_for_comms``: a plain SUM,
-  which gloo also runs), and the loop divides by the global unit count as for DDP. Every rank
-  runs the SAME number of forward/backward passes per step (FSDP gathers each unit's
-  parameters in every pass, a collective): a rank's share is split into the job's largest
-  accumulation count, and a rank with fewer samples than passes adds zero-weight passes
-  (its first sample, loss x 0: gradient unchanged). Every pass reduce-scatters its gradients
-  (a SUM, so the shards that accumulate over the passes are exactly the step's sum; with sync
-  off FSDP would keep the whole model's unsharded gradient between passes, a full replica's
-  worth of memory beside the weights, to save a reduce-scatter per pass that costs as much
-  as one of the all-gathers saved below). Between the passes of a step the parameters are
-  either gathered again (``reshard``: each unit all-gathered in every forward and again in
-  every backward) or kept gathered from the step's first forward to its last backward
-  (``keep_unsharded``: ``set_reshard_after_forward(False)``, and
-  ``set_reshard_after_backward(True)`` on the last pass only; one all-gather per unit per step,
-  the whole weights held meanwhile): a job-wide choice, since every all-gather is a
-  collective (:mod:`hetseq_hpc.train.fsdp_accumulation`). The weights do not change within
-  a step, so both compute the same. The global gradient norm is computed over the shards
-  (``clip_grad_norm_`` on DTensors). Parameters are all-gathered in fp32 on every rank (one
-  job-wide dtype: ranks cannot all-gather in different dtypes); each rank computes in its own
-  precision under autocast, as in DDP.
-
-Checkpoints: :meth:`Replicated.model_state` and friends give the FULL state in DDP's layout
-(gathered to rank 0 under FSDP, ``sharding.checkpoint=full``); by default an FSDP run writes
-and reads its shards instead (:mod:`hetseq_hpc.train.sharded_checkpoint`). Either resumes on
-any world size and in the other mode.
+The training loop talks to one of two strategies through the same methods: :class:`Replicated`
+(``sharding.mode=none``: DDP with the SUM comm hook) and :class:`Sharded`
+(``sharding.mode=fsdp``: FSDP2 ``fully_shard`` with a SUM reduce-scatter and the same number of
+passes on every rank). Both keep "one update = one step on the whole global batch"; checkpoints
+of either resume on any world size and in the other mode.
+Design: docs/design/sharding.md, "Replicated (DDP) or Sharded (FSDP2)".
 """
 
 from __future__ import annotations

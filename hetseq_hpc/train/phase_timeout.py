@@ -1,33 +1,11 @@
 """Collective timeouts of the phases after a training step: the re-balancing decision
 (:func:`step_timeout`: the step's own timeout), validation and the checkpoint
-(:func:`phase_timeout`).
+(:func:`phase_timeout`), and the first validation's estimated wait (:func:`first_validation_wait`).
 
-With in-job recovery (``trainer.elastic``) a rank that hangs -- SIGSTOP, a stuck driver -- is
-noticed when a collective with it times out. Inside a training step that timeout follows the
-step time (:class:`~hetseq_hpc.train.elastic.StepTimeout`). Validation and checkpoints take
-their own time (a validation pass over the whole validation set; rank 0 writing the state or
-every rank its shards), so they get their own: the first time a phase runs it waits up to
-``cluster.collective_timeout_s`` (nothing measured yet: a slow first checkpoint must not look
-like a lost rank), after that :data:`FACTOR` times the longest of its last :data:`WINDOW`
-durations on this rank, and never less than the training step's timeout. A rank stopped
-during its second validation is thus noticed within seconds, not after
-``cluster.collective_timeout_s``.
-
-The FIRST validation of a replicated model (DDP; FSDP gathered whole) is estimated instead
-(:func:`first_validation_wait`): its one collective, the gather of the sums, comes after the
-whole local pass, so a rank arriving there knows its own pass took ``local_s``; the slowest
-peer's pass, over an equal share of the validation set, should take at most ``local_s`` times
-the largest ratio of a peer's to this rank's measured compute seconds per training sample
-(last :data:`WINDOW` steps, at least 1). The gather waits :data:`FACTOR` times that, never less
-than the step's timeout. A wrong guess costs one re-formation that loses nobody, after which
-the validation is redone waiting ``cluster.collective_timeout_s`` (the phase's measurements are
-forgotten); a decoding validation (translation's BLEU) is slower than training per sample on
-every rank alike, and proportionally less so on a slower GPU, so the ratio errs long.
-
-Both groups a phase uses get the timeout -- the rendezvous's gloo group (the gathers and
-broadcasts of validation sums, checkpoint decisions, shard digests) and the default group
-(FSDP's all-gathers in a validation forward pass, DCP's collectives) -- and get their own back
-afterwards (``cluster.collective_timeout_s``, the step's timeout).
+A rank that hangs in one of these phases is noticed from that phase's own measured time (never
+less than the step's timeout), not after ``cluster.collective_timeout_s``. The rule, the
+estimate for a first validation and which groups get the timeout:
+docs/design/elastic-recovery.md, "Timeouts of validation and checkpoints".
 """
 
 from __future__ import annotations

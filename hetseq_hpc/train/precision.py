@@ -1,26 +1,10 @@
 """Each rank's precision, and ONE dynamic loss scale for the whole job.
 
-Precision per rank (:func:`resolve_precision`): ``auto`` is bf16 autocast on compute capability
->= 8.0, fp16 autocast on CUDA 7.x (Volta 7.0, Turing 7.5; no bf16 there), fp32 on older GPUs
-and on the CPU; ``fp32`` / ``bf16`` / ``fp16`` are taken as asked (on the CPU too: torch's
-``"cpu"`` autocast runs both half types). Parameters, gradients and optimizer state stay fp32 on
-every rank: only the forward/backward arithmetic runs in the rank's own dtype.
-
-The loss scale (:class:`LossScale`) follows ``torch.amp.GradScaler``'s dynamic rule
-(https://pytorch.org/docs/stable/amp.html#torch.amp.GradScaler: init 2**16, x2 after 2000
-clean steps, x0.5 and skip on inf/NaN) but is ONE scale for the job, which a per-rank
-GradScaler cannot be: every rank multiplies its SUM loss by the same ``S / U`` before backward
-(``U``: the expected loss units of a global batch, a job-wide constant that brings the sum to a
-mean loss's size, GradScaler's usual range), the gradients are summed by the all-reduce as
-usual, and ``U / S`` is folded into the division by the global unit count. An overflow on any rank reaches every rank through the sum, so all ranks see
-the same non-finite summed gradient and skip the SAME step (each rank checks the all-reduced
-gradient, which is bitwise the same on every rank; under ``no_sync`` the micro-steps'
-gradients only accumulate locally and enter that one all-reduce, so no local check can differ).
-It is used when any rank computes in fp16 or the all-reduce payload is fp16
-(``comm.grad_compression=fp16``); otherwise it does not exist and the fp32/bf16 path is
-bit-for-bit the one without it. A skipped step does not step the optimizer; the LR scheduler
-still steps, as in torch's AMP recipe (``scaler.step(opt)`` skips, ``sched.step()`` runs), so the
-learning rate stays a function of the global batch index (resume and re-balancing rely on it).
+:func:`resolve_precision` turns ``auto`` / ``fp32`` / ``bf16`` / ``fp16`` into the rank's
+autocast dtype (parameters, gradients and optimizer state stay fp32); :class:`LossScale` is
+GradScaler's dynamic rule as one job-wide scale, used when any rank computes in fp16 or the
+all-reduce payload is fp16, so an overflow skips the SAME step on every rank.
+Design: docs/design/exact-gradients.md, "Precision per rank and one loss scale".
 """
 
 from __future__ import annotations

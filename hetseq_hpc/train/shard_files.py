@@ -1,26 +1,10 @@
 """The files of a sharded checkpoint, checked and read without unpickling anything untrusted.
 
-An FSDP run (``sharding.checkpoint=sharded``, the default) writes each checkpoint as
-
-* ``checkpoints/step_XXXXXXXX.<token>.shards/``: what ``torch.distributed.checkpoint`` (DCP)
-  wrote, every rank its own ``__<rank>_<n>.distcp`` files in parallel, rank 0 the
-  ``.metadata``; plus ``SHA256SUMS`` (``sha256sum`` format: ``cd`` there and run
-  ``sha256sum -c SHA256SUMS`` to check by hand) over all of them;
-* ``checkpoints/step_XXXXXXXX.pt`` with its ``.sha256``, the commit record every checkpoint has
-  (:mod:`hetseq_hpc.train.checkpoint`): the step, scheduler, RNG, config ... and a ``shards``
-  entry naming the directory and the SHA-256 of its ``SHA256SUMS``. The checkpoint exists once
-  this record does: a crash before it leaves only a directory nobody references, swept at the
-  next start (:func:`sweep_orphans`).
-
-Safety. DCP's own reader loads ``.metadata`` with ``pickle.load`` (torch 2.13,
-``torch/distributed/checkpoint/filesystem.py``): whoever can write the run directory could run
-code in every rank. :class:`SafeShardReader` reads it with an unpickler that constructs only
-DCP's metadata dataclasses, ``torch.Size``, dtypes, layouts and paths (anything else is refused
-before it is built), refuses byte items (DCP pickles non-tensor values; hetseq_hpc writes only
-tensors) and storage transforms, and reads only files named ``__<rank>_<n>.distcp`` inside the
-directory. Tensor data is read by DCP with ``torch.load(weights_only=True)``. Before any of it,
-every file is checked against ``SHA256SUMS``, whose digest is in the checksummed record, so a
-flipped byte is named, never loaded.
+An FSDP checkpoint is DCP's ``step_XXXXXXXX.<token>.shards/`` directory with its ``SHA256SUMS``,
+committed by the checksummed ``step_XXXXXXXX.pt`` record; :func:`sweep_orphans` removes a
+directory no record names. :class:`SafeShardReader` reads DCP's ``.metadata`` without
+``pickle.load`` and only after every file matched ``SHA256SUMS``. The layout and the safety
+rules: docs/design/checkpoints.md, "The files of a sharded checkpoint".
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
 """Test tasks that cause a fault on one rank of a real run (``task=custom``): the tests inject
 their faults here, hetseq_hpc has no switch for them.
 
-Both train the small BERT of :data:`~tests.helpers.runs.SMALL_MODEL` (its sizes given as
-``+task.model.<name>``, the task's options as ``+task.args.<name>``):
-
-* :class:`FailingBert` raises ``RuntimeError("injected failure on rank N")`` in ``load()`` on
-  the rank ``+task.args.fail_rank=N`` names (right after the rendezvous and rank 0's prepare),
-  for testing launchers and error reports;
-* :class:`OverflowBert` puts inf into the scaled loss that backward sees (the logged loss stays
-  finite) on rank ``+task.args.overflow_rank`` at optimizer step
-  ``+task.args.overflow_step``: an fp16 overflow on one rank, for testing the loss scale;
-* :class:`SlowExamplesBert` makes rank 0 take ``+task.args.examples_s`` seconds over its
-  example predictions after the last step (the other ranks wait at the final barrier), first
-  writing the file ``+task.args.marker``: a window in which a test loses a rank after the
-  training has completed;
-* :class:`StoppedInValidationBert` makes rank ``+task.args.stop_rank`` stop itself (SIGSTOP)
-  in its first validation batch: a rank hung in a validation nothing has measured yet;
-  with ``+task.args.sleep_s`` it sleeps that long instead: a slow rank, not a hung one; with
-  ``+task.args.when_file=PATH`` it waits for its first validation batch after that file
-  exists (the test creates it): a rank hung in a later, measured validation, wherever the
-  run's clock is when the test decides.
+All train the small BERT of :data:`~tests.helpers.runs.SMALL_MODEL` (its sizes given as
+``+task.model.<name>``, the task's options as ``+task.args.<name>``); each class's docstring
+says which fault it causes and which ``+task.args`` set it.
 """
 
 from __future__ import annotations
@@ -75,6 +59,10 @@ class _Bert(BertTask):
 
 
 class FailingBert(_Bert):
+    """Raises ``RuntimeError("injected failure on rank N")`` in ``load()`` on the rank
+    ``+task.args.fail_rank=N`` names (right after the rendezvous and rank 0's prepare), for
+    testing launchers and error reports."""
+
     def load(self) -> None:
         if this_rank() == int(self.args["fail_rank"]):
             raise RuntimeError(f"injected failure on rank {this_rank()}")
@@ -93,6 +81,10 @@ def overflowing_backward(backward: Callable, rank: int, step: int) -> Callable:
 
 
 class OverflowBert(_Bert):
+    """Puts inf into the scaled loss that backward sees (the logged loss stays finite) on rank
+    ``+task.args.overflow_rank`` at optimizer step ``+task.args.overflow_step``: an fp16
+    overflow on one rank, for testing the loss scale."""
+
     def load(self) -> None:
         super().load()
         path = precision.GradientPath
@@ -102,6 +94,11 @@ class OverflowBert(_Bert):
 
 
 class SlowExamplesBert(_Bert):
+    """Makes rank 0 take ``+task.args.examples_s`` seconds over its example predictions after
+    the last step (the other ranks wait at the final barrier), first writing the file
+    ``+task.args.marker``: a window in which a test loses a rank after the training has
+    completed."""
+
     def examples(self, model, n: int = 3):
         marker = self.args.get("marker")
         if marker:  # the test waits for it: the training, its checkpoint and rows are done
@@ -111,6 +108,12 @@ class SlowExamplesBert(_Bert):
 
 
 class StoppedInValidationBert(_Bert):
+    """Makes rank ``+task.args.stop_rank`` stop itself (SIGSTOP) in its first validation batch:
+    a rank hung in a validation nothing has measured yet. With ``+task.args.sleep_s`` it sleeps
+    that long instead: a slow rank, not a hung one; with ``+task.args.when_file=PATH`` it waits
+    for its first validation batch after that file exists (the test creates it): a rank hung in
+    a later, measured validation, wherever the run's clock is when the test decides."""
+
     def evaluate_batch(self, model, batch, positions):
         if (
             this_rank() == int(self.args["stop_rank"])

@@ -1,5 +1,5 @@
-"""The benchmark's own arithmetic (scripts/bench_hetero.py): the figures README quotes come
-from these helpers, so they are checked by hand like the planner's."""
+"""The benchmark's own arithmetic (scripts/bench_hetero.py): the figures docs/benchmarks.md
+quotes come from these helpers, so they are checked by hand like the planner's."""
 
 from __future__ import annotations
 

@@ -3,39 +3,9 @@ against HetSeq's README performance table (github.com/yifding/hetseq, README.md 
 "Performance table", BERT on nodes with 4 GPUs each): avg. time per step 2.60 s (1 node),
 2.69 s (2), 2.794 s (4), 3.126 s (8).
 
-The workload, from HetSeq's run scripts (STORE_RUN_FILE/Train_bert/*, docs/source/examples.rst):
-BERT-base (uncased_L-12_H-768_A-12), phase-1 data (seq 128), ``--max-sentences 32
---update-freq 4`` = 128 samples per GPU per step, fp32 ("fp16 support" is on the README's
-future list). Nodes: the BERT scripts name queues gpu@qa-xp-* (TITAN Xp) and gpu@qa-p100-*; the
-8-node heterogeneous runs (Train_mnist/node8gpu32_het) use 4 xp + 4 p100 nodes, so 1, 2 and 4
-nodes are planned as TITAN Xp and 8 as 4 + 4, HetSeq's equal split. The README names neither the
-GPUs of the table nor the network: the link is taken as 10 Gbit/s Ethernet (an assumption).
-
-The model is HetSeq's own (examples/hetseq_bert.py, ported from hetseq/bert_modeling.py and
-planned as any user's model is: ``task=custom``, FLOPs counted by ``FlopCounterMode``, memory
-traffic from its saved activations): its masked-LM head runs on all 128 positions and its
-LayerNorm is the unfused Python one, so a sample costs 85.5 GFLOP and 307 M element accesses,
-where hetseq_hpc's own BERT-base costs 69.8 and 177 M. The port was written from HetSeq's source
-before its plan was compared with the table, and nothing in it is adjusted to the table.
-
-The all-reduce ring runs inside a node at the GPUs' PCIe 3.0 x16 link (TITAN Xp, P100 PCIe:
-126 Gbit/s, from specs) and only across nodes at the network's speed.
-
-Result (docs/planner-accuracy.md, ``scripts/planner_accuracy.py``): the spec model predicts every
-step 18-30 % SHORTER than HetSeq measured (hetseq_hpc's own BERT-base: 40-52 %), and the scaling
-step(N)/step(1) is +17 / +15 / +7 % off at 2 / 4 / 8 nodes at 10 Gbit/s: the missed bars are
-strict xfails with the measured values.
-
-With HetSeq's 1-node figure as a probe of the xp partition (the product's partial-probe path:
-``plan.probe=``, p100 at 8 nodes from specs scaled by the xp ratio), the 2-, 4- and 8-node
-steps are predicted within 15 %: the all-reduce, overlap and mixed-partition parts of the plan
-agree with HetSeq's scaling, and the from-specs miss is the per-GPU rate (HetSeq ran at 0.68
-of it).
-
-The same die, published twice: a GTX 1080 Ti (GP102, as the TITAN Xp) trains Lambda's BERT-base
-in fp32 at 52 % of its peak FLOP/s, and HetSeq's step implies 35 % of a TITAN Xp's, for two
-workloads of the same memory traffic per FLOP (:func:`same_die_cross_check`). The spec model is
-7 % slow on the first and 43 % fast on the second: no per-GPU rate can agree with both.
+The missed bars are strict xfails with the measured values. The workload, the nodes, the
+network assumption, the model and the results: docs/design/hetseq-comparison.md,
+"Planning HetSeq's hardware against its published step times"; docs/planner-accuracy.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """Tokenising the user's files with the model's own tokenizer into a memory-mapped cache.
 
 Rank 0 runs :func:`build_hf_cache` in ``prepare``; every rank opens the result with
-:func:`open_hf_cache`. The cache folder (named by a hash of the files, the tokenizer and the
-options) holds ``tokens.npy`` (``(N, T)`` int32, written streaming, header last), for padded
-rows ``lengths.npy`` (``(N,)`` int32), for classification ``labels.npy`` (``(N,)`` int64), and
-``meta.json`` last (the completion marker). Every file is atomic
-(:mod:`hetseq_hpc.files.atomic`); a lock makes a second builder wait for the first.
-
-Texts are encoded ``task.data.encode_batch`` at a time by the Rust tokenizer's
-``encode_batch_fast`` on all cores (``TOKENIZERS_PARALLELISM=true``). Packed text whose
-tokenizer provably never joins across whitespace (BERT WordPiece, GPT-2 byte-level BPE) is
-encoded word by word through a bounded cache instead (:mod:`hetseq_hpc.tokenizing`: the same
-ids, several times faster; ``HETSEQ_PREPARE_FAST=0`` turns it off), in one spawned process
-per core (at most 8) when the files hold 8 MB or more, else in this process
-(``HETSEQ_PREPARE_WORKERS=N`` overrides: :func:`hetseq_hpc.tokenizing.pool.prepare_workers`).
-Two layouts:
-
-- packed (language models, ``task.data.pack=true``): the texts' tokens joined by the
-  tokenizer's separator (``[SEP]``/EOS) and cut into rows of exactly ``T`` tokens (masked LM
-  rows start with ``[CLS]`` and end with ``[SEP]`` when the tokenizer has them); no padding;
-- padded (classification, or ``pack=false``): one text per row, with the tokenizer's special
-  tokens, truncated to ``T`` and padded with the pad id; the length is kept.
+:func:`open_hf_cache`. The folder holds ``tokens.npy`` (``(N, T)`` int32), ``lengths.npy`` for
+padded rows, ``labels.npy`` for classification and ``meta.json`` last (the completion marker),
+every file atomic. Packed or padded layout, the word cache and its worker processes:
+docs/design/data-preparation.md, "The token cache".
 """
 
 from __future__ import annotations

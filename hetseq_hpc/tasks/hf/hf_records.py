@@ -1,33 +1,12 @@
 """The user's local files as records, read through Hugging Face ``datasets`` (the ``hf`` extra,
 ``pip install 'hetseq-hpc[hf]'``), streaming and offline.
 
-Formats, by suffix: ``.txt``/``.text`` (one sample per non-empty line, the text column only),
-``.jsonl``/``.json`` (JSON lines: one object per line), ``.csv`` and ``.tsv`` (a header row
-names the columns), ``.parquet`` (the named columns). :func:`records` reads each file with
-``datasets.load_dataset(<builder>, data_files=[path], split="train", streaming=True)``
-(builders ``text``, ``json``, ``csv``, ``parquet``: only the wanted columns of CSV and Parquet)
-and takes :data:`BATCH_RECORDS` records at a time as Arrow columns: memory holds one batch, no
-Arrow cache is written (the builder's lock files go to a temporary folder, removed after), and
-nothing is looked up online (``HF_DATASETS_OFFLINE=1``, ``HF_HUB_OFFLINE=1`` unless set).
-
-JSON lines are streamed by the ``text`` builder (lines split as the standard library splits
-them: universal newlines, ``"\n"`` only) and each line is decoded by :func:`json.loads`, not by
-the ``json`` builder: that one fixes a column's type from the file's first 10 MB chunk and
-converts later values of another JSON type to it (a label ``"1"`` or ``true`` after integer
-labels read as ``1``, a number as the text after strings read as a string), a silently wrong
-record; it also takes two objects on one line as two records. Decoded here, a JSON record is
-the standard library's by construction.
-
-The standard library (``csv``, ``json``; Parquet through ``pyarrow``,
-:mod:`hetseq_hpc.tasks.hf.hf_parquet`) stays the reference these records must equal, byte for
-byte. It reads the header / first JSON line for the cheap column check before anything starts
-(:func:`columns`), and a file, from where ``datasets`` stops, whenever ``datasets`` would read
-it differently or not at all: a CSV header with a duplicate or missing name (a byte-order
-mark), a first JSON line that is not an object, a file that starts like a compressed one, a
-record with no value (pandas reads an empty CSV cell, a missing one and a blank line alike),
-a JSON line that does not decode to an object with a text string, or any error of
-``datasets``. Bad input gets the same one-line :class:`DataError` naming the line as before:
-no traceback reaches the user.
+:func:`records` streams ``.txt``, JSON lines, CSV/TSV and Parquet in batches of
+:data:`BATCH_RECORDS`; JSON lines are decoded by :func:`json.loads`; :func:`columns` checks the
+header before anything starts. The standard library is the reference these records must equal,
+and reads a file whenever ``datasets`` would read it differently; bad input is one
+:class:`DataError` line. The formats and every fallback: docs/design/data-preparation.md,
+"The user's files as records".
 """
 
 from __future__ import annotations
