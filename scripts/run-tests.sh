@@ -85,4 +85,5 @@ extra=()
 if [ "${CI:-}" = true ]; then
   extra=(--durations=30)   # the CI log names the slowest tests (the suite must stay well in 90 min)
 fi
-"$VENV/bin/python" -m pytest ${extra[@]+"${extra[@]}"} "$@"
+# --all: every tier (bare `pytest` runs only tests/unit; CONTRIBUTING.md)
+"$VENV/bin/python" -m pytest --all ${extra[@]+"${extra[@]}"} "$@"

@@ -4,7 +4,11 @@ Layout: ``unit/`` (in-process: no subprocess, no second process, no Slurm), ``in
 (real worker processes over gloo, the CLI in a subprocess, the local launcher, faults in real
 runs), ``slurm/`` (the real Slurm test cluster, marked ``slurm``), ``gpu/`` (CUDA only: skipped
 without a GPU, run by ``scripts/gpu_check.sh`` on a lent one). Helpers that are not
-fixtures live in ``tests/helpers/`` and are imported as ``tests.helpers.<module>``."""
+fixtures live in ``tests/helpers/`` and are imported as ``tests.helpers.<module>``.
+
+Tiers: bare ``pytest`` runs ``unit/`` only (minutes, between edits); ``--integration``,
+``--slurm`` and ``--gpu`` add their folders, ``--all`` takes every tier (what
+``scripts/run-tests.sh`` and CI run). A path named on the command line is always collected."""
 
 from __future__ import annotations
 
@@ -13,6 +17,52 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.tasks import write_task_data
+
+TESTS = Path(__file__).resolve().parent
+#: the opt-in tiers: folder under tests/ -> the option that adds it to a bare ``pytest``
+OPT_IN_TIERS = {"integration": "--integration", "slurm": "--slurm", "gpu": "--gpu"}
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("hetseq_hpc tiers")
+    for folder, flag in OPT_IN_TIERS.items():
+        group.addoption(flag, action="store_true", help=f"also run tests/{folder}")
+    group.addoption("--all", action="store_true", help="run every tier (as CI does)")
+
+
+def _tier(path: Path):
+    """The opt-in tier folder ``path`` lies in, or None (unit tests, helpers, the root)."""
+    try:
+        parts = path.resolve().relative_to(TESTS).parts
+    except ValueError:
+        return None
+    return parts[0] if parts and parts[0] in OPT_IN_TIERS else None
+
+
+def _named_on_command_line(config, folder: str) -> bool:
+    """Whether an argument of this pytest call names ``tests/<folder>`` or something in it."""
+    for arg in config.invocation_params.args:
+        arg = str(arg)
+        if arg.startswith("-"):
+            continue
+        path = Path(config.invocation_params.dir, arg.split("::", 1)[0])
+        if path.exists() and _tier(path) == folder:
+            return True
+    return False
+
+
+def pytest_ignore_collect(collection_path, config):
+    folder = _tier(collection_path)
+    if folder is None or config.getoption("--all") or config.getoption(OPT_IN_TIERS[folder]):
+        return None
+    return True if not _named_on_command_line(config, folder) else None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        folder = _tier(Path(str(item.path)))
+        if folder is not None:
+            item.add_marker(folder)
 
 
 @pytest.fixture(scope="session")

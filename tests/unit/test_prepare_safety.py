@@ -7,7 +7,7 @@ one line. (Real runs and `hetseq-hpc prepare`: tests/integration/test_prepare_sa
 from __future__ import annotations
 
 import json
-import time
+import threading
 
 import numpy as np
 import pytest
@@ -20,21 +20,9 @@ from hetseq_hpc.tasks.bert.mlm_data import SEP_ID, build_packed_text, load_packe
 from hetseq_hpc.tasks.bert.text_corpus import load_corpus
 from hetseq_hpc.tasks.bert.tokenizer import load_tokenizer
 from hetseq_hpc.tasks.prepare_errors import prepare_task
+from tests.helpers.clock import FakeClock
 
 # ----------------------------------------------------------------------- heartbeat, in-process
-
-
-class _FakeClock:
-    """A monotonic clock that advances only when the waiter sleeps."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def test_a_silent_heartbeat_fails_the_wait_after_the_timeout(tmp_path):
@@ -45,7 +33,7 @@ def test_a_silent_heartbeat_fails_the_wait_after_the_timeout(tmp_path):
         prepare_wait.heartbeat_path(tmp_path, "t"),
     )
     beat.write_text("1\n")
-    clock = _FakeClock()
+    clock = FakeClock()
     with pytest.raises(DataError) as info:
         prepare_wait.wait_for_rank0(marker, beat, 30, poll_s=0.5, clock=clock, sleep=clock.sleep)
     message = str(info.value)
@@ -62,7 +50,7 @@ def test_a_live_heartbeat_is_waited_for_past_the_timeout(tmp_path):
     )
     heart = prepare_wait.Heartbeat(beat, 1.0)
     heart.path.parent.mkdir(exist_ok=True)
-    clock = _FakeClock()
+    clock = FakeClock()
 
     def sleep(seconds: float) -> None:  # rank 0 beats every 5 fake seconds, done after 100
         clock.sleep(seconds)
@@ -77,13 +65,18 @@ def test_a_live_heartbeat_is_waited_for_past_the_timeout(tmp_path):
 
 def test_the_heartbeat_thread_beats_until_the_block_ends(tmp_path):
     path = tmp_path / "logs" / "hb"
-    with prepare_wait.Heartbeat(path, 0.02) as heart:
-        seen = {path.read_text()}
-        deadline = time.monotonic() + 60  # a guard against hangs, not a speed check
-        while len(seen) < 3 and time.monotonic() < deadline:
-            seen.add(path.read_text())
-            time.sleep(0.01)
-        assert len(seen) >= 3 and heart.beats >= 3
+    seen, three = [], threading.Event()
+
+    class Counting(prepare_wait.Heartbeat):
+        def beat(self) -> None:  # the thread's own beats, each read back as it lands
+            super().beat()
+            seen.append(self.path.read_text())
+            if self.beats >= 3:
+                three.set()
+
+    with Counting(path, 0.02) as heart:
+        assert three.wait(60), "the heartbeat thread stopped beating"  # a guard against hangs
+        assert len(set(seen)) >= 3 and heart.beats >= 3
     assert not path.exists()
     assert prepare_wait.beat_interval(300) == 5.0 and prepare_wait.beat_interval(10) == 2.5
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import shutil
-import time
 
 import pytest
 
@@ -44,17 +43,14 @@ def _row(step: int) -> dict:
     }
 
 
-def _dir_becomes_a_file(path) -> None:
-    """Replace the TensorBoard folder by a file. Its writer's thread may put a file in it while
-    the tree is being removed ("Directory not empty"): try again until the file stands there."""
-    for _ in range(100):
-        shutil.rmtree(path, ignore_errors=True)
-        try:
-            path.write_text("x\n")
-            return
-        except (IsADirectoryError, FileNotFoundError):
-            time.sleep(0.05)
-    raise AssertionError(f"{path} stayed a folder")
+def _dir_becomes_a_file(loggers: RunLoggers, path) -> None:
+    """Replace the TensorBoard folder by a file. Its writer's queue is flushed first, so no
+    event is on its way into the folder while the tree is removed."""
+    for sink in loggers.sinks:
+        if getattr(sink, "name", "") == "tensorboard":
+            sink.writer.flush()
+    shutil.rmtree(path)
+    path.write_text("x\n")
 
 
 def test_loggers_that_break_mid_run_are_dropped_with_one_warning(tmp_path, caplog):
@@ -65,7 +61,7 @@ def test_loggers_that_break_mid_run_are_dropped_with_one_warning(tmp_path, caplo
     loggers.write(_row(1))
     (tmp_path / CSV_NAME).unlink()
     (tmp_path / CSV_NAME).mkdir()
-    _dir_becomes_a_file(tmp_path / TB_DIR)
+    _dir_becomes_a_file(loggers, tmp_path / TB_DIR)
     with caplog.at_level(logging.WARNING):
         for step in range(2, 6):
             loggers.write(_row(step))

@@ -17,16 +17,6 @@ from hetseq_hpc.launch.slurm_watch import EXCLUDED_RESULT, is_excluded, wait_for
 from tests.unit.test_slurm_faults import OWN, _Job, _job_function, _rank_left
 
 
-@pytest.fixture
-def job_dir(tmp_path, monkeypatch):
-    """A run directory with a ``submitit`` folder and a fake clock (as test_slurm_faults)."""
-    (tmp_path / "submitit").mkdir()
-    clock = iter(range(0, 100000))
-    monkeypatch.setattr(slurm_watch.time, "monotonic", lambda: float(next(clock)))
-    monkeypatch.setattr(slurm_watch.time, "sleep", lambda s: None)
-    return tmp_path
-
-
 def test_an_excluded_slurm_rank_ends_quietly(tmp_path, monkeypatch, caplog):
     import hetseq_hpc.worker as worker
 

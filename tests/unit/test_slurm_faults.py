@@ -19,7 +19,6 @@ from hetseq_hpc.cli import dispatch as cli
 from hetseq_hpc.config import compose_run_config, save_run_config
 from hetseq_hpc.env.preemption import REQUEUE, TERMINATE
 from hetseq_hpc.errors import DataError, LaunchError, Preempted
-from hetseq_hpc.launch import slurm_watch
 from hetseq_hpc.launch.failures import (
     STOP_RECORD,
     StopWatch,
@@ -80,17 +79,6 @@ def _rank_left(
         submitit_utils.cloudpickle_dump(
             ("error", _trace(line)), run_dir / "submitit" / f"77_{rank}_result.pkl"
         )
-
-
-@pytest.fixture
-def job_dir(tmp_path, monkeypatch):
-    """A run directory with a ``submitit`` folder; the waiting loop's clock is fake (each look
-    at it moves 1 s on, sleeping costs nothing), so grace periods pass at once."""
-    (tmp_path / "submitit").mkdir()
-    clock = iter(range(0, 100000))
-    monkeypatch.setattr(slurm_watch.time, "monotonic", lambda: float(next(clock)))
-    monkeypatch.setattr(slurm_watch.time, "sleep", lambda s: None)
-    return tmp_path
 
 
 def _failure(job_dir: Path, state: str = "RUNNING") -> str:
