@@ -91,6 +91,12 @@ def old_field(row, name, path, number, text=True):
             f"data file {path!r} record {number} has no {name!r} value (columns "
             f"{', '.join(map(repr, row))}): fill it in or drop the record"
         )
+    # issue 40: a blank label (which became a class "") is refused as a missing one is
+    if not text and isinstance(value, str) and not value.strip():
+        raise DataError(
+            f"data file {path!r} record {number} has a blank {name!r} value ({value!r}): "
+            "give every record its label, or drop the record"
+        )
     if text and not isinstance(value, str):
         raise DataError(
             f"data file {path!r} record {number}: {name!r} is a "
@@ -142,7 +148,7 @@ JSONL_INT = (
 )
 JSONL_STR = (
     '{"text": "001", "label": "pos"}\n{"text": "1.50", "label": "1"}\n'
-    '{"text": "\\ud83d\\ude00 \\"q\\"", "label": " neg "}\n{"text": "", "label": ""}\n'
+    '{"text": "\\ud83d\\ude00 \\"q\\"", "label": " neg "}\n{"text": "", "label": "x"}\n'
 )
 JSONL_BOOL = '{"text": "yes", "label": true}\n{"text": "no", "label": false}\n'
 CSV = (
@@ -275,15 +281,44 @@ def test_fixed_expectations_of_the_tricky_values(tmp_path):
     assert list(records(str(mixed), "text", "label")) == [("a", 1), ("b", "pos")]
 
 
-def test_an_empty_label_cell_and_a_short_row_behave_as_before(tmp_path):
-    # an empty cell is the empty string (as the csv module reads it); a row without the cell
-    # is refused, naming the record
+def test_an_empty_label_cell_is_refused_and_a_short_row_behaves_as_before(tmp_path):
+    # issue 40: an empty cell (the empty string to the csv module) became the class "": it is
+    # refused now, naming the record; a row without the cell is refused, naming the record
     empty = write(tmp_path / "e.csv", "text,label\na,1\nb,\nc,2\n")
-    assert outcome(records, empty) == outcome(old_records, empty)
-    assert list(records(str(empty), "text", "label"))[1] == ("b", "")
+    msg = outcome(records, empty)
+    assert msg == outcome(old_records, empty) and "record 3 has a blank 'label' value" in msg
     short = write(tmp_path / "s.csv", "text,label\na,1\nb\nc,2\n")
     msg = outcome(records, short)
     assert msg == outcome(old_records, short) and "record 3 has no 'label' value" in msg
+
+
+BLANK_LABELS = [
+    ("empty.csv", "text,label\na,1\nb,\nc,2\n", 3),
+    ("spaces.csv", 'text,label\na,1\nb,"   "\nc,2\n', 3),
+    ("empty.tsv", "text\tlabel\na\t1\nb\t\nc\t2\n", 3),
+    ("empty.jsonl", '{"text": "a", "label": 1}\n{"text": "b", "label": ""}\n', 2),
+    ("spaces.jsonl", '{"text": "a", "label": "x"}\n{"text": "b", "label": " \\t "}\n', 2),
+    ("empty.parquet", None, 2),
+]
+
+
+@pytest.mark.parametrize("name,content,record", BLANK_LABELS, ids=[b[0] for b in BLANK_LABELS])
+def test_a_blank_label_is_refused_in_one_line_by_both_readers(tmp_path, name, content, record):
+    """Issue 40: a blank label (empty, or only spaces) became the class "" where the standard
+    library read the file (datasets stopped at it): both readers refuse it, naming the
+    record, in every format."""
+    if content is None:
+        pa = pytest.importorskip("pyarrow")
+        import pyarrow.parquet as pq
+
+        path = tmp_path / name
+        pq.write_table(pa.table({"text": ["a", "b"], "label": ["x", ""]}), path)
+    else:
+        path = write(tmp_path / name, content)
+    for reader in (records, hf_records._stdlib_records):
+        msg = outcome(reader, path)
+        assert isinstance(msg, str), (reader, msg)
+        assert f"record {record} has a blank 'label' value" in msg and str(path) in msg
 
 
 # --- bad input: the same one-line errors -----------------------------------------------------

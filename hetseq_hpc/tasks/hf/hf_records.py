@@ -162,8 +162,8 @@ def records(path: str, text_field: str, label_field: Optional[str]) -> Iterator[
 
     Raises:
         DataError: ``datasets`` is not installed (the line says ``pip install
-            'hetseq-hpc[hf]'``); a record lacks the column, a text is not a string, a JSON
-            line is not an object, or the file is not UTF-8 / not readable (one line naming
+            'hetseq-hpc[hf]'``); a record lacks the column, a label is blank (empty or all
+            spaces), a text is not a string, a JSON line is not an object, or the file is not UTF-8 / not readable (one line naming
             the file and line); a Parquet file lacks the column (the line names the columns
             it has), holds no rows, or pyarrow is not installed.
     """
@@ -297,13 +297,13 @@ def _datasets_batches(
             good = [
                 (text, label)
                 for text, label in zip(texts, labels)
-                if isinstance(text, str) and (label is not None or len(fields) == 1)
+                if isinstance(text, str) and (len(fields) == 1 or not _missing(label))
             ]
             if len(good) < len(texts):  # the records before the first bad one, then stop
                 bad = next(
                     i
                     for i, (text, label) in enumerate(zip(texts, labels))
-                    if not isinstance(text, str) or (label is None and len(fields) > 1)
+                    if not isinstance(text, str) or (len(fields) > 1 and _missing(label))
                 )
                 yield good[:bad]
                 raise ValueError(f"record {bad + 1} of a batch has no text or label")
@@ -317,7 +317,8 @@ def _json_lines_batch(
 ) -> Iterator[List[Tuple[str, object]]]:
     """``(text, label)`` of the non-empty ``lines`` (one JSON object each), decoded by
     :func:`json.loads` as the standard library reader decodes them: one list, the records
-    before the first line it would refuse (not JSON, not an object, no text string, no label),
+    before the first line it would refuse (not JSON, not an object, no text string, no label or
+    a blank one),
     then ValueError for :func:`records` to hand that line to the standard library."""
     good: List[Tuple[str, object]] = []
     for line in lines:
@@ -329,7 +330,7 @@ def _json_lines_batch(
             obj = None
         text = obj.get(fields[0]) if isinstance(obj, dict) else None
         label = obj.get(fields[1]) if len(fields) > 1 and isinstance(obj, dict) else None
-        if not isinstance(text, str) or (len(fields) > 1 and label is None):
+        if not isinstance(text, str) or (len(fields) > 1 and _missing(label)):
             yield good
             raise ValueError(f"JSON line {len(good) + 1} of a batch is not a record with a text")
         good.append((text, label))
@@ -381,12 +382,22 @@ def _stdlib_records(
         raise DataError(f"data file {path!r} cannot be read ({exc.strerror}): check it") from None
 
 
+def _missing(label: object) -> bool:
+    """A label that is absent (None) or blank (a string of nothing but spaces)."""
+    return label is None or (isinstance(label, str) and not label.strip())
+
+
 def _field(row: Dict[str, object], name: str, path: str, number: int, text: bool = True):
     value = row.get(name)
     if value is None:
         raise DataError(
             f"data file {path!r} record {number} has no {name!r} value (columns "
             f"{', '.join(map(repr, row))}): fill it in or drop the record"
+        )
+    if not text and _missing(value):  # a blank label would become a class of its own
+        raise DataError(
+            f"data file {path!r} record {number} has a blank {name!r} value ({value!r}): "
+            "give every record its label, or drop the record"
         )
     if text and not isinstance(value, str):
         raise DataError(
