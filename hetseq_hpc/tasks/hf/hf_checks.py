@@ -11,7 +11,9 @@ from hetseq_hpc.errors import ConfigError
 
 
 def check_hf_task(task_cfg: Any) -> None:
-    """``task=hf``: the config and a fast tokenizer load, the kind is known, the model and
+    """``task=hf``: no config or tokenizer names custom code and the safetensors headers of the
+    weights are sound (:mod:`hetseq_hpc.tasks.hf.hf_files`, checked as the files are
+    loaded), the config and a fast tokenizer load, the kind is known, the model and
     tokenizer fit the kind and ``task.model.max_seq_len`` (:func:`check_model_fits_kind`), and
     every data file has the columns the kind reads (``task.data.text_field``;
     ``task.data.label_field`` for classification; ``task.data.source_field`` and
@@ -19,11 +21,14 @@ def check_hf_task(task_cfg: Any) -> None:
 
     Raises:
         ConfigError: Hugging Face ``datasets`` (the data files' reader) is not installed (looked
-            up, not imported: the line says ``pip install 'hetseq-hpc[hf]'``), the model config
+            up, not imported: the line says ``pip install 'hetseq-hpc[hf]'``), a config or
+            tokenizer names custom code (``auto_map``), a weights file is missing, damaged or a
+            symlink out of the model directory, the model config
             / tokenizer cannot be read, the tokenizer is slow, the kind is unknown, or
             :func:`check_model_fits_kind` refuses (one line each).
         DataError: a file lacks a column (names the columns it has) or holds no records.
     """
+    from hetseq_hpc.tasks.hf.hf_files import check_weights
     from hetseq_hpc.tasks.hf.hf_model import load_hf_config, load_tokenizer, model_kind
     from hetseq_hpc.tasks.hf.hf_records import INSTALL_HINT, check_columns
 
@@ -32,9 +37,12 @@ def check_hf_task(task_cfg: Any) -> None:
             "task=hf reads task.data.files with Hugging Face datasets, which is "
             f"not installed: {INSTALL_HINT}"
         )
-    config = load_hf_config(task_cfg.model)
+    config = load_hf_config(task_cfg.model)  # refuses custom code before transformers reads it
     kind = model_kind(task_cfg.model, config)
-    check_model_fits_kind(task_cfg.model, config, kind, load_tokenizer(task_cfg.model))
+    tokenizer = load_tokenizer(task_cfg.model)
+    if task_cfg.model.path is not None:
+        check_weights(task_cfg.model.path)
+    check_model_fits_kind(task_cfg.model, config, kind, tokenizer)
     wanted = [(task_cfg.data.text_field, "task.data.text_field")]
     if kind == "seq2seq":
         wanted = [

@@ -6,7 +6,10 @@ the model without labels and sums ``cross_entropy(logits, labels, reduction="sum
 ignore_index=-100)`` itself, so ``loss / count`` over the global batch is exact.
 
 Nothing is downloaded: ``HF_HUB_OFFLINE`` is set and every ``from_pretrained`` gets
-``local_files_only=True``; weights load from safetensors only (``use_safetensors=True``).
+``local_files_only=True``; weights load from safetensors only (``use_safetensors=True``). No code
+of a model directory runs: every call passes ``trust_remote_code=False`` (transformers never
+asks), and a config or tokenizer naming code (``auto_map``) is refused before it is loaded
+(:mod:`hetseq_hpc.tasks.hf.hf_files`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetseq_hpc.errors import ConfigError
+from hetseq_hpc.tasks.hf.hf_files import check_no_custom_code, check_weights
 
 IGNORE_INDEX = -100
 #: a config attribute holds a dropout probability when its name ends in one of these (BERT's
@@ -50,6 +54,10 @@ ARCH_KINDS = (
 KINDS = ("causal_lm", "masked_lm", "classification", "seq2seq")
 
 
+#: never run a model directory's code (passed to every transformers call that loads one)
+NO_REMOTE_CODE = {"trust_remote_code": False}
+
+
 def offline() -> None:
     """Make every Hugging Face call local (no network, no telemetry)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -73,6 +81,7 @@ def load_hf_config(model_cfg: Any) -> Any:
     from transformers import AutoConfig
 
     source = _config_source(model_cfg)
+    check_no_custom_code(source, "task.model.path" if model_cfg.path else "task.model.config")
     try:
         if os.path.isfile(source):
             import json
@@ -84,7 +93,7 @@ def load_hf_config(model_cfg: Any) -> Any:
                 raise ValueError("it has no model_type")
             config = AutoConfig.for_model(model_type, **data)
         else:
-            config = AutoConfig.from_pretrained(source, local_files_only=True)
+            config = AutoConfig.from_pretrained(source, local_files_only=True, **NO_REMOTE_CODE)
     except Exception as exc:
         raise ConfigError(
             f"model config {source!r} cannot be read ({type(exc).__name__}: "
@@ -147,6 +156,12 @@ def model_kind(model_cfg: Any, config: Any) -> str:
     )
 
 
+def _tokenizer_key(model_cfg: Any) -> str:
+    if model_cfg.tokenizer:
+        return "task.model.tokenizer"
+    return "task.model.path" if model_cfg.path else "task.model.config"
+
+
 def load_tokenizer(model_cfg: Any) -> Any:
     """The fast (Rust) tokenizer of ``task.model.tokenizer``, else of the model directory.
 
@@ -159,6 +174,7 @@ def load_tokenizer(model_cfg: Any) -> Any:
     source = model_cfg.tokenizer or _config_source(model_cfg)
     if os.path.isfile(source):
         source = os.path.dirname(source)
+    check_no_custom_code(source, _tokenizer_key(model_cfg))
     if not any(os.path.isfile(os.path.join(source, name)) for name in TOKENIZER_FILES):
         # transformers 5 would build an EMPTY tokenizer from the config's model type
         raise ConfigError(
@@ -167,7 +183,9 @@ def load_tokenizer(model_cfg: Any) -> Any:
             "task.model.tokenizer=<dir>"
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, use_fast=True)
+        tokenizer = AutoTokenizer.from_pretrained(
+            source, local_files_only=True, use_fast=True, **NO_REMOTE_CODE
+        )
     except Exception as exc:
         raise ConfigError(
             f"no tokenizer could be loaded from {source!r} ({type(exc).__name__}):"
@@ -186,7 +204,12 @@ def build_hf_model(model_cfg: Any, config: Any, kind: str) -> nn.Module:
     """The transformers model: ``from_pretrained`` (safetensors, local) for ``task.model.path``,
     ``from_config`` (random init, the caller seeds torch) for ``task.model.config``. A
     classification head missing from the checkpoint is initialised fresh. Parameters are fp32
-    always (:func:`fp32_kwargs`)."""
+    always (:func:`fp32_kwargs`).
+
+    Raises:
+        ConfigError: a weights file is missing or damaged (:func:`~hetseq_hpc.tasks.hf.hf_files.
+            check_weights`; one line).
+    """
     offline()
     import transformers
 
@@ -198,7 +221,8 @@ def build_hf_model(model_cfg: Any, config: Any, kind: str) -> nn.Module:
     }[kind]
     fp32 = fp32_kwargs()
     if model_cfg.path is None:
-        return cls.from_config(config, **fp32)
+        return cls.from_config(config, **fp32, **NO_REMOTE_CODE)
+    check_weights(model_cfg.path)  # one line for a damaged file, not the library's text
     return cls.from_pretrained(
         model_cfg.path,
         config=config,
@@ -206,6 +230,7 @@ def build_hf_model(model_cfg: Any, config: Any, kind: str) -> nn.Module:
         use_safetensors=True,
         ignore_mismatched_sizes=kind == "classification",
         **fp32,
+        **NO_REMOTE_CODE,
     )
 
 
