@@ -29,7 +29,7 @@ def _not_local(key: str, value: str) -> ConfigError:
     return ConfigError(
         f"{key}={value!r} is not a local directory or file: hetseq_hpc downloads nothing (no "
         "hub names); pass a local directory holding config.json, the tokenizer and *.safetensors "
-        "(e.g. written by save_pretrained, or fetched beforehand with huggingface-cli download "
+        f"(e.g. written by save_pretrained, or fetched beforehand with hf download {value} "
         "--local-dir DIR)"
     )
 

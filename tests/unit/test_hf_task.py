@@ -68,6 +68,9 @@ def test_hub_name_is_refused_in_one_line_saying_nothing_is_downloaded(made):
         ConfigError, "task.model.path=openai-community/gpt2", f"task.data.files=[{made['txt']}]"
     )
     assert "downloads nothing" in msg and "local directory" in msg
+    # issue 40: the installed huggingface_hub has `hf download`, not `huggingface-cli`
+    assert "hf download openai-community/gpt2 --local-dir DIR" in msg
+    assert "huggingface-cli" not in msg
 
 
 def test_bin_only_model_dir_is_refused(made, tmp_path):

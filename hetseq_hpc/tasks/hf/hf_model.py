@@ -9,7 +9,7 @@ Nothing is downloaded: ``HF_HUB_OFFLINE`` is set and every ``from_pretrained`` g
 ``local_files_only=True``; weights load from safetensors only (``use_safetensors=True``). No code
 of a model directory runs: every call passes ``trust_remote_code=False`` (transformers never
 asks), and a config or tokenizer naming code (``auto_map``) is refused before it is loaded
-(:mod:`hetseq_hpc.tasks.hf.hf_files`).
+(:mod:`hetseq_hpc.tasks.hf.hf_files`). Progress bars and advisory warnings are off.
 """
 
 from __future__ import annotations
@@ -59,10 +59,19 @@ NO_REMOTE_CODE = {"trust_remote_code": False}
 
 
 def offline() -> None:
-    """Make every Hugging Face call local (no network, no telemetry)."""
+    """Make every Hugging Face call local (no network, no telemetry) and quiet: no progress
+    bars (transformers' "Loading weights", the Hub's) and no advisory warnings, in the
+    launcher and in every rank (environment variables before transformers is imported, its
+    own switch after; ``datasets`` is quietened where it is imported,
+    :func:`hetseq_hpc.tasks.hf.hf_records._import_datasets`)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def _config_source(model_cfg: Any) -> str:
