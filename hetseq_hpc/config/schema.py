@@ -60,6 +60,20 @@ class RunConfig:
     # planner options (python -m hetseq_hpc.plan); recorded, not read, by a training run
     plan: PlanConfig = field(default_factory=PlanConfig)
 
+    def __post_init__(self) -> None:
+        # optim.lr null (optim=finetune's default): a fine-tuning rate for pretrained weights,
+        # a pre-training one for a random init (OptimConfig.default_lr); the saved run config
+        # holds the number
+        if self.optim.lr is None:
+            self.optim.lr = self.optim.default_lr(self.random_init)
+
+    @property
+    def random_init(self) -> bool:
+        """Whether the model starts from a random init rather than pretrained weights that
+        the user names (``task=hf`` with ``task.model.config``); hetseq_hpc's own tasks and the
+        user's ``task=custom`` / ``task=dataset`` models count as trained from scratch."""
+        return isinstance(self.task, HfTaskConfig) and self.task.model.path is None
+
 
 #: task name -> schema; the ``name`` field of a task config selects its schema.
 TASK_SCHEMAS: Dict[str, type] = {

@@ -13,6 +13,20 @@ LOGGER_NAMES = ("jsonl", "csv", "tensorboard", "wandb")
 #: seed_everything allows the same range)
 MAX_SEED = 2**32 - 1
 
+#: optim=adamw's peak learning rate: hetseq_hpc's own models (task=bert, image, translation)
+#: trained from scratch at their small default sizes
+ADAMW_LR = 1e-3
+#: optim=finetune's peak learning rate for pretrained weights (task=hf task.model.path): the
+#: BERT paper's fine-tuning grid is {5e-5, 3e-5, 2e-5} (Devlin et al. 2019, appendix A.3), and
+#: 5e-5 is transformers' Trainer default
+FINETUNE_LR = 5e-5
+#: optim=finetune's peak learning rate for a model trained from a random init (task=hf
+#: task.model.config=...), a pre-training rate: GPT-3 used 6e-4 at 125M parameters down to
+#: 1.2e-4 at 6.7B (Brown et al. 2020, table 2.1), LLaMA 3e-4 at 7B and 13B (Touvron et al.
+#: 2023), BERT 1e-4 (Devlin et al. 2019), all AdamW with warm-up and decay; 3e-4 sits in the
+#: middle (a fine-tuning rate barely moves a random init: 7.60 -> 7.55 in 30 GPT-2 steps)
+RANDOM_INIT_LR = 3e-4
+
 
 @dataclass
 class ElasticConfig:
@@ -126,8 +140,9 @@ class OptimConfig:
     ``get_scheduler``, reimplemented in :mod:`hetseq_hpc.train.optim`)."""
 
     name: str = "adamw"
-    # peak learning rate
-    lr: float = 1e-3
+    # peak learning rate; null (optim=finetune's default) = 5e-5 for pretrained weights, 3e-4
+    # for a model trained from a random init (task=hf task.model.config=...)
+    lr: Optional[float] = ADAMW_LR
     weight_decay: float = 0.01
     betas: List[float] = field(default_factory=lambda: [0.9, 0.98])
     eps: float = 1e-8
@@ -141,7 +156,7 @@ class OptimConfig:
     def __post_init__(self) -> None:
         require_finite(self, "optim")
         require(self.name == "adamw", f"optim.name={self.name!r} is unknown: use adamw")
-        require(self.lr > 0, f"optim.lr={self.lr} is invalid: it must be > 0")
+        require(self.lr is None or self.lr > 0, f"optim.lr={self.lr} is invalid: it must be > 0")
         require(self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} is invalid")
         require(
             len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
@@ -157,3 +172,37 @@ class OptimConfig:
                 self.schedule_steps >= 1,
                 f"optim.schedule_steps={self.schedule_steps} is invalid: use >= 1 or null",
             )
+
+    def default_lr(self, random_init: bool) -> float:
+        """The peak learning rate where ``lr`` is null: :data:`RANDOM_INIT_LR` for a model
+        trained from a random init, else :data:`FINETUNE_LR`."""
+        return RANDOM_INIT_LR if random_init else FINETUNE_LR
+
+    def describe(self, max_steps: int, random_init: bool) -> str:
+        """One line for the start of a run: the peak learning rate and where it comes from,
+        the warm-up and the decay, e.g. ``AdamW, learning rate 0.0003 (the default for a random
+        init; optim.lr sets it), linear warm-up over 10 steps, then linear decay to 0 at step
+        200 (trainer.max_steps)``. A rate equal to a default of its case (``random_init``:
+        :data:`RANDOM_INIT_LR`, else :data:`FINETUNE_LR`; :data:`ADAMW_LR`) reads as that
+        default, any other as set by ``optim.lr``; a null ``lr`` reads as its default."""
+        lr = float(self.lr if self.lr is not None else self.default_lr(random_init))
+        defaults = {ADAMW_LR: "optim=adamw's default"}
+        if random_init:
+            defaults[RANDOM_INIT_LR] = "the default for a random init"
+        else:
+            defaults[FINETUNE_LR] = "optim=finetune's default for pretrained weights"
+        origin = defaults.get(lr)
+        origin = f"{origin}; optim.lr sets it" if origin else "set by optim.lr"
+        warmup = (
+            f"linear warm-up over {self.warmup_steps} steps, then "
+            if self.warmup_steps
+            else "no warm-up, "
+        )
+        horizon = self.schedule_steps or max_steps
+        where = "optim.schedule_steps" if self.schedule_steps else "trainer.max_steps"
+        decay = (
+            "constant"
+            if self.schedule == "constant"
+            else f"{self.schedule} decay to 0 at step {horizon} ({where})"
+        )
+        return f"AdamW, learning rate {lr:g} ({origin}), {warmup}{decay}"

@@ -337,6 +337,8 @@ class Trainer:
             FloatingPointError: the loss is not finite.
         """
         cfg = self.cfg
+        if self.rank == 0:  # the learning rate, its origin and schedule, on every run
+            log.info("optimizer: %s", self.run.optim.describe(cfg.max_steps, self.run.random_init))
         if self.step >= cfg.max_steps:
             log.info(
                 "checkpoint is at step %d >= trainer.max_steps=%d: nothing to train",

@@ -169,3 +169,45 @@ def test_weights_symlinked_to_a_system_file_are_refused_before_any_rank_starts(
     assert len(lines) == 1 and lines[0].startswith("hetseq-hpc: error:"), proc.stderr[-3000:]
     assert "model.safetensors is a symlink to /etc/passwd" in lines[0]
     assert not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_a_pretrained_run_shows_no_progress_bar_and_names_its_learning_rate(
+    made, tmp_path, token_cache
+):
+    """One small task=hf run from saved weights: transformers' "Loading weights" bar (and any
+    other tqdm bar) never reaches the console, and rank 0's console names the learning rate,
+    where it comes from and its schedule, once."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hetseq_hpc",
+            "task=hf",
+            f"task.model.path={made['gpt2']}",
+            f"task.data.files=[{made['txt']}]",
+            f"task.data.cache_dir={tmp_path / 'cache'}",
+            "task.model.max_seq_len=32",
+            "cluster.ranks=1",
+            "trainer.max_steps=2",
+            "trainer.global_batch_size=8",
+            "trainer.plot=false",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=REPO,
+        env=cli_env(token_cache),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    console = proc.stdout + proc.stderr
+    for bar in ("Loading weights", "it/s]", "%|"):
+        assert bar not in console, console[-3000:]
+    lines = [line for line in console.splitlines() if "optimizer: AdamW" in line]
+    assert len(lines) == 1 and "[rank 0]" in lines[0], console[-3000:]
+    assert (
+        "learning rate 5e-05 (optim=finetune's default for pretrained weights; optim.lr sets "
+        "it), linear warm-up over 10 steps, then linear decay to 0 at step 2 "
+        "(trainer.max_steps)" in lines[0]
+    )
