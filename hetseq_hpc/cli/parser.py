@@ -9,6 +9,7 @@
     hetseq-hpc render [OVERRIDES]       write the job.sbatch `run` would submit
     hetseq-hpc report RUN_DIR           per-rank PNG and a text summary of a run
     hetseq-hpc prepare [OVERRIDES]      build the task's data caches before any job
+    hetseq-hpc export RUN_DIR           the trained model: transformers directory or safetensors
 
 OVERRIDES are Hydra overrides (``key=value``, ``group=option``) after the subcommand, as for
 ``python -m hetseq_hpc``. Errors are one ``hetseq-hpc: error: ...`` line on stderr, exit code 2
@@ -37,7 +38,7 @@ COMMANDS: Dict[str, str] = {
     "render": "write the job.sbatch `run` would submit (sbatch it by hand)",
     "report": "per-rank PNG and a text summary of a run directory",
     "prepare": "build the task's data caches (tokenizer, tokens) before any job",
-    "export": "write a run's trained model as one safetensors file (for inference)",
+    "export": "write a run's trained model: a transformers directory (task=hf) or safetensors",
 }
 EPILOG = """examples:
   hetseq-hpc task=bert                                  # = hetseq-hpc run task=bert
@@ -136,11 +137,17 @@ def build_parser() -> argparse.ArgumentParser:
         help=COMMANDS["export"],
         formatter_class=_formatter,
         description="Write the model of RUN_DIR's newest checkpoint that "
-        "verifies (full state, also for sharding.mode=fsdp runs) as one "
-        "safetensors file.",
+        "verifies (full state, also for sharding.mode=fsdp runs): for task=hf a "
+        "directory that transformers' from_pretrained loads (config, tokenizer, "
+        "safetensors), else one safetensors file.",
     )
     export.add_argument("run_dir", help="run directory (holds checkpoints/)")
-    export.add_argument("--out", help="file to write (default RUN_DIR/model.safetensors)")
+    export.add_argument(
+        "--out",
+        help="task=hf: a new or empty directory, or an earlier export of this run "
+        "(default RUN_DIR/hf_model); other tasks, or a name ending in .safetensors: the "
+        "file to write (default RUN_DIR/model.safetensors)",
+    )
     export.add_argument("--checkpoint", help="a checkpoint file instead of the newest one")
     _overrides_parser(
         sub,
@@ -338,7 +345,11 @@ def _report(args: argparse.Namespace, hydra_flags: List[str]) -> int:
 def _export(args: argparse.Namespace, hydra_flags: List[str]) -> int:
     from hetseq_hpc.cli.export import export_command
 
-    print(export_command(args.run_dir, args.out, args.checkpoint))
+    done = export_command(args.run_dir, args.out, args.checkpoint)
+    note = done.note()
+    if note:
+        print(f"{PROG}: {note}", file=sys.stderr)
+    print(done.line())
     return 0
 
 

@@ -209,18 +209,22 @@ class ResumeChoice:
         path: the checkpoint, or None to start from step 0.
         state: its loaded content (rank 0 only; None when ``path`` is None).
         skipped: ``(bad file, one-line reason)`` of newer checkpoints that did not verify.
+        others: ``(file, one-line reason)`` of newer checkpoints another run wrote (passed
+            over, never resumed, kept in place).
     """
 
     path: Optional[Path] = None
     state: Optional[Dict[str, Any]] = None
     skipped: List[Tuple[Path, str]] = field(default_factory=list)
+    others: List[Tuple[Path, str]] = field(default_factory=list)
 
 
-def choose_checkpoint(resume: str, run_dir: Path) -> ResumeChoice:
+def choose_checkpoint(resume: str, run_dir: Path, log_other_runs: bool = True) -> ResumeChoice:
     """Resolve ``trainer.resume``: ``never`` = start over; ``auto`` = the newest checkpoint of
     the run directory that verifies and belongs to its current run (``run.json``; bad newer
-    ones are skipped and left in place, another run's are never resumed); anything else = that
-    path, which must verify.
+    ones are skipped and left in place, another run's are never resumed: logged as a warning
+    unless ``log_other_runs`` is false, and listed in ``others`` when an older one is taken);
+    anything else = that path, which must verify.
 
     Raises:
         CheckpointError: an explicit path is bad, or under ``auto`` no checkpoint verifies
@@ -232,6 +236,7 @@ def choose_checkpoint(resume: str, run_dir: Path) -> ResumeChoice:
         path = Path(os.path.expanduser(resume))
         return ResumeChoice(path, load_checkpoint(path))
     skipped: List[Tuple[Path, str]] = []
+    others: List[Tuple[Path, str]] = []
     current = current_run_id(run_dir)
     for path in reversed(list_checkpoints(run_dir)):
         try:
@@ -241,16 +246,15 @@ def choose_checkpoint(resume: str, run_dir: Path) -> ResumeChoice:
             continue
         owner = state.get("run_id")
         if current and isinstance(owner, str) and owner and owner != current:
-            log.warning(
-                "resume: %s was written by run %s, not by this directory's current run "
-                "%s (%s): not resumed",
-                path,
-                owner,
-                current,
-                run_dir / "run.json",
+            why = (
+                f"{path} was written by run {owner}, not by this directory's current run "
+                f"{current} ({run_dir / 'run.json'})"
             )
+            if log_other_runs:
+                log.warning("resume: %s: not resumed", why)
+            others.append((path, f"{why}: not taken"))
             continue
-        return ResumeChoice(path, state, skipped)
+        return ResumeChoice(path, state, skipped, others)
     if skipped:
         raise CheckpointError(skipped[0][1])
     return ResumeChoice()

@@ -1,5 +1,5 @@
 """Tiny Hugging Face models and data made in the test (nothing downloaded): a byte-level BPE
-tokenizer + GPT-2 (causal LM), a WordPiece tokenizer + BERT (masked LM, sequence
+tokenizer + GPT-2 and Llama (causal LM), a WordPiece tokenizer + BERT (masked LM, sequence
 classification), a WordPiece tokenizer ending each text with ``</s>`` + T5 (seq2seq), saved
 with ``save_pretrained`` (safetensors), and text / JSON-lines files of CPython's help texts."""
 
@@ -141,6 +141,32 @@ def make_gpt2(directory: Path, seed: int = 0, dtype=None) -> Path:
     if dtype is not None:
         model = model.to(dtype)
     model.save_pretrained(directory, safe_serialization=True)
+    tok.save_pretrained(directory)
+    return directory
+
+
+def make_llama(directory: Path, seed: int = 0) -> Path:
+    """A 2-layer, 32-wide Llama (causal LM: rotary positions, RMSNorm, grouped-query attention
+    with 1 key/value head, an untied ``lm_head``) with a 300-token byte-level BPE, saved to
+    ``directory``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = _bpe_tokenizer(help_texts())
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
     tok.save_pretrained(directory)
     return directory
 

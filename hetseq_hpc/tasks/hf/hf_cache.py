@@ -129,6 +129,13 @@ def _special(tokenizer: Any, name: str) -> Optional[int]:
     return None if value is None else int(value)
 
 
+def pad_id_of(tokenizer: Any) -> int:
+    """The id padded rows are filled with (the cache's ``meta.json`` ``pad_id``): the
+    tokenizer's pad token, else its EOS token, else 0."""
+    pad_id, eos_id = _special(tokenizer, "pad"), _special(tokenizer, "eos")
+    return pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
+
+
 def _encoder(tokenizer: Any, packed: bool, seq_len: int):
     """A copy of the Rust tokenizer set up for the layout (no padding; truncation to T for
     padded rows)."""
@@ -200,8 +207,7 @@ def _build(data_cfg: Any, tokenizer: Any, kind: str, seq_len: int, directory: Pa
     encoder = _encoder(tokenizer, packed, seq_len)
     cls_id, sep_id = _special(tokenizer, "cls"), _special(tokenizer, "sep")
     eos_id = _special(tokenizer, "eos")
-    pad_id = _special(tokenizer, "pad")
-    pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
+    pad_id = pad_id_of(tokenizer)
     workers = prepare_workers(sum(os.path.getsize(path) for path in data_cfg.files))
     lengths: List[np.ndarray] = []
     raw_labels: List[object] = []

@@ -19,6 +19,7 @@ from hetseq_hpc.tasks.base import Task
 from hetseq_hpc.tasks.bert.mlm_data import cache_root
 from hetseq_hpc.tasks.hf.hf_cache import build_hf_cache, hf_cache_key, open_hf_cache
 from hetseq_hpc.tasks.hf.hf_checks import check_model_fits_kind
+from hetseq_hpc.tasks.hf.hf_export import fit_classifier_config
 from hetseq_hpc.tasks.hf.hf_model import (
     IGNORE_INDEX,
     SummedLossModel,
@@ -229,13 +230,7 @@ class HfTask(Task):
         config; the caller seeds torch), wrapped to return the summed loss."""
         config = self.config
         if self.kind == "classification":
-            n = self.num_labels
-            if getattr(config, "num_labels", None) != n:
-                config.num_labels = n
-                config.id2label = {i: name for i, name in enumerate(self.meta["label_names"])}
-                config.label2id = {name: i for i, name in config.id2label.items()}
-            if getattr(config, "pad_token_id", None) is None:
-                config.pad_token_id = int(self.meta["pad_id"])
+            fit_classifier_config(config, self.meta["label_names"] or [], self.meta["pad_id"])
         set_dropout(config, self.cfg.model.dropout)
         return SummedLossModel(build_hf_model(self.cfg.model, config, self.kind), self.kind)
 
