@@ -43,6 +43,11 @@ class TooFewRanks(LaunchError):
     without recovery (a requeue resumes it from the last checkpoint)."""
 
 
+class StorageError(HetseqError, RuntimeError):
+    """The run directory cannot be written: its filesystem is full (or over quota) or
+    read-only. The message names the mount point, the run directory and how to go on."""
+
+
 class DataError(HetseqError, RuntimeError):
     """Training data cannot be found or read."""
 

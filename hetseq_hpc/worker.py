@@ -60,6 +60,7 @@ from hetseq_hpc.files.atomic import atomic_write_json
 from hetseq_hpc.rundir.lock import claim_run_dir
 from hetseq_hpc.rundir.logs import setup_rank_logging
 from hetseq_hpc.rundir.paths import RunDir
+from hetseq_hpc.rundir.storage import reported
 from hetseq_hpc.tasks import build_task
 from hetseq_hpc.tasks.contract import checked_batch
 from hetseq_hpc.tasks.prepare_wait import prepare_on_rank0
@@ -508,7 +509,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if isinstance(exc, KeyboardInterrupt):
             return 130
         FAILED.append(exc)  # see FAILED
-        one_line = report_failure(exc, rank, RunDir(run_dir).error_file(rank))
+        # a write to a full or read-only run directory, wherever it was: one line, no traceback
+        one_line = report_failure(reported(exc, run_dir), rank, RunDir(run_dir).error_file(rank))
         if not logging.getLogger().handlers:
             print(f"rank {rank}: {type(exc).__name__}: {one_line}", file=sys.stderr)
         return 1

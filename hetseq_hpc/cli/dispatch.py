@@ -13,6 +13,7 @@ from typing import Any, Dict
 from hetseq_hpc.config import RunConfig
 from hetseq_hpc.errors import INTERRUPTED, HetseqError, report_error
 from hetseq_hpc.rundir.paths import RunDir
+from hetseq_hpc.rundir.storage import reported
 
 log = logging.getLogger("hetseq_hpc")
 
@@ -69,9 +70,17 @@ def dispatch_or_exit(run: RunConfig, run_dir: Path, new_dir: bool = False) -> An
     submitted (``sinfo`` checks, ``sbatch`` refusing, Slurm missing) removes the run directory
     when it was ``new_dir`` (created by Hydra for this attempt): a rejected attempt leaves
     nothing behind. A job that stopped after a checkpoint and will not go on by itself (its
-    requeues used up) exits 3 with the command that continues it."""
+    requeues used up) exits 3 with the command that continues it. A write of the launcher's
+    own that finds the run directory full or read-only is one line too
+    (:class:`~hetseq_hpc.errors.StorageError`)."""
     try:
-        return dispatch(run, run_dir)
+        try:
+            return dispatch(run, run_dir)
+        except OSError as exc:  # the launcher's own writes (its config, job files)
+            shown = reported(exc, run_dir)
+            if shown is exc:
+                raise
+            raise shown from None
     except HetseqError as exc:
         if new_dir and not run.cluster.is_local and not (run_dir / "job.json").exists():
             shutil.rmtree(run_dir, ignore_errors=True)

@@ -18,7 +18,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 
 from hetseq_hpc.cli.dispatch import dispatch_or_exit
-from hetseq_hpc.cli.overrides import run_dir_override, run_dir_problem
+from hetseq_hpc.cli.overrides import run_dir_override, run_dir_problem, run_dir_refusal
 from hetseq_hpc.cli.preflight import check_model_fits, check_resume, check_task_code
 from hetseq_hpc.config import (
     CONF_DIR,
@@ -32,6 +32,7 @@ from hetseq_hpc.config.compose import (
     split_partition_overrides,
 )
 from hetseq_hpc.errors import ConfigError, HetseqError, report_error
+from hetseq_hpc.rundir.logs import guard_log_files
 
 #: whether the run directory existed before Hydra started (set by :func:`run_with_hydra`)
 _RUN_DIR_EXISTED = False
@@ -42,6 +43,7 @@ _PARTITIONS: List[Tuple[str, str]] = []
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> Any:
     hydra_cfg = HydraConfig.get()
+    guard_log_files()  # Hydra's cli.log: a full disk cannot fail the launcher through it
     run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
     new_dir = not _RUN_DIR_EXISTED
     try:
@@ -83,10 +85,7 @@ def precheck_overrides(argv: List[str]) -> None:
         run_dir = run_dir_override(argv)
         problem = run_dir_problem(run_dir)
         if problem:
-            raise ConfigError(
-                f"hydra.run.dir={run_dir} cannot be created ({problem}): choose a "
-                "writable directory, e.g. hydra.run.dir=runs/my-run"
-            )
+            raise run_dir_refusal(run_dir, problem)
         check_resume(run, Path(run_dir) if run_dir != "." else None)
     except (HetseqError, HydraException) as exc:
         exit_one_line(exc)

@@ -3,10 +3,12 @@ directory, and the options of the config groups. Nothing is composed, imported o
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
 from hetseq_hpc.errors import ConfigError
 from hetseq_hpc.files.user_input import folder_problem
+from hetseq_hpc.rundir.storage import filesystem_problem
 
 #: config groups whose options are files in conf/<group>/
 GROUPS = ("task", "cluster", "trainer", "balance", "comm", "precision", "sharding", "optim", "plan")
@@ -66,6 +68,19 @@ def run_dir_override(argv: Sequence[str]) -> str:
 
 def run_dir_problem(path: str) -> Optional[str]:
     """Why the run directory ``path`` cannot be created or written, or None if it can: its
-    nearest existing ancestor must be a writable directory
-    (:func:`hetseq_hpc.files.user_input.folder_problem`)."""
-    return folder_problem(path)
+    filesystem must be neither read-only nor full
+    (:func:`hetseq_hpc.rundir.storage.filesystem_problem`), and its nearest existing ancestor a
+    writable directory (:func:`hetseq_hpc.files.user_input.folder_problem`)."""
+    return filesystem_problem(path) or folder_problem(path)
+
+
+def run_dir_refusal(path: str, problem: str) -> ConfigError:
+    """The one line that refuses run directory ``path`` for ``problem``
+    (:func:`run_dir_problem`), before anything is created in it."""
+    verb = "written" if Path(path).expanduser().exists() else "created"
+    fix = "choose a writable directory, e.g. hydra.run.dir=runs/my-run"
+    if problem.startswith("no space left"):
+        fix = f"free space there, or {fix}"
+    elif problem.endswith("is read-only"):
+        fix += " (copy a run there to continue it)"
+    return ConfigError(f"hydra.run.dir={path} cannot be {verb} ({problem}): {fix}")

@@ -22,9 +22,16 @@ from typing import List, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hetseq_hpc.cli.dispatch import dispatch_or_exit
-from hetseq_hpc.cli.overrides import override_key, override_value, run_dir_override
+from hetseq_hpc.cli.overrides import (
+    override_key,
+    override_value,
+    run_dir_override,
+    run_dir_problem,
+    run_dir_refusal,
+)
 from hetseq_hpc.cli.preflight import check_model_fits, check_resume, check_task_code
 from hetseq_hpc.errors import ConfigError
+from hetseq_hpc.rundir.logs import open_run_log
 from hetseq_hpc.rundir.paths import RunDir
 
 log = logging.getLogger("hetseq_hpc")
@@ -152,12 +159,10 @@ def _log_to(run_dir: Path) -> None:
     root = logging.getLogger()
     root.setLevel(logging.INFO)
     formatter = logging.Formatter(LOG_FORMAT)
-    for handler in (
-        logging.StreamHandler(sys.stdout),
-        logging.FileHandler(run_dir / "cli.log", encoding="utf-8"),
-    ):
-        handler.setFormatter(formatter)
-        root.addHandler(handler)
+    for handler in (logging.StreamHandler(sys.stdout), open_run_log(RunDir(run_dir).cli_log)):
+        if handler is not None:  # cli.log that cannot be opened: one warning, console only
+            handler.setFormatter(formatter)
+            root.addHandler(handler)
 
 
 def resume_saved_run(argv: List[str]) -> Optional[int]:
@@ -166,7 +171,8 @@ def resume_saved_run(argv: List[str]) -> Optional[int]:
     to continue (the caller starts a new run through Hydra).
 
     Raises:
-        ConfigError: a bad override or a saved file that no longer validates.
+        ConfigError: a bad override, a saved file that no longer validates, or a run
+            directory on a read-only or full filesystem (nothing is written).
         CheckpointError: a missing ``trainer.resume`` file or a checkpoint that does not fit
             (nothing is written).
     """
@@ -186,8 +192,11 @@ def resume_saved_run(argv: List[str]) -> Optional[int]:
     resume = override_value(overrides, "trainer.resume")
     if (resume if resume is not None else OmegaConf.select(saved, "trainer.resume")) == "never":
         return None  # a new run: nothing of the saved configuration is used (or imported)
-    merged = merge_overrides(saved, overrides, earlier_overrides(path.parent))
     run_dir = path.parent.resolve()
+    problem = run_dir_problem(str(run_dir))  # read-only or full: refused, nothing written
+    if problem:
+        raise run_dir_refusal(str(run_dir), problem)
+    merged = merge_overrides(saved, overrides, earlier_overrides(path.parent))
     task_code = guard_saved_task(merged, overrides, run_dir)
     run = to_run_config(merged)
     check_task_code(run)  # imports the task module the user named (or trusted)

@@ -2,8 +2,9 @@
 
 When one rank fails, its peers fail a moment later with a disconnection: the effect, not the
 cause. Both launchers read each rank's OWN error file (``logs/rank<N>.error.json``) and pick the
-rank to name with :func:`first_failure`; :func:`write_stop_record` marks a clean stop after a
-checkpoint. The order of precedence and how a traceback's error line is found:
+rank to name with :func:`first_failure` (a rank that failed without one on a full or read-only
+run directory is given that cause, :func:`storage_cause`); :func:`write_stop_record` marks a
+clean stop after a checkpoint. The order of precedence and how a traceback's error line is found:
 docs/design/elastic-recovery.md, "Which rank caused a failure".
 """
 
@@ -18,9 +19,10 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence
 
 from hetseq_hpc.env.rank_guard import PEER_MARKERS, is_peer_error
-from hetseq_hpc.errors import EXIT_CODES, Preempted
+from hetseq_hpc.errors import EXIT_CODES, Preempted, StorageError
 from hetseq_hpc.files.atomic import atomic_write_json
 from hetseq_hpc.rundir.paths import RunDir
+from hetseq_hpc.rundir.storage import filesystem_problem, storage_message
 from hetseq_hpc.train.metrics import read_metrics
 
 #: rank 0's record of a clean stop after a checkpoint in a SLURM job (relative to the run dir)
@@ -47,6 +49,27 @@ def error_line(trace: object) -> str:
         if _EXC_LINE.match(line):
             return line.strip()
     return lines[-1].strip() if lines else "unknown error"
+
+
+def storage_cause(
+    run_dir: Path, codes: Mapping[int, int], errors: Mapping[int, Optional[Dict]]
+) -> Dict[int, Optional[Dict]]:
+    """``errors`` with a cause for each rank that exited with an error (code > 0) but left no
+    error file, when the run directory's filesystem is full or read-only (``os.statvfs``,
+    :func:`hetseq_hpc.rundir.storage.filesystem_problem`): such a rank could not write the
+    file either, and a write is what failed it. Its error (``type`` StorageError) is genuine:
+    it is blamed before the peers that only lost it."""
+    out = dict(errors)
+    missing = [r for r, c in codes.items() if c is not None and c > 0 and not errors.get(r)]
+    problem = filesystem_problem(run_dir) if missing else None
+    if problem:
+        for rank in missing:
+            out[rank] = {
+                "type": StorageError.__name__,
+                "message": storage_message(problem, run_dir),
+                "peer": False,
+            }
+    return out
 
 
 def pick_failure(errors: Mapping[int, str]) -> int:
@@ -287,6 +310,7 @@ __all__ = [
     "read_error_file",
     "read_stop_record",
     "signal_reason",
+    "storage_cause",
     "survivors_stopped",
     "too_few_message",
     "write_stop_record",

@@ -43,6 +43,7 @@ from hetseq_hpc.launch.failures import (
     first_failure,
     read_error_file,
     signal_reason,
+    storage_cause,
     survivors_stopped,
     too_few_message,
 )
@@ -324,7 +325,8 @@ def launch_local(run: RunConfig, run_dir: Path, poll_s: float = POLL_S) -> Dict:
         ConfigError: more ranks than visible GPUs (:func:`check_ranks_fit_gpus`); nothing started.
         LaunchError: the run directory is in use by another run, or a rank failed; the others
             were stopped; the message names the rank whose own error came first, the reason and
-            its log file.
+            its log file (a rank that could not even write its error file on a full or
+            read-only run directory: that cause, found by ``os.statvfs``).
     """
     check_ranks_fit_gpus(run)
     run_dir = Path(run_dir).resolve()
@@ -385,16 +387,19 @@ def _launch(
             )
         elif any(c != 0 for c in codes.values()):
             errors = {r: read_error_file(RunDir(run_dir).error_file(r)) for r in range(len(procs))}
+            errors = storage_cause(run_dir, codes, errors)  # no room even for an error file
             stopped = [r for r, p in enumerate(procs) if r not in codes and _is_stopped(p.pid)]
             _stop(procs)
             failed = first_failure(codes, errors, stopped)
-            reason = (
-                STOPPED_REASON
-                if failed in stopped and errors.get(failed) is None
-                else _failure_reason(
+            own = errors.get(failed)
+            if own is not None:  # its error file, or a full or read-only run directory
+                reason = f"{own.get('type', 'Error')}: {own['message']}"
+            elif failed in stopped:
+                reason = STOPPED_REASON
+            else:
+                reason = _failure_reason(
                     run_dir, failed, codes.get(failed), procs[failed].pid, oom_before
                 )
-            )
             raise LaunchError(
                 f"rank {failed} failed ({reason}); the other ranks were stopped; see "
                 f"{RunDir(run_dir).rank_log(failed)}"

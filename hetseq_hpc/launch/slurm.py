@@ -57,6 +57,7 @@ from hetseq_hpc.launch.slurm_watch import (
 )
 from hetseq_hpc.rundir.lock import lock_run_dir
 from hetseq_hpc.rundir.paths import RunDir
+from hetseq_hpc.rundir.storage import reported
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +151,11 @@ class HetseqJobFunction:
             return {EXCLUDED_RESULT: True, "rank": rank}
         except Exception as exc:
             exit_at_shutdown(exc, 1)
-            report_failure(exc, rank, RunDir(self.run_dir).error_file(rank))
+            shown = reported(exc, self.run_dir)  # a full or read-only run directory: one line
+            report_failure(shown, rank, RunDir(self.run_dir).error_file(rank))
             note_stopped(RunDir(self.run_dir).error_file(rank), watch.stopped_s)
+            if shown is not exc:  # its result's last line: what the launcher names
+                raise shown from None
             raise
         finally:
             watch.stop()

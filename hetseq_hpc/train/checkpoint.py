@@ -10,12 +10,12 @@
   so a crafted file cannot run code (https://pytorch.org/docs/stable/generated/torch.load.html).
   Everything hetseq_hpc stores is plain data (:mod:`hetseq_hpc.train.state`).
 * A full disk (``OSError`` ENOSPC, or the ``RuntimeError`` torch's serializer raises instead)
-  removes the temp file, keeps the earlier checkpoints and raises one line naming the device.
+  or a read-only one removes the temp file, keeps the earlier checkpoints and raises one line
+  naming the device.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import logging
 import os
@@ -31,6 +31,7 @@ from hetseq_hpc.errors import CheckpointError
 from hetseq_hpc.files.atomic import atomic_write, atomic_write_text, remove_stale_temps
 from hetseq_hpc.files.user_input import file_problem
 from hetseq_hpc.rundir.history import current_run_id, start_or_continue
+from hetseq_hpc.rundir.storage import fix_for, write_problem
 from hetseq_hpc.train.checkpoint_files import FIX as _FIX
 from hetseq_hpc.train.checkpoint_files import (  # noqa: F401 - re-exported: the public names
     apply_retention,
@@ -50,7 +51,6 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 2
 #: entries every checkpoint must hold
 REQUIRED = ("model", "optimizer", "scheduler", "step")
-_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 class _HashingWriter:
@@ -74,37 +74,49 @@ class _HashingWriter:
         self.fh.flush()
 
 
-def _mount_point(path: Path) -> Path:
-    path = Path(os.path.abspath(path))
-    while not os.path.ismount(path) and path != path.parent:
-        path = path.parent
-    return path
+def kept_words(run_dir: Path, final: Path) -> str:
+    """What is left after the checkpoint ``final`` could not be written: the newest earlier one
+    (it is what ``trainer.resume=auto`` takes), or that there is none."""
+    earlier = [p for p in list_checkpoints(run_dir) if p != final]
+    return (
+        f"the earlier checkpoint {earlier[-1].name} is kept"
+        if earlier
+        else "no earlier checkpoint exists"
+    )
 
 
-def _write_error(final: Path, exc: BaseException, seen: Optional[OSError]) -> CheckpointError:
-    """One-line CheckpointError for a failed write; names the device when the disk is full."""
+def write_error(
+    final: Path, exc: BaseException, seen: Optional[OSError] = None, problem: Optional[str] = None
+) -> CheckpointError:
+    """One-line CheckpointError for a failed write of checkpoint ``final`` (``seen``: the first
+    OSError the writer saw; ``problem``: a full or read-only filesystem found otherwise, see
+    :mod:`hetseq_hpc.rundir.storage`); names the mount point when the disk is full or
+    read-only."""
+    run_dir = final.parent.parent
     chain, cause = [seen] if seen else [], exc
     while cause is not None:
         chain.append(cause)
         cause = cause.__cause__ or cause.__context__
-    codes = {getattr(e, "errno", None) for e in chain}
     in_way = next((p for p in (final, checksum_path(final)) if p.is_dir()), None)
     if in_way is not None:  # a directory at the checkpoint's (or its checksum's) name
         return CheckpointError(
             f"could not write checkpoint {str(final)!r}: {str(in_way)!r} is a directory, not a "
             f"file: remove or rename it, then continue with hetseq-hpc "
-            f"hydra.run.dir={final.parent.parent} trainer.resume=auto"
+            f"hydra.run.dir={run_dir} trainer.resume=auto"
         )
-    earlier = [p for p in list_checkpoints(final.parent.parent) if p != final]
-    kept = (
-        f"the earlier checkpoint {earlier[-1].name} is kept"
-        if earlier
-        else "no earlier checkpoint exists"
+    kept = kept_words(run_dir, final)
+    problem = problem or next(
+        (found for found in (write_problem(e, final.parent) for e in chain) if found), None
     )
-    if codes & set(_SPACE_ERRNOS):
+    if problem and problem.startswith("no space left"):
         return CheckpointError(
-            f"no space left on {_mount_point(final.parent)} (writing checkpoint {str(final)!r}; "
-            f"{kept}): free space or move hydra.run.dir"
+            f"{problem} (writing checkpoint {str(final)!r}; {kept}): free space or move "
+            f"hydra.run.dir, then continue with hetseq-hpc hydra.run.dir={run_dir} "
+            "trainer.resume=auto"
+        )
+    if problem:
+        return CheckpointError(
+            f"{problem} (writing checkpoint {str(final)!r}; {kept}): {fix_for(problem, run_dir)}"
         )
     reason = next((e.strerror for e in chain if getattr(e, "strerror", None)), None)
     return CheckpointError(
@@ -139,7 +151,7 @@ def save_checkpoint(state: Dict[str, Any], run_dir: Path, step: int, keep: int) 
         if written:  # its checksum could not be written: not a usable checkpoint
             final.unlink(missing_ok=True)
         writer = box.get("w")
-        raise _write_error(final, exc, writer.error if writer else None) from None
+        raise write_error(final, exc, writer.error if writer else None) from None
     apply_retention(run_dir, final, keep, payload.get("run_id"))
     log.info("checkpoint: %s", final)
     return final

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
 import math
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
-from hetseq_hpc.errors import ConfigError, HetseqError
+from hetseq_hpc.errors import ConfigError, HetseqError, StorageError
 from hetseq_hpc.files.atomic import atomic_write_text
 from hetseq_hpc.rundir.paths import RunDir
+from hetseq_hpc.rundir.storage import storage_error
 
 log = logging.getLogger(__name__)
 
@@ -40,17 +43,25 @@ def _records_a_stop(row: Dict[str, Any]) -> bool:
 
 
 class MetricsWriter:
-    """Appends rows to ``<run dir>/metrics.jsonl``, flushed after every row so a crash loses
-    nothing already logged. On resume, rows of steps after the checkpoint are dropped first,
-    so the file reads as one uninterrupted run (a membership row that records a stop is kept:
-    :func:`_records_a_stop`)."""
+    """Appends rows to ``<run dir>/metrics.jsonl``, each in one ``write`` to the kernel, so a
+    crash loses nothing already logged. A row is written whole or not at all: when the disk
+    fills (or turns read-only) mid-row, the file is cut back to its last whole row and a
+    one-line :class:`~hetseq_hpc.errors.StorageError` is raised. On resume, rows of steps
+    after the checkpoint are dropped first, so the file reads as one uninterrupted run (a
+    membership row that records a stop is kept: :func:`_records_a_stop`)."""
 
     def __init__(self, path: Path, resume_step: int = 0):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.exists():
-            self._truncate_after(resume_step)
-        self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - open until close()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.path.exists():
+                self._truncate_after(resume_step)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise self._error(exc) or exc from None
+
+    def _error(self, exc: BaseException) -> Optional[StorageError]:
+        return storage_error(self.path.parent, exc, self.path)
 
     def _truncate_after(self, step: int) -> None:
         # drops cut-off, damaged and non-row lines: what a resumed run appends must read back
@@ -64,13 +75,26 @@ class MetricsWriter:
         atomic_write_text(self.path, "".join(line + "\n" for line in keep))
 
     def write(self, row: Dict[str, Any]) -> None:
-        """Append one row."""
-        self._fh.write(json.dumps(_clean(row), sort_keys=False) + "\n")
-        self._fh.flush()
+        """Append one row, whole or not at all.
+
+        Raises:
+            StorageError: the filesystem is full or read-only (the file keeps its whole rows).
+            OSError: any other failed write (the file keeps its whole rows).
+        """
+        data = memoryview((json.dumps(_clean(row), sort_keys=False) + "\n").encode("utf-8"))
+        start = os.fstat(self._fd).st_size
+        done = 0
+        try:
+            while done < len(data):  # a short write (the disk filled mid-row) is followed up
+                done += os.write(self._fd, data[done:])
+        except OSError as exc:
+            with contextlib.suppress(OSError):  # the part of the row that was written
+                os.ftruncate(self._fd, start)
+            raise self._error(exc) or exc from None
 
     def close(self) -> None:
         """Close the file."""
-        self._fh.close()
+        os.close(self._fd)
 
 
 def _parse(path: Path, strict: bool) -> Iterator[Tuple[int, str, Optional[Dict[str, Any]]]]:

@@ -29,8 +29,9 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from hetseq_hpc.errors import CheckpointError
-from hetseq_hpc.train.checkpoint import save_checkpoint
-from hetseq_hpc.train.checkpoint_files import checkpoint_dir
+from hetseq_hpc.rundir.storage import filesystem_problem, write_problem
+from hetseq_hpc.train.checkpoint import save_checkpoint, write_error
+from hetseq_hpc.train.checkpoint_files import checkpoint_dir, checkpoint_path
 from hetseq_hpc.train.shard_files import (
     METADATA,
     rank_files,
@@ -91,32 +92,37 @@ def save_sharded(
         The commit record's path.
 
     Raises:
-        CheckpointError: on every rank, when any rank could not write (disk full,
-            permissions); the temp directory is removed and earlier checkpoints are kept.
+        CheckpointError: on every rank, when any rank could not write (disk full or
+            read-only: named with its mount point; permissions); nothing of this write is left
+            (no temp or unreferenced shard directory) and earlier checkpoints are kept.
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
     rank = rdv.world.rank
     folder = checkpoint_dir(run_dir)
     if rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
     name = shard_dir_name(step, rdv.broadcast_object(secrets.token_hex(8) if rank == 0 else None))
     tmp, final = folder / f".{name}.tmp", folder / name
-    error, digests = None, {}
+    error, problem, digests = None, None, {}
     try:
-        import torch.distributed.checkpoint as dcp
-
         tensors, groups = shard_state(model, optimizer)
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, thread_count=1))
         digests = {p.name: sha256_file(p) for p in rank_files(tmp, rank)}
-    except Exception as exc:  # DCP wraps a rank's OSError in its own exception type
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException, for any rank
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    gathered = rdv.all_gather_objects((digests, error))
-    failed = next((e for _, e in gathered if e), None)
-    path, error = None, None
+        # torch's serializer loses the errno: ask the filesystem before the tmp is removed
+        problem = write_problem(exc, folder) or filesystem_problem(folder)
+    gathered = rdv.all_gather_objects((digests, error, problem))
+    failed = next((e for _, e, _ in gathered if e), None)
+    problem = next((p for _, _, p in gathered if p), None)
+    path, error, renamed = None, None, False
     if rank == 0:
         try:
             if failed:
                 raise OSError(failed)
-            manifest = {k: v for d, _ in gathered for k, v in d.items()}
+            manifest = {k: v for d, _, _ in gathered for k, v in d.items()}
             manifest[METADATA] = sha256_file(tmp / METADATA)
             record = dict(
                 record,
@@ -129,20 +135,23 @@ def save_sharded(
                 },
             )
             os.replace(tmp, final)
+            renamed = True
             _fsync_dir(folder)
             path = save_checkpoint(record, run_dir, step, keep)
             sweep_orphans(folder, referenced_shard_dirs(run_dir))
         except (OSError, CheckpointError) as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            error = (
-                str(exc)
-                if isinstance(exc, CheckpointError)
-                else (
-                    f"could not write sharded checkpoint {str(final)!r} ({exc}; earlier checkpoints "
-                    "are kept): free disk space or fix permissions, then continue with "
-                    f"hetseq-hpc hydra.run.dir={run_dir} trainer.resume=auto"
+            if path is None:  # no record names the shards: nothing of this write is kept
+                shutil.rmtree(final if renamed else tmp, ignore_errors=True)
+            if isinstance(exc, CheckpointError):
+                error = str(exc)
+            elif problem or write_problem(exc, folder):  # full or read-only: named
+                error = str(write_error(checkpoint_path(run_dir, step), exc, problem=problem))
+            else:
+                error = (
+                    f"could not write sharded checkpoint {str(final)!r} ({exc}; earlier "
+                    "checkpoints are kept): free disk space or fix permissions, then continue "
+                    f"with hetseq-hpc hydra.run.dir={run_dir} trainer.resume=auto"
                 )
-            )
     path, error = rdv.broadcast_object((path and str(path), error))
     if error:
         raise CheckpointError(error)
