@@ -95,7 +95,10 @@ def guard_log_files(logger: Optional[logging.Logger] = None) -> None:
         if type(old) is not logging.FileHandler:
             continue
         logger.removeHandler(old)
-        old.close()
+        try:
+            old.close()  # its buffer may already find the disk full
+        except OSError:
+            pass
         new = open_run_log(Path(old.baseFilename), old.level)
         if new is None:
             continue
