@@ -276,6 +276,9 @@ class SlurmClusterConfig(ClusterConfig):
     folder: Optional[str] = None
     # wait for the job and stream rank 0's progress (false = submit, print the id, return)
     wait: bool = False
+    # seconds sbatch may take to answer the submission; then it is killed, any job it had
+    # submitted is cancelled (squeue finds it) and one line says so (hetseq_hpc/launch/submit.py)
+    submit_timeout_s: float = 120.0
     # write the sbatch text to <run dir>/job.sbatch and submit nothing
     dry_run: bool = False
     # extra environment for every rank, e.g. {NCCL_ALGO: Ring}
@@ -310,6 +313,11 @@ class SlurmClusterConfig(ClusterConfig):
             self.max_num_timeout >= 0,
             f"cluster.max_num_timeout={self.max_num_timeout} is invalid: use >= 0 "
             "(0 = never requeue)",
+        )
+        require(
+            self.submit_timeout_s > 0,
+            f"cluster.submit_timeout_s={self.submit_timeout_s} is invalid: give the seconds "
+            "sbatch may take to answer (> 0), e.g. cluster.submit_timeout_s=120",
         )
         require(
             self.choose in CHOOSE,

@@ -93,7 +93,11 @@ def requeue_job(env: Optional[Mapping[str, str]] = None, max_requeues: int = 3) 
         return False
     try:
         out = subprocess.run(
-            ["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60
+            ["scontrol", "requeue", job_id],
+            capture_output=True,
+            encoding="utf-8",
+            errors="replace",  # an admin's text in Slurm's answer may be any bytes
+            timeout=60,
         )
     except (OSError, subprocess.SubprocessError) as exc:
         raise LaunchError(

@@ -14,7 +14,9 @@ things break for a het job, and the subclasses here fix them:
 
 Pre-submission checks (:mod:`~hetseq_hpc.launch.slurm_checks`: partitions exist, carry the GRES
 type, have enough nodes and CPUs, allow the time limit) use ``sinfo``; on any problem nothing is
-submitted. Waiting and naming the failed rank: :mod:`~hetseq_hpc.launch.slurm_watch`.
+submitted. ``sbatch`` itself is bounded and its answer read safely
+(:mod:`~hetseq_hpc.launch.submit`). Waiting and naming the failed rank:
+:mod:`~hetseq_hpc.launch.slurm_watch`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import logging
 import os
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
@@ -39,7 +42,6 @@ from hetseq_hpc.files.atomic import atomic_write_text
 from hetseq_hpc.launch.failures import (
     STOP_RECORD,
     StopWatch,
-    error_line,
     note_stopped,
     pick_failure,
     write_stop_record,
@@ -55,6 +57,7 @@ from hetseq_hpc.launch.slurm_watch import (
     task_outcomes,
     wait_for_job,
 )
+from hetseq_hpc.launch.submit import submit_script
 from hetseq_hpc.rundir.lock import lock_run_dir
 from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.rundir.storage import reported
@@ -98,6 +101,32 @@ class HetSlurmExecutor(SlurmExecutor):
 
     def _num_tasks(self) -> int:
         return self.cluster.world_size
+
+    def _submit_command(self, command: str) -> HetSlurmJob:
+        """submitit's ``_submit_command`` with the ``sbatch`` call bounded and read safely
+        (:func:`~hetseq_hpc.launch.submit.submit_script`): the submission file (its name
+        unique to this submission), sbatch, then the job and submitit's file layout.
+
+        Raises:
+            LaunchError: sbatch cannot run, refuses, hangs or answers without a job id (one
+                line; any job of this submission found in the queue is cancelled first).
+        """
+        uid = uuid.uuid4().hex
+        folder = submitit_utils.JobPaths.get_first_id_independent_folder(self.folder)
+        script = folder / f".submission_file_{uid}.sh"
+        script.write_text(self._make_submission_file_text(command, uid))
+        try:
+            job_id = submit_script(script, self.cluster.submit_timeout_s, self.cluster.job_name)
+        except LaunchError:
+            script.unlink(missing_ok=True)
+            raise
+        job = self.job_class(
+            folder=self.folder, job_id=job_id, tasks=list(range(self._num_tasks()))
+        )
+        job.paths.move_temporary_file(script, "submission_file", keep_as_symlink=True)
+        self._write_job_id(job.job_id, uid)
+        self._set_job_permissions(job.paths.folder)
+        return job
 
 
 # ------------------------------------------------------------------------------ the job itself
@@ -209,15 +238,7 @@ def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
             return {"dry_run": True, "sbatch": str(path), "config": str(config_path)}
         folder.mkdir(parents=True, exist_ok=True)
     executor = HetSlurmExecutor(folder, cluster, elastic=elastic, run_dir=str(run_dir))
-    try:
-        job = executor.submit(HetseqJobFunction(str(config_path), str(run_dir)))
-    except submitit_utils.FailedJobError as exc:
-        first = error_line(str(exc))
-        raise LaunchError(
-            f"sbatch refused the job ({first}): fix the value sbatch names "
-            "(partition limits, account, paths), or inspect it with "
-            "cluster.dry_run=true"
-        ) from None
+    job = executor.submit(HetseqJobFunction(str(config_path), str(run_dir)))
     info = {
         "job_id": job.job_id,
         "folder": str(folder),

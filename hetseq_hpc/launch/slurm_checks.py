@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional
 
 from hetseq_hpc.config import SlurmClusterConfig
 from hetseq_hpc.errors import ConfigError, LaunchError
+from hetseq_hpc.launch.slurm_commands import run_slurm
 
 #: sinfo columns: partition, node name, GRES, CPUs of the node, partition time limit
 SINFO_FORMAT = "%R|%N|%G|%c|%l"
@@ -67,9 +68,7 @@ def partition_inventory() -> Dict[str, Dict[str, Any]]:
         LaunchError: sinfo fails (controller down, no config).
     """
     try:
-        out = subprocess.run(
-            ["sinfo", "-h", "-N", "-o", SINFO_FORMAT], capture_output=True, text=True, timeout=60
-        )
+        out = run_slurm(["sinfo", "-h", "-N", "-o", SINFO_FORMAT])
     except (OSError, subprocess.SubprocessError) as exc:
         raise LaunchError(f"sinfo could not run ({exc}): check the Slurm client setup") from None
     if out.returncode != 0:

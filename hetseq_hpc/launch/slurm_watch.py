@@ -40,6 +40,7 @@ from hetseq_hpc.launch.failures import (
     read_stop_record,
 )
 from hetseq_hpc.launch.sbatch import END_GRACE_S
+from hetseq_hpc.launch.slurm_commands import run_slurm, slurm_text
 from hetseq_hpc.rundir.paths import RunDir
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ class HetSlurmInfoWatcher(SlurmInfoWatcher):
     def read_info(self, string: Any) -> Dict[str, Dict[str, str]]:
         """Parse ``id|STATE`` rows; ``12+1`` rows are folded into job ``12``."""
         if not isinstance(string, str):
-            string = string.decode()
+            string = slurm_text(string)
         per_job: Dict[str, List[str]] = {}
         for line in string.splitlines():
             if "|" not in line:
@@ -132,7 +133,7 @@ class HetSlurmInfoWatcher(SlurmInfoWatcher):
             return
         self._num_calls += 1
         try:
-            output = subprocess.run(command, capture_output=True, text=True, timeout=60).stdout
+            output = run_slurm(command).stdout
             info = self.read_info(output)
         except (OSError, subprocess.SubprocessError) as exc:
             log.warning("squeue failed (%s): job states may lag", exc)
@@ -148,12 +149,7 @@ class HetSlurmInfoWatcher(SlurmInfoWatcher):
 
     def _sacct(self, jobs: List[str]) -> Dict[str, Dict[str, str]]:
         try:
-            out = subprocess.run(
-                ["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(jobs)],
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
+            out = run_slurm(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(jobs)])
         except (OSError, subprocess.SubprocessError):
             return {}
         if out.returncode != 0:
@@ -212,7 +208,7 @@ def _summaries(outcomes: Dict[int, Tuple[str, Any]]) -> Dict[int, Any]:
 def cancel_job(job_id: str) -> None:
     """``scancel`` the job; never raises (without scancel, nothing can be cancelled)."""
     try:
-        subprocess.run(["scancel", str(job_id)], capture_output=True, check=False, timeout=60)
+        run_slurm(["scancel", str(job_id)])
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("could not scancel job %s (%s): cancel it by hand", job_id, exc)
 

@@ -34,6 +34,7 @@ from typing import Dict, Optional, Tuple
 from hetseq_hpc.errors import ConfigError, LaunchError
 from hetseq_hpc.launch.sbatch import render_sbatch
 from hetseq_hpc.launch.slurm_checks import partition_inventory, partition_problems, require_slurm
+from hetseq_hpc.launch.slurm_commands import run_sbatch
 from hetseq_hpc.plan.when import StartEstimate, WhenTable, check_when_cluster, rank_mixes
 from hetseq_hpc.plan.when_table import clock, render_when, when_json
 
@@ -108,13 +109,8 @@ def test_only_start(
         )
         env = dict(os.environ, SLURM_TIME_FORMAT="standard")
         try:
-            proc = subprocess.run(
-                ["sbatch", "--test-only", str(script)],
-                cwd=tmp,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=TEST_ONLY_TIMEOUT_S,
+            proc = run_sbatch(
+                ["sbatch", "--test-only", str(script)], TEST_ONLY_TIMEOUT_S, cwd=tmp, env=env
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise LaunchError(
