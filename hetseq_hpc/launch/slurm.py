@@ -54,6 +54,7 @@ from hetseq_hpc.launch.slurm_watch import (
     HetSlurmInfoWatcher,
     HetSlurmJob,
     fold_states,
+    summary_stamp,
     task_outcomes,
     wait_for_job,
 )
@@ -238,6 +239,7 @@ def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
             return {"dry_run": True, "sbatch": str(path), "config": str(config_path)}
         folder.mkdir(parents=True, exist_ok=True)
     executor = HetSlurmExecutor(folder, cluster, elastic=elastic, run_dir=str(run_dir))
+    before = summary_stamp(run_dir)  # a summary.json written from here on is this job's
     job = executor.submit(HetseqJobFunction(str(config_path), str(run_dir)))
     info = {
         "job_id": job.job_id,
@@ -258,7 +260,9 @@ def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
     sys.stdout.flush()
     if not cluster.wait:
         return info
-    summary = wait_for_job(job, run_dir, cluster.world_size, stream=True, elastic=elastic)
+    summary = wait_for_job(
+        job, run_dir, cluster.world_size, stream=True, elastic=elastic, summary_before=before
+    )
     info["summary"] = summary
     return info
 

@@ -17,6 +17,7 @@ continues it (:class:`RequeueLimitReached`).
 
 from __future__ import annotations
 
+import json
 import logging
 import shlex
 import shutil
@@ -280,6 +281,49 @@ def finished_without_lost(
     return None
 
 
+def summary_stamp(run_dir: Path) -> int:
+    """When the run's ``summary.json`` was last written (``st_mtime_ns``), -1 if absent:
+    taken before submitting, it tells a summary this job wrote from an earlier one."""
+    try:
+        return RunDir(run_dir).summary.stat().st_mtime_ns
+    except OSError:
+        return -1
+
+
+def finished_by_survivors(run_dir: Path, before: int) -> Optional[Dict[str, Any]]:
+    """The run's ``summary.json`` when this job wrote it (its stamp differs from ``before``,
+    :func:`summary_stamp`) after losing ranks (``lost_ranks``), else None.
+
+    The survivors of a task that was stopped (SIGSTOP, a frozen node) rather than killed may
+    not return their results: freeing the broken world as they return blocks while the
+    stopped task still holds its sockets (seen on the test cluster; :data:`~hetseq_hpc.env.
+    rank_guard.FAILED` says why), so they end together with it when the batch script ends
+    the step after the run's summary (:func:`~hetseq_hpc.launch.sbatch.survived_lines`; Slurm
+    records COMPLETED). The summary is then the run's result."""
+    if summary_stamp(run_dir) == before:
+        return None
+    try:
+        summary = json.loads(RunDir(run_dir).summary.read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(summary, dict) and summary.get("lost_ranks"):
+        return summary
+    return None
+
+
+def note_lost(job_id: str, summary: Dict[str, Any], run_dir: Path) -> None:
+    """Log, in one line, the ranks a finished run lost on the way (its ``lost_ranks``)."""
+    lost = summary.get("lost_ranks") if isinstance(summary, dict) else None
+    if lost:
+        log.warning(
+            "job %s: rank(s) %s were lost (killed, or stopped or hung and left out by the "
+            "others); the others finished the run without them: %s",
+            job_id,
+            list(lost),
+            RunDir(run_dir).summary,
+        )
+
+
 def wait_for_job(
     job: HetSlurmJob,
     run_dir: Path,
@@ -288,6 +332,7 @@ def wait_for_job(
     stream: bool = False,
     timeout_s: Optional[float] = None,
     elastic: bool = False,
+    summary_before: Optional[int] = None,
 ) -> Dict[str, Any]:
     """Wait until every rank returned, a rank failed, or Slurm ended the job.
 
@@ -300,9 +345,14 @@ def wait_for_job(
         timeout_s: give up after this long (None = wait as long as the job lives).
         elastic: the job recovers from a lost rank in-job (its step survives a task's exit),
             so a rank failing by its own error must cancel it.
+        summary_before: :func:`summary_stamp` of the run directory before the job was
+            submitted (None: taken now); with ``elastic``, a job that ended COMPLETED without
+            its survivors' results but with a ``summary.json`` of its own that names lost
+            ranks finished (:func:`finished_by_survivors`).
 
     Returns:
-        rank 0's summary (the lowest surviving rank's after in-job recovery).
+        rank 0's summary (the lowest surviving rank's after in-job recovery); ranks lost on
+        the way are named in one logged line (:func:`note_lost`).
 
     Raises:
         LaunchError: a rank failed (the rank whose own error came first is named, with its error
@@ -313,6 +363,7 @@ def wait_for_job(
     """
     folder = Path(job.paths.folder)
     log_path = RunDir(run_dir).rank_log(0)
+    before = summary_stamp(run_dir) if summary_before is None else summary_before
     offset = 0
     start = time.monotonic()
     ended_at: Optional[float] = None
@@ -363,6 +414,7 @@ def wait_for_job(
                     f"job {job.job_id}: every rank was left out by the others: see "
                     f"{Path(run_dir) / 'logs'}"
                 )
+            note_lost(job.job_id, survivors[min(survivors)], run_dir)
             return survivors[min(survivors)]
         survived = finished_without_lost(outcomes, num_tasks)
         if survived is not None:  # in-job recovery: the survivors finished without them
@@ -375,12 +427,17 @@ def wait_for_job(
             if job.watcher.get_state(job.job_id, mode="force") not in TERMINAL_STATES:
                 # a stopped rank the others left out would hold the step until the time limit
                 cancel_job(job.job_id)
+            note_lost(job.job_id, survived, run_dir)
             return survived
         state = job.watcher.get_state(job.job_id, mode="force")
         if state in TERMINAL_STATES:
             # results may still be landing on a shared filesystem: give them a moment
             ended_at = ended_at or time.monotonic()
             if time.monotonic() - ended_at > SETTLE_S:
+                survived = finished_by_survivors(run_dir, before) if elastic else None
+                if survived is not None and state == "COMPLETED":
+                    note_lost(job.job_id, survived, run_dir)
+                    return survived
                 stop = read_stop_record(run_dir, job.job_id)
                 if stop is not None and stop.get("code") == REQUEUE and not stop.get("requeued"):
                     raise RequeueLimitReached(
@@ -407,9 +464,12 @@ __all__ = [
     "RequeueLimitReached",
     "cancel_job",
     "failure_message",
+    "finished_by_survivors",
     "fold_states",
     "is_excluded",
+    "note_lost",
     "pick_failure",
+    "summary_stamp",
     "task_outcomes",
     "wait_for_job",
 ]

@@ -310,6 +310,60 @@ def test_too_few_left_in_a_het_job_checkpoint_requeue_and_finish_the_same(
 
 @pytest.mark.slurm
 @pytest.mark.slow
+def test_a_stopped_task_left_out_and_cluster_wait_exits_0_naming_it(tmp_path, token_cache):
+    """SIGSTOP of task 1 at step 10 with ``cluster.wait=true``: the other two leave it out and
+    finish all 30 steps. The stopped task holds the broken world's sockets, so the survivors
+    do not return their results before the batch script ends the step after the run's
+    summary.json; the job is COMPLETED and the launcher exits 0 with one line naming rank 1
+    as lost (it exited 1 with "ended COMPLETED before every rank finished (0/3 results)")."""
+    run_dir, err = tmp_path / "job", tmp_path / "cli.out"
+    with err.open("w") as sink:  # a file: a pipe could fill up while the test polls
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hetseq_hpc",
+                "cluster=testcluster",
+                "cluster.wait=true",
+                *COMMON,
+                f"hydra.run.dir={run_dir}",
+            ],
+            cwd=REPO,
+            env=cli_env(token_cache),
+            stdout=sink,  # the launcher's log lines (Hydra's console) and rank 0's log
+            stderr=subprocess.STDOUT,
+        )
+    stopped, job = 0, ""
+    try:
+        deadline = time.monotonic() + 300  # a guard against hangs, not a speed check
+        while _steps(run_dir) < 10:
+            assert proc.poll() is None, err.read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        job = json.loads((run_dir / "job.json").read_text())["job_id"]
+        stopped = _rank_pid(run_dir / "submitit", 1)
+        os.kill(stopped, signal.SIGSTOP)
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if job:
+            subprocess.run(["scancel", str(job)], capture_output=True)
+        if stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGKILL)
+    said = err.read_text()
+    assert proc.returncode == 0, said[-3000:]
+    notes = [ln for ln in said.splitlines() if f"job {job}: rank(s) [1] were lost" in ln]
+    assert len(notes) == 1, said[-3000:]
+    assert "the others finished the run without them" in notes[0], notes[0]
+    assert sorted(losses(run_dir)) == list(range(1, 31))
+    assert json.loads((run_dir / "summary.json").read_text())["lost_ranks"] == [1]
+    assert squeue_state(str(job)) == "COMPLETED"
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["generated", "handwritten"])
 def test_a_stopped_task_does_not_hold_a_finished_job(script, tmp_path, token_cache, reference):
     """SIGSTOP of task 1 at step 10, submitted without ``cluster.wait`` (nobody watches the

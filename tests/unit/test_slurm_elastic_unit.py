@@ -81,3 +81,53 @@ def test_the_current_rank_0_requeues_after_an_elastic_stop():
     assert plain.leads(0) and not plain.leads(2)
     assert Preempted(9, REQUEUE, "too few ranks", leader=True).leads(2)
     assert not Preempted(9, REQUEUE, "too few ranks", leader=False).leads(0)
+
+
+def test_survivors_that_left_no_results_finished_by_their_summary(job_dir, caplog):
+    """A stopped task left out: its survivors end with it when the batch script ends the step
+    after the run's summary.json (no result pickles; Slurm records COMPLETED). The summary this
+    job wrote is the result, and one line names the lost rank (it was '0/3 results', exit 1)."""
+    before = slurm_watch.summary_stamp(job_dir)  # taken before submitting: no summary yet
+    (job_dir / "summary.json").write_text(json.dumps({"final_step": 30, "lost_ranks": [1]}))
+    with caplog.at_level(logging.WARNING):
+        summary = wait_for_job(
+            _Job(job_dir / "submitit", "COMPLETED"),
+            job_dir,
+            3,
+            elastic=True,
+            summary_before=before,
+        )
+    assert summary == {"final_step": 30, "lost_ranks": [1]}
+    notes = [r.getMessage() for r in caplog.records if "were lost" in r.getMessage()]
+    assert notes == [
+        "job 77: rank(s) [1] were lost (killed, or stopped or hung and left out by the others); "
+        f"the others finished the run without them: {job_dir / 'summary.json'}"
+    ]
+
+
+@pytest.mark.parametrize(
+    "state, elastic, earlier",
+    [
+        ("COMPLETED", True, True),  # the summary was there before the job: not this job's
+        ("CANCELLED", True, False),  # the job did not complete
+        ("COMPLETED", False, False),  # no in-job recovery
+    ],
+)
+def test_an_earlier_summary_or_an_ended_job_is_not_a_finished_run(job_dir, state, elastic, earlier):
+    """Otherwise the error with the results counted, as before."""
+    (job_dir / "summary.json").write_text(json.dumps({"final_step": 30, "lost_ranks": [1]}))
+    before = slurm_watch.summary_stamp(job_dir) if earlier else -1
+    with pytest.raises(LaunchError, match=rf"ended {state} before every rank finished \(0/3"):
+        wait_for_job(
+            _Job(job_dir / "submitit", state), job_dir, 3, elastic=elastic, summary_before=before
+        )
+
+
+def test_survivors_results_after_a_lost_rank_name_it(job_dir, monkeypatch, caplog):
+    """kill -9 of a task: the survivors return their summaries; the same one line names it."""
+    monkeypatch.setattr(slurm_watch, "cancel_job", lambda job: None)
+    for rank in (0, 2):
+        _result(job_dir, rank, {"rank": rank, "lost_ranks": [1]})
+    with caplog.at_level(logging.WARNING):
+        wait_for_job(_Job(job_dir / "submitit", "COMPLETED"), job_dir, 3, elastic=True)
+    assert any("job 77: rank(s) [1] were lost" in r.getMessage() for r in caplog.records)
