@@ -47,6 +47,7 @@ from hetseq_hpc.launch.failures import (
     survivors_stopped,
     too_few_message,
 )
+from hetseq_hpc.rundir.events import append_event
 from hetseq_hpc.rundir.lock import lock_run_dir
 from hetseq_hpc.rundir.paths import RunDir
 
@@ -404,8 +405,11 @@ def _launch(
                 f"rank {failed} failed ({reason}); the other ranks were stopped; see "
                 f"{RunDir(run_dir).rank_log(failed)}"
             )
-    except BaseException:
+    except BaseException as exc:
         _stop(procs)
+        if isinstance(exc, KeyboardInterrupt) and procs:  # after the ranks' own stop row
+            cause = str(exc) if isinstance(exc, LauncherStopped) else "Ctrl-C (SIGINT)"
+            append_event(run_dir, "stopped_by", cause=cause)
         raise
     finally:
         if job is not None:

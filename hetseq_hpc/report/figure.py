@@ -13,14 +13,16 @@ there are more than :data:`MANY_MOVES`), numbered at the top of the share panel 
 close to the previous one are left out; the legend's title says how many). A
 few slow steps do not squash a panel: its y-axis ends above the largest point that is not a
 spike (a point far above its neighbours in its own series; a slow level that lasts is kept),
-and the clipped points sit on the top edge as triangles, counted in the panel's corner. Legends stand outside
-the plotting area, on the right.
+and the clipped points sit on the top edge as triangles, counted in the panel's corner (no
+count when nothing is clipped). Resumes and stops are lines on every panel; they and the
+checkpoints are markers on the loss panel (:data:`EVENT_STYLES`). A rank whose share equals a
+lower rank's is dashed and marked, its legend entry naming that rank. Legends: on the right.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 #: panel titles, top to bottom (tests look for them)
 TITLES = ("loss", "throughput", "share of the global batch", "step time per rank")
@@ -32,6 +34,18 @@ SPIKE_WINDOW = 3
 MANY_MOVES = 20
 #: more ranks than this: one colour and one legend entry per partition
 MANY_RANKS = 12
+#: a rank whose share equals that of n lower ranks (at some steps) is drawn with the n-th
+#: style and marker
+OVERLAP_STYLES = ("--", ":", "-.")
+OVERLAP_MARKERS = ("o", "s", "^", "D")
+#: run events (:mod:`hetseq_hpc.rundir.events`) on the plot: kind -> (legend label, colour,
+#: vertical line style on every panel or None, marker on the loss panel, its height there as
+#: a fraction of the panel)
+EVENT_STYLES = {
+    "resume": ("resumed from a checkpoint", "C4", "-", ">", 0.90),
+    "stop": ("stopped (Ctrl-C, SIGTERM, preemption)", "k", "-.", "X", 0.95),
+    "checkpoint": ("checkpoint", "0.4", None, "v", 1.0),
+}
 
 
 def _num(value: object) -> float:
@@ -86,6 +100,8 @@ def _clip(ax, xs: List[List[float]], ys: List[List[float]], colours: List[str]) 
                 color=colour,
                 clip_on=False,
             )
+    if not hidden:  # the spikes fit under the top: nothing to count
+        return
     ax.text(
         0.99,
         0.97,
@@ -159,10 +175,70 @@ def _mark_moves(axes, share_ax, moves: List[dict], first: float, last: float) ->
             previous = at
 
 
-def build_figure(rows: List[dict], title: str = "", lost_at: Sequence[int] = ()):
+def _overlaps(series: Dict[int, Dict[str, list]]) -> Dict[int, List[Tuple[int, int]]]:
+    """For each rank: ``(lower rank, steps)`` for every lower rank whose share equals its own
+    at ``steps`` > 0 of the logged steps (its line would hide that one there)."""
+    shares = {r: dict(zip(s["step"], s["share"])) for r, s in series.items()}
+    out: Dict[int, List[Tuple[int, int]]] = {}
+    for rank in sorted(series):
+        out[rank] = []
+        for lower in sorted(r for r in series if r < rank):
+            same = sum(
+                1 for step, v in shares[rank].items() if v == v and shares[lower].get(step) == v
+            )
+            if same:
+                out[rank].append((lower, same))
+    return out
+
+
+def _overlap_note(series: Dict[str, list], overlaps: List[Tuple[int, int]]) -> str:
+    """`` (same share as rank 0)``, or ``... at 20 of 40 steps`` where they part."""
+    logged = sum(1 for v in series["share"] if v == v)
+    parts = [
+        f"rank {r}" + ("" if same == logged else f" at {same} of {logged} steps")
+        for r, same in overlaps
+    ]
+    return f" (same share as {', '.join(parts)})"
+
+
+def _mark_events(axes, loss_ax, marks: Sequence[Tuple[str, int]]) -> None:
+    """Each run event of :data:`EVENT_STYLES`: a vertical line on every panel (resumes,
+    stops) and a marker on the loss panel's top edge, one legend entry per kind."""
+    for kind, (label, colour, style, marker, height) in EVENT_STYLES.items():
+        at = sorted({step for k, step in marks if k == kind})
+        if not at:
+            continue
+        if style is not None:
+            for ax in axes:
+                for step in at:
+                    ax.axvline(step, color=colour, ls=style, lw=1.3, alpha=0.85, zorder=3)
+        loss_ax.plot(
+            at,
+            [height] * len(at),
+            ls="none",
+            marker=marker,
+            ms=7,
+            color=colour,
+            transform=loss_ax.get_xaxis_transform(),
+            clip_on=False,
+            zorder=4,
+            label=f"{label} ({len(at)})" if kind == "checkpoint" else label,
+        )
+
+
+def build_figure(
+    rows: List[dict],
+    title: str = "",
+    lost_at: Sequence[int] = (),
+    marks: Sequence[Tuple[str, int]] = (),
+):
     """The four-panel Figure (:data:`TITLES`) of checked step rows, with a dashed red line at
-    each step in ``lost_at`` (a rank lost and the run gone on without it); the caller saves
-    and closes it. Needs matplotlib with a non-interactive backend selected."""
+    each step in ``lost_at`` (a rank lost and the run gone on without it) and the run's
+    events ``marks`` (``(kind, step)``, kinds of :data:`EVENT_STYLES`: resumes and stops as
+    lines on every panel, all as markers on the loss panel, in its legend). A rank whose share
+    equals a lower rank's (at some or all steps) is drawn dashed or dotted with markers, and
+    its legend entry names the rank(s) it overlaps and at how many steps. The caller saves and closes the Figure. Needs
+    matplotlib with a non-interactive backend selected."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
@@ -203,20 +279,38 @@ def build_figure(rows: List[dict], title: str = "", lost_at: Sequence[int] = ())
     speed_ax.set_ylabel("samples/s")
 
     many = len(series) > MANY_RANKS
+    overlaps = {} if many else _overlaps(series)
     colours: Dict[str, str] = {}
     used: List[str] = []
     for i, rank in enumerate(sorted(series)):
         s = series[rank]
         label, colour, alpha = s["label"], f"C{i % 10}", 1.0
+        style: Dict[str, object] = {"ls": "-"}
         if many:
             label = None if s["group"] in colours else s["group"]
             colour = colours.setdefault(s["group"], f"C{len(colours) % 10}")
             alpha = 0.5
+        elif overlaps[rank]:  # drawn over a lower rank's line: dashed, marked, named
+            n = len(overlaps[rank])
+            style = {
+                "ls": OVERLAP_STYLES[(n - 1) % len(OVERLAP_STYLES)],
+                "marker": OVERLAP_MARKERS[(n - 1) % len(OVERLAP_MARKERS)],
+                "markevery": max(1, len(s["step"]) // 12),
+                "ms": 4,
+            }
+            label += _overlap_note(s, overlaps[rank])
         used.append(colour)
         share_ax.step(
-            s["step"], s["share"], where="post", lw=1.4, color=colour, alpha=alpha, label=label
+            s["step"],
+            s["share"],
+            where="post",
+            lw=1.4,
+            color=colour,
+            alpha=alpha,
+            label=label,
+            **style,
         )
-        time_ax.plot(s["step"], s["time"], lw=1.0, color=colour, alpha=alpha, label=label)
+        time_ax.plot(s["step"], s["time"], lw=1.0, color=colour, alpha=alpha, label=label, **style)
     share_ax.set_ylim(0, 1)
     share_ax.set_ylabel("share")
     ordered = [series[r] for r in sorted(series)]
@@ -234,6 +328,7 @@ def build_figure(rows: List[dict], title: str = "", lost_at: Sequence[int] = ())
                 lw=1.0,
                 label="lost rank(s)" if ax is loss_ax and number == 0 else None,
             )
+    _mark_events(axes, loss_ax, marks)
 
     for ax in (loss_ax, share_ax):
         if ax.get_legend_handles_labels()[0]:
@@ -251,4 +346,12 @@ def build_figure(rows: List[dict], title: str = "", lost_at: Sequence[int] = ())
     return fig
 
 
-__all__ = ["SPIKE_FACTOR", "SPIKE_WINDOW", "TITLES", "build_figure", "rank_label", "robust_top"]
+__all__ = [
+    "EVENT_STYLES",
+    "SPIKE_FACTOR",
+    "SPIKE_WINDOW",
+    "TITLES",
+    "build_figure",
+    "rank_label",
+    "robust_top",
+]

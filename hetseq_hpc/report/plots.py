@@ -3,9 +3,9 @@
 ``hetseq-hpc report RUN_DIR [--out FILE]`` (or ``python -m hetseq_hpc.report.plots``) writes
 ``RUN_DIR/ranks.png`` (or FILE), and every run writes it at its end (``trainer.plot``, on by
 default): loss and validation loss, throughput, each rank's share of the global batch and
-each rank's step time over the optimizer steps, re-allocations marked
-(:func:`hetseq_hpc.report.figure.build_figure`). :func:`text_summary` gives the run in a few
-lines (``hetseq-hpc report`` prints it).
+each rank's step time over the optimizer steps, re-allocations, lost ranks, resumes, stops
+and checkpoints marked (:func:`hetseq_hpc.report.figure.build_figure`). :func:`text_summary`
+gives the run in a few lines (``hetseq-hpc report`` prints it).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any, List, Optional, Union
 from hetseq_hpc.errors import ConfigError, HetseqError
 from hetseq_hpc.files.user_input import describe, number, output_problem
 from hetseq_hpc.report.figure import build_figure, rank_label
+from hetseq_hpc.report.timeline import run_timeline
 from hetseq_hpc.train.metrics import METRICS_NAME, read_metrics
 
 _FIX = "restore the metrics.jsonl a hetseq_hpc run wrote, or delete that row"
@@ -111,6 +112,27 @@ def _png_target(run_dir: Union[str, Path], out_path: Optional[Union[str, Path]])
     return out
 
 
+def run_figure(run_dir: Union[str, Path], rows: Optional[List[dict]] = None):
+    """The run's matplotlib Figure (:func:`hetseq_hpc.report.figure.build_figure`) with its
+    lost ranks (``membership`` rows) and events (:func:`run_timeline`); the caller closes it.
+
+    Args:
+        run_dir: run directory holding ``metrics.jsonl``.
+        rows: its checked step rows (:func:`step_rows`, read here when None).
+
+    Raises:
+        ConfigError, HetseqError: as :func:`step_rows`.
+    """
+    rows = step_rows(run_dir) if rows is None else rows
+    return build_figure(
+        rows,
+        f"run {Path(run_dir).resolve().name}: steps {rows[0]['step']}-"
+        f"{rows[-1]['step']}, {len(rows[-1]['ranks'])} rank(s)",
+        [e["step"] for e in membership_events(run_dir)],
+        run_timeline(run_dir).marks,
+    )
+
+
 def plot_run(run_dir: Union[str, Path], out_path: Optional[Union[str, Path]] = None) -> Path:
     """Draw the run's four panels (:func:`hetseq_hpc.report.figure.build_figure`); returns
     the PNG's path.
@@ -132,12 +154,7 @@ def plot_run(run_dir: Union[str, Path], out_path: Optional[Union[str, Path]] = N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig = build_figure(
-        rows,
-        f"run {Path(run_dir).resolve().name}: steps {rows[0]['step']}-"
-        f"{rows[-1]['step']}, {len(rows[-1]['ranks'])} rank(s)",
-        [e["step"] for e in membership_events(run_dir)],
-    )
+    fig = run_figure(run_dir, rows)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, dpi=100)
@@ -180,8 +197,10 @@ def _median(values: List[float]) -> Optional[float]:
 
 def text_summary(run_dir: Union[str, Path]) -> str:
     """A few lines about a run from its ``metrics.jsonl``: steps, first and last loss,
-    validation, median samples/s and straggle, re-allocations, and per rank (from the last
-    step) its device, micro-batch x accumulation, samples and median compute time.
+    validation, median samples/s and straggle, re-allocations, resumes, stops and checkpoints
+    with their steps (:func:`~hetseq_hpc.report.timeline.run_timeline`), lost ranks, and per
+    rank (from the last step) its device, micro-batch x accumulation, samples and median
+    compute time.
 
     Raises:
         HetseqError: ``metrics.jsonl`` is missing or has no step rows.
@@ -211,6 +230,7 @@ def text_summary(run_dir: Union[str, Path]) -> str:
         lines.append(
             f"  re-allocation at step {move.get('at_step')}: {move.get('from')} -> {move.get('to')}"
         )
+    lines += run_timeline(run_dir).lines
     for ev in membership_events(run_dir):
         lost = [x.get("rank") for x in ev.get("lost") or [] if isinstance(x, dict)]
         if ev.get("stopped"):  # too few survivors: they checkpointed and stopped for a requeue

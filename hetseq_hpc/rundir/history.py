@@ -10,10 +10,10 @@ checkpoint to resume) begins a NEW run there. Each run has an id (a random hex s
   checkpoints in retention.
 
 Before a new run starts in a directory that holds an earlier run's records, those records
-(``checkpoints/``, ``metrics.jsonl``, ``metrics.csv``, ``tb/``, ``summary.json``,
-``allocation.json``, ``ranks.png``, ``wandb_id.txt``, ``run.json``) are MOVED to
-``<run dir>/previous/<earlier run id>/`` and the move is logged in one line: nothing of either
-run is deleted or mixed. Logs (``logs/``, ``cli.log``) are appended to, as before.
+(``checkpoints/``, ``metrics.jsonl``, ``events.jsonl``, ``metrics.csv``, ``tb/``,
+``summary.json``, ``allocation.json``, ``ranks.png``, ``wandb_id.txt``, ``run.json``) are
+MOVED to ``<run dir>/previous/<earlier run id>/`` and the move is logged in one line: nothing
+of either run is deleted or mixed. Logs (``logs/``, ``cli.log``) are appended to, as before.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import List, Optional, Tuple
 
 from hetseq_hpc.errors import CheckpointError
 from hetseq_hpc.files.atomic import atomic_write_json
+from hetseq_hpc.rundir.events import append_event
 from hetseq_hpc.rundir.paths import RunDir
 
 log = logging.getLogger(__name__)
@@ -36,10 +37,13 @@ log = logging.getLogger(__name__)
 RUN_FILE = RunDir.RUN_FILE
 #: where an earlier run's records go when a new run starts in the same directory
 PREVIOUS_DIR = "previous"
+#: resumes, stops, checkpoints (:mod:`hetseq_hpc.rundir.events`)
+EVENTS_RECORD = RunDir.EVENTS_NAME
 #: the records of one run (relative to the run directory), moved together on start-over
 RUN_RECORDS = (
     "checkpoints",
     "metrics.jsonl",
+    EVENTS_RECORD,
     "metrics.csv",
     "tb",
     "summary.json",
@@ -76,7 +80,8 @@ def write_run_id(run_dir: Path, run_id: str) -> None:
 
 def earlier_records(run_dir: Path) -> List[Path]:
     """The records of an earlier run present in ``run_dir`` (an empty ``checkpoints/`` does not
-    count)."""
+    count, nor ``events.jsonl`` alone: a run stopped before its first step leaves only that,
+    and the next run's ``start`` row follows it there)."""
     found = []
     for name in RUN_RECORDS:
         path = Path(run_dir) / name
@@ -85,7 +90,7 @@ def earlier_records(run_dir: Path) -> List[Path]:
                 found.append(path)
         elif path.exists() or path.is_symlink():
             found.append(path)
-    return found
+    return found if any(p.name != EVENTS_RECORD for p in found) else []
 
 
 def archive_earlier_run(run_dir: Path) -> Optional[Path]:
@@ -134,7 +139,8 @@ def start_or_continue(run_dir: Path, resumed_run_id: Optional[str]) -> Tuple[str
     Returns:
         ``(run id, folder the earlier run's records were moved to or None)``. A resumed run
         keeps its id (a pre-run-id checkpoint adopts the directory's, or a new one); a run that
-        starts at step 0 gets a new id, and an earlier run's records are archived first.
+        starts at step 0 gets a new id, and an earlier run's records are archived first; its
+        ``start`` row in ``events.jsonl`` names where.
 
     Raises:
         CheckpointError: the earlier run's records cannot be moved.
@@ -147,6 +153,8 @@ def start_or_continue(run_dir: Path, resumed_run_id: Optional[str]) -> Tuple[str
     archived = archive_earlier_run(run_dir)
     run_id = new_run_id()
     write_run_id(run_dir, run_id)
+    where = str(archived.relative_to(run_dir)) if archived is not None else None
+    append_event(run_dir, "start", step=0, run_id=run_id, archived=where)
     if archived is not None:
         log.warning(
             "starting a new run (%s) in %s: the earlier run's records (%s) were moved to %s",

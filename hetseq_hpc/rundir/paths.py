@@ -5,6 +5,7 @@ A run directory (``hydra.run.dir``, default ``outputs/<date>/<time>/``) holds::
     hetseq_config.yaml      the resolved configuration the workers ran (resume reads it)
     run.json                the current run's id (train/checkpoints and metrics rows carry it)
     metrics.jsonl           one JSON object per logged step (rank 0)
+    events.jsonl            resumes, stops, checkpoints, start-overs (rundir/events.py)
     allocation.json         the agreed split and every rank's start-up report
     summary.json            final figures
     ranks.png               the per-rank picture
@@ -35,6 +36,7 @@ class RunDir:
 
     CONFIG_NAME = "hetseq_config.yaml"
     METRICS_NAME = "metrics.jsonl"
+    EVENTS_NAME = "events.jsonl"
     LOCK_NAME = ".hetseq.lock"
     RUN_FILE = "run.json"
 
@@ -55,6 +57,11 @@ class RunDir:
     def metrics(self) -> Path:
         """``metrics.jsonl``."""
         return self.root / self.METRICS_NAME
+
+    @property
+    def events(self) -> Path:
+        """``events.jsonl``: resumes, stops and checkpoints (:mod:`hetseq_hpc.rundir.events`)."""
+        return self.root / self.EVENTS_NAME
 
     @property
     def metrics_csv(self) -> Path:

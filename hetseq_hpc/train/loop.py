@@ -24,6 +24,7 @@ from hetseq_hpc.balance.allocation import Allocation
 from hetseq_hpc.config.schema import RunConfig
 from hetseq_hpc.distributed.membership import is_peer_failure
 from hetseq_hpc.distributed.rendezvous import Rendezvous, StepStats
+from hetseq_hpc.rundir.events import append_event
 from hetseq_hpc.tasks.contract import check_loss, checked_batch, checked_count
 from hetseq_hpc.train.checkpoint import (
     agree_on_checkpoint,
@@ -209,6 +210,17 @@ class Trainer:
         self.resumed_from = path
         if skipped:  # recorded in the first metrics.jsonl row
             self.resume_note = {"resume_fallback": {"bad": skipped, "used": path}}
+        if self.rank == 0:  # the report marks it: the split may change here
+            append_event(
+                self.run_dir,
+                "resume",
+                step=self.step,
+                checkpoint=str(path),
+                world_size=self.world.world_size,
+                allocation=list(self.allocation.samples),
+                run_id=self.run_id,
+                **({"refused": list(skipped)} if skipped else {}),
+            )
         log.info(
             "resumed from %s at step %d (allocation now %s on %d ranks)",
             path,

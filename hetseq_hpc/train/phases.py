@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional
 
 from hetseq_hpc.env.preemption import REASONS
 from hetseq_hpc.errors import Preempted
+from hetseq_hpc.rundir.events import append_event
 from hetseq_hpc.train.loggers import open_loggers
 from hetseq_hpc.train.metrics import Progress, read_metrics, step_row
 from hetseq_hpc.train.phase_timeout import phase_timeout
@@ -138,10 +139,17 @@ class StepPhases:
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or is_last or rec.stop_code:
             with phase_timeout(t, "checkpoint"):
                 t._save(step)
+            if self.writer is not None:  # rank 0: the report marks it
+                append_event(t.run_dir, "checkpoint", step=step, run_id=t.run_id)
         t.phase = DONE
         if rec.stop_code and not is_last:
             # every rank saw the same request in the step's exchange: all stop here
-            raise Preempted(step, rec.stop_code, REASONS.get(rec.stop_code, "a stop request"))
+            reason = REASONS.get(rec.stop_code, "a stop request")
+            if self.writer is not None:
+                append_event(
+                    t.run_dir, "stop", step=step, code=rec.stop_code, reason=reason, run_id=t.run_id
+                )
+            raise Preempted(step, rec.stop_code, reason)
 
     def _row_due(self, rec: Any, step: int) -> bool:
         """Whether step ``step`` (record ``rec``) gets a row: every ``trainer.log_every`` steps,
