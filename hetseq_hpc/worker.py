@@ -72,6 +72,7 @@ from hetseq_hpc.train.metrics import measured_step_sync
 from hetseq_hpc.train.parallel import build_parallel
 from hetseq_hpc.train.precision import autocast_factory, resolve_precision
 from hetseq_hpc.train.run_end import after_training, write_summary_if_missing
+from hetseq_hpc.train.sampler import GlobalBatchSampler
 from hetseq_hpc.train.task_summary import (
     build_checked_model,
     examples_model,
@@ -253,6 +254,8 @@ def run_worker(
         # the others wait outside the gloo timeout, on rank 0's marker and heartbeat
         prepare_on_rank0(task, rdv, run_dir_path, run.cluster.collective_timeout_s)
         task.load()
+        # a global batch larger than the data is refused now, not after calibration
+        GlobalBatchSampler(task.num_train, run.trainer.global_batch_size, run.trainer.seed)
         clock.mark("data")
         label = dev.label if emulation.method == "none" else f"{dev.label} @{emulation.speed:g}"
         meta = RankMeta(

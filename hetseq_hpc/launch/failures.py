@@ -111,7 +111,8 @@ def first_failure(
             failed (SLURM: killed by a signal, or stopped); ranked with the killed ones.
 
     Returns:
-        the first rank with a genuine error (by the error's time), else the first rank killed
+        the first rank with a genuine error (by the error's time; of ranks that raised the
+        same error, as every rank does for a task's contract or data, the lowest), else the first rank killed
         by a foreign signal or silent, else a stopped rank, else the first peer disconnection,
         else the lowest failed rank.
 
@@ -128,11 +129,20 @@ def first_failure(
     if not failed:
         raise ValueError("no rank failed")
 
+    def line(err: Dict) -> str:
+        return f"{err.get('type')}: {err.get('message')}"
+
+    first_seen: Dict[str, float] = {}  # the same error on several ranks: its earliest time
+    for err in errors.values():
+        if err:
+            when = float(err.get("time", float("inf")))
+            first_seen[line(err)] = min(when, first_seen.get(line(err), when))
+
     def order(rank: int) -> tuple:
         err = errors.get(rank)
         when = float(err.get("time", float("inf"))) if err else float("inf")
-        if err and not (err.get("peer") or is_peer_error(f"{err.get('type')}: {err['message']}")):
-            return (0, when, rank)
+        if err and not (err.get("peer") or is_peer_error(line(err))):
+            return (0, first_seen[line(err)], rank)  # ties: the lowest rank with that error
         if codes.get(rank, 0) < 0 or (rank in silent and not err):
             return (1, 0.0, rank)
         if rank in stopped or (err and float(err.get("stopped_s") or 0) > 0):

@@ -22,6 +22,16 @@ def task_label(task: Any) -> str:
 _who = task_label
 
 
+def loss_label(task: Any) -> str:
+    """How contract errors name what computes the loss: the task's own ``loss_label`` (a str
+    attribute or property; ``task=dataset`` names the user's ``loss_fn`` or model), else
+    ``"the model of <task>: forward(**batch)"``."""
+    own = getattr(task, "loss_label", None)
+    if isinstance(own, str) and own:
+        return own
+    return f"the model of {task_label(task)}: forward(**batch)"
+
+
 def checked_batch(
     task: Any, positions: Sequence[int], epoch: int, split: str
 ) -> Dict[str, torch.Tensor]:
@@ -93,10 +103,9 @@ def check_loss(task: Any, loss: Any) -> torch.Tensor:
         else f"a {type(loss).__name__}"
     )
     raise TaskContractError(
-        f"the model of {_who(task)} returned {what} from forward(**batch): return the SUM of "
-        "the batch's unit losses as a 0-dim floating tensor, e.g. "
-        "F.cross_entropy(logits, labels, reduction='sum')"
+        f"{loss_label(task)} returned {what}: return the SUM of the batch's unit losses as a "
+        "0-dim floating tensor, e.g. F.cross_entropy(logits, labels, reduction='sum')"
     )
 
 
-__all__ = ["check_loss", "checked_batch", "checked_count", "task_label"]
+__all__ = ["check_loss", "checked_batch", "checked_count", "loss_label", "task_label"]

@@ -23,7 +23,7 @@ import copy
 import importlib
 import inspect
 import sys
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -117,6 +117,59 @@ def _count_samples(batch: Dict[str, torch.Tensor]) -> int:
     return int(next(iter(batch.values())).shape[0])
 
 
+def _qualname(fn: Any) -> str:
+    """``module.name`` of a function or callable object (its class's when it has no name)."""
+    named = fn if hasattr(fn, "__qualname__") else type(fn)
+    return f"{getattr(named, '__module__', '?')}.{getattr(named, '__qualname__', '?')}"
+
+
+def _length(dataset: Any, key: str, target: str) -> int:
+    """``len(dataset)`` of what ``build`` returned under ``key`` (``train`` or ``val``).
+
+    Raises:
+        ConfigError: it has no ``len()`` (an iterable-style dataset), or is empty.
+    """
+    try:
+        n = len(dataset)
+    except (TypeError, OverflowError) as exc:
+        raise ConfigError(
+            f"task.target={target!r} returned a {key!r} {type(dataset).__name__} whose "
+            f"len() fails ({exc}): return a map-style Dataset with len() and [i] "
+            "(an IterableDataset cannot be cut into exact global batches)"
+        ) from None
+    if n <= 0:
+        fix = (
+            "return one with at least trainer.global_batch_size items"
+            if key == "train"
+            else "return a non-empty one, or no 'val' (task.val_fraction holds out part of train)"
+        )
+        raise ConfigError(f"task.target={target!r} returned an empty {key!r} Dataset: {fix}")
+    return int(n)
+
+
+def _default_collate(
+    items: List[Any], positions: Sequence[int], split: str, target: str
+) -> Dict[str, torch.Tensor]:
+    """torch's ``default_collate(items)``.
+
+    Raises:
+        TaskContractError: the items cannot be stacked (shapes differ): one line naming the
+            positions and the fix, a ``collate_fn`` that pads to a fixed width.
+    """
+    from torch.utils.data import default_collate
+
+    try:
+        return default_collate(items)
+    except (RuntimeError, TypeError) as exc:
+        why = " ".join(str(exc).split()) or type(exc).__name__
+        raise TaskContractError(
+            f"the {split} items at positions {list(map(int, positions))[:8]} of "
+            f"task.target={target!r} cannot be stacked into a batch by torch's "
+            f"default_collate ({why}): return 'collate_fn' from the build function, padding "
+            "every item to one fixed width (not to the longest item of the batch)"
+        ) from None
+
+
 class DatasetTask(Task):
     """Adapter: the user's Dataset(s), collate function and model behind the Task contract.
 
@@ -155,16 +208,29 @@ class DatasetTask(Task):
                 "return a dict with at least 'train' (a Dataset) and 'model'"
             )
         train, val = parts["train"], parts.get("val")
+        target = self._target()
         fraction = float(getattr(self.cfg, "val_fraction", 0.0) or 0.0)
         self.train_items, self.val_items = train, val
         self.train_offset = 0
+        n_train = _length(train, "train", target)  # sizes checked before any item is read
         if val is None and fraction > 0:
-            n_val = max(1, int(len(train) * fraction))
+            n_val = max(1, int(n_train * fraction))
+            if n_val >= n_train:
+                raise ConfigError(
+                    f"task.val_fraction={fraction:g} holds out {n_val} of the {n_train} items "
+                    f"task.target={target!r} returned, leaving none to train on: return more "
+                    "items, or set task.val_fraction=0"
+                )
             self.val_items, self.train_offset = train, n_val  # the first n_val items
-            self.n_train, self.n_val = len(train) - n_val, n_val
+            self.n_train, self.n_val = n_train - n_val, n_val
         else:
-            self.n_train, self.n_val = len(train), (len(val) if val is not None else 0)
+            n_val = _length(val, "val", target) if val is not None else 0
+            self.n_train, self.n_val = n_train, n_val
         self._parts = parts
+
+    def _target(self) -> str:
+        """How messages name the build function: ``task.target``, else its name."""
+        return str(getattr(self.cfg, "target", None) or _qualname(type(self).build_fn))
 
     @property
     def parts(self) -> Dict[str, Any]:
@@ -200,11 +266,12 @@ class DatasetTask(Task):
             items = [self.val_items[int(p)] for p in positions]
         collate = self.parts.get("collate_fn")
         if collate is None:
-            from torch.utils.data import default_collate as collate
-        batch = collate(items)
+            batch = _default_collate(items, positions, split, self._target())
+        else:
+            batch = collate(items)
         if not isinstance(batch, dict):
             raise TaskContractError(
-                f"collate_fn of {self.cfg.target!r} returned a "
+                f"collate_fn of {self._target()!r} returned a "
                 f"{type(batch).__name__}: return a dict of tensors passed "
                 "as model(**batch) (a dataset item should be a dict)"
             )
@@ -214,6 +281,18 @@ class DatasetTask(Task):
         """The user's ``count(batch)``, else the samples in the batch."""
         fn = self.parts.get("count") or _count_samples
         return int(fn(batch))
+
+    @property
+    def loss_label(self) -> str:
+        """What computes the loss, as contract errors name it
+        (:func:`hetseq_hpc.tasks.contract.loss_label`): the user's ``loss_fn``, else their
+        model's ``forward(**batch)``."""
+        loss_fn, target = self.parts.get("loss_fn"), self._target()
+        if loss_fn is not None:
+            return f"loss_fn {_qualname(loss_fn)} (from task.target={target!r})"
+        model = self.parts["model"]
+        kind = type(model) if isinstance(model, nn.Module) else model
+        return f"the model {_qualname(kind)} of task.target={target!r}: forward(**batch)"
 
     def build_model(self) -> nn.Module:
         """A copy of the model ``build`` returned (built under the seed), or a call of the

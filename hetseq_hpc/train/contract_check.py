@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from hetseq_hpc.errors import TaskContractError
-from hetseq_hpc.tasks.contract import check_loss, checked_batch, checked_count
+from hetseq_hpc.tasks.contract import check_loss, checked_batch, checked_count, loss_label
 from hetseq_hpc.tasks.contract import task_label as _who
 
 log = logging.getLogger(__name__)
@@ -108,8 +108,9 @@ def check_task_contract(
 
     Raises:
         TaskContractError: one line naming the member that breaks the contract
-            (``make_batch``, ``count`` or the model's forward), the rank that saw it first and
-            the fix. Raised on every rank.
+            (``make_batch``, ``count`` or what computes the loss:
+            :func:`~hetseq_hpc.tasks.contract.loss_label`), the rank that saw it first when
+            not every rank did, and the fix. Raised on every rank.
     """
     positions = list(contract_positions(task.num_train, seed) if positions is None else positions)
     if len(positions) < 2:
@@ -121,10 +122,10 @@ def check_task_contract(
     with _isolated(model, device):
         error, digest = _check_local(task, model, device, positions, seed, rank)
     verdicts = rdv.all_gather_objects((error, digest))
-    for r, (err, _) in enumerate(verdicts):
-        if err:
-            where = f" (rank {r})" if len(verdicts) > 1 else ""
-            raise TaskContractError(f"{err}{where}")
+    found = [r for r, (err, _) in enumerate(verdicts) if err]
+    if found:  # the same line on every rank; which rank saw it only when not all did
+        where = f" (found on rank {found[0]})" if len(found) < len(verdicts) else ""
+        raise TaskContractError(f"{verdicts[found[0]][0]}{where}")
     for r, (_, other) in enumerate(verdicts[1:], start=1):
         key = _digest_difference(verdicts[0][1], other)
         if key is not None:
@@ -234,7 +235,7 @@ def _loss_error(task, model, device, full, head, tail) -> Optional[str]:
         else "the samples' losses do not add up"
     )
     return (
-        f"the model of {_who(task)}: forward(**batch) gave a loss of {total:.6g} for "
+        f"{loss_label(task)} gave a loss of {total:.6g} for "
         f"{rows} samples but {a:.6g} + {b:.6g} = {a + b:.6g} for its two halves (dropout "
         f"off), {what}: return the SUM, e.g. F.cross_entropy(logits, labels, "
         f"reduction='sum'), or set {OPT_OUT} if the samples of a batch interact "
