@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple, Union
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
@@ -147,6 +147,43 @@ def apply_partition_overrides(cfg: DictConfig, parts: Sequence[Tuple[str, str]])
             node[name] = merged
 
 
+def _migrated(overrides: Sequence[str]) -> List[str]:
+    from hetseq_hpc.config.aliases import migrate_overrides
+
+    return list(migrate_overrides(overrides))
+
+
+def _compose(
+    overrides: Sequence[str],
+    config_dir: Optional[Union[str, Path]],
+    config_name: str,
+    with_hydra: bool = False,
+) -> DictConfig:
+    """Hydra's compose of ``<config_dir>/<config_name>.yaml`` (default: the package's
+    ``conf/``), with Hydra's own node when ``with_hydra``.
+
+    Raises:
+        ConfigError: an unknown key or option, a bad value or override (one line).
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    from hetseq_hpc.config.schema import register_configs
+
+    if config_dir is None:
+        from hetseq_hpc.config import CONF_DIR
+
+        config_dir = CONF_DIR
+    register_configs()
+    try:
+        with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base="1.3"):
+            return compose(
+                config_name=config_name, overrides=list(overrides), return_hydra_config=with_hydra
+            )
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError(describe_omegaconf_error(exc)) from None
+
+
 def compose_run(
     overrides: Sequence[str] = (),
     config_dir: Optional[Union[str, Path]] = None,
@@ -162,26 +199,34 @@ def compose_run(
         ConfigError: an unknown key or group option, a value of the wrong type, a bad override
             (one line, with the fix).
     """
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-
-    from hetseq_hpc.config.aliases import migrate_overrides
-    from hetseq_hpc.config.schema import register_configs
-
-    overrides, partitions = split_partition_overrides(migrate_overrides(overrides))
-    if config_dir is None:
-        from hetseq_hpc.config import CONF_DIR
-
-        config_dir = CONF_DIR
-    register_configs()
-    try:
-        with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base="1.3"):
-            cfg = compose(config_name=config_name, overrides=list(overrides))
-    except (HydraException, OmegaConfBaseException) as exc:
-        raise ConfigError(describe_omegaconf_error(exc)) from None
+    overrides, partitions = split_partition_overrides(_migrated(overrides))
+    cfg = _compose(overrides, config_dir, config_name)
     apply_empty_dict_overrides(cfg, overrides)
     apply_partition_overrides(cfg, partitions)
     return cfg
+
+
+def group_choices(
+    overrides: Sequence[str] = (), config_dir: Optional[Union[str, Path]] = None
+) -> Dict[str, str]:
+    """The option each config group takes under ``overrides``, as Hydra records it
+    (``hydra.runtime.choices``): ``{"cluster": "mixed", "task": "bert", ...}``, the file names
+    in ``conf/<group>/`` (a cluster's ``cluster.name`` is only its kind, ``local`` or
+    ``slurm``). Schema entries (``*_schema``) and Hydra's own groups are left out.
+
+    Raises:
+        ConfigError: as :func:`compose_run`.
+    """
+    overrides, _ = split_partition_overrides(_migrated(overrides))
+    cfg = _compose(overrides, config_dir, "config", with_hydra=True)
+    choices = OmegaConf.to_container(cfg.hydra.runtime.choices)
+    return {
+        str(group): str(option)
+        for group, option in choices.items()
+        if option is not None
+        and not str(group).startswith("hydra")
+        and not str(option).endswith("_schema")
+    }
 
 
 def compose_run_config(

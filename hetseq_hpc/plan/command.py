@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 from typing import List, Optional, Sequence
 
+from hetseq_hpc.config.compose import group_choices
 from hetseq_hpc.config.plan import plan_keys
 from hetseq_hpc.errors import ConfigError, report_error
 from hetseq_hpc.plan.planner import make_plan
@@ -75,7 +76,7 @@ def plan_command(argv: Optional[Sequence[str]] = None) -> int:
                 "does not: run hetseq-hpc plan --when (python -m hetseq_hpc plan "
                 "--when)"
             )
-        plan = make_plan(run)
+        plan = make_plan(run, label=group_choices(plan_overrides(argv)).get("cluster"))
     except ConfigError as exc:
         return report_error(exc, PROG)
     for warning in plan.warnings:

@@ -48,7 +48,7 @@ MAX_SUGGESTED_BATCH = 2**22
 class Plan:
     """Everything :func:`hetseq_hpc.plan.render.render` prints."""
 
-    cluster: str
+    cluster: str  # the cluster config's name (cluster=mixed: "mixed")
     partitions: List[PartitionSpec]
     ranks: List[RankSpec]
     prediction: Prediction
@@ -330,12 +330,15 @@ def _probe_ranks(run, opts: PlanConfig, probe, parts) -> Tuple[ModelInfo, List[R
     return model, ranks, source
 
 
-def make_plan(run, opts: Optional[PlanConfig] = None) -> Plan:
+def make_plan(run, opts: Optional[PlanConfig] = None, label: Optional[str] = None) -> Plan:
     """Inputs -> prediction, for a validated run configuration. Starts nothing.
 
     Args:
         run: a :class:`~hetseq_hpc.config.RunConfig`.
         opts: planner options; default ``run.plan``.
+        label: how the plan names the cluster: the config's name (``mixed`` for
+            ``cluster=mixed``, :func:`hetseq_hpc.config.compose.group_choices`); default
+            ``cluster.name`` (only its kind: ``local`` or ``slurm``).
 
     Raises:
         ConfigError: unknown GPU type, bad probe, a device that cannot fit one sample, or a
@@ -436,7 +439,7 @@ def make_plan(run, opts: Optional[PlanConfig] = None) -> Plan:
             root_params=model.root_params,
         )
     return Plan(
-        run.cluster.name,
+        label or run.cluster.name,
         parts,
         ranks,
         prediction,

@@ -503,3 +503,16 @@ def test_the_spec_plan_says_the_requested_precision_and_each_rank_s():
     auto = make_plan(compose_run_config(["cluster=mixed", *SMALL_MODEL]))
     assert "from the requested auto (auto:" in auto.source
     assert any(" bf16 (specs" in r.device for r in auto.ranks)
+
+
+def test_the_plan_names_the_cluster_config_not_its_kind(capsys):
+    """cluster=mixed is a Slurm cluster (cluster.name=slurm), but the plan is of the config
+    the user named."""
+    from hetseq_hpc.config.compose import group_choices
+
+    assert group_choices([])["cluster"] == "local"
+    assert group_choices(["cluster=testcluster", "task=hf"])["cluster"] == "testcluster"
+    code = plan.plan_command(["cluster=mixed", "trainer.global_batch_size=4096", *SMALL_MODEL])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert out.splitlines()[0].startswith("hetseq_hpc plan: cluster=mixed, 16 ranks"), out
