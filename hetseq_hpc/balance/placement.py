@@ -90,7 +90,8 @@ def cpu_threads(
     cores: int, ranks_on_node: int, configured: Optional[int] = None, warn: bool = True
 ) -> int:
     """Torch CPU threads of a rank: ``configured`` if set, else the node's ``cores`` split evenly
-    between its ``ranks_on_node`` ranks, at least 1. More ranks than cores is logged as a
+    between its ``ranks_on_node`` ranks, at least 1 (one rank takes every core: the local
+    launcher only polls while the ranks train). More ranks than cores is logged as a
     warning when ``warn`` (the ranks then share cores and each runs slower)."""
     if configured:
         return int(configured)

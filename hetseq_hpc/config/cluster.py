@@ -93,7 +93,8 @@ class LocalClusterConfig(ClusterConfig):
     name: str = "local"
     # worker processes (ranks); null = one per visible GPU, else 2
     ranks: Optional[int] = None
-    # CPU threads per rank; null = this machine's cores split evenly between the ranks
+    # CPU threads per rank; null = the cores this process may use (its affinity, lowered to a
+    # cgroup CPU quota) split evenly between the ranks: one rank gets all of them
     threads_per_rank: Optional[int] = None
     # rendezvous port on 127.0.0.1; null = a free port picked at launch
     master_port: Optional[int] = None

@@ -10,11 +10,14 @@ NVML calls used (https://docs.nvidia.com/deploy/nvml-api/): ``nvmlDeviceGetHandl
 from __future__ import annotations
 
 import logging
+import math
 import os
 import platform
 import socket
 from dataclasses import asdict, dataclass
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
+
+from hetseq_hpc.env.cgroups import cpu_quota
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +36,8 @@ class DeviceProbe:
         sm_count: streaming multiprocessors on GPUs.
         sm_clock_mhz / mem_clock_mhz: maximum clocks on GPUs.
         driver_version: NVIDIA driver version on GPUs.
-        cpu_cores: logical CPUs usable by this process (affinity), cpu_threads: torch threads.
+        cpu_cores: logical CPUs usable by this process (affinity, CPU quota), cpu_threads:
+            torch threads.
         note: why the probe fell back (e.g. "NVML library not found"), else "".
     """
 
@@ -75,12 +79,16 @@ class DeviceProbe:
         return cls(**data)
 
 
-def usable_cores() -> int:
-    """Logical CPUs this process may run on (its affinity mask)."""
+def usable_cores(pid: Union[int, str] = "self") -> int:
+    """Logical CPUs this process may compute on: its affinity mask, lowered to the CPUs a CFS
+    quota of ``pid``'s cgroups allows (:func:`hetseq_hpc.env.cgroups.cpu_quota`; a container
+    limited to 1.5 CPUs gets 1), at least 1."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - macOS
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = cpu_quota(pid)
+    return max(1, min(cores, math.floor(quota))) if quota is not None else cores
 
 
 def read_meminfo() -> Tuple[int, int]:

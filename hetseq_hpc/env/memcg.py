@@ -22,8 +22,8 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional, Union
 
-#: where the cgroup hierarchies are mounted
-CGROUP_ROOT = Path("/sys/fs/cgroup")
+from hetseq_hpc.env.cgroups import CGROUP_ROOT, cgroup_dirs
+
 #: the kernel log, one record per read
 KMSG = Path("/dev/kmsg")
 #: at most this many kernel-log records are read (the ring buffer is bounded anyway)
@@ -31,33 +31,8 @@ _MAX_RECORDS = 200_000
 
 
 def _memory_cgroup_dirs(pid: Union[int, str], root: Path) -> List[Path]:
-    """The memory cgroup directories of ``pid`` and their ancestors (deepest first): v1's
-    ``memory`` hierarchy and the v2 unified one, where mounted."""
-    try:
-        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
-    except OSError:
-        return []
-    dirs: List[Path] = []
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, rel = parts
-        if controllers == "":  # the v2 unified hierarchy
-            bases = [root, root / "unified"]
-        elif "memory" in controllers.split(","):
-            bases = [root / "memory"]
-        else:
-            continue
-        for base in bases:
-            here = base / rel.lstrip("/")
-            while True:
-                if here.is_dir():
-                    dirs.append(here)
-                if here == base or base not in here.parents:
-                    break
-                here = here.parent
-    return dirs
+    """The memory cgroup directories of ``pid`` and their ancestors (deepest first)."""
+    return cgroup_dirs(pid, "memory", root)
 
 
 def _oom_kill_line(path: Path) -> Optional[int]:
