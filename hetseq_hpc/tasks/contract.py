@@ -102,9 +102,15 @@ def check_loss(task: Any, loss: Any) -> torch.Tensor:
         if isinstance(loss, torch.Tensor)
         else f"a {type(loss).__name__}"
     )
+    own = getattr(task, "loss_label", None)
+    head = (
+        f"{own} returned {what}"
+        if isinstance(own, str) and own
+        else f"the model of {task_label(task)} returned {what} from forward(**batch)"
+    )
     raise TaskContractError(
-        f"{loss_label(task)} returned {what}: return the SUM of the batch's unit losses as a "
-        "0-dim floating tensor, e.g. F.cross_entropy(logits, labels, reduction='sum')"
+        f"{head}: return the SUM of the batch's unit losses as a 0-dim floating tensor, e.g. "
+        "F.cross_entropy(logits, labels, reduction='sum')"
     )
 
 
