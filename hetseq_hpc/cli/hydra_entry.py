@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, List, NoReturn, Tuple
+from typing import Any, List, NoReturn, Optional, Tuple
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from hetseq_hpc.cli.dispatch import dispatch_or_exit
 from hetseq_hpc.cli.overrides import run_dir_override, run_dir_problem, run_dir_refusal
 from hetseq_hpc.cli.preflight import check_model_fits, check_resume, check_task_code
 from hetseq_hpc.config import (
     CONF_DIR,
+    RunConfig,
     compose_run_config,
     register_configs,
     to_run_config,
@@ -32,6 +33,7 @@ from hetseq_hpc.config.compose import (
     split_partition_overrides,
 )
 from hetseq_hpc.errors import ConfigError, HetseqError, report_error
+from hetseq_hpc.rundir.lock import acquire
 from hetseq_hpc.rundir.logs import guard_log_files
 
 #: whether the run directory existed before Hydra started (set by :func:`run_with_hydra`)
@@ -64,19 +66,22 @@ def exit_one_line(exc: BaseException) -> NoReturn:
     sys.exit(report_error(exc))
 
 
-def precheck_overrides(argv: List[str]) -> None:
+def precheck_overrides(argv: List[str]) -> Optional[RunConfig]:
     """Compose and validate the config once before Hydra does, so that a bad override (unknown
     key, wrong type, out-of-range value, missing group option) or an unwritable
     ``hydra.run.dir`` is one ``hetseq-hpc: error:`` line with exit code 2 instead of Hydra's
     multi-line report, and nothing is created. Skipped for multirun and Hydra's own flags, which
     Hydra handles.
+
+    Returns:
+        The validated run, or None for multirun and Hydra's flags.
     """
     if any(arg.startswith("-") for arg in argv):
         if any(arg in MULTIRUN_FLAGS for arg in argv) and all(
             arg in MULTIRUN_FLAGS or not arg.startswith("-") for arg in argv
         ):
             precheck_sweep([arg for arg in argv if arg not in MULTIRUN_FLAGS])
-        return
+        return None
     overrides = [a for a in argv if not a.lstrip("+~").startswith("hydra.")]
     try:
         run = compose_run_config(overrides)
@@ -89,6 +94,7 @@ def precheck_overrides(argv: List[str]) -> None:
         check_resume(run, Path(run_dir) if run_dir != "." else None)
     except (HetseqError, HydraException) as exc:
         exit_one_line(exc)
+    return run
 
 
 #: Hydra's flags for a sweep (one job per point)
@@ -129,13 +135,43 @@ def precheck_sweep(argv: List[str]) -> None:
         exit_one_line(exc)
 
 
+def default_run_dir() -> str:
+    """Hydra's default run directory (``hydra.run.dir`` of ``conf/config.yaml``, e.g.
+    ``outputs/<date>/<time>``) resolved now, as Hydra would resolve it."""
+    from hydra.core.utils import setup_globals
+
+    setup_globals()  # Hydra's resolvers (${now:...})
+    return str(OmegaConf.load(CONF_DIR / "config.yaml").hydra.run.dir)
+
+
 def run_with_hydra(argv: List[str]) -> None:
-    """Pre-check ``argv`` (Hydra overrides and flags), then start Hydra's entry point on it."""
+    """Pre-check ``argv`` (Hydra overrides and flags), then start Hydra's entry point on it.
+
+    A single run takes the run directory's lock first (:func:`hetseq_hpc.rundir.lock.acquire`,
+    the default directory resolved here so the lock and Hydra agree on it): a directory in use
+    by another run is refused in one line before Hydra writes ``.hydra/`` or anything else, and
+    the launcher then holds the same lock.
+    """
     global _RUN_DIR_EXISTED, _PARTITIONS
     register_configs()
-    precheck_overrides(argv)
+    run = precheck_overrides(argv)
     argv, _PARTITIONS = split_partition_overrides(argv)
-    explicit = any(a.lstrip("+").startswith("hydra.run.dir=") for a in argv)
-    _RUN_DIR_EXISTED = explicit and Path(run_dir_override(argv)).expanduser().exists()
-    sys.argv = [sys.argv[0], *argv]
-    _hydra_main()
+    if run is None:  # multirun, Hydra's flags: Hydra decides the directories
+        explicit = any(a.lstrip("+").startswith("hydra.run.dir=") for a in argv)
+        _RUN_DIR_EXISTED = explicit and Path(run_dir_override(argv)).expanduser().exists()
+        sys.argv = [sys.argv[0], *argv]
+        _hydra_main()
+        return
+    if not any(a.lstrip("+").startswith("hydra.run.dir=") for a in argv):
+        argv = [*argv, f"hydra.run.dir={default_run_dir()}"]
+    run_dir = Path(run_dir_override(argv)).expanduser()
+    _RUN_DIR_EXISTED = run_dir.exists()
+    try:
+        lock = acquire(run_dir)
+    except HetseqError as exc:
+        exit_one_line(exc)
+    try:
+        sys.argv = [sys.argv[0], *argv]
+        _hydra_main()
+    finally:
+        lock.release()

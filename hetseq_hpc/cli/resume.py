@@ -31,6 +31,7 @@ from hetseq_hpc.cli.overrides import (
 )
 from hetseq_hpc.cli.preflight import check_model_fits, check_resume, check_task_code
 from hetseq_hpc.errors import ConfigError
+from hetseq_hpc.rundir.lock import lock_run_dir
 from hetseq_hpc.rundir.logs import open_run_log
 from hetseq_hpc.rundir.paths import RunDir
 
@@ -170,11 +171,15 @@ def resume_saved_run(argv: List[str]) -> Optional[int]:
     ``trainer.resume`` is not ``never``; returns the exit code, or None when there is nothing
     to continue (the caller starts a new run through Hydra).
 
+    The run directory is locked (:func:`hetseq_hpc.rundir.lock.lock_run_dir`) before anything
+    is written.
+
     Raises:
         ConfigError: a bad override, a saved file that no longer validates, or a run
             directory on a read-only or full filesystem (nothing is written).
         CheckpointError: a missing ``trainer.resume`` file or a checkpoint that does not fit
             (nothing is written).
+        LaunchError: another run holds the run directory (nothing is written).
     """
     from hetseq_hpc.config import to_run_config
 
@@ -201,15 +206,16 @@ def resume_saved_run(argv: List[str]) -> Optional[int]:
     run = to_run_config(merged)
     check_task_code(run)  # imports the task module the user named (or trusted)
     check_model_fits(run)
-    check_resume(run, run_dir)
-    _log_to(run_dir)
-    log.info(
-        "continuing %s from its saved %s%s",
-        run_dir,
-        path.name,
-        f" with {' '.join(overrides)}" if overrides else "",
-    )
-    if task_code:
-        log.info("task code imported from %s", task_code)
-    dispatch_or_exit(run, run_dir)
+    with lock_run_dir(run_dir):  # before anything is written: a run turned away writes nothing
+        check_resume(run, run_dir)
+        _log_to(run_dir)
+        log.info(
+            "continuing %s from its saved %s%s",
+            run_dir,
+            path.name,
+            f" with {' '.join(overrides)}" if overrides else "",
+        )
+        if task_code:
+            log.info("task code imported from %s", task_code)
+        dispatch_or_exit(run, run_dir)
     return 0

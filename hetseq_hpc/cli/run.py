@@ -8,7 +8,9 @@ Before Hydra starts (it creates the run directory and writes ``.hydra/`` at once
 3. when ``hydra.run.dir`` holds an earlier run's ``hetseq_config.yaml`` and ``trainer.resume``
    is not ``never``, the run continues from that saved configuration with the command line's
    overrides on top (:mod:`hetseq_hpc.cli.resume`): checked against the checkpoint first,
-   and started without Hydra, so the earlier run's ``.hydra/`` stays as it was.
+   and started without Hydra, so the earlier run's ``.hydra/`` stays as it was;
+4. the run directory's lock is taken (:mod:`hetseq_hpc.rundir.lock`): a directory in use is
+   refused before anything is written.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ from hetseq_hpc.launch.slurm_watch import (
     wait_for_job,
 )
 from hetseq_hpc.launch.submit import submit_script
-from hetseq_hpc.rundir.lock import lock_run_dir
+from hetseq_hpc.rundir.lock import let_go, lock_run_dir
 from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.rundir.storage import reported
 
@@ -238,6 +238,7 @@ def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
             )
             return {"dry_run": True, "sbatch": str(path), "config": str(config_path)}
         folder.mkdir(parents=True, exist_ok=True)
+    let_go(run_dir)  # also the command line's hold: the job's rank 0 takes the lock
     executor = HetSlurmExecutor(folder, cluster, elastic=elastic, run_dir=str(run_dir))
     before = summary_stamp(run_dir)  # a summary.json written from here on is this job's
     job = executor.submit(HetseqJobFunction(str(config_path), str(run_dir)))

@@ -10,10 +10,12 @@ The lock is ``fcntl.flock(LOCK_EX | LOCK_NB)`` on an open file:
 * it belongs to the open file, not the process: a child that inherits the descriptor holds
   the same lock, so a launcher passes it to its ranks and neither blocks the other.
 
-Who takes it: the process that starts the run. With ``cluster=local`` that is the launcher
-(:func:`lock_run_dir`, then :meth:`RunLock.child_env` + ``pass_fds`` for the ranks); in a
-SLURM job, rank 0 in the worker (:func:`claim_run_dir`). The file itself stays; it holds the
-holder's ``pid=... host=...`` for the error message of the run that is turned away.
+Who takes it: the command line, before Hydra writes ``.hydra/`` or anything else is written
+(a run turned away writes nothing); in this process it is taken once and held
+(:func:`acquire` again gives the held lock), so the local launcher hands it to its ranks
+(:meth:`RunLock.child_env` + ``pass_fds``) and the SLURM launcher lets it go (:func:`let_go`)
+before submitting; in a SLURM job rank 0 takes it (:func:`claim_run_dir`). The file stays; it
+holds the holder's ``pid=... host=...`` for the message of the run turned away.
 """
 
 from __future__ import annotations
@@ -60,7 +62,13 @@ class RunLock:
             with contextlib.suppress(OSError):
                 fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
+            for key in [k for k, held in _HELD.items() if held is self]:
+                del _HELD[key]
         self.fd = -1
+
+
+#: the run directories whose lock this process took and holds (resolved path -> lock)
+_HELD: Dict[Path, RunLock] = {}
 
 
 def _holder(path: Path) -> str:
@@ -72,13 +80,17 @@ def _holder(path: Path) -> str:
 
 
 def acquire(run_dir: Path) -> RunLock:
-    """Take the lock of ``run_dir`` without waiting.
+    """Take the lock of ``run_dir`` without waiting. When this process holds it already, the
+    held lock is given (``owned=False``: releasing it leaves it held).
 
     Raises:
         LaunchError: another run holds it (the message names the run dir, the holder's pid and
             host, and the fix), or the lock file cannot be created.
     """
     run_dir = Path(run_dir)
+    held = _HELD.get(run_dir.resolve())
+    if held is not None and held.fd >= 0:
+        return RunLock(path=held.path, fd=held.fd, owned=False)
     path = run_dir / LOCK_NAME
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -104,7 +116,17 @@ def acquire(run_dir: Path) -> RunLock:
         ) from None
     os.ftruncate(fd, 0)
     os.write(fd, f"pid={os.getpid()} host={socket.gethostname()}\n".encode())
-    return RunLock(path=path, fd=fd)
+    lock = RunLock(path=path, fd=fd)
+    _HELD[run_dir.resolve()] = lock
+    return lock
+
+
+def let_go(run_dir: Path) -> None:
+    """Release this process's lock of ``run_dir``, whoever here took it (the command line or a
+    launcher): the SLURM launcher hands the run directory to the job's rank 0 this way."""
+    held = _HELD.get(Path(run_dir).resolve())
+    if held is not None:
+        held.release()
 
 
 @contextlib.contextmanager

@@ -57,6 +57,16 @@ def assert_ok(proc) -> None:
     )
 
 
+def snapshot(run_dir: Path, skip=(".hetseq.lock",)) -> Dict[str, bytes]:
+    """Every file under ``run_dir`` (relative path -> bytes) but those whose relative path
+    starts with one of ``skip`` (the lock file records its last holder's pid)."""
+    return {
+        str(p.relative_to(run_dir)): p.read_bytes()
+        for p in sorted(Path(run_dir).rglob("*"))
+        if p.is_file() and not str(p.relative_to(run_dir)).startswith(tuple(skip))
+    }
+
+
 def read_rows(run_dir: Path) -> List[dict]:
     """Rows of a run's metrics.jsonl (:func:`hetseq_hpc.train.metrics.read_metrics`)."""
     return read_metrics(run_dir)
