@@ -14,6 +14,7 @@ templates) or :func:`run_worker` (submitit pickles it). Each rank:
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -66,6 +67,7 @@ from hetseq_hpc.tasks.contract import checked_batch
 from hetseq_hpc.tasks.prepare_wait import prepare_on_rank0
 from hetseq_hpc.train.contract_check import check_before_training
 from hetseq_hpc.train.elastic import ElasticWorld
+from hetseq_hpc.train.finished import describe_finished
 from hetseq_hpc.train.fsdp_accumulation import agree_on_accumulation
 from hetseq_hpc.train.loop import RankMeta, Trainer
 from hetseq_hpc.train.metrics import measured_step_sync
@@ -398,6 +400,10 @@ def run_worker(
             parallel=parallel,
             elastic=elastic,
         )
+        if trainer.step >= run.trainer.max_steps:  # a finished run: its files stay as they are
+            if elastic is not None:
+                elastic.close()
+            return finished_summary(run, run_dir_path, trainer, world.is_master)
         if world.is_master:  # after the Trainer chose the run (a new run archives the old one)
             clock.log()
             path = write_allocation_json(
@@ -445,6 +451,28 @@ def run_worker(
         if master and run.trainer.plot:  # after the barrier: no rank waits for it
             draw_plot(summary, run_dir_path)
     return summary
+
+
+def finished_summary(
+    run: RunConfig, run_dir: Path, trainer: Trainer, master: bool
+) -> Dict[str, Any]:
+    """Ranks that resumed a finished run (the checkpoint at ``trainer.max_steps`` or later; the
+    command line refuses to start one, but a second queued job or a job script submitted by
+    hand can reach it): nothing is trained and nothing is written (``summary.json``,
+    ``allocation.json``, ``metrics.jsonl``, the checkpoints and the plot stay as they are).
+    Rank 0 logs the one line of :class:`~hetseq_hpc.train.finished.FinishedRun`.
+
+    Returns:
+        The run's ``summary.json`` when it records that step, else ``{}``.
+    """
+    finished = describe_finished(
+        run_dir, Path(trainer.resumed_from or ""), trainer.step, run.trainer.max_steps
+    )
+    if master:
+        log.info("%s", finished.line())
+    if finished.summary is None:
+        return {}
+    return json.loads(finished.summary.read_text(encoding="utf-8"))
 
 
 def draw_plot(summary: Dict[str, Any], run_dir: Path) -> None:

@@ -19,7 +19,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from hetseq_hpc.cli.dispatch import dispatch_or_exit
 from hetseq_hpc.cli.overrides import run_dir_override, run_dir_problem, run_dir_refusal
-from hetseq_hpc.cli.preflight import check_model_fits, check_resume, check_task_code
+from hetseq_hpc.cli.preflight import (
+    check_model_fits,
+    check_resume,
+    check_task_code,
+    refuse_rewinding_a_finished_run,
+    say_if_finished,
+)
 from hetseq_hpc.config import (
     CONF_DIR,
     RunConfig,
@@ -150,7 +156,8 @@ def run_with_hydra(argv: List[str]) -> None:
     A single run takes the run directory's lock first (:func:`hetseq_hpc.rundir.lock.acquire`,
     the default directory resolved here so the lock and Hydra agree on it): a directory in use
     by another run is refused in one line before Hydra writes ``.hydra/`` or anything else, and
-    the launcher then holds the same lock.
+    the launcher then holds the same lock. A run with nothing left to train (a finished run
+    re-run: :func:`~hetseq_hpc.cli.preflight.say_if_finished`) says so and starts nothing.
     """
     global _RUN_DIR_EXISTED, _PARTITIONS
     register_configs()
@@ -166,11 +173,19 @@ def run_with_hydra(argv: List[str]) -> None:
         argv = [*argv, f"hydra.run.dir={default_run_dir()}"]
     run_dir = Path(run_dir_override(argv)).expanduser()
     _RUN_DIR_EXISTED = run_dir.exists()
+    # a new directory can only hold nothing to train through a trainer.resume file: said
+    # before the directory is created
+    if not _RUN_DIR_EXISTED and say_if_finished(run, run_dir):
+        return
     try:
         lock = acquire(run_dir)
     except HetseqError as exc:
         exit_one_line(exc)
     try:
+        if _RUN_DIR_EXISTED:
+            refuse_rewinding_a_finished_run(run, run_dir)
+            if say_if_finished(run, run_dir):
+                return
         sys.argv = [sys.argv[0], *argv]
         _hydra_main()
     finally:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from hetseq_hpc.errors import CheckpointError, ConfigError
+from hetseq_hpc.errors import PROG, CheckpointError, ConfigError
 from hetseq_hpc.files.user_input import file_problem
 
 
@@ -59,6 +59,53 @@ def check_resume(run: Any, run_dir: Optional[Path]) -> None:
     if saved is None:
         return
     check_fingerprint(saved, run_fingerprint(run), str(path), run.trainer.allow_resume_mismatch)
+
+
+def say_if_finished(run: Any, run_dir: Path) -> bool:
+    """Whether the checkpoint the run would resume from is at ``trainer.max_steps`` or later
+    (:func:`hetseq_hpc.train.finished.finished_run`: a finished run, nothing to train); if so,
+    its one line (steps, final loss, summary, how to train further) is printed on stdout."""
+    from hetseq_hpc.train.finished import finished_run
+
+    finished = finished_run(run.trainer.resume, run.trainer.max_steps, Path(run_dir))
+    if finished is not None:
+        print(f"{PROG}: {finished.line()}", flush=True)
+    return finished is not None
+
+
+def refuse_rewinding_a_finished_run(run: Any, run_dir: Path) -> None:
+    """Refuse ``trainer.resume=<an older checkpoint>`` of a run directory whose run is complete
+    (:func:`hetseq_hpc.train.finished.completed_run`): training again from there would drop
+    its ``metrics.jsonl`` rows after that step and overwrite its ``summary.json`` and
+    checkpoints.
+
+    Raises:
+        CheckpointError: one line naming the checkpoint, the finished run and the ways on
+            (resume a copy of the directory, or start over, which keeps the finished run).
+    """
+    from hetseq_hpc.rundir.paths import RunDir
+    from hetseq_hpc.train.checkpoint_files import step_of
+    from hetseq_hpc.train.finished import completed_run
+
+    if run.trainer.resume in ("auto", "never"):
+        return
+    path = Path(run.trainer.resume).expanduser()
+    if path.resolve().parent != RunDir(run_dir).checkpoints.resolve():
+        return  # another directory's checkpoint: nothing of that run is written
+    try:
+        step = step_of(path)
+    except ValueError:
+        return
+    done = completed_run(Path(run_dir))
+    if done is None or step >= done.step:
+        return
+    raise CheckpointError(
+        f"trainer.resume={path} would train again from step {step} in {run_dir}, whose run is "
+        f"complete at step {done.step}: its metrics.jsonl rows after step {step}, summary.json "
+        f"and checkpoints would be overwritten: copy the run directory first (cp -r {run_dir} "
+        "<new dir>) and resume the copy, or start over with trainer.resume=never (the "
+        "finished run is moved to previous/)"
+    )
 
 
 def check_task_code(run: Any) -> None:

@@ -8,7 +8,8 @@ configuration is validated and checked against the checkpoint the run would resu
 (:func:`hetseq_hpc.train.state.check_fingerprint`, on the checkpoint's stored fingerprint)
 BEFORE anything is written; the run then starts without Hydra, so the earlier run's
 ``.hydra/`` (its original command line) is never overwritten, and ``cli.log`` is appended to.
-``trainer.resume=never`` starts over from ``conf/`` as before.
+A finished run says so in one line and starts nothing. ``trainer.resume=never`` starts over
+from ``conf/`` as before.
 """
 
 from __future__ import annotations
@@ -29,7 +30,13 @@ from hetseq_hpc.cli.overrides import (
     run_dir_problem,
     run_dir_refusal,
 )
-from hetseq_hpc.cli.preflight import check_model_fits, check_resume, check_task_code
+from hetseq_hpc.cli.preflight import (
+    check_model_fits,
+    check_resume,
+    check_task_code,
+    refuse_rewinding_a_finished_run,
+    say_if_finished,
+)
 from hetseq_hpc.errors import ConfigError
 from hetseq_hpc.rundir.lock import lock_run_dir
 from hetseq_hpc.rundir.logs import open_run_log
@@ -172,7 +179,8 @@ def resume_saved_run(argv: List[str]) -> Optional[int]:
     to continue (the caller starts a new run through Hydra).
 
     The run directory is locked (:func:`hetseq_hpc.rundir.lock.lock_run_dir`) before anything
-    is written.
+    is written; a finished run (the checkpoint at ``trainer.max_steps``) says so in one line,
+    exit 0, and nothing starts.
 
     Raises:
         ConfigError: a bad override, a saved file that no longer validates, or a run
@@ -208,6 +216,9 @@ def resume_saved_run(argv: List[str]) -> Optional[int]:
     check_model_fits(run)
     with lock_run_dir(run_dir):  # before anything is written: a run turned away writes nothing
         check_resume(run, run_dir)
+        refuse_rewinding_a_finished_run(run, run_dir)
+        if say_if_finished(run, run_dir):  # a finished run: nothing started or rewritten
+            return 0
         _log_to(run_dir)
         log.info(
             "continuing %s from its saved %s%s",

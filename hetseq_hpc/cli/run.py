@@ -10,7 +10,8 @@ Before Hydra starts (it creates the run directory and writes ``.hydra/`` at once
    overrides on top (:mod:`hetseq_hpc.cli.resume`): checked against the checkpoint first,
    and started without Hydra, so the earlier run's ``.hydra/`` stays as it was;
 4. the run directory's lock is taken (:mod:`hetseq_hpc.rundir.lock`): a directory in use is
-   refused before anything is written.
+   refused before anything is written, and a finished run says so in one line and starts
+   nothing (:mod:`hetseq_hpc.train.finished`).
 """
 
 from __future__ import annotations

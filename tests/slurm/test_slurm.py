@@ -19,7 +19,16 @@ import pytest
 
 from hetseq_hpc.launch.slurm import job_from_run_dir, wait_for_job
 from tests.helpers.fault_tasks import fail_on_rank
-from tests.helpers.runs import REPO, SMALL_MODEL, assert_ok, cli_env, losses, read_rows, wait_rows
+from tests.helpers.runs import (
+    REPO,
+    SMALL_MODEL,
+    assert_ok,
+    cli_env,
+    losses,
+    read_rows,
+    snapshot,
+    wait_rows,
+)
 from tests.helpers.slurm import sbatch_and_wait, slurm_cli, squeue_state
 
 EXACT = ["task.model.dropout=0.0", "trainer.val_every=0", "trainer.seed=3"]
@@ -57,6 +66,25 @@ def test_het_job_across_partitions(tmp_path, token_cache):
     results = sorted(p.name for p in (tmp_path / "submitit").glob(f"{job_id}_*_result.pkl"))
     assert results == [f"{job_id}_{r}_result.pkl" for r in range(3)], "every rank returns"
     assert "gloo" in (tmp_path / "logs" / "rank0.log").read_text()
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_rerunning_a_finished_run_submits_nothing_and_rewrites_nothing(tmp_path, token_cache):
+    """Issue 40: the same command again on a finished het job's run directory says it is
+    complete in one line, exit 0, before anything is submitted; every file stays byte for byte
+    (it submitted a job that rewrote summary.json with no loss)."""
+    first = ["cluster.wait=true", "trainer.max_steps=2", "trainer.val_every=0"]
+    assert_ok(slurm_cli(tmp_path, token_cache, *first))
+    before = snapshot(tmp_path)
+    assert {"summary.json", "metrics.jsonl", "checkpoints/step_00000002.pt"} <= set(before)
+    again = slurm_cli(tmp_path, token_cache, *first)
+    assert_ok(again)
+    assert again.stderr == "" and "submitted" not in again.stdout, again.stdout + again.stderr
+    line = again.stdout.strip()
+    assert "\n" not in line and line.startswith(f"hetseq-hpc: {tmp_path} is complete: 2 steps")
+    assert f"summary {tmp_path / 'summary.json'}" in line and "trainer.max_steps=<more" in line
+    assert snapshot(tmp_path) == before
 
 
 @pytest.mark.slurm
