@@ -39,6 +39,7 @@ from hetseq_hpc.train.checkpoint_files import (  # noqa: F401 - re-exported: the
     checkpoint_path,
     checksum_path,
     list_checkpoints,
+    set_aside_corrupt,
     stored_run_id,
     verify_checksum,
 )
@@ -127,7 +128,8 @@ def write_error(
 
 def save_checkpoint(state: Dict[str, Any], run_dir: Path, step: int, keep: int) -> Path:
     """Write ``state`` as the checkpoint of ``step`` (plus its SHA-256 sidecar); keep the newest
-    ``keep`` checkpoints.
+    ``keep`` checkpoints. A corrupt checkpoint of the same step is moved to
+    ``checkpoints/corrupt/`` first, not overwritten.
 
     Raises:
         CheckpointError: the file cannot be written (disk full, permissions); the temporary
@@ -141,6 +143,10 @@ def save_checkpoint(state: Dict[str, Any], run_dir: Path, step: int, keep: int) 
         box["w"] = _HashingWriter(fh)
         torch.save(payload, box["w"])
 
+    shards = payload.get("shards")
+    set_aside_corrupt(
+        final, [shards["dir"]] if isinstance(shards, dict) and "dir" in shards else []
+    )
     written = False
     try:
         atomic_write(final, write, durable=True)

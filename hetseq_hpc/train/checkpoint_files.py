@@ -6,7 +6,8 @@
   current run (their ``run_id``, see :mod:`hetseq_hpc.rundir.history`); it never deletes the
   checkpoint just written nor any checkpoint newer than it, and a checkpoint that fails its
   checksum is moved to ``checkpoints/corrupt/`` (kept for inspection, never counted, never
-  deleted).
+  deleted). A checkpoint written at the step of one that fails its checksum moves that one
+  there first (:func:`set_aside_corrupt`) instead of overwriting it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import re
 import shutil
 import stat
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Collection, Dict, List, Optional, Tuple
 
 from hetseq_hpc.errors import CheckpointError
 from hetseq_hpc.rundir.paths import RunDir
@@ -190,9 +191,10 @@ def verified_run_id(path: Path) -> str:
     return run_id
 
 
-def quarantine(path: Path) -> Path:
-    """Move a bad checkpoint and its sidecar to ``checkpoints/corrupt/`` (never deleted);
-    returns the new path."""
+def quarantine(path: Path, keep_shards: Collection[str] = ()) -> Path:
+    """Move a bad checkpoint and its sidecar (and its step's shard directories, but those
+    named in ``keep_shards``) to ``checkpoints/corrupt/`` (never deleted); returns the new
+    path."""
     target_dir = Path(path).parent / CORRUPT_DIR
     target_dir.mkdir(exist_ok=True)
     target = target_dir / Path(path).name
@@ -201,12 +203,45 @@ def quarantine(path: Path) -> Path:
         n += 1
         target = target_dir / f"{Path(path).name}.{n}"
     os.replace(path, target)
+    _VERIFIED.pop(str(path), None)
     sidecar = checksum_path(path)
     if sidecar.exists():
         os.replace(sidecar, target.with_name(target.name + ".sha256"))
     for shards in shard_dirs(path):  # a sharded checkpoint's tensors go with its record
-        os.replace(shards, target_dir / shards.name)
+        if shards.name not in keep_shards:
+            os.replace(shards, target_dir / shards.name)
     return target
+
+
+def set_aside_corrupt(path: Path, keep_shards: Collection[str] = ()) -> Optional[Path]:
+    """Before a checkpoint is written to ``path``: a checkpoint already there that does not
+    verify (``trainer.resume=auto`` fell back past it and the run trained to its step again)
+    is moved to ``checkpoints/corrupt/`` (:func:`quarantine`) instead of being overwritten.
+    One that verifies is left for the write to replace (the same step trained again).
+
+    Args:
+        path: the checkpoint about to be written; keep_shards: shard directories of the new
+            checkpoint already in place (a sharded save), which stay.
+
+    Returns:
+        where the corrupt file went, or None (nothing there, or it verifies).
+    """
+    try:
+        if not stat.S_ISREG(Path(path).stat().st_mode):
+            return None
+    except OSError:  # nothing there
+        return None
+    try:
+        verified_run_id(path)
+        return None
+    except (CheckpointError, OSError) as exc:
+        moved = quarantine(path, keep_shards)
+        log.warning(
+            "%s; moved to %s before writing the new checkpoint of its step (not overwritten)",
+            str(exc).rsplit(": ", 1)[0],
+            moved,
+        )
+        return moved
 
 
 def apply_retention(run_dir: Path, written: Path, keep: int, run_id: Optional[str]) -> List[Path]:
@@ -264,6 +299,7 @@ __all__ = [
     "checksum_path",
     "list_checkpoints",
     "quarantine",
+    "set_aside_corrupt",
     "shard_dirs",
     "step_of",
     "stored_run_id",

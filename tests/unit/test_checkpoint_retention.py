@@ -49,6 +49,20 @@ def test_retention_keeps_the_new_checkpoint_and_moves_a_corrupt_newer_one_aside(
     assert choose_checkpoint("auto", tmp_path).path == written
 
 
+def test_a_checkpoint_rewritten_at_a_corrupt_ones_step_moves_the_corrupt_file_aside(tmp_path):
+    """Issue 40: resume=auto fell back past a corrupt step 4 and trained to step 4 again: the
+    new checkpoint of step 4 takes the name, the corrupt file goes to checkpoints/corrupt/
+    byte for byte (it was overwritten before)."""
+    save_checkpoint(_state(2, "r1"), tmp_path, 2, keep=5)
+    damaged = plant_corrupt(tmp_path, 2, 4)
+    written = save_checkpoint(_state(4, "r1"), tmp_path, 4, keep=5)
+    assert load_checkpoint(written)["step"] == 4
+    corrupt = tmp_path / "checkpoints" / "corrupt" / "step_00000004.pt"
+    assert corrupt.read_bytes() == damaged, "the corrupt file must be kept, not overwritten"
+    assert checksum_path(corrupt).is_file()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002.pt", "step_00000004.pt"]
+
+
 def test_retention_never_deletes_a_later_step_or_another_runs_checkpoint(tmp_path):
     write_run_id(tmp_path, "mine")
     save_checkpoint(_state(1, "theirs"), tmp_path, 1, keep=5)

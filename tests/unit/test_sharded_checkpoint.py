@@ -171,3 +171,20 @@ def test_retention_quarantine_and_orphans_take_the_shard_directory(tmp_path, rdv
     _save(rdv, tmp_path, 4, keep=2)
     corrupt = folder / "corrupt"
     assert sorted(p.name.split(".")[0] for p in corrupt.iterdir()) == ["step_00000002"] * 3
+
+
+def test_a_sharded_checkpoint_rewritten_at_a_corrupt_ones_step_keeps_both(tmp_path, rdv):
+    """Issue 40: a sharded checkpoint of step 2 whose shard fails its checksum, then step 2
+    written again (resume=auto fell back past it): the corrupt record and ITS shard directory
+    go to checkpoints/corrupt/, the new record and its new shard directory stay and load."""
+    old = checkpoint_path(tmp_path, 2)
+    _save(rdv, tmp_path, 2)
+    old_shards = shard_dir_of(old, load_checkpoint(old))
+    flip_middle(old_shards / "__0_0.distcp", 16)
+    path, _ = _save(rdv, tmp_path, 2)
+    state = load_checkpoint(path)  # the new one verifies, shards and all
+    assert shard_dir_of(path, state).name != old_shards.name
+    corrupt = checkpoint_path(tmp_path, 2).parent / "corrupt"
+    assert sorted(p.name for p in corrupt.iterdir()) == sorted(
+        ["step_00000002.pt", "step_00000002.pt.sha256", old_shards.name]
+    )
