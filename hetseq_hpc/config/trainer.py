@@ -37,7 +37,8 @@ class ElasticConfig:
     # last checkpoint). Takes effect for DDP runs (cluster=local: the launcher serves the job's
     # store; Slurm: the batch script does); FSDP runs keep the end-the-job behaviour (logged)
     enabled: bool = True
-    # fewer survivors than this end the run as if recovery were off
+    # fewer survivors than this end the run as if recovery were off; at most the world size
+    # (refused above it: hetseq_hpc/config/validate.py)
     min_ranks: int = 1
     # seconds a training-step collective may wait for a peer before that peer counts as stuck
     # (a killed peer is noticed at once); a rank without a heartbeat for half of it is lost

@@ -151,8 +151,36 @@ def _data_files(run: RunConfig) -> List[str]:
     return list(files) if files else []
 
 
+def world_source(run: RunConfig, world: int) -> str:
+    """Where the world size ``world`` comes from, in words for an error line: ``cluster.ranks=N``
+    locally (or its default), the partitions' ranks on SLURM (``a100: 4 + t4: 2 rank(s)``)."""
+    parts = getattr(run.cluster, "partitions", None) or {}
+    if parts:
+        return " + ".join(f"{k}: {p.num_ranks}" for k, p in parts.items()) + " rank(s)"
+    if getattr(run.cluster, "ranks", None) is None:
+        return "cluster.ranks unset: one rank per visible GPU, else 2"
+    return f"cluster.ranks={world}"
+
+
+def check_min_ranks(run: RunConfig, world: int) -> None:
+    """``trainer.elastic.min_ranks`` must not exceed the world size: a run that starts with
+    fewer ranks than its minimum would stop at its first lost rank whatever the minimum says.
+
+    Raises:
+        ConfigError: one line naming both values and the fix.
+    """
+    elastic = run.trainer.elastic
+    if elastic.min_ranks > world:
+        raise ConfigError(
+            f"trainer.elastic.min_ranks={elastic.min_ranks} is above the world size {world} "
+            f"({world_source(run, world)}): use trainer.elastic.min_ranks={world} (stop at any "
+            "lost rank) or fewer, or more ranks"
+        )
+
+
 def validate_run_config(run: RunConfig) -> None:
-    """Cross-group checks: world size against the global batch, a forced allocation and
+    """Cross-group checks: world size against the global batch, ``trainer.elastic.min_ranks``,
+    a forced allocation and
     ``grad_combine=adasum``, per-rank cluster settings, logger packages installed, data files
     exist and hold text (``task=hf``'s Parquet files are binary: their reader checks them).
 
@@ -167,6 +195,7 @@ def validate_run_config(run: RunConfig) -> None:
             f"{world}: every rank needs at least one sample; raise trainer.global_batch_size to "
             f">= {world} or use fewer ranks"
         )
+    check_min_ranks(run, world)
     allocation = run.balance.allocation
     if allocation is not None and sum(allocation) != trainer.global_batch_size:
         raise ConfigError(

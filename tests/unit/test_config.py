@@ -189,6 +189,16 @@ def test_existing_data_files_are_accepted(run_config, tmp_path):
             ["cluster.ranks=2", "cluster.speeds=[1.0]"], ["cluster.speeds"], id="speeds-length"
         ),
         pytest.param(
+            ["cluster.ranks=2", "trainer.elastic.min_ranks=3"],
+            ["trainer.elastic.min_ranks=3", "world size 2", "cluster.ranks=2", "min_ranks=2"],
+            id="min-ranks-above-local-world",
+        ),
+        pytest.param(
+            ["cluster=mixed", "trainer.elastic.min_ranks=17"],
+            ["trainer.elastic.min_ranks=17", "world size 16", "a100: 4 + v100: 8 + t4: 4"],
+            id="min-ranks-above-slurm-world",
+        ),
+        pytest.param(
             ["cluster.ranks=2", "optim.schedule_steps=10"],
             ["optim.schedule_steps"],
             id="schedule-shorter-than-run",
