@@ -56,6 +56,19 @@ class TaskContractError(HetseqError, RuntimeError):
     """A task breaks the task contract (docs/tasks.md): a loss that is not a 0-dim sum, ..."""
 
 
+class NonFiniteLoss(HetseqError):
+    """The loss of a training step was NaN or inf on some rank: the step's update was not
+    applied (the model is still that of the step before; :mod:`hetseq_hpc.train.nonfinite`).
+
+    Attributes:
+        step: the optimizer step whose loss was not finite.
+    """
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
 class Preempted(HetseqError):
     """Training stopped at a step boundary after a scheduler signal; a checkpoint was written.
 

@@ -71,6 +71,8 @@ class StepStats:
             (:data:`hetseq_hpc.env.preemption.NONE` = 0 when none).
         tail_time_s: seconds of local work between the rank's previous exchange and this
             step's start (clipping, optimizer step, logging): its per-step fixed cost.
+        bad_micro: the 1-based index of the rank's first micro-batch whose loss was NaN or
+            inf (0: all finite; :mod:`hetseq_hpc.train.nonfinite`).
     """
 
     loss_sum: float
@@ -81,6 +83,7 @@ class StepStats:
     data_time_s: float
     stop_code: int = 0
     tail_time_s: float = 0.0
+    bad_micro: int = 0
 
 
 class PendingStats:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from functools import partial
 from pathlib import Path
@@ -36,7 +37,8 @@ from hetseq_hpc.train.ddp_hooks import HookState
 from hetseq_hpc.train.evaluate import evaluate_task
 from hetseq_hpc.train.loggers import first_logged_loss
 from hetseq_hpc.train.metrics import run_summary
-from hetseq_hpc.train.optim import build_optimizer, step_seed
+from hetseq_hpc.train.nonfinite import first_nonfinite, nonfinite_error
+from hetseq_hpc.train.optim import apply_configured_lr, build_optimizer, step_seed
 from hetseq_hpc.train.parallel import build_parallel, rank_memory
 from hetseq_hpc.train.phase_timeout import first_validation_wait
 from hetseq_hpc.train.phases import DONE, StepPhases
@@ -135,6 +137,7 @@ class Trainer:
         self.resume_note: Dict[str, Any] = {}
         self.run_id = ""  # this run's id (train/run_history.py), decided by _resume()
         self.resumed_from: Optional[str] = None  # the checkpoint the run started from
+        self.saved_step: Optional[int] = None  # the step of the last checkpoint on disk
         self._resume()
         self.parallel.start(self.grad_path, self.hook_state)
 
@@ -196,6 +199,15 @@ class Trainer:
         )
         load_tensors(self.parallel, self.optimizer, state, source)
         self.scheduler.load_state_dict(state["scheduler"])
+        before = apply_configured_lr(self.optimizer, self.scheduler, self.run.optim.lr)
+        if before is not None:
+            log.info(
+                "optim.lr=%g (the checkpoint's was %g): the schedule goes on from step %s "
+                "with the new peak",
+                self.run.optim.lr,
+                before,
+                state["step"],
+            )
         self.grad_path.loss_scale.load_state_dict(state.get("loss_scale") or {})
         self.step = int(state["step"])
         if self.rank == 0 and "rng" in state:
@@ -207,7 +219,7 @@ class Trainer:
         if path is None:
             return
         self.load_state_dict(state, path)
-        self.resumed_from = path
+        self.resumed_from, self.saved_step = path, self.step
         if skipped:  # recorded in the first metrics.jsonl row
             self.resume_note = {"resume_fallback": {"bad": skipped, "used": path}}
         if self.rank == 0:  # the report marks it: the split may change here
@@ -237,7 +249,13 @@ class Trainer:
         return (self.hook_state.last_ready_s or time.perf_counter()) - t0
 
     def train_step(self, step: int) -> StepRecord:
-        """Run optimizer step ``step`` (1-based) and return what all ranks agree on."""
+        """Run optimizer step ``step`` (1-based) and return what all ranks agree on.
+
+        Raises:
+            NonFiniteLoss: some rank's loss was NaN or inf (every rank raises it, at the same
+                step): the step's update was not applied, :attr:`step` is still the last
+                good one (:mod:`hetseq_hpc.train.nonfinite`).
+        """
         share = self.allocation.shares[self.rank]
         offset = self.allocation.offsets()[self.rank]
         t0 = time.perf_counter()
@@ -258,10 +276,12 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         count = 0
         posted: List[Any] = []
+        losses: List[torch.Tensor] = []  # each micro-batch's, to name a non-finite one
 
         def stats() -> StepStats:
+            total = loss_sum.item()
             return StepStats(
-                loss_sum=loss_sum.item(),
+                loss_sum=total,
                 count=count,
                 samples=share.samples,
                 compute_time_s=self._compute_seconds(t0, start_event),
@@ -269,6 +289,7 @@ class Trainer:
                 data_time_s=data_s,
                 stop_code=self.stop_request.code if self.stop_request is not None else 0,
                 tail_time_s=t0 - self._exchanged_at if self._exchanged_at else 0.0,
+                bad_micro=0 if math.isfinite(total) else first_nonfinite(losses),
             )
 
         for j, batch in enumerate(batches):
@@ -280,6 +301,7 @@ class Trainer:
                 loss = check_loss(self.task, module(**batch))
             if real:
                 loss_sum += loss.detach().double()
+                losses.append(loss.detach())
             else:
                 loss = loss * 0.0  # a pass only for FSDP's collectives: the gradient adds 0
             if sync and self.device.type == "cpu":
@@ -291,6 +313,16 @@ class Trainer:
         self.hook_state.on_last = None
         table = (posted[0] if posted else self.rdv.post_step_stats(stats())).result()
         self._exchanged_at = time.perf_counter()
+        if not all(math.isfinite(s.loss_sum) for s in table):  # every rank sees it: all stop
+            self.optimizer.zero_grad(set_to_none=True)  # the update is not applied
+            raise nonfinite_error(
+                step,
+                table,
+                step - 1,
+                self.run.optim.lr,
+                self.run.optim.warmup_steps,
+                [m.precision or "fp32" for m in self.metas],
+            )
         global_count = sum(s.count for s in table)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         # one multi-tensor kernel per op instead of a Python loop over the parameters: the
@@ -346,7 +378,8 @@ class Trainer:
         Raises:
             Preempted: a stop request arrived; every rank stopped after the same step, which
                 was checkpointed (also: fewer than ``trainer.elastic.min_ranks`` survived).
-            FloatingPointError: the loss is not finite.
+            NonFiniteLoss: the loss of a step was NaN or inf on some rank (the last good step
+                was checkpointed first; :mod:`hetseq_hpc.train.nonfinite`).
         """
         cfg = self.cfg
         if self.rank == 0:  # the learning rate, its origin and schedule, on every run
@@ -392,11 +425,12 @@ class Trainer:
                 step,
                 keep,
             )
-            return
-        state = self.state_dict() if sharded else None  # FSDP: gathered by every rank now
-        save_on_rank0(
-            self.rdv, (lambda: state) if sharded else self.state_dict, self.run_dir, step, keep
-        )
+        else:
+            state = self.state_dict() if sharded else None  # FSDP: gathered by every rank now
+            save_on_rank0(
+                self.rdv, (lambda: state) if sharded else self.state_dict, self.run_dir, step, keep
+            )
+        self.saved_step = step
 
     def summary(self) -> Dict[str, Any]:
         """Final figures (see :func:`~hetseq_hpc.train.metrics.run_summary`), with the ranks'

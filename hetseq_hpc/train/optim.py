@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Optional
 
 import numpy as np
 import torch
@@ -92,3 +93,26 @@ def build_optimizer(model: nn.Module, run: RunConfig):
         optimizer, optim.schedule, optim.warmup_steps, optim.schedule_steps or run.trainer.max_steps
     )
     return optimizer, scheduler
+
+
+def apply_configured_lr(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, lr: float
+) -> Optional[float]:
+    """After a resume: make ``lr`` (this run's ``optim.lr``) the schedule's peak, continuing at
+    the checkpoint's step. A checkpoint restores the optimizer's and the scheduler's own peak,
+    so a lowered ``optim.lr`` (the fix of a diverged run) was silently ignored; the schedule's
+    shape (warm-up, decay) is rebuilt from the config already. Nothing changes when the
+    peaks are equal (an exact resume stays bit for bit).
+
+    Returns:
+        the checkpoint's peak learning rate when it differed from ``lr``, else None.
+    """
+    old = [float(b) for b in scheduler.base_lrs]
+    if all(b == float(lr) for b in old):
+        return None
+    scheduler.base_lrs = [float(lr)] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = float(lr)
+        group["lr"] = float(lr) * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    return old[0]

@@ -15,12 +15,11 @@ survivors were past the row: a lost rank 0 may not have written it).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Any, Dict, List, Optional
 
 from hetseq_hpc.env.preemption import REASONS
-from hetseq_hpc.errors import Preempted
+from hetseq_hpc.errors import NonFiniteLoss, Preempted
 from hetseq_hpc.rundir.events import append_event
 from hetseq_hpc.train.loggers import open_loggers
 from hetseq_hpc.train.metrics import Progress, read_metrics, step_row
@@ -94,18 +93,17 @@ class StepPhases:
 
         Raises:
             Preempted: a stop request was seen in the step's exchange (after its checkpoint).
-            FloatingPointError: the loss is not finite.
+            NonFiniteLoss: the step's loss is NaN or inf on some rank; the last good step was
+                checkpointed (:meth:`keep_good_steps`).
             RuntimeError: a collective failed (a peer lost: the caller recovers).
         """
         t, cfg = self.t, self.t.cfg
         if t.phase == DONE:
-            rec = t.train_step(t.step + 1)
+            try:
+                rec = t.train_step(t.step + 1)
+            except NonFiniteLoss as exc:
+                raise NonFiniteLoss(f"{exc}; {self.keep_good_steps()}", exc.step) from None
             t.phase = TRAINED
-            if not math.isfinite(rec.loss):
-                raise FloatingPointError(
-                    f"loss is {rec.loss} at step {rec.step}: lower optim.lr "
-                    "or raise optim.warmup_steps"
-                )
             t.history.append(rec)
             rec.extra.update(self.pending)
             self.pending = {}
@@ -150,6 +148,23 @@ class StepPhases:
                     t.run_dir, "stop", step=step, code=rec.stop_code, reason=reason, run_id=t.run_id
                 )
             raise Preempted(step, rec.stop_code, reason)
+
+    def keep_good_steps(self) -> str:
+        """After a non-finite loss (the model is still that of ``trainer.step``): checkpoint
+        that step unless it is on disk already (also with ``trainer.checkpoint_every=0``: no
+        trained step is lost); returns what was kept and how to go on, for the error line."""
+        t = self.t
+        if t.step == 0:
+            return "nothing was trained yet"
+        if t.saved_step != t.step:
+            t._save(t.step)
+            kept = f"checkpoint of step {t.step} written"
+        else:
+            kept = f"the checkpoint of step {t.step} is kept"
+        return (
+            f"{kept}: after the fix, continue from it with hetseq-hpc hydra.run.dir={t.run_dir} "
+            "trainer.resume=auto"
+        )
 
     def _row_due(self, rec: Any, step: int) -> bool:
         """Whether step ``step`` (record ``rec``) gets a row: every ``trainer.log_every`` steps,

@@ -126,3 +126,33 @@ class StoppedInValidationBert(_Bert):
             else:
                 os.kill(os.getpid(), signal.SIGSTOP)
         return super().evaluate_batch(model, batch, positions)
+
+
+class NanLossBert(_Bert):
+    """Makes the model's loss NaN on rank ``+task.args.nan_rank`` in micro-batch
+    ``+task.args.nan_micro`` (1-based) of optimizer step ``+task.args.nan_step``: a model or
+    data bug on one input."""
+
+    def build_model(self):
+        model = super().build_model()
+        rank, step = int(self.args["nan_rank"]), int(self.args["nan_step"])
+        micro = int(self.args.get("nan_micro", 1))
+        at = {"step": None, "n": 0}
+        from hetseq_hpc.train import loop
+
+        train_step = loop.Trainer.train_step
+
+        def counted(trainer, k):  # which step the forwards below belong to
+            at.update(step=k, n=0)
+            return train_step(trainer, k)
+
+        loop.Trainer.train_step = counted
+
+        def hook(module, args, kwargs, output):
+            if at["step"] != step or this_rank() != rank:
+                return output
+            at["n"] += 1
+            return output * float("nan") if at["n"] == micro else output
+
+        model.register_forward_hook(hook, with_kwargs=True)
+        return model
