@@ -131,6 +131,12 @@ class AuthStoreServer:
         with self._cond:
             return all(k in self._data for k in keys)
 
+    def set(self, key: str, value: Union[str, bytes]) -> None:
+        """Set ``key`` to ``value`` in this process (no connection); waiting clients see it."""
+        with self._cond:
+            self._data[key] = _b(value)
+            self._cond.notify_all()
+
     def close(self) -> None:
         """Stop serving: close the listening socket and every connection (idempotent)."""
         self._closed.set()

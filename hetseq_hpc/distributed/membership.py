@@ -112,6 +112,23 @@ def excluded_key(member: int) -> str:
     return f"{JOB_PREFIX}/excluded/{int(member)}"
 
 
+def gone_key(member: int) -> str:
+    """The server-side key by which the launcher says original rank ``member``'s process has
+    ended (:func:`reform` leaves it out at once)."""
+    return f"{JOB_PREFIX}/gone/{int(member)}"
+
+
+def armed_key(member: int) -> str:
+    """The server-side key by which original rank ``member`` says it is in the training loop,
+    where a lost peer is recovered from (:func:`arm`)."""
+    return f"{JOB_PREFIX}/armed/{int(member)}"
+
+
+def arm(store: Any, member: int) -> None:
+    """Say that this rank (original rank ``member``) recovers from a lost peer from now on."""
+    store.set(f"armed/{int(member)}", "1")
+
+
 class Heartbeat:
     """A daemon thread that says "alive" for ``member`` every :data:`HEARTBEAT_S` seconds, and
     the observer side: which members stopped saying it."""
@@ -205,8 +222,10 @@ def reform(
     deadline = time.monotonic() + timeout_s
     key = f"g{gen}/members"
     while True:
-        joined = [m for m in old.members if store.check([f"g{gen}/join/{m}"])]
-        waiting = [m for m in old.members if m not in joined]
+        # a member whose process ended (the launcher says so) is lost, even if it joined
+        gone = [m for m in old.members if m != me and store.check([f"gone/{m}"])]
+        joined = [m for m in old.members if m not in gone and store.check([f"g{gen}/join/{m}"])]
+        waiting = [m for m in old.members if m not in joined and m not in gone]
         # a member that said it is recovering is alive and on its way (tearing its group down
         # can hold the GIL, and with it its heartbeat thread): it gets half of timeout_s
         # (left out before the deadline if it dies on the way), not stale_s
@@ -214,7 +233,7 @@ def reform(
         lost = heartbeat.stale([m for m in waiting if m not in coming], stale_s) + heartbeat.stale(
             coming, max(stale_s, timeout_s / 2.0)
         )
-        if len(joined) + len(lost) == len(old.members):
+        if len(joined) + len(lost) + len(gone) == len(old.members):
             proposal = json.dumps(sorted(joined))
             winner = store.compare_set(key, "", proposal)
             break

@@ -186,6 +186,8 @@ class ElasticJob:
     def __init__(self, store, token: str):
         self.store, self.token = store, token
         self.ended: set = set()
+        self.seen: Dict[int, int] = {}  # rank -> exit code, as noticed
+        self.early: List[int] = []  # ranks lost before every other rank could recover
 
     @classmethod
     def serve(cls, run: RunConfig, envs: List[Dict[str, str]]) -> Optional[ElasticJob]:
@@ -216,6 +218,35 @@ class ElasticJob:
         from hetseq_hpc.errors import EXIT_CODES, RankExcluded
 
         return code < 0 or code == dict(EXIT_CODES)[RankExcluded]
+
+    def note_exits(self, procs: List[subprocess.Popen], codes: Dict[int, int]) -> None:
+        """For each rank newly found ended: tell the survivors at once (``gone/<rank>`` in the
+        store: a re-forming world leaves it out without waiting for its heartbeat to go
+        stale), and when it died before every living rank entered the training loop (its
+        ``armed`` key), record it in :attr:`early`: those ranks wait for it in a start-up
+        collective, not in a recovery, so the run ends now instead of after
+        ``cluster.collective_timeout_s``."""
+        from hetseq_hpc.distributed.membership import armed_key, gone_key
+
+        for rank, code in codes.items():
+            if rank in self.seen:
+                continue
+            self.seen[rank] = code
+            self.store.set(gone_key(rank), str(code))
+            living = [r for r in range(len(procs)) if r not in codes]
+            if code != 0 and not self.store.check([armed_key(r) for r in living]):
+                log.warning(
+                    "rank %d ended (exit %d) before every rank could recover from a lost one "
+                    "(start-up): ending the run",
+                    rank,
+                    code,
+                )
+                self.early.append(rank)
+
+    def lost(self, rank: int, code: int) -> bool:
+        """Whether rank ``rank``'s exit ``code`` is one the others survive (:meth:`tolerated`,
+        and not before they could: :attr:`early`)."""
+        return self.tolerated(code) and rank not in self.early
 
     def end_excluded(self, procs: List[subprocess.Popen], codes: Dict[int, int]) -> None:
         """SIGKILL the ranks the others left out (a stopped process does not end by itself)."""
@@ -303,9 +334,10 @@ def _watch(
             if code is not None and rank not in codes:
                 codes[rank] = code
         if job is not None:
+            job.note_exits(procs, codes)
             job.end_excluded(procs, codes)
         if failed_at is None and any(
-            c != 0 and not (job and job.tolerated(c)) for c in codes.values()
+            c != 0 and not (job and job.lost(r, c)) for r, c in codes.items()
         ):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
@@ -368,7 +400,9 @@ def _launch(
     try:
         procs = _start(cmd, envs, pass_fds)
         codes = _watch(procs, poll_s, job)
-        if job is not None and codes and all(job.tolerated(c) or c == 0 for c in codes.values()):
+        # a rank lost before every rank could recover from it (start-up) is a failure
+        elastic = job if job is not None and not job.early else None
+        if elastic and codes and all(elastic.lost(r, c) or c == 0 for r, c in codes.items()):
             lost = sorted(r for r, c in codes.items() if c != 0)
             if lost:
                 log.warning("rank(s) %s were lost; the others finished the run without them", lost)
@@ -377,8 +411,8 @@ def _launch(
                     f"every rank was lost ({_failure_reason(run_dir, 0, codes[0])}"
                     f"); see {RunDir(run_dir).rank_log(0)}"
                 )
-        elif job is not None and survivors_stopped(codes, job.tolerated):
-            lost = sorted(r for r, c in codes.items() if job.tolerated(c))
+        elif elastic and survivors_stopped(codes, elastic.tolerated):
+            lost = sorted(r for r, c in codes.items() if elastic.tolerated(c))
             raise LaunchError(
                 too_few_message(
                     run_dir,

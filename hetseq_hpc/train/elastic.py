@@ -30,6 +30,8 @@ from hetseq_hpc.distributed.membership import (
     Heartbeat,
     Membership,
     announce_recovery,
+    arm,
+    is_peer_failure,
     join_generation,
     reform,
 )
@@ -116,6 +118,15 @@ def predicted_step_s(allocation: Any) -> float:
     return max(s.samples / r for s, r in zip(allocation.shares, rates))
 
 
+class _FailedAgain(Exception):
+    """Inside :meth:`ElasticWorld.recover`: nobody was lost and the same step and phase failed
+    again; ``error`` is re-raised (not retried)."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
 class ElasticWorld:
     """This rank's side of in-job recovery (built by the worker when the launcher serves a
     job store).
@@ -154,12 +165,20 @@ class ElasticWorld:
         self.heartbeat = Heartbeat(store, self.member, watch=range(rdv.world.world_size))
         self.retried_at: Optional[Tuple[int, int]] = None  # (step, phase) redone, nobody lost
         self.timeout = StepTimeout(self.cfg.timeout_s)
+        self.timed_size = rdv.world.world_size  # the world the measured step times are of
         self.phase_timeouts = PhaseTimeouts(run.cluster.collective_timeout_s)  # validation, ...
         self.events: List[Dict[str, Any]] = []
 
     def close(self) -> None:
         """Stop the heartbeat (the rank is done)."""
         self.heartbeat.close()
+
+    def arm(self) -> None:
+        """Say, in the job's store, that this rank is in the training loop and recovers from a
+        lost peer from now on (:func:`~hetseq_hpc.distributed.membership.arm`): before every
+        rank has, the local launcher ends the run when a rank dies (a start-up collective
+        would wait ``cluster.collective_timeout_s`` for it)."""
+        arm(self.store, self.member)
 
     def recover(self, trainer: Any, error: BaseException) -> Dict[str, Any]:
         """Re-form the world after ``error`` (a collective of the training loop failed) and
@@ -168,24 +187,62 @@ class ElasticWorld:
         survivors. Returns the membership event (its ``recovery_s`` is filled in by the caller
         once the next step completes, from ``lost_monotonic``).
 
+        A rank lost WHILE the survivors re-form (a node's ranks die some hundred ms apart)
+        makes a collective of the re-forming fail in turn (the new world cannot form: a
+        ``DistStoreError`` after ``trainer.elastic.timeout_s``, or a closed socket): the
+        survivors re-form again from the world they had agreed on, as often as ranks are
+        lost, and the event names every rank lost since ``error``.
+
         Raises:
             RankExcluded: the others went on without this rank.
             Preempted: fewer than ``trainer.elastic.min_ranks`` survived, or the global batch
                 no longer fits them: the last completed step was checkpointed first (code
                 REQUEUE: a Slurm job is requeued and resumes from it).
+            LaunchError: the survivors could not agree on a new world in
+                ``cluster.collective_timeout_s``.
             the original ``error``: nobody was lost and the same step failed again.
         """
         failed = time.monotonic()
-        step, at = trainer.step + (trainer.phase == DONE), (trainer.step, trainer.phase)
-        first = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+        start = self.membership
+        # a failure inside a step may leave DDP's all-reduce in flight on the broken group:
+        # its groups are not destroyed by this rank (see drop_groups), in every attempt
+        in_step = trainer.phase == DONE
+        step, at = trainer.step + in_step, (trainer.step, trainer.phase)
         log.warning(
-            "step %d (%s): a collective failed (%s: %s); re-forming the world without "
-            "the lost ranks",
+            "step %d (%s): a collective failed (%s); re-forming the world without the lost ranks",
             step,
-            "training" if trainer.phase == DONE else f"after {PHASE_NAMES[trainer.phase]}",
-            type(error).__name__,
-            first,
+            "training" if in_step else f"after {PHASE_NAMES[trainer.phase]}",
+            _first_line(error),
         )
+        for attempt in range(len(start.members)):
+            try:
+                return self._reform(trainer, error, start, failed, in_step, step, at)
+            except _FailedAgain as again:
+                raise again.error from None
+            except Exception as exc:
+                if not is_peer_failure(exc) or attempt == len(start.members) - 1:
+                    raise
+                log.warning(
+                    "step %d: another rank was lost while the world re-formed (%s); "
+                    "re-forming again without it",
+                    step,
+                    _first_line(exc),
+                )
+                error = exc
+        raise error  # not reached: the last attempt returns or raises
+
+    def _reform(
+        self,
+        trainer: Any,
+        error: BaseException,
+        start: Membership,
+        failed: float,
+        in_step: bool,
+        step: int,
+        at: Tuple[int, int],
+    ) -> Dict[str, Any]:
+        """One attempt of :meth:`recover` from :attr:`membership` (``start``: the world before
+        the first failure; ``failed``: its ``time.monotonic()``)."""
         old = self.membership
         announce_recovery(self.store, old, self.member)  # alive, even if tearing down is slow
         with_abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
@@ -194,7 +251,7 @@ class ElasticWorld:
                 with_abort()
             except Exception:
                 pass
-        in_step, sharded = trainer.phase == DONE, trainer.parallel.sharded
+        sharded = trainer.parallel.sharded
         if not in_step:  # no asynchronous work in flight (destroying a group waits for it)
             drop_groups(trainer, error)
         leave()
@@ -209,10 +266,10 @@ class ElasticWorld:
             timeout_s=self.run.cluster.collective_timeout_s,
         )
         self.membership = new  # a failure from here on re-forms from this generation
-        lost = [m for m in old.members if m not in new.members]
-        if not lost:
+        lost = [m for m in start.members if m not in new.members]
+        if not [m for m in old.members if m not in new.members]:
             if self.retried_at == at:
-                raise error
+                raise _FailedAgain(error)
             self.retried_at = at
             self.phase_timeouts.forget()  # a slow phase, not a hang: the redo waits longer
         join_generation(self.store, new, self.member, backend_for(self.device), self.cfg.timeout_s)
@@ -256,7 +313,8 @@ class ElasticWorld:
                 f"losing rank(s) {lost} (the global batch does not "
                 f"fit the {len(new.members)} left: {exc})",
             )
-        self.timeout.rescale(len(old.members) / len(new.members))
+        self.timeout.rescale(self.timed_size / len(new.members))
+        self.timed_size = len(new.members)
         metas = [trainer.metas_by_member[m] for m in new.members]
         if sharded:
             event.update(
@@ -384,6 +442,12 @@ class ElasticWorld:
             )
         self.split_reports = reports  # what the survivors' FSDP accumulation is decided from
         return agree_on_allocation(run, reports, rdv)
+
+
+def _first_line(error: BaseException) -> str:
+    """``Type: first line of the message`` (at most 200 characters) for a log line."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
 def drop_groups(trainer: Any, error: BaseException) -> None:

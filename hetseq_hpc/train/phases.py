@@ -82,6 +82,7 @@ class StepPhases:
         self.check_logged: Optional[int] = None  # after a recovery: row of this step written?
         if trainer.elastic is not None:
             trainer.elastic.expect(trainer.allocation)  # the step's collective timeout
+            trainer.elastic.arm()  # a lost peer is recovered from now on
 
     def more(self) -> bool:
         """Whether a step or a phase of the last one is left to do."""

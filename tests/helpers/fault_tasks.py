@@ -156,3 +156,42 @@ class NanLossBert(_Bert):
 
         model.register_forward_hook(hook, with_kwargs=True)
         return model
+
+
+class DyingBert(_Bert):
+    """Makes rank ``+task.args.die_rank`` kill itself (SIGKILL) in start-up:
+    ``+task.args.at=build`` when its task is built (before the rendezvous: the others wait in
+    it), ``at=prepare`` in ``prepare()`` (rank 0 prepares the data while the others wait on its
+    heartbeat file)."""
+
+    def __init__(self, cfg, seed: int):
+        super().__init__(cfg, seed)
+        self._die_if("build")
+
+    def _die_if(self, at: str) -> None:
+        if self.args.get("at") == at and this_rank() == int(self.args["die_rank"]):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def prepare(self) -> None:
+        self._die_if("prepare")
+        super().prepare()
+
+
+class DiesAfterReformBert(_Bert):
+    """Makes rank ``+task.args.die_rank`` kill itself (SIGKILL) right after the survivors of a
+    lost rank agreed on a new world with it: a rank lost after it joined the re-forming, before
+    the new world formed."""
+
+    def load(self) -> None:
+        super().load()
+        from hetseq_hpc.train import elastic
+
+        reform, rank = elastic.reform, int(self.args["die_rank"])
+
+        def agreed_then_dead(*args, **kwargs):
+            new = reform(*args, **kwargs)
+            if this_rank() == rank:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return new
+
+        elastic.reform = agreed_then_dead

@@ -1,0 +1,59 @@
+"""Re-forming a world when the launcher says a member's process ended (issue 40), in-process
+over the real job store (hetseq_hpc.distributed.auth_store) with a real heartbeat thread: a
+member that had joined the re-forming, or had said it was re-forming, and then died is left
+out at once, not after its heartbeat went stale (or half of ``cluster.collective_timeout_s``
+for one that said it was coming); and the launcher's view of which ranks entered the
+training loop (``armed``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetseq_hpc.distributed.membership import (
+    Heartbeat,
+    Membership,
+    arm,
+    armed_key,
+    gone_key,
+    job_store,
+    recovering_key,
+    reform,
+    serve_job_store,
+)
+
+TOKEN = "0123456789abcdef0123456789abcdef"
+
+
+@pytest.fixture
+def job():
+    """``(server, store)``: the launcher's side and a rank's client (keys under ``job/``)."""
+    server, port = serve_job_store("127.0.0.1", token=TOKEN)
+    store = job_store(30, {"HETSEQ_STORE": f"127.0.0.1:{port}", "HETSEQ_JOB_TOKEN": TOKEN})
+    yield server, store
+    server.close()
+
+
+def test_a_member_that_joined_or_was_coming_and_then_ended_is_left_out_at_once(job):
+    """Member 1 joined the re-forming and member 2 said it was re-forming; then the launcher
+    saw both processes end. Member 0 re-forms alone although neither heartbeat could go stale
+    (stale_s=1000): without the launcher's word it would propose member 1 (and wait for
+    member 2 until its deadline)."""
+    server, store = job
+    heartbeat = Heartbeat(store, 0, watch=[0, 1, 2])
+    try:
+        old = Membership(0, (0, 1, 2))
+        store.set("g1/join/1", "1")
+        store.set(recovering_key(1, 2), "1")
+        server.set(gone_key(1), "-9")
+        server.set(gone_key(2), "-9")
+        new = reform(store, heartbeat, 0, old, stale_s=1000, timeout_s=20)
+    finally:
+        heartbeat.close()
+    assert new == Membership(1, (0,))
+    assert store.check(["excluded/1", "excluded/2"])
+
+
+def test_the_launcher_sees_which_ranks_entered_the_training_loop(job):
+    server, store = job
+    arm(store, 1)
+    assert server.check([armed_key(1)]) and not server.check([armed_key(0), armed_key(1)])
