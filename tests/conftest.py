@@ -12,6 +12,7 @@ Tiers: bare ``pytest`` runs ``unit/`` only (minutes, between edits); ``--integra
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,16 @@ def pytest_ignore_collect(collection_path, config):
     if folder is None or config.getoption("--all") or config.getoption(OPT_IN_TIERS[folder]):
         return None
     return True if not _named_on_command_line(config, folder) else None
+
+
+def pytest_runtest_logreport(report):
+    """With ``HETSEQ_TEST_TIMES=<file>``, append each test phase's duration as it ends
+    (``<seconds> <phase> <outcome> <node id>``): a suite's slow tests can be read while it runs
+    (``--durations`` prints them only at its end)."""
+    path = os.environ.get("HETSEQ_TEST_TIMES")
+    if path:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(f"{report.duration:9.2f} {report.when} {report.outcome} {report.nodeid}\n")
 
 
 def pytest_collection_modifyitems(config, items):
