@@ -1,5 +1,5 @@
 """Benchmark the JSON-lines reader of ``task=hf`` (not a test): records per second of
-:func:`hetseq_hpc.tasks.hf.hf_records.records` (``datasets``' ``text`` builder, each line
+:func:`hetseq_hpc.tasks.hf.records.records` (``datasets``' ``text`` builder, each line
 decoded by ``json.loads``) against the standard-library reader it must equal
 (``_stdlib_records``), on a corpus of real text built offline.
 
@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_prepare import cpu_name  # the scripts folder is not a package
 
-from hetseq_hpc.tasks.hf import hf_records
+from hetseq_hpc.tasks.hf import records as hf_records
 
 
 def build_corpus(path: Path, target_mb: float) -> None:

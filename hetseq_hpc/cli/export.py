@@ -6,7 +6,7 @@ belongs to the current run; a newer refused one is named, with why, in one line)
 
 * ``task=hf`` (from the run's ``hetseq_config.yaml``): a transformers directory (default
   ``RUN_DIR/hf_model``) that ``AutoModel*.from_pretrained`` and ``AutoTokenizer.from_pretrained``
-  load (:mod:`hetseq_hpc.tasks.hf.hf_export`), plus :data:`MARKER`. It is written in a temp
+  load (:mod:`hetseq_hpc.tasks.hf.export`), plus :data:`MARKER`. It is written in a temp
   folder beside ``--out`` and renamed in place. An existing ``--out`` must be an empty folder
   or an earlier export of the same run (its :data:`MARKER`), which is replaced whole.
 * Other tasks, or an ``--out`` ending in ``.safetensors``: one safetensors file (default
@@ -37,8 +37,8 @@ from hetseq_hpc.files.atomic import atomic_write_json, temp_path_for
 from hetseq_hpc.files.user_input import folder_problem, output_problem
 from hetseq_hpc.rundir.history import current_run_id
 from hetseq_hpc.rundir.paths import RunDir
-from hetseq_hpc.tasks.hf.hf_export import PretrainedExport
-from hetseq_hpc.tasks.hf.hf_task import HfTask
+from hetseq_hpc.tasks.hf.export import PretrainedExport
+from hetseq_hpc.tasks.hf.task import HfTask
 from hetseq_hpc.train.checkpoint import choose_checkpoint
 from hetseq_hpc.train.shard_files import shard_dir_of
 from hetseq_hpc.train.sharded_checkpoint import full_state

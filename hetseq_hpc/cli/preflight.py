@@ -111,7 +111,7 @@ def refuse_rewinding_a_finished_run(run: Any, run_dir: Path) -> None:
 def check_task_code(run: Any) -> None:
     """Import the user's task class that ``task.target`` names (``task=custom``) and check it,
     or check ``task=hf``'s model and data columns / ``task=dataset``'s build function
-    (:mod:`hetseq_hpc.tasks.hf.hf_checks`),
+    (:mod:`hetseq_hpc.tasks.hf.checks`),
     before any process starts: a missing module, class or base class is one line here rather
     than a failure on every rank (:func:`hetseq_hpc.tasks.custom.resolve_target`).
 
@@ -119,7 +119,7 @@ def check_task_code(run: Any) -> None:
         ConfigError: the target cannot be imported or is not a Task subclass (one line).
     """
     if run.task.name in ("hf", "dataset"):
-        from hetseq_hpc.tasks.hf.hf_checks import check_dataset_task, check_hf_task
+        from hetseq_hpc.tasks.hf.checks import check_dataset_task, check_hf_task
 
         (check_hf_task if run.task.name == "hf" else check_dataset_task)(run.task)
         return

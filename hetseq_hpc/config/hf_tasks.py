@@ -4,7 +4,7 @@
 Only cheap checks live here (values, paths that must exist): nothing is imported or read beyond
 a directory listing. A hub name instead of a local directory, a ``.bin``-only model directory, a
 missing or empty data file are refused here, before anything starts; the columns of the data
-files are checked by :func:`hetseq_hpc.tasks.hf.hf_checks.check_hf_task` (before any rank starts).
+files are checked by :func:`hetseq_hpc.tasks.hf.checks.check_hf_task` (before any rank starts).
 """
 
 from __future__ import annotations

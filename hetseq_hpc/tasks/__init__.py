@@ -13,7 +13,7 @@ BUILTIN = {
     "bert": "hetseq_hpc.tasks.bert.mlm_task:BertTask",
     "image": "hetseq_hpc.tasks.image.classify_task:ImageTask",
     "translation": "hetseq_hpc.tasks.translation.seq2seq_task:TranslationTask",
-    "hf": "hetseq_hpc.tasks.hf.hf_task:HfTask",
+    "hf": "hetseq_hpc.tasks.hf.task:HfTask",
     "dataset": "hetseq_hpc.tasks.dataset_task:DatasetTask",
 }
 

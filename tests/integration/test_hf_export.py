@@ -19,7 +19,7 @@ import torch
 
 from hetseq_hpc.config import load_run_config
 from hetseq_hpc.tasks import build_task
-from hetseq_hpc.tasks.hf.hf_model import SummedLossModel
+from hetseq_hpc.tasks.hf.model import SummedLossModel
 from hetseq_hpc.train.checkpoint import load_checkpoint
 from hetseq_hpc.train.shard_files import shard_dir_of
 from hetseq_hpc.train.sharded_checkpoint import full_state

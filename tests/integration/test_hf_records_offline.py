@@ -51,7 +51,7 @@ def test_reader_stays_offline_and_writes_nothing_under_home(tmp_path, datasets_f
         socket.socket.connect = socket.create_connection = socket.getaddrinfo = refuse
         if {datasets_first!r}:
             import datasets  # before the offline variables: its config reads them now
-        from hetseq_hpc.tasks.hf.hf_records import records
+        from hetseq_hpc.tasks.hf.records import records
         assert ("datasets" in sys.modules) == {datasets_first!r}  # imported lazily
         for name in ("t.txt", "t.jsonl", "t.csv", "t.tsv", "t.parquet"):
             label = None if name.endswith(".txt") else "label"

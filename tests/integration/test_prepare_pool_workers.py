@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers  # noqa: E402
 
-from hetseq_hpc.tasks.hf.hf_cache import build_hf_cache  # noqa: E402
+from hetseq_hpc.tasks.hf.token_cache import build_hf_cache  # noqa: E402
 from tests.helpers.corpus import pydoc_text  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

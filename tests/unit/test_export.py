@@ -22,7 +22,7 @@ from hetseq_hpc.errors import CheckpointError
 from hetseq_hpc.rundir.history import write_run_id
 from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.tasks import build_task
-from hetseq_hpc.tasks.hf.hf_export import PretrainedExport, load_trained, transformers_state
+from hetseq_hpc.tasks.hf.export import PretrainedExport, load_trained, transformers_state
 from hetseq_hpc.train.checkpoint import checkpoint_path, save_checkpoint
 from tests.helpers.checkpoints import plant_corrupt, small_state
 from tests.helpers.hf_models import make_bert, make_gpt2, write_text_files

@@ -18,7 +18,7 @@ from hetseq_hpc.cli.preflight import check_task_code
 from hetseq_hpc.config import compose_run_config
 from hetseq_hpc.errors import ConfigError
 from hetseq_hpc.files.safetensors_file import MAX_HEADER_BYTES, safetensors_problem
-from hetseq_hpc.tasks.hf.hf_model import NO_REMOTE_CODE
+from hetseq_hpc.tasks.hf.model import NO_REMOTE_CODE
 from tests.helpers.hf_models import make_gpt2, write_text_files
 
 pytest.importorskip("transformers")
@@ -97,9 +97,9 @@ def test_auto_map_in_config_or_tokenizer_config_is_refused_before_transformers_r
 
 
 def test_every_transformers_call_passes_trust_remote_code_false():
-    """The keyword every loading call of hf_model.py passes (transformers never asks)."""
+    """The keyword every loading call of hf/model.py passes (transformers never asks)."""
     assert NO_REMOTE_CODE == {"trust_remote_code": False}
-    source = Path(__file__).resolve().parents[2] / "hetseq_hpc" / "tasks" / "hf" / "hf_model.py"
+    source = Path(__file__).resolve().parents[2] / "hetseq_hpc" / "tasks" / "hf" / "model.py"
     text = source.read_text()
     calls = text.count(".from_pretrained(") + text.count(".from_config(")
     assert calls == 4 and text.count("**NO_REMOTE_CODE") == calls

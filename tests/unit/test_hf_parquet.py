@@ -21,9 +21,9 @@ from hetseq_hpc.config import compose_run_config
 from hetseq_hpc.config.hf_tasks import check_data_file
 from hetseq_hpc.errors import ConfigError, DataError
 from hetseq_hpc.tasks import build_task
-from hetseq_hpc.tasks.hf import hf_parquet
-from hetseq_hpc.tasks.hf.hf_cache import hf_cache_key
-from hetseq_hpc.tasks.hf.hf_records import check_columns, columns, records
+from hetseq_hpc.tasks.hf import parquet as hf_parquet
+from hetseq_hpc.tasks.hf.records import check_columns, columns, records
+from hetseq_hpc.tasks.hf.token_cache import hf_cache_key
 from tests.helpers.hf_models import jsonl_to_parquet, make_bert, write_text_files
 
 

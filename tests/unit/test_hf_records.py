@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from hetseq_hpc.errors import DataError
-from hetseq_hpc.tasks.hf import hf_records
-from hetseq_hpc.tasks.hf.hf_records import records
+from hetseq_hpc.tasks.hf import records as hf_records
+from hetseq_hpc.tasks.hf.records import records
 
 pytest.importorskip("datasets")
 

@@ -368,7 +368,7 @@ def test_classification_validates_in_one_forward_pass(made):
 def test_dropout_default_keeps_the_models_values_and_a_number_sets_all(made, tmp_path):
     from transformers import AutoConfig
 
-    from hetseq_hpc.tasks.hf.hf_model import dropout_attributes, set_dropout
+    from hetseq_hpc.tasks.hf.model import dropout_attributes, set_dropout
 
     saved = tmp_path / "gpt2"
     shutil.copytree(made["gpt2"], saved)

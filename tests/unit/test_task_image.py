@@ -15,7 +15,7 @@ import torch
 from hetseq_hpc.config.tasks import ImageDataConfig, ImageModelConfig, ImageTaskConfig
 from hetseq_hpc.errors import ConfigError, DataError
 from hetseq_hpc.tasks.image.classify_task import ImageTask
-from hetseq_hpc.tasks.image.image_data import FASHION_DIR, _read_idx, resolve_source
+from hetseq_hpc.tasks.image.data import FASHION_DIR, _read_idx, resolve_source
 from tests.helpers.task_contract import (
     assert_model_contract,
     assert_split_invariant,
@@ -166,7 +166,7 @@ def test_fresh_machine_falls_back_to_scikit_learn_digits(tmp_path, monkeypatch):
     """Without Debian's dataset-fashion-mnist (a fresh machine) the default is scikit-learn's
     digits (a dependency of hetseq_hpc: real scanned digits inside the wheel), and the data
     summary says so; without scikit-learn too, one line says what to install."""
-    from hetseq_hpc.tasks.image import image_data
+    from hetseq_hpc.tasks.image import data as image_data
 
     monkeypatch.setattr(image_data, "FASHION_DIR", tmp_path / "no-fashion-mnist")
     source = resolve_source(None)

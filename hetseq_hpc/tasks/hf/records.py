@@ -22,8 +22,8 @@ import tempfile
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from hetseq_hpc.errors import DataError
-from hetseq_hpc.tasks.hf import hf_parquet
-from hetseq_hpc.tasks.hf.hf_parquet import parquet_columns, parquet_rows
+from hetseq_hpc.tasks.hf import parquet
+from hetseq_hpc.tasks.hf.parquet import parquet_columns, parquet_rows
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ FORMATS = {
     ".parquet": "parquet",
 }
 
-#: records taken from ``datasets`` at a time (Parquet: :data:`hf_parquet.BATCH_ROWS`)
+#: records taken from ``datasets`` at a time (Parquet: :data:`parquet.BATCH_ROWS`)
 BATCH_RECORDS = 10_000
 
 #: bytes of a text file the ``text`` builder reads at a time (its default, 10 MB, is slower
@@ -270,7 +270,7 @@ def _datasets_batches(
             index_col=False,
         )
     elif fmt == "parquet":
-        batch = hf_parquet.BATCH_ROWS
+        batch = parquet.BATCH_ROWS
         options = dict(columns=wanted, batch_size=batch)
     elif fmt in ("text", "json"):
         options = dict(chunksize=TEXT_CHUNK_BYTES)

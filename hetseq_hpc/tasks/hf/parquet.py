@@ -1,7 +1,7 @@
 """The user's ``.parquet`` files through ``pyarrow`` (in the ``hf`` extra with ``datasets``, or
 alone: ``pip install 'hetseq-hpc[parquet]'``): the footer checks and the reference reader.
 
-:func:`hetseq_hpc.tasks.hf.hf_records.records` reads the rows through ``datasets`` (its
+:func:`hetseq_hpc.tasks.hf.records.records` reads the rows through ``datasets`` (its
 ``parquet`` builder, :data:`BATCH_ROWS` rows at a time); this module reads the footer before
 that (:func:`parquet_columns`: the columns, 0 rows, not Parquet: one line each), and its
 :func:`parquet_rows` is the reader where ``datasets`` refuses a file or a row is bad (it names

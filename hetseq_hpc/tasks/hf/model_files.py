@@ -1,6 +1,6 @@
 """The files of a ``task=hf`` model directory, checked before transformers reads any of them:
-before any rank starts (:func:`hetseq_hpc.tasks.hf.hf_checks.check_hf_task`) and again
-wherever the config or tokenizer is loaded (:mod:`hetseq_hpc.tasks.hf.hf_model`).
+before any rank starts (:func:`hetseq_hpc.tasks.hf.checks.check_hf_task`) and again
+wherever the config or tokenizer is loaded (:mod:`hetseq_hpc.tasks.hf.model`).
 
 - :func:`check_no_custom_code`: a ``config.json`` or ``tokenizer_config.json`` with
   ``auto_map`` names Python code of the directory; transformers would ask "Do you wish to run

@@ -17,10 +17,9 @@ from torch import nn
 
 from hetseq_hpc.tasks.base import Task
 from hetseq_hpc.tasks.bert.mlm_data import cache_root
-from hetseq_hpc.tasks.hf.hf_cache import build_hf_cache, hf_cache_key, open_hf_cache
-from hetseq_hpc.tasks.hf.hf_checks import check_model_fits_kind
-from hetseq_hpc.tasks.hf.hf_export import fit_classifier_config
-from hetseq_hpc.tasks.hf.hf_model import (
+from hetseq_hpc.tasks.hf.checks import check_model_fits_kind
+from hetseq_hpc.tasks.hf.export import fit_classifier_config
+from hetseq_hpc.tasks.hf.model import (
     IGNORE_INDEX,
     SummedLossModel,
     build_hf_model,
@@ -31,13 +30,14 @@ from hetseq_hpc.tasks.hf.hf_model import (
     set_dropout,
     special_ids,
 )
-from hetseq_hpc.tasks.hf.hf_seq2seq import (
+from hetseq_hpc.tasks.hf.seq2seq import (
     build_seq2seq_cache,
     decoder_start_id,
     open_seq2seq_cache,
     seq2seq_batch,
     seq2seq_cache_key,
 )
+from hetseq_hpc.tasks.hf.token_cache import build_hf_cache, hf_cache_key, open_hf_cache
 
 SPLIT_CODES = {"train": 0, "val": 1}
 UNIT_NAMES = {

@@ -28,8 +28,8 @@ import numpy as np
 
 from hetseq_hpc.errors import ConfigError, DataError
 from hetseq_hpc.files.atomic import atomic_write_text
-from hetseq_hpc.tasks.hf.hf_cache import build_once, cache_digest
-from hetseq_hpc.tasks.hf.hf_records import records
+from hetseq_hpc.tasks.hf.records import records
+from hetseq_hpc.tasks.hf.token_cache import build_once, cache_digest
 from hetseq_hpc.tasks.npy_cache import open_npy_cache, save_npy
 
 log = logging.getLogger(__name__)

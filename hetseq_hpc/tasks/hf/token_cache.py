@@ -25,7 +25,7 @@ import numpy as np
 from hetseq_hpc.errors import DataError
 from hetseq_hpc.files.atomic import atomic_write, atomic_write_text, remove_stale_temps
 from hetseq_hpc.tasks.bert.mlm_data import NPY_HEADER_BYTES, npy_header
-from hetseq_hpc.tasks.hf.hf_records import records
+from hetseq_hpc.tasks.hf.records import records
 from hetseq_hpc.tasks.npy_cache import open_npy_cache, save_npy
 from hetseq_hpc.tokenizing.pool import encode_stream, prepare_workers
 from hetseq_hpc.tokenizing.word_cache import fast_mode

@@ -6,7 +6,7 @@ transformers does the writing: the architecture is rebuilt from the run's model 
 into it under their transformers names, and ``save_pretrained`` writes ``config.json``,
 ``model.safetensors`` (weights transformers ties, e.g. GPT-2's ``lm_head`` and ``wte``, once;
 ``from_pretrained`` ties them again) and the tokenizer's files. The task wraps the model as
-:class:`~hetseq_hpc.tasks.hf.hf_model.SummedLossModel`'s ``model`` attribute, so every key
+:class:`~hetseq_hpc.tasks.hf.model.SummedLossModel`'s ``model`` attribute, so every key
 of a ``task=hf`` checkpoint starts with :data:`WRAPPER_PREFIX`; :func:`transformers_state`
 strips it, here and nowhere else. Only transformers' own classes are written: loading the
 directory needs no ``trust_remote_code``.
@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from hetseq_hpc.errors import CheckpointError
-from hetseq_hpc.tasks.hf.hf_cache import pad_id_of
-from hetseq_hpc.tasks.hf.hf_model import build_hf_model, load_hf_config, load_tokenizer, model_kind
+from hetseq_hpc.tasks.hf.model import build_hf_model, load_hf_config, load_tokenizer, model_kind
+from hetseq_hpc.tasks.hf.token_cache import pad_id_of
 
 #: the start of every model key of a task=hf checkpoint (``SummedLossModel.model``)
 WRAPPER_PREFIX = "model."

@@ -9,7 +9,7 @@ Nothing is downloaded: ``HF_HUB_OFFLINE`` is set and every ``from_pretrained`` g
 ``local_files_only=True``; weights load from safetensors only (``use_safetensors=True``). No code
 of a model directory runs: every call passes ``trust_remote_code=False`` (transformers never
 asks), and a config or tokenizer naming code (``auto_map``) is refused before it is loaded
-(:mod:`hetseq_hpc.tasks.hf.hf_files`). Progress bars and advisory warnings are off.
+(:mod:`hetseq_hpc.tasks.hf.model_files`). Progress bars and advisory warnings are off.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetseq_hpc.errors import ConfigError
-from hetseq_hpc.tasks.hf.hf_files import check_no_custom_code, check_weights
+from hetseq_hpc.tasks.hf.model_files import check_no_custom_code, check_weights
 
 IGNORE_INDEX = -100
 #: a config attribute holds a dropout probability when its name ends in one of these (BERT's
@@ -63,7 +63,7 @@ def offline() -> None:
     bars (transformers' "Loading weights", the Hub's) and no advisory warnings, in the
     launcher and in every rank (environment variables before transformers is imported, its
     own switch after; ``datasets`` is quietened where it is imported,
-    :func:`hetseq_hpc.tasks.hf.hf_records._import_datasets`)."""
+    :func:`hetseq_hpc.tasks.hf.records._import_datasets`)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -216,7 +216,7 @@ def build_hf_model(model_cfg: Any, config: Any, kind: str) -> nn.Module:
     always (:func:`fp32_kwargs`).
 
     Raises:
-        ConfigError: a weights file is missing or damaged (:func:`~hetseq_hpc.tasks.hf.hf_files.
+        ConfigError: a weights file is missing or damaged (:func:`~hetseq_hpc.tasks.hf.model_files.
             check_weights`; one line).
     """
     offline()

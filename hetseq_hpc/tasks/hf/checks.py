@@ -12,7 +12,7 @@ from hetseq_hpc.errors import ConfigError
 
 def check_hf_task(task_cfg: Any) -> None:
     """``task=hf``: no config or tokenizer names custom code and the safetensors headers of the
-    weights are sound (:mod:`hetseq_hpc.tasks.hf.hf_files`, checked as the files are
+    weights are sound (:mod:`hetseq_hpc.tasks.hf.model_files`, checked as the files are
     loaded), the config and a fast tokenizer load, the kind is known, the model and
     tokenizer fit the kind and ``task.model.max_seq_len`` (:func:`check_model_fits_kind`), and
     every data file has the columns the kind reads (``task.data.text_field``;
@@ -28,9 +28,9 @@ def check_hf_task(task_cfg: Any) -> None:
             :func:`check_model_fits_kind` refuses (one line each).
         DataError: a file lacks a column (names the columns it has) or holds no records.
     """
-    from hetseq_hpc.tasks.hf.hf_files import check_weights
-    from hetseq_hpc.tasks.hf.hf_model import load_hf_config, load_tokenizer, model_kind
-    from hetseq_hpc.tasks.hf.hf_records import INSTALL_HINT, check_columns
+    from hetseq_hpc.tasks.hf.model import load_hf_config, load_tokenizer, model_kind
+    from hetseq_hpc.tasks.hf.model_files import check_weights
+    from hetseq_hpc.tasks.hf.records import INSTALL_HINT, check_columns
 
     if importlib.util.find_spec("datasets") is None:
         raise ConfigError(
@@ -87,7 +87,7 @@ def check_model_fits_kind(model_cfg: Any, config: Any, kind: str, tokenizer: Any
     limit = position_limit(config)
     widths = [("task.model.max_seq_len", int(model_cfg.max_seq_len))]
     if kind == "seq2seq":
-        from hetseq_hpc.tasks.hf.hf_seq2seq import decoder_start_id
+        from hetseq_hpc.tasks.hf.seq2seq import decoder_start_id
 
         decoder_start_id(config)
         if model_cfg.max_target_len is not None:
