@@ -37,6 +37,7 @@ from hetseq_hpc.files.atomic import atomic_write_json, temp_path_for
 from hetseq_hpc.files.user_input import folder_problem, output_problem
 from hetseq_hpc.rundir.history import current_run_id
 from hetseq_hpc.rundir.paths import RunDir
+from hetseq_hpc.tasks.cache import TaskCache
 from hetseq_hpc.tasks.hf.export import PretrainedExport
 from hetseq_hpc.tasks.hf.task import HfTask
 from hetseq_hpc.train.checkpoint import choose_checkpoint
@@ -181,8 +182,8 @@ def label_names(folder: Path) -> Optional[List[str]]:
         pass
     try:  # the cache the run trained from, when its data files are unchanged
         run = load_run_config(RunDir(folder).config)
-        meta = HfTask(run.task, run.trainer.seed).directory / "meta.json"
-        labels = json.loads(meta.read_text(encoding="utf-8")).get("label_names")
+        cache = TaskCache(HfTask(run.task, run.trainer.seed).directory)
+        labels = cache.read_meta().get("label_names")
     except (HetseqError, OSError, ValueError, AttributeError):
         return None
     return [str(name) for name in labels] if isinstance(labels, list) else None

@@ -28,6 +28,7 @@ def prepare_command(overrides: Sequence[str]) -> str:
     from hetseq_hpc.cli.run import refuse_internal_options
     from hetseq_hpc.config import compose_run_config
     from hetseq_hpc.tasks import build_task
+    from hetseq_hpc.tasks.cache import TaskCache
     from hetseq_hpc.tasks.prepare_errors import prepare_task
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -35,7 +36,7 @@ def prepare_command(overrides: Sequence[str]) -> str:
     run = compose_run_config([o for o in overrides if not o.startswith("hydra.")])
     task = build_task(run.task, run.trainer.seed)
     where = getattr(task, "directory", None)
-    if where is not None and (Path(where) / "meta.json").is_file():  # every built-in cache's
+    if where is not None and TaskCache(Path(where)).is_complete():  # every built-in cache's
         return (
             f"task={run.task.name} was already prepared: {where} (nothing to do; delete "
             "that directory to rebuild it)"

@@ -6,63 +6,51 @@ The rows live in one ``int32`` array on disk (``tokens.npy``), memory-mapped by 
 Building it streams (:func:`build_packed_text`): bounded memory, all cores (the word cache of
 :mod:`hetseq_hpc.tokenizing` in spawned workers, :mod:`.mlm_encode`), atomic.
 
-Masking follows BERT (Devlin et al., 2019, section 3.1): each non-special token is selected
-with probability ``mask_prob``; a selected token becomes ``[MASK]`` 80% of the time, a random
-token 10%, and stays 10%. It is a pure function of ``(seed, epoch, split, sample index)``, so a
-sample is masked the same way whichever rank, world size or allocation processes it.
+Masking follows BERT (:func:`hetseq_hpc.tasks.samples.mask_tokens`): each non-special token
+may be selected. It is a pure function of ``(seed, epoch, split, sample index)``, so a sample is
+masked the same way whichever rank, world size or allocation processes it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import hashlib
-import io
-import json
 import logging
-import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from hetseq_hpc.errors import DataError
-from hetseq_hpc.files.atomic import atomic_write, atomic_write_text, remove_stale_temps
 from hetseq_hpc.tasks.bert.mlm_encode import fast_encoding, packed_streams
 from hetseq_hpc.tasks.bert.text_corpus import Corpus
 from hetseq_hpc.tasks.bert.tokenizer import SPECIAL_TOKENS, load_tokenizer, train_tokenizer
+from hetseq_hpc.tasks.cache import TaskCache
+from hetseq_hpc.tasks.cache import cache_key as key_of
+from hetseq_hpc.tasks.packing import Packer, RowFile, write_token_rows
+from hetseq_hpc.tasks.samples import IGNORE_INDEX as IGNORE_INDEX
+from hetseq_hpc.tasks.samples import fixed_split, mask_tokens, sample_rng
 from hetseq_hpc.tokenizing.pool import prepare_workers
 
 log = logging.getLogger(__name__)
 
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(len(SPECIAL_TOKENS))
-IGNORE_INDEX = -100
-#: split codes mixed into the masking seed
-SPLIT_CODES = {"train": 0, "val": 1}
 #: bump when the packing format changes, so old caches are not reused
 CACHE_FORMAT = 1
 _SEP = np.asarray([SEP_ID], dtype=np.int32)
 
 
-def cache_root(cache_dir: str | None) -> Path:
-    """The cache directory: ``task.data.cache_dir``, else ``$HETSEQ_CACHE``, else
-    ``~/.cache/hetseq_hpc``."""
-    if cache_dir:
-        return Path(os.path.expanduser(cache_dir))
-    env = os.environ.get("HETSEQ_CACHE")
-    if env:
-        return Path(env)
-    return Path.home() / ".cache" / "hetseq_hpc"
-
-
 def cache_key(corpus: Corpus, vocab_size: int, seq_len: int) -> str:
     """Directory name for one (corpus, vocabulary size, sequence length) combination."""
-    text = f"{CACHE_FORMAT}|{corpus.fingerprint}|{vocab_size}|{seq_len}"
-    return hashlib.sha256(text.encode()).hexdigest()[:20]
+    return key_of(CACHE_FORMAT, corpus.fingerprint, vocab_size, seq_len)
+
+
+def token_cache(directory: Path) -> TaskCache:
+    """The BERT token cache in ``directory``."""
+    return TaskCache(directory, "token cache")
 
 
 @dataclass(frozen=True)
@@ -93,70 +81,6 @@ class PackedText:
 ENCODE_BATCH_CHARS = 1 << 20
 #: rows cut from the token stream and written at a time
 ROWS_PER_WRITE = 4096
-#: the ``.npy`` header is written last, into this many bytes reserved at the start (numpy pads
-#: a version-1.0 header to a multiple of 64 bytes; any (rows, T) shape fits in 128)
-NPY_HEADER_BYTES = 128
-
-
-def npy_header(rows: int, seq_len: int) -> bytes:
-    """The ``.npy`` version-1.0 header of a C-ordered ``(rows, seq_len)`` int32 array."""
-    buf = io.BytesIO()
-    np.lib.format.write_array_header_1_0(
-        buf,
-        {
-            "descr": np.lib.format.dtype_to_descr(np.dtype(np.int32)),
-            "fortran_order": False,
-            "shape": (int(rows), int(seq_len)),
-        },
-    )
-    return buf.getvalue()
-
-
-class RowWriter:
-    """Cuts a token stream into rows ``[CLS] t_1 .. t_{T-2} [SEP]`` and appends every
-    :data:`ROWS_PER_WRITE` full rows to ``fh`` (the tail shorter than a row is dropped at the
-    end): memory holds one chunk of rows, never the corpus.
-
-    Args:
-        fh: binary file positioned after the reserved header.
-        seq_len: T, tokens per row.
-    """
-
-    def __init__(self, fh: BinaryIO, seq_len: int):
-        self.fh = fh
-        self.seq_len = seq_len
-        self.content = seq_len - 2
-        self.pending: List[np.ndarray] = []
-        self.pending_len = 0
-        self.rows = 0
-
-    def add(self, ids: Sequence[int], end: bool = True) -> None:
-        """Append token ids of a document, and a ``[SEP]`` when ``end`` (the document's last
-        piece; an empty last piece adds only the ``[SEP]``)."""
-        if len(ids):
-            self.pending.append(np.asarray(ids, dtype=np.int32))
-        if end:
-            self.pending.append(_SEP)
-        self.pending_len += len(ids) + int(end)
-        if self.pending_len >= self.content * ROWS_PER_WRITE:
-            self.flush()
-
-    def flush(self) -> None:
-        """Write every full row now pending."""
-        if not self.pending:
-            return
-        stream = np.concatenate(self.pending)
-        full = (stream.size // self.content) * self.content
-        if full:
-            body = stream[:full].reshape(-1, self.content)
-            rows = np.empty((body.shape[0], self.seq_len), dtype=np.int32)
-            rows[:, 0] = CLS_ID
-            rows[:, 1:-1] = body
-            rows[:, -1] = SEP_ID
-            self.fh.write(rows.tobytes())
-            self.rows += int(rows.shape[0])
-        self.pending = [stream[full:]]
-        self.pending_len = int(stream.size - full)
 
 
 def _batches(segments: Iterable[Tuple[str, bool]], progress) -> Iterator[List[Tuple[str, bool]]]:
@@ -176,15 +100,17 @@ def _batches(segments: Iterable[Tuple[str, bool]], progress) -> Iterator[List[Tu
         progress.update(size)
 
 
-def _pack_plain(tokenizer, batches: Iterable[List[Tuple[str, bool]]], rows: RowWriter) -> None:
-    """The plain path: every piece through ``encode_batch`` (all cores, in this process)."""
+def _pack_plain(tokenizer, batches: Iterable[List[Tuple[str, bool]]], rows: Packer) -> None:
+    """The plain path: every piece through ``encode_batch`` (all cores, in this process), a
+    ``[SEP]`` after the last piece of every document that has tokens."""
     open_doc = False  # the current document has tokens (it ends with a [SEP])
     for batch in batches:
         texts = [text for text, _ in batch]
         for (_, end), enc in zip(batch, tokenizer.encode_batch(texts, add_special_tokens=False)):
             open_doc = open_doc or bool(enc.ids)
-            if enc.ids or (end and open_doc):
-                rows.add(enc.ids, end=end and open_doc)
+            rows.add(enc.ids)
+            if end and open_doc:
+                rows.add(_SEP)
             open_doc = open_doc and not end
 
 
@@ -230,23 +156,16 @@ def build_packed_text(
         DataError: a prepare worker process died (killed, out of memory): one line, and
             nothing of the build is kept.
     """
-    meta_path = directory / "meta.json"
-    if meta_path.is_file():
-        return directory
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent builder finishes first
-        if meta_path.is_file():
-            return directory
-        remove_stale_temps([directory])
-        if show_progress is None:
-            show_progress = sys.stderr.isatty()
-        return _build(corpus, vocab_size, seq_len, directory, show_progress)
+    if show_progress is None:
+        show_progress = sys.stderr.isatty()
+    return token_cache(directory).build_once(
+        lambda: _build(corpus, vocab_size, seq_len, directory, show_progress)
+    )
 
 
 def _build(
     corpus: Corpus, vocab_size: int, seq_len: int, directory: Path, show_progress: bool
-) -> Path:
+) -> None:
     started = time.monotonic()
     total = corpus.size_bytes
     log.info(
@@ -262,11 +181,9 @@ def _build(
     )
     trained = time.monotonic()
     mode = fast_encoding(tokenizer)
-    writer_rows = [0]
 
-    def write(fh: BinaryIO) -> None:
-        fh.write(b"\0" * NPY_HEADER_BYTES)
-        rows = RowWriter(fh, seq_len)
+    def fill(out: RowFile) -> None:
+        rows = Packer(out, [CLS_ID], [SEP_ID], rows_per_write=ROWS_PER_WRITE)
         with _progress(total, "packing", show_progress) as bar:
             if mode is not None:  # the word cache: the same ids, several times faster
                 log.info("tokenising with the %s word cache on %d process(es)", mode, workers)
@@ -276,41 +193,36 @@ def _build(
                     )
                 ) as streams:
                     for stream in streams:
-                        rows.add(stream, end=False)
+                        rows.add(stream)
             else:
                 _pack_plain(tokenizer, _batches(corpus.segments(), bar), rows)
         rows.flush()
-        if rows.rows == 0:
-            raise DataError(
-                f"corpus {corpus.name} has fewer than {seq_len - 2} tokens, too few for one row "
-                f"of task.model.max_seq_len={seq_len}: add text or shorten the sequences"
-            )
-        header = npy_header(rows.rows, seq_len)
-        if len(header) != NPY_HEADER_BYTES:  # pragma: no cover - numpy's padding rule
-            raise DataError(
-                f"numpy wrote a {len(header)}-byte .npy header: delete "
-                f"{directory} and report this numpy version"
-            )
-        fh.seek(0)
-        fh.write(header)
-        writer_rows[0] = rows.rows
 
-    atomic_write(directory / "tokens.npy", write, durable=True)
+    written = write_token_rows(
+        directory / "tokens.npy",
+        seq_len,
+        fill,
+        1,
+        lambda _: (
+            f"corpus {corpus.name} has fewer than {seq_len - 2} tokens, too few for one row "
+            f"of task.model.max_seq_len={seq_len}: add text or shorten the sequences"
+        ),
+    )
     meta = {
         "corpus": corpus.name,
         "fingerprint": corpus.fingerprint,
-        "rows": writer_rows[0],
+        "rows": written,
         "seq_len": seq_len,
         "vocab_size": tokenizer.get_vocab_size(),
         "format": CACHE_FORMAT,
     }
-    atomic_write_text(directory / "meta.json", json.dumps(meta, indent=1), durable=True)
+    token_cache(directory).write_meta(meta)
     now = time.monotonic()
     log.info(
         "packed %s: %d rows x %d tokens, vocabulary %d, in %.0f s (tokenizer %.1f s, "
         "packing %.1f s) -> %s",
         corpus.name,
-        writer_rows[0],
+        written,
         seq_len,
         meta["vocab_size"],
         now - started,
@@ -318,7 +230,6 @@ def _build(
         now - trained,
         directory,
     )
-    return directory
 
 
 def load_packed_text(directory: Path, val_fraction: float) -> PackedText:
@@ -330,30 +241,21 @@ def load_packed_text(directory: Path, val_fraction: float) -> PackedText:
     Raises:
         DataError: the cache is missing, damaged, or has fewer than 2 rows.
     """
+    cache = token_cache(directory)
+    meta, arrays = cache.open(["tokens"])
     try:
-        meta = json.loads((directory / "meta.json").read_text())
-        tokens = np.load(directory / "tokens.npy", mmap_mode="r")
         tokenizer = load_tokenizer(directory / "tokenizer.json")
     except Exception as exc:
-        raise DataError(
-            f"token cache {str(directory)!r} is unreadable ({type(exc).__name__}): delete that "
-            "directory to rebuild it"
-        ) from None
+        raise cache.unreadable(exc) from None
+    tokens = arrays["tokens"]
     n = int(tokens.shape[0])
     if n < 2 or meta.get("rows") != n:
         raise DataError(
             f"token cache {str(directory)!r} holds {n} rows (meta says {meta.get('rows')}): need "
             ">= 2 consistent rows; add text, or delete the directory to rebuild it"
         )
-    n_val = min(n - 1, max(1, round(n * val_fraction)))
-    order = np.random.default_rng(0).permutation(n)
-    return PackedText(
-        tokens=tokens,
-        vocab_size=tokenizer.get_vocab_size(),
-        train_index=np.sort(order[n_val:]),
-        val_index=np.sort(order[:n_val]),
-        directory=directory,
-    )
+    train_index, val_index = fixed_split(n, val_fraction)
+    return PackedText(tokens, tokenizer.get_vocab_size(), train_index, val_index, directory)
 
 
 def mask_sample(
@@ -377,25 +279,18 @@ def mask_sample(
         ``(input_ids, labels)``: two ``(T,)`` int64 arrays; labels are ``-100`` where no
         prediction is made. At least one token is always selected.
     """
-    rng = np.random.default_rng([seed, epoch, SPLIT_CODES[split], int(index)])
     row = np.asarray(row, dtype=np.int64)
-    maskable = row >= len(SPECIAL_TOKENS)
-    selected = (rng.random(row.shape[0]) < mask_prob) & maskable
-    if not selected.any():
-        candidates = np.flatnonzero(maskable)
-        if candidates.size == 0:
-            candidates = np.arange(1, row.shape[0] - 1)
-        selected[candidates[rng.integers(candidates.size)]] = True
-    action = rng.random(row.shape[0])
-    random_tokens = rng.integers(
-        len(SPECIAL_TOKENS), max(vocab_size, len(SPECIAL_TOKENS) + 1), size=row.shape[0]
+    ends = np.zeros(row.shape[0], dtype=bool)
+    ends[1:-1] = True  # a row of special tokens only: pick between [CLS] and [SEP]
+    return mask_tokens(
+        sample_rng(seed, epoch, split, index),
+        row,
+        row >= len(SPECIAL_TOKENS),
+        ends,
+        mask_prob,
+        MASK_ID,
+        (len(SPECIAL_TOKENS), max(vocab_size, len(SPECIAL_TOKENS) + 1)),
     )
-    inputs = row.copy()
-    inputs[selected & (action < 0.8)] = MASK_ID
-    swap = selected & (action >= 0.8) & (action < 0.9)
-    inputs[swap] = random_tokens[swap]
-    labels = np.where(selected, row, IGNORE_INDEX)
-    return inputs, labels
 
 
 def make_mlm_batch(

@@ -14,12 +14,12 @@ from hetseq_hpc.tasks.bert.mlm_data import (
     PackedText,
     build_packed_text,
     cache_key,
-    cache_root,
     load_packed_text,
     make_mlm_batch,
 )
 from hetseq_hpc.tasks.bert.mlm_model import BertMaskedLM
 from hetseq_hpc.tasks.bert.text_corpus import load_corpus
+from hetseq_hpc.tasks.cache import cache_root
 
 
 class BertTask(Task):

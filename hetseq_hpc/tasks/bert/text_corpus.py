@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Iterator, List, Sequence, Tuple
 
 from hetseq_hpc.config.validate import expand_data_files
+from hetseq_hpc.tasks.cache import files_fingerprint
 from hetseq_hpc.tasks.text_chunks import utf8_chunks
 
 #: bytes read from a data file at a time (memory stays bounded whatever the file's size)
@@ -140,12 +141,8 @@ def load_corpus(files: Sequence[str]) -> Corpus:
         digest = hashlib.sha256("\x00".join(_embedded_documents()).encode()).hexdigest()
         return Corpus(name="pydoc_data.topics", files=(), fingerprint=digest[:16])
     expanded = expand_data_files(list(files))
-    h = hashlib.sha256()
-    for path in expanded:
-        st = os.stat(path)
-        h.update(f"{os.path.abspath(path)}\x00{st.st_size}\x00{st.st_mtime_ns}\n".encode())
     return Corpus(
         name=f"{len(expanded)} file(s) from task.data.files",
         files=tuple(expanded),
-        fingerprint=h.hexdigest()[:16],
+        fingerprint=files_fingerprint((os.path.abspath(p), p) for p in expanded),
     )

@@ -17,7 +17,6 @@ padding) and ``decoder_input_ids``: the labels shifted right by one with
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -27,10 +26,10 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 
 from hetseq_hpc.errors import ConfigError, DataError
-from hetseq_hpc.files.atomic import atomic_write_text
+from hetseq_hpc.tasks.cache import TaskCache, cache_key
 from hetseq_hpc.tasks.hf.records import records
-from hetseq_hpc.tasks.hf.token_cache import build_once, cache_digest
-from hetseq_hpc.tasks.npy_cache import open_npy_cache, save_npy
+from hetseq_hpc.tasks.hf.token_cache import backend_encoder, pad_id_of
+from hetseq_hpc.tasks.packing import pad_rows
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +41,22 @@ ARRAYS = ("source", "target", "source_len", "target_len")
 
 def seq2seq_cache_key(data_cfg: Any, tokenizer_json: str, source_len: int, target_len: int) -> str:
     """Folder name for (files with their sizes and mtimes, tokenizer, widths, columns)."""
-    return (
-        "hf-s2s-"
-        + cache_digest(
-            f"{SEQ2SEQ_CACHE_FORMAT}|seq2seq|{source_len}|{target_len}|"
-            f"{data_cfg.source_field}|{data_cfg.target_field}",
-            data_cfg.files,
-            tokenizer_json,
-        )[:20]
+    return cache_key(
+        SEQ2SEQ_CACHE_FORMAT,
+        "seq2seq",
+        source_len,
+        target_len,
+        data_cfg.source_field,
+        data_cfg.target_field,
+        files=data_cfg.files,
+        texts=[tokenizer_json],
+        prefix="hf-s2s-",
     )
+
+
+def seq2seq_cache(directory: Path) -> TaskCache:
+    """The ``task=hf`` seq2seq cache in ``directory``."""
+    return TaskCache(directory, "hf seq2seq cache")
 
 
 def decoder_start_id(config: Any) -> int:
@@ -66,16 +72,6 @@ def decoder_start_id(config: Any) -> int:
             "seq2seq needs it (set it in config.json, e.g. the pad id for T5)"
         )
     return int(value)
-
-
-def _encoder(tokenizer: Any, width: int):
-    """A copy of the Rust tokenizer that truncates to ``width`` and does not pad."""
-    from tokenizers import Tokenizer
-
-    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
-    backend.no_padding()
-    backend.enable_truncation(width)
-    return backend
 
 
 def _pairs(data_cfg: Any, size: int):
@@ -105,38 +101,29 @@ def _pairs(data_cfg: Any, size: int):
         yield sources, targets
 
 
-def _block(encodings: list, width: int, pad_id: int) -> Tuple[np.ndarray, np.ndarray]:
-    block = np.full((len(encodings), width), pad_id, dtype=np.int32)
-    size = np.empty(len(encodings), dtype=np.int32)
-    for i, enc in enumerate(encodings):
-        ids = enc.ids[:width]
-        block[i, : len(ids)] = ids
-        size[i] = len(ids)
-    return block, size
-
-
 def build_seq2seq_cache(
     data_cfg: Any, tokenizer: Any, source_len: int, target_len: int, directory: Path
 ) -> Path:
-    """Tokenise the (source, target) pairs of ``data_cfg.files`` into ``directory`` unless its
-    ``meta.json`` exists (rank 0, in ``prepare``).
+    """Tokenise the (source, target) pairs of ``data_cfg.files`` into ``directory`` once
+    (rank 0, in ``prepare``; :meth:`TaskCache.build_once`).
 
     Raises:
         DataError: a file cannot be read or lacks a column; fewer than 2 pairs.
     """
-    return build_once(
-        directory, lambda: _build(data_cfg, tokenizer, source_len, target_len, directory)
-    )
+    cache = seq2seq_cache(directory)
+    return cache.build_once(lambda: _build(data_cfg, tokenizer, source_len, target_len, cache))
 
 
 def _build(
-    data_cfg: Any, tokenizer: Any, source_len: int, target_len: int, directory: Path
+    data_cfg: Any, tokenizer: Any, source_len: int, target_len: int, cache: TaskCache
 ) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "true"
     started = time.monotonic()
-    pad_id = tokenizer.pad_token_id
-    pad_id = int(pad_id if pad_id is not None else (tokenizer.eos_token_id or 0))
-    src_enc, tgt_enc = _encoder(tokenizer, source_len), _encoder(tokenizer, target_len)
+    pad_id = pad_id_of(tokenizer)
+    src_enc, tgt_enc = (
+        backend_encoder(tokenizer, source_len),
+        backend_encoder(tokenizer, target_len),
+    )
     parts: Dict[str, List[np.ndarray]] = {name: [] for name in ARRAYS}
     texts = 0
     for sources, targets in _pairs(data_cfg, data_cfg.encode_batch):
@@ -144,9 +131,8 @@ def _build(
             ("source", src_enc, source_len, sources),
             ("target", tgt_enc, target_len, targets),
         ):
-            block, size = _block(
-                encoder.encode_batch(batch, add_special_tokens=True), width, pad_id
-            )
+            encodings = encoder.encode_batch(batch, add_special_tokens=True)
+            block, size = pad_rows([enc.ids for enc in encodings], width, pad_id)
             parts[name].append(block)
             parts[f"{name}_len"].append(size)
         texts += len(sources)
@@ -162,7 +148,7 @@ def _build(
             f"({data_cfg.target_field!r}): fill it in or drop the record"
         )
     for name in ARRAYS:
-        save_npy(directory / f"{name}.npy", arrays[name])
+        cache.save(name, arrays[name])
     seconds = time.monotonic() - started
     meta = {
         "format": SEQ2SEQ_CACHE_FORMAT,
@@ -179,7 +165,7 @@ def _build(
         "files": list(data_cfg.files),
         "seconds": round(seconds, 3),
     }
-    atomic_write_text(directory / "meta.json", json.dumps(meta, indent=1), durable=True)
+    cache.write_meta(meta)
     log.info(
         "tokenised %d (source, target) pairs into %d x %d + %d x %d in %.1f s -> %s",
         texts,
@@ -188,7 +174,7 @@ def _build(
         texts,
         target_len,
         seconds,
-        directory,
+        cache.directory,
     )
 
 
@@ -199,7 +185,7 @@ def open_seq2seq_cache(directory: Path) -> Tuple[dict, Dict[str, np.ndarray]]:
     Raises:
         DataError: missing or damaged (the message says to delete the folder).
     """
-    meta, arrays = open_npy_cache(directory, list(ARRAYS), "hf seq2seq cache")
+    meta, arrays = seq2seq_cache(directory).open(ARRAYS)
     arrays["tokens"] = arrays["source"]
     return meta, arrays
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from hetseq_hpc.tasks.base import Task
-from hetseq_hpc.tasks.bert.mlm_data import cache_root
+from hetseq_hpc.tasks.cache import cache_root
 from hetseq_hpc.tasks.hf.checks import check_model_fits_kind
 from hetseq_hpc.tasks.hf.export import fit_classifier_config
 from hetseq_hpc.tasks.hf.model import (
@@ -38,8 +38,8 @@ from hetseq_hpc.tasks.hf.seq2seq import (
     seq2seq_cache_key,
 )
 from hetseq_hpc.tasks.hf.token_cache import build_hf_cache, hf_cache_key, open_hf_cache
+from hetseq_hpc.tasks.samples import fixed_split, mask_tokens, sample_rng
 
-SPLIT_CODES = {"train": 0, "val": 1}
 UNIT_NAMES = {
     "causal_lm": "predicted tokens",
     "masked_lm": "masked tokens",
@@ -99,9 +99,7 @@ class HfTask(Task):
             open_seq2seq_cache if self.kind == "seq2seq" else open_hf_cache
         )(self.directory)
         n = int(self._arrays["tokens"].shape[0])
-        n_val = min(n - 1, max(1, round(n * self.cfg.data.val_fraction)))
-        order = np.random.default_rng(0).permutation(n)
-        self.train_index, self.val_index = np.sort(order[n_val:]), np.sort(order[:n_val])
+        self.train_index, self.val_index = fixed_split(n, self.cfg.data.val_fraction)
 
     @property
     def meta(self) -> dict:
@@ -203,21 +201,16 @@ class HfTask(Task):
         """BERT masking of each row from ``default_rng([seed, epoch, split, row])``: 80%
         ``[MASK]``, 10% a random token, 10% unchanged; at least one token per row."""
         inputs, labels = ids.copy(), np.full_like(ids, IGNORE_INDEX)
-        vocab = len(self.tokenizer)
-        prob = self.cfg.data.mask_prob
         for i, row in enumerate(rows):
-            rng = np.random.default_rng([self.seed, epoch, SPLIT_CODES[split], int(row)])
-            maskable = mask[i] & ~np.isin(ids[i], self.special)
-            selected = (rng.random(self.seq_len) < prob) & maskable
-            if not selected.any():
-                candidates = np.flatnonzero(maskable if maskable.any() else mask[i])
-                selected[candidates[rng.integers(candidates.size)]] = True
-            action = rng.random(self.seq_len)
-            random_tokens = rng.integers(0, vocab, size=self.seq_len)
-            inputs[i, selected & (action < 0.8)] = self.tokenizer.mask_token_id
-            swap = selected & (action >= 0.8) & (action < 0.9)
-            inputs[i, swap] = random_tokens[swap]
-            labels[i, selected] = ids[i, selected]
+            inputs[i], labels[i] = mask_tokens(
+                sample_rng(self.seed, epoch, split, row),
+                ids[i],
+                mask[i] & ~np.isin(ids[i], self.special),
+                mask[i],
+                self.cfg.data.mask_prob,
+                self.tokenizer.mask_token_id,
+                (0, len(self.tokenizer)),
+            )
         return inputs, labels
 
     def count(self, batch: Dict[str, torch.Tensor]) -> int:

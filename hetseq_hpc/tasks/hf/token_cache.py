@@ -9,24 +9,19 @@ docs/design/data-preparation.md, "The token cache".
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import itertools
-import json
 import logging
 import operator
 import os
 import time
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from hetseq_hpc.errors import DataError
-from hetseq_hpc.files.atomic import atomic_write, atomic_write_text, remove_stale_temps
-from hetseq_hpc.tasks.bert.mlm_data import NPY_HEADER_BYTES, npy_header
+from hetseq_hpc.tasks.cache import TaskCache, cache_key
 from hetseq_hpc.tasks.hf.records import records
-from hetseq_hpc.tasks.npy_cache import open_npy_cache, save_npy
+from hetseq_hpc.tasks.packing import Packer, RowFile, pad_rows, write_token_rows
 from hetseq_hpc.tokenizing.pool import encode_stream, prepare_workers
 from hetseq_hpc.tokenizing.word_cache import fast_mode
 
@@ -39,89 +34,29 @@ _IDS = operator.attrgetter("ids")
 HF_CACHE_FORMAT = 1
 
 
-def cache_digest(head: str, files: Any, tokenizer_json: str) -> str:
-    """Hex SHA-256 of ``head`` (the cache's format and options), each of ``files`` with its
-    size and mtime (so a rewritten file gives a new cache) and the tokenizer's JSON."""
-    h = hashlib.sha256(head.encode())
-    for path in files:
-        st = os.stat(path)
-        h.update(f"|{path}|{st.st_size}|{st.st_mtime_ns}".encode())
-    h.update(hashlib.sha256(tokenizer_json.encode()).digest())
-    return h.hexdigest()
-
-
 def hf_cache_key(data_cfg: Any, tokenizer_json: str, kind: str, seq_len: int) -> str:
     """Folder name for (files with their sizes and mtimes, tokenizer, kind, T, options)."""
-    return (
-        "hf-"
-        + cache_digest(
-            f"{HF_CACHE_FORMAT}|{kind}|{seq_len}|{data_cfg.pack}|"
-            f"{data_cfg.text_field}|{data_cfg.label_field}",
-            data_cfg.files,
-            tokenizer_json,
-        )[:20]
+    return cache_key(
+        HF_CACHE_FORMAT,
+        kind,
+        seq_len,
+        data_cfg.pack,
+        data_cfg.text_field,
+        data_cfg.label_field,
+        files=data_cfg.files,
+        texts=[tokenizer_json],
+        prefix="hf-",
     )
+
+
+def token_cache(directory: Path) -> TaskCache:
+    """The ``task=hf`` token cache in ``directory``."""
+    return TaskCache(directory, "hf token cache")
 
 
 def is_packed(kind: str, data_cfg: Any) -> bool:
     """Whether the rows are packed (language models with ``task.data.pack=true``)."""
     return kind != "classification" and bool(data_cfg.pack)
-
-
-class _Rows:
-    """Appends int32 rows of width ``T`` to ``fh`` (after the reserved ``.npy`` header)."""
-
-    def __init__(self, fh: BinaryIO, seq_len: int):
-        self.fh, self.seq_len, self.rows = fh, seq_len, 0
-
-    def write(self, rows: np.ndarray) -> None:
-        self.fh.write(np.ascontiguousarray(rows, dtype=np.int32).tobytes())
-        self.rows += int(rows.shape[0])
-
-
-class _Packer:
-    """Joins token ids and cuts rows ``prefix + T' content tokens + suffix``."""
-
-    def __init__(self, out: _Rows, prefix: List[int], suffix: List[int], separator: List[int]):
-        self.out, self.prefix, self.suffix, self.sep = out, prefix, suffix, separator
-        self.content = out.seq_len - len(prefix) - len(suffix)
-        self.pending: List[np.ndarray] = []
-
-    def add_batch(self, id_lists: List[List[int]]) -> int:
-        """Append the texts' ids, each followed by the separator; returns the tokens added
-        (separators not counted). One C-level pass: no Python loop over tokens."""
-        lengths = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
-        total = int(lengths.sum())
-        flat = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=total)
-        return self.add_flat(flat, np.cumsum(lengths))
-
-    def add_flat(self, flat: np.ndarray, ends: np.ndarray) -> int:
-        """Append texts given as their ids concatenated and where each text ends; returns
-        the tokens added (separators not counted)."""
-        total = int(flat.size)
-        if self.sep:
-            flat = np.insert(
-                flat,
-                np.repeat(ends, len(self.sep)),
-                np.tile(np.asarray(self.sep, dtype=np.int32), len(ends)),
-            )
-        self.pending.append(flat)
-        return total
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        stream = np.concatenate(self.pending)
-        full = (stream.size // self.content) * self.content
-        if full:
-            body = stream[:full].reshape(-1, self.content)
-            rows = np.empty((body.shape[0], self.out.seq_len), dtype=np.int32)
-            rows[:, : len(self.prefix)] = self.prefix
-            rows[:, len(self.prefix) : len(self.prefix) + self.content] = body
-            if self.suffix:
-                rows[:, -len(self.suffix) :] = self.suffix
-            self.out.write(rows)
-        self.pending = [stream[full:]]
 
 
 def _special(tokenizer: Any, name: str) -> Optional[int]:
@@ -136,45 +71,30 @@ def pad_id_of(tokenizer: Any) -> int:
     return pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
 
 
-def _encoder(tokenizer: Any, packed: bool, seq_len: int):
-    """A copy of the Rust tokenizer set up for the layout (no padding; truncation to T for
-    padded rows)."""
+def backend_encoder(tokenizer: Any, truncate: Optional[int]):
+    """A copy of the Rust tokenizer of ``tokenizer`` (a transformers fast tokenizer) that does
+    not pad and truncates to ``truncate`` tokens (None: does not truncate)."""
     from tokenizers import Tokenizer
 
     backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
     backend.no_padding()
-    if packed:
+    if truncate is None:
         backend.no_truncation()
     else:
-        backend.enable_truncation(seq_len)
+        backend.enable_truncation(truncate)
     return backend
 
 
 def build_hf_cache(data_cfg: Any, tokenizer: Any, kind: str, seq_len: int, directory: Path) -> Path:
-    """Tokenise ``data_cfg.files`` into ``directory`` unless its ``meta.json`` exists.
+    """Tokenise ``data_cfg.files`` into ``directory`` once (:meth:`TaskCache.build_once`:
+    skipped when its ``meta.json`` exists; a concurrent builder waits for the first).
 
     Raises:
         DataError: a file cannot be read or lacks a column; fewer than 2 rows result; a
             classification label set with fewer than 2 classes.
     """
-    return build_once(directory, lambda: _build(data_cfg, tokenizer, kind, seq_len, directory))
-
-
-def build_once(directory: Path, build: Callable[[], None]) -> Path:
-    """Run ``build`` (which writes ``directory/meta.json`` last) unless that file exists, under
-    an exclusive ``flock`` on ``directory/.lock`` so that concurrent preparers build it once;
-    stale temporary files of an interrupted build are removed first. Returns ``directory``."""
-    meta_path = directory / "meta.json"
-    if meta_path.is_file():
-        return directory
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if meta_path.is_file():
-            return directory
-        remove_stale_temps([directory])
-        build()
-    return directory
+    cache = token_cache(directory)
+    return cache.build_once(lambda: _build(data_cfg, tokenizer, kind, seq_len, cache))
 
 
 #: characters of text per encode_batch call at most (bounds the encodings alive at once)
@@ -200,11 +120,12 @@ def _texts(data_cfg: Any, kind: str, size: int):
         yield texts, labels
 
 
-def _build(data_cfg: Any, tokenizer: Any, kind: str, seq_len: int, directory: Path) -> None:
+def _build(data_cfg: Any, tokenizer: Any, kind: str, seq_len: int, cache: TaskCache) -> None:
+    directory = cache.directory
     os.environ["TOKENIZERS_PARALLELISM"] = "true"
     started = time.monotonic()
     packed = is_packed(kind, data_cfg)
-    encoder = _encoder(tokenizer, packed, seq_len)
+    encoder = backend_encoder(tokenizer, None if packed else seq_len)
     cls_id, sep_id = _special(tokenizer, "cls"), _special(tokenizer, "sep")
     eos_id = _special(tokenizer, "eos")
     pad_id = pad_id_of(tokenizer)
@@ -213,12 +134,10 @@ def _build(data_cfg: Any, tokenizer: Any, kind: str, seq_len: int, directory: Pa
     raw_labels: List[object] = []
     stats = {"texts": 0, "tokens": 0, "bytes": 0}
 
-    def write(fh: BinaryIO) -> None:
-        fh.write(b"\0" * NPY_HEADER_BYTES)
-        out = _Rows(fh, seq_len)
+    def fill(out: RowFile) -> None:
         framed = kind == "masked_lm" and cls_id is not None and sep_id is not None
         separator = [sep_id] if sep_id is not None else ([eos_id] if eos_id is not None else [])
-        packer = _Packer(out, [cls_id] if framed else [], [sep_id] if framed else [], separator)
+        packer = Packer(out, [cls_id] if framed else [], [sep_id] if framed else [], separator)
         # encode_batch_fast (tokenizers >= 0.21) skips the offsets nobody reads here
         encode = getattr(encoder, "encode_batch_fast", encoder.encode_batch)
         batches = _texts(data_cfg, kind, data_cfg.encode_batch)
@@ -230,7 +149,7 @@ def _build(data_cfg: Any, tokenizer: Any, kind: str, seq_len: int, directory: Pa
             ):
                 stats["texts"] += count
                 stats["bytes"] += size
-                stats["tokens"] += packer.add_flat(flat, ends)
+                stats["tokens"] += packer.add_texts(flat, ends)
                 packer.flush()
             batches = iter(())
         for texts, labels in batches:
@@ -238,43 +157,33 @@ def _build(data_cfg: Any, tokenizer: Any, kind: str, seq_len: int, directory: Pa
             stats["texts"] += len(texts)
             stats["bytes"] += len("".join(texts).encode("utf-8"))
             if packed:
-                stats["tokens"] += packer.add_batch(list(map(_IDS, encodings)))
+                stats["tokens"] += packer.add_lists(list(map(_IDS, encodings)))
                 packer.flush()
                 continue
-            block = np.full((len(encodings), seq_len), pad_id, dtype=np.int32)
-            size = np.empty(len(encodings), dtype=np.int32)
-            for i, enc in enumerate(encodings):
-                ids = enc.ids[:seq_len]
-                block[i, : len(ids)] = ids
-                size[i] = len(ids)
+            block, size = pad_rows(list(map(_IDS, encodings)), seq_len, pad_id)
             stats["tokens"] += int(size.sum())
             out.write(block)
             lengths.append(size)
             raw_labels.extend(labels)
         packer.flush()
-        if out.rows < 2:
-            raise DataError(
-                f"task.data.files give {out.rows} sample(s) of {seq_len} tokens "
-                f"({stats['tokens']} tokens from {stats['texts']} texts): need at "
-                "least 2; add text or lower task.model.max_seq_len"
-            )
-        header = npy_header(out.rows, seq_len)
-        if len(header) != NPY_HEADER_BYTES:  # pragma: no cover - numpy's padding rule
-            raise DataError(f"numpy wrote a {len(header)}-byte .npy header: delete {directory}")
-        fh.seek(0)
-        fh.write(header)
-        stats["rows"] = out.rows
 
-    atomic_write(directory / "tokens.npy", write, durable=True)
+    stats["rows"] = write_token_rows(
+        directory / "tokens.npy",
+        seq_len,
+        fill,
+        2,
+        lambda rows: (
+            f"task.data.files give {rows} sample(s) of {seq_len} tokens "
+            f"({stats['tokens']} tokens from {stats['texts']} texts): need at "
+            "least 2; add text or lower task.model.max_seq_len"
+        ),
+    )
     label_names = _label_names(raw_labels) if kind == "classification" else None
     if not packed:
-        save_npy(directory / "lengths.npy", np.concatenate(lengths))
+        cache.save("lengths", np.concatenate(lengths))
     if label_names is not None:
         index = {name: i for i, name in enumerate(label_names)}
-        save_npy(
-            directory / "labels.npy",
-            np.asarray([index[_name(v)] for v in raw_labels], dtype=np.int64),
-        )
+        cache.save("labels", np.asarray([index[_name(v)] for v in raw_labels], dtype=np.int64))
     seconds = time.monotonic() - started
     meta = {
         "format": HF_CACHE_FORMAT,
@@ -290,7 +199,7 @@ def _build(data_cfg: Any, tokenizer: Any, kind: str, seq_len: int, directory: Pa
         "files": list(data_cfg.files),
         "seconds": round(seconds, 3),
     }
-    atomic_write_text(directory / "meta.json", json.dumps(meta, indent=1), durable=True)
+    cache.write_meta(meta)
     log.info(
         "tokenised %d texts (%.1f MB, %d tokens) into %d rows x %d in %.1f s -> %s",
         stats["texts"],
@@ -360,12 +269,8 @@ def open_hf_cache(directory: Path) -> Tuple[dict, Dict[str, np.ndarray]]:
     Raises:
         DataError: missing or damaged (the message says to delete the folder).
     """
-    try:
-        meta = json.loads((directory / "meta.json").read_text())
-    except Exception:
-        raise DataError(
-            f"hf token cache {str(directory)!r} is unreadable: delete that directory to rebuild it"
-        ) from None
+    cache = token_cache(directory)
+    meta = cache.read_meta()
     names = ["tokens"] + ([] if meta["packed"] else ["lengths"])
     names += ["labels"] if meta["kind"] == "classification" else []
-    return open_npy_cache(directory, names, "hf token cache")
+    return cache.open(names)

@@ -10,7 +10,7 @@ from torch import nn
 
 from hetseq_hpc.config.tasks import ImageTaskConfig
 from hetseq_hpc.tasks.base import Task
-from hetseq_hpc.tasks.bert.mlm_data import cache_root
+from hetseq_hpc.tasks.cache import cache_root
 from hetseq_hpc.tasks.image.data import (
     ImageArrays,
     build_image_cache,

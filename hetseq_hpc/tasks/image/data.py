@@ -18,7 +18,6 @@ of the rank or the world size.
 from __future__ import annotations
 
 import gzip
-import hashlib
 import logging
 import os
 from dataclasses import dataclass
@@ -29,8 +28,9 @@ import numpy as np
 import torch
 
 from hetseq_hpc.errors import ConfigError, DataError
-from hetseq_hpc.files.atomic import atomic_write_json
-from hetseq_hpc.tasks.npy_cache import open_npy_cache, save_npy
+from hetseq_hpc.tasks.cache import TaskCache, files_fingerprint
+from hetseq_hpc.tasks.cache import cache_key as key_of
+from hetseq_hpc.tasks.samples import fixed_split, sample_rng
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,6 @@ FASHION_CLASSES = [
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
 #: bump when the cache layout changes
 CACHE_FORMAT = 1
-SPLIT_CODES = {"train": 0, "val": 1}
 
 
 @dataclass(frozen=True)
@@ -71,12 +70,10 @@ class ImageSource:
 
 
 def _stat_digest(paths: Sequence[Path], root: Optional[Path] = None) -> str:
-    h = hashlib.sha256()
-    for p in paths:
-        st = p.stat()
-        name = str(p.relative_to(root)) if root else str(p.resolve())
-        h.update(f"{name}\x00{st.st_size}\x00{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()[:16]
+    """:func:`files_fingerprint` of ``paths``, named relative to ``root`` (else resolved)."""
+    return files_fingerprint(
+        (str(p.relative_to(root)) if root else str(p.resolve()), p) for p in paths
+    )
 
 
 def _folder_files(root: Path) -> List[Tuple[Path, int]]:
@@ -238,15 +235,21 @@ def read_source(source: ImageSource, image_size: Optional[int]) -> Dict[str, obj
 
 def cache_key(source: ImageSource, image_size: Optional[int], val_fraction: float) -> str:
     """Directory name for one (source, size, split) combination."""
-    text = f"image|{CACHE_FORMAT}|{source.kind}|{source.fingerprint}|{image_size}|{val_fraction}"
-    return hashlib.sha256(text.encode()).hexdigest()[:20]
+    return key_of("image", CACHE_FORMAT, source.kind, source.fingerprint, image_size, val_fraction)
+
+
+def image_cache(directory: Path) -> TaskCache:
+    """The image cache in ``directory``."""
+    return TaskCache(directory, "image cache")
 
 
 def build_image_cache(
     source: ImageSource, image_size: Optional[int], val_fraction: float, directory: Path
 ) -> Path:
     """Decode ``source`` and write ``{train,val}_{x,y}.npy`` and ``meta.json`` into ``directory``
-    (skipped when ``meta.json`` exists; ``meta.json`` is written last, atomically).
+    once (:meth:`~hetseq_hpc.tasks.cache.TaskCache.build_once`: skipped when ``meta.json``
+    exists, which is written last; a concurrent builder waits for the first). Returns
+    ``directory``.
 
     Sources without a test split are split by a fixed permutation (seed 0, not ``trainer.seed``)
     with at least one image on each side.
@@ -254,8 +257,13 @@ def build_image_cache(
     Raises:
         DataError: fewer than 2 images, or a file cannot be decoded.
     """
-    if (directory / "meta.json").is_file():
-        return directory
+    cache = image_cache(directory)
+    return cache.build_once(lambda: _build(source, image_size, val_fraction, cache))
+
+
+def _build(
+    source: ImageSource, image_size: Optional[int], val_fraction: float, cache: TaskCache
+) -> None:
     data = read_source(source, image_size)
     images, labels = data["images"], data["labels"]
     if "test_images" in data:
@@ -264,9 +272,7 @@ def build_image_cache(
         n = int(images.shape[0])
         if n < 2:
             raise DataError(f"{source.description} holds {n} image(s): need at least 2")
-        n_val = min(n - 1, max(1, round(n * val_fraction)))
-        order = np.random.default_rng(0).permutation(n)
-        val, train = np.sort(order[:n_val]), np.sort(order[n_val:])
+        train, val = fixed_split(n, val_fraction)
         train_x, train_y, val_x, val_y = images[train], labels[train], images[val], labels[val]
     pixels = train_x.astype(np.float64) / 255.0
     mean = pixels.mean(axis=(0, 2, 3))
@@ -277,7 +283,7 @@ def build_image_cache(
         ("val_x", val_x),
         ("val_y", val_y),
     ):
-        save_npy(directory / f"{name}.npy", array)
+        cache.save(name, array)
     num_classes = int(max(train_y.max(), val_y.max())) + 1
     meta = {
         "source": source.description,
@@ -291,7 +297,7 @@ def build_image_cache(
         "std": std.tolist(),
         "format": CACHE_FORMAT,
     }
-    atomic_write_json(directory / "meta.json", meta, durable=True)
+    cache.write_meta(meta, indent=2)
     log.info(
         "image cache: %s, %d train + %d val images of %s, %d classes -> %s",
         meta["source"],
@@ -299,9 +305,8 @@ def build_image_cache(
         meta["val"],
         meta["shape"],
         num_classes,
-        directory,
+        cache.directory,
     )
-    return directory
 
 
 @dataclass(frozen=True)
@@ -332,16 +337,12 @@ def load_image_cache(directory: Path, max_val_samples: int) -> ImageArrays:
     Raises:
         DataError: the cache is missing or damaged.
     """
-    meta, arrays = open_npy_cache(
-        directory, ("train_x", "train_y", "val_x", "val_y"), "image cache"
-    )
+    cache = image_cache(directory)
+    meta, arrays = cache.open(("train_x", "train_y", "val_x", "val_y"))
     if arrays["train_x"].shape[0] != meta.get("train") or arrays["val_x"].shape[0] != meta.get(
         "val"
     ):
-        raise DataError(
-            f"image cache {str(directory)!r} does not match its meta.json: delete "
-            "that directory to rebuild it"
-        )
+        raise cache.mismatch()
     if max_val_samples:
         arrays["val_x"], arrays["val_y"] = (
             arrays["val_x"][:max_val_samples],
@@ -363,7 +364,7 @@ def augment(
     Returns:
         ``(C, H, W)`` uint8.
     """
-    rng = np.random.default_rng([seed, epoch, SPLIT_CODES["train"], int(index)])
+    rng = sample_rng(seed, epoch, "train", index)
     dy, dx = rng.integers(0, 2 * pad + 1, size=2) if pad else (0, 0)
     mirror = bool(rng.random() < 0.5) and flip
     if pad:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import gettext
 import glob
-import hashlib
 import logging
 import os
 import re
@@ -33,6 +32,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from hetseq_hpc.config.validate import expand_data_files
 from hetseq_hpc.errors import ConfigError, DataError
+from hetseq_hpc.tasks.cache import files_fingerprint
 from hetseq_hpc.tasks.text_chunks import utf8_chunks
 
 log = logging.getLogger(__name__)
@@ -245,13 +245,8 @@ def resolve_sources(files: Sequence[str]) -> ParallelSource:
                 "locale catalogs are all missing): apt-get install trans-de-en, or set "
                 "task.data.files to a german<TAB>english .tsv"
             )
-    h = hashlib.sha256()
-    for kind, path in parts:
-        st = os.stat(path)
-        h.update(
-            f"{kind}\x00{os.path.abspath(path)}\x00{st.st_size}\x00{st.st_mtime_ns}\n".encode()
-        )
-    return ParallelSource(parts=tuple(parts), fingerprint=h.hexdigest()[:16])
+    fingerprint = files_fingerprint((f"{kind}\x00{os.path.abspath(p)}", p) for kind, p in parts)
+    return ParallelSource(parts=tuple(parts), fingerprint=fingerprint)
 
 
 def read_pairs(source: ParallelSource, max_chars: int) -> Tuple[List[Pair], Dict[str, int]]:

@@ -1,6 +1,6 @@
 """Shared BPE tokenizer, the token-id cache and batches for German-to-English translation.
 
-``prepare`` reads the pairs (:mod:`.corpus`), splits them with a fixed permutation (seed 0,
+``prepare`` reads the pairs (:mod:`.parallel_corpus`), splits them with a fixed permutation (seed 0,
 independent of ``trainer.seed``), trains one byte-pair-encoding vocabulary (Sennrich et al.,
 2016) on both sides of the training pairs with Hugging Face ``tokenizers``, and stores the ids
 as fixed-width ``int32`` arrays: ``{split}_src.npy`` ``(N, L)`` = German + ``[EOS]``, and
@@ -11,7 +11,6 @@ independent of the other samples in its batch. Nothing in a batch is random.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -24,7 +23,9 @@ from tokenizers import Tokenizer
 
 from hetseq_hpc.errors import DataError
 from hetseq_hpc.files.atomic import atomic_write_json, atomic_write_text
-from hetseq_hpc.tasks.npy_cache import open_npy_cache, save_npy
+from hetseq_hpc.tasks.cache import TaskCache
+from hetseq_hpc.tasks.cache import cache_key as key_of
+from hetseq_hpc.tasks.samples import fixed_split
 from hetseq_hpc.tasks.translation.parallel_corpus import Pair, ParallelSource, read_pairs
 
 log = logging.getLogger(__name__)
@@ -40,11 +41,20 @@ def cache_key(
     source: ParallelSource, vocab_size: int, max_len: int, max_chars: int, val_fraction: float
 ) -> str:
     """Directory name for one combination of sources and settings."""
-    text = (
-        f"translation|{CACHE_FORMAT}|{source.fingerprint}|{vocab_size}|{max_len}|"
-        f"{max_chars}|{val_fraction}"
+    return key_of(
+        "translation",
+        CACHE_FORMAT,
+        source.fingerprint,
+        vocab_size,
+        max_len,
+        max_chars,
+        val_fraction,
     )
-    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def translation_cache(directory: Path) -> TaskCache:
+    """The translation cache in ``directory``."""
+    return TaskCache(directory, "translation cache")
 
 
 def train_bpe(texts: Sequence[str], vocab_size: int, path: Path) -> Tokenizer:
@@ -91,13 +101,28 @@ def build_translation_cache(
     directory: Path,
 ) -> Path:
     """Write ``tokenizer.json``, ``{train,val}_{src,tgt}.npy``, ``val_pairs.json`` and (last)
-    ``meta.json`` into ``directory``; skipped when ``meta.json`` exists.
+    ``meta.json`` into ``directory`` once (:meth:`~hetseq_hpc.tasks.cache.TaskCache.build_once`:
+    skipped when ``meta.json`` exists; a concurrent builder waits for the first). Returns
+    ``directory``.
 
     Raises:
         DataError: fewer than 2 pairs fit ``max_len`` tokens / ``max_chars`` characters.
     """
-    if (directory / "meta.json").is_file():
-        return directory
+    cache = translation_cache(directory)
+    return cache.build_once(
+        lambda: _build(source, vocab_size, max_len, max_chars, val_fraction, cache)
+    )
+
+
+def _build(
+    source: ParallelSource,
+    vocab_size: int,
+    max_len: int,
+    max_chars: int,
+    val_fraction: float,
+    cache: TaskCache,
+) -> None:
+    directory = cache.directory
     pairs, per_kind = read_pairs(source, max_chars)
     n = len(pairs)
     if n < 2:
@@ -105,12 +130,8 @@ def build_translation_cache(
             f"{source.description} gave {n} usable sentence pair(s): need at least 2; "
             "add pairs with task.data.files or raise task.data.max_chars"
         )
-    n_val = min(n - 1, max(1, round(n * val_fraction)))
-    order = np.random.default_rng(0).permutation(n)
-    split = {
-        "train": [pairs[i] for i in np.sort(order[n_val:])],
-        "val": [pairs[i] for i in np.sort(order[:n_val])],
-    }
+    train, val = fixed_split(n, val_fraction)
+    split = {"train": [pairs[i] for i in train], "val": [pairs[i] for i in val]}
     tokenizer = train_bpe(
         [s for p in split["train"] for s in p], vocab_size, directory / "tokenizer.json"
     )
@@ -122,8 +143,8 @@ def build_translation_cache(
                 f"no {name} pair of {source.description} fits task.model.max_len="
                 f"{max_len} tokens: raise task.model.max_len"
             )
-        save_npy(directory / f"{name}_src.npy", src)
-        save_npy(directory / f"{name}_tgt.npy", tgt)
+        cache.save(f"{name}_src", src)
+        cache.save(f"{name}_tgt", tgt)
         counts[name] = len(kept)
         if name == "train":
             units = float((tgt[:, 1:] != PAD_ID).sum()) / len(kept)
@@ -140,7 +161,7 @@ def build_translation_cache(
         "target_tokens_per_sample": units,
         "format": CACHE_FORMAT,
     }
-    atomic_write_json(directory / "meta.json", meta, durable=True)
+    cache.write_meta(meta, indent=2)
     log.info(
         "translation cache: %s; %d pairs read, %d train + %d val fit %d tokens; "
         "vocabulary %d -> %s",
@@ -152,7 +173,6 @@ def build_translation_cache(
         meta["vocab_size"],
         directory,
     )
-    return directory
 
 
 @dataclass(frozen=True)
@@ -176,22 +196,15 @@ def load_translation_cache(directory: Path, max_val_samples: int) -> Translation
     Raises:
         DataError: the cache is missing or damaged.
     """
-    meta, arrays = open_npy_cache(
-        directory, ("train_src", "train_tgt", "val_src", "val_tgt"), "translation cache"
-    )
+    cache = translation_cache(directory)
+    meta, arrays = cache.open(("train_src", "train_tgt", "val_src", "val_tgt"))
     try:
         tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
         val_pairs = [tuple(p) for p in json.loads((directory / "val_pairs.json").read_text())]
     except Exception as exc:
-        raise DataError(
-            f"translation cache {str(directory)!r} is unreadable "
-            f"({type(exc).__name__}): delete that directory to rebuild it"
-        ) from None
+        raise cache.unreadable(exc) from None
     if arrays["train_src"].shape[0] != meta.get("train") or len(val_pairs) != meta.get("val"):
-        raise DataError(
-            f"translation cache {str(directory)!r} does not match its meta.json: "
-            "delete that directory to rebuild it"
-        )
+        raise cache.mismatch()
     if max_val_samples:
         for name in ("val_src", "val_tgt"):
             arrays[name] = arrays[name][:max_val_samples]

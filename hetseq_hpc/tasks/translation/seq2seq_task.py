@@ -13,7 +13,7 @@ from torch import nn
 from hetseq_hpc.config.tasks import TranslationTaskConfig
 from hetseq_hpc.errors import ConfigError, DataError
 from hetseq_hpc.tasks.base import Task
-from hetseq_hpc.tasks.bert.mlm_data import cache_root
+from hetseq_hpc.tasks.cache import cache_root
 from hetseq_hpc.tasks.translation.parallel_corpus import resolve_sources
 from hetseq_hpc.tasks.translation.parallel_data import (
     PAD_ID,
