@@ -19,7 +19,7 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from hetseq_hpc.errors import DataError
 from hetseq_hpc.tasks.hf import parquet
@@ -76,8 +76,9 @@ def file_format(path: str) -> str:
     return fmt
 
 
-def _csv_reader(fh, fmt: str):
-    return csv.DictReader(fh, delimiter="\t" if fmt == "tsv" else ",")
+def _delimiter(fmt: str) -> str:
+    """The field separator of a ``csv`` or ``tsv`` file."""
+    return "\t" if fmt == "tsv" else ","
 
 
 def columns(path: str) -> List[str]:
@@ -96,7 +97,7 @@ def columns(path: str) -> List[str]:
         return parquet_columns(path)
     with open(path, encoding="utf-8", newline="") as fh:
         if fmt in ("csv", "tsv"):
-            names = _csv_reader(fh, fmt).fieldnames
+            names = csv.DictReader(fh, delimiter=_delimiter(fmt)).fieldnames
             if not names:
                 raise DataError(
                     f"data file {path!r} has no header row: put the column names "
@@ -206,16 +207,13 @@ def _datasets_reads(path: str, fmt: str, fields: Sequence[str]) -> bool:
         with open(path, "rb") as fh:
             if fh.read(8).startswith(_COMPRESSED):
                 return False
-        if fmt == "text":
-            return True
-        with open(path, encoding="utf-8", newline="" if fmt != "json" else None) as fh:
-            if fmt == "json":
-                line = next((line for line in fh if line.strip()), None)
-                return line is not None and isinstance(json.loads(line), dict)
-            header = next(csv.reader(fh, delimiter="\t" if fmt == "tsv" else ","), [])
-            return len(set(header)) == len(header) and all(name in header for name in fields)
-    except (OSError, UnicodeDecodeError, ValueError, csv.Error):
+        # the header / first JSON object, as the standard library reads it
+        found = columns(path) if fmt != "text" else []
+    except (DataError, OSError, UnicodeDecodeError, ValueError, csv.Error):
         return False  # the standard library raises its one-line error
+    if fmt in ("text", "json"):  # a JSON record without a field goes to the standard library
+        return True
+    return len(set(found)) == len(found) and all(name in found for name in fields)
 
 
 def _import_datasets():
@@ -261,7 +259,7 @@ def _datasets_batches(
         # every value the string the csv module reads; "" (an empty or a missing cell: the
         # csv module tells them apart, pandas does not) and blank lines come as None
         options = dict(
-            sep="\t" if fmt == "tsv" else ",",
+            sep=_delimiter(fmt),
             usecols=wanted,
             features=datasets.Features({n: datasets.Value("string") for n in wanted}),
             keep_default_na=False,
@@ -294,20 +292,7 @@ def _datasets_batches(
                 continue
             texts = table.column(fields[0]).to_pylist()
             labels = table.column(fields[1]).to_pylist() if len(fields) > 1 else [None] * len(texts)
-            good = [
-                (text, label)
-                for text, label in zip(texts, labels)
-                if isinstance(text, str) and (len(fields) == 1 or not _missing(label))
-            ]
-            if len(good) < len(texts):  # the records before the first bad one, then stop
-                bad = next(
-                    i
-                    for i, (text, label) in enumerate(zip(texts, labels))
-                    if not isinstance(text, str) or (len(fields) > 1 and _missing(label))
-                )
-                yield good[:bad]
-                raise ValueError(f"record {bad + 1} of a batch has no text or label")
-            yield good
+            yield from _good_records(zip(texts, labels), len(fields) > 1)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
 
@@ -316,23 +301,31 @@ def _json_lines_batch(
     lines: List[str], fields: Sequence[str]
 ) -> Iterator[List[Tuple[str, object]]]:
     """``(text, label)`` of the non-empty ``lines`` (one JSON object each), decoded by
-    :func:`json.loads` as the standard library reader decodes them: one list, the records
-    before the first line it would refuse (not JSON, not an object, no text string, no label or
-    a blank one),
-    then ValueError for :func:`records` to hand that line to the standard library."""
-    good: List[Tuple[str, object]] = []
-    for line in lines:
-        if not line.strip():
-            continue
+    :func:`json.loads` as the standard library reader decodes them (:func:`_good_records`)."""
+
+    def decoded(line: str) -> Tuple[object, object]:
         try:
             obj = json.loads(line)
         except ValueError:
-            obj = None
-        text = obj.get(fields[0]) if isinstance(obj, dict) else None
-        label = obj.get(fields[1]) if len(fields) > 1 and isinstance(obj, dict) else None
-        if not isinstance(text, str) or (len(fields) > 1 and _missing(label)):
+            return None, None
+        if not isinstance(obj, dict):
+            return None, None
+        return obj.get(fields[0]), obj.get(fields[1]) if len(fields) > 1 else None
+
+    yield from _good_records((decoded(line) for line in lines if line.strip()), len(fields) > 1)
+
+
+def _good_records(
+    records: Iterable[Tuple[object, object]], labelled: bool
+) -> Iterator[List[Tuple[str, object]]]:
+    """One list of the ``(text, label)`` records before the first one the standard library
+    would refuse (a text that is not a string, a missing or blank label), then ValueError for
+    :func:`records` to hand that one to the standard library."""
+    good: List[Tuple[str, object]] = []
+    for text, label in records:
+        if not isinstance(text, str) or (labelled and _missing(label)):
             yield good
-            raise ValueError(f"JSON line {len(good) + 1} of a batch is not a record with a text")
+            raise ValueError(f"record {len(good) + 1} of a batch has no text or label")
         good.append((text, label))
     yield good
 
@@ -364,7 +357,8 @@ def _stdlib_records(
                         yield line, None
                 return
             if fmt in ("csv", "tsv"):
-                rows = ((n, row) for n, row in enumerate(_csv_reader(fh, fmt), 2))
+                reader = csv.DictReader(fh, delimiter=_delimiter(fmt))
+                rows = ((n, row) for n, row in enumerate(reader, 2))
             else:
                 rows = (
                     (n, _json_object(line, path, n)) for n, line in enumerate(fh, 1) if line.strip()
