@@ -1,21 +1,24 @@
 """What the planner needs from the task's real model: parameters, FLOPs, activation memory.
 
-BERT is built from its config alone, on the ``meta`` device when nothing is measured (no memory,
-no time), else on the CPU, with synthetic token rows masked by the task's own rule. Every other
-task (image, translation, a user's) sizes its model from its data (classes, vocabulary): its
-data is prepared and loaded as a run would, and real training samples are measured. FLOPs come
-from the task's formula, else ``FlopCounterMode`` (:mod:`hetseq_hpc.tasks.flops`). The host
+Every task is asked for its model and a batch maker (:meth:`hetseq_hpc.tasks.Task.planning_model`,
+:mod:`hetseq_hpc.tasks.planning`): BERT builds its model from its config alone, on the ``meta``
+device when nothing is measured (no memory, no time), with random token rows masked by its own
+rule; every other task (image, translation, a user's) sizes its model from its data (classes,
+vocabulary), prepared and loaded as a run would, and real training samples are measured. FLOPs
+come from the task's formula, else ``FlopCounterMode`` (:mod:`hetseq_hpc.tasks.flops`). The host
 time of building a batch (the task's own batch function) is timed here (:func:`batch_build_s`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from hetseq_hpc.balance.memory import PARAM_BYTES, model_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hetseq_hpc.tasks.planning import EncoderShape
 
 
 @dataclass
@@ -105,69 +108,6 @@ def batch_build_s(
     return best
 
 
-def _bert_batches(task_cfg) -> Callable[[int], Dict[str, Any]]:
-    """``n -> batch`` for BERT without its data: random token rows (drawn once, at least
-    :data:`DATA_TIMING_SAMPLES` of them, again only when more are asked for; the first rows
-    are the same for every ``n``) masked by the task's own batch function
-    (:func:`hetseq_hpc.tasks.bert.mlm_data.make_mlm_batch`): ``input_ids`` and ``labels`` of
-    shape ``(n, task.model.max_seq_len)``."""
-    from pathlib import Path
-
-    import numpy as np
-
-    from hetseq_hpc.tasks.bert.mlm_data import SPECIAL_TOKENS, PackedText, make_mlm_batch
-
-    vocab, seq = int(task_cfg.data.vocab_size), int(task_cfg.model.max_seq_len)
-    drawn: List[PackedText] = []
-
-    def make(n: int):
-        if not drawn or len(drawn[0].tokens) < n:
-            tokens = np.random.default_rng(0).integers(
-                len(SPECIAL_TOKENS), vocab, size=(max(n, DATA_TIMING_SAMPLES), seq)
-            )
-            drawn[:] = [
-                PackedText(
-                    tokens.astype(np.int32), vocab, np.arange(len(tokens)), np.arange(0), Path(".")
-                )
-            ]
-        return make_mlm_batch(drawn[0], range(n), task_cfg.data.mask_prob, 0, 0, "train")
-
-    return make
-
-
-def _bert_model(task_cfg, on_meta: bool):
-    """BERT without its data: the model from the config (on ``meta`` when nothing is measured)
-    and synthetic masked rows."""
-    import torch
-
-    from hetseq_hpc.tasks.bert.mlm_model import BertMaskedLM
-
-    vocab = int(task_cfg.data.vocab_size)
-    with torch.device("meta") if on_meta else contextlib.nullcontext():
-        model = BertMaskedLM(task_cfg.model, vocab)
-    return model, _bert_batches(task_cfg), vocab, []
-
-
-def _data_model(task):
-    """Any other task: its model's shape depends on its data (classes, vocabulary), so the data
-    is prepared (cached, as a run would) and loaded first; batches are real training samples."""
-    import torch
-
-    from hetseq_hpc.tasks.contract import checked_batch
-
-    task.prepare()
-    task.load()
-    torch.manual_seed(0)
-    model = task.build_model()
-
-    def make(n: int):
-        return checked_batch(task, list(range(min(n, task.num_train))), 0, "train")
-
-    data = task.data_summary
-    notes = [f"task={task.name}: model built from {data.get('source', 'its data')}"]
-    return model, make, int(data.get("vocab_size", 0) or 0), notes
-
-
 #: measured models of this process: (task config, need_activations) -> ModelInfo
 _MEASURED: dict = {}
 
@@ -201,8 +141,9 @@ def measure_task_model(
     (the task's formula, else measured with ``FlopCounterMode``:
     :func:`hetseq_hpc.tasks.flops.task_flops_per_sample`), and, if asked, the activation bytes of
     one sample (saved-tensors hook, forward passes at batch 1 and 2, x the runtime's safety
-    margin). BERT is built from its config alone (on ``meta`` when nothing is measured); every
-    other task prepares and loads its data first.
+    margin). The model and the batches are the task's
+    (:meth:`~hetseq_hpc.tasks.Task.planning_model`: on ``meta`` when nothing is measured, where
+    the task can).
 
     ``cpu_calibration`` instead runs :func:`hetseq_hpc.balance.calibrate.calibrate` (timed
     forward+backward, as a cluster=local rank does) and also sets ``cpu_samples_per_s``.
@@ -220,11 +161,8 @@ def measure_task_model(
 
     task = build_task(task_cfg, seed=0)
     torch.manual_seed(0)
-    if task_cfg.name == "bert":
-        on_meta = not need_activations and cpu_calibration is None
-        model, make, vocab, notes = _bert_model(task_cfg, on_meta)
-    else:
-        model, make, vocab, notes = _data_model(task)
+    planning = task.planning_model(on_meta=not need_activations and cpu_calibration is None)
+    model, make = planning.model, planning.make_batch
     sizes = model_bytes(task, model)
     count = sum(p.numel() for p in model.parameters())
 
@@ -234,13 +172,13 @@ def measure_task_model(
     info = ModelInfo(
         param_count=count,
         flops_per_sample=task_flops_per_sample(task, model),
-        vocab_size=vocab,
+        vocab_size=planning.vocab_size,
         vocab_from=(
             "task.data.vocab_size"
             if hasattr(getattr(task_cfg, "data", None), "vocab_size")
             else "its data"
         ),
-        notes=notes,
+        notes=list(planning.notes),
         largest_unit_params=params(sizes.block),
         root_params=params(sizes.root),
         evaluates_sharded=bool(task.evaluates_in_fixed_passes()),
@@ -277,33 +215,35 @@ def measure_task_model(
             saved.append(nbytes)
         info.activation_bytes_per_sample = max(saved[1] - saved[0], 0) * ACTIVATION_SAFETY
     info.accesses_per_sample, info.accesses_from = _accesses_per_sample(
-        task_cfg, info.activation_bytes_per_sample
+        planning.encoder, info.activation_bytes_per_sample
     )
     return info
 
 
-def _accesses_per_sample(task_cfg, activation_bytes_per_sample: float) -> Tuple[float, str]:
+def _accesses_per_sample(
+    encoder: Optional[EncoderShape], activation_bytes_per_sample: float
+) -> Tuple[float, str]:
     """``(element accesses of one sample's memory-bound operations, how they were found)``:
-    counted from BERT's shape
-    (:func:`hetseq_hpc.plan.perf_model.transformer_accesses`, with fused attention: the task's
+    counted from the encoder shape the task gives
+    (:func:`hetseq_hpc.plan.perf_model.transformer_accesses`; BERT's attention is fused: its
     encoder calls ``scaled_dot_product_attention``, a fused kernel on a GPU), else from the
     measured fp32 activations without their safety margin
     (:func:`hetseq_hpc.plan.perf_model.accesses_from_activations`; 0 when none were measured)."""
     from hetseq_hpc.balance.calibrate import ACTIVATION_SAFETY
     from hetseq_hpc.plan.perf_model import accesses_from_activations, transformer_accesses
 
-    if task_cfg.name == "bert":
-        m = task_cfg.model
+    if encoder is not None:
+        e = encoder
         return (
             transformer_accesses(
-                m.num_layers,
-                m.hidden_size,
-                m.num_heads,
-                m.max_seq_len,
-                m.intermediate_size,
-                fused_attention=True,
+                e.layers,
+                e.hidden,
+                e.heads,
+                e.seq_len,
+                e.intermediate,
+                fused_attention=e.fused_attention,
             ),
-            "counted from the BERT shape, fused attention",
+            f"counted from the {e.name} shape" + (", fused attention" * e.fused_attention),
         )
     return (
         accesses_from_activations(activation_bytes_per_sample / ACTIVATION_SAFETY),

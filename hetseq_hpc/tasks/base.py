@@ -20,6 +20,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from hetseq_hpc.tasks.planning import PlanningModel, from_data
+
 
 class Task(abc.ABC):
     """Base class of every task (BERT, image, translation and user tasks).
@@ -128,6 +130,15 @@ class Task(abc.ABC):
         hetseq_hpc measure them with ``torch.utils.flop_counter.FlopCounterMode`` on one
         batch (:func:`hetseq_hpc.tasks.flops.task_flops_per_sample`)."""
         return None
+
+    def planning_model(self, on_meta: bool = False) -> PlanningModel:
+        """The model and a batch maker for the planner (``hetseq-hpc plan``), which reads the
+        model's parameters, FLOPs and activation memory from them and times the batches.
+        ``on_meta``: nothing will run, the model may be built on the ``meta`` device. Default
+        (:func:`hetseq_hpc.tasks.planning.from_data`): :meth:`prepare`, :meth:`load`,
+        :meth:`build_model` and real training batches; override it when the model is known from
+        the config alone (``BertTask`` builds BERT without its data)."""
+        return from_data(self)
 
     def data_fingerprint(self) -> Optional[str]:
         """A digest of what :meth:`prepare` made of the data, when two prepares of the same

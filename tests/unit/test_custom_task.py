@@ -172,3 +172,72 @@ def test_example_task_and_formula_tasks(tmp_path):
     assert info.accesses_per_sample > 0
     # its vocabulary comes from its data (a custom task has no task.data.vocab_size to name)
     assert info.vocab_size == len(task.chars) and info.vocab_from == "its data"
+
+
+PLANNED_TASK = '''
+import torch
+from torch import nn
+
+from hetseq_hpc.tasks import Task
+from hetseq_hpc.tasks.planning import EncoderShape, PlanningModel
+
+
+class Planned(Task):
+    """Its data is only on the cluster: prepare and load fail on the machine that plans."""
+
+    name = "planned"
+
+    def prepare(self):
+        raise RuntimeError("the data is not on this machine")
+
+    def load(self):
+        raise RuntimeError("the data is not on this machine")
+
+    num_train = property(lambda self: 64)
+    num_val = property(lambda self: 0)
+
+    def make_batch(self, positions, epoch, split):
+        x = torch.arange(len(positions) * 8, dtype=torch.float32).reshape(-1, 8)
+        return {"x": x, "y": torch.zeros(len(positions))}
+
+    def count(self, batch):
+        return int(batch["x"].shape[0])
+
+    def build_model(self):
+        return Net()
+
+    def flops_per_sample(self, model):
+        return 48.0
+
+    def planning_model(self, on_meta=False):
+        batches = lambda n: self.make_batch(list(range(n)), 0, "train")  # noqa: E731
+        shape = EncoderShape("tiny", 2, 8, 2, 4, 32, False)
+        return PlanningModel(self.build_model(), batches, 0, [f"on_meta={on_meta}"], shape)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+
+    def forward(self, x, y):
+        return ((self.lin(x).squeeze(-1) - y) ** 2).sum()
+'''
+
+
+def test_the_planner_asks_the_task_for_its_model(tmp_path):
+    """The planner sizes every task through Task.planning_model: a task whose data is not on
+    the planning machine plans from its own model and batches (never prepare or load), and the
+    encoder shape it gives is what the memory traffic is counted from."""
+    from hetseq_hpc.plan import measure_model
+    from hetseq_hpc.plan.perf_model import transformer_accesses
+
+    folder = module_dir(tmp_path, "planned.py", PLANNED_TASK)
+    run = compose_run_config(["task=custom", "task.target=planned.Planned", f"task.path={folder}"])
+    size = measure_model(run.task, need_activations=False)
+    assert size.param_count == 9 and size.flops_per_sample == 48.0
+    assert size.notes == ["on_meta=True"] and size.activation_bytes_per_sample == 0
+    assert size.accesses_per_sample == transformer_accesses(2, 8, 2, 4, 32)
+    assert size.accesses_from == "counted from the tiny shape"
+    measured = measure_model(run.task, need_activations=True)
+    assert measured.notes == ["on_meta=False"] and measured.activation_bytes_per_sample > 0

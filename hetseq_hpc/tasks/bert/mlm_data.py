@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -291,6 +291,29 @@ def mask_sample(
         MASK_ID,
         (len(SPECIAL_TOKENS), max(vocab_size, len(SPECIAL_TOKENS) + 1)),
     )
+
+
+def random_batches(
+    vocab_size: int, seq_len: int, mask_prob: float, rows: int = 32
+) -> Callable[[int], Dict[str, torch.Tensor]]:
+    """``n -> `` a masked batch (:func:`make_mlm_batch`, seed 0, epoch 0) of random token rows,
+    for sizing and timing without the data: ``max(n, rows)`` rows of ids in
+    ``[len(SPECIAL_TOKENS), vocab_size)`` from ``default_rng(0)``, drawn once and again only
+    when more are asked for (the first rows are the same for every ``n``)."""
+    drawn: List[PackedText] = []
+
+    def make(n: int) -> Dict[str, torch.Tensor]:
+        if not drawn or len(drawn[0].tokens) < n:
+            tokens = np.random.default_rng(0).integers(
+                len(SPECIAL_TOKENS), vocab_size, size=(max(n, rows), seq_len)
+            )
+            index = np.arange(len(tokens))
+            drawn[:] = [
+                PackedText(tokens.astype(np.int32), vocab_size, index, np.arange(0), Path("."))
+            ]
+        return make_mlm_batch(drawn[0], range(n), mask_prob, 0, 0, "train")
+
+    return make
 
 
 def make_mlm_batch(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, Optional, Sequence
 
 import numpy as np
@@ -16,10 +17,12 @@ from hetseq_hpc.tasks.bert.mlm_data import (
     cache_key,
     load_packed_text,
     make_mlm_batch,
+    random_batches,
 )
 from hetseq_hpc.tasks.bert.mlm_model import BertMaskedLM
 from hetseq_hpc.tasks.bert.text_corpus import load_corpus
 from hetseq_hpc.tasks.cache import cache_root
+from hetseq_hpc.tasks.planning import EncoderShape, PlanningModel
 
 
 class BertTask(Task):
@@ -100,6 +103,33 @@ class BertTask(Task):
     def count(self, batch: Dict[str, torch.Tensor]) -> int:
         """Masked tokens in ``batch`` (the loss normaliser's units)."""
         return int((batch["labels"] != IGNORE_INDEX).sum())
+
+    def planning_model(self, on_meta: bool = False) -> PlanningModel:
+        """BERT without its data: the model from the config (``task.data.vocab_size`` tokens; on
+        the ``meta`` device with ``on_meta``), batches of random token rows masked by the
+        task's own rule (:func:`~hetseq_hpc.tasks.bert.mlm_data.random_batches`), and the
+        encoder's shape (fused attention: the encoder calls ``scaled_dot_product_attention``).
+        A subclass with its own model or batches (``examples/hetseq_bert.py``) is planned from
+        its data, as any task."""
+        if (type(self).build_model, type(self).make_batch) != (
+            BertTask.build_model,
+            BertTask.make_batch,
+        ):
+            return super().planning_model(on_meta)
+        m, vocab = self.cfg.model, int(self.cfg.data.vocab_size)
+        with torch.device("meta") if on_meta else contextlib.nullcontext():
+            model = BertMaskedLM(m, vocab)
+        batches = random_batches(vocab, int(m.max_seq_len), self.cfg.data.mask_prob)
+        shape = EncoderShape(
+            "BERT",
+            m.num_layers,
+            m.hidden_size,
+            m.num_heads,
+            m.max_seq_len,
+            m.intermediate_size,
+            True,
+        )
+        return PlanningModel(model, batches, vocab, [], shape)
 
     def flops_per_sample(self, model: BertMaskedLM) -> float:
         """Training FLOPs per sample at the configured masking rate (for MFU and the planner).
