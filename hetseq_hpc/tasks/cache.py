@@ -1,13 +1,9 @@
-"""The one task cache: a folder ``<root>/<key>`` of ``.npy`` arrays and ``meta.json`` (last).
+"""The one task cache: a folder ``<root>/<key>`` of ``.npy`` arrays and ``meta.json``, last.
 
-Every built-in task (bert, image, translation, hf) keeps what ``prepare`` makes of its data in
-one :class:`TaskCache`: the root is ``task.data.cache_dir``, else ``$HETSEQ_CACHE``, else
-``~/.cache/hetseq_hpc`` (:func:`cache_root`); the key a hash of what the data is made from
-(:func:`cache_key`, :func:`files_fingerprint`). Every file is written through
-:mod:`hetseq_hpc.files.atomic` (temp file, fsync, rename) and ``meta.json`` comes last, so a folder
-whose ``meta.json`` exists is complete; :meth:`TaskCache.build_once` builds under a ``filelock``
-lock, so concurrent preparers build it once. Arrays are memory-mapped when opened, so the ranks
-of a machine share the page cache.
+Every built-in task keeps what ``prepare`` makes of its data in a :class:`TaskCache`, named by a
+hash of what the data is made from (:func:`cache_key`). Every file is written atomically
+(:mod:`hetseq_hpc.files.atomic`), ``meta.json`` last: a folder with one is complete. A build
+holds a ``filelock`` lock, so concurrent preparers build it once; arrays are memory-mapped.
 """
 
 from __future__ import annotations
@@ -33,10 +29,6 @@ log = logging.getLogger(__name__)
 META_NAME = "meta.json"
 #: the lock file a builder holds (flock, through filelock)
 LOCK_NAME = ".lock"
-#: hex digits of a cache key (the folder's name, after its prefix)
-KEY_DIGITS = 20
-#: hex digits of a fingerprint of files (part of a key)
-FINGERPRINT_DIGITS = 16
 
 
 def cache_root(cache_dir: Optional[str]) -> Path:
@@ -53,10 +45,9 @@ def cache_root(cache_dir: Optional[str]) -> Path:
 def cache_key(
     *fields: object, files: Iterable[str] = (), texts: Iterable[str] = (), prefix: str = ""
 ) -> str:
-    """A cache folder's name: ``prefix`` + the first :data:`KEY_DIGITS` hex digits of the
-    SHA-256 of ``fields`` joined by ``|`` (as ``str`` formats them), then ``|path|size|mtime_ns``
-    of each of ``files`` (a rewritten file gives a new key) and the SHA-256 digest of each of
-    ``texts`` (e.g. a tokenizer's JSON).
+    """A cache folder's name: ``prefix`` + 20 hex digits of the SHA-256 of ``fields`` joined by
+    ``|``, then ``|path|size|mtime_ns`` of each of ``files`` and the digest of each of ``texts``
+    (a tokenizer's JSON).
 
     Raises:
         OSError: a file of ``files`` is missing.
@@ -67,12 +58,12 @@ def cache_key(
         h.update(f"|{path}|{st.st_size}|{st.st_mtime_ns}".encode())
     for text in texts:
         h.update(hashlib.sha256(text.encode()).digest())
-    return prefix + h.hexdigest()[:KEY_DIGITS]
+    return prefix + h.hexdigest()[:20]
 
 
 def files_fingerprint(files: Iterable[Tuple[str, Path]]) -> str:
-    """:data:`FINGERPRINT_DIGITS` hex digits of the SHA-256 of ``name\\0size\\0mtime_ns\\n``
-    for each ``(name, path)``: it changes when a file is rewritten, renamed or added.
+    """16 hex digits of the SHA-256 of ``name\\0size\\0mtime_ns\\n`` of each ``(name, path)``:
+    it changes when a file is rewritten, renamed or added.
 
     Raises:
         OSError: a file is missing.
@@ -81,14 +72,7 @@ def files_fingerprint(files: Iterable[Tuple[str, Path]]) -> str:
     for name, path in files:
         st = os.stat(path)
         h.update(f"{name}\x00{st.st_size}\x00{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()[:FINGERPRINT_DIGITS]
-
-
-def save_npy(path: Path, array: np.ndarray) -> None:
-    """Write ``array`` to ``path`` in ``.npy`` format, atomically and durably."""
-    buf = io.BytesIO()
-    np.save(buf, np.ascontiguousarray(array))
-    atomic_write(path, lambda fh: fh.write(buf.getvalue()), durable=True)
+    return h.hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -113,10 +97,10 @@ class TaskCache:
         return self.meta_path.is_file()
 
     def build_once(self, build: Callable[[], None]) -> Path:
-        """Run ``build`` (which writes the arrays, then :meth:`write_meta`) unless the cache is
-        complete, holding the lock on ``<directory>/.lock`` so that a concurrent builder (another
-        run, ``hetseq-hpc prepare``) waits for the first and then finds the cache complete;
-        temporary files an interrupted build left are removed first. Returns ``directory``.
+        """Run ``build`` (the arrays, then :meth:`write_meta`) unless the cache is complete,
+        holding the lock on ``<directory>/.lock``: a concurrent builder (another run, ``prepare``)
+        waits, then finds it complete. An interrupted build's temp files are removed first.
+        Returns ``directory``.
 
         Raises:
             OSError: the folder cannot be created or locked (full disk, read-only, a file in
@@ -141,11 +125,12 @@ class TaskCache:
 
     def save(self, name: str, array: np.ndarray) -> None:
         """Write ``<directory>/<name>.npy`` atomically and durably."""
-        save_npy(self.directory / f"{name}.npy", array)
+        buf = io.BytesIO()
+        np.save(buf, np.ascontiguousarray(array))
+        atomic_write(self.directory / f"{name}.npy", lambda fh: fh.write(buf.getvalue()), True)
 
     def write_meta(self, meta: Dict[str, object], indent: int = 1) -> None:
-        """Write ``meta.json`` (JSON, ``indent`` spaces; what :func:`str` makes of anything
-        else), atomically and durably: the last file of a build."""
+        """Write ``meta.json`` atomically and durably: the last file of a build."""
         text = json.dumps(meta, indent=indent, default=str)
         atomic_write_text(self.meta_path, text, durable=True)
 

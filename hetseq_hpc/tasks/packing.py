@@ -1,11 +1,8 @@
-"""Token rows of one width written to ``tokens.npy`` as they come: the one packer of the
-``task=bert`` and ``task=hf`` token caches.
-
-:func:`write_token_rows` reserves the ``.npy`` header, lets the caller append ``(rows, T)``
-int32 rows to a :class:`RowFile`, and writes the header last, atomically; :class:`Packer` joins
-token ids into one stream and cuts it into rows ``prefix + content + suffix`` (BERT: ``[CLS] ...
-[SEP]``), memory holding one chunk of rows, never the corpus; :func:`pad_rows` makes one row per
-text instead, padded. The layouts: docs/design/data-preparation.md, "The token cache".
+"""Token rows of one width streamed to ``tokens.npy``: the one packer of the ``task=bert`` and
+``task=hf`` token caches. :func:`write_token_rows` writes the ``.npy`` header last, atomically;
+:class:`Packer` cuts a token stream into rows ``prefix + content + suffix``, holding one chunk of
+rows, never the corpus; :func:`pad_rows` pads one row per text (docs/design/data-preparation.md,
+"The token cache").
 """
 
 from __future__ import annotations
@@ -42,8 +39,7 @@ def npy_header(rows: int, seq_len: int) -> bytes:
 
 
 class RowFile:
-    """Appends int32 rows of width ``seq_len`` to ``fh`` (after the reserved header) and counts
-    them in :attr:`rows`."""
+    """Appends int32 rows of width ``seq_len`` to ``fh``, counting them in :attr:`rows`."""
 
     def __init__(self, fh: BinaryIO, seq_len: int):
         self.fh, self.seq_len, self.rows = fh, seq_len, 0
@@ -56,14 +52,9 @@ class RowFile:
 
 class Packer:
     """Joins token ids into one stream and cuts it into rows ``prefix + content + suffix`` of
-    ``out.seq_len`` tokens; the tail shorter than a row is dropped at the end.
-
-    Args:
-        out: where full rows go.
-        prefix / suffix: the ids each row starts / ends with (``[CLS]`` / ``[SEP]``, or none).
-        separator: the ids :meth:`add_texts` puts after every text (``[SEP]`` or EOS).
-        rows_per_write: full rows held before they are written (:meth:`flush` writes earlier).
-    """
+    ``out.seq_len`` tokens (``[CLS] ... [SEP]`` for BERT); a last part shorter than a row is
+    dropped. ``separator``: the ids :meth:`add_texts` puts after every text; ``rows_per_write``:
+    full rows held before they are written (:meth:`flush` writes them earlier)."""
 
     def __init__(
         self,
@@ -89,9 +80,8 @@ class Packer:
             self.flush()
 
     def add_texts(self, flat: np.ndarray, ends: np.ndarray) -> int:
-        """Append texts given as their ids concatenated (``flat``) and where each ends in it
-        (``ends``, cumulative), each followed by the separator; returns the tokens added
-        (separators not counted)."""
+        """Append texts (their ids concatenated, ``ends`` where each ends), each followed by
+        the separator; returns the tokens added, separators not counted."""
         total = int(flat.size)
         if self.sep.size:
             flat = np.insert(flat, np.repeat(ends, self.sep.size), np.tile(self.sep, len(ends)))
@@ -99,8 +89,7 @@ class Packer:
         return total
 
     def add_lists(self, id_lists: List[List[int]]) -> int:
-        """:meth:`add_texts` of one id list per text, in one C-level pass (no Python loop over
-        tokens); returns the tokens added."""
+        """:meth:`add_texts` of one id list per text, in one C-level pass."""
         lengths = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
         total = int(lengths.sum())
         flat = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=total)
@@ -145,9 +134,8 @@ def write_token_rows(
     min_rows: int,
     too_few: Callable[[int], str],
 ) -> int:
-    """Write ``path`` as a ``(rows, seq_len)`` int32 ``.npy`` file whose rows ``fill`` appends,
-    atomically and durably (:func:`hetseq_hpc.files.atomic.atomic_write`), the header last;
-    returns the rows.
+    """Write ``path``, a ``(rows, seq_len)`` int32 ``.npy`` file of the rows ``fill`` appends,
+    atomically and durably, its header last; returns the rows.
 
     Raises:
         DataError: fewer than ``min_rows`` rows (the message is ``too_few(rows)``); and whatever

@@ -1,11 +1,7 @@
-"""What the planner asks of every task: its model and a batch maker, without a run.
-
-:meth:`hetseq_hpc.tasks.Task.planning_model` returns a :class:`PlanningModel`; the planner
-(:mod:`hetseq_hpc.plan.model_info`) reads the model's parameters, FLOPs and activation memory
-from it and times the batch maker. The default, :func:`from_data`, prepares and loads the task's
-data as a run would (a model whose shape depends on its data: classes, vocabulary) and builds
-real training batches; a task that knows its model from its config alone (BERT) builds it
-without data, on the ``meta`` device when nothing is measured.
+"""What the planner asks of every task (:meth:`hetseq_hpc.tasks.Task.planning_model`): its model
+and a batch maker, whose parameters, FLOPs and activations :mod:`hetseq_hpc.plan.model_info`
+measures. The default, :func:`from_data`, prepares and loads the data as a run would; BERT builds
+its model from its config alone.
 """
 
 from __future__ import annotations
@@ -21,16 +17,9 @@ from hetseq_hpc.tasks.contract import checked_batch
 
 @dataclass(frozen=True)
 class EncoderShape:
-    """A transformer encoder's shape, from which the planner counts its memory traffic
-    (:func:`hetseq_hpc.plan.perf_model.transformer_accesses`).
-
-    Attributes:
-        name: the model's name in the plan (``"BERT"``).
-        layers / hidden / heads / intermediate: the encoder's shape.
-        seq_len: tokens per sample.
-        fused_attention: the attention is one fused kernel on a GPU
-            (``scaled_dot_product_attention``), which never writes its scores.
-    """
+    """A transformer encoder's shape, named as the plan prints it, whose memory traffic the
+    planner counts (:func:`hetseq_hpc.plan.perf_model.transformer_accesses`); ``fused_attention``:
+    one kernel on a GPU (``scaled_dot_product_attention``) that never writes the scores."""
 
     name: str
     layers: int
@@ -43,18 +32,10 @@ class EncoderShape:
 
 @dataclass
 class PlanningModel:
-    """A task's model as the planner measures it.
-
-    Attributes:
-        model: the task's model (its ``forward(**batch)`` the summed loss); on the ``meta``
-            device when the planner measures nothing but its size.
-        make_batch: ``n -> `` a training batch of ``n`` samples (fewer when the data holds
-            fewer), as :meth:`Task.make_batch` returns it.
-        vocab_size: the vocabulary the plan prints (0: none).
-        notes: lines the plan prints about where the model came from.
-        encoder: its transformer encoder's shape, when memory traffic should be counted from it
-            rather than from the measured activations.
-    """
+    """A task's model as the planner measures it: ``model`` (may be on the ``meta`` device when
+    nothing runs), ``make_batch`` (``n ->`` a training batch of up to ``n`` samples), the
+    ``vocab_size`` and ``notes`` the plan prints, and the ``encoder`` shape to count memory
+    traffic from (else it comes from the measured activations)."""
 
     model: nn.Module
     make_batch: Callable[[int], Dict[str, torch.Tensor]]
@@ -64,9 +45,8 @@ class PlanningModel:
 
 
 def from_data(task: Any) -> PlanningModel:
-    """The default of :meth:`Task.planning_model`: ``task.prepare()`` (its cache, as a run would
-    build it), ``task.load()``, the model built under ``torch.manual_seed(0)``, and training
-    batches of positions ``0 .. n-1`` of epoch 0, checked against the task contract.
+    """The default of :meth:`Task.planning_model`: ``prepare()``, ``load()``, the model built
+    under ``torch.manual_seed(0)``, and checked training batches of positions ``0 .. n-1``.
 
     Raises:
         ConfigError / DataError: the task's data cannot be found or read.

@@ -1,10 +1,5 @@
-"""A sample's place in the data, shared by the built-in tasks: the fixed train/validation split,
-the random generator of one sample, and BERT's masking (``task=bert`` and ``task=hf``'s masked
-LM).
-
-Every random choice about a sample is drawn from ``default_rng([seed, epoch, split, index])``:
-a pure function of the sample, never of the rank or the world size, so any cut of a global
-batch into micro-batches gives the same rows.
+"""What the built-in tasks do with a sample: the fixed train/validation split, the sample's own
+random generator (a function of the sample, never of the rank), BERT's masking.
 """
 
 from __future__ import annotations
@@ -42,20 +37,11 @@ def mask_tokens(
     mask_id: int,
     random_ids: Tuple[int, int],
 ) -> Tuple[np.ndarray, np.ndarray]:
-    """BERT's masking of one row (Devlin et al., 2019, section 3.1): each maskable token is
-    selected with probability ``mask_prob`` (one of ``maskable``, else of ``fallback``, when
-    none is); a selected token becomes ``mask_id`` 80% of the time, a random id in
-    ``[random_ids[0], random_ids[1])`` 10%, and stays 10%.
-
-    Args:
-        rng: the sample's generator (:func:`sample_rng`).
-        row: ``(T,)`` int64 token ids.
-        maskable / fallback: ``(T,)`` bool, the positions that may be selected.
-
-    Returns:
-        ``(input_ids, labels)``: two ``(T,)`` int64 arrays; labels are :data:`IGNORE_INDEX`
-        where no prediction is made. At least one token is always selected.
-    """
+    """BERT's masking of one ``(T,)`` int64 row (Devlin et al., 2019, section 3.1): each of the
+    ``maskable`` positions is selected with probability ``mask_prob`` (one at least, of
+    ``fallback`` when none is maskable); a selected token becomes ``mask_id`` 80% of the time, a
+    random id of ``range(*random_ids)`` 10%, and stays 10%. Returns ``(input_ids, labels)``, two
+    ``(T,)`` int64 arrays, labels :data:`IGNORE_INDEX` where nothing is predicted."""
     size = row.shape[0]
     selected = (rng.random(size) < mask_prob) & maskable
     if not selected.any():

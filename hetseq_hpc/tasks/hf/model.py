@@ -24,8 +24,8 @@ from torch import nn
 
 from hetseq_hpc.errors import ConfigError
 from hetseq_hpc.tasks.hf.model_files import check_no_custom_code, check_weights
+from hetseq_hpc.tasks.samples import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 #: a config attribute holds a dropout probability when its name ends in one of these (BERT's
 #: hidden_dropout_prob, GPT-2's resid_pdrop, T5's dropout_rate, GPT-Neo's resid_dropout,
 #: DeBERTa's pooler_dropout, Llama's attention_dropout, ...) and its value is a float

@@ -30,12 +30,12 @@ from hetseq_hpc.tasks.cache import TaskCache, cache_key
 from hetseq_hpc.tasks.hf.records import records
 from hetseq_hpc.tasks.hf.token_cache import backend_encoder, pad_id_of
 from hetseq_hpc.tasks.packing import pad_rows
+from hetseq_hpc.tasks.samples import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 
 #: bump when the layout changes, so old caches are not reused
 SEQ2SEQ_CACHE_FORMAT = 1
-IGNORE_INDEX = -100
 ARRAYS = ("source", "target", "source_len", "target_len")
 
 

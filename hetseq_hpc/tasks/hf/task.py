@@ -20,7 +20,6 @@ from hetseq_hpc.tasks.cache import cache_root
 from hetseq_hpc.tasks.hf.checks import check_model_fits_kind
 from hetseq_hpc.tasks.hf.export import fit_classifier_config
 from hetseq_hpc.tasks.hf.model import (
-    IGNORE_INDEX,
     SummedLossModel,
     build_hf_model,
     load_hf_config,
@@ -38,7 +37,7 @@ from hetseq_hpc.tasks.hf.seq2seq import (
     seq2seq_cache_key,
 )
 from hetseq_hpc.tasks.hf.token_cache import build_hf_cache, hf_cache_key, open_hf_cache
-from hetseq_hpc.tasks.samples import fixed_split, mask_tokens, sample_rng
+from hetseq_hpc.tasks.samples import IGNORE_INDEX, fixed_split, mask_tokens, sample_rng
 
 UNIT_NAMES = {
     "causal_lm": "predicted tokens",
