@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Packaging check (issue 21): build the wheel, install it (NOT editable) into a fresh venv, and
 # run a 5-step job from a folder outside the checkout, so that the package finds every config
-# group through its own copy of conf/ (hetseq_hpc/conf is a link to ../conf in the checkout).
+# group through its own copy of conf/ (package data: hetseq_hpc/conf/, which the checkout's conf/
+# links to).
 #
 #   bash scripts/check_wheel.sh            # exit 0 when the installed wheel trains
 #
