@@ -1,192 +1,218 @@
-"""The one Hydra entry point (``hetseq-hpc run`` of a new run): pre-check, then Hydra.
+"""Hydra's part of ``hetseq-hpc run``: the run directory and ``.hydra/`` of a new run, sweeps
+(``-m``, with Hydra's sweeper and launcher plugins), and Hydra's own flags.
 
-:func:`run_with_hydra` composes ``conf/`` with the command-line overrides and validates the
-whole configuration once before Hydra does (nothing is created on a bad value), then starts
-Hydra's ``@hydra.main`` function, which validates again and hands the run to its launcher
-(:mod:`hetseq_hpc.cli.dispatch`). Errors are one line (:data:`hetseq_hpc.errors.EXIT_CODES`).
+Hydra is started on the composition that was checked (:func:`hydra_app`: the
+:class:`~hetseq_hpc.config.composer.Composer` becomes Hydra's config loader, so nothing is
+composed twice). Hydra's task function is a :class:`NewRunJob` (a new run, already validated)
+or a :class:`ComposedJob` (a point of a sweep, or a run under Hydra's flags, validated as it
+starts); both hand the run to its launcher (:mod:`hetseq_hpc.cli.dispatch`). Errors are one
+line (:data:`hetseq_hpc.errors.EXIT_CODES`). Design: docs/design/configuration.md.
 """
 
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, NoReturn, Optional, Tuple
+from typing import Any, Iterator, List, Sequence, Tuple
 
-import hydra
+from hydra import initialize_config_dir, version
+
+# @hydra.main reads sys.argv; the entry point behind it reads a parsed command line (hydra-core
+# is pinned below 1.4, where these two are)
+from hydra._internal.utils import _run_hydra, get_args_parser
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from hetseq_hpc.cli.dispatch import dispatch_or_exit
-from hetseq_hpc.cli.overrides import run_dir_override, run_dir_problem, run_dir_refusal
-from hetseq_hpc.cli.preflight import (
-    check_model_fits,
-    check_resume,
-    check_task_code,
-    refuse_rewinding_a_finished_run,
-    say_if_finished,
-)
-from hetseq_hpc.config import (
-    CONF_DIR,
-    RunConfig,
-    compose_run_config,
-    register_configs,
-    to_run_config,
-)
-from hetseq_hpc.config.compose import (
-    apply_empty_dict_overrides,
-    apply_partition_overrides,
-    split_partition_overrides,
-)
-from hetseq_hpc.errors import ConfigError, HetseqError, report_error
-from hetseq_hpc.rundir.lock import acquire
+from hetseq_hpc.cli.overrides import CommandLine
+from hetseq_hpc.cli.preflight import check_task_code
+from hetseq_hpc.config import RunConfig, register_configs, to_run_config
+from hetseq_hpc.config.compose import job_config, split_partition_overrides
+from hetseq_hpc.config.composer import Composer
+from hetseq_hpc.config.conf_dir import CONF_DIR, CONFIG_NAME, VERSION_BASE
+from hetseq_hpc.config.keys import describe_omegaconf_error
+from hetseq_hpc.errors import ConfigError, report_error
 from hetseq_hpc.rundir.logs import guard_log_files
+from hetseq_hpc.rundir.paths import RunDir
 
-#: whether the run directory existed before Hydra started (set by :func:`run_with_hydra`)
-_RUN_DIR_EXISTED = False
-#: whole partitions from the command line, applied after Hydra composed (set by run_with_hydra)
-_PARTITIONS: List[Tuple[str, str]] = []
-
-
-@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> Any:
-    hydra_cfg = HydraConfig.get()
-    guard_log_files()  # Hydra's cli.log: a full disk cannot fail the launcher through it
-    run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
-    new_dir = not _RUN_DIR_EXISTED
-    try:
-        apply_empty_dict_overrides(cfg, list(hydra_cfg.overrides.task))
-        apply_partition_overrides(cfg, _PARTITIONS)
-        run = to_run_config(cfg)
-    except ConfigError as exc:
-        sys.exit(report_error(exc))
-    return dispatch_or_exit(run, run_dir, new_dir)
-
-
-def exit_one_line(exc: BaseException) -> NoReturn:
-    """Exit with the one ``hetseq-hpc: error:`` line of a pre-check's error: a
-    :class:`HetseqError` as it is (a bad value 2; a checkpoint that is missing or does not fit
-    1), a Hydra parser error (a malformed override) as a :class:`ConfigError` on one line."""
-    if not isinstance(exc, HetseqError):
-        exc = ConfigError(" ".join(str(exc).split()) or type(exc).__name__)
-    sys.exit(report_error(exc))
-
-
-def precheck_overrides(argv: List[str]) -> Optional[RunConfig]:
-    """Compose and validate the config once before Hydra does, so that a bad override (unknown
-    key, wrong type, out-of-range value, missing group option) or an unwritable
-    ``hydra.run.dir`` is one ``hetseq-hpc: error:`` line with exit code 2 instead of Hydra's
-    multi-line report, and nothing is created. Skipped for multirun and Hydra's own flags, which
-    Hydra handles.
-
-    Returns:
-        The validated run, or None for multirun and Hydra's flags.
-    """
-    if any(arg.startswith("-") for arg in argv):
-        if any(arg in MULTIRUN_FLAGS for arg in argv) and all(
-            arg in MULTIRUN_FLAGS or not arg.startswith("-") for arg in argv
-        ):
-            precheck_sweep([arg for arg in argv if arg not in MULTIRUN_FLAGS])
-        return None
-    overrides = [a for a in argv if not a.lstrip("+~").startswith("hydra.")]
-    try:
-        run = compose_run_config(overrides)
-        check_task_code(run)
-        check_model_fits(run)  # from the parameter count: nothing is built
-        run_dir = run_dir_override(argv)
-        problem = run_dir_problem(run_dir)
-        if problem:
-            raise run_dir_refusal(run_dir, problem)
-        check_resume(run, Path(run_dir) if run_dir != "." else None)
-    except (HetseqError, HydraException) as exc:
-        exit_one_line(exc)
-    return run
-
-
-#: Hydra's flags for a sweep (one job per point)
-MULTIRUN_FLAGS = ("-m", "--multirun")
-#: most configurations :func:`precheck_sweep` composes
+#: most sweep points :func:`check_sweep` composes and validates before Hydra starts
 MAX_SWEEP_CHECKS = 64
+#: what Hydra writes into a job's directory before the task function starts
+HYDRA_FILES = frozenset({".hydra", RunDir("").cli_log.name})
 
 
-def precheck_sweep(argv: List[str]) -> None:
-    """``-m`` (multirun): compose and validate every value of every swept override (each with
-    the other sweeps at their first value, at most :data:`MAX_SWEEP_CHECKS` configurations: every
-    one is a point of the grid), so that a bad value is one ``hetseq-hpc: error:`` line with
-    exit code 2 naming it, before Hydra starts (it refused the sweep with a multi-line report).
-    Sweeps Hydra cannot enumerate (``interval(...)``, for optimizers) are left to it.
+@contextmanager
+def hydra_app(composer: Composer) -> Iterator[Any]:
+    """Hydra's application on ``conf/`` (as ``@hydra.main`` sets it up) whose config loader is
+    ``composer``: what Hydra composes for a run, a sweep or a sweep point is ``composer``'s
+    composition, made once. Yields Hydra's ``Hydra`` object (``.run``, ``.multirun``)."""
+    with initialize_config_dir(config_dir=str(composer.config_dir), version_base=VERSION_BASE):
+        hydra = GlobalHydra.instance().hydra
+        assert hydra is not None
+        hydra.config_loader = composer
+        yield hydra
+
+
+@dataclass(frozen=True)
+class NewRunJob:
+    """Hydra's task function of a new run validated before Hydra started (Hydra has just made
+    its directory and written ``.hydra/``): hand ``run`` to its launcher.
+
+    Args:
+        run: the validated configuration (:func:`hetseq_hpc.cli.load.load_run`).
+        new_dir: the run directory did not exist before this command (a SLURM submission
+            refused before anything was submitted removes it).
     """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    overrides = [a for a in argv if not a.lstrip("+~").startswith("hydra.")]
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-        values = [
-            list(o.sweep_string_iterator()) if o.is_sweep_override() else None for o in parsed
-        ]
-    except HydraException:
-        return  # Hydra reports what it cannot parse or enumerate
-    firsts = [
-        f"{o.get_key_element()}={v[0]}" if v else text
-        for o, v, text in zip(parsed, values, overrides)
-    ]
+    run: RunConfig
+    new_dir: bool
+
+    def __call__(self, cfg: DictConfig) -> Any:
+        """Start the run (``cfg`` is Hydra's copy of the same composition)."""
+        guard_log_files()  # Hydra's cli.log: a full disk cannot fail the launcher through it
+        run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
+        return dispatch_or_exit(self.run, run_dir, self.new_dir)
+
+
+@dataclass(frozen=True)
+class ComposedJob:
+    """Hydra's task function of a run Hydra composed (a sweep point, or a run under Hydra's
+    flags): validate ``cfg`` with the job's overrides (no composing), then hand it to its
+    launcher. Picklable, for launcher plugins that run jobs elsewhere.
+
+    Args:
+        partitions: whole partitions of the command line (``+cluster.partitions.x={...}``),
+            which Hydra cannot compose: added to every job's configuration.
+    """
+
+    partitions: Tuple[Tuple[str, str], ...] = ()
+
+    def __call__(self, cfg: DictConfig) -> Any:
+        """Validate and start the job's run; a bad value exits with its one line."""
+        hydra_cfg = HydraConfig.get()
+        guard_log_files()
+        run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
+        try:
+            run = to_run_config(job_config(cfg, list(hydra_cfg.overrides.task), self.partitions))
+        except ConfigError as exc:
+            sys.exit(report_error(exc))
+        # nothing but what Hydra just wrote: a directory of this job (removed when a SLURM
+        # submission is refused), not an earlier run's
+        new_dir = {p.name for p in run_dir.iterdir()} <= HYDRA_FILES
+        return dispatch_or_exit(run, run_dir, new_dir)
+
+
+def start_with_hydra(composer: Composer, overrides: Sequence[str], job: NewRunJob) -> None:
+    """Start the new run whose command line ``overrides`` (Hydra's, ``hydra.mode=RUN``
+    included) ``composer`` composed: Hydra makes its directory, writes ``.hydra/`` and
+    ``cli.log`` as for any Hydra application, then calls ``job``."""
+    with hydra_app(composer) as hydra:
+        hydra.run(config_name=CONFIG_NAME, task_function=job, overrides=list(overrides))
+
+
+def sweep_points(master: DictConfig, loader: Composer) -> List[List[str]]:
+    """The points of the grid that :func:`check_sweep` checks, written as Hydra's basic
+    sweeper writes them (``hydra.sweeper.params`` first, then the command line's overrides;
+    ``BasicSweeper.split_arguments``): every override at its first value, then each other value
+    of each swept override with the rest at their first.
+
+    Raises:
+        HydraException: a sweep the basic sweeper cannot enumerate (``interval(...)``).
+    """
+    params = OmegaConf.select(master, "hydra.sweeper.params", default=None) or {}
+    arguments = [f"{k}={v}" for k, v in params.items()]
+    arguments += [str(o) for o in master.hydra.overrides.task]
+    values = {}  # key -> its values as "key=value", in the sweeper's order (the last one wins)
+    for override in OverridesParser.create(config_loader=loader).parse_overrides(arguments):
+        key = override.get_key_element()
+        if not override.is_sweep_override():
+            values[key] = [f"{key}={override.get_value_element_as_str()}"]
+        elif override.is_discrete_sweep():
+            values[key] = [f"{key}={v}" for v in override.sweep_string_iterator()]
+        else:
+            raise HydraException(f"{override.input_line} is not a discrete sweep")
+    lists = [v for v in values.values() if v]
+    firsts = [v[0] for v in lists]
     points = [firsts]
-    for i, (override, swept) in enumerate(zip(parsed, values)):
-        for value in (swept or [])[1:]:
-            points.append([*firsts[:i], f"{override.get_key_element()}={value}", *firsts[i + 1 :]])
-    try:
-        for point in points[:MAX_SWEEP_CHECKS]:
-            check_task_code(compose_run_config(point))
-    except (HetseqError, HydraException) as exc:
-        exit_one_line(exc)
+    for i, swept in enumerate(lists):
+        points += [[*firsts[:i], value, *firsts[i + 1 :]] for value in swept[1:]]
+    return points
 
 
-def default_run_dir() -> str:
-    """Hydra's default run directory (``hydra.run.dir`` of ``conf/config.yaml``, e.g.
-    ``outputs/<date>/<time>``) resolved now, as Hydra would resolve it."""
-    from hydra.core.utils import setup_globals
+def check_sweep(
+    composer: Composer, overrides: Sequence[str], partitions: Sequence[Tuple[str, str]]
+) -> None:
+    """``-m``: compose the sweep, then compose and validate each value of each swept override
+    (:func:`sweep_points`, at most :data:`MAX_SWEEP_CHECKS`) before Hydra starts, so that a bad
+    value is one ``hetseq-hpc: error:`` line with exit code 2 naming it and no sweep directory
+    is made. Hydra's sweeper and launcher then get these compositions from ``composer``.
+    Sweeps the basic sweeper cannot enumerate (``interval(...)``, for optimizers) are left to
+    the sweeper; each job still validates its own configuration.
 
-    setup_globals()  # Hydra's resolvers (${now:...})
-    return str(OmegaConf.load(CONF_DIR / "config.yaml").hydra.run.dir)
-
-
-def run_with_hydra(argv: List[str]) -> None:
-    """Pre-check ``argv`` (Hydra overrides and flags), then start Hydra's entry point on it.
-
-    A single run takes the run directory's lock first (:func:`hetseq_hpc.rundir.lock.acquire`,
-    the default directory resolved here so the lock and Hydra agree on it): a directory in use
-    by another run is refused in one line before Hydra writes ``.hydra/`` or anything else, and
-    the launcher then holds the same lock. A run with nothing left to train (a finished run
-    re-run: :func:`~hetseq_hpc.cli.preflight.say_if_finished`) says so and starts nothing.
+    Raises:
+        ConfigError: a value that does not compose or validate (one line).
     """
-    global _RUN_DIR_EXISTED, _PARTITIONS
+    try:
+        master = composer.load_configuration(CONFIG_NAME, list(overrides), RunMode.MULTIRUN)
+        try:
+            points = sweep_points(master, composer)
+        except HydraException:
+            return  # the sweeper reports what it cannot enumerate
+        for point in points[:MAX_SWEEP_CHECKS]:
+            cfg = composer.load_sweep_config(master, point)
+            task = list(cfg.hydra.overrides.task)
+            check_task_code(to_run_config(job_config(cfg, task, partitions)))
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError(describe_omegaconf_error(exc)) from None
+
+
+def run_sweep(cmd: CommandLine) -> int:
+    """``-m``: every point checked first (:func:`check_sweep`), then Hydra's sweeper and
+    launcher (plugins included: ``hydra/sweeper=...``, ``hydra/launcher=...``) run one
+    :class:`ComposedJob` per point, on the compositions already made.
+
+    Raises:
+        ConfigError: a bad value of any point checked (nothing is made), or one Hydra rejects.
+    """
+    overrides, partitions = split_partition_overrides(cmd.plain)
+    if not any(a.lstrip("+").startswith("hydra.mode=") for a in overrides):
+        overrides.append("hydra.mode=MULTIRUN")  # as Hydra's own entry point adds it
+    composer = Composer()
+    check_sweep(composer, overrides, partitions)
+    try:
+        with hydra_app(composer) as hydra:
+            hydra.multirun(
+                config_name=CONFIG_NAME,
+                task_function=ComposedJob(tuple(partitions)),
+                overrides=overrides,
+            )
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError(describe_omegaconf_error(exc)) from None
+    return 0
+
+
+def run_hydra_flags(cmd: CommandLine) -> int:
+    """A command line with Hydra's flags: a sweep (only ``-m``: :func:`run_sweep`), or any
+    other (``--cfg job``, ``--info``, ``--hydra-help``, ``-cd DIR``, ...) handed to Hydra's
+    own entry point as it is, with a :class:`ComposedJob` as the task function."""
+    if cmd.sweep:
+        return run_sweep(cmd)
+    argv, partitions = split_partition_overrides(list(cmd.argv))
     register_configs()
-    run = precheck_overrides(argv)
-    argv, _PARTITIONS = split_partition_overrides(argv)
-    if run is None:  # multirun, Hydra's flags: Hydra decides the directories
-        explicit = any(a.lstrip("+").startswith("hydra.run.dir=") for a in argv)
-        _RUN_DIR_EXISTED = explicit and Path(run_dir_override(argv)).expanduser().exists()
-        sys.argv = [sys.argv[0], *argv]
-        _hydra_main()
-        return
-    if not any(a.lstrip("+").startswith("hydra.run.dir=") for a in argv):
-        argv = [*argv, f"hydra.run.dir={default_run_dir()}"]
-    run_dir = Path(run_dir_override(argv)).expanduser()
-    _RUN_DIR_EXISTED = run_dir.exists()
-    # a new directory can only hold nothing to train through a trainer.resume file: said
-    # before the directory is created
-    if not _RUN_DIR_EXISTED and say_if_finished(run, run_dir):
-        return
-    try:
-        lock = acquire(run_dir)
-    except HetseqError as exc:
-        exit_one_line(exc)
-    try:
-        if _RUN_DIR_EXISTED:
-            refuse_rewinding_a_finished_run(run, run_dir)
-            if say_if_finished(run, run_dir):
-                return
-        sys.argv = [sys.argv[0], *argv]
-        _hydra_main()
-    finally:
-        lock.release()
+    version.setbase(VERSION_BASE)
+    parser = get_args_parser()
+    _run_hydra(
+        args=parser.parse_args(argv),
+        args_parser=parser,
+        task_function=ComposedJob(tuple(partitions)),
+        config_path=str(CONF_DIR),
+        config_name=CONFIG_NAME,
+    )
+    return 0

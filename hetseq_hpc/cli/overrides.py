@@ -1,11 +1,15 @@
-"""Reading the command line's Hydra overrides before Hydra runs: keys, values, the run
-directory, and the options of the config groups. Nothing is composed, imported or written."""
+"""Reading the command line before Hydra runs, once (:class:`CommandLine`): Hydra's flags, the
+run's overrides apart from Hydra's own, the run directory; and the options of the config
+groups. Nothing is composed, imported or written."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
+from hetseq_hpc.config.compose import is_hydra_override
+from hetseq_hpc.config.conf_dir import CONF_DIR
 from hetseq_hpc.errors import ConfigError
 from hetseq_hpc.files.user_input import folder_problem
 from hetseq_hpc.rundir.storage import filesystem_problem
@@ -17,8 +21,6 @@ GROUPS = ("task", "cluster", "trainer", "balance", "comm", "precision", "shardin
 def group_options(group: str) -> List[str]:
     """The options of a config group: the YAML files in ``conf/<group>/`` (never the
     ``*_schema`` nodes, which only the YAML files build on)."""
-    from hetseq_hpc.config import CONF_DIR
-
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
@@ -54,16 +56,72 @@ def override_value(overrides: Sequence[str], key: str) -> Any:
     return OverridesParser.create().parse_overrides(wanted[-1:])[0].value()
 
 
-def run_dir_override(argv: Sequence[str]) -> str:
-    """The value of the last ``hydra.run.dir=`` override (Hydra's grammar, quotes removed), else
-    the working directory (the default run directory lies below it)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+#: Hydra's flags for a sweep (one job per point)
+MULTIRUN_FLAGS = ("-m", "--multirun")
 
-    wanted = [a for a in argv if a.lstrip("+").startswith("hydra.run.dir=")]
-    if not wanted:
-        return "."
-    parsed = OverridesParser.create().parse_overrides(wanted[-1:])
-    return str(parsed[0].value())
+
+@dataclass(frozen=True)
+class CommandLine:
+    """One ``hetseq-hpc run`` command line, read once (nothing composed or written).
+
+    Attributes:
+        argv: the command line as given (Hydra's flags, overrides), in order.
+        flags: Hydra's flags (``-m``, ``--cfg``, ...).
+        overrides: the run's own overrides (``key=value``, ``group=option``), in order.
+        hydra: Hydra's own overrides (``hydra.run.dir=...``, ``hydra/launcher=...``), in order.
+        run_dir: the last ``hydra.run.dir`` value (Hydra's grammar, quotes removed), or None.
+    """
+
+    argv: Tuple[str, ...]
+    flags: Tuple[str, ...]
+    overrides: Tuple[str, ...]
+    hydra: Tuple[str, ...]
+    run_dir: Optional[str]
+
+    @classmethod
+    def parse(cls, argv: Sequence[str]) -> CommandLine:
+        """Split ``argv``; Hydra parses the ``hydra.run.dir`` value.
+
+        Raises:
+            ConfigError: a ``hydra.run.dir`` value Hydra's grammar rejects (one line).
+        """
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from hydra.errors import HydraException
+
+        argv = tuple(argv)
+        plain = [a for a in argv if not a.startswith("-")]
+        hydra = tuple(a for a in plain if is_hydra_override(a))
+        wanted = [a for a in hydra if a.lstrip("+").startswith("hydra.run.dir=")]
+        run_dir = None
+        if wanted:
+            try:
+                run_dir = str(OverridesParser.create().parse_overrides(wanted[-1:])[0].value())
+            except HydraException as exc:
+                raise ConfigError(" ".join(str(exc).split()) or type(exc).__name__) from None
+        return cls(
+            argv=argv,
+            flags=tuple(a for a in argv if a.startswith("-")),
+            overrides=tuple(a for a in plain if not is_hydra_override(a)),
+            hydra=hydra,
+            run_dir=run_dir,
+        )
+
+    @property
+    def plain(self) -> List[str]:
+        """Every override, the run's and Hydra's, in the order given (the flags left out)."""
+        return [a for a in self.argv if not a.startswith("-")]
+
+    @property
+    def sweep(self) -> bool:
+        """A sweep of the basic kind: ``-m`` (or ``hydra.mode=MULTIRUN``) and no other flag."""
+        multirun = any(f in MULTIRUN_FLAGS for f in self.flags) or any(
+            a.lstrip("+") == "hydra.mode=MULTIRUN" for a in self.hydra
+        )
+        return multirun and all(f in MULTIRUN_FLAGS for f in self.flags)
+
+    def value(self, key: str) -> Any:
+        """The value the command line gives the run's ``key`` (:func:`override_value`)."""
+        return override_value(self.overrides, key)
 
 
 def run_dir_problem(path: str) -> Optional[str]:

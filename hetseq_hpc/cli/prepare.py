@@ -25,15 +25,15 @@ def prepare_command(overrides: Sequence[str]) -> str:
             cannot be written (full disk, read-only, a file in its place): one line with the
             path and the fix, and nothing half-written that a run would trust.
     """
-    from hetseq_hpc.cli.run import refuse_internal_options
-    from hetseq_hpc.config import compose_run_config
+    from hetseq_hpc.cli.overrides import refuse_internal_options
+    from hetseq_hpc.config.compose import compose_run_config, run_overrides
     from hetseq_hpc.tasks import build_task
     from hetseq_hpc.tasks.cache import TaskCache
     from hetseq_hpc.tasks.prepare_errors import prepare_task
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     refuse_internal_options(overrides)
-    run = compose_run_config([o for o in overrides if not o.startswith("hydra.")])
+    run = compose_run_config(run_overrides(overrides))
     task = build_task(run.task, run.trainer.seed)
     where = getattr(task, "directory", None)
     if where is not None and TaskCache(Path(where)).is_complete():  # every built-in cache's

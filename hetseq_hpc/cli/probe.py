@@ -146,12 +146,12 @@ def probe_command(
         ConfigError: a bad override, an ``--out`` that cannot be written, or ``--append`` to a
             file that is not a probe file.
     """
-    from hetseq_hpc.cli.run import refuse_internal_options
-    from hetseq_hpc.config import compose_run_config
+    from hetseq_hpc.cli.overrides import refuse_internal_options
+    from hetseq_hpc.config.compose import compose_run_config, run_overrides
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     refuse_internal_options(overrides)
-    run = compose_run_config([o for o in overrides if not o.startswith("hydra.")])
+    run = compose_run_config(run_overrides(overrides))
     path = Path(out).expanduser() if out else default_out()
     earlier = check_out(path, append)
     ranks = earlier + probe_devices(run)

@@ -7,7 +7,8 @@
 - :mod:`~hetseq_hpc.config.aliases`: keys that moved between groups, still accepted;
   :mod:`~hetseq_hpc.config.schema`: :class:`RunConfig` and the Hydra ConfigStore registration;
 - :mod:`~hetseq_hpc.config.compose`: :func:`compose_run` / :func:`compose_run_config`, the one way
-  to compose ``conf/`` with overrides (CLI pre-check, planner, tests);
+  to compose ``conf/`` (package data) with overrides (command line, planner, tests), through
+  :mod:`~hetseq_hpc.config.composer` (Hydra's config loader, each command line once);
 - :mod:`~hetseq_hpc.config.keys`: unknown keys ("did you mean") and one-line type errors;
 - :mod:`~hetseq_hpc.config.validate`: checks that span groups (world size, data files).
 """
@@ -22,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hetseq_hpc.config.aliases import migrate_saved
 from hetseq_hpc.config.compose import compose_run, compose_run_config
+from hetseq_hpc.config.conf_dir import CONF_DIR
 from hetseq_hpc.config.keys import check_known_keys, describe_omegaconf_error
 from hetseq_hpc.config.schema import (
     CLUSTER_SCHEMAS,
@@ -43,9 +45,6 @@ from hetseq_hpc.config.validate import planned_world_size, validate_run_config
 from hetseq_hpc.errors import ConfigError
 from hetseq_hpc.files.atomic import atomic_write_text
 from hetseq_hpc.files.user_input import file_problem
-
-#: Directory of the YAML config groups (``conf/``; the package holds a link to it).
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 __all__ = [
     "CONF_DIR",

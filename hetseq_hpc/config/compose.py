@@ -1,14 +1,16 @@
-"""One way to compose ``conf/`` with overrides, for the CLI pre-check, the planner and the tests.
+"""One way to compose ``conf/`` with overrides, for the command line, the planner and the tests.
 
-:func:`compose_run` is Hydra's compose API (https://hydra.cc/docs/advanced/compose_api/) on
-``conf/config.yaml`` plus one correction: Hydra *merges* a dict override into the existing
-dict, so ``cluster.partitions={}`` used to change nothing; here (and in the CLI's Hydra
-entry point, through :func:`apply_empty_dict_overrides`) ``key={}`` empties the node, as
-written. :func:`compose_run_config` also validates the result into a :class:`RunConfig`.
+:func:`compose_run` is Hydra's composition (:class:`hetseq_hpc.config.composer.Composer`, the
+one place that composes) of ``conf/config.yaml`` plus two corrections (:func:`job_config`):
+Hydra *merges* a dict override into the existing dict, so ``cluster.partitions={}`` used to
+change nothing; here ``key={}`` empties the node, as written; and a whole new partition
+(``+cluster.partitions.xp={...}``), which Hydra cannot add, is added after it composed.
+:func:`compose_run_config` also validates the result into a :class:`RunConfig`.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple, Union
@@ -21,6 +23,19 @@ from hetseq_hpc.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
     from hetseq_hpc.config.schema import RunConfig
+
+
+def is_hydra_override(override: str) -> bool:
+    """Whether ``override`` sets Hydra's own configuration, as Hydra tells them apart
+    (``hydra.run.dir=runs/a``, ``hydra/launcher=joblib``), not the run's."""
+    key = override.lstrip("+~").partition("=")[0]
+    return key == "hydra" or key.startswith(("hydra.", "hydra/"))
+
+
+def run_overrides(argv: Sequence[str]) -> List[str]:
+    """The overrides of the run itself in a command line: Hydra's flags (``-m``) and Hydra's
+    own overrides (:func:`is_hydra_override`) left out, the order kept."""
+    return [a for a in argv if not a.startswith("-") and not is_hydra_override(a)]
 
 
 def apply_empty_dict_overrides(cfg: DictConfig, overrides: Sequence[str]) -> None:
@@ -147,63 +162,59 @@ def apply_partition_overrides(cfg: DictConfig, parts: Sequence[Tuple[str, str]])
             node[name] = merged
 
 
+def job_config(
+    cfg: DictConfig, overrides: Sequence[str], partitions: Sequence[Tuple[str, str]] = ()
+) -> DictConfig:
+    """A copy of Hydra's composition ``cfg`` as the run reads it: Hydra's node removed, then
+    every ``key={}`` of ``overrides`` emptied (:func:`apply_empty_dict_overrides`) and the whole
+    ``partitions`` added (:func:`apply_partition_overrides`). ``cfg`` stays as Hydra wrote it.
+
+    Raises:
+        ConfigError: an override or a partition that does not fit (one line).
+    """
+    job = copy.deepcopy(cfg)
+    if "hydra" in job:
+        with open_dict(job):
+            del job["hydra"]
+    apply_empty_dict_overrides(job, overrides)
+    apply_partition_overrides(job, partitions)
+    return job
+
+
 def _migrated(overrides: Sequence[str]) -> List[str]:
     from hetseq_hpc.config.aliases import migrate_overrides
 
     return list(migrate_overrides(overrides))
 
 
-def _compose(
-    overrides: Sequence[str],
-    config_dir: Optional[Union[str, Path]],
-    config_name: str,
-    with_hydra: bool = False,
-) -> DictConfig:
-    """Hydra's compose of ``<config_dir>/<config_name>.yaml`` (default: the package's
-    ``conf/``), with Hydra's own node when ``with_hydra``.
+def _compose(overrides: Sequence[str], config_dir: Optional[Union[str, Path]] = None) -> DictConfig:
+    """Hydra's composition of ``<config_dir>/config.yaml`` (default :data:`CONF_DIR`) with
+    ``overrides``, Hydra's node included (:meth:`Composer.compose
+    <hetseq_hpc.config.composer.Composer.compose>`).
 
     Raises:
         ConfigError: an unknown key or option, a bad value or override (one line).
     """
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
+    from hetseq_hpc.config.composer import Composer
 
-    from hetseq_hpc.config.schema import register_configs
-
-    if config_dir is None:
-        from hetseq_hpc.config import CONF_DIR
-
-        config_dir = CONF_DIR
-    register_configs()
-    try:
-        with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base="1.3"):
-            return compose(
-                config_name=config_name, overrides=list(overrides), return_hydra_config=with_hydra
-            )
-    except (HydraException, OmegaConfBaseException) as exc:
-        raise ConfigError(describe_omegaconf_error(exc)) from None
+    return Composer(config_dir).compose(overrides)
 
 
 def compose_run(
-    overrides: Sequence[str] = (),
-    config_dir: Optional[Union[str, Path]] = None,
-    config_name: str = "config",
+    overrides: Sequence[str] = (), config_dir: Optional[Union[str, Path]] = None
 ) -> DictConfig:
-    """Compose ``<config_dir>/<config_name>.yaml`` (default: the package's ``conf/``) with
-    ``overrides``, as ``python -m hetseq_hpc`` would, without starting anything.
+    """Compose ``<config_dir>/config.yaml`` (default: the package's ``conf/``) with
+    ``overrides``, as ``hetseq-hpc run`` would, without starting anything.
 
-    Must not run inside another Hydra context (``initialize_config_dir`` or a ``@hydra.main``
-    task function): Hydra has one global state.
+    Must not run inside another Hydra context (``initialize_config_dir`` or a Hydra task
+    function): Hydra has one global state.
 
     Raises:
         ConfigError: an unknown key or group option, a value of the wrong type, a bad override
             (one line, with the fix).
     """
     overrides, partitions = split_partition_overrides(_migrated(overrides))
-    cfg = _compose(overrides, config_dir, config_name)
-    apply_empty_dict_overrides(cfg, overrides)
-    apply_partition_overrides(cfg, partitions)
-    return cfg
+    return job_config(_compose(overrides, config_dir), overrides, partitions)
 
 
 def group_choices(
@@ -218,8 +229,9 @@ def group_choices(
         ConfigError: as :func:`compose_run`.
     """
     overrides, _ = split_partition_overrides(_migrated(overrides))
-    cfg = _compose(overrides, config_dir, "config", with_hydra=True)
+    cfg = _compose(overrides, config_dir)
     choices = OmegaConf.to_container(cfg.hydra.runtime.choices)
+    assert isinstance(choices, dict)
     return {
         str(group): str(option)
         for group, option in choices.items()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from typing import List, Optional, Sequence
 
-from hetseq_hpc.config.compose import group_choices
+from hetseq_hpc.config.compose import group_choices, is_hydra_override
 from hetseq_hpc.config.plan import plan_keys
 from hetseq_hpc.errors import ConfigError, report_error
 from hetseq_hpc.plan.planner import make_plan
@@ -39,9 +39,9 @@ def plan_overrides(argv: Sequence[str]) -> List[str]:
                 f"{arg!r} is not an option: pass Hydra overrides (key=value) and "
                 "plan.KEY=VALUE options; see --help"
             )
-        key = arg.lstrip("+~").partition("=")[0]
-        if key.startswith("hydra."):
+        if is_hydra_override(arg):
             continue
+        key = arg.lstrip("+~").partition("=")[0]
         if key.startswith("plan.") and key[len("plan.") :] not in plan_keys():
             known = ", ".join(f"plan.{k}" for k in plan_keys())
             raise ConfigError(f"{key} is not a planner option: use one of {known}")
