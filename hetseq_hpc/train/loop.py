@@ -222,7 +222,8 @@ class Trainer:
         self.resumed_from, self.saved_step = path, self.step
         if skipped:  # recorded in the first metrics.jsonl row
             self.resume_note = {"resume_fallback": {"bad": skipped, "used": path}}
-        if self.rank == 0:  # the report marks it: the split may change here
+        if self.rank == 0 and self.step < self.cfg.max_steps:  # the report marks it: the
+            # split may change here (a finished run is not resumed: its files stay as they are)
             append_event(
                 self.run_dir,
                 "resume",
