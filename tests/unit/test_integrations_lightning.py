@@ -1,0 +1,190 @@
+"""HetSeqStrategy's parts that need no second process: the refusals (each one line naming the
+setting and the fix), checked on real Lightning Trainers and modules; the tested-version gate;
+the het-job cluster environment against the environment a real Slurm 22.05 het job gives its
+tasks (docs/design/slurm-launch.md), next to Lightning's own SLURMEnvironment, which gets it
+wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hetseq_hpc.errors import ConfigError
+from tests.helpers.optional import import_or_skip
+
+L = import_or_skip("lightning", "lightning")
+
+from lightning.pytorch.plugins.environments import SLURMEnvironment  # noqa: E402
+from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+
+from examples.lightning_mlp import TinyClassifier  # noqa: E402
+from hetseq_hpc.integrations.cluster import HetJobEnvironment, launched_for_us  # noqa: E402
+from hetseq_hpc.integrations.lightning import (  # noqa: E402
+    HetSeqStrategy,
+    check_lightning_version,
+    step_loss,
+)
+
+#: task 2 of a het job: component 0 = 1 task on n3, component 1 = 2 tasks on n1 (the merged
+#: list is sorted by name, so it starts with n1, where rank 0 does NOT run)
+HET_TASK_2 = {
+    "SLURM_JOB_ID": "17",
+    "SLURM_STEP_ID": "0",
+    "SLURM_PROCID": "2",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "0",
+    "SLURM_NTASKS": "3",
+    "SLURM_NTASKS_PER_NODE": "1",
+    "SLURM_HET_SIZE": "2",
+    "SLURM_NTASKS_HET_GROUP_0": "1",
+    "SLURM_NTASKS_HET_GROUP_1": "2",
+    "SLURM_JOB_NODELIST": "n[1,3]",
+    "SLURM_NODELIST": "n[1,3]",
+    "SLURM_JOB_NODELIST_HET_GROUP_0": "n3",
+    "SLURM_JOB_NODELIST_HET_GROUP_1": "n1",
+    "SLURM_JOB_NAME": "hetseq",
+}
+
+
+def test_het_job_environment_names_rank_0s_node_where_lightnings_does_not(monkeypatch):
+    env = HetJobEnvironment(HET_TASK_2)
+    assert (env.global_rank(), env.local_rank(), env.world_size()) == (2, 1, 3)
+    assert env.main_address == "n3"  # het component 0's node: where rank 0 runs
+    assert env.main_port == 15000 + 17
+    assert env.creates_processes_externally
+    env.set_global_rank(0)  # node rank x devices + local rank: ignored
+    env.set_world_size(2)
+    assert (env.global_rank(), env.world_size()) == (2, 3)
+    env.validate_settings(num_devices=1, num_nodes=1)  # devices do not shape the world
+    for name in list(HET_TASK_2):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in HET_TASK_2.items():
+        monkeypatch.setenv(name, value)
+    assert SLURMEnvironment().main_address == "n1"  # Lightning's: the merged list's first node
+    assert launched_for_us()
+
+
+def test_one_task_asked_for_several_devices_is_refused():
+    single = {**HET_TASK_2, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "1"}
+    del single["SLURM_HET_SIZE"]
+    env = HetJobEnvironment(single)
+    with pytest.raises(ConfigError, match="devices=2, num_nodes=1 but the job started 1 task"):
+        env.validate_settings(num_devices=2, num_nodes=1)
+
+
+def test_torchrun_and_plain_scripts_keep_lightnings_environments():
+    assert not launched_for_us({"RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"})
+    assert not launched_for_us({"LOCAL_RANK": "1", "WORLD_SIZE": "2"})  # Lightning's children
+    assert not launched_for_us({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_ID": "5"})
+    assert launched_for_us({"RANK": "1", "WORLD_SIZE": "3"})
+
+
+def test_lightning_outside_the_tested_range_is_refused():
+    check_lightning_version("2.6.6")
+    with pytest.raises(
+        ConfigError,
+        match=r"lightning 2\.5\.0 is outside the range .*>=2\.6,<2\.7.*pip install 'hetseq_hpc\[lightning\]'",
+    ):
+        check_lightning_version("2.5.0")
+    with pytest.raises(ConfigError, match=r"lightning 2\.7\.0 is outside"):
+        check_lightning_version("2.7.0")
+
+
+def _trainer(module=None, **kwargs):
+    strategy = kwargs.pop("strategy", None) or HetSeqStrategy(global_batch_size=8)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **{"devices": 1, **kwargs},
+    )
+    trainer.strategy.connect(module or TinyClassifier())
+    return trainer
+
+
+class _WithBatchNorm(TinyClassifier):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 8), nn.BatchNorm1d(8), nn.Linear(8, 4))
+
+
+class _Manual(TinyClassifier):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class _BeforeTransfer(TinyClassifier):
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        return batch
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "module", "words"),
+    [
+        (
+            {"accumulate_grad_batches": 2},
+            None,
+            r"Trainer\(accumulate_grad_batches=2\) .* leave it at 1 and set global_batch_size",
+        ),
+        (
+            {"sync_batchnorm": True, "devices": 2},
+            None,
+            r"Trainer\(sync_batchnorm=True\) .* use nn\.GroupNorm or nn\.LayerNorm",
+        ),
+        (
+            {},
+            _WithBatchNorm,
+            r"model layer 'net\.1' is BatchNorm1d: .* HetSeqStrategy\(allow_batchnorm=True\)",
+        ),
+        ({}, _Manual, r"automatic_optimization=False .* use automatic optimisation"),
+        (
+            {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]},
+            None,
+            r"fp16 keeps one GradScaler per rank.*bf16-mixed",
+        ),
+        (
+            {},
+            _BeforeTransfer,
+            r"on_before_batch_transfer .* move it into the DataLoader's collate_fn",
+        ),
+    ],
+)
+def test_what_uneven_exact_batches_cannot_do_is_refused_in_one_line(kwargs, module, words):
+    trainer = _trainer(module() if module else None, **kwargs)
+    with pytest.raises(ConfigError, match=words) as info:
+        trainer.strategy.refuse_unsupported(trainer)
+    assert "\n" not in str(info.value)
+
+
+def test_batchnorm_opt_out_and_a_clean_module_pass():
+    strategy = HetSeqStrategy(global_batch_size=8, allow_batchnorm=True)
+    trainer = _trainer(_WithBatchNorm(), strategy=strategy)
+    trainer.strategy.refuse_unsupported(trainer)
+    trainer = _trainer()
+    trainer.strategy.refuse_unsupported(trainer)
+
+
+def test_bad_strategy_arguments_are_refused_in_one_line():
+    with pytest.raises(
+        ConfigError,
+        match=r"HetSeqStrategy\(ddp_comm_hook=...\): the strategy registers its own SUM",
+    ):
+        HetSeqStrategy(global_batch_size=8, ddp_comm_hook=lambda s, b: None)
+    with pytest.raises(ConfigError, match="units_fn=3 is not callable"):
+        HetSeqStrategy(global_batch_size=8, units_fn=3)
+    with pytest.raises(ConfigError, match="global_batch_size='32' is invalid"):
+        HetSeqStrategy(global_batch_size="32")
+
+
+def test_a_micro_batch_that_returns_no_loss_is_refused():
+    assert step_loss({"loss": torch.tensor(1.0)}, "x").item() == 1.0
+    with pytest.raises(
+        ConfigError,
+        match=r"training_step returned NoneType for micro-batch 2: .* cannot be skipped on one rank alone",
+    ):
+        step_loss(None, "micro-batch 2")
