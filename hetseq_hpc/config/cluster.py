@@ -43,6 +43,12 @@ def _check_common(cfg: ClusterConfig) -> None:
             cfg.memory_budget_gb > 0,
             f"cluster.memory_budget_gb={cfg.memory_budget_gb} is invalid: it must be > 0 (GiB)",
         )
+    for i, word in enumerate(cfg.command):
+        require(
+            isinstance(word, str) and word != "" and not any(ord(c) < 32 for c in word),
+            f"cluster.command[{i}]={word!r} is invalid: give the per-rank command as a list of "
+            "non-empty words without control characters, e.g. 'cluster.command=[python,train.py]'",
+        )
 
 
 @dataclass
@@ -55,6 +61,10 @@ class ClusterConfig:
     collective_timeout_s: int = 300
     # per-rank memory budget in GiB for the micro-batch cap; null = RAM (CPU) or free GPU memory
     memory_budget_gb: Optional[float] = None
+    # every rank runs this command instead of hetseq_hpc's worker, e.g. [python, train.py]: a
+    # Lightning / Fabric / accelerate script using hetseq_hpc.integrations (docs/integrations.md);
+    # the launch, the checks and the sbatch script stay the same; empty = the worker
+    command: List[str] = field(default_factory=list)
 
     @property
     def is_local(self) -> bool:

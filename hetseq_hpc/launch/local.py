@@ -39,6 +39,7 @@ from hetseq_hpc.env.memcg import oom_evidence, oom_kill_counts
 from hetseq_hpc.env.rank_guard import LAUNCHER_PID_ENV
 from hetseq_hpc.env.world import free_port
 from hetseq_hpc.errors import ConfigError, LaunchError
+from hetseq_hpc.launch.command import command_env
 from hetseq_hpc.launch.failures import (
     first_failure,
     read_error_file,
@@ -394,9 +395,12 @@ def _launch(
         "--run-dir",
         str(run_dir),
     ]
+    if run.cluster.command:  # the user's script on every rank (hetseq_hpc.launch.command)
+        cmd = list(run.cluster.command)
+        envs = [command_env(str(run_dir), env) for env in envs]
     procs: List[subprocess.Popen] = []
     oom_before = oom_kill_counts()  # the ranks inherit this cgroup: did the OOM killer act?
-    job = ElasticJob.serve(run, envs)
+    job = None if run.cluster.command else ElasticJob.serve(run, envs)
     try:
         procs = _start(cmd, envs, pass_fds)
         codes = _watch(procs, poll_s, job)

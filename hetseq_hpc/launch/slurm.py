@@ -39,6 +39,7 @@ from hetseq_hpc.env.preemption import REQUEUE
 from hetseq_hpc.env.rank_guard import exit_at_shutdown, report_failure
 from hetseq_hpc.errors import ConfigError, LaunchError, Preempted, RankExcluded
 from hetseq_hpc.files.atomic import atomic_write_text
+from hetseq_hpc.launch.command import CommandJobFunction
 from hetseq_hpc.launch.failures import (
     STOP_RECORD,
     StopWatch,
@@ -194,9 +195,18 @@ class HetseqJobFunction:
 # ------------------------------------------------------------------------------ launch
 def elastic_job(run: RunConfig) -> bool:
     """Whether the job recovers from a lost rank in-job (``trainer.elastic.enabled``, more than
-    one rank; under FSDP by reloading the last checkpoint): its script then serves the job's
-    store and its step survives a task."""
-    return bool(run.trainer.elastic.enabled and run.cluster.world_size > 1)
+    one rank; under FSDP by reloading the last checkpoint; never for a ``cluster.command``
+    script): its script then serves the job's store and its step survives a task."""
+    return bool(
+        run.trainer.elastic.enabled and run.cluster.world_size > 1 and not run.cluster.command
+    )
+
+
+def job_function(run: RunConfig, config_path: str, run_dir: str) -> Any:
+    """What every task runs: the worker, or the user's ``cluster.command``."""
+    if run.cluster.command:
+        return CommandJobFunction(list(run.cluster.command), run_dir)
+    return HetseqJobFunction(config_path, run_dir)
 
 
 def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
@@ -229,7 +239,7 @@ def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
             stale.unlink(missing_ok=True)
         if cluster.dry_run:
             path = run_dir / "job.sbatch"
-            save_hand_submission(folder, HetseqJobFunction(str(config_path), str(run_dir)))
+            save_hand_submission(folder, job_function(run, str(config_path), str(run_dir)))
             atomic_write_text(path, script)
             print(
                 f"dry run: wrote {path} ({cluster.world_size} ranks over "
@@ -241,7 +251,7 @@ def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
     let_go(run_dir)  # also the command line's hold: the job's rank 0 takes the lock
     executor = HetSlurmExecutor(folder, cluster, elastic=elastic, run_dir=str(run_dir))
     before = summary_stamp(run_dir)  # a summary.json written from here on is this job's
-    job = executor.submit(HetseqJobFunction(str(config_path), str(run_dir)))
+    job = executor.submit(job_function(run, str(config_path), str(run_dir)))
     info = {
         "job_id": job.job_id,
         "folder": str(folder),
@@ -264,7 +274,8 @@ def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
     summary = wait_for_job(
         job, run_dir, cluster.world_size, stream=True, elastic=elastic, summary_before=before
     )
-    info["summary"] = summary
+    # a script's result is its exit, not a training summary of hetseq_hpc's worker
+    info["command_result" if cluster.command else "summary"] = summary
     return info
 
 

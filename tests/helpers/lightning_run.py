@@ -56,8 +56,12 @@ class Record(L.Callback):
             return
         strategy = trainer.strategy
         balancer = getattr(strategy, "balancer", None)
+        env = strategy.cluster_environment
+        world = getattr(env, "world", None)  # HetJobEnvironment's WorldInfo
         data = {
             "world": trainer.world_size,
+            "environment": type(env).__name__,
+            "het_size": world.het_size if world is not None else None,
             "losses": self.losses or self.logged,
             "logged": self.logged,
             "grad_norms": self.grad_norms,

@@ -184,3 +184,36 @@ def test_a_slowed_rank_moves_the_split_and_the_losses_still_match(runs):
     assert moves, f"no re-balancing: {slowed['decisions']}"
     assert moves[-1]["to"][1] < 32, moves  # the throttled rank 1 holds less than its half
     assert max(_diffs(slowed, reference).values()) < 1e-5, _diffs(slowed, reference)
+
+
+def test_hetseq_hpc_run_starts_the_script_on_every_rank_of_cluster_local(runs, tmp_path):
+    """``hetseq-hpc run cluster=local cluster.command=[...]``: the launcher, not Lightning,
+    starts the ranks (RANK/WORLD_SIZE: HetJobEnvironment), the script runs unchanged."""
+    out = tmp_path / "local.json"
+    command = [sys.executable, str(SCRIPT), "--devices", "1", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "hetseq_hpc", "run", "cluster=local", "cluster.ranks=2",
+            f"cluster.command=[{','.join(command)}]", f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    launched = json.loads(out.read_text())
+    assert launched["world"] == 2
+    assert max(_diffs(launched, runs("one")).values()) < 1e-6
+
+
+def test_a_failing_script_names_its_rank_exit_code_and_last_line(tmp_path):
+    from hetseq_hpc.errors import LaunchError
+    from hetseq_hpc.launch.command import CommandJobFunction
+
+    script = "import sys; print('loading'); print('ValueError: bad --lr'); sys.exit(3)"
+    function = CommandJobFunction([sys.executable, "-c", script], str(tmp_path))
+    with pytest.raises(LaunchError) as info:
+        function()
+    assert "exited with code 3 on rank 0: ValueError: bad --lr" in str(info.value)
+    error = json.loads((tmp_path / "logs" / "rank0.error.json").read_text())
+    assert "ValueError: bad --lr" in error["message"]
+    assert "loading" in (tmp_path / "logs" / "rank0.log").read_text()
