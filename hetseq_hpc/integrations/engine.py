@@ -12,7 +12,7 @@ import contextlib
 import logging
 import math
 import socket
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -37,6 +37,9 @@ from hetseq_hpc.errors import AllocationError, ConfigError
 from hetseq_hpc.train.sampler import GlobalBatchSampler
 
 log = logging.getLogger(__name__)
+
+#: one rank's table of logged values to combine over ranks: name -> (op, total, weight)
+Table = Dict[str, Tuple[str, float, float]]
 
 #: re-balancing interval (steps) of a measured split when ``rebalance_every`` is None (the
 #: native ``balance.rebalance_every`` default); never for a forced ``allocation``
@@ -291,6 +294,7 @@ class Balancer:
         self.rebalancer: Optional[Rebalancer] = None
         self.reports: List[RankReport] = []
         self.moves: List[Dict[str, Any]] = []
+        self._names: Optional[Tuple[str, ...]] = None  # the agreed layout of exchange()
 
     @property
     def rank(self) -> int:
@@ -398,12 +402,54 @@ class Balancer:
             )
         return allocation
 
-    def exchange(self, stats: StepStats, extra: Any = None) -> Tuple[List[StepStats], List[Any]]:
-        """Every rank's statistics of this step and its ``extra`` (picklable), in rank order:
-        ONE all-gather over the object group, the same count on every rank whatever its
-        number of micro-batches."""
-        gathered = self.rdv.all_gather_objects((stats, extra))
-        return [g[0] for g in gathered], [g[1] for g in gathered]
+    def exchange(
+        self, stats: StepStats, table: Optional[Table] = None
+    ) -> Tuple[List[StepStats], List[Table]]:
+        """Every rank's statistics of this step and its ``table`` of logged values
+        (name -> ``(op, total, weight)``), in rank order: the same collectives on every rank
+        whatever its number of micro-batches.
+
+        Once every rank logged the same names, ONE all-gather of a float64 vector (statistics,
+        a changed-names flag, the totals and weights in the agreed order); a step where some
+        rank's names changed adds one all-gather of the tables as objects (every rank sees the
+        flag, so every rank takes it); before that, the objects alone."""
+        table = dict(table or {})
+        names = tuple(sorted(table))
+        if self._names is None:
+            gathered = self.rdv.all_gather_objects((stats, table))
+            tables = [g[1] for g in gathered]
+            self._agree_names(tables)
+            return [g[0] for g in gathered], tables
+        known = self._names
+        row = [*astuple(stats), float(names != known)]
+        for name in known:
+            _, total, weight = table.get(name, ("mean", 0.0, 0.0))
+            row += [total, weight]
+        mine = torch.tensor(row, dtype=torch.float64)
+        rows = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(rows, mine, group=self.rdv.cpu_group)
+        width = len(astuple(stats))
+        per_rank = [StepStats(*r[:width].tolist()) for r in rows]  # float64: exact to 2**53
+        if any(r[width].item() for r in rows):
+            tables = self.rdv.all_gather_objects(table)
+            self._agree_names(tables)
+            return per_rank, tables
+        ops = {name: op for name, (op, _, _) in table.items()}
+        tables = []
+        for r in rows:
+            values = r[width + 1 :].tolist()
+            tables.append(
+                {
+                    name: (ops[name], values[2 * i], values[2 * i + 1])
+                    for i, name in enumerate(known)
+                }
+            )
+        return per_rank, tables
+
+    def _agree_names(self, tables: List[Table]) -> None:
+        """The fixed layout of :meth:`exchange`: the names every rank logged, if they agree."""
+        sets = {tuple(sorted(t)) for t in tables}
+        self._names = sets.pop() if len(sets) == 1 else None
 
     def after_step(self, index: int, per_rank: List[StepStats], last: bool = False) -> bool:
         """Feed the re-balancer the table of global batch ``index`` (0-based) and, when it is
@@ -467,6 +513,7 @@ __all__ = [
     "GlobalOrder",
     "HetSeqSettings",
     "SplitSchedule",
+    "Table",
     "calibration_micro_batch",
     "cpu_group",
     "divide_gradients",

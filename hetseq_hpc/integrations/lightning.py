@@ -415,10 +415,21 @@ class HetSeqStrategy(DDPStrategy):
     # ------------------------------------------------------------------ one step
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Start the step: the first micro-batch's forward (under ``no_sync`` when more
-        follow); its output goes back to Lightning's closure as usual."""
+        follow); its output goes back to Lightning's closure as usual.
+
+        Raises:
+            ConfigError: the batch is not one step of the step loader (several train loaders,
+                or a ``dataloader_iter`` training step).
+            AllocationError: the loader's micro-batches differ from the agreed split.
+        """
         batch = args[0] if args else kwargs.get("batch")
         if not isinstance(batch, StepBatch):
-            return super().training_step(*args, **kwargs)
+            raise ConfigError(
+                f"HetSeqStrategy got a training batch of type {type(batch).__name__}, not one "
+                "step of its loader: train_dataloader must return ONE DataLoader (no list, dict "
+                "or CombinedLoader of loaders) and training_step must take a batch, not a "
+                "dataloader_iter"
+            )
         assert self.balancer is not None and self.balancer.schedule is not None
         expected = self.balancer.schedule.at(batch.index).shares[self.global_rank].micro_sizes
         if list(batch.sizes) != list(expected):

@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from hetseq_hpc.errors import ConfigError
+from hetseq_hpc.integrations.engine import Table
 
 #: how ``reduce_fx`` names combine: each ``self.log`` argument -> the combination
 REDUCTIONS: Dict[Any, str] = {
@@ -40,11 +41,10 @@ REDUCTIONS: Dict[Any, str] = {
 #: ``self.log`` arguments the combined value is NOT logged with (it is combined already)
 NOT_PASSED = ("name", "value", "batch_size", "sync_dist", "sync_dist_group", "enable_graph")
 
-#: one rank's table of synchronised values: name -> (combination, total, weight)
-Table = Dict[str, Tuple[str, float, float]]
-
 
 _QUIETED: set = set()
+#: ``log``'s signature per module class (read once: binding a call is all a step pays)
+_SIGNATURES: Dict[type, inspect.Signature] = {}
 
 
 def quiet_epoch_sync_warning(name: str) -> None:
@@ -126,7 +126,9 @@ class LogCapture:
         """Record ``module.log`` calls (weight ``weight`` unless a call gives ``batch_size``)
         while the block runs; metrics go straight to the real ``log``."""
         real: Callable[..., None] = module.log
-        signature = inspect.signature(real)
+        signature = _SIGNATURES.get(type(module))
+        if signature is None:
+            signature = _SIGNATURES[type(module)] = inspect.signature(real)
 
         def capture(*args: Any, **kwargs: Any) -> None:
             bound = signature.bind(*args, **kwargs)

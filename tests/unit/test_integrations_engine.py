@@ -134,3 +134,42 @@ def test_logged_means_of_uneven_micro_batches_combine_to_the_global_mean():
         LogCapture().record("x", 1.0, {"reduce_fx": "median"}, 1.0)
     with pytest.raises(ConfigError, match="tensor of shape \\(2,\\)"):
         LogCapture().record("x", torch.ones(2), {"reduce_fx": "mean"}, 1.0)
+
+
+class _SumLoss(torch.nn.Module):
+    """forward(positions) -> the SUM of a per-sample loss, as calibration times it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, positions):
+        x = torch.ones(len(positions), 4) * positions.float().unsqueeze(1)
+        return self.lin(x).pow(2).sum()
+
+
+def test_a_one_rank_world_calibrates_agrees_and_exchanges_with_a_fixed_layout():
+    from hetseq_hpc.distributed.rendezvous import StepStats, single_process_rendezvous
+    from hetseq_hpc.integrations.engine import Balancer, global_loss
+
+    stats = StepStats(
+        loss_sum=6.0, count=4, samples=4, compute_time_s=0.1, step_time_s=0.1, data_time_s=0.0
+    )
+    with single_process_rendezvous() as rdv:
+        balancer = Balancer(
+            HetSeqSettings(global_batch_size=8, max_micro_batch=3, calibration_steps=2), rdv
+        )
+        split = balancer.agree(
+            _SumLoss(), lambda n: {"positions": torch.arange(n)}, torch.device("cpu")
+        )
+        assert split.samples == [8] and split.shares[0].accum_steps == 3  # the cap: 3, 3, 2
+        assert balancer.rebalancer is None  # one rank: nothing to move
+        table = {"loss": ("mean", 6.0, 4.0)}
+        per_rank, tables = balancer.exchange(stats, table)  # objects: the layout is agreed
+        assert balancer._names == ("loss",) and tables == [table]
+        per_rank, tables = balancer.exchange(stats, {"loss": ("mean", 2.0, 4.0)})  # floats
+        assert tables == [{"loss": ("mean", 2.0, 4.0)}]
+        assert per_rank[0].samples == 4 and global_loss(per_rank) == 1.5
+        changed = {"loss": ("mean", 2.0, 4.0), "acc": ("max", 0.5, 4.0)}
+        per_rank, tables = balancer.exchange(stats, changed)  # a new name: objects once more
+        assert tables == [changed] and balancer._names == ("acc", "loss")
