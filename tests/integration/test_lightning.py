@@ -1,6 +1,6 @@
 """HetSeqStrategy trains an ordinary LightningModule exactly, in real Lightning runs.
 
-Every run is ``python tests/helpers/lightning_run.py --devices N`` (Lightning's own launcher
+Every run is ``python scripts/lightning_run.py --devices N`` (Lightning's own launcher
 starts the other ranks, real gloo on the CPU) on ``examples/lightning_mlp.py``'s module: a
 MEAN cross-entropy, LayerNorm, ``self.log(sync_dist=True)``, AdamW and its own DataLoader;
 160 samples, global batch 32 (5 steps per epoch), 12 steps: two epoch boundaries. The 1-rank
@@ -30,7 +30,7 @@ import_or_skip("lightning", "lightning")
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = REPO / "tests" / "helpers" / "lightning_run.py"
+SCRIPT = REPO / "scripts" / "lightning_run.py"
 #: the tiny model's runs: name -> arguments
 RUNS: Dict[str, List[str]] = {
     "one": ["--devices", "1", "--max-micro-batch", "8"],

@@ -21,7 +21,7 @@ import_or_skip("lightning", "lightning")
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-SCRIPT = REPO / "tests" / "helpers" / "lightning_run.py"
+SCRIPT = REPO / "scripts" / "lightning_run.py"
 
 
 def test_a_lightning_script_runs_as_a_het_job_and_matches_one_rank(tmp_path):

@@ -1,18 +1,23 @@
-"""One Lightning training run of ``examples/lightning_mlp.py``'s module, as a script.
+"""One Lightning training run of ``examples/lightning_mlp.py``'s module, as a script (used by
+tests/integration/test_lightning.py, tests/slurm/test_lightning_slurm.py and
+scripts/bench_lightning.py).
 
-Run as ``python tests/helpers/lightning_run.py --devices N ...`` (the repository root on
-``PYTHONPATH``): Lightning's own launcher starts the other ranks, exactly as a user's
-``python train.py`` does. Rank 0 writes ``--out`` (JSON): the exact global loss of every step
+Run as ``python scripts/lightning_run.py --devices N ...``: Lightning's own launcher starts the
+other ranks, exactly as a user's ``python train.py`` does. Rank 0 writes ``--out`` (JSON): the exact global loss of every step
 (``strategy.last_global_loss``, full precision), the logged ``train_loss``, the split moves and
 the final allocation. ``--mode ddp`` trains the same per-rank split with plain Lightning DDP
 (each rank its slice of the same global batches, DDP's mean): the naive result. ``--slow-rank``
-throttles one rank from a step on with the benchmarks' emulation (a cgroup CPU quota).
+throttles one rank from a step on (``--slow-at -1``: from before calibration) with the
+benchmarks' emulation (a cgroup CPU quota); ``times`` / ``cpu_times`` are rank 0's step-end
+wall-clock and training-thread CPU-time readings.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 from pathlib import Path
 from typing import ClassVar, Dict, List, Optional, Sequence
 
@@ -20,6 +25,8 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Sampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # examples/ (every rank)
 
 from examples.lightning_mlp import TinyClassifier, make_dataset
 from hetseq_hpc.integrations.engine import GlobalOrder
@@ -34,8 +41,12 @@ class Record(L.Callback):
         self.logged: Dict[int, float] = {}
         self.grad_norms: Dict[int, float] = {}
         self.stats: Dict[int, list] = {}
+        self.times: List[float] = []
+        self.cpu_times: List[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.times.append(time.perf_counter())
+        self.cpu_times.append(time.thread_time())  # the training thread's own CPU time
         step = int(trainer.global_step)
         self.logged[step] = float(trainer.callback_metrics["train_loss"])
         exact = getattr(trainer.strategy, "last_global_loss", None)
@@ -73,6 +84,8 @@ class Record(L.Callback):
             ),
             "epochs": int(trainer.current_epoch),
             "stats": self.stats,
+            "times": self.times,
+            "cpu_times": self.cpu_times,
             "decisions": (
                 balancer.rebalancer.decisions
                 if balancer is not None and balancer.rebalancer is not None
@@ -83,19 +96,28 @@ class Record(L.Callback):
 
 
 class SlowDown(L.Callback):
-    """Throttle rank ``rank`` to ``speed`` from step ``at`` on (hetseq_hpc.env.emulation)."""
+    """Throttle rank ``rank`` to ``speed`` from step ``at`` on (hetseq_hpc.env.emulation);
+    ``at < 0``: from set-up, after the rendezvous and before calibration."""
 
     def __init__(self, rank: int, at: int, speed: float):
         self.rank, self.at, self.speed = rank, at, speed
         self.done = False
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if self.done or trainer.global_rank != self.rank or trainer.global_step < self.at:
+    def _throttle(self, trainer) -> None:
+        if self.done or trainer.global_rank != self.rank:
             return
         from hetseq_hpc.env.emulation import emulate_speed, exempt_communication_threads
 
         exempt_communication_threads(emulate_speed(self.speed, torch.get_num_threads()))
         self.done = True
+
+    def setup(self, trainer, pl_module, stage):
+        if self.at < 0:
+            self._throttle(trainer)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if 0 <= self.at <= trainer.global_step:
+            self._throttle(trainer)
 
 
 class SliceSampler(Sampler):
