@@ -148,9 +148,17 @@ def lookahead(loader_kwargs: Dict[str, Any]) -> int:
     return workers * int(loader_kwargs.get("prefetch_factor") or 2)
 
 
+@dataclass(frozen=True)
+class StepHeader:
+    """The first key of a step's index batch: the step and its micro-batch sizes."""
+
+    step: int
+    sizes: Tuple[int, ...]
+
+
 class PositionItems(Dataset):
-    """The user's dataset, indexed by ``(step, micro-batch, position)``: item ``dataset[pos]``
-    tagged with its step and micro-batch (runs in the loader's workers)."""
+    """The user's dataset as the step loader reads it: a dataset position gives
+    ``dataset[position]``, a :class:`StepHeader` gives itself (runs in the loader's workers)."""
 
     def __init__(self, dataset: Dataset):
         self.dataset = dataset
@@ -158,34 +166,33 @@ class PositionItems(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, key: Tuple[int, int, int]) -> Tuple[int, int, Any]:
-        step, micro, position = key
-        return step, micro, self.dataset[position]
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, StepHeader):
+            return key
+        return self.dataset[key]
 
 
 class StepCollate:
-    """Groups a step's tagged items by micro-batch and collates each with the user's
-    ``collate_fn``: a :class:`StepBatch`."""
+    """Cuts a step's items (its :class:`StepHeader` first) into its micro-batches and collates
+    each with the user's ``collate_fn``: a :class:`StepBatch`."""
 
     def __init__(self, collate_fn: Callable[[List[Any]], Any]):
         self.collate_fn = collate_fn
 
-    def __call__(self, items: Sequence[Tuple[int, int, Any]]) -> StepBatch:
-        groups: Dict[int, List[Any]] = {}
-        for _, micro, item in items:
-            groups.setdefault(micro, []).append(item)
-        order = sorted(groups)
-        return StepBatch(
-            micro_batches=[self.collate_fn(groups[j]) for j in order],
-            sizes=[len(groups[j]) for j in order],
-            step=items[0][0] if items else -1,
-        )
+    def __call__(self, items: Sequence[Any]) -> StepBatch:
+        header, rest = items[0], list(items[1:])
+        micro, at = [], 0
+        for size in header.sizes:
+            micro.append(self.collate_fn(rest[at : at + size]))
+            at += size
+        return StepBatch(micro_batches=micro, sizes=list(header.sizes), step=header.step)
 
 
 class StepSampler(Sampler):
-    """The batch sampler of the step loader: for each step from ``start()`` on, the tagged
-    positions of this rank's micro-batches (``len`` = steps per epoch; the framework ends the
-    epoch by that length, and a new iterator starts at the global step it is made at)."""
+    """The batch sampler of the step loader: for each step from ``start()`` on, a
+    :class:`StepHeader` and the positions of this rank's micro-batches (``len`` = steps per
+    epoch; the framework ends the epoch by that length, and a new iterator starts at the
+    global step it is made at)."""
 
     def __init__(
         self,
@@ -202,7 +209,7 @@ class StepSampler(Sampler):
     def __len__(self) -> int:
         return self.order.steps_per_epoch
 
-    def __iter__(self) -> Iterator[List[Tuple[int, int, int]]]:
+    def __iter__(self) -> Iterator[List[Any]]:
         index = int(self.start())
         while True:
             schedule = self.schedule()
@@ -212,7 +219,8 @@ class StepSampler(Sampler):
                     "iterate it inside fit() (or call the helper's setup first)"
                 )
             micro = schedule.micro_positions(self.order, index, self.rank)
-            yield [(index, j, int(p)) for j, part in enumerate(micro) for p in part]
+            header = StepHeader(index, tuple(len(part) for part in micro))
+            yield [header, *(int(p) for part in micro for p in part)]
             index += 1
 
 
@@ -250,6 +258,7 @@ __all__ = [
     "PositionItems",
     "StepBatch",
     "StepCollate",
+    "StepHeader",
     "StepLoader",
     "StepSampler",
     "loader_spec",

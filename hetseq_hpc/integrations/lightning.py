@@ -469,7 +469,8 @@ class HetSeqStrategy(DDPStrategy):
         """The step's backward passes: the first micro-batch's loss (from ``training_step``),
         then forward+backward of the others; every loss x its units (a SUM), the last pass
         all-reduced by the SUM hook; then the exchange, the division by the global unit
-        count (before clipping), the step's logs, the global loss and re-balancing.
+        count (before clipping; with samples as units, ``global_batch_size``, folded into the
+        losses), the step's logs, the global loss and re-balancing.
         ``on_before_backward`` / ``on_after_backward`` run once per step (the latter with the
         global gradient)."""
         step = self._step
@@ -477,11 +478,14 @@ class HetSeqStrategy(DDPStrategy):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         module = self.lightning_module
         plugin = self.precision_plugin
-        first = plugin.pre_backward(closure_loss * step.units[0], module)
+        # samples as units: the global count is global_batch_size, known now, so each loss is
+        # scaled by 1/B before backward instead of dividing every gradient afterwards
+        scale = 1.0 / self.settings.global_batch_size if self.units_fn is None else 1.0
+        first = plugin.pre_backward(closure_loss * (step.units[0] * scale), module)
         plugin.backward(first, module, optimizer, *args, **kwargs)
         for j in range(1, len(step.batch.micro_batches)):
             out = self._micro_forward(j)
-            loss = step_loss(out, f"micro-batch {j + 1}") * step.units[j]
+            loss = step_loss(out, f"micro-batch {j + 1}") * (step.units[j] * scale)
             plugin.backward(loss, module, optimizer, *args, **kwargs)
         ready = self.hook_state.last_ready_s or time.perf_counter()
         stats = StepStats(
@@ -495,7 +499,8 @@ class HetSeqStrategy(DDPStrategy):
         )
         assert self.balancer is not None
         per_rank, tables = self.balancer.exchange(stats, step.logs.table())
-        divide_gradients(module.parameters(), sum(s.count for s in per_rank))
+        if self.units_fn is not None:  # the global unit count is known only now
+            divide_gradients(module.parameters(), sum(s.count for s in per_rank))
         self.last_global_loss = global_loss(per_rank)
         self.last_stats = per_rank
         quiet_epoch_sync_warning(GLOBAL_LOSS_KEY)

@@ -195,13 +195,15 @@ class StepRunner:
             hook.reset()
         loss_sum, count = 0.0, 0.0
         micros = batch.micro_batches
+        # samples as units: the global count is global_batch_size, folded into the losses
+        scale = 1.0 / self.settings.global_batch_size if self.units_fn is None else 1.0
         for j, micro in enumerate(micros):
             micro = self._to_device(micro)
             units = self.units(micro, batch.sizes[j])
             last = j == len(micros) - 1
             with contextlib.nullcontext() if last else self._no_sync(model):
                 loss = loss_fn(model, micro)
-                self._backward(loss * units)
+                self._backward(loss * (units * scale))
             loss_sum += float(loss.detach()) * units
             count += units
         ready = (hook.last_ready_s if hook is not None else 0.0) or time.perf_counter()
@@ -215,7 +217,8 @@ class StepRunner:
             tail_time_s=tail,
         )
         per_rank, _ = self.balancer.exchange(stats)
-        divide_gradients(model.parameters(), sum(s.count for s in per_rank))
+        if self.units_fn is not None:  # the global unit count is known only now
+            divide_gradients(model.parameters(), sum(s.count for s in per_rank))
         self.last_stats = per_rank
         self.last_global_loss = global_loss(per_rank)
         self.balancer.after_step(batch.index, per_rank)
