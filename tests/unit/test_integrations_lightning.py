@@ -188,3 +188,13 @@ def test_a_micro_batch_that_returns_no_loss_is_refused():
         match=r"training_step returned NoneType for micro-batch 2: .* cannot be skipped on one rank alone",
     ):
         step_loss(None, "micro-batch 2")
+
+
+def test_in_a_het_job_every_task_gets_a_device_and_the_samplers_span_the_job():
+    """Lightning's own: devices=1 on a node's second task indexes past the device list."""
+    strategy = HetSeqStrategy(
+        global_batch_size=8, cluster_environment=HetJobEnvironment(HET_TASK_2)
+    )
+    trainer = _trainer(strategy=strategy)
+    assert trainer.strategy.local_rank == 1 and trainer.strategy.root_device == torch.device("cpu")
+    assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 3, "rank": 2}
