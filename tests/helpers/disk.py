@@ -6,10 +6,9 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
-import sys
 from pathlib import Path
 
-from tests.helpers.runs import REPO, cli_env
+from tests.helpers.runs import start_hetseq
 
 #: the name of the file that fills a disk (at its mount point, outside the run directory)
 FILLER = "filler"
@@ -38,11 +37,4 @@ def fill(mount: Path) -> Path:
 
 def start_cli(run_dir: Path, token_cache: Path, *overrides: str) -> subprocess.Popen:
     """``python -m hetseq_hpc OVERRIDES hydra.run.dir=RUN_DIR`` in the background (text pipes)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "hetseq_hpc", *overrides, f"hydra.run.dir={run_dir}"],
-        cwd=REPO,
-        env=cli_env(token_cache),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return start_hetseq(*overrides, f"hydra.run.dir={run_dir}", token_cache=token_cache)

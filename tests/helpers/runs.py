@@ -6,11 +6,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from hetseq_hpc.train.metrics import read_metrics
+from tests.helpers.waits import wait_for
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
@@ -29,6 +29,8 @@ REL_TOL = 1e-5
 
 
 def cli_env(token_cache: Path) -> Dict[str, str]:
+    """This process's environment for a CLI run: ``token_cache`` as the token cache
+    (``HETSEQ_CACHE``), unbuffered output, and no ``RANK``/``WORLD_SIZE`` of an outer job."""
     env = dict(os.environ)
     env["HETSEQ_CACHE"] = str(token_cache)
     env["PYTHONUNBUFFERED"] = "1"
@@ -37,17 +39,87 @@ def cli_env(token_cache: Path) -> Dict[str, str]:
     return env
 
 
-def hetseq(*args: str, token_cache: Path | None = None, cwd: Path = REPO, env=None, timeout=600):
-    """``python -m hetseq_hpc ARGS`` -> CompletedProcess (text)."""
-    env = env or (cli_env(token_cache) if token_cache else None)
+def hetseq_cmd(*args: str, module: str = "hetseq_hpc") -> List[str]:
+    """``python -m MODULE ARGS`` with this interpreter: the CLI (``hetseq_hpc``) by default, or
+    another module run the same way (``hetseq_hpc.worker``, ``hetseq_hpc.plan``, ...)."""
+    return [sys.executable, "-m", module, *args]
+
+
+def _env(token_cache: Optional[Path], env: Optional[Dict[str, str]]) -> Optional[Dict[str, str]]:
+    """``env`` if given, else :func:`cli_env` of ``token_cache`` if given, else None (this
+    process's environment)."""
+    if env is not None:
+        return env
+    return cli_env(token_cache) if token_cache is not None else None
+
+
+def hetseq(
+    *args: str,
+    token_cache: Optional[Path] = None,
+    cwd: Path = REPO,
+    env: Optional[Dict[str, str]] = None,
+    timeout: Optional[float] = 600,
+    module: str = "hetseq_hpc",
+    **run: Any,
+) -> subprocess.CompletedProcess:
+    """Run :func:`hetseq_cmd` ``(*args, module=module)`` to its end -> CompletedProcess with
+    text stdout and stderr (``run`` goes to :func:`subprocess.run`).
+
+    The environment is ``env``, else :func:`cli_env` ``(token_cache)``, else this process's.
+
+    Raises:
+        subprocess.TimeoutExpired: it ran longer than ``timeout`` seconds (a guard against
+            hangs).
+    """
     return subprocess.run(
-        [sys.executable, "-m", "hetseq_hpc", *args],
+        hetseq_cmd(*args, module=module),
         cwd=cwd,
-        env=env,
+        env=_env(token_cache, env),
         capture_output=True,
         text=True,
         timeout=timeout,
+        **run,
     )
+
+
+def start_hetseq(
+    *args: str,
+    token_cache: Optional[Path] = None,
+    cwd: Path = REPO,
+    env: Optional[Dict[str, str]] = None,
+    module: str = "hetseq_hpc",
+    new_session: bool = False,
+    stdout: Any = subprocess.PIPE,
+    stderr: Any = subprocess.PIPE,
+    text: bool = True,
+    **popen: Any,
+) -> subprocess.Popen:
+    """Start :func:`hetseq_cmd` ``(*args, module=module)`` in the background -> Popen (text
+    pipes by default; ``popen`` goes to :class:`subprocess.Popen`, e.g. ``preexec_fn``).
+
+    The environment is chosen as by :func:`hetseq`. ``new_session``: its own session and
+    process group, so that the test can signal the whole group (``os.killpg(proc.pid, ...)``).
+    """
+    return subprocess.Popen(
+        hetseq_cmd(*args, module=module),
+        cwd=cwd,
+        env=_env(token_cache, env),
+        stdout=stdout,
+        stderr=stderr,
+        text=text,
+        start_new_session=new_session,
+        **popen,
+    )
+
+
+def run_ok(
+    run_dir: Path, token_cache: Path, *overrides: str, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    """``python -m hetseq_hpc OVERRIDES hydra.run.dir=RUN_DIR`` that must exit 0 (else the
+    tail of its stderr); returns it."""
+    proc = hetseq(*overrides, f"hydra.run.dir={run_dir}", token_cache=token_cache, timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDERR:\n{proc.stderr[-4000:]}"
+    return proc
 
 
 def assert_ok(proc) -> None:
@@ -85,18 +157,27 @@ def assert_same_losses(a: dict, b: dict, steps) -> None:
         assert rel <= REL_TOL, f"step {step}: {a[step]} vs {b[step]} (relative {rel:.2e})"
 
 
+def step_rows(run_dir: Path) -> int:
+    """How many step rows (rows with a ``loss``: not a membership event's) ``run_dir``'s
+    metrics.jsonl has so far (0 before it exists)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return sum('"loss"' in line for line in path.read_text().splitlines()) if path.exists() else 0
+
+
 def wait_rows(
     run_dir: Path, n: int, proc: Optional[subprocess.Popen] = None, timeout_s: float = 300
 ) -> None:
-    """Wait until ``run_dir/metrics.jsonl`` has ``n`` rows (or ``proc`` ended, or the timeout:
-    a guard against hangs, not a speed check)."""
+    """Wait until ``run_dir/metrics.jsonl`` has ``n`` rows (:func:`~tests.helpers.waits.
+    wait_for`: fails when ``proc`` ended first; the timeout is a guard against hangs, not a
+    speed check)."""
     metrics = Path(run_dir) / "metrics.jsonl"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and (proc is None or proc.poll() is None):
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{metrics} did not reach {n} rows")
+    wait_for(
+        lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= n,
+        f"{metrics} did not reach {n} rows",
+        timeout_s,
+        proc=proc,
+        poll_s=0.2,
+    )
 
 
 def sigint_as_in_a_terminal() -> None:
@@ -108,19 +189,41 @@ def sigint_as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def worker_pids(run_dir: Path) -> dict:
-    """rank -> pid of the worker processes of ``run_dir`` (read from /proc)."""
-    found = {}
+def processes() -> Iterator[Tuple[int, List[bytes], Dict[bytes, bytes], str]]:
+    """``(pid, argv, environment, state)`` of every readable process (from /proc; ``state``
+    is the letter of ``/proc/<pid>/stat``: "Z" a zombie, "T" stopped)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = dict(
+                item.partition(b"=")[::2] for item in (entry / "environ").read_bytes().split(b"\0")
+            )
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
             continue
-        if b"hetseq_hpc.worker" in cmdline and str(run_dir).encode() in b" ".join(cmdline):
-            for item in environ:
-                if item.startswith(b"RANK="):
-                    found[int(item[5:])] = int(entry.name)
-    return found
+        yield int(entry.name), argv, environ, state
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (from /proc)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def worker_pids(run_dir: Path, live: bool = False) -> Dict[int, int]:
+    """rank -> pid of the worker processes of ``run_dir`` (``python -m hetseq_hpc.worker``
+    with ``run_dir`` on its command line, its rank from ``RANK``); ``live``: zombies left
+    out (they count as gone)."""
+    return {
+        int(env[b"RANK"]): pid
+        for pid, argv, env, state in processes()
+        if b"hetseq_hpc.worker" in argv
+        and b"RANK" in env
+        and str(run_dir).encode() in b" ".join(argv)
+        and not (live and state == "Z")
+    }

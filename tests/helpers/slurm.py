@@ -6,13 +6,12 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 from hetseq_hpc.config import CONF_DIR, register_configs, to_run_config
 from hetseq_hpc.launch.slurm import fold_states
-from tests.helpers.runs import REPO, SMALL_MODEL, cli_env
+from tests.helpers.runs import SMALL_MODEL, hetseq, processes
+from tests.helpers.waits import wait_for
 
 
 def slurm_unavailable() -> str:
@@ -41,19 +40,50 @@ def slurm_cli(
     run_dir: Path, token_cache: Path, *overrides: str, timeout: float = 600, multirun=False
 ):
     """``python -m hetseq_hpc cluster=testcluster`` with the small model."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetseq_hpc",
+    run_dir_override = f"hydra.sweep.dir={run_dir}" if multirun else f"hydra.run.dir={run_dir}"
+    return hetseq(
         *(["-m"] if multirun else []),
         "cluster=testcluster",
         *SMALL_MODEL,
         *overrides,
-    ]
-    cmd.append(f"hydra.sweep.dir={run_dir}" if multirun else f"hydra.run.dir={run_dir}")
-    return subprocess.run(
-        cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True, text=True, timeout=timeout
+        run_dir_override,
+        token_cache=token_cache,
+        timeout=timeout,
     )
+
+
+def rank_pid(folder: Path, rank: int) -> int:
+    """pid of the job's task ``rank`` on this host (the test cluster's nodes are all here):
+    submitit's ``_submit`` process for ``folder`` with ``SLURM_PROCID=rank``.
+
+    Raises:
+        AssertionError: there is none.
+    """
+    for pid, argv, env, _ in processes():
+        if (
+            b"submitit.core._submit" in argv
+            and str(folder).encode() in argv
+            and env.get(b"SLURM_PROCID") == str(rank).encode()
+        ):
+            return pid
+    raise AssertionError(f"no process of rank {rank} for {folder}")
+
+
+def task_pid(run_dir: Path, task: int) -> int:
+    """pid of the worker of Slurm task ``task`` started by a hand-written template for
+    ``run_dir`` (``python -m hetseq_hpc.worker --run-dir RUN_DIR``, ``SLURM_PROCID=task``).
+
+    Raises:
+        AssertionError: there is none.
+    """
+    for pid, argv, env, _ in processes():
+        if (
+            b"hetseq_hpc.worker" in argv
+            and str(run_dir).encode() in argv
+            and env.get(b"SLURM_PROCID") == str(task).encode()
+        ):
+            return pid
+    raise AssertionError(f"no worker of task {task} for {run_dir}")
 
 
 def squeue_state(job_id: str) -> str:
@@ -75,8 +105,10 @@ def sbatch_and_wait(args, cwd: Path, env: dict, timeout_s: float) -> str:
     )
     assert out.returncode == 0, out.stderr
     job_id = out.stdout.strip().split(";")[0]
-    deadline = time.monotonic() + timeout_s
-    while squeue_state(job_id) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
-        assert time.monotonic() < deadline, f"job {job_id} ({args[-1]}) did not finish"
-        time.sleep(1)
+    wait_for(
+        lambda: squeue_state(job_id) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"),
+        f"job {job_id} ({args[-1]}) did not finish",
+        timeout_s,
+        poll_s=1,
+    )
     return job_id
