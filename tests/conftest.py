@@ -1,4 +1,5 @@
-"""Fixtures every folder uses: the shared token cache and tiny real data for the task tests.
+"""Fixtures every folder uses: the shared token cache, tiny real data for the task tests, and
+folders holding users' task modules (``user_task_dir``, ``breaches_dir``).
 
 Layout: ``unit/`` (in-process: no subprocess, no second process, no Slurm), ``integration/``
 (real worker processes over gloo, the CLI in a subprocess, the local launcher, faults in real
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.task_sources import BREACHES, USER_TASK, module_dir
 from tests.helpers.tasks import write_task_data
 
 TESTS = Path(__file__).resolve().parent
@@ -86,3 +88,17 @@ def token_cache(tmp_path_factory) -> Path:
 def task_data_files(tmp_path_factory) -> dict:
     """Tiny real data of the image and translation tasks (:func:`write_task_data`)."""
     return write_task_data(tmp_path_factory.mktemp("task-data"))
+
+
+@pytest.fixture
+def user_task_dir(tmp_path) -> Path:
+    """A folder for ``task.path`` holding ``my_tasks.py`` (:data:`~tests.helpers.task_sources.
+    USER_TASK`): ``task=custom task.target=my_tasks.Regression``."""
+    return module_dir(tmp_path, "my_tasks.py", USER_TASK)
+
+
+@pytest.fixture
+def breaches_dir(tmp_path) -> Path:
+    """A folder for ``task.path`` holding ``breaches.py`` (:data:`~tests.helpers.task_sources.
+    BREACHES`): a correct regression task and tasks that break the task contract."""
+    return module_dir(tmp_path, "breaches.py", BREACHES)

@@ -13,41 +13,25 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.runs import cli_env, losses
-from tests.helpers.task_sources import BREACHES, module_dir
+from tests.helpers.runs import hetseq, losses
 
 
-@pytest.fixture
-def user_dir(tmp_path) -> Path:
-    return module_dir(tmp_path, "breaches.py", BREACHES)
-
-
-def _cli(tmp_path: Path, user_dir: Path, target: str, *overrides: str, timeout: float = 300):
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetseq_hpc",
+def _cli(tmp_path: Path, breaches_dir: Path, target: str, *overrides: str, timeout: float = 300):
+    return hetseq(
         "task=custom",
         f"task.target={target}",
-        f"task.path={user_dir}",
+        f"task.path={breaches_dir}",
         "trainer.max_steps=2",
         "trainer.global_batch_size=32",
         "trainer.val_every=0",
         *overrides,
         f"hydra.run.dir={tmp_path / 'run'}",
-    ]
-    return subprocess.run(
-        cmd,
+        token_cache=tmp_path / "cache",
         cwd=tmp_path,
-        env=cli_env(tmp_path / "cache"),
-        capture_output=True,
-        text=True,
         timeout=timeout,
     )
 
@@ -82,8 +66,8 @@ def _metrics_rows(run_dir: Path) -> int:
         ),
     ],
 )
-def test_contract_breach_is_refused_before_step_1(tmp_path, user_dir, target, member, pattern):
-    proc = _cli(tmp_path, user_dir, target, "cluster.ranks=2", "balance.allocation=[24,8]")
+def test_contract_breach_is_refused_before_step_1(tmp_path, breaches_dir, target, member, pattern):
+    proc = _cli(tmp_path, breaches_dir, target, "cluster.ranks=2", "balance.allocation=[24,8]")
     assert proc.returncode == 1, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]  # the launcher's one line
     assert last.startswith("hetseq-hpc: error: rank") and "TaskContractError" in last, last
@@ -92,10 +76,10 @@ def test_contract_breach_is_refused_before_step_1(tmp_path, user_dir, target, me
 
 
 @pytest.mark.slow
-def test_skip_contract_check_trains_and_records_inexactness(tmp_path, user_dir):
+def test_skip_contract_check_trains_and_records_inexactness(tmp_path, breaches_dir):
     proc = _cli(
         tmp_path,
-        user_dir,
+        breaches_dir,
         "breaches.MeanLoss",
         "cluster.ranks=1",
         "trainer.skip_contract_check=true",
@@ -110,7 +94,7 @@ def test_skip_contract_check_trains_and_records_inexactness(tmp_path, user_dir):
 
 
 @pytest.mark.slow
-def test_the_check_changes_nothing_training_uses(tmp_path, user_dir):
+def test_the_check_changes_nothing_training_uses(tmp_path, breaches_dir):
     """With dropout on, the losses of every step are bit-identical with the check and without
     it (trainer.skip_contract_check=true); that the RNG states and modules' modes are restored
     is shown in-process below."""
@@ -119,7 +103,7 @@ def test_the_check_changes_nothing_training_uses(tmp_path, user_dir):
         (tmp_path / skip).mkdir()
         proc = _cli(
             tmp_path / skip,
-            user_dir,
+            breaches_dir,
             "breaches.Regression",
             "cluster.ranks=1",
             "task.model.dropout=0.5",
@@ -159,21 +143,14 @@ def test_task_module_failing_at_import_is_one_line_and_exit_2(tmp_path, source, 
     folder = tmp_path / "code"
     folder.mkdir()
     (folder / "broken.py").write_text(source)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hetseq_hpc",
-            "task=custom",
-            "task.target=broken.Task",
-            f"task.path={folder}",
-            "cluster.ranks=1",
-            f"hydra.run.dir={tmp_path / 'run'}",
-        ],
+    proc = hetseq(
+        "task=custom",
+        "task.target=broken.Task",
+        f"task.path={folder}",
+        "cluster.ranks=1",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        token_cache=tmp_path / "cache",
         cwd=tmp_path,
-        env=cli_env(tmp_path / "cache"),
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])

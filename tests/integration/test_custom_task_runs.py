@@ -4,48 +4,32 @@ with trainer.allow_inexact_batchnorm=true (recorded)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.runs import cli_env, read_rows
-from tests.helpers.task_sources import USER_TASK, module_dir
+from tests.helpers.runs import hetseq, read_rows
 
 
-@pytest.fixture
-def user_dir(tmp_path) -> Path:
-    return module_dir(tmp_path, "my_tasks.py", USER_TASK)
-
-
-def _cli(tmp_path: Path, user_dir: Path, *overrides: str):
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetseq_hpc",
+def _cli(tmp_path: Path, user_task_dir: Path, *overrides: str):
+    return hetseq(
         "task=custom",
         "task.target=my_tasks.Regression",
-        f"task.path={user_dir}",
+        f"task.path={user_task_dir}",
         "cluster.ranks=1",
         "trainer.max_steps=3",
         "trainer.global_batch_size=16",
         *overrides,
         f"hydra.run.dir={tmp_path / 'run'}",
-    ]
-    return subprocess.run(
-        cmd,
+        token_cache=tmp_path / "cache",
         cwd=tmp_path,
-        env=cli_env(tmp_path / "cache"),
-        capture_output=True,
-        text=True,
         timeout=300,
     )
 
 
 @pytest.mark.slow
-def test_batchnorm_is_refused_in_one_line_before_training(tmp_path, user_dir):
-    proc = _cli(tmp_path, user_dir, "+task.args.batchnorm=true")
+def test_batchnorm_is_refused_in_one_line_before_training(tmp_path, user_task_dir):
+    proc = _cli(tmp_path, user_task_dir, "+task.args.batchnorm=true")
     assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if "BatchNorm1d" in ln]
     assert lines and "'body.1' is BatchNorm1d" in lines[0]
@@ -54,9 +38,9 @@ def test_batchnorm_is_refused_in_one_line_before_training(tmp_path, user_dir):
 
 
 @pytest.mark.slow
-def test_batchnorm_opt_out_trains_and_records_inexactness(tmp_path, user_dir):
+def test_batchnorm_opt_out_trains_and_records_inexactness(tmp_path, user_task_dir):
     proc = _cli(
-        tmp_path, user_dir, "+task.args.batchnorm=true", "trainer.allow_inexact_batchnorm=true"
+        tmp_path, user_task_dir, "+task.args.batchnorm=true", "trainer.allow_inexact_batchnorm=true"
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -21,19 +21,13 @@ from hetseq_hpc.tasks import build_task
 from hetseq_hpc.train.contract_check import check_task_contract, contract_positions
 from hetseq_hpc.train.task_summary import record_inexact
 from tests.helpers.runs import REPO, SMALL_MODEL
-from tests.helpers.task_sources import BREACHES, module_dir
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture
-def user_dir(tmp_path) -> Path:
-    return module_dir(tmp_path, "breaches.py", BREACHES)
-
-
 # ------------------------------------------------------------------ the check itself, one rank
-def _built(user_dir: Path, target: str):
-    run = compose_run_config(["task=custom", f"task.target={target}", f"task.path={user_dir}"])
+def _built(breaches_dir: Path, target: str):
+    run = compose_run_config(["task=custom", f"task.target={target}", f"task.path={breaches_dir}"])
     task = build_task(run.task, 0)
     task.load()
     torch.manual_seed(0)
@@ -45,8 +39,8 @@ def _check(task, model) -> None:
         check_task_contract(task, model, torch.device("cpu"), rdv, seed=0)
 
 
-def test_check_restores_rng_and_modes_and_refuses_breaches_in_one_line(user_dir):
-    task, model = _built(user_dir, "breaches.Regression")
+def test_check_restores_rng_and_modes_and_refuses_breaches_in_one_line(breaches_dir):
+    task, model = _built(breaches_dir, "breaches.Regression")
     model.body[2].p = 0.5  # dropout on: the check must turn it off, then restore the mode
     model.body[0].eval()  # a module the user keeps in eval stays in eval
     np.random.seed(3)
@@ -62,12 +56,12 @@ def test_check_restores_rng_and_modes_and_refuses_breaches_in_one_line(user_dir)
         ("breaches.CountOne", "count is not additive"),
     ):
         with pytest.raises(TaskContractError, match=member) as info:
-            _check(*_built(user_dir, target))
+            _check(*_built(breaches_dir, target))
         assert "\n" not in str(info.value)
 
 
-def test_make_batch_from_the_global_rng_is_refused_on_one_rank(user_dir):
-    task, model = _built(user_dir, "breaches.Regression")
+def test_make_batch_from_the_global_rng_is_refused_on_one_rank(breaches_dir):
+    task, model = _built(breaches_dir, "breaches.Regression")
     plain = task.make_batch
 
     def noisy(positions, epoch, split):

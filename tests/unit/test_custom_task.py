@@ -18,19 +18,13 @@ from hetseq_hpc.tasks.contract import check_loss, checked_batch, checked_count
 from hetseq_hpc.tasks.custom import resolve_target
 from hetseq_hpc.tasks.flops import measure_flops_per_sample, task_flops_per_sample
 from tests.helpers.runs import REPO
-from tests.helpers.task_sources import USER_TASK, module_dir
 
 EXAMPLE = "examples.char_lm.CharLMTask"
 
 
-@pytest.fixture
-def user_dir(tmp_path) -> Path:
-    return module_dir(tmp_path, "my_tasks.py", USER_TASK)
-
-
-def custom_run(user_dir: Path, *overrides: str):
+def custom_run(user_task_dir: Path, *overrides: str):
     return compose_run_config(
-        ["task=custom", "task.target=my_tasks.Regression", f"task.path={user_dir}", *overrides]
+        ["task=custom", "task.target=my_tasks.Regression", f"task.path={user_task_dir}", *overrides]
     )
 
 
@@ -96,7 +90,7 @@ def test_contract_errors_are_one_line_each():
     assert checked_count(NoUnits(None, 0), {"x": torch.ones(0, 2)}) == 0  # empty is fine
 
 
-def test_import_errors_name_the_path_and_what_was_found(user_dir):
+def test_import_errors_name_the_path_and_what_was_found(user_task_dir):
     cases = [
         ("nonexistent_pkg.mod.Task", r"no module named 'nonexistent_pkg' in task.path"),
         ("examples.no_such_file.Task", r"'examples' exists but has no module 'no_such_file'"),
@@ -110,15 +104,15 @@ def test_import_errors_name_the_path_and_what_was_found(user_dir):
     ]
     for target, pattern in cases:
         with pytest.raises(ConfigError, match=pattern) as info:
-            resolve_target(target, str(user_dir))
+            resolve_target(target, str(user_task_dir))
         assert "\n" not in str(info.value) and repr(target) in str(info.value)
     with pytest.raises(ConfigError, match=r"^task.target is empty"):
         compose_run_config(["task=custom"])
 
 
-def test_custom_task_is_built_with_its_config_and_seed(user_dir):
-    run = custom_run(user_dir, "+task.args.batchnorm=false", "trainer.seed=5")
-    assert run.task.path == str(user_dir) and run.task.args == {"batchnorm": False}
+def test_custom_task_is_built_with_its_config_and_seed(user_task_dir):
+    run = custom_run(user_task_dir, "+task.args.batchnorm=false", "trainer.seed=5")
+    assert run.task.path == str(user_task_dir) and run.task.args == {"batchnorm": False}
     task = build_task(run.task, run.trainer.seed)
     assert type(task).__name__ == "Regression" and task.seed == 5 and task.cfg is run.task
     task.load()
