@@ -8,7 +8,6 @@ each rank times does not depend on how long a pass or a barrier's round trip tak
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 
 import torch
@@ -19,6 +18,7 @@ from hetseq_hpc.balance.calibrate import MAX_EXTRA_PASSES, calibrate
 from hetseq_hpc.distributed.rendezvous import PendingBarrier
 from hetseq_hpc.env.world import free_port
 from tests.helpers.calibration import Tiny, batches
+from tests.helpers.waits import wait_for
 
 #: timed passes of each rank's own (``steps`` of calibrate)
 STEPS = 2
@@ -71,10 +71,12 @@ def _barrier_rank(rank, port, out, fast_batches, slow_posted):
                 with fast_batches.get_lock():
                     fast_batches.value += 1
             else:  # a slower device: it starts once rank 0 has timed every pass it may
-                deadline = time.monotonic() + GUARD_S
-                while fast_batches.value < 1 + STEPS + MAX_EXTRA_PASSES:
-                    assert time.monotonic() < deadline, "rank 0 timed too few passes"
-                    time.sleep(0.01)
+                wait_for(
+                    lambda: fast_batches.value >= 1 + STEPS + MAX_EXTRA_PASSES,
+                    "rank 0 timed too few passes",
+                    GUARD_S,
+                    poll_s=0.01,
+                )
             return batches(n)
 
         def wait_for_peers():

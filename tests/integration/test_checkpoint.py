@@ -26,10 +26,11 @@ from tests.helpers.checkpoints import Payload, flip_middle, small_state, write_w
 from tests.helpers.runs import (
     REPO,
     SMALL_MODEL,
-    cli_env,
+    hetseq,
     losses,
     read_rows,
     sigint_as_in_a_terminal,
+    start_hetseq,
     wait_rows,
 )
 
@@ -43,9 +44,8 @@ QUICK = [
 
 
 def _cli(run_dir: Path, token_cache: Path, *overrides: str, timeout: float = 600):
-    cmd = [sys.executable, "-m", "hetseq_hpc", *QUICK, *overrides, f"hydra.run.dir={run_dir}"]
-    return subprocess.run(
-        cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True, text=True, timeout=timeout
+    return hetseq(
+        *QUICK, *overrides, f"hydra.run.dir={run_dir}", token_cache=token_cache, timeout=timeout
     )
 
 
@@ -234,23 +234,14 @@ def test_disk_full_during_a_real_run_is_one_line(small_tmpfs, token_cache):
 
 @pytest.mark.slow
 def test_second_run_in_a_busy_run_dir_fails_fast(tmp_path, token_cache):
-    first = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "hetseq_hpc",
-            *QUICK,
-            "trainer.max_steps=100000",
-            "optim.schedule_steps=100000",
-            "trainer.checkpoint_every=0",
-            f"hydra.run.dir={tmp_path}",
-        ],
-        cwd=REPO,
-        env=cli_env(token_cache),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+    first = start_hetseq(
+        *QUICK,
+        "trainer.max_steps=100000",
+        "optim.schedule_steps=100000",
+        "trainer.checkpoint_every=0",
+        f"hydra.run.dir={tmp_path}",
+        token_cache=token_cache,
+        new_session=True,
         preexec_fn=sigint_as_in_a_terminal,
     )
     try:

@@ -5,7 +5,6 @@ submission leaves no run directory, a rendered job.sbatch submitted by hand comp
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 
 from hetseq_hpc import __version__
 from hetseq_hpc.cli.parser import COMMANDS
-from tests.helpers.runs import REPO, SMALL_MODEL, cli_env, hetseq, read_rows
+from tests.helpers.runs import SMALL_MODEL, cli_env, hetseq, read_rows, start_hetseq
 
 
 def _one_error_line(proc, code: int = 2) -> str:
@@ -52,12 +51,7 @@ def test_version_is_hetseq_hpc_s():
 
 def test_help_into_a_closed_pipe_ends_quietly():
     """`hetseq-hpc --help | head -0`: the reader is gone before anything is written."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hetseq_hpc", "--help"],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+    proc = start_hetseq("--help", text=False)
     proc.stdout.close()
     err = proc.stderr.read().decode()
     proc.wait(timeout=60)

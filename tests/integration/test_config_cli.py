@@ -3,21 +3,14 @@ starts or is written."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+
+from tests.helpers.runs import hetseq
 
 
 # --------------------------------------------------------------------------- CLI
 def _run_cli(tmp_path, *overrides):
-    return subprocess.run(
-        [sys.executable, "-m", "hetseq_hpc", *overrides, f"hydra.run.dir={tmp_path}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
+    return hetseq(*overrides, f"hydra.run.dir={tmp_path}", timeout=120, cwd=tmp_path)
 
 
 def _assert_nothing_started(tmp_path):
@@ -111,13 +104,7 @@ def test_cli_type_errors_are_one_line_with_key_value_type_and_fix(tmp_path, over
 )
 def test_cli_silently_ignored_or_late_errors_exit_2_before_hydra(tmp_path, overrides, words):
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "hetseq_hpc", *overrides, f"hydra.run.dir={run_dir}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
+    proc = hetseq(*overrides, f"hydra.run.dir={run_dir}", timeout=120, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("hetseq-hpc: error:") and proc.stderr.count("\n") == 1
     for word in words:
@@ -128,13 +115,7 @@ def test_cli_silently_ignored_or_late_errors_exit_2_before_hydra(tmp_path, overr
 def test_cli_unwritable_run_dir_is_one_line(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "hetseq_hpc", f"hydra.run.dir={blocker}/x"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
+    proc = hetseq(f"hydra.run.dir={blocker}/x", timeout=120, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("hetseq-hpc: error: hydra.run.dir="), proc.stderr
     assert f"{blocker} is a file" in proc.stderr and "Traceback" not in proc.stderr
@@ -144,13 +125,7 @@ def test_cli_unwritable_run_dir_is_one_line(tmp_path):
 def test_cli_run_dir_on_a_filesystem_that_refuses_folders_is_one_line(tmp_path):
     """procfs says it is writable (``os.access`` as root) but takes no new folder: the pre-check
     tries one (created and removed) instead of trusting the permission bits."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "hetseq_hpc", "hydra.run.dir=/proc/hetseq-run"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
+    proc = hetseq("hydra.run.dir=/proc/hetseq-run", timeout=120, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(
         "hetseq-hpc: error: hydra.run.dir=/proc/hetseq-run cannot be created (/proc "
@@ -183,18 +158,11 @@ def test_a_bad_value_in_a_sweep_is_one_line_before_any_point_runs(tmp_path, swee
     starts (each with the other sweeps at their first value: a point of the grid), so a bad
     one is one line, exit 2, and no sweep directory is made (Hydra refused it with a
     multi-line report)."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hetseq_hpc",
-            "-m",
-            *sweep,
-            "trainer.max_steps=2",
-            f"hydra.sweep.dir={tmp_path / 'sweep'}",
-        ],
-        capture_output=True,
-        text=True,
+    proc = hetseq(
+        "-m",
+        *sweep,
+        "trainer.max_steps=2",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
         timeout=180,
         cwd=tmp_path,
     )

@@ -7,37 +7,22 @@ says where."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
-from tests.helpers.runs import REPO, cli_env
-
-
-def _ok(proc) -> None:
-    assert proc.returncode == 0, (
-        f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-3000:]}"
-    )
+from tests.helpers.runs import assert_ok, cli_env, hetseq
 
 
 def test_prepare_on_an_existing_cache_says_already_prepared_and_where(tmp_path):
     env = cli_env(tmp_path / "cache")
 
     def prepare():
-        return subprocess.run(
-            [sys.executable, "-m", "hetseq_hpc", "prepare", "task.model.max_seq_len=32"],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        return hetseq("prepare", "task.model.max_seq_len=32", env=env)
 
     first = prepare()
-    _ok(first)
+    assert_ok(first)
     assert "prepared task=bert in" in first.stdout
     again = prepare()
-    _ok(again)
+    assert_ok(again)
     where = next((tmp_path / "cache").rglob("meta.json")).parent
     assert again.stdout.strip() == (
         f"task=bert was already prepared: {where} (nothing to do; "
@@ -48,18 +33,10 @@ def test_prepare_on_an_existing_cache_says_already_prepared_and_where(tmp_path):
 def test_a_model_too_big_for_the_machine_is_refused_before_anything_starts(tmp_path, token_cache):
     run_dir = tmp_path / "run"
     started = time.monotonic()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hetseq_hpc",
-            "task.model.hidden_size=1000000",
-            f"hydra.run.dir={run_dir}",
-        ],
-        cwd=REPO,
-        env=cli_env(token_cache),
-        capture_output=True,
-        text=True,
+    proc = hetseq(
+        "task.model.hidden_size=1000000",
+        f"hydra.run.dir={run_dir}",
+        token_cache=token_cache,
         timeout=300,
     )
     took = time.monotonic() - started
@@ -79,14 +56,14 @@ def test_resuming_a_forced_allocation_on_another_rank_count_suggests_null(tmp_pa
         "trainer.max_steps=2",
         "trainer.val_every=0",
     )
-    _ok(first)
+    assert_ok(first)
     again = run_cli(tmp_path, "cluster.ranks=3", "trainer.max_steps=4")
     assert again.returncode == 2, again.stderr[-3000:]
     line = again.stderr.strip().splitlines()[-1]
     assert "balance.allocation=[20, 12] has 2 entries but the world size is 3" in line, line
     assert "balance.allocation=null" in line and "balance.allocation=[11,11,10]" in line, line
     fixed = run_cli(tmp_path, "cluster.ranks=3", "balance.allocation=null", "trainer.max_steps=4")
-    _ok(fixed)
+    assert_ok(fixed)
 
 
 def test_a_short_two_rank_run_draws_its_plot_and_says_where(tmp_path, run_cli):
@@ -102,7 +79,7 @@ def test_a_short_two_rank_run_draws_its_plot_and_says_where(tmp_path, run_cli):
         "balance.allocation=[16,16]",
         "balance.rebalance_every=2",
     )
-    _ok(proc)
+    assert_ok(proc)
     png = tmp_path / "ranks.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"plot: {png}" in proc.stdout + proc.stderr

@@ -23,7 +23,6 @@ import io
 import json
 import logging
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +33,7 @@ from hetseq_hpc.train.checkpoint import list_checkpoints, load_checkpoint
 from hetseq_hpc.train.metrics import MetricsWriter, read_metrics
 from tests.helpers.disk import FILLER, fill, start_cli
 from tests.helpers.runs import SMALL_MODEL, wait_rows
+from tests.helpers.waits import wait_for
 
 TWO_RANKS = [
     *SMALL_MODEL,
@@ -69,16 +69,13 @@ def _one_error_line(proc: subprocess.CompletedProcess, code: int) -> str:
 def _wait_for(pattern: str, folder: Path, proc: subprocess.Popen, timeout_s: float = 300) -> Path:
     """The first file matching ``pattern`` in ``folder`` once it exists (or fail if ``proc``
     ended first; the timeout guards against a hang, it is no speed check)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        found = sorted(folder.glob(pattern)) if folder.is_dir() else []
-        if found:
-            return found[0]
-        time.sleep(0.1)
-    if proc.poll() is None:  # the timeout: a hang
-        proc.kill()
-    _, err = proc.communicate()
-    raise AssertionError(f"no {pattern} in {folder} (exit {proc.returncode})\n{err[-3000:]}")
+    found = wait_for(
+        lambda: sorted(folder.glob(pattern)) if folder.is_dir() else [],
+        f"no {pattern} in {folder}",
+        timeout_s,
+        proc=proc,
+    )
+    return found[0]
 
 
 @pytest.fixture

@@ -14,9 +14,6 @@ records as JSON lines (1 rank).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,7 +26,7 @@ from tests.helpers.hf_models import (
     make_t5,
     write_text_files,
 )
-from tests.helpers.runs import REPO, assert_same_losses, cli_env, losses, read_rows
+from tests.helpers.runs import REPO, assert_same_losses, hetseq, losses, read_rows, run_ok
 
 pytestmark = pytest.mark.slow
 
@@ -60,15 +57,6 @@ def hf_models(tmp_path_factory):
     }
 
 
-def run(run_dir: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "hetseq_hpc", *overrides, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=cli_env(cache), capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDERR:\n{proc.stderr[-4000:]}"
-    return proc
-
-
 @pytest.mark.parametrize("kind", ["causal_lm", "masked_lm", "classification", "seq2seq"])
 def test_hf_uneven_ranks_repeat_one_rank(kind, hf_models, tmp_path, token_cache):
     """1 rank x 32 == 2 ranks x [24, 8] at every one of 20 steps; the kind, unit and metric
@@ -78,8 +66,8 @@ def test_hf_uneven_ranks_repeat_one_rank(kind, hf_models, tmp_path, token_cache)
     ref, uneven = tmp_path / "ref", tmp_path / "uneven"
     if kind == "seq2seq":
         task.append("task.model.max_target_len=16")
-    run(ref, token_cache, *task, *STEPS, "cluster.ranks=1")
-    run(uneven, token_cache, *task, *STEPS, *UNEVEN)
+    run_ok(ref, token_cache, *task, *STEPS, "cluster.ranks=1")
+    run_ok(uneven, token_cache, *task, *STEPS, *UNEVEN)
     assert_same_losses(losses(ref), losses(uneven), range(1, 21))
     summary = json.loads((ref / "summary.json").read_text())
     assert summary["task"]["name"] == "hf" and summary["task"]["data"]["kind"] == kind
@@ -95,7 +83,7 @@ def test_parquet_trains_like_the_same_json_lines(hf_models, tmp_path, token_cach
     parquet = jsonl_to_parquet(data, tmp_path / "labelled.parquet", row_group_size=50)
     short = [*STEPS, "cluster.ranks=1", "trainer.max_steps=8", "optim.schedule_steps=8"]
     for name, files in (("jsonl", data), ("parquet", parquet)):
-        run(
+        run_ok(
             tmp_path / name,
             token_cache,
             "task=hf",
@@ -119,7 +107,9 @@ def test_finetuning_starts_from_the_saved_weights(hf_models, tmp_path, token_cac
 
     path, data = hf_models["causal_lm"]
     task_args = ["task=hf", f"task.model.path={path}", f"task.data.files=[{data}]"]
-    run(tmp_path / "run", token_cache, *task_args, *STEPS, "cluster.ranks=1", "trainer.max_steps=1")
+    run_ok(
+        tmp_path / "run", token_cache, *task_args, *STEPS, "cluster.ranks=1", "trainer.max_steps=1"
+    )
     step1 = losses(tmp_path / "run")[1]
 
     cfg = compose_run_config([*task_args, *STEPS, f"task.data.cache_dir={token_cache}"])
@@ -151,8 +141,8 @@ def test_dataset_adapter_is_exact_across_24_8(tmp_path, token_cache):
     steps = [s for s in STEPS if "max_seq_len" not in s and "optim" not in s]
     task = ["task=dataset", "task.target=tests.helpers.user_dataset:build", f"task.path={REPO}"]
     ref, uneven = tmp_path / "ref", tmp_path / "uneven"
-    run(ref, token_cache, *task, *steps, "cluster.ranks=1")
-    run(uneven, token_cache, *task, *steps, *UNEVEN)
+    run_ok(ref, token_cache, *task, *steps, "cluster.ranks=1")
+    run_ok(uneven, token_cache, *task, *steps, *UNEVEN)
     assert_same_losses(losses(ref), losses(uneven), range(1, 21))
     assert json.loads((ref / "summary.json").read_text())["task"]["name"] == "dataset"
 
@@ -192,10 +182,7 @@ def test_refusals_start_nothing(case, hf_models, tmp_path, token_cache):
         "task.model.max_seq_len=32",
         *extra,
     ]
-    cmd = [sys.executable, "-m", "hetseq_hpc", *task, f"hydra.run.dir={tmp_path / 'run'}"]
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True, text=True, timeout=120
-    )
+    proc = hetseq(*task, f"hydra.run.dir={tmp_path / 'run'}", token_cache=token_cache, timeout=120)
     assert proc.returncode == code, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "error:" in lines[0], proc.stderr

@@ -12,7 +12,6 @@ import pty
 import select
 import shutil
 import subprocess
-import sys
 import termios
 from pathlib import Path
 from typing import Tuple
@@ -20,7 +19,7 @@ from typing import Tuple
 import pytest
 
 from tests.helpers.hf_models import make_gpt2, write_text_files
-from tests.helpers.runs import REPO, cli_env
+from tests.helpers.runs import REPO, cli_env, hetseq, hetseq_cmd
 
 #: what the custom module writes when it is imported (it must never be)
 MARKER = "custom-code-ran"
@@ -110,10 +109,7 @@ def test_custom_code_in_a_model_dir_is_never_asked_about_nor_run_under_a_termina
         model = tmp_path / "link"
     run_dir = tmp_path / "run"
     code, out = run_in_pty(
-        [
-            sys.executable,
-            "-m",
-            "hetseq_hpc",
+        hetseq_cmd(
             "task=hf",
             f"task.model.path={model}",
             f"task.data.files=[{made['txt']}]",
@@ -121,7 +117,7 @@ def test_custom_code_in_a_model_dir_is_never_asked_about_nor_run_under_a_termina
             "cluster.ranks=1",
             "trainer.max_steps=2",
             f"hydra.run.dir={run_dir}",
-        ],
+        ),
         answer,
         REPO,
         cli_env(token_cache),
@@ -146,22 +142,14 @@ def test_weights_symlinked_to_a_system_file_are_refused_before_any_rank_starts(
     (model / "model.safetensors").unlink()
     (model / "model.safetensors").symlink_to("/etc/passwd")
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hetseq_hpc",
-            "task=hf",
-            f"task.model.path={model}",
-            f"task.data.files=[{made['txt']}]",
-            "task.model.max_seq_len=32",
-            "cluster.ranks=1",
-            f"hydra.run.dir={run_dir}",
-        ],
-        cwd=REPO,
-        env=cli_env(token_cache),
-        capture_output=True,
-        text=True,
+    proc = hetseq(
+        "task=hf",
+        f"task.model.path={model}",
+        f"task.data.files=[{made['txt']}]",
+        "task.model.max_seq_len=32",
+        "cluster.ranks=1",
+        f"hydra.run.dir={run_dir}",
+        token_cache=token_cache,
         timeout=PTY_TIMEOUT_S,
     )
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-3000:]
@@ -178,27 +166,18 @@ def test_a_pretrained_run_shows_no_progress_bar_and_names_its_learning_rate(
     """One small task=hf run from saved weights: transformers' "Loading weights" bar (and any
     other tqdm bar) never reaches the console, and rank 0's console names the learning rate,
     where it comes from and its schedule, once."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hetseq_hpc",
-            "task=hf",
-            f"task.model.path={made['gpt2']}",
-            f"task.data.files=[{made['txt']}]",
-            f"task.data.cache_dir={tmp_path / 'cache'}",
-            "task.model.max_seq_len=32",
-            "cluster.ranks=1",
-            "trainer.max_steps=2",
-            "trainer.global_batch_size=8",
-            "trainer.plot=false",
-            f"hydra.run.dir={tmp_path / 'run'}",
-        ],
-        cwd=REPO,
-        env=cli_env(token_cache),
-        capture_output=True,
-        text=True,
-        timeout=600,
+    proc = hetseq(
+        "task=hf",
+        f"task.model.path={made['gpt2']}",
+        f"task.data.files=[{made['txt']}]",
+        f"task.data.cache_dir={tmp_path / 'cache'}",
+        "task.model.max_seq_len=32",
+        "cluster.ranks=1",
+        "trainer.max_steps=2",
+        "trainer.global_batch_size=8",
+        "trainer.plot=false",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        token_cache=token_cache,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     console = proc.stdout + proc.stderr

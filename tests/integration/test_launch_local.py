@@ -7,15 +7,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.fault_tasks import fail_on_rank
-from tests.helpers.runs import REPO, SMALL_MODEL, cli_env, wait_rows
+from tests.helpers.runs import SMALL_MODEL, start_hetseq, wait_rows, worker_pids
+from tests.helpers.waits import wait_for
 
 #: how long ranks that should be gone may still run: a guard against hangs, not a speed check
 #: (the ranks of LONG_RUN would train for hours if nothing stopped them)
@@ -31,65 +29,34 @@ LONG_RUN = [
 
 
 # ------------------------------------------------------------------ helpers
-def _processes():
-    """``(pid, argv, environment, state)`` of every readable process (from /proc)."""
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-                environ = dict(
-                    item.partition(b"=")[::2]
-                    for item in (entry / "environ").read_bytes().split(b"\0")
-                )
-                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            except (OSError, IndexError):
-                continue
-            yield int(entry.name), argv, environ, state
-
-
 def _ranks_of(run_dir: Path) -> dict:
     """rank -> pid of the live worker processes of ``run_dir`` (zombies count as gone)."""
-    return {
-        int(env[b"RANK"]): pid
-        for pid, argv, env, state in _processes()
-        if state != "Z"
-        and b"hetseq_hpc.worker" in argv
-        and b"RANK" in env
-        and str(run_dir).encode() in b" ".join(argv)
-    }
+    return worker_pids(run_dir, live=True)
 
 
 def _wait_gone(run_dir: Path, timeout_s: float = GONE_GUARD_S) -> None:
-    """Poll until no worker of ``run_dir`` is alive (``timeout_s``: a guard against hangs)."""
-    start = time.monotonic()
-    while _ranks_of(run_dir):
-        if time.monotonic() - start > timeout_s:
-            pids = _ranks_of(run_dir)
-            for pid in pids.values():  # do not leave them running after a failed test
-                os.kill(pid, signal.SIGKILL)
-            raise AssertionError(f"workers {pids} still alive {timeout_s:.0f} s later")
-        time.sleep(0.2)
+    """Wait until no worker of ``run_dir`` is alive (``timeout_s``: a guard against hangs); on
+    the timeout, SIGKILL them (do not leave them running after a failed test)."""
+    try:
+        wait_for(
+            lambda: not _ranks_of(run_dir), f"workers of {run_dir} gone", timeout_s, poll_s=0.2
+        )
+    except AssertionError:
+        pids = _ranks_of(run_dir)
+        for pid in pids.values():
+            os.kill(pid, signal.SIGKILL)
+        raise AssertionError(f"workers {pids} still alive {timeout_s:.0f} s later") from None
 
 
 @contextlib.contextmanager
 def _launcher(run_dir: Path, token_cache: Path, *overrides: str, small: bool = True):
     """The CLI running in the background (its own session); killed with its group on exit."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetseq_hpc",
+    proc = start_hetseq(
         *(SMALL_MODEL if small else []),
         *overrides,
         f"hydra.run.dir={run_dir}",
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=cli_env(token_cache),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+        token_cache=token_cache,
+        new_session=True,
     )
     try:
         yield proc

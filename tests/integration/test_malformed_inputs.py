@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from hetseq_hpc.cli.parser import COMMANDS
-from tests.helpers.runs import REPO
+from tests.helpers.runs import REPO, hetseq
 
 #: the planner prints its errors as "hetseq-hpc plan: error:" (tests/integration/test_plan_cli.py relies on it)
 PLAN_ERROR = "hetseq-hpc plan: error: "
@@ -33,13 +32,7 @@ PLAN = [
 
 def _hetseq(*args: str, cwd: Path = REPO, timeout: float = 120) -> subprocess.CompletedProcess:
     """``python -m hetseq_hpc ARGS`` (a FIFO that were opened would hang it: the timeout)."""
-    return subprocess.run(
-        [sys.executable, "-m", "hetseq_hpc", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return hetseq(*args, cwd=cwd, timeout=timeout)
 
 
 def _refused(

@@ -6,22 +6,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers.runs import REPO
+from tests.helpers.runs import hetseq
 
 
 def _plan_cli(*args, timeout=120):
-    return subprocess.run(
-        [sys.executable, "-m", "hetseq_hpc.plan", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return hetseq(*args, module="hetseq_hpc.plan", timeout=timeout)
 
 
 def test_cli_mixed_prints_table_and_json():
@@ -69,14 +61,7 @@ def test_bad_plan_option_is_one_line_and_exit_2(tmp_path, option, key):
 
 # ------------------------------------------------------------------ time to result (plan --when)
 def _hetseq(*args, env=None, timeout=120):
-    return subprocess.run(
-        [sys.executable, "-m", "hetseq_hpc", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return hetseq(*args, env=env, timeout=timeout)
 
 
 def _no_slurm_env():

@@ -17,8 +17,6 @@ larger: one skipped update (what a wrongly shared or missing loss scale causes) 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +25,7 @@ from hetseq_hpc.train.precision import (
     INIT_SCALE,
 )
 from tests.helpers.fault_tasks import overflow_at
-from tests.helpers.runs import REPO, SMALL_MODEL, cli_env, losses, read_rows
+from tests.helpers.runs import SMALL_MODEL, losses, read_rows, run_ok
 
 MIXED_REL_TOL = 2.5e-4
 #: grad_compression=bf16 vs none: every summed gradient element is rounded to bf16 (relative
@@ -52,19 +50,7 @@ MIXED = [
 
 # ---------------------------------------------------------------- end to end
 def _run(run_dir: Path, token_cache: Path, *overrides: str, task=tuple(SMALL_MODEL)) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetseq_hpc",
-        *task,
-        *EXACT,
-        *overrides,
-        f"hydra.run.dir={run_dir}",
-    ]
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDERR:\n{proc.stderr[-4000:]}"
+    run_ok(run_dir, token_cache, *task, *EXACT, *overrides)
 
 
 @pytest.fixture(scope="module")

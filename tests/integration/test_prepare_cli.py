@@ -3,32 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 from tests.helpers.corpus import pydoc_text, write_corpus
-from tests.helpers.runs import REPO, SMALL_MODEL, cli_env
+from tests.helpers.runs import SMALL_MODEL, cli_env, hetseq
 
 
 def test_prepare_subcommand_builds_the_cache_a_run_then_uses(tmp_path):
     path = write_corpus(tmp_path, pydoc_text())
     env = cli_env(tmp_path / "cache")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hetseq_hpc",
-            "prepare",
-            "task=bert",
-            f"task.data.files=[{path}]",
-            *SMALL_MODEL,
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = hetseq("prepare", "task=bert", f"task.data.files=[{path}]", *SMALL_MODEL, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     metas = list((tmp_path / "cache").glob("*/meta.json"))
     assert len(metas) == 1 and str(metas[0].parent) in proc.stdout

@@ -20,6 +20,7 @@ from hetseq_hpc.tasks.bert.text_corpus import load_corpus
 from hetseq_hpc.tasks.bert.tokenizer import load_tokenizer
 from hetseq_hpc.tokenizing import pool
 from tests.helpers.corpus import pydoc_text
+from tests.helpers.waits import wait_for
 
 ODD = (
     "\n\n".join(
@@ -125,7 +126,4 @@ def test_a_dead_worker_is_one_line_not_a_hang(tmp_path, monkeypatch):
     assert "\n" not in str(info.value) and "HETSEQ_PREPARE_WORKERS=1" in str(info.value)
     assert not (directory / "meta.json").exists() and not (directory / "tokens.npy").exists()
     assert not list(directory.glob(".*.tmp"))
-    deadline = time.monotonic() + 30
-    while multiprocessing.active_children() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not multiprocessing.active_children()
+    wait_for(lambda: not multiprocessing.active_children(), "the pool's workers ended", 30)

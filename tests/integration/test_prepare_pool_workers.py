@@ -3,8 +3,6 @@ import no torch (moved from tests/unit/test_prepare_pool.py: they start processe
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,6 +17,7 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers 
 
 from hetseq_hpc.tasks.hf.token_cache import build_hf_cache  # noqa: E402
 from tests.helpers.corpus import pydoc_text  # noqa: E402
+from tests.helpers.runs import hetseq  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -60,10 +59,11 @@ def _tokenizer(kind: str):
 
 
 PROBE = """
-import os, sys, time
+import os, sys
 import torch  # a rank of a training job: torch (and its threads) already loaded
 import multiprocessing
 from hetseq_hpc.tokenizing import pool
+from tests.helpers.waits import wait_for
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 def maps(pid):
@@ -77,10 +77,11 @@ if __name__ == "__main__":
     stream = pool.encode_stream((["a b a", "b"] for _ in range(8)), tok.to_str(), "words", 2)
     results = [next(stream) for _ in range(8)]
     children = multiprocessing.active_children()
-    deadline = time.monotonic() + 60
-    while not all("tokenizers.abi3" in maps(p.pid) for p in children):
-        assert time.monotonic() < deadline, "workers never imported tokenizers"
-        time.sleep(0.1)
+    wait_for(
+        lambda: all("tokenizers.abi3" in maps(p.pid) for p in children),
+        "workers never imported tokenizers",
+        60,
+    )
     print(len(children), sum("/torch/" in maps(p.pid) for p in children),
           [r[1].tolist() for r in results[:1]], flush=True)
     stream.close()
@@ -120,14 +121,7 @@ def test_workers_import_no_torch_even_under_a_torch_importing_main(tmp_path):
         "PATH": "/usr/bin:/bin",
         "HETSEQ_PREPARE_WORKERS": "2",
     }
-    proc = subprocess.run(
-        [sys.executable, "-m", "probe_main"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = hetseq(module="probe_main", cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     # 2 workers, none of them with torch's libraries mapped; the ids as in one process
     assert proc.stdout.split("\n")[0] == "2 0 [[0, 1, 0, 1]]", proc.stdout

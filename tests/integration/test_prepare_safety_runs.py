@@ -22,14 +22,23 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import List
 
 import numpy as np
 import pytest
 
-from tests.helpers.runs import REPO, SMALL_MODEL, cli_env, read_rows
+from tests.helpers.runs import (
+    REPO,
+    SMALL_MODEL,
+    cli_env,
+    hetseq,
+    hetseq_cmd,
+    processes,
+    read_rows,
+    start_hetseq,
+)
+from tests.helpers.waits import wait_for
 
 #: a tiny regression task whose prepare() records its pid, then sleeps task.args.prepare_s
 SLOW_TASK = """
@@ -86,11 +95,8 @@ def _slow_task_dir(tmp_path: Path) -> Path:
     return folder
 
 
-def _slow_run_cmd(folder: Path, run_dir: Path, prepare_s: float, timeout_s: int) -> List[str]:
+def _slow_run_args(folder: Path, run_dir: Path, prepare_s: float, timeout_s: int) -> List[str]:
     return [
-        sys.executable,
-        "-m",
-        "hetseq_hpc",
         "task=custom",
         "task.target=slow_task.SlowPrepare",
         f"task.path={folder}",
@@ -106,18 +112,11 @@ def _slow_run_cmd(folder: Path, run_dir: Path, prepare_s: float, timeout_s: int)
 
 def _workers_of(run_dir: Path) -> List[int]:
     """Pids of live worker processes of the run in ``run_dir`` (from /proc)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if b"hetseq_hpc.worker" in cmdline and str(run_dir).encode() in cmdline and state != "Z":
-            pids.append(int(entry.name))
-    return pids
+    return [
+        pid
+        for pid, argv, _, state in processes()
+        if b"hetseq_hpc.worker" in argv and str(run_dir).encode() in argv and state != "Z"
+    ]
 
 
 # ----------------------------------------------------------------------- heartbeat, real runs
@@ -128,20 +127,14 @@ def test_a_stopped_rank0_while_preparing_ends_the_run_with_a_named_error(tmp_pat
     """SIGSTOP rank 0 inside prepare(): rank 1 names rank 0's heartbeat within the timeout, the
     launcher stops every rank (the stopped one with SIGKILL) and exits non-zero."""
     folder, run_dir, timeout_s = _slow_task_dir(tmp_path), tmp_path / "run", 10
-    proc = subprocess.Popen(
-        _slow_run_cmd(folder, run_dir, 600, timeout_s),
+    proc = start_hetseq(
+        *_slow_run_args(folder, run_dir, 600, timeout_s),
+        token_cache=tmp_path / "cache",
         cwd=tmp_path,
-        env=cli_env(tmp_path / "cache"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
     )
     rank0 = None
-    try:
-        deadline = time.monotonic() + 300  # startup on a loaded machine; a guard, not a check
-        while not (folder / "prepare.pid").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.1)
+    try:  # startup on a loaded machine: the wait's bound is a guard, not a check
+        wait_for((folder / "prepare.pid").exists, "rank 0's prepare()", proc=proc)
         rank0 = int((folder / "prepare.pid").read_text())
         os.kill(rank0, signal.SIGSTOP)
         _, err = proc.communicate(timeout=600)  # a guard against hangs, not a speed check
@@ -165,13 +158,8 @@ def test_waiting_ranks_outlive_a_prepare_longer_than_the_collective_timeout(tmp_
     """Rank 0 prepares for 15 s (a slow custom task) while the other rank waits on the marker
     file and rank 0's heartbeat, not in a gloo barrier with the 10 s timeout."""
     folder, run_dir = _slow_task_dir(tmp_path), tmp_path / "run"
-    proc = subprocess.run(
-        _slow_run_cmd(folder, run_dir, 15, 10),
-        cwd=tmp_path,
-        env=cli_env(tmp_path / "cache"),
-        capture_output=True,
-        text=True,
-        timeout=600,
+    proc = hetseq(
+        *_slow_run_args(folder, run_dir, 15, 10), token_cache=tmp_path / "cache", cwd=tmp_path
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in read_rows(run_dir)] == [1, 2]
@@ -192,14 +180,13 @@ def _peak_rss_mb_of_prepare(tmp_path: Path, data: Path, cache: Path) -> tuple:
         sys.executable,
         "-c",
         script,
-        sys.executable,
-        "-m",
-        "hetseq_hpc",
-        "prepare",
-        "task=bert",
-        f"task.data.files=[{data}]",
-        f"task.data.cache_dir={cache}",
-        "task.model.max_seq_len=64",
+        *hetseq_cmd(
+            "prepare",
+            "task=bert",
+            f"task.data.files=[{data}]",
+            f"task.data.cache_dir={cache}",
+            "task.model.max_seq_len=64",
+        ),
     ]
     proc = subprocess.run(
         cmd,
@@ -236,13 +223,8 @@ def test_prepare_of_a_file_without_newline_stays_in_bounded_memory(tmp_path):
 
 
 def _prepare_cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "hetseq_hpc", "prepare", "task=bert", *SMALL_MODEL, *overrides],
-        cwd=REPO,
-        env=cli_env(tmp_path / "default"),
-        capture_output=True,
-        text=True,
-        timeout=600,
+    return hetseq(
+        "prepare", "task=bert", *SMALL_MODEL, *overrides, token_cache=tmp_path / "default"
     )
 
 

@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from hetseq_hpc.errors import HetseqError
 from hetseq_hpc.report.plots import plot_run
-from tests.helpers.runs import REPO
+from tests.helpers.runs import hetseq
 
 
 def test_missing_metrics_is_one_line_error(tmp_path):
     with pytest.raises(HetseqError, match=r"metrics\.jsonl does not exist"):
         plot_run(tmp_path)
-    proc = subprocess.run(
-        [sys.executable, "-m", "hetseq_hpc.report", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = hetseq(str(tmp_path), module="hetseq_hpc.report", timeout=60)
     assert proc.returncode == 2  # bad input, as `hetseq-hpc report` (errors.EXIT_CODES)
     assert len(proc.stderr.strip().splitlines()) == 1
     assert proc.stderr.startswith("hetseq-report: error:")

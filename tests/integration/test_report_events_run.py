@@ -8,36 +8,31 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers.runs import REPO, SMALL_MODEL, cli_env, sigint_as_in_a_terminal, wait_rows
+from tests.helpers.runs import (
+    SMALL_MODEL,
+    hetseq,
+    sigint_as_in_a_terminal,
+    start_hetseq,
+    wait_rows,
+)
 
 pytestmark = pytest.mark.slow
 
 
 def test_report_names_a_ctrl_c_stop_and_the_resume(tmp_path, token_cache, run_cli):
     common = [*SMALL_MODEL, "optim.schedule_steps=100000", "trainer.val_every=0"]
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "hetseq_hpc",
-            *common,
-            "cluster.ranks=2",
-            "trainer.max_steps=100000",
-            "trainer.checkpoint_every=0",
-            "trainer.plot=false",
-            f"hydra.run.dir={tmp_path}",
-        ],
-        cwd=REPO,
-        env=cli_env(token_cache),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+    proc = start_hetseq(
+        *common,
+        "cluster.ranks=2",
+        "trainer.max_steps=100000",
+        "trainer.checkpoint_every=0",
+        "trainer.plot=false",
+        f"hydra.run.dir={tmp_path}",
+        token_cache=token_cache,
+        new_session=True,
         preexec_fn=sigint_as_in_a_terminal,
     )
     try:
@@ -57,13 +52,7 @@ def test_report_names_a_ctrl_c_stop_and_the_resume(tmp_path, token_cache, run_cl
         "trainer.resume=auto",
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    report = subprocess.run(
-        [sys.executable, "-m", "hetseq_hpc", "report", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    report = hetseq("report", str(tmp_path), timeout=300)
     assert report.returncode == 0, report.stderr[-2000:]
     out = report.stdout
     assert (

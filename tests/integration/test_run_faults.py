@@ -20,7 +20,6 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -132,18 +131,8 @@ def test_wandb_without_the_package_is_refused_before_any_process(tmp_path):
     if importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed here: the unit test below covers the refusal")
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hetseq_hpc",
-            "trainer.loggers=[jsonl,wandb]",
-            f"hydra.run.dir={run_dir}",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = hetseq(
+        "trainer.loggers=[jsonl,wandb]", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=120
     )
     line = _refused(proc, run_dir)
     assert "wandb package is not installed" in line and "pip install wandb" in line
@@ -152,18 +141,11 @@ def test_wandb_without_the_package_is_refused_before_any_process(tmp_path):
 
 def test_adasum_on_three_local_ranks_is_refused_before_any_process(tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hetseq_hpc",
-            "cluster.ranks=3",
-            "comm.grad_combine=adasum",
-            f"hydra.run.dir={run_dir}",
-        ],
+    proc = hetseq(
+        "cluster.ranks=3",
+        "comm.grad_combine=adasum",
+        f"hydra.run.dir={run_dir}",
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     line = _refused(proc, run_dir)

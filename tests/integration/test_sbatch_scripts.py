@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from hetseq_hpc.launch.sbatch import render_sbatch
+from tests.helpers.runs import hetseq, start_hetseq
 from tests.helpers.slurm import compose_testcluster
+from tests.helpers.waits import wait_for
 
 
 def test_elastic_script_is_valid_bash_for_any_run_directory(tmp_path):
@@ -36,9 +38,6 @@ def test_store_server_listens_on_its_address_only_and_takes_the_token_from_the_e
     (torch's TCPStore alone would), writes ``host:port``, and serves only the token holder;
     the token is nowhere on its command line nor in its output."""
     import signal
-    import subprocess
-    import sys
-    import time
     from multiprocessing import AuthenticationError
 
     from hetseq_hpc.distributed.auth_store import AuthStoreClient
@@ -46,27 +45,25 @@ def test_store_server_listens_on_its_address_only_and_takes_the_token_from_the_e
     token = "9" * 32
     where = tmp_path / "store.address"
     env = {**os.environ, "HETSEQ_JOB_TOKEN": token, "HETSEQ_STORE_HOST": "127.0.0.1"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "hetseq_hpc.distributed.store_server",
-            "--host",
-            "auto",
-            "--nodes",
-            "1",
-            "--address-file",
-            str(where),
-        ],
+    proc = start_hetseq(
+        "--host",
+        "auto",
+        "--nodes",
+        "1",
+        "--address-file",
+        str(where),
+        module="hetseq_hpc.distributed.store_server",
         env=env,
-        stderr=subprocess.PIPE,
-        text=True,
+        stdout=None,
     )
     try:
-        deadline = time.monotonic() + 60
-        while not (where.exists() and where.read_text().strip()):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-            time.sleep(0.05)
+        wait_for(
+            lambda: where.exists() and where.read_text().strip(),
+            f"the store server's address in {where}",
+            60,
+            proc=proc,
+            poll_s=0.05,
+        )
         host, port = where.read_text().strip().rsplit(":", 1)
         port = int(port)
         assert host == "127.0.0.1"
@@ -87,18 +84,12 @@ def test_store_server_listens_on_its_address_only_and_takes_the_token_from_the_e
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0 and token not in err, err
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hetseq_hpc.distributed.store_server",
-            "--host",
-            "127.0.0.1",
-            "--address-file",
-            str(where),
-        ],
-        capture_output=True,
-        text=True,
+    proc = hetseq(
+        "--host",
+        "127.0.0.1",
+        "--address-file",
+        str(where),
+        module="hetseq_hpc.distributed.store_server",
         timeout=60,
         env={k: v for k, v in os.environ.items() if k != "HETSEQ_JOB_TOKEN"},
     )

@@ -4,14 +4,13 @@ submits nothing, an unsafe partition name is refused, and a machine without Slur
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from hetseq_hpc.launch.sbatch import render_sbatch
-from tests.helpers.runs import REPO, assert_ok, cli_env
+from tests.helpers.runs import assert_ok, cli_env, hetseq
 from tests.helpers.slurm import compose_testcluster, slurm_cli
 
 
@@ -48,14 +47,7 @@ def test_unsafe_partition_name_is_rejected(tmp_path, token_cache, bad):
 def test_missing_slurm_says_what_and_suggests_local(tmp_path, token_cache):
     env = cli_env(token_cache)
     env["PATH"] = str(Path(sys.executable).parent)  # python only: no sbatch, srun, sinfo
-    proc = subprocess.run(
-        [sys.executable, "-m", "hetseq_hpc", "cluster=testcluster", f"hydra.run.dir={tmp_path}"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = hetseq("cluster=testcluster", f"hydra.run.dir={tmp_path}", env=env, timeout=300)
     assert proc.returncode == 1
     line = proc.stderr.strip().splitlines()[-1]
     assert "sbatch" in line and "cluster=local" in line, line

@@ -15,6 +15,7 @@ import pytest
 
 from hetseq_hpc.launch.slurm_checks import partition_inventory
 from hetseq_hpc.launch.slurm_commands import run_sbatch
+from tests.helpers.runs import alive
 
 
 def _command(tmp_path: Path, name: str, body: str) -> Path:
@@ -25,14 +26,6 @@ def _command(tmp_path: Path, name: str, body: str) -> Path:
     path.write_text(f"#!/bin/sh\n{body}\n")
     path.chmod(0o755)
     return path
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_a_hung_sbatch_wrapper_faked_is_killed_with_what_it_started(tmp_path):
@@ -49,7 +42,7 @@ def test_a_hung_sbatch_wrapper_faked_is_killed_with_what_it_started(tmp_path):
         run_sbatch([str(wrapper), "job.sh"], timeout_s=2)
     started = [int(p) for p in pids.read_text().split()]
     try:
-        assert len(started) == 2 and not any(_alive(p) for p in started), started
+        assert len(started) == 2 and not any(alive(p) for p in started), started
         assert info.value.output == "started\n"
     finally:
         for pid in started:

@@ -12,13 +12,10 @@ docs/design/exact-gradients.md, "How the exactness tests compare runs".
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.helpers.runs import REPO, assert_same_losses, cli_env, losses, read_rows
+from tests.helpers.runs import assert_same_losses, losses, read_rows, run_ok
 from tests.helpers.tasks import METRIC, SUMMARY_NAME, task_overrides
 
 pytestmark = pytest.mark.slow
@@ -34,24 +31,18 @@ STEPS = [
 UNEVEN = ["cluster.ranks=2", "balance.allocation=[24,8]", "balance.max_micro_batch=5"]
 
 
-def run(run_dir: Path, cache: Path, *overrides: str) -> None:
-    cmd = [sys.executable, "-m", "hetseq_hpc", *overrides, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=cli_env(cache), capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDERR:\n{proc.stderr[-4000:]}"
-
-
 @pytest.mark.parametrize("name", ["image", "translation", "custom", "hetseq_bert"])
 def test_uneven_ranks_and_resume_repeat_one_rank(name, tmp_path, token_cache, task_data_files):
     """1 rank x 32 == 2 ranks x [24, 8] at every one of 20 steps, across a stop at step 10 and
     a resume; the task's own metric and units reach metrics.jsonl and summary.json."""
     task = task_overrides(name, task_data_files)
     ref, uneven = tmp_path / "ref", tmp_path / "uneven"
-    run(ref, token_cache, *task, *STEPS, "cluster.ranks=1", "trainer.max_steps=20")
-    run(uneven, token_cache, *task, *STEPS, *UNEVEN, "trainer.max_steps=10")
+    run_ok(ref, token_cache, *task, *STEPS, "cluster.ranks=1", "trainer.max_steps=20")
+    run_ok(uneven, token_cache, *task, *STEPS, *UNEVEN, "trainer.max_steps=10")
     assert max(losses(uneven)) == 10
-    run(uneven, token_cache, *task, *STEPS, *UNEVEN, "trainer.max_steps=20", "trainer.resume=auto")
+    run_ok(
+        uneven, token_cache, *task, *STEPS, *UNEVEN, "trainer.max_steps=20", "trainer.resume=auto"
+    )
     shares = json.loads((uneven / "allocation.json").read_text())["allocation"]["shares"]
     assert [s["samples"] for s in shares] == [24, 8]
     assert [s["accum_steps"] for s in shares] == [5, 2]

@@ -14,18 +14,17 @@ import json
 import os
 import signal
 import subprocess
-import sys
 
 import pytest
 
 from tests.helpers.runs import (
-    REPO,
     SMALL_MODEL,
     assert_same_losses,
-    cli_env,
+    hetseq,
     losses,
     read_rows,
     sigint_as_in_a_terminal,
+    start_hetseq,
     wait_rows,
     worker_pids,
 )
@@ -43,10 +42,7 @@ def _ok(proc: subprocess.CompletedProcess) -> None:
 def reference_run(tmp_path_factory, token_cache):
     """An uninterrupted 20-step run on ONE rank, global batch 32 (shared by two tests)."""
     run_dir = tmp_path_factory.mktemp("ref")
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetseq_hpc",
+    proc = hetseq(
         *SMALL_MODEL,
         *EXACT,
         "cluster.ranks=1",
@@ -54,9 +50,7 @@ def reference_run(tmp_path_factory, token_cache):
         "trainer.max_steps=20",
         "trainer.checkpoint_every=10",
         f"hydra.run.dir={run_dir}",
-    ]
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True, text=True, timeout=600
+        token_cache=token_cache,
     )
     _ok(proc)
     return run_dir
@@ -160,10 +154,7 @@ def test_dead_rank_stops_the_job_with_a_clear_error(tmp_path, token_cache):
     (which would wait in a collective) and reports which rank died and why, instead of hanging. A 0.03 GiB rank on a machine with
     GiBs free, killed by the user, is not called out of memory (its cgroup counter did not move;
     the kernel log, where readable, does not name the process)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetseq_hpc",
+    proc = start_hetseq(
         *SMALL_MODEL,
         "cluster.ranks=2",
         "trainer.max_steps=100000",
@@ -171,14 +162,7 @@ def test_dead_rank_stops_the_job_with_a_clear_error(tmp_path, token_cache):
         "trainer.checkpoint_every=0",
         "trainer.elastic.enabled=false",
         f"hydra.run.dir={tmp_path}",
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=cli_env(token_cache),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        token_cache=token_cache,
     )
     try:
         wait_rows(tmp_path, 2, proc)
@@ -241,10 +225,7 @@ def test_ctrl_c_checkpoints_and_resumes(tmp_path, token_cache):
     """Ctrl-C (SIGINT to the whole foreground process group, as a terminal sends it): the
     workers ignore it, the launcher stops them with SIGTERM, they checkpoint after their current
     step, and the run continues from there with trainer.resume=auto."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetseq_hpc",
+    proc = start_hetseq(
         *SMALL_MODEL,
         "cluster.ranks=2",
         "trainer.max_steps=100000",
@@ -252,15 +233,8 @@ def test_ctrl_c_checkpoints_and_resumes(tmp_path, token_cache):
         "trainer.val_every=0",
         "trainer.checkpoint_every=0",
         f"hydra.run.dir={tmp_path}",
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=cli_env(token_cache),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+        token_cache=token_cache,
+        new_session=True,
         preexec_fn=sigint_as_in_a_terminal,
     )
     try:
@@ -276,24 +250,15 @@ def test_ctrl_c_checkpoints_and_resumes(tmp_path, token_cache):
     assert ckpts, "no checkpoint written on Ctrl-C"
     stopped_at = int(ckpts[-1].stem.split("_")[1])
     assert stopped_at >= 3 and max(losses(tmp_path)) == stopped_at
-    resumed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hetseq_hpc",
-            *SMALL_MODEL,
-            "cluster.ranks=2",
-            f"trainer.max_steps={stopped_at + 2}",
-            "optim.schedule_steps=100000",
-            "trainer.val_every=0",
-            "trainer.resume=auto",
-            f"hydra.run.dir={tmp_path}",
-        ],
-        cwd=REPO,
-        env=cli_env(token_cache),
-        capture_output=True,
-        text=True,
-        timeout=600,
+    resumed = hetseq(
+        *SMALL_MODEL,
+        "cluster.ranks=2",
+        f"trainer.max_steps={stopped_at + 2}",
+        "optim.schedule_steps=100000",
+        "trainer.val_every=0",
+        "trainer.resume=auto",
+        f"hydra.run.dir={tmp_path}",
+        token_cache=token_cache,
     )
     _ok(resumed)
     assert sorted(losses(tmp_path)) == list(range(1, stopped_at + 3))

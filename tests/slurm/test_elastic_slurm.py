@@ -23,9 +23,18 @@ import pytest
 
 from hetseq_hpc.env.preemption import REQUEUE
 from hetseq_hpc.launch.failures import STOP_RECORD
-from tests.helpers.runs import REPO, SMALL_MODEL, cli_env, losses, read_rows
-from tests.helpers.slurm import squeue_state
-from tests.slurm.test_slurm_faults_real import _rank_pid
+from tests.helpers.runs import (
+    REPO,
+    SMALL_MODEL,
+    cli_env,
+    hetseq,
+    losses,
+    read_rows,
+    start_hetseq,
+    step_rows,
+)
+from tests.helpers.slurm import rank_pid, squeue_state, task_pid
+from tests.helpers.waits import wait_for
 
 COMMON = [
     *SMALL_MODEL,
@@ -45,21 +54,14 @@ COMMON = [
 def reference(tmp_path_factory, token_cache) -> Dict[int, float]:
     """step -> loss of an uninterrupted 3-rank local run of the same job."""
     ref = tmp_path_factory.mktemp("ref")
-    done = subprocess.run(
-        [sys.executable, "-m", "hetseq_hpc", *COMMON, "cluster.ranks=3", f"hydra.run.dir={ref}"],
-        cwd=REPO,
-        env=cli_env(token_cache),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = hetseq(*COMMON, "cluster.ranks=3", f"hydra.run.dir={ref}", token_cache=token_cache)
     assert done.returncode == 0, done.stderr[-3000:]
     return losses(ref)
 
 
-def _steps(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return sum('"loss"' in ln for ln in path.read_text().splitlines()) if path.exists() else 0
+def _ended(job: str) -> bool:
+    """Whether Slurm's job ``job`` has ended (any final state)."""
+    return squeue_state(job) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
 
 
 @pytest.mark.slurm
@@ -81,29 +83,16 @@ def test_kill_9_one_task_of_a_het_job_and_it_finishes_the_same(
             "trainer.keep_checkpoints=10",
         ]
     )
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "hetseq_hpc",
-            "cluster=testcluster",
-            "cluster.wait=true",
-            *common,
-            f"hydra.run.dir={run_dir}",
-        ],
-        cwd=REPO,
-        env=cli_env(token_cache),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    proc = start_hetseq(
+        "cluster=testcluster",
+        "cluster.wait=true",
+        *common,
+        f"hydra.run.dir={run_dir}",
+        token_cache=token_cache,
     )
     try:
-        deadline = time.monotonic() + 300  # a guard against hangs, not a speed check
-        while _steps(run_dir) < 10:
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        os.kill(_rank_pid(run_dir / "submitit", 1), signal.SIGKILL)
+        wait_for(lambda: step_rows(run_dir) >= 10, f"step 10 in {run_dir}", proc=proc)
+        os.kill(rank_pid(run_dir / "submitit", 1), signal.SIGKILL)
         _, stderr = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
@@ -122,60 +111,34 @@ def test_kill_9_one_task_of_a_het_job_and_it_finishes_the_same(
         assert event["reloaded"]["step"] >= 5 and event["reloaded"]["checkpoint"], event
     assert "SLURM_RESTART_COUNT" not in (run_dir / "logs" / "rank0.log").read_text()
     assert json.loads((run_dir / "summary.json").read_text())["lost_ranks"] == [1]
-    deadline = time.monotonic() + 120  # the batch script ends after the results are in
-    while squeue_state(str(job)) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
-        assert time.monotonic() < deadline, squeue_state(str(job))
-        time.sleep(0.5)
+    # the batch script ends after the results are in
+    wait_for(lambda: _ended(str(job)), f"the end of job {job}", 120, poll_s=0.5)
     # srun failed (a task was lost), the run finished: Slurm records COMPLETED (afterok holds)
     assert squeue_state(str(job)) == "COMPLETED"
 
 
-def _task_pid(run_dir: Path, task: int) -> int:
-    """pid of the worker of Slurm task ``task`` started by a hand-written template for
-    ``run_dir`` (``python -m hetseq_hpc.worker --run-dir RUN_DIR``, ``SLURM_PROCID=task``)."""
-    for entry in Path("/proc").iterdir():
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if (
-            b"hetseq_hpc.worker" in argv
-            and str(run_dir).encode() in argv
-            and f"SLURM_PROCID={task}".encode() in env
-        ):
-            return int(entry.name)
-    raise AssertionError(f"no worker of task {task} for {run_dir}")
-
-
-def _wait_for_step(run_dir: Path, job: str, step: int) -> float:
+def _wait_for_step(run_dir: Path, job: str, step: int) -> None:
     """Wait until ``step`` steps are logged while the job is queued or running (300 s at most:
-    a guard against hangs, not a speed check); the deadline it kept."""
-    deadline = time.monotonic() + 300
-    while _steps(run_dir) < step:
+    a guard against hangs, not a speed check)."""
+
+    def logged() -> bool:
+        if step_rows(run_dir) >= step:
+            return True
         assert squeue_state(job) in ("PENDING", "RUNNING"), squeue_state(job)
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    return deadline
+        return False
+
+    wait_for(logged, f"step {step} in {run_dir}")
 
 
 def _submit_by_hand(run_dir: Path, folder: Path, token_cache) -> str:
     """Write the run directory (``cluster.dry_run=true``) and submit ``slurm/hetjob.sbatch``
     for it with ``sbatch`` from ``folder`` (its log: ``folder/hetseq-<job>.out``); the job id."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hetseq_hpc",
-            "cluster=testcluster",
-            "cluster.dry_run=true",
-            *COMMON,
-            f"hydra.run.dir={run_dir}",
-        ],
-        cwd=REPO,
-        env=cli_env(token_cache),
-        capture_output=True,
-        text=True,
+    done = hetseq(
+        "cluster=testcluster",
+        "cluster.dry_run=true",
+        *COMMON,
+        f"hydra.run.dir={run_dir}",
+        token_cache=token_cache,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -201,11 +164,15 @@ def test_the_handwritten_template_survives_a_lost_task_too(tmp_path, token_cache
     run_dir = tmp_path / "job"
     job = _submit_by_hand(run_dir, tmp_path, token_cache)
     try:
-        deadline = _wait_for_step(run_dir, job, 10)
-        os.kill(_task_pid(run_dir, 1), signal.SIGKILL)
-        while squeue_state(job) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
-            assert time.monotonic() < deadline + 300, f"job {job} did not end"
-            time.sleep(1)
+        started = time.monotonic()  # 300 s for step 10, then what is left of 600 s to end
+        _wait_for_step(run_dir, job, 10)
+        os.kill(task_pid(run_dir, 1), signal.SIGKILL)
+        wait_for(
+            lambda: _ended(job),
+            f"job {job} did not end",
+            started + 600 - time.monotonic(),
+            poll_s=1,
+        )
     finally:
         subprocess.run(["scancel", job], capture_output=True)
     log = (tmp_path / f"hetseq-{job}.out").read_text()
@@ -239,38 +206,33 @@ def test_too_few_left_in_a_het_job_checkpoint_requeue_and_finish_the_same(
     run_dir, err = tmp_path / "job", tmp_path / "cli.err"
     overrides = [o for o in COMMON if not o.startswith("trainer.checkpoint_every=")]
     with err.open("w") as sink:  # a file: a pipe could fill up while the test polls
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "hetseq_hpc",
-                "cluster=testcluster",
-                "cluster.wait=true",
-                *overrides,
-                "trainer.checkpoint_every=8",
-                "trainer.keep_checkpoints=10",
-                "trainer.elastic.min_ranks=3",
-                f"hydra.run.dir={run_dir}",
-            ],
-            cwd=REPO,
-            env=cli_env(token_cache),
+        proc = start_hetseq(
+            "cluster=testcluster",
+            "cluster.wait=true",
+            *overrides,
+            "trainer.checkpoint_every=8",
+            "trainer.keep_checkpoints=10",
+            "trainer.elastic.min_ranks=3",
+            f"hydra.run.dir={run_dir}",
+            token_cache=token_cache,
             stdout=subprocess.DEVNULL,
             stderr=sink,
+            text=False,
         )
     job = ""
     try:
-        deadline = time.monotonic() + 300  # a guard against hangs, not a speed check
-        while _steps(run_dir) < 10:
-            assert proc.poll() is None, err.read_text()[-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_for(lambda: step_rows(run_dir) >= 10, f"step 10 in {run_dir}", proc=proc, output=err)
         job = json.loads((run_dir / "job.json").read_text())["job_id"]
-        os.kill(_rank_pid(run_dir / "submitit", victim), signal.SIGKILL)
-        deadline = time.monotonic() + 600  # the requeued job waits for its EligibleTime too
-        while proc.poll() is None:
-            assert time.monotonic() < deadline, f"job {job} still {squeue_state(job)}"
+        os.kill(rank_pid(run_dir / "submitit", victim), signal.SIGKILL)
+
+        def ended() -> bool:
+            if proc.poll() is not None:
+                return True
             _poke_while_pending(job)
-            time.sleep(1)
+            return False
+
+        # the requeued job waits for its EligibleTime too
+        wait_for(ended, f"the end of job {job}", 600, poll_s=1)
         shown = subprocess.run(
             ["scontrol", "show", "job", job], capture_output=True, text=True
         ).stdout
@@ -318,30 +280,21 @@ def test_a_stopped_task_left_out_and_cluster_wait_exits_0_naming_it(tmp_path, to
     as lost (it exited 1 with "ended COMPLETED before every rank finished (0/3 results)")."""
     run_dir, err = tmp_path / "job", tmp_path / "cli.out"
     with err.open("w") as sink:  # a file: a pipe could fill up while the test polls
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "hetseq_hpc",
-                "cluster=testcluster",
-                "cluster.wait=true",
-                *COMMON,
-                f"hydra.run.dir={run_dir}",
-            ],
-            cwd=REPO,
-            env=cli_env(token_cache),
+        proc = start_hetseq(
+            "cluster=testcluster",
+            "cluster.wait=true",
+            *COMMON,
+            f"hydra.run.dir={run_dir}",
+            token_cache=token_cache,
             stdout=sink,  # the launcher's log lines (Hydra's console) and rank 0's log
             stderr=subprocess.STDOUT,
+            text=False,
         )
     stopped, job = 0, ""
     try:
-        deadline = time.monotonic() + 300  # a guard against hangs, not a speed check
-        while _steps(run_dir) < 10:
-            assert proc.poll() is None, err.read_text()[-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_for(lambda: step_rows(run_dir) >= 10, f"step 10 in {run_dir}", proc=proc, output=err)
         job = json.loads((run_dir / "job.json").read_text())["job_id"]
-        stopped = _rank_pid(run_dir / "submitit", 1)
+        stopped = rank_pid(run_dir / "submitit", 1)
         os.kill(stopped, signal.SIGSTOP)
         proc.wait(timeout=600)
     finally:
@@ -374,28 +327,22 @@ def test_a_stopped_task_does_not_hold_a_finished_job(script, tmp_path, token_cac
     run_dir = tmp_path / "job"
     overrides = ["cluster=testcluster", *COMMON, f"hydra.run.dir={run_dir}"]
     if script == "generated":
-        done = subprocess.run(
-            [sys.executable, "-m", "hetseq_hpc", *overrides, "cluster.wait=false"],
-            cwd=REPO,
-            env=cli_env(token_cache),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        done = hetseq(*overrides, "cluster.wait=false", token_cache=token_cache, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         job = json.loads((run_dir / "job.json").read_text())["job_id"]
     else:
         job = _submit_by_hand(run_dir, tmp_path, token_cache)
     stopped = 0
     try:
-        deadline = _wait_for_step(run_dir, job, 10)
+        started = time.monotonic()  # 300 s for step 10, then what is left of 600 s to end
+        _wait_for_step(run_dir, job, 10)
         stopped = (
-            _rank_pid(run_dir / "submitit", 1) if script == "generated" else _task_pid(run_dir, 1)
+            rank_pid(run_dir / "submitit", 1) if script == "generated" else task_pid(run_dir, 1)
         )
         os.kill(stopped, signal.SIGSTOP)
-        while squeue_state(job) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
-            assert time.monotonic() < deadline + 300, f"job {job} still {squeue_state(job)}"
-            time.sleep(1)
+        wait_for(
+            lambda: _ended(job), f"the end of job {job}", started + 600 - time.monotonic(), poll_s=1
+        )
     finally:
         subprocess.run(["scancel", job], capture_output=True)
         if stopped:

@@ -6,13 +6,11 @@ shared directory and read the token cache rank 0 prepared."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from tests.helpers.hf_models import make_gpt2, write_text_files
-from tests.helpers.runs import REPO, cli_env, read_rows
+from tests.helpers.runs import hetseq, read_rows
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -21,10 +19,7 @@ def test_hf_causal_lm_runs_as_a_het_job(tmp_path, token_cache):
     files = write_text_files(tmp_path)
     model = make_gpt2(tmp_path / "gpt2")
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetseq_hpc",
+    proc = hetseq(
         "cluster=testcluster",
         "cluster.wait=true",
         "task=hf",
@@ -36,9 +31,7 @@ def test_hf_causal_lm_runs_as_a_het_job(tmp_path, token_cache):
         "trainer.val_every=0",
         "trainer.global_batch_size=24",
         f"hydra.run.dir={run_dir}",
-    ]
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True, text=True, timeout=600
+        token_cache=token_cache,
     )
     assert proc.returncode == 0, f"STDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-3000:]}"
     rows = read_rows(run_dir)

@@ -13,7 +13,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -24,12 +23,16 @@ from tests.helpers.runs import (
     SMALL_MODEL,
     assert_ok,
     cli_env,
+    hetseq,
+    hetseq_cmd,
     losses,
     read_rows,
     snapshot,
+    start_hetseq,
     wait_rows,
 )
 from tests.helpers.slurm import sbatch_and_wait, slurm_cli, squeue_state
+from tests.helpers.waits import wait_for
 
 EXACT = ["task.model.dropout=0.0", "trainer.val_every=0", "trainer.seed=3"]
 
@@ -132,18 +135,19 @@ def test_requeue_checkpoints_and_resumes_exactly(tmp_path, token_cache):
     job_id = json.loads((run_dir / "job.json").read_text())["job_id"]
     wait_rows(run_dir, 6)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
-    deadline = time.monotonic() + 300
-    while True:
+
+    def requeued_job_done() -> bool:
         state = squeue_state(job_id)
         if state == "COMPLETED" and len(read_rows(run_dir)) == steps:
-            break
+            return True
         assert state not in ("FAILED", "CANCELLED", "TIMEOUT"), state
-        assert time.monotonic() < deadline, f"requeued job stuck in {state}"
         if state == "PENDING":  # the test cluster's backfill only wakes on a change: poke it
             subprocess.run(
                 ["scontrol", "update", f"jobid={job_id}", "comment=poke"], capture_output=True
             )
-        time.sleep(1)
+        return False
+
+    wait_for(requeued_job_done, f"requeued job {job_id} done", poll_s=1)
     log0 = (run_dir / "logs" / "rank0.log").read_text()
     assert "caught SIGUSR2" in log0 and f"requeued job {job_id}" in log0
     resumed_at = int(re.search(r"resumed from .*step_(\d+)\.pt", log0).group(1))
@@ -151,22 +155,13 @@ def test_requeue_checkpoints_and_resumes_exactly(tmp_path, token_cache):
     het = losses(run_dir)
     assert sorted(het) == list(range(1, steps + 1))
     ref_dir = tmp_path / "ref"
-    ref = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hetseq_hpc",
-            *SMALL_MODEL,
-            *EXACT,
-            "cluster.ranks=1",
-            f"trainer.max_steps={steps}",
-            f"hydra.run.dir={ref_dir}",
-        ],
-        cwd=REPO,
-        env=cli_env(token_cache),
-        capture_output=True,
-        text=True,
-        timeout=600,
+    ref = hetseq(
+        *SMALL_MODEL,
+        *EXACT,
+        "cluster.ranks=1",
+        f"trainer.max_steps={steps}",
+        f"hydra.run.dir={ref_dir}",
+        token_cache=token_cache,
     )
     assert_ok(ref)
     want = losses(ref_dir)
@@ -177,24 +172,14 @@ def test_requeue_checkpoints_and_resumes_exactly(tmp_path, token_cache):
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_cancelled_job_is_an_error_within_seconds(tmp_path, token_cache):
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetseq_hpc",
+    proc = start_hetseq(
         "cluster=testcluster",
         *SMALL_MODEL,
         "cluster.wait=true",
         "trainer.max_steps=100000",
         "trainer.val_every=0",
         f"hydra.run.dir={tmp_path}",
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=cli_env(token_cache),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        token_cache=token_cache,
     )
     try:
         wait_rows(tmp_path, 2)
@@ -213,18 +198,14 @@ def test_cancelled_job_is_an_error_within_seconds(tmp_path, token_cache):
 @pytest.mark.slow
 def test_failing_rank_is_named_with_its_reason(tmp_path, token_cache):
     """Rank 2 fails on its own (the test task of fail_on_rank(2) raises in its load())."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetseq_hpc",
+    proc = hetseq(
         "cluster=testcluster",
         *fail_on_rank(2),
         "cluster.wait=true",
         "trainer.max_steps=5",
         f"hydra.run.dir={tmp_path}",
-    ]
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True, text=True, timeout=300
+        token_cache=token_cache,
+        timeout=300,
     )
     assert proc.returncode == 1
     line = proc.stderr.strip().splitlines()[-1]
@@ -273,19 +254,14 @@ def test_run_dir_with_spaces_and_quotes_completes(tmp_path, token_cache):
     #SBATCH --output/--error paths and the srun line are quoted, and the job runs to the end."""
     run_dir = tmp_path / 'my run\'s "dir"'
     quoted = str(run_dir).replace("\\", "\\\\").replace("'", "\\'")  # Hydra's grammar
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetseq_hpc",
+    proc = hetseq(
         "cluster=testcluster",
         *SMALL_MODEL,
         "cluster.wait=true",
         "trainer.max_steps=3",
         "trainer.val_every=0",
         f"hydra.run.dir='{quoted}'",
-    ]
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True, text=True, timeout=600
+        token_cache=token_cache,
     )
     assert_ok(proc)
     assert [r["step"] for r in read_rows(run_dir)] == [1, 2, 3]
@@ -300,9 +276,14 @@ def test_worker_in_batch_script_without_srun_refuses_at_once(tmp_path, token_cac
     run_dir = tmp_path / "run"
     assert_ok(slurm_cli(run_dir, token_cache, "cluster.dry_run=true", "trainer.max_steps=2"))
     out_file = tmp_path / "batch.out"
-    wrap = (
-        f"{sys.executable} -m hetseq_hpc.worker --config {run_dir / 'hetseq_config.yaml'} "
-        f"--run-dir {run_dir}"
+    wrap = " ".join(
+        hetseq_cmd(
+            "--config",
+            str(run_dir / "hetseq_config.yaml"),
+            "--run-dir",
+            str(run_dir),
+            module="hetseq_hpc.worker",
+        )
     )
     job_id = sbatch_and_wait(
         [

@@ -20,7 +20,7 @@ from typing import List, Set
 
 import pytest
 
-from tests.helpers.runs import SMALL_MODEL, cli_env, hetseq
+from tests.helpers.runs import SMALL_MODEL, alive, cli_env, hetseq
 from tests.helpers.slurm import squeue_state
 
 #: cluster.submit_timeout_s of these tests (the default is 120 s)
@@ -61,14 +61,6 @@ def _run(tmp_path: Path, env: dict, *overrides: str):
     )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def _last_line(proc) -> str:
     return proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
 
@@ -88,7 +80,7 @@ def test_a_hanging_sbatch_faked_is_stopped_and_nothing_is_submitted(tmp_path):
         line = _last_line(proc)
         assert line.startswith("hetseq-hpc: error: sbatch did not answer within 4 s"), line
         assert "nothing was submitted" in line, line
-        assert len(started) == 2 and not any(_alive(p) for p in started), started
+        assert len(started) == 2 and not any(alive(p) for p in started), started
         assert _queue() - before == set()
         assert not (tmp_path / "run").exists()
     finally:

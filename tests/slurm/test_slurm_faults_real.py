@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,15 +16,13 @@ import pytest
 from hetseq_hpc.launch.failures import (
     STOP_RECORD,
 )
-from tests.helpers.runs import REPO, SMALL_MODEL, cli_env, wait_rows
+from tests.helpers.runs import SMALL_MODEL, start_hetseq, wait_rows
+from tests.helpers.slurm import rank_pid
 
 
 # ------------------------------------------------------------------ against the real cluster
 def _start(run_dir: Path, token_cache: Path, *overrides: str) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetseq_hpc",
+    return start_hetseq(
         "cluster=testcluster",
         *SMALL_MODEL,
         "cluster.wait=true",
@@ -34,35 +31,8 @@ def _start(run_dir: Path, token_cache: Path, *overrides: str) -> subprocess.Pope
         "trainer.val_every=0",
         *overrides,
         f"hydra.run.dir={run_dir}",
-    ]
-    return subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=cli_env(token_cache),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        token_cache=token_cache,
     )
-
-
-def _rank_pid(folder: Path, rank: int) -> int:
-    """pid of the job's task ``rank`` on this host (the test cluster's nodes are all here):
-    submitit's ``_submit`` process for ``folder`` with ``SLURM_PROCID=rank``."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if (
-            b"submitit.core._submit" in argv
-            and str(folder).encode() in argv
-            and f"SLURM_PROCID={rank}".encode() in env
-        ):
-            return int(entry.name)
-    raise AssertionError(f"no process of rank {rank} for {folder}")
 
 
 @pytest.mark.slurm
@@ -85,7 +55,7 @@ def test_killed_or_stopped_rank_1_is_named(tmp_path, token_cache, signum, words)
     )
     try:
         wait_rows(tmp_path, 2, proc)
-        os.kill(_rank_pid(tmp_path / "submitit", 1), signum)
+        os.kill(rank_pid(tmp_path / "submitit", 1), signum)
         _, stderr = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:

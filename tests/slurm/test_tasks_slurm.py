@@ -7,12 +7,10 @@ the compute nodes."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers.runs import REPO, cli_env, read_rows
+from tests.helpers.runs import hetseq, read_rows
 from tests.helpers.tasks import METRIC, SUMMARY_NAME, task_overrides
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -20,10 +18,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 @pytest.mark.parametrize("name", ["image", "translation", "custom"])
 def test_task_runs_as_a_het_job(name, tmp_path, token_cache, task_data_files):
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetseq_hpc",
+    proc = hetseq(
         "cluster=testcluster",
         "cluster.wait=true",
         *task_overrides(name, task_data_files),
@@ -31,9 +26,7 @@ def test_task_runs_as_a_het_job(name, tmp_path, token_cache, task_data_files):
         "trainer.val_every=0",
         "trainer.global_batch_size=24",
         f"hydra.run.dir={tmp_path}",
-    ]
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=cli_env(token_cache), capture_output=True, text=True, timeout=600
+        token_cache=token_cache,
     )
     assert proc.returncode == 0, f"STDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-3000:]}"
     rows = read_rows(tmp_path)

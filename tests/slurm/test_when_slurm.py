@@ -19,13 +19,13 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.helpers.runs import REPO, SMALL_MODEL, assert_ok, cli_env, read_rows
+from tests.helpers.runs import SMALL_MODEL, assert_ok, hetseq, read_rows
 from tests.helpers.slurm import slurm_cli, squeue_state
+from tests.helpers.waits import wait_for
 
 #: the blocker's limit (minutes; Slurm's smallest) and how long it really sleeps (seconds)
 BLOCK_MIN, BLOCK_SLEEP_S = 1, 55
@@ -102,17 +102,14 @@ def test_plan_when_pick_finishes_first_and_choose_submits_it(tmp_path, token_cac
     blocker_id = blocker.stdout.strip().split(";")[0]
     jobs = {}
     try:
-        deadline = time.monotonic() + 60
-        while squeue_state(blocker_id) != "RUNNING":
-            assert time.monotonic() < deadline, "the blocker job did not start"
-            time.sleep(0.5)
-        plan = subprocess.run(
-            [sys.executable, "-m", "hetseq_hpc", "plan", "--when", "cluster=testcluster", *SHORT],
-            cwd=REPO,
-            env=cli_env(token_cache),
-            capture_output=True,
-            text=True,
-            timeout=300,
+        wait_for(
+            lambda: squeue_state(blocker_id) == "RUNNING",
+            "the blocker job did not start",
+            60,
+            poll_s=0.5,
+        )
+        plan = hetseq(
+            "plan", "--when", "cluster=testcluster", *SHORT, token_cache=token_cache, timeout=300
         )
         assert_ok(plan)
         table = json.loads(plan.stdout.strip().splitlines()[-1])
@@ -155,15 +152,16 @@ def test_plan_when_pick_finishes_first_and_choose_submits_it(tmp_path, token_cac
             jobs[label] = str(json.loads((run_dir / "job.json").read_text())["job_id"])
             dirs[label] = run_dir
 
-        deadline = time.monotonic() + 240  # a guard against hangs, not a speed check
         actual = {}
-        while len(actual) < len(jobs):
+
+        def all_ended() -> bool:
             for label, job_id in jobs.items():
                 state, start, end = _times(job_id)
                 if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
                     actual[label] = (state, start, end)
-            assert time.monotonic() < deadline, f"jobs did not finish: {actual}"
-            time.sleep(1)
+            return len(actual) == len(jobs)
+
+        wait_for(all_ended, lambda: f"jobs did not finish: {actual}", 240, poll_s=1)
     finally:
         subprocess.run(["scancel", blocker_id, *jobs.values()], capture_output=True)
 
@@ -230,19 +228,14 @@ def test_plan_when_picks_a_mix_that_waits_when_its_run_is_enough_shorter(tmp_pat
     assert blocker.returncode == 0, blocker.stderr
     blocker_id, submitted = blocker.stdout.strip().split(";")[0], []
     try:
-        deadline = time.monotonic() + 60
-        while squeue_state(blocker_id) != "RUNNING":
-            assert time.monotonic() < deadline, "the blocker job did not start"
-            time.sleep(0.5)
-        cmd = [sys.executable, "-m", "hetseq_hpc", "cluster=testcluster", *BASE]
-        plan = subprocess.run(
-            [*cmd[:3], "plan", "--when", *cmd[3:]],
-            cwd=REPO,
-            env=cli_env(token_cache),
-            capture_output=True,
-            text=True,
-            timeout=300,
+        wait_for(
+            lambda: squeue_state(blocker_id) == "RUNNING",
+            "the blocker job did not start",
+            60,
+            poll_s=0.5,
         )
+        cmd = ["cluster=testcluster", *BASE]
+        plan = hetseq("plan", "--when", *cmd, token_cache=token_cache, timeout=300)
         assert_ok(plan)
         table = json.loads(plan.stdout.strip().splitlines()[-1])
         rows = {m["label"]: m for m in table["mixes"]}
@@ -253,12 +246,11 @@ def test_plan_when_picks_a_mix_that_waits_when_its_run_is_enough_shorter(tmp_pat
         assert next(iter(rows)) == "a100:1+v100:1", plan.stdout  # sorted by expected finish
 
         run_dir = tmp_path / "chosen"
-        chosen = subprocess.run(
-            [*cmd, "cluster.choose=finish_first", f"hydra.run.dir={run_dir}"],
-            cwd=REPO,
-            env=cli_env(token_cache),
-            capture_output=True,
-            text=True,
+        chosen = hetseq(
+            *cmd,
+            "cluster.choose=finish_first",
+            f"hydra.run.dir={run_dir}",
+            token_cache=token_cache,
             timeout=300,
         )
         assert_ok(chosen)
@@ -278,13 +270,8 @@ def test_plan_when_leaves_out_a_partition_the_cluster_lacks_and_choose_refuses_i
     the mixes of the others and names it with the reason; ``cluster.choose=finish_first``, which
     would submit, refuses in one line and submits nothing."""
     t4 = "+cluster.partitions.t4={partition: t4, gpu_type: t4, nodes: 1, gpus_per_node: 1}"
-    plan = subprocess.run(
-        [sys.executable, "-m", "hetseq_hpc", "plan", "--when", "cluster=testcluster", *SHORT, t4],
-        cwd=REPO,
-        env=cli_env(token_cache),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    plan = hetseq(
+        "plan", "--when", "cluster=testcluster", *SHORT, t4, token_cache=token_cache, timeout=300
     )
     assert_ok(plan)
     table = json.loads(plan.stdout.strip().splitlines()[-1])
