@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, List
 
 from hetseq_hpc.config.tasks import BertDataConfig, BertModelConfig, BertTaskConfig
+from hetseq_hpc.distributed.rendezvous import Rendezvous
 from hetseq_hpc.tasks.bert.mlm_task import BertTask
 from hetseq_hpc.train import precision
 from tests.helpers.runs import REPO, SMALL_MODEL
@@ -93,11 +94,31 @@ class OverflowBert(_Bert):
         )
 
 
+def at_barrier_marker(marker: Path, rank: int) -> Path:
+    """The file rank ``rank`` of a :class:`SlowExamplesBert` run writes as it enters the final
+    barrier (next to ``+task.args.marker``)."""
+    return Path(f"{marker}.barrier{rank}")
+
+
 class SlowExamplesBert(_Bert):
     """Makes rank 0 take ``+task.args.examples_s`` seconds over its example predictions after
     the last step (the other ranks wait at the final barrier), first writing the file
     ``+task.args.marker``: a window in which a test loses a rank after the training has
-    completed."""
+    completed. With a marker, every rank also writes :func:`at_barrier_marker` as it enters
+    the final barrier (the one ``Rendezvous.barrier`` after :meth:`load`: the start-up one,
+    after rank 0's prepare, comes before it), so that the test sees the others waiting there."""
+
+    def load(self) -> None:
+        super().load()
+        marker = self.args.get("marker")
+        if marker:
+            barrier = Rendezvous.barrier
+
+            def marked(rdv, *args, **kwargs):
+                at_barrier_marker(marker, this_rank()).write_text("barrier")
+                return barrier(rdv, *args, **kwargs)
+
+            Rendezvous.barrier = marked
 
     def examples(self, model, n: int = 3):
         marker = self.args.get("marker")
@@ -126,6 +147,27 @@ class StoppedInValidationBert(_Bert):
             else:
                 os.kill(os.getpid(), signal.SIGSTOP)
         return super().evaluate_batch(model, batch, positions)
+
+
+class KilledInValidationBert(_Bert):
+    """Makes rank ``+task.args.die_rank`` kill itself (SIGKILL) at its first batch of
+    validation number ``+task.args.validation`` (1-based: with ``trainer.val_every=1``, the
+    validation of that step): a rank lost inside a validation, wherever the run's clock is
+    (a kill sent from the test at a guessed time may land in a training step instead)."""
+
+    validations_done = 0
+
+    def evaluate_batch(self, model, batch, positions):
+        if (
+            this_rank() == int(self.args["die_rank"])
+            and self.validations_done == int(self.args["validation"]) - 1
+        ):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().evaluate_batch(model, batch, positions)
+
+    def finalize_metrics(self, sums):
+        self.validations_done += 1  # once per validation, after the ranks' sums are gathered
+        return super().finalize_metrics(sums)
 
 
 class NanLossBert(_Bert):

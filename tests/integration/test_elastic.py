@@ -14,23 +14,22 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from hetseq_hpc.train.checkpoint import list_checkpoints, load_checkpoint
-from tests.helpers.fault_tasks import fault_task
+from tests.helpers.fault_tasks import at_barrier_marker, fault_task
 from tests.helpers.runs import (
-    REPO,
     SMALL_MODEL,
-    cli_env,
     hetseq,
     losses,
     read_rows,
+    start_hetseq,
+    step_rows,
     worker_pids,
 )
+from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -49,30 +48,25 @@ COMMON = [
 TOL = 1e-6
 
 
-def _start(run_dir: Path, token_cache: Path, *overrides: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "hetseq_hpc", *COMMON, *overrides, f"hydra.run.dir={run_dir}"]
-    return subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=cli_env(token_cache),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+def _launch(run_dir: Path, token_cache: Path, *overrides: str) -> subprocess.Popen:
+    """The CLI with ``overrides`` in the background, in its own session."""
+    return start_hetseq(
+        *overrides, f"hydra.run.dir={run_dir}", token_cache=token_cache, new_session=True
     )
 
 
-def _step_rows(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return sum('"loss"' in line for line in path.read_text().splitlines()) if path.exists() else 0
+def _start(run_dir: Path, token_cache: Path, *overrides: str) -> subprocess.Popen:
+    return _launch(run_dir, token_cache, *COMMON, *overrides)
+
+
+def _as_fault_task(task: str, **args) -> list:
+    """COMMON as the fault task ``task`` with ``args`` (tests/helpers/fault_tasks.py)."""
+    common = [o for o in COMMON if not o.startswith("task.model.")]  # task=custom's own
+    return [*common, *fault_task(task, **args)]
 
 
 def _at_step(run_dir: Path, proc: subprocess.Popen, n: int) -> None:
-    deadline = time.monotonic() + 300  # a guard against hangs, not a speed check
-    while _step_rows(run_dir) < n:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, f"no step {n} in {run_dir}"
-        time.sleep(0.05)
+    wait_for(lambda: step_rows(run_dir) >= n, f"no step {n} in {run_dir}", proc=proc, poll_s=0.05)
 
 
 def _finish(proc: subprocess.Popen) -> str:
@@ -188,29 +182,16 @@ def _fault_run(
 ) -> subprocess.Popen:
     """Start 3 ranks of COMMON's run with ``cluster.collective_timeout_s=600`` as the fault
     task ``task`` with ``args`` (tests/helpers/fault_tasks.py)."""
-    common = [o for o in COMMON if not o.startswith("task.model.")]  # task=custom's own
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetseq_hpc",
-        *common,
-        *fault_task(task, **args),
+    return _launch(
+        run_dir,
+        token_cache,
+        *_as_fault_task(task, **args),
         "++task.model.max_seq_len=32",
         "++task.model.dropout=0.0",
         "cluster.ranks=3",
         "cluster.collective_timeout_s=600",
         "trainer.plot=false",
         *overrides,
-        f"hydra.run.dir={run_dir}",
-    ]
-    return subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=cli_env(token_cache),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
     )
 
 
@@ -287,25 +268,24 @@ def _last_checkpoint(run_dir: Path) -> dict:
 def test_a_rank_lost_during_validation_or_a_checkpoint_is_survived(
     victim, reference, tmp_path, token_cache
 ):
-    """Validation and a checkpoint after every step (validation takes most of a step's time):
-    the kill, 1.4 step periods after step 10's training ended, lands in the validation of step
-    11 (or a checkpoint). The survivors redo that
-    over the new world: same losses, every step logged once, exit 0, a last checkpoint that
-    verifies. Rank 0 as the victim: it writes the rows and the checkpoints."""
+    """Validation and a checkpoint after every step: the victim kills itself (SIGKILL) at its
+    first batch of the validation of step 11 (tests/helpers/fault_tasks.py,
+    KilledInValidationBert: a kill sent from here at a guessed time could land in a training
+    step). The survivors redo that over the new world: same losses, every step logged once,
+    exit 0, a last checkpoint that verifies. Rank 0 as the victim: it writes the rows and the
+    checkpoints."""
     run_dir = tmp_path / "run"
-    proc = _start(
+    proc = _launch(
         run_dir,
         token_cache,
+        *_as_fault_task("KilledInValidationBert", die_rank=victim, validation=11),
+        "++task.model.max_seq_len=32",
+        "++task.model.dropout=0.0",
         "cluster.ranks=3",
         "trainer.val_every=1",
         "trainer.checkpoint_every=1",
         "trainer.keep_checkpoints=2",
     )
-    _at_step(run_dir, proc, 10)
-    times = {r["step"]: r["time"] for r in read_rows(run_dir) if "loss" in r}
-    # a row's time is its training's end: step 11 trained at about +1 period, then validated
-    time.sleep(max(0.0, times[10] + 1.4 * (times[10] - times[9]) - time.time()))
-    os.kill(worker_pids(run_dir)[victim], signal.SIGKILL)
     _finish(proc)
     _same_trajectory(reference, run_dir)
     steps = [r["step"] for r in read_rows(run_dir) if "loss" in r]
@@ -430,37 +410,27 @@ def test_a_rank_lost_after_the_last_step_does_not_fail_the_finished_run(
     victim, tmp_path, token_cache
 ):
     """Rank 0 spends 4 s on its examples after step 30 (tests/helpers/fault_tasks.py; it marks
-    their start in a file) while the others wait at the final barrier; a rank killed then (2, or rank 0 itself) is logged and the
-    run ends with exit 0, its last checkpoint at step 30 and a summary.json (written by the
-    survivors when rank 0 was the one lost)."""
+    their start in a file) while the others wait at the final barrier (each marks its arrival
+    there in a file); a rank killed then (2, or rank 0 itself) is logged and the run ends with
+    exit 0, its last checkpoint at step 30 and a summary.json (written by the survivors when
+    rank 0 was the one lost)."""
     run_dir = tmp_path / "run"
-    common = [o for o in COMMON if not o.startswith("task.model.")]  # task=custom's own
     marker = tmp_path / "examples.started"
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetseq_hpc",
-        *common,
-        *fault_task("SlowExamplesBert", examples_s=4, marker=marker),
+    proc = _launch(
+        run_dir,
+        token_cache,
+        *_as_fault_task("SlowExamplesBert", examples_s=4, marker=marker),
         "cluster.ranks=3",
         "trainer.plot=false",
-        f"hydra.run.dir={run_dir}",
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=cli_env(token_cache),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
     )
-    deadline = time.monotonic() + 300  # a guard against hangs, not a speed check
-    while not marker.exists():  # the training, its last checkpoint and rows are done
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "rank 0 never reached its examples"
-        time.sleep(0.05)
-    time.sleep(0.5)  # rank 0 in its examples (4 s), the others at the final barrier
+    # the training, its last checkpoint and rows are done; rank 0 is in its examples (4 s)
+    wait_for(marker.exists, "rank 0 never reached its examples", proc=proc, poll_s=0.05)
+    wait_for(  # ... and the others wait at the final barrier
+        lambda: all(at_barrier_marker(marker, r).exists() for r in (1, 2)),
+        "ranks 1 and 2 never reached the final barrier",
+        proc=proc,
+        poll_s=0.05,
+    )
     os.kill(worker_pids(run_dir)[victim], signal.SIGKILL)
     out = _finish(proc)
     assert "a rank was lost after the last step" in "".join(
@@ -473,12 +443,13 @@ def test_a_rank_lost_after_the_last_step_does_not_fail_the_finished_run(
 
 def _logged(run_dir: Path, proc: subprocess.Popen, ranks, text: str) -> None:
     """Wait until every rank of ``ranks`` has ``text`` in its log (``logs/rank<N>.log``)."""
-    deadline = time.monotonic() + 300  # a guard against hangs, not a speed check
     logs = [run_dir / "logs" / f"rank{r}.log" for r in ranks]
-    while not all(p.exists() and text in p.read_text() for p in logs):
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, f"no {text!r} in {logs}"
-        time.sleep(0.02)
+    wait_for(
+        lambda: all(p.exists() and text in p.read_text() for p in logs),
+        f"no {text!r} in {logs}",
+        proc=proc,
+        poll_s=0.02,
+    )
 
 
 def _second_kill_while_reforming(run_dir: Path, proc: subprocess.Popen, first: int, second: int):
@@ -571,27 +542,14 @@ def test_a_rank_killed_in_start_up_ends_the_run_without_the_long_timeout(
     launcher ends the run at once with the one line naming the dead rank (it used to tolerate
     the death, as in training, while the other waited out the 600 s)."""
     run_dir = tmp_path / "run"
-    common = [o for o in COMMON if not o.startswith("task.model.")]  # task=custom's own
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetseq_hpc",
-        *common,
-        *fault_task("DyingBert", die_rank=victim, at=at),
+    proc = _launch(
+        run_dir,
+        token_cache,
+        *_as_fault_task("DyingBert", die_rank=victim, at=at),
         "++task.model.max_seq_len=32",
         "cluster.ranks=2",
         "cluster.collective_timeout_s=600",
         "trainer.plot=false",
-        f"hydra.run.dir={run_dir}",
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=cli_env(token_cache),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
     )
     try:  # a bound far below the 600 s the survivor would wait, not a speed check
         _, stderr = proc.communicate(timeout=200)

@@ -17,7 +17,7 @@ import pytest
 from hetseq_hpc.env.emulation import CGROUP_V1_CPU
 
 CHILD = """
-import json, sys, time
+import json, signal, sys, time
 from pathlib import Path
 from hetseq_hpc.env import emulation
 speed, mode = float(sys.argv[1]), sys.argv[2]
@@ -25,7 +25,10 @@ if mode == "duty":
     emu = emulation._duty_cycle(speed, "forced by the test")
 else:
     emu = emulation.emulate_speed(speed, 1)
-time.sleep(0.05)
+if emu.method == "duty-cycle":  # measure once the helper process stops and continues this one
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCONT})
+    assert signal.sigtimedwait({signal.SIGCONT}, 30), "the duty cycle never continued this process"
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCONT})
 c0, w0 = time.process_time(), time.perf_counter()
 x = 0
 while time.perf_counter() - w0 < 1.5:
