@@ -65,9 +65,9 @@ from hetseq_hpc.rundir.storage import reported
 from hetseq_hpc.tasks import build_task
 from hetseq_hpc.tasks.contract import checked_batch
 from hetseq_hpc.tasks.prepare_wait import prepare_on_rank0
+from hetseq_hpc.train.checkpoint.finished import describe_finished
 from hetseq_hpc.train.contract_check import check_before_training
 from hetseq_hpc.train.elastic import ElasticWorld
-from hetseq_hpc.train.finished import describe_finished
 from hetseq_hpc.train.fsdp_accumulation import agree_on_accumulation
 from hetseq_hpc.train.loop import RankMeta, Trainer
 from hetseq_hpc.train.metrics import measured_step_sync
@@ -460,7 +460,7 @@ def finished_summary(
     command line refuses to start one, but a second queued job or a job script submitted by
     hand can reach it): nothing is trained and nothing is written (``summary.json``,
     ``allocation.json``, ``metrics.jsonl``, the checkpoints and the plot stay as they are).
-    Rank 0 logs the one line of :class:`~hetseq_hpc.train.finished.FinishedRun`.
+    Rank 0 logs the one line of :class:`~hetseq_hpc.train.checkpoint.finished.FinishedRun`.
 
     Returns:
         The run's ``summary.json`` when it records that step, else ``{}``.

@@ -40,9 +40,8 @@ from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.tasks.cache import TaskCache
 from hetseq_hpc.tasks.hf.export import PretrainedExport
 from hetseq_hpc.tasks.hf.task import HfTask
-from hetseq_hpc.train.checkpoint import choose_checkpoint
-from hetseq_hpc.train.shard_files import shard_dir_of
-from hetseq_hpc.train.sharded_checkpoint import full_state
+from hetseq_hpc.train.checkpoint.manager import CheckpointManager
+from hetseq_hpc.train.checkpoint.shards import full_state, shard_dir_of
 
 #: written into an exported transformers directory: which run and step it holds
 MARKER = "hetseq_export.json"
@@ -112,7 +111,7 @@ def export_command(
     exporter = None
     if model_cfg is not None:  # the model directory is read before any checkpoint
         exporter = PretrainedExport.for_run(model_cfg, lambda: label_names(folder))
-    choice = choose_checkpoint(checkpoint or "auto", folder, log_other_runs=False)
+    choice = CheckpointManager(folder).choose(checkpoint or "auto", log_other_runs=False)
     if choice.path is None or choice.state is None:
         raise CheckpointError(
             f"run directory {str(folder)!r} has no checkpoint: train first "

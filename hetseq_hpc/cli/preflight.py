@@ -33,15 +33,15 @@ def check_resume(run: Any, run_dir: Optional[Path]) -> None:
             hetseq_hpc wrote, or cut off while saving), or the checkpoint was trained with other
             settings (the ranks' one-line messages; exit code 1 as when a rank finds it).
     """
-    from hetseq_hpc.train.checkpoint import list_checkpoints
-    from hetseq_hpc.train.checkpoint_files import stored_checksum
+    from hetseq_hpc.train.checkpoint.files import stored_checksum
+    from hetseq_hpc.train.checkpoint.manager import CheckpointManager
     from hetseq_hpc.train.state import check_fingerprint, run_fingerprint
 
     resume = run.trainer.resume
     if resume == "never":
         return
     if resume == "auto":
-        found = list_checkpoints(run_dir) if run_dir is not None else []
+        found = CheckpointManager(run_dir).list() if run_dir is not None else []
         if not found:
             return
         path = found[-1]
@@ -63,9 +63,9 @@ def check_resume(run: Any, run_dir: Optional[Path]) -> None:
 
 def say_if_finished(run: Any, run_dir: Path) -> bool:
     """Whether the checkpoint the run would resume from is at ``trainer.max_steps`` or later
-    (:func:`hetseq_hpc.train.finished.finished_run`: a finished run, nothing to train); if so,
+    (:func:`hetseq_hpc.train.checkpoint.finished.finished_run`: a finished run, nothing to train); if so,
     its one line (steps, final loss, summary, how to train further) is printed on stdout."""
-    from hetseq_hpc.train.finished import finished_run
+    from hetseq_hpc.train.checkpoint.finished import finished_run
 
     finished = finished_run(run.trainer.resume, run.trainer.max_steps, Path(run_dir))
     if finished is not None:
@@ -75,7 +75,7 @@ def say_if_finished(run: Any, run_dir: Path) -> bool:
 
 def refuse_rewinding_a_finished_run(run: Any, run_dir: Path) -> None:
     """Refuse ``trainer.resume=<an older checkpoint>`` of a run directory whose run is complete
-    (:func:`hetseq_hpc.train.finished.completed_run`): training again from there would drop
+    (:func:`hetseq_hpc.train.checkpoint.finished.completed_run`): training again from there would drop
     its ``metrics.jsonl`` rows after that step and overwrite its ``summary.json`` and
     checkpoints.
 
@@ -84,8 +84,8 @@ def refuse_rewinding_a_finished_run(run: Any, run_dir: Path) -> None:
             (resume a copy of the directory, or start over, which keeps the finished run).
     """
     from hetseq_hpc.rundir.paths import RunDir
-    from hetseq_hpc.train.checkpoint_files import step_of
-    from hetseq_hpc.train.finished import completed_run
+    from hetseq_hpc.train.checkpoint.files import step_of
+    from hetseq_hpc.train.checkpoint.finished import completed_run
 
     if run.trainer.resume in ("auto", "never"):
         return

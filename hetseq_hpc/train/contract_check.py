@@ -21,6 +21,8 @@ import torch
 from hetseq_hpc.errors import TaskContractError
 from hetseq_hpc.tasks.contract import check_loss, checked_batch, checked_count, loss_label
 from hetseq_hpc.tasks.contract import task_label as _who
+from hetseq_hpc.train.sampler import GlobalBatchSampler
+from hetseq_hpc.train.task_summary import record_inexact
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +42,6 @@ def contract_positions(num_train: int, seed: int, n: int = N_POSITIONS) -> List[
     """The first ``min(n, num_train)`` positions of epoch 0's order: the start of the sampler's
     first global batch (:class:`~hetseq_hpc.train.sampler.GlobalBatchSampler`; beyond it when
     the global batch is smaller than ``n``)."""
-    from hetseq_hpc.train.sampler import GlobalBatchSampler
-
     size = max(1, min(n, int(num_train)))
     return [int(p) for p in GlobalBatchSampler(int(num_train), size, seed).global_batch(0)[1]]
 
@@ -72,8 +72,6 @@ def check_before_training(
         TaskContractError: as :func:`check_task_contract`.
     """
     if getattr(run.trainer, "skip_contract_check", False):
-        from hetseq_hpc.train.task_summary import record_inexact
-
         record = skipped_record()
         log.warning(
             "%s: training is NOT known to be exact across allocations: %s",

@@ -38,8 +38,7 @@ from hetseq_hpc.distributed.membership import (
 from hetseq_hpc.distributed.rendezvous import Rendezvous, backend_for, leave
 from hetseq_hpc.env.preemption import REQUEUE
 from hetseq_hpc.errors import AllocationError, Preempted
-from hetseq_hpc.train.checkpoint import save_on_rank0
-from hetseq_hpc.train.checkpoint_files import list_checkpoints, step_of
+from hetseq_hpc.train.checkpoint.files import step_of
 from hetseq_hpc.train.elastic_sharded import reload_sharded, reports_for_world
 from hetseq_hpc.train.parallel import build_parallel
 from hetseq_hpc.train.phase_timeout import PhaseTimeouts
@@ -385,7 +384,7 @@ class ElasticWorld:
         a Slurm job is requeued and resumes from it. Under FSDP the lost shard is gone: no
         checkpoint is written, the requeue resumes from the last one on disk."""
         if trainer.parallel.sharded:
-            found = list_checkpoints(trainer.run_dir)
+            found = trainer.checkpoints.list()
             step = step_of(found[-1]) if found else 0
             log.warning(
                 "step %d: %s: stopping (sharding.mode=fsdp: the lost shard is gone, "
@@ -402,9 +401,7 @@ class ElasticWorld:
         )
         if rdv.world.rank == 0:
             log_before_stop(trainer, {**event, "stopped": why})
-        save_on_rank0(
-            rdv, trainer.state_dict, trainer.run_dir, trainer.step, trainer.cfg.keep_checkpoints
-        )
+        trainer.checkpoints.save_on_rank0(trainer.step, rdv, trainer.state_dict)
         raise Preempted(trainer.step, REQUEUE, why, leader=rdv.world.rank == 0)
 
     def expect(self, allocation: Any) -> None:

@@ -29,7 +29,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from torch import nn
 
 from hetseq_hpc.balance.memory import micro_batch_cap
-from hetseq_hpc.train.checkpoint import agree_on_checkpoint, choose_checkpoint
 from hetseq_hpc.train.fsdp_accumulation import agree_on_accumulation
 from hetseq_hpc.train.optim import build_optimizer
 from hetseq_hpc.train.parallel import build_parallel
@@ -153,13 +152,13 @@ def reports_for_world(
 def _checkpoint(trainer: Any, rdv: Any) -> tuple:
     """``(path, state)`` of the newest checkpoint of this run, else of the checkpoint the run
     started from (``trainer.resumed_from``), else ``(None, None)``."""
-    path, state, _ = agree_on_checkpoint(rdv, "auto", trainer.run_dir)
+    path, state, _ = trainer.checkpoints.load("auto", rdv)
     if path is not None:
         return path, state
     start: Optional[str] = getattr(trainer, "resumed_from", None)
     if start is None:
         return None, None
-    return start, choose_checkpoint(start, trainer.run_dir).state
+    return start, trainer.checkpoints.choose(start).state
 
 
 __all__ = ["reload_sharded", "reports_for_world"]

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from hetseq_hpc.config.trainer import LOGGER_NAMES
 from hetseq_hpc.files.atomic import atomic_write_text
-from hetseq_hpc.train.metrics import METRICS_NAME, MetricsWriter, _clean
+from hetseq_hpc.train.metrics import METRICS_NAME, MetricsWriter, _clean, read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -360,8 +360,6 @@ class RunLoggers:
 def first_logged_loss(run_dir: Path) -> Optional[float]:
     """The loss of the first row of ``metrics.jsonl`` (the run's first step, also after a
     resume on another world size), or None."""
-    from hetseq_hpc.train.metrics import read_metrics
-
     try:
         rows = read_metrics(run_dir)
     except Exception:

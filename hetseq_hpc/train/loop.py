@@ -27,12 +27,7 @@ from hetseq_hpc.distributed.membership import is_peer_failure
 from hetseq_hpc.distributed.rendezvous import Rendezvous, StepStats
 from hetseq_hpc.rundir.events import append_event
 from hetseq_hpc.tasks.contract import check_loss, checked_batch, checked_count
-from hetseq_hpc.train.checkpoint import (
-    agree_on_checkpoint,
-    agree_on_run,
-    require_entries,
-    save_on_rank0,
-)
+from hetseq_hpc.train.checkpoint.manager import CheckpointManager, require_entries
 from hetseq_hpc.train.ddp_hooks import HookState
 from hetseq_hpc.train.evaluate import evaluate_task
 from hetseq_hpc.train.loggers import first_logged_loss
@@ -45,7 +40,6 @@ from hetseq_hpc.train.phases import DONE, StepPhases
 from hetseq_hpc.train.precision import GradientPath
 from hetseq_hpc.train.records import RankMeta, StepRecord
 from hetseq_hpc.train.sampler import GlobalBatchSampler
-from hetseq_hpc.train.sharded_checkpoint import load_tensors, save_sharded
 from hetseq_hpc.train.state import capture_rng, check_fingerprint, restore_rng, run_fingerprint
 
 log = logging.getLogger(__name__)
@@ -128,6 +122,7 @@ class Trainer:
         # DDP or FSDP2 (train/parallel.py); FSDP shards the model in place, before the optimizer
         self.parallel = parallel or build_parallel(run, task, model, device, sharding)
         self.optimizer, self.scheduler = build_optimizer(model, run)
+        self.checkpoints = CheckpointManager(self.run_dir, self.cfg.keep_checkpoints)
         self.step = 0  # last completed optimizer step; global batch ``step`` comes next
         self.phase = DONE  # of ``step``: what of the work after it is done (train/phases.py)
         self.last_row: Dict[str, Any] = {}  # metrics row of ``step``
@@ -197,7 +192,7 @@ class Trainer:
         check_fingerprint(
             state.get("config"), self.fingerprint, source, self.cfg.allow_resume_mismatch
         )
-        load_tensors(self.parallel, self.optimizer, state, source)
+        self.parallel.load_state(self.optimizer, state, source)
         self.scheduler.load_state_dict(state["scheduler"])
         before = apply_configured_lr(self.optimizer, self.scheduler, self.run.optim.lr)
         if before is not None:
@@ -214,8 +209,8 @@ class Trainer:
             restore_rng(state["rng"])
 
     def _resume(self) -> None:
-        path, state, skipped = agree_on_checkpoint(self.rdv, self.cfg.resume, self.run_dir)
-        self.run_id = agree_on_run(self.rdv, self.run_dir, state)
+        path, state, skipped = self.checkpoints.load(self.cfg.resume, self.rdv)
+        self.run_id = self.checkpoints.agree_on_run(state, self.rdv)
         if path is None:
             return
         self.load_state_dict(state, path)
@@ -412,25 +407,10 @@ class Trainer:
         return summary
 
     def _save(self, step: int) -> None:
-        """Checkpoint ``step``: rank 0 saves :meth:`state_dict` (under FSDP gathered by every
-        rank first), or under ``sharding.checkpoint=sharded`` every rank its own shards
-        (:func:`~hetseq_hpc.train.sharded_checkpoint.save_sharded`). Collectives either way."""
-        keep, sharded = self.cfg.keep_checkpoints, self.parallel.sharded
-        if sharded and self.run.sharding.checkpoint == "sharded":
-            save_sharded(
-                self.rdv,
-                self.parallel.model,
-                self.optimizer,
-                self.state_dict(tensors=False),
-                self.run_dir,
-                step,
-                keep,
-            )
-        else:
-            state = self.state_dict() if sharded else None  # FSDP: gathered by every rank now
-            save_on_rank0(
-                self.rdv, (lambda: state) if sharded else self.state_dict, self.run_dir, step, keep
-            )
+        """Checkpoint ``step`` (a collective): the strategy writes the model and optimizer
+        state its way (:meth:`~hetseq_hpc.train.parallel.Replicated.save_state`), the manager
+        the files."""
+        self.checkpoints.save(step, self.rdv, self.parallel, self.optimizer, self.state_dict)
         self.saved_step = step
 
     def summary(self) -> Dict[str, Any]:

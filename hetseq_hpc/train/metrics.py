@@ -16,6 +16,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 from hetseq_hpc.errors import ConfigError, HetseqError, StorageError
 from hetseq_hpc.files.atomic import atomic_write_text
+from hetseq_hpc.files.user_input import describe, file_problem, kind_of
 from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.rundir.storage import storage_error
 
@@ -129,8 +130,6 @@ def read_metrics(run_dir: Union[str, Path]) -> List[Dict[str, Any]]:
             line before the last is not JSON, or a row is not a JSON object (one line naming
             the file and line).
     """
-    from hetseq_hpc.files.user_input import describe, file_problem, kind_of
-
     given = Path(run_dir)
     fix = f"pass the run directory of a hetseq_hpc run (it writes {METRICS_NAME})"
     path = given if given.name.endswith(".jsonl") and not given.is_dir() else given / METRICS_NAME

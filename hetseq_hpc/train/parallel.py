@@ -3,9 +3,11 @@
 The training loop talks to one of two strategies through the same methods: :class:`Replicated`
 (``sharding.mode=none``: DDP with the SUM comm hook) and :class:`Sharded`
 (``sharding.mode=fsdp``: FSDP2 ``fully_shard`` with a SUM reduce-scatter and the same number of
-passes on every rank). Both keep "one update = one step on the whole global batch"; checkpoints
-of either resume on any world size and in the other mode.
-Design: docs/design/sharding.md, "Replicated (DDP) or Sharded (FSDP2)".
+passes on every rank). Both keep "one update = one step on the whole global batch". Each
+writes and reads the model and optimizer state of a checkpoint its own way (``save_state``,
+``load_state``: rank 0 the whole state, or under ``sharding.checkpoint=sharded`` every rank its
+shards with ``torch.distributed.checkpoint``); checkpoints of either resume on any world size
+and in the other mode. Design: docs/design/sharding.md, "Replicated (DDP) or Sharded (FSDP2)".
 """
 
 from __future__ import annotations
@@ -13,10 +15,28 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import Any, Dict, Iterator, List, Sequence, Tuple
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from hetseq_hpc.balance.memory import local_part, unit_bytes
+from hetseq_hpc.balance.peak import MemoryWatch, peak_resident_bytes
+from hetseq_hpc.config.schema import RunConfig
+from hetseq_hpc.distributed.rendezvous import Rendezvous
+from hetseq_hpc.errors import CheckpointError
+from hetseq_hpc.train.checkpoint.manager import CheckpointManager, StateFn
+from hetseq_hpc.train.checkpoint.shards import (
+    load_error,
+    read_metadata_safely,
+    safe_reader,
+    shard_dir_of,
+    with_full_tensors,
+)
+from hetseq_hpc.train.ddp_hooks import HookState, no_forward_buffer_sync
+from hetseq_hpc.train.precision import GradientPath
 
 log = logging.getLogger(__name__)
 
@@ -63,20 +83,18 @@ class Replicated:
     sharded = False
     mode = "ddp"
     #: this rank's :class:`~hetseq_hpc.balance.peak.MemoryWatch` (set by the worker), or None
-    memory_watch: Any = None
+    memory_watch: Optional[MemoryWatch] = None
 
     def __init__(self, model: nn.Module, device: torch.device):
         self.model = model
         self.device = device
         self.module: nn.Module = model
 
-    def start(self, grad_path: Any, hook_state: Any) -> None:
+    def start(self, grad_path: GradientPath, hook_state: HookState) -> None:
         """Wrap in DDP (after any checkpoint was loaded into the bare model), with the SUM
         comm hook of ``grad_path`` (:class:`~hetseq_hpc.train.precision.GradientPath`) filling
         ``hook_state`` (:class:`~hetseq_hpc.train.ddp_hooks.HookState`)."""
         from torch.nn.parallel import DistributedDataParallel as DDP
-
-        from hetseq_hpc.train.ddp_hooks import no_forward_buffer_sync
 
         self.module = DDP(
             self.model,
@@ -116,7 +134,42 @@ class Replicated:
         return optimizer.state_dict()
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
+        """Load an optimizer state of :meth:`optimizer_state`'s layout."""
         optimizer.load_state_dict(state)
+
+    # --------------------------------------------------------------- checkpoint state I/O
+    def save_state(
+        self,
+        checkpoints: CheckpointManager,
+        step: int,
+        rdv: Rendezvous,
+        optimizer: torch.optim.Optimizer,
+        state: StateFn,
+    ) -> Path:
+        """Checkpoint ``step`` (a collective): rank 0 computes the whole state (``state(True)``:
+        the model and optimizer state of :meth:`model_state` and :meth:`optimizer_state`) and
+        writes it (:meth:`CheckpointManager.save_on_rank0`)."""
+        return checkpoints.save_on_rank0(step, rdv, lambda: state(True))
+
+    def load_state(
+        self, optimizer: torch.optim.Optimizer, state: Dict[str, Any], source: str
+    ) -> None:
+        """Load a checkpoint's model and optimizer state: the full state, a sharded
+        checkpoint's made whole first (:func:`~hetseq_hpc.train.checkpoint.shards.
+        with_full_tensors`, read by this process alone).
+
+        Raises:
+            CheckpointError: the checkpoint holds another model; one line naming ``source``.
+        """
+        state = with_full_tensors(state, Path(source))
+        try:
+            self.load_model_state(state["model"])
+        except RuntimeError as exc:
+            raise CheckpointError(
+                f"checkpoint {source!r} holds a different model ({str(exc).splitlines()[0]}): "
+                "use the task.model settings it was trained with, or a new run directory"
+            ) from None
+        self.load_optimizer_state(optimizer, state["optimizer"])
 
     @contextlib.contextmanager
     def unsharded(self) -> Iterator[nn.Module]:
@@ -128,6 +181,7 @@ class Replicated:
         return self.unsharded()
 
     def describe(self) -> Dict[str, Any]:
+        """The strategy for ``summary.json``'s ``sharding``."""
         return {"mode": self.mode}
 
 
@@ -140,6 +194,8 @@ class Sharded(Replicated):
         units: the sharding units (:meth:`Task.sharding_units`).
         device: this rank's device.
         cpu_offload: keep the sharded state in CPU memory (``CPUOffloadPolicy``; GPUs only).
+        checkpoint: ``sharding.checkpoint``: ``sharded`` (every rank writes its own shards,
+            :meth:`save_state`) or ``full`` (gathered, rank 0 writes the whole state).
     """
 
     sharded = True
@@ -151,14 +207,13 @@ class Sharded(Replicated):
         units: Sequence[nn.Module],
         device: torch.device,
         cpu_offload: bool = False,
+        checkpoint: str = "sharded",
     ):
-        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-        from hetseq_hpc.balance.memory import unit_bytes
-
         super().__init__(model, device)
+        self.checkpoint = checkpoint
         offload = CPUOffloadPolicy() if cpu_offload and device.type == "cuda" else OffloadPolicy()
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         self.units = list(units)
@@ -183,7 +238,9 @@ class Sharded(Replicated):
             "; sharded state offloaded to CPU" if self.offload else "",
         )
 
-    def start(self, grad_path: Any = None, hook_state: Any = None) -> None:
+    def start(
+        self, grad_path: Optional[GradientPath] = None, hook_state: Optional[HookState] = None
+    ) -> None:
         """Nothing to wrap: the model was sharded in place (no comm hook runs under FSDP)."""
 
     def pass_sizes(self, share: Any, all_shares: Sequence[Any]) -> Tuple[List[int], int]:
@@ -223,6 +280,12 @@ class Sharded(Replicated):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    @staticmethod
+    def _shard_options() -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=False)
 
     def model_state(self) -> Dict[str, Any]:
         """The full model state, gathered (a collective: EVERY rank calls it); rank 0 gets
@@ -280,6 +343,131 @@ class Sharded(Replicated):
             self.model, optimizer, named, options=StateDictOptions(full_state_dict=True)
         )
 
+    # --------------------------------------------------------------- checkpoint state I/O
+    def save_state(
+        self,
+        checkpoints: CheckpointManager,
+        step: int,
+        rdv: Rendezvous,
+        optimizer: torch.optim.Optimizer,
+        state: StateFn,
+    ) -> Path:
+        """Checkpoint ``step`` (a collective): under ``checkpoint=sharded`` every rank writes
+        its shards (:meth:`write_shards`, :meth:`CheckpointManager.save_sharded`) and rank 0
+        the record (``state(False)``); else the whole state is gathered by every rank and rank 0
+        writes it."""
+        if self.checkpoint == "sharded":
+            return checkpoints.save_sharded(
+                step, rdv, state(False), functools.partial(self.write_shards, optimizer)
+            )
+        full = state(True)  # gathered by every rank now
+        return checkpoints.save_on_rank0(step, rdv, lambda: full)
+
+    def shard_state(
+        self, optimizer: torch.optim.Optimizer
+    ) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
+        """This rank's shards: ``({"model": {fqn: DTensor}, "optim": {fqn: {name: tensor}}},
+        param_groups)`` (parameter names in the groups' ``params``). Only tensors go to DCP (it
+        would pickle anything else); the groups go to the record."""
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = self._shard_options()
+        optim = get_optimizer_state_dict(self.model, optimizer, options=options)
+        tensors = {
+            "model": get_model_state_dict(self.model, options=options),
+            "optim": optim["state"],
+        }
+        return tensors, optim["param_groups"]
+
+    def write_shards(self, optimizer: torch.optim.Optimizer, directory: Path) -> Dict[str, Any]:
+        """Write this rank's shards into ``directory`` with DCP (every rank, in parallel);
+        returns the record's ``model`` and ``optimizer`` entries (the optimizer's
+        ``param_groups``)."""
+        import torch.distributed.checkpoint as dcp
+
+        tensors, groups = self.shard_state(optimizer)
+        dcp.save(
+            tensors,
+            storage_writer=dcp.FileSystemWriter(directory, sync_files=True, thread_count=1),
+        )
+        return {"model": {}, "optimizer": {"param_groups": groups}}
+
+    def load_state(
+        self, optimizer: torch.optim.Optimizer, state: Dict[str, Any], source: str
+    ) -> None:
+        """Load a checkpoint's model and optimizer state (a collective): a sharded checkpoint
+        into this rank's shards (:meth:`load_shards`: each rank reads what its shard needs),
+        a full one sharded onto the ranks.
+
+        Raises:
+            CheckpointError: the checkpoint holds another model; one line naming ``source``.
+        """
+        if "shards" in state:
+            self.load_shards(
+                optimizer,
+                shard_dir_of(Path(source), state),
+                state["optimizer"]["param_groups"],
+                source,
+            )
+            return
+        super().load_state(optimizer, state, source)
+
+    def load_shards(
+        self,
+        optimizer: torch.optim.Optimizer,
+        directory: Path,
+        param_groups: List[Dict[str, Any]],
+        source: str,
+    ) -> None:
+        """Load a sharded checkpoint into this rank's FSDP2 shards (a collective: EVERY rank
+        calls it); DCP reads the pieces each shard needs, whatever world size wrote them.
+
+        Raises:
+            CheckpointError: the checkpoint holds another model (names, shapes), or reading
+                failed.
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = self._shard_options()
+        metadata = read_metadata_safely(directory)
+        model_sd = get_model_state_dict(self.model, options=options)
+        _same_model(set(model_sd), _model_keys(metadata), source)
+        # torch creates the optimizer state to load into by a step on zero gradients (lr 0)
+        optimizer.zero_grad(set_to_none=True)
+        optim = get_optimizer_state_dict(self.model, optimizer, options=options)["state"]
+        saved = {key for key in metadata.state_dict_metadata if key.startswith("optim.")}
+        optim = {
+            fqn: v
+            for fqn, v in optim.items()  # parameters that never had a gradient
+            if all(f"optim.{fqn}.{k}" in saved for k in v)
+        }
+        tensors = {"model": model_sd, "optim": optim}
+        try:
+            dcp.load(
+                tensors,
+                storage_reader=safe_reader(directory),
+                planner=DefaultLoadPlanner(allow_partial_load=True),
+            )
+        except Exception as exc:
+            raise load_error(source, exc) from None
+        set_model_state_dict(self.model, tensors["model"], options=options)
+        set_optimizer_state_dict(
+            self.model,
+            optimizer,
+            {"state": tensors["optim"], "param_groups": param_groups},
+            options=options,
+        )
+
     @contextlib.contextmanager
     def unsharded(self) -> Iterator[nn.Module]:
         """Every unit gathered whole for the duration (one all-gather per unit on EVERY rank,
@@ -332,6 +520,7 @@ class Sharded(Replicated):
                 module.reshard()
 
     def describe(self) -> Dict[str, Any]:
+        """The strategy for ``summary.json``'s ``sharding``."""
         return {
             "mode": self.mode,
             "units": len(self.units),
@@ -341,8 +530,27 @@ class Sharded(Replicated):
         }
 
 
+def _model_keys(metadata: Any) -> set:
+    return {
+        key[len("model.") :] for key in metadata.state_dict_metadata if key.startswith("model.")
+    }
+
+
+def _same_model(wanted: set, saved: set, source: str) -> None:
+    missing, unexpected = sorted(wanted - saved), sorted(saved - wanted)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {source!r} holds a different model (missing keys {missing[:3]}, "
+            f"unexpected keys {unexpected[:3]}): use the task.model settings it was trained with, "
+            "or a new run directory"
+        )
+
+
 def rank_memory(
-    model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, watch: Any = None
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    watch: Optional[MemoryWatch] = None,
 ) -> Dict[str, float]:
     """What this rank holds and has used, in bytes: ``state_bytes`` (its parameters, as many
     gradient bytes, and its optimizer state: local shards under FSDP), ``peak_rss_bytes`` (the
@@ -351,14 +559,9 @@ def rank_memory(
     on a GPU ``cuda_peak_bytes`` (``torch.cuda.max_memory_allocated``) and, with ``watch``
     (:class:`~hetseq_hpc.balance.peak.MemoryWatch`), the measured peak of what the budget
     bounds next to it: ``measured_peak_bytes``, ``budget_bytes``, ``peak_measure`` (logged)."""
-    import torch.distributed as dist
-
-    from hetseq_hpc.balance.memory import local_part as local
-    from hetseq_hpc.balance.peak import peak_resident_bytes
-
-    params = sum(local(p).numel() * local(p).element_size() for p in model.parameters())
+    params = sum(local_part(p).numel() * local_part(p).element_size() for p in model.parameters())
     moments = sum(
-        local(v).numel() * local(v).element_size()
+        local_part(v).numel() * local_part(v).element_size()
         for st in optimizer.state.values()
         for v in st.values()
         if isinstance(v, torch.Tensor) and v.dim() > 0
@@ -373,7 +576,7 @@ def rank_memory(
 
 
 def build_parallel(
-    run: Any, task: Any, model: nn.Module, device: torch.device, mode: str
+    run: RunConfig, task: Any, model: nn.Module, device: torch.device, mode: str
 ) -> Replicated:
     """The strategy for ``mode`` (``ddp`` or ``fsdp``, as decided for ``sharding.mode``), with
     ``sharding.activation_checkpointing`` applied to the task's sharding units first. ``ddp``
@@ -388,7 +591,7 @@ def build_parallel(
             )
         activation_checkpointing(units)
     if mode == "fsdp":
-        return Sharded(model, units, device, run.sharding.cpu_offload)
+        return Sharded(model, units, device, run.sharding.cpu_offload, run.sharding.checkpoint)
     return Replicated(model.to(device), device)
 
 

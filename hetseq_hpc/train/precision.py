@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 import torch
 
 from hetseq_hpc.errors import ConfigError
+from hetseq_hpc.train import ddp_hooks
 
 log = logging.getLogger(__name__)
 
@@ -206,8 +207,6 @@ class GradientPath:
     def comm_hook(self, state: Any) -> Callable:
         """The DDP comm hook: the SUM all-reduce (compressed or not), or Adasum; configures
         ``state`` (:class:`~hetseq_hpc.train.ddp_hooks.HookState`) for it."""
-        from hetseq_hpc.train import ddp_hooks
-
         state.comm_dtype = None if self.compression == "none" else DTYPES[self.compression]
         if self.combine == "adasum":
             return ddp_hooks.adasum_hook

@@ -15,8 +15,10 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from hetseq_hpc.tasks.base import Task
 from hetseq_hpc.tasks.flops import task_flops_per_sample
 from hetseq_hpc.tasks.norms import check_no_batchnorm
+from hetseq_hpc.train.evaluate import log_examples
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +106,6 @@ def examples_model(task: Any, parallel: Any, is_master: bool) -> Optional[nn.Mod
     under FSDP a CPU copy (``task.build_model()``) loaded from the full state gathered to rank
     0's CPU memory (a collective: EVERY rank calls it), so the whole weights never sit on a
     device. None on the other ranks, and under FSDP when the task writes no examples."""
-    from hetseq_hpc.tasks.base import Task
-
     if not parallel.sharded:
         return parallel.model
     if type(task).examples is Task.examples:  # nothing to write: nothing to gather
@@ -138,8 +138,6 @@ def finish_task_summary(
     if info["inexact"] is not None:
         summary["inexact"] = info["inexact"]
     if is_master and model is not None:
-        from hetseq_hpc.train.evaluate import log_examples
-
         header = getattr(task, "example_header", None)
         rows = log_examples(task, model, N_EXAMPLES, header)
         if rows:

@@ -17,11 +17,7 @@ import pytest
 
 from hetseq_hpc.errors import CheckpointError, LaunchError
 from hetseq_hpc.rundir.lock import FD_ENV, acquire, claim_run_dir, lock_run_dir
-from hetseq_hpc.train.checkpoint import (
-    checkpoint_path,
-    load_checkpoint,
-    save_checkpoint,
-)
+from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint
 from tests.helpers.checkpoints import Payload, flip_middle, small_state, write_with_checksum
 from tests.helpers.runs import (
     REPO,
@@ -66,14 +62,14 @@ def small_tmpfs(tmpfs):
 def test_disk_full_with_no_earlier_checkpoint_says_so(small_tmpfs):
     disk = small_tmpfs("2m")
     with pytest.raises(CheckpointError, match="no earlier checkpoint exists"):
-        save_checkpoint(small_state(1, size=1_000_000), disk, 1, keep=2)
+        CheckpointManager(disk, keep=2).write(small_state(1, size=1_000_000), 1)
 
 
 def test_disk_full_keeps_the_previous_checkpoint(small_tmpfs):
     disk = small_tmpfs("2m")
-    first = save_checkpoint(small_state(1, size=1000), disk, 1, keep=2)
+    first = CheckpointManager(disk, keep=2).write(small_state(1, size=1000), 1)
     with pytest.raises(CheckpointError) as err:
-        save_checkpoint(small_state(2, size=1_000_000), disk, 2, keep=2)  # 4 MB into 2 MB
+        CheckpointManager(disk, keep=2).write(small_state(2, size=1_000_000), 2)  # 4 MB into 2 MB
     message = str(err.value)
     assert message.startswith(f"no space left on {disk} ") and "\n" not in message
     assert "free space or move hydra.run.dir" in message
@@ -150,7 +146,7 @@ def _copy(base: Path, dst: Path) -> Path:
 @pytest.mark.slow
 def test_auto_resume_falls_back_past_a_corrupt_latest(base_run, tmp_path, token_cache):
     run_dir = _copy(base_run, tmp_path / "run")
-    bad = checkpoint_path(run_dir, 2)
+    bad = CheckpointManager(run_dir).path(2)
     damaged = flip_middle(bad)
     stale = bad.with_name(".step_00000003.pt.999.tmp")
     stale.write_bytes(b"left by a killed writer")
@@ -176,7 +172,7 @@ def test_auto_resume_falls_back_past_a_corrupt_latest(base_run, tmp_path, token_
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[1]["resume_fallback"] == {
         "bad": [str(bad)],
-        "used": str(checkpoint_path(run_dir, 1)),
+        "used": str(CheckpointManager(run_dir).path(1)),
     }
     assert "resume_fallback" not in rows[2]
 
@@ -184,7 +180,7 @@ def test_auto_resume_falls_back_past_a_corrupt_latest(base_run, tmp_path, token_
 @pytest.mark.slow
 def test_explicit_corrupt_checkpoint_stops_with_one_line(base_run, tmp_path, token_cache):
     run_dir = _copy(base_run, tmp_path / "run")
-    bad = checkpoint_path(run_dir, 2)
+    bad = CheckpointManager(run_dir).path(2)
     flip_middle(bad)
     proc = _cli(tmp_path / "other", token_cache, "trainer.max_steps=3", f"trainer.resume={bad}")
     last = _error_line(proc)
@@ -229,7 +225,7 @@ def test_disk_full_during_a_real_run_is_one_line(small_tmpfs, token_cache):
         "step_00000001.pt",
         "step_00000001.pt.sha256",
     ]
-    assert load_checkpoint(checkpoint_path(run_dir, 1))["step"] == 1
+    assert load_checkpoint(CheckpointManager(run_dir).path(1))["step"] == 1
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ import pytest
 
 from hetseq_hpc.errors import StorageError
 from hetseq_hpc.rundir.logs import guard_log_files, setup_rank_logging
-from hetseq_hpc.train.checkpoint import list_checkpoints, load_checkpoint
+from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint
 from hetseq_hpc.train.metrics import MetricsWriter, read_metrics
 from tests.helpers.disk import FILLER, fill, start_cli
 from tests.helpers.runs import SMALL_MODEL, wait_rows
@@ -262,7 +262,7 @@ def test_full_disk_at_a_sharded_checkpoint_keeps_the_previous_one(tmpfs, token_c
     folder = run_dir / "checkpoints"
     names = sorted(p.name for p in folder.iterdir())
     assert not [n for n in names if n.endswith(".tmp")], names
-    records = list_checkpoints(run_dir)
+    records = CheckpointManager(run_dir).list()
     assert records, names
     kept = load_checkpoint(records[-1])  # verifies the record and every shard's checksum
     assert [n for n in names if n.endswith(".shards")] == [kept["shards"]["dir"]], names

@@ -20,9 +20,8 @@ import torch
 from hetseq_hpc.config import load_run_config
 from hetseq_hpc.tasks import build_task
 from hetseq_hpc.tasks.hf.model import SummedLossModel
-from hetseq_hpc.train.checkpoint import load_checkpoint
-from hetseq_hpc.train.shard_files import shard_dir_of
-from hetseq_hpc.train.sharded_checkpoint import full_state
+from hetseq_hpc.train.checkpoint.manager import load_checkpoint
+from hetseq_hpc.train.checkpoint.shards import full_state, shard_dir_of
 from tests.helpers.hf_models import make_bert, make_gpt2, make_llama, write_text_files
 from tests.helpers.runs import assert_ok, hetseq
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from hetseq_hpc.train.checkpoint import checksum_path, list_checkpoints
+from hetseq_hpc.train.checkpoint.files import checksum_path
+from hetseq_hpc.train.checkpoint.manager import CheckpointManager
 from tests.helpers.loggers import LOGGERS, csv_rows, events, scalar_steps
 from tests.helpers.runs import read_rows
 
@@ -31,7 +32,7 @@ def test_training_run_logs_to_tensorboard_and_csv_and_resumes_without_duplicates
     for rank in (0, 1):
         assert scalar_steps(acc, f"rank_step_time_s/rank{rank}") == [1, 2, 3, 4, 5]
         assert scalar_steps(acc, f"rank_compute_time_s/rank{rank}") == [1, 2, 3, 4, 5]
-    last = list_checkpoints(run_dir)[-1]
+    last = CheckpointManager(run_dir).list()[-1]
     assert last.name == "step_00000005.pt"
     last.unlink()
     checksum_path(last).unlink()

@@ -25,9 +25,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hetseq_hpc.train.checkpoint import load_checkpoint
-from hetseq_hpc.train.shard_files import shard_dir_of
-from hetseq_hpc.train.sharded_checkpoint import full_state
+from hetseq_hpc.train.checkpoint.manager import load_checkpoint
+from hetseq_hpc.train.checkpoint.shards import full_state, shard_dir_of
 from tests.helpers.runs import SMALL_MODEL, assert_same_losses, hetseq, losses
 from tests.helpers.tasks import task_overrides
 

@@ -13,8 +13,8 @@ from hetseq_hpc.cli.preflight import refuse_rewinding_a_finished_run
 from hetseq_hpc.config import compose_run_config
 from hetseq_hpc.errors import CheckpointError
 from hetseq_hpc.rundir.history import write_run_id
-from hetseq_hpc.train.checkpoint import save_checkpoint
-from hetseq_hpc.train.finished import completed_run, finished_run
+from hetseq_hpc.train.checkpoint.finished import completed_run, finished_run
+from hetseq_hpc.train.checkpoint.manager import CheckpointManager
 from tests.helpers.checkpoints import plant_corrupt
 
 
@@ -32,7 +32,7 @@ def _finished_dir(tmp_path, final_step: int = 4, run_id: str = "r1"):
     tmp_path.mkdir(parents=True, exist_ok=True)
     write_run_id(tmp_path, run_id)
     for step in (final_step - 1, final_step):
-        save_checkpoint(_state(step, run_id), tmp_path, step, keep=5)
+        CheckpointManager(tmp_path, keep=5).write(_state(step, run_id), step)
     rows = [{"step": s, "loss": 8.0 - s, "run_id": run_id} for s in range(1, final_step + 1)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary = {"final_step": final_step, "final_loss": 3.25}
@@ -70,7 +70,9 @@ def test_only_the_checkpoint_the_ranks_would_resume_counts(tmp_path):
     plant_corrupt(run_dir, 4, 9)  # a corrupt later step: skipped, as the ranks skip it
     assert finished_run("auto", 9, run_dir) is None
     assert finished_run("auto", 4, run_dir).step == 4
-    save_checkpoint(_state(12, "another"), run_dir, 12, keep=5)  # another run's: never resumed
+    CheckpointManager(run_dir, keep=5).write(
+        _state(12, "another"), 12
+    )  # another run's: never resumed
     assert finished_run("auto", 10, run_dir) is None
 
 

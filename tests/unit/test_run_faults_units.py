@@ -17,7 +17,7 @@ import pytest
 from hetseq_hpc.config import compose_run_config
 from hetseq_hpc.config import validate as config_validate
 from hetseq_hpc.errors import ConfigError
-from hetseq_hpc.train.checkpoint import checkpoint_path, list_checkpoints, save_checkpoint
+from hetseq_hpc.train.checkpoint.manager import CheckpointManager
 from hetseq_hpc.train.loggers import CSV_NAME, TB_DIR, RunLoggers
 from tests.helpers.loggers import logger_warnings
 from tests.helpers.runs import read_rows
@@ -105,12 +105,14 @@ def test_adasum_world_size_is_checked_in_validation(overrides, world):
 
 # ------------------------------------------------------------------ checkpoint path in the way
 def test_directory_at_a_checkpoint_name_is_named_with_the_fix(tmp_path):
-    blocker = checkpoint_path(tmp_path, 4)
+    blocker = CheckpointManager(tmp_path).path(4)
     blocker.mkdir(parents=True)
     (blocker / "something").write_text("x\n")
     with pytest.raises(Exception) as info:
-        save_checkpoint({"model": {}, "optimizer": {}, "scheduler": {}}, tmp_path, 4, keep=2)
+        CheckpointManager(tmp_path, keep=2).write(
+            {"model": {}, "optimizer": {}, "scheduler": {}}, 4
+        )
     message = str(info.value)
     assert f"{str(blocker)!r} is a directory" in message and "remove or rename it" in message
     assert "free disk space" not in message
-    assert list_checkpoints(tmp_path) == [], "a directory is never taken for a checkpoint"
+    assert CheckpointManager(tmp_path).list() == [], "a directory is never taken for a checkpoint"

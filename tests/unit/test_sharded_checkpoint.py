@@ -17,29 +17,25 @@ from torch import nn
 
 from hetseq_hpc.distributed.rendezvous import single_process_rendezvous
 from hetseq_hpc.errors import CheckpointError
-from hetseq_hpc.train.checkpoint import checkpoint_path, choose_checkpoint, load_checkpoint
-from hetseq_hpc.train.shard_files import MANIFEST, METADATA, shard_dir_of, sweep_shard_temps
-from hetseq_hpc.train.sharded_checkpoint import full_state, load_sharded, save_sharded
+from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint
+from hetseq_hpc.train.checkpoint.shards import MANIFEST, METADATA, full_state, shard_dir_of
+from hetseq_hpc.train.parallel import Sharded
 from tests.helpers.checkpoints import Payload, flip_middle, write_with_checksum
 
 
-def _model(seed: int) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
+def _strategy(seed: int) -> Sharded:
+    """A small model sharded by the FSDP2 strategy (its units: the two linear layers)."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
-    for unit in (model[0], model[2]):
-        fully_shard(unit)
-    fully_shard(model)
-    return model
+    return Sharded(model, [model[0], model[2]], torch.device("cpu"))
 
 
 def _trained(seed: int = 0):
-    model = _model(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(torch.randn(5, 6)).sum().backward()
+    strategy = _strategy(seed)
+    optimizer = torch.optim.AdamW(strategy.model.parameters(), lr=1e-2)
+    strategy.model(torch.randn(5, 6)).sum().backward()
     optimizer.step()
-    return model, optimizer
+    return strategy, optimizer
 
 
 def _record(step: int) -> dict:
@@ -53,8 +49,11 @@ def rdv():
 
 
 def _save(rdv, run_dir, step, keep=5):
-    model, optimizer = _trained(step)
-    return save_sharded(rdv, model, optimizer, _record(step), run_dir, step, keep), model
+    strategy, optimizer = _trained(step)
+    path = CheckpointManager(run_dir, keep).save(
+        step, rdv, strategy, optimizer, lambda tensors: _record(step)
+    )
+    return path, strategy.model
 
 
 def _rewrite_consistently(record_path, state, shards):
@@ -76,10 +75,10 @@ def test_sharded_checkpoint_round_trips_and_reads_whole(tmp_path, rdv):
     assert state["model"] == {} and "shards" in state
     shards = shard_dir_of(path, state)
     assert sorted(p.name for p in shards.iterdir()) == [METADATA, MANIFEST, "__0_0.distcp"]
-    fresh, optimizer = _model(99), None
-    optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
-    load_sharded(fresh, optimizer, shards, state["optimizer"]["param_groups"], str(path))
-    for (name, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
+    fresh = _strategy(99)
+    optimizer = torch.optim.AdamW(fresh.model.parameters(), lr=1e-2)
+    fresh.load_shards(optimizer, shards, state["optimizer"]["param_groups"], str(path))
+    for (name, a), (_, b) in zip(model.state_dict().items(), fresh.model.state_dict().items()):
         assert torch.equal(a.full_tensor(), b.full_tensor()), name
     assert len(optimizer.state) == 4  # the AdamW moments came back too
     whole = full_state(shards, state["optimizer"]["param_groups"])
@@ -102,7 +101,9 @@ def test_malicious_metadata_never_runs_code(tmp_path, rdv):
         load_checkpoint(evil)
     assert "refused as untrusted" in str(err.value) and "open is not DCP" in str(err.value)
     assert "\n" not in str(err.value)
-    choice = choose_checkpoint("auto", tmp_path)  # the newest is refused: the older one is used
+    choice = CheckpointManager(tmp_path).choose(
+        "auto"
+    )  # the newest is refused: the older one is used
     assert choice.path == good and "refused as untrusted" in choice.skipped[0][1]
     assert not marker.exists(), "the checkpoint ran code"
 
@@ -150,7 +151,7 @@ def test_metadata_that_reaches_outside_or_holds_objects_is_refused(tmp_path, rdv
 def test_retention_quarantine_and_orphans_take_the_shard_directory(tmp_path, rdv):
     for step in (1, 2, 3):
         _save(rdv, tmp_path, step, keep=2)
-    folder = checkpoint_path(tmp_path, 1).parent
+    folder = CheckpointManager(tmp_path).path(1).parent
     names = sorted(p.name.split(".")[0] + p.suffix for p in folder.iterdir())
     assert names == [
         "step_00000002.pt",
@@ -163,10 +164,10 @@ def test_retention_quarantine_and_orphans_take_the_shard_directory(tmp_path, rdv
     # a write cut off before its record: a temp directory and a directory no record names
     (folder / ".step_00000004.0123456789abcdef.shards.tmp").mkdir()
     (folder / "step_00000004.0123456789abcdef.shards").mkdir()
-    swept = sweep_shard_temps(tmp_path)
+    swept = CheckpointManager(tmp_path).sweep_orphan_shards()
     assert len(swept) == 2 and len(list(folder.glob("*.shards"))) == 2
     # a flipped shard in an older checkpoint: the next save moves it, with its record, aside
-    older = checkpoint_path(tmp_path, 2)
+    older = CheckpointManager(tmp_path).path(2)
     flip_middle(shard_dir_of(older, load_checkpoint(older)) / "__0_0.distcp", 16)
     _save(rdv, tmp_path, 4, keep=2)
     corrupt = folder / "corrupt"
@@ -177,14 +178,14 @@ def test_a_sharded_checkpoint_rewritten_at_a_corrupt_ones_step_keeps_both(tmp_pa
     """Issue 40: a sharded checkpoint of step 2 whose shard fails its checksum, then step 2
     written again (resume=auto fell back past it): the corrupt record and ITS shard directory
     go to checkpoints/corrupt/, the new record and its new shard directory stay and load."""
-    old = checkpoint_path(tmp_path, 2)
+    old = CheckpointManager(tmp_path).path(2)
     _save(rdv, tmp_path, 2)
     old_shards = shard_dir_of(old, load_checkpoint(old))
     flip_middle(old_shards / "__0_0.distcp", 16)
     path, _ = _save(rdv, tmp_path, 2)
     state = load_checkpoint(path)  # the new one verifies, shards and all
     assert shard_dir_of(path, state).name != old_shards.name
-    corrupt = checkpoint_path(tmp_path, 2).parent / "corrupt"
+    corrupt = CheckpointManager(tmp_path).path(2).parent / "corrupt"
     assert sorted(p.name for p in corrupt.iterdir()) == sorted(
         ["step_00000002.pt", "step_00000002.pt.sha256", old_shards.name]
     )

@@ -14,7 +14,7 @@ from hetseq_hpc.config.compose import compose_run_config
 from hetseq_hpc.distributed.rendezvous import StepStats, single_process_rendezvous
 from hetseq_hpc.errors import CheckpointError
 from hetseq_hpc.tasks import build_task
-from hetseq_hpc.train.checkpoint import load_checkpoint, save_checkpoint
+from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint
 from hetseq_hpc.train.loop import RankMeta, Trainer
 from hetseq_hpc.train.rebalance_step import maybe_rebalance
 from tests.helpers.runs import SMALL_MODEL
@@ -87,7 +87,7 @@ def test_state_dict_round_trip_repeats_the_next_step(make_trainer, tmp_path):
     with single_process_rendezvous() as rdv:
         first = make_trainer(rdv)
         first.train_step(1)
-        path = save_checkpoint(first.state_dict(), tmp_path, 1, keep=2)
+        path = CheckpointManager(tmp_path, keep=2).write(first.state_dict(), 1)
         want = first.train_step(2).loss
         second = make_trainer(rdv)
         second.load_state_dict(load_checkpoint(path), str(path))

@@ -3,7 +3,9 @@
 An FSDP checkpoint is DCP's ``step_XXXXXXXX.<token>.shards/`` directory with its ``SHA256SUMS``,
 committed by the checksummed ``step_XXXXXXXX.pt`` record; :func:`sweep_orphans` removes a
 directory no record names. :class:`SafeShardReader` reads DCP's ``.metadata`` without
-``pickle.load`` and only after every file matched ``SHA256SUMS``. The layout and the safety
+``pickle.load`` and only after every file matched ``SHA256SUMS``; :func:`full_state` reads the
+whole state in one process (a DDP resume, ``export``). Writing and loading the shards is the
+sharded strategy's (:class:`hetseq_hpc.train.parallel.Sharded`). The layout and the safety
 rules: docs/design/checkpoints.md, "The files of a sharded checkpoint".
 """
 
@@ -15,13 +17,14 @@ import os
 import pickle
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
 
 from hetseq_hpc.errors import CheckpointError
-from hetseq_hpc.train.checkpoint_files import FIX, checkpoint_dir, list_checkpoints, stored_state
+from hetseq_hpc.train.checkpoint.files import FIX, sha256_file
 
 #: the checksum list inside a shard directory
 MANIFEST = "SHA256SUMS"
@@ -67,13 +70,11 @@ def is_shard_dir_name(name: str) -> bool:
     return _DIR.match(name) is not None
 
 
-def sha256_file(path: Path) -> str:
-    """Hex SHA-256 of a file, read in 1 MiB chunks."""
-    sha = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            sha.update(chunk)
-    return sha.hexdigest()
+def shard_dirs(path: Path) -> List[Path]:
+    """The shard directories of checkpoint ``path``'s step (``step_XXXXXXXX.<token>.shards``,
+    this module); empty for a full checkpoint."""
+    stem = Path(path).name[: -len(".pt")]
+    return sorted(p for p in Path(path).parent.glob(f"{stem}.*.shards") if p.is_dir())
 
 
 def rank_files(directory: Path, rank: int) -> List[Path]:
@@ -273,19 +274,90 @@ def sweep_orphans(checkpoints: Path, referenced: Optional[set] = None) -> List[P
     return removed
 
 
-def referenced_shard_dirs(run_dir: Path) -> set:
-    """Names of the shard directories the run directory's records reference."""
-    names = set()
-    for path in list_checkpoints(run_dir):
-        try:
-            shards = stored_state(path).get("shards")
-        except CheckpointError:
+def load_error(source: str, exc: BaseException) -> CheckpointError:
+    """The one-line error of a checkpoint ``source`` whose tensors did not load (``exc``):
+    another model's, or unreadable."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return CheckpointError(
+        f"checkpoint {source!r} could not be loaded into this model "
+        f"({first[:200]}): use the task.model settings it was trained with, "
+        "or a new run directory"
+    )
+
+
+def full_state(
+    directory: Path, param_groups: List[Dict[str, Any]], optimizer: bool = True
+) -> Dict[str, Any]:
+    """The whole model and optimizer state of a sharded checkpoint on the CPU, in a full
+    checkpoint's layout (``{"model": {fqn: tensor}, "optimizer": Optimizer.state_dict()
+    layout}``), read by THIS process alone (no collective): a DDP resume, ``export``
+    (``optimizer=False``: the model only, nothing of the optimizer is read).
+
+    Raises:
+        CheckpointError: the metadata is refused or a file cannot be read.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    metadata = read_metadata_safely(directory)
+    paths = metadata.planner_data or {}
+    nested: Dict[str, Any] = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        path = paths.get(key) or tuple(key.split(".", 1))
+        if not all(isinstance(p, (str, int)) for p in path) or len(path) < 2:
+            raise CheckpointError(
+                f"sharded checkpoint {str(directory)!r} is refused: entry "
+                f"{key!r} has no valid place: resume from another checkpoint"
+            )
+        if path[0] != "model" and not optimizer:
             continue
-        if isinstance(shards, dict) and isinstance(shards.get("dir"), str):
-            names.add(shards["dir"])
-    return names
+        node = nested
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(nested, storage_reader=safe_reader(directory), no_dist=True)
+    except Exception as exc:
+        raise load_error(str(directory), exc) from None
+    order = [fqn for group in param_groups for fqn in group["params"]]
+    index = {fqn: i for i, fqn in enumerate(order)}
+    optim = nested.get("optim", {})
+    return {
+        "model": nested.get("model", {}),
+        "optimizer": {
+            "state": {index[fqn]: optim[fqn] for fqn in order if fqn in optim},
+            "param_groups": [
+                {**g, "params": [index[f] for f in g["params"]]} for g in param_groups
+            ],
+        },
+    }
 
 
-def sweep_shard_temps(run_dir: Path) -> List[Path]:
-    """:func:`sweep_orphans` of a run directory's checkpoints (rank 0, at the start of a run)."""
-    return sweep_orphans(checkpoint_dir(run_dir), referenced_shard_dirs(run_dir))
+def with_full_tensors(record: Dict[str, Any], record_path: Path) -> Dict[str, Any]:
+    """A sharded checkpoint's record with the whole model and optimizer state filled in
+    (:func:`full_state`); a full checkpoint is returned as it is."""
+    if "shards" not in record:
+        return record
+    directory = verify_shards(record_path, record, full=False)
+    return dict(record, **full_state(directory, record["optimizer"]["param_groups"]))
+
+
+__all__ = [
+    "ALLOWED_GLOBALS",
+    "MANIFEST",
+    "METADATA",
+    "full_state",
+    "is_shard_dir_name",
+    "load_error",
+    "rank_files",
+    "read_metadata_safely",
+    "safe_reader",
+    "shard_dir_name",
+    "shard_dir_of",
+    "shard_dirs",
+    "sweep_orphans",
+    "verify_shards",
+    "with_full_tensors",
+    "write_manifest",
+]

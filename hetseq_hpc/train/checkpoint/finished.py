@@ -20,12 +20,8 @@ from typing import Optional
 from hetseq_hpc.errors import CheckpointError, HetseqError
 from hetseq_hpc.rundir.history import current_run_id
 from hetseq_hpc.rundir.paths import RunDir
-from hetseq_hpc.train.checkpoint_files import (
-    list_checkpoints,
-    step_of,
-    stored_state,
-    verified_run_id,
-)
+from hetseq_hpc.train.checkpoint.files import step_of, stored_state
+from hetseq_hpc.train.checkpoint.manager import CheckpointManager, verified_run_id
 from hetseq_hpc.train.metrics import read_metrics
 
 
@@ -109,11 +105,11 @@ def describe_finished(run_dir: Path, checkpoint: Path, step: int, max_steps: int
 def _newest_resumable(run_dir: Path, at_least: int) -> Optional[Path]:
     """The newest checkpoint of ``run_dir``'s current run (``run.json``) that verifies, as the
     ranks choose it under ``trainer.resume=auto``
-    (:func:`hetseq_hpc.train.checkpoint.choose_checkpoint`), if its step is ``at_least`` or
+    (:meth:`~hetseq_hpc.train.checkpoint.manager.CheckpointManager.choose`), if its step is ``at_least`` or
     more; only checkpoints of such steps are read (a checksum), so this costs a directory
     listing when there are none."""
     current = current_run_id(run_dir)
-    for path in reversed(list_checkpoints(run_dir)):
+    for path in reversed(CheckpointManager(run_dir).list()):
         if step_of(path) < at_least:
             return None  # the ranks resume this one, or an older one
         try:

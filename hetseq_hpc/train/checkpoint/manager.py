@@ -1,0 +1,730 @@
+"""The checkpoints of a run directory: atomic, checksummed, loaded without running code.
+
+:class:`CheckpointManager` is the one object that saves (:meth:`~CheckpointManager.save`,
+every rank calls it; the strategy writes the model and optimizer state, :class:`StateIO`),
+chooses and loads (:meth:`~CheckpointManager.load`), keeps the newest (retention), verifies
+and moves bad files to ``checkpoints/corrupt/`` (quarantine).
+
+* ``step_XXXXXXXX.pt`` is written through :func:`hetseq_hpc.files.atomic.atomic_write` (temp
+  file, fsync, rename) with its SHA-256 sidecar, verified before it is unpickled and read with
+  ``torch.load(weights_only=True)``: a crafted file cannot run code.
+* A full disk (``OSError`` ENOSPC, or the ``RuntimeError`` torch's serializer raises instead)
+  or a read-only one removes the temp file, keeps the earlier checkpoints and raises one line
+  naming the device.
+* Retention counts only checkpoints that VERIFY and belong to the current run (their
+  ``run_id``, :mod:`hetseq_hpc.rundir.history`); it never deletes the checkpoint just written
+  nor a newer one; a file that fails its checksum is moved to ``checkpoints/corrupt/``.
+Sharded (FSDP) checkpoints: docs/design/checkpoints.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import re
+import secrets
+import shutil
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import (
+    Any,
+    BinaryIO,
+    Callable,
+    Collection,
+    Dict,
+    List,
+    Optional,
+    Protocol,
+    Tuple,
+    Union,
+)
+
+import torch
+
+from hetseq_hpc.distributed.rendezvous import Rendezvous
+from hetseq_hpc.errors import CheckpointError
+from hetseq_hpc.files.atomic import atomic_write, atomic_write_text, remove_stale_temps
+from hetseq_hpc.files.user_input import file_problem
+from hetseq_hpc.rundir.history import current_run_id, start_or_continue
+from hetseq_hpc.rundir.paths import RunDir
+from hetseq_hpc.rundir.storage import filesystem_problem, fix_for, write_problem
+from hetseq_hpc.train.checkpoint.files import (
+    CORRUPT_DIR,
+    FIX,
+    checkpoint_name,
+    checkpoints_in,
+    checksum_path,
+    sha256_file,
+    step_of,
+    stored_state,
+    verify_checksum,
+)
+from hetseq_hpc.train.checkpoint.shards import (
+    METADATA,
+    rank_files,
+    shard_dir_name,
+    shard_dirs,
+    sweep_orphans,
+    write_manifest,
+)
+from hetseq_hpc.train.checkpoint.shards import verify_shards as check_shards
+
+log = logging.getLogger(__name__)
+
+#: bump when the checkpoint layout changes (2: checksummed, plain-data rng states, config)
+FORMAT_VERSION = 2
+#: entries every checkpoint must hold
+REQUIRED = ("model", "optimizer", "scheduler", "step")
+
+#: checkpoints already verified by this process: path -> ((size, mtime_ns), run id or "")
+_VERIFIED: Dict[str, Tuple[tuple, str]] = {}
+
+#: ``state(tensors)``: the checkpoint's content, with the model and optimizer state or without
+#: them (a sharded checkpoint's record): :meth:`hetseq_hpc.train.trainer.Trainer.state_dict`
+StateFn = Callable[[bool], Dict[str, Any]]
+
+
+class StateIO(Protocol):
+    """The model and optimizer state I/O of a strategy (:mod:`hetseq_hpc.train.parallel`):
+    how a checkpoint's tensors are written (the whole state by rank 0, or every rank its
+    shards) and read back."""
+
+    def save_state(
+        self,
+        checkpoints: CheckpointManager,
+        step: int,
+        rdv: Rendezvous,
+        optimizer: torch.optim.Optimizer,
+        state: StateFn,
+    ) -> Path:
+        """Checkpoint ``step`` through ``checkpoints`` (a collective); returns its record."""
+        ...
+
+    def load_state(
+        self, optimizer: torch.optim.Optimizer, state: Dict[str, Any], source: str
+    ) -> None:
+        """Load a checkpoint's model and optimizer state (a collective under FSDP)."""
+        ...
+
+
+class _HashingWriter:
+    """A write-only file object that hashes what passes through and keeps the first OSError
+    (torch's serializer turns it into a RuntimeError without errno)."""
+
+    def __init__(self, fh: BinaryIO):
+        self.fh = fh
+        self.sha = hashlib.sha256()
+        self.error: Optional[OSError] = None
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        try:
+            return self.fh.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+@dataclass
+class ResumeChoice:
+    """The checkpoint a run resumes from, decided on rank 0.
+
+    Attributes:
+        path: the checkpoint, or None to start from step 0.
+        state: its loaded content (rank 0 only; None when ``path`` is None).
+        skipped: ``(bad file, one-line reason)`` of newer checkpoints that did not verify.
+        others: ``(file, one-line reason)`` of newer checkpoints another run wrote (passed
+            over, never resumed, kept in place).
+    """
+
+    path: Optional[Path] = None
+    state: Optional[Dict[str, Any]] = None
+    skipped: List[Tuple[Path, str]] = field(default_factory=list)
+    others: List[Tuple[Path, str]] = field(default_factory=list)
+
+
+def require_entries(state: Any, source: str) -> None:
+    """Raise a one-line :class:`CheckpointError` if ``state`` lacks an entry of :data:`REQUIRED`."""
+    missing = [k for k in REQUIRED if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {source!r} has no {', '.join(missing)} entry: it is not a complete "
+            "hetseq_hpc checkpoint; point trainer.resume at one this version wrote, or set "
+            "trainer.resume=never"
+        )
+
+
+def load_checkpoint(path: Union[str, Path], verify_shards: bool = True) -> Dict[str, Any]:
+    """Verify and read a checkpoint onto the CPU, running no code from the file. A sharded
+    checkpoint's record is returned without its tensors (its ``shards`` entry names them), after
+    :func:`hetseq_hpc.train.checkpoint.shards.verify_shards` (every file's checksum when
+    ``verify_shards``, else its list and metadata only).
+
+    Raises:
+        CheckpointError: the file is missing, fails its checksum, is refused by safe loading
+            (it holds Python objects: treated as untrusted), is truncated, or is not a complete
+            hetseq_hpc checkpoint; the one-line message names the file and how to go on.
+    """
+    path = Path(path)
+    problem = file_problem(path)
+    if problem:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} {problem}: check trainer.resume, or set "
+            "trainer.resume=auto to use the latest checkpoint of the run directory"
+        )
+    verify_checksum(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # torch puts the refused construct after "WeightsUnpickler error:", often on a later line
+        found = re.search(r"WeightsUnpickler error:\s*([^\n]+)", str(exc))
+        detail = found.group(1).strip().rstrip(".") if found else "unsupported content"
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is refused as untrusted: safe loading (weights_only) found "
+            f"Python objects in it ({detail}): resume only from checkpoints hetseq_hpc wrote, "
+            "or set trainer.resume=never"
+        ) from None
+    except Exception as exc:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is corrupt or unreadable ({type(exc).__name__}): {FIX}"
+        ) from None
+    if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is not a hetseq_hpc checkpoint of format {FORMAT_VERSION}: "
+            "point trainer.resume at one written by this version, or set trainer.resume=never"
+        )
+    require_entries(state, str(path))
+    if "shards" in state:
+        check_shards(path, state, full=verify_shards)
+    return state
+
+
+def verified_run_id(path: Path) -> str:
+    """:func:`~hetseq_hpc.train.checkpoint.files.verify_checksum` (and a sharded checkpoint's
+    files), then its run id; cached per file size and mtime, so retention hashes each
+    checkpoint once per process.
+
+    Raises:
+        CheckpointError: the checkpoint does not verify or cannot be read.
+    """
+    info = Path(path).stat()
+    key = (
+        info.st_size,
+        info.st_mtime_ns,
+        tuple(  # a sharded checkpoint: its files too
+            (f.name, f.stat().st_size, f.stat().st_mtime_ns)
+            for d in shard_dirs(path)
+            for f in sorted(d.iterdir())
+        ),
+    )
+    cached = _VERIFIED.get(str(path))
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    verify_checksum(path)
+    state = stored_state(path)
+    if "shards" in state:  # a sharded checkpoint verifies only with all its files
+        check_shards(path, state)
+    run_id = state.get("run_id") if isinstance(state.get("run_id"), str) else ""
+    _VERIFIED[str(path)] = (key, run_id)
+    return run_id
+
+
+class CheckpointManager:
+    """The checkpoints of one run directory (``<run dir>/checkpoints``).
+
+    Args:
+        run_dir: the run directory.
+        keep: ``trainer.keep_checkpoints`` (>= 1): verified checkpoints of the current run
+            kept by retention.
+    """
+
+    def __init__(self, run_dir: Union[str, Path], keep: int = 1):
+        self.run_dir = Path(run_dir)
+        self.keep = int(keep)
+
+    # ------------------------------------------------------------------ names
+    @property
+    def directory(self) -> Path:
+        """``<run dir>/checkpoints``."""
+        return RunDir(self.run_dir).checkpoints
+
+    def path(self, step: int) -> Path:
+        """Path of the checkpoint after optimizer step ``step``."""
+        return self.directory / checkpoint_name(step)
+
+    def list(self) -> List[Path]:
+        """The run directory's checkpoint files (regular files named ``step_XXXXXXXX.pt``),
+        oldest step first."""
+        return checkpoints_in(self.directory)
+
+    def referenced_shard_dirs(self) -> set:
+        """Names of the shard directories the run directory's records reference."""
+        names = set()
+        for path in self.list():
+            try:
+                shards = stored_state(path).get("shards")
+            except CheckpointError:
+                continue
+            if isinstance(shards, dict) and isinstance(shards.get("dir"), str):
+                names.add(shards["dir"])
+        return names
+
+    def sweep_orphan_shards(self) -> List[Path]:
+        """:func:`~hetseq_hpc.train.checkpoint.shards.sweep_orphans` of the run directory's
+        checkpoints (rank 0, at the start of a run)."""
+        return sweep_orphans(self.directory, self.referenced_shard_dirs())
+
+    # ------------------------------------------------------------------ writing
+    def kept_words(self, final: Path) -> str:
+        """What is left after the checkpoint ``final`` could not be written: the newest earlier
+        one (it is what ``trainer.resume=auto`` takes), or that there is none."""
+        earlier = [p for p in self.list() if p != final]
+        return (
+            f"the earlier checkpoint {earlier[-1].name} is kept"
+            if earlier
+            else "no earlier checkpoint exists"
+        )
+
+    def write_error(
+        self,
+        final: Path,
+        exc: BaseException,
+        seen: Optional[OSError] = None,
+        problem: Optional[str] = None,
+    ) -> CheckpointError:
+        """One-line CheckpointError for a failed write of checkpoint ``final`` (``seen``: the
+        first OSError the writer saw; ``problem``: a full or read-only filesystem found
+        otherwise, see :mod:`hetseq_hpc.rundir.storage`); names the mount point when the disk
+        is full or read-only."""
+        run_dir = self.run_dir
+        chain, cause = [seen] if seen else [], exc
+        while cause is not None:
+            chain.append(cause)
+            cause = cause.__cause__ or cause.__context__
+        in_way = next((p for p in (final, checksum_path(final)) if p.is_dir()), None)
+        if in_way is not None:  # a directory at the checkpoint's (or its checksum's) name
+            return CheckpointError(
+                f"could not write checkpoint {str(final)!r}: {str(in_way)!r} is a directory, "
+                f"not a file: remove or rename it, then continue with hetseq-hpc "
+                f"hydra.run.dir={run_dir} trainer.resume=auto"
+            )
+        kept = self.kept_words(final)
+        problem = problem or next(
+            (found for found in (write_problem(e, final.parent) for e in chain) if found), None
+        )
+        if problem and problem.startswith("no space left"):
+            return CheckpointError(
+                f"{problem} (writing checkpoint {str(final)!r}; {kept}): free space or move "
+                f"hydra.run.dir, then continue with hetseq-hpc hydra.run.dir={run_dir} "
+                "trainer.resume=auto"
+            )
+        if problem:
+            return CheckpointError(
+                f"{problem} (writing checkpoint {str(final)!r}; {kept}): "
+                f"{fix_for(problem, run_dir)}"
+            )
+        reason = next((e.strerror for e in chain if getattr(e, "strerror", None)), None)
+        return CheckpointError(
+            f"could not write checkpoint {str(final)!r} ({reason or type(exc).__name__}; "
+            f"{kept}): free disk space or fix permissions"
+        )
+
+    def write(self, state: Dict[str, Any], step: int) -> Path:
+        """Write ``state`` as the checkpoint of ``step`` (plus its SHA-256 sidecar) on this
+        process; keep the newest :attr:`keep` checkpoints (:meth:`retain`). A corrupt
+        checkpoint of the same step is moved to ``checkpoints/corrupt/`` first, not
+        overwritten.
+
+        Raises:
+            CheckpointError: the file cannot be written (disk full, permissions); the temporary
+                file is removed and earlier checkpoints are untouched.
+        """
+        final = self.path(step)
+        payload = dict(state, format_version=FORMAT_VERSION, step=step)
+        box: Dict[str, _HashingWriter] = {}
+
+        def write(fh: BinaryIO) -> None:
+            box["w"] = _HashingWriter(fh)
+            torch.save(payload, box["w"])
+
+        shards = payload.get("shards")
+        self.set_aside_corrupt(
+            final, [shards["dir"]] if isinstance(shards, dict) and "dir" in shards else []
+        )
+        written = False
+        try:
+            atomic_write(final, write, durable=True)
+            written = True
+            digest = box["w"].sha.hexdigest()
+            atomic_write_text(checksum_path(final), f"{digest}  {final.name}\n", durable=True)
+        except (OSError, RuntimeError) as exc:
+            if written:  # its checksum could not be written: not a usable checkpoint
+                final.unlink(missing_ok=True)
+            writer = box.get("w")
+            raise self.write_error(final, exc, writer.error if writer else None) from None
+        self.retain(final, payload.get("run_id"))
+        log.info("checkpoint: %s", final)
+        return final
+
+    def save(
+        self,
+        step: int,
+        rdv: Rendezvous,
+        strategy: StateIO,
+        optimizer: torch.optim.Optimizer,
+        state: StateFn,
+    ) -> Path:
+        """Checkpoint ``step`` (a collective: EVERY rank calls it): the strategy writes the
+        model and optimizer state its way (:meth:`StateIO.save_state`: rank 0 the whole state,
+        :meth:`save_on_rank0`, or every rank its shards, :meth:`save_sharded`).
+
+        Returns:
+            The checkpoint's record (on every rank).
+
+        Raises:
+            CheckpointError: on every rank, with the one-line reason of the rank that failed.
+        """
+        return strategy.save_state(self, step, rdv, optimizer, state)
+
+    def save_on_rank0(
+        self, step: int, rdv: Rendezvous, state: Callable[[], Dict[str, Any]]
+    ) -> Path:
+        """Rank 0 writes ``state()`` as the checkpoint of ``step`` (:meth:`write`); every rank
+        waits for it (one broadcast) and raises the same one-line :class:`CheckpointError` if it
+        failed, so no rank hangs in a later collective and the console shows one reason."""
+        path, error = None, None
+        if rdv.world.rank == 0:
+            try:
+                path = str(self.write(state(), step))
+            except CheckpointError as exc:
+                error = str(exc)
+        path, error = rdv.broadcast_object((path, error))
+        if error:
+            raise CheckpointError(error)
+        return Path(path)
+
+    def save_sharded(
+        self,
+        step: int,
+        rdv: Rendezvous,
+        record: Dict[str, Any],
+        write_shards: Callable[[Path], Dict[str, Any]],
+    ) -> Path:
+        """Write the checkpoint of ``step`` sharded (a collective: EVERY rank calls it): every
+        rank's ``write_shards(directory)`` writes its files into a temp directory (DCP), their
+        SHA-256s are gathered into ``SHA256SUMS``, the directory is renamed into place, then
+        rank 0 writes the checksummed commit record (:meth:`write`, with its retention).
+
+        Args:
+            step: the optimizer step; rdv: the joined rendezvous.
+            record: everything but the tensors (rank 0's is written).
+            write_shards: writes this rank's shards into the directory it is given; returns
+                the record's entries for them (the same on every rank).
+
+        Raises:
+            CheckpointError: on every rank, when any rank could not write (disk full or
+                read-only: named with its mount point; permissions); nothing of this write is
+                left (no temp or unreferenced shard directory) and earlier checkpoints are kept.
+        """
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        rank = rdv.world.rank
+        folder = self.directory
+        if rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+        name = shard_dir_name(
+            step, rdv.broadcast_object(secrets.token_hex(8) if rank == 0 else None)
+        )
+        tmp, final = folder / f".{name}.tmp", folder / name
+        error, problem, digests, entries = None, None, {}, {}
+        try:
+            entries = write_shards(tmp)
+            digests = {p.name: sha256_file(p) for p in rank_files(tmp, rank)}
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException, any rank
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            # torch's serializer loses the errno: ask the filesystem before the tmp is removed
+            problem = write_problem(exc, folder) or filesystem_problem(folder)
+        gathered = rdv.all_gather_objects((digests, error, problem))
+        failed = next((e for _, e, _ in gathered if e), None)
+        problem = next((p for _, _, p in gathered if p), None)
+        path, error, renamed = None, None, False
+        if rank == 0:
+            try:
+                if failed:
+                    raise OSError(failed)
+                manifest = {k: v for d, _, _ in gathered for k, v in d.items()}
+                manifest[METADATA] = sha256_file(tmp / METADATA)
+                record = dict(
+                    record,
+                    **entries,
+                    shards={
+                        "dir": name,
+                        "manifest_sha256": write_manifest(tmp, manifest),
+                        "world_size": rdv.world.world_size,
+                    },
+                )
+                os.replace(tmp, final)
+                renamed = True
+                _fsync_dir(folder)
+                path = self.write(record, step)
+                sweep_orphans(folder, self.referenced_shard_dirs())
+            except (OSError, CheckpointError) as exc:
+                if path is None:  # no record names the shards: nothing of this write is kept
+                    shutil.rmtree(final if renamed else tmp, ignore_errors=True)
+                if isinstance(exc, CheckpointError):
+                    error = str(exc)
+                elif problem or write_problem(exc, folder):  # full or read-only: named
+                    error = str(self.write_error(self.path(step), exc, problem=problem))
+                else:
+                    error = (
+                        f"could not write sharded checkpoint {str(final)!r} ({exc}; earlier "
+                        "checkpoints are kept): free disk space or fix permissions, then "
+                        f"continue with hetseq-hpc hydra.run.dir={self.run_dir} "
+                        "trainer.resume=auto"
+                    )
+        path, error = rdv.broadcast_object((path and str(path), error))
+        if error:
+            raise CheckpointError(error)
+        return Path(path)
+
+    # ------------------------------------------------------------------ choosing, loading
+    def choose(self, resume: str, log_other_runs: bool = True) -> ResumeChoice:
+        """Resolve ``trainer.resume``: ``never`` = start over; ``auto`` = the newest checkpoint
+        of the run directory that verifies and belongs to its current run (``run.json``; bad
+        newer ones are skipped and left in place, another run's are never resumed: logged as a
+        warning unless ``log_other_runs`` is false, and listed in ``others`` when an older one
+        is taken); anything else = that path, which must verify.
+
+        Raises:
+            CheckpointError: an explicit path is bad, or under ``auto`` no checkpoint verifies
+                (the newest one's reason is given).
+        """
+        if resume == "never":
+            return ResumeChoice()
+        if resume != "auto":
+            path = Path(os.path.expanduser(resume))
+            return ResumeChoice(path, load_checkpoint(path))
+        skipped: List[Tuple[Path, str]] = []
+        others: List[Tuple[Path, str]] = []
+        current = current_run_id(self.run_dir)
+        for path in reversed(self.list()):
+            try:
+                state = load_checkpoint(path)
+            except CheckpointError as exc:
+                skipped.append((path, str(exc)))
+                continue
+            owner = state.get("run_id")
+            if current and isinstance(owner, str) and owner and owner != current:
+                why = (
+                    f"{path} was written by run {owner}, not by this directory's current run "
+                    f"{current} ({self.run_dir / 'run.json'})"
+                )
+                if log_other_runs:
+                    log.warning("resume: %s: not resumed", why)
+                others.append((path, f"{why}: not taken"))
+                continue
+            return ResumeChoice(path, state, skipped, others)
+        if skipped:
+            raise CheckpointError(skipped[0][1])
+        return ResumeChoice()
+
+    def sweep_temps(self) -> List[Path]:
+        """Remove temp files of killed checkpoint writes and shard directories no record names
+        (rank 0, under the run lock, at the start of a run); returns what was removed."""
+        return remove_stale_temps([self.directory]) + self.sweep_orphan_shards()
+
+    def load(
+        self, resume: str, rdv: Rendezvous
+    ) -> Tuple[Optional[str], Optional[Dict[str, Any]], List[str]]:
+        """Every rank's view of ``trainer.resume``, decided once (a collective).
+
+        Rank 0 (under the run lock) removes temp files of killed checkpoint writes
+        (:meth:`sweep_temps`) and runs :meth:`choose`; one broadcast over ``rdv`` gives every
+        rank the path or the error, and the other ranks load (and verify) that same file. A
+        fallback past bad newer checkpoints is logged on rank 0 in one line naming them.
+
+        Returns:
+            ``(path or None, loaded state or None, bad newer checkpoints skipped)``.
+
+        Raises:
+            CheckpointError: on every rank, with rank 0's one-line reason.
+        """
+        choice, error = ResumeChoice(), None
+        if rdv.world.rank == 0:
+            swept = self.sweep_temps()
+            if swept:
+                log.info("removed temporary files of interrupted checkpoint writes: %s", swept)
+            try:
+                choice = self.choose(resume)
+            except CheckpointError as exc:
+                error = str(exc)
+            if choice.skipped:
+                _, why = choice.skipped[0]
+                log.warning(
+                    "resume: %s; resuming from %s instead (the bad file is kept: the next "
+                    "checkpoint moves it to checkpoints/corrupt/)",
+                    why.rsplit(": ", 1)[0],
+                    choice.path,
+                )  # every reason ends ": <fix>"
+        path, skipped, error = rdv.broadcast_object(
+            (choice.path and str(choice.path), [str(p) for p, _ in choice.skipped], error)
+        )
+        if error:
+            raise CheckpointError(error)
+        if path is None:
+            return None, None, []
+        # rank 0 has verified every file; the others check the record, shard list and metadata
+        return (
+            path,
+            choice.state
+            if rdv.world.rank == 0
+            else load_checkpoint(Path(path), verify_shards=False),
+            skipped,
+        )
+
+    def agree_on_run(self, state: Optional[Dict[str, Any]], rdv: Rendezvous) -> str:
+        """Every rank's id of the current run, decided once on rank 0 (under the run lock) by
+        :func:`hetseq_hpc.rundir.history.start_or_continue`: a resumed checkpoint's run goes
+        on; a run starting at step 0 is new, and an earlier run's records in the directory are
+        moved to ``previous/<its id>/`` first.
+
+        Args:
+            state: the checkpoint being resumed (any rank's copy), or None for step 0.
+            rdv: the joined rendezvous.
+
+        Raises:
+            CheckpointError: on every rank, when the earlier run's records cannot be moved.
+        """
+        run_id, error = None, None
+        if rdv.world.rank == 0:
+            resumed = None if state is None else str(state.get("run_id") or "")
+            try:
+                run_id, _ = start_or_continue(self.run_dir, resumed)
+            except CheckpointError as exc:
+                error = str(exc)
+        run_id, error = rdv.broadcast_object((run_id, error))
+        if error:
+            raise CheckpointError(error)
+        return run_id
+
+    # ------------------------------------------------------------------ retention, quarantine
+    def quarantine(self, path: Path, keep_shards: Collection[str] = ()) -> Path:
+        """Move a bad checkpoint and its sidecar (and its step's shard directories, but those
+        named in ``keep_shards``) to ``checkpoints/corrupt/`` (never deleted); returns the new
+        path."""
+        target_dir = Path(path).parent / CORRUPT_DIR
+        target_dir.mkdir(exist_ok=True)
+        target = target_dir / Path(path).name
+        n = 1
+        while target.exists():
+            n += 1
+            target = target_dir / f"{Path(path).name}.{n}"
+        os.replace(path, target)
+        _VERIFIED.pop(str(path), None)
+        sidecar = checksum_path(path)
+        if sidecar.exists():
+            os.replace(sidecar, target.with_name(target.name + ".sha256"))
+        for shards in shard_dirs(path):  # a sharded checkpoint's tensors go with its record
+            if shards.name not in keep_shards:
+                os.replace(shards, target_dir / shards.name)
+        return target
+
+    def set_aside_corrupt(self, path: Path, keep_shards: Collection[str] = ()) -> Optional[Path]:
+        """Before a checkpoint is written to ``path``: a checkpoint already there that does not
+        verify (``trainer.resume=auto`` fell back past it and the run trained to its step
+        again) is moved to ``checkpoints/corrupt/`` (:meth:`quarantine`) instead of being
+        overwritten. One that verifies is left for the write to replace (the same step trained
+        again).
+
+        Args:
+            path: the checkpoint about to be written; keep_shards: shard directories of the new
+                checkpoint already in place (a sharded save), which stay.
+
+        Returns:
+            where the corrupt file went, or None (nothing there, or it verifies).
+        """
+        try:
+            if not stat.S_ISREG(Path(path).stat().st_mode):
+                return None
+        except OSError:  # nothing there
+            return None
+        try:
+            verified_run_id(path)
+            return None
+        except (CheckpointError, OSError) as exc:
+            moved = self.quarantine(path, keep_shards)
+            log.warning(
+                "%s; moved to %s before writing the new checkpoint of its step (not overwritten)",
+                str(exc).rsplit(": ", 1)[0],
+                moved,
+            )
+            return moved
+
+    def retain(self, written: Path, run_id: Optional[str]) -> List[Path]:
+        """Keep ``written`` and the newest ``keep - 1`` older verified checkpoints of run
+        ``run_id``; delete the other older ones of that run.
+
+        Never deleted: the checkpoint just written, any checkpoint of a later step, checkpoints
+        of another run (a different ``run_id``), files that do not verify (moved to
+        ``checkpoints/corrupt/`` with a warning instead, whatever their step). A checkpoint
+        without a run id (written before run ids existed) counts as the current run's.
+
+        Args:
+            written: the checkpoint just written (trusted: its hash was computed while writing).
+            run_id: the current run's id (None: every verified checkpoint counts).
+
+        Returns:
+            The checkpoints deleted.
+        """
+        written_step = step_of(written)
+        older: List[Path] = []
+        for path in self.list():
+            if path == written:
+                continue
+            try:
+                owner = verified_run_id(path)
+            except (CheckpointError, OSError) as exc:
+                moved = self.quarantine(path)
+                log.warning(
+                    "%s; moved to %s (not counted by retention, not deleted)",
+                    str(exc).rsplit(": ", 1)[0],
+                    moved,
+                )
+                continue
+            if step_of(path) > written_step or (run_id and owner and owner != run_id):
+                continue  # a later step, or another run's file: not ours to delete
+            older.append(path)
+        doomed = older[: max(len(older) - (self.keep - 1), 0)]
+        for path in doomed:
+            for shards in shard_dirs(path):
+                shutil.rmtree(shards, ignore_errors=True)
+            path.unlink(missing_ok=True)
+            checksum_path(path).unlink(missing_ok=True)
+            _VERIFIED.pop(str(path), None)
+        return doomed
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+__all__ = [
+    "FORMAT_VERSION",
+    "REQUIRED",
+    "CheckpointManager",
+    "ResumeChoice",
+    "StateIO",
+    "load_checkpoint",
+    "require_entries",
+    "verified_run_id",
+]
