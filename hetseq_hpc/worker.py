@@ -67,13 +67,13 @@ from hetseq_hpc.tasks.contract import checked_batch
 from hetseq_hpc.tasks.prepare_wait import prepare_on_rank0
 from hetseq_hpc.train.checkpoint.finished import describe_finished
 from hetseq_hpc.train.contract_check import check_before_training
-from hetseq_hpc.train.elastic import ElasticWorld
 from hetseq_hpc.train.fsdp_accumulation import agree_on_accumulation
 from hetseq_hpc.train.loop import RankMeta, Trainer
 from hetseq_hpc.train.metrics import measured_step_sync
 from hetseq_hpc.train.parallel import build_parallel
 from hetseq_hpc.train.precision import autocast_factory, resolve_precision
-from hetseq_hpc.train.run_end import after_training, write_summary_if_missing
+from hetseq_hpc.train.recovery.elastic import ElasticWorld
+from hetseq_hpc.train.recovery.run_end import after_training, write_summary_if_missing
 from hetseq_hpc.train.sampler import GlobalBatchSampler
 from hetseq_hpc.train.task_summary import (
     build_checked_model,
@@ -183,10 +183,10 @@ def calibrate_rank(
 
 
 def elastic_store(run: RunConfig, world: Any, env: Dict[str, str]) -> Any:
-    """The job's store for in-job recovery (:mod:`hetseq_hpc.train.elastic`), or None: off by
+    """The job's store for in-job recovery (:mod:`hetseq_hpc.train.recovery.elastic`), or None: off by
     ``trainer.elastic.enabled=false``, without a store from the launcher (Slurm) and for one
     rank. Under FSDP a recovery reloads the last checkpoint
-    (:mod:`hetseq_hpc.train.elastic_sharded`)."""
+    (:mod:`hetseq_hpc.train.recovery.sharded`)."""
     from hetseq_hpc.distributed.membership import job_store
 
     cfg = run.trainer.elastic

@@ -30,7 +30,7 @@ RANDOM_INIT_LR = 3e-4
 
 @dataclass
 class ElasticConfig:
-    """In-job recovery from a lost rank (:mod:`hetseq_hpc.train.elastic`): the survivors
+    """In-job recovery from a lost rank (:mod:`hetseq_hpc.train.recovery.elastic`): the survivors
     re-form the world and redo the interrupted step over themselves, same global batch."""
 
     # false = a lost rank ends the job (exit with its named error; a requeue resumes from the

@@ -224,7 +224,7 @@ def join(
         step_timeout_s: accepted for callers of an elastic world and not applied here: start-up
             collectives (calibration, DDP's first broadcast, the contract check) keep
             ``timeout_s``, and the training loop shortens the default group's timeout to the
-            step's own (:class:`hetseq_hpc.train.elastic.StepTimeout`) once training starts.
+            step's own (:class:`hetseq_hpc.train.recovery.timeouts.StepTimeout`) once training starts.
 
     Raises:
         LaunchError: the store cannot be reached or a peer does not arrive in ``timeout_s``.

@@ -269,7 +269,7 @@ def finished_without_lost(
     outcomes: Dict[int, Tuple[str, Any]], num_tasks: int
 ) -> Optional[Dict[str, Any]]:
     """The summary of a run whose surviving ranks all returned after losing some
-    (``lost_ranks`` in their summary, :mod:`hetseq_hpc.train.elastic`; a rank the others left
+    (``lost_ranks`` in their summary, :mod:`hetseq_hpc.train.recovery.elastic`; a rank the others left
     out returns :data:`EXCLUDED_RESULT`, no summary), else None."""
     survivors = _summaries(outcomes)
     if not survivors or any(kind != "success" for kind, _ in outcomes.values()):

@@ -182,7 +182,7 @@ def _reloaded(reloaded: Any, redone: Any) -> str:
 
 def membership_events(run_dir: Union[str, Path]) -> List[dict]:
     """The ``event: membership`` rows of a run (a lost rank survived in-job,
-    :mod:`hetseq_hpc.train.elastic`), in order."""
+    :mod:`hetseq_hpc.train.recovery.elastic`), in order."""
     return [
         r
         for r in read_metrics(run_dir)

@@ -54,7 +54,7 @@ def evaluate_task(
             a rank with fewer batches runs its first one again, its statistics discarded.
         before_gather: called with this rank's pass time (seconds) right before the gather
             of the sums, the one collective of a validation without ``same_passes`` (the
-            first validation's timeout is set there: :mod:`hetseq_hpc.train.phase_timeout`).
+            first validation's timeout is set there: :mod:`hetseq_hpc.train.recovery.timeouts`).
 
     Returns:
         ``finalize_metrics`` of the summed statistics; ``{}`` when there is no validation split.

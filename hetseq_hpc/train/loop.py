@@ -11,16 +11,17 @@ docs/design/exact-gradients.md, "The training step".
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import time
-from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 
+from hetseq_hpc.balance.agree import RankReport
 from hetseq_hpc.balance.allocation import Allocation
 from hetseq_hpc.config.schema import RunConfig
 from hetseq_hpc.distributed.membership import is_peer_failure
@@ -30,15 +31,17 @@ from hetseq_hpc.tasks.contract import check_loss, checked_batch, checked_count
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, require_entries
 from hetseq_hpc.train.ddp_hooks import HookState
 from hetseq_hpc.train.evaluate import evaluate_task
-from hetseq_hpc.train.loggers import first_logged_loss
+from hetseq_hpc.train.fsdp_accumulation import agree_on_accumulation
+from hetseq_hpc.train.loggers import first_logged_loss, open_loggers
 from hetseq_hpc.train.metrics import run_summary
 from hetseq_hpc.train.nonfinite import first_nonfinite, nonfinite_error
 from hetseq_hpc.train.optim import apply_configured_lr, build_optimizer, step_seed
 from hetseq_hpc.train.parallel import build_parallel, rank_memory
-from hetseq_hpc.train.phase_timeout import first_validation_wait
-from hetseq_hpc.train.phases import DONE, StepPhases
+from hetseq_hpc.train.phases import StepPhases, logged_steps, step_row_of
 from hetseq_hpc.train.precision import GradientPath
-from hetseq_hpc.train.records import RankMeta, StepRecord
+from hetseq_hpc.train.records import DONE, RankMeta, StepRecord
+from hetseq_hpc.train.recovery.elastic import ElasticWorld
+from hetseq_hpc.train.recovery.sharded import checkpoint_to_reload
 from hetseq_hpc.train.sampler import GlobalBatchSampler
 from hetseq_hpc.train.state import capture_rng, check_fingerprint, restore_rng, run_fingerprint
 
@@ -70,8 +73,8 @@ class Trainer:
         parallel: the strategy already built by the worker
             (:func:`hetseq_hpc.train.parallel.build_parallel`: the model sharded before the
             contract check and calibration); None = build it here.
-        elastic: a :class:`~hetseq_hpc.train.elastic.ElasticWorld` (in-job recovery from a
-            lost rank), or None (a failed collective ends the run).
+        elastic: a :class:`~hetseq_hpc.train.recovery.elastic.ElasticWorld` (in-job recovery
+            from a lost rank), or None (a failed collective ends the run).
 
     Raises:
         CheckpointError: the checkpoint ``trainer.resume`` names is bad, or none of the run
@@ -94,7 +97,7 @@ class Trainer:
         stop_request: Any = None,
         sharding: str = "ddp",
         parallel: Any = None,
-        elastic: Any = None,
+        elastic: Optional[ElasticWorld] = None,
     ):
         self.run = run
         self.cfg = run.trainer
@@ -360,8 +363,32 @@ class Trainer:
                 self.device,
                 self.autocast,
                 same_passes=self.parallel.sharded and fixed,
-                before_gather=partial(first_validation_wait, self),
+                before_gather=self._first_validation_wait,
             )
+
+    def _first_validation_wait(self, local_s: float) -> Optional[float]:
+        """With in-job recovery, the first validation's gather waits an estimate from this
+        rank's pass (:meth:`ElasticWorld.first_validation_wait`); returns the timeout set."""
+        if self.elastic is None:
+            return None
+        return self.elastic.first_validation_wait(
+            self.rdv, self.history, self.rank, self.world.world_size, local_s
+        )
+
+    def phase_timeout(self, phase: str) -> contextlib.AbstractContextManager:
+        """With in-job recovery, the collectives of ``phase`` (``"validation"``,
+        ``"checkpoint"``) wait the phase's own measured time (:meth:`ElasticWorld.phase_timeout`);
+        without, nothing changes."""
+        if self.elastic is None:
+            return contextlib.nullcontext()
+        return self.elastic.phase_timeout(phase, self.rdv)
+
+    def decision_timeout(self) -> contextlib.AbstractContextManager:
+        """With in-job recovery, a decision right after a step (re-balancing) waits at most the
+        step's timeout (:meth:`ElasticWorld.step_timeout`); without, nothing changes."""
+        if self.elastic is None:
+            return contextlib.nullcontext()
+        return self.elastic.step_timeout(self.rdv)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Dict[str, Any]:
@@ -412,6 +439,121 @@ class Trainer:
         the files."""
         self.checkpoints.save(step, self.rdv, self.parallel, self.optimizer, self.state_dict)
         self.saved_step = step
+
+    # ------------------------------------------------------------------ in-job recovery
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is sharded (FSDP)."""
+        return self.parallel.sharded
+
+    def drop_groups(self) -> None:
+        """Drop the references to the broken process groups: the DDP wrapper (the bare model
+        again; :meth:`rejoin` wraps it anew) and the gloo group of the rendezvous (the worker
+        holds this Rendezvous too)."""
+        self.parallel.module = self.parallel.model
+        if self.rdv is not None:
+            self.rdv.cpu_group = None
+
+    def rejoin(self, rdv: Rendezvous, metas: List[RankMeta], allocation: Allocation) -> None:
+        """Go on in a re-formed world (:mod:`hetseq_hpc.train.recovery.elastic`): its
+        rendezvous, the survivors' metas and split, a new DDP on the new group; gradients
+        zeroed, the re-balancer dropped (its history is of the old world)."""
+        self.rdv, self.world, self.rank = rdv, rdv.world, rdv.world.rank
+        self.metas, self.allocation, self.rebalancer = metas, allocation, None
+        self.optimizer.zero_grad(set_to_none=True)
+        scale = self.grad_path.loss_scale.state_dict()
+        self.reset_gradient_path()
+        self.grad_path.loss_scale.load_state_dict(scale)
+        self.parallel = build_parallel(self.run, self.task, self.parallel.model, self.device, "ddp")
+        self.parallel.start(self.grad_path, self.hook_state)
+        self._announce(allocation)
+
+    def reload(
+        self,
+        rdv: Rendezvous,
+        metas: List[RankMeta],
+        allocation: Allocation,
+        rebuild: Callable[[], nn.Module],
+        reports: Sequence[RankReport] = (),
+    ) -> Dict[str, Any]:
+        """Go on in a re-formed world from the last checkpoint (every survivor calls this, after
+        :func:`~hetseq_hpc.distributed.membership.join_generation`; collectives over ``rdv``):
+        the FSDP model lost a shard (:mod:`hetseq_hpc.train.recovery.sharded`).
+
+        Args:
+            rdv: the new world's rendezvous; metas: the survivors' rank facts (new rank order);
+            allocation: the global batch split over the survivors.
+            rebuild: a fresh, seeded model on the CPU (the start-up model before it was sharded).
+            reports: the survivors' :class:`~hetseq_hpc.balance.agree.RankReport` the split was
+                made from (caps for the larger shards): what FSDP does between micro-batches is
+                agreed again from them (:func:`~hetseq_hpc.train.fsdp_accumulation.
+                agree_on_accumulation`; without them the rebuilt model reshards, the safe
+                default).
+
+        Returns:
+            ``{"reloaded": {"checkpoint": path or None, "step": s}, "steps_redone": n}`` for the
+            membership event; :attr:`step` is ``s`` and :attr:`phase` DONE afterwards.
+
+        Raises:
+            CheckpointError: the newest checkpoint does not verify (the run cannot go on
+                in-job; one line naming it, as a resume would).
+        """
+        watch = getattr(self.parallel, "memory_watch", None)
+        was = self.step
+        # the broken model and optimizer hold DTensors of the old group: gone before the new ones
+        self.parallel = self.model = self.optimizer = self.scheduler = None
+        gc.collect()
+        self.rdv, self.world, self.rank = rdv, rdv.world, rdv.world.rank
+        self.metas, self.allocation, self.rebalancer = metas, allocation, None
+        self.parallel = build_parallel(self.run, self.task, rebuild(), self.device, "fsdp")
+        self.parallel.memory_watch = watch
+        if reports:  # every survivor: one small all-gather when there is a choice
+            agree_on_accumulation(self.run.sharding, self.parallel, allocation, reports, rdv)
+        self.model = self.parallel.model
+        self.optimizer, self.scheduler = build_optimizer(self.model, self.run)
+        self.reset_gradient_path()
+        path, state = checkpoint_to_reload(self.checkpoints, rdv, self.resumed_from)
+        if state is not None:
+            self.load_state_dict(state, path)
+        else:
+            self.step = 0  # the seeded model is the run's start
+        self.phase = DONE
+        self.history = [r for r in self.history if r.step <= self.step]
+        self.last_row = {}
+        self.optimizer.zero_grad(set_to_none=True)
+        self.parallel.start(self.grad_path, self.hook_state)
+        log.warning(
+            "sharding.mode=fsdp: the lost rank's shard is gone: reloaded %s and re-sharded "
+            "it over %d rank(s); steps %d-%d are trained again",
+            path or "the seeded start model (no checkpoint yet)",
+            rdv.world.world_size,
+            self.step + 1,
+            was,
+        )
+        self._announce(allocation)
+        return {
+            "reloaded": {"checkpoint": path, "step": self.step},
+            "steps_redone": max(0, was - self.step),
+        }
+
+    def _announce(self, allocation: Allocation) -> None:
+        """Tell the worker the re-formed world's split and members (``allocation.json``)."""
+        if self.on_allocation is not None and self.elastic is not None:
+            self.on_allocation(allocation, {"members": list(self.elastic.membership.members)})
+
+    def log_before_stop(self, event: Dict[str, Any]) -> None:
+        """Rank 0 of survivors that stop (too few of them): the row of :attr:`step` if no
+        rank 0 wrote it yet, then the membership ``event`` (its ``recovery_s`` absent)."""
+        writer = open_loggers(self.run, self.run_dir, self.step)
+        try:
+            if self.history and self.step not in logged_steps(self.run_dir):
+                rec = self.history[-1]
+                writer.write(step_row_of(self, rec))
+            writer.write(
+                {k: v for k, v in event.items() if k != "lost_monotonic"} | {"run_id": self.run_id}
+            )
+        finally:
+            writer.close()
 
     def summary(self) -> Dict[str, Any]:
         """Final figures (see :func:`~hetseq_hpc.train.metrics.run_summary`), with the ranks'

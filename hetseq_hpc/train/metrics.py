@@ -37,7 +37,7 @@ def _clean(value: Any) -> Any:
 
 def _records_a_stop(row: Dict[str, Any]) -> bool:
     """Whether ``row`` is the membership row of survivors that stopped (too few left,
-    :mod:`hetseq_hpc.train.elastic`): its ``step`` is the step in progress when the rank was
+    :mod:`hetseq_hpc.train.recovery.elastic`): its ``step`` is the step in progress when the rank was
     lost, after the checkpoint the requeued job resumes from, yet it is that job's history
     (kept on resume, or the run would lose the record of why it stopped)."""
     return row.get("event") == "membership" and bool(row.get("stopped"))

@@ -23,16 +23,10 @@ from hetseq_hpc.errors import NonFiniteLoss, Preempted
 from hetseq_hpc.rundir.events import append_event
 from hetseq_hpc.train.loggers import open_loggers
 from hetseq_hpc.train.metrics import Progress, read_metrics, step_row
-from hetseq_hpc.train.phase_timeout import phase_timeout
 from hetseq_hpc.train.rebalance_step import maybe_rebalance
+from hetseq_hpc.train.records import DONE, EVALUATED, LOGGED, REBALANCED, TRAINED
 
 log = logging.getLogger(__name__)
-
-#: phases of ``trainer.step`` completed (in order); DONE: nothing left, the next step may start
-TRAINED, REBALANCED, EVALUATED, LOGGED, DONE = range(5)
-PHASE_NAMES = ("trained", "rebalanced", "evaluated", "logged", "done")
-#: what is redone first from each phase (a recovery's ``redo``)
-REDO = ("re-balancing decision", "validation", "row", "checkpoint", "step")
 
 
 def logged_steps(run_dir: Any) -> set:
@@ -48,21 +42,6 @@ def step_row_of(trainer: Any, rec: Any) -> Dict[str, Any]:
     """The ``metrics.jsonl`` row of the step ``rec`` recorded: the trainer's ``last_row``, the
     run id and the record's extra fields (validation, notes)."""
     return {**trainer.last_row, "run_id": trainer.run_id, **rec.extra}
-
-
-def log_before_stop(trainer: Any, event: Dict[str, Any]) -> None:
-    """Rank 0 of survivors that stop (too few of them): the row of ``trainer.step`` if no
-    rank 0 wrote it yet, then the membership ``event`` (its ``recovery_s`` absent)."""
-    writer = open_loggers(trainer.run, trainer.run_dir, trainer.step)
-    try:
-        if trainer.history and trainer.step not in logged_steps(trainer.run_dir):
-            rec = trainer.history[-1]
-            writer.write(step_row_of(trainer, rec))
-        writer.write(
-            {k: v for k, v in event.items() if k != "lost_monotonic"} | {"run_id": trainer.run_id}
-        )
-    finally:
-        writer.close()
 
 
 class StepPhases:
@@ -128,7 +107,7 @@ class StepPhases:
             t.phase = REBALANCED
         if t.phase < EVALUATED:
             if (cfg.val_every and step % cfg.val_every == 0) or is_last:
-                with phase_timeout(t, "validation"):
+                with t.phase_timeout("validation"):
                     t.last_val = t.evaluate()
                 rec.extra.update(t.last_val)
             t.phase = EVALUATED
@@ -136,7 +115,7 @@ class StepPhases:
             self._log(rec, step)
             t.phase = LOGGED
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or is_last or rec.stop_code:
-            with phase_timeout(t, "checkpoint"):
+            with t.phase_timeout("checkpoint"):
                 t._save(step)
             if self.writer is not None:  # rank 0: the report marks it
                 append_event(t.run_dir, "checkpoint", step=step, run_id=t.run_id)

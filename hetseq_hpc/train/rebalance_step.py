@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from hetseq_hpc.train.phase_timeout import step_timeout
-
 log = logging.getLogger("hetseq_hpc.train.loop")
 
 
@@ -29,7 +27,7 @@ def maybe_rebalance(trainer: Any, rec: Any) -> None:
     if not trainer.rebalancer.due(rec.step, every, trainer.allocation):
         return
     new = trainer.rebalancer.observe(rec.step, trainer.allocation)
-    with step_timeout(trainer):
+    with trainer.decision_timeout():
         trainer.rdv.check_agreement(
             new.digest() if new else "unchanged", f"re-balancing decision at step {rec.step}"
         )

@@ -1,4 +1,5 @@
-"""What the training loop reports: a rank's static facts and one optimizer step's outcome."""
+"""What the training loop reports and where it stands: a rank's static facts, one optimizer
+step's outcome, and the phases of the work after a step (which in-job recovery redoes from)."""
 
 from __future__ import annotations
 
@@ -39,4 +40,22 @@ class StepRecord:
     ended_s: float = 0.0  # time.perf_counter() when the step ended on this rank
 
 
-__all__ = ["RankMeta", "StepRecord"]
+#: phases of ``trainer.step`` completed (in order); DONE: nothing left, the next step may start
+TRAINED, REBALANCED, EVALUATED, LOGGED, DONE = range(5)
+#: each phase's name, for log lines
+PHASE_NAMES = ("trained", "rebalanced", "evaluated", "logged", "done")
+#: what is redone first from each phase (a recovery's ``redo``)
+REDO = ("re-balancing decision", "validation", "row", "checkpoint", "step")
+
+
+__all__ = [
+    "DONE",
+    "EVALUATED",
+    "LOGGED",
+    "PHASE_NAMES",
+    "REBALANCED",
+    "REDO",
+    "TRAINED",
+    "RankMeta",
+    "StepRecord",
+]

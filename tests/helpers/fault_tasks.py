@@ -226,7 +226,7 @@ class DiesAfterReformBert(_Bert):
 
     def load(self) -> None:
         super().load()
-        from hetseq_hpc.train import elastic
+        from hetseq_hpc.train.recovery import elastic
 
         reform, rank = elastic.reform, int(self.args["die_rank"])
 

@@ -148,7 +148,7 @@ def test_a_rank_stopped_during_validation_is_noticed_from_the_phase_time(
     """Rank 2 stops itself (SIGSTOP) in a validation after step 10, with validation and a
     checkpoint after every step and ``cluster.collective_timeout_s=600``: the survivors'
     collectives of that phase wait a multiple of its measured duration
-    (hetseq_hpc/train/phase_timeout.py), not 600 s, so the run goes on without the stopped
+    (hetseq_hpc/train/recovery/timeouts.py), not 600 s, so the run goes on without the stopped
     rank in seconds and finishes the same trajectory. (The stop is the rank's own, at its
     first validation batch after the test creates a file: a SIGSTOP sent from here at a
     guessed time landed inside a training step on a loaded CI machine.)"""
@@ -209,7 +209,7 @@ def test_a_rank_stopped_in_the_first_validation_is_noticed_without_the_long_time
     """Rank 2 stops itself (SIGSTOP) in its first validation batch, at step 5, with
     ``cluster.collective_timeout_s=600``: nothing has measured a validation yet, so the
     survivors' gather waits an estimate from their own pass and the ranks' measured compute
-    per sample (hetseq_hpc/train/phase_timeout.py), not 600 s; they redo the validation over
+    per sample (hetseq_hpc/train/recovery/timeouts.py), not 600 s; they redo the validation over
     themselves and finish the uninterrupted trajectory."""
     run_dir = tmp_path / "run"
     _first_validation_fault(run_dir, token_cache)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from hetseq_hpc.balance.agree import RankReport
 from hetseq_hpc.balance.memory import micro_batch_cap, model_state_bytes
-from hetseq_hpc.train.elastic_sharded import reports_for_world
+from hetseq_hpc.train.recovery.sharded import reports_for_world
 
 MIB = 2**20
 

@@ -1,6 +1,6 @@
 """The collective timeout of a training step under in-job recovery (issue 24):
 ``max(trainer.elastic.timeout_s, 3 × the step time)``, predicted before the first step and
-measured after (:class:`hetseq_hpc.train.elastic.StepTimeout`), so that a healthy but long or
+measured after (:class:`hetseq_hpc.train.recovery.timeouts.StepTimeout`), so that a healthy but long or
 uneven step is never taken for a lost rank."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from hetseq_hpc.balance.allocation import equal_split
 from hetseq_hpc.distributed.rendezvous import single_process_rendezvous
-from hetseq_hpc.train.elastic import StepTimeout, predicted_step_s
-from hetseq_hpc.train.phases import DONE, LOGGED, TRAINED
+from hetseq_hpc.train.records import DONE, LOGGED, TRAINED
+from hetseq_hpc.train.recovery.timeouts import StepTimeout, predicted_step_s
 
 
 def test_short_steps_keep_the_configured_floor():

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
 
 from hetseq_hpc.distributed.rendezvous import StepStats
-from hetseq_hpc.train.phase_timeout import (
+from hetseq_hpc.train.recovery.timeouts import (
     FACTOR,
     WINDOW,
     PhaseTimeouts,
@@ -58,34 +59,30 @@ def test_the_peer_ratio_is_the_slowest_peer_per_sample_over_this_rank_at_least_1
     assert peer_cost_ratio([], 0, 2) is None
 
 
-def _trainer(timeouts, history, step_timeout_s=8.0):
-    return SimpleNamespace(
-        elastic=SimpleNamespace(
-            phase_timeouts=timeouts, timeout=SimpleNamespace(seconds=step_timeout_s)
-        ),
-        rdv=SimpleNamespace(cpu_group=object()),
-        history=history,
-        rank=0,
-        world=SimpleNamespace(world_size=2),
-    )
+GROUP = object()  # the rendezvous's gloo group (only passed on: _set is replaced below)
+
+
+def _wait(timeouts, history, step_timeout_s=8.0, group=GROUP):
+    """The first validation's wait of rank 0 of 2 with this rendezvous group (None: none)."""
+    return partial(first_validation_wait, timeouts, step_timeout_s, group, history, 0, 2)
 
 
 def test_the_first_validation_gather_waits_an_estimate_then_the_measured_phase(monkeypatch):
-    import hetseq_hpc.train.phase_timeout as pt
+    import hetseq_hpc.train.recovery.timeouts as pt
 
     set_to = []
     monkeypatch.setattr(pt, "_set", lambda seconds, group=None: set_to.append(seconds))
     history = [_rec((1.0, 10), (1.0, 2))]  # the peer takes 5x this rank's time per sample
     timeouts = PhaseTimeouts(600)
-    trainer = _trainer(timeouts, history)
-    assert first_validation_wait(trainer, 4.0) == FACTOR * 4.0 * 5.0 == set_to[-1]
-    assert first_validation_wait(trainer, 0.1) == 8.0  # never below the step's timeout
-    assert first_validation_wait(trainer, 100.0) is None  # not shorter than 600 s: unchanged
+    wait = _wait(timeouts, history)
+    assert wait(4.0) == FACTOR * 4.0 * 5.0 == set_to[-1]
+    assert wait(0.1) == 8.0  # never below the step's timeout
+    assert wait(100.0) is None  # not shorter than 600 s: unchanged
     timeouts.record("validation", 2.0)
-    assert first_validation_wait(trainer, 4.0) is None  # measured: phase_timeout's own rule
+    assert wait(4.0) is None  # measured: phase_timeout's own rule
     timeouts.forget()  # a timeout that lost nobody: the redo waits the long timeout
-    assert first_validation_wait(trainer, 4.0) is None
-    no_steps = _trainer(PhaseTimeouts(600), [])
-    assert first_validation_wait(no_steps, 4.0) is None
-    assert first_validation_wait(SimpleNamespace(elastic=None, rdv=None), 4.0) is None
+    assert wait(4.0) is None
+    no_steps = _wait(PhaseTimeouts(600), [])
+    assert no_steps(4.0) is None
+    assert _wait(PhaseTimeouts(600), history, group=None)(4.0) is None  # no group
     assert len(set_to) == 2

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 from hetseq_hpc.config.compose import compose_run_config
 from hetseq_hpc.train.metrics import read_metrics
-from hetseq_hpc.train.phases import EVALUATED, LOGGED, StepPhases
+from hetseq_hpc.train.phases import StepPhases
+from hetseq_hpc.train.records import EVALUATED, LOGGED
 
 
 def _trainer(run_dir, step: int, phase: int, rank: int = 0):

@@ -1,4 +1,4 @@
-"""The end of a run with in-job recovery (hetseq_hpc/train/run_end.py), in-process parts."""
+"""The end of a run with in-job recovery (hetseq_hpc/train/recovery/run_end.py), in-process parts."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from hetseq_hpc.env.rank_guard import FAILED
 from hetseq_hpc.errors import ConfigError
-from hetseq_hpc.train.run_end import after_training, write_summary_if_missing
+from hetseq_hpc.train.recovery.run_end import after_training, write_summary_if_missing
 
 
 def test_summary_is_written_only_when_rank_0_did_not(tmp_path):

@@ -1,31 +1,36 @@
 """A lost rank does not end the run: the survivors re-form the world, re-split the SAME global
 batch over themselves and redo the interrupted step (``trainer.elastic``).
 
-A failed or timed-out collective of the loop (:class:`StepTimeout`) makes every survivor leave
-the broken group, re-form through the job's store
+:class:`ElasticWorld` is this rank's recovery object. A failed or timed-out collective of the
+loop (:class:`~hetseq_hpc.train.recovery.timeouts.StepTimeout`, and the phases' own timeouts)
+makes every survivor leave the broken group, re-form through the job's store
 (:func:`hetseq_hpc.distributed.membership.reform`), agree on the last completed step and phase,
-re-split the batch and redo what was interrupted; too few survivors stop with
+re-split the batch and redo what was interrupted, on the training state
+(:class:`~hetseq_hpc.train.recovery.state.TrainState`); too few survivors stop with
 :class:`~hetseq_hpc.errors.Preempted` (exit 3) after a checkpoint. FSDP reloads the last
-checkpoint instead (:mod:`hetseq_hpc.train.elastic_sharded`). The four steps, the limits and
+checkpoint instead (:mod:`hetseq_hpc.train.recovery.sharded`). The four steps, the limits and
 why the trajectory is the uninterrupted run's: docs/design/elastic-recovery.md,
 "Re-forming and redoing the interrupted step".
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
 import time
 import traceback
-from collections import deque
 from datetime import timedelta
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from hetseq_hpc.balance.agree import RankReport, agree_on_allocation
+from hetseq_hpc.balance.allocation import Allocation
+from hetseq_hpc.config.schema import RunConfig
 from hetseq_hpc.distributed.membership import (
     Heartbeat,
     Membership,
@@ -39,82 +44,19 @@ from hetseq_hpc.distributed.rendezvous import Rendezvous, backend_for, leave
 from hetseq_hpc.env.preemption import REQUEUE
 from hetseq_hpc.errors import AllocationError, Preempted
 from hetseq_hpc.train.checkpoint.files import step_of
-from hetseq_hpc.train.elastic_sharded import reload_sharded, reports_for_world
-from hetseq_hpc.train.parallel import build_parallel
-from hetseq_hpc.train.phase_timeout import PhaseTimeouts
-from hetseq_hpc.train.phases import DONE, PHASE_NAMES, REDO, TRAINED, log_before_stop
+from hetseq_hpc.train.records import DONE, PHASE_NAMES, REDO, TRAINED, StepRecord
+from hetseq_hpc.train.recovery.sharded import reports_for_world
+from hetseq_hpc.train.recovery.state import TrainState
+from hetseq_hpc.train.recovery.timeouts import (
+    PhaseTimeouts,
+    StepTimeout,
+    first_validation_wait,
+    phase_timeout,
+    predicted_step_s,
+    step_timeout,
+)
 
 log = logging.getLogger(__name__)
-
-
-class StepTimeout:
-    """The collective timeout of a training step (the default group: DDP's gradient
-    all-reduce), ``max(floor_s, factor × T)``: ``T`` is the longest of the last ``window``
-    measured step times and the predicted one (twice the prediction before any step is
-    measured: a first step warms up). A longer wait than that is a stuck peer; a shorter
-    timeout would take an uneven but healthy step (accumulation, a slow device, a big model)
-    for a lost rank.
-
-    Args:
-        floor_s: the least timeout (``trainer.elastic.timeout_s``).
-        factor: the multiple of the step time (3).
-        window: how many measured steps count.
-    """
-
-    def __init__(self, floor_s: float, factor: float = 3.0, window: int = 20):
-        self.floor_s, self.factor = float(floor_s), float(factor)
-        self.predicted_s = 0.0
-        self.recent: Deque[float] = deque(maxlen=window)
-        self.applied: Optional[float] = None
-
-    @property
-    def seconds(self) -> float:
-        """The timeout now, seconds."""
-        longest = max(self.recent) if self.recent else 2.0 * self.predicted_s
-        return max(self.floor_s, self.factor * max(longest, self.predicted_s))
-
-    def predict(self, seconds: float) -> bool:
-        """Set the predicted step time (of a new split); True when the timeout should be
-        applied again (it moved by more than 10 %)."""
-        self.predicted_s = max(0.0, float(seconds))
-        return self.stale()
-
-    def observe(self, seconds: float) -> bool:
-        """Record a measured step time; True when the timeout should be applied again."""
-        self.recent.append(max(0.0, float(seconds)))
-        return self.stale()
-
-    def rescale(self, ratio: float) -> None:
-        """Scale the measured times by ``ratio`` (old over new world size: each survivor
-        now computes a larger share of the same global batch)."""
-        self.recent = deque((x * ratio for x in self.recent), maxlen=self.recent.maxlen)
-
-    def stale(self) -> bool:
-        """Whether the timeout applied differs from :attr:`seconds` by more than 10 %."""
-        return self.applied is None or abs(self.seconds - self.applied) > 0.1 * self.applied
-
-    def apply(self) -> float:
-        """Set :attr:`seconds` as the default process group's timeout (if one exists);
-        returns it."""
-        seconds = self.seconds
-        if dist.is_available() and dist.is_initialized():
-            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
-            log.debug("training-step collective timeout now %.1f s", seconds)
-        self.applied = seconds
-        return seconds
-
-
-def predicted_step_s(allocation: Any) -> float:
-    """The step time an allocation predicts: its slowest rank's samples over its measured
-    samples/s (0 when the split was not computed from measured speeds: forced, or equal)."""
-    rates = list(getattr(allocation, "throughputs", ()) or ())
-    if (
-        allocation.source not in ("cost_curve", "throughput", "rebalanced")
-        or len(rates) != len(allocation.shares)
-        or min(rates, default=0.0) <= 0
-    ):
-        return 0.0
-    return max(s.samples / r for s, r in zip(allocation.shares, rates))
 
 
 class _FailedAgain(Exception):
@@ -137,25 +79,26 @@ class ElasticWorld:
             :class:`~hetseq_hpc.balance.agree.RankReport`, by original rank.
         device: this rank's device.
         rebuild: under FSDP, a fresh seeded model on the CPU (the start-up model before
-            sharding) for :func:`~hetseq_hpc.train.elastic_sharded.reload_sharded`.
+            sharding) that the state reloads the last checkpoint into
+            (:meth:`TrainState.reload <hetseq_hpc.train.recovery.state.TrainState.reload>`).
         static_for: under FSDP, ``world size -> bytes`` of model state a rank holds
             (:func:`~hetseq_hpc.balance.memory.model_state_bytes`): the survivors' micro-batch
-            caps are recomputed for it (:func:`~hetseq_hpc.train.elastic_sharded.reports_for_world`).
+            caps are recomputed for it (:func:`~hetseq_hpc.train.recovery.sharded.reports_for_world`).
     """
 
     def __init__(
         self,
-        run: Any,
-        store: Any,
+        run: RunConfig,
+        store: dist.Store,
         rdv: Rendezvous,
-        reports: Sequence[Any],
+        reports: Sequence[RankReport],
         device: torch.device,
-        rebuild: Optional[Callable[[], Any]] = None,
+        rebuild: Optional[Callable[[], nn.Module]] = None,
         static_for: Optional[Callable[[int], float]] = None,
     ):
         self.run, self.store, self.device, self.rebuild = run, store, device, rebuild
         self.static_for = static_for  # FSDP: a rank's model state at a world size, bytes
-        self.split_reports: List[Any] = []
+        self.split_reports: List[RankReport] = []
         self.cfg = run.trainer.elastic
         self.member = rdv.world.rank
         self.origin = rdv.world
@@ -179,10 +122,10 @@ class ElasticWorld:
         would wait ``cluster.collective_timeout_s`` for it)."""
         arm(self.store, self.member)
 
-    def recover(self, trainer: Any, error: BaseException) -> Dict[str, Any]:
+    def recover(self, trainer: TrainState, error: BaseException) -> Dict[str, Any]:
         """Re-form the world after ``error`` (a collective of the training loop failed) and
         make ``trainer`` ready to redo what was interrupted (every survivor calls this): its
-        ``step`` and ``phase`` (:mod:`hetseq_hpc.train.phases`) are those agreed by the
+        ``step`` and ``phase`` (:mod:`hetseq_hpc.train.records`) are those agreed by the
         survivors. Returns the membership event (its ``recovery_s`` is filled in by the caller
         once the next step completes, from ``lost_monotonic``).
 
@@ -232,7 +175,7 @@ class ElasticWorld:
 
     def _reform(
         self,
-        trainer: Any,
+        trainer: TrainState,
         error: BaseException,
         start: Membership,
         failed: float,
@@ -250,7 +193,7 @@ class ElasticWorld:
                 with_abort()
             except Exception:
                 pass
-        sharded = trainer.parallel.sharded
+        sharded = trainer.sharded
         if not in_step:  # no asynchronous work in flight (destroying a group waits for it)
             drop_groups(trainer, error)
         leave()
@@ -316,11 +259,9 @@ class ElasticWorld:
         self.timed_size = len(new.members)
         metas = [trainer.metas_by_member[m] for m in new.members]
         if sharded:
-            event.update(
-                reload_sharded(trainer, rdv, metas, allocation, self._rebuild, self.split_reports)
-            )
+            event.update(trainer.reload(rdv, metas, allocation, self._rebuild, self.split_reports))
         else:
-            rejoin(trainer, rdv, metas, allocation)
+            trainer.rejoin(rdv, metas, allocation)
         self.timeout.predict(predicted_step_s(allocation))
         self.timeout.apply()  # on the new default group
         event.update(
@@ -347,8 +288,9 @@ class ElasticWorld:
         last = self.heartbeat.last_beat(member)
         return time.monotonic() if last is None else last
 
-    def _rebuild(self) -> Any:
-        """A fresh seeded model for :func:`reload_sharded`.
+    def _rebuild(self) -> nn.Module:
+        """A fresh seeded model for :meth:`TrainState.reload
+        <hetseq_hpc.train.recovery.state.TrainState.reload>`.
 
         Raises:
             RuntimeError: no ``rebuild`` was given (a programming error of the caller).
@@ -357,10 +299,10 @@ class ElasticWorld:
             raise RuntimeError("ElasticWorld(rebuild=...) is needed to recover an FSDP run")
         return self.rebuild()
 
-    def _agree_progress(self, trainer: Any, rdv: Rendezvous) -> None:
+    def _agree_progress(self, trainer: TrainState, rdv: Rendezvous) -> None:
         """Every survivor at the most advanced survivor's step (its full state, step record and
         row sent to those behind), and at the earliest phase of it some survivor did not
-        complete (:mod:`hetseq_hpc.train.phases`): that phase is redone by all."""
+        complete (:mod:`hetseq_hpc.train.records`): that phase is redone by all."""
         marks = rdv.all_gather_objects((int(trainer.step), int(trainer.phase)))
         top = max(s for s, _ in marks)
         # a survivor behind never started the work after ``top``: it redoes it from the start
@@ -378,12 +320,12 @@ class ElasticWorld:
             trainer.last_row = row
         log.info("step %d was completed by some survivors: all now continue from it", top)
 
-    def _stop(self, trainer: Any, rdv: Rendezvous, event: Dict[str, Any], why: str) -> None:
+    def _stop(self, trainer: TrainState, rdv: Rendezvous, event: Dict[str, Any], why: str) -> None:
         """Checkpoint the last completed step (the new rank 0 writes it, with the step's row
         and the membership event if missing) and stop with code REQUEUE, as a preemption does:
         a Slurm job is requeued and resumes from it. Under FSDP the lost shard is gone: no
         checkpoint is written, the requeue resumes from the last one on disk."""
-        if trainer.parallel.sharded:
+        if trainer.sharded:
             found = trainer.checkpoints.list()
             step = step_of(found[-1]) if found else 0
             log.warning(
@@ -394,30 +336,62 @@ class ElasticWorld:
                 step,
             )
             if rdv.world.rank == 0:
-                log_before_stop(trainer, {**event, "stopped": why})
+                trainer.log_before_stop({**event, "stopped": why})
             raise Preempted(step, REQUEUE, why, leader=rdv.world.rank == 0)
         log.warning(
             "step %d: %s: checkpointing step %d and stopping", event["step"], why, trainer.step
         )
         if rdv.world.rank == 0:
-            log_before_stop(trainer, {**event, "stopped": why})
+            trainer.log_before_stop({**event, "stopped": why})
         trainer.checkpoints.save_on_rank0(trainer.step, rdv, trainer.state_dict)
         raise Preempted(trainer.step, REQUEUE, why, leader=rdv.world.rank == 0)
 
-    def expect(self, allocation: Any) -> None:
+    def expect(self, allocation: Allocation) -> None:
         """A split starts (the first, or a re-formed world's): its predicted step time sets
         the training-step collective timeout (:class:`StepTimeout`)."""
         if self.timeout.predict(predicted_step_s(allocation)):
             self.timeout.apply()
 
-    def observe_step(self, rec: Any) -> None:
+    def observe_step(self, rec: StepRecord) -> None:
         """After a completed step: its time sets the collective timeout of the next steps
         (:class:`StepTimeout`)."""
         longest = max([rec.wall_s, *(s.step_time_s for s in rec.per_rank)])
         if self.timeout.observe(longest):
             self.timeout.apply()
 
-    def _split(self, rdv: Rendezvous, members: Sequence[int]) -> Any:
+    def step_timeout(self, rdv: Rendezvous) -> contextlib.AbstractContextManager:
+        """A decision right after a step (re-balancing) waits at most the step's timeout
+        (:func:`~hetseq_hpc.train.recovery.timeouts.step_timeout`)."""
+        return step_timeout(self.timeout, rdv, self.run.cluster.collective_timeout_s)
+
+    def phase_timeout(self, phase: str, rdv: Rendezvous) -> contextlib.AbstractContextManager:
+        """The collectives of ``phase`` (``"validation"``, ``"checkpoint"``) wait their own
+        measured time (:func:`~hetseq_hpc.train.recovery.timeouts.phase_timeout`)."""
+        return phase_timeout(
+            self.phase_timeouts, self.timeout, rdv, phase, self.run.cluster.collective_timeout_s
+        )
+
+    def first_validation_wait(
+        self,
+        rdv: Rendezvous,
+        history: Sequence[StepRecord],
+        rank: int,
+        world_size: int,
+        local_s: float,
+    ) -> Optional[float]:
+        """The first validation's gather waits an estimate from this rank's pass of
+        ``local_s`` seconds (:func:`~hetseq_hpc.train.recovery.timeouts.first_validation_wait`)."""
+        return first_validation_wait(
+            self.phase_timeouts,
+            self.timeout.seconds,
+            getattr(rdv, "cpu_group", None),
+            history,
+            rank,
+            world_size,
+            local_s,
+        )
+
+    def _split(self, rdv: Rendezvous, members: Sequence[int]) -> Allocation:
         """The same global batch over the survivors, from their start-up calibrations (under
         FSDP with the micro-batch caps of the larger shards, :func:`reports_for_world`)."""
         run = self.run
@@ -447,33 +421,18 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
-def drop_groups(trainer: Any, error: BaseException) -> None:
-    """Drop this rank's references to the broken process groups (the DDP wrapper, the gloo
-    group of the rendezvous, the failed step's frames), so that once they are destroyed their
-    sockets close: a survivor still blocked in a collective with this rank (not with the lost
-    one: it finished an earlier phase) fails at once instead of after its timeout. Aborting a
-    gloo group does not unblock its peers; closing its sockets does. Only outside a training
-    step: destroying a group with work in flight (DDP's all-reduce) blocks, GIL held."""
+def drop_groups(trainer: TrainState, error: BaseException) -> None:
+    """Drop this rank's references to the broken process groups (the failed step's frames here,
+    the DDP wrapper and the gloo group of the rendezvous in ``trainer``,
+    :meth:`~hetseq_hpc.train.recovery.state.TrainState.drop_groups`), so that once they are
+    destroyed their sockets close: a survivor still blocked in a collective with this rank
+    (not with the lost one: it finished an earlier phase) fails at once instead of after its
+    timeout. Aborting a gloo group does not unblock its peers; closing its sockets does. Only
+    outside a training step: destroying a group with work in flight (DDP's all-reduce) blocks,
+    GIL held."""
     if error.__traceback__ is not None:
         traceback.clear_frames(error.__traceback__)
-    trainer.parallel.module = trainer.parallel.model  # the bare model; rejoin() wraps it again
-    if trainer.rdv is not None:
-        trainer.rdv.cpu_group = None  # the worker holds this Rendezvous too
+    trainer.drop_groups()
 
 
-def rejoin(trainer: Any, rdv: Rendezvous, metas: List[Any], allocation: Any) -> None:
-    """Go on in a re-formed world (:mod:`hetseq_hpc.train.elastic`): its rendezvous, the
-    survivors' metas and split, a new DDP on the new group; gradients zeroed, the
-    re-balancer dropped (its history is of the old world)."""
-    trainer.rdv, trainer.world, trainer.rank = rdv, rdv.world, rdv.world.rank
-    trainer.metas, trainer.allocation, trainer.rebalancer = metas, allocation, None
-    trainer.optimizer.zero_grad(set_to_none=True)
-    scale = trainer.grad_path.loss_scale.state_dict()
-    trainer.reset_gradient_path()
-    trainer.grad_path.loss_scale.load_state_dict(scale)
-    trainer.parallel = build_parallel(
-        trainer.run, trainer.task, trainer.parallel.model, trainer.device, "ddp"
-    )
-    trainer.parallel.start(trainer.grad_path, trainer.hook_state)
-    if trainer.on_allocation is not None:
-        trainer.on_allocation(allocation, {"members": list(trainer.elastic.membership.members)})
+__all__ = ["ElasticWorld", "drop_groups"]

@@ -1,6 +1,6 @@
 """The end of a run with in-job recovery: a rank lost after the last step.
 
-After :meth:`Trainer.fit <hetseq_hpc.train.loop.Trainer.fit>` returns, the training and its last
+After :meth:`Trainer.fit <hetseq_hpc.train.trainer.Trainer.fit>` returns, the training and its last
 checkpoint are complete on every rank, but a few collectives remain: under FSDP the gather of
 the weights the examples are written with, and the final barrier. A rank lost there (killed,
 its node gone) used to turn a finished run into a failed one. With ``trainer.elastic`` the
@@ -25,13 +25,16 @@ from hetseq_hpc.distributed.membership import is_peer_failure
 from hetseq_hpc.env.rank_guard import FAILED
 from hetseq_hpc.files.atomic import atomic_write_json
 from hetseq_hpc.rundir.paths import RunDir
+from hetseq_hpc.train.recovery.elastic import ElasticWorld
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-def after_training(elastic: Optional[Any], collective: Callable[[], T], what: str, lost: T) -> T:
+def after_training(
+    elastic: Optional[ElasticWorld], collective: Callable[[], T], what: str, lost: T
+) -> T:
     """Run ``collective`` (one of the collectives after the last step) and return its result;
     with in-job recovery (``elastic`` not None), a peer's failure there means a rank was lost
     after the training had completed: logged, the error kept (:data:`FAILED`), and ``lost``
