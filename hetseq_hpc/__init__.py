@@ -8,7 +8,7 @@ Data flow (one module per stage)::
              distributed    (rendezvous: NCCL on GPUs, gloo on CPU)
              calibrate      (timed forward+backward of the real model)
              allocation     (per-rank micro-batch x accumulation, agreed by all ranks)
-             train.loop     (DDP with exact global-batch gradients, checkpoints, metrics)
+             train.trainer  (DDP or FSDP with exact global-batch gradients, checkpoints, metrics)
 """
 
 __version__ = "0.1.0"

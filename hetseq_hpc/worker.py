@@ -8,7 +8,7 @@ templates) or :func:`run_worker` (submitit pickles it). Each rank:
 3. joins the rendezvous (:mod:`~hetseq_hpc.distributed.rendezvous`);
 4. calibrates the real model and agrees with all ranks on one
    :class:`~hetseq_hpc.balance.allocation.Allocation` (written to ``allocation.json``);
-5. trains (:class:`~hetseq_hpc.train.loop.Trainer`) and writes ``summary.json``.
+5. trains (:class:`~hetseq_hpc.train.trainer.Trainer`) and writes ``summary.json``.
 """
 
 from __future__ import annotations
@@ -68,10 +68,10 @@ from hetseq_hpc.tasks.prepare_wait import prepare_on_rank0
 from hetseq_hpc.train.checkpoint.finished import describe_finished
 from hetseq_hpc.train.contract_check import check_before_training
 from hetseq_hpc.train.fsdp_accumulation import agree_on_accumulation
-from hetseq_hpc.train.loop import RankMeta, Trainer
 from hetseq_hpc.train.metrics import measured_step_sync
 from hetseq_hpc.train.parallel import build_parallel
 from hetseq_hpc.train.precision import autocast_factory, resolve_precision
+from hetseq_hpc.train.records import RankMeta
 from hetseq_hpc.train.recovery.elastic import ElasticWorld
 from hetseq_hpc.train.recovery.run_end import after_training, write_summary_if_missing
 from hetseq_hpc.train.sampler import GlobalBatchSampler
@@ -82,6 +82,7 @@ from hetseq_hpc.train.task_summary import (
     record_inexact,
     seeded_model,
 )
+from hetseq_hpc.train.trainer import Trainer
 
 log = logging.getLogger("hetseq_hpc.worker")
 

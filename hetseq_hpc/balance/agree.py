@@ -29,7 +29,7 @@ class RankReport:
         probe: :meth:`hetseq_hpc.env.hardware.DeviceProbe.to_dict` (device, memory).
         calibration: :meth:`hetseq_hpc.balance.calibrate.Calibration.to_dict` (samples/s, cost
             curve, memory figures in bytes, ``max_micro_batch`` in samples).
-        meta: the rank's :class:`hetseq_hpc.train.loop.RankMeta` fields.
+        meta: the rank's :class:`hetseq_hpc.train.records.RankMeta` fields.
         precision: the rank's resolved precision (fp32, bf16, fp16).
         threads: torch CPU threads of the rank.
         emulation: how its speed is emulated (``cluster.speeds``), or None.

@@ -298,7 +298,7 @@ def single_process_rendezvous(
     device: Optional[torch.device] = None, timeout_s: int = 60
 ) -> Iterator[Rendezvous]:
     """A real world-size-1 process group on a free loopback port, for running a
-    :class:`~hetseq_hpc.train.loop.Trainer` step in-process (tests, notebooks).
+    :class:`~hetseq_hpc.train.trainer.Trainer` step in-process (tests, notebooks).
 
     DDP needs an initialised process group, so this is not a fake: every collective runs
     through gloo with one member.

@@ -86,7 +86,7 @@ def batch_build_s(
     ``samples``, divided by the rows each returned (a small data set may give fewer).
 
     Each rank builds its batches in its training loop, before its passes and not overlapped
-    with them (:meth:`hetseq_hpc.train.loop.Trainer.train_step`, ``data_time_s`` in
+    with them (:meth:`hetseq_hpc.train.trainer.Trainer.train_step`, ``data_time_s`` in
     metrics.jsonl), so this time adds to every sample's. The runtime's calibration includes it
     (:func:`hetseq_hpc.balance.calibrate.calibrate` times ``make_batch`` with each pass); the
     GPU spec model, fitted on published figures whose loaders ran beside the GPU, does not.

@@ -1,2 +1,2 @@
-"""The uneven-batch DDP training loop and what it needs: data order, comm hook, checkpoints,
-metrics."""
+"""Training on one rank: the Trainer (``trainer``), its strategies (``parallel``: DDP or
+FSDP2), ``checkpoint/``, ``recovery/`` (in-job recovery), ``metrics/``; docs/architecture.md."""

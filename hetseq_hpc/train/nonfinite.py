@@ -4,8 +4,8 @@ Every rank sends the SUM of its micro-batches' losses in the step's exchange
 (:class:`~hetseq_hpc.distributed.rendezvous.StepStats`) with the 1-based index of its first
 micro-batch whose loss was not finite (``bad_micro``), so every rank sees the same table and
 stops at the same step, BEFORE the optimizer applies it (:meth:`Trainer.train_step
-<hetseq_hpc.train.loop.Trainer.train_step>`): the model stays that of the last good step, which
-:mod:`hetseq_hpc.train.phases` checkpoints (also with ``trainer.checkpoint_every=0``).
+<hetseq_hpc.train.trainer.Trainer.train_step>`): the model stays that of the last good step, which
+:meth:`~hetseq_hpc.train.trainer.Trainer.keep_good_steps` checkpoints (also with ``trainer.checkpoint_every=0``).
 
 The advice depends on when: at the first step of a run that never updated the model (the
 seeded start model), no learning rate was involved yet, so the task's model, loss or data
@@ -62,7 +62,7 @@ def nonfinite_error(
 
     Returns:
         a :class:`NonFiniteLoss` whose one-line message names the step, the ranks and
-        micro-batches, and the likely cause; :mod:`hetseq_hpc.train.phases` adds what was
+        micro-batches, and the likely cause; :meth:`~hetseq_hpc.train.trainer.Trainer.keep_good_steps` adds what was
         checkpointed.
     """
     found = where(table) or ["the global loss"]

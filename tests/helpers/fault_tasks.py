@@ -180,15 +180,15 @@ class NanLossBert(_Bert):
         rank, step = int(self.args["nan_rank"]), int(self.args["nan_step"])
         micro = int(self.args.get("nan_micro", 1))
         at = {"step": None, "n": 0}
-        from hetseq_hpc.train import loop
+        from hetseq_hpc.train.trainer import Trainer
 
-        train_step = loop.Trainer.train_step
+        train_step = Trainer.train_step
 
         def counted(trainer, k):  # which step the forwards below belong to
             at.update(step=k, n=0)
             return train_step(trainer, k)
 
-        loop.Trainer.train_step = counted
+        Trainer.train_step = counted
 
         def hook(module, args, kwargs, output):
             if at["step"] != step or this_rank() != rank:

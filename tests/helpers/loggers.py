@@ -6,7 +6,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from hetseq_hpc.train.loggers import CSV_NAME, TB_DIR
+from hetseq_hpc.train.metrics.loggers import CSV_NAME, TB_DIR
 
 LOGGERS = "trainer.loggers=[jsonl,csv,tensorboard]"
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager
-from hetseq_hpc.train.loggers import CSV_NAME, TB_DIR
+from hetseq_hpc.train.metrics.loggers import CSV_NAME, TB_DIR
 from tests.helpers.loggers import LOGGERS, logger_warnings
 from tests.helpers.runs import SMALL_MODEL, hetseq, read_rows
 

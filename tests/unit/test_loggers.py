@@ -11,7 +11,7 @@ import pytest
 
 from hetseq_hpc.config import compose_run_config
 from hetseq_hpc.errors import ConfigError
-from hetseq_hpc.train.loggers import RunLoggers
+from hetseq_hpc.train.metrics.loggers import RunLoggers
 from tests.helpers.loggers import csv_rows, events, scalar_steps
 from tests.helpers.runs import read_rows
 

@@ -17,9 +17,10 @@ from hetseq_hpc.distributed.rendezvous import StepStats, single_process_rendezvo
 from hetseq_hpc.errors import NonFiniteLoss, exit_code
 from hetseq_hpc.tasks import build_task
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint
-from hetseq_hpc.train.loop import RankMeta, Trainer
 from hetseq_hpc.train.metrics import read_metrics
 from hetseq_hpc.train.nonfinite import nonfinite_error
+from hetseq_hpc.train.records import RankMeta
+from hetseq_hpc.train.trainer import Trainer
 from tests.helpers.runs import SMALL_MODEL
 
 B = 8  # global batch; micro-batch cap 3 -> micro-batches [3, 3, 2]

@@ -126,7 +126,7 @@ def test_step_change_is_corrected_in_one_move():
                 0.03,
             )
         )
-        if reb.due(step, EVERY, alloc):  # the loop's schedule (train/loop.py)
+        if reb.due(step, EVERY, alloc):  # the loop's schedule (Trainer.maybe_rebalance)
             new = reb.observe(step, alloc)
             if new is not None:
                 alloc = new

@@ -21,7 +21,8 @@ from hetseq_hpc.report.figure import EVENT_STYLES, build_figure
 from hetseq_hpc.report.plots import run_figure, text_summary
 from hetseq_hpc.rundir.events import append_event, read_events
 from hetseq_hpc.tasks import build_task
-from hetseq_hpc.train.loop import RankMeta, Trainer
+from hetseq_hpc.train.records import RankMeta
+from hetseq_hpc.train.trainer import Trainer
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt

@@ -18,7 +18,7 @@ from hetseq_hpc.config import compose_run_config
 from hetseq_hpc.config import validate as config_validate
 from hetseq_hpc.errors import ConfigError
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager
-from hetseq_hpc.train.loggers import CSV_NAME, TB_DIR, RunLoggers
+from hetseq_hpc.train.metrics.loggers import CSV_NAME, TB_DIR, RunLoggers
 from tests.helpers.loggers import logger_warnings
 from tests.helpers.runs import read_rows
 

@@ -15,8 +15,8 @@ from hetseq_hpc.distributed.rendezvous import StepStats, single_process_rendezvo
 from hetseq_hpc.errors import CheckpointError
 from hetseq_hpc.tasks import build_task
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint
-from hetseq_hpc.train.loop import RankMeta, Trainer
-from hetseq_hpc.train.rebalance_step import maybe_rebalance
+from hetseq_hpc.train.records import RankMeta
+from hetseq_hpc.train.trainer import Trainer
 from tests.helpers.runs import SMALL_MODEL
 
 B = 8  # global batch; micro-batch cap 3 -> micro-batches [3, 3, 2] accumulated under no_sync
@@ -199,10 +199,10 @@ def test_no_rebalancing_decision_after_the_last_step_or_a_stop(make_trainer):
 
         trainer.rebalancer = Always()
         rec = trainer.train_step(1)
-        maybe_rebalance(trainer, rec)
+        trainer.maybe_rebalance(rec)
         assert asked == [1]
         rec.stop_code = 1
-        maybe_rebalance(trainer, rec)
+        trainer.maybe_rebalance(rec)
         rec.stop_code, rec.step = 0, 3
-        maybe_rebalance(trainer, rec)
+        trainer.maybe_rebalance(rec)
         assert asked == [1], "a decision after the last step or a stop"

@@ -1,11 +1,12 @@
-"""The training loop with exact gradients for uneven per-rank batches (DDP, or FSDP2 under
-``sharding.mode=fsdp``: :mod:`hetseq_hpc.train.parallel`, which keeps every rule of the step).
+"""The Trainer: one rank's training with exact gradients for uneven per-rank batches (DDP, or
+FSDP2 under ``sharding.mode=fsdp``: :mod:`hetseq_hpc.train.parallel`, the strategies).
 
 One optimizer step on every rank: its slice of global batch ``k``, forward+backward of every
 micro-batch on the SUM of its unit losses, the gradients summed across ranks and divided by the
-GLOBAL unit count, clipped, then AdamW; checkpoints, validation and metrics between steps.
-The six rules of a step and why they make a resumed run repeat an uninterrupted one:
-docs/design/exact-gradients.md, "The training step".
+GLOBAL unit count, clipped, then AdamW. After it, in phases an in-job recovery can redo
+(:mod:`hetseq_hpc.train.recovery`): the re-balancing decision, validation, the step's row, the
+checkpoint (:mod:`hetseq_hpc.train.checkpoint`). The six rules of a step and why they make a
+resumed run repeat an uninterrupted one: docs/design/exact-gradients.md, "The training step".
 """
 
 from __future__ import annotations
@@ -23,23 +24,35 @@ from torch import nn
 
 from hetseq_hpc.balance.agree import RankReport
 from hetseq_hpc.balance.allocation import Allocation
+from hetseq_hpc.balance.rebalance import Rebalancer
 from hetseq_hpc.config.schema import RunConfig
 from hetseq_hpc.distributed.membership import is_peer_failure
 from hetseq_hpc.distributed.rendezvous import Rendezvous, StepStats
+from hetseq_hpc.env.preemption import REASONS, StopRequest
+from hetseq_hpc.errors import NonFiniteLoss, Preempted
 from hetseq_hpc.rundir.events import append_event
+from hetseq_hpc.tasks.base import Task
 from hetseq_hpc.tasks.contract import check_loss, checked_batch, checked_count
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, require_entries
 from hetseq_hpc.train.ddp_hooks import HookState
 from hetseq_hpc.train.evaluate import evaluate_task
 from hetseq_hpc.train.fsdp_accumulation import agree_on_accumulation
-from hetseq_hpc.train.loggers import first_logged_loss, open_loggers
-from hetseq_hpc.train.metrics import run_summary
+from hetseq_hpc.train.metrics.loggers import first_logged_loss, open_loggers
+from hetseq_hpc.train.metrics.rows import run_summary, step_row
+from hetseq_hpc.train.metrics.step_log import StepLog, logged_steps
 from hetseq_hpc.train.nonfinite import first_nonfinite, nonfinite_error
 from hetseq_hpc.train.optim import apply_configured_lr, build_optimizer, step_seed
-from hetseq_hpc.train.parallel import build_parallel, rank_memory
-from hetseq_hpc.train.phases import StepPhases, logged_steps, step_row_of
+from hetseq_hpc.train.parallel import Replicated, build_parallel, rank_memory
 from hetseq_hpc.train.precision import GradientPath
-from hetseq_hpc.train.records import DONE, RankMeta, StepRecord
+from hetseq_hpc.train.records import (
+    DONE,
+    EVALUATED,
+    LOGGED,
+    REBALANCED,
+    TRAINED,
+    RankMeta,
+    StepRecord,
+)
 from hetseq_hpc.train.recovery.elastic import ElasticWorld
 from hetseq_hpc.train.recovery.sharded import checkpoint_to_reload
 from hetseq_hpc.train.sampler import GlobalBatchSampler
@@ -49,7 +62,9 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    """Runs optimizer steps ``step+1 .. trainer.max_steps`` on one rank.
+    """Runs optimizer steps ``step+1 .. trainer.max_steps`` on one rank (:meth:`fit`), each
+    followed by its phases (:meth:`advance`); the state in-job recovery works on
+    (:class:`~hetseq_hpc.train.recovery.state.TrainState`).
 
     Args:
         run: the validated run configuration.
@@ -65,7 +80,8 @@ class Trainer:
         rebalancer: optional online re-balancer (``record(per_rank)``, ``observe(step,
             allocation) -> Optional[Allocation]``), consulted every ``balance.rebalance_interval``
             steps.
-        on_allocation: called with every new allocation a re-balance switches to.
+        on_allocation: called with every new allocation a re-balance switches to (and, after
+            a re-formed world, with ``{"members": [...]}``).
         stop_request: a :class:`~hetseq_hpc.env.preemption.StopRequest` (its ``code`` is shared with
             every rank each step).
         sharding: ``ddp`` or ``fsdp``, the same on every rank
@@ -86,19 +102,20 @@ class Trainer:
         run: RunConfig,
         run_dir: Path,
         rdv: Rendezvous,
-        task: Any,
+        task: Task,
         model: nn.Module,
         device: torch.device,
         allocation: Allocation,
         metas: List[RankMeta],
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-        rebalancer: Any = None,
-        on_allocation: Optional[Callable[[Allocation], None]] = None,
-        stop_request: Any = None,
+        rebalancer: Optional[Rebalancer] = None,
+        on_allocation: Optional[Callable[..., None]] = None,
+        stop_request: Optional[StopRequest] = None,
         sharding: str = "ddp",
-        parallel: Any = None,
+        parallel: Optional[Replicated] = None,
         elastic: Optional[ElasticWorld] = None,
     ):
+        # the run, this rank's place in the world, and what it trains
         self.run = run
         self.cfg = run.trainer
         self.run_dir = Path(run_dir)
@@ -115,27 +132,32 @@ class Trainer:
         self.rebalancer = rebalancer
         self.on_allocation = on_allocation
         self.stop_request = stop_request
+        # what a checkpoint must share with the run that resumes it
         digest = getattr(task, "data_fingerprint", lambda: None)()  # may differ per prepare
         self.fingerprint = {
             **run_fingerprint(run),
             **({"data.fingerprint": digest} if digest else {}),
         }
+        # data order -> gradient path -> strategy -> optimizer -> checkpoints
         self.sampler = GlobalBatchSampler(task.num_train, self.cfg.global_batch_size, self.cfg.seed)
         self.reset_gradient_path()
         # DDP or FSDP2 (train/parallel.py); FSDP shards the model in place, before the optimizer
         self.parallel = parallel or build_parallel(run, task, model, device, sharding)
         self.optimizer, self.scheduler = build_optimizer(model, run)
         self.checkpoints = CheckpointManager(self.run_dir, self.cfg.keep_checkpoints)
+        # where the run stands
         self.step = 0  # last completed optimizer step; global batch ``step`` comes next
-        self.phase = DONE  # of ``step``: what of the work after it is done (train/phases.py)
+        self.phase = DONE  # of ``step``: what of the work after it is done (train/records.py)
         self.last_row: Dict[str, Any] = {}  # metrics row of ``step``
         self.history: List[StepRecord] = []
         self._exchanged_at = 0.0  # perf_counter() when the last step's exchange ended
         self.last_val: Optional[Dict[str, float]] = None
         self.resume_note: Dict[str, Any] = {}
-        self.run_id = ""  # this run's id (train/run_history.py), decided by _resume()
+        self.run_id = ""  # this run's id (rundir/history.py), decided by _resume()
         self.resumed_from: Optional[str] = None  # the checkpoint the run started from
         self.saved_step: Optional[int] = None  # the step of the last checkpoint on disk
+        self.step_log: Optional[StepLog] = None  # rank 0's rows, while fit() runs
+        # resume (or start) the run, then wrap the model for training
         self._resume()
         self.parallel.start(self.grad_path, self.hook_state)
 
@@ -239,6 +261,144 @@ class Trainer:
             self.allocation.samples,
             self.world.world_size,
         )
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> Dict[str, Any]:
+        """Train to ``trainer.max_steps``; returns a summary (final loss, validation, throughput).
+
+        With :attr:`elastic`, a collective that fails anywhere in the loop (a step, the
+        re-balancing decision, validation, a checkpoint, the summary) is recovered from
+        (:meth:`ElasticWorld.recover`): what was interrupted is redone over the survivors.
+
+        Raises:
+            Preempted: a stop request arrived; every rank stopped after the same step, which
+                was checkpointed (also: fewer than ``trainer.elastic.min_ranks`` survived).
+            NonFiniteLoss: the loss of a step was NaN or inf on some rank (the last good step
+                was checkpointed first; :mod:`hetseq_hpc.train.nonfinite`).
+        """
+        cfg = self.cfg
+        if self.rank == 0:  # the learning rate, its origin and schedule, on every run
+            log.info("optimizer: %s", self.run.optim.describe(cfg.max_steps, self.run.random_init))
+        if self.step >= cfg.max_steps:
+            log.info(
+                "checkpoint is at step %d >= trainer.max_steps=%d: nothing to train",
+                self.step,
+                cfg.max_steps,
+            )
+        self.step_log = StepLog(self.run, self.run_dir, self.step, self.rank, self.resume_note)
+        if self.elastic is not None:
+            self.elastic.expect(self.allocation)  # the step's collective timeout
+            self.elastic.arm()  # a lost peer is recovered from now on
+        summary = None
+        try:
+            while summary is None:
+                try:
+                    if self.step < cfg.max_steps or self.phase < DONE:
+                        self.advance()
+                    else:
+                        summary = self.summary()
+                except RuntimeError as exc:  # a peer died or hung (torch's DistError too)
+                    if self.elastic is None or not is_peer_failure(exc):
+                        raise
+                    # re-form, agree on the last completed step and phase, redo from there
+                    self._recovered(self.elastic.recover(self, exc))
+            self.step_log.flush_events(self.run_id)  # a recovery after the last step
+        finally:
+            self.step_log.close()
+        if self.rank == 0 and self.history:  # the run's first step, also after a resume
+            summary["first_loss"] = first_logged_loss(self.run_dir) or summary["first_loss"]
+        return summary
+
+    def advance(self) -> None:
+        """Train the next step if the last one is done, then do the phases of :attr:`step`
+        not done yet, each of which may hold a collective: the re-balancing decision,
+        validation (when due), the step's row (rank 0), the checkpoint (when due).
+        :attr:`phase` says which was completed last: a recovery redoes from the earliest one
+        a survivor did not complete.
+
+        Raises:
+            Preempted: a stop request was seen in the step's exchange (after its checkpoint).
+            NonFiniteLoss: the step's loss is NaN or inf on some rank; the last good step was
+                checkpointed (:meth:`keep_good_steps`).
+            RuntimeError: a collective failed (a peer lost: :meth:`fit` recovers).
+        """
+        cfg, step_log = self.cfg, self._step_log()
+        if self.phase == DONE:
+            try:
+                rec = self.train_step(self.step + 1)
+            except NonFiniteLoss as exc:
+                raise NonFiniteLoss(f"{exc}; {self.keep_good_steps()}", exc.step) from None
+            self.phase = TRAINED
+            self.history.append(rec)
+            rec.extra.update(step_log.take_note())
+            # with the split that ran the step (a re-balance below may change it)
+            self.last_row = step_row(
+                rec,
+                self.metas,
+                self.allocation.shares,
+                cfg.global_batch_size,
+                self.task.tokens_per_sample,
+                self.allocation.samples,
+                units_per_sample=self.task.units_per_sample,
+            )
+            if self.elastic is not None:
+                self.elastic.observe_step(rec)
+            step_log.flush_events(self.run_id)  # the next completed step after a recovery
+        rec, step = self.history[-1], self.step
+        is_last = step == cfg.max_steps
+        if self.phase < REBALANCED:
+            self.maybe_rebalance(rec)
+            self.phase = REBALANCED
+        if self.phase < EVALUATED:
+            if (cfg.val_every and step % cfg.val_every == 0) or is_last:
+                with self.phase_timeout("validation"):
+                    self.last_val = self.evaluate()
+                rec.extra.update(self.last_val)
+            self.phase = EVALUATED
+        if self.phase < LOGGED:
+            step_log.log(rec, step, self._row(rec), self.last_val)
+            self.phase = LOGGED
+        if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or is_last or rec.stop_code:
+            with self.phase_timeout("checkpoint"):
+                self._save(step)
+            if step_log.writer is not None:  # rank 0: the report marks it
+                append_event(self.run_dir, "checkpoint", step=step, run_id=self.run_id)
+        self.phase = DONE
+        if rec.stop_code and not is_last:
+            # every rank saw the same request in the step's exchange: all stop here
+            reason = REASONS.get(rec.stop_code, "a stop request")
+            if step_log.writer is not None:
+                append_event(
+                    self.run_dir,
+                    "stop",
+                    step=step,
+                    code=rec.stop_code,
+                    reason=reason,
+                    run_id=self.run_id,
+                )
+            raise Preempted(step, rec.stop_code, reason)
+
+    def _step_log(self) -> StepLog:
+        """The :class:`StepLog` of the running :meth:`fit`.
+
+        Raises:
+            RuntimeError: outside :meth:`fit` (a programming error of the caller).
+        """
+        if self.step_log is None:
+            raise RuntimeError("Trainer.advance() runs inside Trainer.fit() only")
+        return self.step_log
+
+    def _row(self, rec: StepRecord) -> Dict[str, Any]:
+        """The ``metrics.jsonl`` row of the step ``rec`` recorded: :attr:`last_row`, the run id
+        and the record's extra fields (validation, notes)."""
+        return {**self.last_row, "run_id": self.run_id, **rec.extra}
+
+    def _recovered(self, event: Dict[str, Any]) -> None:
+        """After a recovery: its event waits for the next completed step; the new rank 0's
+        loggers open at the agreed step (:meth:`StepLog.recovered`)."""
+        last = self.history[-1] if self.history else None
+        owed = (last, self._row(last)) if last is not None and last.step == self.step else None
+        self._step_log().recovered(event, self.rank, self.step, self.phase >= LOGGED, owed)
 
     # ------------------------------------------------------------------ one step
     def _compute_seconds(self, t0: float, start_event) -> float:
@@ -349,7 +509,55 @@ class Trainer:
             ended_s=time.perf_counter(),
         )
 
-    # ------------------------------------------------------------------ validation
+    # ------------------------------------------------------------------ the phases after a step
+    def maybe_rebalance(self, rec: StepRecord) -> None:
+        """Feed the re-balancer; every ``balance.rebalance_interval`` steps, or at once when
+        it sees a speed change (:meth:`~hetseq_hpc.balance.rebalance.Rebalancer.speed_changed`,
+        the same verdict on every rank), all ranks check they decided alike and switch
+        together to its new allocation from the next step
+        (:meth:`~hetseq_hpc.balance.rebalance.Rebalancer.due` also calls for a follow-up
+        decision a few steps after a move that the evidence supported only in part). Nothing
+        is decided after the last step or a stop request's step: no step would run the new
+        split."""
+        every = self.run.balance.rebalance_interval
+        if self.rebalancer is None or not every:
+            return
+        self.rebalancer.record(rec.per_rank)
+        if rec.step >= self.cfg.max_steps or rec.stop_code:
+            # no step follows (the same on every rank): a switch now would leave an allocation
+            # that never ran in allocation.json and its measured sync
+            return
+        if not self.rebalancer.due(rec.step, every, self.allocation):
+            return
+        new = self.rebalancer.observe(rec.step, self.allocation)
+        with self.decision_timeout():
+            self.rdv.check_agreement(
+                new.digest() if new else "unchanged", f"re-balancing decision at step {rec.step}"
+            )
+        if new is None:
+            return
+        why = self.rebalancer.decisions[-1]
+        log.info(
+            "step %d: straggle %.2f -> re-balancing %s -> %s from step %d (predicted gain "
+            "%.1f %%, %.1f %% at the cautious end of the rates' intervals)",
+            rec.step,
+            why["straggle"],
+            self.allocation.samples,
+            new.samples,
+            rec.step + 1,
+            100 * why["gain"],
+            100 * why.get("supported_gain", why["gain"]),
+        )
+        rec.extra["reallocation"] = {
+            "from": self.allocation.samples,
+            "to": new.samples,
+            "at_step": rec.step + 1,
+            **{k: why[k] for k in ("gain", "supported_gain", "errors") if k in why},
+        }
+        self.allocation = new
+        if self.on_allocation is not None:
+            self.on_allocation(new)
+
     def evaluate(self) -> Dict[str, float]:
         """The task's validation metrics, the split shared by the ranks (:func:`evaluate_task`);
         under FSDP on the shards if the task evaluates in fixed passes, else gathered whole."""
@@ -390,55 +598,28 @@ class Trainer:
             return contextlib.nullcontext()
         return self.elastic.step_timeout(self.rdv)
 
-    # ------------------------------------------------------------------ the loop
-    def fit(self) -> Dict[str, Any]:
-        """Train to ``trainer.max_steps``; returns a summary (final loss, validation, throughput).
-
-        With :attr:`elastic`, a collective that fails anywhere in the loop (a step, the
-        re-balancing decision, validation, a checkpoint, the summary) is recovered from
-        (:mod:`hetseq_hpc.train.phases`): what was interrupted is redone over the survivors.
-
-        Raises:
-            Preempted: a stop request arrived; every rank stopped after the same step, which
-                was checkpointed (also: fewer than ``trainer.elastic.min_ranks`` survived).
-            NonFiniteLoss: the loss of a step was NaN or inf on some rank (the last good step
-                was checkpointed first; :mod:`hetseq_hpc.train.nonfinite`).
-        """
-        cfg = self.cfg
-        if self.rank == 0:  # the learning rate, its origin and schedule, on every run
-            log.info("optimizer: %s", self.run.optim.describe(cfg.max_steps, self.run.random_init))
-        if self.step >= cfg.max_steps:
-            log.info(
-                "checkpoint is at step %d >= trainer.max_steps=%d: nothing to train",
-                self.step,
-                cfg.max_steps,
-            )
-        phases, summary = StepPhases(self), None
-        try:
-            while summary is None:
-                try:
-                    if phases.more():
-                        phases.advance()
-                    else:
-                        summary = self.summary()
-                except RuntimeError as exc:  # a peer died or hung (torch's DistError too)
-                    if self.elastic is None or not is_peer_failure(exc):
-                        raise
-                    # re-form, agree on the last completed step and phase, redo from there
-                    phases.recovered(self.elastic.recover(self, exc))
-            phases.flush_events()  # a recovery after the last step (its checkpoint, summary)
-        finally:
-            phases.close()
-        if self.rank == 0 and self.history:  # the run's first step, also after a resume
-            summary["first_loss"] = first_logged_loss(self.run_dir) or summary["first_loss"]
-        return summary
-
     def _save(self, step: int) -> None:
         """Checkpoint ``step`` (a collective): the strategy writes the model and optimizer
         state its way (:meth:`~hetseq_hpc.train.parallel.Replicated.save_state`), the manager
         the files."""
         self.checkpoints.save(step, self.rdv, self.parallel, self.optimizer, self.state_dict)
         self.saved_step = step
+
+    def keep_good_steps(self) -> str:
+        """After a non-finite loss (the model is still that of :attr:`step`): checkpoint that
+        step unless it is on disk already (also with ``trainer.checkpoint_every=0``: no trained
+        step is lost); returns what was kept and how to go on, for the error line."""
+        if self.step == 0:
+            return "nothing was trained yet"
+        if self.saved_step != self.step:
+            self._save(self.step)
+            kept = f"checkpoint of step {self.step} written"
+        else:
+            kept = f"the checkpoint of step {self.step} is kept"
+        return (
+            f"{kept}: after the fix, continue from it with hetseq-hpc hydra.run.dir="
+            f"{self.run_dir} trainer.resume=auto"
+        )
 
     # ------------------------------------------------------------------ in-job recovery
     @property
@@ -547,8 +728,7 @@ class Trainer:
         writer = open_loggers(self.run, self.run_dir, self.step)
         try:
             if self.history and self.step not in logged_steps(self.run_dir):
-                rec = self.history[-1]
-                writer.write(step_row_of(self, rec))
+                writer.write(self._row(self.history[-1]))
             writer.write(
                 {k: v for k, v in event.items() if k != "lost_monotonic"} | {"run_id": self.run_id}
             )

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from hetseq_hpc.config.trainer import LOGGER_NAMES
 from hetseq_hpc.files.atomic import atomic_write_text
-from hetseq_hpc.train.metrics import METRICS_NAME, MetricsWriter, _clean, read_metrics
+from hetseq_hpc.train.metrics.rows import METRICS_NAME, MetricsWriter, _clean, read_metrics
 
 log = logging.getLogger(__name__)
 

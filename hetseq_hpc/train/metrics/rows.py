@@ -173,8 +173,8 @@ def step_row(
     allocation: List[int],
     units_per_sample: Optional[float] = None,
 ) -> Dict[str, Any]:
-    """The ``metrics.jsonl`` row of step record ``rec`` (:class:`~hetseq_hpc.train.loop.StepRecord`):
-    global figures plus one entry per rank (its :class:`~hetseq_hpc.train.loop.RankMeta`,
+    """The ``metrics.jsonl`` row of step record ``rec`` (:class:`~hetseq_hpc.train.records.StepRecord`):
+    global figures plus one entry per rank (its :class:`~hetseq_hpc.train.records.RankMeta`,
     :class:`~hetseq_hpc.balance.allocation.RankShare` and :class:`~hetseq_hpc.distributed.rendezvous.StepStats`)."""
     samples_per_s = global_batch_size / max(rec.wall_s, 1e-9)
     ranks = [
