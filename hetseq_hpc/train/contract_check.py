@@ -18,7 +18,10 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from hetseq_hpc.config.schema import RunConfig
+from hetseq_hpc.distributed.rendezvous import Rendezvous
 from hetseq_hpc.errors import TaskContractError
+from hetseq_hpc.tasks.base import Task
 from hetseq_hpc.tasks.contract import check_loss, checked_batch, checked_count, loss_label
 from hetseq_hpc.tasks.contract import task_label as _who
 from hetseq_hpc.train.sampler import GlobalBatchSampler
@@ -57,11 +60,11 @@ def skipped_record() -> Dict[str, Any]:
 
 
 def check_before_training(
-    task: Any,
+    task: Task,
     model: torch.nn.Module,
-    run: Any,
+    run: RunConfig,
     device: torch.device,
-    rdv: Any,
+    rdv: Rendezvous,
     info: Dict[str, Any],
 ) -> None:
     """The worker's call after the model is built: :func:`check_task_contract`, or with
@@ -84,10 +87,10 @@ def check_before_training(
 
 
 def check_task_contract(
-    task: Any,
+    task: Task,
     model: torch.nn.Module,
     device: torch.device,
-    rdv: Any,
+    rdv: Rendezvous,
     seed: int,
     positions: Optional[Sequence[int]] = None,
 ) -> None:

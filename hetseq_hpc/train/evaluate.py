@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from hetseq_hpc.distributed.rendezvous import Rendezvous
+from hetseq_hpc.tasks.base import Task
 from hetseq_hpc.tasks.contract import checked_batch
 
 log = logging.getLogger(__name__)
@@ -31,9 +33,9 @@ def _add(total: Dict[str, float], part: Dict[str, float]) -> None:
 
 @torch.no_grad()
 def evaluate_task(
-    task: Any,
+    task: Task,
     model: nn.Module,
-    rdv: Any,
+    rdv: Rendezvous,
     batch_size: int,
     device: torch.device,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
@@ -99,7 +101,7 @@ def evaluate_task(
 
 
 def log_examples(
-    task: Any, model: nn.Module, n: int = 3, header: Optional[str] = None
+    task: Task, model: nn.Module, n: int = 3, header: Optional[str] = None
 ) -> List[Any]:
     """Write ``task.examples(model, n)`` (e.g. source | reference | translation) to the log,
     after ``header`` if given; returns them. A task without examples logs nothing."""

@@ -11,11 +11,14 @@ docs/design/sharding.md, "Accumulation without resharding between micro-batches"
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Sequence
 
 from hetseq_hpc.balance.agree import RankReport
+from hetseq_hpc.balance.allocation import Allocation
 from hetseq_hpc.balance.memory import model_state_bytes
-from hetseq_hpc.train.parallel import equal_pass_sizes
+from hetseq_hpc.config.sharding import ShardingConfig
+from hetseq_hpc.distributed.rendezvous import Rendezvous
+from hetseq_hpc.train.parallel import Replicated, equal_pass_sizes
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +35,11 @@ def keep_unsharded_fits(
 
 
 def agree_on_accumulation(
-    sharding: Any, parallel: Any, allocation: Any, reports: Sequence[Any], rdv: Any
+    sharding: ShardingConfig,
+    parallel: Replicated,
+    allocation: Allocation,
+    reports: Sequence[RankReport],
+    rdv: Rendezvous,
 ) -> str:
     """Decide, on every rank alike, what FSDP does between the micro-batches of a step, and set
     it on ``parallel`` (``Sharded.between_micro_batches``, in ``summary.json``'s ``sharding``).

@@ -22,11 +22,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hetseq_hpc.balance.allocation import RankShare
 from hetseq_hpc.balance.memory import local_part, unit_bytes
 from hetseq_hpc.balance.peak import MemoryWatch, peak_resident_bytes
 from hetseq_hpc.config.schema import RunConfig
 from hetseq_hpc.distributed.rendezvous import Rendezvous
 from hetseq_hpc.errors import CheckpointError
+from hetseq_hpc.tasks.base import Task
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, StateFn
 from hetseq_hpc.train.checkpoint.shards import (
     load_error,
@@ -105,7 +107,9 @@ class Replicated:
         )
         self.module.register_comm_hook(hook_state, grad_path.comm_hook(hook_state))
 
-    def pass_sizes(self, share: Any, all_shares: Sequence[Any]) -> Tuple[List[int], int]:
+    def pass_sizes(
+        self, share: RankShare, all_shares: Sequence[RankShare]
+    ) -> Tuple[List[int], int]:
         """This rank's micro-batch sizes and zero-weight passes: its own split, none."""
         return list(share.micro_sizes), 0
 
@@ -243,7 +247,9 @@ class Sharded(Replicated):
     ) -> None:
         """Nothing to wrap: the model was sharded in place (no comm hook runs under FSDP)."""
 
-    def pass_sizes(self, share: Any, all_shares: Sequence[Any]) -> Tuple[List[int], int]:
+    def pass_sizes(
+        self, share: RankShare, all_shares: Sequence[RankShare]
+    ) -> Tuple[List[int], int]:
         """The job's largest accumulation count of passes on every rank
         (:func:`equal_pass_sizes`): FSDP gathers parameters in every pass, on every rank."""
         self._passes = max(len(s.micro_sizes) for s in all_shares)
@@ -576,7 +582,7 @@ def rank_memory(
 
 
 def build_parallel(
-    run: RunConfig, task: Any, model: nn.Module, device: torch.device, mode: str
+    run: RunConfig, task: Task, model: nn.Module, device: torch.device, mode: str
 ) -> Replicated:
     """The strategy for ``mode`` (``ddp`` or ``fsdp``, as decided for ``sharding.mode``), with
     ``sharding.activation_checkpointing`` applied to the task's sharding units first. ``ddp``

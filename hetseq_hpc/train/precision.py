@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from hetseq_hpc.config.comm import CommConfig
 from hetseq_hpc.errors import ConfigError
 from hetseq_hpc.train import ddp_hooks
 
@@ -168,7 +169,7 @@ class GradientPath:
 
     def __init__(
         self,
-        comm_cfg: Any,
+        comm_cfg: CommConfig,
         precisions: Sequence[Optional[str]],
         rank: int,
         world_size: int,
@@ -204,7 +205,7 @@ class GradientPath:
         """Extra DDP arguments (``bucket_cap_mb`` when set; nothing otherwise)."""
         return {} if self.bucket_cap_mb is None else {"bucket_cap_mb": float(self.bucket_cap_mb)}
 
-    def comm_hook(self, state: Any) -> Callable:
+    def comm_hook(self, state: ddp_hooks.HookState) -> Callable:
         """The DDP comm hook: the SUM all-reduce (compressed or not), or Adasum; configures
         ``state`` (:class:`~hetseq_hpc.train.ddp_hooks.HookState`) for it."""
         state.comm_dtype = None if self.compression == "none" else DTYPES[self.compression]
@@ -216,7 +217,11 @@ class GradientPath:
 
     # --------------------------------------------------------------- one step
     def backward(
-        self, loss: torch.Tensor, step: int, state: Any = None, local_units: int = 0
+        self,
+        loss: torch.Tensor,
+        step: int,
+        state: Optional[ddp_hooks.HookState] = None,
+        local_units: int = 0,
     ) -> None:
         """``loss.backward()``, on ``loss x S / U`` when the scale is in use: the SUM loss's
         gradients are ~U times a mean loss's (``U`` = expected loss units of the global batch),

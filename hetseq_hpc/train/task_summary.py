@@ -15,10 +15,12 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from hetseq_hpc.config.schema import RunConfig
 from hetseq_hpc.tasks.base import Task
 from hetseq_hpc.tasks.flops import task_flops_per_sample
 from hetseq_hpc.tasks.norms import check_no_batchnorm
 from hetseq_hpc.train.evaluate import log_examples
+from hetseq_hpc.train.parallel import Replicated
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +28,7 @@ log = logging.getLogger(__name__)
 N_EXAMPLES = 3
 
 
-def seeded_model(task: Any, seed: int) -> nn.Module:
+def seeded_model(task: Task, seed: int) -> nn.Module:
     """``torch.manual_seed(seed)``, then ``task.build_model()``: the run's start-up model (on
     the CPU, not placed), the same on every call."""
     torch.manual_seed(seed)
@@ -34,8 +36,8 @@ def seeded_model(task: Any, seed: int) -> nn.Module:
 
 
 def build_checked_model(
-    task: Any,
-    run: Any,
+    task: Task,
+    run: RunConfig,
     device: torch.device,
     place: Optional[Callable[[nn.Module], nn.Module]] = None,
 ) -> Tuple[nn.Module, Dict[str, Any]]:
@@ -79,7 +81,7 @@ def build_checked_model(
     return model, info
 
 
-def task_name(run: Any, task: Any) -> str:
+def task_name(run: RunConfig, task: Task) -> str:
     """The task's name for the log and ``summary.json``: a user task's own ``name`` class
     attribute when it sets one (``task=custom``, ``task=dataset``), else ``task.name``."""
     own = getattr(type(task), "name", None)
@@ -101,7 +103,7 @@ def record_inexact(info: Dict[str, Any], record: Dict[str, Any]) -> None:
     info["inexact"] = merged
 
 
-def examples_model(task: Any, parallel: Any, is_master: bool) -> Optional[nn.Module]:
+def examples_model(task: Task, parallel: Replicated, is_master: bool) -> Optional[nn.Module]:
     """The model rank 0 writes the task's example predictions with: the bare model under DDP;
     under FSDP a CPU copy (``task.build_model()``) loaded from the full state gathered to rank
     0's CPU memory (a collective: EVERY rank calls it), so the whole weights never sit on a
@@ -120,7 +122,7 @@ def examples_model(task: Any, parallel: Any, is_master: bool) -> Optional[nn.Mod
 
 def finish_task_summary(
     summary: Dict[str, Any],
-    task: Any,
+    task: Task,
     model: Optional[nn.Module],
     info: Dict[str, Any],
     is_master: bool,

@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from hetseq_hpc.config.schema import RunConfig
 from hetseq_hpc.config.trainer import LOGGER_NAMES
 from hetseq_hpc.files.atomic import atomic_write_text
 from hetseq_hpc.train.metrics.rows import METRICS_NAME, MetricsWriter, _clean, read_metrics
@@ -370,7 +371,7 @@ def first_logged_loss(run_dir: Path) -> Optional[float]:
     return None
 
 
-def open_loggers(run: Any, run_dir: Path, resume_step: int) -> RunLoggers:
+def open_loggers(run: RunConfig, run_dir: Path, resume_step: int) -> RunLoggers:
     """:class:`RunLoggers` for ``run.trainer.loggers`` (rank 0 only)."""
     from omegaconf import OmegaConf
 
