@@ -18,6 +18,7 @@ from hetseq_hpc.tasks.contract import check_loss, checked_batch, checked_count
 from hetseq_hpc.tasks.custom import resolve_target
 from hetseq_hpc.tasks.flops import measure_flops_per_sample, task_flops_per_sample
 from tests.helpers.runs import REPO
+from tests.helpers.task_sources import module_dir
 
 EXAMPLE = "examples.char_lm.CharLMTask"
 
