@@ -57,3 +57,18 @@ def test_the_launcher_sees_which_ranks_entered_the_training_loop(job):
     server, store = job
     arm(store, 1)
     assert server.check([armed_key(1)]) and not server.check([armed_key(0), armed_key(1)])
+
+
+def test_a_store_timeout_while_reforming_is_named_in_words():
+    """A rank lost while the survivors re-form makes the job's store time out: the warning
+    that they re-form again says so in words, not with torch's exception class (a user reads
+    "DistStoreError" as the crash issue 40 fixed)."""
+    import torch.distributed as dist
+
+    from hetseq_hpc.train.recovery.elastic import _first_line
+
+    line = _first_line(dist.DistStoreError("wait timeout after 8000ms, keys: /g1/members"))
+    assert "DistStoreError" not in line and "did not answer in the job's store" in line
+    assert _first_line(RuntimeError("Connection closed by peer\nmore")) == (
+        "RuntimeError: Connection closed by peer"
+    )

@@ -416,7 +416,11 @@ class ElasticWorld:
 
 
 def _first_line(error: BaseException) -> str:
-    """``Type: first line of the message`` (at most 200 characters) for a log line."""
+    """What failed, for a log line: a store wait that timed out in words (a member of the world
+    did not answer in the job's store: it was lost, or is stopped), else ``Type: first line of
+    the message`` (at most 200 characters)."""
+    if isinstance(error, dist.DistStoreError):
+        return "a member did not answer in the job's store in time (lost, or stopped)"
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
