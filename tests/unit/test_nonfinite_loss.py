@@ -4,7 +4,7 @@ applied; the one-line error names the step, the rank and the micro-batch, and ad
 when it happened (the start model: the model or data; after updates: the learning rate); the
 last good step is checkpointed also with ``trainer.checkpoint_every=0``, and a resume with a
 lowered ``optim.lr`` trains with it. (Two real ranks through the CLI:
-tests/integration/test_nonfinite_loss.py.)"""
+tests/integration/test_nonfinite_loss_run.py.)"""
 
 from __future__ import annotations
 
