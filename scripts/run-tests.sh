@@ -85,5 +85,12 @@ extra=()
 if [ "${CI:-}" = true ]; then
   extra=(--durations=30)   # the CI log names the slowest tests (the suite must stay well in 90 min)
 fi
+# parallel workers (pytest-xdist): the Slurm tier waits on its scheduler far more than it
+# computes, so it runs as one group on one worker while the others take the unit and
+# integration tests; HETSEQ_TEST_WORKERS=0 runs everything in this one process
+workers=${HETSEQ_TEST_WORKERS:-3}
+if [ "$workers" != 0 ]; then
+  extra+=(-n "$workers" --dist loadgroup)
+fi
 # --all: every tier (bare `pytest` runs only tests/unit; CONTRIBUTING.md)
 "$VENV/bin/python" -m pytest --all ${extra[@]+"${extra[@]}"} "$@"

@@ -72,10 +72,15 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_collection_modifyitems(config, items):
+    """Mark each test with its tier; under ``pytest-xdist`` (``-n N --dist loadgroup``, as
+    ``scripts/run-tests.sh`` runs) the Slurm tier is one group, so its tests run one after the
+    other on one worker against the one test cluster while the other workers take the rest."""
     for item in items:
         folder = _tier(Path(str(item.path)))
         if folder is not None:
             item.add_marker(folder)
+        if folder == "slurm":
+            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 @pytest.fixture(scope="session")
