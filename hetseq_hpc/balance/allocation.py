@@ -15,6 +15,7 @@ digest of the result (:meth:`Allocation.digest`), so they agree on one allocatio
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -153,11 +154,15 @@ def proportional_counts(weights: Sequence[float], total: int, minimum: int = 1) 
     for i in order[: max(left, 0)]:
         counts[i] += 1
     # ... or, if the minimum took too much, take back from ranks furthest above their quota
+    # (ties to the higher rank), one sample at a time: a heap of (quota - count, -rank)
+    above = [(quota[i] - counts[i], -i) for i in range(n) if counts[i] > minimum]
+    heapq.heapify(above)
     while left < 0:
-        above = [i for i in range(n) if counts[i] > minimum]
-        i = min(above, key=lambda j: (quota[j] - counts[j], -j))
-        counts[i] -= 1
+        _, neg = heapq.heappop(above)
+        counts[-neg] -= 1
         left += 1
+        if counts[-neg] > minimum:
+            heapq.heappush(above, (quota[-neg] - counts[-neg], neg))
     return counts
 
 

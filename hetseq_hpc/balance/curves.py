@@ -11,9 +11,13 @@ same split and digest. The model and its sources: docs/design/allocation.md,
 
 from __future__ import annotations
 
+import heapq
 import math
+import struct
 from dataclasses import asdict, dataclass
 from typing import Iterable, List, Sequence, Tuple
+
+import numpy as np
 
 from hetseq_hpc.errors import AllocationError
 
@@ -179,17 +183,63 @@ def predicted_step_s(
     return max(curve.step_s(b, cap) for curve, b, cap in zip(curves, samples, caps))
 
 
-def _count(curves: Sequence[CostCurve], caps: Sequence[int], budget_s: float) -> List[int]:
-    return [max(1, curve.max_samples(budget_s, cap)) for curve, cap in zip(curves, caps)]
+class _Ranks:
+    """The cost curves and caps of a world as float64/int64 arrays, ``(world_size,)`` each: the
+    per-rank step times and sample counts of :class:`CostCurve` for every rank at once, with the
+    same IEEE operations in the same order as :meth:`CostCurve.step_s` (so the same floats)."""
+
+    def __init__(self, curves: Sequence[CostCurve], caps: Sequence[int]) -> None:
+        n = len(curves)
+        self.a = np.fromiter((c.overhead_s for c in curves), np.float64, n)
+        self.c = np.fromiter((c.per_sample_s for c in curves), np.float64, n)
+        self.f = np.fromiter((c.step_fixed_s for c in curves), np.float64, n)
+        self.cap = np.fromiter((int(cap) for cap in caps), np.int64, n)
+
+    def step_s(self, samples: np.ndarray) -> np.ndarray:
+        """:meth:`CostCurve.step_s` of ``samples`` (int64, >= 0) per rank, seconds."""
+        accum = -(-samples // self.cap)
+        return (accum * self.a + self.c * samples) + self.f
+
+    def within(self, budget_s: float, limit: int) -> np.ndarray:
+        """Per rank ``min(limit, CostCurve.max_samples(budget_s, cap))`` (int64): the same
+        guess as :meth:`CostCurve.max_samples`, settled on the exact boundary of
+        :meth:`step_s` the same way, every rank at once."""
+        a, c, cap = self.a, self.c, self.cap
+        spare = budget_s - self.f
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            k0 = np.maximum(1.0, np.floor(spare / (c * cap + a)))
+            meet = np.maximum(
+                np.minimum(k0 * cap, np.floor((spare - k0 * a) / c)),
+                np.minimum((k0 + 1) * cap, np.floor((spare - (k0 + 1) * a) / c)),
+            )
+            guess = np.where(a == 0, np.floor(spare / c), meet)
+        guess = np.where(spare < 0, 0.0, np.clip(np.nan_to_num(guess), 0, limit))
+        got = guess.astype(np.int64)
+        while True:  # the guess is off by a sample or two at most: settle it
+            up = (got < limit) & (self.step_s(got + 1) <= budget_s)
+            if not up.any():
+                break
+            got += up
+        while True:
+            down = (got > 0) & (self.step_s(got) > budget_s)
+            if not down.any():
+                break
+            got -= down
+        return got
 
 
 def min_max_split(curves: Sequence[CostCurve], total: int, caps: Sequence[int]) -> List[int]:
     """Per-rank samples ``b_i >= 1``, ``sum b_i = total``, that minimise ``max_i T_i(b_i)``.
 
-    Water-filling: bisect on the step time ``T`` for the largest budget whose per-rank maxima
-    (:meth:`CostCurve.max_samples`) hold fewer than ``total`` samples, then hand out the rest
-    one sample at a time to the rank whose next sample ends earliest (ties to the lower rank).
-    Each ``T_i`` is increasing in ``b_i``, so this greedy completion is exact. Deterministic.
+    Every rank's first sample is its own; the other ``total - n`` samples are the ``total - n``
+    earliest-ending ones over all ranks: rank ``i``'s ``b``-th sample ends at ``T_i(b)``
+    (:meth:`CostCurve.step_s`), ordered by that time, ties to the lower rank. Each ``T_i`` is
+    non-decreasing in ``b``, so this water-filling is exact. Found in O(n log n): a bisection on
+    the step time (:data:`_BISECTION_ROUNDS` at most, every rank at once) for a budget whose
+    per-rank maxima (:meth:`CostCurve.max_samples`) hold fewer than ``total`` samples and at
+    most ``n`` fewer than the next budget tried, then a heap hands out the rest one sample at
+    a time to the rank whose next sample ends earliest. Deterministic: the same floats give
+    the same split on every rank (docs/design/control-plane-scale.md).
 
     Raises:
         AllocationError: sizes disagree, ``total`` is smaller than the number of ranks, or a cap
@@ -208,24 +258,42 @@ def min_max_split(curves: Sequence[CostCurve], total: int, caps: Sequence[int]) 
     for rank, cap in enumerate(caps):
         if cap < 1:
             raise AllocationError(f"rank {rank} has a micro-batch cap of {cap}: it must be >= 1")
-    lo = 0.0
-    hi = max(curve.step_s(total, cap) for curve, cap in zip(curves, caps))
-    if sum(_count(curves, caps, lo)) < total:
-        for _ in range(_BISECTION_ROUNDS):
-            mid = lo + (hi - lo) / 2
-            if mid <= lo or mid >= hi:
-                break
-            if sum(_count(curves, caps, mid)) < total:
-                lo = mid
-            else:
-                hi = mid
-    counts = _count(curves, caps, lo)
-    if sum(counts) > total:  # only when every rank's minimum already fills the batch
-        counts = [1] * n
-    while sum(counts) < total:
-        best = min(range(n), key=lambda i: (curves[i].step_s(counts[i] + 1, caps[i]), i))
+    if total == n:
+        return [1] * n
+    ranks = _Ranks(curves, caps)
+    # bisect on the bits of the (non-negative) budget: adjacent floats in <= 64 rounds
+    lo, lo_counts = 0, np.ones(n, np.int64)  # budget 0: no sample ends by then
+    # by this budget the slowest rank alone holds the whole batch
+    hi = _budget_bits(float(ranks.step_s(np.full(n, total, np.int64)).max()))
+    left = total - n
+    for _ in range(_BISECTION_ROUNDS):
+        if hi - lo <= 1 or left <= n:
+            break
+        mid = lo + (hi - lo) // 2
+        counts = np.maximum(ranks.within(_bits_budget(mid), total), 1)
+        got = int(counts.sum())
+        if got < total:
+            lo, lo_counts, left = mid, counts, total - got
+        else:
+            hi = mid
+    counts = lo_counts.tolist()
+    heap = list(zip(ranks.step_s(lo_counts + 1).tolist(), range(n)))
+    heapq.heapify(heap)
+    for _ in range(left):
+        _, best = heapq.heappop(heap)
         counts[best] += 1
+        heapq.heappush(heap, (curves[best].step_s(counts[best] + 1, caps[best]), best))
     return counts
+
+
+def _budget_bits(budget_s: float) -> int:
+    """The IEEE bits of a non-negative float as an integer (ordered like the floats)."""
+    return struct.unpack("<q", struct.pack("<d", budget_s))[0]
+
+
+def _bits_budget(bits: int) -> float:
+    """Inverse of :func:`_budget_bits`."""
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
 def curves_from(items: Iterable[dict]) -> List[CostCurve]:
