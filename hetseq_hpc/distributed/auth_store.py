@@ -107,6 +107,8 @@ class AuthStoreServer:
             raise ValueError("the job's store needs a token: pass the job's HETSEQ_JOB_TOKEN")
         self._authkey = token.encode()
         self._data: Dict[str, bytes] = {}
+        self._stamps: Dict[str, float] = {}  # key -> time.monotonic() of its last write
+        self._folders: Dict[str, Set[str]] = defaultdict(set)  # "a/b/" -> names of "a/b/*"
         self._queues: Dict[str, deque] = defaultdict(deque)
         self._cond = threading.Condition()
         self._conns: Set[Connection] = set()
@@ -134,7 +136,7 @@ class AuthStoreServer:
     def set(self, key: str, value: Union[str, bytes]) -> None:
         """Set ``key`` to ``value`` in this process (no connection); waiting clients see it."""
         with self._cond:
-            self._data[key] = _b(value)
+            self._write(key, _b(value))
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -208,12 +210,20 @@ class AuthStoreServer:
             and not self._closed.is_set()
         )
 
+    def _write(self, key: str, value: bytes) -> None:
+        """Set ``key`` (holding the condition): its value, its time and its folder's index."""
+        if key not in self._data:
+            folder, _, name = key.rpartition("/")
+            self._folders[folder + "/"].add(name)
+        self._data[key] = value
+        self._stamps[key] = time.monotonic()
+
     def _handle(self, request: List[bytes]) -> List[bytes]:
         op, args = request[0].decode(), request[1:]
-        data = self._data
+        data, write = self._data, self._write
         with self._cond:
             if op == "set":
-                data[args[0].decode()] = args[1]
+                write(args[0].decode(), args[1])
             elif op in ("get", "wait", "multi_get"):
                 keys = [a.decode() for a in args[:-1]]
                 if not self._wait(lambda: all(k in data for k in keys), _seconds(args[-1])):
@@ -222,7 +232,7 @@ class AuthStoreServer:
             elif op == "add":
                 key = args[0].decode()
                 value = int(data.get(key, b"0").decode()) + int(args[1].decode())
-                data[key] = str(value).encode()
+                write(key, str(value).encode())
                 self._cond.notify_all()
                 return [_OK, data[key]]
             elif op == "check":
@@ -231,20 +241,38 @@ class AuthStoreServer:
                 key, expected, desired = args[0].decode(), args[1], args[2]
                 current = data.get(key)
                 if (current is None and expected == b"") or current == expected:
-                    data[key] = desired
+                    write(key, desired)
                     self._cond.notify_all()
                     return [_OK, desired]
                 return [_OK, expected if current is None else current]
             elif op == "delete_key":
-                return [_OK, b"1" if data.pop(args[0].decode(), None) is not None else b"0"]
+                key = args[0].decode()
+                if data.pop(key, None) is None:
+                    return [_OK, b"0"]
+                folder, _, name = key.rpartition("/")
+                self._folders[folder + "/"].discard(name)
+                self._stamps.pop(key, None)
+                return [_OK, b"1"]
             elif op == "num_keys":
                 return [_OK, str(len(data)).encode()]
             elif op == "multi_set":
                 half = len(args) // 2
-                data.update((k.decode(), v) for k, v in zip(args[:half], args[half:]))
+                for k, v in zip(args[:half], args[half:]):
+                    write(k.decode(), v)
             elif op == "append":
                 key = args[0].decode()
-                data[key] = data.get(key, b"") + args[1]
+                write(key, data.get(key, b"") + args[1])
+            elif op == "ages":  # seconds since each key's last write, b"" for a missing key
+                now, stamps = time.monotonic(), self._stamps
+                return [
+                    _OK,
+                    *(
+                        repr(now - stamps[k]).encode() if k in stamps else b""
+                        for k in map(bytes.decode, args)
+                    ),
+                ]
+            elif op == "names":  # the names of the keys in one folder ("a/b/" -> "a/b/*")
+                return [_OK, *(n.encode() for n in self._folders.get(args[0].decode(), ()))]
             elif op == "list_keys":
                 return [_OK, *(k.encode() for k in data)]
             elif op == "queue_push":
@@ -405,6 +433,19 @@ class AuthStoreClient(dist.Store):
 
     def has_extended_api(self) -> bool:
         return True
+
+    # ---------------------------------------------------------------- this store's own reads
+    def ages(self, keys: Sequence[str]) -> List[Optional[float]]:
+        """Seconds since each key was last written (by the server's clock), None for a key
+        never set: one request for any number of keys (a member's heartbeat counter, read
+        without following it)."""
+        return [float(a) if a else None for a in self._call("ages", *map(_b, keys))]
+
+    def names(self, folder: str) -> List[str]:
+        """The names of the keys directly in ``folder`` (``"job/gone/"`` -> ``["3", "5"]`` for
+        ``job/gone/3`` and ``job/gone/5``), in no order: one request, from the server's index
+        (not a scan of every key)."""
+        return [n.decode() for n in self._call("names", _b(folder))]
 
     def set_timeout(self, timeout: timedelta) -> None:
         self._timeout_s = timeout.total_seconds()

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import AuthenticationError
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,10 @@ STORE_ENV = "HETSEQ_STORE"
 TOKEN_ENV = "HETSEQ_JOB_TOKEN"
 #: seconds between two heartbeats of a rank
 HEARTBEAT_S = 0.5
+#: seconds between two looks at the store while re-forming, per :data:`POLL_MEMBERS` members
+#: (every member reads the whole world's state at each look, so the store's load stays flat)
+POLL_S = 0.05
+POLL_MEMBERS = 64
 #: prefix of every key the ranks write (the token itself is the store's authentication key and
 #: appears in no key, so no timeout message or key listing can show it)
 JOB_PREFIX = "job"
@@ -107,6 +111,17 @@ def job_store(timeout_s: float, environ: Optional[Dict[str, str]] = None) -> Opt
     return dist.PrefixStore(JOB_PREFIX, client)
 
 
+def _job_client(store: Any) -> Optional[AuthStoreClient]:
+    """The job store's own client under ``store`` (:func:`job_store`'s ``PrefixStore`` over an
+    :class:`~hetseq_hpc.distributed.auth_store.AuthStoreClient`, keys under
+    :data:`JOB_PREFIX`), which reads the whole world's heartbeats or join keys in one request;
+    None for another store (then each member's key is read on its own)."""
+    inner = (
+        getattr(store, "underlying_store", None) if isinstance(store, dist.PrefixStore) else None
+    )
+    return inner if isinstance(inner, AuthStoreClient) else None
+
+
 def excluded_key(member: int) -> str:
     """The server-side key that says original rank ``member`` was left out."""
     return f"{JOB_PREFIX}/excluded/{int(member)}"
@@ -131,11 +146,15 @@ def arm(store: Any, member: int) -> None:
 
 class Heartbeat:
     """A daemon thread that says "alive" for ``member`` every :data:`HEARTBEAT_S` seconds, and
-    the observer side: which members stopped saying it."""
+    the observer side: which members stopped saying it. On the job's store (:func:`job_store`)
+    the store times every counter's last change itself, so nobody follows the others' counters
+    (which costs every member a read of every other member every beat: W^2 reads at W ranks);
+    on another store this thread follows ``watch`` every beat."""
 
     def __init__(self, store: Any, member: int, watch: Sequence[int] = ()):
         self.store, self.member = store, int(member)
         self.watch = list(watch)  # members whose heartbeats this thread follows all along
+        self._client = _job_client(store)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._seen: Dict[int, Tuple[int, float]] = {}
@@ -146,28 +165,49 @@ class Heartbeat:
         while not self._stop.is_set():
             try:
                 self.store.add(f"hb/{self.member}", 1)
-                self.stale(self.watch, float("inf"))  # so that a silence is timed from its start
+                if self._client is None:  # so that a silence is timed from its start
+                    self.stale(self.watch, float("inf"))
             except Exception:  # the store is gone: the launcher ended, nothing to report to
                 return
             self._stop.wait(HEARTBEAT_S)
 
     def stale(self, members: Sequence[int], stale_s: float) -> List[int]:
         """The members whose heartbeat has not moved for ``stale_s`` seconds (of this process's
-        clock, since it first saw the counter's current value)."""
-        values = {m: int(self.store.add(f"hb/{m}", 0)) for m in members}
-        now, out = time.monotonic(), []
+        clock, since it first saw the counter's current value; on the job's store since the
+        store saw it change, one request for all). A member that never beat is timed from
+        the first time this process asked."""
+        members = [int(m) for m in members]
+        if self._client is not None:
+            ages = self._client.ages([f"{JOB_PREFIX}/hb/{m}" for m in members]) if members else []
+            now = time.monotonic()
+            # the counter's value does not matter here: -1 never beat, 0 its last change's time
+            values = {
+                m: (-1, now) if age is None else (0, now - age) for m, age in zip(members, ages)
+            }
+        else:
+            counts = {m: int(self.store.add(f"hb/{m}", 0)) for m in members}
+            now = time.monotonic()
+            values = {m: (value, now) for m, value in counts.items()}
+        out = []
         with self._lock:
-            for m, value in values.items():
+            for m, (value, changed) in values.items():
                 last = self._seen.get(m)
-                if last is None or last[0] != value:
-                    self._seen[m] = (value, now)
+                if self._client is not None and value == 0:  # the store's time of the last beat
+                    self._seen[m] = (0, changed)
+                    if now - changed > stale_s:
+                        out.append(m)
+                elif last is None or last[0] != value:
+                    self._seen[m] = (value, changed)
                 elif now - last[1] > stale_s:
                     out.append(m)
         return out
 
     def last_beat(self, member: int) -> Optional[float]:
         """When this process last saw ``member``'s heartbeat counter move
-        (``time.monotonic()`` seconds), or None if it never read it."""
+        (``time.monotonic()`` seconds), or None if it never read it (on the job's store: read
+        now, when the store last saw it move, None if it never beat)."""
+        if self._client is not None:
+            self.stale([member], float("inf"))
         with self._lock:
             seen = self._seen.get(int(member))
         return None if seen is None else float(seen[1])
@@ -221,16 +261,22 @@ def reform(
     store.set(f"g{gen}/join/{me}", "1")
     deadline = time.monotonic() + timeout_s
     key = f"g{gen}/members"
+    client = _job_client(store)
+    poll_s = POLL_S * max(1.0, len(old.members) / POLL_MEMBERS)
     while True:
         # a member whose process ended (the launcher says so) is lost, even if it joined
-        gone = [m for m in old.members if m != me and store.check([f"gone/{m}"])]
-        joined = [m for m in old.members if m not in gone and store.check([f"g{gen}/join/{m}"])]
-        waiting = [m for m in old.members if m not in joined and m not in gone]
+        gone_ = _marked(store, client, "gone/", old.members)
+        gone = [m for m in old.members if m != me and m in gone_]
+        gone_ = set(gone)
+        joined_ = _marked(store, client, f"g{gen}/join/", old.members) - gone_
+        joined = [m for m in old.members if m in joined_]
+        waiting = [m for m in old.members if m not in joined_ and m not in gone_]
         # a member that said it is recovering is alive and on its way (tearing its group down
         # can hold the GIL, and with it its heartbeat thread): it gets half of timeout_s
         # (left out before the deadline if it dies on the way), not stale_s
-        coming = [m for m in waiting if store.check([recovering_key(gen, m)])]
-        lost = heartbeat.stale([m for m in waiting if m not in coming], stale_s) + heartbeat.stale(
+        coming_ = _marked(store, client, f"g{gen}/recovering/", waiting)
+        coming = [m for m in waiting if m in coming_]
+        lost = heartbeat.stale([m for m in waiting if m not in coming_], stale_s) + heartbeat.stale(
             coming, max(stale_s, timeout_s / 2.0)
         )
         if len(joined) + len(lost) + len(gone) == len(old.members):
@@ -246,17 +292,29 @@ def reform(
                 f"{timeout_s:g} s (joined: {joined}): raise "
                 "trainer.elastic.timeout_s, or restart from the last checkpoint"
             )
-        time.sleep(0.05)
+        time.sleep(poll_s)
     members = tuple(json.loads(winner.decode() if isinstance(winner, bytes) else winner))
     if me not in members:
         raise RankExcluded(
             f"rank {me} was lost to the others (no heartbeat for {stale_s:g} s) and "
             f"the job went on without it as ranks {list(members)}: nothing to do"
         )
+    kept = set(members)
     for m in old.members:
-        if m not in members:
+        if m not in kept:
             store.set(f"excluded/{m}", str(gen))
     return Membership(gen, members)
+
+
+def _marked(
+    store: Any, client: Optional[AuthStoreClient], folder: str, members: Sequence[int]
+) -> Set[int]:
+    """The members among ``members`` with a key ``folder + str(member)`` in the job's store
+    (``folder`` under :data:`JOB_PREFIX`): one request on the job's store, else one per member."""
+    if client is None:
+        return {m for m in members if store.check([f"{folder}{m}"])}
+    names = set(client.names(f"{JOB_PREFIX}/{folder}"))
+    return {m for m in members if str(m) in names}
 
 
 def join_generation(

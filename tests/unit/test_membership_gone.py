@@ -72,3 +72,31 @@ def test_a_store_timeout_while_reforming_is_named_in_words():
     assert _first_line(RuntimeError("Connection closed by peer\nmore")) == (
         "RuntimeError: Connection closed by peer"
     )
+
+
+def test_a_member_reads_every_heartbeat_in_one_request(job, monkeypatch):
+    """At W ranks every member read every other member's heartbeat counter on its own, every
+    beat (W^2 requests per beat to the job's store, issue 45): now the store times each
+    counter's last change, and one request reads them all; a member that never beat is timed
+    from the first look."""
+    from hetseq_hpc.distributed.auth_store import AuthStoreClient
+
+    _, store = job
+    store.add("hb/3", 1)
+    heartbeat = Heartbeat(store, 0)
+    try:
+        calls = []
+        call = AuthStoreClient._call
+        monkeypatch.setattr(
+            AuthStoreClient,
+            "_call",
+            lambda self, op, *a, **k: calls.append(op) or call(self, op, *a, **k),
+        )
+        assert heartbeat.stale(range(64), 1000.0) == []
+        assert [op for op in calls if op != "add"] == ["ages"]
+        assert calls.count("add") <= 2  # this member's own beats, not a read of the others
+        # 3 beat once, 7 never (timed from the first look above); 99 is seen for the first time
+        assert heartbeat.stale([3, 7, 99], 0.0) == [3, 7]
+        assert heartbeat.last_beat(3) is not None
+    finally:
+        heartbeat.close()
