@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import AuthenticationError
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -76,7 +76,7 @@ def serve_job_store(
     return server, server.port
 
 
-def job_store(timeout_s: float, environ: Optional[Dict[str, str]] = None) -> Optional[Any]:
+def job_store(timeout_s: float, environ: Optional[Dict[str, str]] = None) -> Optional[dist.Store]:
     """A client of the job's store (keys under :data:`JOB_PREFIX`), which proves the job's
     token at connect, or None when the launcher serves none (``HETSEQ_STORE`` unset: no in-job
     recovery).
@@ -111,7 +111,7 @@ def job_store(timeout_s: float, environ: Optional[Dict[str, str]] = None) -> Opt
     return dist.PrefixStore(JOB_PREFIX, client)
 
 
-def _job_client(store: Any) -> Optional[AuthStoreClient]:
+def _job_client(store: dist.Store) -> Optional[AuthStoreClient]:
     """The job store's own client under ``store`` (:func:`job_store`'s ``PrefixStore`` over an
     :class:`~hetseq_hpc.distributed.auth_store.AuthStoreClient`, keys under
     :data:`JOB_PREFIX`), which reads the whole world's heartbeats or join keys in one request;
@@ -139,7 +139,7 @@ def armed_key(member: int) -> str:
     return f"{JOB_PREFIX}/armed/{int(member)}"
 
 
-def arm(store: Any, member: int) -> None:
+def arm(store: dist.Store, member: int) -> None:
     """Say that this rank (original rank ``member``) recovers from a lost peer from now on."""
     store.set(f"armed/{int(member)}", "1")
 
@@ -151,7 +151,7 @@ class Heartbeat:
     (which costs every member a read of every other member every beat: W^2 reads at W ranks);
     on another store this thread follows ``watch`` every beat."""
 
-    def __init__(self, store: Any, member: int, watch: Sequence[int] = ()):
+    def __init__(self, store: dist.Store, member: int, watch: Sequence[int] = ()):
         self.store, self.member = store, int(member)
         self.watch = list(watch)  # members whose heartbeats this thread follows all along
         self._client = _job_client(store)
@@ -235,7 +235,7 @@ def recovering_key(generation: int, member: int) -> str:
     return f"g{int(generation)}/recovering/{int(member)}"
 
 
-def announce_recovery(store: Any, old: Membership, me: int) -> None:
+def announce_recovery(store: dist.Store, old: Membership, me: int) -> None:
     """Say, before tearing the broken group down, that this rank is alive and re-forming:
     :func:`reform` then waits up to half its ``timeout_s`` for it rather than leaving it out
     after ``stale_s`` without a heartbeat (a lost rank never says it)."""
@@ -243,7 +243,12 @@ def announce_recovery(store: Any, old: Membership, me: int) -> None:
 
 
 def reform(
-    store: Any, heartbeat: Heartbeat, me: int, old: Membership, stale_s: float, timeout_s: float
+    store: dist.Store,
+    heartbeat: Heartbeat,
+    me: int,
+    old: Membership,
+    stale_s: float,
+    timeout_s: float,
 ) -> Membership:
     """Agree with the other survivors on the next world (see the module docstring).
 
@@ -307,7 +312,7 @@ def reform(
 
 
 def _marked(
-    store: Any, client: Optional[AuthStoreClient], folder: str, members: Sequence[int]
+    store: dist.Store, client: Optional[AuthStoreClient], folder: str, members: Sequence[int]
 ) -> Set[int]:
     """The members among ``members`` with a key ``folder + str(member)`` in the job's store
     (``folder`` under :data:`JOB_PREFIX`): one request on the job's store, else one per member."""
@@ -318,7 +323,7 @@ def _marked(
 
 
 def join_generation(
-    store: Any, membership: Membership, me: int, backend: str, timeout_s: float
+    store: dist.Store, membership: Membership, me: int, backend: str, timeout_s: float
 ) -> None:
     """Initialise the default process group of ``membership`` through the job's store (no
     master rank: any survivor may be gone), with collective timeout ``timeout_s``."""

@@ -12,7 +12,7 @@ import logging
 import os
 from dataclasses import astuple, dataclass, fields
 from datetime import timedelta
-from typing import Any, Dict, Iterator, List, MutableMapping, Optional
+from typing import Any, Dict, Iterator, List, MutableMapping, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,8 @@ from hetseq_hpc.env.world import WorldInfo, free_port
 from hetseq_hpc.errors import AllocationError, LaunchError
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: NCCL settings of an elastic world (in-job recovery): ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``
 #: (``CleanUpOnly``: the watchdog aborts the communicators of a failed or timed-out collective
@@ -89,7 +91,7 @@ class StepStats:
 class PendingStats:
     """An all-gather of :class:`StepStats` in flight (:meth:`Rendezvous.post_step_stats`)."""
 
-    def __init__(self, work: Any, gathered: List[torch.Tensor]):
+    def __init__(self, work: dist.Work, gathered: List[torch.Tensor]):
         self._work = work
         self._gathered = gathered
 
@@ -102,18 +104,17 @@ class PendingStats:
         """
         self._work.wait()
         kinds = [f.type for f in fields(StepStats)]
-        return [
-            StepStats(
-                *(int(v) if kind == "int" else float(v) for v, kind in zip(row.tolist(), kinds))
-            )
+        rows: List[List[Any]] = [
+            [int(v) if kind == "int" else float(v) for v, kind in zip(row.tolist(), kinds)]
             for row in self._gathered
         ]
+        return [StepStats(*row) for row in rows]
 
 
 class PendingBarrier:
     """A barrier in flight (:meth:`Rendezvous.post_barrier`)."""
 
-    def __init__(self, work: Any):
+    def __init__(self, work: dist.Work):
         self._work = work
 
     def done(self) -> bool:
@@ -135,7 +136,7 @@ class Rendezvous:
     """An initialised default process group plus a gloo group for CPU-side objects."""
 
     world: WorldInfo
-    cpu_group: Any
+    cpu_group: Optional[dist.ProcessGroup]
 
     def exchange_step_stats(self, stats: StepStats) -> List[StepStats]:
         """Every rank's :class:`StepStats` of this step, in rank order.
@@ -170,24 +171,18 @@ class Rendezvous:
         Raises:
             AllocationError: the digests differ; the message names each rank's digest.
         """
-        digests = self.all_gather_objects(digest)
-        if len(set(digests)) != 1:
-            per_rank = ", ".join(f"rank {r}: {d}" for r, d in enumerate(digests))
-            raise AllocationError(
-                f"ranks disagree on the {what} (digest {per_rank}): mixed hetseq_hpc versions? "
-                "install the same hetseq_hpc and torch on every node"
-            )
+        check_same(self.all_gather_objects(digest), what)
 
-    def all_gather_objects(self, obj: Any) -> List[Any]:
+    def all_gather_objects(self, obj: T) -> List[T]:
         """Every rank's ``obj`` (picklable), ordered by rank."""
         out: List[Any] = [None] * self.world.world_size
         dist.all_gather_object(out, obj, group=self.cpu_group)
         return out
 
-    def broadcast_object(self, obj: Any) -> Any:
-        """``obj`` as given on rank 0 (picklable; the other ranks' ``obj`` is ignored)."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+    def broadcast_object(self, obj: T, src: int = 0) -> T:
+        """``obj`` as given on rank ``src`` (picklable; the other ranks' ``obj`` is ignored)."""
+        box: List[Any] = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.cpu_group)
         return box[0]
 
     def all_reduce_sum_cpu(self, values: torch.Tensor) -> torch.Tensor:
@@ -200,6 +195,20 @@ class Rendezvous:
         dist.barrier(group=self.cpu_group)
 
 
+def check_same(digests: Sequence[str], what: str) -> None:
+    """Every rank's digest of ``what`` (in rank order) must be the same.
+
+    Raises:
+        AllocationError: the digests differ; the message names each rank's digest.
+    """
+    if len(set(digests)) != 1:
+        per_rank = ", ".join(f"rank {r}: {d}" for r, d in enumerate(digests))
+        raise AllocationError(
+            f"ranks disagree on the {what} (digest {per_rank}): mixed hetseq_hpc versions? "
+            "install the same hetseq_hpc and torch on every node"
+        )
+
+
 def backend_for(device: torch.device) -> str:
     """``"cpu:gloo,cuda:nccl"`` on a CUDA device, else ``"gloo"``."""
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
@@ -209,7 +218,7 @@ def join(
     world: WorldInfo,
     device: torch.device,
     timeout_s: int,
-    job: Any = None,
+    job: Optional[dist.Store] = None,
     step_timeout_s: Optional[float] = None,
 ) -> Rendezvous:
     """Join the rendezvous at ``tcp://master_addr:master_port``, or through the job's store.
@@ -240,7 +249,7 @@ def join(
         world.node_name,
         "" if world.het_group is None else f", het group {world.het_group}",
     )
-    kwargs = {}
+    kwargs: Dict[str, Any] = {}
     if device.type == "cuda":
         kwargs["device_id"] = device
         if job is not None:  # an elastic world: NCCL must not end the survivors
@@ -280,7 +289,7 @@ def rendezvous(
     world: WorldInfo,
     device: torch.device,
     timeout_s: int,
-    job: Any = None,
+    job: Optional[dist.Store] = None,
     step_timeout_s: Optional[float] = None,
 ) -> Iterator[Rendezvous]:
     """Context manager around :func:`join` that always tears the process group down (the

@@ -28,6 +28,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from hetseq_hpc.distributed.gang import Gang
 from hetseq_hpc.errors import DataError
 from hetseq_hpc.files.atomic import atomic_write_json
 from hetseq_hpc.tasks.prepare_errors import prepare_task
@@ -116,13 +117,13 @@ class Heartbeat:
 
 
 def prepare_on_rank0(
-    task: Any, rdv: Any, run_dir: Path, timeout_s: float, poll_s: float = POLL_S
+    task: Any, rdv: Gang, run_dir: Path, timeout_s: float, poll_s: float = POLL_S
 ) -> None:
     """``task.prepare()`` on rank 0; the other ranks wait for its marker file, then all meet.
 
     Args:
         task: the task (its ``prepare()`` builds caches; cheap when they exist).
-        rdv: the joined :class:`~hetseq_hpc.distributed.rendezvous.Rendezvous`.
+        rdv: the joined rendezvous (:class:`~hetseq_hpc.distributed.gang.Gang`).
         run_dir: the run directory (shared by every rank).
         timeout_s: ``cluster.collective_timeout_s``: a waiting rank gives up when rank 0's
             heartbeat has not changed for this many seconds.

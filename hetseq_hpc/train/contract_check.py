@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from hetseq_hpc.config.schema import RunConfig
-from hetseq_hpc.distributed.rendezvous import Rendezvous
+from hetseq_hpc.distributed.gang import Gang
 from hetseq_hpc.errors import TaskContractError
 from hetseq_hpc.tasks.base import Task
 from hetseq_hpc.tasks.contract import check_loss, checked_batch, checked_count, loss_label
@@ -64,7 +64,7 @@ def check_before_training(
     model: torch.nn.Module,
     run: RunConfig,
     device: torch.device,
-    rdv: Rendezvous,
+    rdv: Gang,
     info: Dict[str, Any],
 ) -> None:
     """The worker's call after the model is built: :func:`check_task_contract`, or with
@@ -90,7 +90,7 @@ def check_task_contract(
     task: Task,
     model: torch.nn.Module,
     device: torch.device,
-    rdv: Rendezvous,
+    rdv: Gang,
     seed: int,
     positions: Optional[Sequence[int]] = None,
 ) -> None:
@@ -187,7 +187,8 @@ def _rows_error(task, full, head, tail, positions, cut) -> Optional[str]:
                     f"with {part.dim()} dims for the {name} half: keep dtype and shape fixed"
                 )
             common = tuple(slice(0, min(a, b)) for a, b in zip(value.shape[1:], part.shape[1:]))
-            if not _same(value[(rows, *common)], part[(slice(None), *common)]):
+            whole_rows, half_rows = (rows, *common), (slice(None), *common)
+            if not _same(value[whole_rows], part[half_rows]):
                 return (
                     f"{_who(task)}.make_batch is not row-wise: {key!r} of the {name} half of "
                     f"training positions {positions} differs from the matching rows of the "

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hetseq_hpc.distributed.rendezvous import Rendezvous
+from hetseq_hpc.distributed.gang import Gang
 from hetseq_hpc.tasks.base import Task
 from hetseq_hpc.tasks.contract import checked_batch
 
@@ -35,7 +35,7 @@ def _add(total: Dict[str, float], part: Dict[str, float]) -> None:
 def evaluate_task(
     task: Task,
     model: nn.Module,
-    rdv: Rendezvous,
+    rdv: Gang,
     batch_size: int,
     device: torch.device,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
@@ -69,7 +69,7 @@ def evaluate_task(
     positions = np.arange(world.rank, int(task.num_val), world.world_size)
     size = max(1, int(batch_size))
     sums: Dict[str, float] = {}
-    starts = list(range(0, positions.size, size))
+    starts: List[Optional[int]] = list(range(0, positions.size, size))
     if same_passes:
         passes = max(rdv.all_gather_objects(len(starts)))
         starts += [None] * (passes - len(starts))  # repeats of a batch, not counted

@@ -16,7 +16,7 @@ import contextlib
 import functools
 import logging
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ from hetseq_hpc.balance.allocation import RankShare
 from hetseq_hpc.balance.memory import local_part, unit_bytes
 from hetseq_hpc.balance.peak import MemoryWatch, peak_resident_bytes
 from hetseq_hpc.config.schema import RunConfig
-from hetseq_hpc.distributed.rendezvous import Rendezvous
+from hetseq_hpc.distributed.gang import Gang
 from hetseq_hpc.errors import CheckpointError
 from hetseq_hpc.tasks.base import Task
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, StateFn
@@ -39,6 +39,9 @@ from hetseq_hpc.train.checkpoint.shards import (
 )
 from hetseq_hpc.train.ddp_hooks import HookState, no_forward_buffer_sync
 from hetseq_hpc.train.precision import GradientPath
+
+if TYPE_CHECKING:  # torch's DDP and FSDP2 modules are imported where they are built
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +101,12 @@ class Replicated:
         ``hook_state`` (:class:`~hetseq_hpc.train.ddp_hooks.HookState`)."""
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        options: Dict[str, Any] = {**no_forward_buffer_sync(), **grad_path.ddp_kwargs()}
         self.module = DDP(
             self.model,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
             gradient_as_bucket_view=True,
-            **no_forward_buffer_sync(),
-            **grad_path.ddp_kwargs(),
+            **options,
         )
         self.module.register_comm_hook(hook_state, grad_path.comm_hook(hook_state))
 
@@ -115,7 +118,7 @@ class Replicated:
 
     def sync(self, last: bool) -> contextlib.AbstractContextManager:
         """All-reduce on the last pass only."""
-        return contextlib.nullcontext() if last else self.module.no_sync()
+        return contextlib.nullcontext() if last else cast("DDP", self.module).no_sync()
 
     def grad_norm(self, max_norm: float, grads: List[torch.Tensor]) -> float:
         """Clip the global gradient norm to ``max_norm`` (0 = no clipping); returns the norm."""
@@ -146,7 +149,7 @@ class Replicated:
         self,
         checkpoints: CheckpointManager,
         step: int,
-        rdv: Rendezvous,
+        rdv: Gang,
         optimizer: torch.optim.Optimizer,
         state: StateFn,
     ) -> Path:
@@ -214,7 +217,7 @@ class Sharded(Replicated):
         checkpoint: str = "sharded",
     ):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
         super().__init__(model, device)
         self.checkpoint = checkpoint
@@ -229,7 +232,7 @@ class Sharded(Replicated):
         for unit in self.units:
             fully_shard(unit, mesh=mesh, offload_policy=offload)
         fully_shard(model, mesh=mesh, offload_policy=offload)
-        self.fsdp_modules = [m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")]
+        self.fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         for module in self.fsdp_modules:  # a plain SUM over ranks, not FSDP's mean
             module.set_force_sum_reduction_for_comms(True)
             module.set_gradient_divide_factor(1.0)
@@ -322,7 +325,9 @@ class Sharded(Replicated):
         calls it; rank 0 gets it, the others an empty dict)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        full = get_optimizer_state_dict(self.model, optimizer, options=self._options())
+        full: Dict[str, Any] = get_optimizer_state_dict(
+            self.model, optimizer, options=self._options()
+        )
         if not full:
             return {}
         index = {name: i for i, name in enumerate(self._fqns(optimizer))}
@@ -341,7 +346,7 @@ class Sharded(Replicated):
         # which it skips while any gradient is set (only at resume, before any backward pass)
         optimizer.zero_grad(set_to_none=True)
         groups = [{**g, "params": [fqns[i] for i in g["params"]]} for g in state["param_groups"]]
-        named = {
+        named: Dict[str, Any] = {
             "state": {fqns[int(i)]: v for i, v in state["state"].items()},
             "param_groups": groups,
         }
@@ -354,7 +359,7 @@ class Sharded(Replicated):
         self,
         checkpoints: CheckpointManager,
         step: int,
-        rdv: Rendezvous,
+        rdv: Gang,
         optimizer: torch.optim.Optimizer,
         state: StateFn,
     ) -> Path:
@@ -381,7 +386,7 @@ class Sharded(Replicated):
         )
 
         options = self._shard_options()
-        optim = get_optimizer_state_dict(self.model, optimizer, options=options)
+        optim: Dict[str, Any] = get_optimizer_state_dict(self.model, optimizer, options=options)
         tensors = {
             "model": get_model_state_dict(self.model, options=options),
             "optim": optim["state"],
@@ -450,7 +455,10 @@ class Sharded(Replicated):
         _same_model(set(model_sd), _model_keys(metadata), source)
         # torch creates the optimizer state to load into by a step on zero gradients (lr 0)
         optimizer.zero_grad(set_to_none=True)
-        optim = get_optimizer_state_dict(self.model, optimizer, options=options)["state"]
+        full_optim: Dict[str, Any] = get_optimizer_state_dict(
+            self.model, optimizer, options=options
+        )
+        optim = full_optim["state"]
         saved = {key for key in metadata.state_dict_metadata if key.startswith("optim.")}
         optim = {
             fqn: v

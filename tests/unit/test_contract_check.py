@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hetseq_hpc.config import compose_run_config
-from hetseq_hpc.distributed.rendezvous import single_process_rendezvous
+from hetseq_hpc.distributed.gang import FakeGang
 from hetseq_hpc.errors import TaskContractError
 from hetseq_hpc.tasks import build_task
 from hetseq_hpc.train.contract_check import check_task_contract, contract_positions
@@ -35,8 +35,7 @@ def _built(breaches_dir: Path, target: str):
 
 
 def _check(task, model) -> None:
-    with single_process_rendezvous() as rdv:
-        check_task_contract(task, model, torch.device("cpu"), rdv, seed=0)
+    check_task_contract(task, model, torch.device("cpu"), FakeGang(), seed=0)
 
 
 def test_check_restores_rng_and_modes_and_refuses_breaches_in_one_line(breaches_dir):

@@ -30,6 +30,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import (
+    IO,
     Any,
     BinaryIO,
     Callable,
@@ -40,11 +41,12 @@ from typing import (
     Protocol,
     Tuple,
     Union,
+    cast,
 )
 
 import torch
 
-from hetseq_hpc.distributed.rendezvous import Rendezvous
+from hetseq_hpc.distributed.gang import Gang
 from hetseq_hpc.errors import CheckpointError
 from hetseq_hpc.files.atomic import atomic_write, atomic_write_text, remove_stale_temps
 from hetseq_hpc.files.user_input import file_problem
@@ -96,7 +98,7 @@ class StateIO(Protocol):
         self,
         checkpoints: CheckpointManager,
         step: int,
-        rdv: Rendezvous,
+        rdv: Gang,
         optimizer: torch.optim.Optimizer,
         state: StateFn,
     ) -> Path:
@@ -230,7 +232,8 @@ def verified_run_id(path: Path) -> str:
     state = stored_state(path)
     if "shards" in state:  # a sharded checkpoint verifies only with all its files
         check_shards(path, state)
-    run_id = state.get("run_id") if isinstance(state.get("run_id"), str) else ""
+    recorded = state.get("run_id")
+    run_id = recorded if isinstance(recorded, str) else ""
     _VERIFIED[str(path)] = (key, run_id)
     return run_id
 
@@ -303,7 +306,8 @@ class CheckpointManager:
         otherwise, see :mod:`hetseq_hpc.rundir.storage`); names the mount point when the disk
         is full or read-only."""
         run_dir = self.run_dir
-        chain, cause = [seen] if seen else [], exc
+        chain: List[BaseException] = [seen] if seen else []
+        cause: Optional[BaseException] = exc
         while cause is not None:
             chain.append(cause)
             cause = cause.__cause__ or cause.__context__
@@ -329,7 +333,7 @@ class CheckpointManager:
                 f"{problem} (writing checkpoint {str(final)!r}; {kept}): "
                 f"{fix_for(problem, run_dir)}"
             )
-        reason = next((e.strerror for e in chain if getattr(e, "strerror", None)), None)
+        reason = next((s for s in (getattr(e, "strerror", None) for e in chain) if s), None)
         return CheckpointError(
             f"could not write checkpoint {str(final)!r} ({reason or type(exc).__name__}; "
             f"{kept}): free disk space or fix permissions"
@@ -351,7 +355,7 @@ class CheckpointManager:
 
         def write(fh: BinaryIO) -> None:
             box["w"] = _HashingWriter(fh)
-            torch.save(payload, box["w"])
+            torch.save(payload, cast(IO[bytes], box["w"]))  # it needs write() and flush()
 
         shards = payload.get("shards")
         self.set_aside_corrupt(
@@ -375,7 +379,7 @@ class CheckpointManager:
     def save(
         self,
         step: int,
-        rdv: Rendezvous,
+        rdv: Gang,
         strategy: StateIO,
         optimizer: torch.optim.Optimizer,
         state: StateFn,
@@ -392,9 +396,7 @@ class CheckpointManager:
         """
         return strategy.save_state(self, step, rdv, optimizer, state)
 
-    def save_on_rank0(
-        self, step: int, rdv: Rendezvous, state: Callable[[], Dict[str, Any]]
-    ) -> Path:
+    def save_on_rank0(self, step: int, rdv: Gang, state: Callable[[], Dict[str, Any]]) -> Path:
         """Rank 0 writes ``state()`` as the checkpoint of ``step`` (:meth:`write`); every rank
         waits for it (one broadcast) and raises the same one-line :class:`CheckpointError` if it
         failed, so no rank hangs in a later collective and the console shows one reason."""
@@ -405,14 +407,14 @@ class CheckpointManager:
             except CheckpointError as exc:
                 error = str(exc)
         path, error = rdv.broadcast_object((path, error))
-        if error:
-            raise CheckpointError(error)
+        if error or path is None:
+            raise CheckpointError(error or f"rank 0 wrote no checkpoint of step {step}")
         return Path(path)
 
     def save_sharded(
         self,
         step: int,
-        rdv: Rendezvous,
+        rdv: Gang,
         record: Dict[str, Any],
         write_shards: Callable[[Path], Dict[str, Any]],
     ) -> Path:
@@ -438,9 +440,7 @@ class CheckpointManager:
         folder = self.directory
         if rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
-        name = shard_dir_name(
-            step, rdv.broadcast_object(secrets.token_hex(8) if rank == 0 else None)
-        )
+        name = shard_dir_name(step, rdv.broadcast_object(secrets.token_hex(8) if rank == 0 else ""))
         tmp, final = folder / f".{name}.tmp", folder / name
         error, problem, digests, entries = None, None, {}, {}
         try:
@@ -488,10 +488,11 @@ class CheckpointManager:
                         f"continue with hetseq-hpc hydra.run.dir={self.run_dir} "
                         "trainer.resume=auto"
                     )
-        path, error = rdv.broadcast_object((path and str(path), error))
-        if error:
-            raise CheckpointError(error)
-        return Path(path)
+        sent = (None if path is None else str(path), error)
+        written, error = rdv.broadcast_object(sent)
+        if error or written is None:
+            raise CheckpointError(error or f"rank 0 wrote no checkpoint of step {step}")
+        return Path(written)
 
     # ------------------------------------------------------------------ choosing, loading
     def choose(self, resume: str, log_other_runs: bool = True) -> ResumeChoice:
@@ -540,7 +541,7 @@ class CheckpointManager:
         return remove_stale_temps([self.directory]) + self.sweep_orphan_shards()
 
     def load(
-        self, resume: str, rdv: Rendezvous
+        self, resume: str, rdv: Gang
     ) -> Tuple[Optional[str], Optional[Dict[str, Any]], List[str]]:
         """Every rank's view of ``trainer.resume``, decided once (a collective).
 
@@ -573,7 +574,11 @@ class CheckpointManager:
                     choice.path,
                 )  # every reason ends ": <fix>"
         path, skipped, error = rdv.broadcast_object(
-            (choice.path and str(choice.path), [str(p) for p, _ in choice.skipped], error)
+            (
+                None if choice.path is None else str(choice.path),
+                [str(p) for p, _ in choice.skipped],
+                error,
+            )
         )
         if error:
             raise CheckpointError(error)
@@ -588,7 +593,7 @@ class CheckpointManager:
             skipped,
         )
 
-    def agree_on_run(self, state: Optional[Dict[str, Any]], rdv: Rendezvous) -> str:
+    def agree_on_run(self, state: Optional[Dict[str, Any]], rdv: Gang) -> str:
         """Every rank's id of the current run, decided once on rank 0 (under the run lock) by
         :func:`hetseq_hpc.rundir.history.start_or_continue`: a resumed checkpoint's run goes
         on; a run starting at step 0 is new, and an earlier run's records in the directory are
@@ -609,8 +614,8 @@ class CheckpointManager:
             except CheckpointError as exc:
                 error = str(exc)
         run_id, error = rdv.broadcast_object((run_id, error))
-        if error:
-            raise CheckpointError(error)
+        if error or run_id is None:
+            raise CheckpointError(error or "rank 0 chose no run id")
         return run_id
 
     # ------------------------------------------------------------------ retention, quarantine

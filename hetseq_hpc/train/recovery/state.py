@@ -10,7 +10,7 @@ from torch import nn
 
 from hetseq_hpc.balance.agree import RankReport
 from hetseq_hpc.balance.allocation import Allocation
-from hetseq_hpc.distributed.rendezvous import Rendezvous
+from hetseq_hpc.distributed.gang import Gang
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager
 from hetseq_hpc.train.records import RankMeta, StepRecord
 
@@ -53,14 +53,14 @@ class TrainState(Protocol):
         """Drop the references to the broken process groups (DDP's wrapper, the gloo group)."""
         ...
 
-    def rejoin(self, rdv: Rendezvous, metas: List[RankMeta], allocation: Allocation) -> None:
+    def rejoin(self, rdv: Gang, metas: List[RankMeta], allocation: Allocation) -> None:
         """Go on in a re-formed world with the same model (DDP: a new wrapper on the new
         group)."""
         ...
 
     def reload(
         self,
-        rdv: Rendezvous,
+        rdv: Gang,
         metas: List[RankMeta],
         allocation: Allocation,
         rebuild: Callable[[], nn.Module],

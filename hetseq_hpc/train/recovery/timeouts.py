@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from hetseq_hpc.balance.allocation import Allocation
-from hetseq_hpc.distributed.rendezvous import Rendezvous
+from hetseq_hpc.distributed.gang import Gang
 from hetseq_hpc.train.records import StepRecord
 
 log = logging.getLogger(__name__)
@@ -195,7 +195,7 @@ def _set(seconds: float, group: Optional[dist.ProcessGroup] = None) -> None:
 
 
 @contextlib.contextmanager
-def rendezvous_timeout(rdv: Rendezvous, seconds: float, after_s: float) -> Iterator[None]:
+def rendezvous_timeout(rdv: Gang, seconds: float, after_s: float) -> Iterator[None]:
     """Inside the block the rendezvous group's collectives (``rdv.cpu_group``) time out after
     ``seconds``, then after ``after_s`` (``cluster.collective_timeout_s``) again (unless a
     recovery dropped the group meanwhile)."""
@@ -203,18 +203,18 @@ def rendezvous_timeout(rdv: Rendezvous, seconds: float, after_s: float) -> Itera
     try:
         yield
     finally:
-        after = getattr(rdv, "cpu_group", None)  # None: dropped by a recovery
+        after = rdv.cpu_group  # None: dropped by a recovery
         if after is not None:
             _set(after_s, after)
 
 
 @contextlib.contextmanager
-def step_timeout(step: StepTimeout, rdv: Rendezvous, after_s: float) -> Iterator[None]:
+def step_timeout(step: StepTimeout, rdv: Gang, after_s: float) -> Iterator[None]:
     """The rendezvous group's collectives wait at most the training step's timeout
     (:class:`StepTimeout`) inside the block: a decision right after a step (re-balancing)
     waits only for the step's skew, so a peer stopped there is noticed as soon as in the step
     itself. Nothing changes without a group."""
-    if getattr(rdv, "cpu_group", None) is None:
+    if rdv.cpu_group is None:
         yield
         return
     with rendezvous_timeout(rdv, step.seconds, after_s):
@@ -223,13 +223,13 @@ def step_timeout(step: StepTimeout, rdv: Rendezvous, after_s: float) -> Iterator
 
 @contextlib.contextmanager
 def phase_timeout(
-    timeouts: PhaseTimeouts, step: StepTimeout, rdv: Rendezvous, phase: str, after_s: float
+    timeouts: PhaseTimeouts, step: StepTimeout, rdv: Gang, phase: str, after_s: float
 ) -> Iterator[None]:
     """Inside the block the collectives of ``phase`` (``"validation"``, ``"checkpoint"``) time
     out after :meth:`PhaseTimeouts.seconds` (nothing changes without a group); the block's
     duration is recorded when it completes (not when it fails: a failed phase is redone after
     the recovery, and its time says nothing about the phase)."""
-    group = getattr(rdv, "cpu_group", None)
+    group = rdv.cpu_group
     if group is None:
         yield
         return
