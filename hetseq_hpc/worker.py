@@ -48,6 +48,7 @@ from hetseq_hpc.balance.placement import (
 )
 from hetseq_hpc.balance.rebalance import Rebalancer
 from hetseq_hpc.config import RunConfig, load_run_config
+from hetseq_hpc.distributed.gang import Gang
 from hetseq_hpc.distributed.rendezvous import rendezvous
 from hetseq_hpc.env.emulation import emulate_speed, exempt_communication_threads
 from hetseq_hpc.env.emulation import record as record_emulation
@@ -139,7 +140,7 @@ def calibrate_rank(
     device: torch.device,
     budget: float,
     autocast: Any,
-    rdv: Any,
+    rdv: Gang,
     static: float,
     param_bytes: float,
 ) -> Any:
@@ -329,14 +330,14 @@ def run_worker(
             RankReport.of(r)
             for r in rdv.all_gather_objects(
                 RankReport(
-                    world=world.to_dict(),
-                    probe=dev.to_dict(),
-                    calibration=cal.to_dict(),
-                    meta=dict(meta.__dict__),
+                    world=world,
+                    probe=dev,
+                    calibration=cal,
+                    meta=meta,
                     precision=precision,
                     threads=threads,
-                    emulation=emulation.to_dict(),
-                    placement=placement.to_dict(),
+                    emulation=emulation,
+                    placement=placement,
                 ).to_dict()
             )
         ]
@@ -356,7 +357,7 @@ def run_worker(
                     {"startup": clock.to_dict(), **(extra or {})},
                 )
 
-        metas = [RankMeta(**r.meta) for r in reports]
+        metas = [r.meta for r in reports]
         rebalancer = None
         if parallel.sharded and run.balance.rebalance_interval and world.world_size > 1:
             log.info(

@@ -1,18 +1,25 @@
 """All ranks agree on one allocation: every rank's start-up report (probe, calibration,
 placement) is gathered, each rank computes the same split from the same floats, and a digest
-check proves they did (:meth:`hetseq_hpc.distributed.rendezvous.Rendezvous.check_agreement`).
+check proves they did (:meth:`hetseq_hpc.distributed.gang.Gang.check_agreement`).
 Rank 0 records it in ``allocation.json``."""
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from hetseq_hpc.balance.allocation import Allocation, allocate
+from hetseq_hpc.balance.calibrate import Calibration
 from hetseq_hpc.balance.curves import CostCurve
+from hetseq_hpc.balance.placement import RankPlacement
+from hetseq_hpc.config.schema import RunConfig
+from hetseq_hpc.distributed.gang import Gang
+from hetseq_hpc.env.emulation import Emulation
+from hetseq_hpc.env.hardware import DeviceProbe
+from hetseq_hpc.env.world import WorldInfo
 from hetseq_hpc.errors import AllocationError
 from hetseq_hpc.files.atomic import atomic_write_json
 from hetseq_hpc.rundir.paths import RunDir
@@ -20,53 +27,88 @@ from hetseq_hpc.rundir.paths import RunDir
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class RankMeta:
+    """Static facts about a rank, reported in metrics.jsonl and allocation.json."""
+
+    rank: int
+    device: str
+    node: str
+    het_group: Optional[int] = None
+    partition: Optional[str] = None
+    gres: Optional[str] = None
+    precision: Optional[str] = None  # what the rank computes in (fp32, bf16, fp16)
+
+
 @dataclass(frozen=True)
 class RankReport:
     """What one rank tells every other rank at start-up (gathered once, the same on all).
 
     Attributes:
-        world: :meth:`hetseq_hpc.env.world.WorldInfo.to_dict` (rank, node, het component).
-        probe: :meth:`hetseq_hpc.env.hardware.DeviceProbe.to_dict` (device, memory).
-        calibration: :meth:`hetseq_hpc.balance.calibrate.Calibration.to_dict` (samples/s, cost
-            curve, memory figures in bytes, ``max_micro_batch`` in samples).
-        meta: the rank's :class:`hetseq_hpc.train.records.RankMeta` fields.
+        probe: the rank's device and its memory.
+        calibration: samples/s, cost curve, memory figures in bytes, ``max_micro_batch`` in
+            samples.
+        world: the rank's place in the job (rank, node, het component).
+        meta: the rank's facts for metrics.jsonl and allocation.json.
         precision: the rank's resolved precision (fp32, bf16, fp16).
         threads: torch CPU threads of the rank.
         emulation: how its speed is emulated (``cluster.speeds``), or None.
-        placement: :meth:`hetseq_hpc.balance.placement.RankPlacement.to_dict`.
+        placement: how the rank runs (partition, memory budget), or None.
     """
 
-    probe: Dict[str, Any]
-    calibration: Dict[str, Any]
-    world: Dict[str, Any] = field(default_factory=dict)
-    meta: Dict[str, Any] = field(default_factory=dict)
+    probe: DeviceProbe
+    calibration: Calibration
+    world: WorldInfo
+    meta: RankMeta
     precision: str = "fp32"
     threads: int = 1
-    emulation: Optional[Dict[str, Any]] = None
-    placement: Dict[str, Any] = field(default_factory=dict)
+    emulation: Optional[Emulation] = None
+    placement: Optional[RankPlacement] = None
 
     @classmethod
     def of(cls, value: Union[RankReport, Mapping[str, Any]]) -> RankReport:
-        """``value`` itself, or the report a plain mapping of the same fields describes."""
-        return value if isinstance(value, cls) else cls(**dict(value))
+        """``value`` itself, or the report a plain mapping of :meth:`to_dict` describes."""
+        return value if isinstance(value, RankReport) else cls.from_dict(value)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RankReport:
+        """Inverse of :meth:`to_dict`."""
+        emulation, placement = data.get("emulation"), data.get("placement")
+        return cls(
+            probe=DeviceProbe.from_dict(data["probe"]),
+            calibration=Calibration(**data["calibration"]),
+            world=WorldInfo(**data["world"]),
+            meta=RankMeta(**data["meta"]),
+            precision=str(data.get("precision", "fp32")),
+            threads=int(data.get("threads", 1)),
+            emulation=None
+            if emulation is None
+            else Emulation(**{**emulation, "exempt_threads": tuple(emulation["exempt_threads"])}),
+            placement=None if placement is None else RankPlacement(**placement),
+        )
 
     def to_dict(self) -> Dict[str, Any]:
-        """Plain data (what travels between ranks)."""
-        return asdict(self)
+        """Plain data (what travels between ranks): each part's ``to_dict``."""
+        return {
+            "probe": self.probe.to_dict(),
+            "calibration": self.calibration.to_dict(),
+            "world": self.world.to_dict(),
+            "meta": asdict(self.meta),
+            "precision": self.precision,
+            "threads": self.threads,
+            "emulation": None if self.emulation is None else self.emulation.to_dict(),
+            "placement": None if self.placement is None else self.placement.to_dict(),
+        }
 
 
-ReportLike = Union[RankReport, Mapping[str, Any]]
-
-
-def agree_on_allocation(run: Any, reports: Sequence[ReportLike], rdv) -> Allocation:
+def agree_on_allocation(run: RunConfig, reports: Sequence[RankReport], rdv: Gang) -> Allocation:
     """Compute the allocation from every rank's report and check that all ranks got the same.
 
     Raises:
         AllocationError: a rank cannot fit one sample, ranks mix CUDA and CPU, or digests differ.
     """
-    reports = [RankReport.of(r) for r in reports]
-    check_device_kinds([r.probe["kind"] for r in reports])
-    caps = [int(r.calibration["max_micro_batch"]) for r in reports]
+    check_device_kinds([r.probe.kind for r in reports])
+    caps = [int(r.calibration.max_micro_batch) for r in reports]
     shard_hint = (
         "shard the model state (sharding.mode=fsdp, or auto), "
         if run.sharding.mode == "none"
@@ -75,7 +117,8 @@ def agree_on_allocation(run: Any, reports: Sequence[ReportLike], rdv) -> Allocat
     for i, cap in enumerate(caps):
         if cap < 1:
             cal = reports[i].calibration
-            key = (reports[i].placement or {}).get("partition_key")
+            placement = reports[i].placement
+            key = placement.partition_key if placement is not None else None
             knob = (
                 f"cluster.partitions.{key}.memory_budget_gb"
                 if key
@@ -84,13 +127,13 @@ def agree_on_allocation(run: Any, reports: Sequence[ReportLike], rdv) -> Allocat
                 else "cluster.memory_budget_gb"
             )
             raise AllocationError(
-                f"rank {i} ({reports[i].probe['name']}) cannot fit one sample: needs "
-                f"{(cal['static_bytes'] + cal['activation_bytes_per_sample']) / 2**30:.2f} GiB, "
-                f"has {cal['memory_budget_bytes'] / 2**30:.2f} GiB (memory budget {knob}, unset = "
+                f"rank {i} ({reports[i].probe.name}) cannot fit one sample: needs "
+                f"{(cal.static_bytes + cal.activation_bytes_per_sample) / 2**30:.2f} GiB, "
+                f"has {cal.memory_budget_bytes / 2**30:.2f} GiB (memory budget {knob}, unset = "
                 f"the device's free memory); {shard_hint}raise {knob} if the device has more "
                 "memory, shrink task.model, or leave that device out"
             )
-    throughputs = [float(r.calibration["samples_per_s"]) for r in reports]
+    throughputs = [float(r.calibration.samples_per_s) for r in reports]
     allocation = allocate(
         throughputs,
         run.trainer.global_batch_size,
@@ -117,7 +160,7 @@ def check_device_kinds(kinds: Sequence[str]) -> None:
 
 
 def agree_on_sharding(
-    mode: str, param_bytes: float, memory_budget_bytes: float, rdv, device_kind: str = "cpu"
+    mode: str, param_bytes: float, memory_budget_bytes: float, rdv: Gang, device_kind: str = "cpu"
 ) -> str:
     """The data-parallel mode every rank uses, from ``sharding.mode``: ``none`` -> ``ddp``,
     ``fsdp`` -> ``fsdp``, ``auto`` -> ``ddp`` when a full replica fits every rank's memory
@@ -158,19 +201,19 @@ def agree_on_sharding(
     return chosen
 
 
-def report_curves(reports: Sequence[ReportLike]) -> Optional[List[CostCurve]]:
+def report_curves(reports: Sequence[RankReport]) -> Optional[List[CostCurve]]:
     """Every rank's calibrated cost curve (:mod:`hetseq_hpc.balance.curves`), from the same gathered
     floats on every rank; None when a report has no fit (then the split follows samples/s)."""
-    cals = [RankReport.of(r).calibration for r in reports]
-    if not all(float(c.get("per_sample_s") or 0) > 0 for c in cals):
+    cals = [r.calibration for r in reports]
+    if not all(float(c.per_sample_s or 0) > 0 for c in cals):
         return None
-    return [CostCurve.from_dict(c) for c in cals]
+    return [CostCurve(c.overhead_s, c.per_sample_s, c.step_fixed_s) for c in cals]
 
 
 def write_allocation_json(
     run_dir: Path,
     allocation: Allocation,
-    reports: Sequence[ReportLike],
+    reports: Sequence[RankReport],
     extra: Optional[Dict[str, Any]] = None,
 ) -> Path:
     """Rank 0 writes ``allocation.json``: the split, the digest, and every rank's world, probe,
@@ -180,15 +223,15 @@ def write_allocation_json(
         "digest": allocation.digest(),
         "ranks": [
             {
-                **r.meta,
-                "world": r.world,
-                "probe": r.probe,
-                "calibration": r.calibration,
+                **asdict(r.meta),
+                "world": r.world.to_dict(),
+                "probe": r.probe.to_dict(),
+                "calibration": r.calibration.to_dict(),
                 "precision": r.precision,
-                "emulation": r.emulation,
+                "emulation": None if r.emulation is None else r.emulation.to_dict(),
                 "share": allocation.to_dict()["shares"][i],
             }
-            for i, r in enumerate(RankReport.of(x) for x in reports)
+            for i, r in enumerate(reports)
         ],
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
@@ -199,4 +242,10 @@ def write_allocation_json(
     return path
 
 
-__all__ = ["RankReport", "agree_on_allocation", "report_curves", "write_allocation_json"]
+__all__ = [
+    "RankMeta",
+    "RankReport",
+    "agree_on_allocation",
+    "report_curves",
+    "write_allocation_json",
+]

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hetseq_hpc.balance.agree import RankReport, check_device_kinds, report_curves
+from hetseq_hpc.balance.agree import RankMeta, RankReport, check_device_kinds, report_curves
 from hetseq_hpc.balance.allocation import Allocation, allocate
 from hetseq_hpc.balance.calibrate import calibrate
 from hetseq_hpc.balance.memory import memory_budget_bytes
@@ -359,29 +359,39 @@ class Balancer:
                 autocast,
                 wait_for_peers=self.rdv.post_barrier if world > 1 else None,
             )
+        here = self.rdv.world
+        meta = RankMeta(
+            rank=here.rank,
+            device=dev.label,
+            node=here.node_name,
+            het_group=here.het_group,
+            partition=here.partition,
+            precision=precision,
+        )
         mine = RankReport(
-            world=self.rdv.world.to_dict(),
-            probe=dev.to_dict(),
-            calibration=cal.to_dict(),
+            world=here,
+            probe=dev,
+            calibration=cal,
+            meta=meta,
             precision=precision,
             threads=torch.get_num_threads(),
-            placement=placement.to_dict(),
+            placement=placement,
         )
         self.reports = [RankReport.of(r) for r in self.rdv.all_gather_objects(mine.to_dict())]
-        check_device_kinds([r.probe["kind"] for r in self.reports])
-        caps = [int(r.calibration["max_micro_batch"]) for r in self.reports]
+        check_device_kinds([r.probe.kind for r in self.reports])
+        caps = [int(r.calibration.max_micro_batch) for r in self.reports]
         for i, cap in enumerate(caps):
             if cap < 1:
                 cal_i = self.reports[i].calibration
-                need = (cal_i["static_bytes"] + cal_i["activation_bytes_per_sample"]) / 2**30
+                need = (cal_i.static_bytes + cal_i.activation_bytes_per_sample) / 2**30
                 raise AllocationError(
-                    f"rank {i} ({self.reports[i].probe['name']}) cannot fit one sample: needs "
-                    f"{need:.2f} GiB, has {cal_i['memory_budget_bytes'] / 2**30:.2f} GiB; raise "
+                    f"rank {i} ({self.reports[i].probe.name}) cannot fit one sample: needs "
+                    f"{need:.2f} GiB, has {cal_i.memory_budget_bytes / 2**30:.2f} GiB; raise "
                     "memory_budget_gb if the device has more memory, shrink the model, or leave "
                     "that device out"
                 )
         allocation = allocate(
-            [float(r.calibration["samples_per_s"]) for r in self.reports],
+            [float(r.calibration.samples_per_s) for r in self.reports],
             s.global_batch_size,
             caps,
             forced=list(s.allocation) if s.allocation is not None else None,

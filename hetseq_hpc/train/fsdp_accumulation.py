@@ -11,14 +11,14 @@ docs/design/sharding.md, "Accumulation without resharding between micro-batches"
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Sequence, cast
 
 from hetseq_hpc.balance.agree import RankReport
 from hetseq_hpc.balance.allocation import Allocation
 from hetseq_hpc.balance.memory import model_state_bytes
 from hetseq_hpc.config.sharding import ShardingConfig
-from hetseq_hpc.distributed.rendezvous import Rendezvous
-from hetseq_hpc.train.parallel import Replicated, equal_pass_sizes
+from hetseq_hpc.distributed.gang import Gang
+from hetseq_hpc.train.parallel import Replicated, Sharded, equal_pass_sizes
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def agree_on_accumulation(
     parallel: Replicated,
     allocation: Allocation,
     reports: Sequence[RankReport],
-    rdv: Rendezvous,
+    rdv: Gang,
 ) -> str:
     """Decide, on every rank alike, what FSDP does between the micro-batches of a step, and set
     it on ``parallel`` (``Sharded.between_micro_batches``, in ``summary.json``'s ``sharding``).
@@ -60,27 +60,28 @@ def agree_on_accumulation(
     """
     if not getattr(parallel, "sharded", False):
         return "ddp"
+    shard = cast(Sharded, parallel)  # sharded: the FSDP2 strategy
     setting = str(sharding.between_micro_batches)
     passes = max(len(s.micro_sizes) for s in allocation.shares)
     chosen = "one_pass" if passes < 2 else setting
     if chosen in ("auto", "keep_unsharded"):
         rank = rdv.world.rank
-        sizes = parallel.sizes
+        sizes = shard.sizes
         state = model_state_bytes(
             sizes.total,
             "fsdp",
             rdv.world.world_size,
             sizes.block,
-            parallel.offload,
+            shard.offload,
             gathered_weights=False,
             root_bytes=sizes.root,
             keep_gathered=True,
         )
-        cal = RankReport.of(reports[rank]).calibration
+        cal = reports[rank].calibration
         largest = equal_pass_sizes(allocation.shares[rank].samples, passes)[0][0]
         fits = rdv.all_gather_objects(
             keep_unsharded_fits(
-                state, cal["memory_budget_bytes"], cal["activation_bytes_per_sample"], largest
+                state, cal.memory_budget_bytes, cal.activation_bytes_per_sample, largest
             )
         )
         short = [r for r, ok in enumerate(fits) if not ok]
@@ -107,7 +108,7 @@ def agree_on_accumulation(
                 passes,
                 why,
             )
-    parallel.between_micro_batches = chosen
+    shard.between_micro_batches = chosen
     return chosen
 
 

@@ -4,22 +4,10 @@ step's outcome, and the phases of the work after a step (which in-job recovery r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
+from hetseq_hpc.balance.agree import RankMeta
 from hetseq_hpc.distributed.rendezvous import StepStats
-
-
-@dataclass
-class RankMeta:
-    """Static facts about a rank, reported in metrics.jsonl and allocation.json."""
-
-    rank: int
-    device: str
-    node: str
-    het_group: Optional[int] = None
-    partition: Optional[str] = None
-    gres: Optional[str] = None
-    precision: Optional[str] = None  # what the rank computes in (fp32, bf16, fp16)
 
 
 @dataclass

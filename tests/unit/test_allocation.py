@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from hetseq_hpc.balance.agree import RankReport
 from hetseq_hpc.balance.allocation import (
     Allocation,
     RankShare,
@@ -19,7 +20,9 @@ from hetseq_hpc.balance.allocation import (
 )
 from hetseq_hpc.balance.curves import CostCurve, min_max_split, predicted_step_s
 from hetseq_hpc.balance.memory import micro_batch_cap
+from hetseq_hpc.distributed.gang import FakeGang
 from hetseq_hpc.errors import AllocationError
+from tests.helpers.reports import rank_report
 
 GiB = 1024**3
 
@@ -373,28 +376,24 @@ def test_exact_proportional_split_is_found(weights, total, exact):
     assert proportional_counts(weights, total) == exact
 
 
-def _report(cap: int, placement: dict) -> dict:
+def _report(rank: int, cap: int, partition_key=None) -> RankReport:
     """One rank's report as the worker gathers it (a CPU rank that fits ``cap`` samples)."""
-    return {
-        "probe": {"kind": "cpu", "name": "cpu"},
-        "placement": placement,
-        "calibration": {
-            "max_micro_batch": cap,
-            "samples_per_s": 10.0,
-            "static_bytes": 2 * GiB,
-            "activation_bytes_per_sample": 0.5 * GiB,
-            "memory_budget_bytes": 1 * GiB,
-        },
-    }
+    return rank_report(
+        rank,
+        2,
+        max_micro_batch=cap,
+        static_bytes=2 * GiB,
+        activation_bytes_per_sample=0.5 * GiB,
+        memory_budget_bytes=1 * GiB,
+        partition_key=partition_key,
+    )
 
 
 @pytest.mark.parametrize(
     "placement, knob",
     [
-        pytest.param({"partition_key": None}, "cluster.memory_budget_gb", id="local"),
-        pytest.param(
-            {"partition_key": "t4"}, "cluster.partitions.t4.memory_budget_gb", id="partition"
-        ),
+        pytest.param(None, "cluster.memory_budget_gb", id="local"),
+        pytest.param("t4", "cluster.partitions.t4.memory_budget_gb", id="partition"),
     ],
 )
 def test_cannot_fit_one_sample_names_the_memory_budget_knob(placement, knob):
@@ -403,9 +402,7 @@ def test_cannot_fit_one_sample_names_the_memory_budget_knob(placement, knob):
 
     run = compose_run_config(["cluster.ranks=2"])
     with pytest.raises(AllocationError) as info:
-        agree_on_allocation(
-            run, [_report(4, {"partition_key": None}), _report(0, placement)], rdv=None
-        )
+        agree_on_allocation(run, [_report(0, 4), _report(1, 0, placement)], rdv=FakeGang(2))
     message = str(info.value)
     assert message.startswith("rank 1 (cpu) cannot fit one sample: needs 2.50 GiB, has 1.00 GiB")
     assert f"raise {knob}" in message and "\n" not in message

@@ -19,11 +19,13 @@ from hetseq_hpc.balance.memory import (
     model_state_bytes,
 )
 from hetseq_hpc.config import compose_run_config
+from hetseq_hpc.distributed.gang import FakeGang
 from hetseq_hpc.distributed.rendezvous import single_process_rendezvous
 from hetseq_hpc.errors import ConfigError
 from hetseq_hpc.train.fsdp_accumulation import agree_on_accumulation, keep_unsharded_fits
 from hetseq_hpc.train.parallel import Sharded
 from tests.helpers.nets import TwoBlockNet
+from tests.helpers.reports import rank_report
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -60,16 +62,9 @@ def test_keep_unsharded_fits_the_state_and_the_largest_pass_in_the_budget():
     assert not keep_unsharded_fits(120 * MiB, 100 * MiB, 0.0, 1)
 
 
-class _Rdv:
+def _rdv(other: bool) -> FakeGang:
     """Two ranks: this one (rank 0) and another whose verdict is ``other``."""
-
-    def __init__(self, other: bool, rank: int = 0):
-        self.world = SimpleNamespace(rank=rank, world_size=2)
-        self.other, self.gathered = other, []
-
-    def all_gather_objects(self, obj):
-        self.gathered.append(obj)
-        return [obj, self.other]
+    return FakeGang(world_size=2, rank=0, answers=[{1: other}])
 
 
 def _share(samples, micro_sizes):
@@ -77,13 +72,9 @@ def _share(samples, micro_sizes):
 
 
 def _report(budget_mib, per_sample_mib):
-    return {
-        "probe": {},
-        "calibration": {
-            "memory_budget_bytes": budget_mib * MiB,
-            "activation_bytes_per_sample": per_sample_mib * MiB,
-        },
-    }
+    return rank_report(
+        memory_budget_bytes=budget_mib * MiB, activation_bytes_per_sample=per_sample_mib * MiB
+    )
 
 
 def _cfg(setting):
@@ -116,12 +107,12 @@ ACCUMULATING = SimpleNamespace(shares=[_share(24, [5, 5, 5, 5, 4]), _share(8, [4
 def test_every_rank_must_fit_for_auto_to_keep_the_weights_gathered(
     setting, budget, other, expected, caplog
 ):
-    parallel, rdv = _sharded(), _Rdv(other)
+    parallel, rdv = _sharded(), _rdv(other)
     reports = [_report(budget, 2), _report(1000, 2)]
     caplog.set_level("INFO")
     assert agree_on_accumulation(_cfg(setting), parallel, ACCUMULATING, reports, rdv) == expected
     assert parallel.between_micro_batches == expected
-    assert len(rdv.gathered) == 1  # one all-gather of this rank's verdict
+    assert len(rdv.calls) == 1  # one all-gather of this rank's verdict
     assert f"sharding.between_micro_batches={setting} -> {expected}, 5 passes" in caplog.text
     if not other:
         assert "do not fit rank(s) [1]" in caplog.text
@@ -130,7 +121,7 @@ def test_every_rank_must_fit_for_auto_to_keep_the_weights_gathered(
 
 def test_nothing_to_decide_without_accumulation_under_reshard_or_ddp():
     single = SimpleNamespace(shares=[_share(24, [24]), _share(8, [8])])
-    rdv = _Rdv(True)
+    rdv = _rdv(True)
     parallel = _sharded()
     assert agree_on_accumulation(_cfg("auto"), parallel, single, [], rdv) == "one_pass"
     assert parallel.between_micro_batches == "one_pass"
@@ -139,7 +130,7 @@ def test_nothing_to_decide_without_accumulation_under_reshard_or_ddp():
         agree_on_accumulation(_cfg("auto"), SimpleNamespace(sharded=False), ACCUMULATING, [], rdv)
         == "ddp"
     )
-    assert rdv.gathered == []  # the same on every rank without a collective
+    assert rdv.calls == []  # the same on every rank without a collective
 
 
 def test_config_values():

@@ -31,6 +31,7 @@ from torch import nn
 from hetseq_hpc.balance.agree import RankReport, agree_on_allocation
 from hetseq_hpc.balance.allocation import Allocation
 from hetseq_hpc.config.schema import RunConfig
+from hetseq_hpc.distributed.gang import Gang
 from hetseq_hpc.distributed.membership import (
     Heartbeat,
     Membership,
@@ -90,7 +91,7 @@ class ElasticWorld:
         self,
         run: RunConfig,
         store: dist.Store,
-        rdv: Rendezvous,
+        rdv: Gang,
         reports: Sequence[RankReport],
         device: torch.device,
         rebuild: Optional[Callable[[], nn.Module]] = None,
@@ -232,7 +233,7 @@ class ElasticWorld:
             "event": "membership",
             "step": step,
             "generation": new.generation,
-            "lost": [{"rank": m, "host": self.reports[m].world.get("node_name", "")} for m in lost],
+            "lost": [{"rank": m, "host": self.reports[m].world.node_name} for m in lost],
             "world_size": len(new.members),
             "members": list(new.members),
             "lost_monotonic": min([failed, *(self._last_beat(m) for m in lost)]),
@@ -299,7 +300,7 @@ class ElasticWorld:
             raise RuntimeError("ElasticWorld(rebuild=...) is needed to recover an FSDP run")
         return self.rebuild()
 
-    def _agree_progress(self, trainer: TrainState, rdv: Rendezvous) -> None:
+    def _agree_progress(self, trainer: TrainState, rdv: Gang) -> None:
         """Every survivor at the most advanced survivor's step (its full state, step record and
         row sent to those behind), and at the earliest phase of it some survivor did not
         complete (:mod:`hetseq_hpc.train.records`): that phase is redone by all."""
@@ -311,16 +312,16 @@ class ElasticWorld:
             return
         source = [s for s, _ in marks].index(top)
         mine = rdv.world.rank == source
-        box = [(trainer.state_dict(), trainer.history[-1], trainer.last_row) if mine else None]
-        dist.broadcast_object_list(box, src=source, group=rdv.cpu_group)
-        if trainer.step != top:
-            state, rec, row = box[0]
+        sent = (trainer.state_dict(), trainer.history[-1], trainer.last_row) if mine else None
+        got = rdv.broadcast_object(sent, src=source)
+        if trainer.step != top and got is not None:
+            state, rec, row = got
             trainer.load_state_dict(state, f"the state of surviving rank {source}")
             trainer.history.append(rec)
             trainer.last_row = row
         log.info("step %d was completed by some survivors: all now continue from it", top)
 
-    def _stop(self, trainer: TrainState, rdv: Rendezvous, event: Dict[str, Any], why: str) -> None:
+    def _stop(self, trainer: TrainState, rdv: Gang, event: Dict[str, Any], why: str) -> None:
         """Checkpoint the last completed step (the new rank 0 writes it, with the step's row
         and the membership event if missing) and stop with code REQUEUE, as a preemption does:
         a Slurm job is requeued and resumes from it. Under FSDP the lost shard is gone: no
@@ -359,12 +360,12 @@ class ElasticWorld:
         if self.timeout.observe(longest):
             self.timeout.apply()
 
-    def step_timeout(self, rdv: Rendezvous) -> contextlib.AbstractContextManager:
+    def step_timeout(self, rdv: Gang) -> contextlib.AbstractContextManager:
         """A decision right after a step (re-balancing) waits at most the step's timeout
         (:func:`~hetseq_hpc.train.recovery.timeouts.step_timeout`)."""
         return step_timeout(self.timeout, rdv, self.run.cluster.collective_timeout_s)
 
-    def phase_timeout(self, phase: str, rdv: Rendezvous) -> contextlib.AbstractContextManager:
+    def phase_timeout(self, phase: str, rdv: Gang) -> contextlib.AbstractContextManager:
         """The collectives of ``phase`` (``"validation"``, ``"checkpoint"``) wait their own
         measured time (:func:`~hetseq_hpc.train.recovery.timeouts.phase_timeout`)."""
         return phase_timeout(
@@ -373,7 +374,7 @@ class ElasticWorld:
 
     def first_validation_wait(
         self,
-        rdv: Rendezvous,
+        rdv: Gang,
         history: Sequence[StepRecord],
         rank: int,
         world_size: int,
@@ -384,14 +385,14 @@ class ElasticWorld:
         return first_validation_wait(
             self.phase_timeouts,
             self.timeout.seconds,
-            getattr(rdv, "cpu_group", None),
+            rdv.cpu_group,
             history,
             rank,
             world_size,
             local_s,
         )
 
-    def _split(self, rdv: Rendezvous, members: Sequence[int]) -> Allocation:
+    def _split(self, rdv: Gang, members: Sequence[int]) -> Allocation:
         """The same global batch over the survivors, from their start-up calibrations (under
         FSDP with the micro-batch caps of the larger shards, :func:`reports_for_world`)."""
         run = self.run

@@ -27,14 +27,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hetseq_hpc.balance.agree import RankReport
 from hetseq_hpc.balance.memory import micro_batch_cap
-from hetseq_hpc.distributed.rendezvous import Rendezvous
+from hetseq_hpc.distributed.gang import Gang
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager
 
 log = logging.getLogger(__name__)
 
 
 def checkpoint_to_reload(
-    checkpoints: CheckpointManager, rdv: Rendezvous, resumed_from: Optional[str]
+    checkpoints: CheckpointManager, rdv: Gang, resumed_from: Optional[str]
 ) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
     """``(path, state)`` of the newest checkpoint of this run (agreed over ``rdv``: a
     collective), else of the checkpoint the run started from (``resumed_from``), else
@@ -73,23 +73,26 @@ def reports_for_world(
     """
     out = []
     for report in reports:
-        cal = dict(report.calibration)
+        cal = report.calibration
         cap = micro_batch_cap(
-            float(cal["memory_budget_bytes"]),
+            float(cal.memory_budget_bytes),
             static_bytes,
-            float(cal["activation_bytes_per_sample"]),
+            float(cal.activation_bytes_per_sample),
             limit,
         )
-        if cap < int(cal["max_micro_batch"]):
+        if cap < int(cal.max_micro_batch):
             log.info(
                 "rank %s: micro-batch cap %d -> %d for its larger shard (%.1f MiB of model state)",
-                report.world.get("rank", "?"),
-                int(cal["max_micro_batch"]),
+                report.world.rank,
+                int(cal.max_micro_batch),
                 cap,
                 static_bytes / 2**20,
             )
-        cal["max_micro_batch"] = min(int(cal["max_micro_batch"]), cap)
-        cal["static_bytes"] = float(static_bytes)
+        cal = dataclasses.replace(
+            cal,
+            max_micro_batch=min(int(cal.max_micro_batch), cap),
+            static_bytes=float(static_bytes),
+        )
         out.append(dataclasses.replace(report, calibration=cal))
     return out
 
