@@ -76,6 +76,8 @@ trap stop_cluster EXIT
 "$VENV/bin/python" scripts/check_docstrings.py
 # the import-layer contract (pyproject.toml [tool.importlinter]): no package imports one above it
 "$VENV/bin/lint-imports"
+# the type check of the core packages (pyproject.toml [tool.mypy])
+"$VENV/bin/python" -m mypy hetseq_hpc/balance hetseq_hpc/distributed hetseq_hpc/train
 
 if [ "${CI:-}" = true ]; then
   bash scripts/check_wheel.sh   # the built wheel, installed elsewhere, finds conf/ and trains

@@ -174,12 +174,12 @@ def time_optimizer_step(model: nn.Module, device: torch.device, repeats: int = 2
     the optimizer state and is not counted; 0.0 when the model has no gradients. Under FSDP
     the copies are this rank's shards (no collective runs)."""
     local = local_part  # a shard of an FSDP parameter: its local part
-    params = [p for p in model.parameters() if p.grad is not None]
-    if not params:
+    pairs = [(p, p.grad) for p in model.parameters() if p.grad is not None]
+    if not pairs:
         return 0.0
-    copies = [local(p).detach().clone() for p in params]
-    for copy, p in zip(copies, params):
-        copy.grad = local(p.grad)
+    copies = [local(p).detach().clone() for p, _ in pairs]
+    for copy, (_, grad) in zip(copies, pairs):
+        copy.grad = local(grad)
     opt = torch.optim.AdamW(copies, lr=1e-12, **adamw_kernel(copies))
     best = float("inf")
     for j in range(repeats):

@@ -16,10 +16,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Iterable, NamedTuple, Optional
 
-if TYPE_CHECKING:  # pragma: no cover
+if TYPE_CHECKING:  # pragma: no cover (torch is not imported by the planner's path)
+    import torch
+    from torch import nn
+
     from hetseq_hpc.balance.placement import RankPlacement
+    from hetseq_hpc.tasks.base import Task
 
 #: weights + gradients + two AdamW moments + one DDP bucket copy, in parameter sizes
 STATIC_PARAM_COPIES = 5
@@ -187,7 +191,7 @@ def memory_cap(
     )
 
 
-def local_part(tensor: Any) -> Any:
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: the local shard of an FSDP (DTensor) parameter or gradient,
     else the tensor itself."""
     to_local = getattr(tensor, "to_local", None)
@@ -202,25 +206,25 @@ class ModelBytes(NamedTuple):
     block: float  # the largest sharding unit (0 when the task names none)
 
 
-def model_bytes(task: Any, model: Any) -> ModelBytes:
+def model_bytes(task: Task, model: nn.Module) -> ModelBytes:
     """:class:`ModelBytes` of ``model``: the units are ``task.sharding_units(model)``, the
     root unit everything outside them (the whole model when there are none)."""
     units = list(task.sharding_units(model)) if hasattr(task, "sharding_units") else []
     return unit_bytes(model, units)
 
 
-def unit_bytes(model: Any, units: Any) -> ModelBytes:
+def unit_bytes(model: nn.Module, units: Iterable[nn.Module]) -> ModelBytes:
     """:class:`ModelBytes` of ``model`` sharded into ``units`` (modules inside it) plus the
     root unit (everything outside them); read before sharding (a DTensor counts whole too)."""
 
-    def size(params: Any) -> float:
+    def size(params: Iterable[torch.Tensor]) -> float:
         return float(sum(p.numel() * p.element_size() for p in params))
 
-    units = list(units)
-    in_units = {id(p) for u in units for p in u.parameters()}
+    modules = list(units)
+    in_units = {id(p) for u in modules for p in u.parameters()}
     root = size(p for p in model.parameters() if id(p) not in in_units)
     return ModelBytes(
-        size(model.parameters()), root, max([0.0] + [size(u.parameters()) for u in units])
+        size(model.parameters()), root, max([0.0] + [size(u.parameters()) for u in modules])
     )
 
 

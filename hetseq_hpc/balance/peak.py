@@ -14,7 +14,11 @@ import logging
 import os
 import resource
 import sys
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
+
+if TYPE_CHECKING:  # pragma: no cover (torch is imported where it is used)
+    import torch
+    from torch import nn
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +118,10 @@ class CpuAllocations:
             self.hook.remove()
             with _quiet_stderr():
                 self.profiler.stop()
-            self.peak = float(running_peak(allocation_events(self.profiler)))
-            self.profiler = None  # its record may be large
+            peak = float(running_peak(allocation_events(self.profiler)))
+            self.peak = peak
+            del self.profiler  # its record may be large
+            return peak
         return self.peak
 
 
@@ -158,11 +164,11 @@ def running_peak(events: List[Tuple[int, int, int]]) -> int:
     return peak
 
 
-def tensor_bytes(model: Any) -> float:
+def tensor_bytes(model: nn.Module) -> float:
     """Bytes of a model's tensors on this rank: parameters (local shards under FSDP), their
     gradients and its buffers."""
 
-    def nbytes(t: Any) -> float:
+    def nbytes(t: torch.Tensor) -> float:
         local = getattr(t, "to_local", None)
         t = local() if callable(local) else t
         return float(t.numel() * t.element_size())
@@ -186,7 +192,7 @@ class MemoryWatch:
             allocations; else the resident set's growth.
     """
 
-    def __init__(self, device: Any, budget_bytes: float, emulated: bool = False):
+    def __init__(self, device: torch.device, budget_bytes: float, emulated: bool = False):
         self.device = device
         self.budget_bytes = float(budget_bytes)
         self.cuda = getattr(device, "type", "cpu") == "cuda"
@@ -202,7 +208,7 @@ class MemoryWatch:
             self.baseline = resident_bytes()
         return self
 
-    def start_window(self, model: Any = None) -> None:
+    def start_window(self, model: Optional[nn.Module] = None) -> None:
         """Once ``model`` is placed: measure the peak from here (the task-contract check and
         the CPU build of a model about to be sharded are left out)."""
         if self.cuda:

@@ -16,6 +16,7 @@ import logging
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, List, Optional
 
+from hetseq_hpc.config.cluster import LocalClusterConfig, SlurmClusterConfig
 from hetseq_hpc.env.emulation import emulated_cpus
 from hetseq_hpc.env.hardware import usable_cores
 
@@ -154,8 +155,9 @@ def placement_for(
     """
     cluster = run.cluster
     key = cluster.partition_for(rank, het_group)
-    part: Optional[PartitionConfig] = cluster.partitions[key] if key is not None else None
-    if cluster.is_local:
+    partitions = cluster.partitions if isinstance(cluster, SlurmClusterConfig) else {}
+    part: Optional[PartitionConfig] = partitions[key] if key is not None else None
+    if isinstance(cluster, LocalClusterConfig):
         world = cluster.planned_world_size()
         speeds = list(cluster.speeds)
         speed = float(speeds[rank]) if rank < len(speeds) else 1.0
@@ -169,7 +171,7 @@ def placement_for(
         group = (
             het_group
             if het_group is not None
-            else (list(cluster.partitions).index(key) if key is not None else None)
+            else (list(partitions).index(key) if key is not None else None)
         )
     budget = part.memory_budget_gb if part is not None and part.memory_budget_gb else None
     budgets = list(getattr(cluster, "memory_budgets_gb", None) or [])  # cluster=local only

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hetseq_hpc.balance.allocation import Allocation, allocate
 from hetseq_hpc.balance.curves import CostCurve, fit_compute, min_max_split, predicted_step_s
@@ -105,7 +105,7 @@ class Rebalancer:
     caps: Sequence[int]
     threshold: float = 0.1
     curves: Optional[Sequence[CostCurve]] = None
-    decisions: List[Dict[str, object]] = field(default_factory=list)
+    decisions: List[Dict[str, Any]] = field(default_factory=list)
     _window: List[List[StepStats]] = field(default_factory=list)
     _points: List[List[Tuple[int, int, float]]] = field(default_factory=list)
     _skip_rows: int = 0
@@ -200,11 +200,12 @@ class Rebalancer:
         point estimate's move when the window is steady, a smaller one (or none) when it is
         noisy, so no rank's share drops below what its curve supports with confidence."""
         direction = [b - c for b, c in zip(best, current)]
-        recent = (
-            self._last_move is not None and step - self._last_move_step <= REVERSAL_MEMORY_STEPS
-        )
+        last = self._last_move
+        recent = last is not None and step - self._last_move_step <= REVERSAL_MEMORY_STEPS
         agreement = (
-            sum(d * (to - frm) for d, frm, to in zip(direction, *self._last_move)) if recent else 0
+            sum(d * (to - frm) for d, frm, to in zip(direction, *last))
+            if recent and last is not None
+            else 0
         )
         reversal = agreement < 0
         # the split follows the RATIO of the moving ranks' rates, whose relative error is the
@@ -252,7 +253,10 @@ class Rebalancer:
             rows = [row[rank] for row in window[-RECENT_STEPS:]]
             if any(row.samples != share.samples for row in rows):
                 continue
-            predicted = self._curves[rank].compute_s(share.samples, share.accum_steps)
+            curve = self._curves[rank]
+            if curve is None:  # not reached: every rank has a curve here
+                return False
+            predicted = curve.compute_s(share.samples, share.accum_steps)
             ratios = [row.compute_time_s / predicted for row in rows]
             if min(ratios) > 1.0 + band or max(ratios) < 1.0 - band:
                 return True
@@ -298,9 +302,9 @@ class Rebalancer:
         for rank, rows in enumerate(mine):
             if rows:
                 self._curves[rank] = self._refit(rank, shares[rank].accum_steps, rows, changed)
-        if any(c is None for c in self._curves):
+        curves = [c for c in self._curves if c is not None]
+        if len(curves) < len(self._curves):
             return None
-        curves: List[CostCurve] = list(self._curves)
         busy = [
             statistics.median(
                 row[r].compute_time_s + getattr(row[r], "tail_time_s", 0.0) for row in window

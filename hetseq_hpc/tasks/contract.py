@@ -7,8 +7,9 @@ inexact) or fail deep inside DDP.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Sequence
+from typing import Any, Dict, Sequence, Union
 
+import numpy as np
 import torch
 
 from hetseq_hpc.errors import TaskContractError
@@ -33,7 +34,7 @@ def loss_label(task: Any) -> str:
 
 
 def checked_batch(
-    task: Any, positions: Sequence[int], epoch: int, split: str
+    task: Any, positions: Union[Sequence[int], np.ndarray], epoch: int, split: str
 ) -> Dict[str, torch.Tensor]:
     """``task.make_batch(positions, epoch, split)``, checked.
 

@@ -34,7 +34,7 @@ class HookState:
             Cleared by the call and by :meth:`reset`.
     """
 
-    process_group: Optional[object] = None
+    process_group: Optional[dist.ProcessGroup] = None
     last_ready_s: float = 0.0
     events: List[torch.cuda.Event] = field(default_factory=list)
     comm_dtype: Optional[torch.dtype] = None

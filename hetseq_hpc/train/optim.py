@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -72,10 +72,20 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def build_optimizer(model: nn.Module, run: RunConfig):
+def peak_lr(run: RunConfig) -> float:
+    """``optim.lr``, the schedule's peak (a null one is its case's default: RunConfig sets it
+    when it is built, so this is the same number)."""
+    lr = run.optim.lr
+    return run.optim.default_lr(run.random_init) if lr is None else float(lr)
+
+
+def build_optimizer(
+    model: nn.Module, run: RunConfig
+) -> Tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW without weight decay on biases and LayerNorm weights, plus the warm-up/decay
     scheduler of :func:`build_scheduler`. Returns ``(optimizer, scheduler)``."""
-    decay, no_decay = [], []
+    decay: List[nn.Parameter] = []
+    no_decay: List[nn.Parameter] = []
     for name, param in model.named_parameters():
         (no_decay if param.ndim < 2 or "LayerNorm" in name else decay).append(param)
     optim = run.optim
@@ -84,8 +94,8 @@ def build_optimizer(model: nn.Module, run: RunConfig):
             {"params": decay, "weight_decay": optim.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ],
-        lr=optim.lr,
-        betas=tuple(optim.betas),
+        lr=peak_lr(run),
+        betas=(optim.betas[0], optim.betas[1]),
         eps=optim.eps,
         **adamw_kernel(decay + no_decay),
     )

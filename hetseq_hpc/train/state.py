@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
+from hetseq_hpc.config.schema import RunConfig
 from hetseq_hpc.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ def _fields(obj: Any, prefix: str, skip: tuple = ()) -> Dict[str, Any]:
     return out
 
 
-def run_fingerprint(run: Any) -> Dict[str, Any]:
+def run_fingerprint(run: RunConfig) -> Dict[str, Any]:
     """The settings a resumed run must share with its checkpoint, as ``{"group.key": value}``:
     ``task.name``, the model's shape (every scalar of ``task.model`` except dropout), the
     vocabulary size, ``trainer.seed`` and ``trainer.global_batch_size``. The world size and
@@ -61,9 +62,9 @@ def run_fingerprint(run: Any) -> Dict[str, Any]:
         "trainer.global_batch_size": run.trainer.global_batch_size,
     }
     out.update(_fields(getattr(run.task, "model", None), "task.model", skip=("dropout",)))
-    data = getattr(run.task, "data", None)
-    if hasattr(data, "vocab_size"):
-        out["task.data.vocab_size"] = data.vocab_size
+    vocab_size = getattr(getattr(run.task, "data", None), "vocab_size", None)
+    if vocab_size is not None:
+        out["task.data.vocab_size"] = vocab_size
     return out
 
 

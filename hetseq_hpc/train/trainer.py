@@ -26,8 +26,9 @@ from hetseq_hpc.balance.agree import RankReport
 from hetseq_hpc.balance.allocation import Allocation
 from hetseq_hpc.balance.rebalance import Rebalancer
 from hetseq_hpc.config.schema import RunConfig
+from hetseq_hpc.distributed.gang import Gang, StatsInFlight
 from hetseq_hpc.distributed.membership import is_peer_failure
-from hetseq_hpc.distributed.rendezvous import Rendezvous, StepStats
+from hetseq_hpc.distributed.rendezvous import StepStats
 from hetseq_hpc.env.preemption import REASONS, StopRequest
 from hetseq_hpc.errors import NonFiniteLoss, Preempted
 from hetseq_hpc.rundir.events import append_event
@@ -41,7 +42,7 @@ from hetseq_hpc.train.metrics.loggers import first_logged_loss, open_loggers
 from hetseq_hpc.train.metrics.rows import run_summary, step_row
 from hetseq_hpc.train.metrics.step_log import StepLog, logged_steps
 from hetseq_hpc.train.nonfinite import first_nonfinite, nonfinite_error
-from hetseq_hpc.train.optim import apply_configured_lr, build_optimizer, step_seed
+from hetseq_hpc.train.optim import apply_configured_lr, build_optimizer, peak_lr, step_seed
 from hetseq_hpc.train.parallel import Replicated, build_parallel, rank_memory
 from hetseq_hpc.train.precision import GradientPath
 from hetseq_hpc.train.records import (
@@ -101,7 +102,7 @@ class Trainer:
         self,
         run: RunConfig,
         run_dir: Path,
-        rdv: Rendezvous,
+        rdv: Gang,
         task: Task,
         model: nn.Module,
         device: torch.device,
@@ -219,12 +220,12 @@ class Trainer:
         )
         self.parallel.load_state(self.optimizer, state, source)
         self.scheduler.load_state_dict(state["scheduler"])
-        before = apply_configured_lr(self.optimizer, self.scheduler, self.run.optim.lr)
+        before = apply_configured_lr(self.optimizer, self.scheduler, peak_lr(self.run))
         if before is not None:
             log.info(
                 "optim.lr=%g (the checkpoint's was %g): the schedule goes on from step %s "
                 "with the new peak",
-                self.run.optim.lr,
+                peak_lr(self.run),
                 before,
                 state["step"],
             )
@@ -236,7 +237,7 @@ class Trainer:
     def _resume(self) -> None:
         path, state, skipped = self.checkpoints.load(self.cfg.resume, self.rdv)
         self.run_id = self.checkpoints.agree_on_run(state, self.rdv)
-        if path is None:
+        if path is None or state is None:
             return
         self.load_state_dict(state, path)
         self.resumed_from, self.saved_step = path, self.step
@@ -434,7 +435,7 @@ class Trainer:
         module.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         count = 0
-        posted: List[Any] = []
+        posted: List[StatsInFlight] = []
         losses: List[torch.Tensor] = []  # each micro-batch's, to name a non-finite one
 
         def stats() -> StepStats:
@@ -478,7 +479,7 @@ class Trainer:
                 step,
                 table,
                 step - 1,
-                self.run.optim.lr,
+                peak_lr(self.run),
                 self.run.optim.warmup_steps,
                 [m.precision or "fp32" for m in self.metas],
             )
@@ -635,7 +636,7 @@ class Trainer:
         if self.rdv is not None:
             self.rdv.cpu_group = None
 
-    def rejoin(self, rdv: Rendezvous, metas: List[RankMeta], allocation: Allocation) -> None:
+    def rejoin(self, rdv: Gang, metas: List[RankMeta], allocation: Allocation) -> None:
         """Go on in a re-formed world (:mod:`hetseq_hpc.train.recovery.elastic`): its
         rendezvous, the survivors' metas and split, a new DDP on the new group; gradients
         zeroed, the re-balancer dropped (its history is of the old world)."""
@@ -651,7 +652,7 @@ class Trainer:
 
     def reload(
         self,
-        rdv: Rendezvous,
+        rdv: Gang,
         metas: List[RankMeta],
         allocation: Allocation,
         rebuild: Callable[[], nn.Module],
@@ -682,7 +683,7 @@ class Trainer:
         watch = getattr(self.parallel, "memory_watch", None)
         was = self.step
         # the broken model and optimizer hold DTensors of the old group: gone before the new ones
-        self.parallel = self.model = self.optimizer = self.scheduler = None
+        del self.parallel, self.model, self.optimizer, self.scheduler
         gc.collect()
         self.rdv, self.world, self.rank = rdv, rdv.world, rdv.world.rank
         self.metas, self.allocation, self.rebalancer = metas, allocation, None
@@ -694,7 +695,7 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(self.model, self.run)
         self.reset_gradient_path()
         path, state = checkpoint_to_reload(self.checkpoints, rdv, self.resumed_from)
-        if state is not None:
+        if path is not None and state is not None:
             self.load_state_dict(state, path)
         else:
             self.step = 0  # the seeded model is the run's start

@@ -58,7 +58,7 @@ def checkpoints_in(directory: Path) -> List[Path]:
             regular = match is not None and stat.S_ISREG(path.stat().st_mode)
         except OSError:
             regular = False
-        if regular:
+        if regular and match is not None:
             found.append((int(match.group(1)), path))
     return [p for _, p in sorted(found)]
 

@@ -376,7 +376,8 @@ def open_loggers(run: RunConfig, run_dir: Path, resume_step: int) -> RunLoggers:
     from omegaconf import OmegaConf
 
     config = OmegaConf.to_container(OmegaConf.structured(run), resolve=True)
-    return RunLoggers(run_dir, run.trainer.loggers, resume_step, config)
+    plain = {str(k): v for k, v in config.items()} if isinstance(config, dict) else None
+    return RunLoggers(run_dir, run.trainer.loggers, resume_step, plain)
 
 
 __all__ = [

@@ -12,13 +12,16 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
+from hetseq_hpc.balance.agree import RankMeta
+from hetseq_hpc.balance.allocation import RankShare
 from hetseq_hpc.errors import ConfigError, HetseqError, StorageError
 from hetseq_hpc.files.atomic import atomic_write_text
 from hetseq_hpc.files.user_input import describe, file_problem, kind_of
 from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.rundir.storage import storage_error
+from hetseq_hpc.train.records import StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -165,9 +168,9 @@ def read_metrics(run_dir: Union[str, Path]) -> List[Dict[str, Any]]:
 
 
 def step_row(
-    rec: Any,
-    metas: List[Any],
-    shares: List[Any],
+    rec: StepRecord,
+    metas: Sequence[RankMeta],
+    shares: Sequence[RankShare],
     global_batch_size: int,
     tokens_per_sample: float,
     allocation: List[int],
@@ -177,7 +180,7 @@ def step_row(
     global figures plus one entry per rank (its :class:`~hetseq_hpc.train.records.RankMeta`,
     :class:`~hetseq_hpc.balance.allocation.RankShare` and :class:`~hetseq_hpc.distributed.rendezvous.StepStats`)."""
     samples_per_s = global_batch_size / max(rec.wall_s, 1e-9)
-    ranks = [
+    ranks: List[Dict[str, Any]] = [
         {
             "rank": meta.rank,
             "device": meta.device,
@@ -220,8 +223,8 @@ def step_row(
 
 
 def run_summary(
-    history: List[Any],
-    metas: List[Any],
+    history: Sequence[StepRecord],
+    metas: Sequence[RankMeta],
     global_batch_size: int,
     step: int,
     validation: Optional[Dict[str, float]],
@@ -257,7 +260,7 @@ def run_summary(
 
 
 def measured_step_sync(
-    history: List[Any], samples: List[int], min_steps: int = 3
+    history: Sequence[StepRecord], samples: List[int], min_steps: int = 3
 ) -> Optional[Dict[str, Any]]:
     """What a step cost beyond the ranks' own work, measured over the steps run with the split
     ``samples`` (the first step after a switch to it left out: new shapes warm up).

@@ -83,7 +83,11 @@ class StepLog:
             step,
             rec.loss,
             self.cfg.global_batch_size / max(rec.wall_s, 1e-9),
-            extra=(f"val_loss {last_val['val_loss']:.4f}" if "val_loss" in rec.extra else None),
+            extra=(
+                f"val_loss {last_val['val_loss']:.4f}"
+                if last_val is not None and "val_loss" in rec.extra
+                else None
+            ),
         )
 
     def recovered(
