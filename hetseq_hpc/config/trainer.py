@@ -76,6 +76,10 @@ class TrainerConfig:
     checkpoint_every: int = 100
     # checkpoints kept in <run dir>/checkpoints
     keep_checkpoints: int = 2
+    # rank 0 copies the state to CPU memory and writes, hashes and fsyncs it in a background
+    # thread while training goes on (costs a CPU copy of the model and optimizer state,
+    # pinned on CUDA); false = the training thread writes it
+    checkpoint_async: bool = True
     # auto = continue from the latest checkpoint of the run dir; never; or a checkpoint path
     resume: str = "auto"
     # clip the global gradient norm to this value; 0 = no clipping

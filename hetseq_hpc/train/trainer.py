@@ -145,7 +145,9 @@ class Trainer:
         # DDP or FSDP2 (train/parallel.py); FSDP shards the model in place, before the optimizer
         self.parallel = parallel or build_parallel(run, task, model, device, sharding)
         self.optimizer, self.scheduler = build_optimizer(model, run)
-        self.checkpoints = CheckpointManager(self.run_dir, self.cfg.keep_checkpoints)
+        self.checkpoints = CheckpointManager(
+            self.run_dir, self.cfg.keep_checkpoints, self.cfg.checkpoint_async
+        )
         # where the run stands
         self.step = 0  # last completed optimizer step; global batch ``step`` comes next
         self.phase = DONE  # of ``step``: what of the work after it is done (train/records.py)
@@ -306,6 +308,9 @@ class Trainer:
             self.step_log.flush_events(self.run_id)  # a recovery after the last step
         finally:
             self.step_log.close()
+            error = self.checkpoints.drain()  # leaving early: the pending write ends first
+            if error:
+                log.error("%s", error)
         if self.rank == 0 and self.history:  # the run's first step, also after a resume
             summary["first_loss"] = first_logged_loss(self.run_dir) or summary["first_loss"]
         return summary
@@ -361,7 +366,7 @@ class Trainer:
             self.phase = LOGGED
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or is_last or rec.stop_code:
             with self.phase_timeout("checkpoint"):
-                self._save(step)
+                self._save(step, wait=is_last or bool(rec.stop_code))
             if step_log.writer is not None:  # rank 0: the report marks it
                 append_event(self.run_dir, "checkpoint", step=step, run_id=self.run_id)
         self.phase = DONE
@@ -599,12 +604,15 @@ class Trainer:
             return contextlib.nullcontext()
         return self.elastic.step_timeout(self.rdv)
 
-    def _save(self, step: int) -> None:
+    def _save(self, step: int, wait: bool = False) -> None:
         """Checkpoint ``step`` (a collective): the strategy writes the model and optimizer
         state its way (:meth:`~hetseq_hpc.train.parallel.Replicated.save_state`), the manager
-        the files."""
+        the files (in the background with ``trainer.checkpoint_async``; ``wait``: the run
+        stops after this step, so the write ends first, :meth:`CheckpointManager.finish`)."""
         self.checkpoints.save(step, self.rdv, self.parallel, self.optimizer, self.state_dict)
         self.saved_step = step
+        if wait:
+            self.checkpoints.finish(self.rdv)
 
     def keep_good_steps(self) -> str:
         """After a non-finite loss (the model is still that of :attr:`step`): checkpoint that
@@ -613,9 +621,10 @@ class Trainer:
         if self.step == 0:
             return "nothing was trained yet"
         if self.saved_step != self.step:
-            self._save(self.step)
+            self._save(self.step, wait=True)
             kept = f"checkpoint of step {self.step} written"
         else:
+            self.checkpoints.finish(self.rdv)  # it may still be written in the background
             kept = f"the checkpoint of step {self.step} is kept"
         return (
             f"{kept}: after the fix, continue from it with hetseq-hpc hydra.run.dir="
@@ -694,6 +703,7 @@ class Trainer:
         self.model = self.parallel.model
         self.optimizer, self.scheduler = build_optimizer(self.model, self.run)
         self.reset_gradient_path()
+        self.checkpoints.finish(rdv)  # a checkpoint still being written is the one to reload
         path, state = checkpoint_to_reload(self.checkpoints, rdv, self.resumed_from)
         if path is not None and state is not None:
             self.load_state_dict(state, path)

@@ -11,6 +11,8 @@ and moves bad files to ``checkpoints/corrupt/`` (quarantine).
 * A full disk (``OSError`` ENOSPC, or the ``RuntimeError`` torch's serializer raises instead)
   or a read-only one removes the temp file, keeps the earlier checkpoints and raises one line
   naming the device.
+* ``trainer.checkpoint_async``: rank 0 stages the state and writes it in the background
+  (:mod:`~hetseq_hpc.train.checkpoint.background`); the next save and ``finish`` wait for it.
 * Retention counts only checkpoints that VERIFY and belong to the current run (their
   ``run_id``, :mod:`hetseq_hpc.rundir.history`); it never deletes the checkpoint just written
   nor a newer one; a file that fails its checksum is moved to ``checkpoints/corrupt/``.
@@ -53,6 +55,7 @@ from hetseq_hpc.files.user_input import file_problem
 from hetseq_hpc.rundir.history import current_run_id, start_or_continue
 from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.rundir.storage import filesystem_problem, fix_for, write_problem
+from hetseq_hpc.train.checkpoint.background import BackgroundWrite, Stager, hold_for_tests
 from hetseq_hpc.train.checkpoint.files import (
     CORRUPT_DIR,
     FIX,
@@ -245,11 +248,20 @@ class CheckpointManager:
         run_dir: the run directory.
         keep: ``trainer.keep_checkpoints`` (>= 1): verified checkpoints of the current run
             kept by retention.
+        asynchronous: ``trainer.checkpoint_async``: :meth:`save_on_rank0` writes in the
+            background (a CPU copy of the state is kept for it).
     """
 
-    def __init__(self, run_dir: Union[str, Path], keep: int = 1):
+    def __init__(self, run_dir: Union[str, Path], keep: int = 1, asynchronous: bool = False):
         self.run_dir = Path(run_dir)
         self.keep = int(keep)
+        self.asynchronous = bool(asynchronous)
+        #: TEST-ONLY: called with the step after a checkpoint's bytes are in its temp file and
+        #: before it is renamed into place (:func:`~hetseq_hpc.train.checkpoint.background.
+        #: hold_for_tests`)
+        self.test_hold: Callable[[int], None] = hold_for_tests
+        self._pending: Optional[BackgroundWrite] = None
+        self._stager: Optional[Stager] = None
 
     # ------------------------------------------------------------------ names
     @property
@@ -356,6 +368,7 @@ class CheckpointManager:
         def write(fh: BinaryIO) -> None:
             box["w"] = _HashingWriter(fh)
             torch.save(payload, cast(IO[bytes], box["w"]))  # it needs write() and flush()
+            self.test_hold(step)
 
         shards = payload.get("shards")
         self.set_aside_corrupt(
@@ -399,17 +412,87 @@ class CheckpointManager:
     def save_on_rank0(self, step: int, rdv: Gang, state: Callable[[], Dict[str, Any]]) -> Path:
         """Rank 0 writes ``state()`` as the checkpoint of ``step`` (:meth:`write`); every rank
         waits for it (one broadcast) and raises the same one-line :class:`CheckpointError` if it
-        failed, so no rank hangs in a later collective and the console shows one reason."""
-        path, error = None, None
+        failed, so no rank hangs in a later collective and the console shows one reason.
+
+        With :attr:`asynchronous`, rank 0 first waits for its previous background write (its
+        error is raised here, on every rank), then stages ``state()`` to CPU memory and writes
+        it in the background (:meth:`finish` waits for it); the returned path is then the one
+        being written."""
+        path, error = None, self.drain()
         if rdv.world.rank == 0:
             try:
-                path = str(self.write(state(), step))
+                if error:
+                    pass  # the previous write failed: no new one
+                elif self.asynchronous:
+                    path = str(self._write_in_background(state(), step))
+                else:
+                    path = str(self.write(state(), step))
             except CheckpointError as exc:
                 error = str(exc)
+        elif error:  # the writer of a world before a re-form: its rank 0 does not know
+            log.error("%s", error)
         path, error = rdv.broadcast_object((path, error))
         if error or path is None:
             raise CheckpointError(error or f"rank 0 wrote no checkpoint of step {step}")
         return Path(path)
+
+    def _write_in_background(self, state: Dict[str, Any], step: int) -> Path:
+        """Stage ``state`` and start its :meth:`write` in a :class:`BackgroundWrite`.
+
+        Raises:
+            CheckpointError: the CPU copy does not fit in memory.
+        """
+        self._stager = self._stager or Stager()
+        try:
+            staged = self._stager.stage(state)
+        except (RuntimeError, MemoryError) as exc:
+            self._stager = None  # its buffers may be half made: freed
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            raise CheckpointError(
+                f"could not copy the checkpoint of step {step} to CPU memory for its background "
+                f"write ({type(exc).__name__}{': ' + first if first else ''}): set "
+                "trainer.checkpoint_async=false to write it from the training state directly"
+            ) from None
+
+        def write() -> Path:
+            staged.wait_ready()
+            return self.write(staged.state, step)
+
+        self._pending = BackgroundWrite(step, write)
+        return self.path(step)
+
+    @property
+    def pending(self) -> Optional[BackgroundWrite]:
+        """The background write of this process not waited for yet, or None."""
+        return self._pending
+
+    def drain(self) -> Optional[str]:
+        """Wait for this process's background write, if any (local: no collective); returns
+        its one-line error, or None (written, or nothing pending)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        error = pending.wait()
+        if error is None:
+            log.info(
+                "checkpoint of step %d written in the background in %.2fs",
+                pending.step,
+                pending.seconds,
+            )
+        return error
+
+    def finish(self, rdv: Gang) -> None:
+        """Every rank waits for its background write (a collective: one all-gather): after it
+        the checkpoints saved so far are on disk. Called where a run stops (its end, a stop
+        request, a non-finite loss) or reloads a checkpoint.
+
+        Raises:
+            CheckpointError: on every rank, when a background write failed (its one line).
+        """
+        errors = rdv.all_gather_objects(self.drain())
+        error = next((e for e in errors if e), None)
+        if error:
+            raise CheckpointError(error)
 
     def save_sharded(
         self,

@@ -345,6 +345,7 @@ class ElasticWorld:
         if rdv.world.rank == 0:
             trainer.log_before_stop({**event, "stopped": why})
         trainer.checkpoints.save_on_rank0(trainer.step, rdv, trainer.state_dict)
+        trainer.checkpoints.finish(rdv)  # on disk before the requeue
         raise Preempted(trainer.step, REQUEUE, why, leader=rdv.world.rank == 0)
 
     def expect(self, allocation: Allocation) -> None:

@@ -1,0 +1,169 @@
+"""Checkpoint writes off the training thread (``trainer.checkpoint_async``).
+
+* :class:`Stager` copies a checkpoint's state into CPU memory that training cannot change
+  afterwards (pinned when a tensor is on CUDA: the copies are queued on the current stream and
+  waited for by the writer, not by the training thread); the buffers are kept and reused by
+  the next save, so a save costs one memory copy, not an allocation.
+* :class:`BackgroundWrite` runs one write in a daemon thread and keeps its one-line error for
+  whoever waits for it: the next save, or the run's exit (a kill leaves the temp file, never a
+  half checkpoint: the previous one is what a resume takes).
+* :data:`HOLD_ENV` is a TEST-ONLY hook (:func:`hold_for_tests`): it holds a write before its
+  rename, so that a test can kill a run while a checkpoint is being written.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+
+from hetseq_hpc.errors import CheckpointError
+
+#: TEST-ONLY: a folder; the write of step S holds before its rename while ``<it>/hold_S``
+#: exists, after creating ``<it>/held_S``, until ``<it>/release_S`` exists
+HOLD_ENV = "HETSEQ_TEST_HOLD_CHECKPOINT"
+
+
+def hold_for_tests(step: int) -> None:
+    """TEST-ONLY (:data:`HOLD_ENV`; nothing happens when it is unset): hold the write of
+    ``step`` before its rename while a test looks at the run (polls every 20 ms)."""
+    folder = os.environ.get(HOLD_ENV)
+    if not folder or not (Path(folder) / f"hold_{step}").exists():
+        return
+    (Path(folder) / f"held_{step}").touch()
+    while not (Path(folder) / f"release_{step}").exists():
+        time.sleep(0.02)
+
+
+@dataclass
+class Staged:
+    """A checkpoint's state in CPU memory of its own.
+
+    Attributes:
+        state: the state, every tensor a CPU copy (the same nesting, non-tensors deep-copied).
+        ready: a CUDA event after the last device-to-host copy, or None (CPU tensors only).
+        nbytes: bytes of the tensors copied.
+    """
+
+    state: Dict[str, Any]
+    ready: Optional[Any] = None
+    nbytes: int = 0
+
+    def wait_ready(self) -> None:
+        """Wait until the copies from the device are done (the writer calls it)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+
+
+class Stager:
+    """Copies checkpoint states to CPU buffers it keeps between saves (same place, shape and
+    dtype: reused). A tensor shared by two entries (tied weights) is copied once and stays
+    shared. The caller must not stage again while a write still reads the last copy."""
+
+    def __init__(self) -> None:
+        self._buffers: Dict[Tuple[Any, ...], torch.Tensor] = {}
+
+    def stage(self, state: Dict[str, Any]) -> Staged:
+        """Copy ``state`` (nested dicts, lists and tuples of tensors and plain data).
+
+        Raises:
+            RuntimeError: the copy does not fit in (pinned) CPU memory.
+        """
+        memo: Dict[Tuple[Any, ...], torch.Tensor] = {}
+        info = {"cuda": False, "nbytes": 0}
+        threads = torch.get_num_threads()
+        # one thread per copy: a multi-threaded memcpy waits for every thread, and on a loaded
+        # host one descheduled thread made it 4-20x slower (scripts/bench_checkpoint.py)
+        torch.set_num_threads(1)
+        try:
+            staged = self._copy(state, (), memo, info)
+        finally:
+            torch.set_num_threads(threads)
+        ready = None
+        if info["cuda"]:
+            ready = torch.cuda.Event()
+            ready.record()
+        return Staged(staged, ready, int(info["nbytes"]))
+
+    def _copy(self, value: Any, where: Tuple[Any, ...], memo: dict, info: dict) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self._tensor(value, where, memo, info)
+        if isinstance(value, dict):
+            return {k: self._copy(v, (*where, k), memo, info) for k, v in value.items()}
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            return type(value)(self._copy(v, (*where, i), memo, info) for i, v in enumerate(value))
+        return copy.deepcopy(value)
+
+    def _tensor(self, t: torch.Tensor, where: Tuple[Any, ...], memo: dict, info: dict) -> Any:
+        t = t.detach()
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride())
+        key = (*key, t.dtype)
+        if key in memo:
+            return memo[key]
+        cuda = t.device.type == "cuda"
+        buf = self._buffers.get(where)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=cuda)
+            self._buffers[where] = buf
+        buf.copy_(t, non_blocking=cuda)
+        info["cuda"] = info["cuda"] or cuda
+        info["nbytes"] += buf.numel() * buf.element_size()
+        memo[key] = buf
+        return buf
+
+
+class BackgroundWrite:
+    """One checkpoint write in a daemon thread.
+
+    Args:
+        step: the optimizer step written.
+        write: does the write; returns the checkpoint's path; raises CheckpointError (one
+            line) when it fails. Any other exception is turned into one line too.
+    """
+
+    def __init__(self, step: int, write: Callable[[], Path]):
+        self.step = step
+        #: set once someone waits for the write (the next save, the exit)
+        self.waited = threading.Event()
+        self.path: Optional[Path] = None
+        self.error: Optional[str] = None
+        self.seconds = 0.0
+        self._write = write
+        self._thread = threading.Thread(target=self._run, name=f"checkpoint-{step}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        try:
+            self.path = self._write()
+        except CheckpointError as exc:
+            self.error = str(exc)
+        except BaseException as exc:  # never lost in the thread
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            self.error = (
+                f"could not write the checkpoint of step {self.step} in the background "
+                f"({type(exc).__name__}{': ' + first[:200] if first else ''}; earlier "
+                "checkpoints are kept): set trainer.checkpoint_async=false to write it on the "
+                "training thread"
+            )
+        finally:
+            self.seconds = time.perf_counter() - start
+
+    def done(self) -> bool:
+        """Whether the write has ended (written or failed)."""
+        return not self._thread.is_alive()
+
+    def wait(self) -> Optional[str]:
+        """Wait for the write to end; returns its one-line error, or None when it was written."""
+        self.waited.set()
+        self._thread.join()
+        return self.error
+
+
+__all__ = ["HOLD_ENV", "BackgroundWrite", "Staged", "Stager", "hold_for_tests"]
