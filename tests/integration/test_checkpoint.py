@@ -17,18 +17,23 @@ import pytest
 
 from hetseq_hpc.errors import CheckpointError, LaunchError
 from hetseq_hpc.rundir.lock import FD_ENV, acquire, claim_run_dir, lock_run_dir
+from hetseq_hpc.train.checkpoint.background import HOLD_ENV
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint
 from tests.helpers.checkpoints import Payload, flip_middle, small_state, write_with_checksum
 from tests.helpers.runs import (
     REPO,
     SMALL_MODEL,
+    assert_same_losses,
+    cli_env,
     hetseq,
     losses,
     read_rows,
     sigint_as_in_a_terminal,
     start_hetseq,
+    step_rows,
     wait_rows,
 )
+from tests.helpers.waits import wait_for
 
 QUICK = [
     *SMALL_MODEL,
@@ -256,3 +261,66 @@ def test_second_run_in_a_busy_run_dir_fails_fast(tmp_path, token_cache):
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), "the runs mixed"
     latest = sorted((tmp_path / "checkpoints").glob("step_*.pt"))[-1]
     assert load_checkpoint(latest)["config"]["trainer.seed"] == 0, "the second run wrote it"
+
+
+# ----------------------------------------------------------------------------- in the background
+@pytest.mark.slow
+def test_kill_9_during_a_background_write_resumes_the_previous_checkpoint_exactly(
+    tmp_path, token_cache
+):
+    """Issue 43: the write of step 4 is held before its rename (the test-only hook,
+    HETSEQ_TEST_HOLD_CHECKPOINT) while steps 5 and 6 train, then the run is killed -9: step 2
+    is the checkpoint a resume takes, and the resumed steps 3-6 log the same losses."""
+    hold, run_dir = tmp_path / "hold", tmp_path / "run"
+    hold.mkdir()
+    (hold / "hold_4").touch()
+    every = ["trainer.max_steps=6", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=1"]
+    proc = start_hetseq(
+        *QUICK,
+        *every,
+        f"hydra.run.dir={run_dir}",
+        env={**cli_env(token_cache), HOLD_ENV: str(hold)},
+        new_session=True,
+    )
+    try:
+        wait_for(lambda: (hold / "held_4").exists(), "the write of step 4 held", proc=proc)
+        # training goes on while step 4 is written; the last step's save waits for it
+        wait_for(lambda: step_rows(run_dir) >= 6, "step 6 trained", proc=proc)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    trained = losses(run_dir)
+    left = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert left[-2:] == ["step_00000002.pt", "step_00000002.pt.sha256"], left
+    assert len(left) == 3 and left[0].startswith(".step_00000004.pt."), left  # its temp file
+    resumed = _cli(run_dir, token_cache, *every)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    said = (run_dir / "logs" / "rank0.log").read_text()
+    assert f"resumed from {CheckpointManager(run_dir).path(2)} at step 2" in said
+    assert_same_losses(trained, losses(run_dir), range(3, 7))
+    assert [p.name for p in CheckpointManager(run_dir).list()] == ["step_00000006.pt"]
+
+
+@pytest.mark.slow
+def test_a_failed_background_write_ends_the_run_with_one_line(small_tmpfs, token_cache):
+    """Issue 43: the write of step 2 fails in the background (a full real tmpfs) while step 3
+    trains; the save of step 3 raises it: one line, the earlier checkpoint kept."""
+    disk = small_tmpfs("7m")  # room for one ~4.3 MB checkpoint of the small model, not two
+    run_dir = disk / "run"
+    proc = _cli(
+        run_dir,
+        token_cache,
+        "trainer.max_steps=4",
+        "trainer.checkpoint_every=1",
+        "trainer.keep_checkpoints=1",
+    )
+    last = _error_line(proc)
+    assert f"no space left on {disk}" in last and "step_00000002.pt" in last, last
+    assert "the earlier checkpoint step_00000001.pt is kept" in last
+    assert [r["step"] for r in read_rows(run_dir)] == [1, 2, 3], "trained while it was written"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "step_00000001.pt",
+        "step_00000001.pt.sha256",
+    ]
