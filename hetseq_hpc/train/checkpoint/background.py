@@ -102,8 +102,8 @@ class Stager:
 
     def _tensor(self, t: torch.Tensor, where: Tuple[Any, ...], memo: dict, info: dict) -> Any:
         t = t.detach()
-        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride())
-        key = (*key, t.dtype)
+        storage = (t.device, t.untyped_storage().data_ptr(), t.storage_offset())
+        key = (*storage, t.shape, t.stride(), t.dtype)
         if key in memo:
             return memo[key]
         cuda = t.device.type == "cuda"
