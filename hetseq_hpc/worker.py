@@ -204,16 +204,18 @@ def elastic_store(run: RunConfig, world: Any, env: Dict[str, str]) -> Any:
 
 
 def run_worker(
-    run: RunConfig, run_dir: str, env: Optional[Dict[str, str]] = None
+    run: RunConfig, run_dir: RunDir, env: Optional[Dict[str, str]] = None
 ) -> Dict[str, Any]:
     """Run one rank to the end; returns the training summary (same on every rank).
+
+    ``run_dir`` is the run directory as the launcher names it (made absolute here).
 
     Raises:
         HetseqError: a bad environment, an impossible allocation, a corrupt checkpoint ...
     """
     clock = PhaseClock()
     prefetch = prefetch_imports(BACKGROUND_IMPORTS)
-    run_dir_path = Path(run_dir).resolve()
+    run_dir_path = run_dir.resolve()
     env = os.environ if env is None else env
     world = WorldInfo.from_env(env)
     setup_rank_logging(world.rank, run_dir_path)
@@ -442,7 +444,7 @@ def run_worker(
             )
             elastic.close()
         if master:
-            atomic_write_json(RunDir(run_dir_path).summary, summary)
+            atomic_write_json(run_dir_path.summary, summary)
         if (
             not after_training(
                 elastic, lambda: trainer.rdv.barrier() or True, "the final barrier", False
@@ -456,7 +458,7 @@ def run_worker(
 
 
 def finished_summary(
-    run: RunConfig, run_dir: Path, trainer: Trainer, master: bool
+    run: RunConfig, run_dir: RunDir, trainer: Trainer, master: bool
 ) -> Dict[str, Any]:
     """Ranks that resumed a finished run (the checkpoint at ``trainer.max_steps`` or later; the
     command line refuses to start one, but a second queued job or a job script submitted by
@@ -477,14 +479,14 @@ def finished_summary(
     return json.loads(finished.summary.read_text(encoding="utf-8"))
 
 
-def draw_plot(summary: Dict[str, Any], run_dir: Path) -> None:
+def draw_plot(summary: Dict[str, Any], run_dir: RunDir) -> None:
     """Rank 0 at the end of a run: ``ranks.png`` (:func:`hetseq_hpc.report.plots.plot_run`),
     its path logged and added to ``summary`` and ``summary.json``. A failure only warns: a
     picture never fails a finished run."""
     try:
         from hetseq_hpc.report.plots import plot_run
 
-        summary["plot"] = str(plot_run(run_dir))
+        summary["plot"] = str(plot_run(run_dir.root))
     except Exception as exc:
         log.warning(
             "could not draw the run's plot (%s): draw it later with hetseq-hpc report %s",
@@ -493,7 +495,7 @@ def draw_plot(summary: Dict[str, Any], run_dir: Path) -> None:
         )
         return
     log.info("plot: %s", summary["plot"])
-    atomic_write_json(RunDir(run_dir).summary, summary)
+    atomic_write_json(run_dir.summary, summary)
 
 
 def handle_preempted(exc: Preempted, run: RunConfig) -> None:
@@ -518,7 +520,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--config", required=True, help=f"the run's {RunDir.CONFIG_NAME}")
     parser.add_argument("--run-dir", help="run directory (default: the config's directory)")
     args = parser.parse_args(argv)
-    run_dir = Path(args.run_dir or Path(args.config).parent).resolve()
+    run_dir = RunDir(Path(args.run_dir or Path(args.config).parent).resolve())
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) or 0)
     if os.environ.get("HETSEQ_IGNORE_SIGINT"):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -526,7 +528,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     run = None
     try:
         run = load_run_config(args.config)
-        run_worker(run, str(run_dir))
+        run_worker(run, run_dir)
         return 0
     except Preempted as exc:
         if exc.after_lost_rank:  # no teardown of the broken world (see FAILED)
@@ -543,7 +545,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 130
         FAILED.append(exc)  # see FAILED
         # a write to a full or read-only run directory, wherever it was: one line, no traceback
-        one_line = report_failure(reported(exc, run_dir), rank, RunDir(run_dir).error_file(rank))
+        one_line = report_failure(reported(exc, run_dir), rank, run_dir.error_file(rank))
         if not logging.getLogger().handlers:
             print(f"rank {rank}: {type(exc).__name__}: {one_line}", file=sys.stderr)
         return 1

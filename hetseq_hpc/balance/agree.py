@@ -211,7 +211,7 @@ def report_curves(reports: Sequence[RankReport]) -> Optional[List[CostCurve]]:
 
 
 def write_allocation_json(
-    run_dir: Path,
+    run_dir: RunDir,
     allocation: Allocation,
     reports: Sequence[RankReport],
     extra: Optional[Dict[str, Any]] = None,
@@ -237,7 +237,7 @@ def write_allocation_json(
     }
     if extra:
         data.update(extra)
-    path = RunDir(run_dir).allocation
+    path = run_dir.allocation
     atomic_write_json(path, data)
     return path
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import shutil
 import sys
-from pathlib import Path
 from typing import Any, Dict
 
 from hetseq_hpc.config import RunConfig
@@ -18,7 +17,7 @@ from hetseq_hpc.rundir.storage import reported
 log = logging.getLogger("hetseq_hpc")
 
 
-def dispatch(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
+def dispatch(run: RunConfig, run_dir: RunDir) -> Dict[str, Any]:
     """Start ``run`` with the launcher its cluster names; returns the launcher's result."""
     if run.cluster.is_local:
         from hetseq_hpc.launch.local import launch_local
@@ -37,7 +36,7 @@ def dispatch(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
     return result
 
 
-def _report(summary: Dict[str, Any], run_dir: Path) -> None:
+def _report(summary: Dict[str, Any], run_dir: RunDir) -> None:
     if not summary:
         return
     val = summary.get("validation") or {}
@@ -59,12 +58,12 @@ def _report(summary: Dict[str, Any], run_dir: Path) -> None:
             rank["samples"],
             f"{thr:.1f}" if thr else "n/a",
         )
-    log.info("metrics: %s  allocation: %s", RunDir(run_dir).metrics, RunDir(run_dir).allocation)
+    log.info("metrics: %s  allocation: %s", run_dir.metrics, run_dir.allocation)
     if summary.get("plot"):
         log.info("plot: %s", summary["plot"])
 
 
-def dispatch_or_exit(run: RunConfig, run_dir: Path, new_dir: bool = False) -> Any:
+def dispatch_or_exit(run: RunConfig, run_dir: RunDir, new_dir: bool = False) -> Any:
     """:func:`dispatch`, with every error as one line and its exit code
     (:func:`~hetseq_hpc.errors.report_error`). A SLURM run refused before anything was
     submitted (``sinfo`` checks, ``sbatch`` refusing, Slurm missing) removes the run directory
@@ -82,8 +81,8 @@ def dispatch_or_exit(run: RunConfig, run_dir: Path, new_dir: bool = False) -> An
                 raise
             raise shown from None
     except HetseqError as exc:
-        if new_dir and not run.cluster.is_local and not (run_dir / "job.json").exists():
-            shutil.rmtree(run_dir, ignore_errors=True)
+        if new_dir and not run.cluster.is_local and not run_dir.job.exists():
+            shutil.rmtree(run_dir.root, ignore_errors=True)
         sys.exit(report_error(exc))
     except KeyboardInterrupt:
         print(

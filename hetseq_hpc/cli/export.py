@@ -90,8 +90,8 @@ def export_command(
             not fit the model directory, or the write fails; one line naming the file and the
             fix. Nothing half-written stays.
     """
-    folder = Path(run_dir).expanduser()
-    if not folder.is_dir():  # read-only is fine: only --out is written
+    folder = RunDir(Path(run_dir).expanduser())
+    if not folder.root.is_dir():  # read-only is fine: only --out is written
         raise CheckpointError(
             f"run directory {str(folder)!r} does not exist or is not a "
             "directory: pass the hydra.run.dir of a run that wrote checkpoints"
@@ -99,11 +99,11 @@ def export_command(
     one_file = out is not None and out.endswith(".safetensors")
     model_cfg = None if one_file else saved_hf_model(folder)
     if model_cfg is None:
-        target = Path(out).expanduser() if out else folder / "model.safetensors"
+        target = Path(out).expanduser() if out else folder.export_file
         problem = output_problem(target)
         problem = problem and f"{problem}: give a writable file, e.g. --out model.safetensors"
     else:
-        target = Path(out).expanduser() if out else folder / "hf_model"
+        target = Path(out).expanduser() if out else folder.export_dir
         problem = directory_problem(target, folder)
     if problem:
         shown = f"--out {target}" if out else str(target)
@@ -128,7 +128,7 @@ def export_command(
         write_one_file(state, choice.path, target)
     else:
         marker = {
-            "run_dir": str(folder.resolve()),
+            "run_dir": str(folder.root.resolve()),
             "run_id": str(state.get("run_id") or ""),
             "step": done.step,
             "checkpoint": str(choice.path),
@@ -137,14 +137,14 @@ def export_command(
     return done
 
 
-def saved_hf_model(folder: Path) -> Optional[HfModelConfig]:
+def saved_hf_model(folder: RunDir) -> Optional[HfModelConfig]:
     """The ``task.model`` group of a ``task=hf`` run's ``hetseq_config.yaml``, its paths
     checked; None for another task or when the file is missing.
 
     Raises:
         ConfigError: the file cannot be read, or the model directory is gone (one line).
     """
-    path = RunDir(folder).config
+    path = folder.config
     if not path.exists():
         return None
     fix = "export one file instead with --out FILE.safetensors"
@@ -169,10 +169,10 @@ def saved_hf_model(folder: Path) -> Optional[HfModelConfig]:
     return model_cfg
 
 
-def label_names(folder: Path) -> Optional[List[str]]:
+def label_names(folder: RunDir) -> Optional[List[str]]:
     """A classification run's class names (``summary.json``'s ``task.data.labels``, else the
     ``meta.json`` of its token cache); None when neither is there."""
-    summary = RunDir(folder).summary
+    summary = folder.summary
     try:
         labels = json.loads(summary.read_text(encoding="utf-8"))["task"]["data"]["labels"]
         if isinstance(labels, list):
@@ -180,7 +180,7 @@ def label_names(folder: Path) -> Optional[List[str]]:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     try:  # the cache the run trained from, when its data files are unchanged
-        run = load_run_config(RunDir(folder).config)
+        run = load_run_config(folder.config)
         cache = TaskCache(HfTask(run.task, run.trainer.seed).directory)
         labels = cache.read_meta().get("label_names")
     except (HetseqError, OSError, ValueError, AttributeError):
@@ -197,7 +197,7 @@ def _export_of(target: Path) -> Dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def directory_problem(target: Path, folder: Path) -> Optional[str]:
+def directory_problem(target: Path, folder: RunDir) -> Optional[str]:
     """Why the transformers directory cannot be written at ``target``, as a phrase with the
     fix, or None: it must be missing, an empty folder, or an earlier export of the same run
     (:data:`MARKER` names this run directory and its current run id); the folder that holds
@@ -208,7 +208,7 @@ def directory_problem(target: Path, folder: Path) -> Optional[str]:
     if target.is_dir() and any(target.iterdir()):
         earlier = _export_of(target)
         run_id = current_run_id(folder) or ""
-        same = earlier.get("run_dir") == str(folder.resolve()) and (
+        same = earlier.get("run_dir") == str(folder.root.resolve()) and (
             earlier.get("run_id") == run_id or not run_id
         )
         if not same:

@@ -45,7 +45,7 @@ from hetseq_hpc.rundir.paths import RunDir
 #: most sweep points :func:`check_sweep` composes and validates before Hydra starts
 MAX_SWEEP_CHECKS = 64
 #: what Hydra writes into a job's directory before the task function starts
-HYDRA_FILES = frozenset({".hydra", RunDir("").cli_log.name})
+HYDRA_FILES = frozenset({RunDir.HYDRA_NAME, RunDir.CLI_LOG_NAME})
 
 
 @contextmanager
@@ -77,7 +77,7 @@ class NewRunJob:
     def __call__(self, cfg: DictConfig) -> Any:
         """Start the run (``cfg`` is Hydra's copy of the same composition)."""
         guard_log_files()  # Hydra's cli.log: a full disk cannot fail the launcher through it
-        run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
+        run_dir = RunDir(Path(HydraConfig.get().runtime.output_dir).resolve())
         return dispatch_or_exit(self.run, run_dir, self.new_dir)
 
 
@@ -98,14 +98,14 @@ class ComposedJob:
         """Validate and start the job's run; a bad value exits with its one line."""
         hydra_cfg = HydraConfig.get()
         guard_log_files()
-        run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
+        run_dir = RunDir(Path(hydra_cfg.runtime.output_dir).resolve())
         try:
             run = to_run_config(job_config(cfg, list(hydra_cfg.overrides.task), self.partitions))
         except ConfigError as exc:
             sys.exit(report_error(exc))
         # nothing but what Hydra just wrote: a directory of this job (removed when a SLURM
         # submission is refused), not an earlier run's
-        new_dir = {p.name for p in run_dir.iterdir()} <= HYDRA_FILES
+        new_dir = {p.name for p in run_dir.root.iterdir()} <= HYDRA_FILES
         return dispatch_or_exit(run, run_dir, new_dir)
 
 

@@ -116,10 +116,11 @@ def load_new_run(cmd: CommandLine) -> LoadedRun:
     problem = run_dir_problem(shown)
     if problem:
         raise run_dir_refusal(shown, problem)
-    check_resume(run, Path(shown))
+    run_dir = RunDir(shown)
+    check_resume(run, run_dir)
     return LoadedRun(
         run=run,
-        run_dir=RunDir(shown),
+        run_dir=run_dir,
         existed=os.path.exists(shown),
         hydra=HydraStart(composer, (*overrides, *hydra)),
         overrides=tuple(cmd.overrides),
@@ -160,18 +161,18 @@ def load_saved_run(cmd: CommandLine) -> Optional[LoadedRun]:
     resume = cmd.value("trainer.resume")
     if (resume if resume is not None else OmegaConf.select(saved, "trainer.resume")) == "never":
         return None  # a new run: nothing of the saved configuration is used (or imported)
-    run_dir = path.parent.resolve()
+    run_dir = RunDir(path.parent).resolve()
     problem = run_dir_problem(str(run_dir))  # read-only or full: refused, nothing written
     if problem:
         raise run_dir_refusal(str(run_dir), problem)
-    merged = merge_overrides(saved, overrides, earlier_overrides(path.parent))
+    merged = merge_overrides(saved, overrides, earlier_overrides(run_dir))
     task_code = guard_saved_task(merged, overrides, run_dir)
     run = to_run_config(merged)
     check_task_code(run)  # imports the task module the user named (or trusted)
     check_model_fits(run)
     return LoadedRun(
         run=run,
-        run_dir=RunDir(run_dir),
+        run_dir=run_dir,
         existed=True,
         hydra=None,
         saved=path,

@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from hetseq_hpc.errors import PROG, CheckpointError, ConfigError
 from hetseq_hpc.files.user_input import file_problem
+from hetseq_hpc.rundir.paths import RunDir
 
 
 def checkpoint_fingerprint(path: Path) -> Optional[Dict[str, Any]]:
@@ -23,7 +24,7 @@ def checkpoint_fingerprint(path: Path) -> Optional[Dict[str, Any]]:
     return state.get("config") if isinstance(state, dict) else None
 
 
-def check_resume(run: Any, run_dir: Optional[Path]) -> None:
+def check_resume(run: Any, run_dir: Optional[RunDir]) -> None:
     """Before any process starts: an explicit ``trainer.resume`` file must exist, and the
     checkpoint the run would resume from must fit it (same checks the ranks make later,
     :func:`hetseq_hpc.train.state.check_fingerprint`).
@@ -61,19 +62,19 @@ def check_resume(run: Any, run_dir: Optional[Path]) -> None:
     check_fingerprint(saved, run_fingerprint(run), str(path), run.trainer.allow_resume_mismatch)
 
 
-def say_if_finished(run: Any, run_dir: Path) -> bool:
+def say_if_finished(run: Any, run_dir: RunDir) -> bool:
     """Whether the checkpoint the run would resume from is at ``trainer.max_steps`` or later
     (:func:`hetseq_hpc.train.checkpoint.finished.finished_run`: a finished run, nothing to train); if so,
     its one line (steps, final loss, summary, how to train further) is printed on stdout."""
     from hetseq_hpc.train.checkpoint.finished import finished_run
 
-    finished = finished_run(run.trainer.resume, run.trainer.max_steps, Path(run_dir))
+    finished = finished_run(run.trainer.resume, run.trainer.max_steps, run_dir)
     if finished is not None:
         print(f"{PROG}: {finished.line()}", flush=True)
     return finished is not None
 
 
-def refuse_rewinding_a_finished_run(run: Any, run_dir: Path) -> None:
+def refuse_rewinding_a_finished_run(run: Any, run_dir: RunDir) -> None:
     """Refuse ``trainer.resume=<an older checkpoint>`` of a run directory whose run is complete
     (:func:`hetseq_hpc.train.checkpoint.finished.completed_run`): training again from there would drop
     its ``metrics.jsonl`` rows after that step and overwrite its ``summary.json`` and
@@ -83,20 +84,19 @@ def refuse_rewinding_a_finished_run(run: Any, run_dir: Path) -> None:
         CheckpointError: one line naming the checkpoint, the finished run and the ways on
             (resume a copy of the directory, or start over, which keeps the finished run).
     """
-    from hetseq_hpc.rundir.paths import RunDir
     from hetseq_hpc.train.checkpoint.files import step_of
     from hetseq_hpc.train.checkpoint.finished import completed_run
 
     if run.trainer.resume in ("auto", "never"):
         return
     path = Path(run.trainer.resume).expanduser()
-    if path.resolve().parent != RunDir(run_dir).checkpoints.resolve():
+    if path.resolve().parent != run_dir.checkpoints.resolve():
         return  # another directory's checkpoint: nothing of that run is written
     try:
         step = step_of(path)
     except ValueError:
         return
-    done = completed_run(Path(run_dir))
+    done = completed_run(run_dir)
     if done is None or step >= done.step:
         return
     raise CheckpointError(

@@ -26,6 +26,7 @@ from hetseq_hpc.config import compose_run
 from hetseq_hpc.config.aliases import migrate_overrides
 from hetseq_hpc.config.compose import is_hydra_override, split_partition_overrides
 from hetseq_hpc.errors import ConfigError
+from hetseq_hpc.rundir.paths import RunDir
 
 
 def merge_overrides(
@@ -67,9 +68,9 @@ def merge_overrides(
     return merged
 
 
-def earlier_overrides(run_dir: Path) -> List[str]:
+def earlier_overrides(run_dir: RunDir) -> List[str]:
     """The overrides the earlier run was started with (Hydra's ``.hydra/overrides.yaml``)."""
-    path = Path(run_dir) / ".hydra" / "overrides.yaml"
+    path = run_dir.hydra_overrides
     try:
         loaded = OmegaConf.load(path)
     except Exception:
@@ -92,7 +93,9 @@ def task_module_file(target: str, path: Optional[str]) -> Optional[Path]:
     return None
 
 
-def guard_saved_task(merged: DictConfig, overrides: Sequence[str], run_dir: Path) -> Optional[str]:
+def guard_saved_task(
+    merged: DictConfig, overrides: Sequence[str], run_dir: RunDir
+) -> Optional[str]:
     """Refuse to import a user task module that only the saved configuration names.
 
     Continuing a run directory (maybe copied or shared by someone else) would import the
@@ -118,7 +121,7 @@ def guard_saved_task(merged: DictConfig, overrides: Sequence[str], run_dir: Path
     # the command line's own word only: a saved config's value could be the directory's writer's
     if not named and override_value(overrides, "trainer.trust_saved_task") is not True:
         raise ConfigError(
-            f"{run_dir / 'hetseq_config.yaml'} names task.target={target} (code in {shown}), "
+            f"{run_dir.config} names task.target={target} (code in {shown}), "
             "which is not imported unless you name it: repeat task.target="
             f"{target} task.path={folder} on the command line, or add "
             "trainer.trust_saved_task=true if you trust that file"

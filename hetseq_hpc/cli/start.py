@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
 
 from hetseq_hpc.cli.dispatch import dispatch_or_exit
 from hetseq_hpc.cli.hydra_entry import NewRunJob, start_with_hydra
@@ -50,7 +49,7 @@ def start_new_run(loaded: LoadedRun) -> int:
         CheckpointError, LaunchError: as :func:`start_run`.
     """
     assert loaded.hydra is not None
-    run, run_dir = loaded.run, loaded.run_dir.root
+    run, run_dir = loaded.run, loaded.run_dir
     # a new directory can only hold nothing to train through a trainer.resume file: said
     # before the directory is created
     if not loaded.existed and say_if_finished(run, run_dir):
@@ -68,12 +67,12 @@ def start_new_run(loaded: LoadedRun) -> int:
     return 0
 
 
-def _log_to(run_dir: Path) -> None:
+def _log_to(run_dir: RunDir) -> None:
     """Console and ``<run dir>/cli.log`` (appended), as Hydra sets them up for a new run."""
     root = logging.getLogger()
     root.setLevel(logging.INFO)
     formatter = logging.Formatter(LOG_FORMAT)
-    for handler in (logging.StreamHandler(sys.stdout), open_run_log(RunDir(run_dir).cli_log)):
+    for handler in (logging.StreamHandler(sys.stdout), open_run_log(run_dir.cli_log)):
         if handler is not None:  # cli.log that cannot be opened: one warning, console only
             handler.setFormatter(formatter)
             root.addHandler(handler)
@@ -90,7 +89,7 @@ def continue_saved_run(loaded: LoadedRun) -> int:
     Raises:
         CheckpointError, LaunchError: as :func:`start_run`.
     """
-    run, run_dir = loaded.run, loaded.run_dir.root
+    run, run_dir = loaded.run, loaded.run_dir
     with lock_run_dir(run_dir):  # before anything is written: a run turned away writes nothing
         check_resume(run, run_dir)
         refuse_rewinding_a_finished_run(run, run_dir)

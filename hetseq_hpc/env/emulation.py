@@ -289,8 +289,6 @@ def exempt_communication_threads(emu: Emulation) -> Emulation:
     return replace(emu, exempt_threads=tuple(moved))
 
 
-def record(emu: Emulation, run_dir: Path, rank: int) -> Path:
+def record(emu: Emulation, run_dir: RunDir, rank: int) -> Path:
     """Write ``logs/rank<N>.emulation.json``."""
-    return atomic_write_text(
-        RunDir(run_dir).emulation_file(rank), json.dumps(emu.to_dict(), indent=1)
-    )
+    return atomic_write_text(run_dir.emulation_file(rank), json.dumps(emu.to_dict(), indent=1))

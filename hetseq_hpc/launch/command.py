@@ -25,10 +25,14 @@ from hetseq_hpc.rundir.paths import RunDir
 RUN_DIR_ENV = "HETSEQ_RUN_DIR"
 
 
-def command_env(run_dir: str, env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+def command_env(run_dir: RunDir, env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     """The command's environment: ``env`` (default this process's) plus :data:`RUN_DIR_ENV`
     and unbuffered Python output."""
-    return {**(os.environ if env is None else env), RUN_DIR_ENV: run_dir, "PYTHONUNBUFFERED": "1"}
+    return {
+        **(os.environ if env is None else env),
+        RUN_DIR_ENV: str(run_dir),
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
 def last_line(path: Path) -> str:
@@ -43,7 +47,9 @@ def last_line(path: Path) -> str:
 @dataclass
 class CommandJobFunction:
     """What every task of the het job runs (pickled by submitit) when ``cluster.command`` is
-    set: the command, its output appended to ``logs/rank<N>.log``.
+    set: the command, its output appended to ``logs/rank<N>.log``. ``run_dir`` is a plain
+    string (a pickled job of an earlier version reads the same); the task builds its
+    :class:`~hetseq_hpc.rundir.paths.RunDir` once.
 
     Raises:
         LaunchError: the command exited non-zero (its last output line and exit code, also in
@@ -61,7 +67,7 @@ class CommandJobFunction:
         with open(log_path, "ab") as out:
             code = subprocess.call(
                 self.command,
-                env=command_env(self.run_dir),
+                env=command_env(paths),
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )

@@ -26,7 +26,7 @@ from hetseq_hpc.rundir.storage import filesystem_problem, storage_message
 from hetseq_hpc.train.metrics import read_metrics
 
 #: rank 0's record of a clean stop after a checkpoint in a SLURM job (relative to the run dir)
-STOP_RECORD = Path("logs") / "stop.json"
+STOP_RECORD = RunDir.STOP_RECORD
 #: a rank whose clock jumped this many seconds between two ticks was stopped (SIGSTOP, a frozen
 #: node): peers time out after cluster.collective_timeout_s >= 10 s, so a stop that makes them
 #: fail is longer than this
@@ -52,7 +52,7 @@ def error_line(trace: object) -> str:
 
 
 def storage_cause(
-    run_dir: Path, codes: Mapping[int, int], errors: Mapping[int, Optional[Dict]]
+    run_dir: RunDir, codes: Mapping[int, int], errors: Mapping[int, Optional[Dict]]
 ) -> Dict[int, Optional[Dict]]:
     """``errors`` with a cause for each rank that exited with an error (code > 0) but left no
     error file, when the run directory's filesystem is full or read-only (``os.statvfs``,
@@ -204,7 +204,7 @@ def note_stopped(path: Path, stopped_s: float) -> None:
 
 
 def write_stop_record(
-    run_dir: Path,
+    run_dir: RunDir,
     job_id: str,
     step: int,
     code: int,
@@ -216,7 +216,7 @@ def write_stop_record(
     in ``<run dir>/logs/stop.json`` (``code``: :mod:`hetseq_hpc.env.preemption`'s TERMINATE or
     REQUEUE; ``requeued``: the job was requeued and will go on by itself). Never raises."""
     try:
-        path = Path(run_dir) / STOP_RECORD
+        path = run_dir.stop_record
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(
             path,
@@ -234,11 +234,11 @@ def write_stop_record(
         pass
 
 
-def read_stop_record(run_dir: Path, job_id: str) -> Optional[Dict[str, Any]]:
+def read_stop_record(run_dir: RunDir, job_id: str) -> Optional[Dict[str, Any]]:
     """Job ``job_id``'s stop record (:func:`write_stop_record`), or None if there is none, it
     is unreadable, or it belongs to another job."""
     try:
-        data = json.loads((Path(run_dir) / STOP_RECORD).read_text())
+        data = json.loads(run_dir.stop_record.read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or str(data.get("job_id")) != str(job_id):
@@ -246,7 +246,7 @@ def read_stop_record(run_dir: Path, job_id: str) -> Optional[Dict[str, Any]]:
     return data if isinstance(data.get("step"), int) else None
 
 
-def signal_reason(code: int, run_dir: Path, rank: int, oom: Optional[str] = None) -> str:
+def signal_reason(code: int, run_dir: RunDir, rank: int, oom: Optional[str] = None) -> str:
     """Words for a rank that died of signal ``-code``. A SIGKILL is called out of memory only
     when ``oom`` says why (:func:`hetseq_hpc.env.memcg.oom_evidence`: the cgroup's OOM-kill count
     rose, or the kernel log names the process), with ``allocation.json``'s memory estimate for
@@ -266,11 +266,11 @@ def signal_reason(code: int, run_dir: Path, rank: int, oom: Optional[str] = None
     return reason + ": lower cluster.memory_budget_gb, shrink task.model or balance.max_micro_batch"
 
 
-def memory_estimate_gb(run_dir: Path, rank: int) -> Optional[float]:
+def memory_estimate_gb(run_dir: RunDir, rank: int) -> Optional[float]:
     """GiB rank ``rank`` was planned to hold: calibration ``static_bytes`` + ``activation_bytes_
     per_sample`` x its micro-batch, from ``<run dir>/allocation.json``; None if unknown."""
     try:
-        data = json.loads(RunDir(run_dir).allocation.read_text())
+        data = json.loads(run_dir.allocation.read_text())
         entry = data["ranks"][rank]
         cal, share = entry["calibration"], entry["share"]
         total = float(cal["static_bytes"]) + float(cal["activation_bytes_per_sample"]) * int(
@@ -289,12 +289,12 @@ def survivors_stopped(codes: Mapping[int, int], tolerated: Callable[[int], bool]
     return stop in codes.values() and all(tolerated(c) or c == stop for c in codes.values())
 
 
-def too_few_message(run_dir: Path, lost: Sequence[int], reasons: Sequence[str]) -> str:
+def too_few_message(run_dir: RunDir, lost: Sequence[int], reasons: Sequence[str]) -> str:
     """One line for :func:`survivors_stopped`: who was lost and why, why the survivors stopped
     (the membership row's ``stopped``), and the fix."""
     why = "the survivors could not go on"
     try:
-        rows = [r for r in read_metrics(run_dir) if r.get("event") == "membership"]
+        rows = [r for r in read_metrics(run_dir.metrics) if r.get("event") == "membership"]
         why = next((r["stopped"] for r in reversed(rows) if r.get("stopped")), why)
     except Exception:  # no readable metrics: the generic words
         pass
@@ -302,7 +302,7 @@ def too_few_message(run_dir: Path, lost: Sequence[int], reasons: Sequence[str]) 
     return (
         f"rank(s) {list(lost)} were lost ({who}); the others stopped after checkpointing their "
         f"last completed step: {why}; resume with trainer.resume=auto (a Slurm job is "
-        f"requeued and resumes by itself); see {RunDir(run_dir).rank_log(lost[0])}"
+        f"requeued and resumes by itself); see {run_dir.rank_log(lost[0])}"
     )
 
 

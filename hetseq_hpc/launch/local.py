@@ -301,7 +301,7 @@ def _start(cmd: List[str], envs: List[Dict[str, str]], pass_fds: tuple) -> List[
 
 
 def _failure_reason(
-    run_dir: Path,
+    run_dir: RunDir,
     rank: int,
     code: Optional[int],
     pid: Optional[int] = None,
@@ -310,7 +310,7 @@ def _failure_reason(
     """The words for a failed rank: its own error, else its signal. A SIGKILL is called out of
     memory only with the kernel's word for it (:func:`hetseq_hpc.env.memcg.oom_evidence`: the
     cgroup's OOM-kill count since ``oom_before``, or the kernel log naming ``pid``)."""
-    err = read_error_file(RunDir(run_dir).error_file(rank))
+    err = read_error_file(run_dir.error_file(rank))
     if err is not None:
         return f"{err.get('type', 'Error')}: {err['message']}"
     if code is not None and code < 0:
@@ -348,7 +348,7 @@ def _watch(
     return codes
 
 
-def launch_local(run: RunConfig, run_dir: Path, poll_s: float = POLL_S) -> Dict:
+def launch_local(run: RunConfig, run_dir: RunDir, poll_s: float = POLL_S) -> Dict:
     """Run the job on this machine and return rank 0's summary.
 
     The run directory is locked for the whole run (:func:`~hetseq_hpc.rundir.lock.lock_run_dir`;
@@ -363,16 +363,16 @@ def launch_local(run: RunConfig, run_dir: Path, poll_s: float = POLL_S) -> Dict:
             read-only run directory: that cause, found by ``os.statvfs``).
     """
     check_ranks_fit_gpus(run)
-    run_dir = Path(run_dir).resolve()
+    run_dir = run_dir.resolve()
     with lock_run_dir(run_dir) as lock, _stop_on_signals():
         return _launch(run, run_dir, poll_s, lock.child_env(), (lock.fd,))
 
 
 def _launch(
-    run: RunConfig, run_dir: Path, poll_s: float, lock_env: Dict[str, str], pass_fds: tuple
+    run: RunConfig, run_dir: RunDir, poll_s: float, lock_env: Dict[str, str], pass_fds: tuple
 ) -> Dict:
-    config_path = save_run_config(run, RunDir(run_dir).config)
-    for stale in (run_dir / "logs").glob("rank*.error.json"):
+    config_path = save_run_config(run, run_dir.config)
+    for stale in run_dir.error_files():
         stale.unlink()
     envs = rank_environments(run, config_path)
     for env in envs:
@@ -397,7 +397,7 @@ def _launch(
     ]
     if run.cluster.command:  # the user's script on every rank (hetseq_hpc.launch.command)
         cmd = list(run.cluster.command)
-        envs = [command_env(str(run_dir), env) for env in envs]
+        envs = [command_env(run_dir, env) for env in envs]
     procs: List[subprocess.Popen] = []
     oom_before = oom_kill_counts()  # the ranks inherit this cgroup: did the OOM killer act?
     job = None if run.cluster.command else ElasticJob.serve(run, envs)
@@ -413,7 +413,7 @@ def _launch(
             if len(lost) == len(procs):
                 raise LaunchError(
                     f"every rank was lost ({_failure_reason(run_dir, 0, codes[0])}"
-                    f"); see {RunDir(run_dir).rank_log(0)}"
+                    f"); see {run_dir.rank_log(0)}"
                 )
         elif elastic and survivors_stopped(codes, elastic.tolerated):
             lost = sorted(r for r, c in codes.items() if elastic.tolerated(c))
@@ -425,7 +425,7 @@ def _launch(
                 )
             )
         elif any(c != 0 for c in codes.values()):
-            errors = {r: read_error_file(RunDir(run_dir).error_file(r)) for r in range(len(procs))}
+            errors = {r: read_error_file(run_dir.error_file(r)) for r in range(len(procs))}
             errors = storage_cause(run_dir, codes, errors)  # no room even for an error file
             stopped = [r for r, p in enumerate(procs) if r not in codes and _is_stopped(p.pid)]
             _stop(procs)
@@ -441,7 +441,7 @@ def _launch(
                 )
             raise LaunchError(
                 f"rank {failed} failed ({reason}); the other ranks were stopped; see "
-                f"{RunDir(run_dir).rank_log(failed)}"
+                f"{run_dir.rank_log(failed)}"
             )
     except BaseException as exc:
         _stop(procs)
@@ -452,5 +452,5 @@ def _launch(
     finally:
         if job is not None:
             job.close()
-    summary_path = RunDir(run_dir).summary
+    summary_path = run_dir.summary
     return json.loads(summary_path.read_text()) if summary_path.is_file() else {}

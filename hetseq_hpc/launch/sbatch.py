@@ -17,6 +17,7 @@ from typing import Any, List, Optional
 
 from hetseq_hpc.config.schema import PartitionConfig, SlurmClusterConfig
 from hetseq_hpc.errors import ConfigError
+from hetseq_hpc.rundir.paths import RunDir
 
 #: the job function a dry run saves for a submission by hand (in submitit's folder)
 HAND_PICKLE = "hand_submitted.pkl"
@@ -138,11 +139,12 @@ def store_lines(python: str, folder: str, nodes: int = 1) -> List[str]:
 END_GRACE_S = 20
 
 
-def survived_lines(srun: str, run_dir: str) -> List[str]:
+def survived_lines(srun: str, summary: str) -> List[str]:
     """The step of an elastic job and its exit code. ``srun`` fails when a task was lost
     (killed, its node gone) even though the survivors finished the run, so the script exits 0
     when the run's ``summary.json`` was written after the script started (a whole run done in
-    this job; rank 0, or the survivors when it was lost, write it at the very end), else with
+    this job; rank 0, or the survivors when it was lost, write it at the very end: the file
+    ``summary``), else with
     srun's code: Slurm then records COMPLETED, and ``--dependency=afterok`` chains go on.
 
     A task the others left out because it was stopped or hung (SIGSTOP, a stuck driver) never
@@ -151,7 +153,7 @@ def survived_lines(srun: str, run_dir: str) -> List[str]:
     ends the step (two SIGINTs within a second: srun's own "terminate the step",
     https://slurm.schedmd.com/srun.html, signals) and exits 0 as above."""
     return [
-        f"summary={shlex.quote(f'{run_dir}/summary.json')}",
+        f"summary={shlex.quote(summary)}",
         "started=$(date +%s)",
         f"{srun} &",
         "srun_pid=$!",
@@ -187,7 +189,7 @@ def render_sbatch(
     folder: str,
     python: str,
     elastic: bool = False,
-    run_dir: Optional[str] = None,
+    run_dir: Optional[RunDir] = None,
 ) -> str:
     """The complete sbatch script.
 
@@ -255,7 +257,11 @@ def render_sbatch(
         lines += store_lines(python, folder, sum(int(p.nodes) for p in cluster.partitions.values()))
     srun = srun_command(cluster, folder, python, elastic)
     lines += ["", "# one step over all het components, one task per rank"]
-    lines += survived_lines(srun, _clean("run_dir", run_dir)) if elastic and run_dir else [srun]
+    if elastic and run_dir is not None:
+        _clean("run_dir", run_dir)
+        lines += survived_lines(srun, str(run_dir.summary))
+    else:
+        lines.append(srun)
     lines.append("")
     return "\n".join(lines)
 

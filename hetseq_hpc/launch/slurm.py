@@ -41,7 +41,6 @@ from hetseq_hpc.errors import ConfigError, LaunchError, Preempted, RankExcluded
 from hetseq_hpc.files.atomic import atomic_write_text
 from hetseq_hpc.launch.command import CommandJobFunction
 from hetseq_hpc.launch.failures import (
-    STOP_RECORD,
     StopWatch,
     note_stopped,
     pick_failure,
@@ -84,7 +83,7 @@ class HetSlurmExecutor(SlurmExecutor):
         cluster: SlurmClusterConfig,
         python: Optional[str] = None,
         elastic: bool = False,
-        run_dir: Optional[str] = None,
+        run_dir: Optional[RunDir] = None,
     ):
         if "%" in str(folder):
             raise ConfigError(
@@ -153,18 +152,19 @@ class HetseqJobFunction:
     def __call__(self) -> Dict[str, Any]:
         from hetseq_hpc.worker import handle_preempted, run_worker
 
+        run_dir = RunDir(self.run_dir)  # a plain string in the pickle: earlier jobs' too
         rank = int(os.environ.get("SLURM_PROCID", "0") or 0)
         watch = StopWatch().start()
         try:
             run = load_run_config(self.config_path)
-            return run_worker(run, self.run_dir)
+            return run_worker(run, run_dir)
         except Preempted as exc:
             if exc.leads(rank):
                 restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
                 limit = run.cluster.max_requeues
                 requeued = exc.code == REQUEUE and restarts < limit
                 write_stop_record(
-                    self.run_dir,
+                    run_dir,
                     os.environ.get("SLURM_JOB_ID", ""),
                     exc.step,
                     exc.code,
@@ -182,9 +182,9 @@ class HetseqJobFunction:
             return {EXCLUDED_RESULT: True, "rank": rank}
         except Exception as exc:
             exit_at_shutdown(exc, 1)
-            shown = reported(exc, self.run_dir)  # a full or read-only run directory: one line
-            report_failure(shown, rank, RunDir(self.run_dir).error_file(rank))
-            note_stopped(RunDir(self.run_dir).error_file(rank), watch.stopped_s)
+            shown = reported(exc, run_dir)  # a full or read-only run directory: one line
+            report_failure(shown, rank, run_dir.error_file(rank))
+            note_stopped(run_dir.error_file(rank), watch.stopped_s)
             if shown is not exc:  # its result's last line: what the launcher names
                 raise shown from None
             raise
@@ -209,7 +209,7 @@ def job_function(run: RunConfig, config_path: str, run_dir: str) -> Any:
     return HetseqJobFunction(config_path, run_dir)
 
 
-def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
+def launch_slurm(run: RunConfig, run_dir: RunDir) -> Dict[str, Any]:
     """Submit ``run`` as one het job (or, with ``cluster.dry_run``, only write ``job.sbatch``).
 
     Returns:
@@ -221,11 +221,11 @@ def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
             or lacks the GRES type, nodes, CPUs or time limit (nothing is submitted).
     """
     cluster: SlurmClusterConfig = run.cluster
-    run_dir = Path(run_dir).resolve()
-    folder = Path(cluster.folder or run_dir / "submitit").expanduser().resolve()
+    run_dir = run_dir.resolve()
+    folder = Path(cluster.folder or run_dir.submitit).expanduser().resolve()
     elastic = elastic_job(run)
     script = render_sbatch(
-        cluster, str(folder), sys.executable, elastic, str(run_dir)
+        cluster, str(folder), sys.executable, elastic, run_dir
     )  # refuses unsafe values
     if not cluster.dry_run:
         require_slurm()
@@ -233,12 +233,12 @@ def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
     # the launcher holds the run-directory lock while it writes; rank 0 of the job takes it for
     # the run (hetseq_hpc.rundir.lock.claim_run_dir), so it is released before submitting
     with lock_run_dir(run_dir):
-        config_path = save_run_config(run, RunDir(run_dir).config)
+        config_path = save_run_config(run, run_dir.config)
         # an earlier job's errors and stop record must not be read as this job's
-        for stale in [*(run_dir / "logs").glob("rank*.error.json"), run_dir / STOP_RECORD]:
+        for stale in [*run_dir.error_files(), run_dir.stop_record]:
             stale.unlink(missing_ok=True)
         if cluster.dry_run:
-            path = run_dir / "job.sbatch"
+            path = run_dir.sbatch
             save_hand_submission(folder, job_function(run, str(config_path), str(run_dir)))
             atomic_write_text(path, script)
             print(
@@ -249,7 +249,7 @@ def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
             return {"dry_run": True, "sbatch": str(path), "config": str(config_path)}
         folder.mkdir(parents=True, exist_ok=True)
     let_go(run_dir)  # also the command line's hold: the job's rank 0 takes the lock
-    executor = HetSlurmExecutor(folder, cluster, elastic=elastic, run_dir=str(run_dir))
+    executor = HetSlurmExecutor(folder, cluster, elastic=elastic, run_dir=run_dir)
     before = summary_stamp(run_dir)  # a summary.json written from here on is this job's
     job = executor.submit(job_function(run, str(config_path), str(run_dir)))
     info = {
@@ -260,13 +260,13 @@ def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
         "partitions": list(cluster.partitions),
         "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    atomic_write_text(run_dir / "job.json", json.dumps(info, indent=2))
+    atomic_write_text(run_dir.job, json.dumps(info, indent=2))
     print(
         f"submitted het job {job.job_id}: {cluster.world_size} ranks over "
         f"{', '.join(cluster.partitions)}"
     )
-    print(f"  follow:  tail -f {run_dir / 'logs' / 'rank0.log'}   (squeue -j {job.job_id})")
-    print(f"  metrics: {run_dir / 'metrics.jsonl'}")
+    print(f"  follow:  tail -f {run_dir.rank_log(0)}   (squeue -j {job.job_id})")
+    print(f"  metrics: {run_dir.metrics}")
     print(f"  cancel:  scancel {job.job_id}")
     sys.stdout.flush()
     if not cluster.wait:
@@ -279,9 +279,9 @@ def launch_slurm(run: RunConfig, run_dir: Path) -> Dict[str, Any]:
     return info
 
 
-def job_from_run_dir(run_dir: Path) -> Tuple[HetSlurmJob, int]:
+def job_from_run_dir(run_dir: RunDir) -> Tuple[HetSlurmJob, int]:
     """Re-attach to the job a run directory's ``job.json`` names: ``(job, ranks)``."""
-    info = json.loads((Path(run_dir) / "job.json").read_text())
+    info = json.loads(run_dir.job.read_text())
     job = HetSlurmJob(
         folder=info["folder"], job_id=str(info["job_id"]), tasks=list(range(int(info["ranks"])))
     )

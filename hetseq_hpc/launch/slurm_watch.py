@@ -183,7 +183,7 @@ class RequeueLimitReached(Preempted):
     failure (the CLI exits 3, like a rank stopped after a checkpoint); the message says how to
     continue."""
 
-    def __init__(self, step: int, max_requeues: int, run_dir: Path):
+    def __init__(self, step: int, max_requeues: int, run_dir: RunDir):
         super().__init__(step, REQUEUE, "the requeue limit")
         self.args = (
             f"stopped after step {step} with a checkpoint: requeue limit (cluster.max_num_timeout="
@@ -214,12 +214,12 @@ def cancel_job(job_id: str) -> None:
         log.warning("could not scancel job %s (%s): cancel it by hand", job_id, exc)
 
 
-def _rank_errors(run_dir: Path, traces: Dict[int, str], num_tasks: int) -> Dict[int, Dict]:
+def _rank_errors(run_dir: RunDir, traces: Dict[int, str], num_tasks: int) -> Dict[int, Dict]:
     """rank -> its own error: ``logs/rank<N>.error.json`` if it wrote one, else one built from
     its result traceback (no time: such ranks sort by rank)."""
     errors: Dict[int, Dict] = {}
     for rank in range(num_tasks):
-        err = read_error_file(RunDir(run_dir).error_file(rank))
+        err = read_error_file(run_dir.error_file(rank))
         if err is None and rank in traces:
             line = error_line(traces[rank])
             kind, _, message = line.partition(": ")
@@ -230,7 +230,7 @@ def _rank_errors(run_dir: Path, traces: Dict[int, str], num_tasks: int) -> Dict[
 
 
 def failure_message(
-    job_id: str, folder: Path, run_dir: Path, num_tasks: int, outcomes: Dict[int, Tuple[str, Any]]
+    job_id: str, folder: Path, run_dir: RunDir, num_tasks: int, outcomes: Dict[int, Tuple[str, Any]]
 ) -> str:
     """The one-line report of a failed job: the rank whose own error came first
     (:func:`~hetseq_hpc.launch.failures.first_failure`; ranks without a result or an error of
@@ -255,14 +255,11 @@ def failure_message(
             "it ended without an error of its own (killed by a signal: scancel, kill -9, "
             "the kernel's OOM killer; or stopped), and its peers lost it"
         )
-    return (
-        f"job {job_id}: rank {rank} failed: {reason} (log: {log_err}; "
-        f"{RunDir(run_dir).rank_log(rank)})"
-    )
+    return f"job {job_id}: rank {rank} failed: {reason} (log: {log_err}; {run_dir.rank_log(rank)})"
 
 
-def _accounted(run_dir: Path, num_tasks: int, outcomes: Dict[int, Tuple[str, Any]]) -> bool:
-    return all(r in outcomes or RunDir(run_dir).error_file(r).is_file() for r in range(num_tasks))
+def _accounted(run_dir: RunDir, num_tasks: int, outcomes: Dict[int, Tuple[str, Any]]) -> bool:
+    return all(r in outcomes or run_dir.error_file(r).is_file() for r in range(num_tasks))
 
 
 def finished_without_lost(
@@ -281,16 +278,16 @@ def finished_without_lost(
     return None
 
 
-def summary_stamp(run_dir: Path) -> int:
+def summary_stamp(run_dir: RunDir) -> int:
     """When the run's ``summary.json`` was last written (``st_mtime_ns``), -1 if absent:
     taken before submitting, it tells a summary this job wrote from an earlier one."""
     try:
-        return RunDir(run_dir).summary.stat().st_mtime_ns
+        return run_dir.summary.stat().st_mtime_ns
     except OSError:
         return -1
 
 
-def finished_by_survivors(run_dir: Path, before: int) -> Optional[Dict[str, Any]]:
+def finished_by_survivors(run_dir: RunDir, before: int) -> Optional[Dict[str, Any]]:
     """The run's ``summary.json`` when this job wrote it (its stamp differs from ``before``,
     :func:`summary_stamp`) after losing ranks (``lost_ranks``), else None.
 
@@ -303,7 +300,7 @@ def finished_by_survivors(run_dir: Path, before: int) -> Optional[Dict[str, Any]
     if summary_stamp(run_dir) == before:
         return None
     try:
-        summary = json.loads(RunDir(run_dir).summary.read_text())
+        summary = json.loads(run_dir.summary.read_text())
     except (OSError, ValueError):
         return None
     if isinstance(summary, dict) and summary.get("lost_ranks"):
@@ -311,7 +308,7 @@ def finished_by_survivors(run_dir: Path, before: int) -> Optional[Dict[str, Any]
     return None
 
 
-def note_lost(job_id: str, summary: Dict[str, Any], run_dir: Path) -> None:
+def note_lost(job_id: str, summary: Dict[str, Any], run_dir: RunDir) -> None:
     """Log, in one line, the ranks a finished run lost on the way (its ``lost_ranks``)."""
     lost = summary.get("lost_ranks") if isinstance(summary, dict) else None
     if lost:
@@ -320,13 +317,13 @@ def note_lost(job_id: str, summary: Dict[str, Any], run_dir: Path) -> None:
             "others); the others finished the run without them: %s",
             job_id,
             list(lost),
-            RunDir(run_dir).summary,
+            run_dir.summary,
         )
 
 
 def wait_for_job(
     job: HetSlurmJob,
-    run_dir: Path,
+    run_dir: RunDir,
     num_tasks: int,
     poll_s: float = 1.0,
     stream: bool = False,
@@ -362,7 +359,7 @@ def wait_for_job(
         RequeueLimitReached: the job stopped after a checkpoint with its requeues used up.
     """
     folder = Path(job.paths.folder)
-    log_path = RunDir(run_dir).rank_log(0)
+    log_path = run_dir.rank_log(0)
     before = summary_stamp(run_dir) if summary_before is None else summary_before
     offset = 0
     start = time.monotonic()
@@ -378,7 +375,7 @@ def wait_for_job(
                 sys.stderr.flush()
         outcomes = task_outcomes(folder, job.job_id, num_tasks)
         if any(o[0] == "error" for o in outcomes.values()) or any(
-            RunDir(run_dir).error_file(r).is_file() for r in range(num_tasks)
+            run_dir.error_file(r).is_file() for r in range(num_tasks)
         ):
             # let the other ranks' results and errors land, then pick the cause
             failed_at = time.monotonic()
@@ -411,8 +408,7 @@ def wait_for_job(
             survivors = _summaries(outcomes)
             if not survivors:
                 raise LaunchError(
-                    f"job {job.job_id}: every rank was left out by the others: see "
-                    f"{Path(run_dir) / 'logs'}"
+                    f"job {job.job_id}: every rank was left out by the others: see {run_dir.logs}"
                 )
             note_lost(job.job_id, survivors[min(survivors)], run_dir)
             return survivors[min(survivors)]
@@ -441,11 +437,11 @@ def wait_for_job(
                 stop = read_stop_record(run_dir, job.job_id)
                 if stop is not None and stop.get("code") == REQUEUE and not stop.get("requeued"):
                     raise RequeueLimitReached(
-                        stop["step"], int(stop.get("max_requeues", 0)), Path(run_dir)
+                        stop["step"], int(stop.get("max_requeues", 0)), run_dir
                     )
                 raise LaunchError(
                     f"job {job.job_id} ended {state} before every rank finished ({len(outcomes)}/"
-                    f"{num_tasks} results): see {folder} and {Path(run_dir) / 'logs'}"
+                    f"{num_tasks} results): see {folder} and {run_dir.logs}"
                 )
         if timeout_s is not None and time.monotonic() - start > timeout_s:
             raise LaunchError(

@@ -37,6 +37,7 @@ from hetseq_hpc.launch.slurm_checks import partition_inventory, partition_proble
 from hetseq_hpc.launch.slurm_commands import run_sbatch
 from hetseq_hpc.plan.when import StartEstimate, WhenTable, check_when_cluster, rank_mixes
 from hetseq_hpc.plan.when_table import clock, render_when, when_json
+from hetseq_hpc.rundir.paths import RunDir
 
 #: seconds one ``sbatch --test-only`` may take (it asks slurmctld, which may be busy)
 TEST_ONLY_TIMEOUT_S = 60
@@ -47,7 +48,7 @@ _START = re.compile(
     r"(?: in partition (\S+))?"
 )
 #: where ``cluster.choose`` records the table it chose from, in the run directory
-WHEN_FILE = "when.json"
+WHEN_FILE = RunDir.WHEN_NAME
 
 
 def parse_test_only(output: str, returncode: int = 0) -> StartEstimate:
@@ -149,7 +150,7 @@ def plan_when(run, strict: bool = False) -> Tuple[WhenTable, Dict[str, object]]:
     return rank_mixes(run, test_only_start, left_out=problems)
 
 
-def choose_mix(run, run_dir: Path):
+def choose_mix(run, run_dir: RunDir):
     """``cluster.choose=finish_first|cheapest``: plan the mixes, print the table, record it in
     ``<run dir>/when.json`` (with the pick) and return ``run`` restricted to the pick (its
     ``cluster.choose`` set to none, so a resume keeps the mix). Submits nothing.
@@ -168,10 +169,10 @@ def choose_mix(run, run_dir: Path):
         )
     record = json.loads(when_json(table, run))
     record.update(choose=choose, chosen=row.label)
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    run_dir.root.mkdir(parents=True, exist_ok=True)
     from hetseq_hpc.files.atomic import atomic_write_text
 
-    atomic_write_text(Path(run_dir) / WHEN_FILE, json.dumps(record, indent=2))
+    atomic_write_text(run_dir.when, json.dumps(record, indent=2))
     finish = clock(row.finish_epoch) if row.finish_epoch is not None else "unknown"
     print(
         f"cluster.choose={choose}: submitting {row.label} ({row.ranks} ranks, expected finish "

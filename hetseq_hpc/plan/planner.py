@@ -35,6 +35,7 @@ from hetseq_hpc.plan.model_info import CpuCalibration, ModelInfo, measure_model
 from hetseq_hpc.plan.perf_model import FACTORS, pass_overhead_s, probe_samples_per_s
 from hetseq_hpc.plan.sharding_plan import ModeFit, chosen_mode, mode_fits
 from hetseq_hpc.plan.step_time import Prediction, predict, ring_link_gbps
+from hetseq_hpc.rundir.paths import RunDir
 
 #: fewer samples per rank than this (on average) leaves most devices idle between all-reduces
 MIN_SAMPLES_PER_RANK = 8
@@ -500,7 +501,7 @@ def probe_model_warning(opts: PlanConfig, run) -> Optional[str]:
     """
     if not opts.probe:
         return None
-    cfg_path = probe_file(opts.probe).parent / "hetseq_config.yaml"
+    cfg_path = RunDir(probe_file(opts.probe).parent).config  # the probe's run directory
     if not cfg_path.is_file():
         return None
     try:

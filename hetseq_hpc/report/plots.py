@@ -17,7 +17,8 @@ from hetseq_hpc.errors import ConfigError, HetseqError
 from hetseq_hpc.files.user_input import describe, number, output_problem
 from hetseq_hpc.report.figure import build_figure, rank_label
 from hetseq_hpc.report.timeline import run_timeline
-from hetseq_hpc.train.metrics import METRICS_NAME, read_metrics
+from hetseq_hpc.rundir.paths import RunDir
+from hetseq_hpc.train.metrics import read_metrics
 
 _FIX = "restore the metrics.jsonl a hetseq_hpc run wrote, or delete that row"
 #: per-rank figures the report reads: (key, integer)
@@ -72,7 +73,7 @@ def step_rows(run_dir: Union[str, Path]) -> List[dict]:
         HetseqError: it has no per-rank rows.
     """
     rows = []
-    name = Path(run_dir) if str(run_dir).endswith(".jsonl") else Path(run_dir) / METRICS_NAME
+    name = Path(run_dir) if str(run_dir).endswith(".jsonl") else RunDir(run_dir).metrics
     for index, row in enumerate(read_metrics(run_dir), 1):
         if row.get("ranks") is None or row["ranks"] == []:  # not a step row
             continue
@@ -97,7 +98,7 @@ def _png_target(run_dir: Union[str, Path], out_path: Optional[Union[str, Path]])
     from matplotlib.backend_bases import FigureCanvasBase
 
     folder = Path(run_dir).parent if str(run_dir).endswith(".jsonl") else Path(run_dir)
-    out = Path(out_path).expanduser() if out_path else folder / "ranks.png"
+    out = Path(out_path).expanduser() if out_path else RunDir(folder).plot
     shown = f"--out {out}" if out_path else str(out)
     problem = output_problem(out)
     if problem:

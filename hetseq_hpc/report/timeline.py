@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Dict, List, Tuple, Union
 
 from hetseq_hpc.rundir.events import read_events
+from hetseq_hpc.rundir.paths import RunDir
 
 #: at most this many checkpoint steps are listed one by one (then the first and last few)
 LISTED_CHECKPOINTS = 8
@@ -62,7 +63,9 @@ def run_timeline(run_dir: Union[str, Path]) -> Timeline:
     a resume from an earlier step is left out (that attempt's later steps were trained again).
     """
     folder = Path(run_dir)
-    events, damaged = read_events(folder.parent if folder.name.endswith(".jsonl") else folder)
+    events, damaged = read_events(
+        RunDir(folder.parent if folder.name.endswith(".jsonl") else folder)
+    )
     starts = [i for i, e in enumerate(events) if e["event"] == "start"]
     events = events[starts[-1] :] if starts else events
     out = Timeline()

@@ -20,8 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from pathlib import Path
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, List, Tuple
 
 from hetseq_hpc.rundir.paths import RunDir
 
@@ -31,14 +30,14 @@ log = logging.getLogger(__name__)
 KINDS = ("start", "resume", "checkpoint", "stop", "stopped_by")
 
 
-def append_event(run_dir: Union[str, Path], event: str, **fields: Any) -> None:
+def append_event(run_dir: RunDir, event: str, **fields: Any) -> None:
     """Append ``{"event": event, **fields, "time": now}`` to ``<run_dir>/events.jsonl``.
 
     One ``write`` of one line in append mode (lines from rank 0 and the launcher do not
     interleave). Never raises: an ``OSError`` (a full disk, a read-only run directory) or a
     value JSON cannot hold is one warning, and the run goes on.
     """
-    path = RunDir(run_dir).events
+    path = run_dir.events
     try:
         line = json.dumps({"event": event, **fields, "time": round(time.time(), 3)}) + "\n"
         with open(path, "a", encoding="utf-8") as fh:
@@ -47,12 +46,12 @@ def append_event(run_dir: Union[str, Path], event: str, **fields: Any) -> None:
         log.warning("could not record the %s event in %s (%s)", event, path, exc)
 
 
-def read_events(run_dir: Union[str, Path]) -> Tuple[List[Dict[str, Any]], int]:
+def read_events(run_dir: RunDir) -> Tuple[List[Dict[str, Any]], int]:
     """``(events, damaged)``: the rows of ``<run_dir>/events.jsonl`` that are JSON objects with
     a known ``event`` kind (:data:`KINDS`) and a whole ``step`` >= 0 (``stopped_by`` rows
     have none), in file order, and how many lines were skipped (damaged, cut off, or of an
     unknown kind). A missing or unreadable file is ``([], 0)``: events only annotate a run."""
-    path = RunDir(run_dir).events
+    path = run_dir.events
     try:
         text = path.read_text(encoding="utf-8", errors="replace")
     except OSError:

@@ -36,22 +36,9 @@ log = logging.getLogger(__name__)
 #: the current run's identity file in a run directory
 RUN_FILE = RunDir.RUN_FILE
 #: where an earlier run's records go when a new run starts in the same directory
-PREVIOUS_DIR = "previous"
-#: resumes, stops, checkpoints (:mod:`hetseq_hpc.rundir.events`)
-EVENTS_RECORD = RunDir.EVENTS_NAME
+PREVIOUS_DIR = RunDir.PREVIOUS_NAME
 #: the records of one run (relative to the run directory), moved together on start-over
-RUN_RECORDS = (
-    "checkpoints",
-    "metrics.jsonl",
-    EVENTS_RECORD,
-    "metrics.csv",
-    "tb",
-    "summary.json",
-    "allocation.json",
-    "ranks.png",
-    "wandb_id.txt",
-    RUN_FILE,
-)
+RUN_RECORDS = RunDir.RUN_RECORDS
 
 
 def new_run_id() -> str:
@@ -59,41 +46,40 @@ def new_run_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def current_run_id(run_dir: Path) -> Optional[str]:
+def current_run_id(run_dir: RunDir) -> Optional[str]:
     """The id in ``<run dir>/run.json``, or None when there is none (a new directory, or one
     written before run ids existed) or it cannot be read."""
     try:
-        data = json.loads((Path(run_dir) / RUN_FILE).read_text(encoding="utf-8"))
+        data = json.loads(run_dir.run_file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     value = data.get("run_id") if isinstance(data, dict) else None
     return value if isinstance(value, str) and value else None
 
 
-def write_run_id(run_dir: Path, run_id: str) -> None:
+def write_run_id(run_dir: RunDir, run_id: str) -> None:
     """Record ``run_id`` as the run directory's current run (atomically)."""
     atomic_write_json(
-        Path(run_dir) / RUN_FILE,
+        run_dir.run_file,
         {"run_id": run_id, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S")},
     )
 
 
-def earlier_records(run_dir: Path) -> List[Path]:
+def earlier_records(run_dir: RunDir) -> List[Path]:
     """The records of an earlier run present in ``run_dir`` (an empty ``checkpoints/`` does not
     count, nor ``events.jsonl`` alone: a run stopped before its first step leaves only that,
     and the next run's ``start`` row follows it there)."""
     found = []
-    for name in RUN_RECORDS:
-        path = Path(run_dir) / name
+    for path in run_dir.records():
         if path.is_dir() and not path.is_symlink():
             if any(path.iterdir()):
                 found.append(path)
         elif path.exists() or path.is_symlink():
             found.append(path)
-    return found if any(p.name != EVENTS_RECORD for p in found) else []
+    return found if any(p != run_dir.events for p in found) else []
 
 
-def archive_earlier_run(run_dir: Path) -> Optional[Path]:
+def archive_earlier_run(run_dir: RunDir) -> Optional[Path]:
     """Move an earlier run's records to ``<run dir>/previous/<its run id>/``.
 
     Returns:
@@ -103,16 +89,15 @@ def archive_earlier_run(run_dir: Path) -> Optional[Path]:
         CheckpointError: a record cannot be moved (permissions, another file system); what was
             already moved is named, nothing is deleted.
     """
-    run_dir = Path(run_dir)
     records = earlier_records(run_dir)
     if not records:
         return None
     label = current_run_id(run_dir) or time.strftime("run-%Y%m%d-%H%M%S")
-    target = run_dir / PREVIOUS_DIR / label
+    target = run_dir.previous / label
     suffix = 1
     while target.exists():
         suffix += 1
-        target = run_dir / PREVIOUS_DIR / f"{label}-{suffix}"
+        target = run_dir.previous / f"{label}-{suffix}"
     target.mkdir(parents=True)
     moved: List[str] = []
     for path in records:
@@ -128,7 +113,7 @@ def archive_earlier_run(run_dir: Path) -> Optional[Path]:
     return target
 
 
-def start_or_continue(run_dir: Path, resumed_run_id: Optional[str]) -> Tuple[str, Optional[Path]]:
+def start_or_continue(run_dir: RunDir, resumed_run_id: Optional[str]) -> Tuple[str, Optional[Path]]:
     """The current run's id, on rank 0 under the run lock, before anything is written.
 
     Args:
@@ -153,7 +138,7 @@ def start_or_continue(run_dir: Path, resumed_run_id: Optional[str]) -> Tuple[str
     archived = archive_earlier_run(run_dir)
     run_id = new_run_id()
     write_run_id(run_dir, run_id)
-    where = str(archived.relative_to(run_dir)) if archived is not None else None
+    where = str(archived.relative_to(run_dir.root)) if archived is not None else None
     append_event(run_dir, "start", step=0, run_id=run_id, archived=where)
     if archived is not None:
         log.warning(

@@ -79,7 +79,7 @@ def _holder(path: Path) -> str:
     return f" (held by {text})" if text else ""
 
 
-def acquire(run_dir: Path) -> RunLock:
+def acquire(run_dir: RunDir) -> RunLock:
     """Take the lock of ``run_dir`` without waiting. When this process holds it already, the
     held lock is given (``owned=False``: releasing it leaves it held).
 
@@ -87,13 +87,12 @@ def acquire(run_dir: Path) -> RunLock:
         LaunchError: another run holds it (the message names the run dir, the holder's pid and
             host, and the fix), or the lock file cannot be created.
     """
-    run_dir = Path(run_dir)
-    held = _HELD.get(run_dir.resolve())
+    held = _HELD.get(run_dir.root.resolve())
     if held is not None and held.fd >= 0:
         return RunLock(path=held.path, fd=held.fd, owned=False)
-    path = run_dir / LOCK_NAME
+    path = run_dir.lock
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir.root.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
         raise LaunchError(
@@ -117,20 +116,20 @@ def acquire(run_dir: Path) -> RunLock:
     os.ftruncate(fd, 0)
     os.write(fd, f"pid={os.getpid()} host={socket.gethostname()}\n".encode())
     lock = RunLock(path=path, fd=fd)
-    _HELD[run_dir.resolve()] = lock
+    _HELD[run_dir.root.resolve()] = lock
     return lock
 
 
-def let_go(run_dir: Path) -> None:
+def let_go(run_dir: RunDir) -> None:
     """Release this process's lock of ``run_dir``, whoever here took it (the command line or a
     launcher): the SLURM launcher hands the run directory to the job's rank 0 this way."""
-    held = _HELD.get(Path(run_dir).resolve())
+    held = _HELD.get(run_dir.root.resolve())
     if held is not None:
         held.release()
 
 
 @contextlib.contextmanager
-def lock_run_dir(run_dir: Path) -> Iterator[RunLock]:
+def lock_run_dir(run_dir: RunDir) -> Iterator[RunLock]:
     """Hold the lock of ``run_dir`` for the ``with`` block (see :func:`acquire` for errors)."""
     lock = acquire(run_dir)
     try:
@@ -139,14 +138,14 @@ def lock_run_dir(run_dir: Path) -> Iterator[RunLock]:
         lock.release()
 
 
-def _inherited(run_dir: Path, env: Mapping[str, str]) -> Optional[RunLock]:
+def _inherited(run_dir: RunDir, env: Mapping[str, str]) -> Optional[RunLock]:
     """The launcher's lock of ``run_dir`` passed down as descriptor ``$HETSEQ_RUN_LOCK_FD``,
     if that descriptor is open, is that lock file, and holds the lock (re-locking the same
     open file succeeds; another open file would be refused)."""
     value = env.get(FD_ENV, "")
     if not value.isdigit():
         return None
-    fd, path = int(value), Path(run_dir) / LOCK_NAME
+    fd, path = int(value), run_dir.lock
     try:
         mine, there = os.fstat(fd), os.stat(path)
         if (mine.st_dev, mine.st_ino) != (there.st_dev, there.st_ino):
@@ -159,7 +158,7 @@ def _inherited(run_dir: Path, env: Mapping[str, str]) -> Optional[RunLock]:
 
 @contextlib.contextmanager
 def claim_run_dir(
-    run_dir: Path, is_master: bool, env: Optional[Mapping[str, str]] = None
+    run_dir: RunDir, is_master: bool, env: Optional[Mapping[str, str]] = None
 ) -> Iterator[Optional[RunLock]]:
     """A rank's part of the run-directory lock, for the ``with`` block.
 

@@ -109,7 +109,7 @@ def guard_log_files(logger: Optional[logging.Logger] = None) -> None:
 
 
 def setup_rank_logging(
-    rank: int, run_dir: Optional[Path], level: int = logging.INFO
+    rank: int, run_dir: Optional[RunDir], level: int = logging.INFO
 ) -> Optional[Path]:
     """Configure the root logger of a worker process; returns the log file path (its file
     is left out, with one warning, when it cannot be opened: :func:`open_run_log`)."""
@@ -125,7 +125,7 @@ def setup_rank_logging(
     root.addHandler(console)
     path = None
     if run_dir is not None:
-        path = RunDir(run_dir).rank_log(rank)
+        path = run_dir.rank_log(rank)
         fh = open_run_log(path, level)
         if fh is not None:
             fh.addFilter(_RankFilter(rank))

@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 from hetseq_hpc.distributed.gang import Gang
 from hetseq_hpc.errors import DataError
 from hetseq_hpc.files.atomic import atomic_write_json
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.tasks.prepare_errors import prepare_task
 
 log = logging.getLogger(__name__)
@@ -41,16 +42,6 @@ POLL_S = 0.5
 NOTE_EVERY_S = 60.0
 #: rank 0 renews its heartbeat at least this often (seconds), more often for short timeouts
 BEAT_EVERY_S = 5.0
-
-
-def marker_path(run_dir: Path, token: str) -> Path:
-    """``<run dir>/logs/.prepared-<token>.json``: rank 0's word that ``prepare()`` ended."""
-    return Path(run_dir) / "logs" / f".prepared-{token}.json"
-
-
-def heartbeat_path(run_dir: Path, token: str) -> Path:
-    """``<run dir>/logs/.preparing-<token>.heartbeat``: rank 0's counter while it prepares."""
-    return Path(run_dir) / "logs" / f".preparing-{token}.heartbeat"
 
 
 def beat_interval(timeout_s: float) -> float:
@@ -117,7 +108,7 @@ class Heartbeat:
 
 
 def prepare_on_rank0(
-    task: Any, rdv: Gang, run_dir: Path, timeout_s: float, poll_s: float = POLL_S
+    task: Any, rdv: Gang, run_dir: RunDir, timeout_s: float, poll_s: float = POLL_S
 ) -> None:
     """``task.prepare()`` on rank 0; the other ranks wait for its marker file, then all meet.
 
@@ -136,8 +127,8 @@ def prepare_on_rank0(
         Whatever else ``prepare()`` raises, on rank 0.
     """
     token = rdv.broadcast_object(uuid.uuid4().hex if rdv.world.rank == 0 else None)
-    marker = marker_path(run_dir, token)
-    heartbeat = heartbeat_path(run_dir, token)
+    marker = run_dir.prepared_marker(token)
+    heartbeat = run_dir.prepare_heartbeat(token)
     if rdv.world.rank == 0:
         started = time.monotonic()
         try:
@@ -158,7 +149,7 @@ def prepare_on_rank0(
                 took,
             )
     else:
-        wait_for_rank0(marker, heartbeat, timeout_s, poll_s)
+        wait_for_rank0(run_dir, token, timeout_s, poll_s)
     rdv.barrier()
     if rdv.world.rank == 0:
         marker.unlink(missing_ok=True)
@@ -173,23 +164,25 @@ def _read(path: Path) -> Optional[bytes]:
 
 
 def wait_for_rank0(
-    marker: Path,
-    heartbeat: Path,
+    run_dir: RunDir,
+    token: str,
     timeout_s: float,
     poll_s: float = POLL_S,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> None:
-    """Wait (a rank other than 0) until ``marker`` says rank 0's ``prepare()`` ended.
+    """Wait (a rank other than 0) until rank 0's marker of ``token``
+    (:meth:`~hetseq_hpc.rundir.paths.RunDir.prepared_marker`) says its ``prepare()`` ended.
 
-    Rank 0 is alive while the content (or modification time) of ``heartbeat`` changes; the
+    Rank 0 is alive while the content (or modification time) of its heartbeat changes; the
     time since the last change is measured on ``clock`` (this rank's, seconds), starting when
     the wait starts.
 
     Raises:
-        DataError: the marker reports rank 0's error, or ``heartbeat`` did not change for
+        DataError: the marker reports rank 0's error, or the heartbeat did not change for
             ``timeout_s`` seconds (rank 0 stopped, hung, or the run directory is not shared).
     """
+    marker, heartbeat = run_dir.prepared_marker(token), run_dir.prepare_heartbeat(token)
     started = last_note = last_change = clock()
     last_seen: Optional[bytes] = None
     while True:
@@ -209,11 +202,10 @@ def wait_for_rank0(
         if seen is not None and seen != last_seen:
             last_seen, last_change = seen, now
         elif now - last_change > timeout_s:
-            logs = marker.parent
             raise DataError(
                 f"rank 0 sent no heartbeat for {now - last_change:.0f} s while preparing the "
-                f"data (stopped or hung, or {logs.parent} not shared by every node?): see "
-                f"{logs / 'rank0.log'}; run `hetseq-hpc prepare` with the same overrides before "
+                f"data (stopped or hung, or {run_dir} not shared by every node?): see "
+                f"{run_dir.rank_log(0)}; run `hetseq-hpc prepare` with the same overrides before "
                 f"the job, or raise cluster.collective_timeout_s (now {timeout_s:g})"
             )
         if now - last_note >= NOTE_EVERY_S:

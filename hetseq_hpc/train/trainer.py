@@ -16,7 +16,6 @@ import gc
 import logging
 import math
 import time
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -32,6 +31,7 @@ from hetseq_hpc.distributed.rendezvous import StepStats
 from hetseq_hpc.env.preemption import REASONS, StopRequest
 from hetseq_hpc.errors import NonFiniteLoss, Preempted
 from hetseq_hpc.rundir.events import append_event
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.tasks.base import Task
 from hetseq_hpc.tasks.contract import check_loss, checked_batch, checked_count
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, require_entries
@@ -101,7 +101,7 @@ class Trainer:
     def __init__(
         self,
         run: RunConfig,
-        run_dir: Path,
+        run_dir: RunDir,
         rdv: Gang,
         task: Task,
         model: nn.Module,
@@ -119,7 +119,7 @@ class Trainer:
         # the run, this rank's place in the world, and what it trains
         self.run = run
         self.cfg = run.trainer
-        self.run_dir = Path(run_dir)
+        self.run_dir = run_dir
         self.rdv = rdv
         self.world = rdv.world
         self.rank = rdv.world.rank

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.train.checkpoint.files import checksum_path
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager
 
@@ -52,7 +53,10 @@ def small_state(step: int, size: int = 16) -> dict:
 
 def plant_corrupt(run_dir: Path, source_step: int, step: int) -> bytes:
     """A checkpoint of a later ``step`` whose bytes no longer match its checksum."""
-    src, dst = CheckpointManager(run_dir).path(source_step), CheckpointManager(run_dir).path(step)
+    src, dst = (
+        CheckpointManager(RunDir(run_dir)).path(source_step),
+        CheckpointManager(RunDir(run_dir)).path(step),
+    )
     shutil.copyfile(src, dst)
     shutil.copyfile(checksum_path(src), checksum_path(dst))
     return flip_middle(dst, 32)

@@ -17,6 +17,7 @@ import pytest
 
 from hetseq_hpc.errors import CheckpointError, LaunchError
 from hetseq_hpc.rundir.lock import FD_ENV, acquire, claim_run_dir, lock_run_dir
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.train.checkpoint.background import HOLD_ENV
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint
 from tests.helpers.checkpoints import Payload, flip_middle, small_state, write_with_checksum
@@ -67,14 +68,16 @@ def small_tmpfs(tmpfs):
 def test_disk_full_with_no_earlier_checkpoint_says_so(small_tmpfs):
     disk = small_tmpfs("2m")
     with pytest.raises(CheckpointError, match="no earlier checkpoint exists"):
-        CheckpointManager(disk, keep=2).write(small_state(1, size=1_000_000), 1)
+        CheckpointManager(RunDir(disk), keep=2).write(small_state(1, size=1_000_000), 1)
 
 
 def test_disk_full_keeps_the_previous_checkpoint(small_tmpfs):
     disk = small_tmpfs("2m")
-    first = CheckpointManager(disk, keep=2).write(small_state(1, size=1000), 1)
+    first = CheckpointManager(RunDir(disk), keep=2).write(small_state(1, size=1000), 1)
     with pytest.raises(CheckpointError) as err:
-        CheckpointManager(disk, keep=2).write(small_state(2, size=1_000_000), 2)  # 4 MB into 2 MB
+        CheckpointManager(RunDir(disk), keep=2).write(
+            small_state(2, size=1_000_000), 2
+        )  # 4 MB into 2 MB
     message = str(err.value)
     assert message.startswith(f"no space left on {disk} ") and "\n" not in message
     assert "free space or move hydra.run.dir" in message
@@ -88,9 +91,10 @@ def test_disk_full_keeps_the_previous_checkpoint(small_tmpfs):
 def test_run_lock_is_exclusive_inherited_and_dies_with_its_holder(tmp_path):
     probe = (
         "import sys; from hetseq_hpc.rundir.lock import claim_run_dir\n"
-        "with claim_run_dir(sys.argv[1], True) as lock: print('ok', lock.owned)"
+        "from hetseq_hpc.rundir.paths import RunDir\n"
+        "with claim_run_dir(RunDir(sys.argv[1]), True) as lock: print('ok', lock.owned)"
     )
-    with lock_run_dir(tmp_path) as lock:
+    with lock_run_dir(RunDir(tmp_path)) as lock:
         other = subprocess.run(
             [sys.executable, "-c", probe, str(tmp_path)], cwd=REPO, capture_output=True, text=True
         )
@@ -105,7 +109,7 @@ def test_run_lock_is_exclusive_inherited_and_dies_with_its_holder(tmp_path):
             env={**os.environ, **lock.child_env()},
         )
         assert child.stdout.strip() == "ok False", child.stderr  # the launcher's own rank
-        with claim_run_dir(tmp_path, False, {}) as none:  # other ranks take nothing
+        with claim_run_dir(RunDir(tmp_path), False, {}) as none:  # other ranks take nothing
             assert none is None
     holder = subprocess.Popen(
         [
@@ -113,7 +117,8 @@ def test_run_lock_is_exclusive_inherited_and_dies_with_its_holder(tmp_path):
             "-c",
             (
                 "import sys, time; from hetseq_hpc.rundir.lock import acquire\n"
-                "acquire(sys.argv[1]); print('held', flush=True); time.sleep(600)"
+                "from hetseq_hpc.rundir.paths import RunDir\n"
+                "acquire(RunDir(sys.argv[1])); print('held', flush=True); time.sleep(600)"
             ),
             str(tmp_path),
         ],
@@ -124,10 +129,10 @@ def test_run_lock_is_exclusive_inherited_and_dies_with_its_holder(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(LaunchError, match=f"held by pid={holder.pid} "):
-            acquire(tmp_path)
+            acquire(RunDir(tmp_path))
         holder.kill()
         holder.wait()
-        acquire(tmp_path).release()  # the kernel dropped the dead holder's lock
+        acquire(RunDir(tmp_path)).release()  # the kernel dropped the dead holder's lock
     finally:
         holder.kill()
     assert FD_ENV == "HETSEQ_RUN_LOCK_FD"
@@ -151,7 +156,7 @@ def _copy(base: Path, dst: Path) -> Path:
 @pytest.mark.slow
 def test_auto_resume_falls_back_past_a_corrupt_latest(base_run, tmp_path, token_cache):
     run_dir = _copy(base_run, tmp_path / "run")
-    bad = CheckpointManager(run_dir).path(2)
+    bad = CheckpointManager(RunDir(run_dir)).path(2)
     damaged = flip_middle(bad)
     stale = bad.with_name(".step_00000003.pt.999.tmp")
     stale.write_bytes(b"left by a killed writer")
@@ -177,7 +182,7 @@ def test_auto_resume_falls_back_past_a_corrupt_latest(base_run, tmp_path, token_
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[1]["resume_fallback"] == {
         "bad": [str(bad)],
-        "used": str(CheckpointManager(run_dir).path(1)),
+        "used": str(CheckpointManager(RunDir(run_dir)).path(1)),
     }
     assert "resume_fallback" not in rows[2]
 
@@ -185,7 +190,7 @@ def test_auto_resume_falls_back_past_a_corrupt_latest(base_run, tmp_path, token_
 @pytest.mark.slow
 def test_explicit_corrupt_checkpoint_stops_with_one_line(base_run, tmp_path, token_cache):
     run_dir = _copy(base_run, tmp_path / "run")
-    bad = CheckpointManager(run_dir).path(2)
+    bad = CheckpointManager(RunDir(run_dir)).path(2)
     flip_middle(bad)
     proc = _cli(tmp_path / "other", token_cache, "trainer.max_steps=3", f"trainer.resume={bad}")
     last = _error_line(proc)
@@ -230,7 +235,7 @@ def test_disk_full_during_a_real_run_is_one_line(small_tmpfs, token_cache):
         "step_00000001.pt",
         "step_00000001.pt.sha256",
     ]
-    assert load_checkpoint(CheckpointManager(run_dir).path(1))["step"] == 1
+    assert load_checkpoint(CheckpointManager(RunDir(run_dir)).path(1))["step"] == 1
 
 
 @pytest.mark.slow

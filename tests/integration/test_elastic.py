@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint
 from tests.helpers.fault_tasks import at_barrier_marker, fault_task
 from tests.helpers.runs import (
@@ -259,7 +260,7 @@ def test_two_ranks_lost_one_after_the_other_from_4(reference, tmp_path, token_ca
 
 def _last_checkpoint(run_dir: Path) -> dict:
     """The newest checkpoint of ``run_dir``, verified (SHA-256 sidecar) and read."""
-    found = CheckpointManager(run_dir).list()
+    found = CheckpointManager(RunDir(run_dir)).list()
     assert found, f"no checkpoint in {run_dir}"
     return load_checkpoint(found[-1])
 

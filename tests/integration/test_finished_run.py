@@ -16,6 +16,7 @@ import pytest
 
 from hetseq_hpc.config import load_run_config
 from hetseq_hpc.launch.local import launch_local
+from hetseq_hpc.rundir.paths import RunDir
 from tests.helpers.runs import SMALL_MODEL, assert_ok, hetseq, read_rows, snapshot
 
 QUICK = [
@@ -76,7 +77,7 @@ def test_ranks_that_reach_a_finished_run_write_nothing(
     run_dir = tmp_path / "run"
     shutil.copytree(finished, run_dir)
     before = snapshot(run_dir, skip=(".hetseq.lock", "logs/"))
-    summary = launch_local(load_run_config(run_dir / "hetseq_config.yaml"), run_dir)
+    summary = launch_local(load_run_config(run_dir / "hetseq_config.yaml"), RunDir(run_dir))
     assert summary == json.loads(before["summary.json"])
     assert snapshot(run_dir, skip=(".hetseq.lock", "logs/")) == before
     assert f"{run_dir} is complete: 2 steps" in (run_dir / "logs" / "rank0.log").read_text()

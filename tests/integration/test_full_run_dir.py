@@ -29,6 +29,7 @@ import pytest
 
 from hetseq_hpc.errors import StorageError
 from hetseq_hpc.rundir.logs import guard_log_files, setup_rank_logging
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint
 from hetseq_hpc.train.metrics import MetricsWriter, read_metrics
 from tests.helpers.disk import FILLER, fill, start_cli
@@ -131,7 +132,7 @@ def test_rank_log_on_a_full_disk_warns_once_and_never_raises(tmpfs, root_logging
     console."""
     disk = tmpfs("1m")
     run_dir = disk / "run"
-    log_file = setup_rank_logging(0, run_dir)
+    log_file = setup_rank_logging(0, RunDir(run_dir))
     fill(disk)
     log = logging.getLogger("hetseq_hpc.test")
     for i in range(200):  # far more than the file's last page holds
@@ -262,7 +263,7 @@ def test_full_disk_at_a_sharded_checkpoint_keeps_the_previous_one(tmpfs, token_c
     folder = run_dir / "checkpoints"
     names = sorted(p.name for p in folder.iterdir())
     assert not [n for n in names if n.endswith(".tmp")], names
-    records = CheckpointManager(run_dir).list()
+    records = CheckpointManager(RunDir(run_dir)).list()
     assert records, names
     kept = load_checkpoint(records[-1])  # verifies the record and every shard's checksum
     assert [n for n in names if n.endswith(".shards")] == [kept["shards"]["dir"]], names

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.train.checkpoint.files import checksum_path
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager
 from tests.helpers.loggers import LOGGERS, csv_rows, events, scalar_steps
@@ -32,7 +33,7 @@ def test_training_run_logs_to_tensorboard_and_csv_and_resumes_without_duplicates
     for rank in (0, 1):
         assert scalar_steps(acc, f"rank_step_time_s/rank{rank}") == [1, 2, 3, 4, 5]
         assert scalar_steps(acc, f"rank_compute_time_s/rank{rank}") == [1, 2, 3, 4, 5]
-    last = CheckpointManager(run_dir).list()[-1]
+    last = CheckpointManager(RunDir(run_dir)).list()[-1]
     assert last.name == "step_00000005.pt"
     last.unlink()
     checksum_path(last).unlink()

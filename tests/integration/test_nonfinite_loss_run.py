@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from hetseq_hpc.errors import NonFiniteLoss, exit_code
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint
 from tests.helpers.fault_tasks import fault_task
 from tests.helpers.runs import read_rows
@@ -44,6 +45,6 @@ def test_a_nan_on_one_rank_ends_the_run_in_one_line_and_keeps_the_good_steps(run
     assert "after 2 update(s) the training diverged: lower optim.lr (now 0.001)" in last, last
     assert "checkpoint of step 2 written: after the fix, continue from it with" in last, last
     assert "trainer.resume=auto" in last, last
-    (path,) = CheckpointManager(run_dir).list()
+    (path,) = CheckpointManager(RunDir(run_dir)).list()
     assert load_checkpoint(path)["step"] == 2
     assert [r["step"] for r in read_rows(run_dir) if "loss" in r] == [1, 2]

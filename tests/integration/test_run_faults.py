@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager
 from hetseq_hpc.train.metrics.loggers import CSV_NAME, TB_DIR
 from tests.helpers.loggers import LOGGERS, logger_warnings
@@ -170,7 +171,7 @@ def test_directory_at_a_checkpoint_name_stops_a_real_run_with_the_right_advice(
         "trainer.checkpoint_every=2",
     ]
     _ok(_cli(run_dir, token_cache, *quick, "trainer.max_steps=2", small=False))
-    blocker = CheckpointManager(run_dir).path(4)
+    blocker = CheckpointManager(RunDir(run_dir)).path(4)
     blocker.mkdir()
     (blocker / "notes.txt").write_text("someone's files\n")
     proc = _cli(run_dir, token_cache, "trainer.max_steps=4", small=False)
@@ -181,4 +182,4 @@ def test_directory_at_a_checkpoint_name_stops_a_real_run_with_the_right_advice(
     assert f"{str(blocker)!r} is a directory, not a file: remove or rename it" in last, last
     assert f"hydra.run.dir={run_dir} trainer.resume=auto" in last
     assert (blocker / "notes.txt").is_file()
-    assert [p.name for p in CheckpointManager(run_dir).list()] == ["step_00000002.pt"]
+    assert [p.name for p in CheckpointManager(RunDir(run_dir)).list()] == ["step_00000002.pt"]

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from hetseq_hpc.rundir.history import current_run_id
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint
 from tests.helpers.checkpoints import plant_corrupt
 from tests.helpers.runs import SMALL_MODEL, hetseq, read_rows
@@ -58,9 +59,9 @@ def test_starting_over_keeps_both_runs_apart(tmp_path, token_cache):
             "trainer.keep_checkpoints=5",
         )
     )
-    old_id = current_run_id(run_dir)
+    old_id = current_run_id(RunDir(run_dir))
     old_rows = (run_dir / "metrics.jsonl").read_text()
-    old_ckpt = CheckpointManager(run_dir).path(4).read_bytes()
+    old_ckpt = CheckpointManager(RunDir(run_dir)).path(4).read_bytes()
 
     proc = _cli(
         run_dir,
@@ -75,10 +76,10 @@ def test_starting_over_keeps_both_runs_apart(tmp_path, token_cache):
     assert str(archived) in (run_dir / "logs" / "rank0.log").read_text()
     assert (archived / "metrics.jsonl").read_text() == old_rows
     assert (archived / "checkpoints" / "step_00000004.pt").read_bytes() == old_ckpt
-    new_id = current_run_id(run_dir)
+    new_id = current_run_id(RunDir(run_dir))
     assert new_id and new_id != old_id
-    assert [p.name for p in CheckpointManager(run_dir).list()] == ["step_00000002.pt"]
-    assert load_checkpoint(CheckpointManager(run_dir).path(2))["run_id"] == new_id
+    assert [p.name for p in CheckpointManager(RunDir(run_dir)).list()] == ["step_00000002.pt"]
+    assert load_checkpoint(CheckpointManager(RunDir(run_dir)).path(2))["run_id"] == new_id
     rows = read_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2] and {r["run_id"] for r in rows} == {new_id}
 
@@ -106,8 +107,8 @@ def test_keep_one_with_a_corrupt_newer_checkpoint_leaves_a_resumable_run(tmp_pat
     )
     damaged = plant_corrupt(run_dir, 2, 20)
     _ok(_cli(run_dir, token_cache, "trainer.max_steps=3", "trainer.keep_checkpoints=1"))
-    assert [p.name for p in CheckpointManager(run_dir).list()] == ["step_00000003.pt"]
-    assert load_checkpoint(CheckpointManager(run_dir).path(3))["step"] == 3
+    assert [p.name for p in CheckpointManager(RunDir(run_dir)).list()] == ["step_00000003.pt"]
+    assert load_checkpoint(CheckpointManager(RunDir(run_dir)).path(3))["step"] == 3
     assert (run_dir / "checkpoints" / "corrupt" / "step_00000020.pt").read_bytes() == damaged
     _ok(_cli(run_dir, token_cache, "trainer.max_steps=4", "trainer.keep_checkpoints=1"))
     assert [r["step"] for r in read_rows(run_dir)] == [1, 2, 3, 4]

@@ -38,7 +38,8 @@ def hold_lock():
                 sys.executable,
                 "-c",
                 "import sys; from hetseq_hpc.rundir.lock import acquire\n"
-                "acquire(sys.argv[1]); print('held', flush=True); sys.stdin.read()",
+                "from hetseq_hpc.rundir.paths import RunDir\n"
+                "acquire(RunDir(sys.argv[1])); print('held', flush=True); sys.stdin.read()",
                 str(run_dir),
             ],
             cwd=REPO,

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from hetseq_hpc.launch.sbatch import render_sbatch
+from hetseq_hpc.rundir.paths import RunDir
 from tests.helpers.runs import hetseq, start_hetseq
 from tests.helpers.slurm import compose_testcluster
 from tests.helpers.waits import wait_for
@@ -24,7 +25,7 @@ def test_elastic_script_is_valid_bash_for_any_run_directory(tmp_path):
     odd = '/runs/my run\'s "dir" $HOME `x`'
     script = tmp_path / "job.sbatch"
     script.write_text(
-        render_sbatch(run.cluster, f"{odd}/submitit", "/PYTHON", elastic=True, run_dir=odd)
+        render_sbatch(run.cluster, f"{odd}/submitit", "/PYTHON", elastic=True, run_dir=RunDir(odd))
     )
     assert "summary='/runs/my run'\"'\"'s \"dir\" $HOME `x`/summary.json'" in script.read_text()
     repo = Path(__file__).resolve().parents[2]

@@ -17,6 +17,7 @@ import sys
 import pytest
 
 from hetseq_hpc.launch.slurm import job_from_run_dir, wait_for_job
+from hetseq_hpc.rundir.paths import RunDir
 from tests.helpers.fault_tasks import fail_on_rank
 from tests.helpers.runs import (
     REPO,
@@ -115,8 +116,8 @@ def test_sweep_submits_one_job_per_point(tmp_path, token_cache):
     ids = re.findall(r"submitted het job (\d+)", proc.stdout)
     assert len(ids) == 2 and len(set(ids)) == 2, proc.stdout
     for point, lr in ((0, 1e-3), (1, 3e-3)):
-        job, ranks = job_from_run_dir(tmp_path / str(point))
-        summary = wait_for_job(job, tmp_path / str(point), ranks, timeout_s=300)
+        job, ranks = job_from_run_dir(RunDir(tmp_path / str(point)))
+        summary = wait_for_job(job, RunDir(tmp_path / str(point)), ranks, timeout_s=300)
         assert summary["final_step"] == 4
         cfg = (tmp_path / str(point) / "hetseq_config.yaml").read_text()
         assert f"lr: {lr}" in cfg

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hetseq_hpc.errors import CheckpointError
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.train.checkpoint.background import Stager
 from hetseq_hpc.train.checkpoint.files import checksum_path
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint
@@ -51,7 +52,7 @@ def _held(manager: CheckpointManager, step: int):
 
 
 def test_a_save_returns_while_its_write_is_held_and_later_changes_do_not_reach_it(tmp_path):
-    manager = CheckpointManager(tmp_path, keep=2, asynchronous=True)
+    manager = CheckpointManager(RunDir(tmp_path), keep=2, asynchronous=True)
     held, release = _held(manager, 1)
     weights = torch.zeros(64)
     path = manager.save_on_rank0(1, _Solo(), lambda: _state(weights, 1))
@@ -65,7 +66,7 @@ def test_a_save_returns_while_its_write_is_held_and_later_changes_do_not_reach_i
 
 
 def test_the_next_save_waits_for_the_pending_write(tmp_path):
-    manager = CheckpointManager(tmp_path, keep=5, asynchronous=True)
+    manager = CheckpointManager(RunDir(tmp_path), keep=5, asynchronous=True)
     held, release = _held(manager, 1)
     manager.save_on_rank0(1, _Solo(), lambda: _state(torch.ones(8), 1))
     assert held.wait(GUARD_S)
@@ -85,7 +86,7 @@ def test_the_next_save_waits_for_the_pending_write(tmp_path):
 
 
 def test_a_background_write_error_is_raised_by_the_next_save_as_one_line(tmp_path):
-    manager = CheckpointManager(tmp_path, keep=2, asynchronous=True)
+    manager = CheckpointManager(RunDir(tmp_path), keep=2, asynchronous=True)
     in_way = checksum_path(manager.path(1))
     in_way.mkdir(parents=True)  # the checksum file of step 1 cannot be written
     manager.save_on_rank0(1, _Solo(), lambda: _state(torch.ones(8), 1))  # no error yet
@@ -100,7 +101,7 @@ def test_a_background_write_error_is_raised_by_the_next_save_as_one_line(tmp_pat
 
 
 def test_the_exit_wait_raises_a_background_error_on_every_rank(tmp_path):
-    manager = CheckpointManager(tmp_path, keep=2, asynchronous=True)
+    manager = CheckpointManager(RunDir(tmp_path), keep=2, asynchronous=True)
     checksum_path(manager.path(3)).mkdir(parents=True)
     manager.save_on_rank0(3, _Solo(), lambda: _state(torch.ones(8), 3))
     with pytest.raises(CheckpointError, match="is a directory, not a file"):

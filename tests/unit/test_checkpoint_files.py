@@ -9,6 +9,7 @@ import torch
 
 from hetseq_hpc.distributed.gang import FakeGang
 from hetseq_hpc.errors import CheckpointError
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.train.checkpoint.files import checksum_path
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint
 from tests.helpers.checkpoints import Payload, flip_middle, small_state, write_with_checksum
@@ -23,11 +24,13 @@ def test_payload_checkpoint_never_runs_code(tmp_path):
     assert (control / "ran").exists(), "negative control: the payload must run when trusted"
 
     marker = tmp_path / "PWNED"
-    CheckpointManager(tmp_path, keep=5).write(small_state(1), 1)
-    evil = CheckpointManager(tmp_path).path(2)
+    CheckpointManager(RunDir(tmp_path), keep=5).write(small_state(1), 1)
+    evil = CheckpointManager(RunDir(tmp_path)).path(2)
     write_with_checksum(evil, {"model": Payload(marker), "format_version": 2, "step": 2})
-    choice = CheckpointManager(tmp_path).choose("auto")  # newest is the payload: skipped, never run
-    assert choice.path == CheckpointManager(tmp_path).path(1)
+    choice = CheckpointManager(RunDir(tmp_path)).choose(
+        "auto"
+    )  # newest is the payload: skipped, never run
+    assert choice.path == CheckpointManager(RunDir(tmp_path)).path(1)
     assert "refused as untrusted" in choice.skipped[0][1]
     with pytest.raises(CheckpointError) as err:
         load_checkpoint(evil)
@@ -40,13 +43,13 @@ def test_payload_checkpoint_never_runs_code(tmp_path):
 
 
 def test_flipped_bytes_and_missing_model_are_named(tmp_path):
-    path = CheckpointManager(tmp_path, keep=2).write(small_state(1, size=100_000), 1)
+    path = CheckpointManager(RunDir(tmp_path), keep=2).write(small_state(1, size=100_000), 1)
     load_checkpoint(path)
     flip_middle(path)
     with pytest.raises(CheckpointError) as err:
         load_checkpoint(path)
     assert f"checkpoint {str(path)!r} is corrupt: its SHA-256" in str(err.value)
-    no_model = CheckpointManager(tmp_path).path(2)
+    no_model = CheckpointManager(RunDir(tmp_path)).path(2)
     write_with_checksum(
         no_model, {"optimizer": {}, "scheduler": {}, "step": 2, "format_version": 2}
     )
@@ -55,9 +58,13 @@ def test_flipped_bytes_and_missing_model_are_named(tmp_path):
 
 
 def test_stale_temp_files_are_swept_at_start(tmp_path):
-    CheckpointManager(tmp_path, keep=2).write(small_state(1), 1)
-    stale = CheckpointManager(tmp_path).path(2).with_name(".step_00000002.pt.4242.tmp")
+    CheckpointManager(RunDir(tmp_path), keep=2).write(small_state(1), 1)
+    stale = CheckpointManager(RunDir(tmp_path)).path(2).with_name(".step_00000002.pt.4242.tmp")
     stale.write_bytes(b"half a checkpoint")
-    path, state, skipped = CheckpointManager(tmp_path).load("auto", FakeGang())
+    path, state, skipped = CheckpointManager(RunDir(tmp_path)).load("auto", FakeGang())
     assert not stale.exists()
-    assert path == str(CheckpointManager(tmp_path).path(1)) and state["step"] == 1 and skipped == []
+    assert (
+        path == str(CheckpointManager(RunDir(tmp_path)).path(1))
+        and state["step"] == 1
+        and skipped == []
+    )

@@ -10,6 +10,7 @@ import json
 import torch
 
 from hetseq_hpc.rundir.history import current_run_id, start_or_continue, write_run_id
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.train.checkpoint.files import checksum_path
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint
 from tests.helpers.checkpoints import plant_corrupt
@@ -31,42 +32,44 @@ def _state(step: int, run_id: str = "") -> dict:
 def test_retention_keeps_the_new_checkpoint_and_moves_a_corrupt_newer_one_aside(tmp_path):
     """keep_checkpoints=1 with a corrupt step 20: the checkpoint just written and the newest
     verified one survive; the corrupt file goes to checkpoints/corrupt/ byte for byte."""
-    CheckpointManager(tmp_path, keep=1).write(_state(1, "r1"), 1)
-    CheckpointManager(tmp_path, keep=1).write(_state(2, "r1"), 2)
+    CheckpointManager(RunDir(tmp_path), keep=1).write(_state(1, "r1"), 1)
+    CheckpointManager(RunDir(tmp_path), keep=1).write(_state(2, "r1"), 2)
     damaged = plant_corrupt(tmp_path, 2, 20)
-    written = CheckpointManager(tmp_path, keep=1).write(_state(3, "r1"), 3)
-    assert CheckpointManager(tmp_path).list() == [written]
+    written = CheckpointManager(RunDir(tmp_path), keep=1).write(_state(3, "r1"), 3)
+    assert CheckpointManager(RunDir(tmp_path)).list() == [written]
     assert load_checkpoint(written)["step"] == 3
     corrupt = tmp_path / "checkpoints" / "corrupt" / "step_00000020.pt"
     assert corrupt.read_bytes() == damaged, "the corrupt file must be kept, not deleted"
     assert checksum_path(corrupt).is_file()
-    assert CheckpointManager(tmp_path).choose("auto").path == written
+    assert CheckpointManager(RunDir(tmp_path)).choose("auto").path == written
 
 
 def test_a_checkpoint_rewritten_at_a_corrupt_ones_step_moves_the_corrupt_file_aside(tmp_path):
     """Issue 40: resume=auto fell back past a corrupt step 4 and trained to step 4 again: the
     new checkpoint of step 4 takes the name, the corrupt file goes to checkpoints/corrupt/
     byte for byte (it was overwritten before)."""
-    CheckpointManager(tmp_path, keep=5).write(_state(2, "r1"), 2)
+    CheckpointManager(RunDir(tmp_path), keep=5).write(_state(2, "r1"), 2)
     damaged = plant_corrupt(tmp_path, 2, 4)
-    written = CheckpointManager(tmp_path, keep=5).write(_state(4, "r1"), 4)
+    written = CheckpointManager(RunDir(tmp_path), keep=5).write(_state(4, "r1"), 4)
     assert load_checkpoint(written)["step"] == 4
     corrupt = tmp_path / "checkpoints" / "corrupt" / "step_00000004.pt"
     assert corrupt.read_bytes() == damaged, "the corrupt file must be kept, not overwritten"
     assert checksum_path(corrupt).is_file()
-    assert [p.name for p in CheckpointManager(tmp_path).list()] == [
+    assert [p.name for p in CheckpointManager(RunDir(tmp_path)).list()] == [
         "step_00000002.pt",
         "step_00000004.pt",
     ]
 
 
 def test_retention_never_deletes_a_later_step_or_another_runs_checkpoint(tmp_path):
-    write_run_id(tmp_path, "mine")
-    CheckpointManager(tmp_path, keep=5).write(_state(1, "theirs"), 1)
-    CheckpointManager(tmp_path, keep=5).write(_state(9, "mine"), 9)  # a later step of this run
-    CheckpointManager(tmp_path, keep=5).write(_state(2, "mine"), 2)
-    CheckpointManager(tmp_path, keep=1).write(_state(3, "mine"), 3)  # deletes only step 2
-    assert [p.name for p in CheckpointManager(tmp_path).list()] == [
+    write_run_id(RunDir(tmp_path), "mine")
+    CheckpointManager(RunDir(tmp_path), keep=5).write(_state(1, "theirs"), 1)
+    CheckpointManager(RunDir(tmp_path), keep=5).write(
+        _state(9, "mine"), 9
+    )  # a later step of this run
+    CheckpointManager(RunDir(tmp_path), keep=5).write(_state(2, "mine"), 2)
+    CheckpointManager(RunDir(tmp_path), keep=1).write(_state(3, "mine"), 3)  # deletes only step 2
+    assert [p.name for p in CheckpointManager(RunDir(tmp_path)).list()] == [
         "step_00000001.pt",
         "step_00000003.pt",
         "step_00000009.pt",
@@ -74,23 +77,25 @@ def test_retention_never_deletes_a_later_step_or_another_runs_checkpoint(tmp_pat
 
 
 def test_auto_resume_never_picks_another_runs_checkpoint(tmp_path):
-    write_run_id(tmp_path, "mine")
-    CheckpointManager(tmp_path, keep=5).write(_state(2, "mine"), 2)
-    CheckpointManager(tmp_path, keep=5).write(_state(40, "theirs"), 40)
-    assert CheckpointManager(tmp_path).choose("auto").path == CheckpointManager(tmp_path).path(2)
+    write_run_id(RunDir(tmp_path), "mine")
+    CheckpointManager(RunDir(tmp_path), keep=5).write(_state(2, "mine"), 2)
+    CheckpointManager(RunDir(tmp_path), keep=5).write(_state(40, "theirs"), 40)
+    assert CheckpointManager(RunDir(tmp_path)).choose("auto").path == CheckpointManager(
+        RunDir(tmp_path)
+    ).path(2)
 
 
 def test_a_new_run_archives_the_earlier_runs_records(tmp_path):
-    write_run_id(tmp_path, "old")
-    CheckpointManager(tmp_path, keep=5).write(_state(4, "old"), 4)
+    write_run_id(RunDir(tmp_path), "old")
+    CheckpointManager(RunDir(tmp_path), keep=5).write(_state(4, "old"), 4)
     (tmp_path / "metrics.jsonl").write_text('{"step": 4, "loss": 1.0}\n')
     (tmp_path / "logs").mkdir()
-    run_id, archived = start_or_continue(tmp_path, None)
-    assert run_id != "old" and current_run_id(tmp_path) == run_id
+    run_id, archived = start_or_continue(RunDir(tmp_path), None)
+    assert run_id != "old" and current_run_id(RunDir(tmp_path)) == run_id
     assert archived == tmp_path / "previous" / "old"
     assert (archived / "checkpoints" / "step_00000004.pt").is_file()
     assert (archived / "metrics.jsonl").read_text() == '{"step": 4, "loss": 1.0}\n'
     assert json.loads((archived / "run.json").read_text())["run_id"] == "old"
     assert not (tmp_path / "checkpoints").exists() and (tmp_path / "logs").is_dir()
     # continuing keeps the id and moves nothing
-    assert start_or_continue(tmp_path, run_id) == (run_id, None)
+    assert start_or_continue(RunDir(tmp_path), run_id) == (run_id, None)

@@ -43,14 +43,14 @@ def hf_run(tmp_path_factory):
     )
     run_dir = root / "run"
     save_run_config(run, RunDir(run_dir).config)
-    write_run_id(run_dir, "r1")
+    write_run_id(RunDir(run_dir), "r1")
     model = build_task(run.task, 0).build_model()
     torch.manual_seed(1)
     with torch.no_grad():  # "trained": not the model directory's weights
         for param in model.parameters():
             param.add_(0.01 * torch.randn_like(param))
     state = {"model": model.state_dict(), "optimizer": {}, "scheduler": {}, "run_id": "r1"}
-    CheckpointManager(run_dir, keep=5).write({**state, "step": 1}, 1)
+    CheckpointManager(RunDir(run_dir), keep=5).write({**state, "step": 1}, 1)
     return run_dir, model
 
 
@@ -72,7 +72,7 @@ def test_a_refused_newest_checkpoint_is_named_with_the_step_exported_instead(tmp
     names step 3, why it was refused, and the step exported; stdout says the step."""
     run = tmp_path / "run"
     for step in (1, 2):
-        CheckpointManager(run, keep=5).write(small_state(step), step)
+        CheckpointManager(RunDir(run), keep=5).write(small_state(step), step)
     plant_corrupt(run, 2, 3)
     out = tmp_path / "m.safetensors"
     code, stdout, stderr = export(capsys, run, "--out", out)
@@ -80,8 +80,10 @@ def test_a_refused_newest_checkpoint_is_named_with_the_step_exported_instead(tmp
     note = one_line(stderr)
     assert note.startswith("hetseq-hpc: note: ") and "step_00000003.pt" in note, note
     assert "is corrupt: its SHA-256" in note, note
-    assert note.endswith(f"exported step 2 ({CheckpointManager(run).path(2)}) instead"), note
-    assert stdout.strip() == f"exported step 2 ({CheckpointManager(run).path(2)}) to {out}"
+    assert note.endswith(f"exported step 2 ({CheckpointManager(RunDir(run)).path(2)}) instead"), (
+        note
+    )
+    assert stdout.strip() == f"exported step 2 ({CheckpointManager(RunDir(run)).path(2)}) to {out}"
     assert torch.equal(load_file(out)["w"], torch.full((16,), 2.0))
 
 
@@ -90,12 +92,14 @@ def test_a_newer_checkpoint_of_another_run_is_named_with_the_step_exported(tmp_p
     note line says whose step 2 is (nothing else on stderr)."""
     run = tmp_path / "run"
     for step, owner in ((1, "r1"), (2, "r2")):
-        CheckpointManager(run, keep=5).write({**small_state(step), "run_id": owner}, step)
-    write_run_id(run, "r1")
+        CheckpointManager(RunDir(run), keep=5).write({**small_state(step), "run_id": owner}, step)
+    write_run_id(RunDir(run), "r1")
     code, stdout, stderr = export(capsys, run, "--out", tmp_path / "m.safetensors")
     note = one_line(stderr)
     assert code == 0 and "step_00000002.pt was written by run r2" in note, note
-    assert note.endswith(f"exported step 1 ({CheckpointManager(run).path(1)}) instead"), note
+    assert note.endswith(f"exported step 1 ({CheckpointManager(RunDir(run)).path(1)}) instead"), (
+        note
+    )
     assert stdout.startswith("exported step 1 ")
 
 
@@ -107,9 +111,9 @@ def test_an_unwritable_out_is_refused_in_one_line_before_any_checkpoint_is_read(
     one line naming --out, checked first (the run's only checkpoint is corrupt, and the
     line is about --out); nothing written."""
     run = tmp_path / "run"
-    CheckpointManager(run, keep=5).write(small_state(1), 1)
+    CheckpointManager(RunDir(run), keep=5).write(small_state(1), 1)
     plant_corrupt(run, 1, 2)
-    CheckpointManager(run).path(1).unlink()  # only a corrupt checkpoint is left
+    CheckpointManager(RunDir(run)).path(1).unlink()  # only a corrupt checkpoint is left
     (tmp_path / "file").write_text("x")
     out = {"under_a_file": tmp_path / "file" / "m.safetensors", "proc": "/proc/m.safetensors"}
     code, _, stderr = export(capsys, run, "--out", out[where])
@@ -224,7 +228,7 @@ def test_weights_that_do_not_fit_are_refused_in_one_line(hf_run):
 def test_the_default_out_of_other_tasks_is_run_dir_model_safetensors(tmp_path, capsys):
     """Without --out and without a task=hf config: RUN_DIR/model.safetensors, as before."""
     run = tmp_path / "run"
-    CheckpointManager(run, keep=5).write(small_state(4), 4)
+    CheckpointManager(RunDir(run), keep=5).write(small_state(4), 4)
     code, stdout, _ = export(capsys, run)
     assert code == 0 and stdout.strip().endswith(f"to {run / 'model.safetensors'}")
     assert Path(run / "model.safetensors").is_file()
@@ -255,7 +259,7 @@ def test_a_classifier_gets_the_classes_the_run_trained(tmp_path):
         json.dumps({"task": {"data": {"labels": ["bad", "good", "ok"]}}})
     )
     model_cfg = HfModelConfig(path=str(make_bert(tmp_path / "cls", "classification")))
-    export = PretrainedExport.for_run(model_cfg, lambda: label_names(tmp_path))
+    export = PretrainedExport.for_run(model_cfg, lambda: label_names(RunDir(tmp_path)))
     assert export.kind == "classification" and export.config.num_labels == 3
     assert export.config.id2label == {0: "bad", 1: "good", 2: "ok"}
     assert export.config.label2id == {"bad": 0, "good": 1, "ok": 2}

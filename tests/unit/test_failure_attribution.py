@@ -22,6 +22,7 @@ from hetseq_hpc.launch.failures import (
     pick_failure,
     signal_reason,
 )
+from hetseq_hpc.rundir.paths import RunDir
 
 
 def _error_file(path: Path, rank: int, type_: str, message: str, when: float, peer=None) -> dict:
@@ -80,15 +81,17 @@ def test_oom_reason_gives_the_planned_memory_only_on_evidence(tmp_path):
         ]
     }
     (tmp_path / "allocation.json").write_text(json.dumps(alloc))
-    assert memory_estimate_gb(tmp_path, 0) == pytest.approx(2.0)
+    assert memory_estimate_gb(RunDir(tmp_path), 0) == pytest.approx(2.0)
     # issue 27: out of memory only on evidence (the cgroup's oom_kill count, the kernel log)
-    reason = signal_reason(-signal.SIGKILL, tmp_path, 0, oom="memory.events oom_kill 0 -> 1")
+    reason = signal_reason(
+        -signal.SIGKILL, RunDir(tmp_path), 0, oom="memory.events oom_kill 0 -> 1"
+    )
     assert "out of memory" in reason and "2.00 GiB" in reason and "\n" not in reason
-    unknown = signal_reason(-signal.SIGKILL, tmp_path, 0)
+    unknown = signal_reason(-signal.SIGKILL, RunDir(tmp_path), 0)
     assert (
         "out of memory" not in unknown and "by a user, the scheduler, or the OOM killer" in unknown
     )
-    assert signal_reason(-signal.SIGSEGV, tmp_path, 0) == "killed by signal SIGSEGV"
+    assert signal_reason(-signal.SIGSEGV, RunDir(tmp_path), 0) == "killed by signal SIGSEGV"
 
 
 DDP_TRACE = """Traceback (most recent call last):

@@ -16,6 +16,7 @@ import pytest
 from hetseq_hpc.config import compose_run_config
 from hetseq_hpc.errors import ConfigError
 from hetseq_hpc.launch.failures import signal_reason
+from hetseq_hpc.rundir.paths import RunDir
 
 NOT_OOM = "killed by SIGKILL (by a user, the scheduler, or the OOM killer)"
 
@@ -31,14 +32,14 @@ def test_a_sigkill_is_called_oom_only_with_the_kernels_evidence(tmp_path):
         ]
     }
     (tmp_path / "allocation.json").write_text(json.dumps(alloc))
-    assert signal_reason(-signal.SIGKILL, tmp_path, 0) == NOT_OOM
-    oom = signal_reason(-signal.SIGKILL, tmp_path, 0, oom="the kernel log names pid 7")
+    assert signal_reason(-signal.SIGKILL, RunDir(tmp_path), 0) == NOT_OOM
+    oom = signal_reason(-signal.SIGKILL, RunDir(tmp_path), 0, oom="the kernel log names pid 7")
     assert "out of memory" in oom and "the kernel log names pid 7" in oom and "2.00 GiB" in oom
     assert (
         oom.endswith("lower cluster.memory_budget_gb, shrink task.model or balance.max_micro_batch")
         and "\n" not in oom
     )
-    assert signal_reason(-signal.SIGSEGV, tmp_path, 0) == "killed by signal SIGSEGV"
+    assert signal_reason(-signal.SIGSEGV, RunDir(tmp_path), 0) == "killed by signal SIGSEGV"
 
 
 def test_oom_evidence_from_the_cgroup_counter_or_the_kernel_log():
@@ -191,14 +192,14 @@ def test_a_waited_slurm_job_prints_the_summary_line(monkeypatch, tmp_path, caplo
         slurm, "launch_slurm", lambda run, run_dir: {"job_id": "1", "summary": summary}
     )
     with caplog.at_level(logging.INFO, logger="hetseq_hpc"):
-        dispatch(compose_testcluster("cluster.wait=true"), tmp_path)
+        dispatch(compose_testcluster("cluster.wait=true"), RunDir(tmp_path))
     text = caplog.text
     assert "done: 3 steps, loss 9.0000 -> 8.5000, validation loss 8.4, 12.0 samples/s" in text
     assert f"plot: {tmp_path / 'ranks.png'}" in text
     caplog.clear()
     monkeypatch.setattr(slurm, "launch_slurm", lambda run, run_dir: {"job_id": "1"})
     with caplog.at_level(logging.INFO, logger="hetseq_hpc"):
-        dispatch(compose_testcluster(), tmp_path)  # not waited for: nothing to sum up
+        dispatch(compose_testcluster(), RunDir(tmp_path))  # not waited for: nothing to sum up
     assert "done:" not in caplog.text
 
 

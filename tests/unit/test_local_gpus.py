@@ -13,6 +13,7 @@ import pytest
 from hetseq_hpc.config import compose_run_config
 from hetseq_hpc.errors import ConfigError
 from hetseq_hpc.launch import local
+from hetseq_hpc.rundir.paths import RunDir
 
 
 def test_more_ranks_than_gpus_is_one_line_with_the_fixes_fake_gpu_count():
@@ -37,5 +38,5 @@ def test_launch_refuses_before_the_run_directory_is_touched_fake_gpu_count(tmp_p
     monkeypatch.setattr(local, "visible_gpu_count", lambda: 1)
     run_dir = tmp_path / "run"
     with pytest.raises(ConfigError, match="NCCL cannot run two ranks on one GPU"):
-        local.launch_local(compose_run_config(["cluster.ranks=3"]), run_dir)
+        local.launch_local(compose_run_config(["cluster.ranks=3"]), RunDir(run_dir))
     assert not run_dir.exists()

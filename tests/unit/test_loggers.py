@@ -11,6 +11,7 @@ import pytest
 
 from hetseq_hpc.config import compose_run_config
 from hetseq_hpc.errors import ConfigError
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.train.metrics.loggers import RunLoggers
 from tests.helpers.loggers import csv_rows, events, scalar_steps
 from tests.helpers.runs import read_rows
@@ -42,11 +43,11 @@ def _row(step: int, loss: float, ranks: int = 2) -> dict:
 def test_resume_cuts_every_logger_back_to_the_checkpoint(tmp_path):
     """An attempt logged steps 1-6 but checkpointed at 3; the resumed attempt re-runs 4-6 (on 3
     ranks): each logger then holds steps 1-6 once, 4-6 with the new values."""
-    first = RunLoggers(tmp_path, ["csv", "tensorboard"])
+    first = RunLoggers(RunDir(tmp_path), ["csv", "tensorboard"])
     for step in range(1, 7):
         first.write(_row(step, 10.0 - step))
     first.close()
-    second = RunLoggers(tmp_path, ["jsonl", "csv", "tensorboard"], resume_step=3)
+    second = RunLoggers(RunDir(tmp_path), ["jsonl", "csv", "tensorboard"], resume_step=3)
     for step in range(4, 7):
         second.write(
             {
@@ -84,7 +85,7 @@ def test_resume_keeps_the_membership_row_of_survivors_that_stopped(tmp_path):
     membership row for step 4, the step in progress, which records the stop; the requeued job
     resumes from step 3 and keeps that row (it was dropped as a row after the checkpoint), but
     not an in-job recovery's row of a step it trains again."""
-    first = RunLoggers(tmp_path, ["jsonl"])
+    first = RunLoggers(RunDir(tmp_path), ["jsonl"])
     for step in range(1, 4):
         first.write(_row(step, 10.0 - step))
     stop = {
@@ -105,7 +106,7 @@ def test_resume_keeps_the_membership_row_of_survivors_that_stopped(tmp_path):
         }
     )
     first.close()
-    second = RunLoggers(tmp_path, ["jsonl"], resume_step=3)
+    second = RunLoggers(RunDir(tmp_path), ["jsonl"], resume_step=3)
     second.write(_row(4, 6.0, ranks=3))
     second.close()
     rows = read_rows(tmp_path)
@@ -118,7 +119,7 @@ def test_wandb_without_the_package_is_skipped_with_a_warning(tmp_path, caplog):
     if __import__("importlib").util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed here")
     with caplog.at_level(logging.WARNING):
-        loggers = RunLoggers(tmp_path, ["jsonl", "wandb"])
+        loggers = RunLoggers(RunDir(tmp_path), ["jsonl", "wandb"])
     loggers.write(_row(1, 1.0))
     loggers.close()
     assert "wandb package is not installed" in caplog.text

@@ -15,6 +15,7 @@ from hetseq_hpc.balance.allocation import allocate
 from hetseq_hpc.config.compose import compose_run_config
 from hetseq_hpc.distributed.rendezvous import StepStats, single_process_rendezvous
 from hetseq_hpc.errors import NonFiniteLoss, exit_code
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.tasks import build_task
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint
 from hetseq_hpc.train.metrics import read_metrics
@@ -55,7 +56,7 @@ def make_trainer(tmp_path, token_cache):
         model = task.build_model()
         return Trainer(
             run,
-            tmp_path,
+            RunDir(tmp_path),
             rdv,
             task,
             model,
@@ -90,7 +91,7 @@ def test_a_nan_from_the_start_model_blames_the_model_and_applies_nothing(make_tr
     assert "at step 1: rank 0 (micro-batch 2, loss nan)" in message, message
     assert "before any update, so not the learning rate" in message, message
     assert "model, loss or data" in message and "nothing was trained yet" in message, message
-    assert trainer.step == 0 and not CheckpointManager(tmp_path).list()
+    assert trainer.step == 0 and not CheckpointManager(RunDir(tmp_path)).list()
     for key, value in trainer.model.state_dict().items():
         assert torch.equal(value, before[key]), f"{key} was updated by the NaN step"
 
@@ -112,7 +113,7 @@ def test_a_nan_after_updates_checkpoints_the_last_good_step_and_names_the_lr(
     assert "after 2 update(s) the training diverged: lower optim.lr (now 0.002)" in message
     assert "in fp32" not in message, message  # the rank already trains in fp32
     assert "checkpoint of step 2 written" in message and "trainer.resume=auto" in message
-    (path,) = CheckpointManager(tmp_path).list()
+    (path,) = CheckpointManager(RunDir(tmp_path)).list()
     state = load_checkpoint(path)  # verifies its checksum
     assert state["step"] == 2 and trainer.step == 2
     for key, value in trainer.model.state_dict().items():

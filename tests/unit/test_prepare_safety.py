@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from hetseq_hpc.errors import DataError
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.tasks import prepare_wait
 from hetseq_hpc.tasks.bert import mlm_data as data_mod
 from hetseq_hpc.tasks.bert import text_corpus as corpus_mod
@@ -28,14 +29,13 @@ from tests.helpers.clock import FakeClock
 def test_a_silent_heartbeat_fails_the_wait_after_the_timeout(tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
-    marker, beat = (
-        prepare_wait.marker_path(tmp_path, "t"),
-        prepare_wait.heartbeat_path(tmp_path, "t"),
-    )
+    beat = RunDir(tmp_path).prepare_heartbeat("t")
     beat.write_text("1\n")
     clock = FakeClock()
     with pytest.raises(DataError) as info:
-        prepare_wait.wait_for_rank0(marker, beat, 30, poll_s=0.5, clock=clock, sleep=clock.sleep)
+        prepare_wait.wait_for_rank0(
+            RunDir(tmp_path), "t", 30, poll_s=0.5, clock=clock, sleep=clock.sleep
+        )
     message = str(info.value)
     assert "rank 0 sent no heartbeat for 30 s while preparing the data" in message
     assert "rank0.log" in message and "hetseq-hpc prepare" in message and "\n" not in message
@@ -44,10 +44,7 @@ def test_a_silent_heartbeat_fails_the_wait_after_the_timeout(tmp_path):
 
 def test_a_live_heartbeat_is_waited_for_past_the_timeout(tmp_path):
     (tmp_path / "logs").mkdir()
-    marker, beat = (
-        prepare_wait.marker_path(tmp_path, "t"),
-        prepare_wait.heartbeat_path(tmp_path, "t"),
-    )
+    marker, beat = RunDir(tmp_path).prepared_marker("t"), RunDir(tmp_path).prepare_heartbeat("t")
     heart = prepare_wait.Heartbeat(beat, 1.0)
     heart.path.parent.mkdir(exist_ok=True)
     clock = FakeClock()
@@ -59,7 +56,7 @@ def test_a_live_heartbeat_is_waited_for_past_the_timeout(tmp_path):
         if clock.now - 1000.0 >= 100:
             marker.write_text(json.dumps({"ok": True}))
 
-    prepare_wait.wait_for_rank0(marker, beat, 10, poll_s=0.5, clock=clock, sleep=sleep)
+    prepare_wait.wait_for_rank0(RunDir(tmp_path), "t", 10, poll_s=0.5, clock=clock, sleep=sleep)
     assert clock.now - 1000.0 >= 100
 
 

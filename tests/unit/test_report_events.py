@@ -20,6 +20,7 @@ from hetseq_hpc.errors import Preempted
 from hetseq_hpc.report.figure import EVENT_STYLES, build_figure
 from hetseq_hpc.report.plots import run_figure, text_summary
 from hetseq_hpc.rundir.events import append_event, read_events
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.tasks import build_task
 from hetseq_hpc.train.records import RankMeta
 from hetseq_hpc.train.trainer import Trainer
@@ -54,7 +55,7 @@ def _trainer(rdv, run_dir, samples, stop=None, *overrides):
     torch.manual_seed(run.trainer.seed)
     return Trainer(
         run,
-        run_dir,
+        RunDir(run_dir),
         rdv,
         task,
         task.build_model(),
@@ -73,13 +74,13 @@ def stopped_and_resumed(tmp_path_factory):
     with single_process_rendezvous() as rdv:
         with pytest.raises(Preempted):
             _trainer(rdv, run_dir, 8, _Stop()).fit()
-        append_event(run_dir, "stopped_by", cause="Ctrl-C (SIGINT)")  # the local launcher's
+        append_event(RunDir(run_dir), "stopped_by", cause="Ctrl-C (SIGINT)")  # the local launcher's
         _trainer(rdv, run_dir, 4).fit()
     return run_dir
 
 
 def test_the_trainer_records_the_stop_the_resume_and_every_checkpoint(stopped_and_resumed):
-    events, damaged = read_events(stopped_and_resumed)
+    events, damaged = read_events(RunDir(stopped_and_resumed))
     assert damaged == 0
     kinds = [(e["event"], e.get("step")) for e in events]
     assert kinds == [
@@ -195,5 +196,5 @@ def test_a_damaged_events_file_does_not_stop_the_report(tmp_path):
     (tmp_path / "events.jsonl").write_text(
         json.dumps({"event": "checkpoint", "step": 2}) + '\n{"event": "resu\n[1]\n'
     )
-    events, damaged = read_events(tmp_path)
+    events, damaged = read_events(RunDir(tmp_path))
     assert [e["step"] for e in events] == [2] and damaged == 2

@@ -8,19 +8,20 @@ import pytest
 
 from hetseq_hpc.env.rank_guard import FAILED
 from hetseq_hpc.errors import ConfigError
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.train.recovery.run_end import after_training, write_summary_if_missing
 
 
 def test_summary_is_written_only_when_rank_0_did_not(tmp_path):
     summary = {"final_step": 30, "final_loss": 4.5, "by": "survivor"}
-    assert write_summary_if_missing(tmp_path, summary)  # none there: rank 0 was lost
+    assert write_summary_if_missing(RunDir(tmp_path), summary)  # none there: rank 0 was lost
     (tmp_path / "summary.json").write_text(json.dumps({**summary, "by": "rank 0"}))
-    assert not write_summary_if_missing(tmp_path, summary)  # rank 0's is kept
+    assert not write_summary_if_missing(RunDir(tmp_path), summary)  # rank 0's is kept
     assert json.loads((tmp_path / "summary.json").read_text())["by"] == "rank 0"
     (tmp_path / "summary.json").write_text(json.dumps({"final_step": 12, "final_loss": 6.0}))
-    assert write_summary_if_missing(tmp_path, summary)  # an earlier run's: replaced
+    assert write_summary_if_missing(RunDir(tmp_path), summary)  # an earlier run's: replaced
     (tmp_path / "summary.json").write_text("{cut off")
-    assert write_summary_if_missing(tmp_path, summary)
+    assert write_summary_if_missing(RunDir(tmp_path), summary)
 
 
 def test_only_a_peer_failure_with_in_job_recovery_is_absorbed(monkeypatch):

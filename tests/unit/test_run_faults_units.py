@@ -17,6 +17,7 @@ import pytest
 from hetseq_hpc.config import compose_run_config
 from hetseq_hpc.config import validate as config_validate
 from hetseq_hpc.errors import ConfigError
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager
 from hetseq_hpc.train.metrics.loggers import CSV_NAME, TB_DIR, RunLoggers
 from tests.helpers.loggers import logger_warnings
@@ -57,7 +58,7 @@ def test_loggers_that_break_mid_run_are_dropped_with_one_warning(tmp_path, caplo
     """After step 1 ``metrics.csv`` becomes a directory and ``tb`` a file: the next write of
     each fails, each gives ONE warning and is dropped (also at close: no second word, no
     thread traceback), metrics.jsonl keeps every row."""
-    loggers = RunLoggers(tmp_path, ["jsonl", "csv", "tensorboard"])
+    loggers = RunLoggers(RunDir(tmp_path), ["jsonl", "csv", "tensorboard"])
     loggers.write(_row(1))
     (tmp_path / CSV_NAME).unlink()
     (tmp_path / CSV_NAME).mkdir()
@@ -105,14 +106,16 @@ def test_adasum_world_size_is_checked_in_validation(overrides, world):
 
 # ------------------------------------------------------------------ checkpoint path in the way
 def test_directory_at_a_checkpoint_name_is_named_with_the_fix(tmp_path):
-    blocker = CheckpointManager(tmp_path).path(4)
+    blocker = CheckpointManager(RunDir(tmp_path)).path(4)
     blocker.mkdir(parents=True)
     (blocker / "something").write_text("x\n")
     with pytest.raises(Exception) as info:
-        CheckpointManager(tmp_path, keep=2).write(
+        CheckpointManager(RunDir(tmp_path), keep=2).write(
             {"model": {}, "optimizer": {}, "scheduler": {}}, 4
         )
     message = str(info.value)
     assert f"{str(blocker)!r} is a directory" in message and "remove or rename it" in message
     assert "free disk space" not in message
-    assert CheckpointManager(tmp_path).list() == [], "a directory is never taken for a checkpoint"
+    assert CheckpointManager(RunDir(tmp_path)).list() == [], (
+        "a directory is never taken for a checkpoint"
+    )

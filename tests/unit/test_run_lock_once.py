@@ -13,6 +13,7 @@ import pytest
 
 from hetseq_hpc.errors import LaunchError
 from hetseq_hpc.rundir.lock import acquire, let_go, lock_run_dir
+from hetseq_hpc.rundir.paths import RunDir
 
 
 def test_the_run_lock_is_taken_once_per_process_and_let_go_by_the_launcher(tmp_path):
@@ -27,14 +28,14 @@ def test_the_run_lock_is_taken_once_per_process_and_let_go_by_the_launcher(tmp_p
         finally:
             os.close(fd)
 
-    held = acquire(tmp_path)  # the command line, before Hydra
-    with lock_run_dir(tmp_path) as again:  # the launcher: the same lock, not a refusal
+    held = acquire(RunDir(tmp_path))  # the command line, before Hydra
+    with lock_run_dir(RunDir(tmp_path)) as again:  # the launcher: the same lock, not a refusal
         assert (again.fd, again.owned) == (held.fd, False)
     assert not free(), "the launcher's exit must not release the command line's lock"
-    let_go(tmp_path)  # the SLURM launcher, before submitting
+    let_go(RunDir(tmp_path))  # the SLURM launcher, before submitting
     assert held.fd == -1 and free()
     held.release()  # the command line's own release after that: harmless
-    with lock_run_dir(tmp_path) as fresh:
+    with lock_run_dir(RunDir(tmp_path)) as fresh:
         assert fresh.owned and not free()
     assert free()
 
@@ -44,6 +45,6 @@ def test_a_lock_held_elsewhere_is_still_refused(tmp_path):
     fcntl.flock(fd, fcntl.LOCK_EX)  # another open file: another run
     try:
         with pytest.raises(LaunchError, match="is in use by another run"):
-            acquire(tmp_path)
+            acquire(RunDir(tmp_path))
     finally:
         os.close(fd)

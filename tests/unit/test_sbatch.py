@@ -13,6 +13,7 @@ import pytest
 
 from hetseq_hpc.launch.sbatch import render_sbatch
 from hetseq_hpc.launch.slurm import HetSlurmInfoWatcher
+from hetseq_hpc.rundir.paths import RunDir
 from tests.helpers.slurm import compose_testcluster
 
 GOLDEN = Path(__file__).parent.parent / "golden" / "testcluster.sbatch"
@@ -50,7 +51,7 @@ def test_elastic_script_serves_the_store_and_its_step_survives_a_task():
     # with the run directory: srun's failure for a lost task is not the job's when the
     # survivors wrote the run's summary in this job (Slurm: COMPLETED, afterok holds)
     ended = render_sbatch(
-        run.cluster, "/RUN/submitit", "/PYTHON", elastic=True, run_dir="/RUN"
+        run.cluster, "/RUN/submitit", "/PYTHON", elastic=True, run_dir=RunDir("/RUN")
     ).splitlines()
     at = next(i for i, ln in enumerate(ended) if ln.startswith("srun "))
     assert ended[at - 2] == "summary=/RUN/summary.json" and ended[at].endswith(" &")

@@ -17,6 +17,7 @@ from torch import nn
 
 from hetseq_hpc.distributed.rendezvous import single_process_rendezvous
 from hetseq_hpc.errors import CheckpointError
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint
 from hetseq_hpc.train.checkpoint.shards import MANIFEST, METADATA, full_state, shard_dir_of
 from hetseq_hpc.train.parallel import Sharded
@@ -50,7 +51,7 @@ def rdv():
 
 def _save(rdv, run_dir, step, keep=5):
     strategy, optimizer = _trained(step)
-    path = CheckpointManager(run_dir, keep).save(
+    path = CheckpointManager(RunDir(run_dir), keep).save(
         step, rdv, strategy, optimizer, lambda tensors: _record(step)
     )
     return path, strategy.model
@@ -101,7 +102,7 @@ def test_malicious_metadata_never_runs_code(tmp_path, rdv):
         load_checkpoint(evil)
     assert "refused as untrusted" in str(err.value) and "open is not DCP" in str(err.value)
     assert "\n" not in str(err.value)
-    choice = CheckpointManager(tmp_path).choose(
+    choice = CheckpointManager(RunDir(tmp_path)).choose(
         "auto"
     )  # the newest is refused: the older one is used
     assert choice.path == good and "refused as untrusted" in choice.skipped[0][1]
@@ -151,7 +152,7 @@ def test_metadata_that_reaches_outside_or_holds_objects_is_refused(tmp_path, rdv
 def test_retention_quarantine_and_orphans_take_the_shard_directory(tmp_path, rdv):
     for step in (1, 2, 3):
         _save(rdv, tmp_path, step, keep=2)
-    folder = CheckpointManager(tmp_path).path(1).parent
+    folder = CheckpointManager(RunDir(tmp_path)).path(1).parent
     names = sorted(p.name.split(".")[0] + p.suffix for p in folder.iterdir())
     assert names == [
         "step_00000002.pt",
@@ -164,10 +165,10 @@ def test_retention_quarantine_and_orphans_take_the_shard_directory(tmp_path, rdv
     # a write cut off before its record: a temp directory and a directory no record names
     (folder / ".step_00000004.0123456789abcdef.shards.tmp").mkdir()
     (folder / "step_00000004.0123456789abcdef.shards").mkdir()
-    swept = CheckpointManager(tmp_path).sweep_orphan_shards()
+    swept = CheckpointManager(RunDir(tmp_path)).sweep_orphan_shards()
     assert len(swept) == 2 and len(list(folder.glob("*.shards"))) == 2
     # a flipped shard in an older checkpoint: the next save moves it, with its record, aside
-    older = CheckpointManager(tmp_path).path(2)
+    older = CheckpointManager(RunDir(tmp_path)).path(2)
     flip_middle(shard_dir_of(older, load_checkpoint(older)) / "__0_0.distcp", 16)
     _save(rdv, tmp_path, 4, keep=2)
     corrupt = folder / "corrupt"
@@ -178,14 +179,14 @@ def test_a_sharded_checkpoint_rewritten_at_a_corrupt_ones_step_keeps_both(tmp_pa
     """Issue 40: a sharded checkpoint of step 2 whose shard fails its checksum, then step 2
     written again (resume=auto fell back past it): the corrupt record and ITS shard directory
     go to checkpoints/corrupt/, the new record and its new shard directory stay and load."""
-    old = CheckpointManager(tmp_path).path(2)
+    old = CheckpointManager(RunDir(tmp_path)).path(2)
     _save(rdv, tmp_path, 2)
     old_shards = shard_dir_of(old, load_checkpoint(old))
     flip_middle(old_shards / "__0_0.distcp", 16)
     path, _ = _save(rdv, tmp_path, 2)
     state = load_checkpoint(path)  # the new one verifies, shards and all
     assert shard_dir_of(path, state).name != old_shards.name
-    corrupt = CheckpointManager(tmp_path).path(2).parent / "corrupt"
+    corrupt = CheckpointManager(RunDir(tmp_path)).path(2).parent / "corrupt"
     assert sorted(p.name for p in corrupt.iterdir()) == sorted(
         ["step_00000002.pt", "step_00000002.pt.sha256", old_shards.name]
     )

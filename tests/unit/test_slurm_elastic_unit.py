@@ -14,6 +14,7 @@ from submitit.core import utils as submitit_utils
 from hetseq_hpc.errors import LaunchError, RankExcluded
 from hetseq_hpc.launch import slurm_watch
 from hetseq_hpc.launch.slurm_watch import EXCLUDED_RESULT, is_excluded, wait_for_job
+from hetseq_hpc.rundir.paths import RunDir
 from tests.unit.test_slurm_faults import OWN, _Job, _job_function, _rank_left
 
 
@@ -46,7 +47,9 @@ def test_a_job_with_an_excluded_rank_returns_the_survivors_summary(job_dir, monk
     for rank in survivors:
         _result(job_dir, rank, {"rank": rank, "lost_ranks": [excluded]})
     _result(job_dir, excluded, {EXCLUDED_RESULT: True, "rank": excluded})
-    summary = wait_for_job(_Job(job_dir / "submitit", "COMPLETED"), job_dir, 3, elastic=True)
+    summary = wait_for_job(
+        _Job(job_dir / "submitit", "COMPLETED"), RunDir(job_dir), 3, elastic=True
+    )
     assert summary == {"rank": survivors[0], "lost_ranks": [excluded]} and cancels == []
 
 
@@ -55,7 +58,7 @@ def test_own_error_of_a_rank_cancels_an_elastic_job(job_dir, monkeypatch):
     monkeypatch.setattr(slurm_watch, "cancel_job", cancels.append)
     _rank_left(job_dir, 1, OWN, 100.0, peer=False)
     with pytest.raises(LaunchError, match=r"rank 1 failed: .*DataError"):
-        wait_for_job(_Job(job_dir / "submitit", "RUNNING"), job_dir, 3, elastic=True)
+        wait_for_job(_Job(job_dir / "submitit", "RUNNING"), RunDir(job_dir), 3, elastic=True)
     assert cancels == ["77"]
 
 
@@ -65,7 +68,7 @@ def test_too_few_ranks_is_left_to_end_by_itself(job_dir, monkeypatch):
     line = "hetseq_hpc.errors.TooFewRanks: only 1 rank(s) left after losing rank(s) [1, 2]"
     _rank_left(job_dir, 0, line, 100.0, peer=False)
     with pytest.raises(LaunchError, match="TooFewRanks"):
-        wait_for_job(_Job(job_dir / "submitit", "RUNNING"), job_dir, 3, elastic=True)
+        wait_for_job(_Job(job_dir / "submitit", "RUNNING"), RunDir(job_dir), 3, elastic=True)
     assert cancels == []
     err = json.loads((job_dir / "logs" / "rank0.error.json").read_text())
     assert err["type"] == "TooFewRanks"
@@ -87,12 +90,12 @@ def test_survivors_that_left_no_results_finished_by_their_summary(job_dir, caplo
     """A stopped task left out: its survivors end with it when the batch script ends the step
     after the run's summary.json (no result pickles; Slurm records COMPLETED). The summary this
     job wrote is the result, and one line names the lost rank (it was '0/3 results', exit 1)."""
-    before = slurm_watch.summary_stamp(job_dir)  # taken before submitting: no summary yet
+    before = slurm_watch.summary_stamp(RunDir(job_dir))  # taken before submitting: no summary yet
     (job_dir / "summary.json").write_text(json.dumps({"final_step": 30, "lost_ranks": [1]}))
     with caplog.at_level(logging.WARNING):
         summary = wait_for_job(
             _Job(job_dir / "submitit", "COMPLETED"),
-            job_dir,
+            RunDir(job_dir),
             3,
             elastic=True,
             summary_before=before,
@@ -116,10 +119,14 @@ def test_survivors_that_left_no_results_finished_by_their_summary(job_dir, caplo
 def test_an_earlier_summary_or_an_ended_job_is_not_a_finished_run(job_dir, state, elastic, earlier):
     """Otherwise the error with the results counted, as before."""
     (job_dir / "summary.json").write_text(json.dumps({"final_step": 30, "lost_ranks": [1]}))
-    before = slurm_watch.summary_stamp(job_dir) if earlier else -1
+    before = slurm_watch.summary_stamp(RunDir(job_dir)) if earlier else -1
     with pytest.raises(LaunchError, match=rf"ended {state} before every rank finished \(0/3"):
         wait_for_job(
-            _Job(job_dir / "submitit", state), job_dir, 3, elastic=elastic, summary_before=before
+            _Job(job_dir / "submitit", state),
+            RunDir(job_dir),
+            3,
+            elastic=elastic,
+            summary_before=before,
         )
 
 
@@ -129,5 +136,5 @@ def test_survivors_results_after_a_lost_rank_name_it(job_dir, monkeypatch, caplo
     for rank in (0, 2):
         _result(job_dir, rank, {"rank": rank, "lost_ranks": [1]})
     with caplog.at_level(logging.WARNING):
-        wait_for_job(_Job(job_dir / "submitit", "COMPLETED"), job_dir, 3, elastic=True)
+        wait_for_job(_Job(job_dir / "submitit", "COMPLETED"), RunDir(job_dir), 3, elastic=True)
     assert any("job 77: rank(s) [1] were lost" in r.getMessage() for r in caplog.records)

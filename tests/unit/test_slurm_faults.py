@@ -28,6 +28,7 @@ from hetseq_hpc.launch.failures import (
 )
 from hetseq_hpc.launch.slurm import HetseqJobFunction, launch_slurm
 from hetseq_hpc.launch.slurm_watch import RequeueLimitReached, wait_for_job
+from hetseq_hpc.rundir.paths import RunDir
 
 #: what ranks of a 3-rank job on the test cluster wrote when rank 1 was SIGKILLed (recorded)
 RESET = (
@@ -83,7 +84,7 @@ def _rank_left(
 
 def _failure(job_dir: Path, state: str = "RUNNING") -> str:
     with pytest.raises(LaunchError) as info:
-        wait_for_job(_Job(job_dir / "submitit", state), job_dir, 3)
+        wait_for_job(_Job(job_dir / "submitit", state), RunDir(job_dir), 3)
     return str(info.value)
 
 
@@ -187,13 +188,15 @@ def test_slurm_rank0_records_a_stop_with_its_requeues_used_up(tmp_path, monkeypa
     with pytest.raises(SystemExit) as info:
         _job_function(tmp_path, "cluster.max_num_timeout=1")()
     assert info.value.code == 3
-    stop = read_stop_record(tmp_path, "41")
+    stop = read_stop_record(RunDir(tmp_path), "41")
     assert stop is not None and (stop["step"], stop["requeued"], stop["max_requeues"]) == (
         12,
         False,
         1,
     )
-    assert read_stop_record(tmp_path, "42") is None, "another job's record is not this job's"
+    assert read_stop_record(RunDir(tmp_path), "42") is None, (
+        "another job's record is not this job's"
+    )
 
 
 def test_launch_clears_an_earlier_jobs_errors_and_stop_record(tmp_path):
@@ -201,15 +204,19 @@ def test_launch_clears_an_earlier_jobs_errors_and_stop_record(tmp_path):
     stale = [tmp_path / "logs" / "rank1.error.json", tmp_path / STOP_RECORD]
     for path in stale:
         path.write_text("{}")
-    launch_slurm(compose_run_config(["cluster=testcluster", "cluster.dry_run=true"]), tmp_path)
+    launch_slurm(
+        compose_run_config(["cluster=testcluster", "cluster.dry_run=true"]), RunDir(tmp_path)
+    )
     assert not any(p.exists() for p in stale)
 
 
 # ------------------------------------------------------------------ requeues used up
 def test_exhausted_requeues_are_a_clean_stop_with_the_resume_command(job_dir):
-    write_stop_record(job_dir, "77", 40, REQUEUE, restarts=3, max_requeues=3, requeued=False)
+    write_stop_record(
+        RunDir(job_dir), "77", 40, REQUEUE, restarts=3, max_requeues=3, requeued=False
+    )
     with pytest.raises(RequeueLimitReached) as info:
-        wait_for_job(_Job(job_dir / "submitit", "FAILED"), job_dir, 3)
+        wait_for_job(_Job(job_dir / "submitit", "FAILED"), RunDir(job_dir), 3)
     assert isinstance(info.value, Preempted)
     assert str(info.value) == (
         "stopped after step 40 with a checkpoint: requeue limit (cluster.max_num_timeout=3) "
@@ -226,9 +233,11 @@ def test_exhausted_requeues_are_a_clean_stop_with_the_resume_command(job_dir):
     ],
 )
 def test_other_stop_records_do_not_make_a_clean_stop(job_dir, job_id, code, requeued):
-    write_stop_record(job_dir, job_id, 40, code, restarts=0, max_requeues=3, requeued=requeued)
+    write_stop_record(
+        RunDir(job_dir), job_id, 40, code, restarts=0, max_requeues=3, requeued=requeued
+    )
     with pytest.raises(LaunchError, match="ended FAILED before every rank finished"):
-        wait_for_job(_Job(job_dir / "submitit", "FAILED"), job_dir, 3)
+        wait_for_job(_Job(job_dir / "submitit", "FAILED"), RunDir(job_dir), 3)
 
 
 def test_cli_exits_3_on_a_clean_stop(tmp_path, monkeypatch, capsys):
@@ -237,7 +246,9 @@ def test_cli_exits_3_on_a_clean_stop(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(cli, "dispatch", stopped)
     with pytest.raises(SystemExit) as info:
-        cli.dispatch_or_exit(compose_run_config(["cluster=testcluster"]), tmp_path / "my run")
+        cli.dispatch_or_exit(
+            compose_run_config(["cluster=testcluster"]), RunDir(tmp_path / "my run")
+        )
     assert info.value.code == 3
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("hetseq-hpc: stopped after step 40")

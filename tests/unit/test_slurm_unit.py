@@ -28,6 +28,7 @@ from hetseq_hpc.launch.slurm_checks import (
     slurm_minutes,
 )
 from hetseq_hpc.launch.slurm_watch import HetSlurmInfoWatcher, wait_for_job
+from hetseq_hpc.rundir.paths import RunDir
 
 #: ``sinfo -h -N -o '%R|%N|%G|%c|%l'`` of the project's test cluster (recorded)
 SINFO_TESTCLUSTER = """a100|n1|gpu:a100:2|4|infinite
@@ -209,7 +210,7 @@ def test_launch_with_too_many_cpus_submits_nothing(monkeypatch, tmp_path):
     fake = _fake(monkeypatch, sinfo=(0, SINFO_TESTCLUSTER, ""))
     run = compose_run_config(["cluster=testcluster", "cluster.partitions.v100.cpus_per_rank=8"])
     with pytest.raises(ConfigError, match="cpus_per_rank=8"):
-        launch_slurm(run, tmp_path)
+        launch_slurm(run, RunDir(tmp_path))
     assert fake.ran("sinfo") == 1 and fake.ran("sbatch") == 0
     assert not (tmp_path / "job.json").exists()
 
@@ -278,7 +279,7 @@ def test_wait_names_the_rank_whose_own_error_is_first(tmp_path):
     for rank, trace in ((0, DDP_TRACE), (1, OWN_TRACE), (2, DDP_TRACE)):
         submitit_utils.cloudpickle_dump(("error", trace), tmp_path / f"77_{rank}_result.pkl")
     with pytest.raises(LaunchError) as info:
-        wait_for_job(_Job(tmp_path), tmp_path, 3, poll_s=0.01)
+        wait_for_job(_Job(tmp_path), RunDir(tmp_path), 3, poll_s=0.01)
     message = str(info.value)
     assert message.startswith("job 77: rank 1 failed: hetseq_hpc.errors.DataError: train file")
     assert "ddp_hooks" not in message and "77_1_log.err" in message
@@ -290,7 +291,7 @@ def test_wait_reports_a_job_that_ended_without_results(tmp_path, monkeypatch):
     monkeypatch.setattr(slurm_watch.time, "monotonic", lambda: float(next(clock)))
     monkeypatch.setattr(slurm_watch.time, "sleep", lambda s: None)
     with pytest.raises(LaunchError, match="ended CANCELLED before every rank finished"):
-        wait_for_job(_Job(tmp_path, "CANCELLED"), tmp_path, 2)
+        wait_for_job(_Job(tmp_path, "CANCELLED"), RunDir(tmp_path), 2)
 
 
 # ------------------------------------------------------------------ requeue

@@ -9,6 +9,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from hetseq_hpc.config.compose import compose_run_config
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.train.metrics import read_metrics
 from hetseq_hpc.train.metrics.step_log import StepLog
 from hetseq_hpc.train.records import EVALUATED, LOGGED
@@ -18,7 +19,7 @@ RUN = compose_run_config(["task=bert", "trainer.max_steps=30", "trainer.log_ever
 
 def _log(run_dir, step: int, rank: int = 0) -> StepLog:
     """Rank ``rank``'s step log of a run continuing after ``step``."""
-    return StepLog(RUN, run_dir, step, rank, {})
+    return StepLog(RUN, RunDir(run_dir), step, rank, {})
 
 
 def _recovered(log: StepLog, step: int, phase: int, rank: int = 0) -> None:

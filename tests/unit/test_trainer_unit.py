@@ -13,6 +13,7 @@ from hetseq_hpc.balance.allocation import allocate
 from hetseq_hpc.config.compose import compose_run_config
 from hetseq_hpc.distributed.rendezvous import StepStats, single_process_rendezvous
 from hetseq_hpc.errors import CheckpointError
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.tasks import build_task
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint
 from hetseq_hpc.train.records import RankMeta
@@ -47,7 +48,7 @@ def make_trainer(tmp_path, token_cache):
         allocation = allocate([1.0], B, [3])
         return Trainer(
             run,
-            tmp_path,
+            RunDir(tmp_path),
             rdv,
             task,
             model,
@@ -87,7 +88,7 @@ def test_state_dict_round_trip_repeats_the_next_step(make_trainer, tmp_path):
     with single_process_rendezvous() as rdv:
         first = make_trainer(rdv)
         first.train_step(1)
-        path = CheckpointManager(tmp_path, keep=2).write(first.state_dict(), 1)
+        path = CheckpointManager(RunDir(tmp_path), keep=2).write(first.state_dict(), 1)
         want = first.train_step(2).loss
         second = make_trainer(rdv)
         second.load_state_dict(load_checkpoint(path), str(path))

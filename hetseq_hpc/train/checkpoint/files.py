@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import List
 
 from hetseq_hpc.errors import CheckpointError
+from hetseq_hpc.rundir.paths import RunDir
 
 _NAME = re.compile(r"^step_(\d{8})\.pt\Z")
 #: where retention moves checkpoints that fail their checksum
-CORRUPT_DIR = "corrupt"
+CORRUPT_DIR = RunDir.CORRUPT_NAME
 #: how every "this checkpoint is bad" message ends
 FIX = (
     "resume from another checkpoint (trainer.resume=auto skips bad ones), or set "

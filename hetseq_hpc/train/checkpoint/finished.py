@@ -39,7 +39,7 @@ class FinishedRun:
         summary: ``summary.json`` when it records ``step``, else None.
     """
 
-    run_dir: Path
+    run_dir: RunDir
     checkpoint: Path
     step: int
     max_steps: int
@@ -50,7 +50,7 @@ class FinishedRun:
     def in_run_dir(self) -> bool:
         """Whether the checkpoint is one of ``run_dir``'s own (else a ``trainer.resume`` file
         of another run)."""
-        return self.checkpoint.resolve().parent == RunDir(self.run_dir).checkpoints.resolve()
+        return self.checkpoint.resolve().parent == self.run_dir.checkpoints.resolve()
 
     def line(self) -> str:
         """The one line that says so (without the program's name): what is there and the
@@ -66,7 +66,7 @@ class FinishedRun:
         where = (
             f"summary {self.summary}"
             if self.summary is not None
-            else f"no summary.json of that step (see {RunDir(self.run_dir).metrics})"
+            else f"no summary.json of that step (see {self.run_dir.metrics})"
         )
         return (
             f"{self.run_dir} is complete: {self.step} steps (trainer.max_steps="
@@ -81,20 +81,20 @@ def _number(value: object) -> Optional[float]:
     return None
 
 
-def describe_finished(run_dir: Path, checkpoint: Path, step: int, max_steps: int) -> FinishedRun:
+def describe_finished(run_dir: RunDir, checkpoint: Path, step: int, max_steps: int) -> FinishedRun:
     """A :class:`FinishedRun` with its final loss and summary read from ``run_dir`` (only
     read: a missing, damaged or older ``summary.json`` or ``metrics.jsonl`` leaves them None)."""
-    run_dir, summary, loss = Path(run_dir), None, None
-    path = RunDir(run_dir).summary
+    summary, loss = None, None
+    path = run_dir.summary
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         data = None
     if isinstance(data, dict) and data.get("final_step") == step:
         summary, loss = path, _number(data.get("final_loss"))
-    if loss is None and RunDir(run_dir).metrics.is_file():
+    if loss is None and run_dir.metrics.is_file():
         try:
-            rows = read_metrics(run_dir)
+            rows = read_metrics(run_dir.metrics)
         except (HetseqError, UnicodeDecodeError, RecursionError):
             rows = []
         at_step = [r for r in rows if r.get("step") == step and _number(r.get("loss")) is not None]
@@ -102,7 +102,7 @@ def describe_finished(run_dir: Path, checkpoint: Path, step: int, max_steps: int
     return FinishedRun(run_dir, Path(checkpoint), step, max_steps, loss, summary)
 
 
-def _newest_resumable(run_dir: Path, at_least: int) -> Optional[Path]:
+def _newest_resumable(run_dir: RunDir, at_least: int) -> Optional[Path]:
     """The newest checkpoint of ``run_dir``'s current run (``run.json``) that verifies, as the
     ranks choose it under ``trainer.resume=auto``
     (:meth:`~hetseq_hpc.train.checkpoint.manager.CheckpointManager.choose`), if its step is ``at_least`` or
@@ -122,7 +122,7 @@ def _newest_resumable(run_dir: Path, at_least: int) -> Optional[Path]:
     return None
 
 
-def finished_run(resume: str, max_steps: int, run_dir: Path) -> Optional[FinishedRun]:
+def finished_run(resume: str, max_steps: int, run_dir: RunDir) -> Optional[FinishedRun]:
     """The finished run a command would resume, or None when there is something to train.
 
     ``trainer.resume=auto``: the checkpoint the ranks would choose, if it is at ``max_steps``
@@ -137,7 +137,7 @@ def finished_run(resume: str, max_steps: int, run_dir: Path) -> Optional[Finishe
     if resume == "never":
         return None
     if resume == "auto":
-        path = _newest_resumable(Path(run_dir), max_steps)
+        path = _newest_resumable(run_dir, max_steps)
         return None if path is None else describe_finished(run_dir, path, step_of(path), max_steps)
     path = Path(resume).expanduser()
     try:
@@ -147,24 +147,24 @@ def finished_run(resume: str, max_steps: int, run_dir: Path) -> Optional[Finishe
         return None
     if not isinstance(step, int) or step < max_steps:
         return None
-    return describe_finished(Path(run_dir), path, step, max_steps)
+    return describe_finished(run_dir, path, step, max_steps)
 
 
-def completed_run(run_dir: Path) -> Optional[FinishedRun]:
+def completed_run(run_dir: RunDir) -> Optional[FinishedRun]:
     """The run of ``run_dir`` as it ended, when it ended complete: its ``summary.json`` records
     the step of the checkpoint ``trainer.resume=auto`` would resume (a run stopped early writes
     no summary); else None."""
     try:
-        data = json.loads(RunDir(run_dir).summary.read_text(encoding="utf-8"))
+        data = json.loads(run_dir.summary.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     step = data.get("final_step") if isinstance(data, dict) else None
     if not isinstance(step, int) or isinstance(step, bool):
         return None
-    path = _newest_resumable(Path(run_dir), step)
+    path = _newest_resumable(run_dir, step)
     if path is None or step_of(path) != step:
         return None
-    return describe_finished(Path(run_dir), path, step, step)
+    return describe_finished(run_dir, path, step, step)
 
 
 __all__ = ["FinishedRun", "completed_run", "describe_finished", "finished_run"]

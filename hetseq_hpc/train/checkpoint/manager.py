@@ -252,8 +252,8 @@ class CheckpointManager:
             background (a CPU copy of the state is kept for it).
     """
 
-    def __init__(self, run_dir: Union[str, Path], keep: int = 1, asynchronous: bool = False):
-        self.run_dir = Path(run_dir)
+    def __init__(self, run_dir: RunDir, keep: int = 1, asynchronous: bool = False):
+        self.run_dir = run_dir
         self.keep = int(keep)
         self.asynchronous = bool(asynchronous)
         #: TEST-ONLY: called with the step after a checkpoint's bytes are in its temp file and
@@ -267,7 +267,7 @@ class CheckpointManager:
     @property
     def directory(self) -> Path:
         """``<run dir>/checkpoints``."""
-        return RunDir(self.run_dir).checkpoints
+        return self.run_dir.checkpoints
 
     def path(self, step: int) -> Path:
         """Path of the checkpoint after optimizer step ``step``."""
@@ -607,7 +607,7 @@ class CheckpointManager:
             if current and isinstance(owner, str) and owner and owner != current:
                 why = (
                     f"{path} was written by run {owner}, not by this directory's current run "
-                    f"{current} ({self.run_dir / 'run.json'})"
+                    f"{current} ({self.run_dir.run_file})"
                 )
                 if log_other_runs:
                     log.warning("resume: %s: not resumed", why)

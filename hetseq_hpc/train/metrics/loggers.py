@@ -20,12 +20,13 @@ from typing import Any, Dict, List, Optional, Sequence
 from hetseq_hpc.config.schema import RunConfig
 from hetseq_hpc.config.trainer import LOGGER_NAMES
 from hetseq_hpc.files.atomic import atomic_write_text
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.train.metrics.rows import METRICS_NAME, MetricsWriter, _clean, read_metrics
 
 log = logging.getLogger(__name__)
 
-CSV_NAME = "metrics.csv"
-TB_DIR = "tb"
+CSV_NAME = RunDir.CSV_NAME
+TB_DIR = RunDir.TB_NAME
 #: global scalars of a row -> TensorBoard tag
 TB_SCALARS = {
     "loss": "train/loss",
@@ -198,11 +199,11 @@ class WandbLogger:
 
     name = "wandb"
 
-    def __init__(self, run_dir: Path, config: Dict[str, Any]):
+    def __init__(self, run_dir: RunDir, config: Dict[str, Any]):
         import wandb
 
-        self.path = Path(run_dir) / "wandb"
-        id_file = Path(run_dir) / "wandb_id.txt"
+        self.path = run_dir.wandb
+        id_file = run_dir.wandb_id
         run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
         atomic_write_text(id_file, run_id + "\n")
         self.run = wandb.init(
@@ -211,7 +212,7 @@ class WandbLogger:
             dir=str(run_dir),
             config=config,
             mode=os.environ.get("WANDB_MODE", "offline"),
-            name=Path(run_dir).name,
+            name=run_dir.root.name,
         )
 
     def write(self, row: Dict[str, Any]) -> None:
@@ -272,13 +273,12 @@ class RunLoggers:
 
     def __init__(
         self,
-        run_dir: Path,
+        run_dir: RunDir,
         names: Sequence[str],
         resume_step: int = 0,
         config: Optional[Dict[str, Any]] = None,
     ):
-        run_dir = Path(run_dir)
-        self.sinks: List[Any] = [MetricsWriter(run_dir / METRICS_NAME, resume_step)]
+        self.sinks: List[Any] = [MetricsWriter(run_dir.metrics, resume_step)]
         wanted = [n for n in dict.fromkeys(names) if n != "jsonl"]
         for name in wanted:
             missing = missing_logger_package(name)
@@ -291,8 +291,8 @@ class RunLoggers:
                     missing,
                 )
                 continue
-            path = {"csv": run_dir / CSV_NAME, "tensorboard": run_dir / TB_DIR}.get(
-                name, run_dir / "wandb"
+            path = {"csv": run_dir.metrics_csv, "tensorboard": run_dir.tensorboard}.get(
+                name, run_dir.wandb
             )
             try:
                 self.sinks.append(self._open(name, run_dir, resume_step, config))
@@ -306,14 +306,16 @@ class RunLoggers:
                 )
 
     @staticmethod
-    def _open(name: str, run_dir: Path, resume_step: int, config: Optional[Dict[str, Any]]) -> Any:
+    def _open(
+        name: str, run_dir: RunDir, resume_step: int, config: Optional[Dict[str, Any]]
+    ) -> Any:
         if name == "csv":
-            return CsvLogger(run_dir / CSV_NAME, resume_step)
+            return CsvLogger(run_dir.metrics_csv, resume_step)
         if name == "tensorboard":
             import yaml
 
             text = yaml.safe_dump(config, sort_keys=False) if config else ""
-            return TensorBoardLogger(run_dir / TB_DIR, resume_step, text)
+            return TensorBoardLogger(run_dir.tensorboard, resume_step, text)
         return WandbLogger(run_dir, config or {})
 
     def _drop(self, sink: Any, doing: str, exc: BaseException) -> None:
@@ -358,11 +360,11 @@ class RunLoggers:
                 self._drop(sink, "closing", exc)
 
 
-def first_logged_loss(run_dir: Path) -> Optional[float]:
+def first_logged_loss(run_dir: RunDir) -> Optional[float]:
     """The loss of the first row of ``metrics.jsonl`` (the run's first step, also after a
     resume on another world size), or None."""
     try:
-        rows = read_metrics(run_dir)
+        rows = read_metrics(run_dir.metrics)
     except Exception:
         return None
     for row in rows:
@@ -371,7 +373,7 @@ def first_logged_loss(run_dir: Path) -> Optional[float]:
     return None
 
 
-def open_loggers(run: RunConfig, run_dir: Path, resume_step: int) -> RunLoggers:
+def open_loggers(run: RunConfig, run_dir: RunDir, resume_step: int) -> RunLoggers:
     """:class:`RunLoggers` for ``run.trainer.loggers`` (rank 0 only)."""
     from omegaconf import OmegaConf
 

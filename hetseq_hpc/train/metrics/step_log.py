@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
-from typing import Any, Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from hetseq_hpc.config.schema import RunConfig
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.train.metrics.loggers import RunLoggers, open_loggers
 from hetseq_hpc.train.metrics.rows import Progress, read_metrics
 from hetseq_hpc.train.records import StepRecord
@@ -22,10 +22,10 @@ from hetseq_hpc.train.records import StepRecord
 log = logging.getLogger(__name__)
 
 
-def logged_steps(run_dir: Union[str, Path]) -> Set[Any]:
+def logged_steps(run_dir: RunDir) -> Set[Any]:
     """The steps that have a training row in ``metrics.jsonl`` (empty if there is none)."""
     try:
-        rows = read_metrics(run_dir)
+        rows = read_metrics(run_dir.metrics)
     except Exception:  # no file yet, or unreadable: the row is written (again)
         return set()
     return {r.get("step") for r in rows if "loss" in r and r.get("event") is None}
@@ -43,8 +43,8 @@ class StepLog:
         note: fields for the first row (a resume's fallback past bad checkpoints).
     """
 
-    def __init__(self, run: RunConfig, run_dir: Path, step: int, rank: int, note: Dict[str, Any]):
-        self.run, self.cfg, self.run_dir = run, run.trainer, Path(run_dir)
+    def __init__(self, run: RunConfig, run_dir: RunDir, step: int, rank: int, note: Dict[str, Any]):
+        self.run, self.cfg, self.run_dir = run, run.trainer, run_dir
         self.writer: Optional[RunLoggers] = (
             open_loggers(run, self.run_dir, step) if rank == 0 else None
         )
@@ -123,7 +123,7 @@ class StepLog:
             log.warning(
                 "step %d: its row was not in %s (rank 0 was lost before writing it): written now",
                 step,
-                "metrics.jsonl",
+                self.run_dir.metrics.name,
             )
             writer.write(row)
 

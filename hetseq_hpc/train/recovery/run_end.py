@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 from typing import Any, Callable, Dict, Optional, TypeVar
 
 from hetseq_hpc.distributed.membership import is_peer_failure
@@ -59,11 +58,11 @@ def after_training(
         return lost
 
 
-def write_summary_if_missing(run_dir: Path, summary: Dict[str, Any]) -> bool:
+def write_summary_if_missing(run_dir: RunDir, summary: Dict[str, Any]) -> bool:
     """Write ``summary`` as the run's ``summary.json`` unless one of this run's end is there
     already (same ``final_step`` and ``final_loss``: rank 0 wrote it before it was lost).
     Returns whether it was written."""
-    path = RunDir(run_dir).summary
+    path = run_dir.summary
     try:
         there = json.loads(path.read_text())
         if (there.get("final_step"), there.get("final_loss")) == (
