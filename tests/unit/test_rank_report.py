@@ -16,6 +16,7 @@ from hetseq_hpc.distributed.gang import FakeGang
 from hetseq_hpc.env.emulation import Emulation
 from hetseq_hpc.env.hardware import DeviceProbe
 from hetseq_hpc.errors import AllocationError
+from hetseq_hpc.rundir.paths import RunDir
 from tests.helpers.reports import rank_report
 
 SPEEDS = (10.0, 20.0, 30.0)  # samples/s of ranks 0, 1, 2
@@ -68,7 +69,7 @@ def test_a_rank_that_computed_another_split_is_named():
 def test_allocation_json_holds_each_ranks_parts_as_before(tmp_path):
     reports = _reports()
     allocation = allocate(list(SPEEDS), 12, [8, 8, 8])
-    path = write_allocation_json(tmp_path, allocation, reports)
+    path = write_allocation_json(RunDir(tmp_path), allocation, reports)
     ranks = json.loads(path.read_text())["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1, 2] and ranks[2]["device"] == "cpu"
     assert ranks[1]["world"]["rank"] == 1 and ranks[1]["probe"]["kind"] == "cpu"
