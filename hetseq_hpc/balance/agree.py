@@ -207,7 +207,16 @@ def report_curves(reports: Sequence[RankReport]) -> Optional[List[CostCurve]]:
     cals = [r.calibration for r in reports]
     if not all(float(c.per_sample_s or 0) > 0 for c in cals):
         return None
-    return [CostCurve(c.overhead_s, c.per_sample_s, c.step_fixed_s) for c in cals]
+    return [
+        CostCurve(
+            c.overhead_s,
+            c.per_sample_s,
+            c.step_fixed_s,
+            c.host_s,
+            c.host_per_sample_s,
+        )
+        for c in cals
+    ]
 
 
 def write_allocation_json(

@@ -1,11 +1,11 @@
 """Measure a rank's cost curve and memory per sample with a few passes of the real model.
 
 Time: after one untimed warm-up pass at the calibration micro-batch ``m``, ``steps`` timed
-forward+backward passes on real training samples alternate between ``m`` and ``m / 4``
-(``m`` first); the fastest pass of each size is kept (one-off stalls -- page faults of a
-first pass at a new shape, a neighbour's burst, a cgroup throttle -- only ever add time,
-the approach of Python's ``timeit``) and the line through the two points is the cost curve
-``t(m) = a + c m`` (:mod:`hetseq_hpc.balance.curves`); plus the per-step fixed cost ``f``
+forward+backward passes on real training samples cycle through ``m``, ``m / 4`` and
+``m / 16`` (``m`` first; batches built and moved before the clock starts, CUDA events on a
+GPU); the fastest pass of each size is kept (one-off stalls only ever add time, the approach
+of Python's ``timeit``) and fitted by the cost curve ``t(m) = a + max(c m, h + g m)``, a
+line unless the host floor shows (:func:`hetseq_hpc.balance.curves.fit_curve`); plus the per-step fixed cost ``f``
 (clipping and an AdamW step, timed on copies of the parameters). A rank that is done before
 the slowest one keeps timing passes of the same two sizes while it would otherwise wait for
 the exchange of calibrations (``wait_for_peers``; at most :data:`MAX_EXTRA_PASSES`): on a
@@ -14,8 +14,8 @@ passes, and the start-up does not get longer (at most by the one pass a rank is 
 slowest finishes). No optimizer step touches the model; gradients are dropped afterwards.
 
 Memory: bytes the autograd graph saves for backward, counted with
-``torch.autograd.graph.saved_tensors_hooks`` in the warm-up pass and the first small pass (the
-slope is the per-sample activation memory; works on any device), and on CUDA also the peak
+``torch.autograd.graph.saved_tensors_hooks`` in the untimed passes (probes, warm-up; the slope
+is the per-sample activation memory; works on any device), and on CUDA also the peak
 allocated memory, whichever is larger.
 """
 
@@ -46,8 +46,10 @@ ACTIVATION_SAFETY = 1.5
 #: samples of the two untimed probe passes whose saved bytes cap the warm-up pass's
 #: micro-batch (2, not 1: BatchNorm refuses one sample per channel in training)
 PROBE_SAMPLES = (2, 4)
-#: the small timed micro-batch is the calibration micro-batch divided by this
+#: the timed micro-batches are the calibration micro-batch divided by powers of this
 LOW_SIZE_DIVISOR = 4
+#: distinct timed sizes (``m``, ``m / 4``, ``m / 16``): three are needed to see a host floor
+TIMED_SIZES = 3
 #: most passes a rank times while slower ranks still calibrate (``wait_for_peers``)
 MAX_EXTRA_PASSES = 16
 #: how long a rank that is done looks for the other ranks' "done" before it times another
@@ -79,6 +81,8 @@ class Calibration:
         overhead_s: ``a`` of the fitted cost curve (seconds per micro-batch).
         per_sample_s: ``c`` of the fitted cost curve (seconds per sample).
         step_fixed_s: ``f``, the per-step fixed cost (clip + optimizer step), seconds.
+        host_s: ``h``, the fitted host floor of a micro-batch (0: the curve is a line).
+        host_per_sample_s: ``g``, time per sample while the host bounds a pass.
         timings: ``[micro-batch, seconds]`` of every timed pass (the fit's data).
     """
 
@@ -92,6 +96,8 @@ class Calibration:
     per_sample_s: float = 0.0
     step_fixed_s: float = 0.0
     timings: List[List[float]] = field(default_factory=list)
+    host_s: float = 0.0
+    host_per_sample_s: float = 0.0
 
     def to_dict(self) -> dict:
         """Plain dict for JSON."""
@@ -118,12 +124,17 @@ def _sync(device: torch.device) -> None:
 
 
 def timed_sizes(micro_batch: int, steps: int, cap: int) -> List[int]:
-    """Micro-batch sizes of the ``steps`` timed passes: the calibration micro-batch ``m`` and
-    ``m / LOW_SIZE_DIVISOR`` alternately (``m`` first), both within the memory ``cap``; one
-    size only when ``m`` is too small to split."""
+    """Micro-batch sizes of the ``steps`` timed passes: the calibration micro-batch ``m``,
+    ``m / LOW_SIZE_DIVISOR``, ``m / LOW_SIZE_DIVISOR**2`` in turn (:data:`TIMED_SIZES`,
+    ``m`` first), all within the memory ``cap``; fewer sizes when ``m`` is too small to
+    split."""
     high = max(1, min(int(micro_batch), int(cap) if cap >= 1 else 1))
-    low = max(1, high // LOW_SIZE_DIVISOR)
-    return [low if j % 2 else high for j in range(int(steps))]
+    levels: List[int] = []
+    for j in range(TIMED_SIZES):
+        size = max(1, high // LOW_SIZE_DIVISOR**j)
+        if size not in levels:
+            levels.append(size)
+    return [levels[j % len(levels)] for j in range(int(steps))]
 
 
 def fastest_per_size(
@@ -209,16 +220,19 @@ def calibrate(
     wait_for_peers: Optional[Callable[[], PeersDone]] = None,
     static_bytes: Optional[float] = None,
 ) -> Calibration:
-    """Measure memory per sample, then time ``steps`` forward+backward passes at two sizes and
-    fit the cost curve ``t(m) = a + c m`` (:func:`hetseq_hpc.balance.curves.fit_curve`).
+    """Measure memory per sample, then time ``steps`` forward+backward passes at up to three
+    sizes and fit the cost curve ``t(m) = a + max(c m, h + g m)``
+    (:func:`hetseq_hpc.balance.curves.fit_curve`).
 
     Passes: untimed probes of :data:`PROBE_SAMPLES` samples
     (:func:`probe_activation_bytes`: their saved bytes lower ``micro_batch`` to the memory cap
     first), one untimed pass at
     ``micro_batch`` (warm-up; saved activations, an upper bound
     of the per-sample memory that sets a safe size for the timed passes), then the timed
-    passes of :func:`timed_sizes` (the first small one also counts its saved activations: the
-    difference is the per-sample memory), then (``step_fixed``) the per-step fixed cost
+    passes of :func:`timed_sizes` (batch built and moved before the clock starts, no hooks;
+    the per-sample memory is the slope of the saved bytes between the warm-up and the largest
+    smaller size counted untimed -- a probe, or one untimed pass of the smallest size when
+    there is none), then (``step_fixed``) the per-step fixed cost
     :func:`time_optimizer_step`. The curve is fitted to the fastest pass of each size
     (:func:`fastest_per_size`). Every timing and the fit's residuals are logged.
 
@@ -245,8 +259,11 @@ def calibrate(
     """
     saved: Dict[int, int] = {}
 
+    def to_device(n: int) -> Dict[str, torch.Tensor]:
+        return {k: v.to(device, non_blocking=True) for k, v in make_batch(n).items()}
+
     def run(n: int) -> None:
-        batch = {k: v.to(device, non_blocking=True) for k, v in make_batch(n).items()}
+        batch = to_device(n)
         with autocast():
             loss, count = saved_tensor_bytes(lambda: model(**batch))
         loss.backward()
@@ -288,13 +305,26 @@ def calibrate(
         memory_cap(memory_budget_bytes, param_bytes, upper, max_micro_batch, static_bytes),
     )
     times = []
+    events = device.type == "cuda"
 
     def timed(n: int) -> None:
+        batch = to_device(n)  # built and moved outside the clock
         _sync(device)
+        if events:
+            start_event = torch.cuda.Event(enable_timing=True)
+            end_event = torch.cuda.Event(enable_timing=True)
+            start_event.record()
         start = time.perf_counter()
-        run(n)
-        _sync(device)
-        times.append(max(time.perf_counter() - start, 1e-9))
+        with autocast():
+            loss = model(**batch)
+        loss.backward()
+        if events:
+            end_event.record()
+            end_event.synchronize()
+            elapsed = start_event.elapsed_time(end_event) / 1e3
+        else:
+            elapsed = time.perf_counter() - start
+        times.append(max(elapsed, 1e-9))
 
     for n in sizes:
         timed(n)
@@ -307,8 +337,12 @@ def calibrate(
                 sizes.append(cycle[len(sizes) % len(cycle)])
                 timed(sizes[-1])
         peers.wait()
+    below = [n for n in saved if n < micro_batch]
+    if not below and min(sizes) < micro_batch:  # one untimed pass counts a smaller size
+        run(min(sizes))
+        below = [min(sizes)]
     model.zero_grad(set_to_none=True)
-    small = min(sizes)
+    small = max(below) if below else micro_batch
     if micro_batch > small:
         per_sample = max(saved[micro_batch] - saved[small], 0) / (micro_batch - small)
     elif probe_per_sample is not None:  # one size only (a tight budget): the probes' slope
@@ -333,14 +367,20 @@ def calibrate(
         per_sample_s=curve.per_sample_s,
         step_fixed_s=curve.step_fixed_s,
         timings=[[int(n), float(t)] for n, t in zip(sizes, times)],
+        host_s=curve.host_s,
+        host_per_sample_s=curve.host_per_sample_s,
     )
     residuals = fit_residuals(curve, sizes, times)
     log.info(
-        "calibration: timings %s -> t(m) = %.2f ms + %.3f ms x m (residuals %s), step fixed "
+        "calibration: timings %s -> t(m) = %.2f ms + %s (residuals %s), step fixed "
         "cost %.1f ms; %.1f samples/s at micro-batch %d",
         ", ".join(f"t({n})={t * 1e3:.1f} ms" for n, t in zip(sizes, times)),
         curve.overhead_s * 1e3,
-        curve.per_sample_s * 1e3,
+        f"{curve.per_sample_s * 1e3:.3f} ms x m"
+        if curve.host_s == 0
+        else f"max({curve.per_sample_s * 1e3:.3f} ms x m, {curve.host_s * 1e3:.2f} ms + "
+        f"{curve.host_per_sample_s * 1e3:.3f} ms x m) (host-bound below m = "
+        f"{curve.host_bound_below:.0f})",
         ", ".join(f"{r:+.1%}" for r in residuals),
         fixed * 1e3,
         result.samples_per_s,

@@ -268,7 +268,7 @@ def _median_curve(curves: List[Optional[CostCurve]]) -> Optional[CostCurve]:
     return CostCurve(
         *(
             statistics.median(getattr(c, k) for c in curves)
-            for k in ("overhead_s", "per_sample_s", "step_fixed_s")
+            for k in ("overhead_s", "per_sample_s", "step_fixed_s", "host_s", "host_per_sample_s")
         )
     )
 

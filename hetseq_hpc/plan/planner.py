@@ -152,7 +152,12 @@ def with_batch_building(ranks: List[RankSpec], data_s_per_sample: float) -> List
             r,
             samples_per_s=1.0 / (1.0 / r.samples_per_s + data_s_per_sample),
             curve=r.curve
-            and replace(r.curve, per_sample_s=r.curve.per_sample_s + data_s_per_sample),
+            and replace(
+                r.curve,
+                per_sample_s=r.curve.per_sample_s + data_s_per_sample,
+                host_per_sample_s=r.curve.host_per_sample_s
+                + (data_s_per_sample if r.curve.host_s > 0 else 0.0),
+            ),
         )
         for r in ranks
     ]

@@ -1,5 +1,5 @@
 """Calibration: the cost-curve fit on synthetic timings, and a real calibration of a small model
-(two sizes, the per-step cost, no more passes than the one-size calibration it replaced), in
+(three sizes, the per-step cost, no more passes than the one-size calibration it replaced), in
 one process. (Two processes over a real gloo barrier: tests/integration/test_calibrate_barrier.py.)"""
 
 from __future__ import annotations
@@ -77,9 +77,10 @@ def test_curve_rejects_bad_figures():
 
 
 # --------------------------------------------------------------------------- timed sizes
-def test_timed_sizes_alternate_within_the_cap():
-    assert timed_sizes(16, 3, 64) == [16, 16 // LOW_SIZE_DIVISOR, 16]
-    assert timed_sizes(16, 4, 8) == [8, 8 // LOW_SIZE_DIVISOR, 8, 8 // LOW_SIZE_DIVISOR]
+def test_timed_sizes_cycle_through_three_sizes_within_the_cap():
+    assert timed_sizes(16, 3, 64) == [16, 16 // LOW_SIZE_DIVISOR, 16 // LOW_SIZE_DIVISOR**2]
+    assert timed_sizes(16, 4, 8) == [8, 8 // LOW_SIZE_DIVISOR, 1, 8]
+    assert timed_sizes(4, 4, 64) == [4, 1, 4, 1]  # m / 16 would repeat m / 4
     assert timed_sizes(1, 3, 64) == [1, 1, 1]
     assert timed_sizes(16, 1, 64) == [16]
 
@@ -115,7 +116,7 @@ def test_the_warm_up_pass_is_capped_by_a_small_probe_first():
     assert cal.max_micro_batch < 4096
 
 
-def test_calibration_fits_two_sizes_and_times_the_optimizer():
+def test_calibration_fits_three_sizes_and_times_the_optimizer():
     torch.manual_seed(0)
     model = Tiny()
     before = [p.detach().clone() for p in model.parameters()]
@@ -127,11 +128,14 @@ def test_calibration_fits_two_sizes_and_times_the_optimizer():
 
     cal = calibrate(model, make_batch, torch.device("cpu"), 16, 3, 2**30)
     sizes = [n for n, _ in cal.timings]
-    assert sizes == [16, 4, 16]
-    assert seen == [2, 4, 16, 16, 4, 16]  # probes of 2 and 4, one warm-up pass, the timed ones
+    assert sizes == [16, 4, 1]
+    assert seen == [2, 4, 16, 16, 4, 1]  # probes of 2 and 4, one warm-up pass, the timed ones
     assert all(t > 0 for _, t in cal.timings)
     assert cal.per_sample_s > 0 and cal.overhead_s >= 0 and cal.step_fixed_s > 0
-    assert cal.samples_per_s == pytest.approx(16 / (cal.overhead_s + 16 * cal.per_sample_s))
+    curve = CostCurve(
+        cal.overhead_s, cal.per_sample_s, cal.step_fixed_s, cal.host_s, cal.host_per_sample_s
+    )
+    assert cal.samples_per_s == pytest.approx(16 / curve.micro_s(16))
     assert cal.max_micro_batch >= 16 and cal.activation_bytes_per_sample > 0
     # no more forward+backward work than the one-size calibration (1 + 3 passes of 16, one of
     # 1) and the probe
@@ -141,9 +145,7 @@ def test_calibration_fits_two_sizes_and_times_the_optimizer():
     assert all(p.grad is None for p in model.parameters())
     data = cal.to_dict()
     assert {"overhead_s", "per_sample_s", "step_fixed_s", "timings"} <= set(data)
-    assert CostCurve.from_dict(data) == CostCurve(
-        cal.overhead_s, cal.per_sample_s, cal.step_fixed_s
-    )
+    assert CostCurve.from_dict(data) == curve
 
 
 def test_calibration_times_within_the_memory_cap():
@@ -191,7 +193,7 @@ def test_a_rank_done_early_times_more_passes_until_its_peers_are_done():
         Tiny(), make_batch, torch.device("cpu"), 16, 3, 2**30, wait_for_peers=wait_for_peers
     )
     assert asked == [6], "asked once, after the probes, the warm-up and its own three passes"
-    assert [n for n, _ in cal.timings] == [16, 4, 16, 4, 16, 4]
+    assert [n for n, _ in cal.timings] == [16, 4, 1, 16, 4, 1]
     assert peers.waited == 1, "it leaves calibration only through the barrier's wait"
     assert cal.overhead_s >= 0 and cal.per_sample_s > 0
 
