@@ -11,6 +11,7 @@ sized by a confidence bound and when it is taken: docs/design/allocation.md,
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -48,6 +49,10 @@ MIN_WINDOW_S = 0.25
 FOLLOW_UP_STEPS = 5
 #: relative standard error assumed for a rank whose window has a single step
 UNKNOWN_ERROR = 0.5
+#: a speed change must be off the curve by this many times the rank's measured step-to-step
+#: noise (:func:`successive_spread`), in each of :data:`RECENT_STEPS` steps: on a loaded host
+#: the dead band widens with the noise, and a change far beyond it (2x) still counts
+NOISE_K = 3.0
 
 
 #: two-sided 95 % Student t quantiles over the normal one (1.96), for a window of n steps
@@ -68,6 +73,18 @@ def relative_spread(times_s: Sequence[float]) -> float:
         med = statistics.median(times)
         return 1.4826 * statistics.median(abs(t - med) for t in times) / med
     return statistics.stdev(math.log(t) for t in times) * _T_INFLATION.get(n, 1.0)
+
+
+def successive_spread(times_s: Sequence[float]) -> float:
+    """Step-to-step relative noise (a sigma) of ``times_s`` that a change of level does not
+    inflate: ``1.4826 x median |log(t[i+1] / t[i])| / sqrt(2)`` (a shift from one speed to
+    another is one large difference among many small ones); :func:`relative_spread` for
+    fewer than 6 times."""
+    times = [float(t) for t in times_s if t > 0]
+    if len(times) < 6:
+        return relative_spread(times)
+    steps = [abs(math.log(b / a)) for a, b in itertools.pairwise(times)]
+    return 1.4826 * statistics.median(steps) / math.sqrt(2.0)
 
 
 def relative_error(times_s: Sequence[float], floor_sigma: float = 0.0) -> float:
@@ -136,7 +153,8 @@ class Rebalancer:
         """Update rank ``rank``'s run-long spread from a window's ``rows`` (the larger of the
         old value and this window's, decaying slowly), and the relative error of the
         measurement taken from ``used`` (default all ``rows``)."""
-        spread = relative_spread([row.compute_time_s for row in rows]) if len(rows) >= 6 else 0.0
+        times_s = [row.compute_time_s for row in rows]
+        spread = successive_spread(times_s) if len(rows) >= 6 else 0.0
         self._spread[rank] = max(spread, 0.9 * self._spread[rank])
         times = [row.compute_time_s for row in (rows if used is None else used)]
         self._errors[rank] = relative_error(times, self._spread[rank])
@@ -150,7 +168,22 @@ class Rebalancer:
         if prior is None or len(late) < RECENT_STEPS:
             return False
         ratios = [row.compute_time_s / prior.compute_s(row.samples, accum) for row in late]
-        return min(ratios) > 1.0 + self.threshold or max(ratios) < 1.0 - self.threshold
+        return self._off(rank, ratios, self.threshold)
+
+    def _off(self, rank: int, ratios: Sequence[float], least: float) -> bool:
+        """Whether ``ratios`` (measured / predicted, the latest steps) show a speed change:
+        every one off by more than ``least`` in the same direction, and their median by more
+        than :meth:`band` (a change must persist and stand out of the rank's noise)."""
+        band = self.band(rank, least)
+        mid = statistics.median(ratios)
+        slower = min(ratios) > 1.0 + least and mid > 1.0 + band
+        return slower or (max(ratios) < 1.0 - least and mid < 1.0 - min(band, 0.9))
+
+    def band(self, rank: int, least: float) -> float:
+        """Relative dead band of rank ``rank``: ``least``, widened to :data:`NOISE_K` times
+        the rank's step-to-step noise seen over the run (a loaded host's spread is not a
+        speed change)."""
+        return max(least, NOISE_K * self._spread[rank])
 
     def _refit(self, rank: int, accum: int, rows: List[StepStats], changed: bool) -> CostCurve:
         """Rank ``rank``'s curve after a window of ``rows`` run as ``accum`` micro-batches.
@@ -181,7 +214,7 @@ class Rebalancer:
         points = [*points, (accum, samples, measured)][-MAX_POINTS:]
         self._points[rank] = points
         designs = [(k, b) for k, b, _ in points]
-        if len(points) >= 2 and _spread(designs) >= MIN_SPREAD:
+        if prior.host_s == 0 and len(points) >= 2 and _spread(designs) >= MIN_SPREAD:
             a, c = fit_compute(designs, [t for _, _, t in points])
             return CostCurve(a, c, tail)
         return prior.scaled(ratio).with_step_fixed(tail)
@@ -243,12 +276,12 @@ class Rebalancer:
     def speed_changed(self, allocation: Allocation) -> bool:
         """True when some rank's last :data:`RECENT_STEPS` recorded steps of ``allocation``
         (after the switch to it) all ran more than ``URGENT_FACTOR x threshold`` slower, or all
-        faster, than its current curve predicts: decide now, not at the next interval. False
+        faster, than its current curve predicts, and their median beyond :data:`NOISE_K` times
+        the rank's noise (:meth:`band`): decide now, not at the next interval. False
         before every rank has a curve. Pure function of the recorded tables."""
         window = self._window[self._skip_rows :]
         if len(window) < RECENT_STEPS or any(c is None for c in self._curves):
             return False
-        band = URGENT_FACTOR * self.threshold
         for rank, share in enumerate(allocation.shares):
             rows = [row[rank] for row in window[-RECENT_STEPS:]]
             if any(row.samples != share.samples for row in rows):
@@ -258,7 +291,7 @@ class Rebalancer:
                 return False
             predicted = curve.compute_s(share.samples, share.accum_steps)
             ratios = [row.compute_time_s / predicted for row in rows]
-            if min(ratios) > 1.0 + band or max(ratios) < 1.0 - band:
+            if self._off(rank, ratios, URGENT_FACTOR * self.threshold):
                 return True
         return False
 
