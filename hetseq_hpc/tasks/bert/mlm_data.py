@@ -317,12 +317,21 @@ def random_batches(
 
 
 def make_mlm_batch(
-    data: PackedText, rows: Sequence[int], mask_prob: float, seed: int, epoch: int, split: str
+    data: PackedText,
+    rows: Sequence[int],
+    mask_prob: float,
+    seed: int,
+    epoch: int,
+    split: str,
+    positions: bool = True,
 ) -> Dict[str, torch.Tensor]:
-    """A masked batch of the given row numbers.
+    """A masked batch of the given row numbers (``positions=False``: without
+    ``masked_positions``, for a model whose forward takes ids and labels only).
 
     Returns:
-        ``{"input_ids": (B, T) int64, "labels": (B, T) int64}`` on the CPU.
+        ``{"input_ids": (B, T) int64, "labels": (B, T) int64, "masked_positions": (B, P)
+        int64}`` on the CPU: :func:`masked_positions` of the labels, so the model gathers the
+        masked tokens with indices built here, never with a boolean mask on the device.
     """
     inputs, labels = [], []
     for index in rows:
@@ -331,7 +340,25 @@ def make_mlm_batch(
         )
         inputs.append(x)
         labels.append(y)
-    return {
-        "input_ids": torch.from_numpy(np.stack(inputs)),
-        "labels": torch.from_numpy(np.stack(labels)),
-    }
+    stacked = np.stack(labels)
+    batch = {"input_ids": torch.from_numpy(np.stack(inputs)), "labels": torch.from_numpy(stacked)}
+    if positions:
+        batch["masked_positions"] = torch.from_numpy(masked_positions(stacked))
+    return batch
+
+
+def masked_positions(labels: np.ndarray) -> np.ndarray:
+    """``(B, P)`` int64: row ``i`` holds the columns of ``labels[i]`` that are not
+    :data:`IGNORE_INDEX`, ascending, then ``-1`` up to ``P`` = the most masked tokens of any
+    row (at least 1). Built on the CPU with the batch: the shape the model's gather takes is
+    known before the copy to the device (no data-dependent shape, no host synchronisation),
+    and row ``i`` depends only on its own labels (a prefix of it in a wider batch)."""
+    labels = np.asarray(labels)
+    selected = labels != IGNORE_INDEX
+    per_row = selected.sum(axis=1)
+    width = max(1, int(per_row.max())) if len(labels) else 1
+    out = np.full((len(labels), width), -1, dtype=np.int64)
+    rows, cols = np.nonzero(selected)  # row-major: each row's columns ascending
+    starts = np.concatenate(([0], np.cumsum(per_row)[:-1])) if len(labels) else per_row
+    out[rows, np.arange(len(rows)) - starts[rows]] = cols
+    return out

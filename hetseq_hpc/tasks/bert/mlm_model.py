@@ -7,14 +7,16 @@ decoder tied to the word embeddings), so checkpoints are interchangeable with a
 transformers-built ``BertForMaskedLM``, and the same torch seed gives the same initial weights.
 transformers is not imported: it takes seconds of every rank's start-up.
 
-The vocabulary projection runs only on the masked positions, ~15% of the tokens: the same loss
-for less compute.
+The vocabulary projection runs only on the masked positions, ~15% of the tokens (gathered by
+index, ``masked_positions``, padded to the batch's widest row): the same loss for less compute.
 
 Returning the SUM (not the mean) is what makes uneven per-rank batches exact: the trainer
 divides by the GLOBAL number of masked tokens before backward.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -58,12 +60,34 @@ class BertMaskedLM(nn.Module):
         self.vocab_size = int(vocab_size)
         self.mlm = _BertForMaskedLM(model, self.vocab_size)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """``(B, T)`` ids and labels -> 0-dim sum of masked-token cross-entropy."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        masked_positions: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """``(B, T)`` ids and labels -> 0-dim sum of masked-token cross-entropy.
+
+        ``masked_positions`` (``(B, P)`` int64, ``-1`` padded:
+        :func:`~hetseq_hpc.tasks.bert.mlm_data.masked_positions`, built on the CPU with the
+        batch): the head gathers those ``B * P`` positions (padding ignored in the loss), with
+        shapes known before the forward, so no step synchronises the host with the device and
+        the graph has no data-dependent shape. Without it, the masked positions are selected
+        with a boolean mask (the same loss; a host synchronisation on a GPU)."""
         hidden = self.mlm.bert(input_ids)  # (B, T, H)
-        selected = labels != IGNORE_INDEX  # (B, T)
-        logits = self.mlm.cls(hidden[selected])  # (M, V), M = masked tokens
-        return F.cross_entropy(logits.float(), labels[selected], reduction="sum")
+        if masked_positions is None:
+            selected = labels != IGNORE_INDEX  # (B, T)
+            logits = self.mlm.cls(hidden[selected])  # (M, V), M = masked tokens
+            return F.cross_entropy(logits.float(), labels[selected], reduction="sum")
+        batch, seq = labels.shape
+        valid = masked_positions >= 0  # (B, P)
+        rows = torch.arange(batch, device=labels.device).unsqueeze(1) * seq
+        flat = (masked_positions.clamp(min=0) + rows).reshape(-1)  # (B * P,)
+        picked = hidden.reshape(batch * seq, -1).index_select(0, flat)  # (B * P, H)
+        targets = labels.reshape(-1).index_select(0, flat)
+        targets = targets.masked_fill(~valid.reshape(-1), IGNORE_INDEX)
+        logits = self.mlm.cls(picked)  # (B * P, V)
+        return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
     def flops_per_sample(self, seq_len: int, masked_per_sample: float) -> float:
         """Training FLOPs of one sample (forward + backward = 3x forward), counting matmuls:

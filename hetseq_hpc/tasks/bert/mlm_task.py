@@ -95,10 +95,16 @@ class BertTask(Task):
     def make_batch(
         self, positions: Sequence[int], epoch: int, split: str
     ) -> Dict[str, torch.Tensor]:
-        """Masked batch of split positions: ``input_ids``/``labels`` of shape ``(len(positions), T)``."""
+        """Masked batch of split positions: ``input_ids``/``labels`` of shape ``(len(positions), T)``
+        and, for this task's own model, ``masked_positions`` ``(len(positions), P)``: the
+        masked tokens' columns, so the head gathers them by index (no host synchronisation;
+        a subclass with its own :meth:`build_model` gets ids and labels only)."""
         index = self.data.train_index if split == "train" else self.data.val_index
         rows = index[np.asarray(positions, dtype=np.int64)]
-        return make_mlm_batch(self.data, rows, self.cfg.data.mask_prob, self.seed, epoch, split)
+        own_model = type(self).build_model is BertTask.build_model
+        return make_mlm_batch(
+            self.data, rows, self.cfg.data.mask_prob, self.seed, epoch, split, positions=own_model
+        )
 
     def count(self, batch: Dict[str, torch.Tensor]) -> int:
         """Masked tokens in ``batch`` (the loss normaliser's units)."""
