@@ -89,4 +89,17 @@ def nonfinite_error(
     return NonFiniteLoss(f"{head}; {advice}; the step was not applied", step)
 
 
-__all__ = ["first_nonfinite", "nonfinite_error", "where"]
+def gradient_error(step: int, norm: float, updates: int, lr: float) -> NonFiniteLoss:
+    """The error of step ``step`` whose every loss was finite but whose summed gradient's norm
+    (``norm``) was not: the fused optimizer skipped the update on the device, so the model is
+    that of step ``step - 1`` (``updates`` optimizer steps applied before it)."""
+    return NonFiniteLoss(
+        f"the gradient is not finite at step {step} (norm {norm}) although every rank's loss is "
+        f"finite, after {updates} update(s): an overflow in the backward pass; lower optim.lr "
+        f"(now {lr:g}) or train the low-precision ranks in fp32 (precision.default=fp32); "
+        "the step was not applied",
+        step,
+    )
+
+
+__all__ = ["first_nonfinite", "gradient_error", "nonfinite_error", "where"]

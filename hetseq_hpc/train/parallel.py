@@ -121,12 +121,15 @@ class Replicated:
         return contextlib.nullcontext() if last else cast("DDP", self.module).no_sync()
 
     def grad_norm(self, max_norm: float, grads: List[torch.Tensor]) -> float:
-        """Clip the global gradient norm to ``max_norm`` (0 = no clipping); returns the norm."""
+        """Clip the global gradient norm to ``max_norm`` (0 = no clipping); returns the norm
+        (read on the host: a synchronisation on a GPU)."""
+        return float(self.grad_norm_tensor(max_norm, grads))
+
+    def grad_norm_tensor(self, max_norm: float, grads: List[torch.Tensor]) -> torch.Tensor:
+        """:meth:`grad_norm` without reading it: the norm as a 0-dim tensor on the device."""
         if max_norm > 0:
-            return float(
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
-            )
-        return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+            return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
 
     def model_state(self) -> Dict[str, Any]:
         """The full model state (rank 0 saves it)."""
@@ -279,11 +282,15 @@ class Sharded(Replicated):
     def grad_norm(self, max_norm: float, grads: List[torch.Tensor]) -> float:
         """The global norm over every rank's shards (a collective), clipped to ``max_norm``
         (0 = measured only: the clip factor is 1 exactly)."""
+        return float(self.grad_norm_tensor(max_norm, grads))
+
+    def grad_norm_tensor(self, max_norm: float, grads: List[torch.Tensor]) -> torch.Tensor:
+        """:meth:`grad_norm` as a 0-dim tensor (the full norm, gathered from the shards)."""
         norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), max_norm if max_norm > 0 else float("inf"), foreach=True
         )
         full = getattr(norm, "full_tensor", None)
-        return float(full() if callable(full) else norm)
+        return full() if callable(full) else norm
 
     def _options(self) -> Any:
         from torch.distributed.checkpoint.state_dict import StateDictOptions

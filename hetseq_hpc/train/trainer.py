@@ -16,9 +16,11 @@ import gc
 import logging
 import math
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from dataclasses import replace
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hetseq_hpc.balance.agree import RankReport
@@ -34,6 +36,7 @@ from hetseq_hpc.rundir.events import append_event
 from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.tasks.base import Task
 from hetseq_hpc.tasks.contract import check_loss, checked_batch, checked_count
+from hetseq_hpc.train.batches import BatchKey, BatchPrefetcher
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, require_entries
 from hetseq_hpc.train.ddp_hooks import HookState
 from hetseq_hpc.train.evaluate import evaluate_task
@@ -41,10 +44,11 @@ from hetseq_hpc.train.fsdp_accumulation import agree_on_accumulation
 from hetseq_hpc.train.metrics.loggers import first_logged_loss, open_loggers
 from hetseq_hpc.train.metrics.rows import run_summary, step_row
 from hetseq_hpc.train.metrics.step_log import StepLog, logged_steps
-from hetseq_hpc.train.nonfinite import first_nonfinite, nonfinite_error
+from hetseq_hpc.train.nonfinite import first_nonfinite, gradient_error, nonfinite_error
 from hetseq_hpc.train.optim import apply_configured_lr, build_optimizer, peak_lr, step_seed
 from hetseq_hpc.train.parallel import Replicated, build_parallel, rank_memory
 from hetseq_hpc.train.precision import GradientPath
+from hetseq_hpc.train.readout import PendingStep
 from hetseq_hpc.train.records import (
     DONE,
     EVALUATED,
@@ -160,6 +164,12 @@ class Trainer:
         self.resumed_from: Optional[str] = None  # the checkpoint the run started from
         self.saved_step: Optional[int] = None  # the step of the last checkpoint on disk
         self.step_log: Optional[StepLog] = None  # rank 0's rows, while fit() runs
+        # step k+1's batches built while step k runs (train/batches.py)
+        self.batches = BatchPrefetcher(self._build_batches, pin=device.type == "cuda")
+        # a step whose loss and norm are still on the device (read one step late) and the
+        # row it owes (train/readout.py, docs/design/exact-gradients.md "No host sync")
+        self.pending: Optional[PendingStep] = None
+        self.owed_row: Optional[PendingStep] = None
         # resume (or start) the run, then wrap the model for training
         self._resume()
         self.parallel.start(self.grad_path, self.hook_state)
@@ -289,6 +299,7 @@ class Trainer:
                 cfg.max_steps,
             )
         self.step_log = StepLog(self.run, self.run_dir, self.step, self.rank, self.resume_note)
+        self._fit_started = (time.perf_counter(), self.step)  # the wall-clock rate's start
         if self.elastic is not None:
             self.elastic.expect(self.allocation)  # the step's collective timeout
             self.elastic.arm()  # a lost peer is recovered from now on
@@ -303,10 +314,12 @@ class Trainer:
                 except RuntimeError as exc:  # a peer died or hung (torch's DistError too)
                     if self.elastic is None or not is_peer_failure(exc):
                         raise
+                    self.settle_pending(gather=False)  # its values are on this device
                     # re-form, agree on the last completed step and phase, redo from there
                     self._recovered(self.elastic.recover(self, exc))
             self.step_log.flush_events(self.run_id)  # a recovery after the last step
         finally:
+            self.batches.close()
             self.step_log.close()
             error = self.checkpoints.drain()  # leaving early: the pending write ends first
             if error:
@@ -331,9 +344,10 @@ class Trainer:
         cfg, step_log = self.cfg, self._step_log()
         if self.phase == DONE:
             try:
-                rec = self.train_step(self.step + 1)
+                rec = self.train_step(self.step + 1, settle=False)
             except NonFiniteLoss as exc:
                 raise NonFiniteLoss(f"{exc}; {self.keep_good_steps()}", exc.step) from None
+            self.write_owed_row()  # the previous step's, read during this one
             self.phase = TRAINED
             self.history.append(rec)
             rec.extra.update(step_log.take_note())
@@ -357,14 +371,20 @@ class Trainer:
             self.phase = REBALANCED
         if self.phase < EVALUATED:
             if (cfg.val_every and step % cfg.val_every == 0) or is_last:
+                self._settle_or_stop()  # validate the model only after a step that was applied
                 with self.phase_timeout("validation"):
                     self.last_val = self.evaluate()
                 rec.extra.update(self.last_val)
             self.phase = EVALUATED
         if self.phase < LOGGED:
-            step_log.log(rec, step, self._row(rec), self.last_val)
+            if self.pending is not None and self.pending.rec is rec:  # read with the next step
+                self.pending.row, self.pending.last_val = self._row(rec), self.last_val
+                self.owed_row = self.pending
+            else:
+                step_log.log(rec, step, self._row(rec), self.last_val)
             self.phase = LOGGED
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or is_last or rec.stop_code:
+            self._settle_or_stop()  # a checkpoint holds an applied step, after its row
             with self.phase_timeout("checkpoint"):
                 self._save(step, wait=is_last or bool(rec.stop_code))
             if step_log.writer is not None:  # rank 0: the report marks it
@@ -383,6 +403,17 @@ class Trainer:
                     run_id=self.run_id,
                 )
             raise Preempted(step, rec.stop_code, reason)
+
+    def _settle_or_stop(self) -> None:
+        """:meth:`settle_pending`; a bad step checkpoints the last good one and stops.
+
+        Raises:
+            NonFiniteLoss: as :meth:`train_step`, with what :meth:`keep_good_steps` kept.
+        """
+        try:
+            self.settle_pending()
+        except NonFiniteLoss as exc:
+            raise NonFiniteLoss(f"{exc}; {self.keep_good_steps()}", exc.step) from None
 
     def _step_log(self) -> StepLog:
         """The :class:`StepLog` of the running :meth:`fit`.
@@ -407,29 +438,75 @@ class Trainer:
         self._step_log().recovered(event, self.rank, self.step, self.phase >= LOGGED, owed)
 
     # ------------------------------------------------------------------ one step
-    def _compute_seconds(self, t0: float, start_event) -> float:
+    def _compute_seconds(self, t0: float, start_event, late: Optional[PendingStep]) -> float:
+        """This step's compute time; on a GPU read with a synchronisation (``late`` None), or
+        the previous step's from its CUDA events (read one step late, no synchronisation)."""
         if self.device.type == "cuda" and self.hook_state.events and start_event is not None:
-            torch.cuda.synchronize(self.device)
-            return start_event.elapsed_time(self.hook_state.events[-1]) / 1000.0
+            if late is not None:
+                seconds = late.compute_seconds()
+                if seconds is not None:
+                    return seconds
+            else:
+                torch.cuda.synchronize(self.device)
+                return start_event.elapsed_time(self.hook_state.events[-1]) / 1000.0
         return (self.hook_state.last_ready_s or time.perf_counter()) - t0
 
-    def train_step(self, step: int) -> StepRecord:
+    def batch_key(self, step: int) -> BatchKey:
+        """What step ``step``'s micro-batches on this rank are built from, under the current
+        split: ``(step, epoch, positions of each real micro-batch, zero-weight passes)``."""
+        share = self.allocation.shares[self.rank]
+        offset = self.allocation.offsets()[self.rank]
+        sizes, padding = self.parallel.pass_sizes(share, self.allocation.shares)
+        epoch, micro = self.sampler.rank_micro_batches(step - 1, offset, sizes)
+        return step, epoch, tuple(tuple(int(i) for i in p) for p in micro), padding
+
+    def _build_batches(self, key: BatchKey) -> Tuple[List[Dict[str, torch.Tensor]], List[int]]:
+        """The batches of ``key`` on the CPU and each real one's unit count (the background
+        thread of :class:`BatchPrefetcher` runs it)."""
+        _, epoch, micro, padding = key
+        batches = [checked_batch(self.task, list(p), epoch, "train") for p in micro]
+        counts = [checked_count(self.task, b) for b in batches]
+        # zero-weight passes (FSDP: the same number of passes on every rank)
+        batches += [checked_batch(self.task, list(micro[0][:1]), epoch, "train")] * padding
+        return batches, counts
+
+    def can_defer(self) -> bool:
+        """Whether a step may leave its loss and norm on the device (read one step late): a
+        replicated model (DDP) on the plain sum path with the fused optimizer, whose
+        ``found_inf`` skips a bad update on the device. The fp16 loss scale decides its skip on
+        the host, and FSDP's norm is gathered on the host: those read every step."""
+        return (
+            not self.grad_path.loss_scale.enabled
+            and not self.parallel.sharded
+            and bool(self.optimizer.defaults.get("fused"))
+        )
+
+    def train_step(self, step: int, settle: bool = True) -> StepRecord:
         """Run optimizer step ``step`` (1-based) and return what all ranks agree on.
+
+        ``settle=False`` (the training loop's steady state, when :meth:`can_defer`): nothing in
+        the step waits for the device. The step's loss and gradient norm stay on it and its
+        record holds NaN for them until the next step (or the step's validation, checkpoint
+        or stop) reads them (:attr:`pending`); a non-finite loss or norm skips the update on
+        the device. ``settle=True``: they are read before the update, as every step did.
 
         Raises:
             NonFiniteLoss: some rank's loss was NaN or inf (every rank raises it, at the same
                 step): the step's update was not applied, :attr:`step` is still the last
-                good one (:mod:`hetseq_hpc.train.nonfinite`).
+                good one (:mod:`hetseq_hpc.train.nonfinite`). A step read one step late raises
+                in the next one, naming itself.
         """
+        settle = settle or not self.can_defer()
+        late = self.pending  # the previous step's results, read below (kept until then)
         share = self.allocation.shares[self.rank]
-        offset = self.allocation.offsets()[self.rank]
         t0 = time.perf_counter()
-        sizes, padding = self.parallel.pass_sizes(share, self.allocation.shares)
-        epoch, micro = self.sampler.rank_micro_batches(step - 1, offset, sizes)
-        batches = [checked_batch(self.task, p, epoch, "train") for p in micro]
-        # zero-weight passes (FSDP: the same number of passes on every rank)
-        batches += [checked_batch(self.task, micro[0][:1], epoch, "train")] * padding
+        key = self.batch_key(step)
+        prepared = self.batches.take(key)
+        if step < self.cfg.max_steps:  # built while this step runs
+            self.batches.prefetch(self.batch_key(step + 1))
         data_s = time.perf_counter() - t0
+        n_real = len(key[2])
+        count = sum(prepared.counts)  # known on the CPU before any copy
         torch.manual_seed(step_seed(self.cfg.seed, step, self.rank))
         self.hook_state.reset()
         start_event = None
@@ -439,17 +516,18 @@ class Trainer:
         module = self.parallel.module
         module.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        count = 0
+        global_sum = loss_sum
+        reduced: Any = None
         posted: List[StatsInFlight] = []
         losses: List[torch.Tensor] = []  # each micro-batch's, to name a non-finite one
 
         def stats() -> StepStats:
-            total = loss_sum.item()
+            total = loss_sum.item() if settle else 0.0  # deferred: read with the step
             return StepStats(
                 loss_sum=total,
                 count=count,
                 samples=share.samples,
-                compute_time_s=self._compute_seconds(t0, start_event),
+                compute_time_s=self._compute_seconds(t0, start_event, None if settle else late),
                 step_time_s=time.perf_counter() - t0,
                 data_time_s=data_s,
                 stop_code=self.stop_request.code if self.stop_request is not None else 0,
@@ -457,11 +535,12 @@ class Trainer:
                 bad_micro=0 if math.isfinite(total) else first_nonfinite(losses),
             )
 
-        for j, batch in enumerate(batches):
+        units = 0
+        for j, batch in enumerate(prepared.batches):
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-            real = j < len(micro)
-            count += checked_count(self.task, batch) if real else 0
-            sync = j == len(batches) - 1
+            real = j < n_real
+            units += prepared.counts[j] if real else 0
+            sync = j == len(prepared.batches) - 1
             with self.parallel.sync(sync), self.autocast():
                 loss = check_loss(self.task, module(**batch))
             if real:
@@ -469,16 +548,27 @@ class Trainer:
                 losses.append(loss.detach())
             else:
                 loss = loss * 0.0  # a pass only for FSDP's collectives: the gradient adds 0
+            if sync and not settle and self.world.world_size > 1:
+                # the global loss sum on the device (its non-finite check skips the update
+                # there), reduced while the last backward pass runs
+                global_sum = loss_sum.clone()
+                reduced = dist.all_reduce(
+                    global_sum, group=self.hook_state.process_group, async_op=True
+                )
             if sync and self.device.type == "cpu":
                 # post the statistics when the last gradient bucket is ready, so that their
                 # exchange overlaps the gradient all-reduce (on a GPU the compute time is known
                 # only after a synchronisation: they go after the backward pass there)
                 self.hook_state.on_last = lambda: posted.append(self.rdv.post_step_stats(stats()))
-            self.grad_path.backward(loss, step, self.hook_state, count)
+            self.grad_path.backward(loss, step, self.hook_state, units)
         self.hook_state.on_last = None
         table = (posted[0] if posted else self.rdv.post_step_stats(stats())).result()
         self._exchanged_at = time.perf_counter()
-        if not all(math.isfinite(s.loss_sum) for s in table):  # every rank sees it: all stop
+        if late is not None:  # the previous step, read now that this one is queued
+            self.pending = None
+            self._read_pending(late)
+        if settle and not all(math.isfinite(s.loss_sum) for s in table):
+            # every rank sees it: all stop
             self.optimizer.zero_grad(set_to_none=True)  # the update is not applied
             raise nonfinite_error(
                 step,
@@ -488,32 +578,138 @@ class Trainer:
                 self.run.optim.warmup_steps,
                 [m.precision or "fp32" for m in self.metas],
             )
+        if reduced is not None:
+            reduced.wait()
         global_count = sum(s.count for s in table)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         # one multi-tensor kernel per op instead of a Python loop over the parameters: the
         # per-step fixed cost every rank pays, a slow one at its own speed
         torch._foreach_mul_(grads, self.grad_path.unscale_factor(global_count))
-        grad_norm = self.parallel.grad_norm(self.cfg.grad_clip, grads)
+        norm = self.parallel.grad_norm_tensor(self.cfg.grad_clip, grads)
         lr = float(self.scheduler.get_last_lr()[0])
-        if self.grad_path.step_ok(grad_norm, step):  # False: fp16 overflow, skipped on all ranks
+        restore = (
+            self.scheduler.state_dict(),
+            [float(g["lr"]) for g in self.optimizer.param_groups],
+        )
+        if self.grad_path.loss_scale.enabled:  # fp16: the host decides the skip
+            if self.grad_path.step_ok(float(norm), step):  # False: overflow, on all ranks
+                self.optimizer.step()
+        else:
+            if self.can_defer():  # a bad update is skipped on the device, in the kernel
+                bad = ~(torch.isfinite(global_sum) & torch.isfinite(norm))
+                self.optimizer.found_inf = bad.to(torch.float32)
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.step = step
-        return StepRecord(
+        rec = StepRecord(
             step=step,
-            epoch=epoch,
-            loss=sum(s.loss_sum for s in table) / global_count,
+            epoch=key[1],
+            loss=math.nan,
             lr=lr,
-            grad_norm=grad_norm,
+            grad_norm=math.nan,
             per_rank=table,
             wall_s=time.perf_counter() - t0,
             stop_code=max(s.stop_code for s in table),
             grad_path=self.grad_path.row(self.hook_state),
             ended_s=time.perf_counter(),
         )
+        self.step = step
+        if not settle:
+            self.pending = PendingStep.capture(
+                rec,
+                global_sum,
+                loss_sum,
+                norm,
+                losses,
+                restore,
+                (start_event, self.hook_state.events[-1] if self.hook_state.events else None),
+            )
+            return rec
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        rec.loss = sum(s.loss_sum for s in table) / global_count
+        rec.grad_norm = float(norm)
+        if not math.isfinite(rec.grad_norm) and self.can_defer():  # skipped on the device
+            self._undo(rec, restore)
+            raise gradient_error(step, rec.grad_norm, step - 1, self.run.optim.lr)
+        rec.wall_s, rec.ended_s = time.perf_counter() - t0, time.perf_counter()
+        return rec
+
+    def _read_pending(self, late: PendingStep, gather: bool = True) -> None:
+        """Fill ``late``'s record (and its row) with the values read from the host copy; a
+        non-finite loss or norm (its update was skipped on the device) undoes the step's host
+        state and raises.
+
+        ``gather``: the world is whole, so every rank, which read the same global values,
+        gathers every rank's loss sum for the error line (False: during a recovery, without).
+
+        Raises:
+            NonFiniteLoss: naming ``late``'s step, as a step read at once would.
+        """
+        rec = late.rec
+        global_count = sum(s.count for s in rec.per_rank)
+        rec.loss = late.global_loss_sum / max(global_count, 1)
+        rec.grad_norm = late.norm
+        mine = rec.per_rank[self.rank]
+        rec.per_rank[self.rank] = replace(mine, loss_sum=late.local_loss_sum)
+        if late.row is not None:
+            late.row.update(loss=rec.loss, grad_norm=rec.grad_norm)
+        if self.last_row.get("step") == rec.step:
+            self.last_row.update(loss=rec.loss, grad_norm=rec.grad_norm)
+        if math.isfinite(late.global_loss_sum) and math.isfinite(late.norm):
+            return
+        self._undo(rec, late.restore)
+        if late is self.owed_row:
+            self.owed_row = None  # a bad step has no row, as when it is read at once
+        if gather:
+            sums = self.rdv.all_gather_objects((late.local_loss_sum, late.bad_micro()))
+            rec.per_rank = [
+                replace(stats, loss_sum=value, bad_micro=bad)
+                for stats, (value, bad) in zip(rec.per_rank, sums)
+            ]
+        else:
+            rec.per_rank[self.rank] = replace(rec.per_rank[self.rank], bad_micro=late.bad_micro())
+        if math.isfinite(late.global_loss_sum):
+            raise gradient_error(rec.step, rec.grad_norm, rec.step - 1, self.run.optim.lr)
+        raise nonfinite_error(
+            rec.step,
+            rec.per_rank,
+            rec.step - 1,
+            self.run.optim.lr,
+            self.run.optim.warmup_steps,
+            [m.precision or "fp32" for m in self.metas],
+        )
+
+    def _undo(self, rec: StepRecord, restore: Tuple[Dict[str, Any], List[float]]) -> None:
+        """The host side of a step the device did not apply: gradients dropped, the scheduler
+        and learning rates as before it, :attr:`step` the step before, its record gone."""
+        self.optimizer.zero_grad(set_to_none=True)
+        state, lrs = restore
+        if state:
+            self.scheduler.load_state_dict(state)
+            for group, value in zip(self.optimizer.param_groups, lrs):
+                group["lr"] = value
+        self.step = rec.step - 1
+        if self.history and self.history[-1] is rec:
+            self.history.pop()
+
+    def settle_pending(self, gather: bool = True) -> None:
+        """Read the step left on the device now (before its validation, checkpoint, stop or a
+        recovery) and write the row it owes (rank 0). ``gather``: see :meth:`_read_pending`.
+
+        Raises:
+            NonFiniteLoss: that step was bad (it was not applied).
+        """
+        late, self.pending = self.pending, None
+        if late is not None:
+            self._read_pending(late, gather)
+        self.write_owed_row()
+
+    def write_owed_row(self) -> None:
+        """Write the row (and progress line) of a step that was read one step late."""
+        owed, self.owed_row = self.owed_row, None
+        if owed is not None and owed.row is not None and self.step_log is not None:
+            self.step_log.log(owed.rec, owed.rec.step, owed.row, owed.last_val)
 
     # ------------------------------------------------------------------ the phases after a step
     def maybe_rebalance(self, rec: StepRecord) -> None:
@@ -567,6 +763,7 @@ class Trainer:
     def evaluate(self) -> Dict[str, float]:
         """The task's validation metrics, the split shared by the ranks (:func:`evaluate_task`);
         under FSDP on the shards if the task evaluates in fixed passes, else gathered whole."""
+        self.batches.wait()  # make_batch never runs in two threads at once
         fixed = self.task.evaluates_in_fixed_passes()
         with self.parallel.for_evaluation(fixed) as model:
             return evaluate_task(
@@ -651,6 +848,7 @@ class Trainer:
         zeroed, the re-balancer dropped (its history is of the old world)."""
         self.rdv, self.world, self.rank = rdv, rdv.world, rdv.world.rank
         self.metas, self.allocation, self.rebalancer = metas, allocation, None
+        self.batches.drop()  # built for the old split
         self.optimizer.zero_grad(set_to_none=True)
         scale = self.grad_path.loss_scale.state_dict()
         self.reset_gradient_path()
@@ -693,6 +891,8 @@ class Trainer:
         was = self.step
         # the broken model and optimizer hold DTensors of the old group: gone before the new ones
         del self.parallel, self.model, self.optimizer, self.scheduler
+        self.pending = self.owed_row = None
+        self.batches.drop()
         gc.collect()
         self.rdv, self.world, self.rank = rdv, rdv.world, rdv.world.rank
         self.metas, self.allocation, self.rebalancer = metas, allocation, None
@@ -758,6 +958,13 @@ class Trainer:
             self.last_val,
             self.allocation.samples,
         )
+        started = getattr(self, "_fit_started", None)
+        if started is not None and self.step > started[1]:  # validation, checkpoints included
+            seconds = time.perf_counter() - started[0]
+            out["fit_samples_per_s"] = (
+                (self.step - started[1]) * self.cfg.global_batch_size / seconds
+            )
+            out["fit_s"] = seconds
         out.update(self.grad_path.summary())
         out["sharding"] = self.parallel.describe()
         out["memory"] = self.rdv.all_gather_objects(  # every rank's, in rank order
