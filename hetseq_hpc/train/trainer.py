@@ -467,7 +467,8 @@ class Trainer:
         batches = [checked_batch(self.task, list(p), epoch, "train") for p in micro]
         counts = [checked_count(self.task, b) for b in batches]
         # zero-weight passes (FSDP: the same number of passes on every rank)
-        batches += [checked_batch(self.task, list(micro[0][:1]), epoch, "train")] * padding
+        if padding:  # (built only when needed: ``[x] * 0`` still builds x)
+            batches += [checked_batch(self.task, list(micro[0][:1]), epoch, "train")] * padding
         return batches, counts
 
     def can_defer(self) -> bool:
