@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -59,6 +59,7 @@ from hetseq_hpc.env.startup import BACKGROUND_IMPORTS, PhaseClock, prefetch_impo
 from hetseq_hpc.env.world import WorldInfo
 from hetseq_hpc.errors import Preempted, RankExcluded, exit_code
 from hetseq_hpc.files.atomic import atomic_write_json
+from hetseq_hpc.plan.gpus import known_gpu, peak_tflops
 from hetseq_hpc.rundir.lock import claim_run_dir
 from hetseq_hpc.rundir.logs import setup_rank_logging
 from hetseq_hpc.rundir.paths import RunDir
@@ -429,6 +430,7 @@ def run_worker(
             None,
         )
         finish_task_summary(summary, task, examples, task_info, master)
+        summary["mfu"] = steady_mfu(summary, trainer.metas)
         final: Dict[str, Any] = {}  # what plans read from a finished run (plan.probe)
         if rebalancer is not None and all(rebalancer.fitted):  # the refitted curves
             final["fitted_curves"] = [c.to_dict() for c in rebalancer.fitted]
@@ -455,6 +457,24 @@ def run_worker(
         if master and run.trainer.plot:  # after the barrier: no rank waits for it
             draw_plot(summary, run_dir_path)
     return summary
+
+
+def steady_mfu(summary: Dict[str, Any], metas: Sequence[RankMeta]) -> Optional[float]:
+    """Model FLOPs utilisation at the steady-state rate: ``steady_samples_per_s`` x the task's
+    FLOPs per sample / the sum of the ranks' datasheet peaks in their precisions
+    (:func:`hetseq_hpc.plan.gpus.peak_tflops`); None when a rank's device has no known peak
+    (a CPU, an unlisted GPU) or a figure is missing."""
+    rate = summary.get("steady_samples_per_s")
+    flops = (summary.get("task") or {}).get("flops_per_sample")
+    peaks = []
+    for meta in metas:
+        gpu = known_gpu(meta.device) if meta.device and meta.device != "cpu" else None
+        if gpu is None:
+            return None
+        peaks.append(peak_tflops(gpu, meta.precision or "fp32"))
+    if not rate or not flops or not peaks:
+        return None
+    return float(rate) * float(flops) / (sum(peaks) * 1e12)
 
 
 def finished_summary(

@@ -36,18 +36,27 @@ def dispatch(run: RunConfig, run_dir: RunDir) -> Dict[str, Any]:
     return result
 
 
+def _rate(value: Any) -> str:
+    return f"{value:.1f}" if isinstance(value, (int, float)) and value > 0 else "n/a"
+
+
 def _report(summary: Dict[str, Any], run_dir: RunDir) -> None:
     if not summary:
         return
     val = summary.get("validation") or {}
+    mfu = summary.get("mfu")
     log.info(
-        "done: %s steps, loss %.4f -> %.4f, validation %s, %.1f samples/s",
+        "done: %s steps, loss %.4f -> %.4f, validation %s, %.1f samples/s (training steps; "
+        "steady state %s, over the whole fit with validation and checkpoints %s%s)",
         summary.get("final_step"),
         summary.get("first_loss") or float("nan"),
         summary.get("final_loss") or float("nan"),
         ", ".join(f"{k[4:] if k.startswith('val_') else k} {v:.4g}" for k, v in val.items())
         or "n/a",
         summary.get("samples_per_s") or 0.0,
+        _rate(summary.get("steady_samples_per_s")),
+        _rate(summary.get("fit_samples_per_s")),
+        f", MFU {100 * mfu:.1f} %" if mfu else "",
     )
     for rank in summary.get("ranks", []):
         thr = rank.get("samples_per_compute_s")

@@ -222,6 +222,10 @@ def step_row(
     }
 
 
+#: steps of a fit left out of its steady-state rate (``steady_samples_per_s``)
+WARMUP_STEPS = 3
+
+
 def run_summary(
     history: Sequence[StepRecord],
     metas: Sequence[RankMeta],
@@ -247,13 +251,19 @@ def run_summary(
             }
         )
     wall = sum(rec.wall_s for rec in history)
+    # steady state: the median step after the warm-up (first shapes, allocator, caches)
+    settled = history[WARMUP_STEPS:] if len(history) > WARMUP_STEPS else history[1:]
+    steady = [global_batch_size / rec.wall_s for rec in settled if rec.wall_s > 0]
     return {
         "steps_run": len(history),
         "final_step": history[-1].step if history else step,
         "final_loss": history[-1].loss if history else None,
         "first_loss": history[0].loss if history else None,
         "validation": validation,
+        # over the training steps only (validation and checkpoints left out)
         "samples_per_s": len(history) * global_batch_size / wall if wall > 0 else None,
+        "steady_samples_per_s": statistics.median(steady) if steady else None,
+        "steady_after_steps": WARMUP_STEPS if len(history) > WARMUP_STEPS else 1,
         "allocation": allocation,
         "ranks": per_rank,
     }
