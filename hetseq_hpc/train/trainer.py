@@ -170,6 +170,7 @@ class Trainer:
         # row it owes (train/readout.py, docs/design/exact-gradients.md "No host sync")
         self.pending: Optional[PendingStep] = None
         self.owed_row: Optional[PendingStep] = None
+        self.deferring = False  # fit()'s steps leave their results on the device a step
         # resume (or start) the run, then wrap the model for training
         self._resume()
         self.parallel.start(self.grad_path, self.hook_state)
@@ -300,6 +301,7 @@ class Trainer:
             )
         self.step_log = StepLog(self.run, self.run_dir, self.step, self.rank, self.resume_note)
         self._fit_started = (time.perf_counter(), self.step)  # the wall-clock rate's start
+        self.deferring = True
         if self.elastic is not None:
             self.elastic.expect(self.allocation)  # the step's collective timeout
             self.elastic.arm()  # a lost peer is recovered from now on
@@ -319,6 +321,7 @@ class Trainer:
                     self._recovered(self.elastic.recover(self, exc))
             self.step_log.flush_events(self.run_id)  # a recovery after the last step
         finally:
+            self.deferring = False
             self.batches.close()
             self.step_log.close()
             error = self.checkpoints.drain()  # leaving early: the pending write ends first
@@ -344,7 +347,7 @@ class Trainer:
         cfg, step_log = self.cfg, self._step_log()
         if self.phase == DONE:
             try:
-                rec = self.train_step(self.step + 1, settle=False)
+                rec = self.train_step(self.step + 1)  # read late: fit() sets deferring
             except NonFiniteLoss as exc:
                 raise NonFiniteLoss(f"{exc}; {self.keep_good_steps()}", exc.step) from None
             self.write_owed_row()  # the previous step's, read during this one
@@ -482,11 +485,11 @@ class Trainer:
             and bool(self.optimizer.defaults.get("fused"))
         )
 
-    def train_step(self, step: int, settle: bool = True) -> StepRecord:
+    def train_step(self, step: int, settle: Optional[bool] = None) -> StepRecord:
         """Run optimizer step ``step`` (1-based) and return what all ranks agree on.
 
-        ``settle=False`` (the training loop's steady state, when :meth:`can_defer`): nothing in
-        the step waits for the device. The step's loss and gradient norm stay on it and its
+        ``settle=False`` (the default inside :meth:`fit`, :attr:`deferring`; only when
+        :meth:`can_defer`): nothing in the step waits for the device. The step's loss and gradient norm stay on it and its
         record holds NaN for them until the next step (or the step's validation, checkpoint
         or stop) reads them (:attr:`pending`); a non-finite loss or norm skips the update on
         the device. ``settle=True``: they are read before the update, as every step did.
@@ -497,6 +500,8 @@ class Trainer:
                 good one (:mod:`hetseq_hpc.train.nonfinite`). A step read one step late raises
                 in the next one, naming itself.
         """
+        if settle is None:
+            settle = not self.deferring
         settle = settle or not self.can_defer()
         late = self.pending  # the previous step's results, read below (kept until then)
         share = self.allocation.shares[self.rank]
