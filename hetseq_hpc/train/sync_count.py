@@ -13,7 +13,7 @@ is not counted.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -40,7 +40,7 @@ class SyncCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.calls: Counter = Counter()
-        self._saved: Optional[Any] = None
+        self._saved: Callable[..., None] = torch.cuda.synchronize
 
     @property
     def total(self) -> int:

@@ -603,7 +603,8 @@ class Trainer:
         else:
             if self.can_defer():  # a bad update is skipped on the device, in the kernel
                 bad = ~(torch.isfinite(global_sum) & torch.isfinite(norm))
-                self.optimizer.found_inf = bad.to(torch.float32)
+                # the fused kernel reads the optimizer's ``found_inf`` attribute (as GradScaler sets)
+                setattr(self.optimizer, "found_inf", bad.to(torch.float32))  # noqa: B010
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -637,7 +638,7 @@ class Trainer:
         rec.grad_norm = float(norm)
         if not math.isfinite(rec.grad_norm) and self.can_defer():  # skipped on the device
             self._undo(rec, restore)
-            raise gradient_error(step, rec.grad_norm, step - 1, self.run.optim.lr)
+            raise gradient_error(step, rec.grad_norm, step - 1, peak_lr(self.run))
         rec.wall_s, rec.ended_s = time.perf_counter() - t0, time.perf_counter()
         return rec
 
@@ -676,12 +677,12 @@ class Trainer:
         else:
             rec.per_rank[self.rank] = replace(rec.per_rank[self.rank], bad_micro=late.bad_micro())
         if math.isfinite(late.global_loss_sum):
-            raise gradient_error(rec.step, rec.grad_norm, rec.step - 1, self.run.optim.lr)
+            raise gradient_error(rec.step, rec.grad_norm, rec.step - 1, peak_lr(self.run))
         raise nonfinite_error(
             rec.step,
             rec.per_rank,
             rec.step - 1,
-            self.run.optim.lr,
+            peak_lr(self.run),
             self.run.optim.warmup_steps,
             [m.precision or "fp32" for m in self.metas],
         )

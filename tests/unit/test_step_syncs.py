@@ -16,6 +16,7 @@ import torch
 from hetseq_hpc.balance.allocation import allocate
 from hetseq_hpc.config.compose import compose_run_config
 from hetseq_hpc.distributed.rendezvous import single_process_rendezvous
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.tasks import build_task
 from hetseq_hpc.train.records import RankMeta
 from hetseq_hpc.train.sync_count import SyncCounter
@@ -48,7 +49,7 @@ def make_trainer(tmp_path, token_cache):
         torch.manual_seed(run.trainer.seed)
         return Trainer(
             run,
-            tmp_path,
+            RunDir(tmp_path),
             rdv,
             task,
             task.build_model(),
@@ -137,7 +138,7 @@ def test_a_nan_read_one_step_late_names_its_step_and_applies_nothing(make_traine
         assert calls["n"] == 4 * 4, "step 4 ran: step 3 was read one step late"
         lr_after_two = trainer.scheduler.get_last_lr()
     assert err.value.step == 3 and "at step 3: rank 0 (micro-batch 1, loss nan)" in str(err.value)
-    (path,) = CheckpointManager(tmp_path).list()
+    (path,) = CheckpointManager(RunDir(tmp_path)).list()
     state = load_checkpoint(path)
     assert state["step"] == 2 and trainer.step == 2
     assert state["scheduler"]["last_epoch"] == 2 and lr_after_two == state["scheduler"]["_last_lr"]
