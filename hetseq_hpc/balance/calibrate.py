@@ -126,12 +126,15 @@ def _sync(device: torch.device) -> None:
 def timed_sizes(micro_batch: int, steps: int, cap: int) -> List[int]:
     """Micro-batch sizes of the ``steps`` timed passes: the calibration micro-batch ``m``,
     ``m / LOW_SIZE_DIVISOR``, ``m / LOW_SIZE_DIVISOR**2`` in turn (:data:`TIMED_SIZES`,
-    ``m`` first), all within the memory ``cap``; fewer sizes when ``m`` is too small to
-    split."""
+    ``m`` first), all within the memory ``cap`` and none below 2 samples unless ``m`` is 1;
+    fewer sizes when ``m`` is too small to split."""
     high = max(1, min(int(micro_batch), int(cap) if cap >= 1 else 1))
+    # never a batch of one when the rank can take more: a training-mode BatchNorm refuses it
+    # (a model that opted in with allow_batchnorm), and one sample says little about a step
+    low = min(2, high)
     levels: List[int] = []
     for j in range(TIMED_SIZES):
-        size = max(1, high // LOW_SIZE_DIVISOR**j)
+        size = max(low, high // LOW_SIZE_DIVISOR**j)
         if size not in levels:
             levels.append(size)
     return [levels[j % len(levels)] for j in range(int(steps))]

@@ -303,9 +303,9 @@ def test_kill_9_during_a_background_write_resumes_the_previous_checkpoint_exactl
     resumed = _cli(run_dir, token_cache, *every)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     said = (run_dir / "logs" / "rank0.log").read_text()
-    assert f"resumed from {CheckpointManager(run_dir).path(2)} at step 2" in said
+    assert f"resumed from {CheckpointManager(RunDir(run_dir)).path(2)} at step 2" in said
     assert_same_losses(trained, losses(run_dir), range(3, 7))
-    assert [p.name for p in CheckpointManager(run_dir).list()] == ["step_00000006.pt"]
+    assert [p.name for p in CheckpointManager(RunDir(run_dir)).list()] == ["step_00000006.pt"]
 
 
 @pytest.mark.slow

@@ -78,9 +78,10 @@ def test_curve_rejects_bad_figures():
 
 # --------------------------------------------------------------------------- timed sizes
 def test_timed_sizes_cycle_through_three_sizes_within_the_cap():
-    assert timed_sizes(16, 3, 64) == [16, 16 // LOW_SIZE_DIVISOR, 16 // LOW_SIZE_DIVISOR**2]
-    assert timed_sizes(16, 4, 8) == [8, 8 // LOW_SIZE_DIVISOR, 1, 8]
-    assert timed_sizes(4, 4, 64) == [4, 1, 4, 1]  # m / 16 would repeat m / 4
+    assert timed_sizes(16, 3, 64) == [16, 16 // LOW_SIZE_DIVISOR, 2]  # m / 16 = 1: 2 at least
+    assert timed_sizes(16, 4, 8) == [8, 8 // LOW_SIZE_DIVISOR, 8, 8 // LOW_SIZE_DIVISOR]
+    # never one sample when m > 1 (a training-mode BatchNorm refuses a batch of one)
+    assert timed_sizes(4, 4, 64) == [4, 2, 4, 2]
     assert timed_sizes(1, 3, 64) == [1, 1, 1]
     assert timed_sizes(16, 1, 64) == [16]
 
@@ -128,8 +129,8 @@ def test_calibration_fits_three_sizes_and_times_the_optimizer():
 
     cal = calibrate(model, make_batch, torch.device("cpu"), 16, 3, 2**30)
     sizes = [n for n, _ in cal.timings]
-    assert sizes == [16, 4, 1]
-    assert seen == [2, 4, 16, 16, 4, 1]  # probes of 2 and 4, one warm-up pass, the timed ones
+    assert sizes == [16, 4, 2]
+    assert seen == [2, 4, 16, 16, 4, 2]  # probes of 2 and 4, one warm-up pass, the timed ones
     assert all(t > 0 for _, t in cal.timings)
     assert cal.per_sample_s > 0 and cal.overhead_s >= 0 and cal.step_fixed_s > 0
     curve = CostCurve(
@@ -193,7 +194,7 @@ def test_a_rank_done_early_times_more_passes_until_its_peers_are_done():
         Tiny(), make_batch, torch.device("cpu"), 16, 3, 2**30, wait_for_peers=wait_for_peers
     )
     assert asked == [6], "asked once, after the probes, the warm-up and its own three passes"
-    assert [n for n, _ in cal.timings] == [16, 4, 1, 16, 4, 1]
+    assert [n for n, _ in cal.timings] == [16, 4, 2, 16, 4, 2]
     assert peers.waited == 1, "it leaves calibration only through the barrier's wait"
     assert cal.overhead_s >= 0 and cal.per_sample_s > 0
 
