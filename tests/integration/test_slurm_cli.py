@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from hetseq_hpc.launch.sbatch import render_sbatch
+from hetseq_hpc.rundir.paths import RunDir
 from tests.helpers.runs import assert_ok, cli_env, hetseq
 from tests.helpers.slurm import compose_testcluster, slurm_cli
 
@@ -25,7 +26,7 @@ def test_dry_run_writes_the_script_and_submits_nothing(tmp_path, token_cache):
         str(tmp_path / "submitit"),
         sys.executable,
         elastic=True,
-        run_dir=str(tmp_path.resolve()),
+        run_dir=RunDir(tmp_path.resolve()),
     )
     assert "--kill-on-bad-exit=0 --no-kill" in script and "store_server" in script
     assert f"{tmp_path.resolve()}/summary.json" in script
