@@ -354,5 +354,6 @@ def is_peer_failure(exc: BaseException) -> bool:
             "connection reset",
             "timed out",
             "broken pipe",
+            "timeout caused pair closure",  # gloo: a collective's timeout closed the pair
         )
     )

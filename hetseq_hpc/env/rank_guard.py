@@ -46,6 +46,9 @@ PEER_MARKERS = (
     "socket closed",
     "timed out waiting",
     "connection refused",
+    # gloo, when a collective's timeout closes the pair to a silent peer (seen through a
+    # future's callback: "Got the following error when running the callback: ...")
+    "timeout caused pair closure",
 )
 
 
