@@ -79,20 +79,52 @@ trap stop_cluster EXIT
 # the type check of the core packages (pyproject.toml [tool.mypy])
 "$VENV/bin/python" -m mypy hetseq_hpc/balance hetseq_hpc/distributed hetseq_hpc/train
 
+side=$(mktemp -d)   # the logs of the checks that run beside pytest
+wheel_pid=
 if [ "${CI:-}" = true ]; then
-  bash scripts/check_wheel.sh   # the built wheel, installed elsewhere, finds conf/ and trains
+  # the built wheel, installed elsewhere, finds conf/ and trains: beside the tests (it mostly
+  # waits on pip), its log shown after them
+  bash scripts/check_wheel.sh > "$side/wheel.log" 2>&1 &
+  wheel_pid=$!
 fi
 
 extra=()
 if [ "${CI:-}" = true ]; then
   extra=(--durations=30)   # the CI log names the slowest tests (the suite must stay well in 90 min)
 fi
-# parallel workers (pytest-xdist): the Slurm tier waits on its scheduler far more than it
-# computes, so it runs as one group on one worker while the others take the unit and
-# integration tests; HETSEQ_TEST_WORKERS=0 runs everything in this one process
-workers=${HETSEQ_TEST_WORKERS:-3}
-if [ "$workers" != 0 ]; then
-  extra+=(-n "$workers" --dist loadgroup)
+# Parallel (pytest-xdist, CONTRIBUTING.md): the Slurm tier waits on its scheduler far more than
+# it computes, so it runs as its own pytest, its tests one after the other against the one test
+# cluster, beside a pytest of the other tiers on $HETSEQ_TEST_WORKERS workers (2). With pytest
+# arguments, or HETSEQ_TEST_WORKERS=0 (everything in one process), it is one pytest.
+workers=${HETSEQ_TEST_WORKERS:-2}
+rc=0
+if [ "$workers" != 0 ] && [ $# = 0 ] && [ "${HETSEQ_TESTCLUSTER:-}" = 1 ]; then
+  "$VENV/bin/python" -m pytest tests/slurm --basetemp "$side/slurm-tmp" ${extra[@]+"${extra[@]}"} \
+    > "$side/slurm.log" 2>&1 &
+  slurm_pid=$!
+  "$VENV/bin/python" -m pytest --all --ignore=tests/slurm -n "$workers" \
+    ${extra[@]+"${extra[@]}"} || rc=$?
+  slurm_rc=0
+  wait "$slurm_pid" || slurm_rc=$?
+  echo "=================== the Slurm tier (tests/slurm, beside the above) ==================="
+  cat "$side/slurm.log"
+  echo "run-tests: unit/integration/gpu tiers exit $rc, Slurm tier exit $slurm_rc"
+  if [ "$rc" = 0 ]; then rc=$slurm_rc; fi
+else
+  if [ "$workers" != 0 ]; then
+    extra+=(-n "$workers")
+  fi
+  # --all: every tier (bare `pytest` runs only tests/unit; CONTRIBUTING.md)
+  "$VENV/bin/python" -m pytest --all ${extra[@]+"${extra[@]}"} "$@" || rc=$?
 fi
-# --all: every tier (bare `pytest` runs only tests/unit; CONTRIBUTING.md)
-"$VENV/bin/python" -m pytest --all ${extra[@]+"${extra[@]}"} "$@"
+if [ -n "$wheel_pid" ]; then
+  wheel_rc=0
+  wait "$wheel_pid" || wheel_rc=$?
+  cat "$side/wheel.log"
+  if [ "$wheel_rc" != 0 ]; then
+    echo "run-tests: scripts/check_wheel.sh failed (exit $wheel_rc)" >&2
+    if [ "$rc" = 0 ]; then rc=$wheel_rc; fi
+  fi
+fi
+rm -rf "$side"
+exit "$rc"
