@@ -11,18 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hetseq_hpc.balance.allocation import allocate
-from hetseq_hpc.config.compose import compose_run_config
 from hetseq_hpc.distributed.rendezvous import StepStats, single_process_rendezvous
 from hetseq_hpc.errors import NonFiniteLoss, exit_code
 from hetseq_hpc.rundir.paths import RunDir
-from hetseq_hpc.tasks import build_task
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint
 from hetseq_hpc.train.metrics import read_metrics
 from hetseq_hpc.train.nonfinite import nonfinite_error
-from hetseq_hpc.train.records import RankMeta
 from hetseq_hpc.train.trainer import Trainer
-from tests.helpers.runs import SMALL_MODEL
+from tests.helpers.trainers import one_rank_trainer
 
 B = 8  # global batch; micro-batch cap 3 -> micro-batches [3, 3, 2]
 
@@ -33,36 +29,18 @@ def make_trainer(tmp_path, token_cache):
     5 steps, no checkpoint but the last (``trainer.checkpoint_every=0``)."""
 
     def _make(rdv, *overrides: str) -> Trainer:
-        run = compose_run_config(
-            [
-                *SMALL_MODEL,
-                "cluster.ranks=1",
-                "task.model.dropout=0.0",
-                f"trainer.global_batch_size={B}",
-                "trainer.max_steps=5",
-                "trainer.checkpoint_every=0",
-                "trainer.val_every=0",
-                "trainer.plot=false",
-                "optim.warmup_steps=0",
-                f"task.data.cache_dir={token_cache}",
-                "trainer.seed=1",
-                *overrides,
-            ]
-        )
-        task = build_task(run.task, run.trainer.seed)
-        task.prepare()
-        task.load()
-        torch.manual_seed(run.trainer.seed)
-        model = task.build_model()
-        return Trainer(
-            run,
-            RunDir(tmp_path),
+        return one_rank_trainer(
+            tmp_path,
             rdv,
-            task,
-            model,
-            torch.device("cpu"),
-            allocate([1.0], B, [3]),
-            [RankMeta(rank=0, device="cpu", node="test", precision="fp32")],
+            token_cache,
+            "trainer.max_steps=5",
+            "trainer.checkpoint_every=0",
+            "trainer.val_every=0",
+            "trainer.plot=false",
+            *overrides,
+            global_batch=B,
+            cap=3,
+            precision="fp32",
         )
 
     return _make

@@ -14,14 +14,11 @@ import pytest
 import torch
 
 from hetseq_hpc.balance.allocation import allocate
-from hetseq_hpc.config.compose import compose_run_config
 from hetseq_hpc.distributed.rendezvous import single_process_rendezvous
 from hetseq_hpc.rundir.paths import RunDir
-from hetseq_hpc.tasks import build_task
-from hetseq_hpc.train.records import RankMeta
 from hetseq_hpc.train.sync_count import SyncCounter
 from hetseq_hpc.train.trainer import Trainer
-from tests.helpers.runs import SMALL_MODEL
+from tests.helpers.trainers import one_rank_trainer
 
 B = 8
 
@@ -31,31 +28,8 @@ def make_trainer(tmp_path, token_cache):
     """``make_trainer(rdv, cap) -> Trainer`` on one CPU rank, micro-batches of at most ``cap``."""
 
     def _make(rdv, cap: int) -> Trainer:
-        run = compose_run_config(
-            [
-                *SMALL_MODEL,
-                "cluster.ranks=1",
-                "task.model.dropout=0.0",
-                f"trainer.global_batch_size={B}",
-                "trainer.max_steps=6",
-                "optim.warmup_steps=0",
-                f"task.data.cache_dir={token_cache}",
-                "trainer.seed=1",
-            ]
-        )
-        task = build_task(run.task, run.trainer.seed)
-        task.prepare()
-        task.load()
-        torch.manual_seed(run.trainer.seed)
-        return Trainer(
-            run,
-            RunDir(tmp_path),
-            rdv,
-            task,
-            task.build_model(),
-            torch.device("cpu"),
-            allocate([1.0], B, [cap]),
-            [RankMeta(rank=0, device="cpu", node="test")],
+        return one_rank_trainer(
+            tmp_path, rdv, token_cache, "trainer.max_steps=6", global_batch=B, cap=cap
         )
 
     return _make

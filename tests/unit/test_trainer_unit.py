@@ -9,16 +9,12 @@ import copy
 import pytest
 import torch
 
-from hetseq_hpc.balance.allocation import allocate
-from hetseq_hpc.config.compose import compose_run_config
 from hetseq_hpc.distributed.rendezvous import StepStats, single_process_rendezvous
 from hetseq_hpc.errors import CheckpointError
 from hetseq_hpc.rundir.paths import RunDir
-from hetseq_hpc.tasks import build_task
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint
-from hetseq_hpc.train.records import RankMeta
 from hetseq_hpc.train.trainer import Trainer
-from tests.helpers.runs import SMALL_MODEL
+from tests.helpers.trainers import one_rank_trainer
 
 B = 8  # global batch; micro-batch cap 3 -> micro-batches [3, 3, 2] accumulated under no_sync
 
@@ -28,34 +24,7 @@ def make_trainer(tmp_path, token_cache):
     """``make_trainer(rdv, *overrides) -> Trainer`` on one CPU rank, run dir ``tmp_path``."""
 
     def _make(rdv, *overrides: str) -> Trainer:
-        run = compose_run_config(
-            [
-                *SMALL_MODEL,
-                "cluster.ranks=1",
-                "task.model.dropout=0.0",
-                f"trainer.global_batch_size={B}",
-                "optim.warmup_steps=0",
-                f"task.data.cache_dir={token_cache}",
-                "trainer.seed=1",
-                *overrides,
-            ]
-        )
-        task = build_task(run.task, run.trainer.seed)
-        task.prepare()
-        task.load()
-        torch.manual_seed(run.trainer.seed)
-        model = task.build_model()
-        allocation = allocate([1.0], B, [3])
-        return Trainer(
-            run,
-            RunDir(tmp_path),
-            rdv,
-            task,
-            model,
-            torch.device("cpu"),
-            allocation,
-            [RankMeta(rank=0, device="cpu", node="test")],
-        )
+        return one_rank_trainer(tmp_path, rdv, token_cache, *overrides, global_batch=B, cap=3)
 
     return _make
 
