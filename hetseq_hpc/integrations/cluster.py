@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
+import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment
 
 from hetseq_hpc.env.world import WorldInfo
@@ -122,4 +123,24 @@ class HetJobEnvironment(ClusterEnvironment):
             )
 
 
-__all__ = ["NOT_SRUN_STEPS", "HetJobEnvironment", "launched_for_us"]
+def native_root_device(
+    devices: Sequence[torch.device], environment: object, local_rank: int
+) -> Optional[torch.device]:
+    """The device a Lightning or Fabric strategy's rank trains on by hetseq_hpc's rule, or None
+    to keep the framework's: the CPU for CPU devices whatever the local rank; under
+    :class:`HetJobEnvironment` the GPU ``local rank % visible GPUs`` (a het component's ranks
+    number their GPUs from 0 on every node).
+
+    Args:
+        devices: the strategy's ``parallel_devices`` (empty when not set yet).
+        environment: the strategy's cluster environment.
+        local_rank: the rank's index on its node.
+    """
+    if devices and devices[0].type == "cpu":
+        return torch.device("cpu")
+    if devices and devices[0].type == "cuda" and isinstance(environment, HetJobEnvironment):
+        return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+    return None
+
+
+__all__ = ["NOT_SRUN_STEPS", "HetJobEnvironment", "launched_for_us", "native_root_device"]

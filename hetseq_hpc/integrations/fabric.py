@@ -27,7 +27,7 @@ from lightning.fabric.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
 from hetseq_hpc.errors import ConfigError
-from hetseq_hpc.integrations.cluster import HetJobEnvironment
+from hetseq_hpc.integrations.cluster import HetJobEnvironment, native_root_device
 from hetseq_hpc.integrations.engine import HetSeqSettings, cpu_group, rendezvous_of
 from hetseq_hpc.integrations.lightning import check_lightning_version
 from hetseq_hpc.integrations.loop import StepRunner
@@ -61,16 +61,10 @@ class HetSeqFabricStrategy(DDPStrategy):
     def root_device(self) -> torch.device:
         """The CPU for CPU devices whatever the local rank; under HetJobEnvironment the GPU
         ``local rank % visible GPUs``; else Fabric's."""
-        devices = self.parallel_devices or []
-        if devices and devices[0].type == "cpu":
-            return torch.device("cpu")
-        if (
-            devices
-            and devices[0].type == "cuda"
-            and isinstance(self.cluster_environment, HetJobEnvironment)
-        ):
-            return torch.device("cuda", self.local_rank % max(torch.cuda.device_count(), 1))
-        return super().root_device
+        native = native_root_device(
+            self.parallel_devices or [], self.cluster_environment, self.local_rank
+        )
+        return native if native is not None else super().root_device
 
     @property
     def distributed_sampler_kwargs(self) -> Optional[Dict[str, Any]]:

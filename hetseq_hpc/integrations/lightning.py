@@ -34,7 +34,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from hetseq_hpc.distributed.rendezvous import StepStats
 from hetseq_hpc.errors import AllocationError, ConfigError
-from hetseq_hpc.integrations.cluster import HetJobEnvironment
+from hetseq_hpc.integrations.cluster import HetJobEnvironment, native_root_device
 from hetseq_hpc.integrations.data import (
     LoaderSpec,
     StepBatch,
@@ -241,16 +241,10 @@ class HetSeqStrategy(DDPStrategy):
         """The CPU for CPU devices whatever the local rank; under
         :class:`HetJobEnvironment` the GPU ``local rank % visible GPUs`` (the native rule);
         else Lightning's."""
-        devices = self.parallel_devices or []
-        if devices and devices[0].type == "cpu":
-            return torch.device("cpu")
-        if (
-            devices
-            and devices[0].type == "cuda"
-            and isinstance(self.cluster_environment, HetJobEnvironment)
-        ):
-            return torch.device("cuda", self.local_rank % max(torch.cuda.device_count(), 1))
-        return super().root_device
+        native = native_root_device(
+            self.parallel_devices or [], self.cluster_environment, self.local_rank
+        )
+        return native if native is not None else super().root_device
 
     @property
     def distributed_sampler_kwargs(self) -> Dict[str, Any]:
