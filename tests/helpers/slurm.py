@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Optional
 
 from hetseq_hpc.config import CONF_DIR, register_configs, to_run_config
 from hetseq_hpc.launch.slurm import fold_states
@@ -52,21 +53,30 @@ def slurm_cli(
     )
 
 
+def _task_pid(marker: bytes, folder: Path, task: int) -> Optional[int]:
+    """pid of this host's process with ``marker`` and ``folder`` on its command line and
+    ``SLURM_PROCID=task`` (the test cluster's nodes are all here), or None."""
+    for pid, argv, env, _ in processes():
+        if (
+            marker in argv
+            and str(folder).encode() in argv
+            and env.get(b"SLURM_PROCID") == str(task).encode()
+        ):
+            return pid
+    return None
+
+
 def rank_pid(folder: Path, rank: int) -> int:
-    """pid of the job's task ``rank`` on this host (the test cluster's nodes are all here):
-    submitit's ``_submit`` process for ``folder`` with ``SLURM_PROCID=rank``.
+    """pid of the job's task ``rank`` on this host: submitit's ``_submit`` process for
+    ``folder`` with ``SLURM_PROCID=rank``.
 
     Raises:
         AssertionError: there is none.
     """
-    for pid, argv, env, _ in processes():
-        if (
-            b"submitit.core._submit" in argv
-            and str(folder).encode() in argv
-            and env.get(b"SLURM_PROCID") == str(rank).encode()
-        ):
-            return pid
-    raise AssertionError(f"no process of rank {rank} for {folder}")
+    pid = _task_pid(b"submitit.core._submit", folder, rank)
+    if pid is None:
+        raise AssertionError(f"no process of rank {rank} for {folder}")
+    return pid
 
 
 def task_pid(run_dir: Path, task: int) -> int:
@@ -76,14 +86,10 @@ def task_pid(run_dir: Path, task: int) -> int:
     Raises:
         AssertionError: there is none.
     """
-    for pid, argv, env, _ in processes():
-        if (
-            b"hetseq_hpc.worker" in argv
-            and str(run_dir).encode() in argv
-            and env.get(b"SLURM_PROCID") == str(task).encode()
-        ):
-            return pid
-    raise AssertionError(f"no worker of task {task} for {run_dir}")
+    pid = _task_pid(b"hetseq_hpc.worker", run_dir, task)
+    if pid is None:
+        raise AssertionError(f"no worker of task {task} for {run_dir}")
+    return pid
 
 
 def squeue_state(job_id: str) -> str:
