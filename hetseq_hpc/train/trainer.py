@@ -16,8 +16,9 @@ import gc
 import logging
 import math
 import time
+from collections import deque
 from dataclasses import replace
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -170,6 +171,9 @@ class Trainer:
         # row it owes (train/readout.py, docs/design/exact-gradients.md "No host sync")
         self.pending: Optional[PendingStep] = None
         self.owed_row: Optional[PendingStep] = None
+        # the rows of the last two steps, on every rank: a new rank 0 writes those its lost
+        # predecessor owed (one step late, the row of the step before too)
+        self.recent_rows: Deque[Tuple[StepRecord, Dict[str, Any]]] = deque(maxlen=2)
         self.deferring = False  # fit()'s steps leave their results on the device a step
         # resume (or start) the run, then wrap the model for training
         self._resume()
@@ -380,11 +384,15 @@ class Trainer:
                 rec.extra.update(self.last_val)
             self.phase = EVALUATED
         if self.phase < LOGGED:
+            row = self._row(rec)
+            if self.recent_rows and self.recent_rows[-1][0] is rec:  # redone after a recovery
+                self.recent_rows.pop()
+            self.recent_rows.append((rec, row))
             if self.pending is not None and self.pending.rec is rec:  # read with the next step
-                self.pending.row, self.pending.last_val = self._row(rec), self.last_val
+                self.pending.row, self.pending.last_val = row, self.last_val
                 self.owed_row = self.pending
             else:
-                step_log.log(rec, step, self._row(rec), self.last_val)
+                step_log.log(rec, step, row, self.last_val)
             self.phase = LOGGED
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or is_last or rec.stop_code:
             self._settle_or_stop()  # a checkpoint holds an applied step, after its row
@@ -435,9 +443,10 @@ class Trainer:
 
     def _recovered(self, event: Dict[str, Any]) -> None:
         """After a recovery: its event waits for the next completed step; the new rank 0's
-        loggers open at the agreed step (:meth:`StepLog.recovered`)."""
-        last = self.history[-1] if self.history else None
-        owed = (last, self._row(last)) if last is not None and last.step == self.step else None
+        loggers open at the agreed step and write the rows a lost rank 0 may have owed
+        (:meth:`StepLog.recovered`: the last two steps' rows, each written once)."""
+        kept = {id(r) for r in self.history[-2:]}
+        owed = [(rec, row) for rec, row in self.recent_rows if id(rec) in kept]
         self._step_log().recovered(event, self.rank, self.step, self.phase >= LOGGED, owed)
 
     # ------------------------------------------------------------------ one step

@@ -22,12 +22,17 @@ def _log(run_dir, step: int, rank: int = 0) -> StepLog:
     return StepLog(RUN, RunDir(run_dir), step, rank, {})
 
 
-def _recovered(log: StepLog, step: int, phase: int, rank: int = 0) -> None:
-    """What the Trainer passes after a recovery agreed on ``step`` and ``phase``: the step's
-    record (validated) and its row, owed when the survivors were past the row."""
+def _owed(step: int):
+    """A step's record (validated) and its row, as the Trainer keeps them on every rank."""
     rec = SimpleNamespace(step=step, loss=4.5, extra={"val_loss": 4.75})
-    row = {"step": step, "loss": 4.5, "run_id": "run-1", **rec.extra}
-    log.recovered({"event": "membership", "step": step}, rank, step, phase >= LOGGED, (rec, row))
+    return rec, {"step": step, "loss": 4.5, "run_id": "run-1", **rec.extra}
+
+
+def _recovered(log: StepLog, step: int, phase: int, rank: int = 0, back: int = 1) -> None:
+    """What the Trainer passes after a recovery agreed on ``step`` and ``phase``: the records
+    and rows of the last ``back`` steps up to ``step``, owed when the survivors were past them."""
+    owed = [_owed(s) for s in range(step - back + 1, step + 1)]
+    log.recovered({"event": "membership", "step": step}, rank, step, phase >= LOGGED, owed)
 
 
 def _rows_before(run_dir, last: int) -> None:
@@ -64,6 +69,27 @@ def test_a_row_already_written_is_not_repeated_and_other_ranks_write_nothing(tmp
     assert _steps(tmp_path) == list(range(1, 12))
 
 
+def test_both_rows_a_rank0_reading_one_step_late_owed_are_written_in_order(tmp_path):
+    """A step's loss is read during the next step, so rank 0 writes row 11 only after step 12
+    trained everywhere: killed then, it owed rows 11 and 12 (found by
+    tests/slurm/test_elastic_slurm.py, victim 0, in CI: row 11 was missing)."""
+    _rows_before(tmp_path, 10)
+    log = _log(tmp_path, 12)
+    _recovered(log, 12, LOGGED, back=2)
+    _recovered(log, 12, LOGGED, back=2)  # a second recovery: neither repeated
+    log.close()
+    assert _steps(tmp_path) == list(range(1, 13))
+
+
+def test_the_step_before_is_written_even_when_its_own_row_is_redone(tmp_path):
+    """Survivors before step 12's row redo it; row 11, owed one step late, is written now."""
+    _rows_before(tmp_path, 10)
+    log = _log(tmp_path, 12)
+    _recovered(log, 12, EVALUATED, back=2)
+    log.close()
+    assert _steps(tmp_path) == list(range(1, 12)) and log.check_logged == 12
+
+
 def test_before_the_row_phase_the_row_is_left_to_the_redo(tmp_path):
     """Survivors that had not all passed the row redo it (``StepLog.log``, which checks the
     file)."""
@@ -72,3 +98,27 @@ def test_before_the_row_phase_the_row_is_left_to_the_redo(tmp_path):
     _recovered(log, 11, EVALUATED)
     log.close()
     assert _steps(tmp_path) == list(range(1, 11)) and log.check_logged == 11
+
+
+def test_a_survivor_trainer_hands_the_new_rank0_the_last_two_rows(tmp_path, token_cache):
+    """The Trainer side, in-process on one CPU rank: a rank that did not write (not rank 0)
+    trains three steps read one step late, becomes rank 0 in a recovery, and writes rows 2
+    and 3 with the losses its steps read (row 1 was the lost rank 0's)."""
+    from hetseq_hpc.distributed.rendezvous import single_process_rendezvous
+    from tests.helpers.trainers import one_rank_trainer
+
+    with single_process_rendezvous() as rdv:
+        trainer = one_rank_trainer(
+            tmp_path, rdv, token_cache, "trainer.max_steps=6", "trainer.log_every=1"
+        )
+        assert trainer.can_defer()
+        trainer.step_log = StepLog(trainer.run, trainer.run_dir, 0, 1, {})  # rank 1's
+        trainer.deferring = True
+        for _ in range(3):
+            trainer.advance()
+        trainer.settle_pending(gather=False)  # as fit() does before a recovery
+        trainer._recovered({"event": "membership", "step": 3})
+        trainer.step_log.close()
+    rows = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert [r["step"] for r in rows] == [2, 3]
+    assert [r["loss"] for r in rows] == [rec.loss for rec in trainer.history[1:]]

@@ -2,8 +2,8 @@
 other ``trainer.loggers``), the progress line, the resume note of the first row and the
 membership events of a recovery, written with the next completed step.
 
-A recovery may change rank 0: the new one opens the loggers at the agreed step and writes a
-row its lost predecessor owed, once (it reads the file: a row already there is not repeated).
+A recovery may change rank 0: the new one opens the loggers at the agreed step and writes the
+rows its lost predecessor owed, once (it reads the file: a row already there is not repeated).
 The phases the rows belong to: :class:`hetseq_hpc.train.trainer.Trainer`.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from hetseq_hpc.config.schema import RunConfig
 from hetseq_hpc.rundir.paths import RunDir
@@ -96,20 +96,24 @@ class StepLog:
         rank: int,
         step: int,
         past_row: bool,
-        owed: Optional[Tuple[StepRecord, Dict[str, Any]]],
+        owed: Sequence[Tuple[StepRecord, Dict[str, Any]]],
     ) -> None:
         """After a recovery: keep its ``event`` for the next completed step; the new rank 0
         (``rank``) opens the loggers at the agreed ``step`` (a row cut off by a lost rank 0 is
-        dropped). ``past_row``: the survivors were past the row of ``step``, whose record and
-        row ``owed`` are (when its record is the last one): a rank 0 lost in between may not
-        have written it."""
+        dropped). ``owed``: the records and rows of the last steps up to ``step``, oldest
+        first, that a rank 0 lost in between may not have written: a row is read one step late
+        (:mod:`hetseq_hpc.train.readout`), so the lost rank 0 may owe the row of ``step - 1``
+        as well as that of ``step``. ``past_row``: the survivors were past the row of
+        ``step`` (False: its phase is redone, and :meth:`log` checks the file then)."""
         self.events.append(event)
         if self.writer is not None:
             self.writer.close()
         self.writer = open_loggers(self.run, self.run_dir, step) if rank == 0 else None
         self.check_logged = step if not past_row else None
-        if past_row and self.writer is not None and owed is not None:
-            self._write_owed_row(self.writer, step, *owed)
+        if self.writer is not None:
+            for rec, row in owed:
+                if rec.step < step or (rec.step == step and past_row):
+                    self._write_owed_row(self.writer, rec.step, rec, row)
         self.progress.enabled = rank == 0
 
     def _write_owed_row(
