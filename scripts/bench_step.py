@@ -10,10 +10,14 @@ adds to the median step's critical path (the time the training thread waits for 
 ``data_time_s``; the batches of step k+1 are built while step k runs), beside the same with the
 batches built on the training thread, nothing ahead (``sleep_cost_ms_unprefetched``) and the difference of
 the median step wall times (``sleep_cost_wall_ms``: the same, plus this machine's noise).
-``checkpoint_block_s`` and ``compile_speedup`` are measured by other scripts
-(``EXTERNAL``): null here until one is wired in. Last line: one JSON object.
+(c) ``compile_speedup``: samples/s of the steady-state steps of a ``trainer.compile=on``
+Trainer over an eager one, steps interleaved, after the compiling first steps (``--no-compile``
+skips it: null). (d) ``checkpoint_block_s``: with ``--checkpoint``, the training thread's
+blocking time per checkpoint of a BERT-base-sized state (``scripts/bench_checkpoint.py``,
+2-3 min, 1.3 GB of memory; else null). Last line: one JSON object.
 
     python scripts/bench_step.py [--steps 12] [--hidden 128] [--layers 2] [--batch 16]
+        [--no-compile] [--checkpoint]
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict
 
 import torch
 
@@ -40,17 +44,10 @@ from hetseq_hpc.train.records import RankMeta
 from hetseq_hpc.train.sync_count import SyncCounter
 from hetseq_hpc.train.trainer import Trainer
 
-#: keys other scripts fill in (scripts/bench_checkpoint.py, a compile benchmark): each a
-#: ``() -> value`` or None (printed as null: not measured here)
-EXTERNAL: Dict[str, Optional[Callable[[], Any]]] = {
-    "checkpoint_block_s": None,
-    "compile_speedup": None,
-}
-
 SLEEP_S = 0.020
 
 
-def make_trainer(rdv, args, cap: int, run_dir: Path, cache: Path) -> Trainer:
+def make_trainer(rdv, args, cap: int, run_dir: Path, cache: Path, *extra: str) -> Trainer:
     run = compose_run_config(
         [
             f"task.model.hidden_size={args.hidden}",
@@ -64,6 +61,7 @@ def make_trainer(rdv, args, cap: int, run_dir: Path, cache: Path) -> Trainer:
             f"trainer.max_steps={10 * args.steps}",
             "optim.warmup_steps=0",
             f"task.data.cache_dir={cache}",
+            *extra,
         ]
     )
     task = build_task(run.task, run.trainer.seed)
@@ -134,12 +132,35 @@ def sleep_cost_ms(rdv, args, run_dir: Path, cache: Path, prefetch: bool) -> Dict
     }
 
 
+def compile_speedup(rdv, args, run_dir: Path, cache: Path) -> Dict[str, float]:
+    """Median step time (ms) of an eager and a ``trainer.compile=on`` Trainer, steps
+    interleaved, after 3 steps each (the compiled one's first step compiles)."""
+    eager = make_trainer(rdv, args, args.batch, run_dir / "eager", cache)
+    compiled = make_trainer(
+        rdv, args, args.batch, run_dir / "compiled", cache, "trainer.compile=on"
+    )
+    times: Dict[str, list] = {"eager": [], "compiled": []}
+    for step in range(1, args.steps + 4):
+        for name, trainer in (("eager", eager), ("compiled", compiled)):
+            t0 = time.perf_counter()
+            trainer.train_step(step, settle=False)
+            if step > 3:
+                times[name].append(time.perf_counter() - t0)
+    for trainer in (eager, compiled):
+        trainer.settle_pending()
+        trainer.batches.close()
+    step = {k: 1000 * statistics.median(v) for k, v in times.items()}
+    return {"eager_ms": round(step["eager"], 2), "compiled_ms": round(step["compiled"], 2)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--no-compile", action="store_true", help="skip compile_speedup")
+    parser.add_argument("--checkpoint", action="store_true", help="measure checkpoint_block_s")
     args = parser.parse_args()
     out: Dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp, single_process_rendezvous() as rdv:
@@ -150,6 +171,7 @@ def main() -> None:
         print(f"syncs per steady-state step: {by_k}", flush=True)
         overlapped = sleep_cost_ms(rdv, args, root / "on", cache, prefetch=True)
         unprefetched = sleep_cost_ms(rdv, args, root / "off", cache, prefetch=False)
+        compiled = None if args.no_compile else compile_speedup(rdv, args, root / "c", cache)
     out["step_ms"] = overlapped["step_ms"]
     out["sleep_cost_ms"] = round(overlapped["cost_ms"], 2)
     out["sleep_cost_ms_unprefetched"] = round(unprefetched["cost_ms"], 2)
@@ -160,8 +182,16 @@ def main() -> None:
         f"step {out['step_ms']} ms",
         flush=True,
     )
-    for key, measure in EXTERNAL.items():
-        out[key] = measure() if measure is not None else None
+    out["compile_speedup"] = None
+    if compiled is not None:  # samples/s compiled over eager = eager time over compiled time
+        out["compile_speedup"] = round(compiled["eager_ms"] / compiled["compiled_ms"], 3)
+        out["compile_step_ms"] = compiled
+        print(f"trainer.compile=on: {compiled} per step", flush=True)
+    out["checkpoint_block_s"] = None
+    if args.checkpoint:
+        from bench_checkpoint import measure_checkpoint_block_s
+
+        out["checkpoint_block_s"] = round(measure_checkpoint_block_s(), 3)
     out["machine"] = {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__}
     out["model"] = {"hidden": args.hidden, "layers": args.layers, "batch": args.batch}
     print(json.dumps(out))

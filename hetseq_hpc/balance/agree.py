@@ -38,6 +38,7 @@ class RankMeta:
     partition: Optional[str] = None
     gres: Optional[str] = None
     precision: Optional[str] = None  # what the rank computes in (fp32, bf16, fp16)
+    compiled: Optional[bool] = None  # trainer.compile compiles its units (None: not said)
 
 
 @dataclass(frozen=True)

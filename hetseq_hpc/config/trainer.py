@@ -13,6 +13,9 @@ LOGGER_NAMES = ("jsonl", "csv", "tensorboard", "wandb")
 #: seed_everything allows the same range)
 MAX_SEED = 2**32 - 1
 
+#: what trainer.compile accepts
+COMPILE_MODES = ("off", "on", "auto")
+
 #: optim=adamw's peak learning rate: hetseq_hpc's own models (task=bert, image, translation)
 #: trained from scratch at their small default sizes
 ADAMW_LR = 1e-3
@@ -80,6 +83,10 @@ class TrainerConfig:
     # thread while training goes on (costs a CPU copy of the model and optimizer state,
     # pinned on CUDA); false = the training thread writes it
     checkpoint_async: bool = True
+    # torch.compile each sharding unit (transformer block) in place: on, off, or auto = on for
+    # a CUDA rank and off on a CPU (compiling takes tens of seconds there and gains nothing in
+    # fp32); validation runs eager; docs/performance.md
+    compile: str = "auto"
     # auto = continue from the latest checkpoint of the run dir; never; or a checkpoint path
     resume: str = "auto"
     # clip the global gradient norm to this value; 0 = no clipping
@@ -137,6 +144,10 @@ class TrainerConfig:
             f"any of {', '.join(LOGGER_NAMES)}, e.g. trainer.loggers=[jsonl,tensorboard]",
         )
         require(self.grad_clip >= 0, f"trainer.grad_clip={self.grad_clip} is invalid: use >= 0")
+        require(
+            str(self.compile) in COMPILE_MODES,
+            f"trainer.compile={self.compile} is invalid: use on, off or auto",
+        )
 
 
 @dataclass

@@ -37,6 +37,7 @@ from hetseq_hpc.train.checkpoint.shards import (
     shard_dir_of,
     with_full_tensors,
 )
+from hetseq_hpc.train.compile import compile_in_place, compiles
 from hetseq_hpc.train.ddp_hooks import HookState, no_forward_buffer_sync
 from hetseq_hpc.train.precision import GradientPath
 
@@ -600,7 +601,8 @@ def build_parallel(
     run: RunConfig, task: Task, model: nn.Module, device: torch.device, mode: str
 ) -> Replicated:
     """The strategy for ``mode`` (``ddp`` or ``fsdp``, as decided for ``sharding.mode``), with
-    ``sharding.activation_checkpointing`` applied to the task's sharding units first. ``ddp``
+    ``sharding.activation_checkpointing`` applied to the task's sharding units first, then
+    ``trainer.compile`` (each unit compiled in place, :mod:`hetseq_hpc.train.compile`). ``ddp``
     moves the model to ``device``; ``fsdp`` shards it onto ``device`` (a collective: every
     rank calls this at the same point)."""
     units = list(task.sharding_units(model)) if hasattr(task, "sharding_units") else []
@@ -611,6 +613,15 @@ def build_parallel(
                 "units: nothing is recomputed"
             )
         activation_checkpointing(units)
+    if compiles(run.trainer.compile, device):
+        done = compile_in_place(model, units)
+        log.info(
+            "trainer.compile=%s: %d module(s) compiled in place (%s); the first steps include "
+            "the compile",
+            run.trainer.compile,
+            len(done),
+            type(done[0]).__name__,
+        )
     if mode == "fsdp":
         return Sharded(model, units, device, run.sharding.cpu_offload, run.sharding.checkpoint)
     return Replicated(model.to(device), device)

@@ -39,6 +39,7 @@ from hetseq_hpc.tasks.base import Task
 from hetseq_hpc.tasks.contract import check_loss, checked_batch, checked_count
 from hetseq_hpc.train.batches import BatchKey, BatchPrefetcher
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, require_entries
+from hetseq_hpc.train.compile import compiled_graphs, compiles, eager
 from hetseq_hpc.train.ddp_hooks import HookState
 from hetseq_hpc.train.evaluate import evaluate_task
 from hetseq_hpc.train.fsdp_accumulation import agree_on_accumulation
@@ -149,6 +150,11 @@ class Trainer:
         self.reset_gradient_path()
         # DDP or FSDP2 (train/parallel.py); FSDP shards the model in place, before the optimizer
         self.parallel = parallel or build_parallel(run, task, model, device, sharding)
+        # trainer.compile: this rank's units compiled in place (train/compile.py), and whether
+        # any rank's are (the same answer on every rank: the first step of a split may compile)
+        self.compiled = compiles(self.cfg.compile, device)
+        self.graphs = 0  # graphs compiled for this Trainer when the last step ended
+        self._graphs_before = compiled_graphs() if self.compiled else 0  # by others before
         self.optimizer, self.scheduler = build_optimizer(model, run)
         self.checkpoints = CheckpointManager(
             self.run_dir, self.cfg.keep_checkpoints, self.cfg.checkpoint_async
@@ -307,7 +313,8 @@ class Trainer:
         self._fit_started = (time.perf_counter(), self.step)  # the wall-clock rate's start
         self.deferring = True
         if self.elastic is not None:
-            self.elastic.expect(self.allocation)  # the step's collective timeout
+            # the step's collective timeout; the first step of a compiled run compiles
+            self.elastic.expect(self.allocation, compiling=self.any_compiles())
             self.elastic.arm()  # a lost peer is recovered from now on
         summary = None
         try:
@@ -370,6 +377,8 @@ class Trainer:
             )
             if self.elastic is not None:
                 self.elastic.observe_step(rec)
+            if self.compiled:
+                self.count_graphs(rec)
             step_log.flush_events(self.run_id)  # the next completed step after a recovery
         rec, step = self.history[-1], self.step
         is_last = step == cfg.max_steps
@@ -773,6 +782,8 @@ class Trainer:
             **{k: why[k] for k in ("gain", "supported_gain", "errors") if k in why},
         }
         self.allocation = new
+        if self.elastic is not None and self.any_compiles():
+            self.elastic.expect(new, compiling=True)  # a new micro-batch may compile a graph
         if self.on_allocation is not None:
             self.on_allocation(new)
 
@@ -781,7 +792,9 @@ class Trainer:
         under FSDP on the shards if the task evaluates in fixed passes, else gathered whole."""
         self.batches.wait()  # make_batch never runs in two threads at once
         fixed = self.task.evaluates_in_fixed_passes()
-        with self.parallel.for_evaluation(fixed) as model:
+        # eager under trainer.compile: validation's shapes would compile more graphs, and a
+        # first validation compiling on some ranks only would look like a stuck peer
+        with self.parallel.for_evaluation(fixed) as model, eager():
             return evaluate_task(
                 self.task,
                 model,
@@ -792,6 +805,28 @@ class Trainer:
                 same_passes=self.parallel.sharded and fixed,
                 before_gather=self._first_validation_wait,
             )
+
+    def any_compiles(self) -> bool:
+        """Whether ``trainer.compile`` compiles on any rank of the world (each rank says so in
+        its :attr:`metas`: the same answer on every rank)."""
+        return any(bool(m.compiled) for m in self.metas)
+
+    def count_graphs(self, rec: StepRecord) -> None:
+        """After a step on a compiled rank: log the graphs its passes compiled, if any (the
+        first step; a re-balance's new micro-batch), with the total in the step's row
+        (``compiled_graphs``). At most :data:`~hetseq_hpc.train.compile.RECOMPILE_LIMIT` per
+        unit; past it torch runs new shapes eagerly (exact either way)."""
+        graphs = compiled_graphs() - self._graphs_before
+        if graphs > self.graphs:
+            log.info(
+                "step %d: compiled %d graph(s) (%d in all; micro-batches %s)",
+                rec.step,
+                graphs - self.graphs,
+                graphs,
+                self.allocation.shares[self.rank].micro_batch,
+            )
+            rec.extra["compiled_graphs"] = graphs
+            self.graphs = graphs
 
     def _first_validation_wait(self, local_s: float) -> Optional[float]:
         """With in-job recovery, the first validation's gather waits an estimate from this
@@ -964,7 +999,8 @@ class Trainer:
 
     def summary(self) -> Dict[str, Any]:
         """Final figures (see :func:`~hetseq_hpc.train.metrics.run_summary`), with the ranks'
-        precisions and the gradient combine (:meth:`GradientPath.summary`), the sharding mode and
+        precisions and the gradient combine (:meth:`GradientPath.summary`), the sharding mode,
+        ``trainer.compile`` (``compile``: the mode, each rank compiled or not) and
         every rank's memory (:func:`~hetseq_hpc.train.parallel.rank_memory`; a collective)."""
         out = run_summary(
             self.history,
@@ -983,6 +1019,11 @@ class Trainer:
             out["fit_s"] = seconds
         out.update(self.grad_path.summary())
         out["sharding"] = self.parallel.describe()
+        # trainer.compile: the mode asked and whether each rank compiled its units
+        out["compile"] = {
+            "mode": self.cfg.compile,
+            "ranks": [bool(m.compiled) for m in self.metas],
+        }
         out["memory"] = self.rdv.all_gather_objects(  # every rank's, in rank order
             rank_memory(self.model, self.optimizer, self.device, self.parallel.memory_watch)
         )

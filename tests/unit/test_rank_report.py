@@ -76,6 +76,6 @@ def test_allocation_json_holds_each_ranks_parts_as_before(tmp_path):
     assert ranks[2]["calibration"]["samples_per_s"] == 30.0 and ranks[0]["emulation"] is None
     assert ranks[0]["share"]["samples"] == 2
     assert set(ranks[0]) == {
-        "rank", "device", "node", "het_group", "partition", "gres", "precision",
+        "rank", "device", "node", "het_group", "partition", "gres", "precision", "compiled",
         "world", "probe", "calibration", "emulation", "share",
     }  # fmt: skip

@@ -264,6 +264,8 @@ class ElasticWorld:
         else:
             trainer.rejoin(rdv, metas, allocation)
         self.timeout.predict(predicted_step_s(allocation))
+        if trainer.any_compiles():  # the new split (or rebuilt model) may compile first
+            self.timeout.allow(self.run.cluster.collective_timeout_s)
         self.timeout.apply()  # on the new default group
         event.update(
             split=list(allocation.samples),
@@ -348,10 +350,16 @@ class ElasticWorld:
         trainer.checkpoints.finish(rdv)  # on disk before the requeue
         raise Preempted(trainer.step, REQUEUE, why, leader=rdv.world.rank == 0)
 
-    def expect(self, allocation: Allocation) -> None:
+    def expect(self, allocation: Allocation, compiling: bool = False) -> None:
         """A split starts (the first, or a re-formed world's): its predicted step time sets
-        the training-step collective timeout (:class:`StepTimeout`)."""
-        if self.timeout.predict(predicted_step_s(allocation)):
+        the training-step collective timeout (:class:`StepTimeout`). ``compiling``: its first
+        step may compile graphs (``trainer.compile``) on some ranks, which the others wait
+        for: that step alone may also take ``cluster.collective_timeout_s``, and its time is
+        not taken as a step time."""
+        stale = self.timeout.predict(predicted_step_s(allocation))
+        if compiling:
+            stale = self.timeout.allow(self.run.cluster.collective_timeout_s)
+        if stale:
             self.timeout.apply()
 
     def observe_step(self, rec: StepRecord) -> None:

@@ -40,6 +40,10 @@ class TrainState(Protocol):
         """Whether the model is sharded (FSDP: a lost rank takes its shard with it)."""
         ...
 
+    def any_compiles(self) -> bool:
+        """Whether ``trainer.compile`` compiles on any rank (a split's first step may compile)."""
+        ...
+
     def state_dict(self, tensors: bool = True) -> Dict[str, Any]:
         """Everything a checkpoint holds, as plain data (the model and optimizer state
         unless ``tensors`` is false)."""

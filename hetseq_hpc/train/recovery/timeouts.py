@@ -48,12 +48,19 @@ class StepTimeout:
         self.predicted_s = 0.0
         self.recent: Deque[float] = deque(maxlen=window)
         self.applied: Optional[float] = None
+        self.allowance_s = 0.0  # the next step's extra time (a compile), see allow()
 
     @property
     def seconds(self) -> float:
         """The timeout now, seconds."""
         longest = max(self.recent) if self.recent else 2.0 * self.predicted_s
-        return max(self.floor_s, self.factor * max(longest, self.predicted_s))
+        return max(self.floor_s, self.factor * max(longest, self.predicted_s)) + self.allowance_s
+
+    def allow(self, seconds: float) -> bool:
+        """Give the next step ``seconds`` more (it may compile graphs); its measured time is
+        then not recorded. True when the timeout should be applied again."""
+        self.allowance_s = max(0.0, float(seconds))
+        return self.stale()
 
     def predict(self, seconds: float) -> bool:
         """Set the predicted step time (of a new split); True when the timeout should be
@@ -62,8 +69,12 @@ class StepTimeout:
         return self.stale()
 
     def observe(self, seconds: float) -> bool:
-        """Record a measured step time; True when the timeout should be applied again."""
-        self.recent.append(max(0.0, float(seconds)))
+        """Record a measured step time (not that of a step given an allowance: it compiled);
+        True when the timeout should be applied again."""
+        if self.allowance_s:
+            self.allowance_s = 0.0
+        else:
+            self.recent.append(max(0.0, float(seconds)))
         return self.stale()
 
     def rescale(self, ratio: float) -> None:
