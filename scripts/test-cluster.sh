@@ -4,6 +4,7 @@
 #   scripts/test-cluster.sh start    # install (if needed) + start; last stdout line: export SLURM_CONF=...
 #   scripts/test-cluster.sh status   # daemons + sinfo; exit 0 if up, 1 if not
 #   scripts/test-cluster.sh stop     # cancel jobs, stop only the daemons we started, undo /etc/hosts
+#   scripts/test-cluster.sh link n3 down|up|1gbit|none   # netns mode: cut, restore, shape a link
 #
 # Layout: one slurmctld and four emulated slurmd (`slurmd -N n1` ... `n4`, Debian's slurmd is
 # built with multiple-slurmd support) on this host:
@@ -32,6 +33,9 @@
 #   HETSEQ_TESTCLUSTER_CTLD_PORT        slurmctld port          (default auto: a free port)
 #   HETSEQ_TESTCLUSTER_SLURMD_PORT_BASE slurmd of nK listens on BASE+K (default auto: free)
 #   HETSEQ_TESTCLUSTER_EDIT_HOSTS       1 (default): add n1..n4 to /etc/hosts; 0: don't
+#   HETSEQ_TESTCLUSTER_NETNS            1: every node in its own network namespace with its own
+#                                       address on a bridge (nodes c<TAG>n1..4; section "netns")
+#   HETSEQ_TESTCLUSTER_LINKS            netns mode: shaped links, e.g. n1=10gbit,n3=1gbit (tbf)
 #
 # Progress messages go to stderr; stdout of `start` is only the `export SLURM_CONF=...` line,
 # so both `eval "$(scripts/test-cluster.sh start)"` and `... start | tail -n1` work.
@@ -46,6 +50,18 @@ EDIT_HOSTS=${HETSEQ_TESTCLUSTER_EDIT_HOSTS:-1}
 
 EXIT_UNAVAILABLE=3
 NODES=(n1 n2 n3 n4)
+# Network-namespace mode (HETSEQ_TESTCLUSTER_NETNS=1 at start; recorded in $NETNS_RECORD so
+# that status/stop/link know it): every node's slurmd in its own namespace, see "netns" below.
+NETNS_WANTED=${HETSEQ_TESTCLUSTER_NETNS:-0}
+NETNS=0               # 1 once this directory's cluster is (being) started in netns mode
+LINKS=${HETSEQ_TESTCLUSTER_LINKS:-}
+# Every name of this cluster's network objects starts with hsq<TAG>, TAG derived from the
+# state directory (5 digits of its CRC): namespaces hsq<TAG>n<K>, bridge hsq<TAG>br, the
+# root-side veths hsq<TAG>v<K> and their peers hsq<TAG>p<K> (inside the namespaces).
+NETNS_TAG=$(printf '%05d' "$(( $(printf '%s' "$DIR" | cksum | cut -d' ' -f1) % 100000 ))")
+NETNS_PREFIX=hsq$NETNS_TAG
+NETNS_SUBNET=""       # 10.231.<idx> of this cluster, picked at start (under $LOCK) and recorded
+NETNS_RECORD=$DIR/run/ours/netns.env
 CONF_DIR=$DIR/etc
 CONF=$CONF_DIR/slurm.conf
 RUN=$DIR/run          # pid files written by the Slurm daemons themselves
@@ -75,7 +91,7 @@ die() { local code=$1; shift; log "$*"; exit "$code"; }
 
 usage() {
     cat <<EOF
-Usage: $PROG start|stop|status|--help
+Usage: $PROG start|stop|status|link NODE down|up|RATE|none|--help
 
 A single-host Slurm test cluster: slurmctld + 4 emulated slurmd (n1..n4), partitions
 a100 = n[1-2] (gres gpu:a100:2 per node) and v100 = n[3-4] (gres gpu:v100:2 per node).
@@ -90,6 +106,13 @@ a100 = n[1-2] (gres gpu:a100:2 per node) and v100 = n[3-4] (gres gpu:v100:2 per 
   stop     cancel all jobs, stop the daemons this script started (by recorded PID),
            remove the /etc/hosts lines it added. Logs stay in $DIR/log.
   status   show the daemons and sinfo; exit 0 if the cluster is up, 1 if not.
+  link     netns mode only: cut (down) or restore (up) node NODE's link (n1..n4), or shape
+           it to RATE (e.g. 1gbit, 100mbit; tbf both ways) or unshape it (none).
+
+HETSEQ_TESTCLUSTER_NETNS=1 at start: every node's slurmd in its own network namespace with
+its own address on a bridge made here (nodes c<TAG>n1..4, TAG from the state directory);
+HETSEQ_TESTCLUSTER_LINKS=n1=10gbit,n3=1gbit shapes links. Exit 3 where namespaces are
+not allowed. stop removes this cluster's namespaces, links and bridge.
 
 State directory: \$HETSEQ_TESTCLUSTER_DIR (now: $DIR). Another directory is another
 cluster: HETSEQ_TESTCLUSTER_DIR=/tmp/my-cluster $0 start|stop|status.
@@ -144,10 +167,15 @@ ours_alive() {
     [[ -n $pid ]] && pid_is "$pid" "$(daemon_comm "$1")"
 }
 
-node_index() { echo "${1#n}"; }
+node_index() { echo "${1##*n}"; }
 # Each emulated node gets its own loopback address (all of 127.0.0.0/8 is loopback on Linux):
-# n1 -> 127.0.0.11, ..., n4 -> 127.0.0.14.
-node_addr() { echo "127.0.0.$(( 10 + $(node_index "$1") ))"; }
+# n1 -> 127.0.0.11, ..., n4 -> 127.0.0.14; in netns mode its namespace's address on the
+# cluster's bridge, <subnet>.11 ... <subnet>.14.
+node_addr() {
+    if [[ -n $NETNS_SUBNET ]]; then echo "$NETNS_SUBNET.$(( 10 + $(node_index "$1") ))"
+    else echo "127.0.0.$(( 10 + $(node_index "$1") ))"
+    fi
+}
 node_port() { echo "$(( SLURMD_PORT_BASE + $(node_index "$1") ))"; }
 
 check_settings() {
@@ -158,6 +186,8 @@ check_settings() {
         die 1 "HETSEQ_TESTCLUSTER_CTLD_PORT must be a port number or auto (got '$CTLD_PORT')"
     [[ $SLURMD_PORT_BASE == auto || $SLURMD_PORT_BASE =~ ^[0-9]+$ ]] ||
         die 1 "HETSEQ_TESTCLUSTER_SLURMD_PORT_BASE must be a number or auto (got '$SLURMD_PORT_BASE')"
+    [[ $NETNS_WANTED == 0 || $NETNS_WANTED == 1 ]] ||
+        die 1 "HETSEQ_TESTCLUSTER_NETNS must be 0 or 1 (got '$NETNS_WANTED')"
 }
 
 # ----------------------------------------------------------------- installation
@@ -220,13 +250,15 @@ ensure_installed() {
 # ------------------------------------------------------------------- configuration
 
 write_slurm_conf() {
-    local n a100=() v100=()
+    local n a100=() v100=() ctld_host=localhost
+    # netns mode: the nodes reach the controller at the bridge's address
+    if [[ -n $NETNS_SUBNET ]]; then ctld_host="localhost($(ctld_addr))"; fi
     cat > "$CONF" <<EOF
 # Generated by scripts/test-cluster.sh -- single-host Slurm test cluster for hetseq_hpc.
 # Do not edit: rewritten on every start.
 ClusterName=hetseqtest
-# The controller runs on this host; clients and slurmds reach it at localhost:$CTLD_PORT.
-SlurmctldHost=localhost
+# The controller runs on this host; clients and slurmds reach it at $(ctld_addr):$CTLD_PORT.
+SlurmctldHost=$ctld_host
 SlurmctldPort=$CTLD_PORT
 # Everything runs as root (the script is run as root; no slurm user setup needed).
 SlurmUser=root
@@ -321,8 +353,8 @@ write_gres_conf() {
 # 'mknod FILE c 1 3' (same device as /dev/null). Tasks still get CUDA_VISIBLE_DEVICES,
 # SLURM_JOB_GPUS and SLURM_GPUS_ON_NODE. Every node uses the same two device files.
 AutoDetect=off
-NodeName=n[1-2] Name=gpu Type=a100 File=$DIR/dev/nvidia[0-1]
-NodeName=n[3-4] Name=gpu Type=v100 File=$DIR/dev/nvidia[0-1]
+NodeName=${NODES[0]},${NODES[1]} Name=gpu Type=a100 File=$DIR/dev/nvidia[0-1]
+NodeName=${NODES[2]},${NODES[3]} Name=gpu Type=v100 File=$DIR/dev/nvidia[0-1]
 EOF
 }
 
@@ -531,6 +563,213 @@ any_ours_alive() {
     return 1
 }
 
+# ------------------------------------------------------------------------- netns
+#
+# HETSEQ_TESTCLUSTER_NETNS=1: each emulated node runs its slurmd in its own network namespace
+# hsq<TAG>n<K>, joined by a veth pair (hsq<TAG>v<K> here, hsq<TAG>p<K> inside, address
+# <subnet>.1<K>/24) to a bridge hsq<TAG>br in this namespace, which holds <subnet>.1: the
+# controller's address. The bridge's alias is the state directory: the mark that these names
+# are this cluster's (stop removes nothing whose bridge names another directory). The node
+# names are c<TAG>n1..c<TAG>n4, not n1..n4: /etc/hosts maps every test cluster's names, and
+# another cluster's n1 is 127.0.0.11. The subnet is 10.231.<idx>.0/24, idx taken from the TAG
+# on, the first that no address or route of this host uses (picked under $LOCK, recorded).
+# Links are shaped with tbf on both ends of a veth (a symmetric link; HETSEQ_TESTCLUSTER_LINKS
+# at start, or `link nK RATE`); `link nK down` sets the root end down: a partition.
+
+ctld_addr() { if [[ -n $NETNS_SUBNET ]]; then echo "$NETNS_SUBNET.1"; else echo localhost; fi; }
+ns_name() { echo "${NETNS_PREFIX}n$(node_index "$1")"; }
+veth_root() { echo "${NETNS_PREFIX}v$(node_index "$1")"; }
+veth_peer() { echo "${NETNS_PREFIX}p$(node_index "$1")"; }
+BRIDGE=${NETNS_PREFIX}br
+use_netns_nodes() { NODES=("c${NETNS_TAG}n1" "c${NETNS_TAG}n2" "c${NETNS_TAG}n3" "c${NETNS_TAG}n4"); }
+
+# A started netns cluster of this directory: take its mode, node names and subnet.
+load_netns_record() {
+    [[ -f $NETNS_RECORD ]] || return 0
+    local subnet
+    subnet=$(sed -n 's/^NETNS_SUBNET=//p' "$NETNS_RECORD" | head -n1)
+    [[ $subnet =~ ^10\.231\.[0-9]{1,3}$ ]] || { log "warning: ignoring malformed $NETNS_RECORD"; return 0; }
+    NETNS=1
+    NETNS_SUBNET=$subnet
+    use_netns_nodes
+}
+
+# node_ref NAME: the node NAME names: nK (K = 1..4) or its full name; dies on anything else.
+node_ref() {
+    local n
+    for n in "${NODES[@]}"; do
+        if [[ $1 == "$n" || $1 == "n$(node_index "$n")" ]]; then echo "$n"; return 0; fi
+    done
+    die 1 "no node '$1' in this cluster: use n1..n4 (or ${NODES[*]})"
+}
+
+# rate_ok RATE: a tc rate with a unit, e.g. 100mbit, 1gbit, 10gbit.
+rate_ok() { [[ $1 =~ ^[0-9]+(\.[0-9]+)?(kbit|mbit|gbit)$ ]]; }
+
+# tbf_burst RATE: the bucket size in bytes: 10 ms of the rate, at least 256 KiB (a veth hands
+# tbf GSO packets of up to 64 KiB; a bucket below a packet drops it).
+tbf_burst() {
+    awk -v r="$1" 'BEGIN {
+        n = r + 0; u = substr(r, length(n "") + 1)
+        m = (u == "kbit") ? 1e3 : (u == "mbit") ? 1e6 : 1e9
+        b = n * m / 8 / 100; if (b < 262144) b = 262144; printf "%d", b }'
+}
+
+check_links() {
+    local item node rate
+    [[ -n $LINKS ]] || return 0
+    [[ $NETNS == 1 ]] || die 1 "HETSEQ_TESTCLUSTER_LINKS='$LINKS' needs HETSEQ_TESTCLUSTER_NETNS=1 (links exist only between namespaces)"
+    for item in ${LINKS//,/ }; do
+        node=${item%%=*}; rate=${item#*=}
+        [[ $item == *=* && $node =~ ^n[1-4]$ ]] && rate_ok "$rate" ||
+            die 1 "HETSEQ_TESTCLUSTER_LINKS item '$item' is not nK=RATE (K 1..4, RATE like 1gbit, 100mbit): e.g. n1=10gbit,n3=1gbit"
+    done
+}
+
+# shape NODE RATE|none: shape both ends of NODE's link to RATE with tbf, or remove the shaping.
+shape() {
+    local n=$1 rate=$2 burst
+    if [[ $rate == none ]]; then
+        tc qdisc del dev "$(veth_root "$n")" root 2>/dev/null || true
+        tc -n "$(ns_name "$n")" qdisc del dev "$(veth_peer "$n")" root 2>/dev/null || true
+        return 0
+    fi
+    burst=$(tbf_burst "$rate")
+    tc qdisc replace dev "$(veth_root "$n")" root tbf rate "$rate" burst "$burst" latency 50ms &&
+        tc -n "$(ns_name "$n")" qdisc replace dev "$(veth_peer "$n")" root tbf rate "$rate" burst "$burst" latency 50ms
+}
+
+subnet_used() {   # subnet_used IDX: an address or a route of this namespace is in 10.231.IDX.0/24
+    ip -o -4 addr show | grep -qF " 10.231.$1." && return 0
+    ip -4 route show | grep -q "^10\.231\.$1\.[0-9/]" && return 0
+    return 1
+}
+
+bridge_owner() { ip -o link show dev "$BRIDGE" 2>/dev/null | sed -n 's/.* alias //p'; }
+bridge_exists() { ip link show dev "$BRIDGE" >/dev/null 2>&1; }
+
+# netns_bridge_locked (under $LOCK): pick a free subnet, make the bridge with its address and
+# record the subnet. An error goes to stderr; returns 1, or 3 when namespaces are not allowed.
+netns_bridge_locked() {
+    local start idx try err
+    if bridge_exists; then
+        log "the network names $NETNS_PREFIX* of this state directory are in use by the test cluster of '$(bridge_owner)' (same CRC tag $NETNS_TAG): use another HETSEQ_TESTCLUSTER_DIR"
+        return 1
+    fi
+    start=$(( 10#$NETNS_TAG % 250 + 1 ))
+    for (( try = 0; try < 250; try++ )); do
+        idx=$(( (start - 1 + try) % 250 + 1 ))
+        subnet_used "$idx" || { NETNS_SUBNET=10.231.$idx; break; }
+    done
+    [[ -n $NETNS_SUBNET ]] || { log "no free subnet 10.231.x.0/24 on this host"; return 1; }
+    if ! err=$(ip link add "$BRIDGE" type bridge 2>&1); then
+        log "network namespaces are not allowed here: 'ip link add $BRIDGE type bridge' failed: $err"
+        return 3
+    fi
+    printf 'NETNS_SUBNET=%s\n' "$NETNS_SUBNET" > "$NETNS_RECORD"
+    ip link set dev "$BRIDGE" alias "$DIR" &&
+        ip addr add "$NETNS_SUBNET.1/24" dev "$BRIDGE" &&
+        ip link set dev "$BRIDGE" up
+}
+
+# netns_node NODE: its namespace, its veth pair on the bridge, its address; 3 if not allowed.
+netns_node() {
+    local n=$1 ns v p err
+    ns=$(ns_name "$n"); v=$(veth_root "$n"); p=$(veth_peer "$n")
+    if ! err=$(ip netns add "$ns" 2>&1); then
+        log "network namespaces are not allowed here: 'ip netns add $ns' failed: $err"
+        return 3
+    fi
+    ip link add "$v" type veth peer name "$p" &&
+        ip link set dev "$p" netns "$ns" &&
+        ip link set dev "$v" master "$BRIDGE" up &&
+        ip -n "$ns" addr add "$(node_addr "$n")/24" dev "$p" &&
+        ip -n "$ns" link set dev lo up &&
+        ip -n "$ns" link set dev "$p" up
+}
+
+# netns_up: bridge, namespaces, links and their shaping; on failure removes what it made and
+# exits (3 where namespaces are not allowed, with the reason).
+netns_up() {
+    local rc=0 n item
+    command -v ip >/dev/null 2>&1 || die "$EXIT_UNAVAILABLE" "network-namespace mode needs iproute2's 'ip', which is not installed"
+    if [[ -n $LINKS ]] && ! command -v tc >/dev/null 2>&1; then
+        die "$EXIT_UNAVAILABLE" "HETSEQ_TESTCLUSTER_LINKS needs iproute2's 'tc', which is not installed"
+    fi
+    use_netns_nodes
+    with_lock netns_bridge_locked || rc=$?
+    if (( rc == 0 )); then
+        for n in "${NODES[@]}"; do netns_node "$n" || { rc=$?; break; }; done
+    fi
+    if (( rc == 0 )); then
+        for item in ${LINKS//,/ }; do
+            n=$(node_ref "${item%%=*}")
+            if ! shape "$n" "${item#*=}"; then
+                log "cannot shape $n's link with tc tbf (qdisc tbf not available?)"
+                rc=$EXIT_UNAVAILABLE
+                break
+            fi
+        done
+    fi
+    if (( rc != 0 )); then
+        netns_down
+        (( rc == EXIT_UNAVAILABLE )) && exit "$EXIT_UNAVAILABLE"
+        exit 1
+    fi
+    log "netns: nodes ${NODES[*]} at $(node_addr "${NODES[0]}")..$(node_addr "${NODES[3]}"), controller at $(ctld_addr) (bridge $BRIDGE)${LINKS:+, links $LINKS}"
+}
+
+# netns_down: remove this cluster's namespaces, veths and bridge (by their names, derived from
+# the state directory), unless the bridge names another state directory as its owner.
+netns_down() {
+    command -v ip >/dev/null 2>&1 || return 0
+    local k owner removed=""
+    if bridge_exists; then
+        owner=$(bridge_owner)
+        if [[ $owner != "$DIR" ]]; then
+            log "leaving $NETNS_PREFIX* alone: its bridge belongs to the test cluster of '$owner'"
+            return 0
+        fi
+    elif [[ ! -f $NETNS_RECORD ]] && ! ip netns list 2>/dev/null | grep -q "^${NETNS_PREFIX}n[1-4]\b"; then
+        return 0
+    fi
+    for k in 1 2 3 4; do
+        if ip netns list 2>/dev/null | grep -q "^${NETNS_PREFIX}n$k\b"; then
+            ip netns del "${NETNS_PREFIX}n$k" 2>/dev/null && removed+=" ${NETNS_PREFIX}n$k"
+        fi
+        # a veth whose peer never reached its namespace goes with neither
+        ip link del "${NETNS_PREFIX}v$k" 2>/dev/null && removed+=" ${NETNS_PREFIX}v$k"
+    done
+    bridge_exists && ip link del "$BRIDGE" 2>/dev/null && removed+=" $BRIDGE"
+    rm -f "$NETNS_RECORD"
+    [[ -z $removed ]] || log "removed network namespaces and links:$removed"
+    return 0
+}
+
+netns_status() {
+    local n state qdisc
+    printf 'netns: subnet %s.0/24, bridge %s, controller at %s\n' "$NETNS_SUBNET" "$BRIDGE" "$(ctld_addr)"
+    for n in "${NODES[@]}"; do
+        state=$(ip -o link show dev "$(veth_root "$n")" 2>/dev/null | grep -o 'state [A-Z]*' || echo 'state MISSING')
+        qdisc=$(tc qdisc show dev "$(veth_root "$n")" 2>/dev/null | grep -o 'tbf.*rate [^ ]*' | sed 's/.*rate /rate /' || true)
+        printf '%-12s ns %-12s %-14s link %s %s\n' "$n" "$(ns_name "$n")" "$(node_addr "$n")" "${state#state }" "${qdisc:-unshaped}"
+    done
+}
+
+cmd_link() {
+    check_settings
+    [[ $NETNS == 1 && -n $NETNS_SUBNET ]] || die 1 "the test cluster in $DIR was not started in network-namespace mode (HETSEQ_TESTCLUSTER_NETNS=1): it has no links"
+    [[ $# == 2 ]] || die 1 "usage: $PROG link NODE down|up|RATE|none (e.g. link n3 down, link n1 1gbit)"
+    local n; n=$(node_ref "$1")
+    case $2 in
+        down|up) ip link set dev "$(veth_root "$n")" "$2" || die 1 "cannot set $n's link $2" ;;
+        none) shape "$n" none ;;
+        *) rate_ok "$2" || die 1 "'$2' is not down, up, none or a rate like 1gbit, 100mbit"
+           shape "$n" "$2" || die 1 "cannot shape $n's link to $2 with tc tbf" ;;
+    esac
+    log "$n ($(node_addr "$n")): link $2"
+}
+
 # ---------------------------------------------------------------------- commands
 
 # A failed start: show why, then stop whatever did start (logs stay for inspection).
@@ -554,31 +793,60 @@ start_controller() {
     slurmctld -i && adopt slurmctld "$RUN/slurmctld.pid" && wait_until "$TIMEOUT" ctld_ping
 }
 
+# on_start_exit: the EXIT trap of a start; a start that fails anywhere (a `die`, an error)
+# leaves no daemon, namespace, link or /etc/hosts line behind.
+START_DONE=0
+on_start_exit() {
+    local rc=$?
+    (( rc == 0 || START_DONE == 1 )) && return 0
+    trap - EXIT
+    cmd_stop >/dev/null 2>&1 || true
+    exit "$rc"
+}
+
 cmd_start() {
     check_settings
     local t0; t0=$(now)
     if all_ours_up; then
+        [[ $NETNS == "$NETNS_WANTED" ]] ||
+            die 1 "the cluster in $DIR is up with HETSEQ_TESTCLUSTER_NETNS=$NETNS: stop it first ($PROG stop) to start it with HETSEQ_TESTCLUSTER_NETNS=$NETNS_WANTED"
         log "cluster already up (state dir $DIR)"
         write_env_sh
         printf 'export SLURM_CONF=%q\n' "$CONF"
         return 0
     fi
+    NETNS=$NETNS_WANTED   # check_links reads the mode asked for
+    check_links
     (( EUID == 0 )) || die "$EXIT_UNAVAILABLE" "the test cluster needs root (daemons run as SlurmUser=root, mknod, /etc/hosts)"
     ensure_installed
     if any_ours_alive; then
         log "cluster in $DIR is partially running: stopping it first"
         cmd_stop
     fi
+    netns_down   # leftovers of a start of this directory that was never stopped
+    NETNS=$NETNS_WANTED NETNS_SUBNET=""
+    NODES=(n1 n2 n3 n4)
+    (( NETNS == 1 )) && use_netns_nodes
+    trap on_start_exit EXIT
     prepare_dirs
     make_fake_gpus
     start_munge
+    (( NETNS == 0 )) || netns_up
     if ! with_lock start_controller; then
         log "slurmctld did not come up within ${TIMEOUT}s"
         start_failed
     fi
     # One slurmd per emulated node; `-N nK` makes it act as node nK (its port, spool, log).
     local n
-    for n in "${NODES[@]}"; do slurmd -N "$n" || start_failed; done
+    for n in "${NODES[@]}"; do
+        if (( NETNS )); then
+            # nsenter --net, not `ip netns exec`: that one also remounts /sys in a new mount
+            # namespace, without the cgroup mount slurmd needs (and the tests' mounts)
+            nsenter --net="/run/netns/$(ns_name "$n")" slurmd -N "$n" || start_failed
+        else
+            slurmd -N "$n" || start_failed
+        fi
+    done
     for n in "${NODES[@]}"; do adopt "slurmd-$n" "$RUN/slurmd-$n.pid" || start_failed; done
     if ! wait_until "$TIMEOUT" all_idle; then
         log "nodes not all idle within ${TIMEOUT}s: $(sinfo -h -N -o '%N=%T' | tr '\n' ' ')"
@@ -588,6 +856,7 @@ cmd_start() {
     hosts_add
     log "cluster up in $(elapsed "$t0")s: $(sinfo -h -o '%P(%D nodes, %G)' | tr '\n' ' ')"
     log "logs: $DIR/log   env: . $DIR/env.sh"
+    START_DONE=1
     printf 'export SLURM_CONF=%q\n' "$CONF"
 }
 
@@ -750,6 +1019,7 @@ cmd_stop() {
     fi
     rm -f "$OURS"/*.pid 2>/dev/null || true
     hosts_remove
+    netns_down
     log "stopped in $(elapsed "$t0")s; logs kept in $DIR/log"
 }
 
@@ -770,6 +1040,7 @@ cmd_status() {
         fi
         printf '%-12s %s\n' "$d" "$state"
     done
+    (( NETNS == 0 )) || netns_status
     if [[ -f $CONF ]] && all_ours_up; then
         up=1
         printf 'scontrol ping: %s\n' "$(scontrol ping 2>&1 | head -n1)"
@@ -780,10 +1051,12 @@ cmd_status() {
 }
 
 main() {
+    load_netns_record
     case ${1:-} in
         start) cmd_start ;;
         stop) cmd_stop ;;
         status) cmd_status ;;
+        link) shift; cmd_link "$@" ;;
         -h|--help|help) usage ;;
         *) usage >&2; exit 1 ;;
     esac
