@@ -53,6 +53,7 @@ from hetseq_hpc.distributed.rendezvous import rendezvous
 from hetseq_hpc.env.emulation import emulate_speed, exempt_communication_threads
 from hetseq_hpc.env.emulation import record as record_emulation
 from hetseq_hpc.env.hardware import DeviceProbe, probe
+from hetseq_hpc.env.netif import use_route_to_master
 from hetseq_hpc.env.preemption import REQUEUE, StopRequest, requeue_job
 from hetseq_hpc.env.rank_guard import FAILED, exit_process, report_failure, watch_launcher
 from hetseq_hpc.env.startup import BACKGROUND_IMPORTS, PhaseClock, prefetch_imports
@@ -221,6 +222,7 @@ def run_worker(
     env = os.environ if env is None else env
     world = WorldInfo.from_env(env)
     setup_rank_logging(world.rank, run_dir_path)
+    use_route_to_master(world, env)
     placement = rank_placement(run, world, env)
     threads = set_threads(placement)
     device = pick_device(world)

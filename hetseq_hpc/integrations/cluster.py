@@ -7,7 +7,8 @@ rank 0; ``SLURM_NTASKS_PER_NODE`` reads 1 on a node that runs two tasks, so ``de
 raises and ``devices=1`` makes ``root_device`` index past the device list. Here rank, local
 rank and world size come from the task variables, the master from the first node of het
 component 0 (where rank 0 runs), the port from the job id (or ``MASTER_PORT``); the world is
-the job's tasks, whatever ``devices`` and ``num_nodes`` say.
+the job's tasks, whatever ``devices`` and ``num_nodes`` say; gloo's and NCCL's interface is
+the one on this node's route to that master (:mod:`hetseq_hpc.env.netif`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Mapping, Optional, Sequence
 import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment
 
+from hetseq_hpc.env.netif import use_route_to_master
 from hetseq_hpc.env.world import WorldInfo
 from hetseq_hpc.errors import ConfigError
 
@@ -61,6 +63,8 @@ class HetJobEnvironment(ClusterEnvironment):
     def __init__(self, env: Optional[Mapping[str, str]] = None):
         self._env = dict(os.environ if env is None else env)
         self.world = WorldInfo.from_env(self._env)
+        if env is None:  # this process's own job: gloo/NCCL on the route to rank 0's node
+            use_route_to_master(self.world, os.environ)
 
     @property
     def creates_processes_externally(self) -> bool:
