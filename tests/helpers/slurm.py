@@ -3,15 +3,19 @@ and the CLI with ``cluster=testcluster``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
+
+import pytest
 
 from hetseq_hpc.config import CONF_DIR, register_configs, to_run_config
 from hetseq_hpc.launch.slurm import fold_states
-from tests.helpers.runs import SMALL_MODEL, hetseq, processes
+from tests.helpers.runs import REPO, SMALL_MODEL, hetseq, processes
 from tests.helpers.waits import wait_for
 
 
@@ -118,3 +122,40 @@ def sbatch_and_wait(args, cwd: Path, env: dict, timeout_s: float) -> str:
         poll_s=1,
     )
     return job_id
+
+
+#: exit code of scripts/test-cluster.sh when the cluster cannot run here (its reason on stderr)
+CLUSTER_UNAVAILABLE = 3
+
+
+@contextlib.contextmanager
+def netns_cluster(links: str = "") -> Iterator[str]:
+    """A test cluster of its own whose nodes run in network namespaces
+    (``HETSEQ_TESTCLUSTER_NETNS=1``, links shaped as ``links`` says); yields its
+    ``SLURM_CONF``, then stops it (namespaces, links and bridge removed) and removes its
+    state directory. That directory is a fresh short one under /tmp, not the test's
+    tmp_path: slurmstepd's socket path under its spool must stay below 108 bytes.
+
+    Where namespaces are not allowed (the script exits 3) the calling test skips with the
+    script's reason, except in CI (``CI=true``), where it fails.
+    """
+    state_dir = tempfile.mkdtemp(prefix="hsq-")
+    env = dict(os.environ)
+    env.update(
+        HETSEQ_TESTCLUSTER_DIR=state_dir,
+        HETSEQ_TESTCLUSTER_NETNS="1",
+        HETSEQ_TESTCLUSTER_LINKS=links,
+    )
+    script = str(REPO / "scripts" / "test-cluster.sh")
+    try:
+        start = subprocess.run(
+            [script, "start"], env=env, capture_output=True, text=True, timeout=300
+        )
+        if start.returncode == CLUSTER_UNAVAILABLE and os.environ.get("CI") != "true":
+            pytest.skip(f"no network-namespace test cluster here: {start.stderr.strip()}")
+        assert start.returncode == 0, f"netns cluster did not start:\n{start.stderr[-3000:]}"
+        yield start.stdout.strip().splitlines()[-1].split("=", 1)[1]
+    finally:
+        stop = subprocess.run([script, "stop"], env=env, capture_output=True, text=True)
+        assert stop.returncode == 0, stop.stderr[-3000:]
+        shutil.rmtree(state_dir, ignore_errors=True)

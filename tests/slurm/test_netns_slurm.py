@@ -1,0 +1,66 @@
+"""A het job whose nodes each have their own address (issue 46): the test cluster of
+scripts/test-cluster.sh in network-namespace mode (every node's slurmd in its own namespace on
+a bridge), started here in a state directory of its own and stopped after. Rank discovery,
+the rendezvous, gloo's sockets and the job's store must each use the right node's address:
+on one host address (the ordinary test cluster) a wrong choice still connects."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tests.helpers.runs import SMALL_MODEL, assert_ok, assert_same_losses, hetseq, losses
+from tests.helpers.slurm import netns_cluster, slurm_cli
+
+JOB = [
+    "task.model.max_seq_len=32",
+    "task.model.dropout=0.0",
+    "trainer.global_batch_size=12",
+    "trainer.max_steps=4",
+    "optim.schedule_steps=4",
+    "trainer.seed=7",
+    "trainer.val_every=0",
+    "trainer.checkpoint_every=0",
+]
+ADDRESS = re.compile(r"rank (\d) on node (\S+): address (\S+), interface (\S+) towards the master")
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_het_job_over_three_node_addresses_runs_exact_against_one_rank(
+    tmp_path, token_cache, monkeypatch
+):
+    """3 ranks on 3 namespaced nodes (a100 x 1 + v100 x 2): the losses of a 1-rank run, each
+    rank logs its own node's address on its own interface, and the master is rank 0's node."""
+    ref = tmp_path / "ref"
+    done = hetseq(
+        *SMALL_MODEL, *JOB, "cluster.ranks=1", f"hydra.run.dir={ref}", token_cache=token_cache
+    )
+    assert_ok(done)
+    with netns_cluster() as slurm_conf:
+        monkeypatch.setenv("SLURM_CONF", slurm_conf)
+        run_dir = tmp_path / "job"
+        proc = slurm_cli(run_dir, token_cache, "cluster.wait=true", *JOB, timeout=300)
+        assert_ok(proc)
+    got = losses(run_dir)
+    assert sorted(got) == [1, 2, 3, 4]
+    assert_same_losses(got, losses(ref), range(1, 5))
+
+    seen = {}
+    for rank in range(3):
+        (line,) = ADDRESS.findall((run_dir / "logs" / f"rank{rank}.log").read_text())
+        seen[rank] = line
+    nodes = [seen[r][1] for r in range(3)]
+    addresses = [seen[r][2] for r in range(3)]
+    assert len(set(addresses)) == 3, seen
+    assert all(a.startswith("10.231.") and not a.startswith("127.") for a in addresses), seen
+    assert all(seen[r][3] != "lo" for r in range(3)), seen  # gloo off the loopback
+    alloc = json.loads((run_dir / "allocation.json").read_text())
+    assert [r["node"] for r in alloc["ranks"]] == nodes
+    assert {r["world"]["master_addr"] for r in alloc["ranks"]} == {nodes[0]}
+    # rank 0's route to the master is local: the master is its own node's address
+    assert all(
+        f"({addresses[0]})" in (run_dir / "logs" / f"rank{r}.log").read_text() for r in range(3)
+    )
