@@ -11,7 +11,7 @@ Why a sum is exact, when the hook fires, and Adasum's rule: docs/design/exact-gr
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,8 @@ class HookState:
             pass has produced every gradient), before its all-reduce starts; the training loop
             posts its step statistics there so that their exchange overlaps the all-reduce.
             Cleared by the call and by :meth:`reset`.
+        comm_spans: ``(launched, done)`` ``time.perf_counter()`` pairs of this step's bucket
+            collectives (:meth:`timed`), ``done`` taken when the collective's future completes.
     """
 
     process_group: Optional[dist.ProcessGroup] = None
@@ -41,13 +43,42 @@ class HookState:
     local_units: int = 1
     bytes_sent: int = 0
     on_last: Optional[Callable[[], None]] = None
+    comm_spans: List[Tuple[float, float]] = field(default_factory=list)
 
     def reset(self) -> None:
-        """Forget the previous step's timestamps, byte count and ``on_last``."""
+        """Forget the previous step's timestamps, byte count, collective spans and ``on_last``."""
         self.last_ready_s = 0.0
         self.events.clear()
         self.bytes_sent = 0
         self.on_last = None
+        self.comm_spans = []
+
+    def timed(self, fut: torch.futures.Future) -> torch.futures.Future:
+        """Record ``fut``'s collective in :attr:`comm_spans` (launched now, done when ``fut``
+        completes); returns ``fut``."""
+        launched = time.perf_counter()
+        spans = self.comm_spans  # this step's list, even if a reset comes before the callback
+        fut.add_done_callback(lambda _: spans.append((launched, time.perf_counter())))
+        return fut
+
+    def comm_row(self) -> Dict[str, float]:
+        """This step's measured gradient communication for ``metrics.jsonl``, seconds: empty
+        when no collective ran (one rank, FSDP); else ``allreduce_s``, the time with at least
+        one bucket's collective in flight (the union of :attr:`comm_spans`: waiting for a
+        slower peer to join counts), and ``allreduce_exposed_s``, from the last bucket ready
+        (the end of this rank's backward pass) to the last collective done."""
+        spans = sorted(self.comm_spans)
+        if not spans:
+            return {}
+        busy, start, end = 0.0, spans[0][0], spans[0][1]
+        for a, b in spans[1:]:
+            if a > end:
+                busy += end - start
+                start = a
+            end = max(end, b)
+        busy += end - start
+        exposed = max(0.0, end - self.last_ready_s) if self.last_ready_s else 0.0
+        return {"allreduce_s": round(busy, 6), "allreduce_exposed_s": round(exposed, 6)}
 
     def bucket_ready(self, bucket: dist.GradBucket) -> torch.Tensor:
         """A hook's first call: :meth:`mark_ready`, then ``on_last`` if ``bucket`` is the
@@ -88,9 +119,11 @@ def sum_allreduce_hook(
     """All-reduce a bucket with SUM (no division by world size); record when it was ready."""
     buffer = state.bucket_ready(bucket)
     state.bytes_sent += buffer.numel() * buffer.element_size()
-    fut = dist.all_reduce(
-        buffer, op=dist.ReduceOp.SUM, group=state.process_group, async_op=True
-    ).get_future()
+    fut = state.timed(
+        dist.all_reduce(
+            buffer, op=dist.ReduceOp.SUM, group=state.process_group, async_op=True
+        ).get_future()
+    )
     return fut.then(lambda f: f.value()[0])
 
 
@@ -103,9 +136,11 @@ def compressed_sum_hook(
     buffer = state.bucket_ready(bucket)
     payload = buffer.to(state.comm_dtype)
     state.bytes_sent += payload.numel() * payload.element_size()
-    fut = dist.all_reduce(
-        payload, op=dist.ReduceOp.SUM, group=state.process_group, async_op=True
-    ).get_future()
+    fut = state.timed(
+        dist.all_reduce(
+            payload, op=dist.ReduceOp.SUM, group=state.process_group, async_op=True
+        ).get_future()
+    )
 
     def decompress(f: torch.futures.Future) -> torch.Tensor:
         buffer.copy_(f.value()[0])
@@ -146,7 +181,9 @@ def adasum_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futu
     state.bytes_sent += payload.numel() * payload.element_size()
     world = dist.get_world_size(state.process_group)
     gathered = [torch.empty_like(payload) for _ in range(world)]
-    fut = dist.all_gather(gathered, payload, group=state.process_group, async_op=True).get_future()
+    fut = state.timed(
+        dist.all_gather(gathered, payload, group=state.process_group, async_op=True).get_future()
+    )
     sizes = [g.numel() for g in bucket.gradients()]
 
     def combine(_: torch.futures.Future) -> torch.Tensor:

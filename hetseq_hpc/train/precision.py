@@ -264,7 +264,9 @@ class GradientPath:
         return not self.last_skipped
 
     def row(self, state: Any = None) -> Dict[str, Any]:
-        """The step's fields for ``metrics.jsonl`` (empty on the plain fp32/bf16 sum path)."""
+        """The step's fields for ``metrics.jsonl``: the loss scale's, the payload bytes of a
+        compressed or Adasum path, and the measured gradient communication of ``state``
+        (:meth:`~hetseq_hpc.train.ddp_hooks.HookState.comm_row`; none without a collective)."""
         out: Dict[str, Any] = {}
         if self.loss_scale.enabled:
             out.update(
@@ -274,6 +276,8 @@ class GradientPath:
             )
         if state is not None and (self.compression != "none" or self.combine != "sum"):
             out["allreduce_bytes"] = int(state.bytes_sent)
+        if state is not None:  # this rank's measured gradient communication
+            out.update(state.comm_row())
         return out
 
     def summary(self) -> Dict[str, Any]:
