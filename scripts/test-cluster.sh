@@ -606,13 +606,14 @@ node_ref() {
 # rate_ok RATE: a tc rate with a unit, e.g. 100mbit, 1gbit, 10gbit.
 rate_ok() { [[ $1 =~ ^[0-9]+(\.[0-9]+)?(kbit|mbit|gbit)$ ]]; }
 
-# tbf_burst RATE: the bucket size in bytes: 10 ms of the rate, at least 256 KiB (a veth hands
-# tbf GSO packets of up to 64 KiB; a bucket below a packet drops it).
+# tbf_burst RATE: the bucket size in bytes: 1 ms of the rate, at least 128 KiB (a veth hands
+# tbf GSO packets of up to 64 KiB; a bucket below a packet drops it). Small, so that a
+# transfer of a few MB is not sped up by the bucket's first burst.
 tbf_burst() {
     awk -v r="$1" 'BEGIN {
         n = r + 0; u = substr(r, length(n "") + 1)
         m = (u == "kbit") ? 1e3 : (u == "mbit") ? 1e6 : 1e9
-        b = n * m / 8 / 100; if (b < 262144) b = 262144; printf "%d", b }'
+        b = n * m / 8 / 1000; if (b < 131072) b = 131072; printf "%d", b }'
 }
 
 check_links() {
