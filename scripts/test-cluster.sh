@@ -604,7 +604,7 @@ node_ref() {
 }
 
 # rate_ok RATE: a tc rate with a unit, e.g. 100mbit, 1gbit, 10gbit.
-rate_ok() { [[ $1 =~ ^[0-9]+(\.[0-9]+)?(kbit|mbit|gbit)$ ]]; }
+rate_ok() { [[ $1 =~ ^[0-9]+(\.[0-9]+)?(kbit|mbit|gbit)$ ]] && awk -v r="$1" 'BEGIN { exit !(r + 0 > 0) }'; }
 
 # tbf_burst RATE: the bucket size in bytes: 1 ms of the rate, at least 128 KiB (a veth hands
 # tbf GSO packets of up to 64 KiB; a bucket below a packet drops it). Small, so that a
@@ -692,7 +692,7 @@ netns_node() {
 # netns_up: bridge, namespaces, links and their shaping; on failure removes what it made and
 # exits (3 where namespaces are not allowed, with the reason).
 netns_up() {
-    local rc=0 n item
+    local rc=0 n item err
     command -v ip >/dev/null 2>&1 || die "$EXIT_UNAVAILABLE" "network-namespace mode needs iproute2's 'ip', which is not installed"
     if [[ -n $LINKS ]] && ! command -v tc >/dev/null 2>&1; then
         die "$EXIT_UNAVAILABLE" "HETSEQ_TESTCLUSTER_LINKS needs iproute2's 'tc', which is not installed"
@@ -705,9 +705,10 @@ netns_up() {
     if (( rc == 0 )); then
         for item in ${LINKS//,/ }; do
             n=$(node_ref "${item%%=*}")
-            if ! shape "$n" "${item#*=}"; then
-                log "cannot shape $n's link with tc tbf (qdisc tbf not available?)"
-                rc=$EXIT_UNAVAILABLE
+            if ! err=$(shape "$n" "${item#*=}" 2>&1); then
+                log "cannot shape $n's link to ${item#*=} with tc tbf: $(printf '%s' "$err" | head -n1)"
+                rc=1
+                [[ $err == *"nknown"* ]] && rc=$EXIT_UNAVAILABLE   # no tbf in this kernel
                 break
             fi
         done

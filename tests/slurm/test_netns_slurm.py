@@ -60,6 +60,10 @@ def test_a_het_job_over_three_node_addresses_runs_exact_against_one_rank(
     alloc = json.loads((run_dir / "allocation.json").read_text())
     assert [r["node"] for r in alloc["ranks"]] == nodes
     assert {r["world"]["master_addr"] for r in alloc["ranks"]} == {nodes[0]}
+    # the job's store, served by the batch script on rank 0's node, on that node's address
+    job = json.loads((run_dir / "job.json").read_text())["job_id"]
+    store = (run_dir / "submitit" / f"{job}_store.address").read_text().strip()
+    assert store.rsplit(":", 1)[0] == addresses[0], (store, seen)
     # rank 0's route to the master is local: the master is its own node's address
     assert all(
         f"({addresses[0]})" in (run_dir / "logs" / f"rank{r}.log").read_text() for r in range(3)
