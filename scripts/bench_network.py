@@ -14,7 +14,7 @@ all-reduce (``Prediction.allreduce_s`` of :func:`hetseq_hpc.plan.planner.make_pl
 ``task.data.vocab_size``, the tokenizer may stop below it on a small corpus. Nothing is fitted
 to this machine. Last line: one JSON object.
 
-    sudo .venv/bin/python scripts/bench_network.py [--rates 1,10] [--steps 8]
+    .venv/bin/python scripts/bench_network.py [--rates 1,10] [--steps 8]   # as root
 """
 
 from __future__ import annotations
