@@ -173,8 +173,12 @@ def use_route_to_master(world: WorldInfo, env: MutableMapping[str, str]) -> Opti
         route.interface,
         world.master_addr,
         route.master,
-        env.get("GLOO_SOCKET_IFNAME", "unset: gloo's default"),
-        "set from the route" if set_here else "kept",
+        env.get("GLOO_SOCKET_IFNAME", "unset"),
+        "set from the route"
+        if set_here
+        else "already set"
+        if env.get("GLOO_SOCKET_IFNAME")
+        else "a loopback route in a job that may span nodes: gloo's default",
     )
     return route
 
