@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
+import socket
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Dict, Iterator, Optional, Tuple
 
 import pytest
 
@@ -159,3 +161,28 @@ def netns_cluster(links: str = "") -> Iterator[str]:
         stop = subprocess.run([script, "stop"], env=env, capture_output=True, text=True)
         assert stop.returncode == 0, stop.stderr[-3000:]
         shutil.rmtree(state_dir, ignore_errors=True)
+    # nothing of the cluster is left: its bridge (alias = its state directory), its
+    # namespaces (named after its bridge), its /etc/hosts lines
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    bridge = re.search(r"bridge (hsq\d+)br\b", start.stderr)
+    assert bridge and bridge.group(1) + "br" not in links and state_dir not in links, links
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert bridge.group(1) not in namespaces, namespaces
+    assert state_dir not in Path("/etc/hosts").read_text()
+
+
+def node_links(slurm_conf: str) -> Dict[str, Tuple[str, int]]:
+    """node name -> (its address, its slurmd's port), from a test cluster's slurm.conf."""
+    found = re.findall(
+        r"^NodeName=(\S+) .*NodeAddr=(\S+) Port=(\d+)", Path(slurm_conf).read_text(), re.M
+    )
+    return {name: (addr, int(port)) for name, addr, port in found}
+
+
+def reachable(addr: str, port: int) -> bool:
+    """Whether a TCP connection to ``addr:port`` opens within a second."""
+    try:
+        socket.create_connection((addr, port), timeout=1).close()
+    except OSError:
+        return False
+    return True

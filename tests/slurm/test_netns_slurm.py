@@ -7,12 +7,16 @@ on one host address (the ordinary test cluster) a wrong choice still connects.""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+from pathlib import Path
 
 import pytest
 
-from tests.helpers.runs import SMALL_MODEL, assert_ok, assert_same_losses, hetseq, losses
-from tests.helpers.slurm import netns_cluster, slurm_cli
+from tests.helpers.runs import REPO, SMALL_MODEL, assert_ok, assert_same_losses, hetseq, losses
+from tests.helpers.slurm import netns_cluster, node_links, reachable, slurm_cli
+from tests.helpers.waits import wait_for
 
 JOB = [
     "task.model.max_seq_len=32",
@@ -33,7 +37,8 @@ def test_a_het_job_over_three_node_addresses_runs_exact_against_one_rank(
     tmp_path, token_cache, monkeypatch
 ):
     """3 ranks on 3 namespaced nodes (a100 x 1 + v100 x 2): the losses of a 1-rank run, each
-    rank logs its own node's address on its own interface, and the master is rank 0's node."""
+    rank logs its own node's address on its own interface, and the master is rank 0's node.
+    Then the same cluster's `link` cuts and restores a node, and its stop leaves nothing."""
     ref = tmp_path / "ref"
     done = hetseq(
         *SMALL_MODEL, *JOB, "cluster.ranks=1", f"hydra.run.dir={ref}", token_cache=token_cache
@@ -44,6 +49,15 @@ def test_a_het_job_over_three_node_addresses_runs_exact_against_one_rank(
         run_dir = tmp_path / "job"
         proc = slurm_cli(run_dir, token_cache, "cluster.wait=true", *JOB, timeout=300)
         assert_ok(proc)
+        # a partition drill's tool: `link n3 down` cuts that node off, `up` brings it back
+        cluster = [str(REPO / "scripts" / "test-cluster.sh"), "link", "n3"]
+        env = {**os.environ, "HETSEQ_TESTCLUSTER_DIR": str(Path(slurm_conf).parent.parent)}
+        (addr, port) = next(v for k, v in node_links(slurm_conf).items() if k.endswith("n3"))
+        assert reachable(addr, port)
+        assert subprocess.run([*cluster, "down"], env=env).returncode == 0
+        assert not reachable(addr, port)
+        assert subprocess.run([*cluster, "up"], env=env).returncode == 0
+        wait_for(lambda: reachable(addr, port), f"n3's slurmd at {addr}:{port} after link up")
     got = losses(run_dir)
     assert sorted(got) == [1, 2, 3, 4]
     assert_same_losses(got, losses(ref), range(1, 5))
