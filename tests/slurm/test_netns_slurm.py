@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -81,4 +82,26 @@ def test_a_het_job_over_three_node_addresses_runs_exact_against_one_rank(
     # rank 0's route to the master is local: the master is its own node's address
     assert all(
         f"({addresses[0]})" in (run_dir / "logs" / f"rank{r}.log").read_text() for r in range(3)
+    )
+
+
+@pytest.mark.slurm
+def test_without_net_admin_the_start_exits_3_with_one_line_and_leaves_nothing(tmp_path):
+    """Where namespaces are not allowed (here: CAP_NET_ADMIN dropped with setpriv), the start
+    says so in one line with exit 3, the code tests skip on, and leaves no daemon or link."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is not installed")
+    state = tmp_path / "c"
+    env = {**os.environ, "HETSEQ_TESTCLUSTER_DIR": str(state), "HETSEQ_TESTCLUSTER_NETNS": "1"}
+    env.pop("HETSEQ_TESTCLUSTER_LINKS", None)
+    drop = ["setpriv", "--inh-caps=-net_admin", "--bounding-set=-net_admin"]
+    script = str(REPO / "scripts" / "test-cluster.sh")
+    start = subprocess.run([*drop, script, "start"], env=env, capture_output=True, text=True)
+    assert start.returncode == 3, start.stderr
+    assert "network namespaces are not allowed here" in start.stderr.splitlines()[-1]
+    assert start.stdout == ""
+    assert not list((state / "run" / "ours").glob("*")), "nothing of ours left running"
+    assert (
+        str(state)
+        not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     )
