@@ -142,7 +142,8 @@ def netns_cluster(links: str = "") -> Iterator[str]:
     script's reason, except in CI (``CI=true``), where it fails.
     """
     state_dir = tempfile.mkdtemp(prefix="hsq-")
-    env = dict(os.environ)
+    # none of the suite's own cluster's settings (fixed ports, links): this one picks its own
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETSEQ_TESTCLUSTER")}
     env.update(
         HETSEQ_TESTCLUSTER_DIR=state_dir,
         HETSEQ_TESTCLUSTER_NETNS="1",

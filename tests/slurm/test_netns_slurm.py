@@ -92,8 +92,8 @@ def test_without_net_admin_the_start_exits_3_with_one_line_and_leaves_nothing(tm
     if shutil.which("setpriv") is None:
         pytest.skip("setpriv (util-linux) is not installed")
     state = tmp_path / "c"
-    env = {**os.environ, "HETSEQ_TESTCLUSTER_DIR": str(state), "HETSEQ_TESTCLUSTER_NETNS": "1"}
-    env.pop("HETSEQ_TESTCLUSTER_LINKS", None)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETSEQ_TESTCLUSTER")}
+    env.update(HETSEQ_TESTCLUSTER_DIR=str(state), HETSEQ_TESTCLUSTER_NETNS="1")
     drop = ["setpriv", "--inh-caps=-net_admin", "--bounding-set=-net_admin"]
     script = str(REPO / "scripts" / "test-cluster.sh")
     start = subprocess.run([*drop, script, "start"], env=env, capture_output=True, text=True)
