@@ -14,7 +14,7 @@ all-reduce (``Prediction.allreduce_s`` of :func:`hetseq_hpc.plan.planner.make_pl
 ``task.data.vocab_size``, the tokenizer may stop below it on a small corpus. Nothing is fitted
 to this machine. Last line: one JSON object.
 
-    .venv/bin/python scripts/bench_network.py [--rates 1,10] [--steps 8]   # as root
+    .venv/bin/python scripts/bench_network.py [--rates 1,10] [--steps 8] [--keep]   # as root
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -106,6 +107,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rates", default="1,10", help="link rates, Gbit/s, comma-separated")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--keep", action="store_true", help="keep the runs and the cluster's logs")
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     work = Path(tempfile.mkdtemp(prefix="hsq-bn-"))  # short: slurmstepd's socket path
@@ -116,6 +118,7 @@ def main() -> int:
     start = cluster(env, "start")
     if start.returncode != 0:
         print(start.stderr.strip().splitlines()[-1], file=sys.stderr)
+        shutil.rmtree(work, ignore_errors=True)
         return start.returncode
     env["SLURM_CONF"] = start.stdout.strip().splitlines()[-1].split("=", 1)[1]
     results = []
@@ -145,6 +148,10 @@ def main() -> int:
             results.append(got)
     finally:
         cluster(env, "stop")
+        if args.keep:
+            print(f"runs and logs kept in {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     out = {
         "machine": f"{os.cpu_count()} CPU {_cpu_model()}",
         "ranks": 3,
