@@ -94,9 +94,9 @@ if [ "${CI:-}" = true ]; then
 fi
 # Parallel (pytest-xdist, CONTRIBUTING.md): the Slurm tier waits on its scheduler far more than
 # it computes, so it runs as its own pytest, its tests one after the other against the one test
-# cluster, beside a pytest of the other tiers on $HETSEQ_TEST_WORKERS workers (2). With pytest
+# cluster, beside a pytest of the other tiers on $HETSEQ_TEST_WORKERS workers (3). With pytest
 # arguments, or HETSEQ_TEST_WORKERS=0 (everything in one process), it is one pytest.
-workers=${HETSEQ_TEST_WORKERS:-2}
+workers=${HETSEQ_TEST_WORKERS:-3}
 rc=0
 if [ "$workers" != 0 ] && [ $# = 0 ] && [ "${HETSEQ_TESTCLUSTER:-}" = 1 ]; then
   "$VENV/bin/python" -m pytest tests/slurm --basetemp "$side/slurm-tmp" ${extra[@]+"${extra[@]}"} \
