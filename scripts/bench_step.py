@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hetseq_hpc.balance.allocation import allocate
 from hetseq_hpc.config.compose import compose_run_config
 from hetseq_hpc.distributed.rendezvous import single_process_rendezvous
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.tasks import build_task
 from hetseq_hpc.train.records import RankMeta
 from hetseq_hpc.train.sync_count import SyncCounter
@@ -70,7 +71,7 @@ def make_trainer(rdv, args, cap: int, run_dir: Path, cache: Path, *extra: str) -
     torch.manual_seed(run.trainer.seed)
     return Trainer(
         run,
-        run_dir,
+        RunDir(run_dir),
         rdv,
         task,
         task.build_model(),

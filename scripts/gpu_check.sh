@@ -14,7 +14,8 @@
 #      (precision=<p>; fp16 with the job-wide loss scale), one rank per GPU;
 #   3. the FSDP2 path on the GPU (sharding.mode=fsdp, NCCL), with activation checkpointing;
 #   4. BERT-base (768 hidden, 12 layers, 12 heads, sequence 128) in bf16: samples/s and MFU
-#      against the GPU's dense bf16 peak (hetseq_hpc/plan/gpus.py);
+#      against the GPU's dense bf16 peak (hetseq_hpc/plan/gpus.py), compiled (trainer.compile=
+#      auto compiles on a GPU) and eager (trainer.compile=off): compile_speedup;
 #   5. the tests that need CUDA (tests/gpu: pynvml probe, exact accumulation and FSDP = DDP in
 #      fp32 on the GPU, bf16/fp16 against fp32).
 # STEPS (default 30) sets the small runs' steps; a dry run on a CPU: STEPS=3 BERT_STEPS=2.
@@ -67,6 +68,12 @@ step bert_base "$PY" -m hetseq_hpc task.model.hidden_size=768 task.model.num_lay
   precision=bf16 trainer.global_batch_size=256 trainer.max_steps=$BERT_STEPS trainer.val_every=0 \
   trainer.plot=false hydra.run.dir=/tmp/gpu-check-runs/bert_base
 cp /tmp/gpu-check-runs/bert_base/summary.json "$OUT/summary_bert_base.json" 2>/dev/null
+# the same eager (trainer.compile=auto compiles on a GPU: the run above is the compiled one)
+step bert_base_eager "$PY" -m hetseq_hpc task.model.hidden_size=768 task.model.num_layers=12 \
+  task.model.num_heads=12 task.model.intermediate_size=3072 task.model.max_seq_len=128 \
+  precision=bf16 trainer.global_batch_size=256 trainer.max_steps=$BERT_STEPS trainer.val_every=0 \
+  trainer.compile=off trainer.plot=false hydra.run.dir=/tmp/gpu-check-runs/bert_base_eager
+cp /tmp/gpu-check-runs/bert_base_eager/summary.json "$OUT/summary_bert_base_eager.json" 2>/dev/null
 step tests_cuda timeout 300 "$PY" -m pytest tests/gpu -q -rA -p no:cacheprovider
 
 rcs=""
@@ -77,13 +84,18 @@ from pathlib import Path
 
 out, rcs = Path(sys.argv[1]), json.loads(sys.argv[2])
 result = {"exit_codes": rcs, "device": (out / "smi.log").read_text().strip().splitlines()[-1:]}
-for name in ("fp32", "bf16", "fp16", "fsdp", "bert_base"):
+for name in ("fp32", "bf16", "fp16", "fsdp", "bert_base", "bert_base_eager"):
     path = out / f"summary_{name}.json"
     if path.exists():
         s = json.loads(path.read_text())
-        result[name] = {k: s.get(k) for k in ("samples_per_s", "final_loss", "precisions",
-                                              "sharding", "memory")}
+        result[name] = {k: s.get(k) for k in ("samples_per_s", "steady_samples_per_s",
+                                              "fit_samples_per_s", "mfu", "final_loss",
+                                              "precisions", "sharding", "memory", "compile")}
         result[name]["train_tflops_per_s"] = (s.get("task") or {}).get("train_tflops_per_s")
+eager = (result.get("bert_base_eager") or {}).get("steady_samples_per_s")
+compiled = (result.get("bert_base") or {}).get("steady_samples_per_s")
+if eager and compiled:  # steady-state samples/s, compiled over eager
+    result["compile_speedup"] = round(compiled / eager, 3)
 try:
     import torch
 
