@@ -131,6 +131,18 @@ def measure_model(
     return replace(_MEASURED[key])
 
 
+def vocab_source(task_cfg: Any, vocab_size: int) -> str:
+    """Where the planned vocabulary of ``vocab_size`` tokens came from, as the plan prints it:
+    ``task.data.vocab_size``, the prepared tokenizer (fewer tokens than that ceiling), or the
+    task's data (a task without the key)."""
+    ceiling = getattr(getattr(task_cfg, "data", None), "vocab_size", None)
+    if ceiling is None:
+        return "its data"
+    if vocab_size and vocab_size != int(ceiling):
+        return f"its prepared tokenizer; task.data.vocab_size={int(ceiling)} is the ceiling"
+    return "task.data.vocab_size"
+
+
 def measure_task_model(
     task_cfg,
     need_activations: bool,
@@ -173,11 +185,7 @@ def measure_task_model(
         param_count=count,
         flops_per_sample=task_flops_per_sample(task, model),
         vocab_size=planning.vocab_size,
-        vocab_from=(
-            "task.data.vocab_size"
-            if hasattr(getattr(task_cfg, "data", None), "vocab_size")
-            else "its data"
-        ),
+        vocab_from=vocab_source(task_cfg, planning.vocab_size),
         notes=list(planning.notes),
         largest_unit_params=params(sizes.block),
         root_params=params(sizes.root),

@@ -194,16 +194,17 @@ def test_small_batch_warning_names_a_batch_that_clears_the_bar():
     assert "plan fewer ranks" in batch_warning(at(4))  # no way to re-predict: no batch named
 
 
-def test_planner_uses_the_task_flops_formula():
+def test_planner_uses_the_task_flops_formula(tmp_path):
     """One FLOPs formula: the planner's figure is BertTask.flops_per_sample, which needs only
-    the config (no data loaded, model on the meta device)."""
+    the config (no data loaded, model on the meta device). An empty cache: nothing prepared, so
+    the vocabulary is ``task.data.vocab_size`` (tests/unit/test_planned_vocab.py: after)."""
     import torch
 
     from hetseq_hpc.config.compose import compose_run_config
     from hetseq_hpc.tasks import build_task
     from hetseq_hpc.tasks.bert.mlm_model import BertMaskedLM
 
-    run = compose_run_config(["task=bert", *BERT_BASE])
+    run = compose_run_config(["task=bert", *BERT_BASE, f"task.data.cache_dir={tmp_path}"])
     with torch.device("meta"):
         model = BertMaskedLM(run.task.model, run.task.data.vocab_size)
     expected = build_task(run.task, seed=0).flops_per_sample(model)
