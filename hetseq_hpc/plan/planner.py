@@ -140,24 +140,21 @@ def _local_ranks(run) -> Tuple[ModelInfo, List[RankSpec], str]:
 
 
 def with_batch_building(ranks: List[RankSpec], data_s_per_sample: float) -> List[RankSpec]:
-    """Ranks rated from GPU specs, plus the host time of building their batches: each rank
-    builds its batches before its passes (:func:`hetseq_hpc.plan.model_info.batch_build_s`),
-    so ``data_s_per_sample`` adds to the cost curve's per-sample time and to the rate's
-    (``1 / (1 / samples_per_s + data_s_per_sample)``). Measured ranks (a probe, this CPU)
-    already include it: their calibration times the batch building with each pass."""
+    """Ranks rated from GPU specs, bounded by the host time of building their batches: a rank
+    builds step k+1's batches on a background thread while step k runs
+    (:class:`~hetseq_hpc.train.batches.BatchPrefetcher`), so ``data_s_per_sample``
+    (:func:`hetseq_hpc.plan.model_info.batch_build_s`) overlaps the passes and bounds the rate
+    only where it is the slower of the two: the cost curve's per-sample time and the rate's
+    become ``max(compute, data)`` per sample. Measured ranks (a probe, this CPU) are timed
+    by their own passes."""
     if data_s_per_sample <= 0:
         return list(ranks)
     return [
         replace(
             r,
-            samples_per_s=1.0 / (1.0 / r.samples_per_s + data_s_per_sample),
+            samples_per_s=1.0 / max(1.0 / r.samples_per_s, data_s_per_sample),
             curve=r.curve
-            and replace(
-                r.curve,
-                per_sample_s=r.curve.per_sample_s + data_s_per_sample,
-                host_per_sample_s=r.curve.host_per_sample_s
-                + (data_s_per_sample if r.curve.host_s > 0 else 0.0),
-            ),
+            and replace(r.curve, per_sample_s=max(r.curve.per_sample_s, data_s_per_sample)),
         )
         for r in ranks
     ]
@@ -202,9 +199,9 @@ def _data_note(model: ModelInfo) -> str:
             else ""
         )
     return (
-        f"; + {model.data_s_per_sample * 1e3:.3f} ms per sample building batches "
-        f"({model.data_from}; each rank builds its batches before its passes; "
-        "plan.data_ms_per_sample= sets it)"
+        f"; {model.data_s_per_sample * 1e3:.3f} ms per sample building batches "
+        f"({model.data_from}; built a step ahead, beside the passes: a rank runs at the "
+        "slower of the two; plan.data_ms_per_sample= sets it)"
     )
 
 
@@ -288,8 +285,8 @@ def _probe_ranks(run, opts: PlanConfig, probe, parts) -> Tuple[ModelInfo, List[R
                 model.flops_per_sample,
                 model.accesses_per_sample,
             )
-            if rate:  # with the batch building, as the table's ranks
-                table[part.key] = 1.0 / (1.0 / rate + model.data_s_per_sample)
+            if rate:  # bounded by the batch building, as the table's ranks
+                table[part.key] = 1.0 / max(1.0 / rate, model.data_s_per_sample)
     # like with like: the probe's per-sample rate (its cost curve, without the fixed time per
     # pass the spec ranks add back) against the spec model's; its samples/s without a curve
     ratios = [

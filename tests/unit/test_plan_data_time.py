@@ -1,10 +1,10 @@
 """The planner counts the time a rank spends building its batches (``plan.data_ms_per_sample``).
 
-Each rank builds its batches in its training loop before its passes, not beside them
-(``Trainer.train_step``: ``data_time_s``), so a slow data path slows every step. The runtime's
-calibration includes it (it times ``make_batch`` with each pass); the GPU spec model does not, so
-``plan`` times the task's own batch function on the machine that plans and adds it to every rank
-it rates from specs, or takes ``plan.data_ms_per_sample`` where it is given.
+Each rank builds step k+1's batches on a background thread while step k runs
+(``train/batches.py``), so a data path slower than the passes bounds every step and a faster
+one is hidden: a spec rank's per-sample time is ``max(compute, data)``. The GPU spec model
+does not know the data path, so ``plan`` times the task's own batch function on the machine
+that plans, or takes ``plan.data_ms_per_sample`` where it is given.
 """
 
 from __future__ import annotations
@@ -58,25 +58,29 @@ def test_a_slow_first_build_is_measurement_enough(monkeypatch):
     assert calls == [2]
 
 
-def test_spec_ranks_pay_the_given_batch_time():
-    """``plan.data_ms_per_sample=0.5``: every spec rank's per-sample time grows by 0.5 ms (its
-    cost curve and its rate), the step grows, and the source line says where the figure came
-    from; ``=0`` leaves it out and says so."""
-    none, given = _plan("plan.data_ms_per_sample=0"), _plan("plan.data_ms_per_sample=0.5")
+def test_spec_ranks_are_bounded_by_the_given_batch_time():
+    """``plan.data_ms_per_sample=5`` (slower than every spec rank's passes of BERT-base):
+    every rank's per-sample time is the larger of its compute and 5 ms (its cost curve and its
+    rate), the step grows, and the source line says where the figure came from; ``=0`` leaves
+    it out and says so; 0.01 ms (faster than every rank) changes no rank."""
+    none, given = _plan("plan.data_ms_per_sample=0"), _plan("plan.data_ms_per_sample=5")
     for a, b in zip(none.ranks, given.ranks):
-        assert b.curve.per_sample_s == pytest.approx(a.curve.per_sample_s + 5e-4)
-        assert 1 / b.samples_per_s == pytest.approx(1 / a.samples_per_s + 5e-4)
+        assert b.curve.per_sample_s == pytest.approx(max(a.curve.per_sample_s, 5e-3))
+        assert 1 / b.samples_per_s == pytest.approx(max(1 / a.samples_per_s, 5e-3))
     assert given.prediction.balanced.step_s > none.prediction.balanced.step_s
-    assert "+ 0.500 ms per sample building batches (plan.data_ms_per_sample" in given.source
+    assert "5.000 ms per sample building batches (plan.data_ms_per_sample" in given.source
+    assert "a rank runs at the slower of the two" in given.source
     assert "no time for building batches (plan.data_ms_per_sample=0)" in none.source
-    assert json.loads(headline_json(given))["data_ms_per_sample"] == pytest.approx(0.5)
+    assert json.loads(headline_json(given))["data_ms_per_sample"] == pytest.approx(5.0)
+    hidden = _plan("plan.data_ms_per_sample=0.01")
+    assert [r.curve for r in hidden.ranks] == [r.curve for r in none.ranks]
 
 
 def test_plan_times_the_tasks_batch_function_by_default():
     plan = _plan()
     assert plan.model.data_s_per_sample > 0
     timed = re.search(
-        r"\+ ([0-9.]+) ms per sample building batches \(the task's batch "
+        r"([0-9.]+) ms per sample building batches \(the task's batch "
         r"function timed on this machine",
         plan.source,
     )
@@ -86,8 +90,8 @@ def test_plan_times_the_tasks_batch_function_by_default():
 
 
 def test_measured_ranks_already_include_it():
-    """A probe or this CPU's calibration times the batch building with each pass: no spec rank,
-    nothing added (the same ranks with the option at 0 and at 50 ms)."""
+    """A probe or this CPU's calibration times the ranks' own passes: no spec rank, nothing
+    changed (the same ranks with the option at 0 and at 50 ms)."""
     ranks = [
         make_plan(
             compose_run_config(

@@ -240,15 +240,17 @@ def test_planner_modes_for_a_mix_with_a_small_gpu():
     assert chosen_mode("none", memory, 1_300_000_000) == "ddp"
 
 
-def test_plan_of_a_local_mix_too_small_for_a_replica_picks_and_shows_fsdp():
+def test_plan_of_a_local_mix_too_small_for_a_replica_picks_and_shows_fsdp(tmp_path):
     from hetseq_hpc.plan.planner import make_plan
     from hetseq_hpc.plan.render import headline_json, render
 
-    # the planner builds BERT with the configured vocabulary (8192): the root unit (embeddings)
-    # is most of this small model (2.2 of 2.4 MB), kept gathered with its gradient, so a shard
-    # needs ~9.6 MB of the 13 MiB budget; a replica 12.2 MB, with no room for activations
+    # nothing prepared (an empty cache), so the planner builds BERT with the configured
+    # vocabulary (8192): the root unit (embeddings) is most of this small model (2.2 of 2.4 MB),
+    # kept gathered with its gradient, so a shard needs ~9.6 MB of the 13 MiB budget; a
+    # replica 12.2 MB, with no room for activations
     run = compose_run_config(
         [
+            f"task.data.cache_dir={tmp_path}",
             "cluster.ranks=2",
             "cluster.memory_budget_gb=0.013",
             "sharding.mode=auto",
