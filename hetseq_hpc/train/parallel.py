@@ -132,6 +132,24 @@ class Replicated:
             return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
 
+    def scale_and_clip(
+        self, factor: float, max_norm: float, grads: List[torch.Tensor]
+    ) -> torch.Tensor:
+        """Multiply the summed ``grads`` by ``factor`` (``1 / global count``) and clip them to
+        ``max_norm`` (0 = no clipping) in ONE pass over them: the norm of the scaled gradients
+        is ``factor`` times theirs, and the clip coefficient (``clip_grad_norm_``'s,
+        ``min(1, max_norm / (norm + 1e-6))``) is folded into the one multiply. Returns that
+        norm (before clipping) as a 0-dim tensor on the device (nothing read on the host)."""
+        if not grads:
+            return torch.zeros((), device=self.device)
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) * factor
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0) * factor
+            torch._foreach_mul_(grads, coef)
+        else:
+            torch._foreach_mul_(grads, factor)
+        return norm
+
     def model_state(self) -> Dict[str, Any]:
         """The full model state (rank 0 saves it)."""
         return self.model.state_dict()
@@ -284,6 +302,14 @@ class Sharded(Replicated):
         """The global norm over every rank's shards (a collective), clipped to ``max_norm``
         (0 = measured only: the clip factor is 1 exactly)."""
         return float(self.grad_norm_tensor(max_norm, grads))
+
+    def scale_and_clip(
+        self, factor: float, max_norm: float, grads: List[torch.Tensor]
+    ) -> torch.Tensor:
+        """As :meth:`Replicated.scale_and_clip`, in two passes: the shards' norm is gathered
+        by ``clip_grad_norm_`` (DTensors)."""
+        torch._foreach_mul_(grads, factor)
+        return self.grad_norm_tensor(max_norm, grads)
 
     def grad_norm_tensor(self, max_norm: float, grads: List[torch.Tensor]) -> torch.Tensor:
         """:meth:`grad_norm` as a 0-dim tensor (the full norm, gathered from the shards)."""

@@ -608,8 +608,12 @@ class Trainer:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         # one multi-tensor kernel per op instead of a Python loop over the parameters: the
         # per-step fixed cost every rank pays, a slow one at its own speed
-        torch._foreach_mul_(grads, self.grad_path.unscale_factor(global_count))
-        norm = self.parallel.grad_norm_tensor(self.cfg.grad_clip, grads)
+        factor = self.grad_path.unscale_factor(global_count)
+        if self.grad_path.loss_scale.enabled:  # fp16: the scaled sums' norm might overflow
+            torch._foreach_mul_(grads, factor)
+            norm = self.parallel.grad_norm_tensor(self.cfg.grad_clip, grads)
+        else:  # 1 / N and the clip coefficient in one pass over the gradients
+            norm = self.parallel.scale_and_clip(factor, self.cfg.grad_clip, grads)
         lr = float(self.scheduler.get_last_lr()[0])
         restore = (
             self.scheduler.state_dict(),
