@@ -58,6 +58,7 @@ from hetseq_hpc.train.records import (
     REBALANCED,
     TRAINED,
     RankMeta,
+    StepHistory,
     StepRecord,
 )
 from hetseq_hpc.train.recovery.elastic import ElasticWorld
@@ -163,7 +164,7 @@ class Trainer:
         self.step = 0  # last completed optimizer step; global batch ``step`` comes next
         self.phase = DONE  # of ``step``: what of the work after it is done (train/records.py)
         self.last_row: Dict[str, Any] = {}  # metrics row of ``step``
-        self.history: List[StepRecord] = []
+        self.history = StepHistory()  # this run's step records, the oldest folded
         self._exchanged_at = 0.0  # perf_counter() when the last step's exchange ended
         self.last_val: Optional[Dict[str, float]] = None
         self.resume_note: Dict[str, Any] = {}
@@ -965,7 +966,7 @@ class Trainer:
         else:
             self.step = 0  # the seeded model is the run's start
         self.phase = DONE
-        self.history = [r for r in self.history if r.step <= self.step]
+        self.history.truncate(self.step)
         self.last_row = {}
         self.optimizer.zero_grad(set_to_none=True)
         self.parallel.start(self.grad_path, self.hook_state)

@@ -21,7 +21,7 @@ from hetseq_hpc.files.atomic import atomic_write_text
 from hetseq_hpc.files.user_input import describe, file_problem, kind_of
 from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.rundir.storage import storage_error
-from hetseq_hpc.train.records import StepRecord
+from hetseq_hpc.train.records import FoldedSteps, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -234,13 +234,19 @@ def run_summary(
     validation: Optional[Dict[str, float]],
     allocation: List[int],
 ) -> Dict[str, Any]:
-    """A run's final figures from its step records (``history``, this run's steps only): first
-    and final loss, ``validation``, throughput, and each rank's measured samples per compute
-    second (what a re-balance or the next allocation would use)."""
+    """A run's final figures from its step records (``history``, this run's steps only; a
+    :class:`~hetseq_hpc.train.records.StepHistory` adds the steps it folded): first and final
+    loss, ``validation``, throughput, and each rank's measured samples per compute second
+    (what a re-balance or the next allocation would use)."""
+    folded = getattr(history, "folded", None) or FoldedSteps()
+    held = list(history)
     per_rank = []
     for r, meta in enumerate(metas):
-        samples = sum(rec.per_rank[r].samples for rec in history)
-        compute = sum(rec.per_rank[r].compute_time_s for rec in history)
+        samples = float(sum(rec.per_rank[r].samples for rec in held))
+        compute = sum(rec.per_rank[r].compute_time_s for rec in held)
+        if r < len(folded.samples):
+            samples += folded.samples[r]
+            compute += folded.compute_s[r]
         per_rank.append(
             {
                 "rank": r,
@@ -250,20 +256,23 @@ def run_summary(
                 "samples_per_compute_s": samples / compute if compute > 0 else None,
             }
         )
-    wall = sum(rec.wall_s for rec in history)
+    steps = folded.count + len(held)
+    walls = folded.walls + [rec.wall_s for rec in held]
+    wall = folded.wall_s + sum(rec.wall_s for rec in held)
     # steady state: the median step after the warm-up (first shapes, allocator, caches)
-    settled = history[WARMUP_STEPS:] if len(history) > WARMUP_STEPS else history[1:]
-    steady = [global_batch_size / rec.wall_s for rec in settled if rec.wall_s > 0]
+    settled = walls[WARMUP_STEPS:] if steps > WARMUP_STEPS else walls[1:]
+    steady = [global_batch_size / w for w in settled if w > 0]
+    first = folded.first_loss if folded.count else (held[0].loss if held else None)
     return {
-        "steps_run": len(history),
-        "final_step": history[-1].step if history else step,
-        "final_loss": history[-1].loss if history else None,
-        "first_loss": history[0].loss if history else None,
+        "steps_run": steps,
+        "final_step": held[-1].step if held else step,
+        "final_loss": held[-1].loss if held else None,
+        "first_loss": first,
         "validation": validation,
         # over the training steps only (validation and checkpoints left out)
-        "samples_per_s": len(history) * global_batch_size / wall if wall > 0 else None,
+        "samples_per_s": steps * global_batch_size / wall if wall > 0 else None,
         "steady_samples_per_s": statistics.median(steady) if steady else None,
-        "steady_after_steps": WARMUP_STEPS if len(history) > WARMUP_STEPS else 1,
+        "steady_after_steps": WARMUP_STEPS if steps > WARMUP_STEPS else 1,
         "allocation": allocation,
         "ranks": per_rank,
     }

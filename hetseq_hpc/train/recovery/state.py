@@ -12,7 +12,7 @@ from hetseq_hpc.balance.agree import RankReport
 from hetseq_hpc.balance.allocation import Allocation
 from hetseq_hpc.distributed.gang import Gang
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager
-from hetseq_hpc.train.records import RankMeta, StepRecord
+from hetseq_hpc.train.records import RankMeta, StepHistory
 
 
 class TrainState(Protocol):
@@ -30,7 +30,7 @@ class TrainState(Protocol):
 
     step: int
     phase: int
-    history: List[StepRecord]
+    history: StepHistory
     last_row: Dict[str, Any]
     metas_by_member: List[RankMeta]
     checkpoints: CheckpointManager
