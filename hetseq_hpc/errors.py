@@ -38,6 +38,20 @@ class RankExcluded(LaunchError):
     (``trainer.elastic``): not a failure of the run; the rank ends (exit code 4)."""
 
 
+class RankFenced(HetseqError):
+    """This rank may not write into the run directory: the others re-formed the world without
+    it (a newer generation in the job's store does not list it; exit code 4, as
+    :class:`RankExcluded`), or the job's store cannot confirm that they have not
+    (:class:`StoreLost`). Neither an ``OSError`` nor a ``RuntimeError``: no writer's error
+    handling turns it into a failed write to retry or report in a file."""
+
+
+class StoreLost(RankFenced):
+    """The job's store (on the master's node: the local launcher, or the batch host on Slurm)
+    cannot be reached to confirm this rank is current: the rank stops without writing and the
+    last checkpoint stays as it is (exit code 1)."""
+
+
 class TooFewRanks(LaunchError):
     """Fewer ranks than ``trainer.elastic.min_ranks`` survived a lost rank: the run ends as
     without recovery (a requeue resumes it from the last checkpoint)."""
@@ -112,6 +126,8 @@ EXIT_CODES: Tuple[Tuple[Type[BaseException], int], ...] = (
     (ConfigError, 2),
     (Preempted, 3),
     (RankExcluded, 4),
+    (StoreLost, 1),
+    (RankFenced, 4),
     (HetseqError, 1),
 )
 #: exit code after Ctrl-C (128 + SIGINT, as a shell reports it)

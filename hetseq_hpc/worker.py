@@ -58,7 +58,15 @@ from hetseq_hpc.env.preemption import REQUEUE, StopRequest, requeue_job
 from hetseq_hpc.env.rank_guard import FAILED, exit_process, report_failure, watch_launcher
 from hetseq_hpc.env.startup import BACKGROUND_IMPORTS, PhaseClock, prefetch_imports
 from hetseq_hpc.env.world import WorldInfo
-from hetseq_hpc.errors import Preempted, RankExcluded, exit_code
+from hetseq_hpc.errors import (
+    CheckpointError,
+    Preempted,
+    RankExcluded,
+    RankFenced,
+    StoreLost,
+    exit_code,
+)
+from hetseq_hpc.files import fence
 from hetseq_hpc.files.atomic import atomic_write_json
 from hetseq_hpc.plan.gpus import known_gpu, peak_tflops
 from hetseq_hpc.rundir.lock import claim_run_dir
@@ -68,7 +76,9 @@ from hetseq_hpc.rundir.storage import reported
 from hetseq_hpc.tasks import build_task
 from hetseq_hpc.tasks.contract import checked_batch
 from hetseq_hpc.tasks.prepare_wait import prepare_on_rank0
+from hetseq_hpc.train.checkpoint.files import step_of
 from hetseq_hpc.train.checkpoint.finished import describe_finished
+from hetseq_hpc.train.checkpoint.manager import CheckpointManager, verified_run_id
 from hetseq_hpc.train.compile import compiles, eager
 from hetseq_hpc.train.contract_check import check_before_training
 from hetseq_hpc.train.fsdp_accumulation import agree_on_accumulation
@@ -395,6 +405,8 @@ def run_worker(
         )
         if elastic is not None:
             live["elastic"] = elastic
+            # every write into the run directory from here on checks this rank is current
+            fence.install(run_dir_path, elastic.fence.check, elastic.fence.identity)
         trainer = Trainer(
             run,
             run_dir_path,
@@ -452,7 +464,7 @@ def run_worker(
             )
             elastic.close()
         if master:
-            atomic_write_json(run_dir_path.summary, summary)
+            atomic_write_json(run_dir_path.summary, {**summary, **fence.stamp()})
         if (
             not after_training(
                 elastic, lambda: trainer.rdv.barrier() or True, "the final barrier", False
@@ -534,6 +546,19 @@ def handle_preempted(exc: Preempted, run: RunConfig) -> None:
         requeue_job(max_requeues=run.cluster.max_requeues)
 
 
+def last_checkpoint_words(run_dir: RunDir) -> str:
+    """Words on the run's last checkpoint for a rank cut off from the job's store (it only
+    reads): ``last checkpoint step N verified (PATH)``, why it does not verify, or none yet."""
+    found = CheckpointManager(run_dir).list()
+    if not found:
+        return "no checkpoint written yet"
+    try:
+        verified_run_id(found[-1])
+    except (CheckpointError, OSError) as exc:
+        return f"the last checkpoint {found[-1]} does not verify: {exc}"
+    return f"last checkpoint step {step_of(found[-1])} verified: {found[-1]}"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """``python -m hetseq_hpc.worker --config FILE [--run-dir DIR]``; exit 0 on success, 3 when
     stopped by the scheduler after a checkpoint, 1 on a failure (its one-line reason goes to the
@@ -562,9 +587,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         if run is not None:
             handle_preempted(exc, run)
         return 3
-    except RankExcluded as exc:  # the job went on without this rank: not a failure
+    except (RankExcluded, RankFenced) as exc:  # the job went on without this rank
         FAILED.append(exc)  # see FAILED
-        log.warning("rank %d: %s", rank, exc)
+        line = str(exc)
+        if isinstance(exc, StoreLost):
+            line = f"{line} ({last_checkpoint_words(run_dir)})"
+        # one line on stderr; the rank's log file refuses it (the fence), nothing is written
+        log.warning("rank %d: %s", rank, line)
         return exit_code(exc)
     except BaseException as exc:  # every failure is reported, then re-signalled
         if isinstance(exc, KeyboardInterrupt):

@@ -22,6 +22,7 @@ unpickled. No message, log line or error names the token or a value.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import struct
 import threading
@@ -321,12 +322,18 @@ class AuthStoreClient(dist.Store):
     """
 
     def __init__(
-        self, host: str, port: int, token: str, timeout: timedelta = timedelta(seconds=300)
+        self,
+        host: str,
+        port: int,
+        token: str,
+        timeout: timedelta = timedelta(seconds=300),
+        reply_timeout_s: Optional[float] = None,
     ):
         super().__init__()
         self._address, self._authkey = (host, int(port)), token.encode()
         self._where = f"{host}:{int(port)}"
         self._timeout_s = timeout.total_seconds()
+        self._reply_timeout_s = reply_timeout_s
         self._local = threading.local()
         self._connection()
         _LIVE.append(self)
@@ -347,6 +354,9 @@ class AuthStoreClient(dist.Store):
                         ": its launcher is gone or the address is wrong"
                     ) from None
                 time.sleep(0.1)
+        if self._reply_timeout_s:  # a cut-off server fails a request instead of hanging it
+            with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+                _recv_timeout(sock, self._reply_timeout_s)
         client_handshake(conn, self._authkey)  # closes the connection if it fails
         self._local.conn = conn
         return conn
@@ -454,10 +464,18 @@ class AuthStoreClient(dist.Store):
     def timeout(self) -> timedelta:
         return timedelta(seconds=self._timeout_s)
 
-    def clone(self) -> AuthStoreClient:
-        """A client of the same store with its own connections."""
+    def clone(
+        self, timeout: Optional[timedelta] = None, reply_timeout_s: Optional[float] = None
+    ) -> AuthStoreClient:
+        """A client of the same store with its own connections (``timeout``: default this
+        one's; ``reply_timeout_s``: a reply that takes longer fails the request with
+        ``DistNetworkError``, as a server that is gone does)."""
         return AuthStoreClient(
-            self._address[0], self._address[1], self._authkey.decode(), self.timeout
+            self._address[0],
+            self._address[1],
+            self._authkey.decode(),
+            self.timeout if timeout is None else timeout,
+            reply_timeout_s,
         )
 
 

@@ -18,12 +18,13 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import AuthenticationError
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
 
 from hetseq_hpc.distributed.auth_store import AuthStoreClient, AuthStoreServer
+from hetseq_hpc.distributed.fence import members_key
 from hetseq_hpc.errors import HetseqError, LaunchError, RankExcluded
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,17 @@ def _job_client(store: dist.Store) -> Optional[AuthStoreClient]:
     return inner if isinstance(inner, AuthStoreClient) else None
 
 
+def fence_store(store: dist.Store, ask_s: float) -> dist.Store:
+    """A store for a :class:`~hetseq_hpc.distributed.fence.GenerationFence`'s questions: over
+    the job's store (:func:`job_store`), a new client of the same server whose waits and
+    replies take at most ``ask_s`` seconds (a cut-off server fails the question instead of
+    hanging it), keys under :data:`JOB_PREFIX`; any other store as it is."""
+    client = _job_client(store)
+    if client is None:
+        return store
+    return dist.PrefixStore(JOB_PREFIX, client.clone(timedelta(seconds=ask_s), ask_s))
+
+
 def excluded_key(member: int) -> str:
     """The server-side key that says original rank ``member`` was left out."""
     return f"{JOB_PREFIX}/excluded/{int(member)}"
@@ -149,11 +161,15 @@ class Heartbeat:
     the observer side: which members stopped saying it. On the job's store (:func:`job_store`)
     the store times every counter's last change itself, so nobody follows the others' counters
     (which costs every member a read of every other member every beat: W^2 reads at W ranks);
-    on another store this thread follows ``watch`` every beat."""
+    on another store this thread follows ``watch`` every beat. ``on_beat(sent)``, if set, is
+    called after each beat that reached the store (``sent``: its ``time.monotonic()`` before
+    it was sent; the write fence's lease, :meth:`GenerationFence.renew
+    <hetseq_hpc.distributed.fence.GenerationFence.renew>`)."""
 
     def __init__(self, store: dist.Store, member: int, watch: Sequence[int] = ()):
         self.store, self.member = store, int(member)
         self.watch = list(watch)  # members whose heartbeats this thread follows all along
+        self.on_beat: Optional[Callable[[float], None]] = None
         self._client = _job_client(store)
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -164,7 +180,10 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
+                sent = time.monotonic()
                 self.store.add(f"hb/{self.member}", 1)
+                if self.on_beat is not None:
+                    self.on_beat(sent)
                 if self._client is None:  # so that a silence is timed from its start
                     self.stale(self.watch, float("inf"))
             except Exception:  # the store is gone: the launcher ended, nothing to report to
@@ -265,7 +284,7 @@ def reform(
     gen = old.generation + 1
     store.set(f"g{gen}/join/{me}", "1")
     deadline = time.monotonic() + timeout_s
-    key = f"g{gen}/members"
+    key = members_key(gen)
     client = _job_client(store)
     poll_s = POLL_S * max(1.0, len(old.members) / POLL_MEMBERS)
     while True:

@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable, List, Union
 
+from hetseq_hpc.files.fence import check_write
+
 PathLike = Union[str, "os.PathLike[str]"]
 
 
@@ -49,11 +51,14 @@ def atomic_write(path: PathLike, write: Callable[[BinaryIO], Any], durable: bool
         ``path`` as a :class:`~pathlib.Path`.
 
     Raises:
+        RankFenced: ``path`` is in the run directory of a rank the others left out (or cut
+            off from the job's store): nothing is written (:mod:`hetseq_hpc.files.fence`).
         Whatever ``write`` or the filesystem raises (``OSError`` for a full disk; torch's
         serializer raises ``RuntimeError`` there); the temporary file is removed first, and an
         existing ``path`` is untouched.
     """
     path = Path(path)
+    check_write(path)  # a left-out rank writes nothing, not even the temporary file
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path_for(path)
     try:
@@ -62,6 +67,7 @@ def atomic_write(path: PathLike, write: Callable[[BinaryIO], Any], durable: bool
             fh.flush()
             if durable:
                 os.fsync(fh.fileno())
+        check_write(path, ask=False)  # still current after a long write (a lease will do)
         os.replace(tmp, path)
     except BaseException:
         try:

@@ -184,8 +184,10 @@ class ElasticJob:
     clients that prove they hold a random token given to the ranks in their environment
     (:mod:`hetseq_hpc.distributed.auth_store`)."""
 
-    def __init__(self, store, token: str):
+    def __init__(self, store, token: str, grace_s: float = 0.0):
         self.store, self.token = store, token
+        self.grace_s = grace_s  # a left-out rank's time to end itself before it is killed
+        self.left_out: Dict[int, float] = {}  # rank -> time.monotonic() it was found left out
         self.ended: set = set()
         self.seen: Dict[int, int] = {}  # rank -> exit code, as noticed
         self.early: List[int] = []  # ranks lost before every other rank could recover
@@ -207,7 +209,7 @@ class ElasticJob:
         store, port = serve_job_store("127.0.0.1", token=token)
         for env in envs:
             env.update({STORE_ENV: f"127.0.0.1:{port}", TOKEN_ENV: token})
-        return cls(store, token)
+        return cls(store, token, run.trainer.elastic.timeout_s)
 
     def close(self) -> None:
         """Stop serving the store (every rank has ended)."""
@@ -234,6 +236,8 @@ class ElasticJob:
                 continue
             self.seen[rank] = code
             self.store.set(gone_key(rank), str(code))
+            if rank in self.left_out and rank not in self.ended:
+                log.warning("rank %d ended itself after it was left out (exit %d)", rank, code)
             living = [r for r in range(len(procs)) if r not in codes]
             if code != 0 and not self.store.check([armed_key(r) for r in living]):
                 log.warning(
@@ -250,14 +254,26 @@ class ElasticJob:
         return self.tolerated(code) and rank not in self.early
 
     def end_excluded(self, procs: List[subprocess.Popen], codes: Dict[int, int]) -> None:
-        """SIGKILL the ranks the others left out (a stopped process does not end by itself)."""
+        """SIGKILL the ranks the others left out that did not end themselves within
+        :attr:`grace_s` (``trainer.elastic.timeout_s``): a rank that was only cut off or
+        stopped for a while finds out it was left out and ends with its one line (exit 4,
+        writing nothing: :mod:`hetseq_hpc.files.fence`); a stopped process never does."""
         from hetseq_hpc.distributed.membership import excluded_key
 
+        now = time.monotonic()
         for rank, proc in enumerate(procs):
             if rank in codes or rank in self.ended:
                 continue
-            if self.store.check([excluded_key(rank)]):
-                log.warning("rank %d was left out by the others (no heartbeat): ending it", rank)
+            if rank not in self.left_out and self.store.check([excluded_key(rank)]):
+                log.warning(
+                    "rank %d was left out by the others (no heartbeat): ending it unless it "
+                    "ends itself within %g s",
+                    rank,
+                    self.grace_s,
+                )
+                self.left_out[rank] = now
+            if rank in self.left_out and now - self.left_out[rank] >= self.grace_s:
+                log.warning("rank %d did not end itself: ending it", rank)
                 _signal_all([proc], signal.SIGKILL)
                 self.ended.add(rank)
 

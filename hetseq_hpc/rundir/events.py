@@ -22,6 +22,7 @@ import logging
 import time
 from typing import Any, Dict, List, Tuple
 
+from hetseq_hpc.files.fence import check_write, stamp
 from hetseq_hpc.rundir.paths import RunDir
 
 log = logging.getLogger(__name__)
@@ -34,12 +35,16 @@ def append_event(run_dir: RunDir, event: str, **fields: Any) -> None:
     """Append ``{"event": event, **fields, "time": now}`` to ``<run_dir>/events.jsonl``.
 
     One ``write`` of one line in append mode (lines from rank 0 and the launcher do not
-    interleave). Never raises: an ``OSError`` (a full disk, a read-only run directory) or a
-    value JSON cannot hold is one warning, and the run goes on.
+    interleave). An ``OSError`` (a full disk, a read-only run directory) or a value JSON
+    cannot hold is one warning, and the run goes on; a rank left out by the others raises
+    ``RankFenced`` and writes nothing (:mod:`hetseq_hpc.files.fence`; the row carries its
+    writer's ``written_by`` otherwise).
     """
     path = run_dir.events
+    check_write(path)
     try:
-        line = json.dumps({"event": event, **fields, "time": round(time.time(), 3)}) + "\n"
+        row = {"event": event, **fields, "time": round(time.time(), 3), **stamp()}
+        line = json.dumps(row) + "\n"
         with open(path, "a", encoding="utf-8") as fh:
             fh.write(line)
     except (OSError, TypeError, ValueError) as exc:

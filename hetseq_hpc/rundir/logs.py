@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from hetseq_hpc.files.fence import may_write
 from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.rundir.storage import write_problem
 
@@ -47,8 +48,9 @@ class RunLogHandler(logging.FileHandler):
         self.failed = False
 
     def emit(self, record: logging.LogRecord) -> None:
-        """Write ``record`` unless an earlier write failed."""
-        if not self.failed:
+        """Write ``record`` unless an earlier write failed, or this rank was left out by the
+        others (:func:`hetseq_hpc.files.fence.may_write`: the console still shows it)."""
+        if not self.failed and may_write(self.baseFilename):
             super().emit(record)
 
     def handleError(self, record: logging.LogRecord) -> None:

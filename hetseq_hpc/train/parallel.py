@@ -28,6 +28,7 @@ from hetseq_hpc.balance.peak import MemoryWatch, peak_resident_bytes
 from hetseq_hpc.config.schema import RunConfig
 from hetseq_hpc.distributed.gang import Gang
 from hetseq_hpc.errors import CheckpointError
+from hetseq_hpc.files.fence import check_write
 from hetseq_hpc.tasks.base import Task
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, StateFn
 from hetseq_hpc.train.checkpoint.shards import (
@@ -434,6 +435,7 @@ class Sharded(Replicated):
         import torch.distributed.checkpoint as dcp
 
         tensors, groups = self.shard_state(optimizer)
+        check_write(directory)  # a left-out rank writes no shard (save_sharded asked too)
         dcp.save(
             tensors,
             storage_writer=dcp.FileSystemWriter(directory, sync_files=True, thread_count=1),

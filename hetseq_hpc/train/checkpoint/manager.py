@@ -51,6 +51,7 @@ import torch
 from hetseq_hpc.distributed.gang import Gang
 from hetseq_hpc.errors import CheckpointError
 from hetseq_hpc.files.atomic import atomic_write, atomic_write_text, remove_stale_temps
+from hetseq_hpc.files.fence import check_write, stamp
 from hetseq_hpc.files.user_input import file_problem
 from hetseq_hpc.rundir.history import current_run_id, start_or_continue
 from hetseq_hpc.rundir.paths import RunDir
@@ -362,7 +363,7 @@ class CheckpointManager:
                 file is removed and earlier checkpoints are untouched.
         """
         final = self.path(step)
-        payload = dict(state, format_version=FORMAT_VERSION, step=step)
+        payload = dict(state, format_version=FORMAT_VERSION, step=step, **stamp())
         box: Dict[str, _HashingWriter] = {}
 
         def write(fh: BinaryIO) -> None:
@@ -521,6 +522,7 @@ class CheckpointManager:
 
         rank = rdv.world.rank
         folder = self.directory
+        check_write(folder)  # a left-out rank writes no shard: it stops here (RankFenced)
         if rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
         name = shard_dir_name(step, rdv.broadcast_object(secrets.token_hex(8) if rank == 0 else ""))
@@ -552,6 +554,7 @@ class CheckpointManager:
                         "world_size": rdv.world.world_size,
                     },
                 )
+                check_write(final, ask=False)
                 os.replace(tmp, final)
                 renamed = True
                 _fsync_dir(folder)
@@ -707,6 +710,7 @@ class CheckpointManager:
         named in ``keep_shards``) to ``checkpoints/corrupt/`` (never deleted); returns the new
         path."""
         target_dir = Path(path).parent / CORRUPT_DIR
+        check_write(target_dir)
         target_dir.mkdir(exist_ok=True)
         target = target_dir / Path(path).name
         n = 1
@@ -789,6 +793,8 @@ class CheckpointManager:
                 continue  # a later step, or another run's file: not ours to delete
             older.append(path)
         doomed = older[: max(len(older) - (self.keep - 1), 0)]
+        if doomed:
+            check_write(written.parent, ask=False)  # a left-out rank deletes nothing either
         for path in doomed:
             for shards in shard_dirs(path):
                 shutil.rmtree(shards, ignore_errors=True)

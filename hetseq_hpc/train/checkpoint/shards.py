@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from hetseq_hpc.errors import CheckpointError
+from hetseq_hpc.files.fence import check_write
 from hetseq_hpc.train.checkpoint.files import FIX, sha256_file
 
 #: the checksum list inside a shard directory
@@ -146,6 +147,7 @@ def write_manifest(directory: Path, digests: Dict[str, str]) -> str:
     returns its own SHA-256 (stored in the commit record)."""
     text = "".join(f"{digest}  {name}\n" for name, digest in sorted(digests.items()))
     path = Path(directory) / MANIFEST
+    check_write(path, ask=False)  # save_sharded asked for this checkpoint
     with open(path, "w", encoding="ascii") as fh:
         fh.write(text)
         fh.flush()

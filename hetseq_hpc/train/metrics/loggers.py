@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from hetseq_hpc.config.schema import RunConfig
 from hetseq_hpc.config.trainer import LOGGER_NAMES
 from hetseq_hpc.files.atomic import atomic_write_text
+from hetseq_hpc.files.fence import check_write
 from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.train.metrics.rows import METRICS_NAME, MetricsWriter, _clean, read_metrics
 
@@ -118,6 +119,7 @@ class CsvLogger:
             self.header.extend(new)
             self._rewrite()
             return
+        check_write(self.path, ask=False)  # metrics.jsonl asked for this row
         with open(self.path, "a", newline="", encoding="utf-8") as fh:
             csv.DictWriter(fh, fieldnames=self.header, extrasaction="ignore").writerow(flat)
 

@@ -18,6 +18,7 @@ from hetseq_hpc.balance.agree import RankMeta
 from hetseq_hpc.balance.allocation import RankShare
 from hetseq_hpc.errors import ConfigError, HetseqError, StorageError
 from hetseq_hpc.files.atomic import atomic_write_text
+from hetseq_hpc.files.fence import check_write, stamp
 from hetseq_hpc.files.user_input import describe, file_problem, kind_of
 from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.rundir.storage import storage_error
@@ -84,7 +85,11 @@ class MetricsWriter:
         Raises:
             StorageError: the filesystem is full or read-only (the file keeps its whole rows).
             OSError: any other failed write (the file keeps its whole rows).
+            RankFenced: the others went on without this rank (:mod:`hetseq_hpc.files.fence`;
+                nothing is written; a row written carries its writer's ``written_by``).
         """
+        check_write(self.path)
+        row = {**row, **stamp()}
         data = memoryview((json.dumps(_clean(row), sort_keys=False) + "\n").encode("utf-8"))
         start = os.fstat(self._fd).st_size
         done = 0

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import os
 import time
 import traceback
 from datetime import timedelta
@@ -31,19 +32,22 @@ from torch import nn
 from hetseq_hpc.balance.agree import RankReport, agree_on_allocation
 from hetseq_hpc.balance.allocation import Allocation
 from hetseq_hpc.config.schema import RunConfig
+from hetseq_hpc.distributed.fence import GenerationFence
 from hetseq_hpc.distributed.gang import Gang
 from hetseq_hpc.distributed.membership import (
+    STORE_ENV,
     Heartbeat,
     Membership,
     announce_recovery,
     arm,
+    fence_store,
     is_peer_failure,
     join_generation,
     reform,
 )
 from hetseq_hpc.distributed.rendezvous import Rendezvous, backend_for, leave
 from hetseq_hpc.env.preemption import REQUEUE
-from hetseq_hpc.errors import AllocationError, Preempted
+from hetseq_hpc.errors import AllocationError, Preempted, RankExcluded
 from hetseq_hpc.train.checkpoint.files import step_of
 from hetseq_hpc.train.records import DONE, PHASE_NAMES, REDO, TRAINED, StepRecord
 from hetseq_hpc.train.recovery.sharded import reports_for_world
@@ -106,11 +110,26 @@ class ElasticWorld:
         self.reports = [RankReport.of(r) for r in reports]
         self.membership = Membership(0, tuple(range(rdv.world.world_size)))
         self.heartbeat = Heartbeat(store, self.member, watch=range(rdv.world.world_size))
+        # the write fence: left out after a heartbeat stood still for stale_s (reform); its
+        # lease is shorter, and a question to the store waits timeout_s at most
+        self.fence = GenerationFence(
+            fence_store(store, self.cfg.timeout_s),
+            self.member,
+            lease_s=self.stale_s / 2.0,
+            ask_s=self.cfg.timeout_s,
+            where=os.environ.get(STORE_ENV, ""),
+        )
+        self.heartbeat.on_beat = self.fence.renew
         self.retried_at: Optional[Tuple[int, int]] = None  # (step, phase) redone, nobody lost
         self.timeout = StepTimeout(self.cfg.timeout_s)
         self.timed_size = rdv.world.world_size  # the world the measured step times are of
         self.phase_timeouts = PhaseTimeouts(run.cluster.collective_timeout_s)  # validation, ...
         self.events: List[Dict[str, Any]] = []
+
+    @property
+    def stale_s(self) -> float:
+        """Seconds without a heartbeat after which the others leave a rank out."""
+        return self.cfg.timeout_s / 2.0
 
     def close(self) -> None:
         """Stop the heartbeat (the rank is done)."""
@@ -137,7 +156,10 @@ class ElasticWorld:
         lost, and the event names every rank lost since ``error``.
 
         Raises:
-            RankExcluded: the others went on without this rank.
+            RankFenced: the others went on without this rank (found in the job's store before
+                anything is done or logged; :class:`~hetseq_hpc.errors.StoreLost` when the
+                store cannot be reached).
+            RankExcluded: the others went on without this rank while it re-formed.
             Preempted: fewer than ``trainer.elastic.min_ranks`` survived, or the global batch
                 no longer fits them: the last completed step was checkpointed first (code
                 REQUEUE: a Slurm job is requeued and resumes from it).
@@ -146,6 +168,7 @@ class ElasticWorld:
             the original ``error``: nobody was lost and the same step failed again.
         """
         failed = time.monotonic()
+        self.fence.check(ask=True)  # left out already (cut off, stopped): nothing more to do
         start = self.membership
         # a failure inside a step may leave DDP's all-reduce in flight on the broken group:
         # its groups are not destroyed by this rank (see drop_groups), in every attempt
@@ -200,15 +223,20 @@ class ElasticWorld:
         leave()
         if not in_step:
             gc.collect()  # the broken groups are destroyed now: their sockets close
-        new = reform(
-            self.store,
-            self.heartbeat,
-            self.member,
-            old,
-            stale_s=self.cfg.timeout_s / 2.0,
-            timeout_s=self.run.cluster.collective_timeout_s,
-        )
+        try:
+            new = reform(
+                self.store,
+                self.heartbeat,
+                self.member,
+                old,
+                stale_s=self.stale_s,
+                timeout_s=self.run.cluster.collective_timeout_s,
+            )
+        except RankExcluded as exc:  # nothing is written from here on
+            self.fence.exclude(str(exc))
+            raise
         self.membership = new  # a failure from here on re-forms from this generation
+        self.fence.enter(new.generation)
         lost = [m for m in start.members if m not in new.members]
         if not [m for m in old.members if m not in new.members]:
             if self.retried_at == at:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, Optional, TypeVar
 from hetseq_hpc.distributed.membership import is_peer_failure
 from hetseq_hpc.env.rank_guard import FAILED
 from hetseq_hpc.files.atomic import atomic_write_json
+from hetseq_hpc.files.fence import stamp
 from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.train.recovery.elastic import ElasticWorld
 
@@ -72,7 +73,7 @@ def write_summary_if_missing(run_dir: RunDir, summary: Dict[str, Any]) -> bool:
             return False
     except (OSError, ValueError, AttributeError):  # missing, cut off or not an object
         pass
-    atomic_write_json(path, summary)
+    atomic_write_json(path, {**summary, **stamp()})
     log.info("summary written by this rank (rank 0 was lost after the last step): %s", path)
     return True
 

@@ -1,0 +1,151 @@
+"""The write fence of a rank (issue 46), in-process over the real job store
+(hetseq_hpc.distributed.auth_store) and a real re-form: once the others re-formed the world
+without a rank, nothing that rank writes reaches its run directory (atomic files, metrics
+rows, events, checkpoints, its log file), and a rank that cannot get an answer from the store
+does not write either. What it writes while current carries its original rank and generation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+import pytest
+import torch
+
+from hetseq_hpc.distributed.fence import GenerationFence
+from hetseq_hpc.distributed.membership import (
+    Heartbeat,
+    Membership,
+    fence_store,
+    job_store,
+    reform,
+    serve_job_store,
+)
+from hetseq_hpc.errors import RankFenced, StoreLost, exit_code
+from hetseq_hpc.files import fence
+from hetseq_hpc.files.atomic import atomic_write_json
+from hetseq_hpc.rundir.events import append_event
+from hetseq_hpc.rundir.logs import RunLogHandler
+from hetseq_hpc.rundir.paths import RunDir
+from hetseq_hpc.train.checkpoint.manager import CheckpointManager
+from hetseq_hpc.train.metrics.rows import MetricsWriter
+
+TOKEN = "0123456789abcdef0123456789abcdef"
+
+
+@pytest.fixture
+def job():
+    """``(server, env)``: the launcher's store and what a rank needs to reach it."""
+    server, port = serve_job_store("127.0.0.1", token=TOKEN)
+    yield server, {"HETSEQ_STORE": f"127.0.0.1:{port}", "HETSEQ_JOB_TOKEN": TOKEN}
+    server.close()
+
+
+@pytest.fixture
+def installed(tmp_path):
+    """Install a fence (given to the returned function) on ``tmp_path / "run"``; removed after."""
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.logs.mkdir(parents=True)
+
+    def install(check: GenerationFence) -> RunDir:
+        fence.install(run_dir.root, check.check, check.identity)
+        return run_dir
+
+    yield install
+    fence.uninstall()
+
+
+def _files(run_dir: RunDir) -> dict:
+    """Every file under the run directory -> its bytes."""
+    return {p: p.read_bytes() for p in sorted(run_dir.root.rglob("*")) if p.is_file()}
+
+
+def test_a_rank_left_out_by_a_reform_writes_nothing_after_it(job, installed, tmp_path):
+    """Member 2 writes (stamped rank 2, generation 0) while current; members 0 and 1 then
+    re-form as generation 1 without it (its heartbeat never moved). After that every writer
+    of its run directory refuses, the files stay byte for byte, its log file gets no line,
+    and the error says it was left out (exit code 4). A file outside the run directory is
+    not fenced."""
+    _, env = job
+    survivor, left_out = job_store(30, env), job_store(30, env)
+    mine = GenerationFence(fence_store(left_out, 5.0), 2, lease_s=60.0, ask_s=5.0)
+    run_dir = installed(mine)
+    log_handler = RunLogHandler(run_dir.rank_log(2))
+    logger = logging.getLogger("test_write_fence")
+    logger.addHandler(log_handler)
+    rows = MetricsWriter(run_dir.metrics)
+    try:
+        rows.write({"step": 1, "loss": 2.0})
+        append_event(run_dir, "checkpoint", step=1)
+        atomic_write_json(run_dir.summary, {"final_step": 1})
+        logger.warning("step 1 done")
+        CheckpointManager(run_dir).write({"model": {"w": torch.zeros(2)}}, 1)
+        stamped = {"rank": 2, "generation": 0}
+        assert json.loads(run_dir.metrics.read_text())["written_by"] == stamped
+        assert json.loads(run_dir.events.read_text())["written_by"] == stamped
+        checkpoint = torch.load(CheckpointManager(run_dir).list()[-1], weights_only=True)
+        assert checkpoint["written_by"] == stamped
+
+        heartbeat = Heartbeat(survivor, 0, watch=[0, 1, 2])
+        try:
+            survivor.set("g1/join/1", "1")
+            new = reform(survivor, heartbeat, 0, Membership(0, (0, 1, 2)), 0.2, 20)
+        finally:
+            heartbeat.close()
+        assert new == Membership(1, (0, 1))
+
+        before = _files(run_dir)
+        mine.renew(float("inf"))  # a heartbeat after the re-form gives no lease
+        logger.warning("step 2: a collective failed; re-forming")
+        with pytest.raises(RankFenced, match=r"rank 2 was left out.*generation 1 with ranks"):
+            rows.write({"step": 2, "loss": 1.0})
+        for write in (
+            lambda: append_event(run_dir, "checkpoint", step=2),
+            lambda: atomic_write_json(run_dir.summary, {"final_step": 2}),
+            lambda: CheckpointManager(run_dir).write({"model": {"w": torch.ones(2)}}, 2),
+            lambda: fence.check_write(run_dir.metrics, ask=False),
+        ):
+            with pytest.raises(RankFenced) as raised:
+                write()
+            assert exit_code(raised.value) == 4
+        assert _files(run_dir) == before
+        assert list(run_dir.root.rglob("*.tmp")) == []
+        atomic_write_json(tmp_path / "outside.json", {"ok": True})  # not the run directory
+    finally:
+        logger.removeHandler(log_handler)
+        log_handler.close()
+        rows.close()
+
+
+def test_a_member_of_the_newer_generation_and_a_current_rank_may_write(job, installed):
+    """Generation 1 lists member 0: its fence at generation 0 (about to enter it) writes, and
+    after :meth:`GenerationFence.enter` so does generation 1 while no generation 2 exists."""
+    _, env = job
+    store = job_store(30, env)
+    mine = GenerationFence(fence_store(store, 5.0), 0, ask_s=5.0)
+    run_dir = installed(mine)
+    store.set("g1/members", json.dumps([0, 1]))
+    atomic_write_json(run_dir.summary, {"final_step": 1})
+    mine.enter(1)
+    atomic_write_json(run_dir.allocation, {"samples": [1]})
+    assert json.loads(run_dir.summary.read_text()) == {"final_step": 1}
+
+
+def test_a_rank_that_gets_no_answer_from_the_store_does_not_write(job, installed):
+    """The store holds every request (its lock taken: a server cut off from this rank): the
+    rank's question fails after ``ask_s``, it writes nothing, and the error names the store
+    it could not reach (exit code 1: the job cannot go on without its store)."""
+    server, env = job
+    store = job_store(30, env)
+    mine = GenerationFence(fence_store(store, 0.5), 1, ask_s=0.5, where=env["HETSEQ_STORE"])
+    run_dir = installed(mine)
+    where = re.escape(env["HETSEQ_STORE"])
+    with server._cond, pytest.raises(StoreLost, match=f"cannot reach the job's store at {where}"):
+        # every request waits for the store's lock, held here: no reply
+        atomic_write_json(run_dir.summary, {"final_step": 1})
+    assert not run_dir.summary.exists()
+    with pytest.raises(StoreLost) as raised:  # for good, without asking again
+        fence.check_write(run_dir.summary, ask=False)
+    assert exit_code(raised.value) == 1
