@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ import pytest
 from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint
 from tests.helpers.fault_tasks import at_barrier_marker, fault_task
+from tests.helpers.fence_audit import writes_after_fence
 from tests.helpers.runs import (
     SMALL_MODEL,
     hetseq,
@@ -561,3 +563,47 @@ def test_a_rank_killed_in_start_up_ends_the_run_without_the_long_timeout(
     last = stderr.strip().splitlines()[-1]
     assert last.startswith(f"hetseq-hpc: error: rank {victim} failed (killed by SIGKILL"), last
     assert f"logs/rank{victim}.log" in last, last
+
+
+def _log_says(path: Path, text: str) -> bool:
+    return path.is_file() and text in path.read_text(encoding="utf-8", errors="replace")
+
+
+def test_sigstop_as_a_partition_the_rank_comes_back_left_out_and_writes_nothing(
+    reference, tmp_path, token_cache
+):
+    """A SIGSTOP stands in for a partition of rank 2's node (alive but unreachable): past the
+    step's timeout the others re-form without it and go on; then SIGCONT (its link comes
+    back). The survivors finish with the uninterrupted run's losses; the rank that came back
+    says in one line that it was left out and ends itself (exit 4, not killed); and nothing
+    in the run directory was written by it after the re-form, file by file (its files by
+    time, every row, checkpoint and record by its ``written_by`` stamp), while the survivors'
+    rows after the re-form carry generation 1."""
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, token_cache, "cluster.ranks=3", "trainer.checkpoint_every=4")
+    _at_step(run_dir, proc, 8)
+    pid = worker_pids(run_dir)[2]
+    os.kill(pid, signal.SIGSTOP)
+    cli_log = RunDir(run_dir).cli_log
+    wait_for(
+        lambda: _log_says(cli_log, "rank 2 was left out by the others"),
+        "the launcher never said rank 2 was left out",
+        proc=proc,
+        poll_s=0.05,
+    )
+    came_back = time.time_ns()
+    os.kill(pid, signal.SIGCONT)
+    out = _finish(proc)
+    _same_trajectory(reference, run_dir)
+    said = [
+        line for line in out.splitlines() if "rank 2 was left out: the others re-formed" in line
+    ]
+    assert len(said) == 1 and "generation 1 with ranks [0, 1]" in said[0], said
+    assert "rank 2 ended itself after it was left out (exit 4)" in out
+    assert "rank 2 did not end itself" not in out
+    assert writes_after_fence(run_dir, 2, came_back) == []
+    (event,) = _events(run_dir)
+    after = [r for r in read_rows(run_dir) if r.get("step", 0) > event["step"] and "loss" in r]
+    assert after and {r["written_by"]["generation"] for r in after} == {1}, after[:1]
+    last = CheckpointManager(RunDir(run_dir)).list()[-1]
+    assert load_checkpoint(last)["written_by"] == {"rank": 0, "generation": 1}
