@@ -48,8 +48,8 @@ class RankFenced(HetseqError):
 
 class StoreLost(RankFenced):
     """The job's store (on the master's node: the local launcher, or the batch host on Slurm)
-    cannot be reached to confirm this rank is current: the rank stops without writing and the
-    last checkpoint stays as it is (exit code 1)."""
+    could not be reached for ``cluster.collective_timeout_s`` to confirm this rank is current:
+    the rank stops without writing and the last checkpoint stays as it is (exit code 1)."""
 
 
 class TooFewRanks(LaunchError):

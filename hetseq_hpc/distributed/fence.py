@@ -7,7 +7,8 @@ or lists it. :class:`GenerationFence` is the check the worker installs
 takes a lease, renewed by the heartbeat thread after each beat that is followed by a
 confirmation (the others leave a rank out only after its heartbeat stood still for
 ``stale_s``, and the lease is shorter). A rank found left out is fenced for good; a rank that
-cannot reach the store within ``ask_s`` does not write either (:class:`~hetseq_hpc.errors.StoreLost`).
+cannot reach the store waits, writing nothing, until its link comes back (then it finds out)
+or ``give_up_s`` passed (:class:`~hetseq_hpc.errors.StoreLost`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ class GenerationFence:
         member: this rank's original rank; generation: its world's generation (0 at start).
         lease_s: how long a confirmation by the heartbeat thread stands for a log line
             (seconds; shorter than the heartbeat staleness after which a rank is left out).
-        ask_s: how long a question to the store may take before the rank counts as cut off.
+        ask_s: how long one question to the store may take.
+        give_up_s: how long the store may stay unreachable (questions asked again, nothing
+            written meanwhile) before the rank stops as cut off: a rank whose own link comes
+            back in time then finds whether the others left it out.
         where: the store's address, for the one line of a rank that cannot reach it.
     """
 
@@ -57,10 +61,12 @@ class GenerationFence:
         generation: int = 0,
         lease_s: float = 1.0,
         ask_s: float = 10.0,
+        give_up_s: float = 0.0,
         where: str = "",
     ):
         self.member, self.generation = int(member), int(generation)
         self.lease_s, self.ask_s, self.where = float(lease_s), float(ask_s), where
+        self.give_up_s = float(give_up_s)
         self.store = store
         self.fenced: Optional[RankFenced] = None  # set once, for good
         self._confirmed = float("-inf")  # time.monotonic() the lease runs from
@@ -103,7 +109,7 @@ class GenerationFence:
 
         Raises:
             RankFenced: a newer generation does not list this rank (also every later call).
-            StoreLost: the store did not answer within ``ask_s``.
+            StoreLost: the store did not answer for ``give_up_s`` (questions of ``ask_s``).
         """
         if self.fenced is not None:
             raise self.fenced
@@ -114,20 +120,36 @@ class GenerationFence:
     def _ask(self) -> None:
         if self.fenced is not None:
             raise self.fenced
-        generation = self.generation
-        key = members_key(generation + 1)
-        try:
-            members = json.loads(self.store.get(key)) if self.store.check([key]) else None
-        except Exception as exc:
-            self.fenced = StoreLost(
-                f"rank {self.member} cannot reach the job's store{' at ' + self.where if self.where else ''} "
-                f"(the master's node: the launcher or the Slurm batch host) within {self.ask_s:g} s "
-                f"({type(exc).__name__}): it is cut off from the job, so it stops without "
-                "writing into the run directory; the last checkpoint stays as it is"
-            )
-            raise self.fenced from None
+        first_failure = None
+        while True:
+            generation = self.generation
+            key = members_key(generation + 1)
+            try:
+                members = json.loads(self.store.get(key)) if self.store.check([key]) else None
+                break
+            except Exception as exc:
+                now = time.monotonic()
+                first_failure = now if first_failure is None else first_failure
+                if now - first_failure < self.give_up_s:
+                    time.sleep(min(1.0, self.ask_s))  # nothing is written while it waits
+                    continue
+                raise self._lost(exc) from None
         if members is not None and self.member not in members:
             raise self.exclude(left_out_line(self.member, generation + 1, members))
+
+    def _lost(self, exc: BaseException) -> StoreLost:
+        """Fence this rank for good: the store did not answer (``exc``); returns the error."""
+        where = f" at {self.where}" if self.where else ""
+        lost = StoreLost(
+            f"rank {self.member} cannot reach the job's store{where} (the master's node: "
+            f"the launcher or the Slurm batch host) for {max(self.give_up_s, self.ask_s):g} s "
+            f"({type(exc).__name__}): that node or this one is cut off, so this rank stops "
+            "without writing into the run directory; the last checkpoint stays as it is"
+        )
+        with self._lock:
+            if self.fenced is None:
+                self.fenced = lost
+            return self.fenced
 
 
 __all__ = ["GenerationFence", "left_out_line", "members_key"]

@@ -23,7 +23,7 @@ import traceback
 from pathlib import Path
 from typing import List, Optional
 
-from hetseq_hpc.errors import HetseqError
+from hetseq_hpc.errors import HetseqError, RankFenced
 from hetseq_hpc.files.atomic import atomic_write_json
 
 log = logging.getLogger("hetseq_hpc.worker")
@@ -98,7 +98,7 @@ def report_failure(exc: BaseException, rank: int, path: Path) -> str:
                 "peer": peer,
             },
         )
-    except OSError:
+    except (OSError, RankFenced):  # a rank the others left out writes no error file
         pass
     return one_line
 

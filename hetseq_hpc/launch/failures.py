@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence
 
 from hetseq_hpc.env.rank_guard import PEER_MARKERS, is_peer_error
-from hetseq_hpc.errors import EXIT_CODES, Preempted, StorageError
+from hetseq_hpc.errors import EXIT_CODES, Preempted, RankFenced, StorageError
 from hetseq_hpc.files.atomic import atomic_write_json
 from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.rundir.storage import filesystem_problem, storage_message
@@ -199,7 +199,7 @@ def note_stopped(path: Path, stopped_s: float) -> None:
         return
     try:
         atomic_write_json(path, {**data, "stopped_s": round(float(stopped_s), 1)})
-    except OSError:
+    except (OSError, RankFenced):  # a rank the others left out writes nothing
         pass
 
 

@@ -37,7 +37,14 @@ from submitit.slurm.slurm import SlurmExecutor
 from hetseq_hpc.config import RunConfig, SlurmClusterConfig, load_run_config, save_run_config
 from hetseq_hpc.env.preemption import REQUEUE
 from hetseq_hpc.env.rank_guard import exit_at_shutdown, report_failure
-from hetseq_hpc.errors import ConfigError, LaunchError, Preempted, RankExcluded
+from hetseq_hpc.errors import (
+    ConfigError,
+    LaunchError,
+    Preempted,
+    RankExcluded,
+    RankFenced,
+    StoreLost,
+)
 from hetseq_hpc.files.atomic import atomic_write_text
 from hetseq_hpc.launch.command import CommandJobFunction
 from hetseq_hpc.launch.failures import (
@@ -142,8 +149,10 @@ class HetseqJobFunction:
     (:class:`~hetseq_hpc.launch.failures.StopWatch`). A rank stopped after a checkpoint exits 3
     with no result (the requeued job writes them), and rank 0 records the stop in
     ``logs/stop.json`` (:func:`~hetseq_hpc.launch.failures.write_stop_record`). A rank the
-    others left out (``RankExcluded``, in-job recovery) ends quietly: a log line, no error file,
-    exit 0, and a result that says so (:data:`~hetseq_hpc.launch.slurm_watch.EXCLUDED_RESULT`).
+    others left out (``RankExcluded``, in-job recovery; ``RankFenced`` when it found out at a
+    write or as it came back) ends quietly: a log line, no error file, exit 0, and a result that
+    says so (:data:`~hetseq_hpc.launch.slurm_watch.EXCLUDED_RESULT`); one cut off from the
+    job's store (``StoreLost``) fails, writing nothing into the run directory.
     """
 
     config_path: str
@@ -176,7 +185,11 @@ class HetseqJobFunction:
             if exc.after_lost_rank:  # no teardown of the broken world (rank_guard.FAILED)
                 exit_at_shutdown(exc, 3)
             raise SystemExit(3) from None
-        except RankExcluded as exc:  # the others went on without this rank: not a failure
+        except StoreLost as exc:  # cut off from the job's store: a failure; nothing written
+            exit_at_shutdown(exc, 1)  # no teardown of its broken group (rank_guard.FAILED)
+            log.warning("rank %d: %s", rank, exc)
+            raise
+        except (RankExcluded, RankFenced) as exc:  # the others went on without this rank
             exit_at_shutdown(exc, 0)  # no teardown of its broken group (rank_guard.FAILED)
             log.warning("rank %d: %s", rank, exc)
             return {EXCLUDED_RESULT: True, "rank": rank}

@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 
 import pytest
 import torch
 
+from hetseq_hpc.distributed.auth_store import AuthStoreServer
 from hetseq_hpc.distributed.fence import GenerationFence
 from hetseq_hpc.distributed.membership import (
     Heartbeat,
@@ -149,3 +151,53 @@ def test_a_rank_that_gets_no_answer_from_the_store_does_not_write(job, installed
     with pytest.raises(StoreLost) as raised:  # for good, without asking again
         fence.check_write(run_dir.summary, ask=False)
     assert exit_code(raised.value) == 1
+
+
+class _Watched:
+    """The fence's store, passed through, with an event set when a question fails."""
+
+    def __init__(self, store):
+        self.store, self.failed = store, threading.Event()
+
+    def check(self, keys):
+        try:
+            return self.store.check(keys)
+        except Exception:
+            self.failed.set()
+            raise
+
+    def get(self, key):
+        return self.store.get(key)
+
+
+def test_a_rank_cut_off_waits_for_its_link_then_finds_it_was_left_out(job, installed):
+    """The store goes away (closed: the rank's link is down) and comes back on the same
+    address with generation 1 formed without member 2: the rank's write waited (asking
+    again, writing nothing) and is refused as left out, not as a lost store (exit code 4)."""
+    server, env = job
+    port = int(env["HETSEQ_STORE"].rsplit(":", 1)[1])
+    watched = _Watched(fence_store(job_store(30, env), 0.5))
+    mine = GenerationFence(watched, 2, ask_s=0.5, give_up_s=120.0)
+    run_dir = installed(mine)
+    server.close()
+    outcome = {}
+
+    def write() -> None:
+        try:
+            atomic_write_json(run_dir.summary, {"final_step": 3})
+        except RankFenced as exc:
+            outcome["error"] = exc
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    assert watched.failed.wait(60), "the fence never asked the closed store"
+    back = AuthStoreServer("127.0.0.1", port, TOKEN)
+    try:
+        back.set("job/g1/members", json.dumps([0, 1]))
+        writer.join(60)
+    finally:
+        back.close()
+    assert not writer.is_alive()
+    assert not isinstance(outcome["error"], StoreLost), outcome["error"]
+    assert "rank 2 was left out" in str(outcome["error"]) and exit_code(outcome["error"]) == 4
+    assert not run_dir.summary.exists()

@@ -111,12 +111,13 @@ class ElasticWorld:
         self.membership = Membership(0, tuple(range(rdv.world.world_size)))
         self.heartbeat = Heartbeat(store, self.member, watch=range(rdv.world.world_size))
         # the write fence: left out after a heartbeat stood still for stale_s (reform); its
-        # lease is shorter, and a question to the store waits timeout_s at most
+        # lease is shorter; a store out of reach is asked again for collective_timeout_s
         self.fence = GenerationFence(
             fence_store(store, self.cfg.timeout_s),
             self.member,
             lease_s=self.stale_s / 2.0,
             ask_s=self.cfg.timeout_s,
+            give_up_s=run.cluster.collective_timeout_s,
             where=os.environ.get(STORE_ENV, ""),
         )
         self.heartbeat.on_beat = self.fence.renew
