@@ -176,9 +176,17 @@ class AuthStoreServer:
         conn = Connection(sock.detach())
         try:
             server_handshake(conn, self._authkey)
-        except (AuthenticationError, OSError, EOFError, ValueError):
+        except AuthenticationError:
             log.warning(
                 "job store: refused a client from %s (it does not hold the job's token)", peer[0]
+            )
+            conn.close()
+            return
+        except (OSError, EOFError, ValueError) as exc:  # gone before it answered (cut off)
+            log.info(
+                "job store: a client from %s left before proving it holds the job's token (%s)",
+                peer[0],
+                type(exc).__name__,
             )
             conn.close()
             return

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -20,11 +21,13 @@ from pathlib import Path
 import pytest
 
 from hetseq_hpc.rundir.paths import RunDir
-from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint
+from hetseq_hpc.train.checkpoint.files import step_of
+from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint, verified_run_id
 from tests.helpers.fault_tasks import at_barrier_marker, fault_task
 from tests.helpers.fence_audit import writes_after_fence
 from tests.helpers.runs import (
     SMALL_MODEL,
+    alive,
     hetseq,
     losses,
     read_rows,
@@ -607,3 +610,45 @@ def test_sigstop_as_a_partition_the_rank_comes_back_left_out_and_writes_nothing(
     assert after and {r["written_by"]["generation"] for r in after} == {1}, after[:1]
     last = CheckpointManager(RunDir(run_dir)).list()[-1]
     assert load_checkpoint(last)["written_by"] == {"rank": 0, "generation": 1}
+
+
+def test_sigstop_of_the_launcher_as_a_partition_of_the_stores_node_ends_the_run_intact(
+    tmp_path, token_cache
+):
+    """A SIGSTOP of the launcher stands in for a partition of the master's node: the job's
+    store lives there, so no rank can confirm it is current. Training goes on until rank 0's
+    next row asks the store; every rank waits ``cluster.collective_timeout_s`` for it, then
+    stops with one line naming the store and the last checkpoint, verified, writing nothing:
+    the checkpoints and rows are those of before, and nothing is half-written."""
+    run_dir = tmp_path / "run"
+    proc = _start(
+        run_dir,
+        token_cache,
+        "cluster.ranks=3",
+        "trainer.checkpoint_every=4",
+        "cluster.collective_timeout_s=20",
+    )
+    _at_step(run_dir, proc, 6)
+    pids = worker_pids(run_dir)
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: not any(alive(p) for p in pids.values()), "the ranks never stopped")
+        kept = {p.name: p.read_bytes() for p in (run_dir / "checkpoints").glob("step_*")}
+        rows = (run_dir / "metrics.jsonl").read_bytes()
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1, stderr[-3000:]
+    said = [
+        line
+        for line in (stdout + stderr).splitlines()
+        if "cannot reach the job's store at 127.0.0.1:" in line
+    ]
+    ranks = sorted(int(re.search(r"rank (\d+) cannot reach", line)[1]) for line in said)
+    assert ranks == [0, 1, 2], said
+    last = CheckpointManager(RunDir(run_dir)).list()[-1]
+    assert all(f"last checkpoint step {step_of(last)} verified: {last}" in line for line in said)
+    assert verified_run_id(last)
+    assert {p.name: p.read_bytes() for p in (run_dir / "checkpoints").glob("step_*")} == kept
+    assert (run_dir / "metrics.jsonl").read_bytes() == rows
+    assert not list(run_dir.rglob("*.tmp")) and not (run_dir / "summary.json").exists()

@@ -31,6 +31,7 @@ from hetseq_hpc.files.atomic import atomic_write_json
 from hetseq_hpc.rundir.events import append_event
 from hetseq_hpc.rundir.logs import RunLogHandler
 from hetseq_hpc.rundir.paths import RunDir
+from hetseq_hpc.train.checkpoint.background import BackgroundWrite
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager
 from hetseq_hpc.train.metrics.rows import MetricsWriter
 
@@ -201,3 +202,17 @@ def test_a_rank_cut_off_waits_for_its_link_then_finds_it_was_left_out(job, insta
     assert not isinstance(outcome["error"], StoreLost), outcome["error"]
     assert "rank 2 was left out" in str(outcome["error"]) and exit_code(outcome["error"]) == 4
     assert not run_dir.summary.exists()
+
+
+def test_a_background_checkpoint_of_a_left_out_rank_is_not_written(job, installed):
+    """The checkpoint thread's write is refused too, and its waiter gets the fence's error
+    (the rank stops), not a failed write to log."""
+    _, env = job
+    mine = GenerationFence(fence_store(job_store(30, env), 5.0), 1, ask_s=5.0)
+    run_dir = installed(mine)
+    mine.exclude("rank 1 was left out: test")
+    manager = CheckpointManager(run_dir)
+    pending = BackgroundWrite(4, lambda: manager.write({"model": {"w": torch.ones(1)}}, 4))
+    with pytest.raises(RankFenced, match="rank 1 was left out"):
+        pending.wait()
+    assert manager.list() == [] and not list(run_dir.root.rglob("*.tmp"))

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from hetseq_hpc.errors import CheckpointError
+from hetseq_hpc.errors import CheckpointError, RankFenced
 
 #: TEST-ONLY: a folder; the write of step S holds before its rename while ``<it>/hold_S``
 #: exists, after creating ``<it>/held_S``, until ``<it>/release_S`` exists
@@ -124,7 +124,9 @@ class BackgroundWrite:
     Args:
         step: the optimizer step written.
         write: does the write; returns the checkpoint's path; raises CheckpointError (one
-            line) when it fails. Any other exception is turned into one line too.
+            line) when it fails. Any other exception is turned into one line too, but a
+            ``RankFenced`` (this rank may not write: :mod:`hetseq_hpc.files.fence`), kept in
+            :attr:`fenced` for the waiter to raise.
     """
 
     def __init__(self, step: int, write: Callable[[], Path]):
@@ -133,6 +135,7 @@ class BackgroundWrite:
         self.waited = threading.Event()
         self.path: Optional[Path] = None
         self.error: Optional[str] = None
+        self.fenced: Optional[RankFenced] = None
         self.seconds = 0.0
         self._write = write
         self._thread = threading.Thread(target=self._run, name=f"checkpoint-{step}", daemon=True)
@@ -144,6 +147,8 @@ class BackgroundWrite:
             self.path = self._write()
         except CheckpointError as exc:
             self.error = str(exc)
+        except RankFenced as exc:  # not a failed write: the rank stops (its waiter raises it)
+            self.fenced = exc
         except BaseException as exc:  # never lost in the thread
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             self.error = (
@@ -160,9 +165,15 @@ class BackgroundWrite:
         return not self._thread.is_alive()
 
     def wait(self) -> Optional[str]:
-        """Wait for the write to end; returns its one-line error, or None when it was written."""
+        """Wait for the write to end; returns its one-line error, or None when it was written.
+
+        Raises:
+            RankFenced: this rank was not allowed to write it (nothing was written).
+        """
         self.waited.set()
         self._thread.join()
+        if self.fenced is not None:
+            raise self.fenced
         return self.error
 
 

@@ -469,7 +469,11 @@ class CheckpointManager:
 
     def drain(self) -> Optional[str]:
         """Wait for this process's background write, if any (local: no collective); returns
-        its one-line error, or None (written, or nothing pending)."""
+        its one-line error, or None (written, or nothing pending).
+
+        Raises:
+            RankFenced: the others left this rank out while it wrote: nothing was written.
+        """
         pending, self._pending = self._pending, None
         if pending is None:
             return None
