@@ -1,0 +1,355 @@
+#!/usr/bin/env python3
+"""Partition drills: cut a non-master rank off mid-run, N times, and check nothing split.
+
+Each drill starts a real run (``cluster=local``, 3 ranks, a small BERT, ``trainer.elastic``),
+cuts one non-master rank off at a random step, waits until the others re-formed without it,
+then lets it come back; the run must finish with the survivors on the uninterrupted run's
+trajectory, and the rank that came back must write nothing into the run directory after the
+re-form (checked file by file: tests/helpers/fence_audit.py).
+
+    python scripts/partition_drills.py                  # 10 drills, --mode sigstop
+    python scripts/partition_drills.py --runs 3 --seed 7
+    python scripts/partition_drills.py --mode netns     # needs the namespaced test cluster
+
+``--mode sigstop`` stands a SIGSTOP in for the partition (alive, unreachable) and a SIGCONT
+for the link coming back, on the local launcher. ``--mode netns`` cuts the node's link with
+``scripts/test-cluster.sh link nX down|up`` on a running namespaced test cluster.
+The last line is one JSON object: ``runs``, ``survived``, ``writes_after_fence`` (must be 0),
+``max_rel_loss_diff``, and per drill the step, the rank, and what it said. Under Slurm the
+rank's own stderr goes to its task's log in ``submitit/`` (its one line), and submitit writes
+its result there: those are listed per drill, not counted as writes into the run's records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.helpers.fence_audit import writes_after_fence  # noqa: E402
+from tests.helpers.runs import SMALL_MODEL, cli_env, losses, step_rows, worker_pids  # noqa: E402
+
+#: where each mode's runs go: 3 local ranks, or the test cluster's het job (a100 x 1 + v100 x 2)
+RUNS = {
+    "sigstop": ["cluster.ranks=3"],
+    "netns": ["cluster=testcluster", "cluster.wait=true"],
+}
+COMMON = [
+    *SMALL_MODEL,
+    "task.model.max_seq_len=32",
+    "task.model.dropout=0.0",
+    "trainer.global_batch_size=24",
+    "trainer.seed=5",
+    "trainer.val_every=0",
+    "trainer.checkpoint_every=4",
+]
+TOL = 1e-6
+
+
+def _start(
+    run_dir: Path, cache: Path, steps: int, *extra: str, env: Optional[Dict[str, str]] = None
+) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetseq_hpc",
+        *COMMON,
+        f"trainer.max_steps={steps}",
+        f"optim.schedule_steps={steps}",
+        f"hydra.run.dir={run_dir}",
+        *extra,
+    ]
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=dict(cli_env(cache), **(env or {})),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _wait(what: str, ready, proc: subprocess.Popen, timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if proc.poll() is not None:
+            raise RuntimeError(f"the run ended before {what} (exit {proc.returncode})")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no {what} within {timeout_s:g} s")
+        time.sleep(0.05)
+
+
+def _said(path: Path, text: str) -> bool:
+    return path.is_file() and text in path.read_text(encoding="utf-8", errors="replace")
+
+
+def _end(proc: subprocess.Popen, timeout_s: float = 600.0) -> str:
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return out + err
+
+
+class SigStop:
+    """The cut is a SIGSTOP of the rank's process; the link back, a SIGCONT."""
+
+    name = "sigstop"
+
+    def __init__(self, run_dir: Path, rank: int):
+        self.pid = worker_pids(run_dir)[rank]
+
+    def down(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def up(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+SCRIPT = REPO / "scripts" / "test-cluster.sh"
+
+
+def netns_unavailable() -> Optional[str]:
+    """Why ``--mode netns`` cannot run here, or None."""
+    text = SCRIPT.read_text(encoding="utf-8", errors="replace") if SCRIPT.is_file() else ""
+    if "link NODE down|up" not in text:
+        return (
+            "--mode netns is not available yet: scripts/test-cluster.sh has no "
+            "`link nX down|up` (the namespaced test cluster, issue 46); use --mode sigstop"
+        )
+    if shutil.which("sbatch") is None or os.geteuid() != 0:
+        return "--mode netns needs root and Slurm (scripts/test-cluster.sh); use --mode sigstop"
+    return None
+
+
+class NetnsCluster:
+    """A test cluster of its own in network-namespace mode (scripts/test-cluster.sh), for the
+    drills' Slurm runs; ``link(node, "down"|"up")`` cuts or restores a node's link."""
+
+    def __init__(self) -> None:
+        self.state = tempfile.mkdtemp(prefix="hsq-")  # short: slurmstepd's socket path
+        self.env = dict(os.environ, HETSEQ_TESTCLUSTER_DIR=self.state, HETSEQ_TESTCLUSTER_NETNS="1")
+        self.conf = ""
+
+    def start(self) -> None:
+        done = subprocess.run(
+            [str(SCRIPT), "start"], env=self.env, capture_output=True, text=True, timeout=300
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"the netns test cluster did not start: {done.stderr[-2000:]}")
+        self.conf = done.stdout.strip().splitlines()[-1].split("=", 1)[1]
+
+    def link(self, node: str, how: str) -> None:
+        done = subprocess.run(
+            [str(SCRIPT), "link", node, how], env=self.env, capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"link {node} {how} failed: {done.stderr.strip()[-500:]}")
+
+    def stop(self) -> None:
+        subprocess.run([str(SCRIPT), "stop"], env=self.env, capture_output=True, text=True)
+        shutil.rmtree(self.state, ignore_errors=True)
+
+
+class LinkDown:
+    """The cut is the rank's node's link set down (scripts/test-cluster.sh link NODE down);
+    the link back, ``up``, ``down_s`` seconds after the cut."""
+
+    name = "netns"
+
+    def __init__(self, cluster: NetnsCluster, run_dir: Path, rank: int):
+        ranks = json.loads((run_dir / "allocation.json").read_text())["ranks"]
+        self.node, self.cluster = ranks[rank]["node"], cluster
+        if self.node == ranks[0]["node"]:
+            raise RuntimeError(f"rank {rank} shares rank 0's node {self.node}: not a drill")
+
+    def down(self) -> None:
+        self.cluster.link(self.node, "down")
+
+    def up(self) -> None:
+        self.cluster.link(self.node, "up")
+
+
+def _lost(run_dir: Path, rank: int) -> bool:
+    """Whether a membership row of ``run_dir`` says the others went on without ``rank``."""
+    try:
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    except (OSError, ValueError):
+        return False
+    return any(
+        r.get("event") == "membership" and rank in [x["rank"] for x in r["lost"]] for r in rows
+    )
+
+
+def drill(
+    index: int,
+    args: argparse.Namespace,
+    reference: Dict[int, float],
+    cache: Path,
+    root: Path,
+    cluster: Optional[NetnsCluster] = None,
+) -> Dict[str, Any]:
+    """One drill: start, cut rank ``victim`` at step ``at``, bring it back once it was left
+    out, let the run end; what happened."""
+    rng = random.Random(args.seed * 1000 + index)
+    at = rng.randint(2, args.steps - 6)
+    victim = rng.randint(1, 2)
+    run_dir = root / f"drill{index}"
+    started = time.monotonic()
+    where = RUNS[args.mode]
+    env = {"SLURM_CONF": cluster.conf} if cluster is not None else None
+    proc = _start(run_dir, cache, args.steps, *where, *args.extra, env=env)
+    result: Dict[str, Any] = {"drill": index, "step": at, "rank": victim}
+    try:
+        _wait(f"step {at}", lambda: step_rows(run_dir) >= at, proc)
+        if cluster is not None:
+            cut: Any = LinkDown(cluster, run_dir, victim)
+            result["node"] = cut.node
+        else:
+            cut = SigStop(run_dir, victim)
+        cut.down()
+        cut_ns = time.time_ns()
+        if cluster is None:  # the launcher's word, at once (it kills a stopped rank later)
+            cli_log = run_dir / "cli.log"
+            _wait(
+                f"rank {victim} left out",
+                lambda: _said(cli_log, f"rank {victim} was left out by the others"),
+                proc,
+            )
+        else:  # the survivors' membership row, then the link stays down --down-s in all
+            _wait(f"rank {victim} left out", lambda: _lost(run_dir, victim), proc)
+            time.sleep(max(0.0, args.down_s - (time.time_ns() - cut_ns) / 1e9))
+        came_back = time.time_ns()
+        cut.up()
+        out = _end(proc)
+    except Exception as exc:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        result.update(exit=None, error=str(exc), survived=False)
+        return result
+    got = losses(run_dir) if (run_dir / "metrics.jsonl").is_file() else {}
+    complete = sorted(got) == list(range(1, args.steps + 1))
+    rel = max((abs(got[s] - reference[s]) / abs(reference[s]) for s in got), default=None)
+    if cluster is not None:  # the rank's stderr is its Slurm task's log
+        out += "".join(
+            p.read_text(errors="replace") for p in (run_dir / "submitit").glob("*_log.err")
+        )
+    said = [line for line in out.splitlines() if f"rank {victim} was left out: the others" in line]
+    # a SIGSTOPped rank writes nothing until it comes back; a cut-off one computes on, and
+    # no write of it is allowed once its lease (stale_s / 2, from before the cut) ran out
+    since = came_back if cluster is None else cut_ns + int(args.timeout_s / 4 * 1e9)
+    fenced = writes_after_fence(run_dir, victim, since)
+    # not the run's records: Slurm's capture of the task's stdout/stderr (its one line) and
+    # submitit's result of the task, which the Slurm launcher reads (listed, not counted)
+    scheduler = sorted(
+        p.name
+        for p in (run_dir / "submitit").glob(f"*_{victim}_*")
+        if p.stat().st_mtime_ns >= since
+    )
+    result.update(
+        exit=proc.returncode,
+        survived=proc.returncode == 0 and complete and rel is not None and rel <= TOL,
+        max_rel_loss_diff=rel,
+        ended_itself=(
+            f"rank {victim} ended itself after it was left out (exit 4)" in out
+            if cluster is None
+            else bool(said)
+        ),
+        said=said[0].split(": ", 1)[-1] if said else None,
+        writes_after_fence=fenced,
+        scheduler_files_after_fence=scheduler,
+        seconds=round(time.monotonic() - started, 1),
+    )
+    if not args.keep and result["survived"] and not fenced and result["ended_itself"]:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return result
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=10, help="how many drills (default 10)")
+    parser.add_argument("--mode", choices=("sigstop", "netns"), default="sigstop")
+    parser.add_argument("--ranks", type=int, default=3, help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=24, help="steps of each run (default 24)")
+    parser.add_argument("--seed", type=int, default=46, help="seed of the cut steps and ranks")
+    parser.add_argument("--keep", action="store_true", help="keep every run directory")
+    parser.add_argument(
+        "--down-s", type=float, default=30.0, help="netns: seconds the link stays down (30)"
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, default=None, help="trainer.elastic.timeout_s (8; netns 12)"
+    )
+    parser.add_argument("extra", nargs="*", help="more overrides for every run")
+    args = parser.parse_args(argv)
+    if args.mode == "netns" and netns_unavailable():
+        print(f"partition_drills: error: {netns_unavailable()}", file=sys.stderr)
+        return 2
+    if args.ranks != 3 or args.steps < 10 or args.runs < 1:
+        parser.error("use --ranks 3 (the test cluster's het job), --steps >= 10, --runs >= 1")
+    args.timeout_s = args.timeout_s or (12.0 if args.mode == "netns" else 8.0)
+    args.extra = [f"trainer.elastic.timeout_s={args.timeout_s:g}", *args.extra]
+    root = Path(tempfile.mkdtemp(prefix="partition-drills-"))
+    cache = root / "cache"
+    print(
+        f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}; runs under {root}",
+        flush=True,
+    )
+    ref_dir = root / "reference"  # 3 local ranks: the trajectory does not depend on where
+    proc = _start(ref_dir, cache, args.steps, *RUNS["sigstop"], *args.extra)
+    out = _end(proc)
+    if proc.returncode != 0:
+        print(out[-3000:], file=sys.stderr)
+        print("partition_drills: error: the uninterrupted run failed", file=sys.stderr)
+        return 1
+    reference = losses(ref_dir)
+    results = []
+    cluster = NetnsCluster() if args.mode == "netns" else None
+    try:
+        if cluster is not None:
+            cluster.start()
+        for index in range(args.runs):
+            result = drill(index, args, reference, cache, root, cluster)
+            results.append(result)
+            print(json.dumps(result), flush=True)
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    diffs = [r["max_rel_loss_diff"] for r in results if r.get("max_rel_loss_diff") is not None]
+    summary = {
+        "mode": args.mode,
+        "runs": len(results),
+        "survived": sum(bool(r["survived"]) for r in results),
+        "ended_itself": sum(bool(r.get("ended_itself")) for r in results),
+        "writes_after_fence": sum(len(r.get("writes_after_fence") or []) for r in results),
+        "max_rel_loss_diff": max(diffs) if diffs else None,
+        "drills": [
+            {k: r.get(k) for k in ("step", "rank", "exit", "seconds", "error") if r.get(k)}
+            for r in results
+        ],
+    }
+    print(json.dumps(summary))
+    ok = summary["survived"] == summary["runs"] and summary["writes_after_fence"] == 0
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
