@@ -520,7 +520,9 @@ def finished_summary(
 def draw_plot(summary: Dict[str, Any], run_dir: RunDir) -> None:
     """Rank 0 at the end of a run: ``ranks.png`` (:func:`hetseq_hpc.report.plots.plot_run`),
     its path logged and added to ``summary`` and ``summary.json``. A failure only warns: a
-    picture never fails a finished run."""
+    picture never fails a finished run (but a rank the others left out draws nothing:
+    ``RankFenced``)."""
+    fence.check_write(run_dir.plot)
     try:
         from hetseq_hpc.report.plots import plot_run
 

@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import threading
+import time
 
 import pytest
 import torch
@@ -216,3 +217,31 @@ def test_a_background_checkpoint_of_a_left_out_rank_is_not_written(job, installe
     with pytest.raises(RankFenced, match="rank 1 was left out"):
         pending.wait()
     assert manager.list() == [] and not list(run_dir.root.rglob("*.tmp"))
+
+
+class _Counted(_Watched):
+    """The fence's store, passed through, counting its questions."""
+
+    def __init__(self, store):
+        super().__init__(store)
+        self.asked = 0
+
+    def check(self, keys):
+        self.asked += 1
+        return super().check(keys)
+
+
+def test_a_log_line_under_a_fresh_lease_does_not_ask_the_store(job):
+    """A heartbeat's confirmation (a lease) lets log lines go without a question to the store;
+    a row or checkpoint write asks once; a second beat soon after is not confirmed again."""
+    _, env = job
+    counted = _Counted(fence_store(job_store(30, env), 5.0))
+    mine = GenerationFence(counted, 0, lease_s=600.0, ask_s=5.0)
+    mine.renew(time.monotonic())
+    assert counted.asked == 1
+    for _ in range(3):
+        mine.check(ask=False)
+    mine.renew(time.monotonic())
+    assert counted.asked == 1
+    mine.check(ask=True)
+    assert counted.asked == 2
