@@ -140,7 +140,7 @@ class GenerationFence:
         if members is not None and self.member not in members:
             raise self.exclude(left_out_line(self.member, generation + 1, members))
 
-    def _lost(self, exc: BaseException) -> StoreLost:
+    def _lost(self, exc: BaseException) -> RankFenced:
         """Fence this rank for good: the store did not answer (``exc``); returns the error."""
         where = f" at {self.where}" if self.where else ""
         lost = StoreLost(

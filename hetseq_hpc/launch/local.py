@@ -60,6 +60,8 @@ POLL_S = 0.2
 TERM_GRACE_S = 10.0
 #: seconds the other ranks get to exit (and write their own error) after a rank failed
 FAILURE_GRACE_S = 3.0
+#: a rank the others left out may end itself within this many trainer.elastic.timeout_s
+LEFT_OUT_GRACE = 3.0
 #: reason given for a rank found stopped while its peers failed waiting for it
 STOPPED_REASON = (
     "it was stopped (SIGSTOP or Ctrl-Z) and did not answer; its peers timed out waiting for it"
@@ -209,7 +211,7 @@ class ElasticJob:
         store, port = serve_job_store("127.0.0.1", token=token)
         for env in envs:
             env.update({STORE_ENV: f"127.0.0.1:{port}", TOKEN_ENV: token})
-        return cls(store, token, run.trainer.elastic.timeout_s)
+        return cls(store, token, LEFT_OUT_GRACE * run.trainer.elastic.timeout_s)
 
     def close(self) -> None:
         """Stop serving the store (every rank has ended)."""
@@ -255,9 +257,11 @@ class ElasticJob:
 
     def end_excluded(self, procs: List[subprocess.Popen], codes: Dict[int, int]) -> None:
         """SIGKILL the ranks the others left out that did not end themselves within
-        :attr:`grace_s` (``trainer.elastic.timeout_s``): a rank that was only cut off or
-        stopped for a while finds out it was left out and ends with its one line (exit 4,
-        writing nothing: :mod:`hetseq_hpc.files.fence`); a stopped process never does."""
+        :attr:`grace_s` (:data:`LEFT_OUT_GRACE` x ``trainer.elastic.timeout_s``: a step's
+        collective timeout and its recovery), or once every other rank has ended: a rank
+        that was only cut off or stopped for a while finds out it was left out and ends with
+        its one line (exit 4, writing nothing: :mod:`hetseq_hpc.files.fence`); a stopped
+        process never does."""
         from hetseq_hpc.distributed.membership import excluded_key
 
         now = time.monotonic()
@@ -267,12 +271,15 @@ class ElasticJob:
             if rank not in self.left_out and self.store.check([excluded_key(rank)]):
                 log.warning(
                     "rank %d was left out by the others (no heartbeat): ending it unless it "
-                    "ends itself within %g s",
+                    "ends itself within %g s (or the others end first)",
                     rank,
                     self.grace_s,
                 )
                 self.left_out[rank] = now
-            if rank in self.left_out and now - self.left_out[rank] >= self.grace_s:
+            others_ended = all(r in codes for r in range(len(procs)) if r not in self.left_out)
+            if rank in self.left_out and (
+                now - self.left_out[rank] >= self.grace_s or others_ended
+            ):
                 log.warning("rank %d did not end itself: ending it", rank)
                 _signal_all([proc], signal.SIGKILL)
                 self.ended.add(rank)
