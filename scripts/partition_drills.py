@@ -210,7 +210,8 @@ def drill(
     """One drill: start, cut rank ``victim`` at step ``at``, bring it back once it was left
     out, let the run end; what happened."""
     rng = random.Random(args.seed * 1000 + index)
-    at = rng.randint(2, args.steps - 6)
+    # netns: the survivors must still train when the link comes back (--down-s after the cut)
+    at = rng.randint(2, args.steps - 6 if cluster is None else max(3, args.steps // 4))
     victim = rng.randint(1, 2)
     run_dir = root / f"drill{index}"
     started = time.monotonic()
@@ -246,6 +247,12 @@ def drill(
         result.update(exit=None, error=str(exc), survived=False)
         return result
     got = losses(run_dir) if (run_dir / "metrics.jsonl").is_file() else {}
+    # a Slurm job that ended a rank still cut off may be requeued: then it did not survive
+    # in-job, and a new process of that rank writes its log (not the fenced one)
+    rank0_log = run_dir / "logs" / "rank0.log"
+    starts = (
+        rank0_log.read_text(errors="replace").count("joining tcp://") if rank0_log.is_file() else 0
+    )
     complete = sorted(got) == list(range(1, args.steps + 1))
     rel = max((abs(got[s] - reference[s]) / abs(reference[s]) for s in got), default=None)
     if cluster is not None:  # the rank's stderr is its Slurm task's log
@@ -266,7 +273,10 @@ def drill(
     )
     result.update(
         exit=proc.returncode,
-        survived=proc.returncode == 0 and complete and rel is not None and rel <= TOL,
+        survived=(
+            proc.returncode == 0 and complete and rel is not None and rel <= TOL and starts == 1
+        ),
+        restarted=starts > 1,
         max_rel_loss_diff=rel,
         ended_itself=(
             f"rank {victim} ended itself after it was left out (exit 4)" in out
@@ -288,7 +298,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--runs", type=int, default=10, help="how many drills (default 10)")
     parser.add_argument("--mode", choices=("sigstop", "netns"), default="sigstop")
     parser.add_argument("--ranks", type=int, default=3, help=argparse.SUPPRESS)
-    parser.add_argument("--steps", type=int, default=24, help="steps of each run (default 24)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="steps of each run (default 24; netns 80)"
+    )
     parser.add_argument("--seed", type=int, default=46, help="seed of the cut steps and ranks")
     parser.add_argument("--keep", action="store_true", help="keep every run directory")
     parser.add_argument(
@@ -302,9 +314,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.mode == "netns" and netns_unavailable():
         print(f"partition_drills: error: {netns_unavailable()}", file=sys.stderr)
         return 2
-    if args.ranks != 3 or args.steps < 10 or args.runs < 1:
+    if args.ranks != 3 or (args.steps or 24) < 10 or args.runs < 1:
         parser.error("use --ranks 3 (the test cluster's het job), --steps >= 10, --runs >= 1")
     args.timeout_s = args.timeout_s or (12.0 if args.mode == "netns" else 8.0)
+    args.steps = args.steps or (80 if args.mode == "netns" else 24)
     args.extra = [f"trainer.elastic.timeout_s={args.timeout_s:g}", *args.extra]
     root = Path(tempfile.mkdtemp(prefix="partition-drills-"))
     cache = root / "cache"
