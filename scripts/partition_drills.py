@@ -12,8 +12,10 @@ re-form (checked file by file: tests/helpers/fence_audit.py).
     python scripts/partition_drills.py --mode netns     # needs the namespaced test cluster
 
 ``--mode sigstop`` stands a SIGSTOP in for the partition (alive, unreachable) and a SIGCONT
-for the link coming back, on the local launcher. ``--mode netns`` cuts the node's link with
-``scripts/test-cluster.sh link nX down|up`` on a running namespaced test cluster.
+for the link coming back, on the local launcher. ``--mode netns`` starts a namespaced test
+cluster of its own and cuts the node's link with ``scripts/test-cluster.sh link nX down|up``;
+Slurm marks a node cut off past ``SlurmdTimeout`` (15 s there) down and ends the job's step,
+so the link comes back as soon as the others went on (``--down-s`` to hold it longer).
 The last line is one JSON object: ``runs``, ``survived``, ``writes_after_fence`` (must be 0),
 ``max_rel_loss_diff``, and per drill the step, the rank, and what it said. Under Slurm the
 rank's own stderr goes to its task's log in ``submitit/`` (its one line), and submitit writes
@@ -303,11 +305,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=46, help="seed of the cut steps and ranks")
     parser.add_argument("--keep", action="store_true", help="keep every run directory")
+    parser.add_argument("--first", type=int, default=0, help="index of the first drill (0)")
     parser.add_argument(
-        "--down-s", type=float, default=30.0, help="netns: seconds the link stays down (30)"
+        "--down-s",
+        type=float,
+        default=0.0,
+        help="netns: seconds from the cut to the link's return, at least until the others "
+        "went on without the rank (default 0: at once then; a cut longer than the test "
+        "cluster's SlurmdTimeout, 15 s, is a node failure to Slurm, which ends the step)",
     )
     parser.add_argument(
-        "--timeout-s", type=float, default=None, help="trainer.elastic.timeout_s (8; netns 12)"
+        "--timeout-s", type=float, default=8.0, help="trainer.elastic.timeout_s (8)"
     )
     parser.add_argument("extra", nargs="*", help="more overrides for every run")
     args = parser.parse_args(argv)
@@ -316,7 +324,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     if args.ranks != 3 or (args.steps or 24) < 10 or args.runs < 1:
         parser.error("use --ranks 3 (the test cluster's het job), --steps >= 10, --runs >= 1")
-    args.timeout_s = args.timeout_s or (12.0 if args.mode == "netns" else 8.0)
     args.steps = args.steps or (80 if args.mode == "netns" else 24)
     args.extra = [f"trainer.elastic.timeout_s={args.timeout_s:g}", *args.extra]
     root = Path(tempfile.mkdtemp(prefix="partition-drills-"))
@@ -339,7 +346,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if cluster is not None:
             cluster.start()
-        for index in range(args.runs):
+        for index in range(args.first, args.first + args.runs):
             result = drill(index, args, reference, cache, root, cluster)
             results.append(result)
             print(json.dumps(result), flush=True)
