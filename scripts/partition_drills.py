@@ -1,25 +1,21 @@
 #!/usr/bin/env python3
 """Partition drills: cut a non-master rank off mid-run, N times, and check nothing split.
 
-Each drill starts a real run (``cluster=local``, 3 ranks, a small BERT, ``trainer.elastic``),
-cuts one non-master rank off at a random step, waits until the others re-formed without it,
-then lets it come back; the run must finish with the survivors on the uninterrupted run's
-trajectory, and the rank that came back must write nothing into the run directory after the
-re-form (checked file by file: tests/helpers/fence_audit.py).
+Each drill starts a real run (3 ranks, a small BERT, ``trainer.elastic``), cuts rank 1 or 2 off
+at a random step, lets it come back once the others re-formed without it, and checks that the
+survivors kept the uninterrupted run's losses and that the rank wrote nothing into the run
+directory after the re-form (file by file: tests/helpers/fence_audit.py).
 
     python scripts/partition_drills.py                  # 10 drills, --mode sigstop
-    python scripts/partition_drills.py --runs 3 --seed 7
-    python scripts/partition_drills.py --mode netns     # needs the namespaced test cluster
+    python scripts/partition_drills.py --mode netns     # a namespaced test cluster of its own
 
-``--mode sigstop`` stands a SIGSTOP in for the partition (alive, unreachable) and a SIGCONT
-for the link coming back, on the local launcher. ``--mode netns`` starts a namespaced test
-cluster of its own and cuts the node's link with ``scripts/test-cluster.sh link nX down|up``;
-Slurm marks a node cut off past ``SlurmdTimeout`` (15 s there) down and ends the job's step,
-so the link comes back as soon as the others went on (``--down-s`` to hold it longer).
-The last line is one JSON object: ``runs``, ``survived``, ``writes_after_fence`` (must be 0),
-``max_rel_loss_diff``, and per drill the step, the rank, and what it said. Under Slurm the
-rank's own stderr goes to its task's log in ``submitit/`` (its one line), and submitit writes
-its result there: those are listed per drill, not counted as writes into the run's records.
+``--mode sigstop``: a SIGSTOP of the rank on the local launcher stands in for the partition, a
+SIGCONT for the link's return. ``--mode netns``: ``scripts/test-cluster.sh link nX down|up`` on
+the rank's node; the link returns as soon as the others went on (``--down-s``: later; past the
+test cluster's ``SlurmdTimeout``, 15 s, Slurm ends the step as for a failed node).
+Last line: one JSON object with ``runs``, ``survived``, ``writes_after_fence`` (must be 0) and
+``max_rel_loss_diff``. Under Slurm the rank's stderr (its one line) and submitit's result go to
+``submitit/``: listed per drill, not counted as writes into the run's records.
 """
 
 from __future__ import annotations
