@@ -46,6 +46,9 @@ class ElasticConfig:
     # seconds a training-step collective may wait for a peer before that peer counts as stuck
     # (a killed peer is noticed at once); a rank without a heartbeat for half of it is lost
     timeout_s: float = 10.0
+    # times each rank may be replaced by a new process that joins the running job at a step
+    # boundary (cluster=local, DDP: the launcher restarts a lost worker); 0 = the job shrinks
+    restarts: int = 0
 
     def __post_init__(self) -> None:
         require(
@@ -54,6 +57,10 @@ class ElasticConfig:
         require(
             self.timeout_s >= 2,
             f"trainer.elastic.timeout_s={self.timeout_s} is too short: use >= 2 (seconds)",
+        )
+        require(
+            self.restarts >= 0,
+            f"trainer.elastic.restarts={self.restarts} is invalid: use >= 0 (0: no replacement)",
         )
 
 

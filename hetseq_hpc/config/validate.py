@@ -178,6 +178,33 @@ def check_min_ranks(run: RunConfig, world: int) -> None:
         )
 
 
+def check_restarts(run: RunConfig) -> None:
+    """``trainer.elastic.restarts`` replaces a lost rank only where it can: the local launcher
+    restarts the process, a DDP rank receives the weights from a survivor, and the job's store
+    (``trainer.elastic.enabled``) admits it.
+
+    Raises:
+        ConfigError: one line naming the setting that prevents it and the fix.
+    """
+    elastic = run.trainer.elastic
+    if not elastic.restarts:
+        return
+    why = None
+    if not elastic.enabled:
+        why = "trainer.elastic.enabled=false (a lost rank ends the job)"
+    elif not run.cluster.is_local:
+        why = f"cluster={run.cluster.name} (only the local launcher restarts a lost rank so far)"
+    elif run.sharding.mode == "fsdp":
+        why = "sharding.mode=fsdp (a newcomer cannot receive its shard yet)"
+    elif run.cluster.command:
+        why = "cluster.command (the launcher runs your script, not hetseq_hpc's worker)"
+    if why is not None:
+        raise ConfigError(
+            f"trainer.elastic.restarts={elastic.restarts} cannot apply with {why}: "
+            "use trainer.elastic.restarts=0"
+        )
+
+
 def validate_run_config(run: RunConfig) -> None:
     """Cross-group checks: world size against the global batch, ``trainer.elastic.min_ranks``,
     a forced allocation and
@@ -196,6 +223,7 @@ def validate_run_config(run: RunConfig) -> None:
             f">= {world} or use fewer ranks"
         )
     check_min_ranks(run, world)
+    check_restarts(run)
     allocation = run.balance.allocation
     if allocation is not None and sum(allocation) != trainer.global_batch_size:
         raise ConfigError(

@@ -203,6 +203,26 @@ def test_existing_data_files_are_accepted(run_config, tmp_path):
             ["optim.schedule_steps"],
             id="schedule-shorter-than-run",
         ),
+        pytest.param(
+            ["cluster.ranks=2", "trainer.elastic.restarts=-1"],
+            ["trainer.elastic.restarts=-1", ">= 0"],
+            id="restarts-negative",
+        ),
+        pytest.param(
+            ["cluster=mixed", "trainer.elastic.restarts=1"],
+            ["trainer.elastic.restarts=1", "cluster=slurm", "trainer.elastic.restarts=0"],
+            id="restarts-on-slurm",
+        ),
+        pytest.param(
+            ["cluster.ranks=2", "sharding.mode=fsdp", "trainer.elastic.restarts=1"],
+            ["trainer.elastic.restarts=1", "sharding.mode=fsdp"],
+            id="restarts-with-fsdp",
+        ),
+        pytest.param(
+            ["cluster.ranks=2", "trainer.elastic.enabled=false", "trainer.elastic.restarts=2"],
+            ["trainer.elastic.restarts=2", "trainer.elastic.enabled=false"],
+            id="restarts-without-elastic",
+        ),
     ],
 )
 def test_config_errors(run_config, overrides, names):
