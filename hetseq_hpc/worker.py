@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -48,8 +48,9 @@ from hetseq_hpc.balance.placement import (
 )
 from hetseq_hpc.balance.rebalance import Rebalancer
 from hetseq_hpc.config import RunConfig, load_run_config
+from hetseq_hpc.distributed.admission import JOIN_ENV, MEMBER_ENV
 from hetseq_hpc.distributed.gang import Gang
-from hetseq_hpc.distributed.rendezvous import rendezvous
+from hetseq_hpc.distributed.rendezvous import leave, rendezvous
 from hetseq_hpc.env.emulation import emulate_speed, exempt_communication_threads
 from hetseq_hpc.env.emulation import record as record_emulation
 from hetseq_hpc.env.hardware import DeviceProbe, probe
@@ -60,6 +61,7 @@ from hetseq_hpc.env.startup import BACKGROUND_IMPORTS, PhaseClock, prefetch_impo
 from hetseq_hpc.env.world import WorldInfo
 from hetseq_hpc.errors import (
     CheckpointError,
+    LaunchError,
     Preempted,
     RankExcluded,
     RankFenced,
@@ -87,6 +89,7 @@ from hetseq_hpc.train.parallel import build_parallel
 from hetseq_hpc.train.precision import autocast_factory, resolve_precision
 from hetseq_hpc.train.records import RankMeta
 from hetseq_hpc.train.recovery.elastic import ElasticWorld
+from hetseq_hpc.train.recovery.grow import join_running_job
 from hetseq_hpc.train.recovery.run_end import after_training, write_summary_if_missing
 from hetseq_hpc.train.sampler import GlobalBatchSampler
 from hetseq_hpc.train.task_summary import (
@@ -256,7 +259,23 @@ def run_worker(
     precision, autocast = precision_context(placement, device, dev)
     task = build_task(run.task, run.trainer.seed)
     clock.mark("probe")
-    job = elastic_store(run, world, env)
+    try:
+        job = elastic_store(run, world, env)
+    except LaunchError as exc:
+        if not env.get(JOIN_ENV):
+            raise
+        # a replacement that cannot even reach the job's store (another job's token): the
+        # run goes on without it
+        raise RankExcluded(f"this replacement cannot join the running job: {exc}") from None
+    if env.get(JOIN_ENV) and job is not None:  # a replacement: it joins the running job
+        member = int(env.get(MEMBER_ENV, "0"))
+        with claim_run_dir(run_dir_path, False, env):
+            try:
+                return join_worker(
+                    run, run_dir_path, world, device, task, job, member, stop_request, autocast
+                )
+            finally:
+                leave()
     with (
         claim_run_dir(run_dir_path, world.is_master, env),
         rendezvous(
@@ -369,10 +388,11 @@ def run_worker(
         def on_allocation(new: Allocation, extra: Optional[Dict[str, Any]] = None) -> None:
             if torch.distributed.get_rank() == 0:  # of the current world (it may have re-formed)
                 members = live["elastic"].membership.members if live else range(len(reports))
+                known = live["elastic"].reports if live else reports  # a newcomer's too
                 write_allocation_json(
                     run_dir_path,
                     new,
-                    [reports[m] for m in members],
+                    [known[m] for m in members],
                     {"startup": clock.to_dict(), **(extra or {})},
                 )
 
@@ -439,42 +459,122 @@ def run_worker(
                 [f"{s.micro_batch}x{s.accum_steps}" for s in allocation.shares],
                 path,
             )
-        summary = trainer.fit()
-        master = trainer.rank == 0  # of the current world (rank 0 may have been lost)
-        examples = after_training(
-            elastic,
-            lambda: examples_model(task, trainer.parallel, master),
-            "gathering the weights for the examples",
-            None,
+        return finish_training(
+            run, run_dir_path, trainer, task, task_info, elastic, on_allocation, rebalancer
         )
-        finish_task_summary(summary, task, examples, task_info, master)
-        summary["mfu"] = steady_mfu(summary, trainer.metas)
-        final: Dict[str, Any] = {}  # what plans read from a finished run (plan.probe)
-        if rebalancer is not None and all(rebalancer.fitted):  # the refitted curves
-            final["fitted_curves"] = [c.to_dict() for c in rebalancer.fitted]
-        measured = measured_step_sync(trainer.history, trainer.allocation.samples)
-        if measured is not None:
-            final["measured_step"] = measured
-        if final:
-            on_allocation(trainer.allocation, final)
-        summary["world_size"] = trainer.world.world_size
-        if elastic is not None:
-            summary["lost_ranks"] = sorted(
-                set(range(world.world_size)) - set(elastic.membership.members)
-            )
-            elastic.close()
-        if master:
-            atomic_write_json(run_dir_path.summary, {**summary, **fence.stamp()})
-        if (
-            not after_training(
-                elastic, lambda: trainer.rdv.barrier() or True, "the final barrier", False
-            )
-            and not master
-        ):
-            write_summary_if_missing(run_dir_path, summary)  # rank 0 may be the one lost
-        if master and run.trainer.plot:  # after the barrier: no rank waits for it
-            draw_plot(summary, run_dir_path)
+
+
+def finish_training(
+    run: RunConfig,
+    run_dir_path: RunDir,
+    trainer: Trainer,
+    task: Any,
+    task_info: Dict[str, Any],
+    elastic: Optional[ElasticWorld],
+    on_allocation: Callable[..., None],
+    rebalancer: Optional[Rebalancer] = None,
+) -> Dict[str, Any]:
+    """Train to the end and write what a finished run leaves (``summary.json`` by rank 0 of
+    the world at the end, the plot); returns the summary. Every rank, a replacement too."""
+    summary = trainer.fit()
+    master = trainer.rank == 0  # of the current world (rank 0 may have been lost)
+    examples = after_training(
+        elastic,
+        lambda: examples_model(task, trainer.parallel, master),
+        "gathering the weights for the examples",
+        None,
+    )
+    finish_task_summary(summary, task, examples, task_info, master)
+    summary["mfu"] = steady_mfu(summary, trainer.metas)
+    final: Dict[str, Any] = {}  # what plans read from a finished run (plan.probe)
+    if rebalancer is not None and all(rebalancer.fitted):  # the refitted curves
+        final["fitted_curves"] = [c.to_dict() for c in rebalancer.fitted]
+    measured = measured_step_sync(trainer.history, trainer.allocation.samples)
+    if measured is not None:
+        final["measured_step"] = measured
+    if final:
+        on_allocation(trainer.allocation, final)
+    summary["world_size"] = trainer.world.world_size
+    if elastic is not None:  # the original ranks whose place is empty at the end
+        summary["lost_ranks"] = sorted(
+            set(elastic.slots.values()) - {elastic.slots[m] for m in elastic.membership.members}
+        )
+        elastic.close()
+    if master:
+        atomic_write_json(run_dir_path.summary, {**summary, **fence.stamp()})
+    if (
+        not after_training(
+            elastic, lambda: trainer.rdv.barrier() or True, "the final barrier", False
+        )
+        and not master
+    ):
+        write_summary_if_missing(run_dir_path, summary)  # rank 0 may be the one lost
+    if master and run.trainer.plot:  # after the barrier: no rank waits for it
+        draw_plot(summary, run_dir_path)
     return summary
+
+
+def join_worker(
+    run: RunConfig,
+    run_dir_path: RunDir,
+    world: WorldInfo,
+    device: torch.device,
+    task: Any,
+    job: Any,
+    member: int,
+    stop_request: StopRequest,
+    autocast: Any,
+) -> Dict[str, Any]:
+    """A replacement rank (started by the local launcher for ``trainer.elastic.restarts``):
+    build the model, ask to join the running job in rank ``world.rank``'s place, receive the
+    training state from a survivor (:func:`hetseq_hpc.train.recovery.grow.join_running_job`)
+    and train to the end with the others. Returns ``{}`` when the job ended first.
+
+    Raises:
+        RankExcluded: the survivors refused it (their one line; exit 4).
+    """
+    task.load()
+    model, task_info = build_checked_model(task, run, device)
+    joined = join_running_job(run, job, world, device, member, lambda: bool(stop_request.code))
+    if joined is None:
+        return {}
+    elastic, rdv = joined.elastic, joined.rdv
+    metas = [joined.state["metas"][m] for m in elastic.membership.members]
+
+    def on_allocation(new: Allocation, extra: Optional[Dict[str, Any]] = None) -> None:
+        if torch.distributed.get_rank() == 0:  # a replacement of rank 0 writes it too
+            write_allocation_json(
+                run_dir_path,
+                new,
+                [elastic.reports[m] for m in elastic.membership.members],
+                extra or {},
+            )
+
+    trainer = Trainer(
+        run,
+        run_dir_path,
+        rdv,
+        task,
+        model,
+        device,
+        joined.allocation,
+        metas,
+        autocast=autocast,
+        on_allocation=on_allocation,
+        stop_request=stop_request,
+        elastic=elastic,
+        joined=joined.state,
+    )
+    trainer.join_event = joined.event
+    log.info(
+        "member %d: joined the running job as rank %d of %d at step %d (split %s)",
+        member,
+        rdv.world.rank,
+        rdv.world.world_size,
+        trainer.step,
+        joined.allocation.samples,
+    )
+    return finish_training(run, run_dir_path, trainer, task, task_info, elastic, on_allocation)
 
 
 def steady_mfu(summary: Dict[str, Any], metas: Sequence[RankMeta]) -> Optional[float]:

@@ -75,6 +75,9 @@ class StepStats:
             step's start (clipping, optimizer step, logging): its per-step fixed cost.
         bad_micro: the 1-based index of the rank's first micro-batch whose loss was NaN or
             inf (0: all finite; :mod:`hetseq_hpc.train.nonfinite`).
+        joins: the join requests rank 0 saw in the job's store when the step started
+            (:mod:`hetseq_hpc.distributed.admission`; 0 on the other ranks and without
+            ``trainer.elastic.restarts``).
     """
 
     loss_sum: float
@@ -86,6 +89,7 @@ class StepStats:
     stop_code: int = 0
     tail_time_s: float = 0.0
     bad_micro: int = 0
+    joins: int = 0
 
 
 class PendingStats:

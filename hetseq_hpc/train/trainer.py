@@ -28,6 +28,7 @@ from hetseq_hpc.balance.agree import RankReport
 from hetseq_hpc.balance.allocation import Allocation
 from hetseq_hpc.balance.rebalance import Rebalancer
 from hetseq_hpc.config.schema import RunConfig
+from hetseq_hpc.distributed.admission import join_requests
 from hetseq_hpc.distributed.gang import Gang, StatsInFlight
 from hetseq_hpc.distributed.membership import is_peer_failure
 from hetseq_hpc.distributed.rendezvous import StepStats
@@ -62,6 +63,7 @@ from hetseq_hpc.train.records import (
     StepRecord,
 )
 from hetseq_hpc.train.recovery.elastic import ElasticWorld
+from hetseq_hpc.train.recovery.grow import admit
 from hetseq_hpc.train.recovery.sharded import checkpoint_to_reload
 from hetseq_hpc.train.sampler import GlobalBatchSampler
 from hetseq_hpc.train.state import capture_rng, check_fingerprint, restore_rng, run_fingerprint
@@ -99,6 +101,9 @@ class Trainer:
             contract check and calibration); None = build it here.
         elastic: a :class:`~hetseq_hpc.train.recovery.elastic.ElasticWorld` (in-job recovery
             from a lost rank), or None (a failed collective ends the run).
+        joined: a replacement rank's state received from a survivor
+            (:func:`hetseq_hpc.train.recovery.grow.join_running_job`): the run goes on from
+            it instead of resuming from the run directory.
 
     Raises:
         CheckpointError: the checkpoint ``trainer.resume`` names is bad, or none of the run
@@ -122,6 +127,7 @@ class Trainer:
         sharding: str = "ddp",
         parallel: Optional[Replicated] = None,
         elastic: Optional[ElasticWorld] = None,
+        joined: Optional[Dict[str, Any]] = None,
     ):
         # the run, this rank's place in the world, and what it trains
         self.run = run
@@ -182,8 +188,14 @@ class Trainer:
         # predecessor owed (one step late, the row of the step before too)
         self.recent_rows: Deque[Tuple[StepRecord, Dict[str, Any]]] = deque(maxlen=2)
         self.deferring = False  # fit()'s steps leave their results on the device a step
-        # resume (or start) the run, then wrap the model for training
-        self._resume()
+        # grow back: join requests seen in the last step's exchange; a newcomer's join row
+        self.joins_seen = 0
+        self.join_event: Optional[Dict[str, Any]] = None
+        # resume (or start) the run, or take a survivor's state, then wrap the model
+        if joined is None:
+            self._resume()
+        else:
+            self._adopt(joined)
         self.parallel.start(self.grad_path, self.hook_state)
 
     def reset_gradient_path(self) -> None:
@@ -287,6 +299,16 @@ class Trainer:
             self.world.world_size,
         )
 
+    def _adopt(self, sent: Dict[str, Any]) -> None:
+        """A replacement rank: go on from the state a survivor sent
+        (:func:`hetseq_hpc.train.recovery.grow.join_running_job`), as its predecessor would."""
+        self.load_state_dict(sent["state"], "the running job's state")
+        self.history = list(sent["history"])
+        self.last_row, self.last_val = dict(sent["last_row"]), sent["last_val"]
+        self.run_id, self.saved_step = sent["run_id"], sent["saved_step"]
+        self.resumed_from = sent["resumed_from"]
+        self.metas_by_member = list(sent["metas"])
+
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Dict[str, Any]:
         """Train to ``trainer.max_steps``; returns a summary (final loss, validation, throughput).
@@ -311,6 +333,8 @@ class Trainer:
                 cfg.max_steps,
             )
         self.step_log = StepLog(self.run, self.run_dir, self.step, self.rank, self.resume_note)
+        if self.join_event is not None:  # a newcomer: its join row goes with its first step
+            self.step_log.events.append(self.join_event)
         self._fit_started = (time.perf_counter(), self.step)  # the wall-clock rate's start
         self.deferring = True
         if self.elastic is not None:
@@ -411,6 +435,15 @@ class Trainer:
             if step_log.writer is not None:  # rank 0: the report marks it
                 append_event(self.run_dir, "checkpoint", step=step, run_id=self.run_id)
         self.phase = DONE
+        if (
+            self.elastic is not None
+            and self.joins_seen > self.elastic.joins_answered
+            and not rec.stop_code
+            and not is_last
+        ):  # a replacement rank asked to join: every rank saw it in this step's exchange
+            event = admit(self.elastic, self, self.joins_seen)
+            if event is not None:
+                self._recovered(event)
         if rec.stop_code and not is_last:
             # every rank saw the same request in the step's exchange: all stop here
             reason = REASONS.get(rec.stop_code, "a stop request")
@@ -530,6 +563,11 @@ class Trainer:
         if step < self.cfg.max_steps:  # built while this step runs
             self.batches.prefetch(self.batch_key(step + 1))
         data_s = time.perf_counter() - t0
+        joins = (  # grow back: rank 0 looks for join requests (one store round trip)
+            join_requests(self.elastic.store)
+            if self.elastic is not None and self.cfg.elastic.restarts and self.rank == 0
+            else 0
+        )
         n_real = len(key[2])
         count = sum(prepared.counts)  # known on the CPU before any copy
         torch.manual_seed(step_seed(self.cfg.seed, step, self.rank))
@@ -558,6 +596,7 @@ class Trainer:
                 stop_code=self.stop_request.code if self.stop_request is not None else 0,
                 tail_time_s=t0 - self._exchanged_at if self._exchanged_at else 0.0,
                 bad_micro=0 if math.isfinite(total) else first_nonfinite(losses),
+                joins=joins,
             )
 
         units = 0
@@ -589,6 +628,7 @@ class Trainer:
         self.hook_state.on_last = None
         table = (posted[0] if posted else self.rdv.post_step_stats(stats())).result()
         self._exchanged_at = time.perf_counter()
+        self.joins_seen = max(self.joins_seen, *(s.joins for s in table))
         if late is not None:  # the previous step, read now that this one is queued
             self.pending = None
             self._read_pending(late)

@@ -247,8 +247,10 @@ def run_summary(
     held = list(history)
     per_rank = []
     for r, meta in enumerate(metas):
-        samples = float(sum(rec.per_rank[r].samples for rec in held))
-        compute = sum(rec.per_rank[r].compute_time_s for rec in held)
+        # a world that grew back (trainer.elastic.restarts) had fewer ranks for a while
+        mine = [rec.per_rank[r] for rec in held if r < len(rec.per_rank)]
+        samples = float(sum(stats.samples for stats in mine))
+        compute = sum(stats.compute_time_s for stats in mine)
         if r < len(folded.samples):
             samples += folded.samples[r]
             compute += folded.compute_s[r]

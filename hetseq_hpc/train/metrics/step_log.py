@@ -133,10 +133,12 @@ class StepLog:
 
     def flush_events(self, run_id: str) -> None:
         """Write the membership rows waiting for a completed step, with ``recovery_s``: seconds
-        from the loss (the lost rank's last heartbeat, or the failed collective) to now."""
+        from the loss (the lost rank's last heartbeat, or the failed collective) to now; a
+        join's (``joined``) with ``join_s``: seconds from its request to now."""
         now = time.monotonic()
         for event in self.events:
-            event["recovery_s"] = round(now - event.pop("lost_monotonic"), 3)
+            since = "join_s" if event.get("joined") else "recovery_s"
+            event[since] = round(now - event.pop("lost_monotonic"), 3)
             if self.writer is not None:
                 self.writer.write({**event, "run_id": run_id})
         self.events = []

@@ -89,6 +89,9 @@ class ElasticWorld:
         static_for: under FSDP, ``world size -> bytes`` of model state a rank holds
             (:func:`~hetseq_hpc.balance.memory.model_state_bytes`): the survivors' micro-batch
             caps are recomputed for it (:func:`~hetseq_hpc.train.recovery.sharded.reports_for_world`).
+        member: this rank's member id (default its rank: a replacement has a new one,
+            :mod:`hetseq_hpc.distributed.admission`); membership: its world (default generation
+            0 of every rank).
     """
 
     def __init__(
@@ -100,15 +103,21 @@ class ElasticWorld:
         device: torch.device,
         rebuild: Optional[Callable[[], nn.Module]] = None,
         static_for: Optional[Callable[[int], float]] = None,
+        member: Optional[int] = None,
+        membership: Optional[Membership] = None,
     ):
         self.run, self.store, self.device, self.rebuild = run, store, device, rebuild
         self.static_for = static_for  # FSDP: a rank's model state at a world size, bytes
         self.split_reports: List[RankReport] = []
         self.cfg = run.trainer.elastic
-        self.member = rdv.world.rank
+        self.member = rdv.world.rank if member is None else int(member)
         self.origin = rdv.world
         self.reports = [RankReport.of(r) for r in reports]
-        self.membership = Membership(0, tuple(range(rdv.world.world_size)))
+        self.membership = membership or Membership(0, tuple(range(rdv.world.world_size)))
+        # grow back (hetseq_hpc.train.recovery.grow): join requests answered, rank place of
+        # every member (a replacement takes its predecessor's)
+        self.joins_answered = 0
+        self.slots: Dict[int, int] = {m: m for m in range(rdv.world.world_size)}
         self.heartbeat = Heartbeat(store, self.member, watch=range(rdv.world.world_size))
         # the write fence: left out after a heartbeat stood still for stale_s (reform); its
         # lease is shorter; a store out of reach is asked again for collective_timeout_s
