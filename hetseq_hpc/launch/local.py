@@ -186,13 +186,17 @@ class ElasticJob:
     clients that prove they hold a random token given to the ranks in their environment
     (:mod:`hetseq_hpc.distributed.auth_store`)."""
 
-    def __init__(self, store, token: str, grace_s: float = 0.0):
+    def __init__(self, store, token: str, grace_s: float = 0.0, world: int = 0, restarts: int = 0):
         self.store, self.token = store, token
         self.grace_s = grace_s  # a left-out rank's time to end itself before it is killed
         self.left_out: Dict[int, float] = {}  # rank -> time.monotonic() it was found left out
         self.ended: set = set()
-        self.seen: Dict[int, int] = {}  # rank -> exit code, as noticed
+        self.seen: Dict[int, int] = {}  # member -> exit code, as noticed
         self.early: List[int] = []  # ranks lost before every other rank could recover
+        # grow back (trainer.elastic.restarts): the member id of each rank's current process
+        # (a replacement gets a new one, above every original rank) and its restarts left
+        self.member_of: List[int] = list(range(world))
+        self.restarts_left: List[int] = [restarts] * world
 
     @classmethod
     def serve(cls, run: RunConfig, envs: List[Dict[str, str]]) -> Optional[ElasticJob]:
@@ -211,7 +215,13 @@ class ElasticJob:
         store, port = serve_job_store("127.0.0.1", token=token)
         for env in envs:
             env.update({STORE_ENV: f"127.0.0.1:{port}", TOKEN_ENV: token})
-        return cls(store, token, LEFT_OUT_GRACE * run.trainer.elastic.timeout_s)
+        return cls(
+            store,
+            token,
+            LEFT_OUT_GRACE * run.trainer.elastic.timeout_s,
+            len(envs),
+            run.trainer.elastic.restarts,
+        )
 
     def close(self) -> None:
         """Stop serving the store (every rank has ended)."""
@@ -234,13 +244,15 @@ class ElasticJob:
         from hetseq_hpc.distributed.membership import armed_key, gone_key
 
         for rank, code in codes.items():
-            if rank in self.seen:
+            member = self._member(rank)
+            if member in self.seen:
                 continue
-            self.seen[rank] = code
-            self.store.set(gone_key(rank), str(code))
+            self.seen[member] = code
+            self.store.set(gone_key(member), str(code))
             if rank in self.left_out and rank not in self.ended:
                 log.warning("rank %d ended itself after it was left out (exit %d)", rank, code)
-            living = [r for r in range(len(procs)) if r not in codes]
+            # a replacement is in no start-up collective with the others
+            living = [r for r in range(len(procs)) if r not in codes and self._member(r) == r]
             if code != 0 and not self.store.check([armed_key(r) for r in living]):
                 log.warning(
                     "rank %d ended (exit %d) before every rank could recover from a lost one "
@@ -268,7 +280,7 @@ class ElasticJob:
         for rank, proc in enumerate(procs):
             if rank in codes or rank in self.ended:
                 continue
-            if rank not in self.left_out and self.store.check([excluded_key(rank)]):
+            if rank not in self.left_out and self.store.check([excluded_key(self._member(rank))]):
                 log.warning(
                     "rank %d was left out by the others (no heartbeat): ending it unless it "
                     "ends itself within %g s (or the others end first)",
@@ -283,6 +295,60 @@ class ElasticJob:
                 log.warning("rank %d did not end itself: ending it", rank)
                 _signal_all([proc], signal.SIGKILL)
                 self.ended.add(rank)
+
+    def _member(self, rank: int) -> int:
+        """The member id of rank ``rank``'s current process."""
+        return self.member_of[rank] if rank < len(self.member_of) else rank
+
+    def replace_lost(
+        self,
+        procs: List[subprocess.Popen],
+        codes: Dict[int, int],
+        spawn: Callable[[int, int], subprocess.Popen],
+    ) -> None:
+        """Restart each rank lost to a signal (killed, or ended here after the others left it
+        out) while it has restarts left (``trainer.elastic.restarts``) and the run goes on
+        (no rank finished): ``spawn(rank, member)`` starts the replacement, which joins the
+        running job as a new member (:mod:`hetseq_hpc.distributed.admission`). Its exit code
+        replaces the lost one's in ``codes`` (removed until it ends)."""
+        from hetseq_hpc.distributed.admission import closed_key, server_key
+
+        if any(c == 0 for c in codes.values()) or self.store.check([server_key(closed_key())]):
+            return
+        for rank, code in sorted(codes.items()):
+            if code >= 0 or not self.lost(rank, code) or rank >= len(self.restarts_left):
+                continue
+            if self.restarts_left[rank] <= 0:
+                continue
+            self.restarts_left[rank] -= 1
+            member = max([*self.member_of, *self.seen]) + 1  # never used before
+            self.member_of[rank] = member
+            log.warning(
+                "rank %d was lost (%s): restarting it; it joins the running job at a step "
+                "boundary as member %d (%d restart(s) left for rank %d)",
+                rank,
+                f"signal {-code}",
+                member,
+                self.restarts_left[rank],
+                rank,
+            )
+            procs[rank] = spawn(rank, member)
+            del codes[rank]
+
+    def close_admissions(self, procs: List[subprocess.Popen], codes: Dict[int, int]) -> None:
+        """When every running rank is a replacement still waiting to be admitted, nobody is
+        left to admit it: say so in the store (it ends by itself, exit 0)."""
+        from hetseq_hpc.distributed.admission import answer_key, closed_key, server_key
+
+        running = [r for r in range(len(procs)) if r not in codes]
+        waiting = [
+            r
+            for r in running
+            if self._member(r) != r
+            and not self.store.check([server_key(answer_key(self._member(r)))])
+        ]
+        if waiting and len(waiting) == len(running):
+            self.store.set(server_key(closed_key()), "1")
 
 
 class LauncherStopped(KeyboardInterrupt):
@@ -343,13 +409,17 @@ def _failure_reason(
 
 
 def _watch(
-    procs: List[subprocess.Popen], poll_s: float, job: Optional[ElasticJob] = None
+    procs: List[subprocess.Popen],
+    poll_s: float,
+    job: Optional[ElasticJob] = None,
+    spawn: Optional[Callable[[int, int], subprocess.Popen]] = None,
 ) -> Dict[int, int]:
     """Wait until every rank exited, or a rank failed and the others had
     :data:`FAILURE_GRACE_S` to exit on their own; returns rank -> exit code of the ranks that
     exited by themselves (before anyone stopped them). With ``job`` (in-job recovery), a rank
     lost to a signal or left out by the others (exit 4; a stopped one is ended here) is not a
-    failure: the survivors go on without it."""
+    failure: the survivors go on without it; with ``spawn`` (``trainer.elastic.restarts``) it
+    is restarted (:meth:`ElasticJob.replace_lost`; ``procs`` then holds the new process)."""
     codes: Dict[int, int] = {}
     failed_at: Optional[float] = None
     while len(codes) < len(procs):
@@ -360,6 +430,9 @@ def _watch(
         if job is not None:
             job.note_exits(procs, codes)
             job.end_excluded(procs, codes)
+            if spawn is not None:
+                job.replace_lost(procs, codes, spawn)
+                job.close_admissions(procs, codes)
         if failed_at is None and any(
             c != 0 and not (job and job.lost(r, c)) for r, c in codes.items()
         ):
@@ -426,7 +499,25 @@ def _launch(
     job = None if run.cluster.command else ElasticJob.serve(run, envs)
     try:
         procs = _start(cmd, envs, pass_fds)
-        codes = _watch(procs, poll_s, job)
+
+        group = procs[0].pid  # the ranks' process group (rank 0 leads it)
+
+        def spawn(rank: int, member: int) -> subprocess.Popen:
+            """Start a replacement of rank ``rank`` as member ``member``, in the ranks' group
+            while it still exists (else its own)."""
+            from hetseq_hpc.distributed.admission import JOIN_ENV, MEMBER_ENV
+
+            env = {**envs[rank], MEMBER_ENV: str(member), JOIN_ENV: "1"}
+            preexec = _die_with_parent(os.getpid())
+            try:
+                return subprocess.Popen(
+                    cmd, env=env, process_group=group, preexec_fn=preexec, pass_fds=pass_fds
+                )
+            except (OSError, subprocess.SubprocessError):  # every rank of the group ended
+                return subprocess.Popen(cmd, env=env, preexec_fn=preexec, pass_fds=pass_fds)
+
+        restarts = job is not None and run.trainer.elastic.restarts > 0
+        codes = _watch(procs, poll_s, job, spawn if restarts else None)
         # a rank lost before every rank could recover from it (start-up) is a failure
         elastic = job if job is not None and not job.early else None
         if elastic and codes and all(elastic.lost(r, c) or c == 0 for r, c in codes.items()):

@@ -237,3 +237,27 @@ class DiesAfterReformBert(_Bert):
             return new
 
         elastic.reform = agreed_then_dead
+
+
+class HeldForJoinBert(_Bert):
+    """Holds every rank at the start of optimizer step ``+task.args.hold_step`` until a
+    replacement rank asked to join the job (its request in the job's store, at most
+    ``+task.args.hold_s`` seconds, default 240): a loaded machine may start the replacement
+    slower than the run's remaining steps take, and the test checks the join, not a race."""
+
+    def load(self) -> None:
+        super().load()
+        from hetseq_hpc.distributed.admission import join_requests
+        from hetseq_hpc.train.trainer import Trainer
+
+        train_step = Trainer.train_step
+        hold, limit = int(self.args["hold_step"]), float(self.args.get("hold_s", 240))
+
+        def held(trainer, k, *args, **kwargs):
+            if k == hold and trainer.elastic is not None:
+                deadline = time.monotonic() + limit
+                while join_requests(trainer.elastic.store) < 1 and time.monotonic() < deadline:
+                    time.sleep(0.1)
+            return train_step(trainer, k, *args, **kwargs)
+
+        Trainer.train_step = held

@@ -652,3 +652,45 @@ def test_sigstop_of_the_launcher_as_a_partition_of_the_stores_node_ends_the_run_
     assert {p.name: p.read_bytes() for p in (run_dir / "checkpoints").glob("step_*")} == kept
     assert (run_dir / "metrics.jsonl").read_bytes() == rows
     assert not list(run_dir.rglob("*.tmp")) and not (run_dir / "summary.json").exists()
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_killed_rank_is_restarted_and_joins_the_running_job(
+    victim, reference, tmp_path, token_cache
+):
+    """``trainer.elastic.restarts=1``: ``kill -9`` of rank ``victim`` at step ~10; the local
+    launcher restarts it, the replacement asks to join, the survivors admit it at the next
+    step boundary and send it the training state over the collective: the run ends with 3
+    ranks on the uninterrupted 3-rank trajectory, every step logged once, and a join row.
+    (Every rank holds at step 14 until the request is in the store: a loaded machine may
+    start the replacement slower than the remaining steps run; tests/helpers/fault_tasks.py.)"""
+    run_dir = tmp_path / "run"
+    proc = _launch(
+        run_dir,
+        token_cache,
+        *_as_fault_task("HeldForJoinBert", hold_step=14),
+        "++task.model.max_seq_len=32",
+        "++task.model.dropout=0.0",
+        "cluster.ranks=3",
+        "trainer.elastic.restarts=1",
+    )
+    _at_step(run_dir, proc, 10)
+    os.kill(worker_pids(run_dir)[victim], signal.SIGKILL)
+    out = _finish(proc)
+    _same_trajectory(reference, run_dir)
+    rows = [r for r in read_rows(run_dir) if "loss" in r and r.get("event") is None]
+    assert [r["step"] for r in rows] == list(range(1, 31))  # every step exactly once
+    lost, joined = _events(run_dir)
+    assert [x["rank"] for x in lost["lost"]] == [victim] and lost["world_size"] == 2
+    assert [x["rank"] for x in joined["joined"]] == [victim] and joined["world_size"] == 3
+    assert lost["step"] <= joined["step"] <= max(14, lost["step"]) + 1, (lost, joined)
+    assert sum(joined["split"]) == 24 and len(joined["split"]) == 3 and joined["join_s"] > 0
+    assert joined["joined"][0]["member"] >= 3  # a new member, not the lost process back
+    assert len(rows[-1]["ranks"]) == 3
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 3 and summary["lost_ranks"] == []
+    assert "restarting it" in out
+    report = hetseq("report", str(run_dir), token_cache=token_cache)
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert f"rank(s) [{victim}] joined at step {joined['step']}" in report.stdout + report.stderr
+    assert (run_dir / "ranks.png").is_file()
