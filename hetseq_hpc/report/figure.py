@@ -231,9 +231,11 @@ def build_figure(
     title: str = "",
     lost_at: Sequence[int] = (),
     marks: Sequence[Tuple[str, int]] = (),
+    joined_at: Sequence[int] = (),
 ):
     """The four-panel Figure (:data:`TITLES`) of checked step rows, with a dashed red line at
-    each step in ``lost_at`` (a rank lost and the run gone on without it) and the run's
+    each step in ``lost_at`` (a rank lost and the run gone on without it), a dash-dotted
+    green one at each step in ``joined_at`` (a replacement rank joined) and the run's
     events ``marks`` (``(kind, step)``, kinds of :data:`EVENT_STYLES`: resumes and stops as
     lines on every panel, all as markers on the loss panel, in its legend). A rank whose share
     equals a lower rank's (at some or all steps) is drawn dashed or dotted with markers, and
@@ -327,6 +329,15 @@ def build_figure(
                 ls="--",
                 lw=1.0,
                 label="lost rank(s)" if ax is loss_ax and number == 0 else None,
+            )
+    for number, at in enumerate(joined_at):
+        for ax in axes:
+            ax.axvline(
+                at,
+                color="C2",
+                ls="-.",
+                lw=1.0,
+                label="rank(s) joined" if ax is loss_ax and number == 0 else None,
             )
     _mark_events(axes, loss_ax, marks)
 

@@ -115,7 +115,7 @@ def _png_target(run_dir: Union[str, Path], out_path: Optional[Union[str, Path]])
 
 def run_figure(run_dir: Union[str, Path], rows: Optional[List[dict]] = None):
     """The run's matplotlib Figure (:func:`hetseq_hpc.report.figure.build_figure`) with its
-    lost ranks (``membership`` rows) and events (:func:`run_timeline`); the caller closes it.
+    lost and joined ranks (``membership`` rows) and events (:func:`run_timeline`); the caller closes it.
 
     Args:
         run_dir: run directory holding ``metrics.jsonl``.
@@ -125,12 +125,14 @@ def run_figure(run_dir: Union[str, Path], rows: Optional[List[dict]] = None):
         ConfigError, HetseqError: as :func:`step_rows`.
     """
     rows = step_rows(run_dir) if rows is None else rows
+    events = membership_events(run_dir)
     return build_figure(
         rows,
         f"run {Path(run_dir).resolve().name}: steps {rows[0]['step']}-"
         f"{rows[-1]['step']}, {len(rows[-1]['ranks'])} rank(s)",
-        [e["step"] for e in membership_events(run_dir)],
+        [e["step"] for e in events if not e.get("joined")],
         run_timeline(run_dir).marks,
+        [e["step"] for e in events if e.get("joined")],
     )
 
 
@@ -234,6 +236,14 @@ def text_summary(run_dir: Union[str, Path]) -> str:
     lines += run_timeline(run_dir).lines
     for ev in membership_events(run_dir):
         lost = [x.get("rank") for x in ev.get("lost") or [] if isinstance(x, dict)]
+        joined = [x.get("rank") for x in ev.get("joined") or [] if isinstance(x, dict)]
+        if joined:  # a replacement joined the running job (trainer.elastic.restarts)
+            lines.append(
+                f"  rank(s) {joined} joined at step {ev.get('step')}: went on with "
+                f"{ev.get('world_size')} rank(s), split {ev.get('split')}, "
+                f"{ev.get('join_s')} s from the join request to the first step with it"
+            )
+            continue
         if ev.get("stopped"):  # too few survivors: they checkpointed and stopped for a requeue
             lines.append(
                 f"  lost rank(s) {lost} at step {ev.get('step')}: stopped "
