@@ -108,3 +108,57 @@ def test_a_join_row_counts_join_s_from_the_request(run_config, tmp_path):
     assert joined["join_s"] >= 0 and "recovery_s" not in joined
     assert lost["recovery_s"] >= 0 and "join_s" not in lost
     log.close()
+
+
+def test_survivors_refuse_a_newcomer_of_another_code_version_and_go_on(store, run_config):
+    """The survivors' side (rank 0 of a world of 3 that lost rank 1, in-process: the world's
+    collectives are not reached): a request from a process of another code version is
+    answered with its one line, nothing changes in the world, and the request is counted as
+    answered (not asked again at the next step). The trainer is a stand-in: a refusal reads
+    only its rank and whether it is sharded."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hetseq_hpc.distributed.gang import FakeGang
+    from hetseq_hpc.distributed.membership import Membership
+    from hetseq_hpc.train.recovery.elastic import ElasticWorld
+    from hetseq_hpc.train.recovery.grow import admit
+
+    run = run_config("cluster.ranks=3", "trainer.elastic.restarts=1")
+    world = Membership(1, (0, 2))
+    elastic = ElasticWorld(run, store, FakeGang(3), [], torch.device("cpu"), membership=world)
+    try:
+        other = {**job_fingerprint(run), "code": "0.0.1+000000000000"}
+        request_join(store, member=3, slot=1, host="vm", fingerprint=other)
+        trainer = SimpleNamespace(rank=0, sharded=False)
+        assert admit(elastic, trainer, join_requests(store)) is None
+        got = wait_for_answer(store, 3, stop=lambda: False, poll_s=0.01)
+        assert "code version" in got["refused"] and "\n" not in got["refused"]
+        assert elastic.membership == world and elastic.joins_answered == 1
+    finally:
+        elastic.close()
+
+
+def test_a_newcomer_that_ended_before_its_admission_is_not_admitted(store, run_config):
+    """The launcher saw the replacement's process end (``gone``) before the survivors read its
+    request: they do not grow the world with a member that will never come."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hetseq_hpc.distributed.gang import FakeGang
+    from hetseq_hpc.distributed.membership import Membership
+    from hetseq_hpc.train.recovery.elastic import ElasticWorld
+    from hetseq_hpc.train.recovery.grow import admit
+
+    run = run_config("cluster.ranks=3", "trainer.elastic.restarts=1")
+    world = Membership(1, (0, 2))
+    elastic = ElasticWorld(run, store, FakeGang(3), [], torch.device("cpu"), membership=world)
+    try:
+        request_join(store, member=3, slot=1, host="vm", fingerprint=job_fingerprint(run))
+        store.set("gone/3", "-9")
+        assert admit(elastic, SimpleNamespace(rank=0, sharded=False), 1) is None
+        assert elastic.membership == world and elastic.joins_answered == 1
+    finally:
+        elastic.close()

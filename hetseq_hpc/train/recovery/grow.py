@@ -136,6 +136,9 @@ def admit(elastic: ElasticWorld, trainer: Any, seen: int) -> Optional[Dict[str, 
     held = {elastic.slots[m] for m in old.members}
     admitted: List[Dict[str, Any]] = []
     for req in requests:
+        if store.check([f"gone/{int(req['member'])}"]):  # ended before it was admitted
+            log.warning("member %s ended before it could be admitted", req["member"])
+            continue
         taken = int(req["slot"]) in held | {int(r["slot"]) for r in admitted}
         why = refusal(req, expected, taken)
         if why is None and trainer.sharded:
