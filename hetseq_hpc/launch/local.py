@@ -308,12 +308,13 @@ class ElasticJob:
     ) -> None:
         """Restart each rank lost to a signal (killed, or ended here after the others left it
         out) while it has restarts left (``trainer.elastic.restarts``) and the run goes on
-        (no rank finished): ``spawn(rank, member)`` starts the replacement, which joins the
+        (no rank finished or failed): ``spawn(rank, member)`` starts the replacement, which joins the
         running job as a new member (:mod:`hetseq_hpc.distributed.admission`). Its exit code
         replaces the lost one's in ``codes`` (removed until it ends)."""
         from hetseq_hpc.distributed.admission import closed_key, server_key
 
-        if any(c == 0 for c in codes.values()) or self.store.check([server_key(closed_key())]):
+        ending = any(c == 0 or not self.lost(r, c) for r, c in codes.items())  # done, failed
+        if ending or self.store.check([server_key(closed_key())]):
             return
         for rank, code in sorted(codes.items()):
             if code >= 0 or not self.lost(rank, code) or rank >= len(self.restarts_left):
