@@ -303,7 +303,7 @@ class Trainer:
         """A replacement rank: go on from the state a survivor sent
         (:func:`hetseq_hpc.train.recovery.grow.join_running_job`), as its predecessor would."""
         self.load_state_dict(sent["state"], "the running job's state")
-        self.history = list(sent["history"])
+        self.history = sent["history"]
         self.last_row, self.last_val = dict(sent["last_row"]), sent["last_val"]
         self.run_id, self.saved_step = sent["run_id"], sent["saved_step"]
         self.resumed_from = sent["resumed_from"]

@@ -211,7 +211,7 @@ def _state(trainer: Any, elastic: ElasticWorld, admitted: Sequence[Dict[str, Any
     facts, start-up report and place, and the requests admitted."""
     return {
         "state": trainer.state_dict(),
-        "history": list(trainer.history),
+        "history": trainer.history,  # a StepHistory: its folded steps too
         "last_row": dict(trainer.last_row),
         "last_val": trainer.last_val,
         "run_id": trainer.run_id,
