@@ -43,6 +43,11 @@ def answer_key(member: int) -> str:
     return f"grow/answer/{int(member)}"
 
 
+def refused_key(member: int) -> str:
+    """Set when member ``member``'s request was refused (the launcher restarts it no more)."""
+    return f"grow/refused/{int(member)}"
+
+
 def closed_key() -> str:
     """Set by the launcher when nobody is left to admit a waiting newcomer."""
     return "grow/closed"
@@ -78,6 +83,8 @@ def read_requests(store: dist.Store, first: int, last: int) -> List[Dict[str, An
 
 def answer(store: dist.Store, member: int, body: Dict[str, Any]) -> None:
     """Answer member ``member``: ``{"generation": n, "members": [...]}`` or ``{"refused": line}``."""
+    if "refused" in body:
+        store.set(refused_key(member), "1")
     store.set(answer_key(member), json.dumps(body))
 
 
@@ -133,6 +140,7 @@ __all__ = [
     "join_requests",
     "read_requests",
     "refusal",
+    "refused_key",
     "request_join",
     "server_key",
     "wait_for_answer",

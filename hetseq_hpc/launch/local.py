@@ -306,19 +306,21 @@ class ElasticJob:
         codes: Dict[int, int],
         spawn: Callable[[int, int], subprocess.Popen],
     ) -> None:
-        """Restart each rank lost to a signal (killed, or ended here after the others left it
-        out) while it has restarts left (``trainer.elastic.restarts``) and the run goes on
+        """Restart each rank lost (killed, or left out by the others: ended here, or by itself
+        with exit 4; not a replacement the survivors refused) while it has restarts left (``trainer.elastic.restarts``) and the run goes on
         (no rank finished or failed): ``spawn(rank, member)`` starts the replacement, which joins the
         running job as a new member (:mod:`hetseq_hpc.distributed.admission`). Its exit code
         replaces the lost one's in ``codes`` (removed until it ends)."""
-        from hetseq_hpc.distributed.admission import closed_key, server_key
+        from hetseq_hpc.distributed.admission import closed_key, refused_key, server_key
 
         ending = any(c == 0 or not self.lost(r, c) for r, c in codes.items())  # done, failed
         if ending or self.store.check([server_key(closed_key())]):
             return
         for rank, code in sorted(codes.items()):
-            if code >= 0 or not self.lost(rank, code) or rank >= len(self.restarts_left):
+            if code == 0 or not self.lost(rank, code) or rank >= len(self.restarts_left):
                 continue
+            if self.store.check([server_key(refused_key(self._member(rank)))]):
+                continue  # its config or code differs: a restart would be refused again
             if self.restarts_left[rank] <= 0:
                 continue
             self.restarts_left[rank] -= 1
@@ -328,12 +330,13 @@ class ElasticJob:
                 "rank %d was lost (%s): restarting it; it joins the running job at a step "
                 "boundary as member %d (%d restart(s) left for rank %d)",
                 rank,
-                f"signal {-code}",
+                f"signal {-code}" if code < 0 else f"exit {code}",
                 member,
                 self.restarts_left[rank],
                 rank,
             )
             procs[rank] = spawn(rank, member)
+            self.ended.discard(rank)  # the new process has not been ended
             del codes[rank]
 
     def close_admissions(self, procs: List[subprocess.Popen], codes: Dict[int, int]) -> None:

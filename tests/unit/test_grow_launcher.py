@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from hetseq_hpc.distributed.admission import answer_key, closed_key, server_key
+from hetseq_hpc.distributed.admission import answer_key, closed_key, refused_key, server_key
 from hetseq_hpc.distributed.membership import armed_key, serve_job_store
 from hetseq_hpc.launch.local import ElasticJob
 
@@ -53,13 +53,21 @@ def test_a_killed_rank_is_restarted_once_as_a_new_member(job):
     assert job.store.check(["job/gone/3"])  # the survivors leave member 3 out at once
 
 
-@pytest.mark.parametrize(
-    "codes", [{1: -9, 0: 0}, {1: -9, 2: 1}, {1: 4}], ids=["finished", "failed", "left-out-exit"]
-)
-def test_no_restart_when_the_run_ends_or_the_rank_ended_itself(job, codes):
-    """A rank that finished (the run ends), a real failure (the run stops), or a rank that
-    ended itself after the others left it out (exit 4): nothing is restarted."""
+@pytest.mark.parametrize("codes", [{1: -9, 0: 0}, {1: -9, 2: 1}], ids=["finished", "failed"])
+def test_no_restart_when_the_run_ends_or_has_failed(job, codes):
+    """A rank that finished (the run ends), a real failure (the run stops): nothing is
+    restarted."""
     assert _spawned(job, [_Running() for _ in range(3)], dict(codes)) == []
+
+
+def test_a_left_out_rank_is_restarted_but_not_a_refused_replacement(job):
+    """A rank that ended itself after the others left it out (exit 4) is replaced; a
+    replacement the survivors refused (its exit 4 too) is not restarted again."""
+    procs = [_Running() for _ in range(3)]
+    assert _spawned(job, procs, {2: 4}) == [(2, 3)]
+    job.restarts_left[2] = 1
+    job.store.set(server_key(refused_key(3)), "1")
+    assert _spawned(job, procs, {2: 4}) == []
 
 
 def test_admissions_close_when_only_waiting_replacements_are_left(job):
