@@ -539,6 +539,8 @@ def join_worker(
     if joined is None:
         return {}
     elastic, rdv = joined.elastic, joined.rdv
+    # every write into the run directory from here on checks this rank is current
+    fence.install(run_dir_path, elastic.fence.check, elastic.fence.identity)
     metas = [joined.state["metas"][m] for m in elastic.membership.members]
 
     def on_allocation(new: Allocation, extra: Optional[Dict[str, Any]] = None) -> None:

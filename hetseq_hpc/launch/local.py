@@ -336,7 +336,8 @@ class ElasticJob:
                 rank,
             )
             procs[rank] = spawn(rank, member)
-            self.ended.discard(rank)  # the new process has not been ended
+            self.ended.discard(rank)  # the new process has not been ended nor left out
+            self.left_out.pop(rank, None)
             del codes[rank]
 
     def close_admissions(self, procs: List[subprocess.Popen], codes: Dict[int, int]) -> None:

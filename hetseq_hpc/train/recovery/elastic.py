@@ -124,6 +124,7 @@ class ElasticWorld:
         self.fence = GenerationFence(
             fence_store(store, self.cfg.timeout_s),
             self.member,
+            generation=self.membership.generation,  # a replacement's: the one it joined
             lease_s=self.stale_s / 2.0,
             ask_s=self.cfg.timeout_s,
             give_up_s=run.cluster.collective_timeout_s,

@@ -39,6 +39,7 @@ from hetseq_hpc.distributed.admission import (
     request_join,
     wait_for_answer,
 )
+from hetseq_hpc.distributed.fence import members_key
 from hetseq_hpc.distributed.membership import Membership, join_generation
 from hetseq_hpc.distributed.rendezvous import Rendezvous, backend_for, leave
 from hetseq_hpc.env.world import WorldInfo
@@ -166,7 +167,8 @@ def admit(elastic: ElasticWorld, trainer: Any, seen: int) -> Optional[Dict[str, 
     )
     new = Membership(old.generation + 1, members)
     source = next(i for i, m in enumerate(members) if m in old.members)
-    store.compare_set(f"g{new.generation}/members", "", json.dumps(list(members)))
+    # where reform writes a generation's members: the write fence of every rank reads it
+    store.compare_set(members_key(new.generation), "", json.dumps(list(members)))
     for req in admitted:
         answer(
             store,
@@ -177,6 +179,7 @@ def admit(elastic: ElasticWorld, trainer: Any, seen: int) -> Optional[Dict[str, 
     leave()
     gc.collect()
     elastic.membership = new  # a failure from here on re-forms from the grown generation
+    elastic.fence.enter(new.generation)
     rdv = _join_world(elastic, new, elastic.origin, elastic.run.cluster.collective_timeout_s)
     sent = _state(trainer, elastic, admitted) if rdv.world.rank == source else None
     rdv.broadcast_object(sent, src=source)
