@@ -47,6 +47,7 @@ from hetseq_hpc.distributed.membership import (
 )
 from hetseq_hpc.distributed.rendezvous import Rendezvous, backend_for, leave
 from hetseq_hpc.env.preemption import REQUEUE
+from hetseq_hpc.env.rank_guard import FAILED
 from hetseq_hpc.errors import AllocationError, Preempted, RankExcluded
 from hetseq_hpc.train.checkpoint.files import step_of
 from hetseq_hpc.train.records import DONE, PHASE_NAMES, REDO, TRAINED, StepRecord
@@ -179,6 +180,11 @@ class ElasticWorld:
             the original ``error``: nobody was lost and the same step failed again.
         """
         failed = time.monotonic()
+        # kept until the process ends, which then skips the interpreter's teardown
+        # (rank_guard.FAILED): a broken world's DDP reducer freed at the end of a run that
+        # went on (the worker's start-up references) joined a gloo thread that waited for
+        # the GIL, and the survivor never exited
+        FAILED.append(error)
         self.fence.check(ask=True)  # left out already (cut off, stopped): nothing more to do
         start = self.membership
         # a failure inside a step may leave DDP's all-reduce in flight on the broken group:
