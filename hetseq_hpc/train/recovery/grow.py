@@ -163,7 +163,10 @@ def admit(elastic: ElasticWorld, trainer: Any, seen: int) -> Optional[Dict[str, 
         _put(elastic.reports, member, elastic.reports[slot])  # its predecessor's calibration
         _put(trainer.metas_by_member, member, trainer.metas_by_member[slot])
     members = tuple(
-        sorted([*old.members, *(int(r["member"]) for r in admitted)], key=elastic.slots.get)
+        sorted(
+            [*old.members, *(int(r["member"]) for r in admitted)],
+            key=lambda m: elastic.slots[m],
+        )
     )
     new = Membership(old.generation + 1, members)
     source = next(i for i, m in enumerate(members) if m in old.members)
@@ -275,7 +278,7 @@ def join_running_job(
     placeholder = Rendezvous(world=world, cpu_group=None)
     elastic = ElasticWorld(run, store, placeholder, [], device, member=member, membership=new)
     rdv = _join_world(elastic, new, world, run.cluster.collective_timeout_s)
-    state = rdv.broadcast_object(None, src=int(got["source"]))
+    state: Dict[str, Any] = rdv.broadcast_object({}, src=int(got["source"]))  # the sender's
     elastic.origin = world
     elastic.reports = [RankReport.of(r) for r in state["reports"]]
     elastic.slots = {int(m): int(s) for m, s in state["slots"].items()}
