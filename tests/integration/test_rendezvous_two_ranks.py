@@ -31,13 +31,15 @@ def _two_rank_worker(rank: int, port: int, out: str) -> None:
 
 def test_exchange_and_agreement_on_two_ranks(tmp_path):
     """A real 2-process gloo group: the named exchange returns every rank's stats in rank order
-    (ints stay ints; the last field, ``bad_micro``, 0: every loss finite), and differing digests raise one line naming each rank's digest."""
+    (ints stay ints; ``bad_micro`` 0: every loss finite; the last field, ``joins``, 0: no
+    replacement asked to join), and differing digests raise one line naming each rank's
+    digest."""
     out = str(tmp_path / "result.pt")
     mp.spawn(_two_rank_worker, args=(free_port(), out), nprocs=2, join=True)
     result = torch.load(out)
     assert result["table"] == [
-        [1.5, 3, 2, 0.1, 0.2, 0.05, 0, 0.0, 0],
-        [2.5, 4, 2, 0.1, 0.2, 0.05, 1, 0.0, 0],
+        [1.5, 3, 2, 0.1, 0.2, 0.05, 0, 0.0, 0, 0],
+        [2.5, 4, 2, 0.1, 0.2, 0.05, 1, 0.0, 0, 0],
     ]
     assert (
         "ranks disagree on the allocation (digest rank 0: digest0, rank 1: digest1)"
