@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -50,6 +50,7 @@ from hetseq_hpc.balance.rebalance import Rebalancer
 from hetseq_hpc.config import RunConfig, load_run_config
 from hetseq_hpc.distributed.admission import JOIN_ENV, MEMBER_ENV
 from hetseq_hpc.distributed.gang import Gang
+from hetseq_hpc.distributed.membership import STORE_IN_PARENT_ENV
 from hetseq_hpc.distributed.rendezvous import leave, rendezvous
 from hetseq_hpc.env.emulation import emulate_speed, exempt_communication_threads
 from hetseq_hpc.env.emulation import record as record_emulation
@@ -198,6 +199,31 @@ def calibrate_rank(
         "rank, so the split is about even; force balance.allocation for a mixed cluster"
     )
     return calibrate(model, *args, wait_for_peers=None, static_bytes=static)
+
+
+def install_fence(
+    run_dir: RunDir,
+    elastic: ElasticWorld,
+    stop: StopRequest,
+    env: Optional[Mapping[str, str]] = None,
+) -> None:
+    """Every write into the run directory from here on checks that this rank is current
+    (:mod:`hetseq_hpc.files.fence`, ``elastic.fence``). Under the local launcher, which
+    serves the job's store (``HETSEQ_STORE_IN_PARENT``), a killed launcher takes the store
+    with it for every rank: a rank confirmed current just before its parent died
+    (:meth:`~hetseq_hpc.distributed.fence.GenerationFence.current_at` the parent-death
+    SIGHUP) then writes its last checkpoint without asking a store that is gone."""
+    env = os.environ if env is None else env
+    in_parent = env.get(STORE_IN_PARENT_ENV) == "1"
+    token = elastic.fence
+
+    def check(ask: bool) -> None:
+        gone = stop.parent_gone_at
+        if in_parent and gone is not None and token.current_at(gone):
+            return
+        token.check(ask)
+
+    fence.install(run_dir, check, token.identity)
 
 
 def elastic_store(run: RunConfig, world: Any, env: Dict[str, str]) -> Any:
@@ -425,8 +451,7 @@ def run_worker(
         )
         if elastic is not None:
             live["elastic"] = elastic
-            # every write into the run directory from here on checks this rank is current
-            fence.install(run_dir_path, elastic.fence.check, elastic.fence.identity)
+            install_fence(run_dir_path, elastic, stop_request, env)
         trainer = Trainer(
             run,
             run_dir_path,
@@ -539,8 +564,7 @@ def join_worker(
     if joined is None:
         return {}
     elastic, rdv = joined.elastic, joined.rdv
-    # every write into the run directory from here on checks this rank is current
-    fence.install(run_dir_path, elastic.fence.check, elastic.fence.identity)
+    install_fence(run_dir_path, elastic, stop_request)
     metas = [joined.state["metas"][m] for m in elastic.membership.members]
 
     def on_allocation(new: Allocation, extra: Optional[Dict[str, Any]] = None) -> None:

@@ -103,6 +103,23 @@ class GenerationFence:
         with self._lock:
             self._confirmed = max(self._confirmed, sent)
 
+    def confirm(self, at: float) -> None:
+        """A collective of this rank's whole world completed at ``at`` (``time.monotonic()``;
+        a training step): nobody had re-formed without this rank then, so it counts as a
+        confirmation, as a heartbeat the store answered does."""
+        with self._lock:
+            if self.fenced is None:
+                self._confirmed = max(self._confirmed, at)
+
+    def current_at(self, at: float) -> bool:
+        """Whether this rank was confirmed current less than ``2 * lease_s`` (the heartbeat
+        staleness after which the others leave a rank out) before ``at``
+        (``time.monotonic()``): no world can have re-formed without it by then. Used when the
+        job's store died for every rank at ``at`` (the local launcher that served it was
+        killed): no world can re-form after either, so such a rank may write its last
+        checkpoint; one that was stopped or cut off before stays unable to write."""
+        return self.fenced is None and at - self._confirmed < 2.0 * self.lease_s
+
     def check(self, ask: bool = True) -> None:
         """Return when this rank may write into the run directory now.
 

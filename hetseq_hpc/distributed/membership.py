@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 
 #: where the ranks find the job's store (``host:port``) and the job's token
 STORE_ENV = "HETSEQ_STORE"
+#: "1" when the job's store is served by the rank's parent process (the local launcher): a
+#: killed parent takes the store with it for every rank
+STORE_IN_PARENT_ENV = "HETSEQ_STORE_IN_PARENT"
 TOKEN_ENV = "HETSEQ_JOB_TOKEN"
 #: seconds between two heartbeats of a rank
 HEARTBEAT_S = 0.5

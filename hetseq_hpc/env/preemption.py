@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import subprocess
+import time
 from typing import Mapping, Optional
 
 from hetseq_hpc.errors import LaunchError
@@ -39,6 +40,11 @@ class StopRequest:
     def __init__(self) -> None:
         self.code = NONE
         self._terms = 0
+        self._parent = os.getppid()
+        #: ``time.monotonic()`` when a SIGHUP came after this process's parent died (the
+        #: local launcher, killed: its parent-death signal), else None; a SIGHUP of a launcher
+        #: *thread* that ended leaves the parent in place and this None
+        self.parent_gone_at: Optional[float] = None
 
     def _on_usr2(self, signum, frame) -> None:
         log.warning("caught SIGUSR2: will checkpoint after this step and requeue")
@@ -54,6 +60,8 @@ class StopRequest:
         self.code = max(self.code, TERMINATE)
 
     def _on_hup(self, signum, frame) -> None:
+        if self.parent_gone_at is None and os.getppid() != self._parent:
+            self.parent_gone_at = time.monotonic()
         if self.code < TERMINATE:  # the first of possibly several (one per launcher thread)
             log.warning(
                 "caught SIGHUP (the launcher is gone): will checkpoint after this step and stop"

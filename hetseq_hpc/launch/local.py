@@ -204,6 +204,7 @@ class ElasticJob:
         recovery does not apply (off, FSDP, one rank)."""
         from hetseq_hpc.distributed.membership import (
             STORE_ENV,
+            STORE_IN_PARENT_ENV,
             TOKEN_ENV,
             job_token,
             serve_job_store,
@@ -214,7 +215,7 @@ class ElasticJob:
         token = job_token()
         store, port = serve_job_store("127.0.0.1", token=token)
         for env in envs:
-            env.update({STORE_ENV: f"127.0.0.1:{port}", TOKEN_ENV: token})
+            env.update({STORE_ENV: f"127.0.0.1:{port}", TOKEN_ENV: token, STORE_IN_PARENT_ENV: "1"})
         return cls(
             store,
             token,

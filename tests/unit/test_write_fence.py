@@ -245,3 +245,22 @@ def test_a_log_line_under_a_fresh_lease_does_not_ask_the_store(job):
     assert counted.asked == 1
     mine.check(ask=True)
     assert counted.asked == 2
+
+
+def test_a_killed_launcher_lets_only_a_rank_confirmed_just_before_write(job):
+    """The local launcher serves the job's store: killed, it takes the store with it for
+    every rank, and no world can re-form after. A rank whose last completed step (or
+    heartbeat) confirmed it less than the heartbeat staleness (2 leases) before the parent's
+    death may write its last checkpoint without the store; one stopped or cut off longer
+    than that may not (the others may have left it out), nor a fenced one. Found by
+    tests/integration/test_launch_local.py::test_sigkill_to_launcher_stops_the_ranks_within_seconds:
+    the orphaned ranks waited for the dead store instead of checkpointing."""
+    _, env = job
+    mine = GenerationFence(fence_store(job_store(30, env), 5.0), 0, lease_s=5.0, ask_s=5.0)
+    assert not mine.current_at(time.monotonic())  # never confirmed
+    confirmed = time.monotonic()
+    mine.confirm(confirmed)  # a completed step
+    assert mine.current_at(confirmed + 9.9)
+    assert not mine.current_at(confirmed + 10.1)  # stale long enough to have been left out
+    mine.exclude("left out")
+    assert not mine.current_at(confirmed + 1.0)

@@ -409,7 +409,9 @@ class ElasticWorld:
 
     def observe_step(self, rec: StepRecord) -> None:
         """After a completed step: its time sets the collective timeout of the next steps
-        (:class:`StepTimeout`)."""
+        (:class:`StepTimeout`), and its collectives confirm this rank to its write fence
+        (:meth:`~hetseq_hpc.distributed.fence.GenerationFence.confirm`)."""
+        self.fence.confirm(time.monotonic())  # the step's collectives had every member
         longest = max([rec.wall_s, *(s.step_time_s for s in rec.per_rank)])
         if self.timeout.observe(longest):
             self.timeout.apply()
