@@ -210,20 +210,15 @@ def install_fence(
     """Every write into the run directory from here on checks that this rank is current
     (:mod:`hetseq_hpc.files.fence`, ``elastic.fence``). Under the local launcher, which
     serves the job's store (``HETSEQ_STORE_IN_PARENT``), a killed launcher takes the store
-    with it for every rank: a rank confirmed current just before its parent died
-    (:meth:`~hetseq_hpc.distributed.fence.GenerationFence.current_at` the parent-death
-    SIGHUP) then writes its last checkpoint without asking a store that is gone."""
+    with it for every rank: a rank confirmed current just before its parent died (the
+    parent-death SIGHUP, :attr:`StopRequest.parent_gone_at`) then writes its last checkpoint
+    without asking a store that is gone
+    (:meth:`~hetseq_hpc.distributed.fence.GenerationFence.store_dies_with`)."""
     env = os.environ if env is None else env
-    in_parent = env.get(STORE_IN_PARENT_ENV) == "1"
     token = elastic.fence
-
-    def check(ask: bool) -> None:
-        gone = stop.parent_gone_at
-        if in_parent and gone is not None and token.current_at(gone):
-            return
-        token.check(ask)
-
-    fence.install(run_dir, check, token.identity)
+    if env.get(STORE_IN_PARENT_ENV) == "1":
+        token.store_dies_with(lambda: stop.parent_gone_at)
+    fence.install(run_dir, token.check, token.identity)
 
 
 def elastic_store(run: RunConfig, world: Any, env: Dict[str, str]) -> Any:

@@ -320,6 +320,9 @@ class AuthStoreClient(dist.Store):
         token: the job's token (never sent: only its HMAC answer to the server's challenge).
         timeout: how long ``get``/``wait``/``multi_get``/a blocking ``queue_pop`` and the
             first connection wait (``set_timeout`` changes it).
+        reply_timeout_s: a reply that takes longer fails the request (None: waits on).
+        connect_s: how long a connection refused is tried again (seconds; None: ``timeout``):
+            short for a client whose caller asks again itself (the write fence).
 
     Raises (at construction, from the first connection):
         multiprocessing.AuthenticationError: the server does not accept the token.
@@ -336,12 +339,14 @@ class AuthStoreClient(dist.Store):
         token: str,
         timeout: timedelta = timedelta(seconds=300),
         reply_timeout_s: Optional[float] = None,
+        connect_s: Optional[float] = None,
     ):
         super().__init__()
         self._address, self._authkey = (host, int(port)), token.encode()
         self._where = f"{host}:{int(port)}"
         self._timeout_s = timeout.total_seconds()
         self._reply_timeout_s = reply_timeout_s
+        self._connect_s = connect_s
         self._local = threading.local()
         self._connection()
         _LIVE.append(self)
@@ -350,7 +355,8 @@ class AuthStoreClient(dist.Store):
         conn = getattr(self._local, "conn", None)
         if conn is not None:
             return conn
-        deadline = time.monotonic() + max(self._timeout_s, 1.0)
+        connect_s = self._timeout_s if self._connect_s is None else self._connect_s
+        deadline = time.monotonic() + max(connect_s, 0.1)
         while True:
             try:
                 conn = Client(self._address)
@@ -473,17 +479,22 @@ class AuthStoreClient(dist.Store):
         return timedelta(seconds=self._timeout_s)
 
     def clone(
-        self, timeout: Optional[timedelta] = None, reply_timeout_s: Optional[float] = None
+        self,
+        timeout: Optional[timedelta] = None,
+        reply_timeout_s: Optional[float] = None,
+        connect_s: Optional[float] = None,
     ) -> AuthStoreClient:
         """A client of the same store with its own connections (``timeout``: default this
         one's; ``reply_timeout_s``: a reply that takes longer fails the request with
-        ``DistNetworkError``, as a server that is gone does)."""
+        ``DistNetworkError``, as a server that is gone does; ``connect_s``: how long a
+        refused connection is tried again, default ``timeout``)."""
         return AuthStoreClient(
             self._address[0],
             self._address[1],
             self._authkey.decode(),
             self.timeout if timeout is None else timeout,
             reply_timeout_s,
+            connect_s,
         )
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -71,6 +71,22 @@ class GenerationFence:
         self.fenced: Optional[RankFenced] = None  # set once, for good
         self._confirmed = float("-inf")  # time.monotonic() the lease runs from
         self._lock = threading.Lock()
+        #: when the store died for every rank at once (``time.monotonic()``), else None: the
+        #: local launcher that served it was killed (:meth:`store_dies_with`)
+        self._store_died_at: Callable[[], Optional[float]] = lambda: None
+
+    def store_dies_with(self, died_at: Callable[[], Optional[float]]) -> None:
+        """Say how this rank learns that the job's store died for every rank (``died_at()``:
+        the ``time.monotonic()`` of it, else None): the local launcher serves the store, and
+        its death (the parent-death signal) ends every world too. A rank then current
+        (:meth:`current_at`) may write its last checkpoint without asking; the check looks
+        before each question and between questions, so a write that was asking when the
+        launcher died goes on."""
+        self._store_died_at = died_at
+
+    def _current_when_store_died(self) -> bool:
+        at = self._store_died_at()
+        return at is not None and self.current_at(at)
 
     def identity(self) -> Dict[str, int]:
         """``{"rank": original rank, "generation": n}``: what this rank's writes carry."""
@@ -135,6 +151,8 @@ class GenerationFence:
             raise self.fenced
         if not ask and time.monotonic() - self._confirmed < self.lease_s:
             return
+        if self._current_when_store_died():
+            return
         self._ask()
 
     def _ask(self) -> None:
@@ -148,6 +166,8 @@ class GenerationFence:
                 members = json.loads(self.store.get(key)) if self.store.check([key]) else None
                 break
             except Exception as exc:
+                if self._current_when_store_died():
+                    return  # the launcher died while asking: its store with it
                 now = time.monotonic()
                 first_failure = now if first_failure is None else first_failure
                 if now - first_failure < self.give_up_s:

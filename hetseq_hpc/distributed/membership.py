@@ -130,11 +130,15 @@ def fence_store(store: dist.Store, ask_s: float) -> dist.Store:
     """A store for a :class:`~hetseq_hpc.distributed.fence.GenerationFence`'s questions: over
     the job's store (:func:`job_store`), a new client of the same server whose waits and
     replies take at most ``ask_s`` seconds (a cut-off server fails the question instead of
-    hanging it), keys under :data:`JOB_PREFIX`; any other store as it is."""
+    hanging it, and a refused connection fails after a second: the fence asks again itself,
+    and sees meanwhile whether the store died for every rank), keys under :data:`JOB_PREFIX`;
+    any other store as it is."""
     client = _job_client(store)
     if client is None:
         return store
-    return dist.PrefixStore(JOB_PREFIX, client.clone(timedelta(seconds=ask_s), ask_s))
+    return dist.PrefixStore(
+        JOB_PREFIX, client.clone(timedelta(seconds=ask_s), ask_s, connect_s=min(ask_s, 1.0))
+    )
 
 
 def excluded_key(member: int) -> str:

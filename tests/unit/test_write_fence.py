@@ -264,3 +264,37 @@ def test_a_killed_launcher_lets_only_a_rank_confirmed_just_before_write(job):
     assert not mine.current_at(confirmed + 10.1)  # stale long enough to have been left out
     mine.exclude("left out")
     assert not mine.current_at(confirmed + 1.0)
+
+
+def test_a_write_asking_when_the_launcher_dies_goes_on_without_the_store(job):
+    """The race the CI run hit (1 run in 2): a row write had begun asking the store when the
+    launcher died, before the parent-death signal said so. The question fails on a refused
+    connection within a second, and between questions the fence sees that the store died
+    for every rank while this rank was current: the write goes on, not after ``give_up_s``.
+    (The launcher's death is ``died_at`` set by another thread, as the SIGHUP handler does.)"""
+    server, env = job
+    mine = GenerationFence(
+        fence_store(job_store(30, env), 5.0), 0, lease_s=5.0, ask_s=5.0, give_up_s=300.0
+    )
+    died: dict = {}
+    mine.store_dies_with(lambda: died.get("at"))
+    mine.confirm(time.monotonic())
+    mine.check(ask=True)  # the store answers
+    server.close()
+    threading.Timer(0.5, lambda: died.setdefault("at", time.monotonic())).start()
+    mine.check(ask=True)  # returns once "at" is set; a hang would take give_up_s
+    assert mine.fenced is None
+
+
+def test_a_rank_stale_when_the_launcher_died_still_waits_for_the_store(job):
+    """Not current when the store died (stopped longer than the staleness before): the fence
+    still asks, and gives up as cut off (StoreLost) instead of writing."""
+    server, env = job
+    mine = GenerationFence(
+        fence_store(job_store(30, env), 1.0), 0, lease_s=1.0, ask_s=1.0, give_up_s=1.5
+    )
+    mine.store_dies_with(lambda: time.monotonic())
+    mine.confirm(time.monotonic() - 10.0)
+    server.close()
+    with pytest.raises(StoreLost):
+        mine.check(ask=True)
