@@ -71,18 +71,35 @@ def pytest_runtest_logreport(report):
             fh.write(f"{report.duration:9.2f} {report.when} {report.outcome} {report.nodeid}\n")
 
 
+#: the integration files whose single tests run longest (1-2 minutes each in CI: several
+#: multi-process runs, or compiling): handed out first, so that no worker starts one last
+LONGEST_FIRST = (
+    "test_compile_exact.py",
+    "test_sharding_exact.py",
+    "test_hf_exact.py",
+    "test_hf_export.py",
+)
+
+
+def _order(item) -> tuple:
+    tier = _tier(Path(str(item.path)))
+    name = Path(str(item.path)).name
+    first = LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+    return ({"slurm": 0, "integration": 1, "gpu": 2}.get(tier or "", 3), first)
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark each test with its tier (``-m "not slurm"`` works); in a ``pytest-xdist`` worker
-    (``-n N``, as ``scripts/run-tests.sh`` runs) put the long multi-process tiers first and the
-    many short unit tests last, which evens out the workers' ends (xdist hands out work in
-    collection order; a stable sort keeps each tier's own order)."""
-    order = {"slurm": 0, "integration": 1, "gpu": 2}
+    (``-n N``, as ``scripts/run-tests.sh`` runs) put the long multi-process tiers first, their
+    longest files first of all (:data:`LONGEST_FIRST`), and the many short unit tests last,
+    which evens out the workers' ends (xdist hands out work in collection order; a stable sort
+    keeps each file's own order)."""
     for item in items:
         folder = _tier(Path(str(item.path)))
         if folder is not None:
             item.add_marker(folder)
     if hasattr(config, "workerinput"):  # an xdist worker: its collection is what is run
-        items.sort(key=lambda item: order.get(_tier(Path(str(item.path))) or "", 3))
+        items.sort(key=_order)
 
 
 @pytest.fixture(scope="session")

@@ -39,9 +39,18 @@ def cli_env(token_cache: Path) -> Dict[str, str]:
     return env
 
 
-def hetseq_cmd(*args: str, module: str = "hetseq_hpc") -> List[str]:
+def hetseq_cmd(*args: str, module: str = "hetseq_hpc", plot: bool = False) -> List[str]:
     """``python -m MODULE ARGS`` with this interpreter: the CLI (``hetseq_hpc``) by default, or
-    another module run the same way (``hetseq_hpc.worker``, ``hetseq_hpc.plan``, ...)."""
+    another module run the same way (``hetseq_hpc.worker``, ``hetseq_hpc.plan``, ...).
+
+    A training run (the CLI with overrides, no subcommand) gets ``trainer.plot=false`` unless
+    ``plot`` or ARGS name ``trainer.plot``: drawing ``ranks.png`` costs ~0.6 s of CPU per run
+    (matplotlib), spent hundreds of times by a suite that looks at the plot in a few tests
+    (those pass ``plot=True``; ``report`` draws it on its own)."""
+    words = [a for a in args if not a.startswith("-")]
+    is_run = module == "hetseq_hpc" and bool(words) and all("=" in w for w in words)
+    if is_run and not plot and not any(w.startswith("trainer.plot=") for w in words):
+        args = (*args, "trainer.plot=false")
     return [sys.executable, "-m", module, *args]
 
 
@@ -60,9 +69,10 @@ def hetseq(
     env: Optional[Dict[str, str]] = None,
     timeout: Optional[float] = 600,
     module: str = "hetseq_hpc",
+    plot: bool = False,
     **run: Any,
 ) -> subprocess.CompletedProcess:
-    """Run :func:`hetseq_cmd` ``(*args, module=module)`` to its end -> CompletedProcess with
+    """Run :func:`hetseq_cmd` ``(*args, module=module, plot=plot)`` to its end -> CompletedProcess with
     text stdout and stderr (``run`` goes to :func:`subprocess.run`).
 
     The environment is ``env``, else :func:`cli_env` ``(token_cache)``, else this process's.
@@ -72,7 +82,7 @@ def hetseq(
             hangs).
     """
     return subprocess.run(
-        hetseq_cmd(*args, module=module),
+        hetseq_cmd(*args, module=module, plot=plot),
         cwd=cwd,
         env=_env(token_cache, env),
         capture_output=True,
@@ -88,20 +98,21 @@ def start_hetseq(
     cwd: Path = REPO,
     env: Optional[Dict[str, str]] = None,
     module: str = "hetseq_hpc",
+    plot: bool = False,
     new_session: bool = False,
     stdout: Any = subprocess.PIPE,
     stderr: Any = subprocess.PIPE,
     text: bool = True,
     **popen: Any,
 ) -> subprocess.Popen:
-    """Start :func:`hetseq_cmd` ``(*args, module=module)`` in the background -> Popen (text
+    """Start :func:`hetseq_cmd` ``(*args, module=module, plot=plot)`` in the background -> Popen (text
     pipes by default; ``popen`` goes to :class:`subprocess.Popen`, e.g. ``preexec_fn``).
 
     The environment is chosen as by :func:`hetseq`. ``new_session``: its own session and
     process group, so that the test can signal the whole group (``os.killpg(proc.pid, ...)``).
     """
     return subprocess.Popen(
-        hetseq_cmd(*args, module=module),
+        hetseq_cmd(*args, module=module, plot=plot),
         cwd=cwd,
         env=_env(token_cache, env),
         stdout=stdout,

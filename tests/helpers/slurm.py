@@ -46,7 +46,8 @@ def compose_testcluster(*overrides: str):
 def slurm_cli(
     run_dir: Path, token_cache: Path, *overrides: str, timeout: float = 600, multirun=False
 ):
-    """``python -m hetseq_hpc cluster=testcluster`` with the small model."""
+    """``python -m hetseq_hpc cluster=testcluster`` with the small model (and its plot: the
+    default path under Slurm)."""
     run_dir_override = f"hydra.sweep.dir={run_dir}" if multirun else f"hydra.run.dir={run_dir}"
     return hetseq(
         *(["-m"] if multirun else []),
@@ -56,6 +57,7 @@ def slurm_cli(
         run_dir_override,
         token_cache=token_cache,
         timeout=timeout,
+        plot=True,
     )
 
 

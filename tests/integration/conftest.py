@@ -13,16 +13,17 @@ from tests.helpers.runs import SMALL_MODEL, hetseq
 
 @pytest.fixture
 def run_cli(token_cache):
-    """``run_cli(run_dir, *overrides, timeout=..., small=True) -> CompletedProcess`` of
-    ``python -m hetseq_hpc`` (:func:`~tests.helpers.runs.hetseq`) with the small model."""
+    """``run_cli(run_dir, *overrides, timeout=..., small=True, plot=False) -> CompletedProcess``
+    of ``python -m hetseq_hpc`` (:func:`~tests.helpers.runs.hetseq`) with the small model."""
 
-    def _run(run_dir: Path, *overrides: str, timeout: float = 600, small: bool = True):
+    def _run(run_dir: Path, *overrides: str, timeout: float = 600, small: bool = True, plot=False):
         return hetseq(
             *(SMALL_MODEL if small else []),
             *overrides,
             f"hydra.run.dir={run_dir}",
             token_cache=token_cache,
             timeout=timeout,
+            plot=plot,
         )
 
     return _run

@@ -78,6 +78,7 @@ def test_a_short_two_rank_run_draws_its_plot_and_says_where(tmp_path, run_cli):
         "trainer.val_every=5",
         "balance.allocation=[16,16]",
         "balance.rebalance_every=2",
+        plot=True,
     )
     assert_ok(proc)
     png = tmp_path / "ranks.png"
