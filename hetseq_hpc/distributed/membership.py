@@ -126,17 +126,46 @@ def _job_client(store: dist.Store) -> Optional[AuthStoreClient]:
     return inner if isinstance(inner, AuthStoreClient) else None
 
 
+class PrefixedClient(dist.Store):
+    """Keys under ``prefix`` on an :class:`~hetseq_hpc.distributed.auth_store.AuthStoreClient`,
+    the way ``dist.PrefixStore`` names them (``prefix/key``), in Python only: for the daemon
+    threads that talk to the job's store (the heartbeat, the write fence's checks). A
+    ``dist.PrefixStore`` call releases the GIL in C++ and takes it back in a destructor; when
+    the interpreter is exiting, taking it back ends the thread inside that destructor, and the
+    process aborts (``terminate called without an active exception``: a rank that had finished
+    its run reported lost by SIGABRT). Implements ``set``, ``get``, ``add``, ``check``."""
+
+    def __init__(self, prefix: str, client: AuthStoreClient):
+        super().__init__()
+        self.prefix, self.client = prefix, client
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}"
+
+    def set(self, key: str, value) -> None:
+        self.client.set(self._key(key), value)
+
+    def get(self, key: str) -> bytes:
+        return self.client.get(self._key(key))
+
+    def add(self, key: str, value: int) -> int:
+        return self.client.add(self._key(key), value)
+
+    def check(self, keys: List[str]) -> bool:
+        return self.client.check([self._key(k) for k in keys])
+
+
 def fence_store(store: dist.Store, ask_s: float) -> dist.Store:
     """A store for a :class:`~hetseq_hpc.distributed.fence.GenerationFence`'s questions: over
     the job's store (:func:`job_store`), a new client of the same server whose waits and
     replies take at most ``ask_s`` seconds (a cut-off server fails the question instead of
     hanging it, and a refused connection fails after a second: the fence asks again itself,
     and sees meanwhile whether the store died for every rank), keys under :data:`JOB_PREFIX`;
-    any other store as it is."""
+    any other store as it is. Python only (:class:`PrefixedClient`): asked from daemon threads."""
     client = _job_client(store)
     if client is None:
         return store
-    return dist.PrefixStore(
+    return PrefixedClient(
         JOB_PREFIX, client.clone(timedelta(seconds=ask_s), ask_s, connect_s=min(ask_s, 1.0))
     )
 
@@ -178,6 +207,9 @@ class Heartbeat:
         self.watch = list(watch)  # members whose heartbeats this thread follows all along
         self.on_beat: Optional[Callable[[float], None]] = None
         self._client = _job_client(store)
+        # the beats go through Python only (PrefixedClient: a C++ store call in flight when
+        # the process exits aborts it)
+        self._beats = store if self._client is None else PrefixedClient(JOB_PREFIX, self._client)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._seen: Dict[int, Tuple[int, float]] = {}
@@ -188,7 +220,7 @@ class Heartbeat:
         while not self._stop.is_set():
             try:
                 sent = time.monotonic()
-                self.store.add(f"hb/{self.member}", 1)
+                self._beats.add(f"hb/{self.member}", 1)
                 if self.on_beat is not None:
                     self.on_beat(sent)
                 if self._client is None:  # so that a silence is timed from its start
@@ -238,9 +270,13 @@ class Heartbeat:
             seen = self._seen.get(int(member))
         return None if seen is None else float(seen[1])
 
-    def close(self) -> None:
-        """Stop beating (the rank is leaving)."""
+    def close(self, wait_s: float = 5.0) -> None:
+        """Stop beating (the rank is leaving), and wait up to ``wait_s`` seconds for a beat in
+        flight (with the fence's question after it) to end, so that none is in flight when the
+        process exits."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(wait_s)
 
 
 @dataclass(frozen=True)
