@@ -94,8 +94,9 @@ if [ "${CI:-}" = true ]; then
 fi
 # Parallel (pytest-xdist, CONTRIBUTING.md): the Slurm tier waits on its scheduler far more than
 # it computes, so it runs as its own pytest, its tests one after the other against the one test
-# cluster, beside a pytest of the other tiers on $HETSEQ_TEST_WORKERS workers (3; an idle worker
-# takes tests a busy one has not started: --dist worksteal). With pytest
+# cluster, beside a pytest of the other tiers on $HETSEQ_TEST_WORKERS workers (3; xdist's
+# default "load" hands tests out from the front, the longest files first: tests/conftest.py;
+# "worksteal" splits the list into a block per worker and ran longer, 4 workers too). With pytest
 # arguments, or HETSEQ_TEST_WORKERS=0 (everything in one process), it is one pytest.
 workers=${HETSEQ_TEST_WORKERS:-3}
 rc=0
@@ -103,7 +104,7 @@ if [ "$workers" != 0 ] && [ $# = 0 ] && [ "${HETSEQ_TESTCLUSTER:-}" = 1 ]; then
   "$VENV/bin/python" -m pytest tests/slurm --basetemp "$side/slurm-tmp" ${extra[@]+"${extra[@]}"} \
     > "$side/slurm.log" 2>&1 &
   slurm_pid=$!
-  "$VENV/bin/python" -m pytest --all --ignore=tests/slurm -n "$workers" --dist worksteal \
+  "$VENV/bin/python" -m pytest --all --ignore=tests/slurm -n "$workers" \
     ${extra[@]+"${extra[@]}"} || rc=$?
   slurm_rc=0
   wait "$slurm_pid" || slurm_rc=$?

@@ -10,6 +10,8 @@ network assumption, the model and the results: docs/design/hetseq-comparison.md,
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import re
 from pathlib import Path
@@ -18,6 +20,7 @@ from typing import Optional
 import pytest
 
 from hetseq_hpc.config.compose import compose_run_config
+from hetseq_hpc.config.schema import RunConfig
 from hetseq_hpc.plan.planner import make_plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,14 +62,25 @@ def model(tmp_path_factory) -> list:
     return hetseq_model(tmp_path_factory.mktemp("hetseq-token-cache"))
 
 
+@functools.cache
+def _composed_once(overrides: tuple) -> RunConfig:
+    return compose_run_config(list(overrides))
+
+
+def _composed(overrides: tuple) -> RunConfig:
+    """A copy of the run config of ``overrides``, composed once (Hydra takes ~0.3 s a time;
+    the probe's bisection plans the same config 25 times, the probe file changing under it)."""
+    return copy.deepcopy(_composed_once(overrides))
+
+
 def _plan(nodes: int, model: list, link_gbps: float = 10, probe: str = ""):
     parts = (
         ["cluster.partitions.xp.nodes=4", "cluster.partitions.p100.nodes=4"]
         if nodes == 8
         else [f"cluster.partitions.xp.nodes={nodes}", "~cluster.partitions.p100"]
     )
-    run = compose_run_config(
-        [
+    run = _composed(
+        (
             "cluster=hetseq_seed",
             *model,
             *parts,
@@ -75,7 +89,7 @@ def _plan(nodes: int, model: list, link_gbps: float = 10, probe: str = ""):
             # HetSeq's loader ran in 4 worker processes per GPU, beside it
             "plan.data_ms_per_sample=0",
             *([f"plan.probe={probe}"] if probe else []),
-        ]
+        )
     )
     plan = make_plan(run)
     if not probe:
