@@ -647,7 +647,9 @@ def test_sigstop_of_the_launcher_as_a_partition_of_the_stores_node_ends_the_run_
     ranks = sorted(int(re.search(r"rank (\d+) cannot reach", line)[1]) for line in said)
     assert ranks == [0, 1, 2], said
     last = CheckpointManager(RunDir(run_dir)).list()[-1]
-    assert all(f"last checkpoint step {step_of(last)} verified: {last}" in line for line in said)
+    assert all(f"last checkpoint step {step_of(last)} verified: {last}" in line for line in said), (
+        said
+    )
     assert verified_run_id(last)
     assert {p.name: p.read_bytes() for p in (run_dir / "checkpoints").glob("step_*")} == kept
     assert (run_dir / "metrics.jsonl").read_bytes() == rows

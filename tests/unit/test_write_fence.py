@@ -298,3 +298,42 @@ def test_a_rank_stale_when_the_launcher_died_still_waits_for_the_store(job):
     server.close()
     with pytest.raises(StoreLost):
         mine.check(ask=True)
+
+
+class _LostAtQuestion:
+    """A fence check that answers ``ok`` store questions (``ask=True``), then raises StoreLost
+    as a rank cut off from the store does; a lease (``ask=False``) always holds."""
+
+    def __init__(self, ok: int):
+        self.ok = ok
+
+    def check(self, ask: bool) -> None:
+        if ask:
+            if self.ok <= 0:
+                raise StoreLost("rank 0 cannot reach the job's store (a test)")
+            self.ok -= 1
+
+    def identity(self) -> dict:
+        return {"rank": 0, "generation": 0}
+
+
+@pytest.mark.parametrize("answered", [0, 1])
+def test_a_checkpoint_cut_off_mid_write_leaves_no_file_without_its_checksum(installed, answered):
+    """Found by test_sigstop_of_the_launcher_as_a_partition_of_the_stores_node_ends_the_run_intact
+    (2 runs in 5): the checkpoint was renamed into place, then the fence's question before its
+    SHA-256 sidecar found the store gone, and step_N.pt stayed without a checksum (every rank
+    then called the last checkpoint unverifiable). The sidecar is written first now: the
+    store lost at the checkpoint's question (0 answered) or at the sidecar's (1) leaves no
+    checkpoint of that step, and the earlier one verifies."""
+    from hetseq_hpc.train.checkpoint.files import verify_checksum
+
+    current = _LostAtQuestion(ok=10)
+    run_dir = installed(current)
+    manager = CheckpointManager(run_dir)
+    manager.write({"model": {"w": torch.zeros(2)}}, 1)
+    current.ok = answered
+    with pytest.raises(StoreLost):
+        manager.write({"model": {"w": torch.ones(2)}}, 2)
+    assert [p.name for p in manager.list()] == ["step_00000001.pt"]
+    assert not manager.path(2).exists()
+    verify_checksum(manager.list()[-1])

@@ -370,20 +370,19 @@ class CheckpointManager:
             box["w"] = _HashingWriter(fh)
             torch.save(payload, cast(IO[bytes], box["w"]))  # it needs write() and flush()
             self.test_hold(step)
+            # the sidecar before the checkpoint's rename: a write stopped between the two (a
+            # full disk, or the write fence: a rank cut off from the job's store) leaves no
+            # checkpoint without its checksum, at most a sidecar without its checkpoint
+            digest = box["w"].sha.hexdigest()
+            atomic_write_text(checksum_path(final), f"{digest}  {final.name}\n", durable=True)
 
         shards = payload.get("shards")
         self.set_aside_corrupt(
             final, [shards["dir"]] if isinstance(shards, dict) and "dir" in shards else []
         )
-        written = False
         try:
             atomic_write(final, write, durable=True)
-            written = True
-            digest = box["w"].sha.hexdigest()
-            atomic_write_text(checksum_path(final), f"{digest}  {final.name}\n", durable=True)
         except (OSError, RuntimeError) as exc:
-            if written:  # its checksum could not be written: not a usable checkpoint
-                final.unlink(missing_ok=True)
             writer = box.get("w")
             raise self.write_error(final, exc, writer.error if writer else None) from None
         self.retain(final, payload.get("run_id"))
