@@ -1,22 +1,17 @@
 #!/usr/bin/env python3
 """Chaos soak: one local job, faults injected at random every few steps, restarts on.
 
-Issue 45: a long run survives every fault on the uninterrupted run's trajectory. One run of
-``--ranks`` local ranks (small BERT, dropout off, a seed) with ``trainer.elastic.restarts``
-high enough for every fault; every few steps (seeded) one fault: ``kill9`` (a random rank, rank
-0 included), ``sigstop`` (past the elastic timeout, then SIGCONT: left out, it must stop
-without writing; the launcher replaces it), ``checkpoint`` (rank 0 killed while a checkpoint
-is written), ``validation`` (a rank killed in a validation), ``reform`` (a second rank killed
-while the survivors re-form), ``join`` (a newcomer killed while it is being admitted), ``two``
-(two ranks at once). The survivors train on while a replacement starts, so the run has no
-fixed length: after the last fault (and the world whole again) the launcher gets SIGTERM (the
-ranks checkpoint and stop, exit 130), and an uninterrupted run of the same config (the same
-learning-rate schedule) trains to the same step. Then: the losses at every step, every step
-exactly once in metrics.jsonl, the newest checkpoint verifies, nothing stamped by a left-out
-rank after its re-form (tests/helpers/fence_audit.py; its log file is its replacement's
-too, so only stamped rows, events and checkpoints count), no worker process left.
+Issue 45. One run of ``--ranks`` local ranks (small BERT, dropout off, a seed) with
+``trainer.elastic.restarts``; every few steps (seeded) one fault: ``kill9`` (any rank),
+``sigstop`` (past the elastic timeout, then SIGCONT: left out, it stops without writing and is
+replaced), ``checkpoint``, ``validation`` (a kill during either), ``reform`` (a second kill
+while the survivors re-form), ``join`` (a newcomer killed while admitted), ``two`` (two at
+once). The survivors train on while a replacement starts, so after the last fault the launcher
+gets SIGTERM (exit 130) and an uninterrupted run of the same schedule trains to the same step.
+Checked: every step's loss, every step once in metrics.jsonl, the newest checkpoint, the fence
+audit (stamped records only: a replacement writes the same log file), no worker left.
 
-    python scripts/chaos_soak.py --faults 100        # ~30 min on 2 cores
+    python scripts/chaos_soak.py --faults 100
 
 Last line: one JSON object (``faults``, ``survived``, ``max_rel_loss_diff``, ``missing_steps``,
 ``repeated_steps``, ``orphans``, medians, the machine).
