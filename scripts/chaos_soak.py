@@ -302,6 +302,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 1
         reference = _losses(ref)
     orphans = sorted(worker_pids(run_dir, live=True).values())
+    for pid in orphans:  # counted above; the ranks have a process group of their own
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     missing, repeated = missing_and_repeated(step_counts(rows), steps)
     rel = max_rel_diff(reference, _losses(run_dir))
     newest = sorted((run_dir / "checkpoints").glob("step_*.pt"))
