@@ -37,7 +37,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests.helpers.fence_audit import writes_after_fence  # noqa: E402
-from tests.helpers.runs import SMALL_MODEL, cli_env, read_rows, worker_pids  # noqa: E402
+from tests.helpers.runs import (  # noqa: E402
+    SMALL_MODEL,
+    cli_env,
+    processes,
+    read_rows,
+    worker_pids,
+)
 
 #: the fault kinds and how many faults each injects
 KINDS = {
@@ -110,6 +116,9 @@ def _losses(run_dir: Path) -> Dict[int, float]:
 
 
 def _start(run_dir: Path, cache: Path, steps: int, *extra: str) -> subprocess.Popen:
+    """Start the launcher; its output (and its ranks': they inherit it) goes to
+    ``<run_dir>.out``, a file: a pipe nobody reads while the soak waits fills up (64 KiB), and
+    every process writing a log line to it then blocks -- the job hangs."""
     cmd = [
         sys.executable,
         "-m",
@@ -119,15 +128,25 @@ def _start(run_dir: Path, cache: Path, steps: int, *extra: str) -> subprocess.Po
         f"hydra.run.dir={run_dir}",
         *extra,
     ]
-    return subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=cli_env(cache),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    with _output(run_dir).open("w") as out:
+        return subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=cli_env(cache),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+
+
+def _output(run_dir: Path) -> Path:
+    return run_dir.with_name(run_dir.name + ".out")
+
+
+def _tail(run_dir: Path, chars: int = 3000) -> str:
+    path = _output(run_dir)
+    return path.read_text(errors="replace")[-chars:] if path.is_file() else ""
 
 
 class Soak:
@@ -157,15 +176,34 @@ class Soak:
     def live(self) -> Dict[int, int]:
         return worker_pids(self.run_dir, live=True)
 
+    def members(self) -> set:
+        """The member ids of the live worker processes (a replacement's from its environment)."""
+        run = str(self.run_dir).encode()
+        return {
+            int(env.get(b"HETSEQ_MEMBER", env[b"RANK"]))
+            for _, argv, env, state in processes()
+            if b"hetseq_hpc.worker" in argv
+            and b"RANK" in env
+            and run in b" ".join(argv)
+            and state not in ("Z", "T")
+        }
+
     def whole(self) -> bool:
-        """Every rank's process is up and the newest membership event trained a step since."""
-        if len(self.live()) < self.ranks:
+        """The newest membership row names exactly the live processes' members, all
+        ``ranks`` of them, and a step was trained since: not merely three processes up (a
+        left-out rank may still be on its way out, the survivors' row not yet written)."""
+        live = self.members()
+        if len(live) < self.ranks:
             return False
         rows = read_rows(self.run_dir) if (self.run_dir / "metrics.jsonl").exists() else []
-        last_event = max((i for i, r in enumerate(rows) if r.get("event")), default=-1)
+        last_event = max(
+            (i for i, r in enumerate(rows) if r.get("event") == "membership"), default=-1
+        )
         joined = [r for r in rows[last_event + 1 :] if "loss" in r and r.get("event") is None]
-        world = rows[last_event].get("world_size") if last_event >= 0 else self.ranks
-        return world == self.ranks and len(joined) >= 1
+        members = (
+            set(rows[last_event].get("members", ())) if last_event >= 0 else set(range(self.ranks))
+        )
+        return members == live and len(joined) >= 1
 
     def kill(self, rank: Optional[int] = None, sig: int = signal.SIGKILL) -> int:
         pids = self.live()
@@ -173,9 +211,30 @@ class Soak:
         os.kill(pids[rank], sig)
         return rank
 
-    def cli_says(self, text: str) -> bool:
+    def cli_says(self, text: str, more_than: int = 0) -> bool:
+        """Whether cli.log says ``text`` more than ``more_than`` times."""
+        return self.cli_count(text) > more_than
+
+    def cli_count(self, text: str) -> int:
         path = self.run_dir / "cli.log"
-        return path.is_file() and text in path.read_text(errors="replace")
+        return path.read_text(errors="replace").count(text) if path.is_file() else 0
+
+    def dump_stacks(self) -> Optional[Path]:
+        """On a hang: every live process's Python stacks (launcher and ranks) into
+        ``stacks.txt`` beside the run directory, with py-spy where it is installed."""
+        spy = Path(sys.executable).with_name("py-spy")
+        if not spy.is_file():
+            return None
+        out = self.run_dir.parent / "stacks.txt"
+        with out.open("w") as f:
+            pids = {"launcher": self.proc.pid, **{f"rank {r}": p for r, p in self.live().items()}}
+            for who, pid in pids.items():
+                f.write(f"==== {who} (pid {pid})\n")
+                f.flush()
+                subprocess.run(
+                    [str(spy), "dump", "--pid", str(pid)], stdout=f, stderr=f, timeout=60
+                )
+        return out
 
     def inject(self, kind: str) -> Dict[str, Any]:
         """One fault of ``kind``; returns what was done (ranks, seconds to the next step)."""
@@ -186,9 +245,10 @@ class Soak:
         elif kind == "sigstop":
             pids = self.live()
             rank = self.rng.choice(sorted(r for r in pids if r != 0) or sorted(pids))
-            os.kill(pids[rank], signal.SIGSTOP)
             said = f"rank {rank} was left out by the others"
-            self.wait(f"rank {rank} left out", lambda: self.cli_says(said), 120)
+            before = self.cli_count(said)
+            os.kill(pids[rank], signal.SIGSTOP)
+            self.wait(f"rank {rank} left out", lambda: self.cli_says(said, before), 120)
             with_ns = time.time_ns()
             os.kill(pids[rank], signal.SIGCONT)
             self.left_out.append((rank, with_ns))
@@ -211,8 +271,12 @@ class Soak:
             time.sleep(self.timeout_s / 2 + self.rng.uniform(0.0, 1.0))  # while they re-form
             record["ranks"] = [first, self.kill()]
         elif kind == "join":
-            first = self.kill()
-            self.wait("a restart", lambda: self.cli_says(f"rank {first} was lost"), 120)
+            pids = self.live()
+            first = self.rng.choice(sorted(pids))
+            said = f"rank {first} was lost"
+            before = self.cli_count(said)
+            self.kill(first)
+            self.wait("a restart", lambda: self.cli_says(said, before), 120)
             # the newcomer, once it runs and asks to join
             self.wait("the newcomer", lambda: first in self.live(), 120)
             time.sleep(self.rng.uniform(0.5, 3.0))
@@ -266,7 +330,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     soak = Soak(run_dir, proc, args.ranks, args.timeout_s)
     soak.rng = random.Random(args.seed + 1)
     error = None
-    err = ""
     try:
         soak.wait("the first steps", lambda: soak.rows() >= 2, 300)
         for index, (gap, kind) in enumerate(plan):
@@ -281,10 +344,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         target = soak.rows() + 3
         soak.wait(f"step {target}", lambda: soak.rows() >= target, 300)
         os.kill(proc.pid, signal.SIGTERM)  # the ranks checkpoint after their step and stop
-        _, err = proc.communicate(timeout=300)
+        proc.wait(timeout=300)
     except Exception as exc:  # a hang or a run that ended: counted, the run is stopped
         error = str(exc)
         print(f"chaos_soak: {error}", flush=True)
+        if proc.poll() is None:
+            stacks = soak.dump_stacks()
+            if stacks is not None:
+                print(f"chaos_soak: the processes' stacks are in {stacks}", flush=True)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -295,9 +362,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     reference: Dict[int, float] = {}
     if steps:
         ref_proc = _start(ref, cache, steps, *extra)
-        _, ref_err = ref_proc.communicate()
-        if ref_proc.returncode != 0:
-            print(ref_err[-3000:], file=sys.stderr)
+        if ref_proc.wait() != 0:
+            print(_tail(ref), file=sys.stderr)
             print("chaos_soak: error: the uninterrupted run failed", file=sys.stderr)
             return 1
         reference = _losses(ref)
@@ -361,8 +427,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         "minutes": round((time.monotonic() - started) / 60, 1),
         "machine": {"node": platform.node(), "cpus": os.cpu_count(), "load": os.getloadavg()},
     }
-    if err and not survived_all:
-        print(err[-3000:], file=sys.stderr)
+    if not survived_all:
+        print(_tail(run_dir), file=sys.stderr)
     if survived_all and not args.keep:
         import shutil
 
