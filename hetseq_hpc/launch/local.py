@@ -51,6 +51,7 @@ from hetseq_hpc.launch.failures import (
 from hetseq_hpc.rundir.events import append_event
 from hetseq_hpc.rundir.lock import lock_run_dir
 from hetseq_hpc.rundir.paths import RunDir
+from hetseq_hpc.train.checkpoint.files import checkpoints_in
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +198,9 @@ class ElasticJob:
         # (a replacement gets a new one, above every original rank) and its restarts left
         self.member_of: List[int] = list(range(world))
         self.restarts_left: List[int] = [restarts] * world
+        #: every rank holding the training state was lost while replacements waited to be
+        #: admitted (nobody finished): :meth:`close_admissions` closed them; the run failed
+        self.all_lost_at: Optional[int] = None
 
     @classmethod
     def serve(cls, run: RunConfig, envs: List[Dict[str, str]]) -> Optional[ElasticJob]:
@@ -343,7 +347,9 @@ class ElasticJob:
 
     def close_admissions(self, procs: List[subprocess.Popen], codes: Dict[int, int]) -> None:
         """When every running rank is a replacement still waiting to be admitted, nobody is
-        left to admit it: say so in the store (it ends by itself, exit 0)."""
+        left to admit it: say so in the store (it ends by itself, exit 0). When no rank had
+        finished either, every rank holding the training state was lost (two at once while
+        the third's replacement waited): :attr:`all_lost_at` is set and the run fails."""
         from hetseq_hpc.distributed.admission import answer_key, closed_key, server_key
 
         running = [r for r in range(len(procs)) if r not in codes]
@@ -354,6 +360,9 @@ class ElasticJob:
             and not self.store.check([server_key(answer_key(self._member(r)))])
         ]
         if waiting and len(waiting) == len(running):
+            if not any(code == 0 for code in codes.values()) and self.all_lost_at is None:
+                # nobody finished: the last ranks holding the training state were lost
+                self.all_lost_at = len(self.seen)
             self.store.set(server_key(closed_key()), "1")
 
 
@@ -524,6 +533,19 @@ def _launch(
 
         restarts = job is not None and run.trainer.elastic.restarts > 0
         codes = _watch(procs, poll_s, job, spawn if restarts else None)
+        if job is not None and job.all_lost_at is not None:
+            newest = checkpoints_in(run_dir.checkpoints)
+            raise LaunchError(
+                "every rank holding the training state was lost before a replacement could be "
+                f"admitted (after {job.all_lost_at} lost process(es)): nobody was left to send "
+                "it the state; "
+                + (
+                    f"the last checkpoint is {newest[-1]}: run the same command again to go on "
+                    "from it (trainer.resume=auto, the default)"
+                    if newest
+                    else "no checkpoint was written (trainer.checkpoint_every)"
+                )
+            )
         # a rank lost before every rank could recover from it (start-up) is a failure
         elastic = job if job is not None and not job.early else None
         if elastic and codes and all(elastic.lost(r, c) or c == 0 for r, c in codes.items()):

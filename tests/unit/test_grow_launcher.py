@@ -75,6 +75,21 @@ def test_admissions_close_when_only_waiting_replacements_are_left(job):
     _spawned(job, procs, {1: -9})
     job.close_admissions(procs, {0: 0, 2: 0})
     assert job.store.check([server_key(closed_key())])
+    assert job.all_lost_at is None  # the others finished the run: a normal end
+
+
+def test_every_rank_holding_the_state_lost_is_a_failure_not_a_finished_run(job):
+    """Issue 45 (chaos soak): the two survivors killed at once while the third rank's
+    replacement waited to be admitted: every process left is a replacement nobody can admit.
+    They end by themselves (exit 0), and the launcher ended with exit 0 as for a finished
+    run; now it knows every state holder was lost (:attr:`ElasticJob.all_lost_at`)."""
+    procs = [_Running() for _ in range(3)]
+    _spawned(job, procs, {1: -9})
+    codes = {0: -9, 2: -9}
+    assert _spawned(job, procs, codes) == [(0, 4), (2, 5)] and codes == {}
+    job.close_admissions(procs, codes)
+    assert job.store.check([server_key(closed_key())])
+    assert job.all_lost_at == 3
 
 
 def test_admissions_stay_open_while_a_rank_can_admit(job):
