@@ -6,6 +6,7 @@ resume never picks another run's checkpoint, and a new run archives the earlier 
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 
@@ -42,6 +43,33 @@ def test_retention_keeps_the_new_checkpoint_and_moves_a_corrupt_newer_one_aside(
     assert corrupt.read_bytes() == damaged, "the corrupt file must be kept, not deleted"
     assert checksum_path(corrupt).is_file()
     assert CheckpointManager(RunDir(tmp_path)).choose("auto").path == written
+
+
+def test_a_write_removes_what_killed_writers_left_and_keeps_its_own_temp(tmp_path):
+    """Issue 45 (chaos soak): an elastic run never restarts, so the start-of-run sweep never
+    came and every checkpoint write killed mid-way left its temp file (a whole model and
+    optimizer each) and maybe a sidecar without its checkpoint. The next write removes those
+    of other processes and earlier steps; this process's own temp (a write in flight), a later
+    step's sidecar and the checkpoints stay."""
+    manager = CheckpointManager(RunDir(tmp_path), keep=2)
+    kept = manager.write(_state(5, "r1"), 5)
+    folder = kept.parent
+    dead = [
+        folder / ".step_00000007.pt.999999.tmp",  # a killed rank 0's checkpoint
+        folder / ".step_00000007.pt.sha256.999999.tmp",
+        folder / "step_00000006.pt.sha256",  # renamed before its checkpoint: never was
+    ]
+    alive = [
+        folder / f".step_00000011.pt.{os.getpid()}.tmp",  # this process's write in flight
+        folder / "step_00000012.pt.sha256",  # a later step's: not this write's to judge
+    ]
+    for path in dead + alive:
+        path.write_bytes(b"x" * 64)
+    written = manager.write(_state(10, "r1"), 10)
+    assert [p for p in dead if p.exists()] == []
+    assert all(p.exists() for p in alive)
+    assert manager.list() == [kept, written]
+    assert load_checkpoint(kept)["step"] == 5 and load_checkpoint(written)["step"] == 10
 
 
 def test_a_checkpoint_rewritten_at_a_corrupt_ones_step_moves_the_corrupt_file_aside(tmp_path):

@@ -804,7 +804,32 @@ class CheckpointManager:
             path.unlink(missing_ok=True)
             checksum_path(path).unlink(missing_ok=True)
             _VERIFIED.pop(str(path), None)
+        self.sweep_dead_writes(written_step)
         return doomed
+
+    def sweep_dead_writes(self, written_step: int) -> List[Path]:
+        """Remove what killed writers of whole checkpoints left while the run went on (an
+        elastic run never restarts, so :meth:`sweep_temps` at its start never comes): temp files
+        of another process (only this one writes whole checkpoints now: rank 0 of the current
+        world, behind the write fence) and sidecars of steps before ``written_step`` whose
+        checkpoint was never renamed into place. Sharded checkpoints' folders are left alone.
+        Returns what was removed."""
+        mine = f".{os.getpid()}.tmp"
+        dead = [p for p in self.directory.glob(".step_*.tmp") if not p.name.endswith(mine)]
+        for sidecar in self.directory.glob("step_*.pt.sha256"):
+            checkpoint = sidecar.with_name(sidecar.name[: -len(".sha256")])
+            try:
+                older = step_of(checkpoint) < written_step
+            except ValueError:
+                continue
+            if older and not checkpoint.exists():
+                dead.append(sidecar)
+        dead = [p for p in dead if p.is_file()]
+        if dead:
+            check_write(self.directory, ask=False)  # a left-out rank removes nothing either
+        for path in dead:
+            path.unlink(missing_ok=True)
+        return dead
 
 
 def _fsync_dir(folder: Path) -> None:
