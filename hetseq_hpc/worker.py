@@ -36,6 +36,7 @@ from hetseq_hpc.balance.calibrate import calibrate
 from hetseq_hpc.balance.memory import (
     AUTO_ACTIVATION_SHARE,
     MEMORY_HEADROOM,
+    ModelBytes,
     memory_budget_bytes,
     model_bytes,
     model_state_bytes,
@@ -240,6 +241,23 @@ def elastic_store(run: RunConfig, world: Any, env: Dict[str, str]) -> Any:
     return store
 
 
+def state_bytes_for(
+    run: RunConfig, task: Any, sizes: ModelBytes, mode: str, device: torch.device
+) -> Callable[[int], float]:
+    """``world size -> bytes`` of model state one rank holds at its peak (the micro-batch
+    caps of a re-formed world are recomputed from it; :func:`model_state_bytes`), for a model
+    of ``sizes`` (:func:`model_bytes`, read before sharding) held as ``mode``."""
+    return lambda n: model_state_bytes(
+        sizes.total,
+        mode,
+        n,
+        sizes.block,
+        run.sharding.cpu_offload and device.type == "cuda",
+        gathered_weights=not task.evaluates_in_fixed_passes(),
+        root_bytes=sizes.root,
+    )
+
+
 def run_worker(
     run: RunConfig, run_dir: RunDir, env: Optional[Dict[str, str]] = None
 ) -> Dict[str, Any]:
@@ -344,15 +362,7 @@ def run_worker(
             if mode == "fsdp":  # on the whole CPU model, before sharding: never whole on the device
                 check_before_training(task, bare, run, torch.device("cpu"), rdv, early)
             chosen["parallel"] = build_parallel(run, task, bare, device, mode)
-            chosen["static_for"] = lambda n: model_state_bytes(
-                param_bytes,
-                mode,
-                n,
-                sizes.block,
-                run.sharding.cpu_offload and device.type == "cuda",
-                gathered_weights=not task.evaluates_in_fixed_passes(),
-                root_bytes=sizes.root,
-            )
+            chosen["static_for"] = state_bytes_for(run, task, sizes, mode, device)
             chosen["static"] = chosen["static_for"](world.world_size)
             return chosen["parallel"].model
 
@@ -554,13 +564,32 @@ def join_worker(
         RankExcluded: the survivors refused it (their one line; exit 4).
     """
     task.load()
-    model, task_info = build_checked_model(task, run, device)
-    joined = join_running_job(run, job, world, device, member, lambda: bool(stop_request.code))
+    # on the CPU until the job says how it holds the model (DDP: moved; FSDP: sharded)
+    model, task_info = build_checked_model(task, run, device, place=lambda bare: bare)
+    sizes = model_bytes(task, model)
+    joined = join_running_job(
+        run,
+        job,
+        world,
+        device,
+        member,
+        lambda: bool(stop_request.code),
+        rebuild=lambda: seeded_model(task, run.trainer.seed),
+        static_for=lambda mode: state_bytes_for(run, task, sizes, mode, device),
+    )
     if joined is None:
         return {}
     elastic, rdv = joined.elastic, joined.rdv
     install_fence(run_dir_path, elastic, stop_request)
     metas = [joined.state["metas"][m] for m in elastic.membership.members]
+    sharding = joined.state.get("sharding", "ddp")
+    parallel = None
+    if sharding == "fsdp":  # sharded over the grown world, as the survivors re-shard theirs
+        parallel = build_parallel(run, task, model, device, "fsdp")
+        agree_on_accumulation(run.sharding, parallel, joined.allocation, elastic.split_reports, rdv)
+        model = parallel.model
+    else:
+        model = model.to(device)
 
     def on_allocation(new: Allocation, extra: Optional[Dict[str, Any]] = None) -> None:
         if torch.distributed.get_rank() == 0:  # a replacement of rank 0 writes it too
@@ -583,6 +612,8 @@ def join_worker(
         autocast=autocast,
         on_allocation=on_allocation,
         stop_request=stop_request,
+        sharding=sharding,
+        parallel=parallel,
         elastic=elastic,
         joined=joined.state,
     )

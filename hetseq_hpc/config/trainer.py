@@ -47,7 +47,8 @@ class ElasticConfig:
     # (a killed peer is noticed at once); a rank without a heartbeat for half of it is lost
     timeout_s: float = 10.0
     # times each rank may be replaced by a new process that joins the running job at a step
-    # boundary (cluster=local, DDP: the launcher restarts a lost worker); 0 = the job shrinks
+    # boundary (cluster=local, DDP or FSDP: the launcher restarts a lost worker); 0 = the job
+    # shrinks
     restarts: int = 0
 
     def __post_init__(self) -> None:

@@ -180,8 +180,8 @@ def check_min_ranks(run: RunConfig, world: int) -> None:
 
 def check_restarts(run: RunConfig) -> None:
     """``trainer.elastic.restarts`` replaces a lost rank only where it can: the local launcher
-    restarts the process, a DDP rank receives the weights from a survivor, and the job's store
-    (``trainer.elastic.enabled``) admits it.
+    restarts the process, the newcomer receives the training state from a survivor (DDP or
+    FSDP), and the job's store (``trainer.elastic.enabled``) admits it.
 
     Raises:
         ConfigError: one line naming the setting that prevents it and the fix.
@@ -194,8 +194,6 @@ def check_restarts(run: RunConfig) -> None:
         why = "trainer.elastic.enabled=false (a lost rank ends the job)"
     elif not run.cluster.is_local:
         why = f"cluster={run.cluster.name} (only the local launcher restarts a lost rank so far)"
-    elif run.sharding.mode == "fsdp":
-        why = "sharding.mode=fsdp (a newcomer cannot receive its shard yet)"
     elif run.cluster.command:
         why = "cluster.command (the launcher runs your script, not hetseq_hpc's worker)"
     if why is not None:

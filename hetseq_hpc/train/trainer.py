@@ -960,10 +960,15 @@ class Trainer:
         allocation: Allocation,
         rebuild: Callable[[], nn.Module],
         reports: Sequence[RankReport] = (),
+        state: Optional[Dict[str, Any]] = None,
     ) -> Dict[str, Any]:
         """Go on in a re-formed world from the last checkpoint (every survivor calls this, after
         :func:`~hetseq_hpc.distributed.membership.join_generation`; collectives over ``rdv``):
-        the FSDP model lost a shard (:mod:`hetseq_hpc.train.recovery.sharded`).
+        the FSDP model lost a shard (:mod:`hetseq_hpc.train.recovery.sharded`). With
+        ``state``, from that instead: the whole training state (:meth:`state_dict`, gathered
+        over the old world before it grew) that a survivor sent with a newcomer's admission
+        (:func:`~hetseq_hpc.train.recovery.grow.admit`); nothing is read from disk and no step
+        is redone.
 
         Args:
             rdv: the new world's rendezvous; metas: the survivors' rank facts (new rank order);
@@ -974,10 +979,13 @@ class Trainer:
                 agreed again from them (:func:`~hetseq_hpc.train.fsdp_accumulation.
                 agree_on_accumulation`; without them the rebuilt model reshards, the safe
                 default).
+            state: a survivor's whole training state (a join), or None (a loss: the newest
+                checkpoint).
 
         Returns:
             ``{"reloaded": {"checkpoint": path or None, "step": s}, "steps_redone": n}`` for the
-            membership event; :attr:`step` is ``s`` and :attr:`phase` DONE afterwards.
+            membership event; :attr:`step` is ``s`` and :attr:`phase` DONE afterwards
+            (``{}`` with ``state``: the step is the state's).
 
         Raises:
             CheckpointError: the newest checkpoint does not verify (the run cannot go on
@@ -999,6 +1007,12 @@ class Trainer:
         self.model = self.parallel.model
         self.optimizer, self.scheduler = build_optimizer(self.model, self.run)
         self.reset_gradient_path()
+        if state is not None:  # a join: the state a survivor sent, every rank alike
+            self.load_state_dict(state, "the running job's state")
+            self.optimizer.zero_grad(set_to_none=True)
+            self.parallel.start(self.grad_path, self.hook_state)
+            self._announce(allocation)
+            return {}
         self.checkpoints.finish(rdv)  # a checkpoint still being written is the one to reload
         path, state = checkpoint_to_reload(self.checkpoints, rdv, self.resumed_from)
         if path is not None and state is not None:

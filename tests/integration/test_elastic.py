@@ -656,16 +656,19 @@ def test_sigstop_of_the_launcher_as_a_partition_of_the_stores_node_ends_the_run_
     assert not list(run_dir.rglob("*.tmp")) and not (run_dir / "summary.json").exists()
 
 
-@pytest.mark.parametrize("victim", [1, 0])
+@pytest.mark.parametrize(("victim", "sharding"), [(1, "none"), (0, "none"), (0, "fsdp")])
 def test_a_killed_rank_is_restarted_and_joins_the_running_job(
-    victim, reference, tmp_path, token_cache
+    victim, sharding, reference, tmp_path, token_cache
 ):
     """``trainer.elastic.restarts=1``: ``kill -9`` of rank ``victim`` at step ~10; the local
     launcher restarts it, the replacement asks to join, the survivors admit it at the next
     step boundary and send it the training state over the collective: the run ends with 3
     ranks on the uninterrupted 3-rank trajectory, every step logged once, and a join row.
     (Every rank holds at step 14 until the request is in the store: a loaded machine may
-    start the replacement slower than the remaining steps run; tests/helpers/fault_tasks.py.)"""
+    start the replacement slower than the remaining steps run; tests/helpers/fault_tasks.py.)
+    FSDP: the survivors reload the step-5 checkpoint after the loss (the lost shard is gone);
+    at the join they gather the whole state, send it, and all three shard it again: no
+    checkpoint is read for the join."""
     run_dir = tmp_path / "run"
     proc = _launch(
         run_dir,
@@ -675,6 +678,8 @@ def test_a_killed_rank_is_restarted_and_joins_the_running_job(
         "++task.model.dropout=0.0",
         "cluster.ranks=3",
         "trainer.elastic.restarts=1",
+        f"sharding.mode={sharding}",
+        *(["trainer.checkpoint_every=5"] if sharding == "fsdp" else []),
     )
     _at_step(run_dir, proc, 10)
     os.kill(worker_pids(run_dir)[victim], signal.SIGKILL)

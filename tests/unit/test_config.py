@@ -214,11 +214,6 @@ def test_existing_data_files_are_accepted(run_config, tmp_path):
             id="restarts-on-slurm",
         ),
         pytest.param(
-            ["cluster.ranks=2", "sharding.mode=fsdp", "trainer.elastic.restarts=1"],
-            ["trainer.elastic.restarts=1", "sharding.mode=fsdp"],
-            id="restarts-with-fsdp",
-        ),
-        pytest.param(
             ["cluster.ranks=2", "trainer.elastic.enabled=false", "trainer.elastic.restarts=2"],
             ["trainer.elastic.restarts=2", "trainer.elastic.enabled=false"],
             id="restarts-without-elastic",

@@ -3,9 +3,10 @@ boundary and the run goes on on the same trajectory, with the lost rank's place 
 
 Survivors (:func:`admit`, after a step whose statistics carried a new join request): answer
 every request (refused in one line: another code version or config digest, its place still
-held, FSDP), re-form into a new generation with the newcomers in their predecessors' places,
+held), re-form into a new generation with the newcomers in their predecessors' places,
 send them the whole training state from one survivor over the collective (one broadcast: the
-model, optimizer, scheduler, step, RNG, history; no checkpoint is read) and re-agree the split
+model, optimizer, scheduler, step, RNG, history; no checkpoint is read; FSDP: gathered first,
+then every member shards it over the grown world) and re-agree the split
 of the SAME global batch, the newcomer with its predecessor's start-up calibration. The
 newcomer (:func:`join_running_job`) asks in the job's store
 (:mod:`hetseq_hpc.distributed.admission`), waits for its answer and does the same collectives.
@@ -142,11 +143,6 @@ def admit(elastic: ElasticWorld, trainer: Any, seen: int) -> Optional[Dict[str, 
             continue
         taken = int(req["slot"]) in held | {int(r["slot"]) for r in admitted}
         why = refusal(req, expected, taken)
-        if why is None and trainer.sharded:
-            why = (
-                f"a replacement for rank {req['slot']} was refused: sharding.mode=fsdp cannot "
-                "send a newcomer its shard yet; the run goes on without it"
-            )
         if why is not None:
             if trainer.rank == 0:
                 log.warning("%s", why)
@@ -156,6 +152,10 @@ def admit(elastic: ElasticWorld, trainer: Any, seen: int) -> Optional[Dict[str, 
     if not admitted:
         return None
     trainer.settle_pending()  # the last step's values read and its row written first
+    sharded = trainer.sharded
+    # FSDP: the whole state gathered over the old world while its groups stand (a collective
+    # of every survivor; the sender, the old world's rank 0, gets the tensors)
+    gathered = trainer.state_dict() if sharded else None
     trainer.metas_by_member = list(trainer.metas_by_member)  # never the current world's list
     for req in admitted:
         member, slot = int(req["member"]), int(req["slot"])
@@ -184,10 +184,16 @@ def admit(elastic: ElasticWorld, trainer: Any, seen: int) -> Optional[Dict[str, 
     elastic.membership = new  # a failure from here on re-forms from the grown generation
     elastic.fence.enter(new.generation)
     rdv = _join_world(elastic, new, elastic.origin, elastic.run.cluster.collective_timeout_s)
-    sent = _state(trainer, elastic, admitted) if rdv.world.rank == source else None
-    rdv.broadcast_object(sent, src=source)
+    sent = _state(trainer, elastic, admitted, gathered) if rdv.world.rank == source else {}
+    got = rdv.broadcast_object(sent, src=source)
     allocation = _resplit(elastic, rdv, new)
-    trainer.rejoin(rdv, [trainer.metas_by_member[m] for m in members], allocation)
+    metas = [trainer.metas_by_member[m] for m in members]
+    if sharded:  # every member shards the same whole state over the grown world
+        trainer.reload(
+            rdv, metas, allocation, elastic._rebuild, elastic.split_reports, got["state"]
+        )
+    else:
+        trainer.rejoin(rdv, metas, allocation)
     elastic.timeout.predict(predicted_step_s(allocation))
     elastic.timeout.apply()
     event = join_event(trainer.step, new, admitted, allocation)
@@ -210,13 +216,28 @@ def _resplit(elastic: ElasticWorld, rdv: Rendezvous, new: Membership) -> Allocat
     return allocation
 
 
-def _state(trainer: Any, elastic: ElasticWorld, admitted: Sequence[Dict[str, Any]]) -> Dict:
+def _state(
+    trainer: Any,
+    elastic: ElasticWorld,
+    admitted: Sequence[Dict[str, Any]],
+    gathered: Optional[Dict[str, Any]] = None,
+) -> Dict:
     """What a newcomer needs to go on as its predecessor would have: the training state
     (:meth:`Trainer.state_dict <hetseq_hpc.train.trainer.Trainer.state_dict>`: model,
-    optimizer, scheduler, step, RNG, loss scale), the history and last row, every member's
-    facts, start-up report and place, and the requests admitted."""
+    optimizer, scheduler, step, RNG, loss scale; ``gathered`` under FSDP, where it is a
+    collective of the old world), how the model is held (``sharding``: ddp or fsdp), the
+    history and last row, every member's facts, start-up report and place, and the requests
+    admitted.
+
+    Raises:
+        RuntimeError: ``gathered`` holds no model tensors (it was gathered to another rank).
+    """
+    state = gathered if gathered is not None else trainer.state_dict()
+    if not state.get("model"):
+        raise RuntimeError("the training state to send a newcomer was gathered to another rank")
     return {
-        "state": trainer.state_dict(),
+        "state": state,
+        "sharding": "fsdp" if trainer.sharded else "ddp",
         "history": trainer.history,  # a StepHistory: its folded steps too
         "last_row": dict(trainer.last_row),
         "last_val": trainer.last_val,
@@ -257,14 +278,22 @@ def join_running_job(
     device: torch.device,
     member: int,
     stop: Callable[[], bool],
+    rebuild: Optional[Callable[[], torch.nn.Module]] = None,
+    static_for: Optional[Callable[[str], Callable[[int], float]]] = None,
 ) -> Optional[Joined]:
     """Ask to join the running job as member ``member`` in rank ``world.rank``'s place, wait
     for the survivors' answer at their next step boundary, then join their new world and
     receive the training state. Returns None when the job ended first (or ``stop()``).
 
+    Args:
+        rebuild: a fresh seeded model on the CPU (an FSDP world that later loses a rank
+            reloads into it, :meth:`ElasticWorld.recover`).
+        static_for: ``mode -> (world size -> bytes of model state a rank holds)``: under
+            FSDP the split's micro-batch caps follow the shard size, as the survivors' do.
+
     Raises:
         RankExcluded: the survivors refused it (their one line: another code version or
-            config digest, the place still held, FSDP); the run goes on without it (exit 4).
+            config digest, the place still held); the run goes on without it (exit 4).
     """
     request_join(store, member, world.rank, world.node_name, job_fingerprint(run))
     log.info("member %d: asked to join the running job in rank %d's place", member, world.rank)
@@ -284,6 +313,9 @@ def join_running_job(
     elastic.slots = {int(m): int(s) for m, s in state["slots"].items()}
     elastic.joins_answered = int(state["joins_answered"])
     elastic.timed_size = len(new.members)
+    elastic.rebuild = rebuild
+    if state.get("sharding") == "fsdp" and static_for is not None:
+        elastic.static_for = static_for("fsdp")
     allocation = _resplit(elastic, rdv, new)
     event = join_event(int(state["state"]["step"]), new, state["admitted"], allocation)
     return Joined(rdv, elastic, allocation, state, event)

@@ -4,7 +4,7 @@ step and phase, which split); the state changes itself (a new DDP, a re-sharded 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Protocol, Sequence
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
 
 from torch import nn
 
@@ -69,9 +69,11 @@ class TrainState(Protocol):
         allocation: Allocation,
         rebuild: Callable[[], nn.Module],
         reports: Sequence[RankReport],
+        state: Optional[Dict[str, Any]] = None,
     ) -> Dict[str, Any]:
-        """Go on in a re-formed world from the last checkpoint, in ``rebuild()``, a fresh
-        seeded model (FSDP: the lost shard is gone); returns the membership event's fields."""
+        """Go on in a re-formed world from the last checkpoint (or from ``state``, a survivor's
+        whole training state sent with a join), in ``rebuild()``, a fresh seeded model (FSDP:
+        the lost shard is gone, or the world grew); returns the membership event's fields."""
         ...
 
     def log_before_stop(self, event: Dict[str, Any]) -> None:
