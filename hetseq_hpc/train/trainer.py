@@ -383,7 +383,10 @@ class Trainer:
         cfg, step_log = self.cfg, self._step_log()
         if self.phase == DONE:
             try:
-                rec = self.train_step(self.step + 1)  # read late: fit() sets deferring
+                # the step's statistics exchange (the gloo group) waits the step's timeout,
+                # as its gradient all-reduce does: a rank stopped between the two is noticed
+                with self.decision_timeout():
+                    rec = self.train_step(self.step + 1)  # read late: fit() sets deferring
             except NonFiniteLoss as exc:
                 raise NonFiniteLoss(f"{exc}; {self.keep_good_steps()}", exc.step) from None
             self.write_owed_row()  # the previous step's, read during this one
@@ -891,8 +894,9 @@ class Trainer:
         return self.elastic.phase_timeout(phase, self.rdv)
 
     def decision_timeout(self) -> contextlib.AbstractContextManager:
-        """With in-job recovery, a decision right after a step (re-balancing) waits at most the
-        step's timeout (:meth:`ElasticWorld.step_timeout`); without, nothing changes."""
+        """With in-job recovery, the gloo group's collectives of a step (its statistics
+        exchange) and of a decision right after it (re-balancing) wait at most the step's
+        timeout (:meth:`ElasticWorld.step_timeout`); without, nothing changes."""
         if self.elastic is None:
             return contextlib.nullcontext()
         return self.elastic.step_timeout(self.rdv)

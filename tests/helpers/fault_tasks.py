@@ -239,6 +239,33 @@ class DiesAfterReformBert(_Bert):
         elastic.reform = agreed_then_dead
 
 
+class StoppedBeforeStatsBert(_Bert):
+    """Makes rank ``+task.args.stop_rank`` skip posting its statistics of optimizer step
+    ``+task.args.stop_step`` and stop itself (SIGSTOP) where it would wait for them: its
+    gradients went through the all-reduce (the others' backward completes), the exchange the
+    others then wait for never comes (the chaos soak found the others waiting
+    ``cluster.collective_timeout_s`` there, not the step's timeout)."""
+
+    def load(self) -> None:
+        super().load()
+        post = Rendezvous.post_step_stats
+        rank, step = int(self.args["stop_rank"]), int(self.args["stop_step"])
+        posted = {"n": 0}
+
+        class _Stopped:
+            def result(self):
+                os.kill(os.getpid(), signal.SIGSTOP)
+                raise RuntimeError("stopped before its step statistics")
+
+        def stopped_first(rdv, stats, *args, **kwargs):
+            posted["n"] += 1
+            if this_rank() == rank and posted["n"] == step:
+                return _Stopped()
+            return post(rdv, stats, *args, **kwargs)
+
+        Rendezvous.post_step_stats = stopped_first
+
+
 class HeldForJoinBert(_Bert):
     """Holds every rank at the start of optimizer step ``+task.args.hold_step`` until a
     replacement rank asked to join the job (its request in the job's store, at most

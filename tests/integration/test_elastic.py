@@ -148,6 +148,24 @@ def test_a_stopped_rank_is_left_out_then_ended(extra, reference, tmp_path, token
     assert not Path(f"/proc/{pid}").exists(), "the stopped rank was not ended"
 
 
+def test_a_rank_stopped_before_its_step_statistics_is_noticed_from_the_step_time(
+    reference, tmp_path, token_cache
+):
+    """Rank 2 stops itself (SIGSTOP) in step 12 where it would post the step's statistics:
+    its gradients are in the all-reduce, the others wait for the statistics' exchange. That
+    exchange waited ``cluster.collective_timeout_s`` (here 600 s: the chaos soak hung there
+    for its whole 120 s guard); it now waits the training step's timeout like the step's other
+    collectives, so the others go on without rank 2 in seconds on the same trajectory."""
+    run_dir = tmp_path / "run"
+    proc = _fault_run(
+        run_dir, token_cache, {"stop_rank": 2, "stop_step": 12}, task="StoppedBeforeStatsBert"
+    )
+    _finish(proc)  # within its 300 s guard: a wait of collective_timeout_s would fail it
+    _same_trajectory(reference, run_dir)
+    (event,) = _events(run_dir)
+    assert [x["rank"] for x in event["lost"]] == [2] and event["step"] == 12, event
+
+
 def test_a_rank_stopped_during_validation_is_noticed_from_the_phase_time(
     reference, tmp_path, token_cache
 ):
