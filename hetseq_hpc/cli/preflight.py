@@ -34,15 +34,13 @@ def check_resume(run: Any, run_dir: Optional[RunDir]) -> None:
             hetseq_hpc wrote, or cut off while saving), or the checkpoint was trained with other
             settings (the ranks' one-line messages; exit code 1 as when a rank finds it).
     """
-    from hetseq_hpc.train.checkpoint.files import stored_checksum
-    from hetseq_hpc.train.checkpoint.manager import CheckpointManager
-    from hetseq_hpc.train.state import check_fingerprint, run_fingerprint
+    from hetseq_hpc.train.checkpoint.files import checkpoints_in, stored_checksum
 
     resume = run.trainer.resume
     if resume == "never":
         return
     if resume == "auto":
-        found = CheckpointManager(run_dir).list() if run_dir is not None else []
+        found = checkpoints_in(run_dir.checkpoints) if run_dir is not None else []
         if not found:
             return
         path = found[-1]
@@ -56,6 +54,8 @@ def check_resume(run: Any, run_dir: Optional[RunDir]) -> None:
                 "trainer.resume=auto / never"
             )
         stored_checksum(path)  # a file hetseq_hpc did not write (no sidecar): refused here
+    from hetseq_hpc.train.state import check_fingerprint, run_fingerprint  # torch: resumes only
+
     saved = checkpoint_fingerprint(path)
     if saved is None:
         return
@@ -280,23 +280,38 @@ def check_model_fits(run: Any) -> None:
     replica = model_state_bytes(float(count) * PARAM_BYTES)
     offload = bool(run.sharding.cpu_offload) and not run.cluster.is_local  # GPU partitions
     root, block = unit_param_counts(run.task) or (count, 0)
-    whole = not evaluates_in_fixed_passes(run.task)
-    shard = model_state_bytes(
-        float(count) * PARAM_BYTES,
-        "fsdp",
-        world,
-        float(block) * PARAM_BYTES,
-        offload,
-        gathered_weights=whole,
-        root_bytes=float(root) * PARAM_BYTES,
-    )
-    gathered = (
-        "the whole weights gathered for validation"
-        if whole
-        else "the root unit and the largest block gathered"
-    )
+
+    def shard_bytes(whole: bool) -> float:
+        return model_state_bytes(
+            float(count) * PARAM_BYTES,
+            "fsdp",
+            world,
+            float(block) * PARAM_BYTES,
+            offload,
+            gathered_weights=whole,
+            root_bytes=float(root) * PARAM_BYTES,
+        )
+
+    # the larger of the two: the task (and torch with it) is built only where it decides
+    upper = max(shard_bytes(True), shard_bytes(False))
+    known: Dict[str, bool] = {}
+
+    def gathers_whole() -> bool:
+        if "whole" not in known:
+            known["whole"] = not evaluates_in_fixed_passes(run.task)
+        return known["whole"]
+
     mode = run.sharding.mode
     for where, limit, why, fix in rank_memory_limits(run):
+        if (mode == "none" and replica <= limit) or (mode != "none" and upper <= limit):
+            continue
+        whole = gathers_whole()
+        shard = shard_bytes(whole)
+        gathered = (
+            "the whole weights gathered for validation"
+            if whole
+            else "the root unit and the largest block gathered"
+        )
         if mode == "none" and replica > limit:
             sharded = (
                 f"sharding.mode=fsdp (a shard needs {_gib(shard)} on {world} ranks), "

@@ -8,6 +8,7 @@ typed with the base, so code outside ``hetseq_hpc.config`` asks the cluster, nev
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -22,8 +23,27 @@ CHOOSE = ("none", "finish_first", "cheapest")
 MAX_TIMEOUT_MIN = 525_600
 
 
+def _gpu_driver_present() -> bool:
+    """Whether a GPU driver is there at all (NVML initialises, or an AMD ``/dev/kfd``): where
+    none is, there is no GPU to count and torch need not be imported (about a second of CPU
+    in every command that starts a local run)."""
+    if os.path.exists("/dev/kfd"):
+        return True
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        pynvml.nvmlShutdown()
+        return True
+    except Exception:
+        return False
+
+
 def visible_gpu_count() -> int:
-    """GPUs this process could use (``torch.cuda.device_count()``; 0 without CUDA)."""
+    """GPUs this process could use (``torch.cuda.device_count()``; 0 without CUDA, or without
+    any GPU driver: then without importing torch)."""
+    if not _gpu_driver_present():
+        return 0
     try:
         import torch
 

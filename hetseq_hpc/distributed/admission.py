@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
-import torch.distributed as dist
+from hetseq_hpc.distributed.jobstore import JOB_PREFIX
 
-from hetseq_hpc.distributed.membership import JOB_PREFIX
+if TYPE_CHECKING:  # the launcher reads the keys without torch
+    import torch.distributed as dist
 
 #: the environment variables of a restarted rank: its member id, and that it joins a running job
 MEMBER_ENV = "HETSEQ_MEMBER"

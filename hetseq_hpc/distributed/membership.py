@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -23,61 +22,29 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.distributed as dist
 
-from hetseq_hpc.distributed.auth_store import AuthStoreClient, AuthStoreServer
+from hetseq_hpc.distributed.auth_store import AuthStoreClient
 from hetseq_hpc.distributed.fence import members_key
+from hetseq_hpc.distributed.jobstore import (  # noqa: F401 (re-exported: the ranks' names)
+    JOB_PREFIX,
+    STORE_ENV,
+    STORE_IN_PARENT_ENV,
+    TOKEN_ENV,
+    armed_key,
+    excluded_key,
+    gone_key,
+    job_token,
+    serve_job_store,
+)
 from hetseq_hpc.errors import HetseqError, LaunchError, RankExcluded
 
 log = logging.getLogger(__name__)
 
-#: where the ranks find the job's store (``host:port``) and the job's token
-STORE_ENV = "HETSEQ_STORE"
-#: "1" when the job's store is served by the rank's parent process (the local launcher): a
-#: killed parent takes the store with it for every rank
-STORE_IN_PARENT_ENV = "HETSEQ_STORE_IN_PARENT"
-TOKEN_ENV = "HETSEQ_JOB_TOKEN"
 #: seconds between two heartbeats of a rank
 HEARTBEAT_S = 0.5
 #: seconds between two looks at the store while re-forming, per :data:`POLL_MEMBERS` members
 #: (every member reads the whole world's state at each look, so the store's load stays flat)
 POLL_S = 0.05
 POLL_MEMBERS = 64
-#: prefix of every key the ranks write (the token itself is the store's authentication key and
-#: appears in no key, so no timeout message or key listing can show it)
-JOB_PREFIX = "job"
-
-
-def job_token() -> str:
-    """A new random token naming one job's keys in the store (hex, 16 bytes)."""
-    return secrets.token_hex(16)
-
-
-def serve_job_store(
-    host: str = "127.0.0.1", port: int = 0, token: Optional[str] = None
-) -> Tuple[AuthStoreServer, int]:
-    """Serve the job's store from THIS process (the launcher, or the batch script's
-    :mod:`~hetseq_hpc.distributed.store_server`): an
-    :class:`~hetseq_hpc.distributed.auth_store.AuthStoreServer` listening on ``host``'s address
-    only, which serves a client only after it proves it holds the job's token.
-
-    Args:
-        host: the address (or name) to listen on; port: 0 for a free one.
-        token: the job's token; default ``$HETSEQ_JOB_TOKEN`` (never a command-line argument).
-
-    Returns:
-        ``(server, port)``; the server serves until ``server.close()`` or the process ends.
-
-    Raises:
-        OSError: ``host`` does not resolve or the address cannot be bound.
-        LaunchError: no token given and ``HETSEQ_JOB_TOKEN`` unset.
-    """
-    token = token if token is not None else os.environ.get(TOKEN_ENV, "")
-    if not token:
-        raise LaunchError(
-            f"the job's store needs the job's token in {TOKEN_ENV}: the launcher "
-            "or batch script sets it (export it before starting the store)"
-        )
-    server = AuthStoreServer(host, port, token)
-    return server, server.port
 
 
 def job_store(timeout_s: float, environ: Optional[Dict[str, str]] = None) -> Optional[dist.Store]:
@@ -168,23 +135,6 @@ def fence_store(store: dist.Store, ask_s: float) -> dist.Store:
     return PrefixedClient(
         JOB_PREFIX, client.clone(timedelta(seconds=ask_s), ask_s, connect_s=min(ask_s, 1.0))
     )
-
-
-def excluded_key(member: int) -> str:
-    """The server-side key that says original rank ``member`` was left out."""
-    return f"{JOB_PREFIX}/excluded/{int(member)}"
-
-
-def gone_key(member: int) -> str:
-    """The server-side key by which the launcher says original rank ``member``'s process has
-    ended (:func:`reform` leaves it out at once)."""
-    return f"{JOB_PREFIX}/gone/{int(member)}"
-
-
-def armed_key(member: int) -> str:
-    """The server-side key by which original rank ``member`` says it is in the training loop,
-    where a lost peer is recovered from (:func:`arm`)."""
-    return f"{JOB_PREFIX}/armed/{int(member)}"
 
 
 def arm(store: dist.Store, member: int) -> None:

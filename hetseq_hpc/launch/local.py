@@ -206,7 +206,7 @@ class ElasticJob:
     def serve(cls, run: RunConfig, envs: List[Dict[str, str]]) -> Optional[ElasticJob]:
         """Serve the store and tell the ranks where (``envs`` updated), or None when in-job
         recovery does not apply (off, FSDP, one rank)."""
-        from hetseq_hpc.distributed.membership import (
+        from hetseq_hpc.distributed.jobstore import (
             STORE_ENV,
             STORE_IN_PARENT_ENV,
             TOKEN_ENV,
@@ -246,7 +246,7 @@ class ElasticJob:
         ``armed`` key), record it in :attr:`early`: those ranks wait for it in a start-up
         collective, not in a recovery, so the run ends now instead of after
         ``cluster.collective_timeout_s``."""
-        from hetseq_hpc.distributed.membership import armed_key, gone_key
+        from hetseq_hpc.distributed.jobstore import armed_key, gone_key
 
         for rank, code in codes.items():
             member = self._member(rank)
@@ -279,7 +279,7 @@ class ElasticJob:
         that was only cut off or stopped for a while finds out it was left out and ends with
         its one line (exit 4, writing nothing: :mod:`hetseq_hpc.files.fence`); a stopped
         process never does."""
-        from hetseq_hpc.distributed.membership import excluded_key
+        from hetseq_hpc.distributed.jobstore import excluded_key
 
         now = time.monotonic()
         for rank, proc in enumerate(procs):

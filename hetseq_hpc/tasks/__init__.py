@@ -5,8 +5,23 @@ from a local directory), ``dataset`` (a user's map-style Dataset), or ``custom``
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from hetseq_hpc.errors import ConfigError
-from hetseq_hpc.tasks.base import Task
+
+if TYPE_CHECKING:
+    from hetseq_hpc.tasks.base import Task
+
+
+def __getattr__(name: str) -> Any:
+    """``Task`` on first use: the package imports no torch, so the command line can read
+    :mod:`hetseq_hpc.tasks.sizes` and start the ranks without it (~1 s of CPU each run)."""
+    if name == "Task":
+        from hetseq_hpc.tasks.base import Task
+
+        return Task
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: built-in task name -> "module:Class" (imported on use: each pulls its own dependencies)
 BUILTIN = {

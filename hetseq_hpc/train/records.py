@@ -4,10 +4,24 @@ step's outcome, and the phases of the work after a step (which in-job recovery r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence
 
-from hetseq_hpc.balance.agree import RankMeta
-from hetseq_hpc.distributed.rendezvous import StepStats
+if TYPE_CHECKING:  # torch-free at import: the command line reads rows and records too
+    from hetseq_hpc.balance.agree import RankMeta
+    from hetseq_hpc.distributed.rendezvous import StepStats
+
+
+def __getattr__(name: str) -> Any:
+    """``RankMeta`` and ``StepStats`` (re-exported) on first use."""
+    if name == "RankMeta":
+        from hetseq_hpc.balance.agree import RankMeta
+
+        return RankMeta
+    if name == "StepStats":
+        from hetseq_hpc.distributed.rendezvous import StepStats
+
+        return StepStats
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass

@@ -7,12 +7,14 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.fault_tasks import fail_on_rank
-from tests.helpers.runs import SMALL_MODEL, start_hetseq, wait_rows, worker_pids
+from tests.helpers.runs import REPO, SMALL_MODEL, cli_env, start_hetseq, wait_rows, worker_pids
 from tests.helpers.waits import wait_for
 
 #: how long ranks that should be gone may still run: a guard against hangs, not a speed check
@@ -140,3 +142,32 @@ def test_stopped_rank_is_named_not_the_peer_that_timed_out(tmp_path, token_cache
     last = stderr.strip().splitlines()[-1]
     assert "rank 1 failed" in last and "stopped (SIGSTOP" in last, last
     _wait_gone(tmp_path)
+
+
+# ------------------------------------------------------------------ what the launcher costs
+def test_a_local_run_launcher_never_imports_torch(tmp_path, token_cache):
+    """The launcher of a 2-rank run (configuration, pre-flight checks, the job's store, the
+    watch over the ranks, the summary) imports no torch: about a second of CPU per run, spent
+    in every command (the ranks import it; the test suite starts hundreds of runs). A resume
+    checks its checkpoint with torch; a fresh run has none."""
+    stack = tmp_path / "torch-imported.txt"
+    env = {**cli_env(token_cache), "HETSEQ_TORCH_IMPORTED": str(stack)}
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tests" / "helpers" / "cli_without_torch.py"),
+            *SMALL_MODEL,
+            "cluster.ranks=2",
+            "trainer.max_steps=2",
+            "trainer.plot=false",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "done: 2 steps" in done.stdout + done.stderr
+    assert not stack.exists(), f"the launcher imported torch:\n{stack.read_text()}"

@@ -20,8 +20,7 @@ from typing import Optional
 from hetseq_hpc.errors import CheckpointError, HetseqError
 from hetseq_hpc.rundir.history import current_run_id
 from hetseq_hpc.rundir.paths import RunDir
-from hetseq_hpc.train.checkpoint.files import step_of, stored_state
-from hetseq_hpc.train.checkpoint.manager import CheckpointManager, verified_run_id
+from hetseq_hpc.train.checkpoint.files import checkpoints_in, step_of, stored_state
 from hetseq_hpc.train.metrics import read_metrics
 
 
@@ -109,9 +108,11 @@ def _newest_resumable(run_dir: RunDir, at_least: int) -> Optional[Path]:
     more; only checkpoints of such steps are read (a checksum), so this costs a directory
     listing when there are none."""
     current = current_run_id(run_dir)
-    for path in reversed(CheckpointManager(run_dir).list()):
+    for path in reversed(checkpoints_in(run_dir.checkpoints)):
         if step_of(path) < at_least:
             return None  # the ranks resume this one, or an older one
+        from hetseq_hpc.train.checkpoint.manager import verified_run_id  # torch: found one
+
         try:
             owner = verified_run_id(path)
         except (CheckpointError, OSError):
@@ -139,6 +140,8 @@ def finished_run(resume: str, max_steps: int, run_dir: RunDir) -> Optional[Finis
     if resume == "auto":
         path = _newest_resumable(run_dir, max_steps)
         return None if path is None else describe_finished(run_dir, path, step_of(path), max_steps)
+    from hetseq_hpc.train.checkpoint.manager import verified_run_id  # torch: a path to check
+
     path = Path(resume).expanduser()
     try:
         verified_run_id(path)

@@ -12,10 +12,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
-from hetseq_hpc.balance.agree import RankMeta
-from hetseq_hpc.balance.allocation import RankShare
 from hetseq_hpc.errors import ConfigError, HetseqError, StorageError
 from hetseq_hpc.files.atomic import atomic_write_text
 from hetseq_hpc.files.fence import check_write, stamp
@@ -23,6 +21,10 @@ from hetseq_hpc.files.user_input import describe, file_problem, kind_of
 from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.rundir.storage import storage_error
 from hetseq_hpc.train.records import FoldedSteps, StepRecord
+
+if TYPE_CHECKING:  # torch-free at import (the launcher reads metrics.jsonl)
+    from hetseq_hpc.balance.agree import RankMeta
+    from hetseq_hpc.balance.allocation import RankShare
 
 log = logging.getLogger(__name__)
 
