@@ -157,6 +157,7 @@ class Soak:
         self.rng = random.Random(0)
         self.records: List[Dict[str, Any]] = []
         self.left_out: List[tuple] = []  # (rank, time_ns it came back)
+        self.killed: set = set()  # pids killed: gone, even while the kernel still tears one down
 
     def rows(self) -> int:
         path = self.run_dir / "metrics.jsonl"
@@ -174,18 +175,21 @@ class Soak:
             time.sleep(0.02)
 
     def live(self) -> Dict[int, int]:
-        return worker_pids(self.run_dir, live=True)
+        """rank -> pid of the live workers, leaving out those this soak killed."""
+        pids = worker_pids(self.run_dir, live=True)
+        return {rank: pid for rank, pid in pids.items() if pid not in self.killed}
 
     def members(self) -> set:
         """The member ids of the live worker processes (a replacement's from its environment)."""
         run = str(self.run_dir).encode()
         return {
             int(env.get(b"HETSEQ_MEMBER", env[b"RANK"]))
-            for _, argv, env, state in processes()
+            for pid, argv, env, state in processes()
             if b"hetseq_hpc.worker" in argv
             and b"RANK" in env
             and run in b" ".join(argv)
             and state not in ("Z", "T")
+            and pid not in self.killed
         }
 
     def whole(self) -> bool:
@@ -208,6 +212,7 @@ class Soak:
     def kill(self, rank: Optional[int] = None, sig: int = signal.SIGKILL) -> int:
         pids = self.live()
         rank = self.rng.choice(sorted(pids)) if rank is None else rank
+        self.killed.add(pids[rank])
         os.kill(pids[rank], sig)
         return rank
 
@@ -285,6 +290,7 @@ class Soak:
             pids = self.live()
             pair = self.rng.sample(sorted(pids), 2)
             for rank in pair:
+                self.killed.add(pids[rank])
                 os.kill(pids[rank], signal.SIGKILL)
             record["ranks"] = pair
         else:
