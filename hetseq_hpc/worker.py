@@ -14,13 +14,14 @@ templates) or :func:`run_worker` (submitit pickles it). Each rank:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -51,7 +52,7 @@ from hetseq_hpc.balance.rebalance import Rebalancer
 from hetseq_hpc.config import RunConfig, load_run_config
 from hetseq_hpc.distributed.admission import JOIN_ENV, MEMBER_ENV
 from hetseq_hpc.distributed.gang import Gang
-from hetseq_hpc.distributed.membership import STORE_IN_PARENT_ENV
+from hetseq_hpc.distributed.membership import STORE_IN_PARENT_ENV, is_peer_failure
 from hetseq_hpc.distributed.rendezvous import leave, rendezvous
 from hetseq_hpc.env.emulation import emulate_speed, exempt_communication_threads
 from hetseq_hpc.env.emulation import record as record_emulation
@@ -544,6 +545,28 @@ def finish_training(
     return summary
 
 
+@contextlib.contextmanager
+def left_out_if_a_peer_fails(member: int) -> Iterator[None]:
+    """While a replacement joins (the grown world's groups, the state's broadcast, the split,
+    loading the state): a rank lost meanwhile makes the survivors re-form without the
+    newcomer too, so a collective failure here ends it as left out (:class:`RankExcluded`,
+    exit 4: the launcher starts it again while it has restarts), not as a failed run (the
+    chaos soak saw a run end so).
+
+    Raises:
+        RankExcluded: a peer failure (:func:`is_peer_failure`) inside the block.
+    """
+    try:
+        yield
+    except Exception as exc:
+        if not is_peer_failure(exc):
+            raise
+        raise RankExcluded(
+            f"member {member}: a rank was lost while the grown world formed "
+            f"({type(exc).__name__}); the others go on without this replacement"
+        ) from None
+
+
 def join_worker(
     run: RunConfig,
     run_dir_path: RunDir,
@@ -561,63 +584,67 @@ def join_worker(
     and train to the end with the others. Returns ``{}`` when the job ended first.
 
     Raises:
-        RankExcluded: the survivors refused it (their one line; exit 4).
+        RankExcluded: the survivors refused it (their one line; exit 4), or a rank was lost
+            while it joined (:func:`left_out_if_a_peer_fails`).
     """
     task.load()
     # on the CPU until the job says how it holds the model (DDP: moved; FSDP: sharded)
     model, task_info = build_checked_model(task, run, device, place=lambda bare: bare)
     sizes = model_bytes(task, model)
-    joined = join_running_job(
-        run,
-        job,
-        world,
-        device,
-        member,
-        lambda: bool(stop_request.code),
-        rebuild=lambda: seeded_model(task, run.trainer.seed),
-        static_for=lambda mode: state_bytes_for(run, task, sizes, mode, device),
-    )
-    if joined is None:
-        return {}
-    elastic, rdv = joined.elastic, joined.rdv
-    install_fence(run_dir_path, elastic, stop_request)
-    metas = [joined.state["metas"][m] for m in elastic.membership.members]
-    sharding = joined.state.get("sharding", "ddp")
-    parallel = None
-    if sharding == "fsdp":  # sharded over the grown world, as the survivors re-shard theirs
-        parallel = build_parallel(run, task, model, device, "fsdp")
-        agree_on_accumulation(run.sharding, parallel, joined.allocation, elastic.split_reports, rdv)
-        model = parallel.model
-    else:
-        model = model.to(device)
-
-    def on_allocation(new: Allocation, extra: Optional[Dict[str, Any]] = None) -> None:
-        if torch.distributed.get_rank() == 0:  # a replacement of rank 0 writes it too
-            write_allocation_json(
-                run_dir_path,
-                new,
-                [elastic.reports[m] for m in elastic.membership.members],
-                extra or {},
+    with left_out_if_a_peer_fails(member):
+        joined = join_running_job(
+            run,
+            job,
+            world,
+            device,
+            member,
+            lambda: bool(stop_request.code),
+            rebuild=lambda: seeded_model(task, run.trainer.seed),
+            static_for=lambda mode: state_bytes_for(run, task, sizes, mode, device),
+        )
+        if joined is None:
+            return {}
+        elastic, rdv = joined.elastic, joined.rdv
+        install_fence(run_dir_path, elastic, stop_request)
+        metas = [joined.state["metas"][m] for m in elastic.membership.members]
+        sharding = joined.state.get("sharding", "ddp")
+        parallel = None
+        if sharding == "fsdp":  # sharded over the grown world, as the survivors re-shard theirs
+            parallel = build_parallel(run, task, model, device, "fsdp")
+            agree_on_accumulation(
+                run.sharding, parallel, joined.allocation, elastic.split_reports, rdv
             )
+            model = parallel.model
+        else:
+            model = model.to(device)
 
-    trainer = Trainer(
-        run,
-        run_dir_path,
-        rdv,
-        task,
-        model,
-        device,
-        joined.allocation,
-        metas,
-        autocast=autocast,
-        on_allocation=on_allocation,
-        stop_request=stop_request,
-        sharding=sharding,
-        parallel=parallel,
-        elastic=elastic,
-        joined=joined.state,
-    )
-    trainer.join_event = joined.event
+        def on_allocation(new: Allocation, extra: Optional[Dict[str, Any]] = None) -> None:
+            if torch.distributed.get_rank() == 0:  # a replacement of rank 0 writes it too
+                write_allocation_json(
+                    run_dir_path,
+                    new,
+                    [elastic.reports[m] for m in elastic.membership.members],
+                    extra or {},
+                )
+
+        trainer = Trainer(
+            run,
+            run_dir_path,
+            rdv,
+            task,
+            model,
+            device,
+            joined.allocation,
+            metas,
+            autocast=autocast,
+            on_allocation=on_allocation,
+            stop_request=stop_request,
+            sharding=sharding,
+            parallel=parallel,
+            elastic=elastic,
+            joined=joined.state,
+        )
+        trainer.join_event = joined.event
     log.info(
         "member %d: joined the running job as rank %d of %d at step %d (split %s)",
         member,

@@ -288,3 +288,22 @@ class HeldForJoinBert(_Bert):
             return train_step(trainer, k, *args, **kwargs)
 
         Trainer.train_step = held
+
+
+class DiesAfterAdmittingBert(HeldForJoinBert):
+    """:class:`HeldForJoinBert` whose rank ``+task.args.die_rank`` kills itself (SIGKILL) right
+    after the survivors answered a newcomer's join request, before the grown world formed:
+    the newcomer's join fails with the survivors' re-forming."""
+
+    def load(self) -> None:
+        super().load()
+        from hetseq_hpc.train.recovery import grow
+
+        answer, rank = grow.answer, int(self.args["die_rank"])
+
+        def answered_then_dead(*args, **kwargs):
+            answer(*args, **kwargs)
+            if this_rank() == rank:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        grow.answer = answered_then_dead

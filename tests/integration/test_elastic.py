@@ -630,6 +630,34 @@ def test_sigstop_as_a_partition_the_rank_comes_back_left_out_and_writes_nothing(
     assert load_checkpoint(last)["written_by"] == {"rank": 0, "generation": 1}
 
 
+def test_a_survivor_lost_while_a_newcomer_joins_leaves_it_out_not_the_run_failed(
+    reference, tmp_path, token_cache
+):
+    """Rank 1 is killed at step ~10 and restarted; rank 2 dies right after the survivors
+    answered the newcomer's request, before the grown world formed (the chaos soak's case).
+    Rank 0 re-forms alone; the newcomer, whose new world never forms, ends as left out
+    (exit 4, one line), not as a failed rank that ended the run (exit 1 before); the launcher
+    starts the lost ranks again and the run finishes the uninterrupted trajectory."""
+    run_dir = tmp_path / "run"
+    proc = _launch(
+        run_dir,
+        token_cache,
+        *_as_fault_task("DiesAfterAdmittingBert", hold_step=14, die_rank=2),
+        "++task.model.max_seq_len=32",
+        "++task.model.dropout=0.0",
+        "cluster.ranks=3",
+        "trainer.elastic.restarts=2",
+    )
+    _at_step(run_dir, proc, 10)
+    os.kill(worker_pids(run_dir)[1], signal.SIGKILL)
+    out = _finish(proc)
+    _same_trajectory(reference, run_dir)
+    rows = [r for r in read_rows(run_dir) if "loss" in r and r.get("event") is None]
+    assert [r["step"] for r in rows] == list(range(1, 31))  # every step exactly once
+    assert "a rank was lost while the grown world formed" in out, out[-3000:]
+    assert "rank 1 was lost (exit 4): restarting it" in out, out[-3000:]
+
+
 def test_sigstop_of_the_launcher_as_a_partition_of_the_stores_node_ends_the_run_intact(
     tmp_path, token_cache
 ):
