@@ -62,7 +62,6 @@ COMMON = [
     f"optim.schedule_steps={SCHEDULE_STEPS}",
     "task.model.max_seq_len=32",
     "task.model.dropout=0.0",
-    "trainer.global_batch_size=24",
     "trainer.seed=45",
     "trainer.val_every=7",
     "trainer.checkpoint_every=5",
@@ -311,6 +310,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--kinds", default=",".join(KINDS), help="fault kinds, comma-separated")
     parser.add_argument("--timeout-s", type=float, default=6.0, help="trainer.elastic.timeout_s")
     parser.add_argument("--max-minutes", type=float, default=90.0, help="stop injecting after")
+    parser.add_argument(
+        "--global-batch",
+        type=int,
+        default=24,
+        help="trainer.global_batch_size (24); larger: slower steps, fewer of them between "
+        "faults (fp32 losses of two splits drift apart over thousands of steps)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the run directories")
     args = parser.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
@@ -322,6 +328,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     cache = root / "cache"
     extra = [
         f"cluster.ranks={args.ranks}",
+        f"trainer.global_batch_size={args.global_batch}",
         f"trainer.elastic.timeout_s={args.timeout_s:g}",
         f"trainer.elastic.restarts={args.faults * 2}",
     ]
