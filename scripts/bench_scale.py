@@ -23,6 +23,7 @@ Prints the machine first (``lscpu`` model, cores); the last line is one JSON obj
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -36,6 +37,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Dict, List, Optional
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 from hetseq_hpc.balance.agree import RankReport, agree_on_allocation
 from hetseq_hpc.distributed.membership import (
     HEARTBEAT_S,
@@ -47,6 +50,7 @@ from hetseq_hpc.distributed.membership import (
     job_token,
     reform,
 )
+from tests.helpers.reports import rank_report
 
 #: samples per rank in the synthetic global batch, plus half a sample per rank left over
 PER_RANK = 32
@@ -75,17 +79,20 @@ def synthetic_reports(n: int, kind: str, seed: int = 45) -> List[RankReport]:
         a, c, f, cap = kinds[0] if kind == "identical" else kinds[i % len(kinds)]
         if kind != "identical":
             a, c = a * rng.uniform(0.95, 1.05), c * rng.uniform(0.95, 1.05)
-        calibration = {
-            "samples_per_s": cap / (a + c * cap),
-            "overhead_s": a,
-            "per_sample_s": c,
-            "step_fixed_s": f,
-            "max_micro_batch": cap,
-            "static_bytes": 1 << 30,
-            "activation_bytes_per_sample": 1 << 20,
-            "memory_budget_bytes": 16 << 30,
-        }
-        reports.append(RankReport(probe={"kind": "cuda", "name": "gpu"}, calibration=calibration))
+        report = rank_report(
+            i,
+            n,
+            samples_per_s=cap / (a + c * cap),
+            overhead_s=a,
+            per_sample_s=c,
+            max_micro_batch=cap,
+            static_bytes=float(1 << 30),
+            activation_bytes_per_sample=float(1 << 20),
+            memory_budget_bytes=float(16 << 30),
+            kind="cuda",
+        )
+        calibration = dataclasses.replace(report.calibration, step_fixed_s=f)
+        reports.append(dataclasses.replace(report, calibration=calibration))
     return reports
 
 

@@ -8,8 +8,9 @@ replaced), ``checkpoint``, ``validation`` (a kill during either), ``reform`` (a 
 while the survivors re-form), ``join`` (a newcomer killed while admitted), ``two`` (two at
 once). The survivors train on while a replacement starts, so after the last fault the launcher
 gets SIGTERM (exit 130) and an uninterrupted run of the same schedule trains to the same step.
-Checked: every step's loss, every step once in metrics.jsonl, the newest checkpoint, the fence
-audit (stamped records only: a replacement writes the same log file), no worker left.
+Checked: every step's loss (within 1e-6, or within the drift of an uninterrupted run on one rank
+fewer: fp32 summation order alone), every step once in metrics.jsonl, the newest checkpoint,
+the fence audit (stamped records only), no worker left.
 
     python scripts/chaos_soak.py --faults 100
 
@@ -103,6 +104,16 @@ def max_rel_diff(reference: Dict[int, float], got: Dict[int, float]) -> Optional
     """The largest relative loss difference over the steps both have, or None."""
     both = [s for s in reference if s in got]
     return max((abs(got[s] - reference[s]) / abs(reference[s]) for s in both), default=None)
+
+
+def within_drift(rel: Optional[float], control: Optional[float]) -> bool:
+    """Whether the faulted run's largest relative loss difference ``rel`` is within
+    :data:`TOL`, or no larger than ``control``'s: an uninterrupted run on another split,
+    which differs from the reference by fp32 summation order alone (it grows over thousands
+    of steps). None (nothing compared, no control) is not within."""
+    if rel is None:
+        return False
+    return rel <= TOL or (control is not None and rel <= control)
 
 
 # ------------------------------------------------------------------ the run
@@ -388,6 +399,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             pass
     missing, repeated = missing_and_repeated(step_counts(rows), steps)
     rel = max_rel_diff(reference, _losses(run_dir))
+    control = None
+    if rel is not None and rel > TOL:
+        # fp32 losses of two splits drift apart over thousands of steps (summation order):
+        # an uninterrupted run on one rank fewer measures how far, with no fault at all
+        control_dir = root / "control"
+        control_extra = [*extra, f"cluster.ranks={args.ranks - 1}"]
+        if _start(control_dir, cache, steps, *control_extra).wait() == 0:
+            control = max_rel_diff(reference, _losses(control_dir))
     newest = sorted((run_dir / "checkpoints").glob("step_*.pt"))
     checkpoint_ok: Any = None
     if newest:
@@ -411,7 +430,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         and not missing
         and not repeated
         and rel is not None
-        and rel <= TOL
+        and within_drift(rel, control)
         and not orphans
         and fenced == 0
     )
@@ -422,6 +441,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "faults": faults,
         "survived": faults if survived_all else 0,
         "max_rel_loss_diff": rel,
+        "control_max_rel_loss_diff": control,
         "missing_steps": missing,
         "repeated_steps": repeated,
         "orphans": orphans,
