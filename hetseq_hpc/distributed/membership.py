@@ -348,6 +348,25 @@ def join_generation(
     )
 
 
+def new_gloo_group(bootstrap_s: float, timeout_s: float) -> dist.ProcessGroup:
+    """The gloo group (objects, statistics) of the world just joined with
+    :func:`join_generation`: its members must find each other in the store within
+    ``bootstrap_s`` (the elastic step timeout: a member lost between the default group and
+    this one is noticed then, as for the default group, not after ``timeout_s``; CI saw a
+    re-form wait 300 s here), after which its collectives wait ``timeout_s``
+    (``cluster.collective_timeout_s``; the phases set their own).
+
+    Raises:
+        DistStoreError: a member did not come within ``bootstrap_s`` (a peer failure: the
+            caller re-forms again without it).
+    """
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=bootstrap_s))
+    _set_pg_timeout(timedelta(seconds=timeout_s), group)
+    return group
+
+
 def is_peer_failure(exc: BaseException) -> bool:
     """Whether ``exc`` from a training step is a collective's failure (a peer gone or silent:
     torch's ``DistError``, or gloo's / NCCL's ``RuntimeError``), not a bug or bad input

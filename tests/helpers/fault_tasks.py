@@ -222,21 +222,23 @@ class DyingBert(_Bert):
 class DiesAfterReformBert(_Bert):
     """Makes rank ``+task.args.die_rank`` kill itself (SIGKILL) right after the survivors of a
     lost rank agreed on a new world with it: a rank lost after it joined the re-forming, before
-    the new world formed."""
+    the new world formed. ``+task.args.after=join_generation``: after the new world's default
+    group formed, before its gloo group (CI saw the others wait 300 s there)."""
 
     def load(self) -> None:
         super().load()
         from hetseq_hpc.train.recovery import elastic
 
-        reform, rank = elastic.reform, int(self.args["die_rank"])
+        name, rank = str(self.args.get("after", "reform")), int(self.args["die_rank"])
+        step = getattr(elastic, name)
 
-        def agreed_then_dead(*args, **kwargs):
-            new = reform(*args, **kwargs)
+        def done_then_dead(*args, **kwargs):
+            out = step(*args, **kwargs)
             if this_rank() == rank:
                 os.kill(os.getpid(), signal.SIGKILL)
-            return new
+            return out
 
-        elastic.reform = agreed_then_dead
+        setattr(elastic, name, done_then_dead)
 
 
 class StoppedBeforeStatsBert(_Bert):

@@ -509,16 +509,21 @@ def test_a_second_rank_lost_while_the_survivors_reform_is_survived(
     assert f"rank(s) {sorted([first, second])} were lost" in out, out[-3000:]
 
 
+@pytest.mark.parametrize("after", ["reform", "join_generation"])
 def test_a_rank_lost_after_agreeing_on_the_new_world_is_left_out_too(
-    reference, tmp_path, token_cache
+    after, reference, tmp_path, token_cache
 ):
     """Issue 40, the case the timing of a second kill may or may not hit: rank 1 is killed at
     step 10 and rank 2 kills itself right after the survivors agreed on a new world WITH it
     (tests/helpers/fault_tasks.py, DiesAfterReformBert). That world cannot form (rank 0 waits
     for rank 2 in it: ``DistStoreError`` after ``trainer.elastic.timeout_s``, which ended the
-    run); rank 0 re-forms again alone and finishes the uninterrupted trajectory."""
+    run); rank 0 re-forms again alone and finishes the uninterrupted trajectory. Also after
+    the new world's default group formed, before its gloo group: that group's set-up waited
+    ``cluster.collective_timeout_s`` (CI: 300 s; here 600 s, past the run's 300 s guard)."""
     run_dir = tmp_path / "run"
-    proc = _fault_run(run_dir, token_cache, {"die_rank": 2}, task="DiesAfterReformBert")
+    proc = _fault_run(
+        run_dir, token_cache, {"die_rank": 2, "after": after}, task="DiesAfterReformBert"
+    )
     _at_step(run_dir, proc, 10)
     os.kill(worker_pids(run_dir)[1], signal.SIGKILL)
     out = _finish(proc)

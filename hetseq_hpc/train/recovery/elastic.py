@@ -22,7 +22,6 @@ import logging
 import os
 import time
 import traceback
-from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -43,6 +42,7 @@ from hetseq_hpc.distributed.membership import (
     fence_store,
     is_peer_failure,
     join_generation,
+    new_gloo_group,
     reform,
 )
 from hetseq_hpc.distributed.rendezvous import Rendezvous, backend_for, leave
@@ -266,9 +266,7 @@ class ElasticWorld:
         )
         rdv = Rendezvous(
             world=world,
-            cpu_group=dist.new_group(
-                backend="gloo", timeout=timedelta(seconds=self.run.cluster.collective_timeout_s)
-            ),
+            cpu_group=new_gloo_group(self.cfg.timeout_s, self.run.cluster.collective_timeout_s),
         )
         if sharded:  # the lost shard is gone: the survivors go back to the last checkpoint
             trainer.phase = DONE

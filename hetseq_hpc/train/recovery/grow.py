@@ -22,7 +22,6 @@ import hashlib
 import json
 import logging
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -41,7 +40,7 @@ from hetseq_hpc.distributed.admission import (
     wait_for_answer,
 )
 from hetseq_hpc.distributed.fence import members_key
-from hetseq_hpc.distributed.membership import Membership, join_generation
+from hetseq_hpc.distributed.membership import Membership, join_generation, new_gloo_group
 from hetseq_hpc.distributed.rendezvous import Rendezvous, backend_for, leave
 from hetseq_hpc.env.world import WorldInfo
 from hetseq_hpc.errors import RankExcluded
@@ -89,9 +88,7 @@ def _join_world(
     world = dataclasses.replace(
         origin, rank=new.rank_of(elastic.member), world_size=len(new.members)
     )
-    return Rendezvous(
-        world=world, cpu_group=dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    )
+    return Rendezvous(world=world, cpu_group=new_gloo_group(elastic.cfg.timeout_s, timeout_s))
 
 
 def join_event(
