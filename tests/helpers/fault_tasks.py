@@ -309,3 +309,27 @@ class DiesAfterAdmittingBert(HeldForJoinBert):
                 os.kill(os.getpid(), signal.SIGKILL)
 
         grow.answer = answered_then_dead
+
+
+class KilledAtStepBert(_Bert):
+    """Makes rank ``+task.args.die_rank`` kill itself (SIGKILL) as optimizer step
+    ``+task.args.die_step`` starts, once: it first creates ``+task.args.marker`` (a requeued
+    job that resumes before that step does not die again). A kill sent from a test after it
+    saw step 10 landed after the run's last step once (30 steps in a second on the test
+    cluster)."""
+
+    def load(self) -> None:
+        super().load()
+        from hetseq_hpc.train.trainer import Trainer
+
+        train_step = Trainer.train_step
+        rank, step = int(self.args["die_rank"]), int(self.args["die_step"])
+        marker = Path(str(self.args["marker"]))
+
+        def killed(trainer, k, *args, **kwargs):
+            if k == step and this_rank() == rank and not marker.exists():
+                marker.touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return train_step(trainer, k, *args, **kwargs)
+
+        Trainer.train_step = killed

@@ -23,6 +23,7 @@ import pytest
 
 from hetseq_hpc.env.preemption import REQUEUE
 from hetseq_hpc.launch.failures import STOP_RECORD
+from tests.helpers.fault_tasks import fault_task
 from tests.helpers.runs import (
     REPO,
     SMALL_MODEL,
@@ -204,12 +205,20 @@ def test_too_few_left_in_a_het_job_checkpoint_requeue_and_finish_the_same(
     the het job; the requeued job resumes from that checkpoint on 3 fresh ranks and finishes
     all 30 steps (exit 0) with the uninterrupted run's losses."""
     run_dir, err = tmp_path / "job", tmp_path / "cli.err"
-    overrides = [o for o in COMMON if not o.startswith("trainer.checkpoint_every=")]
+    overrides = [
+        o for o in COMMON if not o.startswith(("trainer.checkpoint_every=", "task.model."))
+    ]
+    # the victim kills itself as step 11 starts (tests/helpers/fault_tasks.py): a kill sent
+    # from here after step 10 once landed after the last step (30 steps in about a second)
+    fault = fault_task("KilledAtStepBert", die_rank=victim, die_step=11, marker=tmp_path / "killed")
     with err.open("w") as sink:  # a file: a pipe could fill up while the test polls
         proc = start_hetseq(
             "cluster=testcluster",
             "cluster.wait=true",
             *overrides,
+            *fault,
+            "++task.model.max_seq_len=32",
+            "++task.model.dropout=0.0",
             "trainer.checkpoint_every=8",
             "trainer.keep_checkpoints=10",
             "trainer.elastic.min_ranks=3",
@@ -223,7 +232,6 @@ def test_too_few_left_in_a_het_job_checkpoint_requeue_and_finish_the_same(
     try:
         wait_for(lambda: step_rows(run_dir) >= 10, f"step 10 in {run_dir}", proc=proc, output=err)
         job = json.loads((run_dir / "job.json").read_text())["job_id"]
-        os.kill(rank_pid(run_dir / "submitit", victim), signal.SIGKILL)
 
         def ended() -> bool:
             if proc.poll() is not None:
