@@ -600,7 +600,7 @@ def join_worker(
             member,
             lambda: bool(stop_request.code),
             rebuild=lambda: seeded_model(task, run.trainer.seed),
-            static_for=lambda mode: state_bytes_for(run, task, sizes, mode, device),
+            static_for=state_bytes_for(run, task, sizes, "fsdp", device),
         )
         if joined is None:
             return {}

@@ -4,6 +4,7 @@ class must import, and the model must fit the memory of a rank (from its paramet
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -294,13 +295,7 @@ def check_model_fits(run: Any) -> None:
 
     # the larger of the two: the task (and torch with it) is built only where it decides
     upper = max(shard_bytes(True), shard_bytes(False))
-    known: Dict[str, bool] = {}
-
-    def gathers_whole() -> bool:
-        if "whole" not in known:
-            known["whole"] = not evaluates_in_fixed_passes(run.task)
-        return known["whole"]
-
+    gathers_whole = functools.lru_cache(maxsize=1)(lambda: not evaluates_in_fixed_passes(run.task))
     mode = run.sharding.mode
     for where, limit, why, fix in rank_memory_limits(run):
         if (mode == "none" and replica <= limit) or (mode != "none" and upper <= limit):

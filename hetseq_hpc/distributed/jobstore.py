@@ -34,7 +34,7 @@ def serve_job_store(
 ) -> Tuple[AuthStoreServer, int]:
     """Serve the job's store from THIS process (the launcher, or the batch script's
     :mod:`~hetseq_hpc.distributed.store_server`): an
-    :class:`~hetseq_hpc.distributed.auth_store.AuthStoreServer` listening on ``host``'s address
+    :class:`~hetseq_hpc.distributed.auth_server.AuthStoreServer` listening on ``host``'s address
     only, which serves a client only after it proves it holds the job's token.
 
     Args:
