@@ -47,9 +47,12 @@ class ElasticConfig:
     # (a killed peer is noticed at once); a rank without a heartbeat for half of it is lost
     timeout_s: float = 10.0
     # times each rank may be replaced by a new process that joins the running job at a step
-    # boundary (cluster=local, DDP or FSDP: the launcher restarts a lost worker); 0 = the job
-    # shrinks
+    # boundary (DDP or FSDP; cluster=local: the launcher restarts a lost worker; Slurm: a new
+    # step on the lost task's node, or on a spare node); 0 = the job shrinks
     restarts: int = 0
+    # Slurm only: nodes reserved in EVERY het component beyond its `nodes`, kept idle for
+    # replacements (trainer.elastic.restarts) of a rank whose node is down or drained
+    spare_nodes: int = 0
 
     def __post_init__(self) -> None:
         require(
@@ -62,6 +65,10 @@ class ElasticConfig:
         require(
             self.restarts >= 0,
             f"trainer.elastic.restarts={self.restarts} is invalid: use >= 0 (0: no replacement)",
+        )
+        require(
+            self.spare_nodes >= 0,
+            f"trainer.elastic.spare_nodes={self.spare_nodes} is invalid: use >= 0 (0: none)",
         )
 
 

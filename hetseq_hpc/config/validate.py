@@ -180,20 +180,33 @@ def check_min_ranks(run: RunConfig, world: int) -> None:
 
 def check_restarts(run: RunConfig) -> None:
     """``trainer.elastic.restarts`` replaces a lost rank only where it can: the local launcher
-    restarts the process, the newcomer receives the training state from a survivor (DDP or
-    FSDP), and the job's store (``trainer.elastic.enabled``) admits it.
+    restarts the process, or on Slurm the batch script starts a new step
+    (:mod:`hetseq_hpc.launch.slurm_regrow`); the newcomer receives the training state from a
+    survivor (DDP or FSDP), and the job's store (``trainer.elastic.enabled``) admits it.
+    ``trainer.elastic.spare_nodes`` exist only on Slurm, and only for replacements.
 
     Raises:
         ConfigError: one line naming the setting that prevents it and the fix.
     """
     elastic = run.trainer.elastic
+    if elastic.spare_nodes:
+        if run.cluster.is_local:
+            raise ConfigError(
+                f"trainer.elastic.spare_nodes={elastic.spare_nodes} cannot apply with "
+                "cluster=local (one machine, no node to spare): use "
+                "trainer.elastic.spare_nodes=0"
+            )
+        if not elastic.restarts:
+            raise ConfigError(
+                f"trainer.elastic.spare_nodes={elastic.spare_nodes} reserves nodes for "
+                "replacements, but trainer.elastic.restarts=0 starts none: set "
+                "trainer.elastic.restarts (e.g. 1) or use trainer.elastic.spare_nodes=0"
+            )
     if not elastic.restarts:
         return
     why = None
     if not elastic.enabled:
         why = "trainer.elastic.enabled=false (a lost rank ends the job)"
-    elif not run.cluster.is_local:
-        why = f"cluster={run.cluster.name} (only the local launcher restarts a lost rank so far)"
     elif run.cluster.command:
         why = "cluster.command (the launcher runs your script, not hetseq_hpc's worker)"
     if why is not None:

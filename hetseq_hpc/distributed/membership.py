@@ -137,9 +137,11 @@ def fence_store(store: dist.Store, ask_s: float) -> dist.Store:
     )
 
 
-def arm(store: dist.Store, member: int) -> None:
-    """Say that this rank (original rank ``member``) recovers from a lost peer from now on."""
-    store.set(f"armed/{int(member)}", "1")
+def arm(store: dist.Store, member: int, node: str = "") -> None:
+    """Say that this rank (member ``member``) recovers from a lost peer from now on; the value
+    is its node's name (where the Slurm supervisor starts its replacement,
+    :mod:`hetseq_hpc.launch.slurm_regrow`)."""
+    store.set(f"armed/{int(member)}", node or "1")
 
 
 class Heartbeat:

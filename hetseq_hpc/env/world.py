@@ -41,6 +41,10 @@ SLURM_HET_VARIABLES: Dict[str, str] = {
 
 #: first port of the range derived from the SLURM job id (15000 + id % 20000).
 SLURM_PORT_BASE = 15000
+#: the step's tasks per het component, comma-separated, set by the batch script when the step
+#: runs on part of the allocation (``trainer.elastic.spare_nodes``): Slurm's
+#: ``SLURM_NTASKS_HET_GROUP_<k>`` then count the allocation's tasks, not the step's
+HET_NTASKS_ENV = "HETSEQ_HET_NTASKS"
 
 
 def _int_var(env: Mapping[str, str], name: str, *, minimum: int = 0, hint: str = "") -> int:
@@ -275,7 +279,18 @@ class WorldInfo:
         """(component of ``rank``, nodelist of component 0, partition of the component)."""
         hv = SLURM_HET_VARIABLES
         counts = []
-        for k in range(het_size):
+        step_counts = env.get(HET_NTASKS_ENV, "").strip()
+        if step_counts:  # a step on part of the allocation (spare nodes): its own counts
+            counts = [
+                _int_var({HET_NTASKS_ENV: c}, HET_NTASKS_ENV, minimum=1, hint="unset it")
+                for c in step_counts.split(",")
+            ]
+            if len(counts) != het_size:
+                raise WorldError(
+                    f"{HET_NTASKS_ENV}={step_counts!r} names {len(counts)} component(s) but "
+                    f"SLURM_HET_SIZE={het_size}: give one count per het component"
+                )
+        for k in range(het_size if not counts else 0):
             name = hv["ntasks"].format(k=k)
             counts.append(
                 _int_var(

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, List, Optional
 
 from hetseq_hpc.config.schema import PartitionConfig, SlurmClusterConfig
+from hetseq_hpc.env.world import HET_NTASKS_ENV
 from hetseq_hpc.errors import ConfigError
 from hetseq_hpc.rundir.paths import RunDir
 
@@ -55,16 +56,18 @@ def _mem(mem_gb: float) -> str:
 
 
 def component_options(
-    part: PartitionConfig, timeout_min: int, where: str = "partition"
+    part: PartitionConfig, timeout_min: int, where: str = "partition", spare_nodes: int = 0
 ) -> List[str]:
     """``#SBATCH`` options of one het component (one partition); every value shell-quoted.
+    ``spare_nodes`` (``trainer.elastic.spare_nodes``) more nodes than ``part.nodes`` are
+    reserved for replacements of lost ranks.
 
     Raises:
         ConfigError: a value holds a newline or control character (``where`` names it).
     """
     opts = [
         _opt("partition", part.partition, f"{where}.partition"),
-        _opt("nodes", int(part.nodes), f"{where}.nodes"),
+        _opt("nodes", int(part.nodes) + int(spare_nodes), f"{where}.nodes"),
         _opt("ntasks-per-node", int(part.ranks_per_node_effective), f"{where}.ranks_per_node"),
         _opt("cpus-per-task", int(part.cpus_per_rank), f"{where}.cpus_per_rank"),
         _opt("mem", _mem(part.mem_gb), f"{where}.mem_gb"),
@@ -89,22 +92,56 @@ def component_options(
 
 
 def srun_command(
-    cluster: SlurmClusterConfig, folder: str, python: str, elastic: bool = False
+    cluster: SlurmClusterConfig,
+    folder: str,
+    python: str,
+    elastic: bool = False,
+    spare_nodes: int = 0,
 ) -> str:
     """The one step over every component; each task runs submitit's entry point. With
     ``elastic`` (in-job recovery) the step survives a task's death: ``--kill-on-bad-exit=0``
     (a task that exits non-zero does not end the step) and ``--no-kill`` (nor does a lost
-    node), https://slurm.schedmd.com/srun.html."""
+    node), https://slurm.schedmd.com/srun.html. With ``spare_nodes`` each component's part of
+    the step names its node and task counts (``srun ... : ...``, one part per component), so
+    the spare nodes stay idle (Slurm places a step on the first nodes of the allocation)."""
     k = len(cluster.partitions)
-    het = [f"--het-group=0-{k - 1}"] if k > 1 else []
     inner = (
         'exec "$0" -u -m submitit.core._submit "$1" '
         '>>"$1/${SLURM_JOB_ID}_${SLURM_PROCID}_log.out" '
         '2>>"$1/${SLURM_JOB_ID}_${SLURM_PROCID}_log.err"'
     )
     survive = ["--kill-on-bad-exit=0", "--no-kill"] if elastic else ["--kill-on-bad-exit=1"]
-    parts = ["srun", "--unbuffered", *het, *survive, "bash", "-c", inner, python, folder]
-    return " ".join(shlex.quote(p) for p in parts)
+    task = ["bash", "-c", inner, python, folder]
+    if not spare_nodes:
+        het = [f"--het-group=0-{k - 1}"] if k > 1 else []
+        parts = ["srun", "--unbuffered", *het, *survive, *task]
+    else:
+        parts = ["srun"]
+        for index, part in enumerate(cluster.partitions.values()):
+            counts = [f"--nodes={int(part.nodes)}", f"--ntasks={int(part.num_ranks)}"]
+            het = [f"--het-group={index}"] if k > 1 else []
+            parts += [":"] if index else []
+            parts += ["--unbuffered", *het, *counts, *survive, *task]
+    return " ".join(p if p == ":" else shlex.quote(p) for p in parts)
+
+
+def regrow_command(python: str, run_dir: RunDir, folder: str, srun: str) -> str:
+    """The step of an elastic job with ``trainer.elastic.restarts``, run through the
+    supervisor of :mod:`hetseq_hpc.launch.slurm_regrow`: it starts ``srun`` (the main step)
+    and starts a new step for each rank the others left out, on its node or a spare one."""
+    head = [
+        python,
+        "-m",
+        "hetseq_hpc.launch.slurm_regrow",
+        "--config",
+        str(run_dir.config),
+        "--run-dir",
+        str(run_dir),
+        "--folder",
+        folder,
+        "--",
+    ]
+    return " ".join(shlex.quote(_clean("run_dir", p)) for p in head) + " " + srun
 
 
 def store_lines(python: str, folder: str, nodes: int = 1) -> List[str]:
@@ -190,6 +227,8 @@ def render_sbatch(
     python: str,
     elastic: bool = False,
     run_dir: Optional[RunDir] = None,
+    restarts: int = 0,
+    spare_nodes: int = 0,
 ) -> str:
     """The complete sbatch script.
 
@@ -202,6 +241,10 @@ def render_sbatch(
             task's death (:func:`srun_command`).
         run_dir: the run directory (elastic only): the script exits 0 when the survivors of a
             lost task finished the run there (:func:`survived_lines`).
+        restarts: ``trainer.elastic.restarts`` (elastic with ``run_dir`` only): the step runs
+            under the grow-back supervisor (:func:`regrow_command`).
+        spare_nodes: ``trainer.elastic.spare_nodes`` (with ``restarts``): nodes reserved in
+            every component beyond its ``nodes`` (:func:`component_options`).
 
     Raises:
         ConfigError: an environment variable name in ``cluster.env`` is unsafe, or a value
@@ -210,6 +253,8 @@ def render_sbatch(
     """
     _clean("cluster.folder", folder)
     _clean("python", python)
+    grow = elastic and run_dir is not None and restarts > 0
+    spare_nodes = spare_nodes if grow else 0
     k = len(cluster.partitions)
     world = cluster.world_size
     lines = [
@@ -226,11 +271,12 @@ def render_sbatch(
         where = f"cluster.partitions.{_clean('cluster.partitions key', key)}"
         if index:
             lines.append("#SBATCH hetjob")
-        opts = component_options(part, cluster.timeout_min, where)
+        opts = component_options(part, cluster.timeout_min, where, spare_nodes)
         lines.append(
             f"# het component {index}: {key} = partition {_clean(where, part.partition)}, "
             f"{_clean(where, part.gpu_type or 'CPU')}, {int(part.nodes)} node(s) x "
             f"{int(part.ranks_per_node_effective)} rank(s)"
+            + (f" + {spare_nodes} spare node(s)" if spare_nodes else "")
         )
         lines.extend(f"#SBATCH {opt}" for opt in opts)
     # cluster.env first, so that cluster.setup sees it
@@ -254,11 +300,17 @@ def render_sbatch(
         "fi",
     ]
     if elastic:
-        lines += store_lines(python, folder, sum(int(p.nodes) for p in cluster.partitions.values()))
-    srun = srun_command(cluster, folder, python, elastic)
+        nodes = sum(int(p.nodes) + spare_nodes for p in cluster.partitions.values())
+        lines += store_lines(python, folder, nodes)
+    srun = srun_command(cluster, folder, python, elastic, spare_nodes)
     lines += ["", "# one step over all het components, one task per rank"]
+    if spare_nodes and k > 1:  # Slurm's SLURM_NTASKS_HET_GROUP_<k> count the spares' tasks
+        counts = ",".join(str(int(p.num_ranks)) for p in cluster.partitions.values())
+        lines.append(f"export {HET_NTASKS_ENV}={counts}")
     if elastic and run_dir is not None:
         _clean("run_dir", run_dir)
+        if grow:  # a lost rank is replaced by a new step (trainer.elastic.restarts)
+            srun = regrow_command(python, run_dir, folder, srun)
         lines += survived_lines(srun, str(run_dir.summary))
     else:
         lines.append(srun)
@@ -286,6 +338,7 @@ __all__ = [
     "HAND_PICKLE",
     "PREEMPT_SIGNAL",
     "component_options",
+    "regrow_command",
     "render_sbatch",
     "save_hand_submission",
     "srun_command",

@@ -91,6 +91,8 @@ class HetSlurmExecutor(SlurmExecutor):
         python: Optional[str] = None,
         elastic: bool = False,
         run_dir: Optional[RunDir] = None,
+        restarts: int = 0,
+        spare_nodes: int = 0,
     ):
         if "%" in str(folder):
             raise ConfigError(
@@ -99,12 +101,19 @@ class HetSlurmExecutor(SlurmExecutor):
         super().__init__(folder, max_num_timeout=cluster.max_num_timeout, python=python)
         self.cluster = cluster
         self.elastic, self.run_dir = elastic, run_dir
+        self.restarts, self.spare_nodes = restarts, spare_nodes  # trainer.elastic: grow back
         self.python_path = python or sys.executable
         self.update_parameters(time=cluster.timeout_min, job_name=cluster.job_name)
 
     def _make_submission_file_text(self, command: str, uid: str) -> str:
         return render_sbatch(
-            self.cluster, str(self.folder), self.python_path, self.elastic, self.run_dir
+            self.cluster,
+            str(self.folder),
+            self.python_path,
+            self.elastic,
+            self.run_dir,
+            self.restarts,
+            self.spare_nodes,
         )
 
     def _num_tasks(self) -> int:
@@ -237,12 +246,14 @@ def launch_slurm(run: RunConfig, run_dir: RunDir) -> Dict[str, Any]:
     run_dir = run_dir.resolve()
     folder = Path(cluster.folder or run_dir.submitit).expanduser().resolve()
     elastic = elastic_job(run)
+    grow = run.trainer.elastic.restarts if elastic else 0  # a lost rank replaced by a new step
+    spare = run.trainer.elastic.spare_nodes if grow else 0
     script = render_sbatch(
-        cluster, str(folder), sys.executable, elastic, run_dir
+        cluster, str(folder), sys.executable, elastic, run_dir, grow, spare
     )  # refuses unsafe values
     if not cluster.dry_run:
         require_slurm()
-        check_partitions(cluster, partition_inventory())
+        check_partitions(cluster, partition_inventory(), spare)
     # the launcher holds the run-directory lock while it writes; rank 0 of the job takes it for
     # the run (hetseq_hpc.rundir.lock.claim_run_dir), so it is released before submitting
     with lock_run_dir(run_dir):
@@ -262,7 +273,9 @@ def launch_slurm(run: RunConfig, run_dir: RunDir) -> Dict[str, Any]:
             return {"dry_run": True, "sbatch": str(path), "config": str(config_path)}
         folder.mkdir(parents=True, exist_ok=True)
     let_go(run_dir)  # also the command line's hold: the job's rank 0 takes the lock
-    executor = HetSlurmExecutor(folder, cluster, elastic=elastic, run_dir=run_dir)
+    executor = HetSlurmExecutor(
+        folder, cluster, elastic=elastic, run_dir=run_dir, restarts=grow, spare_nodes=spare
+    )
     before = summary_stamp(run_dir)  # a summary.json written from here on is this job's
     job = executor.submit(job_function(run, str(config_path), str(run_dir)))
     info = {

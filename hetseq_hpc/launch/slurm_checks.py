@@ -105,27 +105,32 @@ def _gres_ok(gres: str, gpu_type: Optional[str]) -> bool:
     return not gpu_type or f"gpu:{gpu_type}" in gres
 
 
-def check_partitions(cluster: SlurmClusterConfig, inventory: Dict[str, Dict[str, Any]]) -> None:
-    """Every partition exists, has enough nodes with the GRES type and the CPUs for its ranks,
-    and allows ``cluster.timeout_min``.
+def check_partitions(
+    cluster: SlurmClusterConfig, inventory: Dict[str, Dict[str, Any]], spare_nodes: int = 0
+) -> None:
+    """Every partition exists, has enough nodes (``spare_nodes`` more than ``nodes`` each:
+    ``trainer.elastic.spare_nodes``) with the GRES type and the CPUs for its ranks, and allows
+    ``cluster.timeout_min``.
 
     Raises:
         ConfigError: one line naming the setting, what is missing and what exists (the first
             partition's problem of :func:`partition_problems`).
     """
-    problems = partition_problems(cluster, inventory)
+    problems = partition_problems(cluster, inventory, spare_nodes)
     if problems:
         raise ConfigError(next(iter(problems.values())))
 
 
 def partition_problems(
-    cluster: SlurmClusterConfig, inventory: Dict[str, Dict[str, Any]]
+    cluster: SlurmClusterConfig, inventory: Dict[str, Dict[str, Any]], spare_nodes: int = 0
 ) -> Dict[str, str]:
     """What stops each configured partition from running, in configuration order.
 
     Args:
         cluster: the SLURM cluster config (``cluster.partitions``, ``cluster.timeout_min``).
         inventory: :func:`partition_inventory` (or :func:`parse_inventory` of ``sinfo`` text).
+        spare_nodes: nodes each partition reserves beyond its ``nodes``
+            (``trainer.elastic.spare_nodes``).
 
     Returns:
         ``{partition key: one-line problem naming the setting and the fix}`` for each partition
@@ -140,6 +145,7 @@ def partition_problems(
             cluster.timeout_min,
             inventory.get(part.partition),
             sorted(inventory),
+            spare_nodes,
         )
         if problem:
             problems[key] = problem
@@ -147,17 +153,24 @@ def partition_problems(
 
 
 def _partition_problem(
-    where: str, part, timeout_min: int, info: Optional[Dict[str, Any]], names: List[str]
+    where: str,
+    part,
+    timeout_min: int,
+    info: Optional[Dict[str, Any]],
+    names: List[str],
+    spare_nodes: int = 0,
 ) -> Optional[str]:
     if info is None:
         return (
             f"{where}.partition={part.partition!r} does not exist on this cluster (sinfo "
             f"lists {names}): use one of those"
         )
-    if info["nodes"] < part.nodes:
+    if info["nodes"] < part.nodes + spare_nodes:
+        spare = f" + trainer.elastic.spare_nodes={spare_nodes}" if spare_nodes else ""
+        fix = f"lower {where}.nodes" + (" or trainer.elastic.spare_nodes" if spare_nodes else "")
         return (
-            f"{where}.nodes={part.nodes} but partition {part.partition!r} has "
-            f"{info['nodes']} node(s): lower {where}.nodes"
+            f"{where}.nodes={part.nodes}{spare} but partition {part.partition!r} has "
+            f"{info['nodes']} node(s): {fix}"
         )
     gres: List[str] = info.get("gres", [])
     if part.gpu_type and not any(_gres_ok(g, part.gpu_type) for g in gres):
@@ -166,7 +179,7 @@ def _partition_problem(
             f"gpu:{part.gpu_type} GRES (its nodes offer {sorted(set(gres))}): use the GPU "
             "type sinfo -o '%P %G' shows"
         )
-    problem = _cpus_problem(where, part, info)
+    problem = _cpus_problem(where, part, info, spare_nodes)
     if problem:
         return problem
     limit = info.get("max_time_min")
@@ -178,14 +191,14 @@ def _partition_problem(
     return None
 
 
-def _cpus_problem(where: str, part, info: Dict[str, Any]) -> Optional[str]:
+def _cpus_problem(where: str, part, info: Dict[str, Any], spare_nodes: int = 0) -> Optional[str]:
     cpus: List[int] = info.get("cpus") or []
     if not cpus:
         return None
     need = part.cpus_per_rank * part.ranks_per_node_effective
     gres = info.get("gres") or [""] * len(cpus)
     fitting = sum(1 for c, g in zip(cpus, gres) if c >= need and _gres_ok(g, part.gpu_type))
-    if fitting >= part.nodes:
+    if fitting >= part.nodes + spare_nodes:
         return None
     per_rank = max(cpus) // max(1, part.ranks_per_node_effective)
     return (

@@ -333,3 +333,10 @@ class KilledAtStepBert(_Bert):
             return train_step(trainer, k, *args, **kwargs)
 
         Trainer.train_step = killed
+
+
+class KilledThenHeldBert(KilledAtStepBert, HeldForJoinBert):
+    """:class:`KilledAtStepBert` and :class:`HeldForJoinBert` together: rank
+    ``+task.args.die_rank`` kills itself as step ``+task.args.die_step`` starts, and every rank
+    holds at step ``+task.args.hold_step`` until its replacement asked to join (a Slurm step
+    starts in seconds, the remaining steps may take less)."""

@@ -372,3 +372,118 @@ def test_a_stopped_task_does_not_hold_a_finished_job(script, tmp_path, token_cac
     assert sorted(got) == list(range(1, 31))
     assert max(abs(got[s] - reference[s]) / abs(reference[s]) for s in reference) <= 1e-6
     assert json.loads((run_dir / "summary.json").read_text())["lost_ranks"] == [1]
+
+
+def _grow_back_job(tmp_path: Path, token_cache, *extra: str, on_step=None) -> Dict:
+    """Run a testcluster job with ``trainer.elastic.restarts=1`` whose rank 1 kills itself as
+    step 11 starts (every rank holds at step 16 until its replacement asked to join); call
+    ``on_step(run_dir, job)`` once step 5 is logged. Returns the run directory, the job id and
+    the batch script's stderr (the supervisor's log)."""
+    run_dir, err = tmp_path / "job", tmp_path / "cli.err"
+    overrides = [
+        o for o in COMMON if not o.startswith(("trainer.checkpoint_every=", "task.model."))
+    ]
+    fault = fault_task(
+        "KilledThenHeldBert", die_rank=1, die_step=11, hold_step=16, marker=tmp_path / "killed"
+    )
+    with err.open("w") as sink:  # a file: a pipe could fill up while the test polls
+        proc = start_hetseq(
+            "cluster=testcluster",
+            "cluster.wait=true",
+            *overrides,
+            *fault,
+            "++task.model.max_seq_len=32",
+            "++task.model.dropout=0.0",
+            "trainer.checkpoint_every=0",
+            "trainer.elastic.restarts=1",
+            *extra,
+            f"hydra.run.dir={run_dir}",
+            token_cache=token_cache,
+            stdout=subprocess.DEVNULL,
+            stderr=sink,
+            text=False,
+        )
+    job = ""
+    try:
+        wait_for(lambda: step_rows(run_dir) >= 5, f"step 5 in {run_dir}", proc=proc, output=err)
+        job = json.loads((run_dir / "job.json").read_text())["job_id"]
+        if on_step is not None:
+            on_step(run_dir, job)
+        wait_for(lambda: proc.poll() is not None, f"the end of job {job}", 600, poll_s=1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if job and proc.returncode != 0:  # a finished job ends by itself (checked after)
+            subprocess.run(["scancel", job], capture_output=True)
+    assert proc.returncode == 0, err.read_text()[-3000:]
+    wait_for(lambda: _ended(job), f"the end of job {job}", 120, poll_s=0.5)
+    batch = next((run_dir / "submitit").glob(f"{job}_batch.err")).read_text()
+    return {"run_dir": run_dir, "job": job, "batch": batch}
+
+
+def _assert_grown_back(done: Dict, reference: Dict[int, float], world: int, host: str) -> None:
+    """The run of :func:`_grow_back_job` lost rank 1 and grew back to ``world`` ranks with a
+    replacement on ``host``: every step once, the uninterrupted trajectory, a join row."""
+    run_dir = done["run_dir"]
+    rows = [r for r in read_rows(run_dir) if "loss" in r and r.get("event") is None]
+    assert [r["step"] for r in rows] == list(range(1, 31))  # every step exactly once
+    got = losses(run_dir)
+    worst = max(abs(got[s] - reference[s]) / abs(reference[s]) for s in reference)
+    assert worst <= 1e-6, f"largest relative difference {worst:.2e}"
+    events = [r for r in read_rows(run_dir) if r.get("event") == "membership"]
+    lost = next(e for e in events if e.get("lost"))
+    joined = next(e for e in events if e.get("joined"))
+    assert [x["rank"] for x in lost["lost"]] == [1] and lost["world_size"] == world - 1
+    assert [x["rank"] for x in joined["joined"]] == [1] and joined["world_size"] == world
+    assert joined["joined"][0]["host"] == host, joined
+    assert joined["joined"][0]["member"] >= world and sum(joined["split"]) == 24
+    assert len(rows[-1]["ranks"]) == world
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == world and summary["lost_ranks"] == []
+    assert f"on node {host}" in done["batch"], done["batch"][-3000:]
+    assert squeue_state(done["job"]) == "COMPLETED"
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_lost_task_is_replaced_by_a_new_step_on_its_node_and_rejoins(
+    tmp_path, token_cache, reference
+):
+    """``trainer.elastic.restarts=1`` on Slurm: task 1 of the 3-rank het job (node n3) dies at
+    step 11; the batch script's supervisor starts a new one-task step on n3
+    (``srun --het-group=1 --overlap``), the replacement asks to join, the survivors admit it
+    and send it the training state: the job ends with 3 ranks on the uninterrupted
+    trajectory, every step once, COMPLETED."""
+    done = _grow_back_job(tmp_path, token_cache)
+    _assert_grown_back(done, reference, 3, "n3")
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_lost_task_on_a_drained_node_rejoins_on_a_spare_node(tmp_path, token_cache, reference):
+    """``trainer.elastic.spare_nodes=1``: each component reserves one more node than it runs
+    on (a100: n1 + n2, v100: n3 + n4; 2 ranks). n3 is drained while the job runs, then its
+    task dies at step 11: the replacement starts on the spare n4 and the job grows back to 2
+    ranks on the uninterrupted trajectory (a 3-rank run's: the trajectory does not depend on
+    the split)."""
+
+    def drain(run_dir: Path, job: str) -> None:
+        out = subprocess.run(
+            ["scontrol", "update", "nodename=n3", "state=drain", "reason=hetseq-test"],
+            capture_output=True,
+            text=True,
+        )
+        assert out.returncode == 0, out.stderr
+
+    try:
+        done = _grow_back_job(
+            tmp_path,
+            token_cache,
+            "cluster.partitions.v100.nodes=1",
+            "trainer.elastic.spare_nodes=1",
+            on_step=drain,
+        )
+    finally:
+        subprocess.run(["scontrol", "update", "nodename=n3", "state=resume"], capture_output=True)
+    _assert_grown_back(done, reference, 2, "n4")
+    assert "a spare: n3 is not usable" in done["batch"]

@@ -209,9 +209,19 @@ def test_existing_data_files_are_accepted(run_config, tmp_path):
             id="restarts-negative",
         ),
         pytest.param(
-            ["cluster=mixed", "trainer.elastic.restarts=1"],
-            ["trainer.elastic.restarts=1", "cluster=slurm", "trainer.elastic.restarts=0"],
-            id="restarts-on-slurm",
+            ["cluster.ranks=2", "trainer.elastic.restarts=1", "trainer.elastic.spare_nodes=1"],
+            ["trainer.elastic.spare_nodes=1", "cluster=local", "spare_nodes=0"],
+            id="spare-nodes-on-local",
+        ),
+        pytest.param(
+            ["cluster=mixed", "trainer.elastic.spare_nodes=1"],
+            ["trainer.elastic.spare_nodes=1", "trainer.elastic.restarts=0", "restarts"],
+            id="spare-nodes-without-restarts",
+        ),
+        pytest.param(
+            ["cluster=mixed", "trainer.elastic.spare_nodes=-1"],
+            ["trainer.elastic.spare_nodes=-1", ">= 0"],
+            id="spare-nodes-negative",
         ),
         pytest.param(
             ["cluster.ranks=2", "trainer.elastic.enabled=false", "trainer.elastic.restarts=2"],

@@ -152,7 +152,7 @@ class ElasticWorld:
         lost peer from now on (:func:`~hetseq_hpc.distributed.membership.arm`): before every
         rank has, the local launcher ends the run when a rank dies (a start-up collective
         would wait ``cluster.collective_timeout_s`` for it)."""
-        arm(self.store, self.member)
+        arm(self.store, self.member, self.origin.node_name or "")
 
     def recover(self, trainer: TrainState, error: BaseException) -> Dict[str, Any]:
         """Re-form the world after ``error`` (a collective of the training loop failed) and
