@@ -53,7 +53,7 @@ from hetseq_hpc.config import RunConfig, load_run_config
 from hetseq_hpc.distributed.admission import JOIN_ENV, MEMBER_ENV
 from hetseq_hpc.distributed.gang import Gang
 from hetseq_hpc.distributed.membership import STORE_IN_PARENT_ENV, is_peer_failure
-from hetseq_hpc.distributed.rendezvous import leave, rendezvous
+from hetseq_hpc.distributed.rendezvous import gloo_for_all, leave, rendezvous
 from hetseq_hpc.env.emulation import emulate_speed, exempt_communication_threads
 from hetseq_hpc.env.emulation import record as record_emulation
 from hetseq_hpc.env.hardware import DeviceProbe, probe
@@ -64,6 +64,7 @@ from hetseq_hpc.env.startup import BACKGROUND_IMPORTS, PhaseClock, prefetch_impo
 from hetseq_hpc.env.world import WorldInfo
 from hetseq_hpc.errors import (
     CheckpointError,
+    ConfigError,
     LaunchError,
     Preempted,
     RankExcluded,
@@ -107,10 +108,29 @@ from hetseq_hpc.train.trainer import Trainer
 log = logging.getLogger("hetseq_hpc.worker")
 
 
-def pick_device(world: WorldInfo) -> torch.device:
-    """``cuda:<local rank % visible GPUs>`` when CUDA is available, else the CPU."""
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        index = world.local_rank % torch.cuda.device_count()
+def pick_device(world: WorldInfo, kinds: Optional[Sequence[str]] = None) -> torch.device:
+    """This rank's device. Without ``kinds``: ``cuda:<local rank % visible GPUs>`` when CUDA
+    is available, else the CPU. With ``kinds`` (``cluster.devices``, one ``cuda``/``cpu`` per
+    rank): the CPU, or the next GPU (``cuda:<cuda entries before this rank % visible GPUs>``).
+
+    Raises:
+        ConfigError: ``kinds`` puts this rank on ``cuda`` and torch has no CUDA here (the
+            command line refuses it first on the launching machine).
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if kinds is None:
+        index = world.local_rank
+    elif kinds[world.rank] == "cpu":
+        return torch.device("cpu")
+    elif gpus == 0:
+        raise ConfigError(
+            f"cluster.devices=[{','.join(kinds)}] puts rank {world.rank} on cuda but torch "
+            "sees no CUDA GPU on this node: use cpu for that rank, or run where a GPU is"
+        )
+    else:
+        index = list(kinds[: world.rank]).count("cuda")
+    if gpus > 0:
+        index %= gpus
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
@@ -278,7 +298,8 @@ def run_worker(
     use_route_to_master(world, env)
     placement = rank_placement(run, world, env)
     threads = set_threads(placement)
-    device = pick_device(world)
+    kinds = run.cluster.device_kinds()  # cluster.devices: gloo for all with a CPU rank
+    device = pick_device(world, kinds)
     dev = probe(device.index if device.type == "cuda" else None)
     log.info(
         "rank %d/%d on %s (node %s): %s",
@@ -288,7 +309,11 @@ def run_worker(
         world.node_name,
         dev.note or "probed",
     )
-    if device.type == "cpu" and (env.get("SLURM_JOB_GPUS") or env.get("CUDA_VISIBLE_DEVICES")):
+    if (
+        device.type == "cpu"
+        and kinds is None
+        and (env.get("SLURM_JOB_GPUS") or env.get("CUDA_VISIBLE_DEVICES"))
+    ):
         log.warning(
             "GPUs were allocated (CUDA_VISIBLE_DEVICES=%s) but torch has no CUDA here: "
             "training on CPU with gloo",
@@ -324,6 +349,7 @@ def run_worker(
             run.cluster.collective_timeout_s,
             job,
             run.trainer.elastic.timeout_s if job is not None else None,
+            kinds,
         ) as rdv,
     ):
         clock.mark("rendezvous")
@@ -358,7 +384,9 @@ def run_worker(
             # DDP or FSDP from the model's size (every rank alike), then moved or sharded there
             sizes = model_bytes(task, bare)
             param_bytes = sizes.total
-            mode = agree_on_sharding(run.sharding.mode, param_bytes, budget, rdv, device.type)
+            mode = agree_on_sharding(
+                run.sharding.mode, param_bytes, budget, rdv, device.type, gloo_for_all(kinds)
+            )
             chosen["param_bytes"] = param_bytes
             if mode == "fsdp":  # on the whole CPU model, before sharding: never whole on the device
                 check_before_training(task, bare, run, torch.device("cpu"), rdv, early)

@@ -17,6 +17,7 @@ from hetseq_hpc.balance.curves import CostCurve
 from hetseq_hpc.balance.placement import RankPlacement
 from hetseq_hpc.config.schema import RunConfig
 from hetseq_hpc.distributed.gang import Gang
+from hetseq_hpc.distributed.rendezvous import gloo_for_all
 from hetseq_hpc.env.emulation import Emulation
 from hetseq_hpc.env.hardware import DeviceProbe
 from hetseq_hpc.env.world import WorldInfo
@@ -106,9 +107,11 @@ def agree_on_allocation(run: RunConfig, reports: Sequence[RankReport], rdv: Gang
     """Compute the allocation from every rank's report and check that all ranks got the same.
 
     Raises:
-        AllocationError: a rank cannot fit one sample, ranks mix CUDA and CPU, or digests differ.
+        AllocationError: a rank cannot fit one sample, ranks mix CUDA and CPU where the job
+            did not name its devices (``cluster.devices``: then NCCL would span them), or
+            digests differ.
     """
-    check_device_kinds([r.probe.kind for r in reports])
+    check_device_kinds([r.probe.kind for r in reports], gloo_for_all(run.cluster.device_kinds()))
     caps = [int(r.calibration.max_micro_batch) for r in reports]
     shard_hint = (
         "shard the model state (sharding.mode=fsdp, or auto), "
@@ -146,22 +149,31 @@ def agree_on_allocation(run: RunConfig, reports: Sequence[RankReport], rdv: Gang
     return allocation
 
 
-def check_device_kinds(kinds: Sequence[str]) -> None:
-    """Every rank's device kind (``cuda`` or ``cpu``), in rank order, must be the same.
+def check_device_kinds(kinds: Sequence[str], gloo: bool = False) -> None:
+    """Every rank's device kind (``cuda`` or ``cpu``), in rank order, must be the same, unless
+    every rank joined with gloo (``gloo``: the job named its devices, ``cluster.devices``, with
+    a CPU rank among them; :func:`~hetseq_hpc.distributed.rendezvous.backend_for_job`): gloo
+    all-reduces CUDA and CPU tensors alike, NCCL cannot reach a CPU rank.
 
     Raises:
         AllocationError: one line naming each rank's kind and the fix.
     """
-    if len(set(kinds)) > 1:
+    if len(set(kinds)) > 1 and not gloo:
         where = ", ".join(f"rank {i}: {k}" for i, k in enumerate(kinds))
         raise AllocationError(
-            f"ranks mix CUDA and CPU devices ({where}): one all-reduce cannot span both; give "
-            "every rank a GPU, or run all on CPU (CUDA_VISIBLE_DEVICES=)"
+            f"ranks mix CUDA and CPU devices ({where}): NCCL cannot span both; give "
+            "every rank a GPU, run all on CPU (CUDA_VISIBLE_DEVICES=), or name each rank's "
+            "device (cluster=local cluster.devices=[cuda,cpu]: gloo for all)"
         )
 
 
 def agree_on_sharding(
-    mode: str, param_bytes: float, memory_budget_bytes: float, rdv: Gang, device_kind: str = "cpu"
+    mode: str,
+    param_bytes: float,
+    memory_budget_bytes: float,
+    rdv: Gang,
+    device_kind: str = "cpu",
+    gloo: bool = False,
 ) -> str:
     """The data-parallel mode every rank uses, from ``sharding.mode``: ``none`` -> ``ddp``,
     ``fsdp`` -> ``fsdp``, ``auto`` -> ``ddp`` when a full replica fits every rank's memory
@@ -175,21 +187,31 @@ def agree_on_sharding(
         memory_budget_bytes: this rank's budget (:func:`~hetseq_hpc.balance.memory.memory_budget_bytes`).
         rdv: the joined rendezvous.
         device_kind: this rank's device kind; every rank's must match (checked here, before
-            any sharding collective).
+            any sharding collective) unless every rank runs gloo (``gloo``).
+        gloo: every rank joined with gloo (:func:`check_device_kinds`).
 
     Raises:
-        AllocationError: ranks mix CUDA and CPU devices (:func:`check_device_kinds`).
+        AllocationError: ranks mix CUDA and CPU devices (:func:`check_device_kinds`), or
+            ``auto`` picked FSDP for ranks that mix them (FSDP2 shards over one device type).
     """
     from hetseq_hpc.balance.memory import replica_fits
 
     verdicts = rdv.all_gather_objects(
         (device_kind, bool(replica_fits(memory_budget_bytes, param_bytes)))
     )
-    check_device_kinds([kind for kind, _ in verdicts])
+    kinds = [kind for kind, _ in verdicts]
+    check_device_kinds(kinds, gloo)
     if mode != "auto":
         return "fsdp" if mode == "fsdp" else "ddp"
     fits = [ok for _, ok in verdicts]
     chosen = "ddp" if all(fits) else "fsdp"
+    if chosen == "fsdp" and len(set(kinds)) > 1:
+        short = [r for r, ok in enumerate(fits) if not ok]
+        raise AllocationError(
+            f"sharding.mode=auto: a full replica does not fit rank(s) {short}, and FSDP "
+            f"cannot span ranks that mix GPUs and CPUs ({', '.join(kinds)}): raise those "
+            "ranks' memory budget, shrink task.model, or use the same device on every rank"
+        )
     if rdv.world.rank == 0:
         short = [r for r, ok in enumerate(fits) if not ok]
         log.info(

@@ -21,6 +21,9 @@ from hetseq_hpc.config.common import check_sbatch_value, require, require_finite
 CHOOSE = ("none", "finish_first", "cheapest")
 #: the longest wall-clock limit accepted (365 days in minutes); Slurm's INFINITE is not a number
 MAX_TIMEOUT_MIN = 525_600
+#: ``cluster.devices`` entries: a rank on a GPU (the next one not taken by a lower rank) or
+#: on the CPU
+DEVICE_KINDS = ("cuda", "cpu")
 
 
 def _gpu_driver_present() -> bool:
@@ -115,6 +118,11 @@ class ClusterConfig:
             ConfigError: in subclasses, a per-rank list of the wrong length.
         """
 
+    def device_kinds(self) -> Optional[List[str]]:
+        """Every rank's device kind (``cuda`` or ``cpu``) in rank order when the config names
+        them, else None: each rank takes its own (a GPU where CUDA is)."""
+        return None
+
 
 @dataclass
 class LocalClusterConfig(ClusterConfig):
@@ -133,9 +141,23 @@ class LocalClusterConfig(ClusterConfig):
     # per-rank memory budgets in GiB, e.g. [0.5, 4.0] (a small and a large GPU emulated on
     # CPU); empty = cluster.memory_budget_gb for every rank
     memory_budgets_gb: List[float] = field(default_factory=list)
+    # per-rank devices, e.g. [cuda, cpu] (one rank on the GPU, one on the CPU: gloo for all);
+    # null = every rank on a GPU where CUDA is, else on the CPU
+    devices: Optional[List[str]] = None
 
     def __post_init__(self) -> None:
         _check_common(self)
+        for i, kind in enumerate(self.devices or []):
+            require(
+                kind in DEVICE_KINDS,
+                f"cluster.devices[{i}]={kind!r} is unknown: give cuda or cpu per rank, "
+                "e.g. cluster.devices=[cuda,cpu]",
+            )
+        require(
+            self.devices is None or len(self.devices) >= 1,
+            "cluster.devices=[] is empty: give one device per rank (cuda or cpu), or "
+            "cluster.devices=null for a GPU per rank where CUDA is",
+        )
         if self.ranks is not None:
             require(
                 self.ranks >= 1,
@@ -175,19 +197,28 @@ class LocalClusterConfig(ClusterConfig):
         return True
 
     def planned_world_size(self) -> int:
-        """``cluster.ranks``, else one rank per visible GPU, else 2."""
+        """``cluster.ranks``, else one rank per ``cluster.devices`` entry, else one rank per
+        visible GPU, else 2."""
         if self.ranks is not None:
             return self.ranks
+        if self.devices:
+            return len(self.devices)
         gpus = visible_gpu_count()
         return gpus if gpus > 0 else 2
 
     def check_world(self, world_size: int) -> None:
-        """``cluster.speeds`` and ``cluster.memory_budgets_gb`` have one entry per rank (or
-        none).
+        """``cluster.speeds``, ``cluster.memory_budgets_gb`` and ``cluster.devices`` have one
+        entry per rank (or none).
 
         Raises:
             ConfigError: the lengths differ.
         """
+        devices = list(self.devices or [])
+        require(
+            not devices or len(devices) == world_size,
+            f"cluster.devices=[{','.join(devices)}] has {len(devices)} entries but cluster.ranks "
+            f"is {world_size}: give one device (cuda or cpu) per rank, or drop cluster.ranks",
+        )
         require(
             not self.speeds or len(self.speeds) == world_size,
             f"cluster.speeds={list(self.speeds)} has {len(self.speeds)} entries but cluster.ranks "
@@ -199,6 +230,10 @@ class LocalClusterConfig(ClusterConfig):
             f"cluster.memory_budgets_gb={budgets} has {len(budgets)} entries but cluster.ranks "
             f"is {world_size}: give one budget (GiB) per rank",
         )
+
+    def device_kinds(self) -> Optional[List[str]]:
+        """``cluster.devices`` (one ``cuda`` or ``cpu`` per rank), or None when unset."""
+        return list(self.devices) if self.devices else None
 
 
 @dataclass

@@ -6,7 +6,7 @@ import codecs
 import glob
 import importlib.util
 import os
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, List, Optional
 
 from hetseq_hpc.config.cluster import visible_gpu_count
 from hetseq_hpc.config.hf_tasks import HF_BINARY_SUFFIXES, HfTaskConfig
@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "LOGGER_PACKAGES",
+    "check_devices",
     "check_grad_combine",
     "check_logger_packages",
     "check_text_file",
@@ -216,6 +217,38 @@ def check_restarts(run: RunConfig) -> None:
         )
 
 
+def check_devices(run: RunConfig, gpus: Optional[int] = None) -> None:
+    """``cluster.devices`` against this machine and the sharding: a ``cuda`` entry needs a GPU
+    torch can use, and ranks that mix ``cuda`` and ``cpu`` (gloo for all) train a replica
+    each (DDP over gloo: its broadcast and all-reduce take CUDA tensors). FSDP2 is refused
+    there: ``fully_shard`` shards over a ``DeviceMesh``, which has one ``device_type`` for
+    every rank (SPMD: "the same program on all ranks"), and communicates on "the mesh's
+    device type" (torch's docstrings of ``DeviceMesh`` and ``fully_shard``).
+
+    Args:
+        run: the composed run.
+        gpus: the GPUs torch sees; None = :func:`visible_gpu_count`.
+
+    Raises:
+        ConfigError: one line naming ``cluster.devices`` and the fix.
+    """
+    kinds = run.cluster.device_kinds()
+    if not kinds:
+        return
+    shown = f"cluster.devices=[{','.join(kinds)}]"
+    if "cuda" in kinds and (visible_gpu_count() if gpus is None else gpus) == 0:
+        raise ConfigError(
+            f"{shown} puts a rank on cuda but torch sees no CUDA GPU here (a CPU-only torch, "
+            "or CUDA_VISIBLE_DEVICES hides them): use cpu for that rank, or run where a GPU is"
+        )
+    if len(set(kinds)) > 1 and run.sharding.mode == "fsdp":
+        raise ConfigError(
+            f"{shown} mixes GPU and CPU ranks, which sharding.mode=fsdp cannot span (FSDP2's "
+            "device mesh has one device type for every rank): use sharding.mode=none, or the "
+            "same device on every rank"
+        )
+
+
 def validate_run_config(run: RunConfig) -> None:
     """Cross-group checks: world size against the global batch, ``trainer.elastic.min_ranks``,
     a forced allocation and
@@ -252,6 +285,7 @@ def validate_run_config(run: RunConfig) -> None:
             f"measure their split, or give {world} sample counts summing to {batch}{example}"
         )
     run.cluster.check_world(world)
+    check_devices(run)
     run.precision.check_world(world, list(getattr(run.cluster, "partitions", {}) or {}))
     check_grad_combine(run.comm.grad_combine, world)
     if run.sharding.mode != "none":

@@ -1,8 +1,10 @@
 """Rendezvous and the few collectives hetseq_hpc uses outside DDP.
 
 Backends: ranks with CUDA join with ``"cpu:gloo,cuda:nccl"`` (NCCL for CUDA tensors, gloo for
-CPU tensors), ranks without CUDA with ``"gloo"``. Python objects (probes, allocations, timings)
-travel over a separate gloo group so they never touch a GPU.
+CPU tensors), ranks without CUDA with ``"gloo"``; a job whose ranks mix GPUs and CPUs
+(``cluster.devices``) joins with ``"gloo"`` on every rank (:func:`backend_for_job`). Python
+objects (probes, allocations, timings) travel over a separate gloo group so they never touch
+a GPU.
 """
 
 from __future__ import annotations
@@ -218,12 +220,33 @@ def backend_for(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
+def gloo_for_all(kinds: Optional[Sequence[str]]) -> bool:
+    """Whether a job whose ranks are on ``kinds`` (every rank's device kind in rank order,
+    ``cluster.devices``; None = not named) runs gloo on every rank: when any rank is on the
+    CPU. NCCL cannot span a CPU rank; gloo all-reduces and broadcasts CUDA tensors too."""
+    return bool(kinds) and "cpu" in (kinds or ())
+
+
+def backend_for_job(device: torch.device, kinds: Optional[Sequence[str]] = None) -> str:
+    """The backend this rank joins with, the same on every rank of the job: ``"gloo"`` when
+    any rank of ``kinds`` is on the CPU (:func:`gloo_for_all`), else :func:`backend_for`
+    this rank's ``device`` (every rank alike: all on GPUs, or all on CPUs).
+
+    Args:
+        device: this rank's compute device.
+        kinds: every rank's device kind (``cuda``/``cpu``) in rank order, or None when the
+            job does not name them (each rank's own device decides, as before).
+    """
+    return "gloo" if gloo_for_all(kinds) else backend_for(device)
+
+
 def join(
     world: WorldInfo,
     device: torch.device,
     timeout_s: int,
     job: Optional[dist.Store] = None,
     step_timeout_s: Optional[float] = None,
+    kinds: Optional[Sequence[str]] = None,
 ) -> Rendezvous:
     """Join the rendezvous at ``tcp://master_addr:master_port``, or through the job's store.
 
@@ -238,11 +261,13 @@ def join(
             collectives (calibration, DDP's first broadcast, the contract check) keep
             ``timeout_s``, and the training loop shortens the default group's timeout to the
             step's own (:class:`hetseq_hpc.train.recovery.timeouts.StepTimeout`) once training starts.
+        kinds: every rank's device kind (``cluster.devices``), or None; with a CPU rank among
+            them every rank joins with gloo (:func:`backend_for_job`).
 
     Raises:
         LaunchError: the store cannot be reached or a peer does not arrive in ``timeout_s``.
     """
-    backend = backend_for(device)
+    backend = backend_for_job(device, kinds)
     init_method = f"tcp://{world.master_addr}:{world.master_port}"
     log.info(
         "rank %d/%d joining %s with %s (node %s%s)",
@@ -254,7 +279,7 @@ def join(
         "" if world.het_group is None else f", het group {world.het_group}",
     )
     kwargs: Dict[str, Any] = {}
-    if device.type == "cuda":
+    if device.type == "cuda" and "nccl" in backend:
         kwargs["device_id"] = device
         if job is not None:  # an elastic world: NCCL must not end the survivors
             set_elastic_nccl_env()
@@ -295,12 +320,13 @@ def rendezvous(
     timeout_s: int,
     job: Optional[dist.Store] = None,
     step_timeout_s: Optional[float] = None,
+    kinds: Optional[Sequence[str]] = None,
 ) -> Iterator[Rendezvous]:
     """Context manager around :func:`join` that always tears the process group down (the
     current one: an elastic world may have re-formed it)."""
     rdv: Optional[Rendezvous] = None
     try:
-        rdv = join(world, device, timeout_s, job, step_timeout_s)
+        rdv = join(world, device, timeout_s, job, step_timeout_s, kinds)
         yield rdv
     finally:
         leave()

@@ -74,7 +74,9 @@ PR_SET_PDEATHSIG = 1
 def check_ranks_fit_gpus(run: RunConfig, gpus: Optional[int] = None) -> None:
     """Refuse more local ranks than visible GPUs, before anything starts: every rank would be
     on CUDA and NCCL refuses two ranks of one group on one GPU (on an H100, 2026-11-27: "NCCL
-    error ... invalid usage" at the rendezvous, after both ranks had started).
+    error ... invalid usage" at the rendezvous, after both ranks had started). A job whose
+    ``cluster.devices`` put a rank on the CPU runs gloo on every rank, which two ranks on one
+    GPU do not trouble: nothing is refused then.
 
     Args:
         run: the validated run configuration (``cluster=local``).
@@ -85,6 +87,9 @@ def check_ranks_fit_gpus(run: RunConfig, gpus: Optional[int] = None) -> None:
     """
     gpus = visible_gpu_count() if gpus is None else gpus
     world = planned_world_size(run)
+    kinds = run.cluster.device_kinds()
+    if kinds and "cpu" in kinds:  # gloo for all (cluster.devices): it shares a GPU
+        return
     if gpus and world > gpus:
         raise ConfigError(
             f"cluster.ranks={world} on a machine with {gpus} visible GPU(s): NCCL cannot run two "

@@ -45,7 +45,7 @@ from hetseq_hpc.distributed.membership import (
     new_gloo_group,
     reform,
 )
-from hetseq_hpc.distributed.rendezvous import Rendezvous, backend_for, leave
+from hetseq_hpc.distributed.rendezvous import Rendezvous, backend_for_job, leave
 from hetseq_hpc.env.preemption import REQUEUE
 from hetseq_hpc.env.rank_guard import FAILED
 from hetseq_hpc.errors import AllocationError, Preempted, RankExcluded
@@ -260,7 +260,13 @@ class ElasticWorld:
                 raise _FailedAgain(error)
             self.retried_at = at
             self.phase_timeouts.forget()  # a slow phase, not a hang: the redo waits longer
-        join_generation(self.store, new, self.member, backend_for(self.device), self.cfg.timeout_s)
+        join_generation(
+            self.store,
+            new,
+            self.member,
+            backend_for_job(self.device, self.run.cluster.device_kinds()),
+            self.cfg.timeout_s,
+        )
         world = dataclasses.replace(
             self.origin, rank=new.rank_of(self.member), world_size=len(new.members)
         )

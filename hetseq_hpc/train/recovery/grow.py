@@ -41,7 +41,7 @@ from hetseq_hpc.distributed.admission import (
 )
 from hetseq_hpc.distributed.fence import members_key
 from hetseq_hpc.distributed.membership import Membership, join_generation, new_gloo_group
-from hetseq_hpc.distributed.rendezvous import Rendezvous, backend_for, leave
+from hetseq_hpc.distributed.rendezvous import Rendezvous, backend_for_job, leave
 from hetseq_hpc.env.world import WorldInfo
 from hetseq_hpc.errors import RankExcluded
 from hetseq_hpc.train.recovery.elastic import ElasticWorld
@@ -83,7 +83,11 @@ def _join_world(
     """Initialise generation ``new``'s process groups through the job's store (the default one
     and a gloo group for objects): every member of ``new`` calls this."""
     join_generation(
-        elastic.store, new, elastic.member, backend_for(elastic.device), elastic.cfg.timeout_s
+        elastic.store,
+        new,
+        elastic.member,
+        backend_for_job(elastic.device, elastic.run.cluster.device_kinds()),
+        elastic.cfg.timeout_s,
     )
     world = dataclasses.replace(
         origin, rank=new.rank_of(elastic.member), world_size=len(new.members)
