@@ -16,10 +16,15 @@
 #   4. BERT-base (768 hidden, 12 layers, 12 heads, sequence 128) in bf16: samples/s and MFU
 #      against the GPU's dense bf16 peak (hetseq_hpc/plan/gpus.py), compiled (trainer.compile=
 #      auto compiles on a GPU) and eager (trainer.compile=off): compile_speedup;
-#   5. the tests that need CUDA (tests/gpu: pynvml probe, exact accumulation and FSDP = DDP in
-#      fp32 on the GPU, bf16/fp16 against fp32).
+#   5. a mixed-device job on this one machine (issue 43): tests/gpu/test_mixed_devices_cuda.py
+#      (cluster.devices=[cuda,cpu]: rank 0 on the GPU, rank 1 on the CPU, gloo for all, the
+#      small BERT for 20 steps in fp32 against one GPU rank, exact at 1e-5; its run directories
+#      kept under a fixed --basetemp), then the same job in precision=auto (bf16 on the GPU,
+#      fp32 on the CPU): each rank's device and measured share, and the worst relative loss
+#      difference against the 1-rank run; three small runs, ~1-2 min; MIXED=0 skips it;
+#   6. the other tests that need CUDA (tests/gpu: pynvml probe, exact accumulation and FSDP =
+#      DDP in fp32 on the GPU, bf16/fp16 against fp32, host syncs).
 # STEPS (default 30) sets the small runs' steps; a dry run on a CPU: STEPS=3 BERT_STEPS=2.
-#
 # The GPU machine has PyTorch but not every dependency of hetseq_hpc (hydra-core, omegaconf,
 # antlr4-python3-runtime, submitit, django ...), and cannot download: build them HERE first,
 # for the machine's Python (3.12), into .whl/ (ignored by git, carried with carry=[".whl"]):
@@ -35,6 +40,7 @@ OUT=$(mktemp -d /tmp/gpu-check-work.XXXX)
 mkdir -p "$FINAL"
 STEPS=${STEPS:-30}
 BERT_STEPS=${BERT_STEPS:-40}
+MIXED=${MIXED:-1}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 HETSEQ_CACHE=${HETSEQ_CACHE:-/tmp/hetseq-cache}
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -74,7 +80,25 @@ step bert_base_eager "$PY" -m hetseq_hpc task.model.hidden_size=768 task.model.n
   precision=bf16 trainer.global_batch_size=256 trainer.max_steps=$BERT_STEPS trainer.val_every=0 \
   trainer.compile=off trainer.plot=false hydra.run.dir=/tmp/gpu-check-runs/bert_base_eager
 cp /tmp/gpu-check-runs/bert_base_eager/summary.json "$OUT/summary_bert_base_eager.json" 2>/dev/null
-step tests_cuda timeout 300 "$PY" -m pytest tests/gpu -q -rA -p no:cacheprovider
+# a GPU rank and a CPU rank over gloo against one GPU rank: the test (exact in fp32), then auto
+MIXED_TMP=/tmp/gpu-check-runs/mixed_test
+if [ "$MIXED" != 0 ]; then
+  step mixed_test timeout 300 "$PY" -m pytest tests/gpu/test_mixed_devices_cuda.py -q -rA \
+    -p no:cacheprovider --basetemp=$MIXED_TMP
+  # the test's job (its EXACT settings) with each rank's own precision: bf16 GPU, fp32 CPU
+  step mixed_auto "$PY" -m hetseq_hpc $SMALL task.model.dropout=0.0 trainer.seed=7 \
+    trainer.global_batch_size=32 trainer.compile=off trainer.max_steps=20 precision=auto \
+    "cluster.devices=[cuda,cpu]" hydra.run.dir=/tmp/gpu-check-runs/mixed_auto
+  for pair in "ref:$MIXED_TMP/*/one" "fp32:$MIXED_TMP/*/mixed" \
+    "auto:/tmp/gpu-check-runs/mixed_auto"; do
+    for d in ${pair#*:}; do  # the test's run directories: one tmp_path under --basetemp
+      cp "$d/metrics.jsonl" "$OUT/metrics_mixed_${pair%%:*}.jsonl" 2>/dev/null
+      cp "$d/allocation.json" "$OUT/allocation_mixed_${pair%%:*}.json" 2>/dev/null
+    done
+  done
+fi
+step tests_cuda timeout 300 "$PY" -m pytest tests/gpu -q -rA -p no:cacheprovider \
+  --ignore tests/gpu/test_mixed_devices_cuda.py
 
 rcs=""
 for k in "${!RC[@]}"; do rcs="$rcs\"$k\": ${RC[$k]}, "; done
@@ -96,6 +120,36 @@ eager = (result.get("bert_base_eager") or {}).get("steady_samples_per_s")
 compiled = (result.get("bert_base") or {}).get("steady_samples_per_s")
 if eager and compiled:  # steady-state samples/s, compiled over eager
     result["compile_speedup"] = round(compiled / eager, 3)
+
+def step_losses(path: Path) -> dict:
+    rows = (json.loads(line) for line in path.read_text().splitlines() if '"loss"' in line)
+    return {row["step"]: row["loss"] for row in rows}
+
+
+ref = out / "metrics_mixed_ref.jsonl"
+for p in ("fp32", "auto"):  # the mixed-device job against one GPU rank in fp32
+    metrics, alloc = out / f"metrics_mixed_{p}.jsonl", out / f"allocation_mixed_{p}.json"
+    if not (ref.exists() and metrics.exists() and alloc.exists()):
+        continue
+    a, b, doc = step_losses(ref), step_losses(metrics), json.loads(alloc.read_text())
+    shares = {s["rank"]: s for s in doc["allocation"]["shares"]}
+    common = sorted(set(a) & set(b))
+    worst = max((abs(a[k] - b[k]) / abs(a[k]) for k in common), default=None)
+    result[f"mixed_{p}"] = {
+        "ranks": [
+            {"rank": r["rank"], "kind": r["probe"]["kind"], "device": r["device"],
+             "precision": r["precision"], "samples": shares[r["rank"]]["samples"],
+             "micro_batch": shares[r["rank"]]["micro_batch"],
+             "accum_steps": shares[r["rank"]]["accum_steps"]}
+            for r in doc["ranks"]
+        ],
+        "source": doc["allocation"]["source"],
+        "throughputs": doc["allocation"].get("throughputs"),
+        "steps_compared": len(common),
+        "worst_rel_loss_diff": worst,
+    }
+    if p == "fp32":  # the exactness bar of the CPU and GPU tests (tests/helpers/runs.py)
+        result[f"mixed_{p}"]["exact_1e-5"] = worst is not None and worst <= 1e-5
 try:
     import torch
 
