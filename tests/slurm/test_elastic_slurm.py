@@ -374,9 +374,9 @@ def test_a_stopped_task_does_not_hold_a_finished_job(script, tmp_path, token_cac
     assert json.loads((run_dir / "summary.json").read_text())["lost_ranks"] == [1]
 
 
-def _grow_back_job(tmp_path: Path, token_cache, *extra: str, on_step=None) -> Dict:
-    """Run a testcluster job with ``trainer.elastic.restarts=1`` whose rank 1 kills itself as
-    step 11 starts (every rank holds at step 16 until its replacement asked to join); call
+def _grow_back_job(tmp_path: Path, token_cache, *extra: str, on_step=None, victim: int = 1) -> Dict:
+    """Run a testcluster job with ``trainer.elastic.restarts=1`` whose rank ``victim`` kills
+    itself as step 11 starts (every rank holds at step 16 until its replacement asked to join); call
     ``on_step(run_dir, job)`` once step 5 is logged. Returns the run directory, the job id and
     the batch script's stderr (the supervisor's log)."""
     run_dir, err = tmp_path / "job", tmp_path / "cli.err"
@@ -384,7 +384,11 @@ def _grow_back_job(tmp_path: Path, token_cache, *extra: str, on_step=None) -> Di
         o for o in COMMON if not o.startswith(("trainer.checkpoint_every=", "task.model."))
     ]
     fault = fault_task(
-        "KilledThenHeldBert", die_rank=1, die_step=11, hold_step=16, marker=tmp_path / "killed"
+        "KilledThenHeldBert",
+        die_rank=victim,
+        die_step=11,
+        hold_step=16,
+        marker=tmp_path / "killed",
     )
     with err.open("w") as sink:  # a file: a pipe could fill up while the test polls
         proc = start_hetseq(
@@ -421,9 +425,12 @@ def _grow_back_job(tmp_path: Path, token_cache, *extra: str, on_step=None) -> Di
     return {"run_dir": run_dir, "job": job, "batch": batch}
 
 
-def _assert_grown_back(done: Dict, reference: Dict[int, float], world: int, host: str) -> None:
-    """The run of :func:`_grow_back_job` lost rank 1 and grew back to ``world`` ranks with a
-    replacement on ``host``: every step once, the uninterrupted trajectory, a join row."""
+def _assert_grown_back(
+    done: Dict, reference: Dict[int, float], world: int, host: str, victim: int = 1
+) -> None:
+    """The run of :func:`_grow_back_job` lost rank ``victim`` and grew back to ``world`` ranks
+    with a replacement on ``host``: every step once, the uninterrupted trajectory, a join row,
+    and the launcher's summary (rank 0's result: the replacement's when rank 0 was lost)."""
     run_dir = done["run_dir"]
     rows = [r for r in read_rows(run_dir) if "loss" in r and r.get("event") is None]
     assert [r["step"] for r in rows] == list(range(1, 31))  # every step exactly once
@@ -433,8 +440,8 @@ def _assert_grown_back(done: Dict, reference: Dict[int, float], world: int, host
     events = [r for r in read_rows(run_dir) if r.get("event") == "membership"]
     lost = next(e for e in events if e.get("lost"))
     joined = next(e for e in events if e.get("joined"))
-    assert [x["rank"] for x in lost["lost"]] == [1] and lost["world_size"] == world - 1
-    assert [x["rank"] for x in joined["joined"]] == [1] and joined["world_size"] == world
+    assert [x["rank"] for x in lost["lost"]] == [victim] and lost["world_size"] == world - 1
+    assert [x["rank"] for x in joined["joined"]] == [victim] and joined["world_size"] == world
     assert joined["joined"][0]["host"] == host, joined
     assert joined["joined"][0]["member"] >= world and sum(joined["split"]) == 24
     assert len(rows[-1]["ranks"]) == world
@@ -446,16 +453,18 @@ def _assert_grown_back(done: Dict, reference: Dict[int, float], world: int, host
 
 @pytest.mark.slurm
 @pytest.mark.slow
+@pytest.mark.parametrize(("victim", "node"), [(1, "n3"), (0, "n1")])
 def test_a_lost_task_is_replaced_by_a_new_step_on_its_node_and_rejoins(
-    tmp_path, token_cache, reference
+    victim, node, tmp_path, token_cache, reference
 ):
-    """``trainer.elastic.restarts=1`` on Slurm: task 1 of the 3-rank het job (node n3) dies at
-    step 11; the batch script's supervisor starts a new one-task step on n3
-    (``srun --het-group=1 --overlap``), the replacement asks to join, the survivors admit it
+    """``trainer.elastic.restarts=1`` on Slurm: task ``victim`` of the 3-rank het job dies at
+    step 11; the batch script's supervisor starts a new one-task step on its node
+    (``srun --het-group=K --overlap``), the replacement asks to join, the survivors admit it
     and send it the training state: the job ends with 3 ranks on the uninterrupted
-    trajectory, every step once, COMPLETED."""
-    done = _grow_back_job(tmp_path, token_cache)
-    _assert_grown_back(done, reference, 3, "n3")
+    trajectory, every step once, COMPLETED. Rank 0's replacement writes the run's summary
+    and returns the result the launcher reports."""
+    done = _grow_back_job(tmp_path, token_cache, victim=victim)
+    _assert_grown_back(done, reference, 3, node, victim)
 
 
 @pytest.mark.slurm
