@@ -39,7 +39,7 @@ from hetseq_hpc.train.checkpoint.shards import (
     with_full_tensors,
 )
 from hetseq_hpc.train.compile import compile_in_place, compiles
-from hetseq_hpc.train.ddp_hooks import HookState, no_forward_buffer_sync
+from hetseq_hpc.train.ddp_hooks import HookState, no_forward_buffer_sync, sum_allreduce_hook
 from hetseq_hpc.train.precision import GradientPath
 
 if TYPE_CHECKING:  # torch's DDP and FSDP2 modules are imported where they are built
@@ -91,18 +91,35 @@ class Replicated:
     mode = "ddp"
     #: this rank's :class:`~hetseq_hpc.balance.peak.MemoryWatch` (set by the worker), or None
     memory_watch: Optional[MemoryWatch] = None
+    #: wrap a world of one rank in DDP too (its hooks' timings and overlap, tested in-process)
+    wrap_one_rank = False
 
     def __init__(self, model: nn.Module, device: torch.device):
         self.model = model
         self.device = device
         self.module: nn.Module = model
+        #: whether :attr:`module` is a DDP wrapper (its comm hook marks the backward's end)
+        self.wrapped = False
 
     def start(self, grad_path: GradientPath, hook_state: HookState) -> None:
         """Wrap in DDP (after any checkpoint was loaded into the bare model), with the SUM
         comm hook of ``grad_path`` (:class:`~hetseq_hpc.train.precision.GradientPath`) filling
-        ``hook_state`` (:class:`~hetseq_hpc.train.ddp_hooks.HookState`)."""
+        ``hook_state`` (:class:`~hetseq_hpc.train.ddp_hooks.HookState`).
+
+        A world of one rank on the plain SUM path is not wrapped: its all-reduce is the
+        identity, so the bare model computes the same gradients without DDP's buckets, copies
+        and per-step bookkeeping (:attr:`wrapped` stays False; the Trainer then marks the
+        backward's end itself). A compressed payload or Adasum changes the gradients even on
+        one rank (a rounding, a division): those keep the wrapper and its hook. DDP's
+        ``static_graph`` is not set: it breaks ``no_sync`` accumulation (docs/design/
+        exact-gradients.md, "No DDP wrapper on one rank; no static_graph")."""
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        hook = grad_path.comm_hook(hook_state)
+        alone = not dist.is_initialized() or dist.get_world_size() == 1
+        if hook is sum_allreduce_hook and alone and not self.wrap_one_rank:
+            self.module, self.wrapped = self.model, False
+            return
         options: Dict[str, Any] = {**no_forward_buffer_sync(), **grad_path.ddp_kwargs()}
         self.module = DDP(
             self.model,
@@ -110,7 +127,8 @@ class Replicated:
             gradient_as_bucket_view=True,
             **options,
         )
-        self.module.register_comm_hook(hook_state, grad_path.comm_hook(hook_state))
+        self.module.register_comm_hook(hook_state, hook)
+        self.wrapped = True
 
     def pass_sizes(
         self, share: RankShare, all_shares: Sequence[RankShare]
@@ -119,8 +137,10 @@ class Replicated:
         return list(share.micro_sizes), 0
 
     def sync(self, last: bool) -> contextlib.AbstractContextManager:
-        """All-reduce on the last pass only."""
-        return contextlib.nullcontext() if last else cast("DDP", self.module).no_sync()
+        """All-reduce on the last pass only (nothing to hold back without the wrapper)."""
+        if last or not self.wrapped:
+            return contextlib.nullcontext()
+        return cast("DDP", self.module).no_sync()
 
     def grad_norm(self, max_norm: float, grads: List[torch.Tensor]) -> float:
         """Clip the global gradient norm to ``max_norm`` (0 = no clipping); returns the norm

@@ -628,6 +628,8 @@ class Trainer:
                 # only after a synchronisation: they go after the backward pass there)
                 self.hook_state.on_last = lambda: posted.append(self.rdv.post_step_stats(stats()))
             self.grad_path.backward(loss, step, self.hook_state, units)
+        if not self.parallel.sharded and not self.parallel.wrapped:
+            self.hook_state.mark_ready(loss_sum)  # one rank, no DDP hook: the backward ended
         self.hook_state.on_last = None
         table = (posted[0] if posted else self.rdv.post_step_stats(stats())).result()
         self._exchanged_at = time.perf_counter()
@@ -938,7 +940,7 @@ class Trainer:
         """Drop the references to the broken process groups: the DDP wrapper (the bare model
         again; :meth:`rejoin` wraps it anew) and the gloo group of the rendezvous (the worker
         holds this Rendezvous too)."""
-        self.parallel.module = self.parallel.model
+        self.parallel.module, self.parallel.wrapped = self.parallel.model, False
         if self.rdv is not None:
             self.rdv.cpu_group = None
 

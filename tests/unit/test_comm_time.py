@@ -8,6 +8,7 @@ import pytest
 
 from hetseq_hpc.distributed.rendezvous import single_process_rendezvous
 from hetseq_hpc.train.ddp_hooks import HookState
+from hetseq_hpc.train.parallel import Replicated
 from tests.helpers.trainers import one_rank_trainer
 
 
@@ -21,9 +22,11 @@ def test_overlapping_spans_count_once_and_the_exposed_part_starts_at_the_last_re
     assert state.comm_row() == {} and state.last_ready_s == 0.0
 
 
-def test_a_real_step_records_its_all_reduce_time_in_the_row(tmp_path, token_cache):
+def test_a_real_step_records_its_all_reduce_time_in_the_row(tmp_path, token_cache, monkeypatch):
     """One step on a real gloo group: the hook's all-reduce is timed and the row carries it,
-    within the step's own wall time."""
+    within the step's own wall time. (One rank is wrapped in DDP here, as a world of several
+    is, to run its hooks in-process.)"""
+    monkeypatch.setattr(Replicated, "wrap_one_rank", True)
     with single_process_rendezvous() as rdv:
         trainer = one_rank_trainer(tmp_path, rdv, token_cache, global_batch=4, cap=2)
         rec = trainer.train_step(1)

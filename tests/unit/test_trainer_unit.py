@@ -13,6 +13,7 @@ from hetseq_hpc.distributed.rendezvous import StepStats, single_process_rendezvo
 from hetseq_hpc.errors import CheckpointError
 from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint
+from hetseq_hpc.train.parallel import Replicated
 from hetseq_hpc.train.trainer import Trainer
 from tests.helpers.trainers import one_rank_trainer
 
@@ -115,10 +116,12 @@ def test_measured_step_sync_is_the_median_wall_beyond_the_slowest_ranks_busy_tim
     assert measured_step_sync(old + new[:3], [24, 8]) is None  # two steps only
 
 
-def test_cpu_ranks_post_their_statistics_when_the_last_bucket_is_ready(make_trainer):
+def test_cpu_ranks_post_their_statistics_when_the_last_bucket_is_ready(make_trainer, monkeypatch):
     """The exchange overlaps the gradient all-reduce: the statistics are posted from the DDP
     hook of the step's last bucket (inside the last backward pass), once per step, with the
-    compute time measured up to that bucket, and the loss is still the global batch's."""
+    compute time measured up to that bucket, and the loss is still the global batch's. (One
+    rank is wrapped in DDP here, as a world of several is, to run its hooks in-process.)"""
+    monkeypatch.setattr(Replicated, "wrap_one_rank", True)
     with single_process_rendezvous() as rdv:
         trainer = make_trainer(rdv, "comm.bucket_cap_mb=0.05")  # several buckets
         events = []
