@@ -390,7 +390,9 @@ def run_worker(
             chosen["param_bytes"] = param_bytes
             if mode == "fsdp":  # on the whole CPU model, before sharding: never whole on the device
                 check_before_training(task, bare, run, torch.device("cpu"), rdv, early)
-            chosen["parallel"] = build_parallel(run, task, bare, device, mode)
+            # FSDP gathers parameters in one dtype on every rank: bf16 only if all compute in it
+            precisions = rdv.all_gather_objects(precision) if mode == "fsdp" else [precision]
+            chosen["parallel"] = build_parallel(run, task, bare, device, mode, precisions)
             chosen["static_for"] = state_bytes_for(run, task, sizes, mode, device)
             chosen["static"] = chosen["static_for"](world.world_size)
             return chosen["parallel"].model
@@ -638,7 +640,9 @@ def join_worker(
         sharding = joined.state.get("sharding", "ddp")
         parallel = None
         if sharding == "fsdp":  # sharded over the grown world, as the survivors re-shard theirs
-            parallel = build_parallel(run, task, model, device, "fsdp")
+            parallel = build_parallel(
+                run, task, model, device, "fsdp", [m.precision for m in metas]
+            )
             agree_on_accumulation(
                 run.sharding, parallel, joined.allocation, elastic.split_reports, rdv
             )

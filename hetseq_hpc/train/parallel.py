@@ -40,7 +40,7 @@ from hetseq_hpc.train.checkpoint.shards import (
 )
 from hetseq_hpc.train.compile import compile_in_place, compiles
 from hetseq_hpc.train.ddp_hooks import HookState, no_forward_buffer_sync, sum_allreduce_hook
-from hetseq_hpc.train.precision import GradientPath
+from hetseq_hpc.train.precision import GradientPath, fsdp_param_dtype
 
 if TYPE_CHECKING:  # torch's DDP and FSDP2 modules are imported where they are built
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -246,6 +246,9 @@ class Sharded(Replicated):
         cpu_offload: keep the sharded state in CPU memory (``CPUOffloadPolicy``; GPUs only).
         checkpoint: ``sharding.checkpoint``: ``sharded`` (every rank writes its own shards,
             :meth:`save_state`) or ``full`` (gathered, rank 0 writes the whole state).
+        precisions: every rank's compute precision, rank order
+            (:func:`~hetseq_hpc.train.precision.fsdp_param_dtype`: all bf16 = parameters
+            gathered in bf16, the shards and the gradient reduce in fp32; else all fp32).
     """
 
     sharded = True
@@ -258,9 +261,16 @@ class Sharded(Replicated):
         device: torch.device,
         cpu_offload: bool = False,
         checkpoint: str = "sharded",
+        precisions: Sequence[Optional[str]] = (),
     ):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            FSDPModule,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
 
         super().__init__(model, device)
         self.checkpoint = checkpoint
@@ -272,21 +282,37 @@ class Sharded(Replicated):
         #: rank: :func:`hetseq_hpc.train.fsdp_accumulation.agree_on_accumulation`)
         self.between_micro_batches = "reshard"
         self._passes = 1  # of the current step (pass_sizes)
+        self.param_dtype, self.param_dtype_why = fsdp_param_dtype(precisions)
+        if not self.units:
+            self.param_dtype, self.param_dtype_why = None, "no sharding units: the root stays fp32"
+        # the units (BERT's layers: most of the bytes) gathered in param_dtype; the root's
+        # parameters (embeddings, the task's head) in fp32 always: they are used outside
+        # autocast's matmuls (embedding sums, their LayerNorm), where bf16 would round
+        # values fp32 computes (docs/design/sharding.md)
+        policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
         for unit in self.units:
-            fully_shard(unit, mesh=mesh, offload_policy=offload)
-        fully_shard(model, mesh=mesh, offload_policy=offload)
+            fully_shard(unit, mesh=mesh, offload_policy=offload, mp_policy=policy)
+        root = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        fully_shard(model, mesh=mesh, offload_policy=offload, mp_policy=root)
         self.fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         for module in self.fsdp_modules:  # a plain SUM over ranks, not FSDP's mean
             module.set_force_sum_reduction_for_comms(True)
             module.set_gradient_divide_factor(1.0)
         self.offload = cpu_offload and device.type == "cuda"
         log.info(
-            "FSDP2: %d units + root over all ranks; parameters all-gathered in fp32 on "
-            "every rank (one job-wide dtype; each rank computes in its own precision under "
-            "autocast)%s",
+            "FSDP2: %d units + root over all ranks; the units' parameters all-gathered in %s "
+            "on every rank (%s; the root's, the shards, the optimizer and the gradient "
+            "reduce-scatter in fp32)%s",
             len(self.units),
+            self.gather_dtype(),
+            self.param_dtype_why,
             "; sharded state offloaded to CPU" if self.offload else "",
         )
+
+    def gather_dtype(self) -> str:
+        """The dtype the units' parameters are all-gathered in: ``bf16`` or ``fp32`` (the
+        root's are always gathered in fp32)."""
+        return "bf16" if self.param_dtype == torch.bfloat16 else "fp32"
 
     def start(
         self, grad_path: Optional[GradientPath] = None, hook_state: Optional[HookState] = None
@@ -594,7 +620,10 @@ class Sharded(Replicated):
         return {
             "mode": self.mode,
             "units": len(self.units),
-            "all_gather_dtype": "fp32",
+            "all_gather_dtype": self.gather_dtype(),
+            "root_all_gather_dtype": "fp32",
+            "reduce_dtype": "fp32",
+            "all_gather_dtype_why": self.param_dtype_why,
             "cpu_offload": self.offload,
             "between_micro_batches": self.between_micro_batches,
         }
@@ -646,13 +675,19 @@ def rank_memory(
 
 
 def build_parallel(
-    run: RunConfig, task: Task, model: nn.Module, device: torch.device, mode: str
+    run: RunConfig,
+    task: Task,
+    model: nn.Module,
+    device: torch.device,
+    mode: str,
+    precisions: Sequence[Optional[str]] = (),
 ) -> Replicated:
     """The strategy for ``mode`` (``ddp`` or ``fsdp``, as decided for ``sharding.mode``), with
     ``sharding.activation_checkpointing`` applied to the task's sharding units first, then
     ``trainer.compile`` (each unit compiled in place, :mod:`hetseq_hpc.train.compile`). ``ddp``
     moves the model to ``device``; ``fsdp`` shards it onto ``device`` (a collective: every
-    rank calls this at the same point)."""
+    rank calls this at the same point), gathering parameters in bf16 when every rank of
+    ``precisions`` (rank order; none given = fp32) computes in bf16."""
     units = list(task.sharding_units(model)) if hasattr(task, "sharding_units") else []
     if run.sharding.activation_checkpointing:
         if not units:
@@ -671,7 +706,9 @@ def build_parallel(
             type(done[0]).__name__,
         )
     if mode == "fsdp":
-        return Sharded(model, units, device, run.sharding.cpu_offload, run.sharding.checkpoint)
+        return Sharded(
+            model, units, device, run.sharding.cpu_offload, run.sharding.checkpoint, precisions
+        )
     return Replicated(model.to(device), device)
 
 

@@ -74,6 +74,26 @@ def autocast_factory(precision: str, device_type: str) -> Callable[[], Any]:
     return lambda: torch.autocast(device_type, dtype=dtype)
 
 
+def fsdp_param_dtype(precisions: Sequence[Optional[str]]) -> Tuple[Optional[torch.dtype], str]:
+    """``(dtype, why)``: the dtype FSDP2 gathers parameters in for ranks computing in
+    ``precisions`` (every rank's, rank order; None = fp32), and why, for the log and
+    ``summary.json``.
+
+    bf16 when EVERY rank computes in bf16: each rank's matmuls would round the fp32 weights to
+    bf16 under autocast anyway, so gathering them in bf16 moves half the bytes (the sharded
+    master weights, the optimizer state and the gradient reduce-scatter stay fp32:
+    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``). None (fp32 gathers) when
+    the ranks disagree or any computes in fp32 or fp16: FSDP2 gathers one dtype on every rank,
+    and an fp32 rank must not lose its precision (nor an fp16 rank take bf16's coarser
+    rounding)."""
+    named = [p or "fp32" for p in precisions]
+    if named and all(p == "bf16" for p in named):
+        return torch.bfloat16, "every rank computes in bf16"
+    if len(set(named)) > 1:
+        return None, f"ranks compute in {'/'.join(sorted(set(named)))}: one dtype for all, fp32"
+    return None, f"every rank computes in {named[0] if named else 'fp32'}"
+
+
 def needs_loss_scale(precisions: Sequence[Optional[str]], grad_compression: str = "none") -> bool:
     """True when the job needs its shared loss scale: a rank computes in fp16, or gradients
     travel as fp16 (fp16's 5 exponent bits under- and overflow; bf16 has fp32's range)."""

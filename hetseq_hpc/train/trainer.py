@@ -156,7 +156,9 @@ class Trainer:
         self.sampler = GlobalBatchSampler(task.num_train, self.cfg.global_batch_size, self.cfg.seed)
         self.reset_gradient_path()
         # DDP or FSDP2 (train/parallel.py); FSDP shards the model in place, before the optimizer
-        self.parallel = parallel or build_parallel(run, task, model, device, sharding)
+        self.parallel = parallel or build_parallel(
+            run, task, model, device, sharding, [m.precision for m in metas]
+        )
         # trainer.compile: this rank's units compiled in place (train/compile.py), and whether
         # any rank's are (the same answer on every rank: the first step of a split may compile)
         self.compiled = compiles(self.cfg.compile, device)
@@ -1006,7 +1008,9 @@ class Trainer:
         gc.collect()
         self.rdv, self.world, self.rank = rdv, rdv.world, rdv.world.rank
         self.metas, self.allocation, self.rebalancer = metas, allocation, None
-        self.parallel = build_parallel(self.run, self.task, rebuild(), self.device, "fsdp")
+        self.parallel = build_parallel(
+            self.run, self.task, rebuild(), self.device, "fsdp", [m.precision for m in metas]
+        )
         self.parallel.memory_watch = watch
         if reports:  # every survivor: one small all-gather when there is a choice
             agree_on_accumulation(self.run.sharding, self.parallel, allocation, reports, rdv)

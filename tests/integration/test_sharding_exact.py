@@ -87,6 +87,47 @@ def test_fsdp_uneven_then_3_ranks_then_ddp_repeat_one_rank(
     assert_same_losses(losses(ref), resumed, range(1, last + 1))
 
 
+#: bf16 runs against the bf16 1-rank run, per step, relative: the bf16 tolerance of
+#: test_precision_runs.py (MIXED_REL_TOL: bf16's unit roundoff 2**-8 over ~300 independent
+#: per-token losses of a global batch, 3.9e-3 / sqrt(300) = 2.3e-4, rounded up)
+BF16_REL_TOL = 2.5e-4
+
+
+def test_bf16_fsdp_gathers_bf16_and_tracks_the_bf16_one_rank_run(tmp_path, run_cli):
+    """Every rank in bf16: FSDP2 gathers the parameters in bf16 (half the bytes), the shards
+    and the gradient reduce-scatter stay fp32; the uneven FSDP run (5 passes each, zero-weight
+    padding) tracks the bf16 1-rank (DDP) run within bf16's tolerance, and summary.json says
+    which dtype was gathered and why. A mixed precision per rank keeps fp32 gathers."""
+    task = [*SMALL_MODEL, "task.model.max_seq_len=32"]
+    bf16 = [*STEPS, "precision.default=bf16"]
+    ref, run, mixed = tmp_path / "ref", tmp_path / "sharded", tmp_path / "mixed"
+    _ok(run_cli(ref, *task, *bf16, "cluster.ranks=1", "trainer.max_steps=8", small=False))
+    _ok(run_cli(run, *task, *bf16, *FSDP_UNEVEN, "trainer.max_steps=8", small=False))
+    sharding = json.loads((run / "summary.json").read_text())["sharding"]
+    assert sharding["all_gather_dtype"] == "bf16" and sharding["reduce_dtype"] == "fp32"
+    assert "every rank computes in bf16" in sharding["all_gather_dtype_why"]
+    a, b = losses(ref), losses(run)
+    assert sorted(b) == list(range(1, 9))
+    for step in range(1, 9):
+        rel = abs(a[step] - b[step]) / abs(a[step])
+        assert rel <= BF16_REL_TOL, f"step {step}: {b[step]} vs {a[step]} (relative {rel:.2e})"
+    _ok(
+        run_cli(
+            mixed,
+            *task,
+            *bf16,
+            *FSDP_UNEVEN,
+            "precision.ranks=[bf16,fp32]",
+            "trainer.max_steps=1",
+            small=False,
+        )
+    )
+    sharding = json.loads((mixed / "summary.json").read_text())["sharding"]
+    assert sharding["all_gather_dtype"] == "fp32"
+    assert "bf16/fp32" in sharding["all_gather_dtype_why"]
+    assert "parameters all-gathered in fp32" in (mixed / "logs" / "rank0.log").read_text()
+
+
 #: a model whose state outweighs one sample's activations (short rows, small vocabulary):
 #: ~681 k parameters, a replica with AdamW 13.6 MB, a shard on 2 ranks with FSDP2's gathered
 #: units (root x 2 + block x 3) 8.3 MB, ~0.8 MiB of activations per sample
