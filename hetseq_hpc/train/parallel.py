@@ -276,6 +276,7 @@ class Sharded(Replicated):
         self.checkpoint = checkpoint
         offload = CPUOffloadPolicy() if cpu_offload and device.type == "cuda" else OffloadPolicy()
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        self.group = mesh.get_group()  # the shards' group (the gradient norm's all-reduce)
         self.units = list(units)
         self.sizes = unit_bytes(model, self.units)  # whole, root and largest unit, in bytes
         #: between the passes of a step: ``reshard`` or ``keep_unsharded`` (the same on every
@@ -350,21 +351,44 @@ class Sharded(Replicated):
         (0 = measured only: the clip factor is 1 exactly)."""
         return float(self.grad_norm_tensor(max_norm, grads))
 
+    def _global_norm(self, local: List[torch.Tensor]) -> torch.Tensor:
+        """The 2-norm of the whole gradient from this rank's shards ``local`` (plain tensors):
+        the squares of the shards' norms summed over the ranks by one all-reduce of a 0-dim
+        tensor on the device (a collective; nothing is read on the host)."""
+        if local:
+            squares = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(local))) ** 2
+        else:
+            squares = torch.zeros((), device=self.device)
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.group)
+        return squares.sqrt()
+
     def scale_and_clip(
         self, factor: float, max_norm: float, grads: List[torch.Tensor]
     ) -> torch.Tensor:
-        """As :meth:`Replicated.scale_and_clip`, in two passes: the shards' norm is gathered
-        by ``clip_grad_norm_`` (DTensors)."""
-        torch._foreach_mul_(grads, factor)
-        return self.grad_norm_tensor(max_norm, grads)
+        """As :meth:`Replicated.scale_and_clip`, on this rank's shards of the gradients (the
+        DTensors' local tensors): the whole gradient's norm from the ranks' shards
+        (:meth:`_global_norm`, one small all-reduce on the device, no ``full_tensor``), then
+        ``1 / N`` and the clip coefficient in ONE multiply. Returns the norm before clipping
+        as a 0-dim tensor on the device (nothing read on the host: the step can be read a
+        step late, as a replicated one is)."""
+        local = _local_tensors(grads)
+        norm = self._global_norm(local) * factor
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0) * factor
+            torch._foreach_mul_(local, coef)
+        else:
+            torch._foreach_mul_(local, factor)
+        return norm
 
     def grad_norm_tensor(self, max_norm: float, grads: List[torch.Tensor]) -> torch.Tensor:
-        """:meth:`grad_norm` as a 0-dim tensor (the full norm, gathered from the shards)."""
-        norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), max_norm if max_norm > 0 else float("inf"), foreach=True
-        )
-        full = getattr(norm, "full_tensor", None)
-        return full() if callable(full) else norm
+        """:meth:`grad_norm` as a 0-dim tensor on the device (the whole gradient's norm from
+        the shards, :meth:`_global_norm`); the shards clipped as ``clip_grad_norm_`` does:
+        by ``min(1, max_norm / (norm + 1e-6))``."""
+        local = _local_tensors(grads)
+        norm = self._global_norm(local)
+        if max_norm > 0:
+            torch._foreach_mul_(local, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        return norm
 
     def _options(self) -> Any:
         from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -627,6 +651,11 @@ class Sharded(Replicated):
             "cpu_offload": self.offload,
             "between_micro_batches": self.between_micro_batches,
         }
+
+
+def _local_tensors(grads: List[torch.Tensor]) -> List[torch.Tensor]:
+    """This rank's part of each gradient: a DTensor's local shard, a plain tensor itself."""
+    return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
 
 
 def _model_keys(metadata: Any) -> set:

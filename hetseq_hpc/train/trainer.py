@@ -533,14 +533,11 @@ class Trainer:
 
     def can_defer(self) -> bool:
         """Whether a step may leave its loss and norm on the device (read one step late): a
-        replicated model (DDP) on the plain sum path with the fused optimizer, whose
-        ``found_inf`` skips a bad update on the device. The fp16 loss scale decides its skip on
-        the host, and FSDP's norm is gathered on the host: those read every step."""
-        return (
-            not self.grad_path.loss_scale.enabled
-            and not self.parallel.sharded
-            and bool(self.optimizer.defaults.get("fused"))
-        )
+        replicated (DDP) or sharded (FSDP: the norm all-reduced on the device from the shards)
+        model on the plain sum path with the fused optimizer, whose ``found_inf`` skips a bad
+        update on the device. The fp16 loss scale decides its skip on the host: it reads every
+        step."""
+        return not self.grad_path.loss_scale.enabled and bool(self.optimizer.defaults.get("fused"))
 
     def train_step(self, step: int, settle: Optional[bool] = None) -> StepRecord:
         """Run optimizer step ``step`` (1-based) and return what all ranks agree on.

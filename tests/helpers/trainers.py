@@ -26,6 +26,7 @@ def one_rank_trainer(
     global_batch: int = 8,
     cap: int = 3,
     precision: Optional[str] = None,
+    sharding: str = "ddp",
 ) -> Trainer:
     """A Trainer of rank 0 of a world of one, in ``run_dir``, on the small BERT (dropout off,
     no warm-up, seed 1, the tokens of ``token_cache``).
@@ -38,6 +39,7 @@ def one_rank_trainer(
         global_batch: samples per step.
         cap: the rank's largest micro-batch (samples): ``global_batch / cap`` micro-batches.
         precision: the rank's precision in its :class:`RankMeta` (None: not said).
+        sharding: ``ddp`` (a replica) or ``fsdp`` (FSDP2 over the world of one).
     """
     run = compose_run_config(
         [
@@ -66,4 +68,5 @@ def one_rank_trainer(
         torch.device("cpu"),
         allocate([1.0], global_batch, [cap]),
         [meta],
+        sharding=sharding,
     )

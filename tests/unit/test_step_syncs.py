@@ -58,6 +58,43 @@ def test_a_steady_state_step_synchronises_nothing_and_trains_the_same(make_train
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("cap", [B, 2], ids=["1-micro-batch", "4-micro-batches"])
+def test_a_steady_state_fsdp_step_synchronises_nothing_and_trains_the_same(
+    tmp_path, token_cache, cap
+):
+    """FSDP2 too: the gradient norm is all-reduced on the device from the shards (no
+    ``full_tensor``, nothing read), so steps 2-4 count 0 synchronisations and train what the
+    same steps read at once train."""
+    with single_process_rendezvous() as rdv:
+        late, now = (
+            one_rank_trainer(
+                tmp_path / name,
+                rdv,
+                token_cache,
+                "trainer.max_steps=6",
+                "trainer.grad_clip=0.5",
+                global_batch=B,
+                cap=cap,
+                sharding="fsdp",
+            )
+            for name in ("late", "now")
+        )
+        assert late.parallel.sharded and late.can_defer()
+        late.train_step(1, settle=False)
+        counted, records = [], []
+        for step in (2, 3, 4):
+            with SyncCounter() as counter:
+                records.append(late.train_step(step, settle=False))
+            counted.append(counter.summary())
+        late.settle_pending()
+        want = [now.train_step(step) for step in (1, 2, 3, 4)][1:]
+    assert counted == [{}, {}, {}], counted
+    assert [r.loss for r in records] == [r.loss for r in want]
+    assert [r.grad_norm for r in records] == [r.grad_norm for r in want]
+    for a, b in zip(late.model.parameters(), now.model.parameters()):
+        assert torch.equal(a.full_tensor(), b.full_tensor())
+
+
 def test_the_counter_sees_what_a_gpu_would_wait_for():
     """The counter itself: ``.item()``, a boolean mask and ``nonzero`` are counted, a gather by
     index is not."""
