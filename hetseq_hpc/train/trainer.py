@@ -535,9 +535,14 @@ class Trainer:
         """Whether a step may leave its loss and norm on the device (read one step late): a
         replicated (DDP) or sharded (FSDP: the norm all-reduced on the device from the shards)
         model on the plain sum path with the fused optimizer, whose ``found_inf`` skips a bad
-        update on the device. The fp16 loss scale decides its skip on the host: it reads every
-        step."""
-        return not self.grad_path.loss_scale.enabled and bool(self.optimizer.defaults.get("fused"))
+        update on the device. The fp16 loss scale decides its skip on the host, and FSDP with
+        ``sharding.cpu_offload`` keeps its shards (and their norm) on the CPU, the loss on the
+        GPU: those read every step."""
+        return (
+            not self.grad_path.loss_scale.enabled
+            and not getattr(self.parallel, "offload", False)
+            and bool(self.optimizer.defaults.get("fused"))
+        )
 
     def train_step(self, step: int, settle: Optional[bool] = None) -> StepRecord:
         """Run optimizer step ``step`` (1-based) and return what all ranks agree on.

@@ -95,6 +95,16 @@ def test_a_steady_state_fsdp_step_synchronises_nothing_and_trains_the_same(
         assert torch.equal(a.full_tensor(), b.full_tensor())
 
 
+def test_fsdp_with_cpu_offload_flag_faked_on_cpu_still_reads_every_step(tmp_path, token_cache):
+    """``sharding.cpu_offload`` (GPUs only: its flag is set by hand here, on a CPU rank) keeps
+    the shards and their norm on the CPU and the loss on the GPU: such a step is read at once."""
+    with single_process_rendezvous() as rdv:
+        trainer = one_rank_trainer(tmp_path, rdv, token_cache, global_batch=B, sharding="fsdp")
+        assert trainer.can_defer()
+        trainer.parallel.offload = True
+        assert not trainer.can_defer()
+
+
 def test_the_counter_sees_what_a_gpu_would_wait_for():
     """The counter itself: ``.item()``, a boolean mask and ``nonzero`` are counted, a gather by
     index is not."""
