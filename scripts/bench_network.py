@@ -1,20 +1,20 @@
 #!/usr/bin/env python3
-"""The planner's network term against the all-reduce time measured on shaped links (issue 46).
+"""The planner's network term against the all-reduce measured on shaped links (issue 46).
 
-Starts a test cluster of its own in network-namespace mode (scripts/test-cluster.sh,
-``HETSEQ_TESTCLUSTER_NETNS=1``; needs root), shapes every node's link to each rate in turn
-(tbf, both ways) and runs the default BERT as ``cluster=testcluster`` (3 ranks on 3 nodes,
-one sample per rank, a few steps). Measured: the median (and the minimum) over the steps
-after the first of ``allreduce_s`` in the step rows (rank 0's time with a gradient bucket's all-reduce in flight,
-:meth:`hetseq_hpc.train.ddp_hooks.HookState.comm_row`). Predicted: the planner's full ring
-all-reduce (``Prediction.allreduce_s`` of :func:`hetseq_hpc.plan.planner.make_plan` with
-``plan.link_gbps`` = the rate): ``2 (N-1)/N x gradient bytes / rate + 2 (N-1) x latency``.
-``predicted_trained_s`` is the same formula on the gradient bytes of the model the run trained
-(its last checkpoint's parameters, tied ones once): the planner sizes BERT's vocabulary from
-``task.data.vocab_size``, the tokenizer may stop below it on a small corpus. Nothing is fitted
-to this machine. Last line: one JSON object.
+Starts a namespaced test cluster of its own (scripts/test-cluster.sh, ``HETSEQ_TESTCLUSTER_NETNS=1``;
+root), shapes every node's link to each rate (tbf, both ways) and runs the default BERT as
+``cluster=testcluster`` (3 ranks, one sample each). Measured: the median and minimum
+``allreduce_s`` of the step rows after the first. Predicted: the planner's ring all-reduce,
+``2 (N-1)/N x gradient bytes / rate + 2 (N-1) x latency``, also on the trained model's bytes
+(``predicted_trained_s``). Nothing is fitted to this machine. Last line: one JSON object.
+
+``--balance``: two ranks (a100 n1 at full speed, v100 n3 slowed to ``--slow``), links at the
+first rate, global batch ``--global-batch``: hetseq_hpc's own split against fixed splits around
+the speed ratio and the equal one, interleaved in ``--rounds``; the ceiling is the round's best
+fixed split; rates from the median step time of the last two thirds of the steps.
 
     .venv/bin/python scripts/bench_network.py [--rates 1,10] [--steps 8] [--keep]   # as root
+    .venv/bin/python scripts/bench_network.py --balance [--rates 0.5] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -103,12 +103,90 @@ def measure(env: Dict[str, str], run_dir: Path, steps: int) -> Dict[str, Any]:
     }
 
 
+def balance_run(
+    env: Dict[str, str], run_dir: Path, args: argparse.Namespace, split: List[int]
+) -> Dict[str, Any]:
+    """One 2-rank job of ``--balance`` (``split``: a fixed split, or [] for hetseq_hpc's own)
+    -> its steady step time, rate, final split and all-reduce share of the step."""
+    steps = args.steps
+    overrides = [
+        "cluster=testcluster",
+        "cluster.wait=true",
+        "cluster.partitions.v100.nodes=1",
+        f"cluster.partitions.v100.emulate_speed={args.slow}",
+        f"trainer.global_batch_size={args.global_batch}",
+        f"trainer.max_steps={steps}",
+        f"optim.schedule_steps={steps}",
+        "trainer.val_every=0",
+        "trainer.checkpoint_every=0",
+        *([f"balance.allocation=[{split[0]},{split[1]}]"] if split else []),
+    ]
+    cmd = [sys.executable, "-m", "hetseq_hpc", *overrides, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench_network: the job failed:\n{proc.stderr[-3000:]}")
+    rows = [r for r in read_metrics(run_dir) if "step_time_s" in r and r.get("event") is None]
+    steady = rows[len(rows) // 3 :]
+    step_s = statistics.median(r["step_time_s"] for r in steady)
+    return {
+        "split": list(rows[-1]["allocation"]),
+        "step_time_s": step_s,
+        "samples_per_s": args.global_batch / step_s,
+        "allreduce_share": statistics.median(r.get("allreduce_s", 0.0) for r in steady) / step_s,
+        "exposed_share": statistics.median(r.get("allreduce_exposed_s", 0.0) for r in steady)
+        / step_s,
+    }
+
+
+def balance_rounds(env: Dict[str, str], work: Path, args: argparse.Namespace) -> Dict[str, Any]:
+    """``--balance``: hetseq_hpc's split against fixed splits, interleaved in rounds."""
+    batch = args.global_batch
+    ideal = batch / (1.0 + args.slow)  # the fast rank's share at equal compute time
+    fixed = sorted({max(1, min(batch - 1, round(ideal) + d)) for d in (-1, 0, 1, 2)})
+    fixed = sorted({*fixed, batch // 2})
+    rounds = []
+    for index in range(args.rounds):
+        got: Dict[str, Any] = {"own": balance_run(env, work / f"own-{index}", args, [])}
+        for first in fixed:
+            name = f"{first}-{batch - first}"
+            got[name] = balance_run(env, work / f"{name}-{index}", args, [first, batch - first])
+        ceiling = max(v["samples_per_s"] for k, v in got.items() if k != "own")
+        equal = got[f"{batch // 2}-{batch - batch // 2}"]["samples_per_s"]
+        got["efficiency"] = got["own"]["samples_per_s"] / ceiling
+        got["equal_vs_ceiling"] = equal / ceiling
+        got["best_fixed"] = max(
+            (k for k in got if k not in ("own", "efficiency", "equal_vs_ceiling")),
+            key=lambda k: got[k]["samples_per_s"],
+        )
+        print(
+            f"round {index}: own split {got['own']['split']} "
+            f"{got['own']['samples_per_s']:.1f} samples/s = {got['efficiency']:.3f} of the "
+            f"ceiling ({got['best_fixed']}); equal {got['equal_vs_ceiling']:.3f}; all-reduce "
+            f"{got['own']['allreduce_share']:.0%} of the step "
+            f"({got['own']['exposed_share']:.0%} exposed)",
+            file=sys.stderr,
+        )
+        rounds.append(got)
+    return {
+        "slow": args.slow,
+        "global_batch": batch,
+        "rounds": rounds,
+        "efficiency_median": statistics.median(r["efficiency"] for r in rounds),
+        "equal_vs_ceiling_median": statistics.median(r["equal_vs_ceiling"] for r in rounds),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rates", default="1,10", help="link rates, Gbit/s, comma-separated")
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=None, help="steps per job (8; --balance 30)")
     ap.add_argument("--keep", action="store_true", help="keep the runs and the cluster's logs")
+    ap.add_argument("--balance", action="store_true", help="the balancing on a slow link")
+    ap.add_argument("--slow", type=float, default=0.4, help="--balance: the slow rank's speed")
+    ap.add_argument("--global-batch", type=int, default=16, help="--balance: global batch")
+    ap.add_argument("--rounds", type=int, default=2, help="--balance: interleaved rounds")
     args = ap.parse_args()
+    args.steps = args.steps or (30 if args.balance else 8)
     rates = [float(r) for r in args.rates.split(",")]
     work = Path(tempfile.mkdtemp(prefix="hsq-bn-"))  # short: slurmstepd's socket path
     env = dict(os.environ)
@@ -123,6 +201,16 @@ def main() -> int:
     env["SLURM_CONF"] = start.stdout.strip().splitlines()[-1].split("=", 1)[1]
     results = []
     try:
+        if args.balance:  # one rate: every link shaped to it, then the rounds
+            rate = f"{rates[0]:g}gbit" if rates[0] >= 1 else f"{rates[0] * 1000:g}mbit"
+            for node in ("n1", "n2", "n3", "n4"):
+                shaped = cluster(env, "link", node, rate)
+                if shaped.returncode != 0:
+                    raise SystemExit(f"bench_network: {shaped.stderr.strip()}")
+            out = {"machine": f"{os.cpu_count()} CPU {_cpu_model()}", "link_gbps": rates[0]}
+            out.update(balance_rounds(env, work, args))
+            print(json.dumps(out))
+            return 0
         for gbps in rates:
             rate = f"{gbps:g}gbit" if gbps >= 1 else f"{gbps * 1000:g}mbit"
             for node in ("n1", "n2", "n3", "n4"):
