@@ -163,13 +163,8 @@ class Replicated:
         norm (before clipping) as a 0-dim tensor on the device (nothing read on the host)."""
         if not grads:
             return torch.zeros((), device=self.device)
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) * factor
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0) * factor
-            torch._foreach_mul_(grads, coef)
-        else:
-            torch._foreach_mul_(grads, factor)
-        return norm
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        return _scale_and_clip_with(grads, norm, factor, max_norm)
 
     def model_state(self) -> Dict[str, Any]:
         """The full model state (rank 0 saves it)."""
@@ -372,13 +367,7 @@ class Sharded(Replicated):
         as a 0-dim tensor on the device (nothing read on the host: the step can be read a
         step late, as a replicated one is)."""
         local = _local_tensors(grads)
-        norm = self._global_norm(local) * factor
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0) * factor
-            torch._foreach_mul_(local, coef)
-        else:
-            torch._foreach_mul_(local, factor)
-        return norm
+        return _scale_and_clip_with(local, self._global_norm(local), factor, max_norm)
 
     def grad_norm_tensor(self, max_norm: float, grads: List[torch.Tensor]) -> torch.Tensor:
         """:meth:`grad_norm` as a 0-dim tensor on the device (the whole gradient's norm from
@@ -651,6 +640,21 @@ class Sharded(Replicated):
             "cpu_offload": self.offload,
             "between_micro_batches": self.between_micro_batches,
         }
+
+
+def _scale_and_clip_with(
+    grads: List[torch.Tensor], norm: torch.Tensor, factor: float, max_norm: float
+) -> torch.Tensor:
+    """Multiply ``grads`` (whose whole norm is ``norm``, a 0-dim tensor) by ``factor`` and
+    ``clip_grad_norm_``'s coefficient ``min(1, max_norm / (factor x norm + 1e-6))`` in ONE
+    pass (``max_norm`` 0: by ``factor`` only); returns ``factor x norm``, the scaled norm
+    before clipping, on the device."""
+    scaled = norm * factor
+    if max_norm > 0:
+        torch._foreach_mul_(grads, torch.clamp(max_norm / (scaled + 1e-6), max=1.0) * factor)
+    else:
+        torch._foreach_mul_(grads, factor)
+    return scaled
 
 
 def _local_tensors(grads: List[torch.Tensor]) -> List[torch.Tensor]:
