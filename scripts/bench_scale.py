@@ -113,7 +113,7 @@ def allocate_seconds(n: int, repeats: int) -> Dict[str, float]:
             sharding=SimpleNamespace(mode="none"),
             trainer=SimpleNamespace(global_batch_size=PER_RANK * n + n // 2),
             balance=SimpleNamespace(allocation=None),
-            cluster=SimpleNamespace(memory_budgets_gb=None),
+            cluster=SimpleNamespace(memory_budgets_gb=None, device_kinds=lambda: None),
         )
         best = float("inf")
         for _ in range(repeats):
