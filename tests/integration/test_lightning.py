@@ -69,7 +69,9 @@ RUNS: Dict[str, List[str]] = {
         "0.05",
     ],
 }
-#: the re-balancing runs: a model wide enough that a throttled rank's compute shows
+#: the re-balancing runs: a model wide enough that a throttled rank's compute shows; 32
+#: steps (7 decision points): under CI's load the re-balancer's evidence gate held back every
+#: move of a 16-step run once (3 loaded runs of 32 steps all moved, 2026-11-29)
 WIDE = [
     "--features",
     "512",
@@ -80,7 +82,7 @@ WIDE = [
     "--global-batch-size",
     "64",
     "--max-steps",
-    "16",
+    "32",
 ]
 RUNS["wide_one"] = ["--devices", "1", *WIDE]
 RUNS["wide_slowed"] = [
