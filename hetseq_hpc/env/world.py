@@ -47,6 +47,12 @@ SLURM_PORT_BASE = 15000
 HET_NTASKS_ENV = "HETSEQ_HET_NTASKS"
 
 
+def slurm_job_port(job_id: int) -> int:
+    """The rendezvous port every rank of Slurm job ``job_id`` derives (``15000 + id % 20000``)
+    when ``MASTER_PORT`` is unset."""
+    return SLURM_PORT_BASE + int(job_id) % 20000
+
+
 def _int_var(env: Mapping[str, str], name: str, *, minimum: int = 0, hint: str = "") -> int:
     raw = env.get(name)
     if raw is None or raw == "":
@@ -249,7 +255,7 @@ class WorldInfo:
                     f"SLURM_JOB_ID={job_id!r} is not a job number, so no port can be derived: "
                     "set MASTER_PORT"
                 )
-            port = SLURM_PORT_BASE + int(job_id) % 20000
+            port = slurm_job_port(int(job_id))
         master = env.get("MASTER_ADDR")
         if not master:
             hosts = expand_hostlist(master_list, list_var)

@@ -33,7 +33,7 @@ from hetseq_hpc.distributed.admission import (
     refused_key,
 )
 from hetseq_hpc.env.hostlist import expand_hostlist
-from hetseq_hpc.env.world import SLURM_PORT_BASE
+from hetseq_hpc.env.world import slurm_job_port
 from hetseq_hpc.rundir.paths import RunDir
 
 if TYPE_CHECKING:  # the store's client is imported (with torch) in main() only
@@ -163,9 +163,7 @@ def replacement_env(
         environ.get("SLURM_JOB_NODELIST_HET_GROUP_0") or environ.get("SLURM_JOB_NODELIST", "")
     )
     job = environ.get("SLURM_JOB_ID", "0")
-    port = environ.get("MASTER_PORT") or str(
-        SLURM_PORT_BASE + (int(job) if job.isdigit() else 0) % 20000
-    )
+    port = environ.get("MASTER_PORT") or str(slurm_job_port(int(job) if job.isdigit() else 0))
     env = dict(environ)
     env.update(
         {
