@@ -37,11 +37,11 @@ class ShardingConfig:
     # under DDP); full = gathered to rank 0 into one file, as DDP writes (needs the whole model
     # and optimizer state in rank 0's CPU memory)
     checkpoint: str = "sharded"
-    # FSDP with gradient accumulation (several micro-batches per step): keep_unsharded = the
-    # parameters stay gathered from the step's first forward to its last backward (each unit is
-    # all-gathered once per step instead of twice per micro-batch; the rank holds the whole
-    # weights meanwhile); reshard = gathered again in every forward and backward (least
-    # memory); auto = keep_unsharded when the whole weights fit beside every rank's shard and
+    # FSDP within a step: keep_unsharded = the parameters stay gathered from the step's first
+    # forward to its last backward (each unit is all-gathered once per step instead of twice
+    # per micro-batch, a step of one micro-batch too; the rank holds the whole weights
+    # meanwhile); reshard = gathered again in every forward and backward (least memory);
+    # auto = keep_unsharded when the whole weights fit beside every rank's shard and
     # micro-batch in its memory budget (hetseq_hpc/train/fsdp_accumulation.py), else reshard
     between_micro_batches: str = "auto"
 

@@ -9,8 +9,9 @@ moves half of one): with ``K`` passes per step, resharded between them
 (``sharding.between_micro_batches=reshard``) FSDP all-gathers the parameters in every forward
 and every backward and reduce-scatters the gradients in every pass, ``3K / 2``; kept gathered
 (``keep_unsharded``, :mod:`hetseq_hpc.train.fsdp_accumulation`) it all-gathers once per step,
-``(K + 1) / 2``, but holds the whole weights (:func:`~hetseq_hpc.balance.memory.kept_gathered_bytes`),
-so with ``K >= 2`` the plan shows that as a third row (``fsdp-kept``). DDP moves one
+``(K + 1) / 2`` (one pass: 1), but holds the whole weights
+(:func:`~hetseq_hpc.balance.memory.kept_gathered_bytes`): the plan shows that as a third row
+(``fsdp-kept``). DDP moves one
 all-reduce; the extra is counted as exposed (an upper bound: FSDP2 prefetches the next unit's
 all-gather during compute).
 """
@@ -60,10 +61,10 @@ class ModeFit:
 
 def fsdp_traffic_factor(passes: int, keep_gathered: bool = False) -> float:
     """FSDP's bytes per step over a ring all-reduce's for ``K`` passes: ``3K / 2`` resharded
-    between passes, ``(K + 1) / 2`` with the parameters kept gathered (``K >= 2``: a step of
-    one pass is never kept gathered, 1.5 either way)."""
+    between passes, ``(K + 1) / 2`` with the parameters kept gathered from the step's first
+    forward to its last backward (one pass: 1, an all-gather and a reduce-scatter)."""
     k = max(int(passes), 1)
-    return (k + 1) / 2.0 if keep_gathered and k >= 2 else 1.5 * k
+    return (k + 1) / 2.0 if keep_gathered else 1.5 * k
 
 
 def mode_fits(
@@ -78,8 +79,8 @@ def mode_fits(
     gathered_weights: bool = True,
     root_params: Optional[int] = None,
 ) -> List[ModeFit]:
-    """:class:`ModeFit` of DDP and of FSDP (and, with ``passes >= 2``, of FSDP with the
-    parameters kept gathered between passes: ``fsdp-kept``) on ranks with ``memory_bytes``
+    """:class:`ModeFit` of DDP and of FSDP (and of FSDP with the parameters kept gathered
+    from the step's first forward to its last backward: ``fsdp-kept``) on ranks with ``memory_bytes``
     budgets.
 
     Args:
@@ -130,8 +131,8 @@ def mode_fits(
         ),
         fsdp_fit("fsdp", False),
     ]
-    if passes >= 2:  # sharding.between_micro_batches=keep_unsharded (auto picks it where it fits)
-        fits.append(fsdp_fit("fsdp-kept", True))
+    # sharding.between_micro_batches=keep_unsharded (auto picks it where it fits)
+    fits.append(fsdp_fit("fsdp-kept", True))
     return fits
 
 

@@ -2,8 +2,9 @@
 (``sharding.between_micro_batches``; the mechanism is :meth:`hetseq_hpc.train.parallel.Sharded.sync`).
 
 Kept gathered (``keep_unsharded``), each unit is all-gathered once per step instead of in every
-forward and backward; ``auto`` does so only when every rank says the whole weights fit beside
-its shard and largest pass (one job-wide choice, agreed at start-up and after a re-formation).
+forward and backward (a step of one pass too: its backward gathers nothing); ``auto`` does so
+only when every rank says the whole weights fit beside its shard and largest pass (one
+job-wide choice, agreed at start-up and after a re-formation).
 The all-gather counts, what is not skipped and the memory rule:
 docs/design/sharding.md, "Accumulation without resharding between micro-batches".
 """
@@ -55,15 +56,15 @@ def agree_on_accumulation(
         rdv: the joined rendezvous (one all-gather when there is a choice to make).
 
     Returns:
-        ``keep_unsharded``, ``reshard``, ``one_pass`` (no accumulation: nothing between
-        passes) or ``ddp`` (not sharded).
+        ``keep_unsharded`` (a step of one pass too: gathered from its forward to its
+        backward), ``reshard`` or ``ddp`` (not sharded).
     """
     if not getattr(parallel, "sharded", False):
         return "ddp"
     shard = cast(Sharded, parallel)  # sharded: the FSDP2 strategy
     setting = str(sharding.between_micro_batches)
     passes = max(len(s.micro_sizes) for s in allocation.shares)
-    chosen = "one_pass" if passes < 2 else setting
+    chosen = setting
     if chosen in ("auto", "keep_unsharded"):
         rank = rdv.world.rank
         sizes = shard.sizes

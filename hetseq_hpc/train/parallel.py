@@ -326,10 +326,11 @@ class Sharded(Replicated):
     @contextlib.contextmanager
     def sync(self, last: bool) -> Iterator[None]:
         """Around a pass's forward: reduce-scatter in every pass (the memory of the shards
-        only; see the module doc). Under ``keep_unsharded``, in a step of several passes, the
-        units stay gathered after this forward and, unless ``last``, after its backward too
-        (the next pass gathers nothing); the last backward reshards them for the optimizer."""
-        if self.between_micro_batches != "keep_unsharded" or self._passes < 2:
+        only; see the module doc). Under ``keep_unsharded`` the units stay gathered after this
+        forward (its backward gathers nothing) and, unless ``last``, after its backward too
+        (the next pass gathers nothing); the last backward reshards them for the optimizer:
+        one all-gather per unit per step, a step of one pass included."""
+        if self.between_micro_batches != "keep_unsharded":
             yield
             return
         for module in self.fsdp_modules:

@@ -119,12 +119,24 @@ def test_every_rank_must_fit_for_auto_to_keep_the_weights_gathered(
     assert ("may run out of memory" in caplog.text) == (setting == "keep_unsharded")
 
 
-def test_nothing_to_decide_without_accumulation_under_reshard_or_ddp():
+def test_a_step_of_one_pass_keeps_the_weights_gathered_from_forward_to_backward_where_they_fit(
+    caplog,
+):
+    """Without accumulation ``auto`` still decides (one all-gather per unit per step instead
+    of two: the backward gathers nothing) by the same memory rule."""
     single = SimpleNamespace(shares=[_share(24, [24]), _share(8, [8])])
+    caplog.set_level("INFO")
+    for budget, other, expected in ((1000, True, "keep_unsharded"), (1000, False, "reshard")):
+        parallel, rdv = _sharded(), _rdv(other)
+        reports = [_report(budget, 2), _report(1000, 2)]
+        assert agree_on_accumulation(_cfg("auto"), parallel, single, reports, rdv) == expected
+        assert parallel.between_micro_batches == expected
+        assert len(rdv.calls) == 1
+    assert "sharding.between_micro_batches=auto -> keep_unsharded, 1 passes" in caplog.text
+
+
+def test_nothing_to_decide_under_reshard_or_ddp():
     rdv = _rdv(True)
-    parallel = _sharded()
-    assert agree_on_accumulation(_cfg("auto"), parallel, single, [], rdv) == "one_pass"
-    assert parallel.between_micro_batches == "one_pass"
     assert agree_on_accumulation(_cfg("reshard"), _sharded(), ACCUMULATING, [], rdv) == "reshard"
     assert (
         agree_on_accumulation(_cfg("auto"), SimpleNamespace(sharded=False), ACCUMULATING, [], rdv)
@@ -197,4 +209,31 @@ def test_the_weights_stay_gathered_between_passes_and_the_gradients_are_the_same
         assert seen["keep_unsharded"] == [False, False, True]
         for name in grads["plain"]:
             assert torch.allclose(grads["plain"][name], grads["keep_unsharded"][name], atol=1e-6)
+            assert torch.equal(grads["reshard"][name], grads["keep_unsharded"][name])
+
+
+def test_a_step_of_one_pass_under_keep_unsharded_gathers_once_and_gives_the_same_gradients():
+    """One-rank FSDP2, one pass: under ``keep_unsharded`` the units stay gathered from the
+    forward into the backward (which then gathers nothing) and are resharded after it, for
+    the optimizer; the gradients equal resharding's bit for bit."""
+    torch.manual_seed(0)
+    plain = _Net()
+    x = torch.randn(3, 4)
+    with single_process_rendezvous():
+        grads, after_forward = {}, {}
+        for mode in ("reshard", "keep_unsharded"):
+            model = _Net()
+            model.load_state_dict(plain.state_dict())
+            strategy = Sharded(model, list(model.blocks), torch.device("cpu"))
+            strategy.between_micro_batches = mode
+            share = _share(3, [3])
+            strategy.pass_sizes(share, [share])
+            with strategy.sync(True):
+                loss = model(x)
+            after_forward[mode] = isinstance(model.blocks[0][0].weight, DTensor)
+            loss.backward()
+            assert isinstance(model.blocks[0][0].weight, DTensor)  # resharded for the step
+            grads[mode] = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+        assert after_forward == {"reshard": True, "keep_unsharded": False}
+        for name in grads["reshard"]:
             assert torch.equal(grads["reshard"][name], grads["keep_unsharded"][name])
