@@ -11,8 +11,10 @@ directory after the re-form (file by file: tests/helpers/fence_audit.py).
 
 ``--mode sigstop``: a SIGSTOP of the rank on the local launcher stands in for the partition, a
 SIGCONT for the link's return. ``--mode netns``: ``scripts/test-cluster.sh link nX down|up`` on
-the rank's node; the link returns as soon as the others went on (``--down-s``: later; past the
-test cluster's ``SlurmdTimeout``, 15 s, Slurm ends the step as for a failed node).
+the rank's node; the link returns as soon as the others went on (``--down-s``: later). Its
+cluster runs with Slurm's default ``SlurmdTimeout`` of 300 s (``--slurmd-timeout``; the CI
+test cluster's is 15 s): a cut longer than it is a node failure to Slurm, which ends the step
+and requeues the job (it then resumes from its last checkpoint, not in-job).
 Last line: one JSON object with ``runs``, ``survived``, ``writes_after_fence`` (must be 0) and
 ``max_rel_loss_diff``. Under Slurm the rank's stderr (its one line) and submitit's result go to
 ``submitit/``: listed per drill, not counted as writes into the run's records.
@@ -142,9 +144,14 @@ class NetnsCluster:
     """A test cluster of its own in network-namespace mode (scripts/test-cluster.sh), for the
     drills' Slurm runs; ``link(node, "down"|"up")`` cuts or restores a node's link."""
 
-    def __init__(self) -> None:
+    def __init__(self, slurmd_timeout_s: int = 300) -> None:
         self.state = tempfile.mkdtemp(prefix="hsq-")  # short: slurmstepd's socket path
-        self.env = dict(os.environ, HETSEQ_TESTCLUSTER_DIR=self.state, HETSEQ_TESTCLUSTER_NETNS="1")
+        self.env = dict(
+            os.environ,
+            HETSEQ_TESTCLUSTER_DIR=self.state,
+            HETSEQ_TESTCLUSTER_NETNS="1",
+            HETSEQ_TESTCLUSTER_SLURMD_TIMEOUT=str(slurmd_timeout_s),
+        )
         self.conf = ""
 
     def start(self) -> None:
@@ -307,8 +314,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         type=float,
         default=0.0,
         help="netns: seconds from the cut to the link's return, at least until the others "
-        "went on without the rank (default 0: at once then; a cut longer than the test "
-        "cluster's SlurmdTimeout, 15 s, is a node failure to Slurm, which ends the step)",
+        "went on without the rank (default 0: at once then; a cut longer than "
+        "--slurmd-timeout is a node failure to Slurm, which ends the step)",
+    )
+    parser.add_argument(
+        "--slurmd-timeout",
+        type=int,
+        default=300,
+        help="netns: the drills' cluster's SlurmdTimeout in s (default 300, Slurm's own)",
     )
     parser.add_argument(
         "--timeout-s", type=float, default=8.0, help="trainer.elastic.timeout_s (8)"
@@ -338,7 +351,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     reference = losses(ref_dir)
     results = []
-    cluster = NetnsCluster() if args.mode == "netns" else None
+    cluster = NetnsCluster(args.slurmd_timeout) if args.mode == "netns" else None
     try:
         if cluster is not None:
             cluster.start()
@@ -352,6 +365,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     diffs = [r["max_rel_loss_diff"] for r in results if r.get("max_rel_loss_diff") is not None]
     summary = {
         "mode": args.mode,
+        "down_s": args.down_s,
+        "slurmd_timeout_s": args.slurmd_timeout if args.mode == "netns" else None,
         "runs": len(results),
         "survived": sum(bool(r["survived"]) for r in results),
         "ended_itself": sum(bool(r.get("ended_itself")) for r in results),

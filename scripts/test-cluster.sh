@@ -36,6 +36,9 @@
 #   HETSEQ_TESTCLUSTER_NETNS            1: every node in its own network namespace with its own
 #                                       address on a bridge (nodes c<TAG>n1..4; section "netns")
 #   HETSEQ_TESTCLUSTER_LINKS            netns mode: shaped links, e.g. n1=10gbit,n3=1gbit (tbf)
+#   HETSEQ_TESTCLUSTER_SLURMD_TIMEOUT   slurm.conf's SlurmdTimeout, s (default 15; Slurm's own
+#                                       default, as on most clusters, is 300): a node silent
+#                                       longer is DOWN and its jobs' steps end
 #
 # Progress messages go to stderr; stdout of `start` is only the `export SLURM_CONF=...` line,
 # so both `eval "$(scripts/test-cluster.sh start)"` and `... start | tail -n1` work.
@@ -47,6 +50,7 @@ TIMEOUT=${HETSEQ_TESTCLUSTER_TIMEOUT:-60}
 CTLD_PORT=${HETSEQ_TESTCLUSTER_CTLD_PORT:-auto}
 SLURMD_PORT_BASE=${HETSEQ_TESTCLUSTER_SLURMD_PORT_BASE:-auto}
 EDIT_HOSTS=${HETSEQ_TESTCLUSTER_EDIT_HOSTS:-1}
+SLURMD_TIMEOUT=${HETSEQ_TESTCLUSTER_SLURMD_TIMEOUT:-15}
 
 EXIT_UNAVAILABLE=3
 NODES=(n1 n2 n3 n4)
@@ -188,6 +192,8 @@ check_settings() {
         die 1 "HETSEQ_TESTCLUSTER_SLURMD_PORT_BASE must be a number or auto (got '$SLURMD_PORT_BASE')"
     [[ $NETNS_WANTED == 0 || $NETNS_WANTED == 1 ]] ||
         die 1 "HETSEQ_TESTCLUSTER_NETNS must be 0 or 1 (got '$NETNS_WANTED')"
+    [[ $SLURMD_TIMEOUT =~ ^[0-9]+$ ]] && (( SLURMD_TIMEOUT >= 5 )) ||
+        die 1 "HETSEQ_TESTCLUSTER_SLURMD_TIMEOUT must be a whole number of seconds >= 5 (got '$SLURMD_TIMEOUT'), e.g. 300"
 }
 
 # ----------------------------------------------------------------- installation
@@ -314,7 +320,8 @@ GresTypes=gpu
 # reaching its EligibleTime (a requeued job) is no change; node pings/registrations are.
 # Measured: a requeued het job restarts 11-19 s after 'scontrol requeue' (22-38 s with
 # SlurmdTimeout=60); any job update after EligibleTime starts it within ~1 s.
-SlurmdTimeout=15
+# HETSEQ_TESTCLUSTER_SLURMD_TIMEOUT sets it (scripts/partition_drills.py: Slurm's default 300).
+SlurmdTimeout=$SLURMD_TIMEOUT
 InactiveLimit=0
 # Finished jobs stay visible to squeue/scontrol for 5 min (an squeue-based job watcher
 # relies on seeing COMPLETED/FAILED/CANCELLED states without sacct).
