@@ -14,6 +14,7 @@ Tiers: bare ``pytest`` runs ``unit/`` only (minutes, between edits); ``--integra
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -63,12 +64,17 @@ def pytest_ignore_collect(collection_path, config):
 
 def pytest_runtest_logreport(report):
     """With ``HETSEQ_TEST_TIMES=<file>``, append each test phase's duration as it ends
-    (``<seconds> <phase> <outcome> <node id>``): a suite's slow tests can be read while it runs
-    (``--durations`` prints them only at its end)."""
+    (``<seconds> <phase> <outcome> <node id> @<end, Unix time> <xdist worker>``): a suite's
+    slow tests can be read while it runs (``--durations`` prints them only at its end), and
+    when each worker ended its last test."""
     path = os.environ.get("HETSEQ_TEST_TIMES")
     if path:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         with open(path, "a", encoding="utf-8") as fh:
-            fh.write(f"{report.duration:9.2f} {report.when} {report.outcome} {report.nodeid}\n")
+            fh.write(
+                f"{report.duration:9.2f} {report.when} {report.outcome} {report.nodeid} "
+                f"@{time.time():.0f} {worker}\n"
+            )
 
 
 #: the integration files whose single tests run longest (1-2 minutes each in CI: several
