@@ -27,8 +27,8 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from multiprocessing.connection import Client, Connection
-from typing import List, Optional, Sequence
+from multiprocessing.connection import Connection
+from typing import List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -53,6 +53,22 @@ log = logging.getLogger(__name__)
 #: hold only the C++ half of a Python store, and once the Python object is collected its
 #: methods are gone ("Not implemented", torch 2.13); a process makes one or two clients
 _LIVE: List[AuthStoreClient] = []
+
+
+def _dial(address: Tuple[str, int], timeout_s: float) -> Connection:
+    """A blocking :class:`~multiprocessing.connection.Connection` to ``address``, as
+    ``multiprocessing.connection.Client`` makes, with its TCP connect bounded by ``timeout_s``
+    seconds (at least 0.05): a host cut off without a reset (its link down, packets dropped)
+    would hold ``Client``'s unbounded connect for the kernel's SYN retries, about two minutes,
+    past every timeout of the caller.
+
+    Raises:
+        OSError: ``TimeoutError`` (nothing answered in time), ``ConnectionRefusedError``,
+            ``OSError`` (no route to the host, a name that does not resolve).
+    """
+    sock = socket.create_connection(address, timeout=max(timeout_s, 0.05))
+    sock.settimeout(None)  # requests block; a reply timeout is set on the connection
+    return Connection(sock.detach())
 
 
 class AuthStoreClient(dist.Store):
@@ -103,9 +119,9 @@ class AuthStoreClient(dist.Store):
         deadline = time.monotonic() + max(connect_s, 0.1)
         while True:
             try:
-                conn = Client(self._address)
+                conn = _dial(self._address, deadline - time.monotonic())
                 break
-            except (TimeoutError, ConnectionRefusedError) as exc:
+            except OSError as exc:  # refused, timed out, no route: again until the deadline
                 if time.monotonic() > deadline:
                     raise dist.DistNetworkError(
                         f"the job's store at {self._where} does not answer ({type(exc).__name__})"

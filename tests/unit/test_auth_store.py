@@ -111,6 +111,35 @@ def test_a_client_that_stalls_the_handshake_blocks_nobody(server):
         assert time.monotonic() - start < 3
 
 
+def test_a_store_whose_host_drops_the_connect_is_given_up_within_the_timeout():
+    """A cut-off host drops the SYN (no reset): ``multiprocessing``'s ``Client`` would wait the
+    kernel's SYN retries (about two minutes) past every timeout, and a rank cut off from the
+    master's node would never say so. Stood in for by a listener whose accept queue is full
+    (its next SYN is dropped, as a downed link drops it): the client gives up after its
+    ``timeout`` with the store's address named."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        host, port = listener.getsockname()
+        with socket.create_connection((host, port), timeout=5):  # fills the accept queue
+            outcome: list = []
+
+            def connect() -> None:
+                try:
+                    AuthStoreClient(host, port, TOKEN, timedelta(seconds=0.5))
+                except dist.DistNetworkError as exc:
+                    outcome.append(str(exc))
+
+            worker = threading.Thread(target=connect, daemon=True)
+            worker.start()
+            worker.join(timeout=20)  # a guard: the connect must end on its own, long before
+            assert not worker.is_alive(), "the connect was not bounded by the timeout"
+    assert outcome == [
+        f"the job's store at {host}:{port} does not answer (TimeoutError): its launcher is "
+        "gone or the address is wrong"
+    ]
+
+
 def test_the_server_listens_on_its_address_only(server):
     assert _listening(server.port) == [f"0100007F:{server.port:04X}"]  # 127.0.0.1 only
     with pytest.raises(OSError):  # the port is taken on that address
