@@ -8,16 +8,16 @@ directory after the re-form (file by file: tests/helpers/fence_audit.py).
 
     python scripts/partition_drills.py                  # 10 drills, --mode sigstop
     python scripts/partition_drills.py --mode netns     # a namespaced test cluster of its own
+    python scripts/partition_drills.py --mode netns --cut master --down-s 30
 
-``--mode sigstop``: a SIGSTOP of the rank on the local launcher stands in for the partition, a
-SIGCONT for the link's return. ``--mode netns``: ``scripts/test-cluster.sh link nX down|up`` on
-the rank's node; the link returns as soon as the others went on (``--down-s``: later). Its
-cluster runs with Slurm's default ``SlurmdTimeout`` of 300 s (``--slurmd-timeout``; the CI
-test cluster's is 15 s): a cut longer than it is a node failure to Slurm, which ends the step
-and requeues the job (it then resumes from its last checkpoint, not in-job).
-Last line: one JSON object with ``runs``, ``survived``, ``writes_after_fence`` (must be 0) and
-``max_rel_loss_diff``. Under Slurm the rank's stderr (its one line) and submitit's result go to
-``submitit/``: listed per drill, not counted as writes into the run's records.
+``--mode sigstop``: a SIGSTOP of the rank stands in for the cut, a SIGCONT for the return.
+``--mode netns``: ``scripts/test-cluster.sh link nX down|up`` on the rank's node, back once the
+others went on (``--down-s``: later), on a cluster with Slurm's default ``SlurmdTimeout`` of
+300 s (a longer cut is a node failure: the job is requeued and resumes from its checkpoint).
+``--cut master``: rank 0's node, the batch host with the job's store, is cut instead (rank 0
+goes on; ranks 1 and 2 are audited; the newest checkpoint must verify). Last line: one JSON
+object with ``runs``, ``survived``, ``writes_after_fence`` (must be 0), ``max_rel_loss_diff``.
+Slurm's capture of a rank's stderr and submitit's result (in ``submitit/``) are not counted.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ from typing import Any, Dict, List, Optional
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from hetseq_hpc.errors import CheckpointError  # noqa: E402
+from hetseq_hpc.rundir.paths import RunDir  # noqa: E402
+from hetseq_hpc.train.checkpoint.manager import CheckpointManager, verified_run_id  # noqa: E402
 from tests.helpers.fence_audit import writes_after_fence  # noqa: E402
 from tests.helpers.runs import SMALL_MODEL, cli_env, losses, step_rows, worker_pids  # noqa: E402
 
@@ -183,7 +186,7 @@ class LinkDown:
     def __init__(self, cluster: NetnsCluster, run_dir: Path, rank: int):
         ranks = json.loads((run_dir / "allocation.json").read_text())["ranks"]
         self.node, self.cluster = ranks[rank]["node"], cluster
-        if self.node == ranks[0]["node"]:
+        if rank != 0 and self.node == ranks[0]["node"]:
             raise RuntimeError(f"rank {rank} shares rank 0's node {self.node}: not a drill")
 
     def down(self) -> None:
@@ -204,6 +207,15 @@ def _lost(run_dir: Path, rank: int) -> bool:
     )
 
 
+def _newest_verifies(run_dir: Path) -> bool:
+    """Whether the run directory's newest checkpoint verifies (checksum, run id)."""
+    try:
+        kept = CheckpointManager(RunDir(run_dir)).list()
+        return bool(kept) and bool(verified_run_id(kept[-1]))
+    except (CheckpointError, OSError):
+        return False
+
+
 def drill(
     index: int,
     args: argparse.Namespace,
@@ -218,16 +230,20 @@ def drill(
     # netns: the survivors must still train when the link comes back (--down-s after the cut)
     at = rng.randint(2, args.steps - 6 if cluster is None else max(3, args.steps // 4))
     victim = rng.randint(1, 2)
+    master = args.cut == "master"
+    # --cut master: rank 0's node, the batch host with the job's store, is cut off from the
+    # others; rank 0 keeps the store, so the others are the ones left out (and audited)
+    audited = [1, 2] if master else [victim]
     run_dir = root / f"drill{index}"
     started = time.monotonic()
     where = RUNS[args.mode]
     env = {"SLURM_CONF": cluster.conf} if cluster is not None else None
     proc = _start(run_dir, cache, args.steps, *where, *args.extra, env=env)
-    result: Dict[str, Any] = {"drill": index, "step": at, "rank": victim}
+    result: Dict[str, Any] = {"drill": index, "step": at, "rank": 0 if master else victim}
     try:
         _wait(f"step {at}", lambda: step_rows(run_dir) >= at, proc)
         if cluster is not None:
-            cut: Any = LinkDown(cluster, run_dir, victim)
+            cut: Any = LinkDown(cluster, run_dir, 0 if master else victim)
             result["node"] = cut.node
         else:
             cut = SigStop(run_dir, victim)
@@ -241,7 +257,11 @@ def drill(
                 proc,
             )
         else:  # the survivors' membership row, then the link stays down --down-s in all
-            _wait(f"rank {victim} left out", lambda: _lost(run_dir, victim), proc)
+            _wait(
+                f"rank(s) {audited} left out",
+                lambda: all(_lost(run_dir, r) for r in audited),
+                proc,
+            )
             time.sleep(max(0.0, args.down_s - (time.time_ns() - cut_ns) / 1e9))
         came_back = time.time_ns()
         cut.up()
@@ -264,16 +284,23 @@ def drill(
         out += "".join(
             p.read_text(errors="replace") for p in (run_dir / "submitit").glob("*_log.err")
         )
-    said = [line for line in out.splitlines() if f"rank {victim} was left out: the others" in line]
+    said = [
+        line
+        for line in out.splitlines()
+        for r in audited
+        if f"rank {r} was left out: the others" in line
+        or f"rank {r} cannot reach the job's store" in line
+    ]
     # a SIGSTOPped rank writes nothing until it comes back; a cut-off one computes on, and
     # no write of it is allowed once its lease (stale_s / 2, from before the cut) ran out
     since = came_back if cluster is None else cut_ns + int(args.timeout_s / 4 * 1e9)
-    fenced = writes_after_fence(run_dir, victim, since)
+    fenced = [w for r in audited for w in writes_after_fence(run_dir, r, since)]
     # not the run's records: Slurm's capture of the task's stdout/stderr (its one line) and
     # submitit's result of the task, which the Slurm launcher reads (listed, not counted)
     scheduler = sorted(
         p.name
-        for p in (run_dir / "submitit").glob(f"*_{victim}_*")
+        for r in audited
+        for p in (run_dir / "submitit").glob(f"*_{r}_*")
         if p.stat().st_mtime_ns >= since
     )
     result.update(
@@ -289,6 +316,7 @@ def drill(
             else bool(said)
         ),
         said=said[0].split(": ", 1)[-1] if said else None,
+        last_checkpoint_verified=_newest_verifies(run_dir),
         writes_after_fence=fenced,
         scheduler_files_after_fence=scheduler,
         seconds=round(time.monotonic() - started, 1),
@@ -302,6 +330,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=10, help="how many drills (default 10)")
     parser.add_argument("--mode", choices=("sigstop", "netns"), default="sigstop")
+    parser.add_argument(
+        "--cut",
+        choices=("other", "master"),
+        default="other",
+        help="netns: cut rank 1 or 2's node (other, default) or rank 0's, the batch host with "
+        "the job's store (master: rank 0 keeps the store and goes on, the others stop)",
+    )
     parser.add_argument("--ranks", type=int, default=3, help=argparse.SUPPRESS)
     parser.add_argument(
         "--steps", type=int, default=None, help="steps of each run (default 24; netns 80)"
@@ -328,6 +363,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     parser.add_argument("extra", nargs="*", help="more overrides for every run")
     args = parser.parse_args(argv)
+    if args.cut == "master" and args.mode != "netns":
+        parser.error("--cut master needs --mode netns (the local launcher's store: the tests)")
     if args.mode == "netns" and netns_unavailable():
         print(f"partition_drills: error: {netns_unavailable()}", file=sys.stderr)
         return 2
@@ -365,12 +402,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     diffs = [r["max_rel_loss_diff"] for r in results if r.get("max_rel_loss_diff") is not None]
     summary = {
         "mode": args.mode,
+        "cut": args.cut,
         "down_s": args.down_s,
         "slurmd_timeout_s": args.slurmd_timeout if args.mode == "netns" else None,
         "runs": len(results),
         "survived": sum(bool(r["survived"]) for r in results),
         "ended_itself": sum(bool(r.get("ended_itself")) for r in results),
         "writes_after_fence": sum(len(r.get("writes_after_fence") or []) for r in results),
+        "last_checkpoint_verified": sum(bool(r.get("last_checkpoint_verified")) for r in results),
         "max_rel_loss_diff": max(diffs) if diffs else None,
         "drills": [
             {k: r.get(k) for k in ("step", "rank", "exit", "seconds", "error") if r.get(k)}
