@@ -460,8 +460,15 @@ class Sharded(Replicated):
     ) -> Path:
         """Checkpoint ``step`` (a collective): under ``checkpoint=sharded`` every rank writes
         its shards (:meth:`write_shards`, :meth:`CheckpointManager.save_sharded`) and rank 0
-        the record (``state(False)``); else the whole state is gathered by every rank and rank 0
+        the record (``state(False)``), in the background with ``trainer.checkpoint_async``
+        (:meth:`CheckpointManager.save_sharded_in_background`: only the staging of this rank's
+        shards to CPU memory blocks); else the whole state is gathered by every rank and rank 0
         writes it."""
+        if self.checkpoint == "sharded" and checkpoints.asynchronous and rdv.cpu_group is not None:
+            # trainer.checkpoint_async: staged here, written and committed in the background
+            tensors, groups = self.shard_state(optimizer)
+            entries = {"model": {}, "optimizer": {"param_groups": groups}}
+            return checkpoints.save_sharded_in_background(step, rdv, state(False), tensors, entries)
         if self.checkpoint == "sharded":
             return checkpoints.save_sharded(
                 step, rdv, state(False), functools.partial(self.write_shards, optimizer)

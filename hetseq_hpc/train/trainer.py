@@ -166,7 +166,10 @@ class Trainer:
         self._graphs_before = compiled_graphs() if self.compiled else 0  # by others before
         self.optimizer, self.scheduler = build_optimizer(model, run)
         self.checkpoints = CheckpointManager(
-            self.run_dir, self.cfg.keep_checkpoints, self.cfg.checkpoint_async
+            self.run_dir,
+            self.cfg.keep_checkpoints,
+            self.cfg.checkpoint_async,
+            run.cluster.collective_timeout_s,
         )
         # where the run stands
         self.step = 0  # last completed optimizer step; global batch ``step`` comes next

@@ -43,6 +43,17 @@ QUICK = [
     "balance.calibration_steps=1",
     "trainer.global_batch_size=16",
 ]
+#: FSDP on 2 ranks, sharded checkpoints (the default of sharding.mode=fsdp), dropout off
+SHARDED = [
+    *SMALL_MODEL,
+    "cluster.ranks=2",
+    "sharding.mode=fsdp",
+    "task.model.dropout=0.0",
+    "trainer.val_every=0",
+    "balance.calibration_steps=1",
+    "trainer.global_batch_size=16",
+    "optim.schedule_steps=1000",
+]
 
 
 def _cli(run_dir: Path, token_cache: Path, *overrides: str, timeout: float = 600):
@@ -306,6 +317,58 @@ def test_kill_9_during_a_background_write_resumes_the_previous_checkpoint_exactl
     assert f"resumed from {CheckpointManager(RunDir(run_dir)).path(2)} at step 2" in said
     assert_same_losses(trained, losses(run_dir), range(3, 7))
     assert [p.name for p in CheckpointManager(RunDir(run_dir)).list()] == ["step_00000006.pt"]
+
+
+@pytest.mark.slow
+def test_kill_9_during_a_background_sharded_write_resumes_the_previous_checkpoint_exactly(
+    tmp_path, token_cache
+):
+    """Issue 43, FSDP on 2 ranks (sharded checkpoints): the background write of step 4 is held
+    on rank 0 after every rank's shards are written and renamed, before its record (the
+    test-only hook), while steps 5 and 6 train on both ranks: the training thread is not
+    blocked by it. Then every rank is killed -9: step 2 is the checkpoint a resume takes,
+    step 4's unreferenced shards and temp file are swept, and the resumed steps 3-6 log the
+    same losses."""
+    hold, run_dir = tmp_path / "hold", tmp_path / "run"
+    hold.mkdir()
+    (hold / "hold_4").touch()
+    every = [
+        *SHARDED,
+        "trainer.max_steps=6",
+        "trainer.checkpoint_every=2",
+        "trainer.keep_checkpoints=1",
+    ]
+    proc = start_hetseq(
+        *every,
+        f"hydra.run.dir={run_dir}",
+        env={**cli_env(token_cache), HOLD_ENV: str(hold)},
+        new_session=True,
+    )
+    folder = run_dir / "checkpoints"
+    try:
+        wait_for(lambda: (hold / "held_4").exists(), "the write of step 4 held", proc=proc)
+        # training goes on while step 4 is written; the last step's save waits for it
+        wait_for(lambda: step_rows(run_dir) >= 6, "step 6 trained", proc=proc)
+        assert not (folder / "step_00000004.pt").exists(), "step 4 was committed while held"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    trained = losses(run_dir)
+    manager = CheckpointManager(RunDir(run_dir))
+    assert [p.name for p in manager.list()] == ["step_00000002.pt"]
+    left = sorted(p.name for p in folder.iterdir())
+    assert [n for n in left if n.startswith("step_00000004.")], left  # its shards, no record
+    resumed = hetseq(*every, f"hydra.run.dir={run_dir}", token_cache=token_cache, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    said = (run_dir / "logs" / "rank0.log").read_text()
+    assert f"resumed from {manager.path(2)} at step 2" in said
+    assert_same_losses(trained, losses(run_dir), range(3, 7))
+    assert [p.name for p in manager.list()] == ["step_00000006.pt"]
+    kept = load_checkpoint(manager.path(6))  # the record and every shard verify
+    left = sorted(p.name for p in folder.iterdir())
+    assert left == sorted(["step_00000006.pt", "step_00000006.pt.sha256", kept["shards"]["dir"]])
 
 
 @pytest.mark.slow

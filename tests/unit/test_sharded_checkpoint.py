@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import threading
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 from hetseq_hpc.distributed.rendezvous import single_process_rendezvous
 from hetseq_hpc.errors import CheckpointError
 from hetseq_hpc.rundir.paths import RunDir
+from hetseq_hpc.train.checkpoint.background import BackgroundWrite, ShardStager, shard_layout
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint
 from hetseq_hpc.train.checkpoint.shards import MANIFEST, METADATA, full_state, shard_dir_of
 from hetseq_hpc.train.parallel import Sharded
@@ -190,3 +192,106 @@ def test_a_sharded_checkpoint_rewritten_at_a_corrupt_ones_step_keeps_both(tmp_pa
     assert sorted(p.name for p in corrupt.iterdir()) == sorted(
         ["step_00000002.pt", "step_00000002.pt.sha256", old_shards.name]
     )
+
+
+# ----------------------------------------------------------------------------- in the background
+#: a guard against hangs, not a speed check
+GUARD_S = 120.0
+
+
+def _held(manager: CheckpointManager, step: int):
+    """Hold the background write of ``step`` before its record is renamed: ``(held, release)``."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold(at: int) -> None:
+        if at == step:
+            held.set()
+            assert release.wait(GUARD_S), "the test never released the write"
+
+    manager.test_hold = hold
+    return held, release
+
+
+def test_a_background_sharded_save_returns_while_held_and_writes_the_staged_shards(tmp_path, rdv):
+    """Issue 43: the save returns once the shards are staged; the write (DCP over its own gloo
+    group, SHA256SUMS, rename, record) is held in the background while the model trains on;
+    the checkpoint then holds the state of the save, not the later one."""
+    manager = CheckpointManager(RunDir(tmp_path), keep=2, asynchronous=True)
+    held, release = _held(manager, 1)
+    strategy, optimizer = _trained(1)
+    saved = {k: v.full_tensor().clone() for k, v in strategy.model.state_dict().items()}
+    path = manager.save(1, rdv, strategy, optimizer, lambda tensors: _record(1))
+    assert held.wait(GUARD_S)
+    assert path == manager.path(1) and not path.exists(), "committed on the training thread"
+    assert manager.pending is not None and manager.checkpoint_group(rdv) is not rdv.cpu_group
+    strategy.model(torch.randn(5, 6)).sum().backward()  # training goes on: a new step
+    optimizer.step()
+    release.set()
+    manager.finish(rdv)
+    state = load_checkpoint(path)  # the record and every shard verify
+    fresh = _strategy(99)
+    fresh_optimizer = torch.optim.AdamW(fresh.model.parameters(), lr=1e-2)
+    fresh.load_shards(
+        fresh_optimizer, shard_dir_of(path, state), state["optimizer"]["param_groups"], str(path)
+    )
+    for name, value in fresh.model.state_dict().items():
+        assert torch.equal(value.full_tensor(), saved[name]), name
+    assert not [p for p in tmp_path.joinpath("checkpoints").iterdir() if p.name.endswith(".tmp")]
+
+
+def test_the_next_background_sharded_save_raises_the_failed_ones_line(tmp_path, rdv):
+    """Issue 43: a background sharded write that fails (here its folder is made a file under
+    it) is raised by the next save on the training thread, one line; nothing of it is kept."""
+    manager = CheckpointManager(RunDir(tmp_path), keep=2, asynchronous=True)
+    held, release = _held(manager, 1)
+    strategy, optimizer = _trained(1)
+    manager.save(1, rdv, strategy, optimizer, lambda tensors: _record(1))
+    assert held.wait(GUARD_S)
+    manager.path(1).mkdir()  # a directory where the record goes: the rename fails
+    release.set()
+    with pytest.raises(CheckpointError) as caught:
+        manager.save(2, rdv, strategy, optimizer, lambda tensors: _record(2))
+    assert "is a directory, not a file" in str(caught.value) and "\n" not in str(caught.value)
+    assert not list(manager.directory.glob("*.shards")) + list(manager.directory.glob("*.tmp"))
+
+
+def test_a_failed_write_of_a_world_since_re_formed_is_abandoned_not_raised(tmp_path, rdv):
+    """Issue 43: :meth:`finish` in a re-formed world (another gloo group) logs a background
+    sharded write that failed in the old one and goes on (the last verified checkpoint
+    stays); in the world that wrote it, the same failure is raised."""
+
+    def failed() -> None:
+        raise CheckpointError("could not write sharded checkpoint of step 4: peer gone")
+
+    for group, raised in ((object(), False), (rdv.cpu_group, True)):
+        manager = CheckpointManager(RunDir(tmp_path), asynchronous=True)
+        manager._pending = BackgroundWrite(4, failed)
+        manager._pending_group = group
+        if raised:
+            with pytest.raises(CheckpointError, match="peer gone"):
+                manager.finish(rdv)
+        else:
+            manager.finish(rdv)
+        assert manager.pending is None
+
+
+def test_shard_staging_reuses_its_buffers_while_the_layout_stays(rdv):
+    """Issue 43: staged copies are CPU tensors of their own (a later change of the model does
+    not reach them), reused by the next stage of the same layout, new for another layout."""
+    strategy, optimizer = _trained(1)
+    tensors, _ = strategy.shard_state(optimizer)
+    stager = ShardStager()
+    first = stager.stage(tensors)
+    name = next(iter(first["model"]))
+    kept = first["model"][name].to_local().clone()
+    with torch.no_grad():
+        for p in strategy.model.parameters():
+            p.add_(1.0)
+    assert torch.equal(first["model"][name].to_local(), kept)
+    again = stager.stage(strategy.shard_state(optimizer)[0])
+    assert again["model"][name].to_local().data_ptr() == first["model"][name].to_local().data_ptr()
+    assert torch.equal(again["model"][name].to_local(), kept + 1.0)
+    other = dict(tensors, extra=torch.zeros(3))
+    assert shard_layout(other) != shard_layout(tensors)
+    moved = stager.stage(other)
+    assert moved["model"][name].to_local().data_ptr() != first["model"][name].to_local().data_ptr()

@@ -4,6 +4,9 @@
   afterwards (pinned when a tensor is on CUDA: the copies are queued on the current stream and
   waited for by the writer, not by the training thread); the buffers are kept and reused by
   the next save, so a save costs one memory copy, not an allocation.
+* :class:`ShardStager` does the same for a sharded (FSDP) checkpoint's DCP state: this rank's
+  local shards (DTensors) copied with DCP's own staging copy, the buffers kept while the shard
+  layout stays.
 * :class:`BackgroundWrite` runs one write in a daemon thread and keeps its one-line error for
   whoever waits for it: the next save, or the run's exit (a kill leaves the temp file, never a
   half checkpoint: the previous one is what a resume takes).
@@ -22,6 +25,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.tensor import DTensor
 
 from hetseq_hpc.errors import CheckpointError, RankFenced
 
@@ -118,6 +123,59 @@ class Stager:
         return buf
 
 
+def shard_layout(state: Any) -> Tuple[Any, ...]:
+    """What a staged copy of a DCP state depends on: every entry's path, local shape, dtype
+    and device type (a DTensor by its local shard), in order."""
+    out: list = []
+
+    def walk(value: Any, where: Tuple[Any, ...]) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, (*where, key))
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(item, (*where, i))
+        elif isinstance(value, torch.Tensor):
+            local = value.to_local() if isinstance(value, DTensor) else value
+            out.append((where, tuple(local.shape), local.dtype, local.device.type))
+        else:
+            out.append((where, type(value).__name__))
+
+    walk(state, ())
+    return tuple(out)
+
+
+class ShardStager:
+    """Copies this rank's DCP state (``{"model": {fqn: DTensor}, "optim": {...}}``) into CPU
+    buffers with DCP's staging copy (``_create_cpu_state_dict`` / ``_copy_state_dict``, what
+    ``BlockingAsyncStager`` runs), pinned when a tensor is on CUDA. The buffers are kept and
+    reused while :func:`shard_layout` stays the same (a re-formed world's shards differ: new
+    buffers). The caller must not stage again while a write still reads the last copy."""
+
+    def __init__(self) -> None:
+        self._layout: Optional[Tuple[Any, ...]] = None
+        self._buffers: Optional[Dict[str, Any]] = None
+
+    def stage(self, state: Dict[str, Any]) -> Dict[str, Any]:
+        """A CPU copy of ``state`` that training cannot change (blocks until it is copied).
+
+        Raises:
+            RuntimeError: the copy does not fit in (pinned) CPU memory.
+        """
+        layout = shard_layout(state)
+        if self._buffers is None or layout != self._layout:
+            self._buffers, self._layout = None, None  # the old copy freed before the new one
+            cuda = any(entry[-1] == "cuda" for entry in layout if len(entry) == 4)
+            self._buffers = _create_cpu_state_dict(state, pin_memory=cuda)
+            self._layout = layout
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as Stager.stage: one thread per copy on a loaded host
+        try:
+            return _copy_state_dict(state, self._buffers, type_check=False)
+        finally:
+            torch.set_num_threads(threads)
+
+
 class BackgroundWrite:
     """One checkpoint write in a daemon thread.
 
@@ -177,4 +235,12 @@ class BackgroundWrite:
         return self.error
 
 
-__all__ = ["HOLD_ENV", "BackgroundWrite", "Staged", "Stager", "hold_for_tests"]
+__all__ = [
+    "HOLD_ENV",
+    "BackgroundWrite",
+    "ShardStager",
+    "Staged",
+    "Stager",
+    "hold_for_tests",
+    "shard_layout",
+]

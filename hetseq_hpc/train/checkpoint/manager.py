@@ -13,6 +13,8 @@ and moves bad files to ``checkpoints/corrupt/`` (quarantine).
   naming the device.
 * ``trainer.checkpoint_async``: rank 0 stages the state and writes it in the background
   (:mod:`~hetseq_hpc.train.checkpoint.background`); the next save and ``finish`` wait for it.
+  A sharded save stages every rank's shards and writes, hashes and commits them in the
+  background over a gloo group of its own (:meth:`CheckpointManager.save_sharded_in_background`).
 * Retention counts only checkpoints that VERIFY and belong to the current run (their
   ``run_id``, :mod:`hetseq_hpc.rundir.history`); it never deletes the checkpoint just written
   nor a newer one; a file that fails its checksum is moved to ``checkpoints/corrupt/``.
@@ -21,6 +23,7 @@ Sharded (FSDP) checkpoints: docs/design/checkpoints.md.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import os
@@ -30,6 +33,7 @@ import secrets
 import shutil
 import stat
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import (
     IO,
@@ -47,16 +51,23 @@ from typing import (
 )
 
 import torch
+import torch.distributed as dist
 
 from hetseq_hpc.distributed.gang import Gang
-from hetseq_hpc.errors import CheckpointError
+from hetseq_hpc.distributed.rendezvous import Rendezvous
+from hetseq_hpc.errors import CheckpointError, RankFenced
 from hetseq_hpc.files.atomic import atomic_write, atomic_write_text, remove_stale_temps
 from hetseq_hpc.files.fence import check_write, stamp
 from hetseq_hpc.files.user_input import file_problem
 from hetseq_hpc.rundir.history import current_run_id, start_or_continue
 from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.rundir.storage import filesystem_problem, fix_for, write_problem
-from hetseq_hpc.train.checkpoint.background import BackgroundWrite, Stager, hold_for_tests
+from hetseq_hpc.train.checkpoint.background import (
+    BackgroundWrite,
+    ShardStager,
+    Stager,
+    hold_for_tests,
+)
 from hetseq_hpc.train.checkpoint.files import (
     CORRUPT_DIR,
     FIX,
@@ -249,20 +260,35 @@ class CheckpointManager:
         run_dir: the run directory.
         keep: ``trainer.keep_checkpoints`` (>= 1): verified checkpoints of the current run
             kept by retention.
-        asynchronous: ``trainer.checkpoint_async``: :meth:`save_on_rank0` writes in the
-            background (a CPU copy of the state is kept for it).
+        asynchronous: ``trainer.checkpoint_async``: :meth:`save_on_rank0` and
+            :meth:`save_sharded_in_background` write in the background (a CPU copy of the
+            state is kept for it).
+        timeout_s: how long a collective of a background sharded write waits
+            (``cluster.collective_timeout_s``).
     """
 
-    def __init__(self, run_dir: RunDir, keep: int = 1, asynchronous: bool = False):
+    def __init__(
+        self,
+        run_dir: RunDir,
+        keep: int = 1,
+        asynchronous: bool = False,
+        timeout_s: float = 1800.0,
+    ):
         self.run_dir = run_dir
         self.keep = int(keep)
         self.asynchronous = bool(asynchronous)
+        self.timeout_s = float(timeout_s)
         #: TEST-ONLY: called with the step after a checkpoint's bytes are in its temp file and
         #: before it is renamed into place (:func:`~hetseq_hpc.train.checkpoint.background.
         #: hold_for_tests`)
         self.test_hold: Callable[[int], None] = hold_for_tests
         self._pending: Optional[BackgroundWrite] = None
+        #: the gloo group a pending sharded write uses (None: a write of rank 0 alone)
+        self._pending_group: Optional[dist.ProcessGroup] = None
         self._stager: Optional[Stager] = None
+        self._shard_stager: Optional[ShardStager] = None
+        #: ``(rdv.cpu_group, group)``: the world's gloo group of background sharded writes
+        self._group: Optional[Tuple[Optional[dist.ProcessGroup], dist.ProcessGroup]] = None
 
     # ------------------------------------------------------------------ names
     @property
@@ -474,6 +500,7 @@ class CheckpointManager:
             RankFenced: the others left this rank out while it wrote: nothing was written.
         """
         pending, self._pending = self._pending, None
+        self._pending_group = None
         if pending is None:
             return None
         error = pending.wait()
@@ -493,7 +520,19 @@ class CheckpointManager:
         Raises:
             CheckpointError: on every rank, when a background write failed (its one line).
         """
-        errors = rdv.all_gather_objects(self.drain())
+        pending, group = self._pending, self._pending_group
+        error = self.drain()
+        cpu_group = getattr(rdv, "cpu_group", None)
+        if error and pending is not None and group is not None and group is not cpu_group:
+            # a sharded write of a world that has since re-formed: a rank was lost during it
+            log.warning(
+                "the background write of the checkpoint of step %d was abandoned (the world "
+                "re-formed while it was written: %s); the last verified checkpoint stays",
+                pending.step,
+                error,
+            )
+            error = None
+        errors = rdv.all_gather_objects(error)
         error = next((e for e in errors if e), None)
         if error:
             raise CheckpointError(error)
@@ -529,7 +568,7 @@ class CheckpointManager:
         if rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
         name = shard_dir_name(step, rdv.broadcast_object(secrets.token_hex(8) if rank == 0 else ""))
-        tmp, final = folder / f".{name}.tmp", folder / name
+        tmp = folder / f".{name}.tmp"
         error, problem, digests, entries = None, None, {}, {}
         try:
             entries = write_shards(tmp)
@@ -538,11 +577,33 @@ class CheckpointManager:
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             # torch's serializer loses the errno: ask the filesystem before the tmp is removed
             problem = write_problem(exc, folder) or filesystem_problem(folder)
-        gathered = rdv.all_gather_objects((digests, error, problem))
+        return self._commit_shards(step, rdv, name, record, entries, (digests, error, problem))
+
+    def _commit_shards(
+        self,
+        step: int,
+        gang: Gang,
+        name: str,
+        record: Dict[str, Any],
+        entries: Dict[str, Any],
+        mine: Tuple[Dict[str, str], Optional[str], Optional[str]],
+    ) -> Path:
+        """The end of a sharded save (a collective over ``gang``): every rank's ``mine``
+        (``(digests of its files, its error, a full or read-only filesystem found)``) gathered;
+        rank 0 writes ``SHA256SUMS``, renames the temp directory ``.<name>.tmp`` into place and
+        writes the record, or removes what this write left; one broadcast gives every rank the
+        record's path or the one-line error.
+
+        Raises:
+            CheckpointError: on every rank, with rank 0's one line.
+        """
+        folder = self.directory
+        tmp, final = folder / f".{name}.tmp", folder / name
+        gathered = gang.all_gather_objects(mine)
         failed = next((e for _, e, _ in gathered if e), None)
         problem = next((p for _, _, p in gathered if p), None)
         path, error, renamed = None, None, False
-        if rank == 0:
+        if gang.world.rank == 0:
             try:
                 if failed:
                     raise OSError(failed)
@@ -554,7 +615,7 @@ class CheckpointManager:
                     shards={
                         "dir": name,
                         "manifest_sha256": write_manifest(tmp, manifest),
-                        "world_size": rdv.world.world_size,
+                        "world_size": gang.world.world_size,
                     },
                 )
                 check_write(final, ask=False)
@@ -578,10 +639,107 @@ class CheckpointManager:
                         "trainer.resume=auto"
                     )
         sent = (None if path is None else str(path), error)
-        written, error = rdv.broadcast_object(sent)
+        written, error = gang.broadcast_object(sent)
         if error or written is None:
             raise CheckpointError(error or f"rank 0 wrote no checkpoint of step {step}")
         return Path(written)
+
+    def save_sharded_in_background(
+        self,
+        step: int,
+        rdv: Gang,
+        record: Dict[str, Any],
+        shards: Dict[str, Any],
+        entries: Dict[str, Any],
+    ) -> Path:
+        """:meth:`save_sharded` with ``trainer.checkpoint_async`` (a collective: EVERY rank
+        calls it). On the training thread: the previous background write waited for (its
+        error raised here, on every rank), this rank's ``shards`` staged to CPU memory
+        (:class:`~hetseq_hpc.train.checkpoint.background.ShardStager`) and one all-gather of
+        the outcomes and the directory's token. In a :class:`BackgroundWrite`: DCP writes the
+        staged shards, and :meth:`_commit_shards` checks, renames and commits them; every
+        collective of it runs over a gloo group of its own (:meth:`checkpoint_group`), never
+        the training gang's. :meth:`finish` and the next save wait for it.
+
+        Args:
+            step: the optimizer step; rdv: the joined rendezvous (a real process group).
+            record: everything but the tensors (rank 0's is written).
+            shards: this rank's DCP state (``{"model": {fqn: DTensor}, "optim": ...}``).
+            entries: the record's entries for the shards (the same on every rank).
+
+        Returns:
+            The path of the record being written (on every rank).
+
+        Raises:
+            CheckpointError: on every rank: the previous background write failed, or a rank
+                could not copy its shards to CPU memory (nothing is written then).
+            RankFenced: this rank was left out (nothing is written by it).
+        """
+        import torch.distributed.checkpoint as dcp
+
+        rank = rdv.world.rank
+        folder = self.directory
+        drained = self.drain()  # before staging: that write reads the staged buffers
+        check_write(folder)  # a left-out rank writes no shard: it stops here (RankFenced)
+        staged, failed = None, drained
+        if not failed:
+            self._shard_stager = self._shard_stager or ShardStager()
+            try:
+                staged = self._shard_stager.stage(shards)
+            except (RuntimeError, MemoryError) as exc:
+                self._shard_stager = None  # its buffers may be half made: freed
+                first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+                failed = (
+                    f"could not copy the shards of the checkpoint of step {step} to CPU memory "
+                    f"for their background write ({type(exc).__name__}"
+                    f"{': ' + first if first else ''}): set trainer.checkpoint_async=false to "
+                    "write them from the training state directly"
+                )
+        token = secrets.token_hex(8) if rank == 0 else ""
+        gathered = rdv.all_gather_objects((failed, token))
+        error = next((e for e, _ in gathered if e), None)
+        if error or staged is None:
+            raise CheckpointError(error or f"rank {rank} staged no shards of step {step}")
+        if rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+        name = shard_dir_name(step, gathered[0][1])
+        gang = Rendezvous(world=rdv.world, cpu_group=self.checkpoint_group(rdv))
+        record = copy.deepcopy(record)  # the write reads it after training went on
+
+        def write() -> Path:
+            from torch.distributed.checkpoint.api import CheckpointException
+
+            tmp = folder / f".{name}.tmp"
+            error, problem, digests = None, None, {}
+            try:
+                check_write(tmp)  # the write fence, asked again now that it writes
+                dcp.save(
+                    staged,
+                    storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, thread_count=1),
+                    process_group=gang.cpu_group,
+                )
+                digests = {p.name: sha256_file(p) for p in rank_files(tmp, rank)}
+            except RankFenced:
+                raise
+            except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+                error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                problem = write_problem(exc, folder) or filesystem_problem(folder)
+            return self._commit_shards(step, gang, name, record, entries, (digests, error, problem))
+
+        self._pending = BackgroundWrite(step, write)
+        self._pending_group = gang.cpu_group
+        return self.path(step)
+
+    def checkpoint_group(self, rdv: Gang) -> dist.ProcessGroup:
+        """The gloo group of this world's background sharded writes (DCP's planning, the
+        digests, the commit), made on first use by every rank of the world (``new_group``,
+        a collective of the default group) and made anew in a re-formed world (a new
+        ``rdv.cpu_group``). Its collectives wait ``timeout_s``."""
+        if self._group is None or self._group[0] is not rdv.cpu_group:
+            self._group = None  # the old world's: destroyed with it
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
+            self._group = (rdv.cpu_group, group)
+        return self._group[1]
 
     # ------------------------------------------------------------------ choosing, loading
     def choose(self, resume: str, log_other_runs: bool = True) -> ResumeChoice:

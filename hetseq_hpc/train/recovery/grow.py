@@ -179,6 +179,8 @@ def admit(elastic: ElasticWorld, trainer: Any, seen: int) -> Optional[Dict[str, 
             int(req["member"]),
             {"generation": new.generation, "members": list(members), "source": source},
         )
+    if sharded:  # a background sharded write runs over the old world's groups: it ends first
+        trainer.checkpoints.finish(trainer.rdv)
     trainer.drop_groups()  # the old world is whole: its groups are destroyed cleanly
     leave()
     gc.collect()
