@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from hetseq_hpc.rundir.paths import RunDir
+from hetseq_hpc.train.checkpoint.background import HOLD_ENV
 from hetseq_hpc.train.checkpoint.files import step_of
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint, verified_run_id
 from tests.helpers.fault_tasks import at_barrier_marker, fault_task
@@ -28,6 +29,7 @@ from tests.helpers.fence_audit import writes_after_fence
 from tests.helpers.runs import (
     SMALL_MODEL,
     alive,
+    cli_env,
     hetseq,
     losses,
     read_rows,
@@ -384,6 +386,52 @@ def test_fsdp_a_lost_rank_reloads_the_last_checkpoint_in_job(
     report = hetseq("report", str(run_dir), token_cache=token_cache)
     said = f"reloaded the step-{reloaded} checkpoint" if reloaded else "no checkpoint yet"
     assert f"(FSDP: {said}" in report.stdout + report.stderr
+
+
+@pytest.mark.parametrize(("victim", "reloaded"), [(1, 10), (0, 5)])
+def test_fsdp_a_rank_lost_during_a_background_checkpoint_write(
+    victim, reloaded, reference, tmp_path, token_cache
+):
+    """Issue 43, ``sharding.mode=fsdp`` with background checkpoints: rank 0's write of step 10
+    is held (every rank's shards written, its record not yet: the test-only hook) when
+    ``victim`` is killed -9. Rank 1: the write is released once rank 0 re-forms, and the
+    reload waits for it: step 10 is reloaded. Rank 0 (the writer): the survivors abandon the
+    write (one line each), its unreferenced shards are swept, step 5 is reloaded. Either way
+    the run finishes in-job with the uninterrupted run's losses and leaves no temp or
+    unreferenced shard directory."""
+    hold, run_dir = tmp_path / "hold", tmp_path / "run"
+    hold.mkdir()
+    (hold / "hold_10").touch()
+    proc = start_hetseq(
+        *COMMON,
+        "cluster.ranks=3",
+        "sharding.mode=fsdp",
+        "trainer.checkpoint_every=5",
+        f"hydra.run.dir={run_dir}",
+        env={**cli_env(token_cache), HOLD_ENV: str(hold)},
+        new_session=True,
+    )
+    wait_for(lambda: (hold / "held_10").exists(), "the write of step 10 held", proc=proc)
+    os.kill(worker_pids(run_dir)[victim], signal.SIGKILL)
+    if victim == 0:
+        (hold / "hold_10").unlink()  # the step-10 write of the re-formed world is not held
+    else:
+        _logged(run_dir, proc, [0], "re-forming the world without the lost ranks")
+        (hold / "release_10").touch()
+    _finish(proc)
+    _same_trajectory(reference, run_dir)
+    (event,) = _events(run_dir)
+    assert event["reloaded"]["step"] == reloaded, event
+    if victim == 0:
+        said = (run_dir / "logs" / "rank1.log").read_text()
+        assert "the background write of the checkpoint of step 10 did not finish" in said
+    folder = run_dir / "checkpoints"
+    state = _last_checkpoint(run_dir)  # the record and every shard verify
+    assert state["step"] == 30
+    left = sorted(p.name for p in folder.iterdir())
+    assert not [n for n in left if n.endswith(".tmp")], left
+    referenced = CheckpointManager(RunDir(run_dir)).referenced_shard_dirs()
+    assert {n for n in left if n.endswith(".shards")} == referenced, left
 
 
 @pytest.mark.parametrize(

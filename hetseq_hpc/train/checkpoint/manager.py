@@ -24,6 +24,7 @@ Sharded (FSDP) checkpoints: docs/design/checkpoints.md.
 from __future__ import annotations
 
 import copy
+import gc
 import hashlib
 import logging
 import os
@@ -283,8 +284,9 @@ class CheckpointManager:
         #: hold_for_tests`)
         self.test_hold: Callable[[int], None] = hold_for_tests
         self._pending: Optional[BackgroundWrite] = None
-        #: the gloo group a pending sharded write uses (None: a write of rank 0 alone)
-        self._pending_group: Optional[dist.ProcessGroup] = None
+        #: the gang's group (``rdv.cpu_group``) of the world a pending sharded write began in
+        #: (None: none pending, or a write of rank 0 alone)
+        self._pending_world: Optional[dist.ProcessGroup] = None
         self._stager: Optional[Stager] = None
         self._shard_stager: Optional[ShardStager] = None
         #: ``(rdv.cpu_group, group)``: the world's gloo group of background sharded writes
@@ -500,7 +502,7 @@ class CheckpointManager:
             RankFenced: the others left this rank out while it wrote: nothing was written.
         """
         pending, self._pending = self._pending, None
-        self._pending_group = None
+        self._pending_world = None
         if pending is None:
             return None
         error = pending.wait()
@@ -520,15 +522,20 @@ class CheckpointManager:
         Raises:
             CheckpointError: on every rank, when a background write failed (its one line).
         """
-        pending, group = self._pending, self._pending_group
+        step = None if self._pending is None else self._pending.step
+        old_world = self._pending_world is not None and self._pending_world is not rdv.cpu_group
         error = self.drain()
-        cpu_group = getattr(rdv, "cpu_group", None)
-        if error and pending is not None and group is not None and group is not cpu_group:
-            # a sharded write of a world that has since re-formed: a rank was lost during it
+        if self._group is not None and self._group[0] is not rdv.cpu_group:
+            # the checkpoint group of a world that has re-formed: closed now (its last
+            # reference), so that a peer whose write still waits in it is released at once
+            self._group = None
+            gc.collect()
+        if error and old_world:  # a rank was lost while the sharded write ran
             log.warning(
-                "the background write of the checkpoint of step %d was abandoned (the world "
-                "re-formed while it was written: %s); the last verified checkpoint stays",
-                pending.step,
+                "the background write of the checkpoint of step %s did not finish in the world "
+                "it began in (%s): abandoned; the newest checkpoint that verifies is the one "
+                "reloaded",
+                step,
                 error,
             )
             error = None
@@ -727,7 +734,7 @@ class CheckpointManager:
             return self._commit_shards(step, gang, name, record, entries, (digests, error, problem))
 
         self._pending = BackgroundWrite(step, write)
-        self._pending_group = gang.cpu_group
+        self._pending_world = rdv.cpu_group
         return self.path(step)
 
     def checkpoint_group(self, rdv: Gang) -> dist.ProcessGroup:
