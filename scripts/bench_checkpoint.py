@@ -10,6 +10,11 @@ counted (the training between checkpoints, when it is longer than the write). La
 JSON object with ``checkpoint_block_s`` (background) and ``checkpoint_block_sync_s``.
 
     python scripts/bench_checkpoint.py [--saves 3] [--dir DIR]
+    python scripts/bench_checkpoint.py --sharded [--ranks 2] [--saves 3] [--dir DIR]
+
+``--sharded``: the same model sharded with FSDP2 over ``--ranks`` real processes (gloo), each
+saving its shards (:meth:`CheckpointManager.save_sharded`, or in the background:
+:meth:`CheckpointManager.save_sharded_in_background`); the time is the slowest rank's per save.
 
 Other scripts import :func:`measure_checkpoint_block_s` (scripts/bench_step.py).
 """
@@ -101,12 +106,116 @@ def measure_checkpoint_block_s(
         return statistics.median(_blocks(state, asynchronous, saves, Path(tmp))["blocked_s"])
 
 
+def _sharded_rank(rank: int, ranks: int, port: int, saves: int, directory: str, queue: Any) -> None:
+    """One rank of the sharded measurement: BERT-base sharded with FSDP2 (one unit per encoder
+    layer), AdamW's moments made, then ``saves`` saves per mode; puts ``(rank, result)``."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from hetseq_hpc.distributed.rendezvous import rendezvous
+    from hetseq_hpc.env.world import WorldInfo
+    from hetseq_hpc.rundir.paths import RunDir
+    from hetseq_hpc.train.parallel import Sharded
+
+    torch.set_num_threads(1)
+    world = WorldInfo(
+        rank=rank, local_rank=rank, world_size=ranks, master_addr="127.0.0.1", master_port=port
+    )
+    with rendezvous(world, torch.device("cpu"), 600) as rdv:
+        torch.manual_seed(0)
+        model = BertForMaskedLM(BertConfig())
+        strategy = Sharded(model, list(model.bert.encoder.layer), torch.device("cpu"))
+        optimizer = torch.optim.AdamW(strategy.model.parameters(), lr=1e-4)
+        for p in strategy.model.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        result: Dict[str, Any] = {}
+        for name, asynchronous in (("sync", False), ("async", True)):
+            run_dir = RunDir(Path(directory) / name)
+            manager = CheckpointManager(run_dir, keep=1, asynchronous=asynchronous)
+            blocked, written = [], []
+            for step in range(1, saves + 1):
+                rdv.barrier()
+                start = time.perf_counter()
+                manager.save(
+                    step,
+                    rdv,
+                    strategy,
+                    optimizer,
+                    lambda tensors, step=step: {"scheduler": {}, "step": step, "run_id": ""},
+                )
+                blocked.append(time.perf_counter() - start)
+                pending = manager.pending
+                manager.finish(rdv)  # training would run here (not counted)
+                if pending is not None:
+                    written.append(pending.seconds)
+            folder = run_dir.checkpoints
+            size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+            result[name] = {"blocked_s": blocked, "background_write_s": written, "bytes": size}
+        queue.put((rank, result))
+
+
+def sharded_main(args: argparse.Namespace) -> None:
+    """``--sharded``: every rank's blocking time per save in both modes; print the slowest
+    rank's and the JSON line (``checkpoint_block_s``, ``checkpoint_block_sync_s``)."""
+    import torch.multiprocessing as mp
+
+    from hetseq_hpc.env.world import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        procs = [
+            ctx.Process(
+                target=_sharded_rank, args=(r, args.ranks, port, max(1, args.saves), tmp, queue)
+            )
+            for r in range(args.ranks)
+        ]
+        for proc in procs:
+            proc.start()
+        results = dict(queue.get(timeout=3600) for _ in procs)
+        for proc in procs:
+            proc.join()
+    out: Dict[str, Any] = {"mode": f"sharded, {args.ranks} ranks (FSDP2, gloo)"}
+    for name in ("sync", "async"):
+        per_save = [
+            max(results[r][name]["blocked_s"][i] for r in results)
+            for i in range(max(1, args.saves))
+        ]
+        written = [max(s) for s in zip(*(results[r][name]["background_write_s"] for r in results))]
+        print(
+            f"{name}: blocked {', '.join(f'{s:.2f}' for s in per_save)} s per save (slowest rank)"
+            + (
+                f"; written in the background in {', '.join(f'{s:.2f}' for s in written)} s"
+                if written
+                else ""
+            )
+            + f" ({results[0][name]['bytes'] / 1e9:.2f} GB on disk)",
+            flush=True,
+        )
+        key = "checkpoint_block_s" if name == "async" else "checkpoint_block_sync_s"
+        out[key] = round(statistics.median(per_save), 3)
+        out["checkpoint_bytes"] = results[0][name]["bytes"]
+        if written:
+            out["checkpoint_write_s"] = round(statistics.median(written), 3)
+    out["torch"] = torch.__version__
+    out["machine"] = platform.machine()
+    print(json.dumps(out))
+
+
 def main() -> None:
     """Time both modes on one state; print each and the JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--saves", type=int, default=3, help="saves per mode (default 3)")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default /tmp)")
+    parser.add_argument(
+        "--sharded", action="store_true", help="FSDP2 over --ranks processes, sharded saves"
+    )
+    parser.add_argument("--ranks", type=int, default=2, help="ranks of --sharded (default 2)")
     args = parser.parse_args()
+    if args.sharded:
+        sharded_main(args)
+        return
     state = bert_base_state()
     tensors = {t.data_ptr(): t for t in state["model"].values()}  # tied weights once
     out: Dict[str, Any] = {"model_numel": sum(t.numel() for t in tensors.values())}
