@@ -365,12 +365,17 @@ def test_fsdp_a_lost_rank_reloads_the_last_checkpoint_in_job(
     re-sharded over 2 ranks and train the steps since it again, in-job: exit 0, every step
     logged once with the uninterrupted (DDP) run's loss, and the membership row says what was
     reloaded and how many steps were redone. Rank 0 as a victim: it wrote the rows and the
-    checkpoint."""
+    checkpoint. Sharded checkpoints are written in the background: the step-10 one counts once
+    its record is in place, which the kill waits for (a write the kill cuts short is
+    abandoned: test_fsdp_a_rank_lost_during_a_background_checkpoint_write)."""
     run_dir = tmp_path / "run"
     proc = _start(
         run_dir, token_cache, "cluster.ranks=3", "sharding.mode=fsdp", "trainer.checkpoint_every=10"
     )
     _at_step(run_dir, proc, kill_at)
+    if reloaded:
+        record = run_dir / "checkpoints" / f"step_{reloaded:08d}.pt"
+        wait_for(record.exists, f"no checkpoint {record.name}", proc=proc, poll_s=0.05)
     os.kill(worker_pids(run_dir)[victim], signal.SIGKILL)
     out = _finish(proc)
     _same_trajectory(reference, run_dir)
