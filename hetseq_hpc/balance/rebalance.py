@@ -14,10 +14,10 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from hetseq_hpc.balance.allocation import Allocation, allocate
+from hetseq_hpc.balance.allocation import Allocation, RankShare, allocate
 from hetseq_hpc.balance.curves import CostCurve, fit_compute, min_max_split, predicted_step_s
 from hetseq_hpc.distributed.rendezvous import StepStats
 
@@ -53,11 +53,32 @@ UNKNOWN_ERROR = 0.5
 #: noise (:func:`successive_spread`), in each of :data:`RECENT_STEPS` steps: on a loaded host
 #: the dead band widens with the noise, and a change far beyond it (2x) still counts
 NOISE_K = 3.0
+#: ... or its median over more steps by this many standard errors of such a median (a change
+#: also cuts the steps a move is measured on, so it must not be found in noise)
+CHANGE_K = 4.0
+#: steps at one split (since the last switch, and since a detected change) a decision weighs:
+#: a decision that moved nothing keeps its steps, so the evidence for a real change grows
+#: until it is clear, even when each window alone is too noisy (a loaded host)
+HISTORY_STEPS = 16
+#: a rank's measured time per sample at a share at least as large as its current one is
+#: remembered this many steps: no move hands it more on a curve faster than that
+EVIDENCE_MEMORY_STEPS = 50
+#: a rank that gains samples is taken at most this many times cheaper per sample than it was
+#: measured (its fixed cost spread over more samples: at most one doubling of its share per
+#: move when the fixed cost dominates, no limit when the per-sample cost does)
+EXTRAPOLATION = 2.0
+#: a measurement's error is taken as that of at most this many steps (a loaded host's noise
+#: is not independent from step to step: longer histories are not surer in proportion)
+ERROR_STEPS = 10
+#: step-to-step changes per rank whose median is its run-long noise
+NOISE_POOL = 100
 
 
 #: two-sided 95 % Student t quantiles over the normal one (1.96), for a window of n steps
 #: (n - 1 degrees of freedom): a spread read from 2-5 steps is itself uncertain
 _T_INFLATION = {2: 6.5, 3: 2.2, 4: 1.6, 5: 1.4}
+#: log ratios beyond this (a stalled step, e^1.5 = 4.5x) count as this in a change point's means
+_CLIP_LOG = 1.5
 
 
 def relative_spread(times_s: Sequence[float]) -> float:
@@ -134,9 +155,17 @@ class Rebalancer:
         self._points = [[] for _ in self.caps]
         self._errors: List[float] = [UNKNOWN_ERROR] * len(self.caps)
         self._spread: List[float] = [0.0] * len(self.caps)  # each rank's step-to-step sigma
+        self._diffs: List[List[float]] = [[] for _ in self.caps]  # |log t[i+1] / t[i]|
+        self._noise: List[float] = [0.0] * len(self.caps)  # their pooled sigma
+        self._raw_diffs: List[List[float]] = [[] for _ in self.caps]  # the same of raw times
+        self._raw_noise: List[float] = [0.0] * len(self.caps)
         self._last_move: Optional[Tuple[List[int], List[int]]] = None
         self._last_move_step = 0
         self._follow_up = False  # the last move stopped short of the point estimate
+        self._held: List[List[StepStats]] = []  # steps at this split that moved nothing yet
+        # per rank: (step, samples, measured compute seconds) of each window, newest last
+        self._evidence: List[List[Tuple[int, int, float]]] = [[] for _ in self.caps]
+        self._measured: List[Optional[Tuple[int, float]]] = [None] * len(self.caps)
 
     @property
     def fitted(self) -> List[Optional[CostCurve]]:
@@ -147,28 +176,109 @@ class Rebalancer:
         """Add one step's table (its ``samples``, ``compute_time_s`` and ``tail_time_s``)."""
         self._window.append(per_rank)
 
-    def _note_error(
-        self, rank: int, rows: List[StepStats], used: Optional[List[StepStats]] = None
-    ) -> None:
-        """Update rank ``rank``'s run-long spread from a window's ``rows`` (the larger of the
-        old value and this window's, decaying slowly), and the relative error of the
-        measurement taken from ``used`` (default all ``rows``)."""
-        times_s = [row.compute_time_s for row in rows]
-        spread = successive_spread(times_s) if len(rows) >= 6 else 0.0
-        self._spread[rank] = max(spread, 0.9 * self._spread[rank])
-        times = [row.compute_time_s for row in (rows if used is None else used)]
-        self._errors[rank] = relative_error(times, self._spread[rank])
+    @staticmethod
+    def _common_free(
+        table: List[List[StepStats]], shares: Sequence[RankShare]
+    ) -> List[List[float]]:
+        """Each rank's compute times (seconds) over the steps of ``table`` run at ``shares``,
+        each step divided by the ranks' common factor that step (the geometric mean over ranks
+        of time / the rank's median): a load that slows every rank alike cancels, as it does
+        in the split, and what is left is each rank's own noise."""
+        rows = [
+            row
+            for row in table
+            if all(r.samples == sh.samples and r.compute_time_s > 0 for r, sh in zip(row, shares))
+        ]
+        out: List[List[float]] = [[] for _ in shares]
+        if not rows:
+            return out
+        med = [statistics.median(row[r].compute_time_s for row in rows) for r in range(len(out))]
+        for row in rows:
+            logs = [math.log(row[r].compute_time_s / med[r]) for r in range(len(out))]
+            common = math.exp(statistics.fmean(logs)) if len(out) > 1 else 1.0
+            for r, times in enumerate(out):
+                times.append(row[r].compute_time_s / common)
+        return out
 
-    def _changed(self, rank: int, accum: int, rows: List[StepStats]) -> bool:
-        """Whether every one of rank ``rank``'s last :data:`RECENT_STEPS` steps in ``rows`` is
-        off its curve by more than ``threshold`` in the same direction (a speed change, not a
-        noisy step or two)."""
+    def _note_noise(self, window: List[List[StepStats]], shares: Sequence[RankShare]) -> None:
+        """Add the step-to-step changes of a new ``window`` to each rank's pools of the last
+        :data:`NOISE_POOL` and set its noises from them (:func:`successive_spread`'s estimate,
+        pooled over the run): of its common-free times (:meth:`_common_free`; the floor of a
+        measurement's error) and of its raw times (a change's standard error,
+        :meth:`_change_steps`); and its dead band's spread (:meth:`band`): the larger of this
+        window's estimate and 0.9 x the old one (a cautious upper estimate)."""
+        free = self._common_free(window, shares)
+        for rank, pool in enumerate(self._raw_diffs):
+            times = [row[rank] for row in window]
+            for one, two in itertools.pairwise(times):
+                if one.samples == two.samples and one.compute_time_s > 0 < two.compute_time_s:
+                    pool.append(abs(math.log(two.compute_time_s / one.compute_time_s)))
+            del pool[:-NOISE_POOL]
+            if len(pool) >= RECENT_STEPS:
+                self._raw_noise[rank] = 1.4826 * statistics.median(pool) / math.sqrt(2.0)
+        for rank, pool in enumerate(self._diffs):
+            pool.extend(abs(math.log(b / a)) for a, b in itertools.pairwise(free[rank]))
+            del pool[:-NOISE_POOL]
+            if len(pool) >= RECENT_STEPS:
+                self._noise[rank] = 1.4826 * statistics.median(pool) / math.sqrt(2.0)
+            times = [row[rank].compute_time_s for row in window]
+            spread = successive_spread(times) if len(times) >= 6 else 0.0
+            self._spread[rank] = max(spread, 0.9 * self._spread[rank])
+
+    def _note_errors(self, history: List[List[StepStats]], shares: Sequence[RankShare]) -> None:
+        """Each rank's relative error over ``history`` in a split's terms: that of its
+        common-free times (:func:`relative_error` of the last :data:`ERROR_STEPS`, its
+        run-long noise the floor), times ``sqrt(n / (n - 1))`` for ``n`` ranks (a rank's share
+        of the error of its ratio to the others)."""
+        free = self._common_free(history, shares)
+        n = len(free)
+        inflate = math.sqrt(n / (n - 1)) if n > 1 else 1.0
+        for rank, times in enumerate(free):
+            recent = times[-ERROR_STEPS:]
+            # the median of a few steps is not protected from a stall or two by a pooled sigma
+            floor = self._noise[rank] * (
+                _T_INFLATION.get(len(recent), 1.0) if len(recent) <= RECENT_STEPS else 1.0
+            )
+            self._errors[rank] = inflate * relative_error(recent, floor)
+
+    def _change_steps(self, rank: int, accum: int, rows: List[StepStats]) -> int:
+        """How many of rank ``rank``'s latest ``rows`` (the window since the last decision)
+        ran at a changed speed; 0 for none (noise, or a step or two).
+
+        A change of the last ``m`` steps (at least :data:`RECENT_STEPS`) needs each of the
+        last :data:`RECENT_STEPS` off the curve by more than ``threshold`` in the same
+        direction and the median ratio of the ``m`` beyond :meth:`band`, or beyond
+        :data:`CHANGE_K` standard errors of a median of ``m`` steps (the rank's pooled noise
+        of raw times, :meth:`_note_noise`) when that is less: a median of more steps is
+        surer. Of those,
+        the ``m`` that splits the window best: the largest ``|mean after - mean before| x
+        sqrt(m n_b / (m + n_b))`` of the log ratios (clipped to +-:data:`_CLIP_LOG`;
+        ``before`` = the curve when fewer than :data:`RECENT_STEPS` steps precede)."""
         prior = self._curves[rank]
-        late = rows[-RECENT_STEPS:]
-        if prior is None or len(late) < RECENT_STEPS:
-            return False
-        ratios = [row.compute_time_s / prior.compute_s(row.samples, accum) for row in late]
-        return self._off(rank, ratios, self.threshold)
+        if prior is None or len(rows) < RECENT_STEPS:
+            return 0
+        ratios = [row.compute_time_s / prior.compute_s(row.samples, accum) for row in rows]
+        logs = [min(max(math.log(max(r, 1e-12)), -_CLIP_LOG), _CLIP_LOG) for r in ratios]
+        least, late = self.threshold, ratios[-RECENT_STEPS:]
+        slower, faster = min(late) > 1.0 + least, max(late) < 1.0 - least
+        if not (slower or faster):
+            return 0
+        best, steps = 0.0, 0
+        for m in range(RECENT_STEPS, len(ratios) + 1):
+            error = 1.2533 * self._raw_noise[rank] / math.sqrt(m)
+            band = max(least, min(self.band(rank, least), CHANGE_K * error))
+            mid = statistics.median(ratios[-m:])
+            if not ((slower and mid > 1.0 + band) or (faster and mid < 1.0 - min(band, 0.9))):
+                continue
+            before = logs[:-m]
+            if len(before) >= RECENT_STEPS:
+                level, weight = statistics.fmean(before), m * len(before) / (m + len(before))
+            else:
+                level, weight = 0.0, float(m)
+            score = abs(statistics.fmean(logs[-m:]) - level) * math.sqrt(weight)
+            if score > best:
+                best, steps = score, m
+        return steps
 
     def _off(self, rank: int, ratios: Sequence[float], least: float) -> bool:
         """Whether ``ratios`` (measured / predicted, the latest steps) show a speed change:
@@ -188,26 +298,24 @@ class Rebalancer:
     def _refit(self, rank: int, accum: int, rows: List[StepStats], changed: bool) -> CostCurve:
         """Rank ``rank``'s curve after a window of ``rows`` run as ``accum`` micro-batches.
 
-        The window's measurement is the median compute time of all its steps; when some rank's
-        speed changed (``changed``, :meth:`_changed` of any rank: the SAME steps for every
-        rank, so a neighbour that slows all ranks alike moves no sample) it is the median of
-        the last :data:`RECENT_STEPS` steps alone, and the older windows are forgotten."""
+        The measurement is the median compute time of ``rows`` (the latest
+        :data:`HISTORY_STEPS` steps at this split, also of windows that moved nothing; the
+        SAME steps for every rank, so a neighbour that slows all ranks alike moves no
+        sample); when some rank's speed changed (``changed``, :meth:`_change_steps` of any
+        rank) they are the steps after the change alone, and the older windows' points are
+        forgotten."""
         samples = rows[0].samples
-        recent = rows[-RECENT_STEPS:]  # a change inside the window shows in its last steps
         tail = statistics.median(getattr(row, "tail_time_s", 0.0) for row in rows)
         prior = self._curves[rank]
         if prior is None:
             measured = statistics.median(row.compute_time_s for row in rows)
-            self._note_error(rank, rows)
+            self._measured[rank] = (samples, measured)
             self._points[rank] = [(accum, samples, measured)]
             return CostCurve(0.0, measured / max(samples, 1), tail)
         ratios = [row.compute_time_s / prior.compute_s(row.samples, accum) for row in rows]
-        late = ratios[-len(recent) :]
-        changed = changed and len(recent) == RECENT_STEPS
-        used = recent if changed else rows
-        measured = statistics.median(row.compute_time_s for row in used)
-        self._note_error(rank, rows, used)
-        ratio = statistics.median(late if changed else ratios)
+        measured = statistics.median(row.compute_time_s for row in rows)
+        self._measured[rank] = (samples, measured)
+        ratio = statistics.median(ratios)
         points = (
             [] if changed else [p for p in self._points[rank] if (p[0], p[1]) != (accum, samples)]
         )
@@ -218,6 +326,46 @@ class Rebalancer:
             a, c = fit_compute(designs, [t for _, _, t in points])
             return CostCurve(a, c, tail)
         return prior.scaled(ratio).with_step_fixed(tail)
+
+    def _remember(self, rank: int, step: int) -> None:
+        """Keep rank ``rank``'s latest measurement (:data:`EVIDENCE_MEMORY_STEPS`): it
+        supersedes older ones at a share no larger."""
+        measured = self._measured[rank]
+        if measured is None:
+            return
+        samples, seconds = measured
+        kept = [
+            (s, b, t)
+            for s, b, t in self._evidence[rank]
+            if b > samples and step - s <= EVIDENCE_MEMORY_STEPS
+        ]
+        self._evidence[rank] = [*kept, (step, samples, seconds)]
+
+    def measured_rate(self, rank: int, samples: int, step: int) -> float:
+        """Slowest measured time per sample (seconds) of rank ``rank`` at ``samples`` or more
+        within :data:`EVIDENCE_MEMORY_STEPS` of ``step``, over :data:`EXTRAPOLATION` (0.0
+        when none): what a curve may not undercut beyond the sizes it was measured at."""
+        return max(
+            (
+                t / b / EXTRAPOLATION
+                for s, b, t in self._evidence[rank]
+                if b >= samples and b > 0 and step - s <= EVIDENCE_MEMORY_STEPS
+            ),
+            default=0.0,
+        )
+
+    @staticmethod
+    def bounded(curve: CostCurve, rate_s: float) -> CostCurve:
+        """``curve`` made at least proportional, ``t(m) >= rate_s x m``: a fixed cost measured
+        at a few samples does not make the rank's extra samples cheap (a line through a
+        point with ``a >= 0`` lies below the proportional one beyond it). The same curve
+        when ``rate_s`` is at most its slope; ``max(rate_s m, a + c m)`` without a host
+        floor; with one, its device slope raised to ``rate_s``."""
+        if rate_s <= curve.per_sample_s:
+            return curve
+        if curve.host_s == 0:
+            return CostCurve(0.0, rate_s, curve.step_fixed_s, curve.overhead_s, curve.per_sample_s)
+        return replace(curve, per_sample_s=rate_s)
 
     def _supported_move(
         self, curves: List[CostCurve], current: List[int], best: List[int], step: int
@@ -246,6 +394,12 @@ class Rebalancer:
         moving = sum(1 for d in direction if d) or 1
         factor = REVERSAL_FACTOR if reversal else CONTINUATION_FACTOR if agreement > 0 else 1.0
         z = CONFIDENCE_Z * factor / math.sqrt(moving)
+        # a rank that would gain samples is not taken faster per sample than it was measured
+        # at its share (or a larger one, lately): no jump on an extrapolated fixed cost
+        curves = [
+            self.bounded(curve, self.measured_rate(rank, c, step)) if d > 0 else curve
+            for rank, (curve, c, d) in enumerate(zip(curves, current, direction))
+        ]
         cautious = [
             curve.scaled(1.0 + z * err)
             if d > 0
@@ -324,17 +478,29 @@ class Rebalancer:
         self._follow_up = False
         self._skip_rows = 0
         shares = allocation.shares
+        self._note_noise(window, allocation.shares)
+        # the steps of earlier windows at this split that moved nothing still count (a
+        # change's evidence grows step by step); a speed change forgets the steps before it
+        history = [*self._held, *window][-HISTORY_STEPS:]
         mine = [
             [row[rank] for row in window if row[rank].samples == share.samples]
             for rank, share in enumerate(shares)
         ]
-        changed = any(
-            rows and self._changed(rank, shares[rank].accum_steps, rows)
-            for rank, rows in enumerate(mine)
-        )
-        for rank, rows in enumerate(mine):
+        since = [
+            m
+            for rank, (share, rows) in enumerate(zip(shares, mine))
+            if (m := self._change_steps(rank, share.accum_steps, rows))
+        ]
+        changed = bool(since)
+        if changed:  # a speed change: every rank measured over the same steps after it
+            history = window[-min(since) :]
+        self._held = history
+        for rank, share in enumerate(shares):
+            rows = [row[rank] for row in history if row[rank].samples == share.samples]
             if rows:
-                self._curves[rank] = self._refit(rank, shares[rank].accum_steps, rows, changed)
+                self._curves[rank] = self._refit(rank, share.accum_steps, rows, changed)
+                self._remember(rank, step)
+        self._note_errors(history, shares)
         curves = [c for c in self._curves if c is not None]
         if len(curves) < len(self._curves):
             return None
@@ -373,6 +539,7 @@ class Rebalancer:
         if not taken:
             return None
         self._follow_up = target != best  # more steps will narrow the interval: look again soon
+        self._held = []
         best = target
         self._last_move, self._last_move_step = (current, list(best)), step
         self._skip_rows = 1
