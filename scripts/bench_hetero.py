@@ -25,6 +25,9 @@ from pathlib import Path
 
 from hetseq_hpc.train.metrics import read_metrics
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from busy_load import BusyLoad  # a sibling script, not a package
+
 REPO = Path(__file__).resolve().parent.parent
 GLOBAL_BATCH = 128  # set from --global-batch in main()
 MICRO_BATCH = 32  # the same micro-batch cap everywhere (set from --micro-batch)
@@ -266,6 +269,28 @@ def recovery(rows: list, at_step: int, ceiling: float) -> int | None:
     return None
 
 
+def first_move_after(rows: list, at_step: int, faster_rank: int) -> dict:
+    """The re-balancer's answer to a speed change at ``at_step`` (rank ``faster_rank`` got
+    faster): ``first_move_after`` (steps from the change to the first re-allocation after it,
+    None if none), ``first_move_right_way`` (it gave that rank more samples) and ``reversed``
+    (a later move took that rank below where it was before the change)."""
+    split = {row["step"]: [r["samples"] for r in row["ranks"]] for row in rows}
+    before = split.get(at_step) or (split[max(split)] if split else None)
+    moves = [
+        (r["reallocation"]["at_step"], r["reallocation"]["to"])
+        for r in rows
+        if "reallocation" in r and r["reallocation"]["at_step"] > at_step
+    ]
+    if not moves or before is None:
+        return {"first_move_after": None, "first_move_right_way": None, "reversed": None}
+    first_step, first_to = moves[0]
+    return {  # a move decided after step s takes effect at s + 1
+        "first_move_after": first_step - 1 - at_step,
+        "first_move_right_way": first_to[faster_rank] > before[faster_rank],
+        "reversed": any(to[faster_rank] < before[faster_rank] for _, to in moves),
+    }
+
+
 def one_round(root: Path, r: int, args, alone: dict, steps: list) -> dict:
     """One interleaved round: (a') co-running, (c) hetseq_hpc with (a'') right after it, (a')
     again, and (b) equal split last in even rounds, first in odd ones; every ratio of the round
@@ -357,6 +382,96 @@ def one_round(root: Path, r: int, args, alone: dict, steps: list) -> dict:
     return got
 
 
+def speed_change(root: Path, args, alone: dict, ceiling: dict | None) -> dict:
+    """Scenario 2: the slow rank's quota goes from ``--slow`` to ``--changed`` half-way through
+    a re-balanced run of ``2 x --steps`` steps (in ``root``). ``ceiling``: the co-running
+    rates of the new pair (None: measured here, right before, under the same conditions)."""
+    root.mkdir(parents=True, exist_ok=True)
+    speeds = f"cluster.speeds=[1.0,{args.slow}]"
+    alone_warmup = min(args.warmup, args.alone_steps // 3)
+    if ceiling is None:
+        ceiling = corunning(root, (1.0, args.changed), args.alone_steps, alone_warmup, alone)
+    change_at = args.steps // 2
+    changed: dict = {}
+
+    def maybe_change(rows):
+        if not changed and len(rows) >= change_at:
+            emu = json.loads((root / "run" / "logs" / "rank1.emulation.json").read_text())
+            from hetseq_hpc.env.emulation import emulated_cpus, set_quota
+
+            threads = max(1, round(emu["cpus"] / emu["speed"]))  # the rank's thread count
+            set_quota(emu["control"], emulated_cpus(args.changed, threads))
+            changed["step"] = rows[-1]["step"]
+            changed["method"] = emu["method"]
+
+    rows = run_cli(
+        root / "run",
+        "cluster.ranks=2",
+        speeds,
+        "balance.rebalance_every=5",
+        "trainer.plot=true",
+        f"trainer.max_steps={args.steps * 2}",
+        on_row=maybe_change,
+    )
+    at = changed.get("step", 10**9)
+    return {
+        "changed": changed,
+        "steps_to_recover": recovery(rows, at, ceiling[1.0] + ceiling[args.changed]),
+        "steps_to_recover_standalone": recovery(rows, at, alone[1.0] + alone[args.changed]),
+        "reallocations": [r["reallocation"] for r in rows if "reallocation" in r],
+        **first_move_after(rows, at, faster_rank=1),
+    }
+
+
+def _brief(change: dict) -> dict:
+    """The JSON figures of one :func:`speed_change` run."""
+    return {
+        "changed_at_step": change["changed"].get("step"),
+        "steps_to_recover": change["steps_to_recover"],
+        "steps_to_recover_standalone": change["steps_to_recover_standalone"],
+        "first_move_after": change["first_move_after"],
+        "first_move_right_way": change["first_move_right_way"],
+        "reversed": change["reversed"],
+        "moves": [(r["at_step"], r["to"]) for r in change["reallocations"]],
+        **({"load": change["load"]} if "load" in change else {}),
+    }
+
+
+def change_only(root: Path, args, started: float, alone_warmup: int) -> None:
+    """``--change-only``: the speed-change scenario alone, quiet and beside ``--load`` busy
+    loops (each with its own standalone rates and co-running ceiling, measured under the same
+    conditions right before it); prints the summary and the JSON line."""
+    out = {}
+    for tag, load in (("quiet", 0), ("loaded", args.load)):
+        if tag == "loaded" and not load:
+            out[tag] = None
+            continue
+        with BusyLoad(load) as busy:
+            alone = {
+                speed: throughput(
+                    run_cli(
+                        root / tag / f"alone-{speed}",
+                        "cluster.ranks=1",
+                        f"cluster.speeds=[{speed}]",
+                        f"trainer.max_steps={args.alone_steps}",
+                    ),
+                    alone_warmup,
+                )
+                for speed in (1.0, args.changed)
+            }
+            change = speed_change(root / tag, args, alone, None)
+        out[tag] = {**_brief(change), "load": busy.summary()}
+        print(f"[{tag}] speed change {args.slow} -> {args.changed}: {out[tag]}", flush=True)
+    result = {
+        **out,
+        "global_batch": GLOBAL_BATCH,
+        "machine": f"{os.cpu_count()} CPU {_cpu_model()}",
+        "wall_s": round(time.time() - started, 1),
+        "runs": str(root),
+    }
+    print(json.dumps(result))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -384,8 +499,21 @@ def main() -> None:
     parser.add_argument(
         "--changed", type=float, default=0.7, help="slow rank's speed after the change"
     )
+    parser.add_argument(
+        "--load",
+        type=int,
+        default=6,
+        help="busy loops beside a second speed-change run (0: the quiet one only)",
+    )
+    parser.add_argument(
+        "--change-only",
+        action="store_true",
+        help="run only the speed-change scenario (quiet and --load), not (a)-(d)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="keep run directories here")
     args = parser.parse_args()
+    if args.load < 0:
+        parser.error(f"--load {args.load}: give 0 (quiet only) or more busy loops")
     global GLOBAL_BATCH, MICRO_BATCH
     GLOBAL_BATCH, MICRO_BATCH = args.global_batch, args.micro_batch
     root = args.out or Path(tempfile.mkdtemp(prefix="bench-hetero-"))
@@ -397,6 +525,9 @@ def main() -> None:
 
     # (a) standalone throughput at each speed
     alone = {}
+    if args.change_only:
+        change_only(root, args, started, alone_warmup)
+        return
     for speed in (1.0, args.slow, args.changed):
         rows = run_cli(
             root / f"alone-{speed}",
@@ -447,33 +578,15 @@ def main() -> None:
     ratios = sorted(q for q, _, _, _ in pairs)
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
 
-    # scenario 2: the slow rank's quota changes mid-run
-    change_at = args.steps // 2
-    changed = {}
-
-    def maybe_change(rows):
-        if not changed and len(rows) >= change_at:
-            emu = json.loads((root / "change" / "logs" / "rank1.emulation.json").read_text())
-            from hetseq_hpc.env.emulation import emulated_cpus, set_quota
-
-            threads = max(1, round(emu["cpus"] / emu["speed"]))  # the rank's thread count
-            set_quota(emu["control"], emulated_cpus(args.changed, threads))
-            changed["step"] = rows[-1]["step"]
-            changed["method"] = emu["method"]
-
-    change_rows = run_cli(
-        root / "change",
-        "cluster.ranks=2",
-        speeds,
-        "balance.rebalance_every=5",
-        "trainer.plot=true",
-        f"trainer.max_steps={args.steps * 2}",
-        on_row=maybe_change,
-    )
-    at = changed.get("step", 10**9)
-    recovered = recovery(change_rows, at, co_changed[1.0] + co_changed[args.changed])
-    recovered_alone = recovery(change_rows, at, alone[1.0] + alone[args.changed])
-    reallocs = [r["reallocation"] for r in change_rows if "reallocation" in r]
+    # scenario 2: the slow rank's quota changes mid-run, quiet and (--load) beside busy loops
+    change = speed_change(root / "change", args, alone, co_changed)
+    loaded = None
+    if args.load:
+        with BusyLoad(args.load) as busy:
+            loaded = speed_change(root / "change-loaded", args, alone, None)
+        loaded["load"] = busy.summary()
+    recovered, recovered_alone = change["steps_to_recover"], change["steps_to_recover_standalone"]
+    reallocs, changed = change["reallocations"], change["changed"]
 
     result = {
         "efficiency_equal": thr_equal / ideal,
@@ -503,6 +616,7 @@ def main() -> None:
         "overhead_vs_ddp_median_step": statistics.median(m for _, m, _, _ in pairs) - 1,
         "steps_to_recover": recovered,
         "steps_to_recover_standalone": recovered_alone,
+        "speed_change": {"quiet": _brief(change), "loaded": _brief(loaded) if loaded else None},
         "planner_error": (predicted / thr_auto - 1) if predicted else None,
         "global_batch": GLOBAL_BATCH,
         "rounds": args.rounds,
@@ -571,7 +685,7 @@ def main() -> None:
         "(standalone sum)"
     )
     print(
-        f"runs in {root}; plots {probe.parent / 'ranks.png'}, {root / 'change' / 'ranks.png'}; "
+        f"runs in {root}; plots {probe.parent / 'ranks.png'}, {root / 'change' / 'run' / 'ranks.png'}; "
         f"{time.time() - started:.0f} s"
     )
     print(line)
