@@ -11,18 +11,13 @@
     (0.7) half-way; ``steps_to_recover`` = steps until a 4-step window runs at >= 0.9 of the
     co-running ceiling of the new pair (single-rank runs at 1.0 and 0.7 started together).
 
-Targets (issue 27): (a) <= 5 re-allocations per 1000 steps and worst_share_deviation <= 0.10;
-(b) back above 0.9 within 10 steps. Issue 43: both again on a LOADED host, ``--load N`` busy
-loops for the whole of each loaded run (scripts/busy_load.py), run interleaved with the quiet
-ones; (b) then also reports the first move after the change (``first_move_after``, steps) and
-whether it went the right way. The machine is printed; rerun on another before trusting a
-figure.
+Targets: (a) <= 5 re-allocations per 1000 steps, worst_share_deviation <= 0.10; (b) back
+above 0.9 within 10 steps. Both run quiet, then beside ``--load N`` busy loops
+(scripts/busy_load.py); (b) also reports its first move after the change and its direction.
 
-    python scripts/bench_stability.py [--steps 200] [--change-steps 60] [--load 6] [--seed 0]
-        [--out DIR]
-
-Last line: one JSON object: the quiet figures at the top level (as before), and ``quiet`` and
-``loaded`` (with the load average seen, ``load``) side by side.
+    python scripts/bench_stability.py [--steps 200] [--change-steps 60] [--load 6] [--out DIR]
+Last line: one JSON object, the quiet figures at its top level, ``quiet`` and ``loaded``
+(with the load average seen) side by side.
 """
 
 from __future__ import annotations

@@ -209,8 +209,8 @@ class Rebalancer:
         window's estimate and 0.9 x the old one (a cautious upper estimate)."""
         free = self._common_free(window, shares)
         for rank, pool in enumerate(self._raw_diffs):
-            times = [row[rank] for row in window]
-            for one, two in itertools.pairwise(times):
+            steps = [row[rank] for row in window]
+            for one, two in itertools.pairwise(steps):
                 if one.samples == two.samples and one.compute_time_s > 0 < two.compute_time_s:
                     pool.append(abs(math.log(two.compute_time_s / one.compute_time_s)))
             del pool[:-NOISE_POOL]

@@ -46,3 +46,18 @@ def test_ceiling_at_batch_keeps_a_sample_on_every_rank(bench):
     rate, split = bench.best_split_ceiling([((8, 100.0), (7, 100.0)), ((8, 1.0), (1, 1.0))], 8)
     assert split == [7, 1]
     assert rate == pytest.approx(8.0)
+
+
+def test_first_move_after_a_change_its_direction_and_a_reversal(bench):
+    def row(step, split, to=None):
+        r = {"step": step, "ranks": [{"samples": b} for b in split]}
+        if to is not None:
+            r["reallocation"] = {"at_step": step + 1, "to": to}
+        return r
+
+    # rank 1 got faster after step 10; decided after step 14, taken from step 15
+    rows = [row(s, [90, 38]) for s in range(1, 14)] + [row(14, [90, 38], [80, 48])]
+    rows += [row(s, [80, 48]) for s in range(15, 20)] + [row(20, [80, 48], [95, 33])]
+    got = bench.first_move_after(rows, 10, faster_rank=1)
+    assert got == {"first_move_after": 4, "first_move_right_way": True, "reversed": True}
+    assert bench.first_move_after(rows[:13], 10, 1)["first_move_after"] is None
