@@ -11,14 +11,12 @@ and moves bad files to ``checkpoints/corrupt/`` (quarantine).
 * A full disk (``OSError`` ENOSPC, or the ``RuntimeError`` torch's serializer raises instead)
   or a read-only one removes the temp file, keeps the earlier checkpoints and raises one line
   naming the device.
-* ``trainer.checkpoint_async``: rank 0 stages the state and writes it in the background
-  (:mod:`~hetseq_hpc.train.checkpoint.background`); the next save and ``finish`` wait for it.
-  A sharded save stages every rank's shards and writes, hashes and commits them in the
-  background over a gloo group of its own (:meth:`CheckpointManager.save_sharded_in_background`).
+* ``trainer.checkpoint_async``: the state (a sharded save: every rank's shards) is staged to
+  CPU memory and written in the background; the next save and ``finish`` wait for it.
 * Retention counts only checkpoints that VERIFY and belong to the current run (their
   ``run_id``, :mod:`hetseq_hpc.rundir.history`); it never deletes the checkpoint just written
   nor a newer one; a file that fails its checksum is moved to ``checkpoints/corrupt/``.
-Sharded (FSDP) checkpoints: docs/design/checkpoints.md.
+Sharded (FSDP) checkpoints, in the background too: docs/design/checkpoints.md.
 """
 
 from __future__ import annotations
