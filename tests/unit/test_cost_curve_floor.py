@@ -13,7 +13,7 @@ import pytest
 from hetseq_hpc.balance.allocation import allocate
 from hetseq_hpc.balance.curves import CostCurve, fit_curve, min_max_split, predicted_step_s
 from hetseq_hpc.balance.rebalance import Rebalancer, relative_spread, successive_spread
-from hetseq_hpc.distributed.rendezvous import StepStats
+from tests.helpers.steps import timed_step
 
 SIZES = [4, 16, 64, 256]
 
@@ -145,18 +145,7 @@ def drive(seed: int, sigma: float, steps: int, change_at: int = 0):
         table = []
         for r, share in enumerate(alloc.shares):
             t = (share.accum_steps * A + C * share.samples) * slow[r] * rng.lognormvariate(0, sigma)
-            table.append(
-                StepStats(
-                    loss_sum=0.0,
-                    count=1,
-                    samples=share.samples,
-                    compute_time_s=t,
-                    step_time_s=t,
-                    data_time_s=0.0,
-                    stop_code=0,
-                    tail_time_s=F,
-                )
-            )
+            table.append(timed_step(share.samples, t, F))
         reb.record(table)
         if reb.due(step, 10, alloc):
             early += step % 10 != 0

@@ -18,7 +18,7 @@ import pytest
 from hetseq_hpc.balance.allocation import allocate
 from hetseq_hpc.balance.curves import CostCurve
 from hetseq_hpc.balance.rebalance import Rebalancer
-from hetseq_hpc.distributed.rendezvous import StepStats
+from tests.helpers.steps import timed_step
 
 #: per-rank compute seconds of one step: (step, rank, samples, micro-batches, rng) -> seconds
 Timing = Callable[[int, int, int, int, random.Random], float]
@@ -63,18 +63,7 @@ def drive(
         table = []
         for r, share in enumerate(alloc.shares):
             t = timing(step, r, share.samples, share.accum_steps, rng)
-            table.append(
-                StepStats(
-                    loss_sum=0.0,
-                    count=1,
-                    samples=share.samples,
-                    compute_time_s=t,
-                    step_time_s=t,
-                    data_time_s=0.0,
-                    stop_code=0,
-                    tail_time_s=0.001 * rng.lognormvariate(0, 0.3),
-                )
-            )
+            table.append(timed_step(share.samples, t, 0.001 * rng.lognormvariate(0, 0.3)))
         reb.record(table)
         if reb.due(step, every, alloc):
             new = reb.observe(step, alloc)

@@ -16,7 +16,7 @@ import pytest
 from hetseq_hpc.balance.allocation import allocate
 from hetseq_hpc.balance.curves import CostCurve, min_max_split, predicted_step_s
 from hetseq_hpc.balance.rebalance import Rebalancer, relative_error, relative_spread
-from hetseq_hpc.distributed.rendezvous import StepStats
+from tests.helpers.steps import timed_step
 
 G, CAPS, EVERY = 32, (32, 32), 10
 A, C, F = 0.004, 0.006, 0.002  # seconds: per micro-batch, per sample, per step
@@ -59,18 +59,7 @@ def drive(speeds, steps: int, seed: int, sigma: float = 0.06):
         table = []
         for r, share in enumerate(alloc.shares):
             t = (share.accum_steps * A + C * share.samples) / sp[r] * rng.lognormvariate(0, sigma)
-            table.append(
-                StepStats(
-                    loss_sum=0.0,
-                    count=1,
-                    samples=share.samples,
-                    compute_time_s=t,
-                    step_time_s=t,
-                    data_time_s=0.0,
-                    stop_code=0,
-                    tail_time_s=F * rng.lognormvariate(0, sigma),
-                )
-            )
+            table.append(timed_step(share.samples, t, F * rng.lognormvariate(0, sigma)))
         truth = [CostCurve(A / sp[r], C / sp[r], F) for r in range(2)]
         best = min_max_split(truth, G, list(CAPS))
         efficiency.append(
