@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import threading
 from pathlib import Path
+from typing import Tuple
 
 import torch
 
 from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.train.checkpoint.files import checksum_path
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager
+
+#: how long a held background write waits for the test's release: a guard against hangs, not a
+#: speed check
+GUARD_S = 120.0
 
 
 class Payload:
@@ -60,3 +66,18 @@ def plant_corrupt(run_dir: Path, source_step: int, step: int) -> bytes:
     shutil.copyfile(src, dst)
     shutil.copyfile(checksum_path(src), checksum_path(dst))
     return flip_middle(dst, 32)
+
+
+def held_write(manager: CheckpointManager, step: int) -> Tuple[threading.Event, threading.Event]:
+    """Hold ``manager``'s background write of ``step`` before its record is renamed into place
+    (its test-only hook): ``(held, release)`` events; the write goes on once ``release`` is set
+    (or fails after :data:`GUARD_S`)."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold(at: int) -> None:
+        if at == step:
+            held.set()
+            assert release.wait(GUARD_S), "the test never released the write"
+
+    manager.test_hold = hold
+    return held, release

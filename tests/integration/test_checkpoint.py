@@ -280,6 +280,32 @@ def test_second_run_in_a_busy_run_dir_fails_fast(tmp_path, token_cache):
 
 
 # ----------------------------------------------------------------------------- in the background
+def _killed_past_a_held_write(
+    run_dir: Path, hold: Path, overrides: list, token_cache: Path, committed
+) -> dict:
+    """Start a run of ``overrides`` whose background write of step 4 is held (``hold`` holds
+    ``hold_4``), wait until steps 5 and 6 trained past it (the training thread is not blocked;
+    ``committed()`` must stay false: step 4 is not in place while held), kill the whole run
+    -9 and return its losses by step."""
+    proc = start_hetseq(
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+        env={**cli_env(token_cache), HOLD_ENV: str(hold)},
+        new_session=True,
+    )
+    try:
+        wait_for(lambda: (hold / "held_4").exists(), "the write of step 4 held", proc=proc)
+        # training goes on while step 4 is written; the last step's save waits for it
+        wait_for(lambda: step_rows(run_dir) >= 6, "step 6 trained", proc=proc)
+        assert not committed(), "step 4 was committed while held"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return losses(run_dir)
+
+
 @pytest.mark.slow
 def test_kill_9_during_a_background_write_resumes_the_previous_checkpoint_exactly(
     tmp_path, token_cache
@@ -291,23 +317,9 @@ def test_kill_9_during_a_background_write_resumes_the_previous_checkpoint_exactl
     hold.mkdir()
     (hold / "hold_4").touch()
     every = ["trainer.max_steps=6", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=1"]
-    proc = start_hetseq(
-        *QUICK,
-        *every,
-        f"hydra.run.dir={run_dir}",
-        env={**cli_env(token_cache), HOLD_ENV: str(hold)},
-        new_session=True,
+    trained = _killed_past_a_held_write(
+        run_dir, hold, QUICK + every, token_cache, committed=lambda: False
     )
-    try:
-        wait_for(lambda: (hold / "held_4").exists(), "the write of step 4 held", proc=proc)
-        # training goes on while step 4 is written; the last step's save waits for it
-        wait_for(lambda: step_rows(run_dir) >= 6, "step 6 trained", proc=proc)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    trained = losses(run_dir)
     left = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert left[-2:] == ["step_00000002.pt", "step_00000002.pt.sha256"], left
     assert len(left) == 3 and left[0].startswith(".step_00000004.pt."), left  # its temp file
@@ -338,24 +350,10 @@ def test_kill_9_during_a_background_sharded_write_resumes_the_previous_checkpoin
         "trainer.checkpoint_every=2",
         "trainer.keep_checkpoints=1",
     ]
-    proc = start_hetseq(
-        *every,
-        f"hydra.run.dir={run_dir}",
-        env={**cli_env(token_cache), HOLD_ENV: str(hold)},
-        new_session=True,
-    )
     folder = run_dir / "checkpoints"
-    try:
-        wait_for(lambda: (hold / "held_4").exists(), "the write of step 4 held", proc=proc)
-        # training goes on while step 4 is written; the last step's save waits for it
-        wait_for(lambda: step_rows(run_dir) >= 6, "step 6 trained", proc=proc)
-        assert not (folder / "step_00000004.pt").exists(), "step 4 was committed while held"
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    trained = losses(run_dir)
+    trained = _killed_past_a_held_write(
+        run_dir, hold, every, token_cache, committed=(folder / "step_00000004.pt").exists
+    )
     manager = CheckpointManager(RunDir(run_dir))
     assert [p.name for p in manager.list()] == ["step_00000002.pt"]
     left = sorted(p.name for p in folder.iterdir())

@@ -17,9 +17,7 @@ from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.train.checkpoint.background import Stager
 from hetseq_hpc.train.checkpoint.files import checksum_path
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint
-
-#: a guard against hangs, not a speed check
-GUARD_S = 120.0
+from tests.helpers.checkpoints import GUARD_S, held_write
 
 
 class _Solo:
@@ -38,22 +36,9 @@ def _state(weights: torch.Tensor, step: int) -> dict:
     return {"model": {"w": weights}, "optimizer": {}, "scheduler": {}, "step": step}
 
 
-def _held(manager: CheckpointManager, step: int):
-    """Hold the write of ``step`` before its rename: ``(held, release)`` events."""
-    held, release = threading.Event(), threading.Event()
-
-    def hold(at: int) -> None:
-        if at == step:
-            held.set()
-            assert release.wait(GUARD_S), "the test never released the write"
-
-    manager.test_hold = hold
-    return held, release
-
-
 def test_a_save_returns_while_its_write_is_held_and_later_changes_do_not_reach_it(tmp_path):
     manager = CheckpointManager(RunDir(tmp_path), keep=2, asynchronous=True)
-    held, release = _held(manager, 1)
+    held, release = held_write(manager, 1)
     weights = torch.zeros(64)
     path = manager.save_on_rank0(1, _Solo(), lambda: _state(weights, 1))
     assert held.wait(GUARD_S)
@@ -67,7 +52,7 @@ def test_a_save_returns_while_its_write_is_held_and_later_changes_do_not_reach_i
 
 def test_the_next_save_waits_for_the_pending_write(tmp_path):
     manager = CheckpointManager(RunDir(tmp_path), keep=5, asynchronous=True)
-    held, release = _held(manager, 1)
+    held, release = held_write(manager, 1)
     manager.save_on_rank0(1, _Solo(), lambda: _state(torch.ones(8), 1))
     assert held.wait(GUARD_S)
     pending = manager.pending

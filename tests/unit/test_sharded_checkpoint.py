@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-import threading
 
 import pytest
 import torch
@@ -24,7 +23,13 @@ from hetseq_hpc.train.checkpoint.background import ShardStager, shard_layout
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint
 from hetseq_hpc.train.checkpoint.shards import MANIFEST, METADATA, full_state, shard_dir_of
 from hetseq_hpc.train.parallel import Sharded
-from tests.helpers.checkpoints import Payload, flip_middle, write_with_checksum
+from tests.helpers.checkpoints import (
+    GUARD_S,
+    Payload,
+    flip_middle,
+    held_write,
+    write_with_checksum,
+)
 
 
 def _strategy(seed: int) -> Sharded:
@@ -196,21 +201,6 @@ def test_a_sharded_checkpoint_rewritten_at_a_corrupt_ones_step_keeps_both(tmp_pa
 
 
 # ----------------------------------------------------------------------------- in the background
-#: a guard against hangs, not a speed check
-GUARD_S = 120.0
-
-
-def _held(manager: CheckpointManager, step: int):
-    """Hold the background write of ``step`` before its record is renamed: ``(held, release)``."""
-    held, release = threading.Event(), threading.Event()
-
-    def hold(at: int) -> None:
-        if at == step:
-            held.set()
-            assert release.wait(GUARD_S), "the test never released the write"
-
-    manager.test_hold = hold
-    return held, release
 
 
 def test_a_background_sharded_save_returns_while_held_and_writes_the_staged_shards(tmp_path, rdv):
@@ -218,7 +208,7 @@ def test_a_background_sharded_save_returns_while_held_and_writes_the_staged_shar
     group, SHA256SUMS, rename, record) is held in the background while the model trains on;
     the checkpoint then holds the state of the save, not the later one."""
     manager = CheckpointManager(RunDir(tmp_path), keep=2, asynchronous=True)
-    held, release = _held(manager, 1)
+    held, release = held_write(manager, 1)
     strategy, optimizer = _trained(1)
     saved = {k: v.full_tensor().clone() for k, v in strategy.model.state_dict().items()}
     path = manager.save(1, rdv, strategy, optimizer, lambda tensors: _record(1))
@@ -240,16 +230,23 @@ def test_a_background_sharded_save_returns_while_held_and_writes_the_staged_shar
     assert not [p for p in tmp_path.joinpath("checkpoints").iterdir() if p.name.endswith(".tmp")]
 
 
-def test_the_next_background_sharded_save_raises_the_failed_ones_line(tmp_path, rdv):
-    """Issue 43: a background sharded write that fails (here its folder is made a file under
-    it) is raised by the next save on the training thread, one line; nothing of it is kept."""
+def _failing_background_save(tmp_path, rdv):
+    """A background sharded save of step 1 whose write fails: held before its record, a
+    directory made where the record goes, then released -> ``(manager, strategy, optimizer)``."""
     manager = CheckpointManager(RunDir(tmp_path), keep=2, asynchronous=True)
-    held, release = _held(manager, 1)
+    held, release = held_write(manager, 1)
     strategy, optimizer = _trained(1)
     manager.save(1, rdv, strategy, optimizer, lambda tensors: _record(1))
     assert held.wait(GUARD_S)
     manager.path(1).mkdir()  # a directory where the record goes: the rename fails
     release.set()
+    return manager, strategy, optimizer
+
+
+def test_the_next_background_sharded_save_raises_the_failed_ones_line(tmp_path, rdv):
+    """Issue 43: a background sharded write that fails (here its folder is made a file under
+    it) is raised by the next save on the training thread, one line; nothing of it is kept."""
+    manager, strategy, optimizer = _failing_background_save(tmp_path, rdv)
     with pytest.raises(CheckpointError) as caught:
         manager.save(2, rdv, strategy, optimizer, lambda tensors: _record(2))
     assert "is a directory, not a file" in str(caught.value) and "\n" not in str(caught.value)
@@ -264,13 +261,7 @@ def test_a_failed_background_write_is_raised_by_finish_or_abandoned_after_a_re_f
     world that began it; in a re-formed world (another gang group: a rank was lost during
     the write) it logs one line and goes on, nothing of the write left, so that the reload
     takes the newest checkpoint that verifies."""
-    manager = CheckpointManager(RunDir(tmp_path), keep=2, asynchronous=True)
-    held, release = _held(manager, 1)
-    strategy, optimizer = _trained(1)
-    manager.save(1, rdv, strategy, optimizer, lambda tensors: _record(1))
-    assert held.wait(GUARD_S)
-    manager.path(1).mkdir()  # a directory where the record goes: the write fails
-    release.set()
+    manager, _, _ = _failing_background_save(tmp_path, rdv)
     world = rdv
     if re_formed:
         world = Rendezvous(world=rdv.world, cpu_group=dist.new_group(backend="gloo"))

@@ -473,12 +473,7 @@ class CheckpointManager:
             staged = self._stager.stage(state)
         except (RuntimeError, MemoryError) as exc:
             self._stager = None  # its buffers may be half made: freed
-            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-            raise CheckpointError(
-                f"could not copy the checkpoint of step {step} to CPU memory for its background "
-                f"write ({type(exc).__name__}{': ' + first if first else ''}): set "
-                "trainer.checkpoint_async=false to write it from the training state directly"
-            ) from None
+            raise CheckpointError(_no_cpu_copy(f"the checkpoint of step {step}", exc)) from None
 
         def write() -> Path:
             staged.wait_ready()
@@ -693,13 +688,7 @@ class CheckpointManager:
                 staged = self._shard_stager.stage(shards)
             except (RuntimeError, MemoryError) as exc:
                 self._shard_stager = None  # its buffers may be half made: freed
-                first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-                failed = (
-                    f"could not copy the shards of the checkpoint of step {step} to CPU memory "
-                    f"for their background write ({type(exc).__name__}"
-                    f"{': ' + first if first else ''}): set trainer.checkpoint_async=false to "
-                    "write them from the training state directly"
-                )
+                failed = _no_cpu_copy(f"the shards of the checkpoint of step {step}", exc)
         token = secrets.token_hex(8) if rank == 0 else ""
         gathered = rdv.all_gather_objects((failed, token))
         error = next((e for e, _ in gathered if e), None)
@@ -993,6 +982,17 @@ class CheckpointManager:
         for path in dead:
             path.unlink(missing_ok=True)
         return dead
+
+
+def _no_cpu_copy(what: str, exc: BaseException) -> str:
+    """The one line of a background save whose CPU copy of ``what`` failed (``exc``: out of
+    memory, or pinned memory refused)."""
+    first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+    return (
+        f"could not copy {what} to CPU memory for its background write "
+        f"({type(exc).__name__}{': ' + first if first else ''}): set "
+        "trainer.checkpoint_async=false to write from the training state directly"
+    )
 
 
 def _fsync_dir(folder: Path) -> None:
