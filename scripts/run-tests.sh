@@ -121,21 +121,19 @@ else
   # --all: every tier (bare `pytest` runs only tests/unit; CONTRIBUTING.md)
   "$VENV/bin/python" -m pytest --all ${extra[@]+"${extra[@]}"} "$@" || rc=$?
 fi
-mypy_rc=0
-wait "$mypy_pid" || mypy_rc=$?
-cat "$side/mypy.log"
-if [ "$mypy_rc" != 0 ]; then
-  echo "run-tests: mypy failed (exit $mypy_rc)" >&2
-  if [ "$rc" = 0 ]; then rc=$mypy_rc; fi
-fi
-if [ -n "$wheel_pid" ]; then
-  wheel_rc=0
-  wait "$wheel_pid" || wheel_rc=$?
-  cat "$side/wheel.log"
-  if [ "$wheel_rc" != 0 ]; then
-    echo "run-tests: scripts/check_wheel.sh failed (exit $wheel_rc)" >&2
-    if [ "$rc" = 0 ]; then rc=$wheel_rc; fi
+# a check that ran beside the tests: wait for it, show its log, count its failure
+wait_beside() {  # pid, log file, name
+  local code=0
+  wait "$1" || code=$?
+  cat "$2"
+  if [ "$code" != 0 ]; then
+    echo "run-tests: $3 failed (exit $code)" >&2
+    if [ "$rc" = 0 ]; then rc=$code; fi
   fi
+}
+wait_beside "$mypy_pid" "$side/mypy.log" mypy
+if [ -n "$wheel_pid" ]; then
+  wait_beside "$wheel_pid" "$side/wheel.log" scripts/check_wheel.sh
 fi
 rm -rf "$side"
 exit "$rc"
