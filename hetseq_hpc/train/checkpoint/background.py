@@ -25,8 +25,6 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-from torch.distributed.tensor import DTensor
 
 from hetseq_hpc.errors import CheckpointError, RankFenced
 
@@ -136,7 +134,7 @@ def shard_layout(state: Any) -> Tuple[Any, ...]:
             for i, item in enumerate(value):
                 walk(item, (*where, i))
         elif isinstance(value, torch.Tensor):
-            local = value.to_local() if isinstance(value, DTensor) else value
+            local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor
             out.append((where, tuple(local.shape), local.dtype, local.device.type))
         else:
             out.append((where, type(value).__name__))
@@ -162,6 +160,11 @@ class ShardStager:
         Raises:
             RuntimeError: the copy does not fit in (pinned) CPU memory.
         """
+        # DCP's staging copy, imported here: torch.distributed's state-dict and tensor modules
+        # pull in sympy, which a replicated run's worker never needs
+        # (tests/integration/test_bert_native_imports.py)
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
         layout = shard_layout(state)
         if self._buffers is None or layout != self._layout:
             self._buffers, self._layout = None, None  # the old copy freed before the new one
