@@ -770,9 +770,10 @@ def test_a_killed_rank_is_restarted_and_joins_the_running_job(
     ranks on the uninterrupted 3-rank trajectory, every step logged once, and a join row.
     (Every rank holds at step 14 until the request is in the store: a loaded machine may
     start the replacement slower than the remaining steps run; tests/helpers/fault_tasks.py.)
-    FSDP: the survivors reload the step-5 checkpoint after the loss (the lost shard is gone);
-    at the join they gather the whole state, send it, and all three shard it again: no
-    checkpoint is read for the join."""
+    FSDP: the survivors reload the step-10 checkpoint after the loss (the lost shard is gone;
+    the kill waits for that checkpoint's record: it is written in the background); at the join
+    they gather the whole state, send it, and all three shard it again: no checkpoint is read
+    for the join."""
     run_dir = tmp_path / "run"
     proc = _launch(
         run_dir,
@@ -786,6 +787,9 @@ def test_a_killed_rank_is_restarted_and_joins_the_running_job(
         *(["trainer.checkpoint_every=5"] if sharding == "fsdp" else []),
     )
     _at_step(run_dir, proc, 10)
+    if sharding == "fsdp":
+        record = run_dir / "checkpoints" / "step_00000010.pt"
+        wait_for(record.exists, f"no checkpoint {record.name}", proc=proc, poll_s=0.05)
     os.kill(worker_pids(run_dir)[victim], signal.SIGKILL)
     out = _finish(proc)
     _same_trajectory(reference, run_dir)
