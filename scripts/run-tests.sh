@@ -100,13 +100,16 @@ fi
 # default "load" hands tests out from the front, the longest files first: tests/conftest.py;
 # "worksteal" splits the list into a block per worker and ran longer, 4 workers too). With pytest
 # arguments, or HETSEQ_TEST_WORKERS=0 (everything in one process), it is one pytest.
+# --maxschedchunk 2: xdist's "load" otherwise starts each worker on a block of a quarter of its
+# share (~125 consecutive tests): the first block held every long test, and that worker ended
+# 7 minutes after the others (CI run 19); handed out two at a time, the workers end together.
 workers=${HETSEQ_TEST_WORKERS:-3}
 rc=0
 if [ "$workers" != 0 ] && [ $# = 0 ] && [ "${HETSEQ_TESTCLUSTER:-}" = 1 ]; then
   "$VENV/bin/python" -m pytest tests/slurm --basetemp "$side/slurm-tmp" ${extra[@]+"${extra[@]}"} \
     > "$side/slurm.log" 2>&1 &
   slurm_pid=$!
-  "$VENV/bin/python" -m pytest --all --ignore=tests/slurm -n "$workers" \
+  "$VENV/bin/python" -m pytest --all --ignore=tests/slurm -n "$workers" --maxschedchunk 2 \
     ${extra[@]+"${extra[@]}"} || rc=$?
   slurm_rc=0
   wait "$slurm_pid" || slurm_rc=$?
@@ -116,7 +119,7 @@ if [ "$workers" != 0 ] && [ $# = 0 ] && [ "${HETSEQ_TESTCLUSTER:-}" = 1 ]; then
   if [ "$rc" = 0 ]; then rc=$slurm_rc; fi
 else
   if [ "$workers" != 0 ]; then
-    extra+=(-n "$workers")
+    extra+=(-n "$workers" --maxschedchunk 2)
   fi
   # --all: every tier (bare `pytest` runs only tests/unit; CONTRIBUTING.md)
   "$VENV/bin/python" -m pytest --all ${extra[@]+"${extra[@]}"} "$@" || rc=$?
