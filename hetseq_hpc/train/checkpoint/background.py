@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
+from hetseq_hpc.balance.memory import local_part
 from hetseq_hpc.errors import CheckpointError, RankFenced
 
 #: TEST-ONLY: a folder; the write of step S holds before its rename while ``<it>/hold_S``
@@ -134,7 +135,7 @@ def shard_layout(state: Any) -> Tuple[Any, ...]:
             for i, item in enumerate(value):
                 walk(item, (*where, i))
         elif isinstance(value, torch.Tensor):
-            local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor
+            local = local_part(value)  # a DTensor's local shard
             out.append((where, tuple(local.shape), local.dtype, local.device.type))
         else:
             out.append((where, type(value).__name__))
