@@ -34,6 +34,7 @@ from tests.helpers.runs import (
     step_rows,
     wait_rows,
 )
+from tests.helpers.shared import built_once
 from tests.helpers.waits import wait_for
 
 QUICK = [
@@ -152,11 +153,15 @@ def test_run_lock_is_exclusive_inherited_and_dies_with_its_holder(tmp_path):
 # ----------------------------------------------------------------------------- real runs
 @pytest.fixture(scope="module")
 def base_run(tmp_path_factory, token_cache):
-    """A real 2-step run with a checkpoint after every step."""
-    run_dir = tmp_path_factory.mktemp("base")
-    proc = _cli(run_dir, token_cache, "trainer.max_steps=2", "trainer.checkpoint_every=1")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run_dir
+    """A real 2-step run with a checkpoint after every step (made once, shared by the xdist
+    workers: tests copy it before they change it)."""
+
+    def build(directory: Path) -> None:
+        run_dir = directory / "run"
+        proc = _cli(run_dir, token_cache, "trainer.max_steps=2", "trainer.checkpoint_every=1")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    return built_once(tmp_path_factory, "checkpoint-base-run", build) / "run"
 
 
 def _copy(base: Path, dst: Path) -> Path:

@@ -37,6 +37,7 @@ from tests.helpers.runs import (
     step_rows,
     worker_pids,
 )
+from tests.helpers.shared import built_once
 from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.slow
@@ -89,9 +90,12 @@ def _finish(proc: subprocess.Popen) -> str:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, token_cache):
-    run_dir = tmp_path_factory.mktemp("elastic") / "reference"
-    _finish(_start(run_dir, token_cache, "cluster.ranks=3"))
-    return losses(run_dir)
+    """The 3-rank run the faults must repeat (made once, shared by the xdist workers)."""
+
+    def build(directory: Path) -> None:
+        _finish(_start(directory / "run", token_cache, "cluster.ranks=3"))
+
+    return losses(built_once(tmp_path_factory, "elastic-reference", build) / "run")
 
 
 def _same_trajectory(reference: dict, run_dir: Path) -> None:

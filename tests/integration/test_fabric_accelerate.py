@@ -16,6 +16,7 @@ import pytest
 
 from tests.helpers.optional import import_or_skip
 from tests.helpers.runs import REPO
+from tests.helpers.shared import built_once
 
 import_or_skip("lightning", "lightning")
 
@@ -34,9 +35,11 @@ def _run(cmd, out):
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fabric") / "one.json"
+    """The 1-device Fabric run both loops must repeat (made once, shared by the xdist
+    workers)."""
     cmd = [sys.executable, "examples/fabric_mlp.py", "--devices", "1", "--max-micro-batch", "8"]
-    return _run(cmd, out)
+    done = built_once(tmp_path_factory, "fabric-one", lambda root: _run(cmd, root / "one.json"))
+    return json.loads((done / "one.json").read_text())
 
 
 def _worst(run: dict, ref: dict) -> float:

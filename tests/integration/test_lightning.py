@@ -14,6 +14,7 @@ docs/design/exact-gradients.md). Plain Lightning DDP on the same split is off by
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -25,6 +26,7 @@ import pytest
 
 from tests.helpers.optional import import_or_skip
 from tests.helpers.runs import REPO
+from tests.helpers.shared import built_once
 
 import_or_skip("lightning", "lightning")
 
@@ -92,19 +94,21 @@ RUNS["wide_slowed"] = [
 
 
 class Runs:
-    """Start each named run once (lazily) and return rank 0's record."""
+    """Start each named run once per session (shared by the xdist workers: :func:`built_once`)
+    and return rank 0's record."""
 
-    def __init__(self, root: Path):
-        self.root = root
-        self.done: Dict[str, dict] = {}
+    def __init__(self, factory: pytest.TempPathFactory):
+        self.factory = factory
 
-    def __call__(self, name: str, *extra: str) -> dict:
-        key = name + "".join(extra)
-        if key not in self.done:
-            out = self.root / f"{name}{len(self.done)}.json"
-            args = [*RUNS[name], *extra, "--out", str(out)]
+    def directory(self, name: str, *extra: str) -> Path:
+        """The folder of run ``name`` (with ``extra`` arguments): its record ``run.json`` and,
+        for runs that checkpoint, ``<name>-ckpt/``; made on first use."""
+        key = name if not extra else f"{name}-{hashlib.sha1(repr(extra).encode()).hexdigest()[:10]}"
+
+        def build(root: Path) -> None:
+            args = [*RUNS[name], *extra, "--out", str(root / "run.json")]
             if "--ckpt-every" in args:
-                args += ["--ckpt-dir", str(self.root / f"{name}-ckpt")]
+                args += ["--ckpt-dir", str(root / f"{name}-ckpt")]
             env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
             proc = subprocess.run(
                 [sys.executable, str(SCRIPT), *args],
@@ -115,13 +119,16 @@ class Runs:
                 timeout=600,
             )
             assert proc.returncode == 0, f"run {name} failed:\n{proc.stderr[-3000:]}"
-            self.done[key] = json.loads(out.read_text())
-        return self.done[key]
+
+        return built_once(self.factory, f"lightning-{key}", build)
+
+    def __call__(self, name: str, *extra: str) -> dict:
+        return json.loads((self.directory(name, *extra) / "run.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("lightning"))
+    return Runs(tmp_path_factory)
 
 
 def _diffs(run: dict, ref: dict, relative: bool = True) -> Dict[str, float]:
@@ -157,7 +164,7 @@ def test_plain_lightning_ddp_on_the_same_split_is_visibly_wrong(runs):
 
 def test_a_two_rank_checkpoint_resumes_on_one_rank_mid_epoch_on_the_same_losses(runs, tmp_path):
     one, two = runs("one"), runs("two")
-    ckpt = runs.root / "two-ckpt" / "step=7.ckpt"
+    ckpt = runs.directory("two") / "two-ckpt" / "step=7.ckpt"
     assert ckpt.is_file(), sorted(p.name for p in ckpt.parent.iterdir())
     resumed = runs("one", "--resume", str(ckpt))
     assert sorted(int(s) for s in resumed["losses"]) == [

@@ -26,6 +26,7 @@ from hetseq_hpc.train.precision import (
 )
 from tests.helpers.fault_tasks import overflow_at
 from tests.helpers.runs import SMALL_MODEL, losses, read_rows, run_ok
+from tests.helpers.shared import built_once
 
 MIXED_REL_TOL = 2.5e-4
 #: grad_compression=bf16 vs none: every summed gradient element is rounded to bf16 (relative
@@ -55,9 +56,12 @@ def _run(run_dir: Path, token_cache: Path, *overrides: str, task=tuple(SMALL_MOD
 
 @pytest.fixture(scope="module")
 def fp32_reference(tmp_path_factory, token_cache):
-    run_dir = tmp_path_factory.mktemp("fp32")
-    _run(run_dir, token_cache, "cluster.ranks=1", "trainer.max_steps=20")
-    return run_dir
+    """The fp32 1-rank run (made once, shared by the xdist workers)."""
+
+    def build(run_dir: Path) -> None:
+        _run(run_dir, token_cache, "cluster.ranks=1", "trainer.max_steps=20")
+
+    return built_once(tmp_path_factory, "precision-fp32-reference", build)
 
 
 @pytest.mark.slow

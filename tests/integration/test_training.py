@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +29,7 @@ from tests.helpers.runs import (
     wait_rows,
     worker_pids,
 )
+from tests.helpers.shared import built_once
 
 pytestmark = pytest.mark.slow
 
@@ -40,20 +42,23 @@ def _ok(proc: subprocess.CompletedProcess) -> None:
 
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory, token_cache):
-    """An uninterrupted 20-step run on ONE rank, global batch 32 (shared by two tests)."""
-    run_dir = tmp_path_factory.mktemp("ref")
-    proc = hetseq(
-        *SMALL_MODEL,
-        *EXACT,
-        "cluster.ranks=1",
-        "trainer.global_batch_size=32",
-        "trainer.max_steps=20",
-        "trainer.checkpoint_every=10",
-        f"hydra.run.dir={run_dir}",
-        token_cache=token_cache,
-    )
-    _ok(proc)
-    return run_dir
+    """An uninterrupted 20-step run on ONE rank, global batch 32 (shared by three tests and
+    the xdist workers)."""
+
+    def build(run_dir: Path) -> None:
+        proc = hetseq(
+            *SMALL_MODEL,
+            *EXACT,
+            "cluster.ranks=1",
+            "trainer.global_batch_size=32",
+            "trainer.max_steps=20",
+            "trainer.checkpoint_every=10",
+            f"hydra.run.dir={run_dir}",
+            token_cache=token_cache,
+        )
+        _ok(proc)
+
+    return built_once(tmp_path_factory, "training-reference", build)
 
 
 def test_main_job_end_to_end(tmp_path, run_cli):
