@@ -397,29 +397,22 @@ def test_fsdp_a_lost_rank_reloads_the_last_checkpoint_in_job(
     assert f"(FSDP: {said}" in report.stdout + report.stderr
 
 
-#: the non-writer case races its own hook: if the kill lands after rank 0 reached its next save
-#: (5 steps later, on a loaded CI machine), rank 0 waits there for the held write, which the
-#: test releases only once rank 0 re-forms (CI run 21: a 300 s wait, then a failure); skipped
-#: until the kill is made part of the run (a fault task) instead of the test's polling
-_NON_WRITER_RACE = pytest.mark.skip(reason="races its hold hook under load (CI run 21)")
-
-
-@pytest.mark.parametrize(
-    ("victim", "reloaded"), [pytest.param(1, 10, marks=_NON_WRITER_RACE), (0, 5)]
-)
+@pytest.mark.parametrize(("victim", "reloaded"), [(1, 10), (0, 5)])
 def test_fsdp_a_rank_lost_during_a_background_checkpoint_write(
     victim, reloaded, reference, tmp_path, token_cache
 ):
     """Issue 43, ``sharding.mode=fsdp`` with background checkpoints: rank 0's write of step 10
-    is held (every rank's shards written, its record not yet: the test-only hook) when
-    ``victim`` is killed -9. Rank 1: the write is released once rank 0 re-forms, and the
-    reload waits for it: step 10 is reloaded. Rank 0 (the writer): the survivors abandon the
-    write (one line each), its unreferenced shards are swept, step 5 is reloaded. Either way
-    the run finishes in-job with the uninterrupted run's losses and leaves no temp or
-    unreferenced shard directory."""
+    is held (every rank's shards written, its record not yet: the test-only hook) and, as the
+    hold starts, the hook kills ``victim`` -9 (a fault at a known point, not at the test's poll:
+    a late kill let rank 0 reach its next save, which waits for the held write, CI run 21).
+    Rank 1: the write is released once rank 0 re-forms, and the reload waits for it: step 10
+    is reloaded. Rank 0 (the writer): the survivors abandon the write (one line each), its
+    unreferenced shards are swept, step 5 is reloaded. Either way the run finishes in-job with
+    the uninterrupted run's losses and leaves no temp or unreferenced shard directory."""
     hold, run_dir = tmp_path / "hold", tmp_path / "run"
     hold.mkdir()
-    (hold / "hold_10").touch()
+    # the writer killed in its hold: the re-formed world's write of step 10 is not held
+    (hold / "hold_10").write_text("once" if victim == 0 else "")
     proc = start_hetseq(
         *COMMON,
         "cluster.ranks=3",
@@ -429,14 +422,16 @@ def test_fsdp_a_rank_lost_during_a_background_checkpoint_write(
         env={**cli_env(token_cache), HOLD_ENV: str(hold)},
         new_session=True,
     )
+    pids = wait_for(
+        lambda: (p := worker_pids(run_dir)) and len(p) == 3 and p, "3 workers", proc=proc
+    )
+    (hold / "kill_10").write_text(str(pids[victim]))
     wait_for(lambda: (hold / "held_10").exists(), "the write of step 10 held", proc=proc)
-    os.kill(worker_pids(run_dir)[victim], signal.SIGKILL)
-    if victim == 0:
-        (hold / "hold_10").unlink()  # the step-10 write of the re-formed world is not held
-    else:
+    if victim != 0:
         _logged(run_dir, proc, [0], "re-forming the world without the lost ranks")
         (hold / "release_10").touch()
     _finish(proc)
+    assert not (hold / "kill_10").exists()  # the hook killed the victim
     _same_trajectory(reference, run_dir)
     (event,) = _events(run_dir)
     assert event["reloaded"]["step"] == reloaded, event

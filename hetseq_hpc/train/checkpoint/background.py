@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -36,12 +37,28 @@ HOLD_ENV = "HETSEQ_TEST_HOLD_CHECKPOINT"
 
 def hold_for_tests(step: int) -> None:
     """TEST-ONLY (:data:`HOLD_ENV`; nothing happens when it is unset): hold the write of
-    ``step`` before its rename while a test looks at the run (polls every 20 ms)."""
+    ``step`` before its rename while a test looks at the run (polls every 20 ms).
+
+    ``hold_S`` holding the word ``once`` is removed as the hold starts (a later write of the
+    same step, after a reload, is not held). ``kill_S`` holding a pid: that process is sent
+    SIGKILL as the hold starts (then the file is removed): a fault at a known point of the
+    write, not at a test's poll (the pid may be this process: the writer lost mid-write)."""
     folder = os.environ.get(HOLD_ENV)
-    if not folder or not (Path(folder) / f"hold_{step}").exists():
+    hold = Path(folder) / f"hold_{step}" if folder else None
+    if hold is None or not hold.exists():
         return
-    (Path(folder) / f"held_{step}").touch()
-    while not (Path(folder) / f"release_{step}").exists():
+    if hold.read_text().strip() == "once":
+        hold.unlink(missing_ok=True)
+    (hold.parent / f"held_{step}").touch()
+    victim = hold.parent / f"kill_{step}"
+    if victim.exists():
+        pid = int(victim.read_text())
+        victim.unlink()
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    while not (hold.parent / f"release_{step}").exists():
         time.sleep(0.02)
 
 
