@@ -171,6 +171,9 @@ class Trainer:
             self.cfg.checkpoint_async,
             run.cluster.collective_timeout_s,
         )
+        # events.jsonl marks a checkpoint once its record is in place (a background write's
+        # thread marks it when done: an abandoned or failed write is never marked)
+        self.checkpoints.on_written = self._mark_checkpoint
         # where the run stands
         self.step = 0  # last completed optimizer step; global batch ``step`` comes next
         self.phase = DONE  # of ``step``: what of the work after it is done (train/records.py)
@@ -440,8 +443,6 @@ class Trainer:
             self._settle_or_stop()  # a checkpoint holds an applied step, after its row
             with self.phase_timeout("checkpoint"):
                 self._save(step, wait=is_last or bool(rec.stop_code))
-            if step_log.writer is not None:  # rank 0: the report marks it
-                append_event(self.run_dir, "checkpoint", step=step, run_id=self.run_id)
         self.phase = DONE
         if (
             self.elastic is not None
@@ -919,6 +920,12 @@ class Trainer:
         self.saved_step = step
         if wait:
             self.checkpoints.finish(self.rdv)
+
+    def _mark_checkpoint(self, step: int) -> None:
+        """Record the checkpoint of ``step`` in ``events.jsonl`` (the report marks it): called
+        by the checkpoint manager where the record was written (rank 0, maybe its background
+        thread)."""
+        append_event(self.run_dir, "checkpoint", step=step, run_id=self.run_id)
 
     def keep_good_steps(self) -> str:
         """After a non-finite loss (the model is still that of :attr:`step`): checkpoint that

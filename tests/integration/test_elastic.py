@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from hetseq_hpc.rundir.events import read_events
 from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.train.checkpoint.background import HOLD_ENV
 from hetseq_hpc.train.checkpoint.files import step_of
@@ -435,6 +436,11 @@ def test_fsdp_a_rank_lost_during_a_background_checkpoint_write(
     _same_trajectory(reference, run_dir)
     (event,) = _events(run_dir)
     assert event["reloaded"]["step"] == reloaded, event
+    # events.jsonl marks a checkpoint once its record is in place: the abandoned write of
+    # step 10 is not marked, its redone write is (once)
+    events, _ = read_events(RunDir(run_dir))
+    marked = [e["step"] for e in events if e["event"] == "checkpoint"]
+    assert marked == [5, 10, 15, 20, 25, 30], marked
     if victim == 0:
         said = (run_dir / "logs" / "rank1.log").read_text()
         assert "the background write of the checkpoint of step 10 did not finish" in said

@@ -281,6 +281,10 @@ class CheckpointManager:
         #: before it is renamed into place (:func:`~hetseq_hpc.train.checkpoint.background.
         #: hold_for_tests`)
         self.test_hold: Callable[[int], None] = hold_for_tests
+        #: called with the step once a checkpoint's record is in place (by the process and
+        #: thread that wrote it: a background write's thread), e.g. to mark it in events.jsonl:
+        #: a background write abandoned or failed is never marked; its errors are one warning
+        self.on_written: Optional[Callable[[int], None]] = None
         self._pending: Optional[BackgroundWrite] = None
         #: the gang's group (``rdv.cpu_group``) of the world a pending sharded write began in
         #: (None: none pending, or a write of rank 0 alone)
@@ -413,6 +417,11 @@ class CheckpointManager:
             raise self.write_error(final, exc, writer.error if writer else None) from None
         self.retain(final, payload.get("run_id"))
         log.info("checkpoint: %s", final)
+        if self.on_written is not None:
+            try:
+                self.on_written(step)
+            except Exception as exc:  # a mark of a written checkpoint: never its failure
+                log.warning("checkpoint of step %d written; marking it failed: %s", step, exc)
         return final
 
     def save(
