@@ -340,7 +340,14 @@ class Trainer:
                 self.step,
                 cfg.max_steps,
             )
-        self.step_log = StepLog(self.run, self.run_dir, self.step, self.rank, self.resume_note)
+        self.step_log = StepLog(
+            self.run,
+            self.run_dir,
+            self.step,
+            self.rank,
+            self.resume_note,
+            joined=self.join_event is not None,
+        )
         if self.join_event is not None:  # a newcomer: its join row goes with its first step
             self.step_log.events.append(self.join_event)
         self._fit_started = (time.perf_counter(), self.step)  # the wall-clock rate's start

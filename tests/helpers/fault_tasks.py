@@ -283,13 +283,17 @@ class HeldForJoinBert(_Bert):
         hold, limit = int(self.args["hold_step"]), float(self.args.get("hold_s", 240))
 
         def held(trainer, k, *args, **kwargs):
-            if k == hold and trainer.elastic is not None:
+            if k == hold and trainer.elastic is not None and self.holds():
                 deadline = time.monotonic() + limit
                 while join_requests(trainer.elastic.store) < 1 and time.monotonic() < deadline:
                     time.sleep(0.1)
             return train_step(trainer, k, *args, **kwargs)
 
         Trainer.train_step = held
+
+    def holds(self) -> bool:
+        """Whether to hold now that step ``hold_step`` starts (always, here)."""
+        return True
 
 
 class DiesAfterAdmittingBert(HeldForJoinBert):
@@ -339,4 +343,9 @@ class KilledThenHeldBert(KilledAtStepBert, HeldForJoinBert):
     """:class:`KilledAtStepBert` and :class:`HeldForJoinBert` together: rank
     ``+task.args.die_rank`` kills itself as step ``+task.args.die_step`` starts, and every rank
     holds at step ``+task.args.hold_step`` until its replacement asked to join (a Slurm step
-    starts in seconds, the remaining steps may take less)."""
+    starts in seconds, the remaining steps may take less). The hold starts only after the kill
+    (its marker exists): a ``hold_step`` before ``die_step`` is held when the survivors redo it
+    after an FSDP reload, so the replacement joins right after that redone step."""
+
+    def holds(self) -> bool:
+        return Path(str(self.args["marker"])).exists()

@@ -784,15 +784,26 @@ def test_a_killed_rank_is_restarted_and_joins_the_running_job(
     ranks on the uninterrupted 3-rank trajectory, every step logged once, and a join row.
     (Every rank holds at step 14 until the request is in the store: a loaded machine may
     start the replacement slower than the remaining steps run; tests/helpers/fault_tasks.py.)
-    FSDP: the survivors reload the step-10 checkpoint after the loss (the lost shard is gone;
-    the kill waits for that checkpoint's record: it is written in the background); at the join
-    they gather the whole state, send it, and all three shard it again: no checkpoint is read
-    for the join."""
+    FSDP: rank 0 kills itself as step 13 starts; the survivors reload the step-10 checkpoint
+    (the lost shard is gone) and hold at the redone step 11 until the replacement asked: it
+    joins right after step 11, before the step the rank was lost in (the loss's row, of step
+    13, was dropped from metrics.jsonl at that join: CI run 23). At the join they gather the
+    whole state, send it, and all three shard it again: no checkpoint is read for the join."""
     run_dir = tmp_path / "run"
+    if sharding == "fsdp":
+        fault = _as_fault_task(
+            "KilledThenHeldBert",
+            die_rank=victim,
+            die_step=13,
+            hold_step=11,
+            marker=tmp_path / "died",
+        )
+    else:
+        fault = _as_fault_task("HeldForJoinBert", hold_step=14)
     proc = _launch(
         run_dir,
         token_cache,
-        *_as_fault_task("HeldForJoinBert", hold_step=14),
+        *fault,
         "++task.model.max_seq_len=32",
         "++task.model.dropout=0.0",
         "cluster.ranks=3",
@@ -800,11 +811,9 @@ def test_a_killed_rank_is_restarted_and_joins_the_running_job(
         f"sharding.mode={sharding}",
         *(["trainer.checkpoint_every=5"] if sharding == "fsdp" else []),
     )
-    _at_step(run_dir, proc, 10)
-    if sharding == "fsdp":
-        record = run_dir / "checkpoints" / "step_00000010.pt"
-        wait_for(record.exists, f"no checkpoint {record.name}", proc=proc, poll_s=0.05)
-    os.kill(worker_pids(run_dir)[victim], signal.SIGKILL)
+    if sharding != "fsdp":
+        _at_step(run_dir, proc, 10)
+        os.kill(worker_pids(run_dir)[victim], signal.SIGKILL)
     out = _finish(proc)
     _same_trajectory(reference, run_dir)
     rows = [r for r in read_rows(run_dir) if "loss" in r and r.get("event") is None]
@@ -812,7 +821,11 @@ def test_a_killed_rank_is_restarted_and_joins_the_running_job(
     lost, joined = _events(run_dir)
     assert [x["rank"] for x in lost["lost"]] == [victim] and lost["world_size"] == 2
     assert [x["rank"] for x in joined["joined"]] == [victim] and joined["world_size"] == 3
-    assert lost["step"] <= joined["step"] <= max(14, lost["step"]) + 1, (lost, joined)
+    if sharding == "fsdp":  # back to the step-10 checkpoint (step 5 if its write was cut)
+        assert lost["step"] == 13 and joined["step"] == 11, (lost, joined)
+        assert lost["reloaded"]["step"] in (5, 10), lost
+    else:
+        assert lost["step"] <= joined["step"] <= max(14, lost["step"]) + 1, (lost, joined)
     assert sum(joined["split"]) == 24 and len(joined["split"]) == 3 and joined["join_s"] > 0
     assert joined["joined"][0]["member"] >= 3  # a new member, not the lost process back
     assert len(rows[-1]["ranks"]) == 3

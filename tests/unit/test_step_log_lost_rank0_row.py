@@ -122,3 +122,26 @@ def test_a_survivor_trainer_hands_the_new_rank0_the_last_two_rows(tmp_path, toke
     rows = [r for r in read_metrics(tmp_path) if "loss" in r]
     assert [r["step"] for r in rows] == [2, 3]
     assert [r["loss"] for r in rows] == [rec.loss for rec in trainer.history[1:]]
+
+
+def test_a_join_right_after_an_fsdp_reload_keeps_the_loss_row(tmp_path):
+    """A rank lost at step 12 under FSDP: the survivors reload step 5 and redo step 6, whose
+    completion writes the loss's membership row (``step`` 12: the step in progress when the
+    rank was lost); a replacement admitted right after step 6 opens loggers there -- rank 0
+    reopens its own, or the replacement takes rank 0's place and opens new ones -- and
+    neither may drop that row (CI run 23: the replacement of a lost rank 0 dropped it)."""
+    _rows_before(tmp_path, 5)
+    log = _log(tmp_path, 5)
+    lost = {"event": "membership", "step": 12, "lost": [{"rank": 1}], "lost_monotonic": 0.0}
+    log.recovered(lost, 0, 5, True, [])
+    log.writer.write({"step": 6, "loss": 5.0, "run_id": "run-1"})
+    log.flush_events("run-1")
+    joined = {"event": "membership", "step": 6, "joined": [{"rank": 1}], "lost_monotonic": 0.0}
+    log.recovered(joined, 0, 6, True, [])  # rank 0 stays rank 0
+    log.flush_events("run-1")
+    log.close()
+    # a replacement in rank 0's place opens its own loggers at step 6
+    StepLog(RUN, RunDir(tmp_path), 6, 0, {}, joined=True).close()
+    rows = [r for r in read_metrics(tmp_path) if r.get("event") == "membership"]
+    assert [(r["step"], bool(r.get("joined"))) for r in rows] == [(12, False), (6, True)], rows
+    assert _steps(tmp_path) == list(range(1, 7))

@@ -271,6 +271,9 @@ class RunLoggers:
         names: ``trainer.loggers``.
         resume_step: the checkpoint's step (0 for a fresh run).
         config: the run's configuration as plain data (TensorBoard text, W&B config).
+        keep_membership: opened inside the running job (a new rank 0 after a recovery or a
+            join): ``metrics.jsonl`` keeps its membership rows past ``resume_step``
+            (:class:`~hetseq_hpc.train.metrics.rows.MetricsWriter`).
     """
 
     def __init__(
@@ -279,8 +282,9 @@ class RunLoggers:
         names: Sequence[str],
         resume_step: int = 0,
         config: Optional[Dict[str, Any]] = None,
+        keep_membership: bool = False,
     ):
-        self.sinks: List[Any] = [MetricsWriter(run_dir.metrics, resume_step)]
+        self.sinks: List[Any] = [MetricsWriter(run_dir.metrics, resume_step, keep_membership)]
         wanted = [n for n in dict.fromkeys(names) if n != "jsonl"]
         for name in wanted:
             missing = missing_logger_package(name)
@@ -375,13 +379,16 @@ def first_logged_loss(run_dir: RunDir) -> Optional[float]:
     return None
 
 
-def open_loggers(run: RunConfig, run_dir: RunDir, resume_step: int) -> RunLoggers:
-    """:class:`RunLoggers` for ``run.trainer.loggers`` (rank 0 only)."""
+def open_loggers(
+    run: RunConfig, run_dir: RunDir, resume_step: int, keep_membership: bool = False
+) -> RunLoggers:
+    """:class:`RunLoggers` for ``run.trainer.loggers`` (rank 0 only; ``keep_membership``: inside
+    the running job, :class:`RunLoggers`)."""
     from omegaconf import OmegaConf
 
     config = OmegaConf.to_container(OmegaConf.structured(run), resolve=True)
     plain = {str(k): v for k, v in config.items()} if isinstance(config, dict) else None
-    return RunLoggers(run_dir, run.trainer.loggers, resume_step, plain)
+    return RunLoggers(run_dir, run.trainer.loggers, resume_step, plain, keep_membership)
 
 
 __all__ = [

@@ -55,14 +55,19 @@ class MetricsWriter:
     fills (or turns read-only) mid-row, the file is cut back to its last whole row and a
     one-line :class:`~hetseq_hpc.errors.StorageError` is raised. On resume, rows of steps
     after the checkpoint are dropped first, so the file reads as one uninterrupted run (a
-    membership row that records a stop is kept: :func:`_records_a_stop`)."""
+    membership row that records a stop is kept: :func:`_records_a_stop`).
 
-    def __init__(self, path: Path, resume_step: int = 0):
+    ``keep_membership``: a writer opened inside the running job (a new rank 0 after a
+    recovery or a join) keeps every membership row: the job's own history, never redone,
+    whose ``step`` (the step in progress at a loss) may be after ``resume_step`` (the step an
+    FSDP world reloaded; a replacement may join right after the first step redone)."""
+
+    def __init__(self, path: Path, resume_step: int = 0, keep_membership: bool = False):
         self.path = Path(path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if self.path.exists():
-                self._truncate_after(resume_step)
+                self._truncate_after(resume_step, keep_membership)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as exc:
             raise self._error(exc) or exc from None
@@ -70,14 +75,18 @@ class MetricsWriter:
     def _error(self, exc: BaseException) -> Optional[StorageError]:
         return storage_error(self.path.parent, exc, self.path)
 
-    def _truncate_after(self, step: int) -> None:
+    def _truncate_after(self, step: int, keep_membership: bool) -> None:
         # drops cut-off, damaged and non-row lines: what a resumed run appends must read back
         keep = [
             line
             for _, line, row in _parse(self.path, strict=False)
             if isinstance(row, dict)
             and isinstance(row.get("step", 0), int)
-            and (row.get("step", 0) <= step or _records_a_stop(row))
+            and (
+                row.get("step", 0) <= step
+                or _records_a_stop(row)
+                or (keep_membership and row.get("event") == "membership")
+            )
         ]
         atomic_write_text(self.path, "".join(line + "\n" for line in keep))
 

@@ -41,12 +41,22 @@ class StepLog:
         step: the step the run continues after (the loggers drop rows past it).
         rank: this rank in the current world (0 writes).
         note: fields for the first row (a resume's fallback past bad checkpoints).
+        joined: this process joined the running job (its membership rows are kept:
+            :func:`~hetseq_hpc.train.metrics.loggers.open_loggers`).
     """
 
-    def __init__(self, run: RunConfig, run_dir: RunDir, step: int, rank: int, note: Dict[str, Any]):
+    def __init__(
+        self,
+        run: RunConfig,
+        run_dir: RunDir,
+        step: int,
+        rank: int,
+        note: Dict[str, Any],
+        joined: bool = False,
+    ):
         self.run, self.cfg, self.run_dir = run, run.trainer, run_dir
         self.writer: Optional[RunLoggers] = (
-            open_loggers(run, self.run_dir, step) if rank == 0 else None
+            open_loggers(run, self.run_dir, step, keep_membership=joined) if rank == 0 else None
         )
         self.progress = Progress(self.cfg.max_steps, step, enabled=rank == 0)
         self.pending: Dict[str, Any] = dict(note)  # goes into the first row
@@ -104,11 +114,14 @@ class StepLog:
         first, that a rank 0 lost in between may not have written: a row is read one step late
         (:mod:`hetseq_hpc.train.readout`), so the lost rank 0 may owe the row of ``step - 1``
         as well as that of ``step``. ``past_row``: the survivors were past the row of
-        ``step`` (False: its phase is redone, and :meth:`log` checks the file then)."""
+        ``step`` (False: its phase is redone, and :meth:`log` checks the file then). The job's
+        membership rows past ``step`` are kept (a loss's, after an FSDP reload)."""
         self.events.append(event)
         if self.writer is not None:
             self.writer.close()
-        self.writer = open_loggers(self.run, self.run_dir, step) if rank == 0 else None
+        self.writer = (
+            open_loggers(self.run, self.run_dir, step, keep_membership=True) if rank == 0 else None
+        )
         self.check_logged = step if not past_row else None
         if self.writer is not None:
             for rec, row in owed:
