@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.shared import session_root
 from tests.helpers.task_sources import BREACHES, USER_TASK, module_dir
 from tests.helpers.tasks import write_task_data
 
@@ -110,8 +111,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def token_cache(tmp_path_factory) -> Path:
-    """One tokenizer/token cache for the whole session (built by the first run)."""
-    return tmp_path_factory.mktemp("token-cache")
+    """One tokenizer/token cache for the whole session, shared by its xdist workers (built by
+    the first run; the cache's own file lock makes concurrent runs build it once). Shared
+    because a tokenizer trained into a fresh cache is not the same twice (the losses differ at
+    1e-4), and reference runs made once per session (``tests/helpers/shared.py``) are compared
+    with runs on every worker."""
+    cache = session_root(tmp_path_factory) / "token-cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    return cache
 
 
 @pytest.fixture(scope="session")
