@@ -29,6 +29,7 @@ from hetseq_hpc.balance.agree import (
     RankReport,
     agree_on_allocation,
     agree_on_sharding,
+    agree_on_units,
     report_curves,
     write_allocation_json,
 )
@@ -392,7 +393,14 @@ def run_worker(
                 check_before_training(task, bare, run, torch.device("cpu"), rdv, early)
             # FSDP gathers parameters in one dtype on every rank: bf16 only if all compute in it
             precisions = rdv.all_gather_objects(precision) if mode == "fsdp" else [precision]
-            chosen["parallel"] = build_parallel(run, task, bare, device, mode, precisions)
+            # FSDP: the task's units as one group where a replica would fit (every rank alike)
+            units = len(list(task.sharding_units(bare))) if hasattr(task, "sharding_units") else 0
+            grouped = mode == "fsdp" and agree_on_units(
+                run.sharding.units, param_bytes, budget, units, rdv
+            )
+            chosen["parallel"] = build_parallel(run, task, bare, device, mode, precisions, grouped)
+            if grouped:  # the memory rules see the group as one unit
+                sizes = sizes._replace(block=sizes.total - sizes.root)
             chosen["static_for"] = state_bytes_for(run, task, sizes, mode, device)
             chosen["static"] = chosen["static_for"](world.world_size)
             return chosen["parallel"].model
@@ -641,7 +649,13 @@ def join_worker(
         parallel = None
         if sharding == "fsdp":  # sharded over the grown world, as the survivors re-shard theirs
             parallel = build_parallel(
-                run, task, model, device, "fsdp", [m.precision for m in metas]
+                run,
+                task,
+                model,
+                device,
+                "fsdp",
+                [m.precision for m in metas],
+                bool(joined.state.get("units_grouped", False)),
             )
             agree_on_accumulation(
                 run.sharding, parallel, joined.allocation, elastic.split_reports, rdv

@@ -7,7 +7,8 @@ What each part runs: docs/benchmarks.md, "How the scripts measure".
 
     python scripts/bench_sharding.py [--pairs 4] [--steps 20] [--budget-gb 0.03]
                                      [--ladder 1,2,4,8,16] [--micro 4] [--only-accumulation]
-                                     [--only-throughput] [--precision fp32|bf16] [--out DIR]
+                                     [--only-throughput] [--precision fp32|bf16]
+                                     [--units auto|per_unit|one] [--out DIR]
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def throughput_pairs(root: Path, args) -> dict:
                 "trainer.global_batch_size=32",
                 "balance.allocation=[16,16]",
                 f"precision.default={args.precision}",
+                f"sharding.units={args.units}",
             )
             if proc.returncode != 0:
                 raise SystemExit(f"{mode} run failed:\n{proc.stderr[-2000:]}")
@@ -227,6 +229,12 @@ def main() -> None:
     parser.add_argument("--only-throughput", action="store_true", help="run (a)+(b) alone")
     parser.add_argument(
         "--precision", choices=("fp32", "bf16"), default="fp32", help="(a)+(b): every rank's"
+    )
+    parser.add_argument(
+        "--units",
+        choices=("auto", "per_unit", "one"),
+        default="auto",
+        help="(a)+(b): sharding.units of the FSDP runs (auto groups this model's layers)",
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

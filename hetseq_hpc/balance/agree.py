@@ -224,6 +224,44 @@ def agree_on_sharding(
     return chosen
 
 
+def agree_on_units(
+    setting: str, param_bytes: float, memory_budget_bytes: float, units: int, rdv: Gang
+) -> bool:
+    """Whether FSDP shards the task's ``units`` sharding units as ONE group (every rank alike),
+    from ``sharding.units``: ``one`` -> yes, ``per_unit`` -> no, ``auto`` -> yes when a full
+    replica fits every rank's memory budget with room for activations
+    (:func:`hetseq_hpc.balance.memory.replica_fits`, as ``sharding.mode=auto`` decides DDP):
+    one group then holds at most the whole weights and their gradients beside the rank's
+    shard, no more than a DDP replica, and gathers once per pass instead of once per unit
+    (FSDP2's host work per unit dominates a small model's step: docs/design/sharding.md). Fewer
+    than two units: nothing to group (False). One small all-gather for ``auto``.
+
+    Args:
+        setting: ``sharding.units`` (``auto``, ``per_unit`` or ``one``).
+        param_bytes: the model's parameter bytes; memory_budget_bytes: this rank's budget.
+        units: how many sharding units the task names.
+        rdv: the joined rendezvous (every rank calls this at the same point).
+    """
+    from hetseq_hpc.balance.memory import replica_fits
+
+    if units < 2 or setting == "per_unit":
+        return False
+    if setting == "one":
+        return True
+    fits = rdv.all_gather_objects(bool(replica_fits(memory_budget_bytes, param_bytes)))
+    grouped = all(fits)
+    if rdv.world.rank == 0:
+        log.info(
+            "sharding.units=auto -> %s (%s)",
+            "one" if grouped else "per_unit",
+            f"a full replica fits every rank: the {units} units gathered as one group"
+            if grouped
+            else "a full replica does not fit rank(s) "
+            f"{[r for r, ok in enumerate(fits) if not ok]}: each of the {units} units alone",
+        )
+    return grouped
+
+
 def report_curves(reports: Sequence[RankReport]) -> Optional[List[CostCurve]]:
     """Every rank's calibrated cost curve (:mod:`hetseq_hpc.balance.curves`), from the same gathered
     floats on every rank; None when a report has no fit (then the split follows samples/s)."""
@@ -278,6 +316,8 @@ __all__ = [
     "RankMeta",
     "RankReport",
     "agree_on_allocation",
+    "agree_on_sharding",
+    "agree_on_units",
     "report_curves",
     "write_allocation_json",
 ]

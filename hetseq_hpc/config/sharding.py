@@ -16,6 +16,8 @@ SHARDING_MODES = ("none", "fsdp", "auto")
 CHECKPOINT_LAYOUTS = ("sharded", "full")
 #: what sharding.between_micro_batches accepts
 BETWEEN_MICRO_BATCHES = ("auto", "keep_unsharded", "reshard")
+#: what sharding.units accepts
+UNIT_GROUPINGS = ("auto", "per_unit", "one")
 
 
 @dataclass
@@ -44,6 +46,13 @@ class ShardingConfig:
     # auto = keep_unsharded when the whole weights fit beside every rank's shard and
     # micro-batch in its memory budget (hetseq_hpc/train/fsdp_accumulation.py), else reshard
     between_micro_batches: str = "auto"
+    # how FSDP groups the task's sharding units (its transformer layers): per_unit = each one
+    # gathered and reduce-scattered on its own (a layer at a time: the memory FSDP is for);
+    # one = all of them in one group (one all-gather and one reduce-scatter per pass for the
+    # layers: far less per-unit host work, the whole weights and their gradients held at once);
+    # auto = one when a full replica would fit every rank's memory budget (FSDP then holds no
+    # more than DDP would), else per_unit (hetseq_hpc/balance/agree.py, agree_on_units)
+    units: str = "auto"
 
     def __post_init__(self) -> None:
         require(
@@ -61,4 +70,9 @@ class ShardingConfig:
             self.between_micro_batches in BETWEEN_MICRO_BATCHES,
             f"sharding.between_micro_batches={self.between_micro_batches!r} is unknown: use "
             f"{', '.join(BETWEEN_MICRO_BATCHES)} (e.g. sharding.between_micro_batches=auto)",
+        )
+        require(
+            self.units in UNIT_GROUPINGS,
+            f"sharding.units={self.units!r} is unknown: use "
+            f"{', '.join(UNIT_GROUPINGS)} (e.g. sharding.units=auto)",
         )

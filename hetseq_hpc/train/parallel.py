@@ -244,6 +244,9 @@ class Sharded(Replicated):
         precisions: every rank's compute precision, rank order
             (:func:`~hetseq_hpc.train.precision.fsdp_param_dtype`: all bf16 = parameters
             gathered in bf16, the shards and the gradient reduce in fp32; else all fp32).
+        grouped: the units sharded as ONE group (``fully_shard`` of their list: one all-gather
+            and one reduce-scatter per pass for all of them; the same on every rank:
+            :func:`~hetseq_hpc.balance.agree.agree_on_units`), else each on its own.
     """
 
     sharded = True
@@ -257,6 +260,7 @@ class Sharded(Replicated):
         cpu_offload: bool = False,
         checkpoint: str = "sharded",
         precisions: Sequence[Optional[str]] = (),
+        grouped: bool = False,
     ):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import (
@@ -273,7 +277,11 @@ class Sharded(Replicated):
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         self.group = mesh.get_group()  # the shards' group (the gradient norm's all-reduce)
         self.units = list(units)
-        self.sizes = unit_bytes(model, self.units)  # whole, root and largest unit, in bytes
+        self.grouped = bool(grouped) and len(self.units) > 1
+        # whole, root and largest unit (grouped: all units are one), in bytes
+        self.sizes = unit_bytes(model, self.units)
+        if self.grouped:
+            self.sizes = self.sizes._replace(block=self.sizes.total - self.sizes.root)
         #: between the passes of a step: ``reshard`` or ``keep_unsharded`` (the same on every
         #: rank: :func:`hetseq_hpc.train.fsdp_accumulation.agree_on_accumulation`)
         self.between_micro_batches = "reshard"
@@ -286,8 +294,11 @@ class Sharded(Replicated):
         # autocast's matmuls (embedding sums, their LayerNorm), where bf16 would round
         # values fp32 computes (docs/design/sharding.md)
         policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
-        for unit in self.units:
-            fully_shard(unit, mesh=mesh, offload_policy=offload, mp_policy=policy)
+        if self.grouped:  # one FSDP group: one all-gather and one reduce-scatter per pass
+            fully_shard(self.units, mesh=mesh, offload_policy=offload, mp_policy=policy)
+        else:
+            for unit in self.units:
+                fully_shard(unit, mesh=mesh, offload_policy=offload, mp_policy=policy)
         root = MixedPrecisionPolicy(reduce_dtype=torch.float32)
         fully_shard(model, mesh=mesh, offload_policy=offload, mp_policy=root)
         self.fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -296,10 +307,11 @@ class Sharded(Replicated):
             module.set_gradient_divide_factor(1.0)
         self.offload = cpu_offload and device.type == "cuda"
         log.info(
-            "FSDP2: %d units + root over all ranks; the units' parameters all-gathered in %s "
+            "FSDP2: %d units%s + root over all ranks; the units' parameters all-gathered in %s "
             "on every rank (%s; the root's, the shards, the optimizer and the gradient "
             "reduce-scatter in fp32)%s",
             len(self.units),
+            " in one group" if self.grouped else "",
             self.gather_dtype(),
             self.param_dtype_why,
             "; sharded state offloaded to CPU" if self.offload else "",
@@ -641,6 +653,7 @@ class Sharded(Replicated):
         return {
             "mode": self.mode,
             "units": len(self.units),
+            "units_grouped": self.grouped,
             "all_gather_dtype": self.gather_dtype(),
             "root_all_gather_dtype": "fp32",
             "reduce_dtype": "fp32",
@@ -722,13 +735,15 @@ def build_parallel(
     device: torch.device,
     mode: str,
     precisions: Sequence[Optional[str]] = (),
+    grouped: bool = False,
 ) -> Replicated:
     """The strategy for ``mode`` (``ddp`` or ``fsdp``, as decided for ``sharding.mode``), with
     ``sharding.activation_checkpointing`` applied to the task's sharding units first, then
     ``trainer.compile`` (each unit compiled in place, :mod:`hetseq_hpc.train.compile`). ``ddp``
     moves the model to ``device``; ``fsdp`` shards it onto ``device`` (a collective: every
     rank calls this at the same point), gathering parameters in bf16 when every rank of
-    ``precisions`` (rank order; none given = fp32) computes in bf16."""
+    ``precisions`` (rank order; none given = fp32) computes in bf16; ``grouped``: the units as
+    one FSDP group (:class:`Sharded`)."""
     units = list(task.sharding_units(model)) if hasattr(task, "sharding_units") else []
     if run.sharding.activation_checkpointing:
         if not units:
@@ -748,7 +763,13 @@ def build_parallel(
         )
     if mode == "fsdp":
         return Sharded(
-            model, units, device, run.sharding.cpu_offload, run.sharding.checkpoint, precisions
+            model,
+            units,
+            device,
+            run.sharding.cpu_offload,
+            run.sharding.checkpoint,
+            precisions,
+            grouped,
         )
     return Replicated(model.to(device), device)
 

@@ -1019,6 +1019,7 @@ class Trainer:
                 in-job; one line naming it, as a resume would).
         """
         watch = getattr(self.parallel, "memory_watch", None)
+        grouped = bool(getattr(self.parallel, "grouped", False))  # as agreed at start-up
         was = self.step
         # the broken model and optimizer hold DTensors of the old group: gone before the new ones
         del self.parallel, self.model, self.optimizer, self.scheduler
@@ -1028,7 +1029,13 @@ class Trainer:
         self.rdv, self.world, self.rank = rdv, rdv.world, rdv.world.rank
         self.metas, self.allocation, self.rebalancer = metas, allocation, None
         self.parallel = build_parallel(
-            self.run, self.task, rebuild(), self.device, "fsdp", [m.precision for m in metas]
+            self.run,
+            self.task,
+            rebuild(),
+            self.device,
+            "fsdp",
+            [m.precision for m in metas],
+            grouped,
         )
         self.parallel.memory_watch = watch
         if reports:  # every survivor: one small all-gather when there is a choice

@@ -65,23 +65,40 @@ def test_fsdp_uneven_then_3_ranks_then_ddp_repeat_one_rank(
     )
     ref, run = tmp_path / "ref", tmp_path / "sharded"
     last = 20 if name == "bert" else 10
+    # bert and custom shard each unit alone; image and translation (and bert's 3-rank resume)
+    # group them as sharding.units=auto does where a replica fits: the same losses either way
+    units = "per_unit" if name in ("bert", "custom") else "auto"
     _ok(run_cli(ref, *task, *STEPS, "cluster.ranks=1", f"trainer.max_steps={last}", small=False))
-    _ok(run_cli(run, *task, *STEPS, *FSDP_UNEVEN, "trainer.max_steps=10", small=False))
+    _ok(
+        run_cli(
+            run, *task, *STEPS, *FSDP_UNEVEN, f"sharding.units={units}", "trainer.max_steps=10",
+            small=False,
+        )
+    )  # fmt: skip
     summary = json.loads((run / "summary.json").read_text())
     assert summary["sharding"]["mode"] == "fsdp" and summary["sharding"]["units"] >= 1
+    grouped = units == "auto" and summary["sharding"]["units"] > 1
+    assert summary["sharding"]["units_grouped"] is grouped, summary["sharding"]
     # written sharded (DCP): each of the 2 ranks its own file
     shards = sorted((run / "checkpoints").glob("step_00000010.*.shards"))
     assert len(shards) == 1 and len(list(shards[0].glob("__*_*.distcp"))) == 2
     assert summary["exact"] is True
     if name == "bert":
         resumes = (
-            ("sharding.mode=fsdp", "cluster.ranks=3", "balance.allocation=null", 15),
+            (
+                "sharding.mode=fsdp",
+                "sharding.units=auto",
+                "cluster.ranks=3",
+                "balance.allocation=null",
+                15,
+            ),
             ("sharding.mode=none", "cluster.ranks=2", 20),
         )
         for *overrides, steps in resumes:
             _ok(run_cli(run, *task, *STEPS, *overrides, f"trainer.max_steps={steps}", small=False))
         log = (run / "logs" / "rank0.log").read_text()
-        assert "on 3 ranks" in log and "FSDP2:" in log
+        assert "on 3 ranks" in log and "FSDP2: 2 units + root" in log  # per unit, 2 ranks
+        assert "FSDP2: 2 units in one group + root" in log  # grouped (auto), 3 ranks
     resumed = losses(run)
     assert sorted(resumed) == list(range(1, last + 1))
     assert_same_losses(losses(ref), resumed, range(1, last + 1))

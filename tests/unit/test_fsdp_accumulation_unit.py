@@ -237,3 +237,55 @@ def test_a_step_of_one_pass_under_keep_unsharded_gathers_once_and_gives_the_same
         assert after_forward == {"reshard": True, "keep_unsharded": False}
         for name in grads["reshard"]:
             assert torch.equal(grads["reshard"][name], grads["keep_unsharded"][name])
+
+
+@pytest.mark.parametrize(
+    "setting, budget_mib, other, units, expected, calls",
+    [
+        ("auto", 1000, True, 4, True, 1),  # a replica fits every rank: one group
+        ("auto", 1000, False, 4, False, 1),  # not on the other rank: each unit alone
+        ("auto", 10, True, 4, False, 1),  # not here
+        ("one", 10, False, 4, True, 0),  # forced, nothing gathered
+        ("per_unit", 1000, True, 4, False, 0),
+        ("auto", 1000, True, 1, False, 0),  # one unit: nothing to group
+    ],
+)
+def test_the_units_are_grouped_where_a_replica_fits_every_rank(
+    setting, budget_mib, other, units, expected, calls, caplog
+):
+    """``sharding.units``: ``auto`` groups the units when a full replica fits every rank (the
+    same test as ``sharding.mode=auto``'s choice of DDP), so FSDP holds no more than DDP would;
+    the verdicts are gathered once, and rank 0 logs the choice."""
+    from hetseq_hpc.balance.agree import agree_on_units
+
+    rdv = _rdv(other)
+    caplog.set_level("INFO")
+    assert agree_on_units(setting, 40 * MiB, budget_mib * MiB, units, rdv) is expected
+    assert len(rdv.calls) == calls
+    if calls:
+        said = "one" if expected else "per_unit"
+        assert f"sharding.units=auto -> {said}" in caplog.text
+
+
+def test_grouped_units_give_the_same_gradients_and_count_as_one_block():
+    """One-rank FSDP2 with the units as ONE group (``fully_shard`` of their list): the
+    gradients equal those of one group per unit bit for bit, under both settings between
+    passes, and the memory rules see the group as one block (the units' bytes together)."""
+    torch.manual_seed(0)
+    plain = _Net()
+    xs = [torch.randn(3, 4) for _ in range(2)]
+    with single_process_rendezvous():
+        grads = {}
+        for grouped in (False, True):
+            for mode in ("reshard", "keep_unsharded"):
+                model = _Net()
+                model.load_state_dict(plain.state_dict())
+                strategy = Sharded(model, list(model.blocks), torch.device("cpu"), grouped=grouped)
+                strategy.between_micro_batches = mode
+                assert strategy.describe()["units_grouped"] is grouped
+                # fp32 bytes: the blocks hold 4x8+8 and 8x4+4 parameters; grouped, both
+                assert strategy.sizes.block == 4 * ((8 * 4 + 8) + (8 * 4 + 4) if grouped else 40)
+                grads[grouped, mode] = _accumulate(strategy, strategy.module, xs, [])
+        for name in grads[False, "reshard"]:
+            for key in grads:
+                assert torch.equal(grads[False, "reshard"][name], grads[key][name]), (key, name)
