@@ -105,3 +105,33 @@ def test_staging_keeps_tied_tensors_shared_and_reuses_its_buffers():
     second = stager.stage(state).state
     assert second["model"]["a"].data_ptr() == first["model"]["a"].data_ptr(), "not reused"
     assert torch.equal(second["model"]["a"], tied)
+
+
+def test_a_checkpoint_is_marked_by_the_writing_thread_once_written_and_a_fence_says_nothing(
+    tmp_path, caplog
+):
+    """``on_written`` runs where the record is in place (the background thread), after the
+    save returned; a rank fenced meanwhile (its store unreachable) writes one short warning,
+    not the fence's line, which the rank's own error says once."""
+    from hetseq_hpc.errors import RankFenced
+
+    manager = CheckpointManager(RunDir(tmp_path), keep=2, asynchronous=True)
+    marked = []
+    manager.on_written = lambda step: marked.append((step, threading.current_thread().name))
+    held, release = held_write(manager, 1)
+    manager.save_on_rank0(1, _Solo(), lambda: _state(torch.zeros(4), 1))
+    assert held.wait(GUARD_S) and marked == []  # begun, not written: not marked
+    release.set()
+    manager.finish(_Solo())
+    assert [s for s, _ in marked] == [1] and marked[0][1] != threading.current_thread().name
+
+    def fenced(step):
+        raise RankFenced("rank 0 cannot reach the job's store at 127.0.0.1:1 (the line)")
+
+    manager.on_written = fenced
+    caplog.set_level("WARNING")
+    manager.save_on_rank0(2, _Solo(), lambda: _state(torch.zeros(4), 2))
+    manager.finish(_Solo())
+    assert load_checkpoint(manager.path(2))["step"] == 2  # written, verified
+    assert "checkpoint of step 2 written; not marked (this rank is fenced)" in caplog.text
+    assert "cannot reach the job's store" not in caplog.text

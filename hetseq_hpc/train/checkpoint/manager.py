@@ -420,6 +420,8 @@ class CheckpointManager:
         if self.on_written is not None:
             try:
                 self.on_written(step)
+            except RankFenced:  # cut off or left out: the rank's own line says so, once
+                log.warning("checkpoint of step %d written; not marked (this rank is fenced)", step)
             except Exception as exc:  # a mark of a written checkpoint: never its failure
                 log.warning("checkpoint of step %d written; marking it failed: %s", step, exc)
         return final
