@@ -122,5 +122,7 @@ def test_communication_threads_run_outside_the_quota():
     assert any(name.startswith("gloo") or name.startswith("pt_gloo") for name in got["comm"]), got
     assert got["main_in_group"], got
     assert got["in_group"] == [], got
-    assert sorted(got["exempt"]) == got["comm"], got
+    # the names: gloo may start or end one more of its loop threads between the two listings
+    # (CI run 25: a sixth pt_gloo_runloop); every kind listed was moved out
+    assert set(got["exempt"]) == set(got["comm"]), got
     assert json.loads(json.dumps(got["record"]))["exempt_threads"] == got["exempt"]
