@@ -399,8 +399,8 @@ def run_worker(
                 run.sharding.units, param_bytes, budget, units, rdv
             )
             chosen["parallel"] = build_parallel(run, task, bare, device, mode, precisions, grouped)
-            if grouped:  # the memory rules see the group as one unit
-                sizes = sizes._replace(block=sizes.total - sizes.root)
+            if grouped:  # the memory rules see the group as one unit, as the strategy does
+                sizes = chosen["parallel"].sizes
             chosen["static_for"] = state_bytes_for(run, task, sizes, mode, device)
             chosen["static"] = chosen["static_for"](world.world_size)
             return chosen["parallel"].model

@@ -89,6 +89,8 @@ class Replicated:
 
     sharded = False
     mode = "ddp"
+    #: the sharding units form one FSDP group (:class:`Sharded`; never under DDP)
+    grouped = False
     #: this rank's :class:`~hetseq_hpc.balance.peak.MemoryWatch` (set by the worker), or None
     memory_watch: Optional[MemoryWatch] = None
     #: wrap a world of one rank in DDP too (its hooks' timings and overlap, tested in-process)

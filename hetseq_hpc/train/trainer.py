@@ -1019,7 +1019,7 @@ class Trainer:
                 in-job; one line naming it, as a resume would).
         """
         watch = getattr(self.parallel, "memory_watch", None)
-        grouped = bool(getattr(self.parallel, "grouped", False))  # as agreed at start-up
+        grouped = self.parallel.grouped  # as agreed at start-up
         was = self.step
         # the broken model and optimizer hold DTensors of the old group: gone before the new ones
         del self.parallel, self.model, self.optimizer, self.scheduler

@@ -241,7 +241,7 @@ def _state(
     return {
         "state": state,
         "sharding": "fsdp" if trainer.sharded else "ddp",
-        "units_grouped": bool(getattr(trainer.parallel, "grouped", False)),
+        "units_grouped": trainer.parallel.grouped,
         "history": trainer.history,  # a StepHistory: its folded steps too
         "last_row": dict(trainer.last_row),
         "last_val": trainer.last_val,
