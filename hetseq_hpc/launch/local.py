@@ -1,7 +1,8 @@
 """``cluster=local``: start one worker process per rank on this machine and watch them.
 
-Each rank is ``python -m hetseq_hpc.worker --config <run dir>/hetseq_config.yaml`` with the
-torch variables set (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1``,
+Each rank is ``python -m hetseq_hpc.worker --config <run dir>/hetseq_config.yaml`` (CPU ranks
+forked from one template process that imported torch once: ``cluster.rank_start``,
+:mod:`hetseq_hpc.launch.template`) with the torch variables set (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1``,
 ``MASTER_PORT``), exactly what torchrun would set, so the worker needs no special case. CPU
 threads are split evenly between ranks. If a rank dies, the others get :data:`FAILURE_GRACE_S`
 to exit (and write their own errors), then are stopped (they would otherwise wait in a
@@ -48,12 +49,17 @@ from hetseq_hpc.launch.failures import (
     survivors_stopped,
     too_few_message,
 )
+from hetseq_hpc.launch.template import RankProcess, RankTemplate, TemplateError
 from hetseq_hpc.rundir.events import append_event
 from hetseq_hpc.rundir.lock import lock_run_dir
 from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.train.checkpoint.files import checkpoints_in
 
 log = logging.getLogger(__name__)
+
+#: variables of one rank's own, left out of the rank template's environment (each forked rank
+#: gets its full environment when it is forked)
+RANK_ONLY_ENV = ("RANK", "LOCAL_RANK")
 
 #: seconds between polls of the worker processes
 POLL_S = 0.2
@@ -129,7 +135,7 @@ def rank_environments(run: RunConfig, config_path: Path) -> List[Dict[str, str]]
     return envs
 
 
-def _stop(procs: List[subprocess.Popen]) -> None:
+def _stop(procs: List[RankProcess]) -> None:
     """SIGTERM every running rank (its whole process group), SIGKILL what is left after
     :data:`TERM_GRACE_S`."""
     _signal_all(procs, signal.SIGTERM)
@@ -142,7 +148,7 @@ def _stop(procs: List[subprocess.Popen]) -> None:
             proc.wait()
 
 
-def _signal_all(procs: List[subprocess.Popen], signum: int) -> None:
+def _signal_all(procs: List[RankProcess], signum: int) -> None:
     for proc in procs:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -244,7 +250,7 @@ class ElasticJob:
 
         return code < 0 or code == dict(EXIT_CODES)[RankExcluded]
 
-    def note_exits(self, procs: List[subprocess.Popen], codes: Dict[int, int]) -> None:
+    def note_exits(self, procs: List[RankProcess], codes: Dict[int, int]) -> None:
         """For each rank newly found ended: tell the survivors at once (``gone/<rank>`` in the
         store: a re-forming world leaves it out without waiting for its heartbeat to go
         stale), and when it died before every living rank entered the training loop (its
@@ -277,7 +283,7 @@ class ElasticJob:
         and not before they could: :attr:`early`)."""
         return self.tolerated(code) and rank not in self.early
 
-    def end_excluded(self, procs: List[subprocess.Popen], codes: Dict[int, int]) -> None:
+    def end_excluded(self, procs: List[RankProcess], codes: Dict[int, int]) -> None:
         """SIGKILL the ranks the others left out that did not end themselves within
         :attr:`grace_s` (:data:`LEFT_OUT_GRACE` x ``trainer.elastic.timeout_s``: a step's
         collective timeout and its recovery), or once every other rank has ended: a rank
@@ -312,9 +318,9 @@ class ElasticJob:
 
     def replace_lost(
         self,
-        procs: List[subprocess.Popen],
+        procs: List[RankProcess],
         codes: Dict[int, int],
-        spawn: Callable[[int, int], subprocess.Popen],
+        spawn: Callable[[int, int], RankProcess],
     ) -> None:
         """Restart each rank lost (killed, or left out by the others: ended here, or by itself
         with exit 4; not a replacement the survivors refused) while it has restarts left (``trainer.elastic.restarts``) and the run goes on
@@ -350,7 +356,7 @@ class ElasticJob:
             self.left_out.pop(rank, None)
             del codes[rank]
 
-    def close_admissions(self, procs: List[subprocess.Popen], codes: Dict[int, int]) -> None:
+    def close_admissions(self, procs: List[RankProcess], codes: Dict[int, int]) -> None:
         """When every running rank is a replacement still waiting to be admitted, nobody is
         left to admit it: say so in the store (it ends by itself, exit 0). When no rank had
         finished either, every rank holding the training state was lost (two at once while
@@ -394,19 +400,89 @@ def _stop_on_signals() -> Iterator[None]:
             signal.signal(signum, previous)
 
 
-def _start(cmd: List[str], envs: List[Dict[str, str]], pass_fds: tuple) -> List[subprocess.Popen]:
-    """Start one worker per environment, all in ONE new process group (Ctrl-C in a terminal
-    reaches only the launcher, which stops them in order), each with a parent-death signal."""
-    preexec = _die_with_parent(os.getpid())
-    procs: List[subprocess.Popen] = []
-    for env in envs:
-        group = procs[0].pid if procs and procs[0].poll() is None else 0
-        procs.append(
-            subprocess.Popen(
-                cmd, env=env, process_group=group, preexec_fn=preexec, pass_fds=pass_fds
+class RankStarter:
+    """Starts the ranks' processes: forked from a :class:`RankTemplate` when there is one
+    (``cluster.rank_start``), else ``cmd`` in a fresh interpreter (``subprocess.Popen``).
+    Each gets a parent-death signal (:func:`_die_with_parent`; a forked rank's parent is the
+    template, which gets one from the launcher) and joins ``group`` (0: a new process group).
+
+    A template that has ended or does not answer is given up with one warning, and the
+    remaining ranks are exec'd.
+    """
+
+    def __init__(self, cmd: List[str], pass_fds: tuple, template: Optional[RankTemplate]) -> None:
+        self.cmd, self.pass_fds, self.template = cmd, pass_fds, template
+
+    def start(self, env: Dict[str, str], group: int = 0) -> RankProcess:
+        """Start one rank with environment ``env`` in process group ``group`` (its own when
+        that group has ended) -> its process."""
+        if self.template is not None:
+            try:  # the forked rank watches its parent, the template
+                forked_env = {**env, LAUNCHER_PID_ENV: str(self.template.pid)}
+                return self.template.spawn(forked_env, self.cmd[1:], group)
+            except TemplateError as exc:
+                log.warning("%s; starting the ranks as new processes instead", exc)
+                self.template = None
+        preexec = _die_with_parent(os.getpid())
+        try:
+            return subprocess.Popen(
+                self.cmd, env=env, process_group=group, preexec_fn=preexec, pass_fds=self.pass_fds
             )
-        )
-    return procs
+        except (OSError, subprocess.SubprocessError):  # every rank of the group ended
+            if not group:
+                raise
+            return subprocess.Popen(
+                self.cmd, env=env, process_group=0, preexec_fn=preexec, pass_fds=self.pass_fds
+            )
+
+    def start_all(self, envs: List[Dict[str, str]]) -> List[RankProcess]:
+        """One rank per environment, all in ONE new process group led by rank 0 (Ctrl-C in a
+        terminal reaches only the launcher, which stops them in order)."""
+        procs: List[RankProcess] = []
+        for env in envs:
+            group = procs[0].pid if procs and procs[0].poll() is None else 0
+            procs.append(self.start(env, group))
+        return procs
+
+
+def rank_start_mode(run: RunConfig, gpus: Optional[int] = None) -> str:
+    """How this run's ranks start: ``"fork"`` (from a :class:`RankTemplate`) or ``"exec"``,
+    from ``cluster.rank_start`` (``auto``: fork when every rank is on the CPU and the ranks run
+    hetseq_hpc's worker, not ``cluster.command``).
+
+    Args:
+        run: the validated run configuration (``cluster=local``).
+        gpus: visible GPUs; None = :func:`~hetseq_hpc.config.validate.visible_gpu_count`.
+
+    Raises:
+        ConfigError: ``cluster.rank_start=fork`` with a rank on a GPU (CUDA in a forked
+            process is only safe if the parent never touched it, which this launcher cannot
+            promise for every driver) or with ``cluster.command``; nothing is started.
+    """
+    wanted = getattr(run.cluster, "rank_start", "auto")
+    if wanted == "exec":
+        return "exec"
+    if run.cluster.command:
+        if wanted == "fork":
+            raise ConfigError(
+                "cluster.rank_start=fork forks hetseq_hpc's worker, but cluster.command runs "
+                f"your own program {list(run.cluster.command)}: use cluster.rank_start=auto"
+            )
+        return "exec"
+    kinds = run.cluster.device_kinds()
+    if kinds is not None:
+        on_gpu = "cuda" in kinds
+    else:
+        on_gpu = (visible_gpu_count() if gpus is None else gpus) > 0
+    if on_gpu:
+        if wanted == "fork":
+            raise ConfigError(
+                "cluster.rank_start=fork with ranks on a GPU: forked processes and CUDA do not "
+                "mix safely; use cluster.rank_start=auto (exec on GPUs) or hide the GPUs "
+                "(CUDA_VISIBLE_DEVICES= )"
+            )
+        return "exec"
+    return "fork"
 
 
 def _failure_reason(
@@ -429,10 +505,10 @@ def _failure_reason(
 
 
 def _watch(
-    procs: List[subprocess.Popen],
+    procs: List[RankProcess],
     poll_s: float,
     job: Optional[ElasticJob] = None,
-    spawn: Optional[Callable[[int, int], subprocess.Popen]] = None,
+    spawn: Optional[Callable[[int, int], RankProcess]] = None,
 ) -> Dict[int, int]:
     """Wait until every rank exited, or a rank failed and the others had
     :data:`FAILURE_GRACE_S` to exit on their own; returns rank -> exit code of the ranks that
@@ -479,13 +555,19 @@ def launch_local(run: RunConfig, run_dir: RunDir, poll_s: float = POLL_S) -> Dic
             read-only run directory: that cause, found by ``os.statvfs``).
     """
     check_ranks_fit_gpus(run)
+    mode = rank_start_mode(run)
     run_dir = run_dir.resolve()
     with lock_run_dir(run_dir) as lock, _stop_on_signals():
-        return _launch(run, run_dir, poll_s, lock.child_env(), (lock.fd,))
+        return _launch(run, run_dir, poll_s, lock.child_env(), (lock.fd,), mode)
 
 
 def _launch(
-    run: RunConfig, run_dir: RunDir, poll_s: float, lock_env: Dict[str, str], pass_fds: tuple
+    run: RunConfig,
+    run_dir: RunDir,
+    poll_s: float,
+    lock_env: Dict[str, str],
+    pass_fds: tuple,
+    mode: str = "exec",
 ) -> Dict:
     config_path = save_run_config(run, run_dir.config)
     for stale in run_dir.error_files():
@@ -514,27 +596,27 @@ def _launch(
     if run.cluster.command:  # the user's script on every rank (hetseq_hpc.launch.command)
         cmd = list(run.cluster.command)
         envs = [command_env(run_dir, env) for env in envs]
-    procs: List[subprocess.Popen] = []
+    procs: List[RankProcess] = []
+    template: Optional[RankTemplate] = None
     oom_before = oom_kill_counts()  # the ranks inherit this cgroup: did the OOM killer act?
     job = None if run.cluster.command else ElasticJob.serve(run, envs)
     try:
-        procs = _start(cmd, envs, pass_fds)
+        if mode == "fork":
+            base = {k: v for k, v in envs[0].items() if k not in RANK_ONLY_ENV}
+            template = RankTemplate(
+                base, pass_fds, _die_with_parent(os.getpid()), ["--run-dir", str(run_dir)]
+            )
+        starter = RankStarter(cmd, pass_fds, template)
+        procs = starter.start_all(envs)
 
         group = procs[0].pid  # the ranks' process group (rank 0 leads it)
 
-        def spawn(rank: int, member: int) -> subprocess.Popen:
+        def spawn(rank: int, member: int) -> RankProcess:
             """Start a replacement of rank ``rank`` as member ``member``, in the ranks' group
             while it still exists (else its own)."""
             from hetseq_hpc.distributed.admission import JOIN_ENV, MEMBER_ENV
 
-            env = {**envs[rank], MEMBER_ENV: str(member), JOIN_ENV: "1"}
-            preexec = _die_with_parent(os.getpid())
-            try:
-                return subprocess.Popen(
-                    cmd, env=env, process_group=group, preexec_fn=preexec, pass_fds=pass_fds
-                )
-            except (OSError, subprocess.SubprocessError):  # every rank of the group ended
-                return subprocess.Popen(cmd, env=env, preexec_fn=preexec, pass_fds=pass_fds)
+            return starter.start({**envs[rank], MEMBER_ENV: str(member), JOIN_ENV: "1"}, group)
 
         restarts = job is not None and run.trainer.elastic.restarts > 0
         codes = _watch(procs, poll_s, job, spawn if restarts else None)
@@ -597,6 +679,8 @@ def _launch(
             append_event(run_dir, "stopped_by", cause=cause)
         raise
     finally:
+        if template is not None:
+            template.close()
         if job is not None:
             job.close()
     summary_path = run_dir.summary

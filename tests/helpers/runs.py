@@ -14,6 +14,10 @@ from tests.helpers.waits import wait_for
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
+#: the rank template's module on a forked rank's command line, and the start of its name
+TEMPLATE_MODULE = b"hetseq_hpc.launch.template"
+RANK_NAME = "hetseq-rank"
+
 #: A small BERT so multi-process runs take seconds on 2 CPU cores.
 SMALL_MODEL = [
     "task.model.hidden_size=64",
@@ -226,15 +230,37 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _comm(pid: int) -> str:
+    """Process ``pid``'s name (``/proc/<pid>/comm``; "" when gone)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def run_processes(run_dir: Path) -> Iterator[Tuple[int, Optional[int], str]]:
+    """``(pid, rank, state)`` of every process the local launcher started for the run in
+    ``run_dir``: each rank -- exec'd (``python -m hetseq_hpc.worker --run-dir RUN_DIR``, its
+    rank from ``RANK``) or forked from the rank template (the template's command line, its
+    rank from its name ``hetseq-rank<N>``: ``cluster.rank_start``) -- and the template itself
+    (rank None)."""
+    marker = str(run_dir).encode()
+    for pid, argv, env, state in processes():
+        if marker not in b" ".join(argv):
+            continue
+        if b"hetseq_hpc.worker" in argv and b"RANK" in env:
+            yield pid, int(env[b"RANK"]), state
+        elif TEMPLATE_MODULE in argv:
+            name = _comm(pid)
+            rank = int(name[len(RANK_NAME) :]) if name.startswith(RANK_NAME) else None
+            yield pid, rank, state
+
+
 def worker_pids(run_dir: Path, live: bool = False) -> Dict[int, int]:
-    """rank -> pid of the worker processes of ``run_dir`` (``python -m hetseq_hpc.worker``
-    with ``run_dir`` on its command line, its rank from ``RANK``); ``live``: zombies left
-    out (they count as gone)."""
+    """rank -> pid of the worker processes of ``run_dir`` (:func:`run_processes`); ``live``:
+    zombies left out (they count as gone)."""
     return {
-        int(env[b"RANK"]): pid
-        for pid, argv, env, state in processes()
-        if b"hetseq_hpc.worker" in argv
-        and b"RANK" in env
-        and str(run_dir).encode() in b" ".join(argv)
-        and not (live and state == "Z")
+        rank: pid
+        for pid, rank, state in run_processes(run_dir)
+        if rank is not None and not (live and state == "Z")
     }

@@ -785,9 +785,10 @@ def test_a_killed_rank_is_restarted_and_joins_the_running_job(
     (Every rank holds at step 14 until the request is in the store: a loaded machine may
     start the replacement slower than the remaining steps run; tests/helpers/fault_tasks.py.)
     FSDP: rank 0 kills itself as step 13 starts; the survivors reload the step-10 checkpoint
-    (the lost shard is gone) and hold at the redone step 11 until the replacement asked: it
-    joins right after step 11, before the step the rank was lost in (the loss's row, of step
-    13, was dropped from metrics.jsonl at that join: CI run 23). At the join they gather the
+    (the lost shard is gone; step 5's when step 10's background write was cut) and hold at
+    the redone step 11 until the replacement asked: it joins during the redone steps, before
+    the step the rank was lost in (the loss's row, of step 13, was dropped from metrics.jsonl
+    at that join: CI run 23). At the join they gather the
     whole state, send it, and all three shard it again: no checkpoint is read for the join."""
     run_dir = tmp_path / "run"
     if sharding == "fsdp":
@@ -822,8 +823,10 @@ def test_a_killed_rank_is_restarted_and_joins_the_running_job(
     assert [x["rank"] for x in lost["lost"]] == [victim] and lost["world_size"] == 2
     assert [x["rank"] for x in joined["joined"]] == [victim] and joined["world_size"] == 3
     if sharding == "fsdp":  # back to the step-10 checkpoint (step 5 if its write was cut)
-        assert lost["step"] == 13 and joined["step"] == 11, (lost, joined)
-        assert lost["reloaded"]["step"] in (5, 10), lost
+        assert lost["step"] == 13 and lost["reloaded"]["step"] in (5, 10), lost
+        # joined during the redone steps, before the step of the loss (a rank forked from the
+        # template asks at once, an exec'd one after its imports: it joins by the hold)
+        assert lost["reloaded"]["step"] < joined["step"] <= 11, (lost, joined)
     else:
         assert lost["step"] <= joined["step"] <= max(14, lost["step"]) + 1, (lost, joined)
     assert sum(joined["split"]) == 24 and len(joined["split"]) == 3 and joined["join_s"] > 0

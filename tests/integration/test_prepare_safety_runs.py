@@ -34,8 +34,8 @@ from tests.helpers.runs import (
     cli_env,
     hetseq,
     hetseq_cmd,
-    processes,
     read_rows,
+    run_processes,
     start_hetseq,
 )
 from tests.helpers.waits import wait_for
@@ -111,12 +111,9 @@ def _slow_run_args(folder: Path, run_dir: Path, prepare_s: float, timeout_s: int
 
 
 def _workers_of(run_dir: Path) -> List[int]:
-    """Pids of live worker processes of the run in ``run_dir`` (from /proc)."""
-    return [
-        pid
-        for pid, argv, _, state in processes()
-        if b"hetseq_hpc.worker" in argv and str(run_dir).encode() in argv and state != "Z"
-    ]
+    """Pids of live processes the launcher started for the run in ``run_dir``: its ranks and
+    their template, if they were forked (from /proc: ``run_processes``)."""
+    return [pid for pid, _, state in run_processes(run_dir) if state != "Z"]
 
 
 # ----------------------------------------------------------------------- heartbeat, real runs

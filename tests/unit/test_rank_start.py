@@ -1,0 +1,53 @@
+"""``cluster.rank_start``: which runs fork their ranks from the rank template, which exec them,
+and the one-line refusals (docs/design/rank-template.md). The GPU count is faked where a GPU is
+named (no GPU on this machine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetseq_hpc.config import compose_run_config
+from hetseq_hpc.errors import ConfigError
+from hetseq_hpc.launch import local
+
+
+@pytest.mark.parametrize(
+    "overrides, gpus, mode",
+    [
+        ([], 0, "fork"),  # the embedded default on a CPU-only machine
+        (["cluster.rank_start=fork"], 0, "fork"),
+        (["cluster.rank_start=exec"], 0, "exec"),
+        (["cluster.devices=[cpu,cpu]"], 1, "fork"),  # a GPU is there, but no rank uses it
+        (["cluster.ranks=1"], 1, "exec"),  # the rank is on the GPU
+        (["cluster.devices=[cuda,cpu]"], 1, "exec"),
+        (["cluster.command=[python,train.py]"], 0, "exec"),  # the user's own program
+    ],
+)
+def test_auto_forks_cpu_ranks_of_the_worker_only_fake_gpu_count(overrides, gpus, mode, monkeypatch):
+    monkeypatch.setattr("hetseq_hpc.config.validate.visible_gpu_count", lambda: gpus)
+    assert local.rank_start_mode(compose_run_config(overrides), gpus=gpus) == mode
+
+
+@pytest.mark.parametrize(
+    "overrides, gpus, words",
+    [
+        (["cluster.rank_start=fork", "cluster.ranks=1"], 1, "GPU"),
+        (["cluster.rank_start=fork", "cluster.devices=[cuda,cpu]"], 1, "GPU"),
+        (["cluster.rank_start=fork", "cluster.command=[python,train.py]"], 0, "cluster.command"),
+    ],
+)
+def test_fork_where_it_is_unsafe_is_one_line_with_the_fix_fake_gpu_count(
+    overrides, gpus, words, monkeypatch
+):
+    monkeypatch.setattr("hetseq_hpc.config.validate.visible_gpu_count", lambda: gpus)
+    with pytest.raises(ConfigError) as err:
+        local.rank_start_mode(compose_run_config(overrides), gpus=gpus)
+    text = str(err.value)
+    assert "\n" not in text and words in text and "cluster.rank_start=auto" in text
+
+
+def test_an_unknown_rank_start_names_the_value_and_the_choices():
+    with pytest.raises(ConfigError) as err:
+        compose_run_config(["cluster.rank_start=spawn"])
+    text = str(err.value)
+    assert "cluster.rank_start='spawn'" in text and "auto, fork, exec" in text
