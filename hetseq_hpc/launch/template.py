@@ -7,9 +7,12 @@ why forking is safe here, when the launcher execs instead, and what a forked ran
 
 from __future__ import annotations
 
+import gc
+import importlib
 import json
 import logging
 import os
+import runpy
 import select
 import signal
 import subprocess
@@ -295,12 +298,21 @@ def _serve(status_fd: int) -> Optional[dict]:
             *lines, pending = pending.split(b"\n")
             for line in lines:
                 request = json.loads(line)
+                # no handler of the template's may run in the child: SIGHUP waits until the
+                # child has its own (default) disposition
+                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+                request["template_pid"] = os.getpid()
                 pid = os.fork()
                 if pid == 0:
+                    signal.set_wakeup_fd(-1)
+                    for signum in (signal.SIGHUP, signal.SIGCHLD):
+                        signal.signal(signum, signal.SIG_DFL)
+                    signal.signal(signal.SIGINT, signal.default_int_handler)
+                    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
                     os.close(wake_r)
                     os.close(wake_w)
-                    request["template_pid"] = os.getppid()
                     return request
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
                 children.add(pid)
                 report(f"started {pid}\n")
 
@@ -308,13 +320,6 @@ def _serve(status_fd: int) -> Optional[dict]:
 def _become_rank(request: dict, status_fd: int) -> None:
     """In the forked child: leave the template's state and run the rank's module as
     ``__main__``, as ``python -m`` would; the interpreter then exits as a fresh one does."""
-    import runpy
-
-    signal.set_wakeup_fd(-1)
-    for signum in (signal.SIGHUP, signal.SIGTERM, signal.SIGCHLD, signal.SIGINT):
-        signal.signal(
-            signum, signal.SIG_DFL if signum != signal.SIGINT else signal.default_int_handler
-        )
     os.close(status_fd)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -335,8 +340,6 @@ def _become_rank(request: dict, status_fd: int) -> None:
     os.environ.update(env)
     module, args = request["argv"][1], request["argv"][2:]
     sys.argv = [module, *args]
-    import gc
-
     gc.enable()
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
@@ -344,9 +347,6 @@ def _become_rank(request: dict, status_fd: int) -> None:
 def main() -> None:
     """``python -m hetseq_hpc.launch.template --status-fd FD [words]``: import
     :data:`PRELOAD`, then serve fork requests until stdin closes and every rank has ended."""
-    import gc
-    import importlib
-
     status_fd = int(sys.argv[sys.argv.index("--status-fd") + 1])
     gc.disable()
     for name in PRELOAD:
