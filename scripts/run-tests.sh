@@ -4,9 +4,9 @@
 #   bash scripts/run-tests.sh [pytest args...]
 #
 # On a fresh machine it creates .venv, installs torch==2.13.0 FIRST (the CPU wheel; nothing may
-# pull another torch), then the package with its test extra, starts its OWN single-host Slurm
-# test cluster (scripts/test-cluster.sh; tests that need it skip, saying why, if Slurm cannot be
-# installed here), runs pytest, and stops that cluster again.
+# pull another torch), then the package with its test extra, while it starts its OWN single-host
+# Slurm test cluster beside the install (scripts/test-cluster.sh; tests that need it skip,
+# saying why, if Slurm cannot be installed here), runs pytest, and stops that cluster again.
 #
 # Safe on a shared host: the cluster gets a fresh state directory (mktemp, or
 # $HETSEQ_TESTCLUSTER_DIR if you set it) and free ports, so two clones (or two users) running
@@ -18,6 +18,51 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 
+cluster_started=0
+cluster_dir_made=0
+cluster_job=
+cluster_wanted=0
+if [ -x scripts/test-cluster.sh ] && [ "${HETSEQ_SKIP_SLURM:-0}" != 1 ]; then
+  cluster_wanted=1
+  if [ -z "${HETSEQ_TESTCLUSTER_DIR:-}" ]; then
+    HETSEQ_TESTCLUSTER_DIR=$(mktemp -d /tmp/hetseq-testcluster.XXXXXX)
+    cluster_dir_made=1
+  fi
+  export HETSEQ_TESTCLUSTER_DIR
+  already_up=0
+  if scripts/test-cluster.sh status >/dev/null 2>&1; then already_up=1; fi
+  # the cluster starts (on a fresh machine: apt-get installs Slurm and munge) while pip
+  # installs the venv below: neither needs the other
+  cluster_result=$(mktemp)
+  (
+    code=0
+    scripts/test-cluster.sh start > "$cluster_result.out" 2>&1 || code=$?
+    echo "$code" > "$cluster_result"
+  ) &
+  cluster_job=$!
+fi
+stop_cluster() {
+  local rc=$?
+  if [ -n "$cluster_job" ]; then  # still starting: let it finish, then stop what it started
+    wait "$cluster_job" 2>/dev/null || true
+    cluster_job=
+    if [ "$already_up" = 0 ] && [ "$(cat "$cluster_result" 2>/dev/null)" = 0 ]; then
+      cluster_started=1
+    fi
+  fi
+  if [ "$cluster_started" = 1 ]; then scripts/test-cluster.sh stop >/dev/null 2>&1 || true; fi
+  if [ "$cluster_dir_made" = 1 ]; then
+    if [ "$rc" = 0 ] || [ "$cluster_started" = 0 ]; then
+      rm -rf "$HETSEQ_TESTCLUSTER_DIR"
+    else
+      echo "the test cluster's logs are kept in $HETSEQ_TESTCLUSTER_DIR/log" >&2
+    fi
+  fi
+  if [ "$cluster_wanted" = 1 ]; then rm -f "$cluster_result" "$cluster_result.out"; fi
+  return "$rc"
+}
+trap stop_cluster EXIT
+
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
@@ -26,23 +71,26 @@ fi
 # guard: the installed torch must still be the one we asked for
 "$VENV/bin/python" -c 'import torch, sys; v = torch.__version__; sys.exit(0 if v.startswith("2.13.0") else f"torch {v} was installed instead of 2.13.0")'
 
-cluster_started=0
-cluster_dir_made=0
-if [ -x scripts/test-cluster.sh ] && [ "${HETSEQ_SKIP_SLURM:-0}" != 1 ]; then
-  if [ -z "${HETSEQ_TESTCLUSTER_DIR:-}" ]; then
-    HETSEQ_TESTCLUSTER_DIR=$(mktemp -d /tmp/hetseq-testcluster.XXXXXX)
-    cluster_dir_made=1
-  fi
-  export HETSEQ_TESTCLUSTER_DIR
-  already_up=0
-  if scripts/test-cluster.sh status >/dev/null 2>&1; then already_up=1; fi
-  if out=$(scripts/test-cluster.sh start 2>&1); then
+# lint first (while the test cluster may still be starting): a style error fails in seconds,
+# not after the suite
+"$VENV/bin/python" -m ruff check hetseq_hpc tests scripts examples
+"$VENV/bin/python" -m ruff format --check hetseq_hpc tests scripts examples
+# module docstrings stay short (<= 20 lines); the design essays live in docs/design/
+"$VENV/bin/python" scripts/check_docstrings.py
+# the import-layer contract (pyproject.toml [tool.importlinter]): no package imports one above it
+"$VENV/bin/lint-imports"
+
+if [ -n "$cluster_job" ]; then
+  wait "$cluster_job" || true
+  cluster_job=
+  out=$(cat "$cluster_result.out")
+  code=$(cat "$cluster_result")
+  if [ "$code" = 0 ]; then
     if [ "$already_up" = 0 ]; then cluster_started=1; fi
     eval "$(printf '%s\n' "$out" | tail -n 1)"   # export SLURM_CONF=<its state dir>/etc/slurm.conf
     export HETSEQ_TESTCLUSTER=1
     echo "Slurm test cluster: $HETSEQ_TESTCLUSTER_DIR (SLURM_CONF=$SLURM_CONF)" >&2
   else
-    code=$?
     printf '%s\n' "$out" | tail -n 20 >&2
     reason=$(printf '%s\n' "$out" | tail -n 1)
     if [ "$code" != 3 ] && [ "${CI:-}" = true ]; then
@@ -55,27 +103,7 @@ if [ -x scripts/test-cluster.sh ] && [ "${HETSEQ_SKIP_SLURM:-0}" != 1 ]; then
     echo "warning: $HETSEQ_TESTCLUSTER_UNAVAILABLE; the Slurm tests will skip" >&2
   fi
 fi
-stop_cluster() {
-  local rc=$?
-  if [ "$cluster_started" = 1 ]; then scripts/test-cluster.sh stop >/dev/null 2>&1 || true; fi
-  if [ "$cluster_dir_made" = 1 ]; then
-    if [ "$rc" = 0 ] || [ "$cluster_started" = 0 ]; then
-      rm -rf "$HETSEQ_TESTCLUSTER_DIR"
-    else
-      echo "the test cluster's logs are kept in $HETSEQ_TESTCLUSTER_DIR/log" >&2
-    fi
-  fi
-  return "$rc"
-}
-trap stop_cluster EXIT
 
-# lint first: a style error fails in a second, not after the suite
-"$VENV/bin/python" -m ruff check hetseq_hpc tests scripts examples
-"$VENV/bin/python" -m ruff format --check hetseq_hpc tests scripts examples
-# module docstrings stay short (<= 20 lines); the design essays live in docs/design/
-"$VENV/bin/python" scripts/check_docstrings.py
-# the import-layer contract (pyproject.toml [tool.importlinter]): no package imports one above it
-"$VENV/bin/lint-imports"
 side=$(mktemp -d)   # the logs of the checks that run beside pytest
 # the type check of the core packages (pyproject.toml [tool.mypy]): ~20 s of one core without
 # its cache, so beside the tests (its log shown, and its failure counted, after them)
