@@ -2,8 +2,8 @@
 
 Each rank is ``python -m hetseq_hpc.worker --config <run dir>/hetseq_config.yaml`` (CPU ranks
 forked from one template process that imported torch once: ``cluster.rank_start``,
-:mod:`hetseq_hpc.launch.template`) with the torch variables set (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1``,
-``MASTER_PORT``), exactly what torchrun would set, so the worker needs no special case. CPU
+:mod:`hetseq_hpc.launch.template`) with the torch variables set (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``), exactly what torchrun would set, so the worker needs no special case. CPU
 threads are split evenly between ranks. If a rank dies, the others get :data:`FAILURE_GRACE_S`
 to exit (and write their own errors), then are stopped (they would otherwise wait in a
 collective), and the rank whose own error came first is reported
@@ -20,8 +20,6 @@ watchdog in the worker as the last resort (:func:`hetseq_hpc.env.rank_guard.watc
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import json
 import logging
 import os
@@ -49,7 +47,13 @@ from hetseq_hpc.launch.failures import (
     survivors_stopped,
     too_few_message,
 )
-from hetseq_hpc.launch.template import RankProcess, RankTemplate, TemplateError
+from hetseq_hpc.launch.template import (
+    PR_SET_PDEATHSIG,
+    RankProcess,
+    RankTemplate,
+    TemplateError,
+    libc_prctl,
+)
 from hetseq_hpc.rundir.events import append_event
 from hetseq_hpc.rundir.lock import lock_run_dir
 from hetseq_hpc.rundir.paths import RunDir
@@ -73,8 +77,6 @@ LEFT_OUT_GRACE = 3.0
 STOPPED_REASON = (
     "it was stopped (SIGSTOP or Ctrl-Z) and did not answer; its peers timed out waiting for it"
 )
-#: ``prctl`` option that sends a signal to a process when its parent dies (linux/prctl.h)
-PR_SET_PDEATHSIG = 1
 
 
 def check_ranks_fit_gpus(run: RunConfig, gpus: Optional[int] = None) -> None:
@@ -175,11 +177,7 @@ def _die_with_parent(parent_pid: int) -> Optional[Callable[[], None]]:
     worker takes any number of SIGHUPs as one stop request
     (:class:`~hetseq_hpc.env.preemption.StopRequest`), while a second SIGTERM would end it at
     once, before its checkpoint."""
-    path = ctypes.util.find_library("c")
-    try:
-        prctl = ctypes.CDLL(path, use_errno=True).prctl if path else None
-    except (OSError, AttributeError):
-        prctl = None
+    prctl = libc_prctl()
     if prctl is None:
         return None
 

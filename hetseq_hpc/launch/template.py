@@ -230,12 +230,16 @@ def _exists(pid: int) -> bool:
 # ----------------------------------------------------------------------- the template process
 
 
-def _libc_prctl():
+def libc_prctl() -> Optional[Callable[..., int]]:
+    """libc's ``prctl`` (ctypes), or None where it cannot be loaded (not Linux)."""
     import ctypes
     import ctypes.util
 
     path = ctypes.util.find_library("c")
-    return ctypes.CDLL(path, use_errno=True).prctl if path else None
+    try:
+        return ctypes.CDLL(path, use_errno=True).prctl if path else None
+    except (OSError, AttributeError):
+        return None
 
 
 def _serve(status_fd: int) -> Optional[dict]:
@@ -329,7 +333,7 @@ def _become_rank(request: dict, status_fd: int) -> None:
     except OSError:  # every rank of that group has ended: a group of its own
         os.setpgid(0, 0)
     env = dict(request["env"])
-    prctl = _libc_prctl()
+    prctl = libc_prctl()
     if prctl is not None:
         prctl(PR_SET_PDEATHSIG, int(signal.SIGHUP), 0, 0, 0)
         if os.getppid() != request["template_pid"]:  # the template died before prctl took effect
