@@ -71,6 +71,11 @@ fi
 # guard: the installed torch must still be the one we asked for
 "$VENV/bin/python" -c 'import torch, sys; v = torch.__version__; sys.exit(0 if v.startswith("2.13.0") else f"torch {v} was installed instead of 2.13.0")'
 
+# byte-compile the checkout once: where PYTHONDONTWRITEBYTECODE=1 (set on our 2-core VMs)
+# every process of the suite (hundreds of launchers and ranks) compiled the package's sources
+# again; a .pyc is still read there, and one whose source changed is ignored
+"$VENV/bin/python" -m compileall -q hetseq_hpc tests > /dev/null
+
 # lint first (while the test cluster may still be starting): a style error fails in seconds,
 # not after the suite
 "$VENV/bin/python" -m ruff check hetseq_hpc tests scripts examples

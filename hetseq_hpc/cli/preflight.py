@@ -14,15 +14,17 @@ from hetseq_hpc.rundir.paths import RunDir
 
 
 def checkpoint_fingerprint(path: Path) -> Optional[Dict[str, Any]]:
-    """The run fingerprint a checkpoint stores (its ``config`` entry), read memory-mapped so
-    the weights are not loaded; None when the file cannot be read (the ranks verify it)."""
-    import torch
+    """The run fingerprint a checkpoint stores (its ``config`` entry), read without its
+    weights (and without torch where it can:
+    :func:`~hetseq_hpc.train.checkpoint.files.stored_entry`); None when the file cannot be
+    read (the ranks verify it)."""
+    from hetseq_hpc.train.checkpoint.files import stored_entry
 
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:
+        saved = stored_entry(path, "config")
+    except CheckpointError:
         return None
-    return state.get("config") if isinstance(state, dict) else None
+    return saved if isinstance(saved, dict) else None
 
 
 def check_resume(run: Any, run_dir: Optional[RunDir]) -> None:
@@ -55,7 +57,7 @@ def check_resume(run: Any, run_dir: Optional[RunDir]) -> None:
                 "trainer.resume=auto / never"
             )
         stored_checksum(path)  # a file hetseq_hpc did not write (no sidecar): refused here
-    from hetseq_hpc.train.state import check_fingerprint, run_fingerprint  # torch: resumes only
+    from hetseq_hpc.train.state import check_fingerprint, run_fingerprint
 
     saved = checkpoint_fingerprint(path)
     if saved is None:

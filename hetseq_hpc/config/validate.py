@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import codecs
 import glob
+import importlib.metadata
 import importlib.util
 import os
-from typing import TYPE_CHECKING, List, Optional
+import re
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 from hetseq_hpc.config.cluster import visible_gpu_count
 from hetseq_hpc.config.hf_tasks import HF_BINARY_SUFFIXES, HfTaskConfig
@@ -110,13 +112,33 @@ def check_logger_packages(loggers: List[str]) -> None:
             )
 
 
+#: the torch release the project pins (pyproject.toml) and tests: FSDP2 has the sum reductions
+#: from it on, so an installed torch of this version or newer is not imported to check them
+FSDP2_SUM_REDUCTIONS_FROM = (2, 13)
+
+
+def installed_torch_version() -> Optional[Tuple[int, int]]:
+    """(major, minor) of the installed torch from its package metadata, without importing it
+    (~3 CPU-s, spent before any rank starts); None when it is not installed or unparsable."""
+    try:
+        found = re.match(r"(\d+)\.(\d+)", importlib.metadata.version("torch"))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
 def check_fsdp_available(mode: str) -> None:
     """``sharding.mode=fsdp|auto`` needs PyTorch's FSDP2 with sum reductions
-    (``torch.distributed.fsdp.fully_shard``, ``FSDPModule.set_force_sum_reduction_for_comms``).
+    (``torch.distributed.fsdp.fully_shard``, ``FSDPModule.set_force_sum_reduction_for_comms``):
+    a torch of :data:`FSDP2_SUM_REDUCTIONS_FROM` or newer has them (read from its package
+    metadata, without importing torch); an older or unknown one is imported and looked at.
 
     Raises:
         ConfigError: this torch lacks them (one line naming its version and the fix).
     """
+    version = installed_torch_version()
+    if version is not None and version >= FSDP2_SUM_REDUCTIONS_FROM:
+        return
     import torch
 
     try:

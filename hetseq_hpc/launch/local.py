@@ -398,6 +398,17 @@ def _stop_on_signals() -> Iterator[None]:
             signal.signal(signum, previous)
 
 
+def template_words(run: RunConfig, run_dir: Path) -> List[str]:
+    """The rank template's words after ``--status-fd``: ``--run-dir RUN_DIR`` (shown in ``ps``)
+    and, for a task whose config names ``rank_imports`` (``task=hf``: transformers), ``--preload
+    MOD,...``: the template imports them once instead of every rank."""
+    words = ["--run-dir", str(run_dir)]
+    imports = getattr(run.task, "rank_imports", ())
+    if imports:
+        words += ["--preload", ",".join(imports)]
+    return words
+
+
 class RankStarter:
     """Starts the ranks' processes: forked from a :class:`RankTemplate` when there is one
     (``cluster.rank_start``), else ``cmd`` in a fresh interpreter (``subprocess.Popen``).
@@ -602,7 +613,7 @@ def _launch(
         if mode == "fork":
             base = {k: v for k, v in envs[0].items() if k not in RANK_ONLY_ENV}
             template = RankTemplate(
-                base, pass_fds, _die_with_parent(os.getpid()), ["--run-dir", str(run_dir)]
+                base, pass_fds, _die_with_parent(os.getpid()), template_words(run, run_dir)
             )
         starter = RankStarter(cmd, pass_fds, template)
         procs = starter.start_all(envs)

@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 #: modules the template imports before it forks: torch and what every rank imports next
 #: (``torch.distributed`` for the rendezvous, ``torch._dynamo`` from ``torch.optim``); numpy
-#: comes with torch. Nothing of hetseq_hpc: its modules read the rank's environment
+#: comes with torch. Nothing of hetseq_hpc: its modules read the rank's environment. A run
+#: adds its task's ``rank_imports`` with ``--preload`` (:func:`preload`)
 PRELOAD: Tuple[str, ...] = ("torch", "torch.distributed", "torch._dynamo")
 
 #: ``prctl`` options (linux/prctl.h): a signal when the parent dies; the thread's name
@@ -348,13 +349,28 @@ def _become_rank(request: dict, status_fd: int) -> None:
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
-def main() -> None:
-    """``python -m hetseq_hpc.launch.template --status-fd FD [words]``: import
-    :data:`PRELOAD`, then serve fork requests until stdin closes and every rank has ended."""
-    status_fd = int(sys.argv[sys.argv.index("--status-fd") + 1])
-    gc.disable()
+def preload(extra: Sequence[str] = ()) -> None:
+    """Import :data:`PRELOAD`, then the run's ``extra`` modules (its task's ``rank_imports``):
+    one that fails to import is left to the ranks, which import it again and say why."""
     for name in PRELOAD:
         importlib.import_module(name)
+    for name in extra:
+        try:
+            importlib.import_module(name)
+        except Exception:  # the rank's own import of it names the problem
+            pass
+
+
+def main() -> None:
+    """``python -m hetseq_hpc.launch.template --status-fd FD [--preload MOD,...] [words]``:
+    import :data:`PRELOAD` (and the ``--preload`` modules), then serve fork requests until
+    stdin closes and every rank has ended."""
+    status_fd = int(sys.argv[sys.argv.index("--status-fd") + 1])
+    extra: List[str] = []
+    if "--preload" in sys.argv:
+        extra = [m for m in sys.argv[sys.argv.index("--preload") + 1].split(",") if m]
+    gc.disable()
+    preload(extra)
     gc.freeze()
     request = _serve(status_fd)
     if request is None:

@@ -13,7 +13,6 @@ import random
 from typing import Any, Dict, List, Optional
 
 import numpy as np
-import torch
 
 from hetseq_hpc.config.schema import RunConfig
 from hetseq_hpc.errors import CheckpointError
@@ -23,6 +22,8 @@ log = logging.getLogger(__name__)
 
 def capture_rng() -> Dict[str, Any]:
     """This process's torch, NumPy and ``random`` generator states as plain data."""
+    import torch  # here: the launcher's resume check imports this module, never torch
+
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
@@ -33,6 +34,8 @@ def capture_rng() -> Dict[str, Any]:
 
 def restore_rng(rng: Dict[str, Any]) -> None:
     """Set the generators from :func:`capture_rng`'s output (lists back to tuples/arrays)."""
+    import torch
+
     torch.set_rng_state(rng["torch"])
     name, keys, pos, has_gauss, gauss = rng["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))

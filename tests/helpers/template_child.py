@@ -25,6 +25,7 @@ def main() -> int:
         "argv": sys.argv,
         "main": __name__,
         "torch_preloaded": "torch._dynamo" in sys.modules,
+        "preloaded": sorted(m for m in ("wave", "tabnanny") if m in sys.modules),
         "gc_enabled": gc.isenabled(),
         "stdin_is_null": os.path.samefile("/proc/self/fd/0", os.devnull),
     }

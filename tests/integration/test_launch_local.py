@@ -146,28 +146,32 @@ def test_stopped_rank_is_named_not_the_peer_that_timed_out(tmp_path, token_cache
 
 # ------------------------------------------------------------------ what the launcher costs
 def test_a_local_run_launcher_never_imports_torch(tmp_path, token_cache):
-    """The launcher of a 2-rank run (configuration, pre-flight checks, the job's store, the
-    watch over the ranks, the summary) imports no torch: about a second of CPU per run, spent
-    in every command (the ranks import it; the test suite starts hundreds of runs). A resume
-    checks its checkpoint with torch; a fresh run has none."""
+    """The launcher of a 2-rank FSDP run (configuration, pre-flight checks, the job's store, the
+    watch over the ranks, the summary) and of its resume (the checkpoint's fingerprint read
+    from its pickle) imports no torch: ~3 CPU-s per command on the 2-core machine, spent in
+    every command of the suite (the ranks import it)."""
     stack = tmp_path / "torch-imported.txt"
     env = {**cli_env(token_cache), "HETSEQ_TORCH_IMPORTED": str(stack)}
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "tests" / "helpers" / "cli_without_torch.py"),
-            *SMALL_MODEL,
-            "cluster.ranks=2",
-            "trainer.max_steps=2",
-            "trainer.plot=false",
-            f"hydra.run.dir={tmp_path / 'run'}",
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "done: 2 steps" in done.stdout + done.stderr
-    assert not stack.exists(), f"the launcher imported torch:\n{stack.read_text()}"
+    for steps in (2, 4):
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "tests" / "helpers" / "cli_without_torch.py"),
+                *SMALL_MODEL,
+                "cluster.ranks=2",
+                "sharding.mode=fsdp",
+                "trainer.checkpoint_every=2",
+                f"trainer.max_steps={steps}",
+                "trainer.plot=false",
+                f"hydra.run.dir={tmp_path / 'run'}",
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert f"done: {steps} steps" in done.stdout + done.stderr
+        assert not stack.exists(), f"the launcher imported torch:\n{stack.read_text()}"
+    assert "resum" in (tmp_path / "run" / "logs" / "rank0.log").read_text()

@@ -37,6 +37,23 @@ def template(tmp_path):
     made._proc.wait()
 
 
+def test_the_template_imports_the_runs_preload_modules_and_skips_one_it_cannot(tmp_path):
+    """``--preload`` (a task's ``rank_imports``): the forked rank finds them imported; a module
+    that does not import is left to the rank (which would name it), not the template's end."""
+    made = RankTemplate(
+        _env(),
+        argv_tail=["--run-dir", str(tmp_path), "--preload", "wave,no_such_module_here,tabnanny"],
+    )
+    try:
+        out = tmp_path / "r0.json"
+        assert made.spawn(_env(RANK="0"), [*CHILD, str(out), "0"]).wait(timeout=120) == 0
+        assert json.loads(out.read_text())["preloaded"] == ["tabnanny", "wave"]
+    finally:
+        made.close()
+        made._proc.kill()
+        made._proc.wait()
+
+
 def test_forked_ranks_get_their_environment_group_and_name_and_report_their_exit(
     tmp_path, template
 ):
@@ -62,6 +79,7 @@ def test_forked_ranks_get_their_environment_group_and_name_and_report_their_exit
         assert fact["main"] == "__main__" and fact["argv"][0].endswith("template_child.py")
         assert fact["argv"][1:] == [str(outs[rank]), "wait" if rank == 0 else "7"]
         assert fact["torch_preloaded"] and fact["gc_enabled"] and fact["stdin_is_null"]
+        assert fact["preloaded"] == [], "no --preload: nothing beyond torch"
 
 
 def test_a_signalled_rank_reports_minus_the_signal_and_a_dead_template_refuses_more(

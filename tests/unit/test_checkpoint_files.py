@@ -10,12 +10,41 @@ import torch
 from hetseq_hpc.distributed.gang import FakeGang
 from hetseq_hpc.errors import CheckpointError
 from hetseq_hpc.rundir.paths import RunDir
-from hetseq_hpc.train.checkpoint.files import checksum_path
+from hetseq_hpc.train.checkpoint.files import checksum_path, stored_entry
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, load_checkpoint
 from tests.helpers.checkpoints import Payload, flip_middle, small_state, write_with_checksum
 
 
 # ----------------------------------------------------------------------------- file level
+def test_a_plain_entry_reads_as_torch_reads_it_and_builds_nothing_else(tmp_path):
+    """stored_entry (the launcher's read of ``config``/``run_id``/``step``, without torch) gives
+    what torch.load(weights_only=True) gives, beside tensors, a state dict's OrderedDict with
+    its _metadata and a code-running payload, which it never builds."""
+    model = torch.nn.Linear(3, 2)
+    config = {"task.name": "bert", "trainer.seed": 7, "lr": 1e-3, "ok": True, "none": None}
+    marker = tmp_path / "PWNED"
+    path = tmp_path / "step_00000004.pt"
+    state = {"model": model.state_dict(), "config": config, "run_id": "ab12", "step": 4}
+    torch.save({**state, "nested": {"list": [1, "two", (3.0,)]}}, path)
+    for key in ("config", "run_id", "step", "nested", "absent"):
+        assert stored_entry(path, key) == torch.load(path, weights_only=True).get(key), key
+    # an entry that is not plain data (a tensor inside) is left to torch, which reads it whole
+    assert torch.equal(stored_entry(path, "model")["weight"], model.weight.detach())
+
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": Payload(marker), "config": config, "step": 2}, evil)
+    assert stored_entry(evil, "config") == config and stored_entry(evil, "step") == 2
+    assert not marker.exists(), "reading a plain entry ran the file's code"
+    with pytest.raises(CheckpointError, match="unreadable"):
+        stored_entry(evil, "model")  # torch's weights_only refuses the payload: one error
+    assert not marker.exists()
+
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(CheckpointError, match="unreadable"):
+        stored_entry(cut, "config")
+
+
 def test_payload_checkpoint_never_runs_code(tmp_path):
     control = tmp_path / "control"
     control.mkdir()

@@ -51,3 +51,16 @@ def test_an_unknown_rank_start_names_the_value_and_the_choices():
         compose_run_config(["cluster.rank_start=spawn"])
     text = str(err.value)
     assert "cluster.rank_start='spawn'" in text and "auto, fork, exec" in text
+
+
+def test_the_template_imports_what_the_tasks_ranks_import(monkeypatch, tmp_path):
+    """A task config's ``rank_imports`` (task=hf: transformers) go to the template as
+    ``--preload``: imported once there instead of in every rank; other tasks name none."""
+    from hetseq_hpc.config.hf_tasks import HfTaskConfig
+
+    run = compose_run_config(["task=bert"])
+    assert local.template_words(run, tmp_path) == ["--run-dir", str(tmp_path)]
+    assert "transformers" in HfTaskConfig.rank_imports
+    monkeypatch.setattr(type(run.task), "rank_imports", ("json", "wave"), raising=False)
+    words = local.template_words(run, tmp_path)
+    assert words == ["--run-dir", str(tmp_path), "--preload", "json,wave"]

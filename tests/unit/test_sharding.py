@@ -376,3 +376,21 @@ def test_cpu_allocations_see_a_real_tensors_bytes():
     del kept
     peak = watch.stop()
     assert 2**20 <= peak < 4 * 2**20, peak
+
+
+def test_the_fsdp_check_trusts_the_pinned_torch_and_imports_an_older_one(monkeypatch):
+    """check_fsdp_available reads torch's version from its package metadata (the launcher then
+    never imports torch, ~3 CPU-s per command); a torch older than the pinned one is imported
+    and its FSDP2 looked at, and one lacking the sum reductions is refused in one line."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from hetseq_hpc.config import validate
+
+    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
+    assert validate.installed_torch_version() == (major, minor)
+    monkeypatch.delattr(FSDPModule, "set_force_sum_reduction_for_comms")
+    monkeypatch.setattr(validate, "installed_torch_version", lambda: (2, 13))
+    validate.check_fsdp_available("fsdp")  # trusted by version: FSDPModule not looked at
+    monkeypatch.setattr(validate, "installed_torch_version", lambda: (2, 6))
+    with pytest.raises(ConfigError, match=r"sharding.mode=auto needs PyTorch's FSDP2 .*"):
+        validate.check_fsdp_available("auto")

@@ -10,10 +10,13 @@
 from __future__ import annotations
 
 import hashlib
+import io
+import pickle
 import re
 import stat
+import zipfile
 from pathlib import Path
-from typing import List
+from typing import Any, List
 
 from hetseq_hpc.errors import CheckpointError
 from hetseq_hpc.rundir.paths import RunDir
@@ -126,14 +129,83 @@ def stored_state(path: Path) -> dict:
     return state if isinstance(state, dict) else {}
 
 
+class _Unbuilt:
+    """What :class:`_PlainUnpickler` makes of every object that is not plain data (a tensor, a
+    storage, a torch type): nothing is built, no code of the file's choosing runs."""
+
+    def __new__(cls, *args: object, **kwargs: object) -> _Unbuilt:
+        return object.__new__(cls)
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def __setstate__(self, state: object) -> None:
+        pass
+
+
+class _UnbuiltDict(dict):
+    """``collections.OrderedDict`` as :class:`_PlainUnpickler` builds it: a dict that drops
+    the attributes pickled beside its items (a state dict's ``_metadata``)."""
+
+    def __setstate__(self, state: object) -> None:
+        pass
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Unpickles a ``torch.save`` file's ``data.pkl`` building only Python's containers and
+    scalars (and ``collections.OrderedDict``); every other global is :class:`_Unbuilt`."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "collections" and name == "OrderedDict":
+            return _UnbuiltDict
+        return _Unbuilt
+
+    def persistent_load(self, pid: object) -> Any:  # a tensor's storage: never read
+        return _Unbuilt()
+
+
+def _plain(value: object) -> bool:
+    if isinstance(value, _Unbuilt):
+        return False
+    if isinstance(value, dict):
+        return all(_plain(k) and _plain(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def stored_entry(path: Path, key: str) -> Any:
+    """Entry ``key`` of a checkpoint (None when it has none), read without importing torch
+    where the entry is plain data (None, bool, int, float, str, lists/tuples/dicts of them: the
+    run fingerprint ``config``, ``run_id``, ``step``): only the file's pickle (``data.pkl`` of
+    the ``torch.save`` zip, tens of KiB) is read, no weights, and nothing but those types is
+    built. The launcher's pre-flight checks read it before any rank starts, where importing
+    torch would cost ~3 CPU-s per command. Any other file or entry is read by
+    :func:`stored_state` (torch).
+
+    Raises:
+        CheckpointError: the file cannot be read as a checkpoint (:func:`stored_state`).
+    """
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = [n for n in archive.namelist() if n.endswith("/data.pkl")]
+            if len(names) == 1:
+                state = _PlainUnpickler(io.BytesIO(archive.read(names[0]))).load()
+                if isinstance(state, dict) and _plain(state.get(key)):
+                    return state.get(key)
+    except Exception:  # not a zip, a cut-off file, an odd pickle: torch names the problem
+        pass
+    return stored_state(path).get(key)
+
+
 def stored_run_id(path: Path) -> str:
     """The ``run_id`` a checkpoint was written by, ``""`` for one written before run ids
-    existed (:func:`stored_state`).
+    existed (:func:`stored_entry`).
 
     Raises:
         CheckpointError: the file cannot be read as a checkpoint.
     """
-    value = stored_state(path).get("run_id")
+    value = stored_entry(path, "run_id")
     return value if isinstance(value, str) else ""
 
 
@@ -146,6 +218,7 @@ __all__ = [
     "sha256_file",
     "step_of",
     "stored_checksum",
+    "stored_entry",
     "stored_run_id",
     "stored_state",
     "verify_checksum",
