@@ -34,12 +34,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from hetseq_hpc.errors import CheckpointError  # noqa: E402
+from hetseq_hpc.launch.template import PR_SET_PDEATHSIG, libc_prctl  # noqa: E402
 from hetseq_hpc.rundir.paths import RunDir  # noqa: E402
 from hetseq_hpc.train.checkpoint.manager import CheckpointManager, verified_run_id  # noqa: E402
 from tests.helpers.fence_audit import writes_after_fence  # noqa: E402
@@ -62,6 +63,35 @@ COMMON = [
 TOL = 1e-6
 
 
+#: the launchers this script started that may still run: killed when it ends, however it ends
+_LIVE: Set[subprocess.Popen] = set()
+
+
+#: libc's prctl, looked up here once (a preexec_fn must not run ldconfig between fork and exec)
+_PRCTL = libc_prctl()
+_SCRIPT_PID = os.getpid()
+
+
+def _dies_with_this_script() -> None:
+    """In the launcher before it execs: SIGTERM when this script dies (even by SIGKILL), which
+    the launcher turns into stopping its ranks; its own session keeps it out of a Ctrl-C."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != _SCRIPT_PID:  # the script died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _kill_live() -> None:
+    """SIGKILL every launcher still running (its ranks follow: their parent-death signal)."""
+    for proc in list(_LIVE):
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _LIVE.discard(proc)
+
+
 def _start(
     run_dir: Path, cache: Path, steps: int, *extra: str, env: Optional[Dict[str, str]] = None
 ) -> subprocess.Popen:
@@ -75,7 +105,7 @@ def _start(
         f"hydra.run.dir={run_dir}",
         *extra,
     ]
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         cmd,
         cwd=REPO,
         env=dict(cli_env(cache), **(env or {})),
@@ -83,7 +113,10 @@ def _start(
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=_dies_with_this_script,
     )
+    _LIVE.add(proc)
+    return proc
 
 
 def _wait(what: str, ready, proc: subprocess.Popen, timeout_s: float = 600.0) -> None:
@@ -421,5 +454,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0 if ok else 1
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # the finally blocks run: the cluster stops, no launcher left
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    signal.signal(signal.SIGTERM, _terminated)
+    try:
+        sys.exit(main())
+    finally:
+        _kill_live()
