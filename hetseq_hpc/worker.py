@@ -638,7 +638,11 @@ def join_worker(
             member,
             lambda: bool(stop_request.code),
             rebuild=lambda: seeded_model(task, run.trainer.seed),
-            static_for=state_bytes_for(run, task, sizes, "fsdp", device),
+            # the job's grouping of the units (sent with its state) picks the sizes, so the
+            # split's caps follow the shards exactly as the survivors' do
+            static_for=lambda grouped: state_bytes_for(
+                run, task, sizes.grouped() if grouped else sizes, "fsdp", device
+            ),
         )
         if joined is None:
             return {}

@@ -205,6 +205,11 @@ class ModelBytes(NamedTuple):
     root: float  # the root unit: the parameters outside every sharding unit
     block: float  # the largest sharding unit (0 when the task names none)
 
+    def grouped(self) -> ModelBytes:
+        """The same model with its units sharded as ONE group (``sharding.units=one``, or
+        ``auto`` where a replica fits): the block is every parameter outside the root."""
+        return self._replace(block=self.total - self.root)
+
 
 def model_bytes(task: Task, model: nn.Module) -> ModelBytes:
     """:class:`ModelBytes` of ``model``: the units are ``task.sharding_units(model)``, the

@@ -33,7 +33,7 @@ from hetseq_hpc.plan.inputs import (
 )
 from hetseq_hpc.plan.model_info import CpuCalibration, ModelInfo, measure_model
 from hetseq_hpc.plan.perf_model import FACTORS, pass_overhead_s, probe_samples_per_s
-from hetseq_hpc.plan.sharding_plan import ModeFit, chosen_mode, mode_fits
+from hetseq_hpc.plan.sharding_plan import ModeFit, chosen_mode, mode_fits, planned_block_params
 from hetseq_hpc.plan.step_time import Prediction, predict, ring_link_gbps
 from hetseq_hpc.rundir.paths import RunDir
 
@@ -373,6 +373,19 @@ def make_plan(run, opts: Optional[PlanConfig] = None, label: Optional[str] = Non
         else ("fsdp" if run.sharding.mode == "fsdp" else "ddp")
     )
     offload = bool(run.sharding.cpu_offload) and not local
+    # the block FSDP gathers at once: the largest unit, or all of them where the runtime
+    # groups them (sharding.units=one, or auto where a replica fits every rank)
+    block_params = (
+        planned_block_params(
+            run.sharding.units,
+            memory,
+            model.param_count,
+            model.largest_unit_params,
+            model.root_params,
+        )
+        if known
+        else model.largest_unit_params
+    )
     if mode == "fsdp" and known and model.activation_bytes_per_sample > 0:
         # the caps a sharded rank has (the runtime's formula); a probe's own caps stand
         root = None if model.root_params is None else float(model.root_params) * PARAM_BYTES
@@ -380,7 +393,7 @@ def make_plan(run, opts: Optional[PlanConfig] = None, label: Optional[str] = Non
             float(model.param_count) * PARAM_BYTES,
             "fsdp",
             len(ranks),
-            float(model.largest_unit_params) * PARAM_BYTES,
+            float(block_params) * PARAM_BYTES,
             offload,
             gathered_weights=not model.evaluates_sharded,
             root_bytes=root,
@@ -432,7 +445,7 @@ def make_plan(run, opts: Optional[PlanConfig] = None, label: Optional[str] = Non
         fits = mode_fits(
             memory,
             model.param_count,
-            model.largest_unit_params,
+            block_params,
             model.activation_bytes_per_sample,
             prediction.balanced.step_s,
             prediction.allreduce_s,
@@ -440,6 +453,10 @@ def make_plan(run, opts: Optional[PlanConfig] = None, label: Optional[str] = Non
             offload,
             gathered_weights=not model.evaluates_sharded,
             root_params=model.root_params,
+            # a model too large for a replica: auto shards its units one by one
+            scaled_unit_params=(
+                block_params if run.sharding.units == "one" else model.largest_unit_params
+            ),
         )
     return Plan(
         label or run.cluster.name,

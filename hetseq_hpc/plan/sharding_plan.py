@@ -78,6 +78,7 @@ def mode_fits(
     offload: bool = False,
     gathered_weights: bool = True,
     root_params: Optional[int] = None,
+    scaled_unit_params: Optional[int] = None,
 ) -> List[ModeFit]:
     """:class:`ModeFit` of DDP and of FSDP (and of FSDP with the parameters kept gathered
     from the step's first forward to its last backward: ``fsdp-kept``) on ranks with ``memory_bytes``
@@ -95,6 +96,9 @@ def mode_fits(
             it runs on the shards (:func:`hetseq_hpc.balance.memory.model_state_bytes`).
         root_params: those of its FSDP root unit (outside every block); None = not known
             (everything outside the largest block).
+        scaled_unit_params: the block of the largest model that fits, at this model's scale
+            (None: ``unit_params``); the units grouped for this model (``sharding.units=auto``
+            where a replica fits) are sharded one by one in a model too large for a replica.
 
     The largest model that fits scales this model's state, linear in its parameters at its
     shape (the root's and the largest block's shares of the parameters kept).
@@ -103,13 +107,13 @@ def mode_fits(
     room = min(memory_bytes) * MEMORY_HEADROOM - activation_bytes_per_sample
     count = max(int(param_count), 1)
 
-    def fsdp_bytes(scale: float, kept: bool = False) -> float:  # fsdp state, x scale
-        root = None if root_params is None else float(root_params) * scale
+    def fsdp_bytes(scale: float, kept: bool = False, block: int = unit_params) -> float:
+        root = None if root_params is None else float(root_params) * scale  # fsdp state, x scale
         return model_state_bytes(
             float(param_count) * scale,
             "fsdp",
             world,
-            float(unit_params) * scale,
+            float(block) * scale,
             offload,
             gathered_weights,
             root,
@@ -118,7 +122,8 @@ def mode_fits(
 
     def fsdp_fit(name: str, kept: bool) -> ModeFit:
         state = fsdp_bytes(PARAM_BYTES, kept)
-        per_param = fsdp_bytes(PARAM_BYTES / count, kept) or PARAM_BYTES
+        scaled = unit_params if scaled_unit_params is None else scaled_unit_params
+        per_param = fsdp_bytes(PARAM_BYTES / count, kept, scaled) or PARAM_BYTES
         extra = (fsdp_traffic_factor(passes, kept) - 1.0) * allreduce_s
         return ModeFit(
             name, state, state <= room, ddp_step_s + extra, max(int(room // per_param), 0)
@@ -143,6 +148,25 @@ def chosen_mode(configured: str, memory_bytes: Sequence[float], param_count: int
         param_bytes = float(param_count) * PARAM_BYTES
         return "ddp" if all(replica_fits(m, param_bytes) for m in memory_bytes) else "fsdp"
     return "fsdp" if configured == "fsdp" else "ddp"
+
+
+def planned_block_params(
+    units_setting: str,
+    memory_bytes: Sequence[float],
+    param_count: int,
+    largest_unit_params: int,
+    root_params: Optional[int],
+) -> int:
+    """Parameters of the largest block FSDP gathers at once, as the runtime groups the units
+    (:func:`hetseq_hpc.balance.agree.agree_on_units`): ``sharding.units=one``, or ``auto``
+    where a replica fits every rank, shards them as ONE group (every parameter outside the
+    root); ``per_unit`` (or a root the plan does not know) keeps the largest unit."""
+    if root_params is None or units_setting == "per_unit":
+        return int(largest_unit_params)
+    param_bytes = float(param_count) * PARAM_BYTES
+    if units_setting == "one" or all(replica_fits(m, param_bytes) for m in memory_bytes):
+        return max(int(largest_unit_params), int(param_count) - int(root_params))
+    return int(largest_unit_params)
 
 
 def render_fits(fits: Sequence[ModeFit], configured: str, chosen: str) -> List[str]:

@@ -283,7 +283,7 @@ class Sharded(Replicated):
         # whole, root and largest unit (grouped: all units are one), in bytes
         self.sizes = unit_bytes(model, self.units)
         if self.grouped:
-            self.sizes = self.sizes._replace(block=self.sizes.total - self.sizes.root)
+            self.sizes = self.sizes.grouped()
         #: between the passes of a step: ``reshard`` or ``keep_unsharded`` (the same on every
         #: rank: :func:`hetseq_hpc.train.fsdp_accumulation.agree_on_accumulation`)
         self.between_micro_batches = "reshard"

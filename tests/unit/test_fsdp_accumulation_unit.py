@@ -17,6 +17,7 @@ from hetseq_hpc.balance.memory import (
     gathered_bytes,
     kept_gathered_bytes,
     model_state_bytes,
+    unit_bytes,
 )
 from hetseq_hpc.config import compose_run_config
 from hetseq_hpc.distributed.gang import FakeGang
@@ -285,6 +286,9 @@ def test_grouped_units_give_the_same_gradients_and_count_as_one_block():
                 assert strategy.describe()["units_grouped"] is grouped
                 # fp32 bytes: the blocks hold 4x8+8 and 8x4+4 parameters; grouped, both
                 assert strategy.sizes.block == 4 * ((8 * 4 + 8) + (8 * 4 + 4) if grouped else 40)
+                # what a joining rank computes before it shards (worker: sizes.grouped())
+                ungrouped = unit_bytes(plain, list(plain.blocks))
+                assert strategy.sizes == (ungrouped.grouped() if grouped else ungrouped)
                 grads[grouped, mode] = _accumulate(strategy, strategy.module, xs, [])
         for name in grads[False, "reshard"]:
             for key in grads:

@@ -242,6 +242,15 @@ def test_planner_modes_for_a_mix_with_a_small_gpu():
     assert chosen_mode("none", memory, 1_300_000_000) == "ddp"
 
 
+SMALL_BERT = [
+    "task.model.hidden_size=64",
+    "task.model.num_layers=2",
+    "task.model.num_heads=2",
+    "task.model.intermediate_size=128",
+    "task.model.max_seq_len=64",
+]
+
+
 def test_plan_of_a_local_mix_too_small_for_a_replica_picks_and_shows_fsdp(tmp_path):
     from hetseq_hpc.plan.planner import make_plan
     from hetseq_hpc.plan.render import headline_json, render
@@ -273,6 +282,49 @@ def test_plan_of_a_local_mix_too_small_for_a_replica_picks_and_shows_fsdp(tmp_pa
     import json
 
     assert json.loads(headline_json(plan))["modes"]["fsdp"]["fits"] is True
+
+
+def test_the_planner_groups_the_units_as_the_runtime_does(tmp_path):
+    """The planner's FSDP block is the runtime's (agree_on_units): the units as ONE group for
+    ``sharding.units=one`` and for ``auto`` where a replica fits every rank (the whole weights
+    outside the root gathered at once), the largest unit for ``per_unit`` or where a replica
+    does not fit; the largest model that fits is scaled from per-unit sharding unless ``one``."""
+    from hetseq_hpc.plan.planner import make_plan
+    from hetseq_hpc.plan.sharding_plan import mode_fits, planned_block_params
+
+    big, small = [80 * 2**30] * 2, [2**20] * 2
+    args = (10**8, 10**7, 2 * 10**7)  # parameters, largest unit, root
+    assert planned_block_params("per_unit", big, *args) == 10**7
+    assert planned_block_params("one", small, *args) == 8 * 10**7
+    assert planned_block_params("auto", big, *args) == 8 * 10**7  # a replica fits
+    assert planned_block_params("auto", small, *args) == 10**7
+    assert planned_block_params("one", big, 10**8, 10**7, None) == 10**7  # root unknown
+
+    def fsdp(units: str):
+        run = compose_run_config(
+            [
+                f"task.data.cache_dir={tmp_path}",
+                "cluster.ranks=2",
+                "sharding.mode=fsdp",
+                f"sharding.units={units}",
+                *SMALL_BERT,
+            ]
+        )
+        return {f.mode: f for f in make_plan(run).mode_fits}["fsdp"]
+
+    per_unit, grouped, auto = fsdp("per_unit"), fsdp("one"), fsdp("auto")
+    assert grouped.state_bytes > per_unit.state_bytes  # both layers gathered at once
+    assert auto.state_bytes == grouped.state_bytes  # a replica fits this host: grouped
+    # the largest model: scaled per unit unless `one` (a model too big for a replica is
+    # sharded unit by unit under `auto`)
+    memory = [2**30] * 2
+
+    def largest(block: int, scaled: int) -> int:
+        fits = mode_fits(memory, 10**8, block, 2**20, 1.0, 0.2, 1, root_params=2 * 10**7,
+                         scaled_unit_params=scaled)  # fmt: skip
+        return fits[1].largest_params
+
+    assert largest(8 * 10**7, 10**7) == largest(10**7, 10**7) > largest(8 * 10**7, 8 * 10**7)
 
 
 def test_preflight_counts_the_whole_weights_only_where_the_task_decodes(task_data_files):

@@ -283,7 +283,7 @@ def join_running_job(
     member: int,
     stop: Callable[[], bool],
     rebuild: Optional[Callable[[], torch.nn.Module]] = None,
-    static_for: Optional[Callable[[int], float]] = None,
+    static_for: Optional[Callable[[bool], Callable[[int], float]]] = None,
 ) -> Optional[Joined]:
     """Ask to join the running job as member ``member`` in rank ``world.rank``'s place, wait
     for the survivors' answer at their next step boundary, then join their new world and
@@ -292,9 +292,10 @@ def join_running_job(
     Args:
         rebuild: a fresh seeded model on the CPU (an FSDP world that later loses a rank
             reloads into it, :meth:`ElasticWorld.recover`).
-        static_for: ``world size -> bytes of model state a rank holds`` under FSDP, used
-            when the job holds its model so: the split's micro-batch caps follow the shard
-            size, as the survivors' do.
+        static_for: ``units grouped -> (world size -> bytes of model state a rank holds)``
+            under FSDP, used when the job holds its model so, with the job's own grouping of
+            the units (``units_grouped`` in the state it sends): the split's micro-batch caps
+            follow the shard size exactly as the survivors' do.
 
     Raises:
         RankExcluded: the survivors refused it (their one line: another code version or
@@ -319,8 +320,8 @@ def join_running_job(
     elastic.joins_answered = int(state["joins_answered"])
     elastic.timed_size = len(new.members)
     elastic.rebuild = rebuild
-    if state.get("sharding") == "fsdp":
-        elastic.static_for = static_for
+    if state.get("sharding") == "fsdp" and static_for is not None:
+        elastic.static_for = static_for(bool(state.get("units_grouped", False)))
     allocation = _resplit(elastic, rdv, new)
     event = join_event(int(state["state"]["step"]), new, state["admitted"], allocation)
     return Joined(rdv, elastic, allocation, state, event)
