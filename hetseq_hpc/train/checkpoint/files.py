@@ -181,7 +181,8 @@ def stored_entry(path: Path, key: str) -> Any:
     the ``torch.save`` zip, tens of KiB) is read, no weights, and nothing but those types is
     built. The launcher's pre-flight checks read it before any rank starts, where importing
     torch would cost ~3 CPU-s per command. Any other file or entry is read by
-    :func:`stored_state` (torch).
+    :func:`stored_state` (torch). It judges no other entry: a file whose other entries torch
+    would refuse (a code-running global) is refused where the checkpoint is loaded.
 
     Raises:
         CheckpointError: the file cannot be read as a checkpoint (:func:`stored_state`).
@@ -200,12 +201,12 @@ def stored_entry(path: Path, key: str) -> Any:
 
 def stored_run_id(path: Path) -> str:
     """The ``run_id`` a checkpoint was written by, ``""`` for one written before run ids
-    existed (:func:`stored_entry`).
+    existed (:func:`stored_state`).
 
     Raises:
         CheckpointError: the file cannot be read as a checkpoint.
     """
-    value = stored_entry(path, "run_id")
+    value = stored_state(path).get("run_id")
     return value if isinstance(value, str) else ""
 
 
