@@ -29,6 +29,11 @@ from tests.helpers.waits import wait_for
 
 #: the blocker's limit (minutes; Slurm's smallest) and how long it really sleeps (seconds)
 BLOCK_MIN, BLOCK_SLEEP_S = 1, 55
+#: the same for the waiting mix's test, whose pick needs the blocker's remaining time at the
+#: moment `plan --when` asks Slurm between 20 s and ~150 s (the two mixes' predicted runs
+#: differ by ~150 s): 2 minutes keep that for a plan that takes up to 100 s to ask (~50 s on
+#: a loaded 2-core VM, where 1 minute left 10 s); the blocker is cancelled, never waited for
+WAIT_BLOCK_MIN, WAIT_BLOCK_SLEEP_S = 2, 115
 SHORT = [
     *SMALL_MODEL,
     "cluster.partitions.v100.nodes=1",
@@ -202,7 +207,7 @@ BASE = [
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_plan_when_picks_a_mix_that_waits_when_its_run_is_enough_shorter(tmp_path, token_cache):
-    """With partition v100 busy for a minute, a100 alone starts now but the a100 + v100 mix,
+    """With partition v100 busy for two minutes, a100 alone starts now but the a100 + v100 mix,
     predicted minutes faster on 2000 BERT-base steps, finishes first even after waiting: the
     pick is decided by start estimate + run time, not by who starts first. ``cheapest`` stays
     a100 alone. ``cluster.choose=finish_first`` submits the waiting mix (cancelled at once:
@@ -215,11 +220,11 @@ def test_plan_when_picks_a_mix_that_waits_when_its_run_is_enough_shorter(tmp_pat
             "v100",
             "-N2",
             "--exclusive",
-            f"--time={BLOCK_MIN}",
+            f"--time={WAIT_BLOCK_MIN}",
             "-o",
             str(tmp_path / "blocker.out"),
             "--wrap",
-            f"sleep {BLOCK_SLEEP_S}",
+            f"sleep {WAIT_BLOCK_SLEEP_S}",
         ],
         capture_output=True,
         text=True,
