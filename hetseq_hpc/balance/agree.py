@@ -242,14 +242,14 @@ def agree_on_units(
         units: how many sharding units the task names.
         rdv: the joined rendezvous (every rank calls this at the same point).
     """
-    from hetseq_hpc.balance.memory import replica_fits
+    from hetseq_hpc.balance.memory import replica_fits, units_grouped
 
-    if units < 2 or setting == "per_unit":
+    if units < 2:
         return False
-    if setting == "one":
-        return True
+    if setting != "auto":  # one / per_unit: nothing to gather
+        return units_grouped(setting, False)
     fits = rdv.all_gather_objects(bool(replica_fits(memory_budget_bytes, param_bytes)))
-    grouped = all(fits)
+    grouped = units_grouped(setting, all(fits))
     if rdv.world.rank == 0:
         log.info(
             "sharding.units=auto -> %s (%s)",

@@ -240,6 +240,14 @@ def replica_fits(memory_budget_bytes: float, param_bytes: float) -> bool:
     return model_state_bytes(param_bytes) <= room
 
 
+def units_grouped(setting: str, replica_fits_every_rank: bool) -> bool:
+    """Whether FSDP shards a task's units (two or more) as ONE group, from ``sharding.units``:
+    ``one`` yes, ``per_unit`` no, ``auto`` where a full replica fits every rank
+    (:func:`replica_fits`): the rule the ranks agree on
+    (:func:`hetseq_hpc.balance.agree.agree_on_units`) and the planner predicts."""
+    return setting == "one" or (setting == "auto" and replica_fits_every_rank)
+
+
 def param_memory_cap(
     memory_bytes: float,
     param_count: int,
@@ -274,4 +282,5 @@ __all__ = [
     "param_memory_cap",
     "replica_fits",
     "unit_bytes",
+    "units_grouped",
 ]

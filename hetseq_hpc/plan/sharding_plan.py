@@ -26,6 +26,7 @@ from hetseq_hpc.balance.memory import (
     PARAM_BYTES,
     model_state_bytes,
     replica_fits,
+    units_grouped,
 )
 
 
@@ -161,12 +162,11 @@ def planned_block_params(
     (:func:`hetseq_hpc.balance.agree.agree_on_units`): ``sharding.units=one``, or ``auto``
     where a replica fits every rank, shards them as ONE group (every parameter outside the
     root); ``per_unit`` (or a root the plan does not know) keeps the largest unit."""
-    if root_params is None or units_setting == "per_unit":
-        return int(largest_unit_params)
     param_bytes = float(param_count) * PARAM_BYTES
-    if units_setting == "one" or all(replica_fits(m, param_bytes) for m in memory_bytes):
-        return max(int(largest_unit_params), int(param_count) - int(root_params))
-    return int(largest_unit_params)
+    fits = units_setting == "auto" and all(replica_fits(m, param_bytes) for m in memory_bytes)
+    if root_params is None or not units_grouped(units_setting, fits):
+        return int(largest_unit_params)
+    return max(int(largest_unit_params), int(param_count) - int(root_params))
 
 
 def render_fits(fits: Sequence[ModeFit], configured: str, chosen: str) -> List[str]:
