@@ -49,6 +49,7 @@ from hetseq_hpc.launch.failures import (
 )
 from hetseq_hpc.launch.template import (
     PR_SET_PDEATHSIG,
+    SERVER_ENV,
     RankProcess,
     RankTemplate,
     TemplateError,
@@ -613,7 +614,11 @@ def _launch(
         if mode == "fork":
             base = {k: v for k, v in envs[0].items() if k not in RANK_ONLY_ENV}
             template = RankTemplate(
-                base, pass_fds, _die_with_parent(os.getpid()), template_words(run, run_dir)
+                base,
+                pass_fds,
+                _die_with_parent(os.getpid()),
+                template_words(run, run_dir),
+                server=os.environ.get(SERVER_ENV),
             )
         starter = RankStarter(cmd, pass_fds, template)
         procs = starter.start_all(envs)

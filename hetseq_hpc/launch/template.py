@@ -7,17 +7,22 @@ why forking is safe here, when the launcher execs instead, and what a forked ran
 
 from __future__ import annotations
 
+import array
 import gc
 import importlib
 import json
 import logging
 import os
+import resource
 import runpy
 import select
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 log = logging.getLogger(__name__)
@@ -44,6 +49,197 @@ ORPHAN_CODE = -int(signal.SIGHUP)
 
 class TemplateError(RuntimeError):
     """The template process could not start a rank (it died, or never came up)."""
+
+
+#: the variable naming a template server's socket (:mod:`hetseq_hpc.launch.template_server`):
+#: a launcher that finds it asks the server for its template instead of starting one
+SERVER_ENV = "HETSEQ_RANK_TEMPLATE_SERVER"
+#: the resource limits a served template must share with its launcher (else it is refused)
+LIMITS = ("RLIMIT_NOFILE", "RLIMIT_FSIZE", "RLIMIT_AS", "RLIMIT_CORE", "RLIMIT_STACK")
+#: seconds a launcher waits for a template server's answer
+SERVER_TIMEOUT_S = 10.0
+
+
+@dataclass
+class TemplateRequest:
+    """What a launcher sends a template server: everything an exec'd template would have had
+    from ``subprocess.Popen`` that a forked one must be given.
+
+    ``received`` (server side) holds the descriptors that came with it, in this order: the
+    request pipe's read end (the template's stdin), the launcher's stdout and stderr, the
+    status pipe's write end, a pidfd of the launcher, then each of ``pass_fds``."""
+
+    env: Dict[str, str]
+    cwd: str
+    umask: int
+    argv_tail: List[str]
+    pass_fds: List[int]
+    limits: Dict[str, List[int]]
+    cgroup: str
+    received: List[int] = field(default_factory=list)
+
+    @staticmethod
+    def current_limits() -> Dict[str, List[int]]:
+        """This process's :data:`LIMITS`, ``{name: [soft, hard]}``."""
+        return {n: list(resource.getrlimit(getattr(resource, n))) for n in LIMITS}
+
+    @staticmethod
+    def current_cgroup() -> str:
+        """This process's ``/proc/self/cgroup`` ("" where there is none)."""
+        try:
+            with open("/proc/self/cgroup", encoding="utf-8") as fh:
+                return fh.read()
+        except OSError:
+            return ""
+
+    def to_json(self) -> dict:
+        """The request as JSON values (without ``received``)."""
+        return {
+            "env": self.env,
+            "cwd": self.cwd,
+            "umask": self.umask,
+            "argv_tail": self.argv_tail,
+            "pass_fds": self.pass_fds,
+            "limits": self.limits,
+            "cgroup": self.cgroup,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict, received: List[int]) -> TemplateRequest:
+        """The request sent as ``data`` with the descriptors ``received`` beside it.
+
+        Raises:
+            ValueError: not as many descriptors as the request names.
+        """
+        request = cls(
+            env={str(k): str(v) for k, v in data["env"].items()},
+            cwd=str(data["cwd"]),
+            umask=int(data["umask"]),
+            argv_tail=[str(w) for w in data["argv_tail"]],
+            pass_fds=[int(fd) for fd in data["pass_fds"]],
+            limits={str(k): [int(x) for x in v] for k, v in data["limits"].items()},
+            cgroup=str(data["cgroup"]),
+            received=received,
+        )
+        if len(received) != 5 + len(request.pass_fds):
+            raise ValueError(f"{len(received)} descriptors for {len(request.pass_fds)} pass_fds")
+        return request
+
+    def placement(self) -> List[Tuple[int, int]]:
+        """``(received fd, its number in the template)`` for each received descriptor: 0, 1,
+        2, then the status pipe and the launcher's pidfd at the lowest numbers free of
+        ``pass_fds``, then each of ``pass_fds`` at its own number."""
+        free = [n for n in range(3, 3 + 2 + len(self.pass_fds)) if n not in self.pass_fds][:2]
+        targets = [0, 1, 2, *free, *self.pass_fds]
+        return list(zip(self.received, targets))
+
+    def close(self) -> None:
+        """Close the received descriptors (the server's copies)."""
+        for fd in self.received:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.received = []
+
+
+class ServedTemplate:
+    """A run's template forked by a template server rather than exec'd by the launcher: the
+    part of :class:`subprocess.Popen`'s interface :class:`RankTemplate` uses. It is not this
+    process's child: its exit status goes to the server (``wait`` returns None)."""
+
+    def __init__(self, pid: int, pidfd: int, stdin_fd: int) -> None:
+        self.pid = pid
+        self._pidfd = pidfd
+        self.stdin = os.fdopen(stdin_fd, "wb")
+
+    @classmethod
+    def request(
+        cls, path: str, env: Dict[str, str], pass_fds: Sequence[int], argv_tail: Sequence[str]
+    ) -> Tuple[ServedTemplate, int]:
+        """Ask the server listening on ``path`` for a template -> ``(it, the read end of its
+        status pipe)``.
+
+        Raises:
+            TemplateError: no server answers there, or it refused (one line: why).
+        """
+        request_r, request_w = os.pipe()
+        status_r, status_w = os.pipe()
+        mine = [request_r, status_w]
+        keep: List[int] = [request_w, status_r]
+        try:
+            mine.append(os.pidfd_open(os.getpid()))
+            request = TemplateRequest(
+                env=dict(env),
+                cwd=os.getcwd(),
+                umask=_current_umask(),
+                argv_tail=list(argv_tail),
+                pass_fds=list(pass_fds),
+                limits=TemplateRequest.current_limits(),
+                cgroup=TemplateRequest.current_cgroup(),
+            )
+            body = json.dumps(request.to_json()).encode()
+            fds = [request_r, 1, 2, status_w, mine[2], *pass_fds]
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(SERVER_TIMEOUT_S)
+                conn.connect(path)
+                conn.sendmsg(
+                    [struct.pack("!I", len(body))],
+                    [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))],
+                )
+                conn.sendall(body)
+                answer, ancillary, _, _ = conn.recvmsg(4096, socket.CMSG_SPACE(4))
+            words = answer.decode(errors="replace").strip().split(" ", 1)
+            pidfds = array.array("i")
+            for level, kind, data in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    pidfds.frombytes(data[: len(data) - len(data) % pidfds.itemsize])
+            if words[0] != "forked" or len(pidfds) != 1:
+                for fd in pidfds:
+                    os.close(fd)
+                raise TemplateError(
+                    f"the rank template server at {path} did not serve this run: "
+                    f"{words[-1] if words[0] == 'refused' else answer[:200]!r}"
+                )
+        except (OSError, ValueError) as exc:
+            for fd in keep:
+                os.close(fd)
+            raise TemplateError(f"no rank template server answers at {path}: {exc}") from exc
+        except TemplateError:
+            for fd in keep:
+                os.close(fd)
+            raise
+        finally:
+            for fd in mine:
+                os.close(fd)
+        return cls(int(words[1]), pidfds[0], request_w), status_r
+
+    def poll(self) -> Optional[int]:
+        """None while the template runs, else 0 (its real status went to the server)."""
+        ready, _, _ = select.select([self._pidfd], [], [], 0)
+        return 0 if ready else None
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[int]:
+        """Wait for the template's end -> None (its exit status went to the server).
+
+        Raises:
+            subprocess.TimeoutExpired: still running after ``timeout`` seconds.
+        """
+        ready, _, _ = select.select([self._pidfd], [], [], timeout)
+        if not ready:
+            raise subprocess.TimeoutExpired(f"rank template pid {self.pid}", timeout or 0.0)
+        return None
+
+    def kill(self) -> None:
+        """SIGKILL the template (through its pidfd: never a reused pid)."""
+        signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+
+
+def _current_umask() -> int:
+    """This process's umask (set and put back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 class ForkedRank:
@@ -104,6 +300,9 @@ class RankTemplate:
         preexec_fn: run in the template before it starts (the launcher's parent-death signal).
         argv_tail: words shown after the module on the template's command line (the run
             directory, so that ``ps`` tells which run it serves).
+        server: the socket of a template server (:data:`SERVER_ENV`) to ask first: one that
+            does not answer, or refuses (another environment, limits or cgroup), costs one
+            info line and the template is started here as without it.
     """
 
     def __init__(
@@ -112,19 +311,34 @@ class RankTemplate:
         pass_fds: Sequence[int] = (),
         preexec_fn: Optional[Callable[[], None]] = None,
         argv_tail: Sequence[str] = (),
+        server: Optional[str] = None,
     ) -> None:
-        status_r, status_w = os.pipe()
-        try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", __name__, "--status-fd", str(status_w), *argv_tail],
-                env=env,
-                stdin=subprocess.PIPE,
-                process_group=0,
-                preexec_fn=preexec_fn,
-                pass_fds=(*pass_fds, status_w),
+        self._proc: Union[subprocess.Popen, ServedTemplate]
+        served = None
+        if server:
+            try:
+                served = ServedTemplate.request(server, env, pass_fds, argv_tail)
+            except TemplateError as exc:
+                log.info("%s; starting this run's own rank template", exc)
+        if served is not None:
+            self._proc, status_r = served
+            log.info(
+                "the ranks fork from template pid %d of the server at %s", served[0].pid, server
             )
-        finally:
-            os.close(status_w)
+        else:
+            status_r, status_w = os.pipe()
+            try:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", __name__, "--status-fd", str(status_w), *argv_tail],
+                    env=env,
+                    stdin=subprocess.PIPE,
+                    process_group=0,
+                    preexec_fn=preexec_fn,
+                    pass_fds=(*pass_fds, status_w),
+                )
+            finally:
+                os.close(status_w)
+        self.served = served is not None
         self._status = os.fdopen(status_r, "rb", buffering=0)
         self._ended = False  # the template's end of file: it has exited
         self._buffer = b""
@@ -151,9 +365,11 @@ class RankTemplate:
             raise TemplateError(f"the rank template (pid {self.pid}) has ended: {exc}") from exc
         while not self._started:
             if self._ended:
+                code = self._proc.wait()
                 raise TemplateError(
-                    f"the rank template (pid {self.pid}) ended with {self._proc.wait()} "
-                    "before it started the rank"
+                    f"the rank template (pid {self.pid}) ended"
+                    + ("" if code is None else f" with {code}")
+                    + " before it started the rank"
                 )
             self._fill(0.5)
         return ForkedRank(self, self._started.pop(0))
@@ -243,10 +459,13 @@ def libc_prctl() -> Optional[Callable[..., int]]:
         return None
 
 
-def _serve(status_fd: int) -> Optional[dict]:
+def _serve(status_fd: int, launcher_fd: Optional[int] = None) -> Optional[dict]:
     """The template's loop: fork a rank per request on stdin, report ``started PID`` and
-    ``exit PID CODE`` lines on ``status_fd``; exit at once when the launcher dies. Returns the
-    request in a forked child (which then becomes the rank), None in the template at its end."""
+    ``exit PID CODE`` lines on ``status_fd``; exit at once when the launcher dies (its
+    parent-death SIGHUP, or ``launcher_fd``, a pidfd of the launcher, turning readable: a
+    template forked by a :mod:`~hetseq_hpc.launch.template_server` is not the launcher's
+    child). Returns the request in a forked child (which then becomes the rank), None in the
+    template at its end."""
     children: set = set()
     closed = False
     launcher = os.getppid()
@@ -288,10 +507,14 @@ def _serve(status_fd: int) -> Optional[dict]:
         if closed and not children:
             return None
         readers = [wake_r] if closed else [stdin, wake_r]
+        if launcher_fd is not None:
+            readers.append(launcher_fd)
         try:
             ready, _, _ = select.select(readers, [], [], 1.0)
         except InterruptedError:
             continue
+        if launcher_fd is not None and launcher_fd in ready:  # the launcher has exited
+            os._exit(0)
         if wake_r in ready:
             os.read(wake_r, 4096)
         if stdin in ready:
@@ -316,6 +539,8 @@ def _serve(status_fd: int) -> Optional[dict]:
                     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
                     os.close(wake_r)
                     os.close(wake_w)
+                    if launcher_fd is not None:
+                        os.close(launcher_fd)
                     return request
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
                 children.add(pid)
@@ -361,21 +586,33 @@ def preload(extra: Sequence[str] = ()) -> None:
             pass
 
 
+def preload_words(argv: Sequence[str]) -> List[str]:
+    """The modules named by ``--preload MOD,...`` in a template's words (none without it)."""
+    if "--preload" not in argv:
+        return []
+    return [m for m in argv[list(argv).index("--preload") + 1].split(",") if m]
+
+
+def run_template(status_fd: int, extra: Sequence[str], launcher_fd: Optional[int] = None) -> None:
+    """A template's life once started (exec'd by :class:`RankTemplate`, or forked by the
+    template server): import :data:`PRELOAD` and ``extra`` (already imported ones cost
+    nothing), freeze the heap, serve fork requests (:func:`_serve`) and, in a forked child,
+    become the rank. Call with the garbage collector disabled."""
+    preload(extra)
+    gc.freeze()
+    request = _serve(status_fd, launcher_fd)
+    if request is None:
+        return
+    _become_rank(request, status_fd)
+
+
 def main() -> None:
     """``python -m hetseq_hpc.launch.template --status-fd FD [--preload MOD,...] [words]``:
     import :data:`PRELOAD` (and the ``--preload`` modules), then serve fork requests until
     stdin closes and every rank has ended."""
     status_fd = int(sys.argv[sys.argv.index("--status-fd") + 1])
-    extra: List[str] = []
-    if "--preload" in sys.argv:
-        extra = [m for m in sys.argv[sys.argv.index("--preload") + 1].split(",") if m]
     gc.disable()
-    preload(extra)
-    gc.freeze()
-    request = _serve(status_fd)
-    if request is None:
-        return
-    _become_rank(request, status_fd)
+    run_template(status_fd, preload_words(sys.argv))
 
 
 if __name__ == "__main__":

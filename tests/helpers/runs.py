@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from hetseq_hpc.rundir.lock import LOCK_NAME
 from hetseq_hpc.train.metrics import read_metrics
 from tests.helpers.waits import wait_for
 
@@ -16,6 +17,11 @@ REPO = Path(__file__).resolve().parent.parent.parent
 
 #: the rank template's module on a forked rank's command line, and the start of its name
 TEMPLATE_MODULE = b"hetseq_hpc.launch.template"
+#: the module of a template server (:mod:`hetseq_hpc.launch.template_server`): the command
+#: line of the templates it forks and of their ranks
+SERVER_MODULE = b"hetseq_hpc.launch.template_server"
+#: a served template's name (``/proc/<pid>/comm``)
+SERVED_TEMPLATE_NAME = "hetseq-template"
 RANK_NAME = "hetseq-rank"
 
 #: A small BERT so multi-process runs take seconds on 2 CPU cores.
@@ -246,14 +252,36 @@ def run_processes(run_dir: Path) -> Iterator[Tuple[int, Optional[int], str]]:
     (rank None)."""
     marker = str(run_dir).encode()
     for pid, argv, env, state in processes():
-        if marker not in b" ".join(argv):
+        if SERVER_MODULE in argv:  # forked by a template server: its command line is the server's
+            name = _comm(pid)
+            served = name.startswith(RANK_NAME) or name == SERVED_TEMPLATE_NAME
+            if not served or not _holds_lock_of(pid, run_dir):
+                continue
+        elif marker not in b" ".join(argv):
             continue
         if b"hetseq_hpc.worker" in argv and b"RANK" in env:
             yield pid, int(env[b"RANK"]), state
-        elif TEMPLATE_MODULE in argv:
+        elif TEMPLATE_MODULE in argv or SERVER_MODULE in argv:
             name = _comm(pid)
             rank = int(name[len(RANK_NAME) :]) if name.startswith(RANK_NAME) else None
             yield pid, rank, state
+
+
+def _holds_lock_of(pid: int, run_dir: Path) -> bool:
+    """Whether process ``pid`` holds a descriptor of ``run_dir``'s lock file (a served
+    template and its ranks inherit the launcher's: :mod:`hetseq_hpc.rundir.lock`)."""
+    lock = os.path.realpath(Path(run_dir) / LOCK_NAME)
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(fd) == lock:
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def worker_pids(run_dir: Path, live: bool = False) -> Dict[int, int]:
