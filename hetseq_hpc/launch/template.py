@@ -214,11 +214,6 @@ class ServedTemplate:
                 os.close(fd)
         return cls(int(words[1]), pidfds[0], request_w), status_r
 
-    def poll(self) -> Optional[int]:
-        """None while the template runs, else 0 (its real status went to the server)."""
-        ready, _, _ = select.select([self._pidfd], [], [], 0)
-        return 0 if ready else None
-
     def wait(self, timeout: Optional[float] = None) -> Optional[int]:
         """Wait for the template's end -> None (its exit status went to the server).
 
@@ -338,7 +333,6 @@ class RankTemplate:
                 )
             finally:
                 os.close(status_w)
-        self.served = served is not None
         self._status = os.fdopen(status_r, "rb", buffering=0)
         self._ended = False  # the template's end of file: it has exited
         self._buffer = b""

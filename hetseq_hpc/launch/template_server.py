@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import struct
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -36,6 +37,7 @@ __all__ = [
     "SERVER_ENV",
     "become_template",
     "import_time_differences",
+    "listen",
     "main",
     "serve",
     "unread_prefixes",
@@ -221,17 +223,54 @@ def become_template(request: TemplateRequest) -> None:
     run_template(status_fd, preload_words(request.argv_tail), launcher_fd)
 
 
-def serve(path: str) -> Optional[TemplateRequest]:
-    """Listen on the Unix socket ``path`` and fork a template per launcher's request, until
-    SIGTERM (or the parent's death: the server gets SIGTERM as its parent-death signal).
-    Returns None in the server at its end, the request in a forked child (which then becomes
-    that launcher's template: :func:`become_template`)."""
+def listen(path: str) -> socket.socket:
+    """Claim ``path`` for the server's socket (only this user may connect: mode 0600 from
+    the start) -> the listening socket. A socket left there by a server that no longer
+    answers is replaced; anything else is kept.
+
+    Raises:
+        SystemExit: one line naming ``path`` and the fix: a file that is not a socket, or a
+            server that still answers there (nothing is deleted).
+    """
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise SystemExit(
+                f"template_server: error: --socket {path} exists and is not a socket; "
+                "name a new path (nothing was changed)"
+            )
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(1.0)
+            try:
+                probe.connect(path)
+            except OSError:  # a stale socket: its server is gone
+                os.unlink(path)
+            else:
+                raise SystemExit(
+                    f"template_server: error: a server already answers at --socket {path}; "
+                    "use it (HETSEQ_RANK_TEMPLATE_SERVER), or stop it first"
+                )
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    if os.path.exists(path):
-        os.unlink(path)
-    listener.bind(path)
-    os.chmod(path, 0o600)
+    old = os.umask(0o177)
+    try:
+        listener.bind(path)
+    finally:
+        os.umask(old)
     listener.listen(16)
+    return listener
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    """The user id of the process at the other end of ``conn`` (``SO_PEERCRED``)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+def serve(listener: socket.socket, path: str) -> Optional[TemplateRequest]:
+    """Fork a template per launcher's request on ``listener`` (:func:`listen` of ``path``),
+    until SIGTERM (or the parent's death: the server gets SIGTERM as its parent-death
+    signal). A connection of another user is refused (a template runs what its launcher
+    names). Returns None in the server at its end (``path`` removed), the request in a forked
+    child (which then becomes that launcher's template: :func:`become_template`)."""
     signal.signal(signal.SIGCHLD, lambda s, f: None)
     stopping = []
     signal.signal(signal.SIGTERM, lambda s, f: stopping.append(s))
@@ -252,6 +291,9 @@ def serve(path: str) -> Optional[TemplateRequest]:
             continue
         with conn:
             conn.settimeout(10.0)
+            if _peer_uid(conn) != os.getuid():
+                _send(conn, "refused it runs as another user than the server\n")
+                continue
             try:
                 request = _receive(conn)
             except OSError as exc:
@@ -290,14 +332,21 @@ def _send(conn: socket.socket, text: str, fds: Sequence[int] = ()) -> None:
 def main() -> None:
     """``python -m hetseq_hpc.launch.template_server --socket PATH [--preload MOD,...]``:
     import torch (and the ``--preload`` modules) once, print ``ready PID``, then serve."""
-    path = sys.argv[sys.argv.index("--socket") + 1]
+    words = sys.argv[1:]
+    if "--socket" not in words or words.index("--socket") + 1 >= len(words):
+        raise SystemExit(
+            "template_server: error: --socket PATH is missing; e.g. "
+            "python -m hetseq_hpc.launch.template_server --socket /tmp/hetseq-templates.sock"
+        )
+    path = words[words.index("--socket") + 1]
+    listener = listen(path)  # before the imports: a wrong path costs no torch import
     prctl = libc_prctl()
     if prctl is not None:
         prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
     gc.disable()
     preload(preload_words(sys.argv))
     gc.freeze()
-    request = serve(path)
+    request = serve(listener, path)
     if request is not None:
         become_template(request)
 

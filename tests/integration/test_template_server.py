@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hetseq_hpc.launch.template import SERVER_ENV
+from hetseq_hpc.launch.template import SERVER_ENV, ServedTemplate
 from tests.helpers.runs import (
     SMALL_MODEL,
     cli_env,
@@ -164,3 +164,35 @@ def test_the_suites_runs_are_served_after_libraries_set_their_own_variables(
     proc = hetseq(*RUN, f"hydra.run.dir={tmp_path / 'run'}", token_cache=token_cache)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert SERVED in _cli_log(tmp_path / "run"), _cli_log(tmp_path / "run")[-2000:]
+
+
+def _start_server(*words: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hetseq_hpc.launch.template_server", *words],
+        env={k: v for k, v in os.environ.items() if k != SERVER_ENV},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_server_never_takes_a_path_it_should_not_and_says_so_in_one_line(tmp_path, server):
+    """Before any import: a regular file at ``--socket`` is kept as it was, a live server's
+    socket is left to it (it still serves), and a missing ``--socket`` names the fix."""
+    results = tmp_path / "results.json"
+    results.write_text('{"kept": true}')
+    for words, wanted in (
+        (["--socket", str(results)], f"--socket {results} exists and is not a socket"),
+        (["--socket", server], f"a server already answers at --socket {server}"),
+        ([], "--socket PATH is missing"),
+    ):
+        done = _start_server(*words)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 1 and len(lines) == 1, done.stderr
+        assert lines[0].startswith("template_server: error: ") and wanted in lines[0], lines
+    assert results.read_text() == '{"kept": true}'
+    assert os.stat(server).st_mode & 0o777 == 0o600  # only its user may connect
+    served, status = ServedTemplate.request(server, dict(os.environ), (), ["--run-dir", "/x"])
+    served.stdin.close()  # no ranks: the template ends, the server went on serving
+    os.close(status)
+    assert served.wait(timeout=120) is None
