@@ -7,7 +7,6 @@ why forking is safe here, when the launcher execs instead, and what a forked ran
 
 from __future__ import annotations
 
-import array
 import gc
 import importlib
 import json
@@ -183,17 +182,10 @@ class ServedTemplate:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
                 conn.settimeout(SERVER_TIMEOUT_S)
                 conn.connect(path)
-                conn.sendmsg(
-                    [struct.pack("!I", len(body))],
-                    [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))],
-                )
+                socket.send_fds(conn, [struct.pack("!I", len(body))], fds)
                 conn.sendall(body)
-                answer, ancillary, _, _ = conn.recvmsg(4096, socket.CMSG_SPACE(4))
+                answer, pidfds, _, _ = socket.recv_fds(conn, 4096, 1)
             words = answer.decode(errors="replace").strip().split(" ", 1)
-            pidfds = array.array("i")
-            for level, kind, data in ancillary:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    pidfds.frombytes(data[: len(data) - len(data) % pidfds.itemsize])
             if words[0] != "forked" or len(pidfds) != 1:
                 for fd in pidfds:
                     os.close(fd)

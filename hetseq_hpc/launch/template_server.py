@@ -8,7 +8,6 @@ a launcher starts its own template instead.
 
 from __future__ import annotations
 
-import array
 import gc
 import json
 import logging
@@ -135,12 +134,7 @@ def _receive(conn: socket.socket) -> TemplateRequest:
     Raises:
         OSError: the launcher went away or sent something else.
     """
-    fds = array.array("i")
-    head, ancillary, _, _ = conn.recvmsg(4, socket.CMSG_SPACE(64 * fds.itemsize))
-    for level, kind, data in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
-    received = list(fds)
+    head, received, _, _ = socket.recv_fds(conn, 4, 64)
     try:
         if len(head) != 4:
             raise OSError("short request")
@@ -323,8 +317,10 @@ def serve(listener: socket.socket, path: str) -> Optional[TemplateRequest]:
 def _send(conn: socket.socket, text: str, fds: Sequence[int] = ()) -> None:
     """Answer a launcher (a lost launcher is not the server's problem)."""
     try:
-        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-        conn.sendmsg([text.encode()], ancillary)
+        if fds:
+            socket.send_fds(conn, [text.encode()], list(fds))
+        else:
+            conn.sendall(text.encode())
     except OSError as exc:
         log.warning("the launcher did not take its answer: %s", exc)
 
