@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Predict, before submitting, the per-rank "
         "split, step time, samples/s and efficiency (nothing is "
         "launched).",
-        _plan_help(),
+        PLAN_HELP,
     )
     plan_parser.add_argument(
         "--when",
@@ -176,12 +176,13 @@ def run_help() -> str:
     return "\n".join(lines)
 
 
-def _plan_help() -> str:
-    from hetseq_hpc.plan import command as plan_command
-
-    doc = plan_command.__doc__ or ""
-    start = doc.find("Planner options")
-    return doc[start : doc.find("Cost model")].strip() if start >= 0 else ""
+#: the plan command's epilog: its options live in the ``plan`` config group (importing the
+#: planner for a help text, numpy and the cost model, cost every command ~0.3 CPU-s)
+PLAN_HELP = (
+    "Planner options are the plan config group, plan.KEY=VALUE (plan.probe, plan.link_gbps,\n"
+    "plan.mfu, plan.when, ...): hetseq_hpc/config/plan.py lists them with their defaults,\n"
+    "docs/design/planner.md explains each and the cost model."
+)
 
 
 #: words people type for a command, and the command they mean (for "did you mean")

@@ -20,7 +20,12 @@ from typing import Optional
 from hetseq_hpc.errors import CheckpointError, HetseqError
 from hetseq_hpc.rundir.history import current_run_id
 from hetseq_hpc.rundir.paths import RunDir
-from hetseq_hpc.train.checkpoint.files import checkpoints_in, step_of, stored_state
+from hetseq_hpc.train.checkpoint.files import (
+    checkpoints_in,
+    step_of,
+    stored_entry,
+    verify_checksum,
+)
 from hetseq_hpc.train.metrics import read_metrics
 
 
@@ -101,6 +106,26 @@ def describe_finished(run_dir: RunDir, checkpoint: Path, step: int, max_steps: i
     return FinishedRun(run_dir, Path(checkpoint), step, max_steps, loss, summary)
 
 
+def _verified_run_id(path: Path) -> str:
+    """:func:`~hetseq_hpc.train.checkpoint.manager.verified_run_id` as a command line needs
+    it, without importing torch (~3 CPU-s per command) for a one-file checkpoint: its SHA-256
+    against its sidecar, then its plain ``run_id`` entry
+    (:func:`~hetseq_hpc.train.checkpoint.files.stored_entry`). A sharded checkpoint (its shard
+    files to check too) goes through the manager's, with torch. The ranks load and judge the
+    checkpoint they resume again, in full.
+
+    Raises:
+        CheckpointError: the checkpoint does not verify or cannot be read.
+    """
+    verify_checksum(path)
+    if stored_entry(path, "shards") is not None:
+        from hetseq_hpc.train.checkpoint.manager import verified_run_id  # torch: its shards
+
+        return verified_run_id(path)
+    recorded = stored_entry(path, "run_id")
+    return recorded if isinstance(recorded, str) else ""
+
+
 def _newest_resumable(run_dir: RunDir, at_least: int) -> Optional[Path]:
     """The newest checkpoint of ``run_dir``'s current run (``run.json``) that verifies, as the
     ranks choose it under ``trainer.resume=auto``
@@ -111,10 +136,8 @@ def _newest_resumable(run_dir: RunDir, at_least: int) -> Optional[Path]:
     for path in reversed(checkpoints_in(run_dir.checkpoints)):
         if step_of(path) < at_least:
             return None  # the ranks resume this one, or an older one
-        from hetseq_hpc.train.checkpoint.manager import verified_run_id  # torch: found one
-
         try:
-            owner = verified_run_id(path)
+            owner = _verified_run_id(path)
         except (CheckpointError, OSError):
             continue  # the ranks skip it too
         if current and owner and owner != current:
@@ -140,12 +163,10 @@ def finished_run(resume: str, max_steps: int, run_dir: RunDir) -> Optional[Finis
     if resume == "auto":
         path = _newest_resumable(run_dir, max_steps)
         return None if path is None else describe_finished(run_dir, path, step_of(path), max_steps)
-    from hetseq_hpc.train.checkpoint.manager import verified_run_id  # torch: a path to check
-
     path = Path(resume).expanduser()
     try:
-        verified_run_id(path)
-        step = stored_state(path).get("step")
+        _verified_run_id(path)
+        step = stored_entry(path, "step")
     except (CheckpointError, OSError):
         return None
     if not isinstance(step, int) or step < max_steps:
