@@ -65,6 +65,8 @@ log = logging.getLogger(__name__)
 #: variables of one rank's own, left out of the rank template's environment (each forked rank
 #: gets its full environment when it is forked)
 RANK_ONLY_ENV = ("RANK", "LOCAL_RANK")
+#: the module every local rank runs (``python -m``), unless ``cluster.command`` names another
+WORKER_MODULE = "hetseq_hpc.worker"
 
 #: seconds between polls of the worker processes
 POLL_S = 0.2
@@ -400,13 +402,18 @@ def _stop_on_signals() -> Iterator[None]:
 
 
 def template_words(run: RunConfig, run_dir: Path) -> List[str]:
-    """The rank template's words after ``--status-fd``: ``--run-dir RUN_DIR`` (shown in ``ps``)
-    and, for a task whose config names ``rank_imports`` (``task=hf``: transformers), ``--preload
-    MOD,...``: the template imports them once instead of every rank."""
+    """The rank template's words after ``--status-fd``: ``--run-dir RUN_DIR`` (shown in ``ps``);
+    for a task whose config names ``rank_imports`` (``task=hf``: transformers), ``--preload
+    MOD,...``; and, unless the ranks run the user's ``cluster.command``, ``--imports-of``
+    :data:`WORKER_MODULE` (its own imports: hetseq_hpc's modules, omegaconf, ~0.5 CPU-s a
+    rank). The template imports them once, with the run's environment in place, instead of
+    every rank."""
     words = ["--run-dir", str(run_dir)]
     imports = getattr(run.task, "rank_imports", ())
     if imports:
         words += ["--preload", ",".join(imports)]
+    if not run.cluster.command:
+        words += ["--imports-of", WORKER_MODULE]
     return words
 
 
@@ -597,7 +604,7 @@ def _launch(
     cmd = [
         sys.executable,
         "-m",
-        "hetseq_hpc.worker",
+        WORKER_MODULE,
         "--config",
         str(config_path),
         "--run-dir",

@@ -7,8 +7,10 @@ why forking is safe here, when the launcher execs instead, and what a forked ran
 
 from __future__ import annotations
 
+import ast
 import gc
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -22,14 +24,16 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 log = logging.getLogger(__name__)
 
-#: modules the template imports before it forks: torch and what every rank imports next
-#: (``torch.distributed`` for the rendezvous, ``torch._dynamo`` from ``torch.optim``); numpy
-#: comes with torch. Nothing of hetseq_hpc: its modules read the rank's environment. A run
-#: adds its task's ``rank_imports`` with ``--preload`` (:func:`preload`)
+#: modules every template imports before it forks (the template server too): torch and what
+#: every rank imports next (``torch.distributed`` for the rendezvous, ``torch._dynamo`` from
+#: ``torch.optim``); numpy comes with torch. A run's template adds, with its environment in
+#: place, its task's ``rank_imports`` (``--preload``) and the worker's own imports
+#: (``--imports-of``: hetseq_hpc's modules; :func:`preload_words`)
 PRELOAD: Tuple[str, ...] = ("torch", "torch.distributed", "torch._dynamo")
 
 #: ``prctl`` options (linux/prctl.h): a signal when the parent dies; the thread's name
@@ -572,23 +576,56 @@ def preload(extra: Sequence[str] = ()) -> None:
             pass
 
 
-def preload_words(argv: Sequence[str]) -> List[str]:
-    """The modules named by ``--preload MOD,...`` in a template's words (none without it)."""
-    if "--preload" not in argv:
+def module_imports(module: str) -> List[str]:
+    """The absolute imports at the top level of ``module``'s source (``import X`` and ``from X
+    import ...``: X, in order, once; not those inside functions or ``if`` blocks), read
+    without running it; ``[]`` when its source cannot be found or parsed."""
+    try:
+        spec = importlib.util.find_spec(module)
+        origin = spec.origin if spec is not None else None
+        tree = ast.parse(Path(origin).read_text(encoding="utf-8")) if origin else None
+    except (ImportError, OSError, SyntaxError, ValueError):
         return []
-    return [m for m in argv[list(argv).index("--preload") + 1].split(",") if m]
+    names: List[str] = []
+    for node in tree.body if tree is not None else ():
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+    return [n for n in dict.fromkeys(names) if n != "__future__"]
+
+
+def preload_words(argv: Sequence[str]) -> List[str]:
+    """The modules a template's words ask it to import before it forks: those named by
+    ``--preload MOD,...``, then those ``--imports-of MODULE`` imports at its top
+    (:func:`module_imports`: the rank's own module, whose imports then cost each rank
+    nothing); none without them."""
+    words = list(argv)
+    names: List[str] = []
+    if "--preload" in words and words.index("--preload") + 1 < len(words):
+        names += [m for m in words[words.index("--preload") + 1].split(",") if m]
+    if "--imports-of" in words and words.index("--imports-of") + 1 < len(words):
+        names += module_imports(words[words.index("--imports-of") + 1])
+    return names
 
 
 def run_template(status_fd: int, extra: Sequence[str], launcher_fd: Optional[int] = None) -> None:
     """A template's life once started (exec'd by :class:`RankTemplate`, or forked by the
     template server): import :data:`PRELOAD` and ``extra`` (already imported ones cost
     nothing), freeze the heap, serve fork requests (:func:`_serve`) and, in a forked child,
-    become the rank. Call with the garbage collector disabled."""
+    become the rank. Call with the garbage collector disabled.
+
+    The template itself ends with ``os._exit(0)`` once its ranks have: it ran no code but this
+    module's (no thread, no atexit handler of its own), and the interpreter's teardown of
+    torch's modules cost ~0.2 CPU-s and ~0.5 s of every run's end."""
     preload(extra)
     gc.freeze()
     request = _serve(status_fd, launcher_fd)
     if request is None:
-        return
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     _become_rank(request, status_fd)
 
 

@@ -55,12 +55,47 @@ def test_an_unknown_rank_start_names_the_value_and_the_choices():
 
 def test_the_template_imports_what_the_tasks_ranks_import(monkeypatch, tmp_path):
     """A task config's ``rank_imports`` (task=hf: transformers) go to the template as
-    ``--preload``: imported once there instead of in every rank; other tasks name none."""
+    ``--preload``, the worker's own imports as ``--imports-of``: imported once there instead
+    of in every rank; other tasks name none, and a user's ``cluster.command`` gets neither."""
     from hetseq_hpc.config.hf_tasks import HfTaskConfig
 
     run = compose_run_config(["task=bert"])
-    assert local.template_words(run, tmp_path) == ["--run-dir", str(tmp_path)]
+    worker = ["--imports-of", local.WORKER_MODULE]
+    assert local.template_words(run, tmp_path) == ["--run-dir", str(tmp_path), *worker]
     assert "transformers" in HfTaskConfig.rank_imports
     monkeypatch.setattr(type(run.task), "rank_imports", ("json", "wave"), raising=False)
     words = local.template_words(run, tmp_path)
-    assert words == ["--run-dir", str(tmp_path), "--preload", "json,wave"]
+    assert words == ["--run-dir", str(tmp_path), "--preload", "json,wave", *worker]
+    command = compose_run_config(["task=bert", "cluster.command=[python,train.py]"])
+    assert "--imports-of" not in local.template_words(command, tmp_path)
+
+
+def test_a_template_reads_a_modules_top_level_imports_without_running_it(tmp_path, monkeypatch):
+    """``--imports-of MODULE``: the ``import``/``from ... import`` statements at the top of its
+    source, once each, in order; not those in functions, ``if`` blocks or relative ones; a
+    module that cannot be found or parsed names none (the rank imports as it would)."""
+    from hetseq_hpc.launch.template import module_imports, preload_words
+
+    (tmp_path / "ranky.py").write_text(
+        "from __future__ import annotations\n"
+        "import json, wave\n"
+        "from typing import TYPE_CHECKING\n"
+        "from json import dumps\n"
+        "if TYPE_CHECKING:\n    import fractions\n"
+        "def f():\n    import decimal\n"
+    )
+    (tmp_path / "broken.py").write_text("import json\ndef (\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert module_imports("ranky") == ["json", "wave", "typing"]
+    assert module_imports("broken") == []
+    assert module_imports("no_such_module_here") == []
+    assert preload_words(["--run-dir", "x", "--preload", "a,b", "--imports-of", "ranky"]) == [
+        "a",
+        "b",
+        "json",
+        "wave",
+        "typing",
+    ]
+    assert preload_words(["--run-dir", "x", "--imports-of"]) == []
+    worker = module_imports(local.WORKER_MODULE)
+    assert "torch" in worker and "hetseq_hpc.config" in worker
