@@ -60,6 +60,29 @@ def test_a_live_heartbeat_is_waited_for_past_the_timeout(tmp_path):
     assert clock.now - 1000.0 >= 100
 
 
+def test_a_quick_rank_0_is_seen_within_a_fraction_of_a_poll(tmp_path):
+    """Rank 0 done after 0.1 s (a prepared cache): the others see its marker after 0.125 s,
+    not a whole 0.5 s poll; the ramp of looks adds up to one poll, then whole polls."""
+    (tmp_path / "logs").mkdir()
+    marker = RunDir(tmp_path).prepared_marker("t")
+    clock = FakeClock()
+
+    def sleep(seconds: float) -> None:
+        clock.sleep(seconds)
+        if clock.now - 1000.0 >= 0.1:
+            marker.write_text(json.dumps({"ok": True}))
+
+    prepare_wait.wait_for_rank0(RunDir(tmp_path), "t", 10, poll_s=0.5, clock=clock, sleep=sleep)
+    assert clock.slept == [0.0625, 0.0625]
+    marker.unlink()
+    slow = FakeClock()
+    with pytest.raises(DataError):  # no heartbeat at all: the looks after the ramp are whole
+        prepare_wait.wait_for_rank0(
+            RunDir(tmp_path), "t", 2, poll_s=0.5, clock=slow, sleep=slow.sleep
+        )
+    assert slow.slept[:6] == [0.0625, 0.0625, 0.125, 0.25, 0.5, 0.5]
+
+
 def test_the_heartbeat_thread_beats_until_the_block_ends(tmp_path):
     path = tmp_path / "logs" / "hb"
     seen, three = [], threading.Event()
