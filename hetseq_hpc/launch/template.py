@@ -600,13 +600,17 @@ def preload_words(argv: Sequence[str]) -> List[str]:
     ``--preload MOD,...``, then those ``--imports-of MODULE`` imports at its top
     (:func:`module_imports`: the rank's own module, whose imports then cost each rank
     nothing); none without them."""
-    words = list(argv)
-    names: List[str] = []
-    if "--preload" in words and words.index("--preload") + 1 < len(words):
-        names += [m for m in words[words.index("--preload") + 1].split(",") if m]
-    if "--imports-of" in words and words.index("--imports-of") + 1 < len(words):
-        names += module_imports(words[words.index("--imports-of") + 1])
-    return names
+    named, imports_of = word_after(argv, "--preload"), word_after(argv, "--imports-of")
+    names = [m for m in (named or "").split(",") if m]
+    return names + (module_imports(imports_of) if imports_of else [])
+
+
+def word_after(words: Sequence[str], flag: str) -> Optional[str]:
+    """The word after ``flag`` in ``words`` (its first occurrence), None when ``flag`` is
+    absent or last."""
+    words = list(words)
+    at = words.index(flag) + 1 if flag in words else len(words)
+    return words[at] if at < len(words) else None
 
 
 def run_template(status_fd: int, extra: Sequence[str], launcher_fd: Optional[int] = None) -> None:

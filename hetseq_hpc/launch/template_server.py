@@ -28,6 +28,7 @@ from hetseq_hpc.launch.template import (
     preload,
     preload_words,
     run_template,
+    word_after,
 )
 
 log = logging.getLogger(__name__)
@@ -328,13 +329,12 @@ def _send(conn: socket.socket, text: str, fds: Sequence[int] = ()) -> None:
 def main() -> None:
     """``python -m hetseq_hpc.launch.template_server --socket PATH [--preload MOD,...]``:
     import torch (and the ``--preload`` modules) once, print ``ready PID``, then serve."""
-    words = sys.argv[1:]
-    if "--socket" not in words or words.index("--socket") + 1 >= len(words):
+    path = word_after(sys.argv[1:], "--socket")
+    if path is None:
         raise SystemExit(
             "template_server: error: --socket PATH is missing; e.g. "
             "python -m hetseq_hpc.launch.template_server --socket /tmp/hetseq-templates.sock"
         )
-    path = words[words.index("--socket") + 1]
     listener = listen(path)  # before the imports: a wrong path costs no torch import
     prctl = libc_prctl()
     if prctl is not None:

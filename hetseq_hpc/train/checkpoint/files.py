@@ -201,12 +201,12 @@ def stored_entry(path: Path, key: str) -> Any:
 
 def stored_run_id(path: Path) -> str:
     """The ``run_id`` a checkpoint was written by, ``""`` for one written before run ids
-    existed (:func:`stored_state`).
+    existed (:func:`stored_entry`: without torch where the file allows).
 
     Raises:
         CheckpointError: the file cannot be read as a checkpoint.
     """
-    value = stored_state(path).get("run_id")
+    value = stored_entry(path, "run_id")
     return value if isinstance(value, str) else ""
 
 

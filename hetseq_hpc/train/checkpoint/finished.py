@@ -24,6 +24,7 @@ from hetseq_hpc.train.checkpoint.files import (
     checkpoints_in,
     step_of,
     stored_entry,
+    stored_run_id,
     verify_checksum,
 )
 from hetseq_hpc.train.metrics import read_metrics
@@ -110,7 +111,7 @@ def _verified_run_id(path: Path) -> str:
     """:func:`~hetseq_hpc.train.checkpoint.manager.verified_run_id` as a command line needs
     it, without importing torch (~3 CPU-s per command) for a one-file checkpoint: its SHA-256
     against its sidecar, then its plain ``run_id`` entry
-    (:func:`~hetseq_hpc.train.checkpoint.files.stored_entry`). A sharded checkpoint (its shard
+    (:func:`~hetseq_hpc.train.checkpoint.files.stored_run_id`). A sharded checkpoint (its shard
     files to check too) goes through the manager's, with torch. The ranks load and judge the
     checkpoint they resume again, in full.
 
@@ -122,8 +123,7 @@ def _verified_run_id(path: Path) -> str:
         from hetseq_hpc.train.checkpoint.manager import verified_run_id  # torch: its shards
 
         return verified_run_id(path)
-    recorded = stored_entry(path, "run_id")
-    return recorded if isinstance(recorded, str) else ""
+    return stored_run_id(path)
 
 
 def _newest_resumable(run_dir: RunDir, at_least: int) -> Optional[Path]:
