@@ -75,13 +75,14 @@ class TinyClassifier(L.LightningModule):
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Train :class:`TinyClassifier` on this machine's CPUs (or under srun / hetseq-hpc run)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--accelerator", default="cpu", help="cpu, or gpu (CUDA)")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--global-batch-size", type=int, default=32)
     parser.add_argument("--max-steps", type=int, default=20)
     args = parser.parse_args(argv)
     L.seed_everything(0)
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=args.devices,
         strategy=HetSeqStrategy(global_batch_size=args.global_batch_size),  # the one line
         max_steps=args.max_steps,

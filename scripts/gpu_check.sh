@@ -24,14 +24,18 @@
 #      difference against the 1-rank run; three small runs, ~1-2 min; MIXED=0 skips it;
 #   6. the other tests that need CUDA (tests/gpu: pynvml probe, exact accumulation and FSDP =
 #      DDP in fp32 on the GPU, bf16/fp16 against fp32, host syncs).
+#   7. an ordinary LightningModule with HetSeqStrategy on the GPU (examples/lightning_mlp.py
+#      --accelerator gpu --devices 1): Lightning's own loop at the engine's exact batch.
 # STEPS (default 30) sets the small runs' steps; a dry run on a CPU: STEPS=3 BERT_STEPS=2.
+# BUDGET (seconds, default none) caps the whole script: the pytest steps get what is left
+# (less 30 s for the summary), so the JSON and logs come back inside the device call's limit.
 # The GPU machine has PyTorch but not every dependency of hetseq_hpc (hydra-core, omegaconf,
 # antlr4-python3-runtime, submitit, django ...), and cannot download: build them HERE first,
 # for the machine's Python (3.12), into .whl/ (ignored by git, carried with carry=[".whl"]):
 #   echo /.whl/ >> .git/info/exclude
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux2014_x86_64 -d .whl hydra-core==1.3.2 omegaconf==2.3.0 \
-#     submitit==1.5.4 django sacrebleu portalocker
+#     submitit==1.5.4 django asgiref sqlparse   # (sacrebleu, portalocker: there already)
 #   pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3   # an sdist: build it here
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +45,10 @@ mkdir -p "$FINAL"
 STEPS=${STEPS:-30}
 BERT_STEPS=${BERT_STEPS:-40}
 MIXED=${MIXED:-1}
+BUDGET=${BUDGET:-0}
+left() {  # seconds the next step may take: what BUDGET leaves (30 s kept for the summary)
+  if [ "$BUDGET" -gt 0 ]; then echo $(( BUDGET - SECONDS - 30 > 10 ? BUDGET - SECONDS - 30 : 10 )); else echo 300; fi
+}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 HETSEQ_CACHE=${HETSEQ_CACHE:-/tmp/hetseq-cache}
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -83,7 +91,7 @@ cp /tmp/gpu-check-runs/bert_base_eager/summary.json "$OUT/summary_bert_base_eage
 # a GPU rank and a CPU rank over gloo against one GPU rank: the test (exact in fp32), then auto
 MIXED_TMP=/tmp/gpu-check-runs/mixed_test
 if [ "$MIXED" != 0 ]; then
-  step mixed_test timeout 300 "$PY" -m pytest tests/gpu/test_mixed_devices_cuda.py -q -rA \
+  step mixed_test timeout "$(left)" "$PY" -m pytest tests/gpu/test_mixed_devices_cuda.py -q -rA \
     -p no:cacheprovider --basetemp=$MIXED_TMP
   # the test's job (its EXACT settings) with each rank's own precision: bf16 GPU, fp32 CPU
   step mixed_auto "$PY" -m hetseq_hpc $SMALL task.model.dropout=0.0 trainer.seed=7 \
@@ -97,8 +105,11 @@ if [ "$MIXED" != 0 ]; then
     done
   done
 fi
-step tests_cuda timeout 300 "$PY" -m pytest tests/gpu -q -rA -p no:cacheprovider \
-  --ignore tests/gpu/test_mixed_devices_cuda.py
+step lightning_gpu timeout "$(left)" "$PY" examples/lightning_mlp.py --accelerator gpu \
+  --devices 1 --global-batch-size 32 --max-steps 20
+# the host-sync test first: the others ran on earlier machines (docs/benchmarks.md)
+step tests_cuda timeout "$(left)" "$PY" -m pytest -q -rA -p no:cacheprovider \
+  tests/gpu/test_step_syncs_cuda.py tests/gpu/test_cuda_runs.py
 
 rcs=""
 for k in "${!RC[@]}"; do rcs="$rcs\"$k\": ${RC[$k]}, "; done

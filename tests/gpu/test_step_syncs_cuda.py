@@ -11,6 +11,7 @@ import torch
 from hetseq_hpc.balance.allocation import allocate
 from hetseq_hpc.config.compose import compose_run_config
 from hetseq_hpc.distributed.rendezvous import single_process_rendezvous
+from hetseq_hpc.rundir.paths import RunDir
 from hetseq_hpc.tasks import build_task
 from hetseq_hpc.train.records import RankMeta
 from hetseq_hpc.train.trainer import Trainer
@@ -44,7 +45,7 @@ def test_a_steady_state_step_passes_cuda_sync_debug_mode_error_needs_cuda(
     with single_process_rendezvous(device) as rdv:  # NCCL, as a GPU rank's group
         trainer = Trainer(
             run,
-            tmp_path,
+            RunDir(tmp_path),
             rdv,
             task,
             task.build_model().to(device),
@@ -62,4 +63,5 @@ def test_a_steady_state_step_passes_cuda_sync_debug_mode_error_needs_cuda(
         finally:
             torch.cuda.set_sync_debug_mode(0)
         trainer.settle_pending()
+        trainer.batches.close()
     assert trainer.step == 5  # three steps ran without a synchronising call
