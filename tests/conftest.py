@@ -14,6 +14,7 @@ Tiers: bare ``pytest`` runs ``unit/`` only (minutes, between edits); ``--integra
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -54,6 +55,21 @@ def _named_on_command_line(config, folder: str) -> bool:
         if path.exists() and _tier(path) == folder:
             return True
     return False
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection(session):
+    """Let pytest keep its assertion-rewritten test modules (``__pycache__/*-pytest-*.pyc``)
+    where ``PYTHONDONTWRITEBYTECODE=1`` (our 2-core VMs): pytest reads that cache in any case
+    but writes it only when bytecode may be written, so every pytest process (each xdist
+    worker, each tier) rewrote all ~100 test modules again, ~6 CPU-s a process. Only during
+    collection; the tests' own subprocesses keep the variable."""
+    before = sys.dont_write_bytecode
+    sys.dont_write_bytecode = False
+    try:
+        yield
+    finally:
+        sys.dont_write_bytecode = before
 
 
 def pytest_ignore_collect(collection_path, config):
