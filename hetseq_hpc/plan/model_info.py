@@ -183,7 +183,7 @@ def measure_task_model(
 
     info = ModelInfo(
         param_count=count,
-        flops_per_sample=task_flops_per_sample(task, model),
+        flops_per_sample=task_flops_per_sample(task, model, on_meta=True),  # shapes suffice
         vocab_size=planning.vocab_size,
         vocab_from=vocab_source(task_cfg, planning.vocab_size),
         notes=list(planning.notes),

@@ -125,10 +125,55 @@ def test_custom_task_is_built_with_its_config_and_seed(user_task_dir):
     assert task.flops_per_sample(model) is None
     assert task_flops_per_sample(task, model) == 176.0
     assert all(p.grad is None for p in model.parameters())
+    # the planner's count on meta tensors: the same operators, so the same FLOPs, and the
+    # model's own weights are neither moved nor given gradients
+    weights = [p.detach().clone() for p in model.parameters()]
+    assert task_flops_per_sample(task, model, on_meta=True) == 176.0
+    assert all(p.device.type == "cpu" and p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
     metrics = task.finalize_metrics(
         task.evaluate_batch(model, task.make_batch([0, 1], 0, "val"), [0, 1])
     )
     assert set(metrics) == {"val_loss", "val_ppl"}  # the default metrics
+
+
+def test_a_model_that_reads_values_is_counted_on_its_own_device_not_meta():
+    """``.item()`` (or ``nonzero``, a branch on a tensor) cannot run on meta tensors: the
+    planner's meta count falls back to the real pass and gives its FLOPs; a broken loss is
+    still named by the real pass."""
+
+    class ReadsValues(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 1)
+
+        def forward(self, x):
+            scale = float(x.abs().max().item())  # a value: fails on meta
+            return (self.lin(x) * scale).sum()
+
+    class Reader(Toy):
+        def build_model(self):
+            return ReadsValues()
+
+    class Logits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 3)
+
+        def forward(self, x):
+            return self.lin(x)  # the logits, not a 0-dim loss
+
+    class BadLoss(Toy):
+        def build_model(self):
+            return Logits()
+
+    reader = Reader(None, 0)
+    model = reader.build_model()
+    real = measure_flops_per_sample(reader, model)
+    assert real > 0 and measure_flops_per_sample(reader, model, on_meta=True) == real
+    bad = BadLoss(None, 0)
+    with pytest.raises(TaskContractError, match=r"0-dim floating tensor"):
+        measure_flops_per_sample(bad, bad.build_model(), on_meta=True)
 
 
 def test_example_task_and_formula_tasks(tmp_path):

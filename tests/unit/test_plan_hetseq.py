@@ -134,8 +134,11 @@ def test_hetseq_model_costs_what_its_code_does(model):
     from hetseq_hpc.plan.model_info import measure_model
     from hetseq_hpc.plan.perf_model import bert_accesses, bert_flops
 
+    # the plans' own measurement (time_batches too): measured once per process, not again
     theirs = measure_model(
-        compose_run_config(["cluster=hetseq_seed", *model]).task, need_activations=True
+        compose_run_config(["cluster=hetseq_seed", *model]).task,
+        need_activations=True,
+        time_batches=True,
     )
     assert theirs.flops_per_sample == pytest.approx(bert_flops("base", 128, 128), rel=0.01)
     assert theirs.accesses_per_sample > 1.5 * bert_accesses("base", 128)
@@ -280,7 +283,9 @@ def same_die_cross_check(model: list) -> dict:
         and r.model == "base"
     )
     theirs = measure_model(
-        compose_run_config(["cluster=hetseq_seed", *model]).task, need_activations=True
+        compose_run_config(["cluster=hetseq_seed", *model]).task,
+        need_activations=True,
+        time_batches=True,
     )
     hetseq_rate = 128 / PUBLISHED_STEP_S[1]  # samples/s per GPU: 128 per GPU per 2.60 s step
     predicted_rate = 128 / _predicted_step_s(1, model)
