@@ -15,7 +15,7 @@ import heapq
 import math
 import struct
 from dataclasses import asdict, dataclass, replace
-from typing import Iterable, List, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from hetseq_hpc.errors import AllocationError
 MIN_PER_SAMPLE_S = 1e-12
 #: bisection rounds of :func:`min_max_split` (enough to reach adjacent floats)
 _BISECTION_ROUNDS = 200
+#: up to this many ranks :func:`min_max_split` works per rank in Python, above it with numpy
+#: on every rank at once (the same split either way: tests/unit/test_allocation_scale.py)
+_FEW_RANKS = 16
 
 
 @dataclass(frozen=True)
@@ -140,8 +143,9 @@ class CostCurve:
         """The same micro-batch curve with another per-step cost."""
         return replace(self, step_fixed_s=max(float(step_fixed_s), 0.0))
 
-    def max_samples(self, budget_s: float, cap: int) -> int:
-        """Largest ``b >= 0`` with :meth:`step_s` ``(b, cap) <= budget_s``."""
+    def max_samples(self, budget_s: float, cap: int, limit: Optional[int] = None) -> int:
+        """Largest ``b >= 0`` with :meth:`step_s` ``(b, cap) <= budget_s``; with ``limit``, at
+        most ``limit`` (the guess is clipped first, as :class:`_Ranks` does for every rank)."""
         spare = budget_s - self.step_fixed_s
         if spare < 0:
             return 0
@@ -154,9 +158,9 @@ class CostCurve:
                 max(0, min(k * cap, int((spare - k * a) / c), _host_room(spare, k, a, h, g)))
                 for k in (k0, k0 + 1)
             )
-        guess = max(0, guess)
+        guess = max(0, guess) if limit is None else min(max(0, guess), limit)
         # settle on the exact boundary of step_s (the same float expression every caller uses)
-        while self.step_s(guess + 1, cap) <= budget_s:
+        while (limit is None or guess < limit) and self.step_s(guess + 1, cap) <= budget_s:
             guess += 1
         while guess > 0 and self.step_s(guess, cap) > budget_s:
             guess -= 1
@@ -401,6 +405,8 @@ def min_max_split(curves: Sequence[CostCurve], total: int, caps: Sequence[int]) 
             raise AllocationError(f"rank {rank} has a micro-batch cap of {cap}: it must be >= 1")
     if total == n:
         return [1] * n
+    if n <= _FEW_RANKS:
+        return _few_ranks_split(curves, total, caps)
     ranks = _Ranks(curves, caps)
     # bisect on the bits of the (non-negative) budget: adjacent floats in <= 64 rounds
     lo, lo_counts = 0, np.ones(n, np.int64)  # budget 0: no sample ends by then
@@ -419,6 +425,38 @@ def min_max_split(curves: Sequence[CostCurve], total: int, caps: Sequence[int]) 
             hi = mid
     counts = lo_counts.tolist()
     heap = list(zip(ranks.step_s(lo_counts + 1).tolist(), range(n)))
+    heapq.heapify(heap)
+    for _ in range(left):
+        _, best = heapq.heappop(heap)
+        counts[best] += 1
+        heapq.heappush(heap, (curves[best].step_s(counts[best] + 1, caps[best]), best))
+    return counts
+
+
+def _few_ranks_split(curves: Sequence[CostCurve], total: int, caps: Sequence[int]) -> List[int]:
+    """:func:`min_max_split` (checked arguments, ``total > n``) one rank at a time in Python:
+    the same bisection, budgets and heap, so the same split; :meth:`CostCurve.max_samples`
+    with ``limit`` and :meth:`CostCurve.step_s` are what :class:`_Ranks` computes for every
+    rank at once. At a few ranks numpy's cost per call (~0.2 ms a bisection round) was most of
+    a re-balancing decision's host time."""
+    n = len(curves)
+    pairs = list(zip(curves, caps))
+    lo, lo_counts = 0, [1] * n
+    hi = _budget_bits(max(curve.step_s(total, cap) for curve, cap in pairs))
+    left = total - n
+    for _ in range(_BISECTION_ROUNDS):
+        if hi - lo <= 1 or left <= n:
+            break
+        mid = lo + (hi - lo) // 2
+        budget = _bits_budget(mid)
+        counts = [max(curve.max_samples(budget, cap, total), 1) for curve, cap in pairs]
+        got = sum(counts)
+        if got < total:
+            lo, lo_counts, left = mid, counts, total - got
+        else:
+            hi = mid
+    counts = list(lo_counts)
+    heap = [(curve.step_s(b + 1, cap), i) for i, ((curve, cap), b) in enumerate(zip(pairs, counts))]
     heapq.heapify(heap)
     for _ in range(left):
         _, best = heapq.heappop(heap)

@@ -97,6 +97,19 @@ def test_the_split_is_the_former_one_on_random_worlds():
         assert min_max_split(curves, total, caps) == former_min_max_split(curves, total, caps)
 
 
+def test_a_few_ranks_in_python_split_as_numpy_does(monkeypatch):
+    """Up to ``_FEW_RANKS`` ranks the split is found per rank in Python (numpy's cost per call
+    dominated a re-balancing decision at 2 ranks): the same split as the numpy path on random
+    worlds of 2-16 ranks, including caps of one sample and of 2^20."""
+    from hetseq_hpc.balance import curves as curves_module
+
+    rng = random.Random(16)
+    worlds = [random_world(rng, rng.randint(2, 16)) for _ in range(300)]
+    few = [min_max_split(*world) for world in worlds]
+    monkeypatch.setattr(curves_module, "_FEW_RANKS", 0)  # every world through numpy
+    assert few == [min_max_split(*world) for world in worlds]
+
+
 @pytest.mark.parametrize("kind", ["identical", "mixed"])
 def test_the_split_is_the_former_one_at_1024_ranks(kind):
     rng = random.Random(1024)
