@@ -55,11 +55,12 @@ def job_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def one_thread():
-    """Tiny models run on one intra-op thread (two threads spin in OpenMP on a shared, busy CPU
-    and make each step ~100x slower); a module uses it with
-    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    """Every unit test runs its tiny models on one intra-op thread: two threads spin in OpenMP
+    on a shared, busy CPU (``pytest -n 2`` on 2 cores: 4 threads) and made a step up to ~100x
+    slower (``test_step_syncs``' 4-micro-batch cases: 1.3 s alone, 21 s beside the other
+    worker). A test that sets the count itself is left to it; the count is restored after."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
