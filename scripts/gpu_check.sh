@@ -91,7 +91,7 @@ cp /tmp/gpu-check-runs/bert_base_eager/summary.json "$OUT/summary_bert_base_eage
 # a GPU rank and a CPU rank over gloo against one GPU rank: the test (exact in fp32), then auto
 MIXED_TMP=/tmp/gpu-check-runs/mixed_test
 if [ "$MIXED" != 0 ]; then
-  step mixed_test timeout "$(left)" "$PY" -m pytest tests/gpu/test_mixed_devices_cuda.py -q -rA \
+  step mixed_test timeout "$(left)" "$PY" -m pytest -n 0 tests/gpu/test_mixed_devices_cuda.py -q -rA \
     -p no:cacheprovider --basetemp=$MIXED_TMP
   # the test's job (its EXACT settings) with each rank's own precision: bf16 GPU, fp32 CPU
   step mixed_auto "$PY" -m hetseq_hpc $SMALL task.model.dropout=0.0 trainer.seed=7 \
@@ -108,7 +108,7 @@ fi
 step lightning_gpu timeout "$(left)" "$PY" examples/lightning_mlp.py --accelerator gpu \
   --devices 1 --global-batch-size 32 --max-steps 20
 # the host-sync test first: the others ran on earlier machines (docs/benchmarks.md)
-step tests_cuda timeout "$(left)" "$PY" -m pytest -q -rA -p no:cacheprovider \
+step tests_cuda timeout "$(left)" "$PY" -m pytest -n 0 -q -rA -p no:cacheprovider \
   tests/gpu/test_step_syncs_cuda.py tests/gpu/test_cuda_runs.py
 
 rcs=""

@@ -139,11 +139,11 @@ fi
 workers=${HETSEQ_TEST_WORKERS:-3}
 rc=0
 if [ "$workers" != 0 ] && [ $# = 0 ] && [ "${HETSEQ_TESTCLUSTER:-}" = 1 ]; then
-  "$VENV/bin/python" -m pytest tests/slurm --basetemp "$side/slurm-tmp" ${extra[@]+"${extra[@]}"} \
-    > "$side/slurm.log" 2>&1 &
+  "$VENV/bin/python" -m pytest tests/slurm -n 0 --basetemp "$side/slurm-tmp" \
+    ${extra[@]+"${extra[@]}"} > "$side/slurm.log" 2>&1 &
   slurm_pid=$!
-  "$VENV/bin/python" -m pytest --all --ignore=tests/slurm -n "$workers" --maxschedchunk 2 \
-    ${extra[@]+"${extra[@]}"} || rc=$?
+  "$VENV/bin/python" -m pytest --all --ignore=tests/slurm -n "$workers" --dist load \
+    --maxschedchunk 2 ${extra[@]+"${extra[@]}"} || rc=$?
   slurm_rc=0
   wait "$slurm_pid" || slurm_rc=$?
   echo "=================== the Slurm tier (tests/slurm, beside the above) ==================="
@@ -152,7 +152,9 @@ if [ "$workers" != 0 ] && [ $# = 0 ] && [ "${HETSEQ_TESTCLUSTER:-}" = 1 ]; then
   if [ "$rc" = 0 ]; then rc=$slurm_rc; fi
 else
   if [ "$workers" != 0 ]; then
-    extra+=(-n "$workers" --maxschedchunk 2)
+    extra+=(-n "$workers" --dist loadgroup --maxschedchunk 2)
+  else
+    extra+=(-n 0)   # one process (setup.cfg's -n auto otherwise)
   fi
   # --all: every tier (bare `pytest` runs only tests/unit; CONTRIBUTING.md)
   "$VENV/bin/python" -m pytest --all ${extra[@]+"${extra[@]}"} "$@" || rc=$?

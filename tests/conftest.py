@@ -111,6 +111,32 @@ def _order(item) -> tuple:
     return ({"slurm": 0, "integration": 1, "gpu": 2}.get(tier or "", 3), first)
 
 
+#: the tiers whose tests share one thing that is not per test (the one Slurm test cluster, the
+#: one GPU): under ``pytest -n`` they run one after the other on a single worker
+#: (``--dist loadgroup``, setup.cfg's default)
+SERIAL_TIERS = ("slurm", "gpu")
+#: at most this many xdist workers for ``-n auto`` (each imports torch and collects the suite)
+MAX_AUTO_WORKERS = 8
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (setup.cfg's default): the CPUs this process may use (its affinity and its
+    cgroup's CPU quota: a container limited to 2 CPUs on a 64-core host gets 2), at most
+    :data:`MAX_AUTO_WORKERS`; ``PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides, as in xdist."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    from hetseq_hpc.env.hardware import usable_cores
+
+    return max(1, min(usable_cores(), MAX_AUTO_WORKERS))
+
+
+def pytest_itemcollected(item):
+    """A test of a serial tier joins its tier's xdist group (before xdist names the groups)."""
+    tier = _tier(Path(str(item.path)))
+    if tier in SERIAL_TIERS:
+        item.add_marker(pytest.mark.xdist_group(tier))
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark each test with its tier (``-m "not slurm"`` works); in a ``pytest-xdist`` worker
     (``-n N``, as ``scripts/run-tests.sh`` runs) put the long multi-process tiers first, their
