@@ -423,14 +423,7 @@ def min_max_split(curves: Sequence[CostCurve], total: int, caps: Sequence[int]) 
             lo, lo_counts, left = mid, counts, total - got
         else:
             hi = mid
-    counts = lo_counts.tolist()
-    heap = list(zip(ranks.step_s(lo_counts + 1).tolist(), range(n)))
-    heapq.heapify(heap)
-    for _ in range(left):
-        _, best = heapq.heappop(heap)
-        counts[best] += 1
-        heapq.heappush(heap, (curves[best].step_s(counts[best] + 1, caps[best]), best))
-    return counts
+    return _hand_out(curves, caps, lo_counts.tolist(), ranks.step_s(lo_counts + 1).tolist(), left)
 
 
 def _few_ranks_split(curves: Sequence[CostCurve], total: int, caps: Sequence[int]) -> List[int]:
@@ -455,8 +448,21 @@ def _few_ranks_split(curves: Sequence[CostCurve], total: int, caps: Sequence[int
             lo, lo_counts, left = mid, counts, total - got
         else:
             hi = mid
-    counts = list(lo_counts)
-    heap = [(curve.step_s(b + 1, cap), i) for i, ((curve, cap), b) in enumerate(zip(pairs, counts))]
+    ends = [curve.step_s(b + 1, cap) for (curve, cap), b in zip(pairs, lo_counts)]
+    return _hand_out(curves, caps, list(lo_counts), ends, left)
+
+
+def _hand_out(
+    curves: Sequence[CostCurve],
+    caps: Sequence[int],
+    counts: List[int],
+    next_ends_s: List[float],
+    left: int,
+) -> List[int]:
+    """:func:`min_max_split`'s last ``left`` samples, one at a time, each to the rank whose
+    next sample ends earliest (``next_ends_s[i]``: rank ``i``'s step time at ``counts[i] + 1``
+    samples; ties to the lower rank). Returns ``counts``, raised in place."""
+    heap = list(zip(next_ends_s, range(len(counts))))
     heapq.heapify(heap)
     for _ in range(left):
         _, best = heapq.heappop(heap)
