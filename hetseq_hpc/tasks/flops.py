@@ -44,8 +44,12 @@ def _counted_pass(
     counter = FlopCounterMode(display=False)
     try:
         with counter:
-            out = functional_call(model, state, (), batch, strict=False) if on_meta else None
-            loss = check_loss(task, out if on_meta else model(**batch))
+            out = (
+                functional_call(model, state, (), batch, strict=False)
+                if on_meta
+                else model(**batch)
+            )
+            loss = check_loss(task, out)
             loss.backward()
     finally:
         model.zero_grad(set_to_none=True)
@@ -72,9 +76,8 @@ def measure_flops_per_sample(
     if on_meta:
         try:
             return _counted_pass(task, model, batch, on_meta=True) / n
-        except (
-            Exception
-        ) as exc:  # data-dependent: count the real pass (which names contract errors)
+        # data-dependent: count the real pass below (which names a contract error too)
+        except Exception as exc:
             log.debug("FLOPs not countable on meta tensors (%s): counted on the model", exc)
     device = next(model.parameters()).device
     batch = {k: v.to(device) for k, v in batch.items()}

@@ -111,7 +111,22 @@ def test_import_errors_name_the_path_and_what_was_found(user_task_dir):
         compose_run_config(["task=custom"])
 
 
-def test_custom_task_is_built_with_its_config_and_seed(user_task_dir):
+def passes_counted(monkeypatch) -> list:
+    """Record ``on_meta`` of every counted pass of :mod:`hetseq_hpc.tasks.flops` (the real
+    function still runs): which path gave the count."""
+    from hetseq_hpc.tasks import flops
+
+    seen, real = [], flops._counted_pass
+
+    def spy(task, model, batch, on_meta):
+        seen.append(on_meta)
+        return real(task, model, batch, on_meta)
+
+    monkeypatch.setattr(flops, "_counted_pass", spy)
+    return seen
+
+
+def test_custom_task_is_built_with_its_config_and_seed(user_task_dir, monkeypatch):
     run = custom_run(user_task_dir, "+task.args.batchnorm=false", "trainer.seed=5")
     assert run.task.path == str(user_task_dir) and run.task.args == {"batchnorm": False}
     task = build_task(run.task, run.trainer.seed)
@@ -128,7 +143,9 @@ def test_custom_task_is_built_with_its_config_and_seed(user_task_dir):
     # the planner's count on meta tensors: the same operators, so the same FLOPs, and the
     # model's own weights are neither moved nor given gradients
     weights = [p.detach().clone() for p in model.parameters()]
+    passes = passes_counted(monkeypatch)
     assert task_flops_per_sample(task, model, on_meta=True) == 176.0
+    assert passes == [True]  # counted on meta alone
     assert all(p.device.type == "cpu" and p.grad is None for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
     metrics = task.finalize_metrics(
@@ -137,7 +154,7 @@ def test_custom_task_is_built_with_its_config_and_seed(user_task_dir):
     assert set(metrics) == {"val_loss", "val_ppl"}  # the default metrics
 
 
-def test_a_model_that_reads_values_is_counted_on_its_own_device_not_meta():
+def test_a_model_that_reads_values_is_counted_on_its_own_device_not_meta(monkeypatch):
     """``.item()`` (or ``nonzero``, a branch on a tensor) cannot run on meta tensors: the
     planner's meta count falls back to the real pass and gives its FLOPs; a broken loss is
     still named by the real pass."""
@@ -170,10 +187,13 @@ def test_a_model_that_reads_values_is_counted_on_its_own_device_not_meta():
     reader = Reader(None, 0)
     model = reader.build_model()
     real = measure_flops_per_sample(reader, model)
+    passes = passes_counted(monkeypatch)
     assert real > 0 and measure_flops_per_sample(reader, model, on_meta=True) == real
+    assert passes == [True, False]  # meta tried, then the real pass
     bad = BadLoss(None, 0)
     with pytest.raises(TaskContractError, match=r"0-dim floating tensor"):
         measure_flops_per_sample(bad, bad.build_model(), on_meta=True)
+    assert passes[2:] == [True, False]  # named by the real pass, not the meta one
 
 
 def test_example_task_and_formula_tasks(tmp_path):
