@@ -94,7 +94,9 @@ def register_configs() -> None:
     OmegaConf, ~0.06 CPU-s, which every composition paid).
 
     ``conf/config.yaml`` starts from ``run_schema``; ``conf/task/*.yaml`` and
-    ``conf/cluster/*.yaml`` start from ``<name>_schema`` in their group.
+    ``conf/cluster/*.yaml`` start from ``<name>_schema`` in their group. The other groups'
+    files merge into the nodes ``run_schema`` types (their schemas stay registered for a
+    user's own group file; docs/design/configuration.md).
     """
     from hydra.core.config_store import ConfigStore
 

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import re
+import shutil
 
 import pytest
+from omegaconf import OmegaConf
 
 import hetseq_hpc.config
 from hetseq_hpc.config import (
@@ -18,6 +20,15 @@ from hetseq_hpc.config import (
     load_run_config,
     save_run_config,
     to_run_config,
+)
+from hetseq_hpc.config.schema import (
+    BalanceConfig,
+    CommConfig,
+    OptimConfig,
+    PlanConfig,
+    PrecisionConfig,
+    ShardingConfig,
+    TrainerConfig,
 )
 from hetseq_hpc.errors import ConfigError
 
@@ -413,8 +424,6 @@ partitions:
 
 
 def test_partition_key_with_a_newline_is_rejected_through_hydra(tmp_path):
-    import shutil
-
     conf = tmp_path / "conf"
     shutil.copytree(hetseq_hpc.config.CONF_DIR, conf)
     (conf / "cluster" / "evil.yaml").write_text(EVIL_CLUSTER)
@@ -697,8 +706,6 @@ def test_a_whole_new_partition_from_the_command_line():
 
 
 def test_a_moved_key_in_a_yaml_file_names_its_new_place(tmp_path):
-    import shutil
-
     from hetseq_hpc.config import CONF_DIR
 
     conf = tmp_path / "conf"
@@ -787,3 +794,44 @@ def test_per_rank_memory_budgets_are_checked_in_one_line(overrides, names):
         assert name in message, f"{name!r} not in {message!r}"
     run = compose_run_config(["cluster.ranks=2", "cluster.memory_budgets_gb=[0.5,4]"])
     assert list(run.cluster.memory_budgets_gb) == [0.5, 4.0]
+
+
+#: groups whose every option has the one schema RunConfig already types them with
+SINGLE_SCHEMA_GROUPS = ("trainer", "optim", "balance", "comm", "precision", "sharding", "plan")
+
+
+def test_single_schema_groups_merge_into_run_schema_without_loading_it_again():
+    """conf/config.yaml starts from run_schema, which types these groups; a group file that
+    names its schema again loads and merges the same dataclass a second time (half of a
+    composition's CPU before issue 41). The composed node keeps its schema's type."""
+    named = [
+        f"{group}/{path.name}"
+        for group in SINGLE_SCHEMA_GROUPS
+        for path in sorted((hetseq_hpc.config.CONF_DIR / group).glob("*.yaml"))
+        if "_schema" in path.read_text()
+    ]
+    assert not named, f"these group files name their schema again: {named}"
+    cfg = compose_run(["optim=finetune", "precision=bf16", "sharding=fsdp"])
+    types = {group: OmegaConf.get_type(cfg, group) for group in SINGLE_SCHEMA_GROUPS}
+    assert types == {
+        "trainer": TrainerConfig,
+        "optim": OptimConfig,
+        "balance": BalanceConfig,
+        "comm": CommConfig,
+        "precision": PrecisionConfig,
+        "sharding": ShardingConfig,
+        "plan": PlanConfig,
+    }
+    with pytest.raises(ConfigError, match=r"sharding\.bogus is not a setting"):
+        compose_run(["sharding=fsdp", "sharding.bogus=1"])
+
+
+def test_a_users_group_file_that_names_its_schema_still_composes(tmp_path):
+    conf = tmp_path / "conf"
+    shutil.copytree(hetseq_hpc.config.CONF_DIR, conf)
+    (conf / "trainer" / "mine.yaml").write_text(
+        "defaults:\n  - trainer_schema\n  - _self_\nmax_steps: 7\n"
+    )
+    cfg = compose_run(["trainer=mine"], config_dir=conf)
+    assert cfg.trainer.max_steps == 7
+    assert OmegaConf.get_type(cfg, "trainer") is TrainerConfig
