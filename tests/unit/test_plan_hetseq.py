@@ -23,6 +23,10 @@ from hetseq_hpc.config.compose import compose_run_config
 from hetseq_hpc.config.schema import RunConfig
 from hetseq_hpc.plan.planner import make_plan
 
+#: one worker runs the module (bare pytest's --dist loadgroup): its tests share one measurement
+#: of HetSeq's BERT-base per process (~9 s), which a second worker would make again
+pytestmark = pytest.mark.xdist_group("plan_hetseq")
+
 REPO = Path(__file__).resolve().parents[2]
 PUBLISHED_STEP_S = {1: 2.60, 2: 2.69, 4: 2.794, 8: 3.126}
 #: hetseq_hpc's own BERT-base (masked-LM head on the masked tokens, fused LayerNorm)
