@@ -23,6 +23,7 @@ import traceback
 from pathlib import Path
 from typing import List, Optional
 
+from hetseq_hpc.env.process_end import end_process
 from hetseq_hpc.errors import HetseqError, RankFenced
 from hetseq_hpc.files.atomic import atomic_write_json
 
@@ -139,9 +140,11 @@ def exit_process(code: int) -> None:
     """End the worker process with ``code``. A failed or left-out rank, or one stopped after a
     lost rank (an error in :data:`FAILED`), skips the interpreter's teardown (logs flushed
     first, ``os._exit``): a rank that reported its failure but never exits would leave its
-    launcher waiting, and one that aborts in it would be reported lost."""
+    launcher waiting, and one that aborts in it would be reported lost. Any other rank ends
+    as a normal exit would, less the teardown of torch's modules
+    (:func:`hetseq_hpc.env.process_end.end_process`: threads joined, ``atexit`` handlers run)."""
     if not FAILED:
-        sys.exit(code)
+        end_process(code)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
