@@ -1,9 +1,11 @@
-"""Ending a process that imported torch without the interpreter's teardown of its modules
-(:func:`end_process`); docs/design/rank-template.md, "The end of a process"."""
+"""Ending a process without the interpreter's teardown of its modules: after what a normal exit
+shows (:func:`end_process`) or at once (:func:`exit_now`); docs/design/rank-template.md, "The
+end of a process"."""
 
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import sys
 import threading
@@ -24,8 +26,8 @@ def end_process(code: int) -> NoReturn:
     nothing depends on that teardown.
 
     Call it only at a process's end, never in a test's own process. Where CPython's
-    ``threading._shutdown`` or ``atexit._run_exitfuncs`` is missing (another interpreter), it
-    is ``sys.exit(code)``.
+    ``threading._shutdown`` or ``atexit._run_exitfuncs`` is missing (another interpreter), or
+    off the main thread, it is ``sys.exit(code)``.
 
     Raises:
         SystemExit: only in that fallback.
@@ -40,6 +42,16 @@ def end_process(code: int) -> NoReturn:
         sys.exit(code)
     shutdown()
     run_exitfuncs()
+    exit_now(code)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End this process with exit status ``code`` at once: the logs flushed and closed
+    (``logging.shutdown``), stdout and stderr flushed, then ``os._exit(code)``; no thread
+    joined, no ``atexit`` handler run. For a process whose objects can hang in their teardown
+    (a failed rank's broken world: :data:`hetseq_hpc.env.rank_guard.FAILED`) or that ran nothing
+    but its own code (the rank template)."""
+    logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -48,4 +60,4 @@ def end_process(code: int) -> NoReturn:
     os._exit(code)
 
 
-__all__ = ["end_process"]
+__all__ = ["end_process", "exit_now"]

@@ -23,7 +23,7 @@ import traceback
 from pathlib import Path
 from typing import List, Optional
 
-from hetseq_hpc.env.process_end import end_process
+from hetseq_hpc.env.process_end import end_process, exit_now
 from hetseq_hpc.errors import HetseqError, RankFenced
 from hetseq_hpc.files.atomic import atomic_write_json
 
@@ -145,10 +145,7 @@ def exit_process(code: int) -> None:
     (:func:`hetseq_hpc.env.process_end.end_process`: threads joined, ``atexit`` handlers run)."""
     if not FAILED:
         end_process(code)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(code)
 
 
 def exit_at_shutdown(error: BaseException, code: int) -> None:
@@ -162,10 +159,7 @@ def exit_at_shutdown(error: BaseException, code: int) -> None:
         return
 
     def end() -> None:
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_now(code)
 
     atexit.register(end)
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+from hetseq_hpc.env.process_end import exit_now
+
 log = logging.getLogger(__name__)
 
 #: modules every template imports before it forks (the template server too): torch and what
@@ -626,10 +628,7 @@ def run_template(status_fd: int, extra: Sequence[str], launcher_fd: Optional[int
     gc.freeze()
     request = _serve(status_fd, launcher_fd)
     if request is None:
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        exit_now(0)
     _become_rank(request, status_fd)
 
 
