@@ -136,6 +136,10 @@ def watch_launcher(env=None, grace_s: float = ORPHAN_GRACE_S) -> Optional[thread
 FAILED: List[BaseException] = []
 
 
+#: the script of a Slurm task's job process (``sys.argv[0]``): hetseq_hpc's and submitit's own
+SLURM_TASK_SCRIPTS = ("slurm_task.py", "_submit.py")
+
+
 def exit_process(code: int) -> None:
     """End the worker process with ``code``. A failed or left-out rank, or one stopped after a
     lost rank (an error in :data:`FAILED`), skips the interpreter's teardown (logs flushed
@@ -152,10 +156,11 @@ def exit_at_shutdown(error: BaseException, code: int) -> None:
     """For a rank whose entry point is not :func:`exit_process` (submitit's, under Slurm):
     keep ``error`` referenced (:data:`FAILED`) and end the process with ``code`` from an
     ``atexit`` hook, before the interpreter frees the training objects. Only in submitit's
-    job process (``python -m submitit.core._submit``): called in-process elsewhere (a test),
-    it keeps the error and leaves the process alone."""
+    job process (``python -m hetseq_hpc.launch.slurm_task``, or submitit's own
+    ``python -m submitit.core._submit`` of a job submitted before it): called in-process
+    elsewhere (a test), it keeps the error and leaves the process alone."""
     FAILED.append(error)
-    if os.path.basename(sys.argv[0] if sys.argv else "") != "_submit.py":
+    if os.path.basename(sys.argv[0] if sys.argv else "") not in SLURM_TASK_SCRIPTS:
         return
 
     def end() -> None:
@@ -169,6 +174,7 @@ __all__ = [
     "LAUNCHER_PID_ENV",
     "ORPHAN_GRACE_S",
     "PEER_MARKERS",
+    "SLURM_TASK_SCRIPTS",
     "exit_at_shutdown",
     "exit_process",
     "is_peer_error",

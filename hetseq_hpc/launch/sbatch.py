@@ -22,6 +22,9 @@ from hetseq_hpc.rundir.paths import RunDir
 
 #: the job function a dry run saves for a submission by hand (in submitit's folder)
 HAND_PICKLE = "hand_submitted.pkl"
+#: what each task of the step runs: submitit's job process, ended without the interpreter's
+#: teardown once the result is written (:mod:`hetseq_hpc.launch.slurm_task`)
+TASK_MODULE = "hetseq_hpc.launch.slurm_task"
 #: signal Slurm sends ``signal_delay_s`` before the time limit (submitit's default, USR2:
 #: NCCL may catch USR1)
 PREEMPT_SIGNAL = "USR2"
@@ -98,15 +101,16 @@ def srun_command(
     elastic: bool = False,
     spare_nodes: int = 0,
 ) -> str:
-    """The one step over every component; each task runs submitit's entry point. With
-    ``elastic`` (in-job recovery) the step survives a task's death: ``--kill-on-bad-exit=0``
+    """The one step over every component; each task runs submitit's job process
+    (:data:`TASK_MODULE`). With ``elastic`` (in-job recovery) the step survives a task's death:
+    ``--kill-on-bad-exit=0``
     (a task that exits non-zero does not end the step) and ``--no-kill`` (nor does a lost
     node), https://slurm.schedmd.com/srun.html. With ``spare_nodes`` each component's part of
     the step names its node and task counts (``srun ... : ...``, one part per component), so
     the spare nodes stay idle (Slurm places a step on the first nodes of the allocation)."""
     k = len(cluster.partitions)
     inner = (
-        'exec "$0" -u -m submitit.core._submit "$1" '
+        f'exec "$0" -u -m {TASK_MODULE} "$1" '
         '>>"$1/${SLURM_JOB_ID}_${SLURM_PROCID}_log.out" '
         '2>>"$1/${SLURM_JOB_ID}_${SLURM_PROCID}_log.err"'
     )
@@ -337,6 +341,7 @@ def save_hand_submission(folder: Path, function: Any) -> Path:
 __all__ = [
     "HAND_PICKLE",
     "PREEMPT_SIGNAL",
+    "TASK_MODULE",
     "component_options",
     "regrow_command",
     "render_sbatch",

@@ -34,6 +34,7 @@ from hetseq_hpc.distributed.admission import (
 )
 from hetseq_hpc.env.hostlist import expand_hostlist
 from hetseq_hpc.env.world import slurm_job_port
+from hetseq_hpc.launch.sbatch import TASK_MODULE
 from hetseq_hpc.rundir.paths import RunDir
 
 if TYPE_CHECKING:  # the store's client is imported (with torch) in main() only
@@ -194,7 +195,7 @@ def replacement_command(
     component's id): its result, error file and log (appended) are the rank's."""
     inner = (
         'export SLURM_PROCID="$2" SLURM_JOB_ID="$3"; '
-        'exec "$0" -u -m submitit.core._submit "$1" '
+        f'exec "$0" -u -m {TASK_MODULE} "$1" '
         '>>"$1/${SLURM_JOB_ID}_${SLURM_PROCID}_log.out" '
         '2>>"$1/${SLURM_JOB_ID}_${SLURM_PROCID}_log.err"'
     )

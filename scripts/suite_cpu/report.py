@@ -60,7 +60,7 @@ def kind(proc: Process) -> str:
         return "pytest-xdist worker (its own tests, collection)"
     if "hetseq_hpc.worker" in proc.words[:40]:
         return "rank, own interpreter"
-    if first.endswith("submitit/core/_submit.py"):
+    if first.endswith(("submitit/core/_submit.py", "hetseq_hpc/launch/slurm_task.py")):
         return "Slurm task (submitit)"
     if first.endswith("store_server.py"):
         return "job store server"

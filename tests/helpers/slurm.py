@@ -16,6 +16,7 @@ from typing import Dict, Iterator, Optional, Tuple
 import pytest
 
 from hetseq_hpc.config import CONF_DIR, register_configs, to_run_config
+from hetseq_hpc.launch.sbatch import TASK_MODULE
 from hetseq_hpc.launch.slurm import fold_states
 from tests.helpers.runs import REPO, SMALL_MODEL, hetseq, processes
 from tests.helpers.waits import wait_for
@@ -75,13 +76,13 @@ def _task_pid(marker: bytes, folder: Path, task: int) -> Optional[int]:
 
 
 def rank_pid(folder: Path, rank: int) -> int:
-    """pid of the job's task ``rank`` on this host: submitit's ``_submit`` process for
-    ``folder`` with ``SLURM_PROCID=rank``.
+    """pid of the job's task ``rank`` on this host: its submitit job process
+    (:data:`~hetseq_hpc.launch.sbatch.TASK_MODULE`) for ``folder`` with ``SLURM_PROCID=rank``.
 
     Raises:
         AssertionError: there is none.
     """
-    pid = _task_pid(b"submitit.core._submit", folder, rank)
+    pid = _task_pid(TASK_MODULE.encode(), folder, rank)
     if pid is None:
         raise AssertionError(f"no process of rank {rank} for {folder}")
     return pid

@@ -95,8 +95,13 @@ def test_job_class_and_paths_layout():
 
 
 def test_entry_point_and_result_helpers_exist():
-    """The sbatch step runs ``python -m submitit.core._submit FOLDER``; results are pickles."""
+    """The sbatch step runs ``python -m hetseq_hpc.launch.slurm_task FOLDER``, which does what
+    submitit's own ``python -m submitit.core._submit FOLDER`` does (``process_job(folder)``,
+    nothing else), then ends the process; results are pickles."""
     assert Path(inspect.getfile(submission)).with_name("_submit.py").is_file()
     assert _params(submission.process_job) == ["folder"]
+    body = inspect.getsource(submission.submitit_main).split('"""')[-1]
+    calls = [line.strip() for line in body.splitlines() if "(" in line]
+    assert calls[-1] == "process_job(args.folder)", calls
     assert _params(submitit_utils.pickle_load) == ["filename"]
     assert issubclass(submitit_utils.FailedJobError, RuntimeError)
