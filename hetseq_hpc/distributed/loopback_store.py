@@ -12,7 +12,6 @@ to, or the interface in ``GLOO_SOCKET_IFNAME``.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import os
 import socket
 from datetime import timedelta
@@ -20,17 +19,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from hetseq_hpc.env.netif import is_loopback
 from hetseq_hpc.env.world import WorldInfo
-
-
-def is_loopback(addr: str) -> bool:
-    """True for ``localhost`` and loopback IP addresses (``127.0.0.0/8``, ``::1``)."""
-    if addr == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(addr).is_loopback
-    except ValueError:
-        return False
 
 
 def loopback_store(world: WorldInfo, timeout_s: float) -> Optional[dist.TCPStore]:

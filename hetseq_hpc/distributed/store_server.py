@@ -28,8 +28,8 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
-from hetseq_hpc.distributed.loopback_store import is_loopback
-from hetseq_hpc.distributed.membership import TOKEN_ENV, serve_job_store
+from hetseq_hpc.distributed.jobstore import TOKEN_ENV, serve_job_store
+from hetseq_hpc.env.netif import is_loopback
 from hetseq_hpc.errors import LaunchError
 from hetseq_hpc.files.atomic import atomic_write_text
 

@@ -28,6 +28,17 @@ log = logging.getLogger(__name__)
 #: the variables that name the interface gloo and NCCL open their sockets on
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
+
+def is_loopback(addr: str) -> bool:
+    """True for ``localhost`` and loopback IP addresses (``127.0.0.0/8``, ``::1``)."""
+    if addr == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
+
 _SIOCGIFADDR = 0x8915
 _SIOCGIFNETMASK = 0x891B
 
@@ -188,6 +199,7 @@ __all__ = [
     "Route",
     "interface_addresses",
     "interface_of",
+    "is_loopback",
     "route_to",
     "set_socket_ifname",
     "spans_nodes",

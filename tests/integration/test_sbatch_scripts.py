@@ -37,7 +37,7 @@ def test_elastic_script_is_valid_bash_for_any_run_directory(tmp_path):
 def test_store_server_listens_on_its_address_only_and_takes_the_token_from_the_env(tmp_path):
     """The batch script's store server binds the one address it picks, not every interface
     (torch's TCPStore alone would), writes ``host:port``, and serves only the token holder;
-    the token is nowhere on its command line nor in its output."""
+    the token is nowhere on its command line nor in its output, and it loads no torch."""
     import signal
     from multiprocessing import AuthenticationError
 
@@ -76,6 +76,8 @@ def test_store_server_listens_on_its_address_only_and_takes_the_token_from_the_e
         ours = [a for a in listening if int(a.split(":")[1], 16) == port]
         assert ours == ["0100007F:" + f"{port:04X}"], ours  # 127.0.0.1 only
         assert token not in Path(f"/proc/{proc.pid}/cmdline").read_text()
+        # it serves without torch (~3 CPU-s of every elastic job's batch host): no libtorch
+        assert "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text()
         from datetime import timedelta
 
         AuthStoreClient(host, port, token, timedelta(seconds=5)).set("x", "1")
