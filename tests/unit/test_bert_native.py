@@ -16,7 +16,16 @@ from hetseq_hpc.tasks.bert.mlm_data import IGNORE_INDEX, PAD_ID
 from hetseq_hpc.tasks.bert.mlm_model import BertMaskedLM
 from hetseq_hpc.train.optim import build_scheduler
 
-transformers = pytest.importorskip("transformers")
+#: transformers and datasets are imported by the module's first test, on the one worker this
+#: group runs on, not while every worker collects the suite
+pytestmark = pytest.mark.xdist_group("hf")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _needs_transformers():
+    """Skips the test where transformers is not installed."""
+    pytest.importorskip("transformers")
+
 
 CFG = BertModelConfig(
     hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, dropout=0.1, max_seq_len=32
@@ -29,6 +38,8 @@ class HFWrapped(nn.Module):
 
     def __init__(self, cfg: BertModelConfig, vocab_size: int):
         super().__init__()
+        import transformers
+
         self.mlm = transformers.BertForMaskedLM(
             transformers.BertConfig(
                 vocab_size=vocab_size,
@@ -142,6 +153,8 @@ def test_schedules_match_transformers_every_step(schedule, hf_name):
     scheduler's state_dict (old checkpoints) resumes into ours with the same LRs."""
     ours_opt, ref_opt = _optimizer(), _optimizer()
     ours = build_scheduler(ours_opt, schedule, 3, 10)
+    import transformers
+
     ref = transformers.get_scheduler(hf_name, ref_opt, num_warmup_steps=3, num_training_steps=10)
     for _ in range(13):
         assert ours.get_last_lr() == ref.get_last_lr()

@@ -21,7 +21,15 @@ from hetseq_hpc.files.safetensors_file import MAX_HEADER_BYTES, safetensors_prob
 from hetseq_hpc.tasks.hf.model import NO_REMOTE_CODE
 from tests.helpers.hf_models import make_gpt2, write_text_files
 
-pytest.importorskip("transformers")
+#: transformers and datasets are imported by the module's first test, on the one worker this
+#: group runs on, not while every worker collects the suite
+pytestmark = pytest.mark.xdist_group("hf")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _needs_transformers():
+    """Skips the test where transformers is not installed."""
+    pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")

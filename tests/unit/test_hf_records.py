@@ -21,7 +21,15 @@ from hetseq_hpc.errors import DataError
 from hetseq_hpc.tasks.hf import records as hf_records
 from hetseq_hpc.tasks.hf.records import records
 
-pytest.importorskip("datasets")
+#: transformers and datasets are imported by the module's first test, on the one worker this
+#: group runs on, not while every worker collects the suite
+pytestmark = pytest.mark.xdist_group("hf")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _needs_datasets():
+    """Skips the test where datasets is not installed."""
+    pytest.importorskip("datasets")
 
 
 # --- the reference: the standard-library reader before datasets (text, JSON lines, CSV) ------

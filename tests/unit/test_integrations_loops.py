@@ -10,7 +10,16 @@ import torch
 from hetseq_hpc.errors import ConfigError
 from tests.helpers.optional import import_or_skip
 
-L = import_or_skip("lightning", "lightning")
+#: Lightning is imported by the first test, on the one worker this group runs on, not while
+#: every worker collects the suite (~5 CPU-s each)
+pytestmark = pytest.mark.xdist_group("lightning")
+
+
+@pytest.fixture(autouse=True)
+def L():
+    """``lightning``, for every test of the module (outside CI its absence skips the test,
+    naming the extra)."""
+    return import_or_skip("lightning", "lightning")
 
 
 def test_a_model_that_is_not_ddp_needs_no_hook():
@@ -32,7 +41,7 @@ def test_ddp_gets_the_sum_hook_once_and_a_second_hook_is_refused():
             register_sum_hook(ddp)
 
 
-def test_fabric_without_the_hetseq_strategy_is_refused_in_one_line():
+def test_fabric_without_the_hetseq_strategy_is_refused_in_one_line(L):
     from hetseq_hpc.integrations.fabric import HetSeqFabric
 
     fabric = L.Fabric(accelerator="cpu", devices=1)

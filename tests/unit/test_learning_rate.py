@@ -14,7 +14,15 @@ from hetseq_hpc.config.trainer import ADAMW_LR, FINETUNE_LR, RANDOM_INIT_LR, Opt
 from hetseq_hpc.train.optim import build_optimizer
 from tests.helpers.hf_models import make_gpt2, write_text_files
 
-pytest.importorskip("transformers")
+#: transformers and datasets are imported by the module's first test, on the one worker this
+#: group runs on, not while every worker collects the suite
+pytestmark = pytest.mark.xdist_group("hf")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _needs_transformers():
+    """Skips the test where transformers is not installed."""
+    pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")

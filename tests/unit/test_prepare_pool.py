@@ -8,8 +8,16 @@ from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("tokenizers")
-transformers = pytest.importorskip("transformers")
+#: transformers and datasets are imported by the module's first test, on the one worker this
+#: group runs on, not while every worker collects the suite
+pytestmark = pytest.mark.xdist_group("hf")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _needs_tokenizers():
+    """Skips the test where tokenizers or transformers is not installed."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("transformers")
 
 
 from hetseq_hpc.errors import ConfigError, DataError  # noqa: E402
