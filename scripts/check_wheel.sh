@@ -6,12 +6,13 @@
 #
 #   bash scripts/check_wheel.sh            # exit 0 when the installed wheel trains
 #
-# run-tests.sh calls it in CI (CI=true). The fresh venv gets the wheel alone (--no-deps); its
-# dependencies are the project venv's (.venv: torch==2.13.0 and the rest, installed and resolved
-# by run-tests.sh), seen through one .pth line rather than installed a second time (two pip
-# installs cost ~110 CPU-s of CI's two cores), and the project venv's pip installs into it
-# (`pip --python`); `pip check` then proves every requirement the wheel declares is met. A .pth line adds a folder to sys.path without running the .pth files
-# in it, so the checkout's editable install stays out of sight.
+# run-tests.sh calls it in CI (CI=true). The fresh venv gets the wheel alone (--no-deps), put
+# there by the project venv's pip (`pip --python`). Its dependencies are the project venv's
+# (.venv: torch==2.13.0 and the rest, installed and resolved by run-tests.sh), seen through one
+# .pth line rather than installed a second time (two pip installs cost ~110 CPU-s of CI's two
+# cores); `pip check` proves every requirement the wheel declares is met. A .pth line adds a
+# folder to sys.path without running the .pth files in it, so the checkout's editable install
+# stays out of sight.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
