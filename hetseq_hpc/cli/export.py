@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from hetseq_hpc.config import load_run_config
 from hetseq_hpc.config.hf_tasks import HfModelConfig
 from hetseq_hpc.errors import CheckpointError, ConfigError, HetseqError
-from hetseq_hpc.files.atomic import atomic_write_json, temp_path_for
+from hetseq_hpc.files.atomic import atomic_write_json, current_umask, temp_path_for
 from hetseq_hpc.files.user_input import folder_problem, output_problem
 from hetseq_hpc.rundir.history import current_run_id
 from hetseq_hpc.rundir.paths import RunDir
@@ -223,8 +223,7 @@ def directory_problem(target: Path, folder: RunDir) -> Optional[str]:
 
 def _usual_mode(files: Iterable[Path]) -> None:
     """Give ``files`` the mode a new file gets under the umask (safetensors makes 0600)."""
-    mask = os.umask(0)
-    os.umask(mask)
+    mask = current_umask()
     for path in files:
         os.chmod(path, 0o666 & ~mask)
 

@@ -19,6 +19,17 @@ from hetseq_hpc.files.fence import check_write
 PathLike = Union[str, "os.PathLike[str]"]
 
 
+def current_umask() -> int:
+    """This process's umask, e.g. ``0o022`` (``os.umask`` reads it only by setting it: it is
+    set and put back).
+
+    A new file's mode is ``0o666 & ~current_umask()``: for a file written by a library that
+    makes it ``0o600`` (safetensors) but should look like any other new file."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def temp_path_for(path: PathLike) -> Path:
     """``<dir>/.<name>.<pid>.tmp``: the temporary sibling a write of ``path`` goes through."""
     path = Path(path)

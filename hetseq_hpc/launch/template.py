@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from hetseq_hpc.env.process_end import exit_now
+from hetseq_hpc.files.atomic import current_umask
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +178,7 @@ class ServedTemplate:
             request = TemplateRequest(
                 env=dict(env),
                 cwd=os.getcwd(),
-                umask=_current_umask(),
+                umask=current_umask(),
                 argv_tail=list(argv_tail),
                 pass_fds=list(pass_fds),
                 limits=TemplateRequest.current_limits(),
@@ -226,13 +227,6 @@ class ServedTemplate:
     def kill(self) -> None:
         """SIGKILL the template (through its pidfd: never a reused pid)."""
         signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
-
-
-def _current_umask() -> int:
-    """This process's umask (set and put back)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 class ForkedRank:

@@ -78,3 +78,16 @@ def test_no_server_at_the_socket_is_one_template_error_and_leaks_no_descriptor(t
     with pytest.raises(TemplateError, match=r"no rank template server answers at .*none\.sock"):
         ServedTemplate.request(str(tmp_path / "none.sock"), {"A": "1"}, (), ["--run-dir", "/r"])
     assert set(os.listdir("/proc/self/fd")) == before
+
+
+def test_the_current_umask_is_read_and_left_as_it_was():
+    """A launcher's request carries its umask (the forked ranks' files get the user's modes):
+    ``current_umask`` reads it without changing it."""
+    from hetseq_hpc.files.atomic import current_umask
+
+    before = os.umask(0o027)
+    try:
+        assert current_umask() == 0o027
+        assert current_umask() == 0o027  # still set: reading put it back
+    finally:
+        os.umask(before)
