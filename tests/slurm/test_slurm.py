@@ -149,8 +149,14 @@ def test_requeue_checkpoints_and_resumes_exactly(tmp_path, token_cache):
         return False
 
     wait_for(requeued_job_done, f"requeued job {job_id} done", poll_s=1)
-    log0 = (run_dir / "logs" / "rank0.log").read_text()
-    assert "caught SIGUSR2" in log0 and f"requeued job {job_id}" in log0
+    # scancel signals each het component's step in turn: a rank that caught USR2 first stops
+    # every rank after that step (the agreed stop code), and rank 0 may requeue the job before
+    # its own step's signal arrives (CI run 44, steps of ~50 ms): SOME rank caught it
+    logs = {p.name: p.read_text() for p in sorted((run_dir / "logs").glob("rank*.log"))}
+    assert any("caught SIGUSR2" in text for text in logs.values()), list(logs)
+    log0 = logs["rank0.log"]
+    assert "on SIGUSR2 (time limit near, or preemption)" in log0, log0[-3000:]
+    assert f"requeued job {job_id}" in log0, log0[-3000:]
     resumed_at = int(re.search(r"resumed from .*step_(\d+)\.pt", log0).group(1))
     assert 6 <= resumed_at < steps
     het = losses(run_dir)
