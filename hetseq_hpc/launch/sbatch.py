@@ -104,9 +104,10 @@ def srun_command(
     """The one step over every component; each task runs submitit's job process
     (:data:`TASK_MODULE`). With ``elastic`` (in-job recovery) the step survives a task's death:
     ``--kill-on-bad-exit=0`` (a task that exits non-zero does not end the step) and
-    ``--no-kill`` (nor does a lost node), https://slurm.schedmd.com/srun.html. With ``spare_nodes`` each component's part of
-    the step names its node and task counts (``srun ... : ...``, one part per component), so
-    the spare nodes stay idle (Slurm places a step on the first nodes of the allocation)."""
+    ``--no-kill`` (nor does a lost node), https://slurm.schedmd.com/srun.html. With
+    ``spare_nodes`` each component's part of the step names its node and task counts
+    (``srun ... : ...``, one part per component), so the spare nodes stay idle (Slurm places a
+    step on the first nodes of the allocation)."""
     k = len(cluster.partitions)
     inner = (
         f'exec "$0" -u -m {TASK_MODULE} "$1" '

@@ -78,7 +78,7 @@ RUNS: Dict[str, List[str]] = {
 #: values' all-reduce: ~0.07 s on a loaded machine) was 5-10x the fast rank's compute, the
 #: throttle showed as a ~1.4x slower rank, and CI run 43 (2026-11-30) recorded no proposal at
 #: all; at 256 a throttle to 0.1 shows as ~2.5x, and three busy loops beside the run
-#: (scripts/busy_load.py's kind) moved the split from step 7 on in each of 2 runs.
+#: (scripts/busy_load.py's kind) moved the split from step 7-8 on in 3 of 3 runs.
 WIDE_GLOBAL = 256
 WIDE = [
     "--features",

@@ -9,6 +9,7 @@ import types
 
 import pytest
 
+from hetseq_hpc.files.atomic import current_umask
 from hetseq_hpc.launch.template import ServedTemplate, TemplateError, TemplateRequest
 from hetseq_hpc.launch.template_server import import_time_differences, unread_prefixes
 
@@ -83,8 +84,6 @@ def test_no_server_at_the_socket_is_one_template_error_and_leaks_no_descriptor(t
 def test_the_current_umask_is_read_and_left_as_it_was():
     """A launcher's request carries its umask (the forked ranks' files get the user's modes):
     ``current_umask`` reads it without changing it."""
-    from hetseq_hpc.files.atomic import current_umask
-
     before = os.umask(0o027)
     try:
         assert current_umask() == 0o027
